@@ -1,0 +1,1 @@
+"""Benchmarks: figures and ratios against baselines in the same run (`make bench`)."""

@@ -1,0 +1,37 @@
+"""`make bench`: run every benchmarks/bench_*.py module's `main()` in order, print figures and
+ratios against baselines measured in the same run, and say PASS/MISS per target. One failing bench
+does not hide the others; the exit status is non-zero if any bench crashed."""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+import time
+import traceback
+
+import benchmarks
+
+
+def main(argv=None) -> int:
+    wanted = set((argv if argv is not None else sys.argv[1:]) or os.environ.get("BENCH", "").split(",")) - {""}
+    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
+    crashed = []
+    for name in names:
+        if wanted and name not in wanted and name.removeprefix("bench_") not in wanted:
+            continue
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            importlib.import_module(f"benchmarks.{name}").main()
+        except Exception:  # keep going: report every bench
+            traceback.print_exc()
+            crashed.append(name)
+        print(f"--- {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+    if crashed:
+        print(f"\ncrashed: {', '.join(crashed)}")
+    return 1 if crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

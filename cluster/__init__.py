@@ -1,0 +1,1 @@
+"""Cluster-wide state: the prefix index, KV-event ingestion, traces and the trace simulator."""

@@ -1,0 +1,72 @@
+"""The placement interface shared by the live router and the simulator.
+
+A policy sees only plain data: the request's block hashes and, per candidate replica, how much of the
+request's prefix that replica holds in each tier plus its load. It returns replica ids ranked best
+first. Policies may keep private state (a peer's approximate tree, a round-robin counter) updated
+through `on_routed` / `on_completed`; given the same seed and the same call sequence they are
+deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+TIERS = ("hbm", "host", "shared")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about one request."""
+
+    block_hashes: Sequence[int]  # 64-bit chained hashes of the request's full blocks, in order
+    num_tokens: int  # prompt length in tokens (may exceed len(block_hashes) * block_size)
+    block_size: int
+    expected_output_tokens: int = 0
+    tenant: str | None = None
+    request_id: str | None = None
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    """One replica as a policy sees it at decision time.
+
+    Prefix lengths are in blocks and cumulative over tiers: `hbm_blocks` is the longest prefix held in
+    the engine's own cache; `host_blocks` the longest prefix held in hbm or the node's host tier;
+    `shared_blocks` the longest prefix reachable from hbm, host or the shared tier. So
+    hbm_blocks <= host_blocks <= shared_blocks <= len(request.block_hashes).
+    """
+
+    replica_id: str
+    hbm_blocks: int = 0
+    host_blocks: int = 0
+    shared_blocks: int = 0
+    queued: int = 0  # requests waiting for their first token on that replica
+    running: int = 0  # requests decoding on that replica
+    kv_usage: float = 0.0  # fraction of the engine's KV cache in use, 0..1
+    pending_prefill_tokens: int = 0  # uncached prompt tokens already sent there and not yet prefilled
+    capacity_blocks: int = 0  # the engine's KV capacity in blocks (0 = unknown)
+    extra: dict = field(default_factory=dict)
+
+
+class Policy:
+    """Base class: rank replicas best first. Subclasses override `rank`."""
+
+    name = "base"
+    # True when the policy needs per-tier prefix matches (lets callers skip the index lookup otherwise)
+    uses_index = False
+
+    def __init__(self, seed: int = 0, **params):
+        self.seed = seed
+        self.params = params
+
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
+        raise NotImplementedError
+
+    def on_routed(self, request: RequestInfo, replica_id: str) -> None:
+        """Called once the request was sent to `replica_id` (stateful peers learn from this)."""
+
+    def on_completed(self, request: RequestInfo, replica_id: str) -> None:
+        """Called when the request finished on `replica_id`."""
+
+    def on_replica_removed(self, replica_id: str) -> None:
+        """Forget anything kept about a replica that went away."""
