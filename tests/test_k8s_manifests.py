@@ -1,0 +1,119 @@
+"""Offline validation of k8s/: the RayService against the real KubeRay v1.7.0 CRD schema (strict: an
+unknown key anywhere is an error, as `kubectl --validate=strict` would say), and its serveConfigV2
+against Ray Serve's own ServeDeploySchema plus a strict key check (Serve silently drops unknown
+autoscaling keys, so a typo would otherwise pass)."""
+from __future__ import annotations
+
+import copy
+import json
+import typing
+from pathlib import Path
+
+import jsonschema
+import pydantic
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+SCHEMA = ROOT / "tests" / "fixtures" / "kuberay" / "rayservice-v1.openapi.json"
+
+
+def _strict(schema: dict) -> dict:
+    """Forbid keys a CRD schema does not declare (the API server would prune or reject them)."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [_strict(v) for v in schema]
+    return schema
+
+
+def _docs(kind: str) -> list[dict]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == kind]
+    return out
+
+
+def _models(annotation) -> list[type[pydantic.BaseModel]]:
+    """Pydantic models an annotation may hold (through Optional/Union/List)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def unknown_keys(value, model: type[pydantic.BaseModel], where: str = "") -> list[str]:
+    """Keys in `value` that `model` (recursively) does not declare."""
+    problems = []
+    fields = model.model_fields
+    names = set(fields) | {f.alias for f in fields.values() if f.alias}
+    for key, sub in value.items():
+        if key not in names:
+            problems.append(f"{where}{key}")
+            continue
+        for inner in _models(fields[key].annotation):
+            items = sub if isinstance(sub, list) else [sub]
+            for i, item in enumerate(items):
+                if isinstance(item, dict):
+                    problems += unknown_keys(item, inner, f"{where}{key}[{i}].")
+            break
+    return problems
+
+
+def check_serve_config(text: str) -> list[str]:
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import DeploymentSchema, ServeDeploySchema
+
+    config = yaml.safe_load(text)
+    ServeDeploySchema.model_validate(config)  # raises on wrong types / values
+    problems = unknown_keys(config, ServeDeploySchema)
+    for app in config.get("applications", []):
+        for dep in app.get("deployments", []):
+            DeploymentSchema.model_validate(dep)
+            problems += unknown_keys(dep.get("autoscaling_config") or {}, AutoscalingConfig,
+                                     f"{dep['name']}.autoscaling_config.")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def validator():
+    schema = _strict(json.loads(SCHEMA.read_text()))
+    return jsonschema.Draft7Validator(schema)
+
+
+def test_rayservice_matches_kuberay_crd(validator):
+    services = _docs("RayService")
+    assert services, "k8s/ has no RayService"
+    for svc in services:
+        errors = sorted(validator.iter_errors(svc), key=str)
+        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_strict_crd_validation_rejects_a_typo(validator):
+    svc = copy.deepcopy(_docs("RayService")[0])
+    svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3  # typo of maxReplicas
+    assert any("maxReplica" in e.message for e in validator.iter_errors(svc))
+
+
+def test_serve_config_is_valid_and_has_no_unknown_keys():
+    for svc in _docs("RayService"):
+        assert check_serve_config(svc["spec"]["serveConfigV2"]) == []
+
+
+def test_serve_config_check_catches_autoscaling_typo():
+    text = _docs("RayService")[0]["spec"]["serveConfigV2"].replace("target_ongoing_requests", "target_ongoing_request")
+    assert any("target_ongoing_request" in p for p in check_serve_config(text))
+
+
+def test_gpu_workers_and_engines_ask_for_one_gpu_each():
+    svc = _docs("RayService")[0]
+    group = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1"
+    config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    engine = [d for d in config["applications"][0]["deployments"] if d["name"] == "KVMeshEngine"][0]
+    assert engine["ray_actor_options"]["num_gpus"] == 1
+    assert engine["autoscaling_config"]["max_replicas"] <= group["maxReplicas"]
