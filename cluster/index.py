@@ -1,0 +1,455 @@
+"""PrefixIndex: which replica holds which KV block, per tier, answered in one pass over a request.
+
+Why this shape: the router decides on every request, in its own process, so the lookup must be a few
+hundred dict probes and integer ANDs, not a tree walk or a remote call. Replicas are bit positions
+("slots"); each indexed block hash maps to one small entry `[hbm_mask, host_node_mask, shared]`:
+
+- `hbm`  — per replica (the engine's own paged cache), a bitmask over replica slots;
+- `host` — per node (LMCache L1 / host DRAM): every replica on that node can load it, so the entry
+  keeps a bitmask over node slots that `match` widens to the node's replicas;
+- `shared` — global (LMCache L2): any replica can load it.
+
+Walking the request's hashes in order with `alive &= mask` gives each replica's longest cached prefix
+per tier; a replica drops out at the first block it lacks, and the walk stops when no replica is alive
+in any tier. Prefix lengths are cumulative (hbm <= host-or-hbm <= any tier), as `policies.base`
+expects.
+
+Memory is bounded by `max_blocks` entries in LRU order (touched on store and on a matching lookup).
+Speculative entries (written when a request is routed, before the engine's BlockStored arrives)
+expire after `speculative_ttl_s` unless an event confirms them. Keys are the 64-bit event form of
+vLLM's block hashes (`kvstore.hashing.block_hashes`). Not thread-safe: one asyncio loop owns it.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from typing import Callable, Iterable, Sequence
+
+TIERS = ("hbm", "host", "shared")
+_MASK64 = (1 << 64) - 1
+
+# vLLM KV-event `medium` -> tier. The engine's own block pool reports "GPU" (also on CPU builds, where
+# that cache lives in host RAM but is still the engine's private paged cache) or None (older
+# versions). vLLM's native offloading reports "CPU" (host RAM next to the engine) and "STORAGE"
+# (local disk): both survive HBM eviction on that node, so they map to the node's `host` tier.
+# Events with locality "REMOTE" describe a store reachable from other nodes: `shared`.
+# LMCache's MP server publishes no vLLM events; its tiers are fed through store_host/store_shared.
+MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "host", "STORAGE": "host"}
+
+_COUNTERS = (
+    "admissions", "evictions", "lookups", "lookup_blocks", "hits", "hit_blocks",
+    "speculative_writes", "speculative_expired", "speculative_confirmed",
+    "events_applied", "events_ignored", "replicas_stale",
+)
+
+
+def event_hash(h: int | bytes) -> int:
+    """The 64-bit key of a hash as events carry it (bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    if isinstance(h, int):
+        return h & _MASK64
+    return int.from_bytes(h, "big") & _MASK64
+
+
+def _bits(mask: int):
+    """Yield the set bit positions of `mask`."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class PrefixIndex:
+    """Block hash -> residency per tier; `match` returns per-replica cumulative prefix lengths."""
+
+    def __init__(self, max_blocks: int = 2_000_000, speculative_ttl_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self.max_blocks = max_blocks
+        self.speculative_ttl_s = speculative_ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[int, list] = OrderedDict()  # hash -> [hbm, host_nodes, shared]
+        # replicas
+        self._slot: dict[str, int] = {}
+        self._slot_rid: dict[int, str] = {}
+        self._replica_node: dict[str, int] = {}
+        self._all = 0  # OR of every registered replica's bit
+        self._held: dict[int, set[int]] = {}  # replica slot -> hashes with its hbm bit set
+        # nodes
+        self._node_slot: dict[str, int] = {}
+        self._node_members: dict[int, int] = {}  # node slot -> replica bitmask
+        self._node_held: dict[int, set[int]] = {}  # node slot -> hashes in its host tier
+        self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
+        # speculation
+        self._spec: dict[int, dict[int, float]] = {}  # replica slot -> hash -> expiry
+        self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self._stale: set[str] = set()
+        self._c = dict.fromkeys(_COUNTERS, 0)
+
+    # ---------------------------------------------------------------- replicas and nodes
+    def add_replica(self, replica_id: str, node_id: str = "node-0") -> None:
+        """Register a replica (idempotent); its node's host tier becomes visible to it."""
+        if replica_id in self._slot:
+            if self._node_of(replica_id) == node_id:
+                return
+            self.remove_replica(replica_id)
+        slot = self._free_slot(self._slot_rid)
+        self._slot[replica_id] = slot
+        self._slot_rid[slot] = replica_id
+        self._held[slot] = set()
+        self._spec[slot] = {}
+        nslot = self._ensure_node(node_id)
+        self._replica_node[replica_id] = nslot
+        self._node_members[nslot] |= 1 << slot
+        self._all |= 1 << slot
+        self._widen.clear()
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a replica and everything only it held in hbm (its node's host tier stays)."""
+        slot = self._slot.pop(replica_id, None)
+        if slot is None:
+            return
+        self._clear_slot(slot)
+        del self._slot_rid[slot], self._held[slot], self._spec[slot]
+        nslot = self._replica_node.pop(replica_id)
+        self._node_members[nslot] &= ~(1 << slot)
+        self._all &= ~(1 << slot)
+        self._stale.discard(replica_id)
+        self._widen.clear()
+
+    def replicas(self) -> list[str]:
+        return list(self._slot)
+
+    def node_of(self, replica_id: str) -> str:
+        return self._node_of(replica_id)
+
+    def held_blocks(self, replica_id: str) -> int:
+        """How many blocks the index believes `replica_id` holds in hbm (speculative included)."""
+        return len(self._held[self._slot[replica_id]])
+
+    # ---------------------------------------------------------------- writes
+    def store(self, replica_id: str, hashes: Iterable[int], tier: str = "hbm") -> None:
+        """Record blocks held by a replica; tier "host" stores them in that replica's node tier."""
+        if tier == "hbm":
+            self._store_hbm(self._require(replica_id), hashes)
+        elif tier == "host":
+            self._store_node(self._replica_node[self._require_rid(replica_id)], hashes)
+        elif tier == "shared":
+            self.store_shared(hashes)
+        else:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+
+    def remove(self, replica_id: str, hashes: Iterable[int], tier: str = "hbm") -> None:
+        if tier == "hbm":
+            self._remove_hbm(self._require(replica_id), hashes)
+        elif tier == "host":
+            self._remove_node(self._replica_node[self._require_rid(replica_id)], hashes)
+        elif tier == "shared":
+            self.remove_shared(hashes)
+        else:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+
+    def clear(self, replica_id: str, tier: str = "hbm") -> None:
+        """Drop everything a replica holds in `tier` (AllBlocksCleared, a reset, a gap)."""
+        if tier == "hbm":
+            self._clear_slot(self._require(replica_id))
+        elif tier == "host":
+            nslot = self._replica_node[self._require_rid(replica_id)]
+            self._remove_node(nslot, list(self._node_held[nslot]))
+        elif tier == "shared":
+            self.remove_shared([h for h, e in self._entries.items() if e[2]])
+        else:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+
+    def store_host(self, node_id: str, hashes: Iterable[int]) -> None:
+        self._store_node(self._ensure_node(node_id), hashes)
+
+    def remove_host(self, node_id: str, hashes: Iterable[int]) -> None:
+        if node_id in self._node_slot:
+            self._remove_node(self._node_slot[node_id], hashes)
+
+    def store_shared(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._entry(h)[2] = 1
+
+    def remove_shared(self, hashes: Iterable[int]) -> None:
+        entries = self._entries
+        for h in hashes:
+            e = entries.get(h)
+            if e is not None:
+                e[2] = 0
+                self._drop_if_empty(h, e)
+
+    def speculate(self, replica_id: str, hashes: Sequence[int]) -> int:
+        """Mark blocks as (about to be) in a replica's hbm, expiring unless a BlockStored confirms.
+
+        Returns how many blocks were newly marked. Blocks already confirmed there are left alone.
+        """
+        slot = self._require(replica_id)
+        bit = 1 << slot
+        expiry = self._clock() + self.speculative_ttl_s
+        spec = self._spec[slot]
+        held = self._held[slot]
+        written = []
+        for h in hashes:
+            e = self._entry(h)
+            if e[0] & bit and h not in spec:
+                continue  # confirmed by a real event already
+            e[0] |= bit
+            held.add(h)
+            spec[h] = expiry
+            written.append(h)
+        if written:
+            self._spec_queue.append((expiry, slot, tuple(written)))
+            self._c["speculative_writes"] += len(written)
+        return len(written)
+
+    # ---------------------------------------------------------------- events
+    def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:
+        """Apply decoded vLLM KV events (BlockStored / BlockRemoved / AllBlocksCleared) for a replica.
+
+        Accepts `cluster.kv_events` records or vLLM's own msgspec structs (matched by class name).
+        Only KV-cache group 0 counts (the full-attention group routing cares about); events for an
+        unknown medium or another group are counted in `events_ignored`. Returns events applied.
+        """
+        tiers = MEDIUM_TIERS if medium_tiers is None else medium_tiers
+        self._require(replica_id)
+        applied = 0
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                self.clear(replica_id, "hbm")
+                applied += 1
+                continue
+            if kind not in ("BlockStored", "BlockRemoved") or getattr(ev, "group_idx", None) not in (None, 0):
+                self._c["events_ignored"] += 1
+                continue
+            tier = "shared" if getattr(ev, "locality", None) == "REMOTE" else tiers.get(ev.medium)
+            if tier is None:
+                self._c["events_ignored"] += 1
+                continue
+            hashes = [event_hash(h) for h in ev.block_hashes]
+            if kind == "BlockStored":
+                self.store(replica_id, hashes, tier)
+            else:
+                self.remove(replica_id, hashes, tier)
+            applied += 1
+        self._c["events_applied"] += applied
+        return applied
+
+    def mark_stale(self, replica_id: str) -> None:
+        """The event stream of a replica had a gap: forget its hbm view until it is rebuilt."""
+        if replica_id not in self._slot:
+            return
+        self._clear_slot(self._slot[replica_id])
+        self._stale.add(replica_id)
+        self._c["replicas_stale"] += 1
+
+    def mark_fresh(self, replica_id: str) -> None:
+        self._stale.discard(replica_id)
+
+    def is_stale(self, replica_id: str) -> bool:
+        return replica_id in self._stale
+
+    # ---------------------------------------------------------------- lookup
+    def match(self, hashes: Sequence[int]) -> dict[str, tuple[int, int, int]]:
+        """Per registered replica: (hbm, host-or-hbm, any-tier) longest cached prefix, in blocks."""
+        self.expire()
+        c = self._c
+        c["lookups"] += 1
+        c["lookup_blocks"] += len(hashes)
+        get = self._entries.get
+        touch = self._entries.move_to_end
+        widen = self._widen
+        a_h = a_o = a_s = self._all
+        drop_h: dict[int, int] = {}
+        drop_o: dict[int, int] = {}
+        drop_s: dict[int, int] = {}
+        i = 0
+        n = len(hashes)
+        while i < n and a_s:
+            h = hashes[i]
+            e = get(h)
+            if e is None:
+                break
+            hb, hn, sh = e
+            if hn:
+                hm = widen.get(hn)
+                if hm is None:
+                    hm = self._widen_nodes(hn)
+                hb_or_host = hb | hm
+            else:
+                hb_or_host = hb
+            n_h = a_h & hb
+            n_o = a_o & hb_or_host
+            n_s = a_s if sh else a_s & hb_or_host
+            if n_h != a_h:
+                for s in _bits(a_h ^ n_h):
+                    drop_h[s] = i
+                a_h = n_h
+            if n_o != a_o:
+                for s in _bits(a_o ^ n_o):
+                    drop_o[s] = i
+                a_o = n_o
+            if n_s != a_s:
+                for s in _bits(a_s ^ n_s):
+                    drop_s[s] = i
+                a_s = n_s
+            if a_s:
+                touch(h)
+                i += 1
+        best = i if a_s else max(drop_s.values(), default=0)
+        if best:
+            c["hits"] += 1
+            c["hit_blocks"] += best
+        out = {}
+        for rid, s in self._slot.items():
+            out[rid] = (drop_h.get(s, i), drop_o.get(s, i), drop_s.get(s, i))
+        return out
+
+    def expire(self) -> int:
+        """Drop speculative entries whose TTL passed without confirmation; returns how many."""
+        q = self._spec_queue
+        if not q:
+            return 0
+        now = self._clock()
+        dropped = 0
+        while q and q[0][0] <= now:
+            expiry, slot, hashes = q.popleft()
+            spec = self._spec.get(slot)
+            if spec is None:
+                continue  # replica removed
+            bit = 1 << slot
+            held = self._held[slot]
+            for h in hashes:
+                if spec.get(h) != expiry:
+                    continue  # confirmed, removed or re-speculated later
+                del spec[h]
+                held.discard(h)
+                e = self._entries.get(h)
+                if e is not None:
+                    e[0] &= ~bit
+                    self._drop_if_empty(h, e)
+                dropped += 1
+        self._c["speculative_expired"] += dropped
+        return dropped
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters (monotonic) plus gauges `blocks`, `replicas`, `replicas_stale_now`."""
+        return dict(self._c, blocks=len(self._entries), replicas=len(self._slot),
+                    replicas_stale_now=len(self._stale))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---------------------------------------------------------------- internals
+    @staticmethod
+    def _free_slot(used: dict[int, str]) -> int:
+        slot = 0
+        while slot in used:
+            slot += 1
+        return slot
+
+    def _ensure_node(self, node_id: str) -> int:
+        nslot = self._node_slot.get(node_id)
+        if nslot is None:
+            used = {s: n for n, s in self._node_slot.items()}
+            nslot = self._free_slot(used)
+            self._node_slot[node_id] = nslot
+            self._node_members[nslot] = 0
+            self._node_held[nslot] = set()
+        return nslot
+
+    def _node_of(self, replica_id: str) -> str:
+        nslot = self._replica_node[replica_id]
+        return next(n for n, s in self._node_slot.items() if s == nslot)
+
+    def _require(self, replica_id: str) -> int:
+        slot = self._slot.get(replica_id)
+        if slot is None:
+            raise KeyError(f"unknown replica {replica_id!r}; call add_replica first")
+        return slot
+
+    def _require_rid(self, replica_id: str) -> str:
+        self._require(replica_id)
+        return replica_id
+
+    def _widen_nodes(self, node_mask: int) -> int:
+        mask = 0
+        for ns in _bits(node_mask):
+            mask |= self._node_members.get(ns, 0)
+        self._widen[node_mask] = mask
+        return mask
+
+    def _entry(self, h: int) -> list:
+        entries = self._entries
+        e = entries.get(h)
+        if e is None:
+            e = entries[h] = [0, 0, 0]
+            self._c["admissions"] += 1
+            if len(entries) > self.max_blocks:
+                self._evict_one()
+        else:
+            entries.move_to_end(h)
+        return e
+
+    def _evict_one(self) -> None:
+        h, (hb, hn, _) = self._entries.popitem(last=False)
+        for s in _bits(hb):
+            self._held[s].discard(h)
+            self._spec[s].pop(h, None)
+        for ns in _bits(hn):
+            self._node_held[ns].discard(h)
+        self._c["evictions"] += 1
+
+    def _drop_if_empty(self, h: int, e: list) -> None:
+        if not (e[0] or e[1] or e[2]):
+            del self._entries[h]
+
+    def _store_hbm(self, slot: int, hashes: Iterable[int]) -> None:
+        bit = 1 << slot
+        held = self._held[slot]
+        spec = self._spec[slot]
+        for h in hashes:
+            self._entry(h)[0] |= bit
+            held.add(h)
+            if spec and spec.pop(h, None) is not None:
+                self._c["speculative_confirmed"] += 1
+
+    def _remove_hbm(self, slot: int, hashes: Iterable[int]) -> None:
+        bit = 1 << slot
+        held = self._held[slot]
+        spec = self._spec[slot]
+        entries = self._entries
+        for h in hashes:
+            held.discard(h)
+            spec.pop(h, None)
+            e = entries.get(h)
+            if e is not None:
+                e[0] &= ~bit
+                self._drop_if_empty(h, e)
+
+    def _clear_slot(self, slot: int) -> None:
+        held = self._held[slot]
+        self._remove_hbm(slot, list(held))
+        held.clear()
+        self._spec[slot].clear()
+
+    def _store_node(self, nslot: int, hashes: Iterable[int]) -> None:
+        bit = 1 << nslot
+        held = self._node_held[nslot]
+        for h in hashes:
+            self._entry(h)[1] |= bit
+            held.add(h)
+
+    def _remove_node(self, nslot: int, hashes: Iterable[int]) -> None:
+        bit = 1 << nslot
+        held = self._node_held[nslot]
+        entries = self._entries
+        for h in hashes:
+            held.discard(h)
+            e = entries.get(h)
+            if e is not None:
+                e[1] &= ~bit
+                self._drop_if_empty(h, e)

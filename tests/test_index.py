@@ -1,0 +1,211 @@
+"""PrefixIndex: prefix matching per tier, events, speculation, LRU bound, stale replicas.
+
+The property test checks `match` against a deliberately naive model (per-replica sets walked one
+replica at a time), so a wrong bitmask shortcut cannot hide."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cluster.index import PrefixIndex, event_hash
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(**kw):
+    idx = PrefixIndex(**kw)
+    idx.add_replica("a", "n1")
+    idx.add_replica("b", "n1")
+    idx.add_replica("c", "n2")
+    return idx
+
+
+def test_hbm_prefix_stops_at_first_gap():
+    idx = make()
+    idx.store("a", [1, 2, 3, 5])
+    idx.store("b", [1])
+    m = idx.match([1, 2, 3, 4, 5])
+    assert m["a"] == (3, 3, 3)
+    assert m["b"] == (1, 1, 1)
+    assert m["c"] == (0, 0, 0)
+
+
+def test_host_tier_is_per_node_and_shared_is_global():
+    idx = make()
+    idx.store("a", [1, 2])            # a: hbm 2
+    idx.store("a", [3, 4], tier="host")  # node n1: blocks 3,4
+    idx.store_shared([5])
+    m = idx.match([1, 2, 3, 4, 5, 6])
+    assert m["a"] == (2, 4, 5)
+    # b is on n1: no hbm block 1, so hbm 0; host tier of n1 has 3,4 but not 1 -> host prefix 0;
+    # shared has only 5 -> any prefix 0
+    assert m["b"] == (0, 0, 0)
+    idx.store_host("n1", [1, 2])
+    m = idx.match([1, 2, 3, 4, 5, 6])
+    assert m["b"] == (0, 4, 5)
+    assert m["c"] == (0, 0, 0)
+    idx.store_shared([1, 2, 3, 4])
+    assert idx.match([1, 2, 3, 4, 5, 6])["c"] == (0, 0, 5)
+
+
+def test_match_reports_every_replica_and_counts_lookups():
+    idx = make()
+    m = idx.match([9, 8])
+    assert set(m) == {"a", "b", "c"} and all(v == (0, 0, 0) for v in m.values())
+    idx.store("c", [9, 8])
+    idx.match([9, 8, 7])
+    s = idx.stats
+    assert s["lookups"] == 2 and s["lookup_blocks"] == 5 and s["hits"] == 1 and s["hit_blocks"] == 2
+
+
+def test_remove_and_clear_and_remove_replica():
+    idx = make()
+    idx.store("a", [1, 2, 3])
+    idx.store("b", [1, 2, 3])
+    idx.remove("a", [2])
+    assert idx.match([1, 2, 3])["a"] == (1, 1, 1)
+    idx.clear("b")
+    assert idx.match([1, 2, 3])["b"] == (0, 0, 0)
+    idx.remove_replica("a")
+    assert "a" not in idx.match([1])
+    assert len(idx) == 0  # nothing left holds any block
+    idx.add_replica("d", "n1")  # reuses a's slot: must not inherit its blocks
+    assert idx.match([1, 3])["d"] == (0, 0, 0)
+
+
+def test_lru_bound_evicts_oldest_and_keeps_recently_matched():
+    idx = make(max_blocks=4)
+    idx.store("a", [1, 2, 3, 4])
+    idx.match([1])  # touch 1
+    idx.store("a", [5])  # evicts 2 (oldest untouched)
+    assert len(idx) == 4
+    assert idx.stats["evictions"] == 1 and idx.stats["admissions"] == 5
+    assert idx.match([1])["a"] == (1, 1, 1)
+    assert idx.match([2])["a"] == (0, 0, 0)
+    assert idx.held_blocks("a") == 4
+
+
+def test_speculation_expires_unless_confirmed():
+    clock = FakeClock()
+    idx = make(speculative_ttl_s=2.0, clock=clock)
+    assert idx.speculate("a", [1, 2, 3]) == 3
+    assert idx.match([1, 2, 3])["a"] == (3, 3, 3)
+    idx.store("a", [1, 2])  # the engine confirms the first two blocks
+    clock.t = 2.5
+    assert idx.match([1, 2, 3])["a"] == (2, 2, 2)
+    s = idx.stats
+    assert s["speculative_writes"] == 3 and s["speculative_confirmed"] == 2
+    assert s["speculative_expired"] == 1
+
+
+def test_respeculation_extends_ttl():
+    clock = FakeClock()
+    idx = make(speculative_ttl_s=2.0, clock=clock)
+    idx.speculate("a", [1])
+    clock.t = 1.5
+    idx.speculate("a", [1])
+    clock.t = 2.5  # first TTL passed, second not yet
+    assert idx.match([1])["a"] == (1, 1, 1)
+    clock.t = 3.6
+    assert idx.match([1])["a"] == (0, 0, 0)
+
+
+def test_speculation_does_not_touch_confirmed_blocks():
+    clock = FakeClock()
+    idx = make(clock=clock)
+    idx.store("a", [1])
+    assert idx.speculate("a", [1, 2]) == 1
+    clock.t = 10
+    assert idx.match([1, 2])["a"] == (1, 1, 1)
+
+
+def test_mark_stale_clears_view():
+    idx = make()
+    idx.store("a", [1, 2])
+    idx.mark_stale("a")
+    assert idx.is_stale("a")
+    assert idx.match([1, 2])["a"] == (0, 0, 0)
+    assert idx.stats["replicas_stale"] == 1 and idx.stats["replicas_stale_now"] == 1
+    idx.mark_fresh("a")
+    assert not idx.is_stale("a")
+
+
+def test_unknown_replica_and_tier_are_errors():
+    idx = make()
+    with pytest.raises(KeyError):
+        idx.store("zz", [1])
+    with pytest.raises(ValueError):
+        idx.store("a", [1], tier="l3")
+    with pytest.raises(ValueError):
+        PrefixIndex(max_blocks=0)
+
+
+def test_event_hash_accepts_bytes_and_ints():
+    full = bytes(range(32))
+    assert event_hash(full) == int.from_bytes(full[-8:], "big")
+    assert event_hash(2**70 + 5) == 5
+
+
+# ---------------------------------------------------------------- property test vs a naive model
+def naive_match(hbm, host, shared, node_of, hashes):
+    out = {}
+    for rid, held in hbm.items():
+        def prefix(ok):
+            n = 0
+            for h in hashes:
+                if not ok(h):
+                    break
+                n += 1
+            return n
+        node = node_of[rid]
+        out[rid] = (
+            prefix(lambda h: h in held),
+            prefix(lambda h: h in held or h in host[node]),
+            prefix(lambda h: h in held or h in host[node] or h in shared),
+        )
+    return out
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "host", "unhost", "shared", "unshared", "clear"]),
+        st.sampled_from(["r0", "r1", "r2", "r3"]),
+        st.lists(st.integers(0, 12), max_size=6),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.lists(st.integers(0, 12), max_size=10))
+def test_match_equals_naive_model(operations, query):
+    node_of = {"r0": "n0", "r1": "n0", "r2": "n1", "r3": "n2"}
+    idx = PrefixIndex()
+    for rid, node in node_of.items():
+        idx.add_replica(rid, node)
+    hbm = {rid: set() for rid in node_of}
+    host = {n: set() for n in ("n0", "n1", "n2")}
+    shared: set[int] = set()
+    for op, rid, hs in operations:
+        if op == "store":
+            idx.store(rid, hs); hbm[rid] |= set(hs)
+        elif op == "remove":
+            idx.remove(rid, hs); hbm[rid] -= set(hs)
+        elif op == "host":
+            idx.store(rid, hs, tier="host"); host[node_of[rid]] |= set(hs)
+        elif op == "unhost":
+            idx.remove(rid, hs, tier="host"); host[node_of[rid]] -= set(hs)
+        elif op == "shared":
+            idx.store_shared(hs); shared |= set(hs)
+        elif op == "unshared":
+            idx.remove_shared(hs); shared -= set(hs)
+        elif op == "clear":
+            idx.clear(rid); hbm[rid].clear()
+    assert idx.match(query) == naive_match(hbm, host, shared, node_of, query)
+    assert len(idx) == len(set().union(*hbm.values(), *host.values(), shared))
