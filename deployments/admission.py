@@ -1,0 +1,257 @@
+"""Per-tenant limits and fair admission for the ingress.
+
+Why: the engines are shared, so without admission one tenant's flood fills every engine queue and
+everyone else's TTFT grows with it. Each tenant gets token buckets (requests/s, prompt tokens/min), a
+cap on requests in flight (queued here or running), and a prompt-size cap. When a global concurrency
+bound is configured, requests beyond it wait in per-tenant queues served round robin, so a tenant with
+1000 waiting requests and one with 1 alternate; a wait longer than `queue_timeout_s` becomes a 429.
+
+Limits are per ingress replica (each keeps its own buckets): with R ingress replicas a tenant may get
+up to R x its limit. Size limits accordingly, or run one ingress replica per limit domain.
+
+    ticket = await admission.acquire(tenant, prompt_tokens)   # AdmissionError: RateLimited / PromptTooLarge
+    try: ...
+    finally: admission.release(ticket)
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from deployments.tenants import KvmeshHTTPError, Limits, Tenant
+
+DEFAULT_QUEUE_TIMEOUT_S = 10.0
+CONCURRENCY_RETRY_S = 1.0
+
+
+class AdmissionError(KvmeshHTTPError):
+    """A request refused by admission; the ingress returns it as is."""
+
+
+class RateLimited(AdmissionError):
+    """429 with a `Retry-After` (whole seconds, rounded up, at least 1)."""
+
+    status = 429
+
+    def __init__(self, retry_after_s: float, message: str, code: str = "rate_limit_exceeded"):
+        super().__init__(message, code)
+        self.retry_after_s = max(0.0, float(retry_after_s))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class PromptTooLarge(AdmissionError):
+    """400: this prompt can never be admitted for this tenant, so retrying is pointless."""
+
+    status = 400
+
+
+class TokenBucket:
+    """Classic token bucket: `capacity` tokens, refilled at `rate` per second."""
+
+    __slots__ = ("capacity", "rate", "tokens", "stamp")
+
+    def __init__(self, capacity: float, rate: float, now: float):
+        self.capacity, self.rate, self.tokens, self.stamp = float(capacity), float(rate), float(capacity), now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def wait_s(self, n: float, now: float) -> float:
+        """Seconds until `n` tokens are available (0 if now). Does not take them."""
+        self._refill(now)
+        return 0.0 if self.tokens >= n else (n - self.tokens) / self.rate
+
+    def take(self, n: float) -> None:
+        self.tokens -= n
+
+    def give_back(self, n: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + n)
+
+
+@dataclass
+class Ticket:
+    """Proof of admission; hand it back to `release` exactly once (extra releases are ignored)."""
+
+    tenant_id: str
+    prompt_tokens: int
+    serial: int
+    released: bool = False
+
+
+@dataclass
+class _TenantState:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    active: int = 0  # admitted (in flight) + waiting in the fair queue
+    waiters: deque = field(default_factory=deque)
+
+
+class Admission:
+    """Admission control for one ingress replica. Not thread-safe: call from the ingress event loop."""
+
+    def __init__(self, max_concurrent: int | None = None, queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_concurrent is not None and max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1 or None")
+        self.max_concurrent = max_concurrent
+        self.queue_timeout_s = float(queue_timeout_s)
+        self._clock = clock
+        self._tenants: dict[str, _TenantState] = {}
+        self._ready: OrderedDict[str, None] = OrderedDict()  # tenants with waiters, round-robin order
+        self._in_flight = 0
+        self._serial = itertools.count(1)
+
+    @classmethod
+    def from_registry(cls, registry, **overrides) -> "Admission":
+        cfg = {**registry.admission_config, **overrides}
+        return cls(max_concurrent=cfg.get("max_concurrent"),
+                   queue_timeout_s=cfg.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S))
+
+    # -- introspection (tests, metrics) --
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def active(self, tenant_id: str) -> int:
+        state = self._tenants.get(tenant_id)
+        return state.active if state else 0
+
+    def waiting(self, tenant_id: str | None = None) -> int:
+        if tenant_id is not None:
+            state = self._tenants.get(tenant_id)
+            return sum(1 for w in state.waiters if not w.done()) if state else 0
+        return sum(self.waiting(t) for t in self._tenants)
+
+    # -- admission --
+    def _state(self, tenant: Tenant) -> _TenantState:
+        state = self._tenants.get(tenant.id)
+        if state is None:
+            lim, now = tenant.limits, self._clock()
+            req = tok = None
+            if lim.requests_per_s:
+                burst = lim.burst_requests or max(1.0, lim.requests_per_s)
+                req = TokenBucket(burst, lim.requests_per_s, now)
+            if lim.tokens_per_min:
+                tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, now)
+            state = self._tenants[tenant.id] = _TenantState(req, tok)
+        return state
+
+    def _check_and_charge(self, tenant: Tenant, prompt_tokens: int) -> _TenantState:
+        """Per-tenant checks; on success charges the buckets and counts the request as active."""
+        lim: Limits = tenant.limits
+        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+            raise PromptTooLarge(f"Prompt has {prompt_tokens} tokens; this API key allows at most "
+                                 f"{lim.max_prompt_tokens}.", "tenant_prompt_limit_exceeded")
+        if lim.tokens_per_min is not None and prompt_tokens > lim.tokens_per_min:
+            raise PromptTooLarge(f"Prompt has {prompt_tokens} tokens, more than this API key's budget of "
+                                 f"{lim.tokens_per_min:g} tokens per minute.", "tenant_prompt_limit_exceeded")
+        state = self._state(tenant)
+        if lim.max_concurrent is not None and state.active >= lim.max_concurrent:
+            raise RateLimited(CONCURRENCY_RETRY_S, f"Too many concurrent requests for this API key (limit "
+                              f"{lim.max_concurrent}).", "concurrency_limit_exceeded")
+        now = self._clock()
+        wait = 0.0
+        if state.requests is not None:
+            wait = max(wait, state.requests.wait_s(1, now))
+        if state.tokens is not None:
+            wait = max(wait, state.tokens.wait_s(prompt_tokens, now))
+        if wait > 0:
+            which = "requests per second" if state.requests is not None and state.requests.wait_s(1, now) > 0 \
+                else "prompt tokens per minute"
+            raise RateLimited(wait, f"Rate limit reached for this API key ({which}); retry after "
+                              f"{max(1, math.ceil(wait))} s.")
+        if state.requests is not None:
+            state.requests.take(1)
+        if state.tokens is not None:
+            state.tokens.take(prompt_tokens)
+        state.active += 1
+        return state
+
+    def _undo_charge(self, state: _TenantState, prompt_tokens: int) -> None:
+        """A request that was charged but never ran gets its budget back."""
+        state.active -= 1
+        if state.requests is not None:
+            state.requests.give_back(1)
+        if state.tokens is not None:
+            state.tokens.give_back(prompt_tokens)
+
+    def _ticket(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
+        return Ticket(tenant.id, prompt_tokens, next(self._serial))
+
+    def try_acquire(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
+        """Admit now or raise; never waits (a full global bound is a 429 here)."""
+        state = self._check_and_charge(tenant, int(prompt_tokens))
+        if self.max_concurrent is not None and (self._in_flight >= self.max_concurrent or self._ready):
+            self._undo_charge(state, int(prompt_tokens))
+            raise RateLimited(CONCURRENCY_RETRY_S, "The server is at capacity; retry shortly.", "server_busy")
+        self._in_flight += 1
+        return self._ticket(tenant, prompt_tokens)
+
+    async def acquire(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
+        """Admit, waiting in the tenant's fair queue (up to queue_timeout_s) when the server is full."""
+        prompt_tokens = int(prompt_tokens)
+        state = self._check_and_charge(tenant, prompt_tokens)
+        if self.max_concurrent is None or (self._in_flight < self.max_concurrent and not self._ready):
+            self._in_flight += 1
+            return self._ticket(tenant, prompt_tokens)
+        waiter = asyncio.get_running_loop().create_future()
+        state.waiters.append(waiter)
+        self._ready.setdefault(tenant.id, None)
+        try:
+            await asyncio.wait({waiter}, timeout=self.queue_timeout_s)
+        except asyncio.CancelledError:  # the client went away while queued
+            if waiter.done() and not waiter.cancelled():
+                self._in_flight -= 1  # the slot was granted to us: pass it on
+                self._dispatch()
+            waiter.cancel()
+            self._forget_waiters(tenant.id, state)
+            self._undo_charge(state, prompt_tokens)
+            raise
+        if waiter.done() and not waiter.cancelled():
+            return self._ticket(tenant, prompt_tokens)  # _dispatch already counted the slot
+        waiter.cancel()
+        self._forget_waiters(tenant.id, state)
+        self._undo_charge(state, prompt_tokens)
+        raise RateLimited(CONCURRENCY_RETRY_S, f"The server is at capacity (waited {self.queue_timeout_s:g} s); "
+                          "retry shortly.", "server_busy")
+
+    def _forget_waiters(self, tenant_id: str, state: _TenantState) -> None:
+        """Drop finished waiters so a tenant with none left is no longer in the round robin."""
+        state.waiters = deque(w for w in state.waiters if not w.done())
+        if not state.waiters:
+            self._ready.pop(tenant_id, None)
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        state = self._tenants.get(ticket.tenant_id)
+        if state is not None:
+            state.active -= 1
+        self._in_flight -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Grant free global slots to waiting tenants, one per tenant per round (round robin)."""
+        while self._ready and (self.max_concurrent is None or self._in_flight < self.max_concurrent):
+            tenant_id, _ = self._ready.popitem(last=False)
+            waiters = self._tenants[tenant_id].waiters
+            while waiters and waiters[0].done():  # drop timed-out / cancelled waiters
+                waiters.popleft()
+            if not waiters:
+                continue
+            waiters.popleft().set_result(True)
+            self._in_flight += 1
+            while waiters and waiters[0].done():
+                waiters.popleft()
+            if waiters:
+                self._ready[tenant_id] = None  # back of the line

@@ -1,0 +1,407 @@
+"""Tenants: API keys -> tenant -> server-derived cache salt. The ingress's only source of identity.
+
+Why: prefix caches are shared by every request an engine serves, so a tenant's cached blocks must be
+keyed by something the client cannot choose. The salt is HMAC-SHA256(server secret, tenant or sharing
+group) computed here, passed to vLLM as `cache_salt` (folded into the first block's hash, so into every
+block hash, router key and LMCache key downstream). Keys are stored only as SHA-256 digests.
+
+API for the ingress (H3):
+
+    from deployments.tenants import (TenantRegistry, AuthError, ClientSaltError, reject_client_salt,
+                                     openai_error)
+    from deployments.admission import Admission, AdmissionError, RateLimited
+    from deployments.tenant_metrics import TenantMetrics
+
+    registry = TenantRegistry.from_file(path)            # YAML/TOML/JSON; secret from env/file/generated
+    registry = TenantRegistry.single_key(api_key)        # `kvmesh serve --api-key KEY`: one tenant "default"
+    tenant = registry.authenticate(request.headers.get("authorization"))   # raises AuthError (401)
+    reject_client_salt(body, request.headers)            # raises ClientSaltError (400) on cache_salt etc.
+    admission = Admission.from_registry(registry)
+    ticket = await admission.acquire(tenant, prompt_tokens)  # raises AdmissionError: RateLimited (429,
+    try:                                                 #   .retry_after_s -> `Retry-After` header) or
+        ... engine call with cache_salt=tenant.salt ...  #   PromptTooLarge (400)
+    finally:
+        admission.release(ticket)
+    metrics = TenantMetrics()
+    metrics.record(tenant.id, prompt_tokens, cached_tokens, ttft_s)
+    metrics.record_rejection(tenant.id, exc.code)        # for AuthError use tenant id "unauthenticated"
+    text = metrics.prometheus_text()                     # append to GET /metrics
+
+Every error class here and in `admission` has `.status`, `.code`, `.message`, `.headers()` and
+`.body()` (an OpenAI-style `{"error": {...}}` dict); `openai_error(status, message, code)` builds the
+same body for the ingress's own errors. Messages never contain key material.
+
+Config (see deployments/tenants.example.yaml and docs/tenants.md):
+
+    secret_file: /etc/kvmesh/salt-secret     # optional; env KVMESH_SALT_SECRET / _FILE take precedence
+    defaults: {limits: {requests_per_s: 20, tokens_per_min: 200000, max_prompt_tokens: 4096,
+                        max_concurrent: 8}}
+    admission: {max_concurrent: 64, queue_timeout_s: 10}
+    tenants:
+      - id: acme
+        group: public-docs                   # optional: tenants naming one group share one salt
+        keys: [{sha256: <hex of the key>}, {sha256: <hex>, revoked: true}]
+        limits: {requests_per_s: 5}          # overrides defaults field by field
+
+`python -m deployments.tenants new-key` prints a fresh key and its digest; `hash-key` hashes stdin.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "KVMESH_SALT_SECRET"
+SECRET_FILE_ENV = "KVMESH_SALT_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+KEY_PREFIX = "kvm-"
+_TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# A bearer token: visible ASCII, no spaces, bounded length (RFC 6750 b64token plus a little slack).
+_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,256}$")
+# Versioned domain separation: a group named like a tenant must not get that tenant's salt.
+_SALT_DOMAIN = b"kvmesh-cache-salt-v1"
+
+
+def openai_error(status: int, message: str, code: str, err_type: str | None = None,
+                 param: str | None = None) -> dict:
+    """The OpenAI error body shape, so the official client raises its usual exception types."""
+    if err_type is None:
+        err_type = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+class KvmeshHTTPError(Exception):
+    """An error the ingress turns into an HTTP response as is."""
+
+    status = 400
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> dict:
+        return openai_error(self.status, self.message, self.code)
+
+
+class AuthError(KvmeshHTTPError):
+    """401: missing, malformed, unknown or revoked API key. Never carries the key itself."""
+
+    status = 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="kvmesh"'}
+
+
+class ClientSaltError(KvmeshHTTPError):
+    """400: the client tried to choose its cache salt or tenant; only the server may."""
+
+    status = 400
+
+
+class ConfigError(ValueError):
+    """The tenants config is invalid (raised at startup, with the offending entry named)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-tenant limits; None = unlimited."""
+
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
+    max_prompt_tokens: int | None = None
+    max_concurrent: int | None = None
+    # Token-bucket burst for requests_per_s (default: max(1, requests_per_s)).
+    burst_requests: float | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None, base: "Limits | None" = None, where: str = "limits") -> "Limits":
+        base = base or cls()
+        if raw is None:
+            return base
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        names = {f.name for f in fields(cls)}
+        unknown = set(raw) - names
+        if unknown:  # a typo must not silently lift a limit
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(names)}")
+        values = {}
+        for name, value in raw.items():
+            if value is None:
+                values[name] = None
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{where}.{name}: expected a positive number or null, got {value!r}")
+            if name in ("max_prompt_tokens", "max_concurrent"):
+                if int(value) != value:
+                    raise ConfigError(f"{where}.{name}: expected an integer, got {value!r}")
+                value = int(value)
+            values[name] = value
+        return replace(base, **values)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """An authenticated tenant. `salt` is what the engine sees as `cache_salt`; keep it out of logs."""
+
+    id: str
+    group: str | None
+    salt: str = field(repr=False)
+    limits: Limits = Limits()
+
+    @property
+    def cache_scope(self) -> str:
+        """The name the salt derives from: tenants with the same scope share cached prefixes."""
+        return f"group:{self.group}" if self.group else f"tenant:{self.id}"
+
+
+def hash_api_key(api_key: str) -> str:
+    """SHA-256 hex of a key. Keys are long random tokens, so a fast hash suffices (no dictionary attack)."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    """A fresh random key (256 bits), in the shape `authenticate` accepts."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def derive_salt(secret: bytes, tenant_id: str, group: str | None = None) -> str:
+    """HMAC-SHA256(secret, scope) hex, scope = group if set else tenant id (domain-separated)."""
+    scope = f"group:{group}" if group else f"tenant:{tenant_id}"
+    return hmac.new(secret, _SALT_DOMAIN + b"\0" + scope.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def resolve_secret(secret: bytes | str | None = None, secret_file: str | os.PathLike | None = None,
+                   env: Mapping[str, str] | None = None) -> bytes:
+    """The server secret: explicit value, else $KVMESH_SALT_SECRET, else $KVMESH_SALT_SECRET_FILE, else
+    `secret_file`, else a random one generated for this process (local runs: caches then do not
+    survive a restart, which is safe)."""
+    env = os.environ if env is None else env
+    source = "argument"
+    if secret is None and env.get(SECRET_ENV):
+        secret, source = env[SECRET_ENV], SECRET_ENV
+    if secret is None:
+        path = env.get(SECRET_FILE_ENV) or secret_file
+        if path:
+            try:
+                secret = Path(path).read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read salt secret file {path}: {exc.strerror}") from None
+            source = str(path)
+    if secret is None:
+        log.warning("no %s set: generated an ephemeral salt secret (cache salts change on restart)", SECRET_ENV)
+        return secrets.token_bytes(32)
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"salt secret from {source} is too short: need at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+@dataclass(slots=True)
+class _KeyEntry:
+    digest: bytes  # sha256 of the key
+    tenant: Tenant
+    revoked: bool
+
+
+def _parse_bearer(header: str | None) -> str:
+    if header is None or not header.strip():
+        raise AuthError("Missing API key: send it as 'Authorization: Bearer <key>'.", "missing_api_key")
+    parts = header.strip().split(" ")
+    if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
+        raise AuthError("Malformed Authorization header: expected 'Bearer <key>'.", "invalid_api_key")
+    if not _TOKEN.match(parts[1]):
+        raise AuthError("Malformed API key.", "invalid_api_key")
+    return parts[1]
+
+
+class TenantRegistry:
+    """API-key digests -> tenants. Immutable after construction; reload by building a new one."""
+
+    def __init__(self, secret: bytes, entries: list[_KeyEntry], admission: Mapping[str, Any] | None = None):
+        self._entries = entries
+        self._secret_fingerprint = hashlib.sha256(b"fp" + secret).hexdigest()[:12]
+        self.admission_config = dict(admission or {})
+        self.tenants: dict[str, Tenant] = {}
+        for entry in entries:
+            self.tenants.setdefault(entry.tenant.id, entry.tenant)
+
+    def __repr__(self) -> str:
+        return f"TenantRegistry({len(self.tenants)} tenants, {len(self._entries)} keys, secret fp {self._secret_fingerprint})"
+
+    @property
+    def secret_fingerprint(self) -> str:
+        """A non-reversible id of the secret in use, for logs and rotation checks."""
+        return self._secret_fingerprint
+
+    @classmethod
+    def single_key(cls, api_key: str, secret: bytes | str | None = None, tenant_id: str = "default",
+                   limits: Limits | None = None) -> "TenantRegistry":
+        """One tenant with one key: what `kvmesh serve --api-key KEY` runs with."""
+        if not isinstance(api_key, str) or not _TOKEN.match(api_key):
+            raise ConfigError("API key must be 8-256 characters of [A-Za-z0-9._~+/=-]")
+        return cls.from_dict({"tenants": [{"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}],
+                                           "limits": None}]}, secret=secret,
+                             default_limits=limits)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, secret: bytes | str | None = None) -> "TenantRegistry":
+        """Load YAML (.yaml/.yml), TOML (.toml) or JSON (.json)."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
+        try:
+            if path.suffix == ".toml":
+                import tomllib
+                raw = tomllib.loads(text)
+            elif path.suffix == ".json":
+                raw = json.loads(text)
+            else:
+                import yaml
+                raw = yaml.safe_load(text)
+        except Exception as exc:  # parser errors differ per format; report one line
+            raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
+        return cls.from_dict(raw, secret=secret, base_dir=path.parent)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], secret: bytes | str | None = None,
+                  base_dir: Path | None = None, default_limits: Limits | None = None) -> "TenantRegistry":
+        if not isinstance(raw, Mapping):
+            raise ConfigError("tenants config: expected a mapping at the top level")
+        unknown = set(raw) - {"secret_file", "defaults", "admission", "tenants"}
+        if unknown:
+            raise ConfigError(f"tenants config: unknown top-level key(s) {sorted(unknown)}")
+        secret_file = raw.get("secret_file")
+        if secret_file and base_dir is not None and not Path(secret_file).is_absolute():
+            secret_file = base_dir / secret_file
+        secret_bytes = resolve_secret(secret, secret_file)
+        defaults = raw.get("defaults") or {}
+        if not isinstance(defaults, Mapping) or set(defaults) - {"limits"}:
+            raise ConfigError("defaults: expected a mapping with only 'limits'")
+        base = Limits.from_dict(defaults.get("limits"), default_limits or Limits(), "defaults.limits")
+        tenants = raw.get("tenants")
+        if not isinstance(tenants, list) or not tenants:
+            raise ConfigError("tenants: expected a non-empty list")
+        entries: list[_KeyEntry] = []
+        seen_ids: set[str] = set()
+        seen_digests: set[str] = set()
+        for i, item in enumerate(tenants):
+            where = f"tenants[{i}]"
+            if not isinstance(item, Mapping):
+                raise ConfigError(f"{where}: expected a mapping")
+            unknown = set(item) - {"id", "group", "keys", "limits"}
+            if unknown:
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+            tid, group = item.get("id"), item.get("group")
+            if not isinstance(tid, str) or not _TENANT_ID.match(tid):
+                raise ConfigError(f"{where}.id: expected 1-64 chars of [A-Za-z0-9._-], got {tid!r}")
+            if tid in seen_ids:
+                raise ConfigError(f"{where}.id: duplicate tenant id {tid!r}")
+            seen_ids.add(tid)
+            if group is not None and (not isinstance(group, str) or not _TENANT_ID.match(group)):
+                raise ConfigError(f"{where}.group: expected 1-64 chars of [A-Za-z0-9._-], got {group!r}")
+            limits = Limits.from_dict(item.get("limits"), base, f"{where}.limits")
+            tenant = Tenant(id=tid, group=group, salt=derive_salt(secret_bytes, tid, group), limits=limits)
+            keys = item.get("keys")
+            if not isinstance(keys, list) or not keys:
+                raise ConfigError(f"{where}.keys: expected a non-empty list of {{sha256: <hex>}}")
+            for j, key in enumerate(keys):
+                kwhere = f"{where}.keys[{j}]"
+                if not isinstance(key, Mapping) or set(key) - {"sha256", "revoked", "note"}:
+                    raise ConfigError(f"{kwhere}: expected {{sha256: <hex>, revoked: bool, note: str}}")
+                digest = key.get("sha256")
+                if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
+                    raise ConfigError(f"{kwhere}.sha256: expected 64 hex digits (the key's SHA-256, never the key)")
+                digest = digest.lower()
+                if digest in seen_digests:
+                    raise ConfigError(f"{kwhere}: the same key is listed twice")
+                seen_digests.add(digest)
+                revoked = key.get("revoked", False)
+                if not isinstance(revoked, bool):
+                    raise ConfigError(f"{kwhere}.revoked: expected true or false")
+                entries.append(_KeyEntry(bytes.fromhex(digest), tenant, revoked))
+        admission = raw.get("admission") or {}
+        if not isinstance(admission, Mapping) or set(admission) - {"max_concurrent", "queue_timeout_s"}:
+            raise ConfigError("admission: expected a mapping with max_concurrent, queue_timeout_s")
+        return cls(secret_bytes, entries, admission)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """`Authorization` header value -> Tenant, or AuthError. Compares every stored digest in constant
+        time and does not stop early, so timing reveals neither which key nor how much matched."""
+        token = _parse_bearer(authorization)
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        found: _KeyEntry | None = None
+        for entry in self._entries:
+            if hmac.compare_digest(entry.digest, digest) and found is None:
+                found = entry
+        if found is None:
+            raise AuthError("Incorrect API key provided.", "invalid_api_key")
+        if found.revoked:
+            raise AuthError("This API key has been revoked.", "revoked_api_key")
+        return found.tenant
+
+
+# Body fields and headers through which a client could try to pick a salt or impersonate a tenant.
+CLIENT_SALT_FIELDS = ("cache_salt", "kvmesh_tenant", "tenant_id", "kvmesh_salt")
+CLIENT_TENANT_HEADERS = ("x-kvmesh-tenant", "x-kvmesh-salt", "x-kvmesh-cache-salt", "x-tenant-id", "x-cache-salt")
+
+
+def reject_client_salt(body: Any, headers: Mapping[str, str] | None = None) -> None:
+    """Raise ClientSaltError if the request tries to set its own cache salt or tenant.
+
+    Why reject rather than drop: a client that sends `cache_salt` expects isolation semantics it is not
+    getting from its own value; a clear 400 says the server owns salts. Headers are matched
+    case-insensitively.
+    """
+    if isinstance(body, Mapping):
+        for name in CLIENT_SALT_FIELDS:
+            if name in body:
+                raise ClientSaltError(f"'{name}' is set by the server from your API key and may not be sent.",
+                                      "client_cache_salt_not_allowed")
+    if headers:
+        present = {str(k).lower() for k in headers.keys()}
+        for name in CLIENT_TENANT_HEADERS:
+            if name in present:
+                raise ClientSaltError(f"Header '{name}' is not accepted: the tenant comes from your API key.",
+                                      "client_tenant_header_not_allowed")
+
+
+def _main(argv: list[str]) -> int:
+    """Tiny operator helper: `new-key` prints a key and its digest; `hash-key` hashes stdin's key."""
+    if argv == ["new-key"]:
+        key = new_api_key()
+        print(f"key:    {key}\nsha256: {hash_api_key(key)}")
+        return 0
+    if argv == ["hash-key"]:
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("error: no key on stdin", file=sys.stderr)
+            return 2
+        print(hash_api_key(key))
+        return 0
+    if argv == ["new-secret"]:
+        print(secrets.token_hex(32))
+        return 0
+    print("usage: python -m deployments.tenants new-key | hash-key (< key) | new-secret", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
