@@ -1,0 +1,322 @@
+"""Synthetic workloads in Mooncake JSONL form, and the cache bounds of any such trace.
+
+Why synthetic traces: the bundled Mooncake traces have no tenants and no explicit conversations, so
+they cannot show what multi-tenant, multi-turn chat does to a prefix cache. These generators make
+that workload with known structure (who shares what) and stay in the same record form, so the
+simulator and the live replay client read them unchanged:
+
+    {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...],
+     "tenant": "t0", "user": "t0-g1-u2"}
+
+`hash_ids` follow the Mooncake rule: one id per `source_block_tokens` (512) tokens, and an id always
+follows the same parent, so an id names the whole prefix before it. The last block may be partial
+(`(n-1)*512 < input_length <= n*512`); a partial block is never cached, but a later request that
+carries the same id as a full block shares its first tokens.
+
+Bounds (`cache_bounds`) answer "what was achievable": the hit rate of one infinite cache seen by
+every request, and of N infinite caches fed round robin -- computed at the engine's granularity
+(tokens per trace block after scaling, engine block size), with vLLM's rule that the last prompt
+token is always computed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+SOURCE_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens
+
+
+# --------------------------------------------------------------------------------------- records
+def validate_record(rec: dict, where: str = "record", source_block_tokens: int = SOURCE_BLOCK_TOKENS) -> dict:
+    """Check one trace record; raise ValueError naming `where` (e.g. 'line 12') when it is malformed."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if key not in rec:
+            raise ValueError(f"{where}: missing field {key!r}")
+    for key in ("timestamp", "input_length", "output_length"):
+        if not isinstance(rec[key], (int, float)) or isinstance(rec[key], bool) or rec[key] < 0:
+            raise ValueError(f"{where}: {key!r} must be a non-negative number")
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: 'hash_ids' must be a non-empty list of integers")
+    n, length = len(ids), rec["input_length"]
+    if not (n - 1) * source_block_tokens < length <= n * source_block_tokens:
+        raise ValueError(
+            f"{where}: input_length {length} does not fit {n} hash ids of {source_block_tokens} tokens"
+        )
+    return rec
+
+
+def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """Read and validate a Mooncake-form JSONL trace (blank lines skipped)."""
+    out: list[dict] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {lineno}: not JSON ({exc.msg})") from None
+            out.append(validate_record(rec, f"{path}: line {lineno}"))
+    return out
+
+
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
+    """Write records one per line; returns the count. Creates parent folders."""
+    path = os.fspath(path)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    n = 0
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
+            n += 1
+    return n
+
+
+def scaled_block_lengths(
+    rec: dict, tokens_per_block: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS
+) -> list[int]:
+    """Tokens each hash id contributes once a trace block of `source_block_tokens` becomes
+    `tokens_per_block` tokens: full blocks give all of them, the trailing partial block its share
+    (rounded, at least 1). The replay client expands ids into exactly these lengths."""
+    ids = rec["hash_ids"]
+    tail = rec["input_length"] - (len(ids) - 1) * source_block_tokens
+    tail_tokens = min(tokens_per_block, max(1, round(tail * tokens_per_block / source_block_tokens)))
+    return [tokens_per_block] * (len(ids) - 1) + [tail_tokens]
+
+
+def scaled_output_length(rec: dict, tokens_per_block: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS) -> int:
+    """Output length scaled like the prompt (at least 1 token)."""
+    return max(1, round(rec["output_length"] * tokens_per_block / source_block_tokens))
+
+
+# ----------------------------------------------------------------------------- chat workload
+@dataclass(frozen=True)
+class ChatSpec:
+    """A multi-tenant multi-turn chat workload.
+
+    `tenants` x `groups` system prompts (one per group; groups never share across tenants), each group
+    with `users` users; every user holds a conversation of `turns` turns whose prompt is the group's
+    system prompt + the whole history so far + the new user message. Users start spread over
+    `start_spread_ms`; between turns a user thinks for `think_ms` (x uniform 0.5..1.5), so turns
+    interleave across users. Sizes are in trace blocks (512 tokens each in the record form).
+    """
+
+    tenants: int = 2
+    groups: int = 2
+    users: int = 4
+    turns: int = 4
+    system_blocks: int = 8
+    user_blocks: tuple[int, int] = (1, 2)  # min, max blocks of a new user message
+    reply_blocks: tuple[int, int] = (1, 2)  # min, max blocks of an assistant reply (output_length)
+    start_spread_ms: int = 20_000
+    think_ms: int = 10_000
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("tenants", "groups", "users", "turns", "system_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("user_blocks", "reply_blocks"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must satisfy 1 <= min <= max")
+        if self.start_spread_ms < 0 or self.think_ms < 0:
+            raise ValueError("start_spread_ms and think_ms must be >= 0")
+
+
+class _Ids:
+    """Hands out fresh hash ids: each id is created for exactly one position, so its parent is fixed."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> list[int]:
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def synth_chat(spec: ChatSpec = ChatSpec()) -> list[dict]:
+    """Generate the chat workload, sorted by timestamp (ties by user); deterministic in `spec.seed`.
+
+    The last block of each new user message is partial (a random share of 512 tokens), as in real
+    traces; the next turn carries that id as a full block, then the reply, then the next message.
+    """
+    spec.check()
+    rng = random.Random(spec.seed)
+    ids = _Ids()
+    records: list[dict] = []
+    for t in range(spec.tenants):
+        tenant = f"t{t}"
+        for g in range(spec.groups):
+            system = ids.take(spec.system_blocks)
+            for u in range(spec.users):
+                user = f"{tenant}-g{g}-u{u}"
+                history = list(system)
+                clock = rng.uniform(0, spec.start_spread_ms)
+                for _turn in range(spec.turns):
+                    message = ids.take(rng.randint(*spec.user_blocks))
+                    prompt = history + message
+                    tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
+                    reply = ids.take(rng.randint(*spec.reply_blocks))
+                    records.append(
+                        {
+                            "timestamp": int(clock),
+                            "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
+                            "output_length": len(reply) * SOURCE_BLOCK_TOKENS,
+                            "hash_ids": prompt,
+                            "tenant": tenant,
+                            "user": user,
+                        }
+                    )
+                    history = prompt + reply
+                    clock += spec.think_ms * rng.uniform(0.5, 1.5)
+    records.sort(key=lambda r: (r["timestamp"], r["user"]))
+    return records
+
+
+def synth_flood(
+    requests: int = 64,
+    system_blocks: int = 8,
+    unique_blocks: int = 1,
+    interval_ms: float = 50.0,
+    output_blocks: int = 1,
+    tenant: str = "t0",
+    seed: int = 0,
+) -> list[dict]:
+    """A shared-system-prompt flood (the hot-spot workload): `requests` single-turn requests from
+    distinct users, all starting with one system prompt of `system_blocks` blocks, each followed by
+    `unique_blocks` blocks of its own (last one partial), arriving every `interval_ms`. A policy that
+    only chases the longest prefix puts all of them on one replica; a good one spreads the load."""
+    if requests < 1 or system_blocks < 1 or unique_blocks < 1 or output_blocks < 1 or interval_ms < 0:
+        raise ValueError("requests, system_blocks, unique_blocks, output_blocks must be >= 1; interval_ms >= 0")
+    rng = random.Random(seed)
+    ids = _Ids()
+    system = ids.take(system_blocks)
+    out = []
+    for i in range(requests):
+        prompt = system + ids.take(unique_blocks)
+        tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
+        out.append(
+            {
+                "timestamp": int(i * interval_ms),
+                "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
+                "output_length": output_blocks * SOURCE_BLOCK_TOKENS,
+                "hash_ids": prompt,
+                "tenant": tenant,
+                "user": f"{tenant}-flood-{i}",
+            }
+        )
+    return out
+
+
+def check_parent_rule(records: Iterable[dict]) -> None:
+    """Raise ValueError if some hash id follows two different parents (the Mooncake rule)."""
+    parent: dict[int, int | None] = {}
+    for n, rec in enumerate(records):
+        prev = None
+        for i in rec["hash_ids"]:
+            if parent.setdefault(i, prev) != prev:
+                raise ValueError(f"record {n}: id {i} follows {prev}, earlier {parent[i]}")
+            prev = i
+
+
+# ------------------------------------------------------------------------------------- bounds
+def _engine_blocks(
+    rec: dict, tokens_per_block: int, block_size: int, source_block_tokens: int, salt_key
+) -> tuple[int, list[tuple]]:
+    """(prompt tokens, keys of the engine blocks that can be cached) for one record after scaling.
+
+    A key names a whole prefix: (salt, hash id, index of the engine block inside the trace block) --
+    valid because an id names its whole prefix. Engine blocks never straddle trace blocks as long as
+    `tokens_per_block` is a multiple of `block_size`. Every full block is stored after the request.
+    """
+    lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
+    total = sum(lengths)
+    keys: list[tuple] = []
+    for hid, n in zip(rec["hash_ids"], lengths):
+        keys.extend((salt_key, hid, j) for j in range(n // block_size))
+    return total, keys
+
+
+def cache_bounds(
+    records: Sequence[dict],
+    tokens_per_block: int,
+    block_size: int | None = None,
+    replicas: int = 1,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+    salt_by_tenant: bool = True,
+    warmup: int = 0,
+) -> dict:
+    """Token-weighted hit rates of idealised caches for `records` replayed at `tokens_per_block`.
+
+    - `infinite`: one cache of unlimited size shared by every request (no eviction, no placement);
+      the ceiling for any routing policy on a fleet without a shared tier.
+    - `round_robin_infinite`: `replicas` unlimited caches, request i going to cache i mod N; what
+      placement blind to prefixes achieves even with unlimited memory.
+    With `salt_by_tenant`, records of different `tenant`s share nothing (kvmesh salts per tenant).
+    The first `warmup` records fill the caches without being counted (the published Mooncake figure,
+    39.8% infinite-cache hit rate over the conversation trace's second half, is warmup = half; it
+    counts partial blocks, which vLLM never caches, so this bound comes out slightly lower).
+    """
+    block_size = block_size or tokens_per_block
+    if tokens_per_block < 1 or block_size < 1 or tokens_per_block % block_size:
+        raise ValueError("tokens_per_block must be a positive multiple of block_size")
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    seen_all: set = set()
+    seen_rr: list[set] = [set() for _ in range(replicas)]
+    prompt = inf_hit = rr_hit = 0
+    for i, rec in enumerate(records):
+        salt = rec.get("tenant") if salt_by_tenant else None
+        total, keys = _engine_blocks(rec, tokens_per_block, block_size, source_block_tokens, salt)
+        usable = (total - 1) // block_size  # vLLM always computes the last prompt token
+        hit_all = _prefix_hits(keys, seen_all, usable) * block_size
+        hit_rr = _prefix_hits(keys, seen_rr[i % replicas], usable) * block_size
+        if i >= warmup:
+            prompt += total
+            inf_hit += hit_all
+            rr_hit += hit_rr
+    return {
+        "requests": max(0, len(records) - warmup),
+        "prompt_tokens": prompt,
+        "tokens_per_block": tokens_per_block,
+        "block_size": block_size,
+        "infinite": {"cached_tokens": inf_hit, "hit_rate": inf_hit / prompt if prompt else 0.0},
+        "round_robin_infinite": {
+            "replicas": replicas,
+            "cached_tokens": rr_hit,
+            "hit_rate": rr_hit / prompt if prompt else 0.0,
+        },
+    }
+
+
+def _prefix_hits(keys: list[tuple], seen: set, usable: int) -> int:
+    """Length of the longest prefix of `keys[:usable]` already in `seen`; then remember all `keys`."""
+    hits = 0
+    for k in keys[:usable]:
+        if k not in seen:
+            break
+        hits += 1
+    seen.update(keys)
+    return hits
+
+
+def fit_context(
+    records: Iterable[dict], tokens_per_block: int, max_prompt_tokens: int,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+) -> list[dict]:
+    """The records whose scaled prompt fits `max_prompt_tokens` (a tiny model's context), in order."""
+    return [
+        r for r in records
+        if sum(scaled_block_lengths(r, tokens_per_block, source_block_tokens)) <= max_prompt_tokens
+    ]

@@ -1,0 +1,180 @@
+"""Synthetic workloads (cluster/workloads.py) and `kvmesh trace`: structure, determinism, bounds."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster import workloads as wl
+from deployments.cli import main as cli
+
+
+def test_chat_is_deterministic_and_seed_dependent():
+    spec = wl.ChatSpec(tenants=2, groups=2, users=3, turns=3, seed=7)
+    assert wl.synth_chat(spec) == wl.synth_chat(spec)
+    other = wl.synth_chat(wl.ChatSpec(tenants=2, groups=2, users=3, turns=3, seed=8))
+    assert other != wl.synth_chat(spec)
+
+
+def test_chat_structure_history_grows_and_groups_share_system_prompt():
+    spec = wl.ChatSpec(tenants=2, groups=2, users=3, turns=4, system_blocks=5, seed=1)
+    recs = wl.synth_chat(spec)
+    assert len(recs) == 2 * 2 * 3 * 4
+    for i, r in enumerate(recs):
+        wl.validate_record(r, f"record {i}")
+    assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs)
+    wl.check_parent_rule(recs)
+    by_user: dict[str, list[dict]] = {}
+    for r in recs:
+        by_user.setdefault(r["user"], []).append(r)
+    assert len(by_user) == 12
+    for user, turns in by_user.items():
+        assert len(turns) == 4
+        for prev, nxt in zip(turns, turns[1:]):  # each turn carries the whole previous prompt
+            assert nxt["hash_ids"][: len(prev["hash_ids"])] == prev["hash_ids"]
+            assert len(nxt["hash_ids"]) > len(prev["hash_ids"])
+    systems = {}
+    for r in recs:
+        group = r["user"].rsplit("-", 1)[0]
+        systems.setdefault(group, set()).add(tuple(r["hash_ids"][:5]))
+    assert all(len(s) == 1 for s in systems.values())  # one system prompt per group
+    assert len({next(iter(s)) for s in systems.values()}) == 4  # and groups differ
+    tenants_of_ids: dict[int, set] = {}
+    for r in recs:
+        for i in r["hash_ids"]:
+            tenants_of_ids.setdefault(i, set()).add(r["tenant"])
+    assert all(len(t) == 1 for t in tenants_of_ids.values())  # no id crosses tenants
+
+
+def test_turns_interleave_across_users():
+    recs = wl.synth_chat(wl.ChatSpec(tenants=1, groups=1, users=4, turns=4, seed=3))
+    users = [r["user"] for r in recs]
+    switches = sum(a != b for a, b in zip(users, users[1:]))
+    assert switches > 4  # not four blocks of one user each
+
+
+def test_flood_shares_one_system_prompt():
+    recs = wl.synth_flood(requests=10, system_blocks=4, unique_blocks=2, interval_ms=10)
+    assert len(recs) == 10
+    assert len({tuple(r["hash_ids"][:4]) for r in recs}) == 1
+    assert len({tuple(r["hash_ids"][4:]) for r in recs}) == 10
+    assert [r["timestamp"] for r in recs] == [i * 10 for i in range(10)]
+    wl.check_parent_rule(recs)
+
+
+def test_parent_rule_violation_is_detected():
+    with pytest.raises(ValueError, match="follows"):
+        wl.check_parent_rule([{"hash_ids": [1, 2]}, {"hash_ids": [3, 2]}])
+
+
+def test_scaled_lengths_keep_partial_tail():
+    rec = {"timestamp": 0, "input_length": 2 * 512 + 256, "output_length": 100, "hash_ids": [1, 2, 3]}
+    assert wl.scaled_block_lengths(rec, 32) == [32, 32, 16]
+    rec["input_length"] = 3 * 512
+    assert wl.scaled_block_lengths(rec, 32) == [32, 32, 32]
+    rec["input_length"] = 2 * 512 + 1
+    assert wl.scaled_block_lengths(rec, 32) == [32, 32, 1]
+    assert wl.scaled_output_length(rec, 32) == 6
+
+
+def _rec(ids, length=None):
+    return {"timestamp": 0, "input_length": length or len(ids) * 512, "output_length": 1, "hash_ids": ids}
+
+
+def test_bounds_by_hand():
+    # a: 3 full blocks; b shares 2 then new; c repeats a exactly (last token never cached)
+    recs = [_rec([1, 2, 3]), _rec([1, 2, 4]), _rec([1, 2, 3])]
+    b = wl.cache_bounds(recs, tokens_per_block=32, replicas=2)
+    assert b["prompt_tokens"] == 3 * 96
+    assert b["infinite"]["cached_tokens"] == 0 + 64 + 64
+    # round robin over 2: a->0, b->1 (cold), c->0 (sees a)
+    assert b["round_robin_infinite"]["cached_tokens"] == 64
+    # finer engine blocks inside a trace block: the last-token cap now costs one 16-token block only
+    b16 = wl.cache_bounds(recs, tokens_per_block=32, block_size=16, replicas=1)
+    assert b16["infinite"]["cached_tokens"] == 64 + 80
+
+
+def test_bounds_partial_block_is_not_cached_but_later_full_use_shares():
+    recs = [_rec([1, 2], 512 + 256), _rec([1, 2, 3], 3 * 512)]
+    b = wl.cache_bounds(recs, tokens_per_block=32, block_size=16)
+    # first: 32 + 16 tokens, all three 16-token engine blocks stored; the second hits all of them
+    assert b["infinite"]["cached_tokens"] == 32 + 16
+
+
+def test_bounds_salt_by_tenant_and_warmup():
+    recs = [dict(_rec([1, 2]), tenant="a"), dict(_rec([1, 2, 3]), tenant="b"), dict(_rec([1, 2, 3]), tenant="a")]
+    assert wl.cache_bounds(recs, 32)["infinite"]["cached_tokens"] == 64  # only a's second request
+    assert wl.cache_bounds(recs, 32, salt_by_tenant=False)["infinite"]["cached_tokens"] == 64 + 64
+    warm = wl.cache_bounds(recs, 32, warmup=2)
+    assert warm["requests"] == 1 and warm["prompt_tokens"] == 96 and warm["infinite"]["cached_tokens"] == 64
+
+
+def test_bounds_reject_misaligned_blocks():
+    with pytest.raises(ValueError, match="multiple"):
+        wl.cache_bounds([_rec([1])], tokens_per_block=48, block_size=32)
+
+
+def test_bundled_conversation_matches_published_bound():
+    recs = wl.read_jsonl(wl_path("conversation"))
+    b = wl.cache_bounds(recs, 512, warmup=len(recs) // 2)
+    # published: 39.8% over the second half (counting partial blocks, which we do not)
+    assert 0.39 <= b["infinite"]["hit_rate"] <= 0.398
+
+
+def wl_path(name):
+    from cluster.trace_cmd import resolve_trace
+
+    return resolve_trace(name)
+
+
+def test_validate_record_errors():
+    with pytest.raises(ValueError, match="line 3: missing field 'hash_ids'"):
+        wl.validate_record({"timestamp": 0, "input_length": 1, "output_length": 1}, "line 3")
+    with pytest.raises(ValueError, match="does not fit"):
+        wl.validate_record(_rec([1, 2], 100), "x")
+    with pytest.raises(ValueError, match="non-empty list"):
+        wl.validate_record({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []})
+
+
+def test_fit_context():
+    recs = [_rec([1]), _rec([1, 2, 3])]
+    assert wl.fit_context(recs, 32, 64) == [recs[0]]
+
+
+def test_cli_synth_flood_bounds(tmp_path, capsys):
+    out = tmp_path / "chat.jsonl"
+    assert cli(["trace", "synth", "--out", str(out), "--tenants", "1", "--groups", "2", "--users", "2",
+                "--turns", "3", "--seed", "5"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 12 and all("tenant" in r and "user" in r for r in lines)
+    assert lines == wl.synth_chat(wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, seed=5))
+    flood = tmp_path / "flood.jsonl"
+    assert cli(["trace", "flood", "--out", str(flood), "--requests", "5"]) == 0
+    assert len(flood.read_text().splitlines()) == 5
+    res = tmp_path / "b.json"
+    assert cli(["trace", "bounds", "--trace", str(out), "--tokens-per-block", "32", "--replicas", "2",
+                "--json", str(res)]) == 0
+    data = json.loads(res.read_text())
+    assert data == wl.cache_bounds(lines, 32, replicas=2)
+    assert "infinite cache" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trace", "synth", "--out", "x.jsonl", "--users", "0"], "must be >= 1"),
+        (["trace", "synth", "--out", "x.jsonl", "--user-blocks", "3-1"], "MIN <= MAX"),
+        (["trace", "bounds", "--trace", "/nonexistent/t.jsonl"], "No such file"),
+        (["trace", "bounds", "--trace", "BAD", "--tokens-per-block", "48", "--block-size", "32"], None),
+        (["trace"], "required"),
+    ],
+)
+def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
+    if "BAD" in argv:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n')
+        argv = [str(bad) if a == "BAD" else a for a in argv]
+        message = "line 2: not JSON"
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and message in err
