@@ -1,0 +1,516 @@
+"""Unit tests for the tenant layer: config, key hashing, authentication, salts, client-salt rejection,
+admission (limits, fairness) and per-tenant metrics. No Ray, no engines."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from deployments.admission import Admission, PromptTooLarge, RateLimited, TokenBucket
+from deployments.tenant_metrics import TenantMetrics
+from deployments.tenants import (
+    AuthError, ClientSaltError, ConfigError, Limits, Tenant, TenantRegistry, derive_salt, hash_api_key,
+    new_api_key, reject_client_salt, resolve_secret,
+)
+
+SECRET = b"unit-test-secret-0123456789abcdef"
+KEY_A, KEY_A2, KEY_B, KEY_REVOKED = (f"kvm-test-key-{n}-0123456789" for n in ("a", "a2", "b", "rev"))
+
+
+def config(**overrides):
+    cfg = {
+        "defaults": {"limits": {"max_prompt_tokens": 1000}},
+        "admission": {"max_concurrent": 4, "queue_timeout_s": 1},
+        "tenants": [
+            {"id": "acme", "keys": [{"sha256": hash_api_key(KEY_A)}, {"sha256": hash_api_key(KEY_A2)},
+                                    {"sha256": hash_api_key(KEY_REVOKED), "revoked": True}],
+             "limits": {"requests_per_s": 5}},
+            {"id": "globex", "keys": [{"sha256": hash_api_key(KEY_B)}]},
+        ],
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture
+def registry():
+    return TenantRegistry.from_dict(config(), secret=SECRET)
+
+
+# --- authentication ---------------------------------------------------------------------------------
+
+def test_authenticate_known_keys_map_to_their_tenant(registry):
+    assert registry.authenticate(f"Bearer {KEY_A}").id == "acme"
+    assert registry.authenticate(f"bearer {KEY_A2}").id == "acme"  # scheme is case-insensitive
+    assert registry.authenticate(f"Bearer {KEY_B}").id == "globex"
+
+
+@pytest.mark.parametrize("header, code", [
+    (None, "missing_api_key"), ("", "missing_api_key"), ("   ", "missing_api_key"),
+    ("Basic dXNlcjpwYXNz", "invalid_api_key"), ("Bearer", "invalid_api_key"), ("Bearer ", "invalid_api_key"),
+    (f"Bearer {KEY_A} extra", "invalid_api_key"), (f"Token {KEY_A}", "invalid_api_key"),
+    ("Bearer abc", "invalid_api_key"), ("Bearer " + "x" * 300, "invalid_api_key"),
+    ("Bearer kvm-\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9", "invalid_api_key"),
+    ("Bearer kvm-not-a-known-key-000", "invalid_api_key"),
+    (f"Bearer {KEY_REVOKED}", "revoked_api_key"),
+])
+def test_authenticate_rejects_with_401_and_openai_body(registry, header, code):
+    with pytest.raises(AuthError) as info:
+        registry.authenticate(header)
+    err = info.value
+    assert (err.status, err.code) == (401, code)
+    body = err.body()["error"]
+    assert body["type"] == "authentication_error" and body["code"] == code and body["message"]
+    assert "Bearer" in err.headers()["WWW-Authenticate"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_authenticate_never_leaks_the_presented_key(header):
+    registry = TenantRegistry.from_dict(config(), secret=SECRET)
+    try:
+        registry.authenticate(header)
+    except AuthError as err:
+        token = header.strip().split(" ")[-1]
+        if len(token) >= 4:
+            assert token not in err.message and token not in json.dumps(err.body())
+    else:
+        assert header.strip().split(" ")[-1] in (KEY_A, KEY_A2, KEY_B)
+
+
+def test_registry_stores_no_key_material(registry):
+    text = repr(registry) + repr(registry.tenants) + repr(registry._entries)
+    for key in (KEY_A, KEY_B, KEY_REVOKED):
+        assert key not in text
+    assert "salt" not in repr(registry.tenants["acme"])  # salts stay out of reprs/logs
+
+
+def test_single_key_registry():
+    reg = TenantRegistry.single_key("kvm-local-dev-key-123", secret=SECRET)
+    tenant = reg.authenticate("Bearer kvm-local-dev-key-123")
+    assert tenant.id == "default" and tenant.group is None
+    with pytest.raises(AuthError):
+        reg.authenticate("Bearer kvm-local-dev-key-124")
+    with pytest.raises(ConfigError):
+        TenantRegistry.single_key("short", secret=SECRET)
+
+
+def test_new_api_key_is_accepted_and_unique():
+    keys = {new_api_key() for _ in range(50)}
+    assert len(keys) == 50
+    key = keys.pop()
+    reg = TenantRegistry.single_key(key, secret=SECRET)
+    assert reg.authenticate(f"Bearer {key}").id == "default"
+
+
+# --- salts ------------------------------------------------------------------------------------------
+
+def test_salt_is_hmac_of_secret_and_scope(registry):
+    acme = registry.tenants["acme"]
+    expected = hmac.new(SECRET, b"kvmesh-cache-salt-v1\0tenant:acme", hashlib.sha256).hexdigest()
+    assert acme.salt == expected
+    assert acme.salt != registry.tenants["globex"].salt
+
+
+def test_same_group_shares_salt_and_group_never_collides_with_tenant():
+    cfg = config(tenants=[
+        {"id": "a", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_A)}]},
+        {"id": "b", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_B)}]},
+        {"id": "docs", "keys": [{"sha256": hash_api_key(KEY_A2)}]},  # a tenant named like the group
+    ])
+    reg = TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert reg.tenants["a"].salt == reg.tenants["b"].salt
+    assert reg.tenants["docs"].salt != reg.tenants["a"].salt
+
+
+@settings(max_examples=200)
+@given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+       st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True))
+def test_salts_differ_for_different_tenants_and_secrets(t1, t2):
+    s1, s2 = derive_salt(SECRET, t1), derive_salt(SECRET, t2)
+    assert (s1 == s2) == (t1 == t2)
+    assert derive_salt(SECRET + b"-rotated", t1) != s1  # rotation: every old salt stops matching
+    assert len(s1) == 64 and int(s1, 16) >= 0
+
+
+def test_resolve_secret_precedence_and_validation(tmp_path, caplog):
+    f = tmp_path / "secret"
+    f.write_text("file-secret-0123456789\n")
+    assert resolve_secret(b"explicit-secret-0123", f, env={"KVMESH_SALT_SECRET": "env-secret-0123456789"}) \
+        == b"explicit-secret-0123"
+    assert resolve_secret(None, f, env={"KVMESH_SALT_SECRET": "env-secret-0123456789"}) == b"env-secret-0123456789"
+    assert resolve_secret(None, None, env={"KVMESH_SALT_SECRET_FILE": str(f)}) == b"file-secret-0123456789"
+    assert resolve_secret(None, f, env={}) == b"file-secret-0123456789"
+    with caplog.at_level(logging.WARNING):
+        generated = resolve_secret(None, None, env={})
+    assert len(generated) == 32 and generated != resolve_secret(None, None, env={})
+    assert "ephemeral" in caplog.text
+    with pytest.raises(ConfigError, match="too short"):
+        resolve_secret("short", None, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_secret(None, tmp_path / "missing", env={})
+
+
+# --- config validation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: c.update(tenants=[]), "non-empty"),
+    (lambda c: c.update(extra=1), "unknown top-level"),
+    (lambda c: c["tenants"][0].update(id="bad id!"), r"\.id"),
+    (lambda c: c["tenants"][1].update(id="acme"), "duplicate"),
+    (lambda c: c["tenants"][0].update(keys=[{"sha256": "nothex"}]), "64 hex"),
+    (lambda c: c["tenants"][0].update(keys=[{"key": KEY_A}]), "sha256"),  # plain keys refused
+    (lambda c: c["tenants"][1].update(keys=[{"sha256": hash_api_key(KEY_A)}]), "twice"),
+    (lambda c: c["tenants"][0].update(limits={"request_per_s": 1}), "unknown key"),  # typo
+    (lambda c: c["tenants"][0].update(limits={"max_concurrent": -1}), "positive"),
+    (lambda c: c["tenants"][0].update(limits={"max_concurrent": 1.5}), "integer"),
+    (lambda c: c["tenants"][0].update(group=""), r"\.group"),
+    (lambda c: c["tenants"][0]["keys"][0].update(revoked="yes"), "revoked"),
+])
+def test_bad_config_is_rejected_with_a_pointer(mutate, match):
+    cfg = config()
+    mutate(cfg)
+    with pytest.raises(ConfigError, match=match):
+        TenantRegistry.from_dict(cfg, secret=SECRET)
+
+
+def test_limits_inherit_defaults_field_by_field(registry):
+    assert registry.tenants["acme"].limits == Limits(requests_per_s=5, max_prompt_tokens=1000)
+    assert registry.tenants["globex"].limits == Limits(max_prompt_tokens=1000)
+    assert registry.admission_config == {"max_concurrent": 4, "queue_timeout_s": 1}
+
+
+def test_from_file_yaml_toml_json_agree(tmp_path):
+    import yaml
+    cfg = config()
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "t.json").write_text(json.dumps(cfg))
+    toml = ['[defaults.limits]', 'max_prompt_tokens = 1000', '[admission]', 'max_concurrent = 4',
+            'queue_timeout_s = 1']
+    for t in cfg["tenants"]:
+        toml.append("[[tenants]]")
+        toml.append(f'id = "{t["id"]}"')
+        toml.append("keys = [" + ", ".join(
+            "{ sha256 = \"%s\"%s }" % (k["sha256"], ", revoked = true" if k.get("revoked") else "")
+            for k in t["keys"]) + "]")
+        if "limits" in t:
+            toml.append("limits = { requests_per_s = 5 }")
+    (tmp_path / "t.toml").write_text("\n".join(toml) + "\n")
+    regs = [TenantRegistry.from_file(tmp_path / n, secret=SECRET) for n in ("t.yaml", "t.json", "t.toml")]
+    for reg in regs:
+        assert reg.authenticate(f"Bearer {KEY_B}") == regs[0].authenticate(f"Bearer {KEY_B}")
+        with pytest.raises(AuthError, match="revoked"):
+            reg.authenticate(f"Bearer {KEY_REVOKED}")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        (tmp_path / "bad.yaml").write_text("tenants: [unclosed")
+        TenantRegistry.from_file(tmp_path / "bad.yaml", secret=SECRET)
+    with pytest.raises(ConfigError, match="cannot read"):
+        TenantRegistry.from_file(tmp_path / "absent.yaml", secret=SECRET)
+
+
+def test_example_config_loads():
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "deployments" / "tenants.example.yaml"
+    reg = TenantRegistry.from_file(example, secret=SECRET)
+    assert len(reg.tenants) >= 3
+    groups = [t.group for t in reg.tenants.values() if t.group]
+    assert len(groups) != len(set(groups))  # the example shows a sharing group with 2+ members
+
+
+def test_secret_file_relative_to_config(tmp_path, monkeypatch):
+    import yaml
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
+    (tmp_path / "salt").write_text("relative-file-secret-0123")
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(config(secret_file="salt")))
+    reg = TenantRegistry.from_file(tmp_path / "t.yaml")
+    assert reg.tenants["acme"].salt == derive_salt(b"relative-file-secret-0123", "acme")
+
+
+# --- client salts -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [{"cache_salt": "x"}, {"cache_salt": None}, {"tenant_id": "acme"},
+                                  {"prompt": "hi", "kvmesh_tenant": "b"}])
+def test_client_salt_in_body_is_rejected(body):
+    with pytest.raises(ClientSaltError) as info:
+        reject_client_salt(body)
+    assert info.value.status == 400 and info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("header", ["X-Kvmesh-Tenant", "x-tenant-id", "X-Cache-Salt"])
+def test_tenant_headers_are_rejected(header):
+    with pytest.raises(ClientSaltError):
+        reject_client_salt({"prompt": "hi"}, {header: "acme"})
+
+
+def test_ordinary_requests_pass_client_salt_check():
+    reject_client_salt({"model": "m", "prompt": "hi", "user": "u1"}, {"Authorization": "Bearer x"})
+    reject_client_salt(["not", "a", "dict"])  # shape errors are the ingress's to report
+    reject_client_salt(None)
+
+
+# --- admission --------------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def tenant(tid="t", **limits):
+    return Tenant(id=tid, group=None, salt="s" * 64, limits=Limits(**limits))
+
+
+def test_token_bucket_refills_at_rate():
+    b = TokenBucket(capacity=10, rate=2, now=0.0)
+    assert b.wait_s(10, 0.0) == 0
+    b.take(10)
+    assert b.wait_s(1, 0.0) == pytest.approx(0.5)
+    assert b.wait_s(4, 1.0) == pytest.approx(1.0)  # 2 refilled, need 2 more at 2/s
+    assert b.wait_s(10, 100.0) == 0  # capped at capacity
+    b.take(10)
+    assert b.wait_s(1, 100.0) > 0
+
+
+def test_requests_per_second_limit_gives_429_with_retry_after():
+    clock = FakeClock()
+    adm = Admission(clock=clock)
+    t = tenant(requests_per_s=2)
+    tickets = [adm.try_acquire(t, 1) for _ in range(2)]
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    assert info.value.status == 429 and info.value.retry_after_s == pytest.approx(0.5)
+    assert info.value.headers() == {"Retry-After": "1"}
+    assert info.value.body()["error"]["type"] == "rate_limit_error"
+    clock.t += 0.5
+    tickets.append(adm.try_acquire(t, 1))
+    for tk in tickets:
+        adm.release(tk)
+    assert adm.in_flight == 0 and adm.active("t") == 0
+
+
+def test_tokens_per_minute_limit():
+    clock = FakeClock()
+    adm = Admission(clock=clock)
+    t = tenant(tokens_per_min=600)  # 10 tokens/s
+    adm.release(adm.try_acquire(t, 500))
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 200)
+    assert info.value.retry_after_s == pytest.approx(10.0)
+    assert info.value.headers()["Retry-After"] == "10"
+    clock.t += 10
+    adm.release(adm.try_acquire(t, 200))
+    with pytest.raises(PromptTooLarge):  # can never fit the per-minute budget
+        adm.try_acquire(t, 601)
+
+
+def test_max_prompt_tokens_is_400_not_429():
+    adm = Admission()
+    with pytest.raises(PromptTooLarge) as info:
+        adm.try_acquire(tenant(max_prompt_tokens=100), 101)
+    assert info.value.status == 400 and "100" in info.value.message
+    adm.release(adm.try_acquire(tenant(max_prompt_tokens=100), 100))
+
+
+def test_max_concurrent_per_tenant_and_release_is_idempotent():
+    adm = Admission()
+    t, other = tenant("t", max_concurrent=2), tenant("o", max_concurrent=2)
+    a, b = adm.try_acquire(t, 1), adm.try_acquire(t, 1)
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    assert info.value.code == "concurrency_limit_exceeded"
+    adm.release(adm.try_acquire(other, 1))  # another tenant is unaffected
+    adm.release(a)
+    adm.release(a)  # double release must not free a second slot
+    c = adm.try_acquire(t, 1)
+    with pytest.raises(RateLimited):
+        adm.try_acquire(t, 1)
+    for tk in (b, c):
+        adm.release(tk)
+    assert adm.in_flight == 0
+
+
+def test_rejected_request_does_not_consume_budget():
+    clock = FakeClock()
+    adm = Admission(max_concurrent=1, clock=clock)
+    t = tenant(requests_per_s=1, burst_requests=2)
+    first = adm.try_acquire(t, 1)
+    with pytest.raises(RateLimited, match="capacity"):
+        adm.try_acquire(t, 1)  # server full: refunded
+    adm.release(first)
+    adm.release(adm.try_acquire(t, 1))  # the refunded token is still there
+    with pytest.raises(RateLimited, match="requests per second"):
+        adm.try_acquire(t, 1)
+
+
+def test_fair_queue_alternates_between_flooding_and_quiet_tenant():
+    """Global bound 1: tenant F queues 6 requests, then Q queues 2; grants alternate F/Q, so Q's
+    requests are served 2nd and 4th, not after all of F's."""
+    async def scenario():
+        adm = Admission(max_concurrent=1, queue_timeout_s=5)
+        flood, quiet = tenant("flood"), tenant("quiet")
+        holder = await adm.acquire(flood, 1)
+        order: list[str] = []
+
+        async def one(t):
+            tk = await adm.acquire(t, 1)
+            order.append(t.id)
+            await asyncio.sleep(0)
+            adm.release(tk)
+
+        tasks = [asyncio.create_task(one(flood)) for _ in range(6)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(one(quiet)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert adm.waiting("flood") == 6 and adm.waiting("quiet") == 2
+        adm.release(holder)
+        await asyncio.gather(*tasks)
+        return order, adm
+
+    order, adm = asyncio.run(scenario())
+    assert order[:4] == ["flood", "quiet", "flood", "quiet"], order
+    assert sorted(order) == ["flood"] * 6 + ["quiet"] * 2
+    assert adm.in_flight == 0 and adm.waiting() == 0
+
+
+def test_flood_capped_by_per_tenant_concurrency_leaves_room_for_others():
+    async def scenario():
+        adm = Admission(max_concurrent=4, queue_timeout_s=5)
+        flood, quiet = tenant("flood", max_concurrent=3), tenant("quiet", max_concurrent=3)
+        flood_tickets, refused = [], 0
+        for _ in range(50):
+            try:
+                flood_tickets.append(await asyncio.wait_for(adm.acquire(flood, 1), 0.1))
+            except RateLimited:
+                refused += 1
+        q = await asyncio.wait_for(adm.acquire(quiet, 1), 0.1)  # admitted at once: a slot is left
+        return len(flood_tickets), refused, q, adm
+
+    admitted, refused, q, adm = asyncio.run(scenario())
+    assert (admitted, refused) == (3, 47)
+    assert q.tenant_id == "quiet" and adm.in_flight == 4
+
+
+def test_queue_timeout_gives_429_and_refunds():
+    async def scenario():
+        adm = Admission(max_concurrent=1, queue_timeout_s=0.05)
+        t = tenant("t", max_concurrent=5)
+        held = await adm.acquire(t, 1)
+        with pytest.raises(RateLimited) as info:
+            await adm.acquire(t, 1)
+        assert info.value.code == "server_busy" and info.value.headers()["Retry-After"] == "1"
+        assert adm.active("t") == 1 and adm.waiting() == 0
+        adm.release(held)
+        adm.release(adm.try_acquire(t, 1))  # no stale waiter blocks a later request
+        return adm
+
+    adm = asyncio.run(scenario())
+    assert adm.in_flight == 0
+
+
+def test_cancelled_waiter_frees_its_place():
+    async def scenario():
+        adm = Admission(max_concurrent=1, queue_timeout_s=5)
+        t = tenant("t")
+        held = await adm.acquire(t, 1)
+        waiter = asyncio.create_task(adm.acquire(t, 1))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        adm.release(held)
+        assert adm.in_flight == 0 and adm.active("t") == 0
+        nxt = await asyncio.wait_for(adm.acquire(t, 1), 0.1)
+        adm.release(nxt)
+        return adm
+
+    assert asyncio.run(scenario()).in_flight == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), min_size=1, max_size=40),
+       st.integers(1, 4))
+def test_admission_invariants_under_random_acquire_release(ops, cap):
+    """Random interleavings: in-flight never exceeds the global or per-tenant caps and returns to 0."""
+    adm = Admission(max_concurrent=cap)
+    tenants = {n: tenant(n, max_concurrent=2) for n in "abc"}
+    held: dict[str, list] = {n: [] for n in "abc"}
+    for name, acquire in ops:
+        if acquire:
+            try:
+                held[name].append(adm.try_acquire(tenants[name], 1))
+            except RateLimited:
+                pass
+        elif held[name]:
+            adm.release(held[name].pop())
+        assert adm.in_flight == sum(len(v) for v in held.values()) <= cap
+        assert all(adm.active(n) == len(held[n]) <= 2 for n in "abc")
+    for name in "abc":
+        for tk in held[name]:
+            adm.release(tk)
+    assert adm.in_flight == 0
+
+
+def test_admission_from_registry(registry):
+    adm = Admission.from_registry(registry)
+    assert adm.max_concurrent == 4 and adm.queue_timeout_s == 1
+    acme = registry.tenants["acme"]
+    with pytest.raises(PromptTooLarge):
+        adm.try_acquire(acme, 1001)
+
+
+# --- metrics ----------------------------------------------------------------------------------------
+
+def test_metrics_hit_rates_and_prometheus_text():
+    m = TenantMetrics()
+    m.record("a", 100, 50, 0.2)
+    m.record("a", 300, 0, 0.04)
+    m.record("b", 10, 10, None)
+    m.record_rejection("a", "rate_limit_exceeded")
+    m.record_rejection(None, "invalid_api_key")
+    snap = m.snapshot()
+    assert snap["a"]["hit_rate_tokens"] == pytest.approx(50 / 400)
+    assert snap["a"]["hit_rate_requests"] == pytest.approx(0.25)  # mean of 0.5 and 0
+    assert snap["a"]["ttft_mean_s"] == pytest.approx(0.12)
+    assert snap["b"]["hit_rate_tokens"] == 1.0 and snap["b"]["ttft_mean_s"] is None
+    assert snap["unauthenticated"]["rejections"] == {"invalid_api_key": 1}
+    text = m.prometheus_text()
+    assert 'kvmesh_tenant_cached_tokens_total{tenant="a"} 50' in text
+    assert 'kvmesh_tenant_hit_rate_tokens{tenant="a"} 0.125000' in text
+    assert 'kvmesh_tenant_ttft_seconds_bucket{tenant="a",le="0.05"} 1' in text
+    assert 'kvmesh_tenant_ttft_seconds_bucket{tenant="a",le="+Inf"} 2' in text
+    assert 'kvmesh_tenant_rejections_total{tenant="unauthenticated",reason="invalid_api_key"} 1' in text
+    assert 'requests_total{tenant="unauthenticated"}' not in text
+    with pytest.raises(ValueError):
+        m.record("a", 10, 11)
+
+
+def test_metrics_text_parses_with_prometheus_parser():
+    from prometheus_client import parser  # installed with vLLM
+    m = TenantMetrics()
+    m.record('we"ird\\tenant', 64, 32, 0.3)
+    families = {f.name: f for f in parser.text_string_to_metric_families(m.prometheus_text())}
+    assert families["kvmesh_tenant_cached_tokens"].samples[0].labels["tenant"] == 'we"ird\\tenant'
+    assert families["kvmesh_tenant_ttft_seconds"].type == "histogram"
+
+
+@settings(max_examples=100)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.floats(0, 1)), min_size=1, max_size=30))
+def test_metrics_token_rate_matches_definition(reqs):
+    m = TenantMetrics()
+    total_p = total_c = 0
+    for prompt, frac in reqs:
+        cached = int(prompt * frac)
+        m.record("t", prompt, cached, 0.1)
+        total_p, total_c = total_p + prompt, total_c + cached
+    snap = m.snapshot()["t"]
+    assert snap["cached_tokens"] == total_c and snap["prompt_tokens"] == total_p
+    assert snap["hit_rate_tokens"] == pytest.approx(total_c / total_p if total_p else 0.0)
+    assert 0.0 <= snap["hit_rate_requests"] <= 1.0
