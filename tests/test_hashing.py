@@ -1,0 +1,188 @@
+"""kvstore.hashing must be byte-identical to the installed vLLM's own prefix-cache hashing.
+
+The reference is vLLM itself: a real `vllm.v1.request.Request` hashed by
+`kv_cache_utils.get_request_block_hasher` (which generates the salt / LoRA / multimodal extra keys),
+and the 64-bit form from `maybe_convert_block_hash`. vLLM is imported here only, never by kvstore.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvstore.hashing import (ALGOS, BlockHasher, HashMemo, block_hashes, block_hashes_full,
+                             none_hash, to_event_hash)
+
+kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vllm is a test dependency")
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+
+def vllm_hashes(tokens, block_size, algo, salt=None, lora=None, mm=None):
+    """Hashes of a real vLLM Request, computed by vLLM (full bytes)."""
+    fn = get_hash_fn_by_name(algo)
+    kcu.init_none_hash(fn)
+    feats = None
+    if mm:
+        feats = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                       mm_position=PlaceholderRange(offset=off, length=n))
+                 for ident, off, n in mm]
+    req = Request(request_id="r", prompt_token_ids=list(tokens),
+                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                  cache_salt=salt, lora_request=lora, mm_features=feats,
+                  block_hasher=kcu.get_request_block_hasher(block_size, fn))
+    return list(req.block_hashes)
+
+
+def rand_tokens(rng, n):
+    return [rng.randrange(0, 50_000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("salt", [None, "tenant-a-7f3c"])
+def test_identical_to_vllm(algo, block_size, salt):
+    rng = random.Random(hash((algo, block_size, salt)) & 0xFFFF)
+    for n in (0, block_size - 1, block_size, 3 * block_size + 5, 1000):
+        tokens = rand_tokens(rng, n)
+        ref = vllm_hashes(tokens, block_size, algo, salt=salt)
+        assert block_hashes_full(tokens, block_size, algo=algo, cache_salt=salt) == ref
+        ours = block_hashes(tokens, block_size, algo=algo, cache_salt=salt)
+        assert ours == [kcu.maybe_convert_block_hash(h) for h in ref]
+        assert len(ours) == n // block_size  # only full blocks
+
+
+def test_salt_changes_every_block_and_only_first_block_carries_it():
+    tokens = list(range(64))
+    plain = block_hashes(tokens, 16)
+    salted = block_hashes(tokens, 16, cache_salt="s")
+    assert all(a != b for a, b in zip(plain, salted))  # chained: block 0 differs, so all do
+    assert block_hashes(tokens, 16, cache_salt="") == plain  # vLLM ignores empty salts
+
+
+def test_lora_and_multimodal_extra_keys_match_vllm():
+    rng = random.Random(7)
+    tokens = rand_tokens(rng, 300)
+    lora = LoRARequest(lora_name="adapter-x", lora_int_id=3, lora_path="/models/adapter-x")
+    ref = vllm_hashes(tokens, 32, "sha256", salt="s1", lora=lora)
+    assert block_hashes_full(tokens, 32, cache_salt="s1", lora_name="adapter-x",
+                             lora_path="/models/adapter-x") == ref
+    mm = [("img-aaa", 10, 40), ("img-bbb", 50, 3), ("img-ccc", 64, 100), ("img-ddd", 250, 10)]
+    ref = vllm_hashes(tokens, 32, "sha256", mm=mm)
+    assert block_hashes_full(tokens, 32, mm_keys=mm) == ref
+    assert block_hashes_full(tokens, 32) != ref
+
+
+def test_event_form_is_low_64_bits():
+    full = block_hashes_full(list(range(32)), 16)
+    assert [to_event_hash(h) for h in full] == block_hashes(list(range(32)), 16)
+    assert all(0 <= h < 2**64 for h in block_hashes(list(range(32)), 16))
+
+
+def test_incremental_equals_one_shot_for_any_split():
+    rng = random.Random(3)
+    tokens = rand_tokens(rng, 700)
+    want = block_hashes(tokens, 32, cache_salt="t")
+    for _ in range(20):
+        hasher = BlockHasher(32, cache_salt="t")
+        got, i = [], 0
+        while i < len(tokens):
+            step = rng.randrange(1, 90)
+            got += hasher.extend(tokens[i:i + step])
+            i += step
+        assert got == want == hasher.hashes
+        assert hasher.num_tokens == len(tokens)
+
+
+def test_continuing_from_a_parent():
+    tokens = list(range(100, 260))
+    whole = block_hashes_full(tokens, 32, cache_salt="x")
+    head = block_hashes_full(tokens[:64], 32, cache_salt="x")
+    tail = block_hashes(tokens[64:], 32, parent=head[-1], cache_salt="x")
+    assert tail == [to_event_hash(h) for h in whole[2:]]
+    with pytest.raises(ValueError):
+        block_hashes(tokens, 32, parent=123)
+
+
+def test_memo_gives_identical_hashes_and_counts_hits():
+    rng = random.Random(5)
+    system = rand_tokens(rng, 512)
+    memo = HashMemo(max_entries=1000)
+    a = block_hashes(system + rand_tokens(rng, 100), 16, memo=memo)
+    b_tokens = system + rand_tokens(rng, 100)
+    b = block_hashes(b_tokens, 16, memo=memo)
+    assert b == block_hashes(b_tokens, 16)
+    assert a[:32] == b[:32] and memo.hits == 32
+    small = HashMemo(max_entries=10)
+    block_hashes(system, 16, memo=small)
+    assert len(small) == 10
+
+
+def test_prefix_match_unit_view():
+    """Engine hashing at a finer unit than its cache block: event hash = chain hash at block end."""
+    tokens = list(range(256))
+    fine = block_hashes(tokens, 32)
+    assert block_hashes(tokens, 128, hash_block_size=32) == [fine[3], fine[7]]
+    with pytest.raises(ValueError):
+        block_hashes(tokens, 100, hash_block_size=32)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0)
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 16, algo="md5")
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 16, lora_name="x")
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 16, mm_keys=[("a", 5, 10), ("b", 8, 2)])
+
+
+def test_numpy_tokens_hash_like_python_ints():
+    np = pytest.importorskip("numpy")
+    tokens = list(range(64))
+    assert block_hashes(np.array(tokens, dtype=np.int64), 16) == block_hashes(tokens, 16)
+
+
+_CHILD = """
+import json, os, sys
+import vllm.v1.core.kv_cache_utils as k
+from vllm.utils.hashing import get_hash_fn_by_name
+from kvstore.hashing import none_hash
+out = {}
+for algo in sys.argv[1:]:
+    fn = get_hash_fn_by_name(algo)
+    k.init_none_hash(fn)
+    try:
+        ours = none_hash(algo).hex()
+    except ValueError:
+        ours = "refused"
+    out[algo] = [k.NONE_HASH.hex(), ours]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seed", [None, "0", "12345"])
+def test_none_hash_seed_rules_in_fresh_processes(seed):
+    """NONE_HASH depends on PYTHONHASHSEED at engine start; run vLLM and us in a clean process."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    proc = subprocess.run([sys.executable, "-c", _CHILD, *ALGOS], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for algo, (theirs, ours) in result.items():
+        if seed is None and algo.startswith("xxhash"):
+            assert ours == "refused"  # vLLM's seed is random per process: unknowable
+        else:
+            assert ours == theirs, algo
+    if seed is not None:
+        assert none_hash("sha256", seed=seed).hex() == result["sha256"][0]
