@@ -1,0 +1,289 @@
+"""Trace simulator: replay a Mooncake-form trace through N simulated replicas under one placement policy.
+
+Model (docs/simulator.md has the long form):
+- Each replica is one accelerator with a finite HBM block cache (`BlockLRU`, LRU, parents outlive
+  children); optionally a host tier per node (LMCache L1, write-through: every computed or loaded
+  block is stored there) and one shared tier for the fleet (LMCache L2, write-through).
+- The simulated caches report every store and eviction to a real `cluster.index.PrefixIndex`, the
+  same index the live router feeds from KV events; policies see `ReplicaView`s built from its
+  `match` plus the replica's load, exactly like the live router.
+- Requests arrive at trace timestamps (optionally scaled to a target load, see `cluster.trace
+  .scale_to_load`). A replica prefills one request at a time, FIFO (`CostModel.prefill_s`: base +
+  uncached tokens x prefill cost + tier tokens x load cost); a request needs one of `max_batch`
+  sequence slots from the start of its prefill to the end of its decode (output_length x
+  decode_s_per_token). TTFT = end of prefill - arrival.
+- Because each replica's prefill queue is FIFO, a request's cache hits can be decided when it is
+  routed: everything routed earlier to that replica is prefilled before it starts. Tier copies
+  become visible when the computing request is routed (optimistic by at most one prefill).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.block_cache import BlockLRU
+from cluster.index import PrefixIndex
+from cluster.trace import Trace, scale_to_load
+from policies.base import Policy, ReplicaView, RequestInfo
+from policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
+
+
+@dataclass
+class SimConfig:
+    replicas: int
+    capacity_blocks: int
+    host_blocks: int = 0  # per node; 0 = no host tier
+    shared: bool = False
+    shared_blocks: int | None = None  # None = unbounded shared tier
+    replicas_per_node: int = 1
+    load: float | None = None  # None = trace timestamps as they are
+    cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
+    uncached_rate: float = 3.00  # $ per 1M uncached prompt tokens
+    cached_rate: float = 0.30  # $ per 1M cached prompt tokens
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        if self.host_blocks < 0:
+            raise ValueError("host_blocks must be >= 0")
+        if self.replicas_per_node < 1:
+            raise ValueError("replicas_per_node must be >= 1")
+        if self.shared_blocks is not None and self.shared_blocks < 1:
+            raise ValueError("shared_blocks must be >= 1")
+        if self.load is not None and not (self.load > 0 and math.isfinite(self.load)):
+            raise ValueError("load must be a positive number")
+        if self.uncached_rate < 0 or self.cached_rate < 0:
+            raise ValueError("cost rates must be >= 0")
+
+
+def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float]:
+    """Arrival times in seconds from the trace start, and the achieved offered load."""
+    c = cfg.cost
+    if cfg.load is not None:
+        arr, _ = scale_to_load(trace, cfg.replicas, cfg.load, c.prefill_s_per_token, c.prefill_base_s)
+        return arr, cfg.load
+    t0 = trace.requests[0].timestamp_ms
+    arr = [(r.timestamp_ms - t0) / 1000.0 for r in trace.requests]
+    work = sum(r.input_length for r in trace.requests) * c.prefill_s_per_token + len(arr) * c.prefill_base_s
+    span = arr[-1]
+    return arr, (work / (cfg.replicas * span) if span > 0 else float("inf"))
+
+
+def _pct(sorted_vals: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    if not sorted_vals:
+        return 0.0
+    k = max(0, min(len(sorted_vals) - 1, math.ceil(q / 100.0 * len(sorted_vals)) - 1))
+    return sorted_vals[k]
+
+
+def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list[float] | None = None,
+                    progress=None) -> dict:
+    """Replay `trace` under `policy`; returns the per-policy metrics dict (issue-2 keys plus extras)."""
+    cfg.check()
+    if arrivals is None:
+        arrivals, _ = arrivals_for(trace, cfg)
+    c = cfg.cost
+    bs = trace.block_size
+    N = cfg.replicas
+    rids = [f"r{i}" for i in range(N)]
+    nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
+    n_nodes = len(set(nodes))
+    index = PrefixIndex(max_blocks=N * cfg.capacity_blocks + n_nodes * cfg.host_blocks
+                        + (cfg.shared_blocks or 0) + 1_000_000 + (10_000_000 if cfg.shared and cfg.shared_blocks is None else 0),
+                        speculative_ttl_s=0.0)
+    for rid, node in zip(rids, nodes):
+        index.add_replica(rid, node)
+    hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
+    host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
+    shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
+    views = [ReplicaView(rid, capacity_blocks=cfg.capacity_blocks) for rid in rids]
+
+    server_free = [0.0] * N
+    inflight = [deque() for _ in range(N)]  # (prefill_done, uncached tokens), FIFO
+    pending_tok = [0] * N
+    view_heap = [[] for _ in range(N)]  # (end, kv blocks) of requests not finished
+    active_blocks = [0] * N
+    slot_heap = [[] for _ in range(N)]  # ends of admitted requests, for the max_batch constraint
+    max_batch = c.max_batch
+    tpot = c.decode_s_per_token
+
+    # metrics
+    prompt_r = [0] * N
+    hit_r = [0] * N
+    computed_r = [0] * N
+    reqs_r = [0] * N
+    busy_r = [0.0] * N
+    tier_tokens = {"hbm": 0, "host": 0, "shared": 0}
+    ttfts: list[float] = []
+    frac_sum = 0.0
+    out_tokens = 0
+    last_end = 0.0
+    uses_index = True  # the chosen replica's hits always come from the index
+    t_wall = time.perf_counter()
+
+    for i, r in enumerate(trace.requests):
+        t = arrivals[i]
+        ids = r.hash_ids
+        n = r.input_length
+        # advance every replica's load to time t
+        for j in range(N):
+            q = inflight[j]
+            while q and q[0][0] <= t:
+                pending_tok[j] -= q.popleft()[1]
+            vh = view_heap[j]
+            while vh and vh[0][0] <= t:
+                active_blocks[j] -= heapq.heappop(vh)[1]
+            v = views[j]
+            v.queued = len(q)
+            v.running = len(vh) - len(q)
+            v.pending_prefill_tokens = pending_tok[j]
+            v.kv_usage = min(1.0, active_blocks[j] / cfg.capacity_blocks)
+        match = index.match(ids) if uses_index else None
+        for j in range(N):
+            m = match[rids[j]]
+            v = views[j]
+            v.hbm_blocks, v.host_blocks, v.shared_blocks = m
+        req = RequestInfo(ids, n, bs, r.output_length, r.tenant, str(i))
+        ranked = policy.rank(req, views)
+        rid = ranked[0]
+        j = int(rid[1:])
+        policy.on_routed(req, rid)
+
+        hb, ob, sb = match[rid]
+        hbm_t = cached_tokens(hb, n, bs)
+        host_t = cached_tokens(ob, n, bs)
+        shared_t = cached_tokens(sb, n, bs)
+        uncached = n - shared_t
+        # caches: the request's full blocks end up in this replica's hbm and, write-through, in the tiers
+        keep = ids[:cacheable_blocks(n, len(ids), bs)]
+        new, evicted = hbm[j].admit(keep)
+        if evicted:
+            index.remove(rid, evicted)
+        if new:
+            index.store(rid, new)
+        if host:
+            new, evicted = host[nodes[j]].admit(keep)
+            if evicted:
+                index.remove_host(nodes[j], evicted)
+            if new:
+                index.store_host(nodes[j], new)
+        if shared is not None:
+            new, evicted = shared.admit(keep)
+            if evicted:
+                index.remove_shared(evicted)
+            if new:
+                index.store_shared(new)
+        # time
+        service = c.prefill_s(n, hbm_t, host_t, shared_t)
+        s = t if t > server_free[j] else server_free[j]
+        sh = slot_heap[j]
+        while sh and sh[0] <= s:
+            heapq.heappop(sh)
+        if len(sh) >= max_batch:
+            e = heapq.heappop(sh)
+            s = e if e > s else s
+        done = s + service
+        server_free[j] = done
+        end = done + r.output_length * tpot
+        heapq.heappush(sh, end)
+        kvb = -(-(n + r.output_length) // bs)
+        heapq.heappush(view_heap[j], (end, kvb))
+        active_blocks[j] += kvb
+        inflight[j].append((done, uncached))
+        pending_tok[j] += uncached
+        if end > last_end:
+            last_end = end
+        # metrics
+        ttfts.append(done - t)
+        prompt_r[j] += n
+        hit_r[j] += shared_t
+        computed_r[j] += uncached
+        reqs_r[j] += 1
+        busy_r[j] += service
+        tier_tokens["hbm"] += hbm_t
+        tier_tokens["host"] += host_t - hbm_t
+        tier_tokens["shared"] += shared_t - host_t
+        frac_sum += shared_t / n
+        out_tokens += r.output_length
+        if progress is not None:
+            progress.update(1)
+
+    wall = time.perf_counter() - t_wall
+    n_req = len(trace.requests)
+    prompt = sum(prompt_r)
+    hit = sum(hit_r)
+    mean_computed = sum(computed_r) / N
+    makespan = max(last_end - arrivals[0], 1e-9)
+    ttfts.sort()
+    cost_usd = ((prompt - hit) * cfg.uncached_rate + hit * cfg.cached_rate) / 1e6
+    return {
+        "hit_rate_tokens": hit / prompt if prompt else 0.0,
+        "hit_rate_requests": frac_sum / n_req if n_req else 0.0,
+        "imbalance": (max(computed_r) / mean_computed) if mean_computed else 1.0,
+        "ttft_p50_s": _pct(ttfts, 50),
+        "ttft_p90_s": _pct(ttfts, 90),
+        "ttft_p99_s": _pct(ttfts, 99),
+        "throughput_tokens_s": (prompt + out_tokens) / makespan,
+        "blended_cost": cost_usd,
+        # extras
+        "blended_cost_per_mtok": cost_usd / prompt * 1e6 if prompt else 0.0,
+        "hit_rate_hbm_tokens": tier_tokens["hbm"] / prompt if prompt else 0.0,
+        "hit_tokens_by_tier": tier_tokens,
+        "prompt_tokens": prompt,
+        "cached_tokens": hit,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "utilization": sum(busy_r) / (N * makespan),
+        "requests_imbalance": max(reqs_r) / (n_req / N) if n_req else 1.0,
+        "per_replica": {
+            rids[k]: {"requests": reqs_r[k], "prompt_tokens": prompt_r[k], "prefill_tokens": computed_r[k],
+                      "hit_rate_tokens": hit_r[k] / prompt_r[k] if prompt_r[k] else 0.0}
+            for k in range(N)
+        },
+        "index_stats": {k: v for k, v in index.stats.items() if k in ("lookups", "hits", "admissions", "evictions")},
+        "sim_wall_s": wall,
+    }
+
+
+def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False) -> dict:
+    """Run every policy on the same arrivals and return the issue-2 JSON document (with bounds)."""
+    from cluster.bounds import compute_bounds
+
+    cfg.check()
+    arrivals, offered = arrivals_for(trace, cfg)
+    n_nodes = len({i // cfg.replicas_per_node for i in range(cfg.replicas)})
+    doc = {
+        "trace": trace.name,
+        "replicas": cfg.replicas,
+        "capacity_blocks": cfg.capacity_blocks,
+        "requests": len(trace),
+        "bounds": compute_bounds(trace.requests, trace.block_size, cfg.replicas, cfg.capacity_blocks,
+                                 n_nodes * cfg.host_blocks),
+        "policies": {},
+        "config": {
+            "block_size": trace.block_size, "host_blocks": cfg.host_blocks, "shared": cfg.shared,
+            "shared_blocks": cfg.shared_blocks, "replicas_per_node": cfg.replicas_per_node,
+            "load": offered, "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
+            "span_s": arrivals[-1] - arrivals[0], "cost_model": cfg.cost.to_dict(),
+            "uncached_rate_per_mtok": cfg.uncached_rate, "cached_rate_per_mtok": cfg.cached_rate, "seed": cfg.seed,
+        },
+    }
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(trace) * len(policies), unit="req", desc="simulate", leave=False)
+    try:
+        for name, pol in policies.items():
+            if bar is not None:
+                bar.set_postfix_str(name)
+            doc["policies"][name] = simulate_policy(trace, cfg, pol, arrivals, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return doc

@@ -1,0 +1,167 @@
+"""Mooncake-form JSONL traces: loading with line-numbered validation, bundled names, load scaling.
+
+One record per line: `timestamp` (ms since trace start, non-decreasing), `input_length` and
+`output_length` (tokens), `hash_ids` (one id per `block_size`-token block of the prompt, the last one
+possibly partial; an id always follows the same parent, so it names its whole prefix). Extra keys are
+kept as they are (`tenant` is passed on to policies). A malformed line raises `TraceError` naming the
+file and line, which the CLI prints as one line (exit 2).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Iterator, Sequence
+
+BUNDLED = {
+    "conversation": "mooncake_conversation_trace.jsonl",
+    "synthetic": "mooncake_synthetic_trace.jsonl",
+}
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace that cannot be used; the message names the file and line."""
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+    tenant: str | None = None
+
+
+@dataclass
+class Trace:
+    name: str
+    requests: list[TraceRequest]
+    block_size: int = MOONCAKE_BLOCK_TOKENS
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def span_s(self) -> float:
+        if not self.requests:
+            return 0.0
+        return (self.requests[-1].timestamp_ms - self.requests[0].timestamp_ms) / 1000.0
+
+
+def resolve(name_or_path: str) -> str:
+    """A bundled trace name ('conversation', 'synthetic') or a file path -> a readable path."""
+    if name_or_path in BUNDLED:
+        return str(resources.files("cluster") / "traces" / BUNDLED[name_or_path])
+    if not os.path.isfile(name_or_path):
+        raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
+    return name_or_path
+
+
+def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> int:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < minimum:
+        raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {v!r}")
+    if isinstance(v, float) and key != "timestamp":
+        if not v.is_integer():
+            raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
+        v = int(v)
+    return v
+
+
+def parse_record(line: str, where: str, block_size: int) -> TraceRequest:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(rec, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in rec]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    ts = _int_field(rec, "timestamp", where)
+    n_in = _int_field(rec, "input_length", where, minimum=1)
+    n_out = _int_field(rec, "output_length", where)
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
+                                                       for h in ids):
+        raise TraceError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
+    if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
+        raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
+    tenant = rec.get("tenant")
+    return TraceRequest(float(ts), n_in, n_out, ids, None if tenant is None else str(tenant))
+
+
+def iter_trace(path: str, block_size: int = MOONCAKE_BLOCK_TOKENS, limit: int | None = None) -> Iterator[TraceRequest]:
+    last_ts = -math.inf
+    count = 0
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if limit is not None and count >= limit:
+                return
+            where = f"{os.path.basename(path)} line {lineno}"
+            req = parse_record(line, where, block_size)
+            if req.timestamp_ms < last_ts:
+                raise TraceError(f"{where}: timestamp {req.timestamp_ms:g} goes back in time (previous {last_ts:g})")
+            last_ts = req.timestamp_ms
+            count += 1
+            yield req
+
+
+def load_trace(name_or_path: str, block_size: int = MOONCAKE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
+    """Load and validate a whole trace (bundled name or path). Raises TraceError; empty traces too."""
+    if block_size < 1:
+        raise TraceError("block size must be >= 1")
+    path = resolve(name_or_path)
+    try:
+        reqs = list(iter_trace(path, block_size, limit))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
+    if not reqs:
+        raise TraceError(f"trace {name_or_path!r}: no requests")
+    name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)
+    return Trace(name, reqs, block_size, {"path": path})
+
+
+def tile(trace: Trace, copies: int) -> Trace:
+    """`copies` back-to-back copies with disjoint hash ids (a relabelled workload of the same shape),
+    used to make million-request runs from the bundled traces."""
+    if copies < 1:
+        raise ValueError("copies must be >= 1")
+    offset = 1 + max(h for r in trace.requests for h in r.hash_ids)
+    span_ms = trace.span_s * 1000.0 + 1.0
+    out: list[TraceRequest] = []
+    for k in range(copies):
+        for r in trace.requests:
+            out.append(TraceRequest(r.timestamp_ms + k * span_ms, r.input_length, r.output_length,
+                                    [h + k * offset for h in r.hash_ids], r.tenant))
+    return Trace(f"{trace.name}x{copies}", out, trace.block_size, dict(trace.meta, tiled=copies))
+
+
+def scale_to_load(trace: Trace, replicas: int, load: float, prefill_s_per_token: float,
+                  prefill_base_s: float = 0.0) -> tuple[list[float], float]:
+    """Arrival times (s) stretched or squeezed so that the offered prefill work equals `load` x the
+    fleet's prefill capacity over the trace's span:
+
+        load = sum_i prefill_s(input_i, nothing cached) / (replicas * span_s)
+
+    i.e. load 1.0 saturates the fleet if no prompt token were ever reused. Returns (arrivals, factor)."""
+    if load <= 0:
+        raise ValueError("load must be > 0")
+    t0 = trace.requests[0].timestamp_ms
+    base = [(r.timestamp_ms - t0) / 1000.0 for r in trace.requests]
+    work = offered_work_s(trace.requests, prefill_s_per_token, prefill_base_s)
+    span = base[-1]
+    if span <= 0:
+        raise ValueError("trace has no time span (all timestamps equal); cannot scale to a load")
+    factor = work / (replicas * load * span)
+    return [t * factor for t in base], factor
+
+
+def offered_work_s(requests: Sequence[TraceRequest], prefill_s_per_token: float, prefill_base_s: float = 0.0) -> float:
+    return sum(r.input_length for r in requests) * prefill_s_per_token + len(requests) * prefill_base_s

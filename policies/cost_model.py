@@ -1,0 +1,82 @@
+"""The time model shared by the kvmesh policy and the trace simulator: one place for its constants.
+
+Why one place: the policy predicts TTFT with the same formula the simulator uses to deliver it, and
+both are later calibrated from the live engines (`CostModel.from_dict` takes measured values). If
+the two drifted apart the simulator would flatter or punish the policy for reasons unrelated to
+placement.
+
+Defaults describe one accelerator per replica serving an ~8B model (one H100-class GPU):
+- prefill ~10k tokens/s => `prefill_s_per_token` = 1e-4 s, plus `prefill_base_s` = 10 ms per
+  request (scheduling, first sampling step);
+- decode: `decode_s_per_token` = 25 ms per output token per sequence (TPOT at a typical batch);
+- a KV block already in the node's host DRAM (LMCache L1) loads over PCIe: ~128 KiB of KV per token
+  at ~25 GB/s => ~5e-6 s/token (`host_load_s_per_token`, 1/20 of recomputing it);
+- a KV block in the shared tier (LMCache L2 over the network) ~5 GB/s => 2.5e-5 s/token (1/4).
+- `max_batch` = 64 sequences in flight per replica (vLLM's max_num_seqs is 256; long Mooncake
+  prompts fill the KV space well before that).
+All are plain seconds; see docs/simulator.md.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    prefill_s_per_token: float = 1e-4
+    prefill_base_s: float = 0.010
+    decode_s_per_token: float = 0.025
+    host_load_s_per_token: float = 5e-6
+    shared_load_s_per_token: float = 2.5e-5
+    max_batch: int = 64
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"cost model: {f.name} must be a non-negative number, got {v!r}")
+        if self.max_batch < 1:
+            raise ValueError("cost model: max_batch must be >= 1")
+
+    def prefill_s(self, num_tokens: int, hbm_tokens: int = 0, host_tokens: int = 0, shared_tokens: int = 0) -> float:
+        """Seconds to prefill a prompt whose first tokens are cached (cumulative per tier:
+        hbm <= host <= shared <= num_tokens): recompute the rest, load the tier parts."""
+        return (self.prefill_base_s
+                + (num_tokens - shared_tokens) * self.prefill_s_per_token
+                + (shared_tokens - host_tokens) * self.shared_load_s_per_token
+                + (host_tokens - hbm_tokens) * self.host_load_s_per_token)
+
+    def host_credit(self) -> float:
+        """Fraction of the recompute cost saved per token found in the host tier."""
+        return 1.0 - self.host_load_s_per_token / self.prefill_s_per_token if self.prefill_s_per_token else 0.0
+
+    def shared_credit(self) -> float:
+        return 1.0 - self.shared_load_s_per_token / self.prefill_s_per_token if self.prefill_s_per_token else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "CostModel":
+        """Build from (possibly partial) measured values; unknown keys are an error, not ignored."""
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"cost model: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return replace(cls(), **values)
+
+
+DEFAULT_COST_MODEL = CostModel()
+
+
+def cached_tokens(matched_blocks: int, num_tokens: int, block_size: int) -> int:
+    """Prompt tokens served from cache for a prefix of `matched_blocks` full blocks. vLLM always
+    computes the last prompt token (it needs its logits) and hits whole blocks only, so at most
+    floor((num_tokens - 1) / block_size) blocks count."""
+    return max(0, min(matched_blocks, (num_tokens - 1) // block_size)) * block_size
+
+
+def cacheable_blocks(num_tokens: int, num_block_ids: int, block_size: int) -> int:
+    """How many of a request's blocks are full (only full blocks are cached and shared)."""
+    return min(num_block_ids, num_tokens // block_size)
