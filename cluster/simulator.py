@@ -277,7 +277,8 @@ def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(trace) * len(policies), unit="req", desc="simulate", leave=False)
+        bar = tqdm(total=len(trace) * len(policies), unit="req", desc="simulate", leave=False,
+                   disable=None, mininterval=0.5)  # disable=None: silent when stderr is not a terminal
     try:
         for name, pol in policies.items():
             if bar is not None:

@@ -1,0 +1,125 @@
+"""`kvmesh simulate`: replay a trace through simulated replicas per policy, with bounds; table, JSON, PNG."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from deployments.cli import CliError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="Mooncake JSONL file, or a bundled trace: conversation, synthetic")
+    p.add_argument("--replicas", type=_positive_int, required=True, help="number of engine replicas")
+    p.add_argument("--capacity-blocks", type=_positive_int, required=True, help="HBM KV blocks per replica")
+    p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (default)")
+    p.add_argument("--load", type=_positive_float, default=None,
+                   help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
+                        "default: trace timestamps as recorded")
+    p.add_argument("--host-blocks", type=_non_negative_int, default=0, help="host-tier (LMCache L1) blocks per node")
+    p.add_argument("--shared", action="store_true", help="add a shared tier (LMCache L2) reachable from every replica")
+    p.add_argument("--shared-blocks", type=_positive_int, default=None, help="shared-tier capacity (default unbounded)")
+    p.add_argument("--replicas-per-node", type=_positive_int, default=1, help="replicas sharing one host tier")
+    p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N requests")
+    p.add_argument("--cost-model", default=None, metavar="JSON",
+                   help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)")
+    p.add_argument("--uncached-rate", type=float, default=3.00, help="$ per 1M uncached prompt tokens")
+    p.add_argument("--cached-rate", type=float, default=0.30, help="$ per 1M cached prompt tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result document here")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of hit rate and p90 TTFT per policy")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _cost_model(text: str | None):
+    from policies.cost_model import CostModel
+
+    if text is None:
+        return CostModel()
+    try:
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as fh:
+                values = json.load(fh)
+        else:
+            values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ValueError("expected a JSON object")
+        return CostModel.from_dict(values)
+    except (ValueError, TypeError, OSError) as exc:
+        raise CliError(f"--cost-model: {exc}") from None
+
+
+def run(args) -> int:
+    from cluster.sim_report import format_table, plot
+    from cluster.simulator import SimConfig, simulate
+    from cluster.trace import TraceError, load_trace
+    from policies.registry import make_policy, parse_policy_list
+
+    try:
+        names = parse_policy_list(args.policies)
+    except ValueError as exc:
+        raise CliError(f"--policies: {exc}") from None
+    if args.uncached_rate < 0 or args.cached_rate < 0:
+        raise CliError("--uncached-rate and --cached-rate must be >= 0")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise CliError(f"--plot: expected a .png path, got {args.plot!r}")
+    cost = _cost_model(args.cost_model)
+    try:
+        trace = load_trace(args.trace, args.block_size, args.limit)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
+    if len(trace) < 2 and args.load is not None:
+        raise CliError("--load needs a trace with at least two requests at different times")
+    cfg = SimConfig(args.replicas, args.capacity_blocks, host_blocks=args.host_blocks, shared=args.shared,
+                    shared_blocks=args.shared_blocks, replicas_per_node=args.replicas_per_node, load=args.load,
+                    cost=cost, uncached_rate=args.uncached_rate, cached_rate=args.cached_rate, seed=args.seed)
+    try:
+        cfg.check()
+        policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
+        progress = not args.no_progress and len(trace) * len(names) >= 20_000
+        doc = simulate(trace, cfg, policies, progress=progress)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(format_table(doc))
+    if args.json_out:
+        d = os.path.dirname(os.path.abspath(args.json_out))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json_out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
