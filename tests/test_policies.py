@@ -1,0 +1,238 @@
+"""Placement policies: interface contract for every policy, and the behaviour each one promises."""
+from __future__ import annotations
+
+import pytest
+
+from policies.base import ReplicaView, RequestInfo
+from policies.cost_model import CostModel, cacheable_blocks, cached_tokens
+from policies.registry import BASELINES, PEERS, POLICY_NAMES, make_policy, parse_policy_list
+
+BS = 512
+
+
+def req(hashes, n=None, rid=None):
+    n = n if n is not None else len(hashes) * BS
+    return RequestInfo(list(hashes), n, BS, 100, None, rid)
+
+
+def views(k, **per):
+    """k idle replicas; `per` maps field -> {index: value}."""
+    out = [ReplicaView(f"r{i}", capacity_blocks=1000) for i in range(k)]
+    for field, values in per.items():
+        for i, v in values.items():
+            setattr(out[i], field, v)
+    return out
+
+
+def test_registry_lists_every_required_policy():
+    assert set(POLICY_NAMES) == {"kvmesh", *BASELINES, *PEERS}
+    assert set(BASELINES) == {"round_robin", "random", "least_loaded", "power_of_two", "consistent_hash"}
+    assert set(PEERS) == {"sglang_cache_aware", "ray_prefix_affinity", "llmd_precise", "dynamo_cost"}
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        make_policy("nope")
+    assert parse_policy_list("all") == list(POLICY_NAMES)
+    assert parse_policy_list("kvmesh, round_robin,kvmesh") == ["kvmesh", "round_robin"]
+    with pytest.raises(ValueError):
+        parse_policy_list("kvmesh,bogus")
+    with pytest.raises(ValueError):
+        parse_policy_list(" , ")
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_ranks_a_permutation_and_is_deterministic(name):
+    import random
+
+    def run(seed):
+        rng = random.Random(7)
+        p = make_policy(name, seed=seed)
+        picks = []
+        for i in range(60):
+            vs = views(5, hbm_blocks={rng.randrange(5): rng.randrange(4)},
+                       queued={rng.randrange(5): rng.randrange(3)}, running={rng.randrange(5): rng.randrange(3)})
+            for v in vs:
+                v.host_blocks = v.shared_blocks = v.hbm_blocks
+            r = req([rng.randrange(6), rng.randrange(50), rng.randrange(50)], rid=str(i))
+            ranked = p.rank(r, vs)
+            assert sorted(ranked) == sorted(v.replica_id for v in vs), name
+            p.on_routed(r, ranked[0])
+            picks.append(ranked[0])
+        return picks
+
+    a, b = run(3), run(3)
+    assert a == b
+    assert len(set(a)) > 1  # nobody sends 60 varied requests to one replica
+
+
+def test_cost_model_formula_and_validation():
+    c = CostModel(prefill_s_per_token=1e-3, prefill_base_s=0.5, host_load_s_per_token=1e-4,
+                  shared_load_s_per_token=5e-4)
+    # 1000 tokens: 100 in hbm, 200 more in host, 300 more in shared, 400 recomputed
+    assert c.prefill_s(1000, 100, 300, 600) == pytest.approx(0.5 + 400e-3 + 300 * 5e-4 + 200 * 1e-4)
+    assert c.host_credit() == pytest.approx(0.9) and c.shared_credit() == pytest.approx(0.5)
+    assert CostModel.from_dict({"prefill_s_per_token": 2e-4}).prefill_s_per_token == 2e-4
+    with pytest.raises(ValueError, match="unknown keys"):
+        CostModel.from_dict({"prefil_s_per_token": 1})
+    with pytest.raises(ValueError):
+        CostModel(prefill_s_per_token=-1)
+
+
+def test_cached_token_rules_follow_vllm():
+    assert cached_tokens(3, 3 * BS, BS) == 2 * BS  # the last token is always computed: last block recomputed
+    assert cached_tokens(3, 3 * BS + 1, BS) == 3 * BS
+    assert cached_tokens(5, 2 * BS + 10, BS) == 2 * BS
+    assert cached_tokens(0, 100, BS) == 0
+    assert cacheable_blocks(2 * BS + 10, 3, BS) == 2  # partial last block is not cached
+    assert cacheable_blocks(3 * BS, 3, BS) == 3
+
+
+# ----------------------------------------------------------------------------------------- kvmesh
+def test_kvmesh_prefers_the_replica_holding_the_prefix():
+    p = make_policy("kvmesh")
+    vs = views(4, hbm_blocks={2: 8}, host_blocks={2: 8}, shared_blocks={2: 8})
+    assert p.rank(req(range(10)), vs)[0] == "r2"
+
+
+def test_kvmesh_leaves_a_holder_whose_queue_costs_more_than_the_hit_saves():
+    p = make_policy("kvmesh", recompute_weight=0.0)
+    # r0 holds 8 of 10 blocks (saves ~0.4 s) but has 100k tokens queued (~10 s of prefill ahead)
+    vs = views(3, hbm_blocks={0: 8}, host_blocks={0: 8}, shared_blocks={0: 8}, pending_prefill_tokens={0: 100_000},
+               queued={0: 5})
+    assert p.rank(req(range(10)), vs)[0] != "r0"
+    # with a short queue it stays
+    vs[0].pending_prefill_tokens, vs[0].queued = 1000, 1
+    assert p.rank(req(range(10)), vs)[0] == "r0"
+
+
+def test_kvmesh_tier_credits_order_hbm_host_shared_none():
+    p = make_policy("kvmesh")
+    vs = views(4)
+    vs[0].hbm_blocks = vs[0].host_blocks = vs[0].shared_blocks = 8  # in its own cache
+    vs[1].host_blocks = vs[1].shared_blocks = 8  # in its node's host DRAM
+    vs[2].shared_blocks = 8  # in the shared tier only
+    assert p.rank(req(range(10)), vs) == ["r0", "r1", "r2", "r3"]
+    pred = p.last_prediction
+    assert pred["r0"] < pred["r1"] < pred["r2"] < pred["r3"]
+
+
+def test_kvmesh_spreads_requests_that_share_one_system_prompt():
+    """Every replica holds the system prompt (block 0); new conversations must not pile onto one."""
+    p = make_policy("kvmesh")
+    counts = {}
+    for i in range(80):
+        vs = views(8, hbm_blocks=dict.fromkeys(range(8), 1), host_blocks=dict.fromkeys(range(8), 1),
+                   shared_blocks=dict.fromkeys(range(8), 1))
+        r = req([0, 1000 + i, 2000 + i, 3000 + i], rid=str(i))
+        rid = p.rank(r, vs)[0]
+        p.on_routed(r, rid)
+        counts[rid] = counts.get(rid, 0) + 1
+    assert len(counts) == 8
+    assert max(counts.values()) <= 11  # 10 each on average
+
+
+def test_kvmesh_guard_overrides_affinity_for_an_overworked_replica():
+    p = make_policy("kvmesh", balance_slack=0.1)
+    # r0 owns a popular prefix: send it a lot of work via on_routed (as if routed before)
+    for i in range(50):
+        r = req([0, i + 100], rid=f"w{i}")
+        p.rank(r, views(4))
+        p.on_routed(r, "r0")
+    work = p.recent_work()
+    assert work["r0"] > 1.1 * (sum(work.values()) / 4)
+    vs = views(4, hbm_blocks={0: 9}, host_blocks={0: 9}, shared_blocks={0: 9})
+    assert p.rank(req(range(10)), vs)[0] != "r0"
+    # without the guard (huge slack) affinity wins again
+    q = make_policy("kvmesh", balance_slack=1e9)
+    for i in range(50):
+        r = req([0, i + 100], rid=f"w{i}")
+        q.rank(r, views(4))
+        q.on_routed(r, "r0")
+    assert q.rank(req(range(10)), vs)[0] == "r0"
+
+
+def test_kvmesh_new_replica_starts_at_the_mean_and_removed_one_is_forgotten():
+    p = make_policy("kvmesh")
+    for i in range(20):
+        r = req([i], rid=str(i))
+        rid = p.rank(r, views(2))[0]
+        p.on_routed(r, rid)
+    before = p.recent_work()
+    p.rank(req([99]), views(3))
+    after = p.recent_work()
+    assert after["r2"] == pytest.approx(sum(before.values()) / 2)
+    p.on_replica_removed("r2")
+    assert "r2" not in p.recent_work()
+
+
+def test_kvmesh_rejects_bad_parameters():
+    with pytest.raises(ValueError):
+        make_policy("kvmesh", balance_slack=-1)
+    with pytest.raises(ValueError):
+        make_policy("kvmesh", cost={"max_batch": 0})
+
+
+# -------------------------------------------------------------------------------------- baselines
+def test_round_robin_cycles_and_least_loaded_picks_minimum():
+    rr = make_policy("round_robin")
+    assert [rr.rank(req([1]), views(3))[0] for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    ll = make_policy("least_loaded")
+    assert ll.rank(req([1]), views(3, queued={0: 2, 1: 1, 2: 3}))[0] == "r1"
+
+
+def test_power_of_two_picks_the_less_loaded_of_its_sample():
+    p = make_policy("power_of_two", seed=1)
+    for _ in range(50):
+        vs = views(4, queued={0: 9, 1: 0, 2: 9, 3: 9})
+        first, second = p.rank(req([1]), vs)[:2]
+        # the busier of the two sampled never comes first
+        assert vs[int(first[1:])].queued <= vs[int(second[1:])].queued
+
+
+def test_consistent_hash_keys_on_the_first_block():
+    p = make_policy("consistent_hash")
+    a = p.rank(req([42, 1, 2]), views(8))[0]
+    assert all(p.rank(req([42, x]), views(8))[0] == a for x in range(20))
+    assert len({p.rank(req([k]), views(8))[0] for k in range(200)}) == 8
+
+
+# ------------------------------------------------------------------------------------------ peers
+def test_sglang_cache_aware_modes():
+    p = make_policy("sglang_cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
+    first = p.rank(req([1, 2, 3, 4]), views(3))[0]  # empty trees: the smallest tree (first)
+    p.on_routed(req([1, 2, 3, 4]), first)
+    # 3 of 4 blocks match (> 0.3): the same worker
+    assert p.rank(req([1, 2, 3, 9]), views(3))[0] == first
+    # 1 of 4 matches (0.25 <= 0.3): smallest tree, i.e. not `first`
+    assert p.rank(req([1, 7, 8, 9]), views(3))[0] != first
+    # imbalanced (10 - 0 > 4 and 10 > 1.5 * 0): shortest queue wins over the match
+    vs = views(3, queued={int(first[1:]): 10})
+    other = {"r0", "r1", "r2"} - {first}
+    assert p.rank(req([1, 2, 3, 4]), vs)[0] in other
+
+
+def test_ray_prefix_affinity_match_threshold_and_smallest_tenant():
+    p = make_policy("ray_prefix_affinity")
+    p.on_routed(req(list(range(10))), "r1")
+    p.on_routed(req([100, 101]), "r2")
+    assert p.rank(req(list(range(10)) + [55]), views(3))[0] == "r1"  # 10/11 >= 0.1
+    assert p.rank(req([500, 501]), views(3))[0] == "r0"  # no match: the empty (smallest) tree
+
+
+def test_llmd_precise_weighs_prefix_queue_and_kv_usage():
+    p = make_policy("llmd_precise")
+    # prefix on r0 (score 3) vs idle r1 (queue 2 + kv 2 vs r0's kv 0): r0 has prefix 3 + queue 0 + kv 0
+    vs = views(2, hbm_blocks={0: 5}, queued={0: 4}, kv_usage={0: 1.0})
+    assert p.rank(req(range(6)), vs)[0] == "r1"  # 3.0 < 2 + 2
+    vs = views(2, hbm_blocks={0: 5}, queued={0: 4})
+    assert p.rank(req(range(6)), vs)[0] == "r0"  # 3 + 2 > 2 + 2
+
+
+def test_dynamo_cost_is_prefill_blocks_plus_active_blocks():
+    p = make_policy("dynamo_cost")
+    # r0: 6 of 8 blocks cached but 4 blocks of prefill queued + 10 active; r1: cold, idle
+    vs = views(2, hbm_blocks={0: 6}, pending_prefill_tokens={0: 4 * BS})
+    vs[0].extra["active_blocks"] = 10
+    vs[1].extra["active_blocks"] = 0
+    # r0: (4*512 + 2*512)/512 + 10 + 2 = 18 ; r1: 8 + 0 + 8 = 16
+    assert p.rank(req(range(8)), vs)[0] == "r1"
+    vs[0].extra["active_blocks"] = 5  # r0: 6 + 5 + 2 = 13 < 16
+    assert p.rank(req(range(8)), vs)[0] == "r0"
