@@ -25,6 +25,13 @@ from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _fixed_seed(monkeypatch):
+    """Engines and router share PYTHONHASHSEED in every deployment; xxhash needs it."""
+    if "PYTHONHASHSEED" not in os.environ:
+        monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
 def vllm_hashes(tokens, block_size, algo, salt=None, lora=None, mm=None):
     """Hashes of a real vLLM Request, computed by vLLM (full bytes)."""
     fn = get_hash_fn_by_name(algo)
@@ -152,37 +159,41 @@ def test_numpy_tokens_hash_like_python_ints():
 
 
 _CHILD = """
-import json, os, sys
-import vllm.v1.core.kv_cache_utils as k
-from vllm.utils.hashing import get_hash_fn_by_name
+import json, sys
 from kvstore.hashing import none_hash
 out = {}
 for algo in sys.argv[1:]:
-    fn = get_hash_fn_by_name(algo)
-    k.init_none_hash(fn)
     try:
-        ours = none_hash(algo).hex()
+        out[algo] = none_hash(algo).hex()
     except ValueError:
-        ours = "refused"
-    out[algo] = [k.NONE_HASH.hex(), ours]
+        out[algo] = "refused"
 print(json.dumps(out))
 """
 
 
 @pytest.mark.parametrize("seed", [None, "0", "12345"])
-def test_none_hash_seed_rules_in_fresh_processes(seed):
-    """NONE_HASH depends on PYTHONHASHSEED at engine start; run vLLM and us in a clean process."""
+def test_none_hash_seed_rules_in_fresh_processes(seed, monkeypatch):
+    """NONE_HASH depends on PYTHONHASHSEED at process start: our side runs in a fresh process (no
+    vLLM import, as in the router); vLLM's `init_none_hash` runs here under the same environment."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
     proc = subprocess.run([sys.executable, "-c", _CHILD, *ALGOS], env=env, capture_output=True,
-                          text=True, timeout=240, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for algo, (theirs, ours) in result.items():
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    for algo in ALGOS:
+        kcu.init_none_hash(get_hash_fn_by_name(algo))
+        theirs = kcu.NONE_HASH.hex()
         if seed is None and algo.startswith("xxhash"):
-            assert ours == "refused"  # vLLM's seed is random per process: unknowable
+            assert ours[algo] == "refused"  # vLLM's seed is random per process: unknowable
+            kcu.init_none_hash(get_hash_fn_by_name(algo))
+            assert kcu.NONE_HASH.hex() != theirs  # (and indeed random)
         else:
-            assert ours == theirs, algo
+            assert ours[algo] == theirs, algo
     if seed is not None:
-        assert none_hash("sha256", seed=seed).hex() == result["sha256"][0]
+        assert none_hash("sha256", seed=seed).hex() == ours["sha256"]
