@@ -1,0 +1,414 @@
+"""Replay a Mooncake-form trace against a live OpenAI-compatible endpoint and measure what the cache did.
+
+Works against kvmesh's ingress, a plain vLLM OpenAI server (`--enable-prompt-tokens-details`), and
+peer routers in front of such servers (vllm-router, sglang-router). Per request it records TTFT (time
+to the first streamed chunk with a choice), the server-reported
+`usage.prompt_tokens_details.cached_tokens` (asked for with `stream_options.include_usage`), and the
+replica that served it (`x-kvmesh-replica` header; peers lack it, then a fixed `label` stands in and
+per-replica figures are unknown).
+
+Prompts. Each hash id expands to a deterministic pseudo-random block of `tokens_per_block` tokens
+seeded by the id, so shared id prefixes are identical token prefixes and a cache can hit. Pick
+`tokens_per_block` as a multiple of the engine's block size so trace blocks align with engine blocks.
+Two prompt forms:
+- `tokens`: token ids (the exact form; vLLM, kvmesh and vllm-router accept them).
+- `text`: for endpoints that only take text (sglang-router). Each token becomes one word from the
+  tokenizer's own vocabulary chosen so that " word" encodes to exactly one token and a run of such
+  words encodes word by word (byte-level BPE splits before each space). Text is then prefix-stable:
+  a shared word prefix is a shared token prefix. The server may prepend BOS, shifting every block by
+  one token; hits are still counted by the server, only alignment with trace blocks is lost.
+
+Ordering. Requests of one `user` (multi-turn chat) are sent one after another: a user cannot send
+turn k+1 before turn k's reply arrived. Otherwise arrivals follow a fixed concurrency, or the trace's
+timestamps scaled by `time_scale`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Callable, Sequence
+
+from cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+
+# Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
+# byte-level BPE and past the usual special-token ids, so valid for any such model.
+DEFAULT_TOKEN_RANGE = (10, 260)
+
+
+class ReplayError(Exception):
+    """The replay cannot start (bad config, endpoint unreachable)."""
+
+
+@dataclass
+class ReplayConfig:
+    url: str
+    tokens_per_block: int = 32
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS
+    concurrency: int | None = None  # fixed number of requests in flight (default 4 if no time_scale)
+    time_scale: float | None = None  # send at timestamp_ms / 1000 * time_scale seconds
+    api_key: str | None = None
+    tenant_keys: dict[str, str] = field(default_factory=dict)  # trace `tenant` -> API key
+    prompt_form: str = "tokens"  # or "text"
+    max_tokens: int = 16  # cap on each request's (scaled) output length
+    model: str | None = None  # default: the first id in GET /v1/models
+    tokenizer: str | None = None  # HF tokenizer dir: token range for `tokens`, word list for `text`
+    token_range: tuple[int, int] | None = None
+    timeout_s: float = 300.0
+    label: str | None = None  # per-replica key when the server sends no x-kvmesh-replica header
+    seed: int = 0  # folded into every block's token draw (0 = the canonical expansion)
+    progress: bool = True
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
+
+    def check(self) -> None:
+        if self.prompt_form not in ("tokens", "text"):
+            raise ReplayError(f"prompt form must be 'tokens' or 'text', got {self.prompt_form!r}")
+        if self.prompt_form == "text" and not self.tokenizer:
+            raise ReplayError("the text prompt form needs a tokenizer (--tokenizer DIR)")
+        if self.tokens_per_block < 1 or self.max_tokens < 1:
+            raise ReplayError("tokens per block and max tokens must be >= 1")
+        if self.concurrency is not None and self.time_scale is not None:
+            raise ReplayError("give either a concurrency or a time scale, not both")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ReplayError("concurrency must be >= 1")
+        if self.time_scale is not None and self.time_scale < 0:
+            raise ReplayError("time scale must be >= 0")
+        if self.token_range and not 0 <= self.token_range[0] < self.token_range[1]:
+            raise ReplayError("token range must satisfy 0 <= low < high")
+
+
+@dataclass
+class RequestResult:
+    index: int
+    user: str | None
+    tenant: str | None
+    prompt_tokens: int  # as the server reported (else as sent)
+    cached_tokens: int | None  # None when the server did not report it
+    output_tokens: int
+    ttft_s: float | None
+    latency_s: float
+    replica: str
+    error: str | None = None
+    start_s: float = 0.0  # when it was sent, seconds after the run started
+
+
+# ------------------------------------------------------------------------------- prompt building
+class PromptBuilder:
+    """Expands a record's hash ids into a prompt (token ids or text), block by block, deterministically."""
+
+    def __init__(self, cfg: ReplayConfig):
+        self.cfg = cfg
+        self.words: list[str] | None = None
+        lo_hi = cfg.token_range
+        if cfg.tokenizer:
+            tok = _load_tokenizer(cfg.tokenizer)
+            if cfg.prompt_form == "text":
+                self.words = one_token_words(tok)
+                if len(self.words) < 16:
+                    raise ReplayError(f"tokenizer {cfg.tokenizer} has only {len(self.words)} one-token words")
+            elif lo_hi is None:
+                special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
+                first = max([i for i in special if i < 300], default=-1) + 1
+                lo_hi = (first, len(tok))
+        self.lo, self.hi = lo_hi or DEFAULT_TOKEN_RANGE
+        self._block = lru_cache(maxsize=65536)(self._block_uncached)
+
+    def _block_uncached(self, hash_id: int) -> tuple:
+        rng = random.Random(hash_id * 1_000_003 + self.cfg.seed)
+        n = self.cfg.tokens_per_block
+        if self.words is not None:
+            return tuple(rng.choice(self.words) for _ in range(n))
+        return tuple(rng.randrange(self.lo, self.hi) for _ in range(n))
+
+    def prompt(self, rec: dict) -> list[int] | str:
+        lengths = scaled_block_lengths(rec, self.cfg.tokens_per_block, self.cfg.source_block_tokens)
+        parts: list = []
+        for hid, n in zip(rec["hash_ids"], lengths):
+            parts.extend(self._block(hid)[:n])
+        if self.words is not None:
+            return "".join(" " + w for w in parts)
+        return parts
+
+    def prompt_len(self, rec: dict) -> int:
+        return sum(scaled_block_lengths(rec, self.cfg.tokens_per_block, self.cfg.source_block_tokens))
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"cannot load tokenizer from {path}: {exc}") from None
+
+
+def one_token_words(tokenizer) -> list[str]:
+    """Letters-only words w for which " w" encodes to exactly one token (sorted, deterministic)."""
+    words = set()
+    for piece in tokenizer.get_vocab():
+        text = tokenizer.convert_tokens_to_string([piece])
+        if len(text) > 1 and text[0] == " " and text[1:].isalpha() and text[1:].isascii():
+            words.add(text[1:])
+    return sorted(w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1)
+
+
+# -------------------------------------------------------------------------------------- client
+async def _one_request(client, cfg: ReplayConfig, model: str, rec: dict, index: int, builder: PromptBuilder,
+                       run_t0: float) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": builder.prompt(rec),
+        "max_tokens": min(cfg.max_tokens, scaled_output_length(rec, cfg.tokens_per_block, cfg.source_block_tokens)),
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **cfg.extra_body,
+    }
+    user, tenant = rec.get("user"), rec.get("tenant")
+    key = cfg.tenant_keys.get(tenant) if tenant is not None else None
+    key = key or cfg.api_key
+    hdrs = {}
+    if key:
+        hdrs["Authorization"] = f"Bearer {key}"
+    sent = builder.prompt_len(rec)
+    t0 = time.perf_counter()
+    start = t0 - run_t0
+    ttft = None
+    usage = None
+    replica = cfg.label or "unknown"
+    out_chunks = 0
+    try:
+        async with client.stream("POST", cfg.url.rstrip("/") + "/v1/completions", json=body, headers=hdrs) as resp:
+            replica = resp.headers.get("x-kvmesh-replica", replica)
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                raise _HttpError(f"HTTP {resp.status_code}: {_error_message(text)}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise _HttpError(f"stream error: {_error_message(data)}")
+                if chunk.get("choices"):
+                    out_chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (_HttpError, ValueError) as exc:
+        return RequestResult(index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, str(exc),
+                             start)
+    except Exception as exc:  # transport errors: timeouts, resets -- counted, never fatal to the run
+        return RequestResult(index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica,
+                             f"{type(exc).__name__}: {exc}", start)
+    latency = time.perf_counter() - t0
+    if usage is None:
+        return RequestResult(index, user, tenant, sent, None, out_chunks, ttft, latency, replica,
+                             "no usage in the stream", start)
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return RequestResult(index, user, tenant, int(usage.get("prompt_tokens", sent)),
+                         None if cached is None else int(cached), int(usage.get("completion_tokens", out_chunks)),
+                         ttft, latency, replica, None, start)
+
+
+class _HttpError(Exception):
+    pass
+
+
+def _error_message(text: str) -> str:
+    try:
+        err = json.loads(text)
+        err = err.get("error", err) if isinstance(err, dict) else err
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return str(msg)[:300]
+    except ValueError:
+        return text.strip()[:300]
+
+
+async def _discover_model(client, cfg: ReplayConfig, headers: dict) -> str:
+    hdrs = dict(headers)
+    if cfg.api_key or cfg.tenant_keys:
+        hdrs["Authorization"] = f"Bearer {cfg.api_key or next(iter(cfg.tenant_keys.values()))}"
+    try:
+        resp = await client.get(cfg.url.rstrip("/") + "/v1/models", headers=hdrs)
+    except Exception as exc:
+        raise ReplayError(f"cannot reach {cfg.url}: {type(exc).__name__}: {exc}") from None
+    if resp.status_code != 200:
+        raise ReplayError(f"GET {cfg.url}/v1/models: HTTP {resp.status_code}: {_error_message(resp.text)}")
+    models = resp.json().get("data") or []
+    if not models:
+        raise ReplayError(f"{cfg.url} serves no model")
+    return models[0]["id"]
+
+
+async def replay_async(records: Sequence[dict], cfg: ReplayConfig,
+                       on_result: Callable[[RequestResult], None] | None = None) -> "ReplayReport":
+    """Send every record; return the per-request results and the run's wall time."""
+    import httpx
+
+    cfg.check()
+    builder = PromptBuilder(cfg)
+    concurrency = cfg.concurrency if cfg.time_scale is None else None
+    if cfg.time_scale is None and concurrency is None:
+        concurrency = 4
+    limits = httpx.Limits(max_connections=(concurrency or 256) + 4, max_keepalive_connections=(concurrency or 256) + 4)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
+    results: list[RequestResult | None] = [None] * len(records)
+    bar = _progress(len(records)) if cfg.progress else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = cfg.model or await _discover_model(client, cfg, {})
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
+        previous_of_user: dict[str, asyncio.Event] = {}
+        t0 = time.perf_counter()
+        base_ts = min((r["timestamp"] for r in records), default=0)
+
+        async def send(i: int, rec: dict, after: asyncio.Event | None, done: asyncio.Event) -> None:
+            try:
+                if cfg.time_scale is not None:
+                    delay = (rec["timestamp"] - base_ts) / 1000.0 * cfg.time_scale - (time.perf_counter() - t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                if after is not None:
+                    await after.wait()
+                if gate is not None:
+                    async with gate:
+                        res = await _one_request(client, cfg, model, rec, i, builder, t0)
+                else:
+                    res = await _one_request(client, cfg, model, rec, i, builder, t0)
+                results[i] = res
+                if bar is not None:
+                    bar.update(1)
+                if on_result is not None:
+                    on_result(res)
+            finally:
+                done.set()
+
+        tasks = []
+        for i, rec in enumerate(records):
+            done = asyncio.Event()
+            user = rec.get("user")
+            after = previous_of_user.get(user) if user is not None else None
+            if user is not None:
+                previous_of_user[user] = done
+            tasks.append(asyncio.create_task(send(i, rec, after, done)))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return ReplayReport([r for r in results if r is not None], wall, model, cfg.label)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="replay", leave=False, dynamic_ncols=True)
+
+
+def replay(records: Sequence[dict], cfg: ReplayConfig) -> "ReplayReport":
+    """Blocking wrapper around `replay_async` (own event loop)."""
+    return asyncio.run(replay_async(records, cfg))
+
+
+# ------------------------------------------------------------------------------------- results
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+@dataclass
+class ReplayReport:
+    results: list[RequestResult]
+    wall_s: float
+    model: str = ""
+    label: str | None = None
+
+    def summary(self) -> dict:
+        """The JSON the CLI writes. Hit rates count successful requests only; `hit_rate_tokens` is
+        Σ cached / Σ prompt tokens, `hit_rate_requests` the mean of per-request ratios; None where
+        the server reported no cached-token counts. Throughput is (prompt + output tokens) / wall."""
+        ok = [r for r in self.results if r.error is None]
+        known = [r for r in ok if r.cached_tokens is not None]
+        prompt = sum(r.prompt_tokens for r in known)
+        cached = sum(r.cached_tokens for r in known)
+        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        per_replica: dict[str, dict] = {}
+        for r in ok:
+            row = per_replica.setdefault(r.replica, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            row["requests"] += 1
+            row["prompt_tokens"] += r.prompt_tokens
+            row["cached_tokens"] += r.cached_tokens or 0
+        for row in per_replica.values():
+            row["uncached_prompt_tokens"] = row["prompt_tokens"] - row["cached_tokens"]
+            row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        errors = [r for r in self.results if r.error is not None]
+        uncached = [row["uncached_prompt_tokens"] for row in per_replica.values()]
+        return {
+            "requests": len(self.results),
+            "errors": len(errors),
+            "error_samples": sorted({r.error for r in errors})[:5],
+            "hit_rate_tokens": cached / prompt if known and prompt else None,
+            "hit_rate_requests": (statistics.fmean(r.cached_tokens / r.prompt_tokens for r in known if r.prompt_tokens)
+                                  if known else None),
+            "prompt_tokens": sum(r.prompt_tokens for r in ok),
+            "cached_tokens": cached if known else None,
+            "uncached_prompt_tokens": prompt - cached if known else None,
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "ttft_p50_s": _quantile(ttfts, 0.5),
+            "ttft_p90_s": _quantile(ttfts, 0.9),
+            "ttft_p99_s": _quantile(ttfts, 0.99),
+            "throughput_tokens_s": (sum(r.prompt_tokens + r.output_tokens for r in ok) / self.wall_s
+                                    if self.wall_s > 0 else None),
+            "wall_s": self.wall_s,
+            "model": self.model,
+            "per_replica_known": any(r.replica != (self.label or "unknown") for r in ok),
+            "uncached_max_over_mean": (max(uncached) / statistics.fmean(uncached)
+                                       if uncached and statistics.fmean(uncached) > 0 else None),
+            "per_replica": per_replica,
+        }
+
+    def to_json(self, per_request: bool = False) -> dict:
+        out = self.summary()
+        if per_request:
+            out["per_request"] = [asdict(r) for r in self.results]
+        return out
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    """Side-by-side table: one column per run (e.g. {"kvmesh": s1, "round_robin": s2})."""
+    def fmt(v, kind):
+        if v is None:
+            return "n/a"
+        return {"pct": f"{100 * v:.1f}%", "int": f"{v:,}", "s": f"{1000 * v:.1f} ms", "f": f"{v:.2f}"}[kind]
+
+    rows = [
+        ("requests", "requests", "int"), ("errors", "errors", "int"),
+        ("hit rate (tokens)", "hit_rate_tokens", "pct"), ("hit rate (requests)", "hit_rate_requests", "pct"),
+        ("prompt tokens", "prompt_tokens", "int"), ("uncached prompt tokens", "uncached_prompt_tokens", "int"),
+        ("TTFT p50", "ttft_p50_s", "s"), ("TTFT p90", "ttft_p90_s", "s"),
+        ("throughput tok/s", "throughput_tokens_s", "f"), ("uncached max/mean replica", "uncached_max_over_mean", "f"),
+    ]
+    names = list(summaries)
+    width = max(12, *(len(n) for n in names))
+    lines = [f"{'':28}" + "".join(f"{n:>{width + 2}}" for n in names)]
+    for title, key, kind in rows:
+        lines.append(f"{title:28}" + "".join(f"{fmt(summaries[n].get(key), kind):>{width + 2}}" for n in names))
+    for n in names:
+        s = summaries[n]
+        if s.get("per_replica_known"):
+            parts = ", ".join(f"{rep}: {row['requests']} req {100 * row['hit_rate_tokens']:.0f}% hit "
+                              f"{row['uncached_prompt_tokens']:,} uncached" for rep, row in sorted(s["per_replica"].items()))
+            lines.append(f"  {n} per replica: {parts}")
+    return "\n".join(lines)
