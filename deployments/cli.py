@@ -62,4 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m deployments.cli` runs this file as __main__; subcommands raise deployments.cli.CliError,
+    # a different class object than __main__.CliError, so dispatch through the imported module.
+    from deployments.cli import main as _main
+
+    sys.exit(_main())
