@@ -1,0 +1,177 @@
+"""Run one LMCache multi-process server (`python -m lmcache.v1.multiprocess.server`) as a child process.
+
+Why a process and not a library call: the MP server is the only LMCache mode that works with vLLM on
+CPU, and it is meant to outlive engines (several engines on a node share its host-memory tier). The
+manager picks free ports, waits until both the ZMQ request port and the Prometheus port answer,
+reports health (process, ports, shared tier reachable), scrapes metrics, and stops the whole process
+group. Stop engines before their server: a vLLM connector whose server vanished waits out its 300 s
+message-queue timeout on shutdown.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvstore.lmcache_metrics import parse_prometheus, tier_summary
+from kvstore.tiers import TierConfig, server_args
+
+_QUIET_ENV = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONWARNINGS": "ignore::FutureWarning",
+}
+
+
+class LMCacheServerError(RuntimeError):
+    """The server did not start or died; the message says why and where its log is."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def redis_ping(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when a RESP server answers PING: how kvmesh tells the shared tier is up."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def shared_tier_reachable(l2: dict | None) -> bool | None:
+    """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe)."""
+    if not l2:
+        return None
+    kind = l2.get("type")
+    if kind == "resp":
+        return redis_ping(l2["host"], l2["port"])
+    if kind == "valkey":
+        host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
+        return redis_ping(host, int(port)) if port.isdigit() else None
+    if kind == "fs":
+        path = Path(l2["base_path"])
+        return path.is_dir() and os.access(path, os.W_OK)
+    return None
+
+
+class LMCacheServer:
+    """One LMCache MP server process; `start()` blocks until it serves, `stop()` ends its process group."""
+
+    def __init__(self, config: TierConfig, log_path: str | os.PathLike | None = None, env: dict | None = None):
+        config.validate()
+        self.config = config
+        self.port = config.port
+        self.prometheus_port = config.prometheus_port
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.config.host, self.port
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "lmcache.v1.multiprocess.server",
+                *server_args(self.config, self.port, self.prometheus_port)]
+
+    def start(self) -> tuple[str, int]:
+        if self.alive():
+            return self.endpoint
+        self.port = self.port or free_port(self.config.host)
+        self.prometheus_port = self.prometheus_port or free_port(self.config.host)
+        if self.config.l2 and self.config.l2.get("type") == "fs":
+            Path(self.config.l2["base_path"]).mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **_QUIET_ENV, **(self.env or {})}
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LMCacheServerError(
+                    f"LMCache server exited with code {self.proc.returncode} during start-up (log: {self.log_path})")
+            if port_open(self.config.host, self.port) and self._scrape(timeout=2.0) is not None:
+                return self.endpoint
+            time.sleep(0.25)
+        self.stop()
+        raise LMCacheServerError(
+            f"LMCache server not ready after {self.config.start_timeout_s:.0f} s (log: {self.log_path})")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+
+    def restart(self) -> tuple[str, int]:
+        """Same ports again, so engines configured with this endpoint reconnect to the new process."""
+        self.stop()
+        self.restarts += 1
+        return self.start()
+
+    def _scrape(self, timeout: float = 5.0) -> str | None:
+        try:
+            url = f"http://{self.config.host}:{self.prometheus_port}/metrics"
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    def metrics(self) -> dict:
+        """Parsed Prometheus samples ({} when the server does not answer)."""
+        text = self._scrape()
+        return parse_prometheus(text) if text else {}
+
+    def tier_metrics(self, chunk_bytes: int | None = None) -> dict:
+        return tier_summary(self.metrics(), chunk_bytes)
+
+    def health(self) -> dict:
+        """What /health and /metrics report: is the host tier serving, is the shared tier reachable."""
+        alive = self.alive()
+        serving = alive and port_open(self.config.host, self.port)
+        samples = self.metrics() if alive else {}
+        return {
+            "alive": alive,
+            "serving": serving,
+            "metrics_ok": bool(samples),
+            "endpoint": f"{self.config.host}:{self.port}",
+            "restarts": self.restarts,
+            "shared_tier": self.config.shared_tier,
+            "shared_tier_up": shared_tier_reachable(self.config.l2),
+            "healthy": serving and bool(samples),
+        }

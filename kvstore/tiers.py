@@ -1,0 +1,139 @@
+"""Tier configuration: host-memory L1 and shared L2 of the node's LMCache server, and the vLLM side.
+
+One `TierConfig` describes what every node runs: how much host DRAM the LMCache MP server keeps (L1)
+and which shared store it writes through to (L2). The same config yields the server's command line
+(`server_args`) and the engine's `kv_transfer_config` (`kv_transfer_config`), so both sides agree on
+chunk size and transfer mode — the two settings that otherwise hang or silently miss on CPU
+(see shared/docs/platform-notes.md).
+
+L2 spellings accepted (`l2` key):
+- None / "none": host tier only.
+- "fs" (+ `l2_path`) or {"type": "fs", "base_path": DIR}: a local folder; the embedded default.
+- "redis://HOST:PORT" or {"type": "resp", "host": H, "port": P}: Redis via LMCache's `resp` adapter.
+- "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter.
+- any other {"type": NAME, ...}: passed to LMCache unchanged (mooncake_store, s3, p2p, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+CONNECTOR = "LMCacheMPConnector"
+_EVICTION_POLICIES = ("LRU", "ARC", "IsolatedLRU", "noop")
+_KNOWN_KEYS = {
+    "l1_size_gb", "chunk_size", "eviction_policy", "l2", "l2_path", "host", "port",
+    "prometheus_port", "max_workers", "extra_args", "start_timeout_s",
+}
+
+
+class TierConfigError(ValueError):
+    """A tier setting is wrong; the message names the key and what is allowed."""
+
+
+@dataclass
+class TierConfig:
+    l1_size_gb: float = 1.0
+    chunk_size: int = 256  # tokens per LMCache chunk; must be a multiple of the engine's block size
+    eviction_policy: str = "LRU"
+    l2: dict | None = None  # normalised LMCache `--l2-adapter` JSON object, or None
+    host: str = "127.0.0.1"  # where the server binds; engines on the same node connect here
+    port: int = 0  # 0 = pick a free port at start
+    prometheus_port: int = 0  # 0 = pick a free port at start
+    max_workers: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    start_timeout_s: float = 180.0
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "TierConfig":
+        """Build from the engine config's `lmcache` dict; unknown keys are errors, not ignored."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - _KNOWN_KEYS)
+        if unknown:
+            raise TierConfigError(f"unknown lmcache key(s) {unknown}; allowed: {sorted(_KNOWN_KEYS)}")
+        l2 = normalise_l2(d.pop("l2", None), d.pop("l2_path", None))
+        cfg = cls(l2=l2, **d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not isinstance(self.l1_size_gb, (int, float)) or self.l1_size_gb <= 0:
+            raise TierConfigError(f"l1_size_gb must be a positive number, got {self.l1_size_gb!r}")
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise TierConfigError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        if self.eviction_policy not in _EVICTION_POLICIES:
+            raise TierConfigError(f"eviction_policy must be one of {_EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        for key in ("port", "prometheus_port"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or not 0 <= v < 65536:
+                raise TierConfigError(f"{key} must be an integer port (0 = pick one), got {v!r}")
+
+    def check_block_size(self, block_size: int) -> None:
+        """LMCache stores whole chunks of whole engine blocks; a mismatch means no hits at all."""
+        if self.chunk_size % block_size:
+            raise TierConfigError(
+                f"lmcache chunk_size {self.chunk_size} must be a multiple of the engine block_size {block_size}"
+            )
+
+    @property
+    def shared_tier(self) -> str | None:
+        """The L2 adapter type ('resp', 'fs', ...) or None when there is no shared tier."""
+        return self.l2["type"] if self.l2 else None
+
+
+def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
+    """Turn the accepted spellings of an L2 into the JSON object LMCache's `--l2-adapter` takes."""
+    if l2 is None or l2 == "none":
+        return None
+    if isinstance(l2, str):
+        if l2 == "fs":
+            base = l2_path or os.path.join(tempfile.gettempdir(), "kvmesh-lmcache-l2")
+            return {"type": "fs", "base_path": base}
+        url = urlparse(l2)
+        if url.scheme in ("redis", "resp", "valkey"):
+            if not url.hostname or not url.port:
+                raise TierConfigError(f"l2 URL {l2!r} needs a host and a port, e.g. redis://127.0.0.1:6379")
+            if url.scheme == "valkey":
+                return {"type": "valkey", "startup_nodes": f"{url.hostname}:{url.port}"}
+            return {"type": "resp", "host": url.hostname, "port": url.port}
+        raise TierConfigError(f"l2 {l2!r} not understood; use none, fs, redis://H:P, valkey://H:P or an adapter dict")
+    if isinstance(l2, dict):
+        if not isinstance(l2.get("type"), str):
+            raise TierConfigError("an l2 adapter dict needs a string 'type' (fs, resp, valkey, mooncake_store, ...)")
+        out = dict(l2)
+        if out["type"] == "fs" and "base_path" not in out:
+            raise TierConfigError("l2 type 'fs' needs 'base_path'")
+        if out["type"] == "resp" and not (out.get("host") and out.get("port")):
+            raise TierConfigError("l2 type 'resp' needs 'host' and 'port'")
+        return out
+    raise TierConfigError(f"l2 must be a string or a dict, got {type(l2).__name__}")
+
+
+def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
+    """Arguments for `python -m lmcache.v1.multiprocess.server` (without the interpreter)."""
+    args = [
+        "--host", cfg.host, "--port", str(port),
+        "--l1-size-gb", repr(float(cfg.l1_size_gb)), "--no-l1-use-lazy",
+        "--eviction-policy", cfg.eviction_policy,
+        "--chunk-size", str(cfg.chunk_size),
+        # CPU clients hang for 300 s without this (they cannot use the default lmcache_driven mode)
+        "--supported-transfer-mode", "auto",
+        "--max-workers", str(cfg.max_workers),
+        "--prometheus-port", str(prometheus_port),
+    ]
+    if cfg.l2:
+        args += ["--l2-adapter", json.dumps(cfg.l2, sort_keys=True)]
+    return args + list(cfg.extra_args)
+
+
+def kv_transfer_config(host: str, port: int) -> dict:
+    """The vLLM `kv_transfer_config` that connects an engine to the LMCache MP server at host:port."""
+    if not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise TierConfigError(f"bad LMCache server endpoint {host!r}:{port!r}")
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port},
+    }

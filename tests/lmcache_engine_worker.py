@@ -1,0 +1,125 @@
+"""One in-process vLLM engine connected to an LMCache MP server, driven over stdin/stdout JSON lines.
+
+Why a child process per engine: two `LLM` objects in one Python process cannot both use
+LMCacheMPConnector (the second engine's connector never reaches its server: process-global state),
+and the tier tests need two engines behind two servers. Each line in: {"prompt_token_ids": [...],
+"cache_salt": optional}; each line out: {"num_cached_tokens", "prefill_s"}. Also
+{"cmd": "quit"}. Start-up prints {"ready": true}.
+
+    python tests/lmcache_engine_worker.py MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
+        [--num-blocks N] [--block-size B] [--kv-events-port P]
+"""
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+
+class EngineProcess:
+    """Test-side handle on one worker: start, generate, stop (process group, with timeouts)."""
+
+    def __init__(self, model, host, port, log_path, *, num_blocks=0, kv_events_port=0, env=None):
+        cmd = [sys.executable, os.path.abspath(__file__), str(model), host, str(port)]
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
+        if kv_events_port:
+            cmd += ["--kv-events-port", str(kv_events_port)]
+        self.log_path = log_path
+        log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"engine worker silent for {timeout} s (log: {self.log_path})")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine worker exited ({self.proc.poll()}); log: {self.log_path}")
+        return json.loads(line)
+
+    def wait_ready(self, timeout=300):
+        assert self._read(timeout) == {"ready": True}
+        return self
+
+    def generate(self, token_ids, cache_salt=None, timeout=120):
+        self.proc.stdin.write((json.dumps({"prompt_token_ids": list(token_ids), "cache_salt": cache_salt})
+                               + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def stop(self, timeout=30):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("host")
+    ap.add_argument("port", type=int)
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-events-port", type=int, default=0)
+    a = ap.parse_args()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # keep the JSON channel clean of library prints
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from kvstore.compat import patch_llvmlite_dunder_lookup
+    from kvstore.tiers import kv_transfer_config
+
+    patch_llvmlite_dunder_lookup()
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if a.num_blocks:
+        kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.kv_events_port:
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=f"tcp://*:{a.kv_events_port}", topic="kv")
+    llm = LLM(model=a.model, block_size=a.block_size, max_model_len=a.max_model_len, enforce_eager=True,
+              dtype="float32", enable_prefix_caching=True, seed=0,
+              kv_transfer_config=kv_transfer_config(a.host, a.port), **kw)
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("cmd") == "quit":
+            break
+        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        if req.get("cache_salt"):
+            prompt["cache_salt"] = req["cache_salt"]
+        t0 = time.perf_counter()
+        try:
+            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+            reply = {"num_cached_tokens": o.num_cached_tokens or 0, "prefill_s": time.perf_counter() - t0}
+        except Exception as exc:  # report, keep serving: tier-loss tests need to see failures
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Start Debian's `redis-server` on a free loopback port in a temp dir, for tests of the shared tier.
+
+A real Redis, not a fake: the shared-tier tests must show LMCache's own `resp` adapter storing and
+loading KV chunks, and what happens when that store disappears. No persistence (save "" and
+appendonly no) so a restart comes back empty, like a lost cache node.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process; `stop()` then `start()` reuses the same port (tier loss and return)."""
+
+    def __init__(self, workdir: str | os.PathLike, port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if not self.binary:
+            raise RuntimeError("redis-server is not installed: run `make services` (apt-get install redis-server)")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "RedisServer":
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+               "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no"]
+        log = open(self.workdir / "redis.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}); see {self.workdir / 'redis.log'}")
+            if _ping(self.port):
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer PING on port {self.port} within {timeout} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and _ping(self.port)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,123 @@
+"""Unit tests: tier config parsing, LMCache server arguments, vLLM kv_transfer_config, metrics parsing."""
+import json
+
+import pytest
+
+from kvstore.lmcache_metrics import parse_prometheus, tier_summary, total
+from kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
+from kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config, normalise_l2, server_args
+
+
+def test_defaults_have_no_shared_tier():
+    cfg = TierConfig.from_dict({})
+    assert cfg.l2 is None and cfg.shared_tier is None
+    assert cfg.chunk_size == 256
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("redis://10.0.0.5:6380", {"type": "resp", "host": "10.0.0.5", "port": 6380}),
+    ("valkey://vk:6379", {"type": "valkey", "startup_nodes": "vk:6379"}),
+    ({"type": "mooncake_store", "x": 1}, {"type": "mooncake_store", "x": 1}),
+    ("none", None),
+])
+def test_l2_spellings(spec, expected):
+    assert normalise_l2(spec) == expected
+
+
+def test_fs_l2_uses_given_path(tmp_path):
+    assert normalise_l2("fs", str(tmp_path)) == {"type": "fs", "base_path": str(tmp_path)}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"l1_size_gb": 0}, "l1_size_gb"),
+    ({"l1_sise_gb": 1}, "unknown lmcache key"),
+    ({"eviction_policy": "FIFO"}, "eviction_policy"),
+    ({"l2": "redis://nohost"}, "host and a port"),
+    ({"l2": "ftp://x:1"}, "not understood"),
+    ({"l2": {"type": "resp"}}, "needs 'host' and 'port'"),
+    ({"l2": {"base_path": "/x"}}, "string 'type'"),
+    ({"port": 70000}, "port"),
+])
+def test_bad_config_names_the_key(bad, words):
+    with pytest.raises(TierConfigError, match=words):
+        TierConfig.from_dict(bad)
+
+
+def test_chunk_must_be_multiple_of_block():
+    cfg = TierConfig.from_dict({"chunk_size": 96})
+    cfg.check_block_size(32)
+    with pytest.raises(TierConfigError, match="multiple"):
+        cfg.check_block_size(64)
+
+
+def test_server_args_carry_transfer_mode_chunk_and_l2():
+    cfg = TierConfig.from_dict({"l1_size_gb": 0.5, "chunk_size": 64, "l2": "redis://127.0.0.1:7000"})
+    args = server_args(cfg, 5599, 9100)
+    pairs = dict(zip(args[::2], args[1::2])) if "--no-l1-use-lazy" not in args else None
+    assert args[args.index("--supported-transfer-mode") + 1] == "auto"
+    assert args[args.index("--chunk-size") + 1] == "64"
+    assert args[args.index("--port") + 1] == "5599"
+    assert args[args.index("--prometheus-port") + 1] == "9100"
+    assert json.loads(args[args.index("--l2-adapter") + 1]) == {"type": "resp", "host": "127.0.0.1", "port": 7000}
+    assert pairs is None  # the boolean flag is present
+    assert "--l2-adapter" not in server_args(TierConfig(), 1, 2)
+
+
+def test_kv_transfer_config_shape():
+    kv = kv_transfer_config("127.0.0.1", 5599)
+    assert kv == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5599}}
+    with pytest.raises(TierConfigError):
+        kv_transfer_config("127.0.0.1", 0)
+
+
+SAMPLE = """# HELP lmcache_mp_lookup_hit_l1_tokens_total x
+# TYPE lmcache_mp_lookup_hit_l1_tokens_total counter
+lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="",model_name="/m"} 1152.0
+lmcache_mp_lookup_hit_l1_tokens_total{cache_salt="s1",model_name="/m"} 48.0
+lmcache_mp_lookup_hit_l2_tokens_total{cache_salt="",model_name="/m"} 576.0
+lmcache_mp_lookup_hit_tokens_total{cache_salt="",model_name="/m"} 1776.0
+lmcache_mp_lookup_requested_tokens_total{cache_salt="",model_name="/m"} 2720.0
+lmcache_mp_l1_write_chunks_total{l1_tag="_default"} 49.0
+lmcache_mp_l1_read_chunks_total{l1_tag="_default"} 36.0
+lmcache_mp_l1_memory_usage_bytes{backend="dram",l1_tag="_default"} 3.211264e+06
+lmcache_mp_l1_usage_ratio{backend="dram",l1_tag="_default"} 0.0598
+lmcache_mp_l2_store_completed_objects_total{l2_name="resp"} 49.0
+"""
+
+
+def test_parse_prometheus_and_sum_by_label():
+    s = parse_prometheus(SAMPLE)
+    assert total(s, "lmcache_mp_lookup_hit_l1_tokens_total") == 1200.0
+    assert total(s, "lmcache_mp_lookup_hit_l1_tokens_total", cache_salt="s1") == 48.0
+    assert total(s, "absent_metric") == 0.0
+    with pytest.raises(ValueError, match="not a Prometheus sample"):
+        parse_prometheus("this is { not prometheus")
+
+
+def test_tier_summary_bytes_from_resident_chunks():
+    t = tier_summary(parse_prometheus(SAMPLE))
+    assert t["host_hit_tokens"] == 1200.0 and t["shared_hit_tokens"] == 576.0
+    assert t["chunk_bytes"] == 65536  # 3,211,264 B resident / 49 chunks
+    assert t["bytes_from_host"] == 36 * 65536
+    assert t["bytes_to_shared"] == 49 * 65536
+    assert tier_summary(parse_prometheus(SAMPLE), chunk_bytes=10)["bytes_to_host"] == 490
+
+
+def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
+    from kvstore.lmcache_server import free_port
+    port = free_port()
+    assert redis_ping("127.0.0.1", port) is False
+    assert shared_tier_reachable({"type": "resp", "host": "127.0.0.1", "port": port}) is False
+    assert shared_tier_reachable({"type": "fs", "base_path": str(tmp_path)}) is True
+    assert shared_tier_reachable({"type": "fs", "base_path": str(tmp_path / "missing")}) is False
+    assert shared_tier_reachable(None) is None
+
+
+def test_server_that_exits_at_once_is_reported(tmp_path):
+    cfg = TierConfig.from_dict({"extra_args": ["--no-such-flag"], "start_timeout_s": 60})
+    srv = LMCacheServer(cfg, tmp_path / "srv.log")
+    from kvstore.lmcache_server import LMCacheServerError
+    with pytest.raises(LMCacheServerError, match="exited"):
+        srv.start()
+    assert not srv.alive()
