@@ -1,0 +1,313 @@
+"""vLLM KV-event ingestion: decode ZMQ frames with msgpack and apply them to a PrefixIndex.
+
+Why not vLLM's own decoder: the router runs in the ingress process, which must stay light (no
+torch, no vLLM import). The wire format of `vllm/distributed/kv_events.py` (0.32) is small:
+
+    frames  = [topic, seq (8-byte big-endian), payload]
+    payload = msgpack [ts, [event, ...], dp_rank]       (KVEventBatch, msgspec array_like)
+    event   = map {"type": "BlockStored"|"BlockRemoved"|"AllBlocksCleared", field: value, ...}
+
+(older vLLMs sent events as arrays `[tag, field, ...]`; both decode). Block hashes are uint64 (the
+default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) or bytes, normalised by `PrefixIndex`.
+
+Sequence numbers detect loss. A gap means some BlockRemoved may be missing, so the replica's view
+could claim blocks it no longer has. If the engine runs a replay endpoint (vLLM
+`KVEventsConfig.replay_endpoint`, a ROUTER socket) we fetch the missed batches and stay exact;
+otherwise (or if the replay buffer no longer reaches back) the replica's view is cleared
+(`PrefixIndex.mark_stale`) and rebuilt from the following events: an under-estimate, never a
+phantom hit.
+
+Bind or connect: vLLM's publisher BINDS when its endpoint has `*`, `::` or is ipc/inproc, and
+CONNECTS for a concrete address. Deployments should let engines bind (`tcp://*:PORT`) and have
+every router connect to `tcp://ENGINE_IP:PORT` — a PUB fans out to any number of routers (one per
+ingress replica). `bind=True` supports the other direction (engine given `tcp://ROUTER_IP:PORT`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (1 << 64) - 1  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
+
+
+class BlockStored(NamedTuple):
+    block_hashes: list
+    parent_block_hash: Any = None
+    token_ids: list | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class BlockRemoved(NamedTuple):
+    block_hashes: list
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class AllBlocksCleared(NamedTuple):
+    pass
+
+
+class EventBatch(NamedTuple):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+_FIELDS = {name: set(cls._fields) for name, cls in _TYPES.items()}
+# positional order of the array (older) form, as declared in vLLM's structs
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+
+
+class DecodeError(ValueError):
+    """A frame that is not a vLLM KV-event message."""
+
+
+def _decode_event(raw: Any):
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        cls = _TYPES.get(kind)
+        if cls is None:
+            return None  # an event type this version does not know: skip it
+        names = _FIELDS[kind]
+        return cls(**{k: v for k, v in raw.items() if k in names})
+    if isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        cls = _TYPES.get(kind)
+        if cls is None:
+            return None
+        return cls(**dict(zip(_ARRAY_FIELDS[kind], raw[1:])))
+    raise DecodeError(f"malformed KV event: {raw!r:.80}")
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """msgpack payload -> EventBatch of decoded events (unknown event types are dropped)."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types
+        raise DecodeError(f"undecodable KV-event payload: {exc}") from None
+    if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], list):
+        raise DecodeError("KV-event payload is not [ts, [events], dp_rank]")
+    events = [e for e in map(_decode_event, obj[1]) if e is not None]
+    return EventBatch(obj[0], events, obj[2] if len(obj) > 2 else None)
+
+
+def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """[topic, seq, payload] -> (topic, seq, payload) with the sequence number as an int."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise DecodeError(f"expected [topic, 8-byte seq, payload], got {len(frames)} frames")
+    return frames[0], int.from_bytes(frames[1], "big"), frames[2]
+
+
+@dataclass
+class SourceState:
+    """One engine's event stream."""
+
+    replica_id: str
+    endpoint: str
+    bind: bool = False
+    topic: str = ""
+    replay_endpoint: str | None = None
+    last_seq: int | None = None
+    batches: int = 0
+    blocks: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    decode_errors: int = 0
+    _task: Any = field(default=None, repr=False)
+    _sock: Any = field(default=None, repr=False)
+
+
+class KVEventApplier:
+    """Sequence tracking + index updates, without sockets (the subscriber's testable core)."""
+
+    def __init__(self, index):
+        self.index = index
+        self.sources: dict[str, SourceState] = {}
+
+    def expected(self, src: SourceState) -> int:
+        return 0 if src.last_seq is None else src.last_seq + 1
+
+    def classify(self, src: SourceState, seq: int) -> str:
+        """'next', 'duplicate' or 'gap' for an incoming sequence number."""
+        exp = self.expected(src)
+        if seq == exp:
+            return "next"
+        if seq < exp:
+            return "duplicate"
+        return "gap"
+
+    def apply(self, src: SourceState, seq: int, payload: bytes) -> int:
+        """Decode and apply one batch; returns blocks touched (0 for an undecodable payload)."""
+        try:
+            batch = decode_payload(payload)
+        except DecodeError as exc:
+            src.decode_errors += 1
+            log.warning("replica %s: %s", src.replica_id, exc)
+            src.last_seq = seq
+            return 0
+        self.index.apply_events(src.replica_id, batch.events)
+        src.last_seq = seq
+        src.batches += 1
+        n = sum(len(e.block_hashes) for e in batch.events if not isinstance(e, AllBlocksCleared))
+        src.blocks += n
+        return n
+
+    def resync_fresh(self, src: SourceState) -> None:
+        """Lost events we cannot recover: forget this replica's view, rebuild from what follows."""
+        self.index.mark_stale(src.replica_id)
+
+    def handle(self, replica_id: str, frames: list[bytes]) -> str:
+        """Apply one received message without replay (gap -> clear and resume). Returns its class."""
+        src = self.sources[replica_id]
+        _, seq, payload = decode_frames(frames)
+        kind = self.classify(src, seq)
+        if kind == "duplicate":
+            src.duplicates += 1
+            return kind
+        if kind == "gap":
+            src.gaps += 1
+            if src.last_seq is not None:  # a late join (first seq > 0) has nothing to clear
+                self.resync_fresh(src)
+        self.apply(src, seq, payload)
+        if kind == "gap":
+            self.index.mark_fresh(replica_id)
+        return kind
+
+
+class KVEventSubscriber(KVEventApplier):
+    """asyncio SUB sockets, one per engine replica, feeding a PrefixIndex in the same loop."""
+
+    def __init__(self, index, *, replay_timeout_s: float = 2.0, ctx=None):
+        super().__init__(index)
+        import zmq.asyncio
+        self._zmq = __import__("zmq")
+        # our own context: Context.instance() may hand back a sync singleton created by someone else
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.asyncio.Context()
+        self.replay_timeout_s = replay_timeout_s
+
+    async def add_source(self, replica_id: str, endpoint: str, *, bind: bool = False,
+                         topic: str = "", replay_endpoint: str | None = None) -> str:
+        """Start receiving a replica's events; returns the endpoint actually bound/connected."""
+        zmq = self._zmq
+        if replica_id in self.sources:
+            await self.remove_source(replica_id)
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        if bind:
+            sock.bind(endpoint)
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            sock.connect(endpoint)
+        src = SourceState(replica_id, endpoint, bind, topic, replay_endpoint, _sock=sock)
+        self.sources[replica_id] = src
+        src._task = asyncio.get_running_loop().create_task(self._run(src), name=f"kv-events-{replica_id}")
+        return endpoint
+
+    async def remove_source(self, replica_id: str) -> None:
+        src = self.sources.pop(replica_id, None)
+        if src is None:
+            return
+        src._task.cancel()
+        try:
+            await src._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        src._sock.close(linger=0)
+
+    async def close(self) -> None:
+        for rid in list(self.sources):
+            await self.remove_source(rid)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        keys = ("batches", "blocks", "duplicates", "gaps", "replays_ok", "replays_failed", "decode_errors")
+        return {rid: {k: getattr(s, k) for k in keys} | {"last_seq": s.last_seq}
+                for rid, s in self.sources.items()}
+
+    async def _run(self, src: SourceState) -> None:
+        while True:
+            frames = await src._sock.recv_multipart()
+            try:
+                _, seq, payload = decode_frames(frames)
+            except DecodeError as exc:
+                src.decode_errors += 1
+                log.warning("replica %s: %s", src.replica_id, exc)
+                continue
+            if src.replica_id not in self.index.replicas():
+                continue  # replica deregistered; the owner will remove the source
+            kind = self.classify(src, seq)
+            if kind == "duplicate":
+                src.duplicates += 1
+                continue
+            if kind == "gap":
+                src.gaps += 1
+                recovered = src.replay_endpoint is not None and await self._replay(src, seq)
+                if not recovered and src.last_seq is not None:
+                    self.resync_fresh(src)
+                    src.last_seq = seq - 1
+                if self.classify(src, seq) == "duplicate":  # replay already delivered it
+                    continue
+            self.apply(src, seq, payload)
+            if kind == "gap":
+                self.index.mark_fresh(src.replica_id)
+
+    async def _replay(self, src: SourceState, upto: int) -> bool:
+        """Fetch batches [expected, upto) from the engine's replay socket; True if the gap closed."""
+        zmq = self._zmq
+        start = self.expected(src)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(src.replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            pending: dict[int, bytes] = {}
+            while True:
+                if not await sock.poll(int(self.replay_timeout_s * 1000)):
+                    break
+                msg = await sock.recv_multipart()
+                if len(msg) != 4:
+                    break
+                _, _topic, seq_b, payload = msg
+                seq = int.from_bytes(seq_b, "big")
+                if seq == END_SEQ:
+                    break
+                pending[seq] = payload
+            if start not in pending and start < upto:
+                src.replays_failed += 1
+                return False
+            for seq in sorted(pending):
+                if seq == self.expected(src):
+                    self.apply(src, seq, pending[seq])
+            ok = self.expected(src) >= upto
+            if ok:
+                src.replays_ok += 1
+            else:
+                src.replays_failed += 1
+            return ok
+        finally:
+            sock.close(linger=0)
