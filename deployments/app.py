@@ -1,0 +1,155 @@
+"""Build the kvmesh Serve application from a config dict, and start/stop it locally.
+
+    from deployments.app import start_local, stop_local
+    url = start_local({"replicas": 2, "policy": "kvmesh", "port": 8123, "api_keys": ["kvm-secret-key"]})
+    ...                                  # OpenAI-compatible endpoint at url + "/v1"
+    stop_local()                         # deletes the app, shuts Serve down, and Ray if we started it
+
+`build_app(config)` is also the Serve config import path (`import_path: deployments.app:build_app`,
+`args: <the same config>`), which is how k8s/ (KubeRay serveConfigV2) deploys it.
+
+Why runtime-env variables: engines and the router must agree on PYTHONHASHSEED (vLLM seeds its block
+hash chain with it) and the engines need the in-process vLLM settings; a Ray cluster started by
+someone else does not inherit our shell, so they travel with the deployments.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+
+from deployments.config import app_config
+
+log = logging.getLogger(__name__)
+
+# Environment every replica needs; values come from the caller's environment when set there.
+RUNTIME_ENV_DEFAULTS = {
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE",
+                "VLLM_LOGGING_LEVEL")
+
+
+def runtime_env_vars() -> dict[str, str]:
+    env = {k: os.environ.get(k, v) for k, v in RUNTIME_ENV_DEFAULTS.items()}
+    env.update({k: os.environ[k] for k in PASS_THROUGH if os.environ.get(k)})
+    return env
+
+
+def build_app(config: dict | None = None, **kwargs: Any):
+    """The Serve application: Ingress -> (KvmeshRouter) -> EngineReplica x N."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.engine import EngineReplica
+    from deployments.ingress import Ingress
+
+    cfg = app_config({**(config or {}), **kwargs})
+    eng = cfg["engine"]
+    env = runtime_env_vars()
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=cfg["replicas"],
+        max_ongoing_requests=cfg["max_ongoing_requests"],
+        ray_actor_options={"num_cpus": eng["num_cpus"], "num_gpus": eng["num_gpus"],
+                           "runtime_env": {"env_vars": env}},
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.router:KvmeshRouter",
+            request_router_kwargs={
+                "policy": cfg["policy"], "policy_params": cfg["policy_params"], "hash_algo": eng["hash_algo"],
+                "block_size": eng["block_size"], "speculative_ttl_s": cfg["speculative_ttl_s"],
+                "mismatch_alarm_after": cfg["mismatch_alarm_after"], "seed": eng["seed"],
+            },
+            request_routing_stats_period_s=cfg["routing_stats_period_s"],
+        ),
+        health_check_period_s=10,
+        graceful_shutdown_timeout_s=5,
+    ).bind(eng)
+    return Ingress.options(
+        num_replicas=cfg["ingress_replicas"],
+        max_ongoing_requests=max(256, cfg["max_ongoing_requests"] * cfg["replicas"]),
+        ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": env}},
+    ).bind(engine, cfg)
+
+
+_started_ray = False
+_app_name: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local(config: dict | None = None, *, num_cpus: int | None = None, timeout_s: float = 600) -> str:
+    """Start (or join, via RAY_ADDRESS) Ray, deploy the app, wait until it serves; return its base URL.
+
+    Without a salt secret in the environment, one is generated for this run and handed to the
+    ingress replicas (so all of them derive the same tenant salts).
+    """
+    global _started_ray, _app_name
+    import ray
+    from ray import serve
+
+    cfg = app_config(config)
+    if cfg["port"] == 0:
+        cfg["port"] = free_port()
+    if not os.environ.get("KVMESH_SALT_SECRET") and not os.environ.get("KVMESH_SALT_SECRET_FILE"):
+        os.environ["KVMESH_SALT_SECRET"] = secrets.token_hex(32)
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": bool(os.environ.get("KVMESH_RAY_LOGS"))}
+        if address is None:
+            kw["num_cpus"] = num_cpus or os.cpu_count() or 2
+            kw["runtime_env"] = {"env_vars": runtime_env_vars()}
+        ray.init(address=address, **kw)
+        _started_ray = True
+    serve.start(http_options={"host": cfg["host"], "port": cfg["port"]})
+    serve.run(build_app(cfg), name=cfg["name"], route_prefix=cfg["route_prefix"], blocking=False)
+    _app_name = cfg["name"]
+    _wait_ready(cfg, timeout_s)
+    return f"http://{cfg['host']}:{cfg['port']}"
+
+
+def _wait_ready(cfg: dict, timeout_s: float) -> None:
+    """serve.run(blocking=False) returns once replicas are up; wait until the HTTP proxy answers too."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    url = f"http://{cfg['host']}:{cfg['port']}/health"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"kvmesh app not healthy at {url} after {timeout_s:.0f}s")
+
+
+def stop_local() -> None:
+    """Delete the app and shut Serve down; shut Ray down too if start_local started it."""
+    global _started_ray, _app_name
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        except Exception:
+            log.exception("serve shutdown failed")
+        if _started_ray:
+            ray.shutdown()
+    _started_ray = False
+    _app_name = None

@@ -1,0 +1,138 @@
+"""The serving configuration: one plain dict (or YAML file) from which the Serve app is built.
+
+Why a dict and not code: the same config feeds `kvmesh serve`, the tests, the demo and the KubeRay
+`serveConfigV2` (as the app builder's args), so engine arguments never hide in code. Unknown keys are
+errors, not silently ignored (a typo in `block_size` must not quietly fall back to the default).
+
+    engine:                       # one vLLM engine per replica (deployments/engine.py)
+      model: tiny                 # "tiny" = build the embedded model locally, or a HF model directory
+      block_size: 32              # multiple of 32 on CPU
+      max_model_len: 2048
+      kv_cache_space_gb: 1        # whole GiB -> VLLM_CPU_KVCACHE_SPACE (CPU); or num_gpu_blocks_override
+      hash_algo: sha256           # vLLM prefix_caching_hash_algo; the router hashes with the same one
+      ...
+    replicas: 2                   # engine replicas
+    policy: kvmesh                # policies.registry name
+    port: 8000
+    api_keys: [KEY]               # or tenants_file: tenants.yaml (deployments/tenants.py)
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "model": "tiny",
+    "block_size": 32,
+    "max_model_len": 2048,
+    "kv_cache_space_gb": 1,  # whole GiB (vLLM parses VLLM_CPU_KVCACHE_SPACE as an int)
+    "num_gpu_blocks_override": None,
+    "hash_algo": "sha256",
+    "dtype": "auto",
+    "enforce_eager": True,
+    "kv_transfer_config": None,  # passed through to vLLM (LMCacheMPConnector etc.)
+    "lmcache": None,  # dict: node-local LMCache server discovery (kvstore/, issue 4); see engine hook
+    "num_gpus": 0,
+    "num_cpus": 0.5,
+    "seed": 0,
+    "engine_mode": None,  # "inproc" (LLMEngine stepped in a thread) | "async" (AsyncLLM); None = from env
+    "kv_events": True,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": None,
+}
+
+APP_DEFAULTS: dict[str, Any] = {
+    "name": "kvmesh",
+    "engine": {},
+    "replicas": 2,
+    "policy": "kvmesh",
+    "policy_params": {},
+    "host": "127.0.0.1",
+    "port": 8000,
+    "route_prefix": "/",
+    "api_keys": [],
+    "tenants_file": None,
+    "ingress_replicas": 1,
+    "max_ongoing_requests": 64,
+    "routing_stats_period_s": 0.5,
+    "speculative_ttl_s": 2.0,
+    "mismatch_alarm_after": 3,
+    "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
+}
+
+
+class ConfigError(ValueError):
+    """A bad serving configuration (unknown key, wrong type, impossible value)."""
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+
+def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    raw = dict(raw or {})
+    _check_keys(raw, ENGINE_DEFAULTS, "engine")
+    cfg = {**copy.deepcopy(ENGINE_DEFAULTS), **raw}
+    bs = cfg["block_size"]
+    if not isinstance(bs, int) or bs <= 0:
+        raise ConfigError("engine.block_size must be a positive integer")
+    if cfg["num_gpus"] == 0 and bs % 32:
+        raise ConfigError(f"engine.block_size {bs} must be a multiple of 32 on CPU engines")
+    if not isinstance(cfg["max_model_len"], int) or cfg["max_model_len"] < bs:
+        raise ConfigError("engine.max_model_len must be an integer >= block_size")
+    if cfg["kv_cache_space_gb"] is not None and (not isinstance(cfg["kv_cache_space_gb"], int)
+                                                 or cfg["kv_cache_space_gb"] < 1):
+        raise ConfigError("engine.kv_cache_space_gb must be a whole number of GiB >= 1 "
+                          "(use num_gpu_blocks_override for a smaller cache)")
+    if cfg["hash_algo"] not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        raise ConfigError(f"engine.hash_algo {cfg['hash_algo']!r} is not one vLLM supports")
+    if cfg["engine_mode"] not in (None, "inproc", "async"):
+        raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
+    return cfg
+
+
+def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Validate and fill defaults. Returns a new dict (the input is not modified)."""
+    raw = dict(raw or {})
+    _check_keys(raw, APP_DEFAULTS, "config")
+    cfg = {**copy.deepcopy(APP_DEFAULTS), **raw}
+    cfg["engine"] = engine_config(cfg["engine"])
+    for key in ("replicas", "ingress_replicas", "max_ongoing_requests", "port"):
+        if not isinstance(cfg[key], int) or cfg[key] < (0 if key == "port" else 1):
+            raise ConfigError(f"config.{key} must be a positive integer")
+    if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
+        raise ConfigError("config.api_keys must be a list of strings")
+    return cfg
+
+
+def load_config(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping")
+    return app_config(raw)
+
+
+def tiny_model_dir() -> Path:
+    """Where "model: tiny" is built: $KVMESH_HOME/models/tiny (default ~/.cache/kvmesh)."""
+    home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh"))
+    return home / "models" / "tiny"
+
+
+def resolve_model(model: str) -> str:
+    """Turn the config's model into a local directory (building the tiny model when asked)."""
+    if model == "tiny":
+        from deployments.tiny_model import build_tiny_model
+
+        return str(build_tiny_model(tiny_model_dir()))
+    return model

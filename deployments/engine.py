@@ -1,0 +1,148 @@
+"""The engine replica: a Ray Serve deployment wrapping one vLLM engine (prefix caching + KV events).
+
+Each replica publishes its KV-cache events on its own ZMQ endpoint and tells routers where via
+`record_routing_stats()` (Serve polls it and hands the dict to every router as
+`RunningReplica.routing_stats`). The publisher BINDS (`tcp://*:port`) so any number of routers (one
+per ingress replica) can connect to it; see docs/platform-notes: vLLM binds only for `*`/`::`.
+
+Request (a plain dict, built by the ingress; the router reads `prompt_token_ids` and `cache_salt`):
+    {"request_id": str, "prompt_token_ids": [int], "cache_salt": str | None,
+     "params": {max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, min_tokens}}
+Stream of chunks (dicts): {"text", "token_ids", "finish_reason", "num_cached_tokens", "prompt_tokens",
+    "replica"}; errors are raised (the ingress maps them).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import Any, AsyncIterator
+
+from deployments.config import engine_config, resolve_model
+
+log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
+EVENTS_TOPIC = "kvmesh"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def lmcache_kv_transfer(cfg: dict) -> dict | None:
+    """HOOK for the tiered store (issue 4): the kv_transfer_config this engine should use.
+
+    An explicit `kv_transfer_config` in the engine config wins (passed straight to vLLM). Otherwise, when
+    `lmcache` is set, kvstore/ finds (or starts) this node's LMCache server and returns the matching
+    LMCacheMPConnector config. Returns None when no KV connector is wanted.
+    """
+    if cfg.get("kv_transfer_config"):
+        return dict(cfg["kv_transfer_config"])
+    if cfg.get("lmcache"):
+        from kvstore import tiers  # H4's module: node-local LMCache server discovery
+
+        return tiers.engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
+    return None
+
+
+class EngineReplica:
+    """One vLLM engine. Methods take token ids: tokenizing happens once, in the ingress."""
+
+    def __init__(self, engine: dict | None = None):
+        import ray
+
+        self.cfg = engine_config(engine)
+        if self.cfg["num_gpus"] == 0 and self.cfg.get("kv_cache_space_gb"):
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg["kv_cache_space_gb"])
+        try:
+            from ray import serve
+
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit use)
+            self.replica_id = f"local-{uuid.uuid4().hex[:8]}"
+        try:
+            self.node_id = ray.get_runtime_context().get_node_id()
+            node_ip = ray.util.get_node_ip_address()
+        except Exception:
+            self.node_id, node_ip = "node-0", "127.0.0.1"
+        self.model_path = resolve_model(self.cfg["model"])
+        kv_events = None
+        self.kv_events_endpoint = self.replay_endpoint = None
+        if self.cfg["kv_events"]:
+            port, rport = _free_port(), _free_port()
+            kv_events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}",
+                         "topic": EVENTS_TOPIC}
+            self.kv_events_endpoint = f"tcp://{node_ip}:{port}"
+            self.replay_endpoint = f"tcp://{node_ip}:{rport}"
+        from deployments.engine_driver import build_engine_args, make_driver
+
+        args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
+        self.driver = make_driver(self.cfg["engine_mode"], args)
+        self.num_blocks = self.driver.num_blocks()
+        log.info("engine replica %s ready: model=%s blocks=%d events=%s", self.replica_id, self.model_path,
+                 self.num_blocks, self.kv_events_endpoint)
+
+    def _sampling_params(self, params: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kwargs = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
+        return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request["prompt_token_ids"])}
+        if request.get("cache_salt"):
+            prompt["cache_salt"] = request["cache_salt"]
+        params = self._sampling_params(request.get("params") or {})
+        rid = request.get("request_id") or uuid.uuid4().hex
+        n_prompt = len(prompt["prompt_token_ids"])
+        async for out in self.driver.generate(prompt, params, rid):
+            comp = out.outputs[0] if out.outputs else None
+            yield {
+                "text": comp.text if comp else "",
+                "token_ids": list(comp.token_ids) if comp else [],
+                "finish_reason": comp.finish_reason if comp and out.finished else None,
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+                "prompt_tokens": n_prompt,
+                "replica": self.replica_id,
+            }
+
+    def record_routing_stats(self) -> dict:
+        load = self.driver.load
+        return {
+            "replica_id": self.replica_id,
+            "queued": load.queued,
+            "running": load.running,
+            "kv_usage": self.driver.kv_usage(),
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "events_topic": EVENTS_TOPIC,
+            "node_id": self.node_id,
+            "block_size": self.cfg["block_size"],
+            "num_blocks": self.num_blocks,
+            "hash_algo": self.cfg["hash_algo"],
+        }
+
+    async def info(self) -> dict:
+        return {**self.record_routing_stats(), "model_path": self.model_path}
+
+    async def reset_prefix_cache(self) -> bool:
+        """Cold-start helper for benchmarks (demo: kvmesh vs round robin both from an empty cache)."""
+        return await self.driver.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        if self.driver is None:
+            raise RuntimeError("engine not running")
+
+    def __del__(self):
+        drv = getattr(self, "driver", None)
+        if drv is not None:
+            try:
+                drv.shutdown()
+            except Exception:
+                pass

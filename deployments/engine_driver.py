@@ -1,0 +1,247 @@
+"""Drive one vLLM engine from asyncio: `generate(prompt, params, request_id)` streams RequestOutputs.
+
+Why two drivers: vLLM's `AsyncLLM` always runs its EngineCore in a child process (~25 s start and
+~2.5 GB each on CPU), which is right on a GPU node but too heavy for a 2-core CI machine running two
+replicas. `InprocDriver` steps the synchronous `LLMEngine` (in-process EngineCore when
+VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s start) in one dedicated thread and hands outputs to asyncio
+queues; `AsyncDriver` simply wraps `AsyncLLM`. Both run the same scheduler, prefix cache, KV-event
+publisher and KV connector, so routing and caching behave identically. Nothing here knows about Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from typing import Any, AsyncIterator
+
+log = logging.getLogger(__name__)
+
+
+def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_transfer: dict | None):
+    """vLLM engine arguments from a validated engine config (deployments/config.py)."""
+    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        block_size=cfg["block_size"],
+        max_model_len=cfg["max_model_len"],
+        dtype=cfg["dtype"],
+        enforce_eager=cfg["enforce_eager"],
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo=cfg["hash_algo"],
+        seed=cfg["seed"],
+        max_num_seqs=cfg["max_num_seqs"],
+        disable_log_stats=False,
+    )
+    if cfg.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+    if cfg.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = cfg["num_gpu_blocks_override"]
+    if kv_events:
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **kv_events)
+    if kv_transfer:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+    return AsyncEngineArgs(**kwargs)
+
+
+class _LoadCounter:
+    """Queued = admitted but no token yet; running = producing tokens. Counted by the driver itself so
+    both drivers report the same thing without reaching into engine internals."""
+
+    def __init__(self):
+        self.queued = 0
+        self.running = 0
+
+
+class InprocDriver:
+    """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues."""
+
+    def __init__(self, engine_args):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        self.load = _LoadCounter()
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
+        self._thread.start()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            busy = self.engine.has_unfinished_requests()
+            if busy:
+                try:
+                    op = self._ops.get_nowait()
+                except queue.Empty:
+                    op = None
+            else:
+                op = self._ops.get()  # idle: sleep until a request (or stop) arrives
+            while op is not None:
+                self._apply(op)
+                try:
+                    op = self._ops.get_nowait()
+                except queue.Empty:
+                    op = None
+            if self._stop:
+                break
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # the engine is broken: fail every stream, keep the thread alive
+                    log.exception("engine step failed")
+                    for rid in list(self._streams):
+                        self._push(rid, exc)
+                    continue
+                for out in outputs:
+                    self._push(out.request_id, out)
+
+    def _apply(self, op) -> None:
+        kind = op[0]
+        if kind == "add":
+            _, rid, prompt, params = op
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except Exception as exc:  # bad request (e.g. too long): report to the caller only
+                self._push(rid, exc)
+        elif kind == "abort":
+            self.engine.abort_request([op[1]])
+        elif kind == "call":
+            _, fn, loop, fut = op
+            try:
+                res = fn(self.engine)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+            except Exception as exc:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+        elif kind == "stop":
+            self._stop = True
+
+    def _push(self, rid: str, item) -> None:
+        entry = self._streams.get(rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    # -- asyncio side ----------------------------------------------------------------------------
+    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, q)
+        self.load.queued += 1
+        started = finished = False
+        self._ops.put(("add", request_id, prompt, params))
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if not started:
+                    started = True
+                    self.load.queued -= 1
+                    self.load.running += 1
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if started:
+                self.load.running -= 1
+            else:
+                self.load.queued -= 1
+            if not finished:
+                self._ops.put(("abort", request_id))
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread (engine objects are not thread-safe)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._ops.put(("call", fn, loop, fut))
+        return await fut
+
+    def kv_usage(self) -> float:
+        sched = self.engine.engine_core.engine_core.scheduler
+        try:
+            return float(sched.kv_cache_manager.usage)
+        except Exception:
+            return 0.0
+
+    def num_blocks(self) -> int:
+        return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call(lambda e: e.reset_prefix_cache()))
+
+    def shutdown(self) -> None:
+        self._ops.put(("stop",))
+        self._thread.join(timeout=10)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:
+            pass
+
+
+class AsyncDriver:
+    """vLLM's AsyncLLM (EngineCore in a child process): the production path on GPU nodes."""
+
+    def __init__(self, engine_args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        driver = self
+        self._kv_usage = 0.0
+
+        class _UsageLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    driver._kv_usage = float(scheduler_stats.kv_cache_usage)
+
+            def log_engine_initialized(self):
+                pass
+
+        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_UsageLogger])
+        self.load = _LoadCounter()
+
+    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+        self.load.queued += 1
+        started = False
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                if not started:
+                    started = True
+                    self.load.queued -= 1
+                    self.load.running += 1
+                yield out
+        finally:
+            if started:
+                self.load.running -= 1
+            else:
+                self.load.queued -= 1
+
+    def kv_usage(self) -> float:
+        return self._kv_usage
+
+    def num_blocks(self) -> int:
+        return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def make_driver(mode: str | None, engine_args):
+    if mode is None:
+        mode = "inproc" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" else "async"
+    return InprocDriver(engine_args) if mode == "inproc" else AsyncDriver(engine_args)

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible ingress: authenticate -> validate -> tokenize -> route -> stream back.
+
+Tokenizing here (with the model's own tokenizer and chat template, the files the engine loads) is
+what lets the router hash the exact token ids the engine will cache. The tenant's salt comes from the
+API key (deployments/tenants.py), never from the client. Each response names the replica that served
+it (`x-kvmesh-replica`) and reports `usage.prompt_tokens_details.cached_tokens` from the engine; the
+router's prediction for the same request is checked against it (deployments/prediction.py).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
+GET /health, GET /metrics (Prometheus text), GET /kvmesh/state and POST /kvmesh/index/lookup
+(operator/debug views of the router's index).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments import openai_protocol as proto
+from deployments.config import app_config, resolve_model
+from deployments.openai_protocol import OpenAIError
+from deployments import local_state
+from deployments.router import active_routers, notify_first_token
+from deployments.serving_metrics import ServingMetrics
+from deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
+
+log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-compatible serving")
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    if isinstance(exc, (OpenAIError, KvmeshHTTPError)):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+    return JSONResponse(proto.openai_error(500, "Internal server error.", "internal_error", "server_error"),
+                        status_code=500)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_exc(request: Request, exc: StarletteHTTPException):
+    msg = {404: f"Unknown path {request.url.path}.", 405: f"Method {request.method} not allowed on "
+           f"{request.url.path}."}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(proto.openai_error(exc.status_code, msg, "not_found" if exc.status_code == 404
+                                           else "invalid_request"), status_code=exc.status_code)
+
+
+def build_registry(cfg: dict) -> TenantRegistry | None:
+    """API keys -> tenants. The ONE place the ingress learns identities (swap here for another source)."""
+    if cfg.get("tenants_file"):
+        return TenantRegistry.from_file(cfg["tenants_file"])
+    keys = cfg.get("api_keys") or []
+    if keys:
+        from deployments.tenants import hash_api_key
+
+        return TenantRegistry.from_dict({"tenants": [{"id": "default",
+                                                       "keys": [{"sha256": hash_api_key(k)} for k in keys]}]})
+    return None
+
+
+def _engine_error(exc: BaseException) -> OpenAIError | None:
+    """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses)."""
+    if isinstance(exc, ValueError):
+        text = str(exc).strip().splitlines()
+        return proto.bad(text[-1][:500] if text else "Invalid request.", code="invalid_request")
+    return None
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(fastapi_app)
+class Ingress:
+    def __init__(self, engine_handle, config: dict):
+        from transformers import AutoTokenizer
+
+        self.cfg = app_config(config)
+        self.engine = engine_handle
+        self.model_path = resolve_model(self.cfg["engine"]["model"])
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = len(self.tokenizer)
+        self.max_model_len = self.cfg["engine"]["max_model_len"]
+        self.served_model = self.cfg["served_model_name"] or (
+            "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name)
+        self.model_aliases = {self.served_model, self.cfg["engine"]["model"], self.model_path}
+        self.registry = build_registry(self.cfg)
+        if self.registry is None:
+            log.warning("no API keys configured: the ingress is OPEN (every request is tenant 'anonymous')")
+            from deployments.tenants import resolve_secret
+
+            self._anonymous = Tenant("anonymous", None, derive_salt(resolve_secret(), "anonymous"))
+        from deployments.admission import Admission
+        from deployments.tenant_metrics import TenantMetrics
+
+        self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
+        self.metrics = ServingMetrics()
+        self.tenant_metrics = TenantMetrics()
+
+    # ------------------------------------------------------------------ helpers
+    def _auth(self, request: Request) -> Tenant:
+        if self.registry is None:
+            return self._anonymous
+        try:
+            return self.registry.authenticate(request.headers.get("authorization"))
+        except KvmeshHTTPError as exc:
+            self.tenant_metrics.record_rejection("unauthenticated", exc.code)
+            raise
+
+    def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise proto.bad(f"Token id {bad} is out of range for this model (vocabulary size "
+                                f"{self.vocab_size}).", "prompt", "invalid_token_id")
+            return req.prompt_ids
+        if req.kind == "chat":
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = req.prompt_text
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_model_and_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
+        if req.model not in self.model_aliases:
+            raise OpenAIError(404, f"The model '{req.model}' does not exist. Available: {self.served_model}.",
+                              "model_not_found", "model")
+        if not ids:
+            raise proto.bad("The prompt is empty after tokenization.", "prompt" if req.kind == "completion"
+                            else "messages", "empty_prompt")
+        need = len(ids) + req.params.get("max_tokens", proto.DEFAULT_MAX_TOKENS)
+        if need > self.max_model_len:
+            raise proto.bad(f"This model's maximum context length is {self.max_model_len} tokens; the request "
+                            f"has {len(ids)} prompt tokens plus max_tokens={req.params.get('max_tokens')}.",
+                            "prompt" if req.kind == "completion" else "messages", "context_length_exceeded")
+
+    # ------------------------------------------------------------------ generation
+    async def _generate(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            tenant = self._auth(request)
+            body = proto.parse_json(await request.body())
+            reject_client_salt(body, request.headers)
+            req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            ids = self._tokenize(req)
+            self._check_model_and_length(req, ids)
+            ticket = await self.admission.acquire(tenant, len(ids))
+        except (OpenAIError, KvmeshHTTPError) as exc:
+            self.metrics.record_error(exc.status)
+            if exc.status == 429:
+                self.tenant_metrics.record_rejection(tenant.id, exc.code)
+            return _error_response(exc)
+        request_id = uuid.uuid4().hex
+        engine_req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": tenant.salt,
+                      "tenant": tenant.id, "params": req.params}
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.admission.release(ticket)
+
+        stream = self.engine.options(stream=True).generate.remote(engine_req)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            release()
+            return _error_response(RuntimeError("engine returned nothing"))
+        except Exception as exc:
+            release()
+            err = _engine_error(exc)
+            if err is None:
+                log.exception("engine call failed")
+            self.metrics.record_error(err.status if err else 500)
+            return _error_response(err or exc)
+        ttft = time.perf_counter() - t0
+        notify_first_token(request_id)
+        replica = first["replica"]
+        oid = proto.new_id(req.kind)
+        headers = {"x-kvmesh-replica": replica, "x-request-id": request_id}
+
+        def finish(completion_tokens: int, cached: int) -> dict:
+            self.metrics.record(replica, len(ids), cached, completion_tokens, ttft)
+            self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
+            local_state.LEDGER.deliver(request_id, cached)
+            return proto.usage(len(ids), completion_tokens, cached)
+
+        if not req.stream:
+            text, ntok, last = first["text"], len(first["token_ids"]), first
+            try:
+                async for chunk in stream:
+                    text += chunk["text"]
+                    ntok += len(chunk["token_ids"])
+                    last = chunk
+            except Exception as exc:
+                log.exception("engine stream failed")
+                self.metrics.record_error(500)
+                return _error_response(exc)
+            finally:
+                release()
+            u = finish(ntok, first["num_cached_tokens"])
+            return JSONResponse(proto.full_response(req, oid, text, last["finish_reason"], u), headers=headers)
+
+        async def events() -> AsyncIterator[bytes]:
+            ntok = 0
+            cached = first["num_cached_tokens"]
+            completed = False
+            try:
+                is_first = True
+                chunk = first
+                while True:
+                    ntok += len(chunk["token_ids"])
+                    if chunk["text"] or chunk["finish_reason"] or is_first:
+                        yield proto.sse(proto.stream_chunk(req, oid, chunk["text"], chunk["finish_reason"],
+                                                           first=is_first))
+                    is_first = False
+                    if chunk["finish_reason"] is not None:
+                        break
+                    try:
+                        chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                u = finish(ntok, cached)
+                completed = True
+                if req.include_usage:
+                    yield proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
+                yield proto.sse("[DONE]")
+            except asyncio.CancelledError:  # client went away
+                stream.cancel()
+                raise
+            except Exception:
+                log.exception("engine stream failed mid-response")
+                self.metrics.record_error(500)
+                yield proto.sse({"error": proto.openai_error(500, "engine failed", "internal_error",
+                                                             "server_error")["error"]})
+            finally:
+                if not completed:
+                    stream.cancel()
+                release()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, "completion")
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "chat")
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._auth(request)
+        except KvmeshHTTPError as exc:
+            return _error_response(exc)
+        return {"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
+                                            "owned_by": "kvmesh", "max_model_len": self.max_model_len}]}
+
+    @fastapi_app.get("/health")
+    async def health(self):
+        return {"status": "ok", "model": self.served_model, "routers": len(active_routers())}
+
+    def _router_snapshot(self) -> dict | None:
+        routers = active_routers()
+        if not routers:
+            log.info("no kvmesh router in this process yet (created on the first engine request)")
+            return None
+        r = routers[0]
+        try:
+            return r.call_on_loop(lambda: {**r.snapshot(), "held_blocks": r.held_blocks()})
+        except Exception:
+            log.exception("router snapshot failed")
+            return None
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self):
+        snap = await asyncio.to_thread(self._router_snapshot)
+        text = self.metrics.prometheus_text(local_state.LEDGER.snapshot(), snap) + self.tenant_metrics.prometheus_text()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @fastapi_app.get("/kvmesh/state")
+    async def state(self, request: Request):
+        """Router index, prediction ledger and serving counters as JSON (for tests, demo and operators)."""
+        try:
+            self._auth(request)
+        except KvmeshHTTPError as exc:
+            return _error_response(exc)
+        snap = await asyncio.to_thread(self._router_snapshot)
+        return {"router": snap, "prediction": local_state.LEDGER.snapshot(), "serving": self.metrics.snapshot(),
+                "model": self.served_model, "pid": os.getpid()}
+
+    @fastapi_app.post("/kvmesh/index/lookup")
+    async def index_lookup(self, request: Request):
+        """{"hashes": [int]} -> per replica, how many of these block hashes the router's index holds in hbm.
+
+        Each hash is looked up on its own (not as a chain), so the answer is plain membership."""
+        try:
+            self._auth(request)
+            body = proto.parse_json(await request.body())
+            hashes = body.get("hashes")
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
+                                                       for h in hashes):
+                raise proto.bad("'hashes' must be a list of integers.", "hashes", "invalid_type")
+        except (OpenAIError, KvmeshHTTPError) as exc:
+            return _error_response(exc)
+        routers = active_routers()
+        if not routers:
+            return {"replicas": {}}
+        r = routers[0]
+
+        def lookup():
+            counts: dict[str, int] = {rid: 0 for rid in r.index.replicas()}
+            for h in hashes:
+                for rid, (hbm, _, _) in r.index.match([h]).items():
+                    counts[rid] += hbm
+            return counts
+
+        counts = await asyncio.to_thread(r.call_on_loop, lookup)
+        return {"replicas": counts}

@@ -1,0 +1,15 @@
+"""Objects the router and the ingress share inside one ingress process.
+
+Why a module of its own: Serve ships the router class to the ingress process pickled (cloudpickle may
+copy a class by value, together with the module-level objects its methods use). Code that needs the
+process-wide instances therefore looks them up here at call time (`local_state.LEDGER`), through the
+module, which is always imported by reference -- never through a name bound at import time.
+"""
+from __future__ import annotations
+
+import weakref
+
+from deployments.prediction import PredictionLedger
+
+LEDGER = PredictionLedger()
+ROUTERS: "weakref.WeakSet" = weakref.WeakSet()  # KvmeshRouter instances living in this process

