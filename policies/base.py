@@ -48,6 +48,39 @@ class ReplicaView:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class FleetView:
+    """Every candidate replica at once, as arrays (index k = replica `ids[k]`): the same fields as
+    `ReplicaView`. Why: at hundreds of replicas, building one object per replica per request costs
+    more than the decision; the simulator (and a large live fleet) hands policies this instead.
+    Arrays are numpy arrays of equal length; `extra` holds optional per-replica arrays."""
+
+    ids: list
+    hbm_blocks: "object"
+    host_blocks: "object"
+    shared_blocks: "object"
+    queued: "object"
+    running: "object"
+    kv_usage: "object"
+    pending_prefill_tokens: "object"
+    capacity_blocks: "object"
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def to_views(self) -> list[ReplicaView]:
+        """One ReplicaView per replica (for policies without an array fast path)."""
+        out = []
+        for k, rid in enumerate(self.ids):
+            out.append(ReplicaView(
+                rid, int(self.hbm_blocks[k]), int(self.host_blocks[k]), int(self.shared_blocks[k]),
+                int(self.queued[k]), int(self.running[k]), float(self.kv_usage[k]),
+                int(self.pending_prefill_tokens[k]), int(self.capacity_blocks[k]),
+                {name: arr[k] for name, arr in self.extra.items()}))
+        return out
+
+
 class Policy:
     """Base class: rank replicas best first. Subclasses override `rank`."""
 
@@ -61,6 +94,12 @@ class Policy:
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         raise NotImplementedError
+
+    def choose(self, request: RequestInfo, fleet: FleetView) -> int:
+        """Index into `fleet.ids` of the best replica: the same decision as `rank(...)[0]`. Policies
+        with an array fast path override this; the default ranks ReplicaViews built from the fleet."""
+        best = self.rank(request, fleet.to_views())[0]
+        return fleet.ids.index(best)
 
     def on_routed(self, request: RequestInfo, replica_id: str) -> None:
         """Called once the request was sent to `replica_id` (stateful peers learn from this)."""

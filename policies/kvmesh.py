@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from policies.base import Policy, ReplicaView, RequestInfo
-from policies.cost_model import DEFAULT_COST_MODEL, CostModel, cached_tokens
+import numpy as np
+
+from policies.base import FleetView, Policy, ReplicaView, RequestInfo
+from policies.cost_model import DEFAULT_COST_MODEL, CostModel
 
 
 class KvmeshPolicy(Policy):
@@ -40,78 +42,113 @@ class KvmeshPolicy(Policy):
                  recompute_weight: float = 30.0, **params):
         super().__init__(seed, balance_slack=balance_slack, window_tokens_per_replica=window_tokens_per_replica,
                          mean_output_tokens=mean_output_tokens, recompute_weight=recompute_weight, **params)
-        if balance_slack < 0:
-            raise ValueError("kvmesh: balance_slack must be >= 0")
+        if balance_slack < 0 or recompute_weight < 0:
+            raise ValueError("kvmesh: balance_slack and recompute_weight must be >= 0")
         self.cost = cost if isinstance(cost, CostModel) else CostModel.from_dict(cost) if cost else DEFAULT_COST_MODEL
         self.balance_slack = balance_slack
         self.window_tokens_per_replica = window_tokens_per_replica
         self.mean_output_tokens = mean_output_tokens
         self.recompute_weight = recompute_weight
-        self._work: dict[str, float] = {}  # replica -> recent predicted prefill tokens sent there
+        # recent predicted prefill work per replica, in one growing array (slot per replica id)
+        self._slot: dict[str, int] = {}
+        self._w = np.zeros(0)
         self._total = 0.0
-        self._pending: tuple[object, dict[str, int]] | None = None  # last ranked request -> uncached tokens
-        self.last_prediction: dict[str, float] = {}  # replica -> predicted TTFT (s), for explanations
+        self._ids_key: tuple = ()
+        self._ids_idx = np.zeros(0, dtype=np.int64)
+        self._ids_pos: dict[str, int] = {}
+        self._last: tuple | None = None  # (request, ids, ttft array, uncached array)
 
     # ------------------------------------------------------------------ scoring
-    def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
-        """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
+    def _positions(self, ids: Sequence[str]) -> np.ndarray:
+        """Slots of `ids` in the work array (new replicas start at the current mean)."""
+        key = tuple(ids)
+        if key != self._ids_key:
+            live = len(self._slot)
+            mean = self._total / live if live else 0.0
+            for rid in key:
+                if rid not in self._slot:
+                    self._slot[rid] = len(self._w)
+                    self._w = np.append(self._w, mean)
+                    self._total += mean
+            self._ids_key = key
+            self._ids_idx = np.fromiter((self._slot[r] for r in key), dtype=np.int64, count=len(key))
+            self._ids_pos = {r: k for k, r in enumerate(key)}
+        return self._ids_idx
+
+    def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending):
+        """Arrays (predicted TTFT in s, prompt tokens that would be computed) per replica. Pure."""
         c = self.cost
         n, bs = request.num_tokens, request.block_size
-        hbm = cached_tokens(v.hbm_blocks, n, bs)
-        host = cached_tokens(v.host_blocks, n, bs)
-        shared = cached_tokens(v.shared_blocks, n, bs)
-        wait = v.pending_prefill_tokens * c.prefill_s_per_token + v.queued * c.prefill_base_s
-        over = v.queued + v.running + 1 - c.max_batch
-        if over > 0:  # no free sequence slot: wait for `over` decodes to finish (mean length assumed)
-            wait += over * self.mean_output_tokens * c.decode_s_per_token / c.max_batch
-        return wait + c.prefill_s(n, hbm, host, shared), n - shared
+        most = max(0, (n - 1) // bs)  # vLLM: whole blocks only, last token always computed
+        hbm = np.minimum(hbm_b, most) * bs
+        host = np.minimum(host_b, most) * bs
+        shared = np.minimum(shared_b, most) * bs
+        wait = pending * c.prefill_s_per_token + queued * c.prefill_base_s
+        over = queued + running + (1 - c.max_batch)
+        wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
+        uncached = n - shared
+        ttft = (wait + c.prefill_base_s + uncached * c.prefill_s_per_token
+                + (shared - host) * c.shared_load_s_per_token + (host - hbm) * c.host_load_s_per_token)
+        return ttft, uncached
+
+    def _order(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending) -> np.ndarray:
+        """Indices into `ids`, best first: (inside the balance guard, lower score, less recent work)."""
+        ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
+        score = np.round(ttft + self.recompute_weight * self.cost.prefill_s_per_token * uncached, 9)
+        idx = self._positions(ids)
+        work = self._w[idx]
+        limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
+        order = np.lexsort((np.arange(len(ids)), work, score, work > limit))
+        self._last = (request, ids, ttft, uncached)
+        if self._total > self.window_tokens_per_replica * len(self._slot):
+            self._w *= 0.5
+            self._total *= 0.5
+        return order
+
+    def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
+        """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
+        ttft, unc = self._predict(request, *(np.array([x]) for x in (
+            v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens)))
+        return float(ttft[0]), int(unc[0])
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
-        work = self._work
-        n_rep = len(replicas)
-        mean = self._total / len(work) if work else 0.0
-        for v in replicas:  # a replica seen for the first time starts at the mean (no stampede)
-            if v.replica_id not in work:
-                work[v.replica_id] = mean
-                self._total += mean
-        mean = self._total / len(work)
-        limit = (1.0 + self.balance_slack) * mean + request.num_tokens
-        keyed = []
-        uncached = {}
-        pred = {}
-        for i, v in enumerate(replicas):
-            rid = v.replica_id
-            ttft, u = self.predict(request, v)
-            uncached[rid] = u
-            pred[rid] = ttft
-            w = work[rid]
-            score = ttft + self.recompute_weight * u * self.cost.prefill_s_per_token
-            keyed.append((w > limit, round(score, 9), w, i, rid))
-        keyed.sort()
-        self._pending = (request, uncached)
-        self.last_prediction = pred
-        if n_rep and self._total > self.window_tokens_per_replica * n_rep:
-            self._decay()
-        return [k[-1] for k in keyed]
+        ids = [v.replica_id for v in replicas]
+        arr = [np.fromiter((getattr(v, f) for v in replicas), dtype=np.int64, count=len(replicas)) for f in
+               ("hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "pending_prefill_tokens")]
+        return [ids[k] for k in self._order(request, ids, *arr)]
+
+    def choose(self, request: RequestInfo, fleet: FleetView) -> int:
+        return int(self._order(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
+                               fleet.queued, fleet.running, fleet.pending_prefill_tokens)[0])
+
+    @property
+    def last_prediction(self) -> dict[str, float]:
+        """Predicted TTFT (s) per replica for the last ranked request (for explanations)."""
+        if self._last is None:
+            return {}
+        _, ids, ttft, _ = self._last
+        return {rid: float(t) for rid, t in zip(ids, ttft)}
 
     # ------------------------------------------------------------------ feedback
     def on_routed(self, request: RequestInfo, replica_id: str) -> None:
-        pending = self._pending
-        if pending is None or pending[0] is not request:
-            u = request.num_tokens  # routed without a rank() call (e.g. a fallback): count it all
+        last = self._last
+        if last is not None and last[0] is request and replica_id in self._ids_pos and last[1] is not None:
+            u = float(last[3][self._ids_pos[replica_id]]) if tuple(last[1]) == self._ids_key else request.num_tokens
         else:
-            u = pending[1].get(replica_id, request.num_tokens)
-        self._work[replica_id] = self._work.get(replica_id, 0.0) + u
+            u = request.num_tokens  # routed without a rank() call (e.g. a fallback): count it all
+        if replica_id not in self._slot:
+            self._positions(list(self._ids_key) + [replica_id])
+        self._w[self._slot[replica_id]] += u
         self._total += u
-        self._pending = None
+        self._last = None
 
     def on_replica_removed(self, replica_id: str) -> None:
-        self._total -= self._work.pop(replica_id, 0.0)
-
-    def _decay(self) -> None:
-        for rid in self._work:
-            self._work[rid] *= 0.5
-        self._total *= 0.5
+        slot = self._slot.pop(replica_id, None)
+        if slot is None:
+            return
+        self._total -= self._w[slot]
+        self._w[slot] = 0.0
+        self._ids_key = ()  # rebuild positions on the next call
 
     def recent_work(self) -> dict[str, float]:
-        return dict(self._work)
+        return {rid: float(self._w[s]) for rid, s in self._slot.items()}
