@@ -114,6 +114,19 @@ def test_gpu_workers_and_engines_ask_for_one_gpu_each():
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1"
     config = yaml.safe_load(svc["spec"]["serveConfigV2"])
-    engine = [d for d in config["applications"][0]["deployments"] if d["name"] == "KVMeshEngine"][0]
+    engine = [d for d in config["applications"][0]["deployments"] if d["name"] == "EngineReplica"][0]
     assert engine["ray_actor_options"]["num_gpus"] == 1
     assert engine["autoscaling_config"]["max_replicas"] <= group["maxReplicas"]
+
+
+def test_serve_args_are_a_valid_kvmesh_config():
+    """The RayService's app args go through the same validation as `kvmesh serve --config`."""
+    from deployments.app import build_app
+    from deployments.config import app_config
+
+    config = yaml.safe_load(_docs("RayService")[0]["spec"]["serveConfigV2"])
+    app = config["applications"][0]
+    module, func = app["import_path"].split(":")
+    assert (module, func) == (build_app.__module__, build_app.__name__)
+    cfg = app_config(app["args"])
+    assert cfg["engine"]["num_gpus"] == 1 and cfg["engine"]["block_size"] == 16
