@@ -1,88 +1,141 @@
-"""Keep the router's view of the host and shared tiers, fed by the engines' own KV events.
+"""Keep the router's view of the host (LMCache L1) and shared (LMCache L2) tiers.
 
-How the router learns what LMCache holds (see docs/tiers.md for the alternatives weighed):
-`LMCacheMPConnector` publishes, through vLLM's ordinary KV-event stream, a `BlockStored` with
-medium "CPU" for every block LMCache stored in the node's host memory (L1) and a `BlockRemoved`
-with medium "CPU" for every L1 eviction — with vLLM's own block hashes. `PrefixIndex.apply_events`
-already maps medium "CPU" to the replica's node `host` tier, so host residency needs nothing else.
+How the router learns what LMCache holds — by recording what the engines stored (docs/tiers.md
+weighs the alternatives). LMCacheMPConnector writes every full chunk of a request's prompt through
+to its node's LMCache server (L1, host memory) and the server writes it on to L2 (the shared tier).
+So once a request's prefill has finished on a replica, the request's own prompt block hashes — the
+router computed them, salt included — name blocks now held in that node's host tier and, when the
+node has an L2, in the shared tier. No remote call, and the keys are exactly the router's keys.
 
-What no event says is the shared tier (L2): LMCache writes every L1 store through to L2 and emits
-no L2 events. This tracker sits between the event subscriber and the index (it has the index's
-`apply_events` signature) and, for replicas whose node has a shared tier, also marks each
-CPU-stored block `shared`. L2 has no eviction events either, so its capacity is modelled as an LRU
-of `shared_capacity_blocks` (None = unbounded, right for a Redis without maxmemory). When the shared
-tier is reported down (`set_shared_up(False)`, from the node server's health probe) every shared
-entry is dropped — a Redis restart comes back empty — and nothing is marked shared until it is up.
+Why not LMCache's own KV events: LMCacheMPConnector can publish CPU-medium BlockStored/BlockRemoved
+through vLLM's event stream, but their hashes are LMCache chunk hashes (blake3 over tokens, no
+salt), not vLLM block hashes, so they can never match a request in the index; this tracker drops
+them (`apply_events`) instead of filling the index with keys nothing looks up.
+
+What is modelled rather than observed: L1 capacity (an LRU per node of `host_capacity_blocks`,
+parents outliving children as in vLLM's own pool), optional L2 capacity (`shared_capacity_blocks`,
+None = a Redis without maxmemory), loss of the shared tier (`set_shared_up(False)` forgets every
+shared entry: a restarted Redis is empty) and a restarted node server (`node_restarted`: L1 lost).
+Only whole LMCache chunks are stored, so a prompt counts up to its last full chunk
+(`chunk_blocks` = LMCache chunk size / engine block size).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from cluster.index import event_hash
+LMCACHE_MEDIA = frozenset({"CPU"})
 
-HOST_MEDIA = frozenset({"CPU"})
+
+class _LRU:
+    """Block-hash LRU with a capacity (None = unbounded); `touch` returns the evicted hashes."""
+
+    def __init__(self, capacity: int | None):
+        self.capacity = capacity
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, hashes: Sequence[int]) -> list[int]:
+        order = self.order
+        for h in reversed(hashes):  # children first, so a prefix's parents are the most recent
+            order[h] = None
+            order.move_to_end(h)
+        if self.capacity is None or len(order) <= self.capacity:
+            return []
+        return [order.popitem(last=False)[0] for _ in range(len(order) - self.capacity)]
+
+    def clear(self) -> list[int]:
+        gone = list(self.order)
+        self.order.clear()
+        return gone
 
 
 class TierTracker:
-    """Index decorator: forwards KV events to `index` and derives shared-tier residency from them."""
+    """Index decorator: records prefills into host/shared residency; everything else is the index's."""
 
-    def __init__(self, index, *, shared_capacity_blocks: int | None = None):
+    def __init__(self, index, *, chunk_blocks: int = 1, shared_capacity_blocks: int | None = None):
+        if chunk_blocks < 1:
+            raise ValueError("chunk_blocks must be >= 1")
         self.index = index
-        self.shared_capacity_blocks = shared_capacity_blocks
-        self._shared_nodes: set[str] = set()  # nodes whose LMCache server writes through to L2
-        self._shared_lru: OrderedDict[int, None] = OrderedDict()
+        self.chunk_blocks = chunk_blocks
+        self._host: dict[str, _LRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
+        self._shared_nodes: set[str] = set()
+        self._shared = _LRU(shared_capacity_blocks)
         self.shared_up = True
-        self.counters = {"host_stored": 0, "host_removed": 0, "shared_marked": 0, "shared_evicted": 0,
-                         "shared_dropped_on_loss": 0}
+        self.counters = dict.fromkeys(("prefills_recorded", "host_marked", "host_evicted", "shared_marked",
+                                       "shared_evicted", "shared_dropped_on_loss", "host_dropped_on_restart",
+                                       "lmcache_events_dropped"), 0)
 
     def __getattr__(self, name):
-        # Everything else (match, add_replica, mark_stale, clear, stats...) is the index's own.
+        # match, add_replica, remove_replica, mark_stale, speculate, ... are the index's own.
         return getattr(self.index, name)
 
-    def set_node_shared(self, node_id: str, has_shared_tier: bool = True) -> None:
-        """Declare whether `node_id`'s LMCache server has an L2 (from its tier config)."""
+    def set_node(self, node_id: str, *, has_shared_tier: bool, host_capacity_blocks: int | None = None) -> None:
+        """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not)."""
+        lru = self._host.get(node_id)
+        if lru is None:
+            self._host[node_id] = _LRU(host_capacity_blocks)
+        else:
+            lru.capacity = host_capacity_blocks
         (self._shared_nodes.add if has_shared_tier else self._shared_nodes.discard)(node_id)
+
+    def record_prefill(self, replica_id: str, block_hashes: Sequence[int]) -> int:
+        """A request's prefill finished on `replica_id`: its full-chunk prompt blocks are in L1 (and L2).
+
+        Returns the number of blocks recorded (0 when the replica's node runs no LMCache server).
+        """
+        node = self.index.node_of(replica_id)
+        lru = self._host.get(node)
+        if lru is None:
+            return 0
+        n = len(block_hashes) // self.chunk_blocks * self.chunk_blocks
+        stored = list(block_hashes[:n])
+        if not stored:
+            return 0
+        self.counters["prefills_recorded"] += 1
+        evicted = lru.touch(stored)
+        self.index.store_host(node, stored)
+        if evicted:
+            self.index.remove_host(node, evicted)
+            self.counters["host_evicted"] += len(evicted)
+        self.counters["host_marked"] += n
+        if self.shared_up and node in self._shared_nodes:
+            gone = self._shared.touch(stored)
+            self.index.store_shared(stored)
+            if gone:
+                self.index.remove_shared(gone)
+                self.counters["shared_evicted"] += len(gone)
+            self.counters["shared_marked"] += n
+        return n
 
     def set_shared_up(self, up: bool) -> None:
         """Shared tier reachable or not; losing it forgets all shared entries (they are gone or stale)."""
         if self.shared_up and not up:
-            self.counters["shared_dropped_on_loss"] += len(self._shared_lru)
-            self.index.remove_shared(list(self._shared_lru))
-            self._shared_lru.clear()
+            gone = self._shared.clear()
+            self.index.remove_shared(gone)
+            self.counters["shared_dropped_on_loss"] += len(gone)
         self.shared_up = up
 
-    def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:
-        events = list(events)
-        applied = self.index.apply_events(replica_id, events, medium_tiers)
-        shared_ok = self.shared_up and self.index.node_of(replica_id) in self._shared_nodes
-        for ev in events:
-            kind = type(ev).__name__
-            if getattr(ev, "medium", None) not in HOST_MEDIA or getattr(ev, "group_idx", None) not in (None, 0):
-                continue
-            if kind == "BlockStored":
-                self.counters["host_stored"] += len(ev.block_hashes)
-                if shared_ok:
-                    self._mark_shared([event_hash(h) for h in ev.block_hashes])
-            elif kind == "BlockRemoved":
-                self.counters["host_removed"] += len(ev.block_hashes)
-        return applied
+    def node_restarted(self, node_id: str) -> None:
+        """The node's LMCache server was restarted: its host memory tier is empty."""
+        lru = self._host.get(node_id)
+        if lru is not None:
+            gone = lru.clear()
+            self.index.remove_host(node_id, gone)
+            self.counters["host_dropped_on_restart"] += len(gone)
 
-    def _mark_shared(self, hashes: list[int]) -> None:
-        lru = self._shared_lru
-        for h in hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-        self.index.store_shared(hashes)
-        self.counters["shared_marked"] += len(hashes)
-        cap = self.shared_capacity_blocks
-        if cap is not None and len(lru) > cap:
-            victims = [lru.popitem(last=False)[0] for _ in range(len(lru) - cap)]
-            self.index.remove_shared(victims)
-            self.counters["shared_evicted"] += len(victims)
+    def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:
+        """Forward engine KV events to the index, minus LMCache's chunk-hash events (see module doc)."""
+        kept = []
+        for ev in events:
+            if getattr(ev, "medium", None) in LMCACHE_MEDIA and self.index.node_of(replica_id) in self._host:
+                self.counters["lmcache_events_dropped"] += 1
+                continue
+            kept.append(ev)
+        return self.index.apply_events(replica_id, kept, medium_tiers)
 
     @property
     def stats(self) -> dict:
         """The index's counters (a property there too) plus the tracker's own."""
         return {**self.index.stats, **{f"tier_{k}": v for k, v in self.counters.items()},
-                "tier_shared_up": int(self.shared_up), "tier_shared_blocks": len(self._shared_lru)}
+                "tier_shared_up": int(self.shared_up), "tier_shared_blocks": len(self._shared.order),
+                "tier_host_blocks": sum(len(l.order) for l in self._host.values())}

@@ -76,8 +76,10 @@ def shared_tier_reachable(l2: dict | None) -> bool | None:
 class LMCacheServer:
     """One LMCache MP server process; `start()` blocks until it serves, `stop()` ends its process group."""
 
-    def __init__(self, config: TierConfig, log_path: str | os.PathLike | None = None, env: dict | None = None):
+    def __init__(self, config: TierConfig, log_path: str | os.PathLike | None = None, env: dict | None = None,
+                 preexec_fn=None):
         config.validate()
+        self.preexec_fn = preexec_fn
         self.config = config
         self.port = config.port
         self.prometheus_port = config.prometheus_port
@@ -105,7 +107,8 @@ class LMCacheServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                         preexec_fn=self.preexec_fn)
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()

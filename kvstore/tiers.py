@@ -137,3 +137,20 @@ def kv_transfer_config(host: str, port: int) -> dict:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port},
     }
+
+
+def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
+    """Engine start-up hook (deployments/engine.py): this node's LMCache server → kv_transfer_config.
+
+    Validates the tier config against the engine's block size, gets or starts the node's server
+    (kvstore.node_server, a Ray actor), and patches llvmlite so an in-process engine can start next
+    to LMCache (kvstore.compat). Runs inside the engine replica's process, before the engine is built.
+    """
+    from kvstore.compat import patch_llvmlite_dunder_lookup
+    from kvstore.node_server import ensure_node_server
+
+    cfg = TierConfig.from_dict(lmcache)
+    cfg.check_block_size(block_size)
+    patch_llvmlite_dunder_lookup()
+    host, port = ensure_node_server(cfg)
+    return kv_transfer_config(host, port)

@@ -1,62 +1,104 @@
-"""Unit tests: the tier tracker turns LMCache's CPU-medium KV events into host and shared residency."""
+"""Unit tests: the tier tracker records prefills as host (per node) and shared (global) residency."""
 from cluster.index import PrefixIndex
 from cluster.kv_events import BlockRemoved, BlockStored
 from cluster.tier_tracker import TierTracker
 
 
-def _setup(shared_nodes=("n1", "n2"), cap=None):
+def _setup(shared=True, host_cap=None, shared_cap=None, chunk_blocks=1):
     idx = PrefixIndex()
     idx.add_replica("a", "n1")
+    idx.add_replica("a2", "n1")
     idx.add_replica("b", "n2")
-    t = TierTracker(idx, shared_capacity_blocks=cap)
-    for n in shared_nodes:
-        t.set_node_shared(n)
+    t = TierTracker(idx, chunk_blocks=chunk_blocks, shared_capacity_blocks=shared_cap)
+    for n in ("n1", "n2"):
+        t.set_node(n, has_shared_tier=shared, host_capacity_blocks=host_cap)
     return idx, t
 
 
-def test_cpu_store_gives_host_on_node_and_shared_everywhere():
+def test_prefill_gives_host_on_node_and_shared_everywhere():
     idx, t = _setup()
-    t.apply_events("a", [BlockStored([1, 2, 3], medium="GPU"), BlockStored([1, 2, 3], medium="CPU")])
+    t.apply_events("a", [BlockStored([1, 2, 3], medium="GPU")])
+    assert t.record_prefill("a", [1, 2, 3]) == 3
     m = t.match([1, 2, 3, 4])
     assert m["a"] == (3, 3, 3)
+    assert m["a2"] == (0, 3, 3)  # same node: host tier
     assert m["b"] == (0, 0, 3)  # other node: only through the shared tier
 
 
 def test_engine_eviction_keeps_host_copy():
     idx, t = _setup()
-    t.apply_events("a", [BlockStored([1, 2], medium="GPU"), BlockStored([1, 2], medium="CPU"),
-                         BlockRemoved([1, 2], medium="GPU")])
+    t.apply_events("a", [BlockStored([1, 2], medium="GPU")])
+    t.record_prefill("a", [1, 2])
+    t.apply_events("a", [BlockRemoved([1, 2], medium="GPU")])
     assert idx.match([1, 2])["a"] == (0, 2, 2)
-    t.apply_events("a", [BlockRemoved([1, 2], medium="CPU")])
-    assert idx.match([1, 2])["a"] == (0, 0, 2)  # L1 evicted, L2 still has it
 
 
-def test_no_shared_tier_on_node_means_host_only():
-    idx, t = _setup(shared_nodes=())
-    t.apply_events("a", [BlockStored([7, 8], medium="CPU")])
-    assert idx.match([7, 8]) == {"a": (0, 2, 2), "b": (0, 0, 0)}
+def test_only_whole_chunks_are_recorded():
+    idx, t = _setup(chunk_blocks=4)
+    assert t.record_prefill("a", list(range(10, 20))) == 8
+    assert idx.match(list(range(10, 20)))["a"] == (0, 8, 8)
+    assert t.record_prefill("a", [99, 98, 97]) == 0
+
+
+def test_no_shared_tier_means_host_only():
+    idx, t = _setup(shared=False)
+    t.record_prefill("a", [7, 8])
+    assert idx.match([7, 8])["b"] == (0, 0, 0) and idx.match([7, 8])["a"] == (0, 2, 2)
+
+
+def test_node_without_lmcache_records_nothing():
+    idx, t = _setup()
+    idx.add_replica("c", "n3")
+    assert t.record_prefill("c", [1, 2]) == 0
+    assert idx.match([1, 2])["b"] == (0, 0, 0)
+
+
+def test_host_lru_keeps_parents_longest():
+    idx, t = _setup(host_cap=4, shared=False)
+    t.record_prefill("a", [1, 2, 3])
+    t.record_prefill("a", [1, 2, 5, 6])  # touches 1, 2 again; 3 is least recent now
+    assert idx.match([1, 2, 3])["a"] == (0, 2, 2)
+    assert idx.match([1, 2, 5, 6])["a"] == (0, 4, 4)
+    assert t.stats["tier_host_evicted"] == 1
 
 
 def test_shared_loss_forgets_and_suppresses_until_back():
     idx, t = _setup()
-    t.apply_events("a", [BlockStored([1, 2], medium="CPU")])
+    t.record_prefill("a", [1, 2])
     t.set_shared_up(False)
     assert idx.match([1, 2])["b"] == (0, 0, 0)
-    t.apply_events("a", [BlockStored([5], medium="CPU")])
+    assert idx.match([1, 2])["a"] == (0, 2, 2)  # the node's own L1 still has them
+    t.record_prefill("a", [5])
     assert idx.match([5])["b"] == (0, 0, 0)
     t.set_shared_up(True)
-    t.apply_events("a", [BlockStored([6], medium="CPU")])
+    t.record_prefill("a", [6])
     assert idx.match([6])["b"] == (0, 0, 1)
     assert t.stats["tier_shared_dropped_on_loss"] == 2
 
 
+def test_restarted_node_loses_host_tier():
+    idx, t = _setup(shared=False)
+    t.record_prefill("a", [1, 2])
+    t.node_restarted("n1")
+    assert idx.match([1, 2])["a"] == (0, 0, 0)
+
+
 def test_shared_capacity_lru():
-    idx, t = _setup(cap=2)
-    t.apply_events("a", [BlockStored([1], medium="CPU"), BlockStored([2], medium="CPU"),
-                         BlockStored([1], medium="CPU"), BlockStored([3], medium="CPU")])
-    assert idx.match([2])["b"] == (0, 0, 0)  # least recently stored went first
+    idx, t = _setup(shared_cap=2)
+    t.record_prefill("a", [1])
+    t.record_prefill("a", [2])
+    t.record_prefill("a", [1])
+    t.record_prefill("a", [3])
+    assert idx.match([2])["b"] == (0, 0, 0)
     assert idx.match([1])["b"] == (0, 0, 1) and idx.match([3])["b"] == (0, 0, 1)
-    assert t.stats["tier_shared_evicted"] == 1
+
+
+def test_lmcache_chunk_hash_events_are_dropped_other_events_pass():
+    idx, t = _setup()
+    t.apply_events("a", [BlockStored([42], medium="CPU"), BlockStored([43], medium="GPU")])
+    assert idx.match([42])["a"] == (0, 0, 0)
+    assert idx.match([43])["a"] == (1, 1, 1)
+    assert t.stats["tier_lmcache_events_dropped"] == 1
 
 
 def test_passes_through_index_api():

@@ -1,0 +1,161 @@
+"""One LMCache server per Ray node, owned by a named Ray actor that engines on that node find.
+
+Why an actor: the host tier (L1) is per node and must outlive any single engine replica, and Ray is
+how kvmesh places things on nodes. The actor is named `kvmesh-lmcache-<node_id>` in namespace
+`kvmesh`, pinned to its node (hard NodeAffinity), detached (it survives the replica that created it),
+and created with `get_if_exists=True`, so the first engine on a node starts it and the others get the
+same one. It needs no CPU reservation: the server's work is memory copies driven by the engines.
+
+The server process is a child of the actor with a parent-death signal, so killing the actor (or Ray
+going away) also ends the server instead of leaving it orphaned.
+
+Engine start-up (deployments/engine.py calls this through `kvstore.tiers.engine_kv_transfer_config`):
+
+    host, port = ensure_node_server(tier_config)          # get-or-create this node's server
+    kv_transfer_config = kvstore.tiers.kv_transfer_config(host, port)
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from kvstore.lmcache_server import LMCacheServer
+from kvstore.tiers import TierConfig, TierConfigError
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "kvmesh"
+ACTOR_PREFIX = "kvmesh-lmcache-"
+_ACTOR_CLS = None
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the server when the actor process that started it dies (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class NodeServerCore:
+    """What the actor does, kept free of Ray so it can be unit-tested in-process."""
+
+    def __init__(self, config: dict, log_dir: str | None = None):
+        self.config = TierConfig.from_dict(config)
+        self.config_dict = dict(config)
+        log_dir = Path(log_dir or os.environ.get("KVMESH_LOG_DIR") or tempfile.gettempdir())
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.server = LMCacheServer(self.config, log_dir / f"lmcache-server-{os.getpid()}.log",
+                                    preexec_fn=_die_with_parent)
+        self.server.start()
+
+    def endpoint(self) -> tuple[str, int]:
+        return self.server.endpoint
+
+    def shape(self) -> dict:
+        """The settings every engine on the node must agree with."""
+        return {"chunk_size": self.config.chunk_size, "l2": self.config.l2}
+
+    def health(self) -> dict:
+        return self.server.health()
+
+    def tier_metrics(self) -> dict:
+        return self.server.tier_metrics()
+
+    def restart(self) -> tuple[str, int]:
+        return self.server.restart()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _actor_cls():
+    global _ACTOR_CLS
+    if _ACTOR_CLS is None:
+        import ray
+
+        # max_concurrency=1: methods run on the actor's main thread, the thread whose death the
+        # server's parent-death signal watches.
+        _ACTOR_CLS = ray.remote(num_cpus=0, max_concurrency=1, max_restarts=0)(NodeServerCore)
+    return _ACTOR_CLS
+
+
+def actor_name(node_id: str) -> str:
+    return ACTOR_PREFIX + node_id
+
+
+def ensure_node_server(tier_config: dict | TierConfig, node_id: str | None = None,
+                       timeout_s: float = 300.0) -> tuple[str, int]:
+    """Get or create this node's LMCache server actor; return the (host, port) engines connect to.
+
+    Raises TierConfigError when the node's running server has a different chunk size or shared tier
+    than asked for (engines would silently miss each other's blocks).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cfg = tier_config if isinstance(tier_config, TierConfig) else TierConfig.from_dict(tier_config)
+    as_dict = _to_dict(cfg)
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    actor = _actor_cls().options(
+        name=actor_name(node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(as_dict, os.environ.get("KVMESH_LOG_DIR"))
+    shape, endpoint = ray.get([actor.shape.remote(), actor.endpoint.remote()], timeout=timeout_s)
+    if shape != {"chunk_size": cfg.chunk_size, "l2": cfg.l2}:
+        raise TierConfigError(f"node {node_id[:12]} already runs an LMCache server with {shape}; "
+                              f"this engine asked for chunk_size={cfg.chunk_size} l2={cfg.l2}")
+    return tuple(endpoint)
+
+
+def _to_dict(cfg: TierConfig) -> dict:
+    return {"l1_size_gb": cfg.l1_size_gb, "chunk_size": cfg.chunk_size, "eviction_policy": cfg.eviction_policy,
+            "l2": cfg.l2, "host": cfg.host, "port": cfg.port, "prometheus_port": cfg.prometheus_port,
+            "max_workers": cfg.max_workers, "extra_args": list(cfg.extra_args),
+            "start_timeout_s": cfg.start_timeout_s}
+
+
+def node_servers() -> dict[str, object]:
+    """node id → actor handle for every kvmesh LMCache server actor in the cluster."""
+    import ray
+
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(ACTOR_PREFIX):
+            try:
+                out[entry["name"][len(ACTOR_PREFIX):]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            except ValueError:  # died between listing and lookup
+                continue
+    return out
+
+
+def tier_status(timeout_s: float = 5.0) -> dict[str, dict]:
+    """node id → {"health": ..., "tiers": ...} for every node server; unreachable ones say so."""
+    import ray
+
+    out = {}
+    for node, actor in node_servers().items():
+        try:
+            health, tiers = ray.get([actor.health.remote(), actor.tier_metrics.remote()], timeout=timeout_s)
+            out[node] = {"health": health, "tiers": tiers}
+        except Exception as exc:  # a dead actor must not break /metrics
+            out[node] = {"health": {"healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}, "tiers": {}}
+    return out
+
+
+def stop_node_servers() -> int:
+    """Stop and kill every node server actor (the servers end with them). Returns how many."""
+    import ray
+
+    actors = node_servers()
+    for actor in actors.values():
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        except Exception:
+            pass
+        ray.kill(actor, no_restart=True)
+    return len(actors)
