@@ -183,6 +183,9 @@ class Ingress:
         replica = first["replica"]
         oid = proto.new_id(req.kind)
         headers = {"x-kvmesh-replica": replica, "x-request-id": request_id}
+        predicted = local_state.LEDGER.prediction(request_id)
+        if predicted is not None:  # what the router expected this replica to serve from cache
+            headers["x-kvmesh-predicted-cached-tokens"] = str(predicted)
 
         def finish(completion_tokens: int, cached: int) -> dict:
             self.metrics.record(replica, len(ids), cached, completion_tokens, ttft)

@@ -223,6 +223,8 @@ class KvmeshRouter(RequestRouter):
             "decisions": self.decisions,
             "decision_s_total": self.decision_s,
             "inflight": len(self._inflight),
+            "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {})
+                              for r in self.curr_replicas.values()},
         }
 
     def held_blocks(self) -> dict[str, int]:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 # Bump when anything below changes the produced files; an existing build with another version is rebuilt.
-TINY_VERSION = 1
+TINY_VERSION = 2
 STAMP = "kvmesh_tiny.json"
 
 VOCAB_SIZE = 1024
@@ -62,6 +62,11 @@ def _corpus() -> list[str]:
     lines = _CORPUS_SEED_TEXT.splitlines()
     for _ in range(2000):
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 24))))
+    # pseudo-words from syllables: enough distinct pairs for the trainer to fill the whole vocabulary
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["th", "sh", "ng", "qu", "x", "y"]
+    for _ in range(3000):
+        lines.append(" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                              for _ in range(rng.randint(4, 16))))
     return lines
 
 

