@@ -1,0 +1,102 @@
+"""N identical vLLM OpenAI servers for the peer benchmark. Identical means: same model files, block
+size, KV space, prefix-cache hash algorithm, seed and KV-event publisher settings; only the ports
+differ. Each server publishes KV events on its own ZMQ port (`tcp://*:P`: the publisher binds, so the
+peers' subscribers connect -- see platform notes on the bind/connect rule)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.peers import procs
+
+SERVED_MODEL_NAME = "tiny"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine settings shared by every server of one run (and by `kvmesh serve` in the same run)."""
+
+    model: str
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_space_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
+    hash_algo: str = "sha256"
+    seed: int = 0
+    omp_threads: int = 1  # 2 shared cores: one thread per server keeps N servers from thrashing
+    in_process_engine: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0: ~1 GB and ~15 s less per server
+    kv_topic: str = ""  # vLLM's default; vllm-router 0.1.17's static sources subscribe to "" only
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT
+    kv_endpoint: str  # tcp://127.0.0.1:ZPORT (where a subscriber connects)
+    topic: str
+    proc: procs.Proc = field(repr=False)
+
+
+def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> list[str]:
+    kv_events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{kv_port}",
+        "topic": topic,
+    }
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--block-size", str(spec.block_size),
+        "--max-model-len", str(spec.max_model_len),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo", spec.hash_algo,
+        "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps(kv_events),
+        "--enforce-eager",
+        "--seed", str(spec.seed),
+        "--disable-log-stats",
+        "--uvicorn-log-level", "warning",
+    ]
+
+
+def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 600.0) -> list[VllmServer]:
+    """Cold-start `n` servers and wait until all answer /health. Stops them all if any fails."""
+    servers: list[VllmServer] = []
+    for i in range(n):
+        port, kv_port = procs.free_port(), procs.free_port()
+        topic = spec.kv_topic
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gb),
+            "VLLM_CACHE_ROOT": str(work_dir / f"vllm-cache-{i}"),
+            "OMP_NUM_THREADS": str(spec.omp_threads),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.in_process_engine else "1",
+        }
+        proc = procs.start(f"vllm-{i}", server_command(spec, port, kv_port, topic), work_dir / "logs", env)
+        servers.append(VllmServer(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv_port}", topic, proc))
+    try:
+        procs.wait_ready([s.proc for s in servers], [s.url + "/health" for s in servers], deadline_s)
+        # /health can answer a moment before the model endpoint does
+        procs.wait_ready([s.proc for s in servers], [s.url + "/v1/models" for s in servers], 60)
+    except Exception:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: list[VllmServer]) -> None:
+    procs.stop_all([s.proc for s in servers])
+
+
+def restart_cold(servers: list[VllmServer], n: int, spec: EngineSpec, work_dir: Path) -> list[VllmServer]:
+    """No prefix-cache reset endpoint exists (platform notes): a cold cache means a fresh process."""
+    stop_servers(servers)
+    time.sleep(1.0)
+    return start_servers(n, spec, work_dir)
