@@ -87,6 +87,7 @@ class LMCacheServer:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -97,8 +98,14 @@ class LMCacheServer:
                 *server_args(self.config, self.port, self.prometheus_port)]
 
     def start(self) -> tuple[str, int]:
+        """Launch and wait until it serves (both ports answer)."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting (start several servers, then `wait_ready` each)."""
         if self.alive():
-            return self.endpoint
+            return
         self.port = self.port or free_port(self.config.host)
         self.prometheus_port = self.prometheus_port or free_port(self.config.host)
         if self.config.l2 and self.config.l2.get("type") == "fs":
@@ -112,6 +119,10 @@ class LMCacheServer:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
+
+    def wait_ready(self) -> tuple[str, int]:
+        if self.proc is None:
+            raise LMCacheServerError("LMCache server was not launched")
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -145,7 +156,38 @@ class LMCacheServer:
         """Same ports again, so engines configured with this endpoint reconnect to the new process."""
         self.stop()
         self.restarts += 1
+        self.shared_seen_down = False
         return self.start()
+
+    def supervise(self, wait: bool = True) -> str:
+        """One watchdog step: restart a dead server, or one whose shared tier came back.
+
+        LMCache 0.5.6's Redis (`resp`) adapter never reconnects: after Redis restarts, every L2 store
+        and lookup keeps failing (requests still succeed, by recomputing). Restarting the server on
+        the same ports is the recovery; engines' connectors reconnect to it, the node's L1 contents
+        are lost. Returns what it did: "ok", "shared-down", "restarted-dead", "restarted-shared-back".
+        With wait=False a restart only launches the process (call `wait_ready` later).
+        """
+        if self.proc is not None and not self.alive():
+            self.start_again(wait)
+            return "restarted-dead"
+        up = shared_tier_reachable(self.config.l2)
+        if up is False:
+            self.shared_seen_down = True
+            return "shared-down"
+        if up and self.shared_seen_down:
+            self.stop()
+            self.start_again(wait)
+            return "restarted-shared-back"
+        return "ok"
+
+    def start_again(self, wait: bool = True) -> None:
+        self.proc = None
+        self.restarts += 1
+        self.shared_seen_down = False
+        self.launch()
+        if wait:
+            self.wait_ready()
 
     def _scrape(self, timeout: float = 5.0) -> str | None:
         try:
@@ -176,5 +218,6 @@ class LMCacheServer:
             "restarts": self.restarts,
             "shared_tier": self.config.shared_tier,
             "shared_tier_up": shared_tier_reachable(self.config.l2),
+            "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
             "healthy": serving and bool(samples),
         }

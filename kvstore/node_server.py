@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from kvstore.lmcache_server import LMCacheServer
@@ -52,6 +53,19 @@ class NodeServerCore:
         self.server = LMCacheServer(self.config, log_dir / f"lmcache-server-{os.getpid()}.log",
                                     preexec_fn=_die_with_parent)
         self.server.start()
+        self.last_supervise = "ok"
+        self._stop = threading.Event()
+        if self.config.watch_interval_s > 0:
+            threading.Thread(target=self._watch, name="kvmesh-lmcache-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Restart the server when it died or when its shared tier came back (see LMCacheServer.supervise)."""
+        while not self._stop.wait(self.config.watch_interval_s):
+            try:
+                self.last_supervise = self.server.supervise()
+            except Exception as exc:  # keep watching; health() reports the state
+                self.last_supervise = f"error: {exc}"[:200]
+                log.warning("LMCache watchdog: %s", exc)
 
     def endpoint(self) -> tuple[str, int]:
         return self.server.endpoint
@@ -61,7 +75,7 @@ class NodeServerCore:
         return {"chunk_size": self.config.chunk_size, "l2": self.config.l2}
 
     def health(self) -> dict:
-        return self.server.health()
+        return {**self.server.health(), "watchdog": self.last_supervise}
 
     def tier_metrics(self) -> dict:
         return self.server.tier_metrics()
@@ -70,6 +84,7 @@ class NodeServerCore:
         return self.server.restart()
 
     def stop(self) -> None:
+        self._stop.set()
         self.server.stop()
 
 
@@ -116,7 +131,7 @@ def _to_dict(cfg: TierConfig) -> dict:
     return {"l1_size_gb": cfg.l1_size_gb, "chunk_size": cfg.chunk_size, "eviction_policy": cfg.eviction_policy,
             "l2": cfg.l2, "host": cfg.host, "port": cfg.port, "prometheus_port": cfg.prometheus_port,
             "max_workers": cfg.max_workers, "extra_args": list(cfg.extra_args),
-            "start_timeout_s": cfg.start_timeout_s}
+            "start_timeout_s": cfg.start_timeout_s, "watch_interval_s": cfg.watch_interval_s}
 
 
 def node_servers() -> dict[str, object]:

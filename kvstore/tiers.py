@@ -25,7 +25,7 @@ CONNECTOR = "LMCacheMPConnector"
 _EVICTION_POLICIES = ("LRU", "ARC", "IsolatedLRU", "noop")
 _KNOWN_KEYS = {
     "l1_size_gb", "chunk_size", "eviction_policy", "l2", "l2_path", "host", "port",
-    "prometheus_port", "max_workers", "extra_args", "start_timeout_s",
+    "prometheus_port", "max_workers", "extra_args", "start_timeout_s", "watch_interval_s",
 }
 
 
@@ -45,6 +45,7 @@ class TierConfig:
     max_workers: int = 1
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 180.0
+    watch_interval_s: float = 2.0  # node server's watchdog period (0 = no watchdog)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "TierConfig":

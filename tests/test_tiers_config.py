@@ -121,3 +121,35 @@ def test_server_that_exits_at_once_is_reported(tmp_path):
     with pytest.raises(LMCacheServerError, match="exited"):
         srv.start()
     assert not srv.alive()
+
+
+STATUS = {
+    "node-b": {"health": {"healthy": True, "shared_tier_up": False},
+               "tiers": {"host_hit_tokens": 10.0, "shared_hit_tokens": 0.0, "lookup_requested_tokens": 40.0,
+                         "bytes_to_host": 100.0, "l1_usage_ratio": 0.5}},
+    "node-a": {"health": {"healthy": True, "shared_tier_up": True},
+               "tiers": {"host_hit_tokens": 576.0, "shared_hit_tokens": 64.0, "lookup_requested_tokens": 700.0,
+                         "bytes_from_shared": 8.0}},
+    "node-c": {"health": {"healthy": False, "error": "ActorDiedError"}, "tiers": {}},
+}
+
+
+def test_tier_report_sums_nodes_and_flags_shared_down():
+    from kvstore.tier_metrics import tier_report
+
+    r = tier_report(STATUS)
+    assert r["host_hit_tokens"] == 586.0 and r["shared_hit_tokens"] == 64.0
+    assert r["nodes"] == 3 and r["healthy_nodes"] == 2
+    assert r["shared_tier_up"] is False
+
+
+def test_tier_metrics_text_is_valid_prometheus():
+    from kvstore.tier_metrics import tier_metrics_text
+
+    text = tier_metrics_text(STATUS)
+    s = parse_prometheus(text)
+    assert total(s, "kvmesh_tier_hit_tokens_total", node="node-a", tier="host") == 576.0
+    assert total(s, "kvmesh_tier_shared_up", node="node-b") == 0.0
+    assert total(s, "kvmesh_tier_server_healthy") == 2.0
+    assert total(s, "kvmesh_tier_bytes_total", direction="to_host") == 100.0
+    assert "node-c" not in {l.get("node") for l, _ in s["kvmesh_tier_shared_up"]}

@@ -1,0 +1,86 @@
+"""Per-tier figures for the ingress `/metrics` and the demo report, from every node's LMCache server.
+
+    from kvstore.tier_metrics import tier_metrics_text, tier_report
+    text = tier_metrics_text()        # Prometheus lines, appended to the ingress /metrics body
+    report = tier_report()            # one dict summed over nodes, for reports
+
+Both call `kvstore.node_server.tier_status()` (one actor call per node, a few ms each) unless given a
+status dict, so they belong on /metrics and reports, never on the routing path.
+
+What the numbers mean: `host`/`shared` hit tokens are LMCache's lookup hits (prompt tokens the node's
+host memory, or only the shared tier, could serve when an engine asked). An engine asks LMCache about
+the whole prompt, so tokens it also holds in its own cache (`hbm`) can be counted here too; the
+delivered split is hbm = engine cached tokens − tokens loaded through the connector (vLLM's
+`vllm:external_prefix_cache_hits`), and host/shared divide the loaded part.
+"""
+from __future__ import annotations
+
+_SUMMED = ("lookup_requested_tokens", "lookup_hit_tokens", "host_hit_tokens", "shared_hit_tokens",
+           "bytes_to_host", "bytes_from_host", "bytes_to_shared", "bytes_from_shared")
+
+
+def _status(status: dict | None) -> dict:
+    if status is not None:
+        return status
+    from kvstore.node_server import tier_status
+
+    return tier_status()
+
+
+def tier_report(status: dict | None = None) -> dict:
+    """Totals over nodes + per-node health: {"nodes", "healthy_nodes", "shared_tier_up", <sums>}."""
+    status = _status(status)
+    out = {k: 0.0 for k in _SUMMED}
+    shared_up = []
+    for node in status.values():
+        for k in _SUMMED:
+            out[k] += float(node.get("tiers", {}).get(k) or 0)
+        if node["health"].get("shared_tier_up") is not None:
+            shared_up.append(bool(node["health"]["shared_tier_up"]))
+    out["nodes"] = len(status)
+    out["healthy_nodes"] = sum(1 for n in status.values() if n["health"].get("healthy"))
+    out["shared_tier_up"] = all(shared_up) if shared_up else None
+    return out
+
+
+def _esc(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def tier_metrics_text(status: dict | None = None) -> str:
+    """Prometheus exposition lines (HELP/TYPE included) for kvmesh's tiers, one label set per node."""
+    status = _status(status)
+    lines = [
+        "# HELP kvmesh_tier_hit_tokens_total Prompt tokens LMCache could serve, by tier (host = node L1, shared = L2).",
+        "# TYPE kvmesh_tier_hit_tokens_total counter",
+    ]
+    for node, s in sorted(status.items()):
+        t = s.get("tiers", {})
+        for tier, key in (("host", "host_hit_tokens"), ("shared", "shared_hit_tokens")):
+            lines.append(f'kvmesh_tier_hit_tokens_total{{node="{_esc(node)}",tier="{tier}"}} {float(t.get(key) or 0)}')
+    lines += ["# HELP kvmesh_tier_lookup_tokens_total Prompt tokens engines asked LMCache about.",
+              "# TYPE kvmesh_tier_lookup_tokens_total counter"]
+    for node, s in sorted(status.items()):
+        lines.append(f'kvmesh_tier_lookup_tokens_total{{node="{_esc(node)}"}} '
+                     f'{float(s.get("tiers", {}).get("lookup_requested_tokens") or 0)}')
+    lines += ["# HELP kvmesh_tier_bytes_total KV bytes moved between engines and tiers.",
+              "# TYPE kvmesh_tier_bytes_total counter"]
+    for node, s in sorted(status.items()):
+        t = s.get("tiers", {})
+        for direction in ("to_host", "from_host", "to_shared", "from_shared"):
+            lines.append(f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
+                         f'{float(t.get("bytes_" + direction) or 0)}')
+    lines += ["# HELP kvmesh_tier_server_healthy 1 when the node's LMCache server serves and exports metrics.",
+              "# TYPE kvmesh_tier_server_healthy gauge",
+              "# HELP kvmesh_tier_shared_up 1 when the node's shared tier answers, 0 when down (absent: none).",
+              "# TYPE kvmesh_tier_shared_up gauge",
+              "# HELP kvmesh_tier_host_usage_ratio Fraction of the node's L1 in use.",
+              "# TYPE kvmesh_tier_host_usage_ratio gauge"]
+    for node, s in sorted(status.items()):
+        h = s["health"]
+        lines.append(f'kvmesh_tier_server_healthy{{node="{_esc(node)}"}} {1 if h.get("healthy") else 0}')
+        if h.get("shared_tier_up") is not None:
+            lines.append(f'kvmesh_tier_shared_up{{node="{_esc(node)}"}} {1 if h["shared_tier_up"] else 0}')
+        lines.append(f'kvmesh_tier_host_usage_ratio{{node="{_esc(node)}"}} '
+                     f'{float(s.get("tiers", {}).get("l1_usage_ratio") or 0)}')
+    return "\n".join(lines) + "\n"

