@@ -320,3 +320,38 @@ def fit_context(
         r for r in records
         if sum(scaled_block_lengths(r, tokens_per_block, source_block_tokens)) <= max_prompt_tokens
     ]
+
+
+def conversation_slice(
+    records: Sequence[dict],
+    conversations: int = 24,
+    min_turns: int = 3,
+    tokens_per_block: int = 32,
+    max_prompt_tokens: int = 1900,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+) -> list[dict]:
+    """The first `conversations` multi-turn conversations of a Mooncake conversation trace, in trace
+    order, each request tagged `user: conv-<id>` so a replay keeps its turns in order.
+
+    Why not a plain slice: in that trace every request starts with one shared block (id 0) and a
+    conversation's turns are minutes apart, so a short contiguous slice holds almost no reuse. A
+    conversation is identified by its first two hash ids (the shared block and the conversation's own
+    first block); only conversations with >= `min_turns` requests that all fit `max_prompt_tokens`
+    after scaling are kept, so a tiny model's context can serve them.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(tuple(rec["hash_ids"][:2]), []).append(i)
+    picked: list[int] = []
+    chosen = 0
+    for key, idx in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        if chosen >= conversations:
+            break
+        if len(idx) < min_turns or len(key) < 2:
+            continue
+        if any(sum(scaled_block_lengths(records[i], tokens_per_block, source_block_tokens)) > max_prompt_tokens
+               for i in idx):
+            continue
+        picked.extend(idx)
+        chosen += 1
+    return [dict(records[i], user=f"conv-{records[i]['hash_ids'][1]}") for i in sorted(picked)]

@@ -178,3 +178,30 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and message in err
+
+
+def test_conversation_slice_keeps_whole_conversations_in_context():
+    recs = wl.read_jsonl(wl_path("conversation"))
+    sl = wl.conversation_slice(recs, conversations=6, min_turns=3, tokens_per_block=32, max_prompt_tokens=1500)
+    users = {}
+    for r in sl:
+        users.setdefault(r["user"], []).append(r)
+        assert sum(wl.scaled_block_lengths(r, 32)) <= 1500
+    assert len(users) == 6 and all(len(v) >= 3 for v in users.values())
+    assert [r["timestamp"] for r in sl] == sorted(r["timestamp"] for r in sl)
+    for turns in users.values():  # one conversation: same first two ids, reuse across turns
+        assert len({tuple(t["hash_ids"][:2]) for t in turns}) == 1
+    b = wl.cache_bounds(sl, 32, replicas=2)
+    assert b["infinite"]["hit_rate"] > b["round_robin_infinite"]["hit_rate"] > 0
+
+
+def test_demo_simulated_kvmesh_beats_round_robin(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert cli(["demo", "--simulate", "--conversations", "8", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "simulated"
+    k, rr = doc["results"]["kvmesh"], doc["results"]["round_robin"]
+    assert k["uncached_prompt_tokens"] < rr["uncached_prompt_tokens"]
+    assert k["hit_rate_tokens"] >= 0.9 * doc["bounds"]["infinite"]["hit_rate"]
+    text = capsys.readouterr().out
+    assert "kvmesh" in text and "round_robin" in text and "infinite cache" in text
