@@ -5,7 +5,8 @@
    Target: 1M requests x 256 replicas <= 120 s. A full 1M run would take far longer than a bench
    should on 2 shared cores, so BENCH_SIM_REQUESTS (default 3000) requests are timed and the figure
    is extrapolated linearly (per-request cost is flat: caches and index are bounded) -- said so in
-   the output. round_robin (same index work, trivial policy) is timed beside it as the baseline.
+   the output. CPU time is the verdict (the machine is shared; wall time is printed beside it).
+   round_robin (same index work, trivial policy) is timed beside it as the baseline.
 2. Tiers: conversation trace, 8 replicas x 1000 HBM blocks on one node, load 0.8: kvmesh without
    tiers, with an LMCache-style host tier (16,000 blocks per node), and host + shared tier. Hit
    rates count tier hits (split by tier), with p90 TTFT. Target: tiers raise the hit rate and cut
@@ -39,22 +40,25 @@ def bench_speed(conv) -> dict:
     trace = tile(conv, max(1, -(-n // len(conv))))
     trace.requests = trace.requests[:n]
     cfg = SimConfig(SPEED_REPLICAS, 4000, load=0.8)
-    out = {}
+    wall, cpu = {}, {}
     for name in ("kvmesh", "round_robin"):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         simulate_policy(trace, cfg, make_policy(name))
-        dt = time.perf_counter() - t0
-        out[name] = dt / n
-    per = out["kvmesh"]
-    extrap = per * SPEED_REQUESTS_TARGET
-    print(f"simulator speed, {SPEED_REPLICAS} replicas, {n} requests timed (tiled conversation trace):")
-    print(f"  kvmesh      {per * 1e6:8.0f} us/request")
-    print(f"  round_robin {out['round_robin'] * 1e6:8.0f} us/request (baseline: same index + cache + time model)")
-    print(f"  kvmesh policy share: {(per - out['round_robin']) / per:.0%} of the per-request cost")
-    print(f"  1M requests x {SPEED_REPLICAS} replicas: {extrap:,.0f} s EXTRAPOLATED from {n} requests "
-          f"(target <= {SPEED_TARGET_S:.0f} s, {extrap / SPEED_TARGET_S:.1f}x the target) "
-          f"{_verdict(extrap <= SPEED_TARGET_S)}")
-    return {"us_per_request": per * 1e6, "extrapolated_1m_s": extrap}
+        wall[name] = (time.perf_counter() - t0) / n
+        cpu[name] = (time.process_time() - c0) / n
+    load1 = os.getloadavg()[0]
+    print(f"simulator speed, {SPEED_REPLICAS} replicas, {n} requests timed (tiled conversation trace, "
+          f"load average {load1:.1f} on {os.cpu_count()} cores):")
+    for name in ("kvmesh", "round_robin"):
+        print(f"  {name:<12} {cpu[name] * 1e6:7.0f} us/request CPU  {wall[name] * 1e6:7.0f} us/request wall"
+              + ("  (baseline: same index + caches + time model, trivial policy)" if name == "round_robin" else ""))
+    ex_cpu = cpu["kvmesh"] * SPEED_REQUESTS_TARGET
+    ex_wall = wall["kvmesh"] * SPEED_REQUESTS_TARGET
+    print(f"  1M requests x {SPEED_REPLICAS} replicas, EXTRAPOLATED from {n} requests: {ex_cpu:,.0f} s of CPU "
+          f"({ex_wall:,.0f} s wall on this shared machine); target <= {SPEED_TARGET_S:.0f} s: "
+          f"{_verdict(ex_cpu <= SPEED_TARGET_S)} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)")
+    return {"us_per_request_cpu": cpu["kvmesh"] * 1e6, "us_per_request_wall": wall["kvmesh"] * 1e6,
+            "extrapolated_1m_cpu_s": ex_cpu, "extrapolated_1m_wall_s": ex_wall}
 
 
 def bench_tiers(conv, out_dir: str) -> dict:

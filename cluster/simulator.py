@@ -21,13 +21,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from cluster.block_cache import BlockLRU
 from cluster.index import PrefixIndex
+from cluster.index_arrays import match_arrays
 from cluster.trace import Trace, scale_to_load
-from policies.base import Policy, ReplicaView, RequestInfo
+from policies.base import FleetView, Policy, RequestInfo
 from policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
 
 
@@ -103,16 +105,24 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
     host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
     shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
-    views = [ReplicaView(rid, capacity_blocks=cfg.capacity_blocks) for rid in rids]
+    if [index._slot[r] for r in rids] != list(range(N)):
+        raise RuntimeError("prefix index did not give replicas slots 0..N-1")
 
+    # load state, per replica, updated by a heap of (time, kind, replica, value) events:
+    # kind 0 = prefill done (queued -> running), kind 1 = decode done (running -> gone)
+    queued = np.zeros(N, dtype=np.int64)
+    running = np.zeros(N, dtype=np.int64)
+    pending = np.zeros(N, dtype=np.int64)  # uncached prompt tokens not yet prefilled
+    active = np.zeros(N, dtype=np.int64)  # KV blocks of unfinished requests
+    events: list[tuple[float, int, int, int]] = []
+    fleet = FleetView(rids, None, None, None, queued, running, None, pending,
+                      np.full(N, cfg.capacity_blocks, dtype=np.int64))
     server_free = [0.0] * N
-    inflight = [deque() for _ in range(N)]  # (prefill_done, uncached tokens), FIFO
-    pending_tok = [0] * N
-    view_heap = [[] for _ in range(N)]  # (end, kv blocks) of requests not finished
-    active_blocks = [0] * N
     slot_heap = [[] for _ in range(N)]  # ends of admitted requests, for the max_batch constraint
     max_batch = c.max_batch
     tpot = c.decode_s_per_token
+    inv_cap = 1.0 / cfg.capacity_blocks
+    push, pop = heapq.heappush, heapq.heappop
 
     # metrics
     prompt_r = [0] * N
@@ -125,41 +135,32 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     frac_sum = 0.0
     out_tokens = 0
     last_end = 0.0
-    uses_index = True  # the chosen replica's hits always come from the index
     t_wall = time.perf_counter()
 
     for i, r in enumerate(trace.requests):
         t = arrivals[i]
         ids = r.hash_ids
         n = r.input_length
-        # advance every replica's load to time t
-        for j in range(N):
-            q = inflight[j]
-            while q and q[0][0] <= t:
-                pending_tok[j] -= q.popleft()[1]
-            vh = view_heap[j]
-            while vh and vh[0][0] <= t:
-                active_blocks[j] -= heapq.heappop(vh)[1]
-            v = views[j]
-            v.queued = len(q)
-            v.running = len(vh) - len(q)
-            v.pending_prefill_tokens = pending_tok[j]
-            v.kv_usage = min(1.0, active_blocks[j] / cfg.capacity_blocks)
-        match = index.match(ids) if uses_index else None
-        for j in range(N):
-            m = match[rids[j]]
-            v = views[j]
-            v.hbm_blocks, v.host_blocks, v.shared_blocks = m
+        while events and events[0][0] <= t:
+            _, kind, k, val = pop(events)
+            if kind == 0:
+                queued[k] -= 1
+                running[k] += 1
+                pending[k] -= val
+            else:
+                running[k] -= 1
+                active[k] -= val
+        m = match_arrays(index, ids, N)
+        fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
+        fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
         req = RequestInfo(ids, n, bs, r.output_length, r.tenant, str(i))
-        ranked = policy.rank(req, views)
-        rid = ranked[0]
-        j = int(rid[1:])
+        j = policy.choose(req, fleet)
+        rid = rids[j]
         policy.on_routed(req, rid)
 
-        hb, ob, sb = match[rid]
-        hbm_t = cached_tokens(hb, n, bs)
-        host_t = cached_tokens(ob, n, bs)
-        shared_t = cached_tokens(sb, n, bs)
+        hbm_t = cached_tokens(int(m[0, j]), n, bs)
+        host_t = cached_tokens(int(m[1, j]), n, bs)
+        shared_t = cached_tokens(int(m[2, j]), n, bs)
         uncached = n - shared_t
         # caches: the request's full blocks end up in this replica's hbm and, write-through, in the tiers
         keep = ids[:cacheable_blocks(n, len(ids), bs)]
@@ -185,19 +186,20 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         s = t if t > server_free[j] else server_free[j]
         sh = slot_heap[j]
         while sh and sh[0] <= s:
-            heapq.heappop(sh)
+            pop(sh)
         if len(sh) >= max_batch:
-            e = heapq.heappop(sh)
+            e = pop(sh)
             s = e if e > s else s
         done = s + service
         server_free[j] = done
         end = done + r.output_length * tpot
-        heapq.heappush(sh, end)
+        push(sh, end)
         kvb = -(-(n + r.output_length) // bs)
-        heapq.heappush(view_heap[j], (end, kvb))
-        active_blocks[j] += kvb
-        inflight[j].append((done, uncached))
-        pending_tok[j] += uncached
+        push(events, (done, 0, j, uncached))
+        push(events, (end, 1, j, kvb))
+        queued[j] += 1
+        pending[j] += uncached
+        active[j] += kvb
         if end > last_end:
             last_end = end
         # metrics

@@ -34,6 +34,11 @@ class RoundRobin(Policy):
         self._next = start + 1
         return [replicas[(start + i) % n].replica_id for i in range(n)]
 
+    def choose(self, request, fleet) -> int:
+        start = self._next % len(fleet)
+        self._next = start + 1
+        return start
+
 
 class RandomChoice(Policy):
     """A seeded random permutation per request."""
