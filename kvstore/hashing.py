@@ -22,6 +22,7 @@ was seen before costs a dict probe per known block instead of a pickle + SHA-256
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import pickle
@@ -32,6 +33,7 @@ ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _MASK64 = (1 << 64) - 1
 _PROTO = pickle.HIGHEST_PROTOCOL
+_W = array.array("I").itemsize  # bytes per token in memo keys
 
 
 def _sha256(obj: Any) -> bytes:
@@ -105,16 +107,20 @@ def _check_mm(mm_keys):
 
 
 class HashMemo:
-    """LRU memo of block hashes keyed by (parent hash, block tokens, extra keys), one per algorithm.
+    """LRU memo of block hashes keyed by (parent hash, block tokens, extra keys).
 
-    A full-width parent hash names the whole prefix before a block (including salt and seed), so a
-    hit is exact. Pays off for repeated system prompts and multi-turn chats: a probe costs ~0.2 us
-    against ~2 us for pickle + SHA-256 of a 16-token block.
+    A full-width parent hash names the whole prefix before a block (its algorithm, seed and salt
+    included), so a hit is exact. The key is the parent's bytes followed by the block's tokens as
+    uint32 bytes: building and probing it costs ~0.3 us, against ~1.4 us for pickle + SHA-256 of a
+    16-token block. Pays off for shared system prompts and multi-turn chats, where most of a
+    prompt's blocks were hashed on an earlier request. Use one memo per (algorithm, block size).
     """
 
     def __init__(self, max_entries: int = 200_000):
+        if max_entries <= 0:
+            raise ValueError("max_entries must be positive")
         self.max_entries = max_entries
-        self._d: OrderedDict[tuple, bytes] = OrderedDict()
+        self._d: OrderedDict[Any, tuple[bytes, int]] = OrderedDict()  # key -> (full, event form)
         self.hits = 0
         self.misses = 0
 
@@ -187,30 +193,38 @@ class BlockHasher:
         buf = self._tail + list(tokens) if self._tail else list(tokens)
         bs = self.block_size
         n_full = len(buf) // bs
+        packed = self._pack(buf, n_full * bs) if self._memo is not None else None
         fn, parent, pos = self._fn, self._parent, self._pos
         plain = self._lora is None and not self._mm
-        memo = self._memo
-        if memo is not None:
-            d = memo._d
-            hits = 0
         new_full: list[bytes] = []
+        new: list[int] = []
+        memo = self._memo if packed is not None else None
+        d = memo._d if memo is not None else None
+        step = bs * _W
+        hits = 0
         for b in range(n_full):
-            block = tuple(buf[b * bs:(b + 1) * bs])
             extra = None if plain and (pos or not self._salt) else self._extra(pos, pos + bs)
-            obj = (parent or self._none, block, extra)
-            if memo is None:
-                h = fn(obj)
-            else:
-                key = (self.algo, obj)
-                h = d.get(key)
-                if h is None:
-                    h = d[key] = fn(obj)
-                    if len(d) > memo.max_entries:
-                        d.popitem(last=False)
-                else:
+            if d is not None:
+                key = (parent or self._none) + packed[b * step:(b + 1) * step]
+                if extra is not None:
+                    key = (key, extra)
+                hit = d.get(key)
+                if hit is not None:
                     d.move_to_end(key)
                     hits += 1
+                    parent, ev = hit
+                    new_full.append(parent)
+                    new.append(ev)
+                    pos += bs
+                    continue
+            h = fn((parent or self._none, tuple(buf[b * bs:(b + 1) * bs]), extra))
+            ev = int.from_bytes(h, "big") & _MASK64
+            if d is not None:
+                d[key] = (h, ev)
+                if len(d) > memo.max_entries:
+                    d.popitem(last=False)
             new_full.append(h)
+            new.append(ev)
             parent = h
             pos += bs
         if memo is not None:
@@ -219,9 +233,16 @@ class BlockHasher:
         self._parent, self._pos = parent, pos
         self._tail = buf[n_full * bs:]
         self.full_hashes.extend(new_full)
-        new = [int.from_bytes(h, "big") & _MASK64 for h in new_full]
         self.hashes.extend(new)
         return new
+
+    @staticmethod
+    def _pack(buf: list[int], n: int) -> bytes | None:
+        """Tokens as uint32 bytes for memo keys; None (no memo) if an id does not fit."""
+        try:
+            return array.array("I", buf[:n]).tobytes()
+        except (OverflowError, TypeError):
+            return None
 
 
 def block_hashes_full(token_ids: Sequence[int], block_size: int, **kw) -> list[bytes]:
