@@ -63,12 +63,14 @@ def live_app(tiny_model_dir):
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
     from deployments.app import free_port, start_local, stop_local
+    from tenant_app import write_live_tenants
 
     config = {
         "replicas": 2,
         "policy": "kvmesh",
         "port": free_port(),
-        "api_keys": [LIVE_API_KEY],
+        # tenant "default" = LIVE_API_KEY (no limits) plus the multi-tenant cases of tests/tenant_app.py
+        "tenants_file": str(write_live_tenants(_ROOT / "tenants.yaml", LIVE_API_KEY)),
         "routing_stats_period_s": 0.5,
         # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
         "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 1024},
