@@ -29,6 +29,8 @@ class RoundRobin(Policy):
         self._next = 0
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
+        if not replicas:
+            return []
         n = len(replicas)
         start = self._next % n
         self._next = start + 1
@@ -50,6 +52,8 @@ class RandomChoice(Policy):
         self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         ids = [v.replica_id for v in replicas]
         self._rng.shuffle(ids)
         return ids
@@ -65,6 +69,8 @@ class LeastLoaded(Policy):
         self._turn = 0
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         n = len(replicas)
         self._turn += 1
         order = sorted(range(n), key=lambda i: (outstanding(replicas[i]), replicas[i].pending_prefill_tokens,
@@ -82,6 +88,8 @@ class PowerOfTwo(Policy):
         self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         n = len(replicas)
         if n == 1:
             return [replicas[0].replica_id]
@@ -116,6 +124,8 @@ class ConsistentHash(Policy):
         self._members = ids
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         ids = tuple(sorted(v.replica_id for v in replicas))
         if ids != self._members:
             self._rebuild(ids)

@@ -27,6 +27,8 @@ class DynamoCost(Policy):
         self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         bs = request.block_size
         isl = request.num_tokens
         req_blocks = math.ceil(isl / bs)

@@ -112,6 +112,8 @@ class KvmeshPolicy(Policy):
         return float(ttft[0]), int(unc[0])
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
+        if not replicas:
+            return []
         ids = [v.replica_id for v in replicas]
         arr = [np.fromiter((getattr(v, f) for v in replicas), dtype=np.int64, count=len(replicas)) for f in
                ("hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "pending_prefill_tokens")]

@@ -37,6 +37,8 @@ class LlmdPrecise(Policy):
         self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         prefix = _minmax({v.replica_id: float(v.hbm_blocks) for v in replicas})
         queue = _minmax({v.replica_id: float(outstanding(v)) for v in replicas}, invert=True)
         wp, wk, wq = self.w

@@ -38,6 +38,8 @@ class RayPrefixAffinity(Policy):
         return [replicas[i] for i in self._rng.sample(range(n), 2)]
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         q = {v.replica_id: outstanding(v) for v in replicas}
         ids = list(q)
         candidates = None

@@ -30,6 +30,8 @@ class SglangCacheAware(Policy):
         self.tree = ApproxTree(max_tree_tokens)
 
     def rank(self, request, replicas):
+        if not replicas:
+            return []
         loads = {v.replica_id: outstanding(v) for v in replicas}
         by_load = sorted(loads, key=lambda r: loads[r])
         lo, hi = loads[by_load[0]], loads[by_load[-1]]

@@ -236,3 +236,39 @@ def test_dynamo_cost_is_prefill_blocks_plus_active_blocks():
     assert p.rank(req(range(8)), vs)[0] == "r1"
     vs[0].extra["active_blocks"] = 5  # r0: 6 + 5 + 2 = 13 < 16
     assert p.rank(req(range(8)), vs)[0] == "r0"
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_no_candidates_gives_an_empty_ranking(name):
+    assert make_policy(name).rank(req([1, 2]), []) == []
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_choose_on_a_fleet_matches_rank(name):
+    """The array fast path decides exactly like rank()[0] (two instances fed the same sequence)."""
+    import random
+
+    import numpy as np
+
+    from policies.base import FleetView
+
+    rng = random.Random(11)
+    a, b = make_policy(name, seed=2), make_policy(name, seed=2)
+    for i in range(80):
+        vs = views(6)
+        for v in vs:
+            v.hbm_blocks = rng.randrange(4)
+            v.host_blocks = v.hbm_blocks + rng.randrange(2)
+            v.shared_blocks = v.host_blocks + rng.randrange(2)
+            v.queued, v.running = rng.randrange(4), rng.randrange(4)
+            v.pending_prefill_tokens = rng.randrange(5000)
+            v.kv_usage = rng.random()
+        r = req([rng.randrange(3)] + [rng.randrange(100) for _ in range(5)], rid=str(i))
+        fleet = FleetView([v.replica_id for v in vs], *(np.array([getattr(v, f) for v in vs]) for f in (
+            "hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "kv_usage",
+            "pending_prefill_tokens", "capacity_blocks")))
+        by_rank = a.rank(r, vs)[0]
+        by_choose = fleet.ids[b.choose(r, fleet)]
+        assert by_rank == by_choose, (name, i)
+        a.on_routed(r, by_rank)
+        b.on_routed(r, by_choose)
