@@ -60,6 +60,9 @@ APP_DEFAULTS: dict[str, Any] = {
     "speculative_ttl_s": 2.0,
     "mismatch_alarm_after": 3,
     "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
+    # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
+    # the same engines, e.g. the demo's kvmesh vs round robin; salts keep their caches apart)
+    "tenant_policies": {},
 }
 
 
@@ -104,6 +107,9 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for key in ("replicas", "ingress_replicas", "max_ongoing_requests", "port"):
         if not isinstance(cfg[key], int) or cfg[key] < (0 if key == "port" else 1):
             raise ConfigError(f"config.{key} must be a positive integer")
+    if not isinstance(cfg["tenant_policies"], dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()):
+        raise ConfigError("config.tenant_policies must map tenant ids to policy names")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
     return cfg

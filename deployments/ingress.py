@@ -157,6 +157,8 @@ class Ingress:
         request_id = uuid.uuid4().hex
         engine_req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": tenant.salt,
                       "tenant": tenant.id, "params": req.params}
+        if tenant.id in self.cfg["tenant_policies"]:
+            engine_req["policy"] = self.cfg["tenant_policies"][tenant.id]
         released = False
 
         def release():

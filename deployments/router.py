@@ -52,13 +52,14 @@ def request_fields(pending_request: Optional[PendingRequest]) -> dict | None:
 
 
 class _Inflight:
-    __slots__ = ("replica", "uncached", "info", "first_token")
+    __slots__ = ("replica", "uncached", "info", "first_token", "policy")
 
-    def __init__(self, replica: str, uncached: int, info: RequestInfo):
+    def __init__(self, replica: str, uncached: int, info: RequestInfo, policy):
         self.replica = replica
         self.uncached = uncached
         self.info = info
         self.first_token = False
+        self.policy = policy
 
 
 class KvmeshRouter(RequestRouter):
@@ -70,6 +71,8 @@ class KvmeshRouter(RequestRouter):
                          subscribe_events: bool = True, **_ignored: Any):
         self.policy = make_policy(policy, seed=seed, **(policy_params or {}))
         self.policy_name = policy
+        self.seed = seed
+        self._policies = {policy: self.policy}  # per-tenant overrides are built on first use
         self.hash_algo = hash_algo
         self.block_size = block_size
         self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s)
@@ -116,7 +119,8 @@ class KvmeshRouter(RequestRouter):
             self._event_loop.create_task(self.events.remove_source(rid))
         if rid in self.index.replicas():
             self.index.remove_replica(rid)
-        self.policy.on_replica_removed(rid)
+        for p in self._policies.values():
+            p.on_replica_removed(rid)
         log.info("forgot replica %s", rid)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
@@ -162,8 +166,9 @@ class KvmeshRouter(RequestRouter):
                            expected_output_tokens=int((req.get("params") or {}).get("max_tokens") or 0),
                            tenant=req.get("tenant"), request_id=req.get("request_id"))
         matches = self.index.match(hashes)
-        ranked = self.policy.rank(info, self._views(candidate_replicas, matches))
-        self._routing[pending_request.metadata.internal_request_id] = (hashes, info, matches)
+        policy = self._policy_for(req)
+        ranked = policy.rank(info, self._views(candidate_replicas, matches))
+        self._routing[pending_request.metadata.internal_request_id] = (hashes, info, matches, policy)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
@@ -176,6 +181,15 @@ class KvmeshRouter(RequestRouter):
         self._routed(pending_request, replica.replica_id)
         return replica
 
+    def _policy_for(self, req: dict):
+        """The request's policy: the default, or the one the ingress set for its tenant (`policy`)."""
+        name = req.get("policy")
+        if not name or name == self.policy_name:
+            return self.policy
+        if name not in self._policies:
+            self._policies[name] = make_policy(name, seed=self.seed)
+        return self._policies[name]
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         pass  # bookkeeping happens in _choose_replica_for_request (always called)
@@ -185,14 +199,14 @@ class KvmeshRouter(RequestRouter):
         routed = self._routing.pop(internal, None)
         if routed is None:
             return
-        hashes, info, matches = routed
+        hashes, info, matches, policy = routed
         rid = replica_id.unique_id
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
         if rid in self.index.replicas():
             self.index.speculate(rid, hashes)
-        self.policy.on_routed(info, rid)
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info)
+        policy.on_routed(info, rid)
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, policy)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
@@ -203,7 +217,7 @@ class KvmeshRouter(RequestRouter):
             return
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
-        self.policy.on_completed(st.info, st.replica)
+        st.policy.on_completed(st.info, st.replica)
 
     def first_token(self, request_id: str) -> None:
         """The ingress saw the first token: the request's prefill is no longer pending work."""

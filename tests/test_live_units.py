@@ -278,3 +278,23 @@ def test_broken_hash_contract_raises_the_alarm_within_a_few_requests(monkeypatch
 
     snap = asyncio.run(scenario())
     assert snap["alarm"] and snap["mismatches"] == 3 and snap["predicted_tokens"] == 0
+
+
+def test_router_uses_the_tenant_policy_the_ingress_sets(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        firsts = []
+        for i in range(4):
+            pending = fake_request([5] * 64, f"t{i}")
+            pending.args[0]["policy"] = "round_robin"
+            ranked = await router.choose_replicas([a, b], pending)
+            firsts.append(ranked[0][0].replica_id.unique_id)
+            router._routed(pending, ranked[0][0].replica_id)
+        assert sorted(firsts) == ["A", "A", "B", "B"]  # round robin ignores the shared prefix
+        assert set(router._policies) == {"kvmesh", "round_robin"}
+        assert all(st.policy.name == "round_robin" for st in router._inflight.values())
+
+    asyncio.run(scenario())
