@@ -63,17 +63,11 @@ def match_arrays(index: PrefixIndex, hashes, n_slots: int) -> np.ndarray:
         # every dropped mask unpacked in one call: row k = slots that left tier drops[k][0] at drops[k][1]
         nbytes = (n_slots + 7) // 8
         raw = np.frombuffer(b"".join(m.to_bytes(nbytes, "little") for _, _, m in drops), dtype=np.uint8)
-        bits = np.unpackbits(raw.reshape(len(drops), nbytes), axis=1, bitorder="little")[:, :n_slots]
-        tiers = np.fromiter((d[0] for d in drops), dtype=np.int64, count=len(drops))
-        pos = np.fromiter((d[1] for d in drops), dtype=np.int64, count=len(drops))
-        for tier in range(3):
-            rows = tiers == tier
-            if rows.any():
-                b = bits[rows]
-                left = b.any(axis=0)
-                out[tier, left] = (b * pos[rows, None]).sum(axis=0)[left]
-        if not a_s:
-            best = int(pos[tiers == 2].max(initial=0))
+        bits = np.unpackbits(raw.reshape(len(drops), nbytes), axis=1, bitorder="little")[:, :n_slots].astype(bool)
+        for k, (tier, pos, _) in enumerate(drops):  # a slot leaves each tier at most once
+            out[tier, bits[k]] = pos
+            if tier == 2 and not a_s and pos > best:
+                best = pos
     if best:
         c["hits"] += 1
         c["hit_blocks"] += best

@@ -91,19 +91,34 @@ class KvmeshPolicy(Policy):
                 + (shared - host) * c.shared_load_s_per_token + (host - hbm) * c.host_load_s_per_token)
         return ttft, uncached
 
-    def _order(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending) -> np.ndarray:
-        """Indices into `ids`, best first: (inside the balance guard, lower score, less recent work)."""
+    def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
+        """Sort keys per replica, most significant first: (outside the balance guard, score, recent work)."""
         ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
         score = np.round(ttft + self.recompute_weight * self.cost.prefill_s_per_token * uncached, 9)
-        idx = self._positions(ids)
+        idx = self._positions(ids)  # may grow self._w: index it afterwards
         work = self._w[idx]
         limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
-        order = np.lexsort((np.arange(len(ids)), work, score, work > limit))
         self._last = (request, ids, ttft, uncached)
         if self._total > self.window_tokens_per_replica * len(self._slot):
             self._w *= 0.5
             self._total *= 0.5
-        return order
+        return work > limit, score, work
+
+    def _order(self, request: RequestInfo, ids, *arrays) -> np.ndarray:
+        """Indices into `ids`, best first (ties: lower index)."""
+        over, score, work = self._keys(request, ids, *arrays)
+        return np.lexsort((np.arange(len(ids)), work, score, over))
+
+    def _best(self, request: RequestInfo, ids, *arrays) -> int:
+        """`_order(...)[0]` without sorting everything (the simulator's hot path)."""
+        over, score, work = self._keys(request, ids, *arrays)
+        if over.any() and not over.all():
+            score = np.where(over, np.inf, score)
+        cand = np.flatnonzero(score == score.min())
+        if len(cand) > 1:
+            w = work[cand]
+            cand = cand[w == w.min()]
+        return int(cand[0])
 
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
@@ -120,8 +135,8 @@ class KvmeshPolicy(Policy):
         return [ids[k] for k in self._order(request, ids, *arr)]
 
     def choose(self, request: RequestInfo, fleet: FleetView) -> int:
-        return int(self._order(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
-                               fleet.queued, fleet.running, fleet.pending_prefill_tokens)[0])
+        return self._best(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
+                          fleet.queued, fleet.running, fleet.pending_prefill_tokens)
 
     @property
     def last_prediction(self) -> dict[str, float]:
