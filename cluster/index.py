@@ -254,6 +254,43 @@ class PrefixIndex:
     # ---------------------------------------------------------------- lookup
     def match(self, hashes: Sequence[int]) -> dict[str, tuple[int, int, int]]:
         """Per registered replica: (hbm, host-or-hbm, any-tier) longest cached prefix, in blocks."""
+        i, drops = self._walk(hashes)
+        lens = ({}, {}, {})
+        for tier, pos, mask in drops:
+            d = lens[tier]
+            for s in _bits(mask):
+                d[s] = pos
+        dh, do, ds = lens
+        return {rid: (dh.get(s, i), do.get(s, i), ds.get(s, i)) for rid, s in self._slot.items()}
+
+    def match_arrays(self, hashes: Sequence[int], n_slots: int | None = None):
+        """`match` as a (3, n_slots) int64 numpy array indexed by replica slot (`slot_of`).
+
+        Rows: hbm, host-or-hbm, any tier. For large fleets (simulator, hundreds of replicas) where
+        building a dict of tuples costs more than the walk; unregistered slots read as the walk
+        length and must be ignored by the caller.
+        """
+        import numpy as np
+
+        if n_slots is None:
+            n_slots = max(self._slot_rid, default=-1) + 1
+        i, drops = self._walk(hashes)
+        out = np.full((3, n_slots), i, dtype=np.int64)
+        if drops:
+            nbytes = (n_slots + 7) // 8
+            raw = b"".join(m.to_bytes(nbytes, "little") for _, _, m in drops)
+            bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(len(drops), nbytes),
+                                 axis=1, bitorder="little")[:, :n_slots].astype(bool)
+            for k, (tier, pos, _) in enumerate(drops):  # each slot leaves each tier at most once
+                out[tier, bits[k]] = pos
+        return out
+
+    def slot_of(self, replica_id: str) -> int:
+        """The replica's bit position (column in `match_arrays`); stable until it is removed."""
+        return self._require(replica_id)
+
+    def _walk(self, hashes: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
+        """The one pass: returns (blocks walked, [(tier, position, slots that dropped there)])."""
         self.expire()
         c = self._c
         c["lookups"] += 1
@@ -262,9 +299,7 @@ class PrefixIndex:
         touch = self._entries.move_to_end
         widen = self._widen
         a_h = a_o = a_s = self._all
-        drop_h: dict[int, int] = {}
-        drop_o: dict[int, int] = {}
-        drop_s: dict[int, int] = {}
+        drops: list[tuple[int, int, int]] = []
         i = 0
         n = len(hashes)
         while i < n and a_s:
@@ -281,31 +316,25 @@ class PrefixIndex:
             else:
                 hb_or_host = hb
             n_h = a_h & hb
-            n_o = a_o & hb_or_host
-            n_s = a_s if sh else a_s & hb_or_host
             if n_h != a_h:
-                for s in _bits(a_h ^ n_h):
-                    drop_h[s] = i
+                drops.append((0, i, a_h ^ n_h))
                 a_h = n_h
+            n_o = a_o & hb_or_host
             if n_o != a_o:
-                for s in _bits(a_o ^ n_o):
-                    drop_o[s] = i
+                drops.append((1, i, a_o ^ n_o))
                 a_o = n_o
+            n_s = a_s if sh else a_s & hb_or_host
             if n_s != a_s:
-                for s in _bits(a_s ^ n_s):
-                    drop_s[s] = i
+                drops.append((2, i, a_s ^ n_s))
                 a_s = n_s
             if a_s:
                 touch(h)
                 i += 1
-        best = i if a_s else max(drop_s.values(), default=0)
+        best = i if a_s else max((p for t, p, _ in drops if t == 2), default=0)
         if best:
             c["hits"] += 1
             c["hit_blocks"] += best
-        out = {}
-        for rid, s in self._slot.items():
-            out[rid] = (drop_h.get(s, i), drop_o.get(s, i), drop_s.get(s, i))
-        return out
+        return i, drops
 
     def expire(self) -> int:
         """Drop speculative entries whose TTL passed without confirmation; returns how many."""

@@ -209,3 +209,17 @@ def test_match_equals_naive_model(operations, query):
             idx.clear(rid); hbm[rid].clear()
     assert idx.match(query) == naive_match(hbm, host, shared, node_of, query)
     assert len(idx) == len(set().union(*hbm.values(), *host.values(), shared))
+    arr = idx.match_arrays(query)
+    m = idx.match(query)
+    for rid, v in m.items():
+        assert tuple(int(x) for x in arr[:, idx.slot_of(rid)]) == v
+
+
+def test_match_arrays_columns_follow_slots():
+    idx = make()
+    idx.store("b", [1, 2])
+    idx.store_shared([3])
+    arr = idx.match_arrays([1, 2, 3, 4], n_slots=8)
+    assert arr.shape == (3, 8)
+    assert list(arr[:, idx.slot_of("b")]) == [2, 2, 3]
+    assert list(arr[:, idx.slot_of("a")]) == [0, 0, 0]
