@@ -155,3 +155,16 @@ def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
     patch_llvmlite_dunder_lookup()
     host, port = ensure_node_server(cfg)
     return kv_transfer_config(host, port)
+
+
+def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | None = None) -> dict:
+    """What an engine replica adds to `record_routing_stats()` so routers can model its node's tiers.
+
+    {"chunk_blocks": LMCache chunk / engine block, "shared": has an L2,
+     "host_capacity_blocks": L1 size / bytes per KV block (None when the block size in bytes is unknown)}
+    Routers feed it to `cluster.tier_tracker.TierTracker.set_node`.
+    """
+    cfg = TierConfig.from_dict(lmcache)
+    cfg.check_block_size(block_size)
+    cap = int(cfg.l1_size_gb * (1 << 30) // bytes_per_block) if bytes_per_block else None
+    return {"chunk_blocks": cfg.chunk_size // block_size, "shared": cfg.l2 is not None, "host_capacity_blocks": cap}

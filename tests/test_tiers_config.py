@@ -153,3 +153,12 @@ def test_tier_metrics_text_is_valid_prometheus():
     assert total(s, "kvmesh_tier_server_healthy") == 2.0
     assert total(s, "kvmesh_tier_bytes_total", direction="to_host") == 100.0
     assert "node-c" not in {l.get("node") for l, _ in s["kvmesh_tier_shared_up"]}
+
+
+def test_tier_routing_info_for_routers():
+    from kvstore.tiers import tier_routing_info
+
+    info = tier_routing_info({"l1_size_gb": 1, "chunk_size": 256, "l2": "redis://r:6379"}, 32, bytes_per_block=1 << 20)
+    assert info == {"chunk_blocks": 8, "shared": True, "host_capacity_blocks": 1024}
+    assert tier_routing_info({}, 32)["host_capacity_blocks"] is None
+    assert tier_routing_info({}, 32)["shared"] is False
