@@ -33,7 +33,8 @@ _MASK64 = (1 << 64) - 1
 # versions). vLLM's native offloading reports "CPU" (host RAM next to the engine) and "STORAGE"
 # (local disk): both survive HBM eviction on that node, so they map to the node's `host` tier.
 # Events with locality "REMOTE" describe a store reachable from other nodes: `shared`.
-# LMCache's MP server publishes no vLLM events; its tiers are fed through store_host/store_shared.
+# LMCacheMPConnector's CPU events carry LMCache chunk hashes, not vLLM block hashes, so they never
+# match a request: cluster/tier_tracker.py drops them and feeds host/shared from routed prefills.
 MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "host", "STORAGE": "host"}
 
 _COUNTERS = (
