@@ -25,6 +25,7 @@ The same object runs in the live router (deployments/) and in the simulator (clu
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -57,6 +58,9 @@ class KvmeshPolicy(Policy):
         self._ids_idx = np.zeros(0, dtype=np.int64)
         self._ids_pos: dict[str, int] = {}
         self._last: tuple | None = None  # (request, ids, ttft array, uncached array)
+        # decisions awaiting on_routed, by id(request): a live router may rank several requests
+        # (concurrently, retries) before it reports where each went
+        self._awaiting: OrderedDict[int, tuple] = OrderedDict()
 
     # ------------------------------------------------------------------ scoring
     def _positions(self, ids: Sequence[str]) -> np.ndarray:
@@ -99,6 +103,9 @@ class KvmeshPolicy(Policy):
         work = self._w[idx]
         limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
         self._last = (request, ids, ttft, uncached)
+        self._awaiting[id(request)] = self._last
+        if len(self._awaiting) > 256:
+            self._awaiting.popitem(last=False)
         if self._total > self.window_tokens_per_replica * len(self._slot):
             self._w *= 0.5
             self._total *= 0.5
@@ -148,16 +155,20 @@ class KvmeshPolicy(Policy):
 
     # ------------------------------------------------------------------ feedback
     def on_routed(self, request: RequestInfo, replica_id: str) -> None:
-        last = self._last
-        if last is not None and last[0] is request and replica_id in self._ids_pos and last[1] is not None:
-            u = float(last[3][self._ids_pos[replica_id]]) if tuple(last[1]) == self._ids_key else request.num_tokens
-        else:
-            u = request.num_tokens  # routed without a rank() call (e.g. a fallback): count it all
+        """Credit the replica with the prefill work predicted for it when `request` was ranked."""
+        seen = self._awaiting.pop(id(request), None)
+        u = request.num_tokens  # routed without a ranking (e.g. a fallback): count the whole prompt
+        if seen is not None and seen[0] is request:
+            ids = seen[1]
+            pos = self._ids_pos.get(replica_id) if ids is self._ids_key or tuple(ids) == self._ids_key else None
+            if pos is None and replica_id in ids:
+                pos = list(ids).index(replica_id)
+            if pos is not None:
+                u = float(seen[3][pos])
         if replica_id not in self._slot:
             self._positions(list(self._ids_key) + [replica_id])
         self._w[self._slot[replica_id]] += u
         self._total += u
-        self._last = None
 
     def on_replica_removed(self, replica_id: str) -> None:
         slot = self._slot.pop(replica_id, None)

@@ -272,3 +272,16 @@ def test_choose_on_a_fleet_matches_rank(name):
         assert by_rank == by_choose, (name, i)
         a.on_routed(r, by_rank)
         b.on_routed(r, by_choose)
+
+
+def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave():
+    p = make_policy("kvmesh")
+    warm = views(2, hbm_blocks={0: 9}, host_blocks={0: 9}, shared_blocks={0: 9})
+    a = req(range(10), rid="a")  # 9 blocks cached on r0: (5120-1) // 512 = 9 -> 512 tokens computed there
+    b = req(range(100, 110), rid="b")  # cold everywhere: 5120 computed
+    p.rank(a, warm)
+    p.rank(b, views(2))
+    p.on_routed(b, "r1")
+    p.on_routed(a, "r0")
+    work = p.recent_work()
+    assert work["r0"] == pytest.approx(512) and work["r1"] == pytest.approx(5120)
