@@ -21,7 +21,8 @@ class EngineSpec:
 
     model: str
     block_size: int = 32
-    max_model_len: int = 4096
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
     kv_cache_space_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     hash_algo: str = "sha256"
     seed: int = 0
@@ -31,6 +32,12 @@ class EngineSpec:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def kvmesh_engine_config(self) -> dict:
+        """The same settings in `kvmesh serve`'s engine config (deployments/config.py)."""
+        return {"model": self.model, "block_size": self.block_size, "max_model_len": self.max_model_len,
+                "kv_cache_space_gb": self.kv_cache_space_gb, "hash_algo": self.hash_algo, "seed": self.seed,
+                "max_num_seqs": self.max_num_seqs, "enforce_eager": True}
 
 
 @dataclass
@@ -62,7 +69,7 @@ def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> lis
         "--kv-events-config", json.dumps(kv_events),
         "--enforce-eager",
         "--seed", str(spec.seed),
-        "--disable-log-stats",
+        "--max-num-seqs", str(spec.max_num_seqs),
         "--uvicorn-log-level", "warning",
     ]
 

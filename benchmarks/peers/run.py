@@ -1,0 +1,158 @@
+"""One side-by-side run: per workload and prompt form, every peer setup on N identical vLLM OpenAI
+servers, then kvmesh (`deployments.app.start_local`) with the same engine settings; the same replay
+client and settings for all (deployments.replay). Caches start cold for every setup:
+- `restart` (default): fresh server processes per setup (there is no prefix-cache reset endpoint);
+- `reseed`: the same processes, but every setup's prompts are drawn with another seed, so no block of
+  one setup can hit a block of another (same block structure, disjoint tokens; KV space is ample).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.peers import engines, metrics, results, setups
+from benchmarks.peers.engines import EngineSpec
+from benchmarks.peers.setups import KVMESH, PEER_SETUPS
+
+WORKLOADS = ("chat", "mooncake", "flood")
+FORMS = ("tokens", "text")
+
+
+@dataclass
+class BenchConfig:
+    spec: EngineSpec
+    work_dir: Path
+    workers: int = 4
+    workloads: tuple = WORKLOADS
+    forms: tuple = FORMS
+    setups: tuple = tuple(setups.SETUP_NAMES)
+    limit: int | None = None
+    concurrency: int = 4
+    max_tokens: int = 8
+    tokens_per_block: int = 32
+    cold: str = "restart"
+    progress: bool = True
+    log: callable = field(default=print)
+
+
+def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
+    """The three issue-6 workloads, scaled so every prompt fits the engines' context."""
+    from cluster.workloads import ChatSpec, conversation_slice, read_jsonl, synth_chat, synth_flood
+
+    out: dict[str, list[dict]] = {}
+    max_prompt = cfg.spec.max_model_len - cfg.max_tokens - 8
+    for name in cfg.workloads:
+        if name == "chat":
+            recs = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, seed=0))
+        elif name == "mooncake":
+            trace = Path(__file__).resolve().parents[2] / "cluster" / "traces" / "mooncake_conversation_trace.jsonl"
+            recs = conversation_slice(read_jsonl(trace), conversations=24, min_turns=3,
+                                      tokens_per_block=cfg.tokens_per_block, max_prompt_tokens=max_prompt)
+        elif name == "flood":
+            recs = synth_flood(requests=64, system_blocks=8, unique_blocks=2, interval_ms=50.0)
+        else:
+            raise ValueError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
+        out[name] = recs[: cfg.limit] if cfg.limit else recs
+    return out
+
+
+def _replay(records, cfg: BenchConfig, url: str, form: str, seed: int, label: str, api_key: str | None = None):
+    from deployments.replay import ReplayConfig, replay
+
+    rc = ReplayConfig(url=url, tokens_per_block=cfg.tokens_per_block, concurrency=cfg.concurrency,
+                      api_key=api_key, prompt_form=form, max_tokens=cfg.max_tokens, tokenizer=cfg.spec.model,
+                      timeout_s=300.0, label=label, seed=seed, progress=cfg.progress)
+    return replay(records, rc).summary()
+
+
+class _Servers:
+    """The N vLLM servers, cold for every setup (restart or reseed)."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg, self.servers, self.runs = cfg, [], 0
+
+    def cold(self) -> tuple[list, int]:
+        self.runs += 1
+        if self.cfg.cold == "restart" or not self.servers:
+            t0 = time.perf_counter()
+            engines.stop_servers(self.servers)
+            self.servers = engines.start_servers(self.cfg.workers, self.cfg.spec, self.cfg.work_dir)
+            self.cfg.log(f"  {self.cfg.workers} vLLM servers cold-started in {time.perf_counter() - t0:.0f}s")
+        return self.servers, (0 if self.cfg.cold == "restart" else self.runs)
+
+    def stop(self) -> None:
+        engines.stop_servers(self.servers)
+        self.servers = []
+
+
+def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str, form: str, bound) -> dict:
+    proc, url, _ = setups.start_router(setup, servers, cfg.spec, cfg.work_dir / "logs")
+    try:
+        before = [metrics.scrape(s.url) for s in servers]
+        summary = _replay(records, cfg, url, form, seed, label=setup.name)
+        time.sleep(0.5)  # let the servers' counters settle after the last stream closed
+        after = [metrics.scrape(s.url) for s in servers]
+    finally:
+        proc.stop()
+    workers = results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
+    return results.make_row(workload, form, setup.name, summary, workers, bound)
+
+
+def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int) -> list[dict]:
+    from deployments.app import start_local, stop_local
+
+    os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
+    key = "kvm-bench-" + secrets.token_hex(6)
+    config = {"replicas": cfg.workers, "policy": "kvmesh", "port": 0, "api_keys": [key],
+              "engine": cfg.spec.kvmesh_engine_config()}
+    rows, seed, url = [], first_seed, None
+    try:
+        for workload, records in workloads.items():
+            for form in cfg.forms:
+                if url is None or cfg.cold == "restart":
+                    if url is not None:
+                        stop_local()
+                    t0 = time.perf_counter()
+                    url = start_local(config, num_cpus=max(2, os.cpu_count() or 2))
+                    cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
+                seed = 0 if cfg.cold == "restart" else seed + 1
+                cfg.log(f"[{workload}/{form}] {KVMESH}")
+                summary = _replay(records, cfg, url, form, seed, label=KVMESH, api_key=key)
+                workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
+                rows.append(results.make_row(workload, form, KVMESH, summary, workers, bounds[workload]))
+    finally:
+        if url is not None:
+            stop_local()
+    return rows
+
+
+def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
+    from cluster.workloads import cache_bounds
+
+    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    workloads = build_workloads(cfg)
+    bounds = {name: cache_bounds(recs, cfg.tokens_per_block, cfg.spec.block_size, replicas=cfg.workers)
+              for name, recs in workloads.items()}
+    bound_rates = {name: b["infinite"]["hit_rate"] for name, b in bounds.items()}
+    peers = [s for s in PEER_SETUPS if s.name in cfg.setups]
+    rows: list[dict] = []
+    pool = _Servers(cfg)
+    try:
+        for workload, records in workloads.items():
+            for form in cfg.forms:
+                for setup in peers:
+                    servers, seed = pool.cold()
+                    cfg.log(f"[{workload}/{form}] {setup.name} ({len(records)} requests)")
+                    rows.append(run_peer(setup, records, cfg, servers, seed, workload, form, bound_rates[workload]))
+    finally:
+        pool.stop()  # free the cores and memory before kvmesh starts its own engines
+    if KVMESH in cfg.setups:
+        rows += run_kvmesh(workloads, cfg, bound_rates, first_seed=pool.runs)
+    order = {name: i for i, name in enumerate(setups.SETUP_NAMES)}
+    rows.sort(key=lambda r: (list(workloads).index(r["workload"]), list(cfg.forms).index(r["form"]),
+                             order.get(r["setup"], 99)))
+    extra = {"bounds": bounds, "workload_sizes": {k: len(v) for k, v in workloads.items()}}
+    return rows, extra

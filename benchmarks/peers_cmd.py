@@ -1,0 +1,130 @@
+"""`kvmesh bench peers`: kvmesh side by side with real peer routers (vllm-router, sglang-router) on
+identical vLLM OpenAI servers (issue 6); `kvmesh bench overhead`: kvmesh's per-request overhead vs
+vllm-router round_robin on the same engines. Peers are benchmark-only: `pip install -e '.[bench]'`."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from deployments.cli import CliError
+
+
+def _csv(choices):
+    def parse(text: str) -> tuple:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
+        return items
+    return parse
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive, default=4, help="vLLM servers / kvmesh replicas (default 4)")
+    p.add_argument("--model", default="tiny", help="model directory, or 'tiny' to build the embedded one")
+    p.add_argument("--block-size", type=_positive, default=32)
+    p.add_argument("--kv-space-gb", type=_positive, default=1, help="KV cache per engine, whole GiB")
+    p.add_argument("--work-dir", default=None, help="logs, model, Ray temp (default: a fresh /tmp dir)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from benchmarks.peers.run import FORMS, WORKLOADS
+    from benchmarks.peers.setups import SETUP_NAMES
+
+    sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
+    p = sub.add_parser("peers", help="kvmesh vs vllm-router / sglang-router on identical vLLM servers")
+    _common(p)
+    p.add_argument("--limit", type=_positive, default=None, help="at most this many requests per workload")
+    p.add_argument("--workloads", type=_csv(WORKLOADS), default=WORKLOADS, help=",".join(WORKLOADS))
+    p.add_argument("--forms", type=_csv(("tokens", "text")), default=FORMS, help="tokens,text")
+    p.add_argument("--setups", type=_csv(tuple(SETUP_NAMES)), default=tuple(SETUP_NAMES), help=",".join(SETUP_NAMES))
+    p.add_argument("--concurrency", type=_positive, default=4)
+    p.add_argument("--max-tokens", type=_positive, default=8)
+    p.add_argument("--cold", choices=("restart", "reseed"), default="restart",
+                   help="cold caches by restarting servers (default) or by drawing each setup's prompts anew")
+    p.add_argument("--out-dir", default="out/peers", help="peers.json and peers.png go here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(_bench=_run_peers)
+    o = sub.add_parser("overhead", help="per-request latency of kvmesh vs vllm-router round_robin, same engines")
+    _common(o)
+    o.add_argument("--requests", type=_positive, default=200)
+    o.add_argument("--prompt-tokens", type=_positive, default=16)
+    o.add_argument("--out-dir", default="out/peers")
+    o.set_defaults(_bench=_run_overhead)
+
+
+def _spec(args, work_dir: Path):
+    from benchmarks.peers.engines import EngineSpec
+
+    if args.block_size % 32:
+        raise CliError(f"kvmesh bench: --block-size {args.block_size} must be a multiple of 32 on CPU engines")
+    model = args.model
+    if model == "tiny":
+        from deployments.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(work_dir / "tiny"))
+    elif not Path(model, "config.json").exists():
+        raise CliError(f"kvmesh bench: --model {model}: no config.json there (a model directory or 'tiny')")
+    return EngineSpec(model=model, block_size=args.block_size, kv_cache_space_gb=args.kv_space_gb)
+
+
+def _work_dir(args) -> Path:
+    import tempfile
+
+    return Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+
+
+def _run_peers(args) -> int:
+    from benchmarks.peers import results
+    from benchmarks.peers.run import BenchConfig, run
+
+    work_dir = _work_dir(args)
+    spec = _spec(args, work_dir)
+    cfg = BenchConfig(spec=spec, work_dir=work_dir, workers=args.workers, workloads=args.workloads,
+                      forms=args.forms, setups=args.setups, limit=args.limit, concurrency=args.concurrency,
+                      max_tokens=args.max_tokens, cold=args.cold, progress=not args.no_progress)
+    t0 = time.perf_counter()
+    rows, extra = run(cfg)
+    verdicts = results.check_targets(rows)
+    print()
+    print(results.format_table(rows))
+    print()
+    print(results.format_verdicts(verdicts))
+    out = Path(args.out_dir)
+    meta = {"engine": spec.as_dict(), "workers": args.workers, "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens, "cold": args.cold, "limit": args.limit, "wall_s": time.perf_counter() - t0,
+            "work_dir": str(work_dir)}
+    results.write_json(out / "peers.json", meta, rows, verdicts, extra)
+    results.write_png(out / "peers.png", rows)
+    print(f"\nwrote {out / 'peers.json'} and {out / 'peers.png'} (logs in {work_dir / 'logs'})")
+    return 0
+
+
+def _run_overhead(args) -> int:
+    from benchmarks.peers.overhead import run_overhead
+
+    work_dir = _work_dir(args)
+    spec = _spec(args, work_dir)
+    report = run_overhead(spec, work_dir, workers=args.workers, requests=args.requests,
+                          prompt_tokens=args.prompt_tokens)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out / 'overhead.json'}")
+    return 0
+
+
+def run(args) -> int:
+    return args._bench(args)

@@ -1,0 +1,113 @@
+"""The peer benchmark's pure parts: /metrics parsing and deltas, per-worker aggregation, the issue-6
+targets (including the cases that must fail), the table, the JSON/PNG writers, and the CLI's
+one-line errors. The live run itself needs the peers installed and minutes of CPU: `kvmesh bench peers`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.peers import metrics, results
+from deployments import cli
+
+METRICS_BEFORE = """\
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 100.0
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 32.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 100.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 2.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0
+vllm:prompt_tokens_created{engine="0",model_name="tiny"} 1.7e+09
+"""
+METRICS_AFTER = METRICS_BEFORE.replace("} 100.0\nvllm:prefix_cache_hits", "} 740.0\nvllm:prefix_cache_hits") \
+    .replace("} 32.0", "} 416.0").replace('"length",model_name="tiny"} 2.0', '"length",model_name="tiny"} 5.0')
+
+
+def test_metrics_parse_sums_label_sets_and_ignores_other_metrics():
+    m = metrics.parse(METRICS_BEFORE)
+    assert m == {"prompt_tokens": 100.0, "prefix_hits": 32.0, "prefix_queries": 100.0, "requests": 3.0}
+
+
+def test_metrics_delta():
+    d = metrics.delta(metrics.parse(METRICS_BEFORE), metrics.parse(METRICS_AFTER))
+    assert d == {"prompt_tokens": 640, "prefix_hits": 384, "prefix_queries": 0, "requests": 3}
+    w = results.workers_from_metric_deltas([d])
+    assert w == [{"requests": 3, "prompt_tokens": 640, "cached_tokens": 384, "prefill_tokens": 256}]
+
+
+def test_max_over_mean_counts_idle_workers():
+    assert results.max_over_mean([10, 10, 10, 10]) == 1.0
+    assert results.max_over_mean([0, 60, 30, 0]) == pytest.approx(60 / 22.5)  # issue 6's cache_aware pile-up
+    assert results.max_over_mean([0, 0]) is None and results.max_over_mean([]) is None
+
+
+def _summary(hit, errors=0, requests=10, uncached=100):
+    return {"requests": requests, "errors": errors, "hit_rate_tokens": hit, "uncached_prompt_tokens": uncached,
+            "ttft_p50_s": 0.05, "ttft_p90_s": 0.1, "per_replica": {}}
+
+
+def _workers(prefill):
+    return [{"requests": 1, "prompt_tokens": p, "cached_tokens": 0, "prefill_tokens": p} for p in prefill]
+
+
+def _rows(kvmesh_hit, kvmesh_prefill, peer_hit=0.79, kvmesh_errors=0, bound=0.82):
+    return [
+        results.make_row("chat", "tokens", "vllm-router/cache_aware", _summary(peer_hit), _workers([0, 60, 30, 0]), bound),
+        results.make_row("chat", "tokens", "sglang-router/cache_aware", _summary(None, errors=10), _workers([0] * 4), bound),
+        results.make_row("chat", "tokens", "kvmesh", _summary(kvmesh_hit, errors=kvmesh_errors),
+                         _workers(kvmesh_prefill), bound),
+    ]
+
+
+def test_targets_pass_when_kvmesh_is_ahead_balanced_and_clean():
+    [v] = results.check_targets(_rows(0.80, [25, 22, 21, 22]))
+    assert v["pass"] and v["best_peer"] == "vllm-router/cache_aware"  # the all-error peer is not 'best'
+    assert all(v["checks"].values())
+
+
+@pytest.mark.parametrize("kw, failing", [
+    (dict(kvmesh_hit=0.77, kvmesh_prefill=[25, 22, 21, 22], bound=0.80), "hit >= best peer - 0.01"),
+    (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], peer_hit=0.70, bound=0.90), "hit >= 0.95 x bound"),
+    (dict(kvmesh_hit=0.80, kvmesh_prefill=[0, 60, 30, 0]), "prefill max/mean <= 1.25"),
+    (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], kvmesh_errors=1), "zero errors"),
+])
+def test_targets_miss(kw, failing):
+    [v] = results.check_targets(_rows(**kw))
+    assert not v["pass"]
+    assert v["checks"][failing] is False
+    assert [k for k, ok in v["checks"].items() if ok is False] == [failing]
+
+
+def test_table_json_png(tmp_path):
+    rows = _rows(0.80, [25, 22, 21, 22])
+    table = results.format_table(rows)
+    assert "vllm-router/cache_aware" in table and "0/60/30/0" in table and "80.0%" in table
+    assert "2.67" in table  # peer's prefill max/mean
+    verdicts = results.check_targets(rows)
+    assert results.format_verdicts(verdicts).startswith("PASS  chat/tokens")
+    results.write_json(tmp_path / "p.json", {"workers": 4}, rows, verdicts)
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["rows"][2]["setup"] == "kvmesh" and data["targets"][0]["pass"] is True
+    results.write_png(tmp_path / "p.png", rows)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workers_from_replay_pads_idle_replicas():
+    per_replica = {"r1": {"requests": 3, "prompt_tokens": 300, "cached_tokens": 100}}
+    w = results.workers_from_replay(per_replica, 2)
+    assert [x["prefill_tokens"] for x in w] == [200, 0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "peers", "--workloads", "nope"], "choose from chat, mooncake, flood"),
+    (["bench", "peers", "--workers", "0"], "expected a positive integer"),
+    (["bench", "peers", "--setups", "vllm-router/magic"], "choose from"),
+    (["bench", "peers", "--block-size", "48", "--model", "/nonexistent"], "multiple of 32"),
+    (["bench", "peers", "--model", "/nonexistent"], "no config.json"),
+    (["bench"], "required"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys, tmp_path):
+    assert cli.main(argv + (["--work-dir", str(tmp_path)] if len(argv) > 2 else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
