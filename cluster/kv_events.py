@@ -253,28 +253,33 @@ class KVEventSubscriber(KVEventApplier):
         while True:
             frames = await src._sock.recv_multipart()
             try:
-                _, seq, payload = decode_frames(frames)
+                await self._receive(src, frames)
             except DecodeError as exc:
                 src.decode_errors += 1
                 log.warning("replica %s: %s", src.replica_id, exc)
-                continue
-            if src.replica_id not in self.index.replicas():
-                continue  # replica deregistered; the owner will remove the source
-            kind = self.classify(src, seq)
-            if kind == "duplicate":
-                src.duplicates += 1
-                continue
-            if kind == "gap":
-                src.gaps += 1
-                recovered = src.replay_endpoint is not None and await self._replay(src, seq)
-                if not recovered and src.last_seq is not None:
-                    self.resync_fresh(src)
-                    src.last_seq = seq - 1
-                if self.classify(src, seq) == "duplicate":  # replay already delivered it
-                    continue
-            self.apply(src, seq, payload)
-            if kind == "gap":
-                self.index.mark_fresh(src.replica_id)
+            except Exception:  # one bad message must not end the stream
+                src.decode_errors += 1
+                log.exception("replica %s: failed to apply KV events", src.replica_id)
+
+    async def _receive(self, src: SourceState, frames: list[bytes]) -> None:
+        _, seq, payload = decode_frames(frames)
+        if src.replica_id not in self.index.replicas():
+            return  # replica deregistered; the owner will remove the source
+        kind = self.classify(src, seq)
+        if kind == "duplicate":
+            src.duplicates += 1
+            return
+        if kind == "gap":
+            src.gaps += 1
+            recovered = src.replay_endpoint is not None and await self._replay(src, seq)
+            if not recovered and src.last_seq is not None:
+                self.resync_fresh(src)
+                src.last_seq = seq - 1
+            if self.classify(src, seq) == "duplicate":  # replay already delivered it
+                return
+        self.apply(src, seq, payload)
+        if kind == "gap":
+            self.index.mark_fresh(src.replica_id)
 
     async def _replay(self, src: SourceState, upto: int) -> bool:
         """Fetch batches [expected, upto) from the engine's replay socket; True if the gap closed."""

@@ -263,3 +263,38 @@ def test_decoder_does_not_import_vllm():
     code = "import sys, cluster.kv_events, cluster.index; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_malformed_messages_on_the_socket_do_not_end_the_stream():
+    import zmq
+
+    port = free_port()
+
+    async def main():
+        idx = PrefixIndex()
+        idx.add_replica("e0")
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        sub = KVEventSubscriber(idx)
+        try:
+            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv")
+            src = sub.sources["e0"]
+            seq = 0
+            while src.last_seq is None:
+                pub.send_multipart(frames(seq, [stored([1])]))
+                seq += 1
+                await asyncio.sleep(0.05)
+            pub.send_multipart([b"kv", b"\x00"])  # wrong shape
+            pub.send_multipart([b"kv", (seq).to_bytes(8, "big"), b"\xc1\xc1"])  # undecodable payload
+            pub.send_multipart(frames(seq + 1, [stored([2])]))
+            await wait_for(lambda: src.last_seq == seq + 1)
+            assert src.decode_errors == 2
+            assert idx.match([2])["e0"] == (1, 1, 1)
+        finally:
+            await sub.close()
+            pub.close()
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
