@@ -114,6 +114,7 @@ def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
     assert shared_tier_reachable(None) is None
 
 
+@pytest.mark.integration  # starts the real LMCache server (which rejects the flag after its imports)
 def test_server_that_exits_at_once_is_reported(tmp_path):
     cfg = TierConfig.from_dict({"extra_args": ["--no-such-flag"], "start_timeout_s": 60})
     srv = LMCacheServer(cfg, tmp_path / "srv.log")
