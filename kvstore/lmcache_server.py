@@ -29,6 +29,17 @@ _QUIET_ENV = {
 }
 
 
+def die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the thread that started it dies (Linux prctl), so a killed
+    test, benchmark or actor never leaves servers behind in their own sessions."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class LMCacheServerError(RuntimeError):
     """The server did not start or died; the message says why and where its log is."""
 
@@ -77,7 +88,7 @@ class LMCacheServer:
     """One LMCache MP server process; `start()` blocks until it serves, `stop()` ends its process group."""
 
     def __init__(self, config: TierConfig, log_path: str | os.PathLike | None = None, env: dict | None = None,
-                 preexec_fn=None):
+                 preexec_fn=die_with_parent):
         config.validate()
         self.preexec_fn = preexec_fn
         self.config = config

@@ -16,10 +16,8 @@ Engine start-up (deployments/engine.py calls this through `kvstore.tiers.engine_
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import tempfile
 import threading
 from pathlib import Path
@@ -34,14 +32,6 @@ ACTOR_PREFIX = "kvmesh-lmcache-"
 _ACTOR_CLS = None
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the server when the actor process that started it dies (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class NodeServerCore:
     """What the actor does, kept free of Ray so it can be unit-tested in-process."""
 
@@ -50,8 +40,7 @@ class NodeServerCore:
         self.config_dict = dict(config)
         log_dir = Path(log_dir or os.environ.get("KVMESH_LOG_DIR") or tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.server = LMCacheServer(self.config, log_dir / f"lmcache-server-{os.getpid()}.log",
-                                    preexec_fn=_die_with_parent)
+        self.server = LMCacheServer(self.config, log_dir / f"lmcache-server-{os.getpid()}.log")
         self.server.start()
         self.last_supervise = "ok"
         self._stop = threading.Event()

