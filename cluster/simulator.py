@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 from cluster.block_cache import BlockLRU
 from cluster.index import PrefixIndex
-from cluster.index_arrays import match_arrays
 from cluster.trace import Trace, scale_to_load
 from policies.base import FleetView, Policy, RequestInfo
 from policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
@@ -105,7 +104,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
     host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
     shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
-    if [index._slot[r] for r in rids] != list(range(N)):
+    if [index.slot_of(r) for r in rids] != list(range(N)):
         raise RuntimeError("prefix index did not give replicas slots 0..N-1")
 
     # load state, per replica, updated by a heap of (time, kind, replica, value) events:
@@ -150,7 +149,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
             else:
                 running[k] -= 1
                 active[k] -= val
-        m = match_arrays(index, ids, N)
+        m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
         fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
         req = RequestInfo(ids, n, bs, r.output_length, r.tenant, str(i))

@@ -228,33 +228,3 @@ def test_host_tier_raises_hit_rate_and_cuts_p90_with_small_hbm():
     assert tiers["hit_rate_tokens"] > base["hit_rate_tokens"] + 0.05
     assert tiers["ttft_p90_s"] < base["ttft_p90_s"]
 
-
-# ------------------------------------------------------------------------ array match == match
-def test_match_arrays_equals_prefix_index_match_on_random_states():
-    import random
-
-    from cluster.index import PrefixIndex
-    from cluster.index_arrays import match_arrays
-
-    rng = random.Random(5)
-    for trial in range(30):
-        n_rep = rng.choice([3, 8, 40, 130])
-        idx = PrefixIndex()
-        ids = [f"r{k}" for k in range(n_rep)]
-        for k, rid in enumerate(ids):
-            idx.add_replica(rid, f"n{k % 4}")
-        chains = [[c * 100 + d for d in range(12)] for c in range(5)]
-        for _ in range(200):
-            chain = rng.choice(chains)
-            upto = rng.randrange(1, 13)
-            tier = rng.choice(["hbm", "hbm", "host", "shared"])
-            idx.store(rng.choice(ids), chain[:upto], tier)
-            if rng.random() < 0.2:
-                idx.remove(rng.choice(ids), chain[rng.randrange(12):], rng.choice(["hbm", "host"]))
-        for _ in range(20):
-            q = rng.choice(chains)[:rng.randrange(1, 13)] + [999999] * rng.randrange(2)
-            want = idx.match(q)
-            got = match_arrays(idx, q, n_rep)
-            for rid in ids:
-                k = idx._slot[rid]
-                assert tuple(int(x) for x in got[:, k]) == want[rid], (trial, rid)
