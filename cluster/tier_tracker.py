@@ -58,6 +58,7 @@ class TierTracker:
         self.index = index
         self.chunk_blocks = chunk_blocks
         self._host: dict[str, _LRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
+        self._chunk_blocks: dict[str, int] = {}  # node id -> LMCache chunk / engine block
         self._shared_nodes: set[str] = set()
         self._shared = _LRU(shared_capacity_blocks)
         self.shared_up = True
@@ -69,8 +70,12 @@ class TierTracker:
         # match, add_replica, remove_replica, mark_stale, speculate, ... are the index's own.
         return getattr(self.index, name)
 
-    def set_node(self, node_id: str, *, has_shared_tier: bool, host_capacity_blocks: int | None = None) -> None:
-        """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not)."""
+    def set_node(self, node_id: str, *, has_shared_tier: bool, host_capacity_blocks: int | None = None,
+                 chunk_blocks: int | None = None) -> None:
+        """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not).
+
+        Idempotent (routers call it whenever routing stats arrive)."""
+        self._chunk_blocks[node_id] = max(1, int(chunk_blocks or self.chunk_blocks))
         lru = self._host.get(node_id)
         if lru is None:
             self._host[node_id] = _LRU(host_capacity_blocks)
@@ -87,7 +92,8 @@ class TierTracker:
         lru = self._host.get(node)
         if lru is None:
             return 0
-        n = len(block_hashes) // self.chunk_blocks * self.chunk_blocks
+        k = self._chunk_blocks.get(node, self.chunk_blocks)
+        n = len(block_hashes) // k * k
         stored = list(block_hashes[:n])
         if not stored:
             return 0

@@ -84,6 +84,12 @@ class EngineReplica:
         args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
         self.driver = make_driver(self.cfg["engine_mode"], args)
         self.num_blocks = self.driver.num_blocks()
+        self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
+        if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
+            from kvstore.tiers import kv_bytes_per_block, tier_routing_info
+
+            self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], kv_bytes_per_block(
+                self.model_path, self.cfg["block_size"], self.cfg["dtype"]))
         log.info("engine replica %s ready: model=%s blocks=%d events=%s", self.replica_id, self.model_path,
                  self.num_blocks, self.kv_events_endpoint)
 
@@ -126,6 +132,7 @@ class EngineReplica:
             "block_size": self.cfg["block_size"],
             "num_blocks": self.num_blocks,
             "hash_algo": self.cfg["hash_algo"],
+            "tiers": self.tier_info,
         }
 
     async def info(self) -> dict:

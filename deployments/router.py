@@ -28,6 +28,7 @@ from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.index import PrefixIndex
+from cluster.tier_tracker import TierTracker
 from deployments import local_state
 from kvstore.hashing import HashMemo, block_hashes
 from policies.base import ReplicaView, RequestInfo
@@ -76,6 +77,7 @@ class KvmeshRouter(RequestRouter):
         self.hash_algo = hash_algo
         self.block_size = block_size
         self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s)
+        self.tiers = TierTracker(self.index)  # LMCache host/shared residency (kvstore, docs/tiers.md)
         self.memo = HashMemo()
         self.subscribe_events = subscribe_events
         self.events = None  # cluster.kv_events.KVEventSubscriber, created with the first source
@@ -100,6 +102,11 @@ class KvmeshRouter(RequestRouter):
             stats = r.routing_stats or {}
             if rid not in known:
                 self.index.add_replica(rid, node_id=str(stats.get("node_id") or r.node_id or "node-0"))
+            if stats.get("tiers") and rid in self.index.replicas():  # engine runs on an LMCache node server
+                t = stats["tiers"]
+                self.tiers.set_node(self.index.node_of(rid), has_shared_tier=bool(t.get("shared")),
+                                    host_capacity_blocks=t.get("host_capacity_blocks"),
+                                    chunk_blocks=t.get("chunk_blocks"))
             if self.subscribe_events and rid not in self._subscribed and stats.get("kv_events_endpoint"):
                 await self._subscribe(rid, stats)
 
@@ -107,7 +114,7 @@ class KvmeshRouter(RequestRouter):
         if self.events is None:
             from cluster.kv_events import KVEventSubscriber
 
-            self.events = KVEventSubscriber(self.index)
+            self.events = KVEventSubscriber(self.tiers)  # the index, minus LMCache chunk-hash events
         await self.events.add_source(rid, stats["kv_events_endpoint"], topic=stats.get("events_topic", ""),
                                      replay_endpoint=stats.get("replay_endpoint"))
         self._subscribed.add(rid)
@@ -217,6 +224,8 @@ class KvmeshRouter(RequestRouter):
             return
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
+        if st.replica in self.index.replicas():  # its prompt's full chunks are now in L1 (and L2)
+            self.tiers.record_prefill(st.replica, st.info.block_hashes)
         st.policy.on_completed(st.info, st.replica)
 
     def first_token(self, request_id: str) -> None:

@@ -168,3 +168,23 @@ def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | Non
     cfg.check_block_size(block_size)
     cap = int(cfg.l1_size_gb * (1 << 30) // bytes_per_block) if bytes_per_block else None
     return {"chunk_blocks": cfg.chunk_size // block_size, "shared": cfg.l2 is not None, "host_capacity_blocks": cap}
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1}
+
+
+def kv_bytes_per_block(model_dir: str, block_size: int, dtype: str = "auto") -> int | None:
+    """Bytes of one KV block (K and V, all layers) for a HF model folder; None when it cannot tell.
+
+    = 2 x layers x kv_heads x head_dim x block_size x bytes per element — what sizes L1 in blocks.
+    """
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            c = json.load(f)
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        kv_heads = c.get("num_key_value_heads") or heads
+        name = (c.get("torch_dtype") or c.get("dtype") or "float32") if dtype == "auto" else dtype
+        return 2 * c["num_hidden_layers"] * kv_heads * head_dim * block_size * _DTYPE_BYTES[str(name)]
+    except (OSError, KeyError, ValueError, TypeError):
+        return None

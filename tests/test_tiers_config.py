@@ -163,3 +163,15 @@ def test_tier_routing_info_for_routers():
     assert info == {"chunk_blocks": 8, "shared": True, "host_capacity_blocks": 1024}
     assert tier_routing_info({}, 32)["host_capacity_blocks"] is None
     assert tier_routing_info({}, 32)["shared"] is False
+
+
+def test_kv_bytes_per_block_from_model_config(tmp_path):
+    from kvstore.tiers import kv_bytes_per_block
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 2, "hidden_size": 128,
+                                                      "num_hidden_layers": 2, "torch_dtype": "float32"}))
+    # the probe engines' tiny Llama: 32 tokens x 2 (K,V) x 2 layers x 2 heads x 64 dims x 4 bytes = 65536,
+    # the LMCache chunk size seen in the server's L1 usage (3,211,264 bytes / 49 chunks)
+    assert kv_bytes_per_block(str(tmp_path), 32) == 65536
+    assert kv_bytes_per_block(str(tmp_path), 32, dtype="bfloat16") == 32768
+    assert kv_bytes_per_block(str(tmp_path / "missing"), 32) is None

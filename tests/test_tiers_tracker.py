@@ -105,3 +105,10 @@ def test_passes_through_index_api():
     idx, t = _setup()
     t.add_replica("c", "n1")
     assert "c" in idx.replicas() and t.node_of("c") == "n1"
+
+
+def test_chunk_blocks_per_node():
+    idx, t = _setup()
+    t.set_node("n2", has_shared_tier=True, chunk_blocks=2)
+    assert t.record_prefill("b", [1, 2, 3]) == 2
+    assert t.record_prefill("a", [4, 5, 6]) == 3
