@@ -68,7 +68,7 @@ def run(args) -> int:
         from deployments.tenants import TenantRegistry
 
         try:
-            TenantRegistry.single_key(cfg["api_keys"][0])
+            TenantRegistry.single_key(cfg["api_keys"][0], secret=b"validate-the-key-shape-only")
         except Exception as exc:
             raise CliError(f"--api-key: {exc}") from None
 
@@ -79,8 +79,6 @@ def run(args) -> int:
     def _on_signal(signum, frame):
         stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     print(f"starting kvmesh: {cfg['replicas']} engine replica(s), policy {cfg['policy']}, model "
           f"{cfg['engine']['model']} ...", file=sys.stderr, flush=True)
     try:
@@ -88,6 +86,9 @@ def run(args) -> int:
     except Exception as exc:
         stop_local()
         raise CliError(f"could not start the app: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    # after ray.init: Ray installs its own fatal-signal handler (logs and aborts on SIGTERM); ours wins
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     print(f"kvmesh serving at {url}/v1  (model: {'tiny' if cfg['engine']['model'] == 'tiny' else cfg['engine']['model']})")
     if cfg["api_keys"]:
         print(f"API key: {cfg['api_keys'][0]}")
