@@ -149,6 +149,13 @@ def stop_local() -> None:
             serve.shutdown()
         except Exception:
             log.exception("serve shutdown failed")
+        try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
+            # servers are detached actors and would otherwise outlive Serve on a shared cluster
+            from kvstore.node_server import stop_node_servers
+
+            stop_node_servers()
+        except Exception:
+            log.exception("stopping LMCache node servers failed")
         if _started_ray:
             ray.shutdown()
     _started_ray = False

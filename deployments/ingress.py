@@ -287,6 +287,7 @@ class Ingress:
     async def metrics(self):
         snap = await asyncio.to_thread(self._router_snapshot)
         text = self.metrics.prometheus_text(local_state.LEDGER.snapshot(), snap) + self.tenant_metrics.prometheus_text()
+        text += await asyncio.to_thread(_tier_metrics_text)  # per-tier LMCache figures (kvstore/tier_metrics.py)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @fastapi_app.get("/kvmesh/state")
@@ -298,7 +299,7 @@ class Ingress:
             return _error_response(exc)
         snap = await asyncio.to_thread(self._router_snapshot)
         return {"router": snap, "prediction": local_state.LEDGER.snapshot(), "serving": self.metrics.snapshot(),
-                "model": self.served_model, "pid": os.getpid()}
+                "model": self.served_model, "pid": os.getpid(), "tiers": await asyncio.to_thread(_tier_report)}
 
     @fastapi_app.post("/kvmesh/index/lookup")
     async def index_lookup(self, request: Request):
@@ -328,3 +329,29 @@ class Ingress:
 
         counts = await asyncio.to_thread(r.call_on_loop, lookup)
         return {"replicas": counts}
+
+
+def _tier_status() -> dict:
+    try:
+        from kvstore.node_server import tier_status
+
+        return tier_status()
+    except Exception:
+        log.exception("LMCache tier status failed")
+        return {}
+
+
+def _tier_metrics_text() -> str:
+    """Per-tier Prometheus lines from every node's LMCache server ("" when no node runs one)."""
+    from kvstore.tier_metrics import tier_metrics_text
+
+    status = _tier_status()
+    return tier_metrics_text(status) if status else ""
+
+
+def _tier_report() -> dict | None:
+    """Hits by tier, bytes moved and tier health summed over nodes (None without LMCache)."""
+    from kvstore.tier_metrics import tier_report
+
+    status = _tier_status()
+    return tier_report(status) if status else None

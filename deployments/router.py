@@ -241,6 +241,7 @@ class KvmeshRouter(RequestRouter):
             "policy": self.policy_name,
             "replicas": self.index.replicas(),
             "index": dict(self.index.stats),
+            "tiers": dict(self.tiers.counters),
             "subscribers": sorted(self._subscribed),
             "events": self.events.stats() if self.events is not None else {},
             "decisions": self.decisions,
