@@ -63,6 +63,7 @@ class ReplayConfig:
     seed: int = 0  # folded into every block's token draw (0 = the canonical expansion)
     progress: bool = True
     extra_body: dict = field(default_factory=dict)  # merged into every request body
+    max_errors: int | None = None  # stop sending after this many failures (the rest count as errors)
 
     def check(self) -> None:
         if self.prompt_form not in ("tokens", "text"):
@@ -270,7 +271,16 @@ async def replay_async(records: Sequence[dict], cfg: ReplayConfig,
         t0 = time.perf_counter()
         base_ts = min((r["timestamp"] for r in records), default=0)
 
+        failures = 0
+
+        async def attempt(i: int, rec: dict) -> RequestResult:
+            if cfg.max_errors is not None and failures >= cfg.max_errors:  # checked once it may go
+                return RequestResult(i, rec.get("user"), rec.get("tenant"), builder.prompt_len(rec), None, 0,
+                                     None, 0.0, cfg.label or "unknown", f"not sent: {failures} errors before it")
+            return await _one_request(client, cfg, model, rec, i, builder, t0)
+
         async def send(i: int, rec: dict, after: asyncio.Event | None, done: asyncio.Event) -> None:
+            nonlocal failures
             try:
                 if cfg.time_scale is not None:
                     delay = (rec["timestamp"] - base_ts) / 1000.0 * cfg.time_scale - (time.perf_counter() - t0)
@@ -280,9 +290,11 @@ async def replay_async(records: Sequence[dict], cfg: ReplayConfig,
                     await after.wait()
                 if gate is not None:
                     async with gate:
-                        res = await _one_request(client, cfg, model, rec, i, builder, t0)
+                        res = await attempt(i, rec)
                 else:
-                    res = await _one_request(client, cfg, model, rec, i, builder, t0)
+                    res = await attempt(i, rec)
+                if res.error is not None:
+                    failures += 1
                 results[i] = res
                 if bar is not None:
                     bar.update(1)

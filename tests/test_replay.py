@@ -263,3 +263,13 @@ def _write(recs, tmp_path) -> str:
     path = tmp_path / "trace.jsonl"
     wl.write_jsonl(recs, path)
     return str(path)
+
+
+@pytest.mark.integration
+def test_max_errors_stops_sending(vllm_server):
+    recs = [_rec([910 + i]) for i in range(6)]
+    report = replay(recs, ReplayConfig(url=vllm_server, token_range=(5000, 6000), concurrency=1, max_errors=2,
+                                       progress=False))
+    s = report.summary()
+    assert s["errors"] == 6
+    assert sum(r.error.startswith("not sent") for r in report.results) == 4
