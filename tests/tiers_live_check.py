@@ -1,0 +1,53 @@
+"""Run by tests/test_tiers_live.py in its own process (its own Ray, apart from the session's live app):
+the kvmesh app with LMCache on the engines' path, checked end to end. Prints one JSON line of findings.
+
+    python tests/tiers_live_check.py WORKDIR
+"""
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    root = sys.argv[1]
+    os.environ.setdefault("RAY_TMPDIR", os.path.join(root, "ray"))
+    os.environ.setdefault("KVMESH_LOG_DIR", os.path.join(root, "logs"))
+    import httpx
+
+    from deployments.app import free_port, start_local, stop_local
+
+    key = "kvm-tiers-live-key-0123456789"
+    cfg = {"replicas": 2, "policy": "kvmesh", "port": free_port(), "api_keys": [key], "routing_stats_period_s": 0.5,
+           "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 256,
+                      "lmcache": {"l1_size_gb": 0.05, "chunk_size": 64, "l2": "fs",
+                                  "l2_path": os.path.join(root, "l2"), "start_timeout_s": 300}}}
+    found = {}
+    try:
+        url = start_local(cfg, num_cpus=2, timeout_s=900)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=180) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            prompt = [(i * 7919) % 1000 + 10 for i in range(600)]
+            cached = []
+            for _ in range(2):
+                r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+                r.raise_for_status()
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            found["cached"] = cached
+            time.sleep(2.0)
+            state = c.get("/kvmesh/state").json()
+            found["router_tiers"] = (state.get("router") or {}).get("tiers")
+            found["tier_report"] = state.get("tiers")
+            found["tier_stats"] = {rid: s.get("tiers") for rid, s in (state.get("router") or {}).get("routing_stats", {}).items()}
+            metrics = c.get("/metrics").text
+            found["metrics_lines"] = [l for l in metrics.splitlines() if l.startswith("kvmesh_tier_")]
+    except Exception as exc:
+        found["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        stop_local()
+    print(json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
