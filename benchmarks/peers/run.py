@@ -35,7 +35,7 @@ class BenchConfig:
     tokens_per_block: int = 32
     cold: str = "restart"
     progress: bool = True
-    log: callable = field(default=print)
+    log: callable = field(default=lambda *a: print(*a, flush=True))
 
 
 def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
