@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false LMCACHE
        RAY_USAGE_STATS_ENABLED=0 PYTHONHASHSEED=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
        VLLM_CPU_OMP_THREADS_BIND=nobind TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup services test test-unit demo bench simulate clean
+.PHONY: setup services test test-unit demo bench bench-peers simulate clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: setup services
 
 bench: setup services
 	$(PY) -m benchmarks.run_all
+
+# kvmesh vs real peer routers (issue 6; docs/peers.md). Peers are benchmark-only (the `bench` extra).
+bench-peers: setup
+	$(PY) -m pip install -q "vllm-router==0.1.17" "sglang-router==0.3.2"
+	$(VENV)/bin/kvmesh bench peers $(PEERS_ARGS)
 
 simulate: setup
 	$(VENV)/bin/kvmesh simulate --trace conversation --replicas 8 --capacity-blocks 4000 --policies all --json out/sim.json --plot out/sim.png
