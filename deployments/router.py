@@ -107,6 +107,10 @@ class KvmeshRouter(RequestRouter):
                 self.tiers.set_node(self.index.node_of(rid), has_shared_tier=bool(t.get("shared")),
                                     host_capacity_blocks=t.get("host_capacity_blocks"),
                                     chunk_blocks=t.get("chunk_blocks"))
+                if getattr(self, "_tier_watch", None) is None:  # shared-tier loss, server restarts
+                    from kvstore.node_server import watch_tier_health
+
+                    self._tier_watch = asyncio.create_task(watch_tier_health(self.tiers))
             if self.subscribe_events and rid not in self._subscribed and stats.get("kv_events_endpoint"):
                 await self._subscribe(rid, stats)
 

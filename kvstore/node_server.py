@@ -163,3 +163,36 @@ def stop_node_servers() -> int:
             pass
         ray.kill(actor, no_restart=True)
     return len(actors)
+
+
+async def watch_tier_health(tracker, interval_s: float = 5.0, stop=None) -> None:
+    """Router background task: keep a `cluster.tier_tracker.TierTracker` in step with the node servers.
+
+    Every `interval_s`: the shared tier counts as up only if every node that has one reaches it
+    (`set_shared_up`), and a node whose server was restarted (watchdog) loses its host tier in the
+    tracker (`node_restarted`). Actor calls are awaited, never blocking the router's loop; errors skip
+    a round. `stop` is an optional asyncio.Event.
+    """
+    import asyncio
+
+    restarts: dict[str, int] = {}
+    while stop is None or not stop.is_set():
+        try:
+            actors = await asyncio.to_thread(node_servers)
+            health = {}
+            for node, actor in actors.items():
+                try:
+                    health[node] = await asyncio.wait_for(actor.health.remote(), timeout=5.0)
+                except Exception:
+                    continue
+            ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
+            if ups:
+                tracker.set_shared_up(all(ups))
+            for node, h in health.items():
+                seen = h.get("restarts", 0)
+                if node in restarts and seen > restarts[node]:
+                    tracker.node_restarted(node)
+                restarts[node] = seen
+        except Exception as exc:  # never let monitoring kill the router
+            log.warning("tier health watch: %s", exc)
+        await asyncio.sleep(interval_s)

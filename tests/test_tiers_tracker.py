@@ -112,3 +112,43 @@ def test_chunk_blocks_per_node():
     t.set_node("n2", has_shared_tier=True, chunk_blocks=2)
     assert t.record_prefill("b", [1, 2, 3]) == 2
     assert t.record_prefill("a", [4, 5, 6]) == 3
+
+
+def test_watch_tier_health_feeds_tracker(monkeypatch):
+    """The router's health task (no Ray: node_servers() faked as our own interface) updates the tracker."""
+    import asyncio
+
+    from kvstore import node_server
+
+    idx, t = _setup()
+    t.record_prefill("a", [1, 2])
+    health = {"n1": {"shared_tier_up": True, "restarts": 0}}
+
+    class _Ref:
+        def __init__(self, node):
+            self.node = node
+
+        def __await__(self):
+            async def _get():
+                return dict(health[self.node])
+            return _get().__await__()
+
+    class _Actor:
+        def __init__(self, node):
+            self.health = type("M", (), {"remote": lambda _self, n=node: _Ref(n)})()
+
+    monkeypatch.setattr(node_server, "node_servers", lambda: {n: _Actor(n) for n in health})
+
+    async def run():
+        stop = asyncio.Event()
+        task = asyncio.create_task(node_server.watch_tier_health(t, interval_s=0.01, stop=stop))
+        await asyncio.sleep(0.05)
+        health["n1"] = {"shared_tier_up": False, "restarts": 1}
+        await asyncio.sleep(0.05)
+        stop.set()
+        await task
+
+    asyncio.run(run())
+    assert t.shared_up is False
+    assert idx.match([1, 2])["b"] == (0, 0, 0)  # shared entries dropped
+    assert idx.match([1, 2])["a"] == (0, 0, 0)  # node n1 restarted: host entries dropped
