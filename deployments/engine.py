@@ -65,10 +65,10 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
             self.replica_id = f"local-{uuid.uuid4().hex[:8]}"
-        try:
+        if ray.is_initialized():  # never start a Ray cluster just to learn our address
             self.node_id = ray.get_runtime_context().get_node_id()
             node_ip = ray.util.get_node_ip_address()
-        except Exception:
+        else:
             self.node_id, node_ip = "node-0", "127.0.0.1"
         self.model_path = resolve_model(self.cfg["model"])
         kv_events = None
@@ -143,8 +143,9 @@ class EngineReplica:
         return await self.driver.reset_prefix_cache()
 
     def check_health(self) -> None:
-        if self.driver is None:
-            raise RuntimeError("engine not running")
+        """Serve restarts a replica whose engine died (the step thread or the EngineCore process)."""
+        if not self.driver.healthy():
+            raise RuntimeError("vLLM engine is not running")
 
     def __del__(self):
         drv = getattr(self, "driver", None)

@@ -179,6 +179,9 @@ class InprocDriver:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call(lambda e: e.reset_prefix_cache()))
 
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
     def shutdown(self) -> None:
         self._ops.put(("stop",))
         self._thread.join(timeout=10)
@@ -236,6 +239,9 @@ class AsyncDriver:
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine.reset_prefix_cache())
+
+    def healthy(self) -> bool:
+        return not self.engine.errored
 
     def shutdown(self) -> None:
         self.engine.shutdown()
