@@ -298,3 +298,20 @@ def test_router_uses_the_tenant_policy_the_ingress_sets(monkeypatch):
         assert all(st.policy.name == "round_robin" for st in router._inflight.values())
 
     asyncio.run(scenario())
+
+
+def test_serve_flags_override_the_config_file(tmp_path):
+    import argparse
+
+    from deployments import serve_cmd
+
+    p = tmp_path / "c.yaml"
+    p.write_text("replicas: 4\npolicy: round_robin\nport: 9000\nengine: {block_size: 64}\n")
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    cfg = serve_cmd._build_config(parser.parse_args(["--config", str(p), "--replicas", "2", "--api-key",
+                                                     "kvm-abcdefgh12345", "--block-size", "32"]))
+    assert (cfg["replicas"], cfg["policy"], cfg["port"]) == (2, "round_robin", 9000)
+    assert cfg["engine"]["block_size"] == 32 and cfg["api_keys"] == ["kvm-abcdefgh12345"]
+    generated = serve_cmd._build_config(parser.parse_args([]))["api_keys"]
+    assert len(generated) == 1 and generated[0].startswith("kvm-") and len(generated[0]) > 20
