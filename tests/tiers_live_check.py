@@ -5,13 +5,16 @@ the kvmesh app with LMCache on the engines' path, checked end to end. Prints one
 """
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 
 def main() -> int:
     root = sys.argv[1]
-    os.environ.setdefault("RAY_TMPDIR", os.path.join(root, "ray"))
+    ray_tmp = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    os.environ["RAY_TMPDIR"] = ray_tmp
     os.environ.setdefault("KVMESH_LOG_DIR", os.path.join(root, "logs"))
     import httpx
 
@@ -45,6 +48,7 @@ def main() -> int:
         found["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
         stop_local()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(json.dumps(found))
     return 0
 
