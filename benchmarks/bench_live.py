@@ -76,7 +76,7 @@ def run_live(records: list[dict], policies: list[str], replicas: int, concurrenc
             print(f"[{name}] {replicas} replicas up in {time.perf_counter() - t0:.0f}s", flush=True)
             cfg = ReplayConfig(url=url, tokens_per_block=TOKENS_PER_BLOCK, concurrency=concurrency, api_key=key,
                                max_tokens=max_tokens, timeout_s=120, max_errors=10)
-            results[name] = replay(records, cfg).summary()
+            results[name] = replay(records, cfg).to_json(per_request=True)
         finally:
             stop_local()
     return results

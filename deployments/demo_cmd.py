@@ -19,9 +19,9 @@ import os
 import sys
 import time
 
-# The live path needs the serving stack (deployments/app.py); until it is proven end to end the
-# demo defaults to the simulator so `make demo` always completes.
-LIVE_BY_DEFAULT = False
+# Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` remains for
+# machines without vLLM.
+LIVE_BY_DEFAULT = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="real engines behind Ray Serve" + (" (default)" if LIVE_BY_DEFAULT else ""))
     mode.add_argument("--simulate", dest="live", action="store_false",
                       help="the trace simulator instead of live engines" + ("" if LIVE_BY_DEFAULT else " (default)"))
+    parser.add_argument("--tiers", action="store_true",
+                        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits by tier")
     parser.add_argument("--json", default=None, help="write all results here")
 
 
@@ -103,21 +105,38 @@ def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
     key = "kvm-demo-" + os.urandom(6).hex()
     results = {}
     for name in names:
-        config = {"replicas": args.replicas, "policy": name, "port": 0, "api_keys": [key],
-                  "engine": {"model": args.model}}
+        engine = {"model": args.model}
+        if args.tiers:
+            engine["lmcache"] = {"l1_size_gb": 1, "l2": "fs"}
+        config = {"replicas": args.replicas, "policy": name, "port": 0, "api_keys": [key], "engine": engine}
         t0 = time.perf_counter()
         print(f"[{name}] starting {args.replicas} replicas ...", flush=True)
         try:
             url = start_local(config)
             print(f"[{name}] serving at {url} after {time.perf_counter() - t0:.0f}s; replaying", flush=True)
             cfg = ReplayConfig(url=url, tokens_per_block=args.tokens_per_block, concurrency=args.concurrency,
-                               api_key=key, max_tokens=args.max_tokens, timeout_s=120)
-            results[name] = replay(records, cfg).summary()
+                               api_key=key, max_tokens=args.max_tokens, timeout_s=120, max_errors=10)
+            results[name] = replay(records, cfg).to_json(per_request=bool(args.json))
+            results[name]["server"] = _server_state(url, key)
         except ReplayError as exc:
             raise CliError(f"kvmesh demo: {exc}") from None
         finally:
             stop_local()
     return results
+
+
+def _server_state(url: str, key: str) -> dict:
+    """What the server says about the run: predicted vs delivered cached tokens, hits by tier."""
+    import httpx
+
+    try:
+        state = httpx.get(url + "/kvmesh/state", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": f"GET /kvmesh/state failed: {exc}"}
+    pred = state.get("prediction") or {}
+    return {"prediction": {k: pred.get(k) for k in ("compared", "mismatches", "alarm", "predicted_tokens",
+                                                     "delivered_tokens")},
+            "tiers": state.get("tiers")}
 
 
 def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dict]:
@@ -162,6 +181,15 @@ def _report(args, names, results, bounds, live: bool) -> None:
     print(format_table(results))
     print(f"{'bounds':28}infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over "
           f"{args.replicas} infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%")
+    for name, r in results.items():
+        server = r.get("server") or {}
+        pred, tiers = server.get("prediction") or {}, server.get("tiers")
+        if pred.get("compared"):
+            print(f"{name}: router predicted {pred['predicted_tokens']:,} cached tokens, engines delivered "
+                  f"{pred['delivered_tokens']:,}; {pred['mismatches']} of {pred['compared']} requests differ")
+        if tiers:
+            print(f"{name}: LMCache hits by tier: host {int(tiers.get('host_hit_tokens') or 0):,} tokens, "
+                  f"shared {int(tiers.get('shared_hit_tokens') or 0):,} tokens")
     if "kvmesh" in results and "round_robin" in results:
         a, b = results["kvmesh"], results["round_robin"]
         if a.get("uncached_prompt_tokens") and b.get("uncached_prompt_tokens"):

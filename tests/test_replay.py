@@ -273,3 +273,16 @@ def test_max_errors_stops_sending(vllm_server):
     s = report.summary()
     assert s["errors"] == 6
     assert sum(r.error.startswith("not sent") for r in report.results) == 4
+
+
+def test_bench_live_targets_pass_and_miss():
+    from benchmarks.bench_live import evaluate
+
+    def summary(uncached, hit, p50, errors=0):
+        return {"uncached_prompt_tokens": uncached, "hit_rate_tokens": hit, "ttft_p50_s": p50, "errors": errors}
+
+    good = evaluate({"kvmesh": summary(50, 0.7, 0.07), "round_robin": summary(100, 0.4, 0.1)}, bound_hit_rate=0.75)
+    assert [ok for *_, ok in good] == [True, True, True, True]
+    assert good[0][1] == pytest.approx(0.5) and good[1][1] == pytest.approx(0.7 / 0.75)
+    bad = evaluate({"kvmesh": summary(70, 0.6, None, errors=1), "round_robin": summary(100, 0.4, 0.1)}, 0.75)
+    assert [ok for *_, ok in bad] == [False, False, False, False]  # a missing TTFT is a miss, not a pass
