@@ -4,20 +4,25 @@ from __future__ import annotations
 import os
 
 
+def _load(doc: dict) -> str:
+    load = doc["config"]["load"]
+    return "n/a" if load is None else f"{load:.2f}"
+
+
 def format_table(doc: dict) -> str:
     b = doc["bounds"]
     ref = b.get("merged_lru") or 0.0
     lines = [
         f"trace={doc['trace']} requests={doc['requests']} replicas={doc['replicas']} "
-        f"capacity_blocks={doc['capacity_blocks']} load={doc['config']['load']:.2f}",
+        f"capacity_blocks={doc['capacity_blocks']} load={_load(doc)}",
         "bounds: " + "  ".join(f"{k}={v:.4f}" for k, v in b.items()),
         f"{'policy':<20} {'hit_tok':>7} {'hit_req':>7} {'/merged':>7} {'imbal':>6} {'p50_s':>8} {'p90_s':>8} "
         f"{'p99_s':>8} {'util':>5} {'tok/s':>9} {'cost_$':>9}",
     ]
     for name, m in doc["policies"].items():
-        ratio = m["hit_rate_tokens"] / ref if ref else float("nan")
+        ratio = f"{m['hit_rate_tokens'] / ref:.3f}" if ref else "n/a"
         lines.append(
-            f"{name:<20} {m['hit_rate_tokens']:>7.4f} {m['hit_rate_requests']:>7.4f} {ratio:>7.3f} "
+            f"{name:<20} {m['hit_rate_tokens']:>7.4f} {m['hit_rate_requests']:>7.4f} {ratio:>7} "
             f"{m['imbalance']:>6.3f} {m['ttft_p50_s']:>8.3f} {m['ttft_p90_s']:>8.3f} {m['ttft_p99_s']:>8.3f} "
             f"{m['utilization']:>5.2f} {m['throughput_tokens_s']:>9.0f} {m['blended_cost']:>9.2f}")
     return "\n".join(lines)
@@ -46,7 +51,7 @@ def plot(doc: dict, path: str) -> None:
     a2.bar(names, p90, color=colors)
     a2.set_ylabel("p90 TTFT (s)")
     a2.set_yscale("log")
-    a2.set_title(f"p90 TTFT at load {doc['config']['load']:.2f}")
+    a2.set_title(f"p90 TTFT at load {_load(doc)}")
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=60, labelsize=8)
     fig.tight_layout()

@@ -63,8 +63,8 @@ class SimConfig:
             raise ValueError("cost rates must be >= 0")
 
 
-def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float]:
-    """Arrival times in seconds from the trace start, and the achieved offered load."""
+def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | None]:
+    """Arrival times in seconds from the trace start, and the offered load (None for a zero-length span)."""
     c = cfg.cost
     if cfg.load is not None:
         arr, _ = scale_to_load(trace, cfg.replicas, cfg.load, c.prefill_s_per_token, c.prefill_base_s)
@@ -73,7 +73,7 @@ def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float]:
     arr = [(r.timestamp_ms - t0) / 1000.0 for r in trace.requests]
     work = sum(r.input_length for r in trace.requests) * c.prefill_s_per_token + len(arr) * c.prefill_base_s
     span = arr[-1]
-    return arr, (work / (cfg.replicas * span) if span > 0 else float("inf"))
+    return arr, (work / (cfg.replicas * span) if span > 0 else None)  # None: no time span, no rate
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:

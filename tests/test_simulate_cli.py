@@ -83,3 +83,12 @@ def test_malformed_trace_line_is_reported_with_its_number(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "bad.jsonl line 3" in r.stderr and "not valid JSON" in r.stderr
+
+
+def test_single_request_trace_has_no_load_and_strict_json(tmp_path, capsys):
+    out = tmp_path / "one.json"
+    assert main(["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--limit", "1",
+                 "--policies", "kvmesh", "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert doc["config"]["load"] is None and doc["requests"] == 1
+    assert "load=n/a" in capsys.readouterr().out
