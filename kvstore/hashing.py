@@ -26,7 +26,6 @@ import array
 import hashlib
 import os
 import pickle
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -107,25 +106,36 @@ def _check_mm(mm_keys):
 
 
 class HashMemo:
-    """LRU memo of block hashes keyed by (parent hash, block tokens, extra keys).
+    """Bounded memo of block hashes keyed by (parent hash, block tokens, extra keys).
 
     A full-width parent hash names the whole prefix before a block (its algorithm, seed and salt
     included), so a hit is exact. The key is the parent's bytes followed by the block's tokens as
-    uint32 bytes: building and probing it costs ~0.3 us, against ~1.4 us for pickle + SHA-256 of a
+    uint32 bytes: building and probing it costs ~0.3 us, against ~1.5 us for pickle + SHA-256 of a
     16-token block. Pays off for shared system prompts and multi-turn chats, where most of a
     prompt's blocks were hashed on an earlier request. Use one memo per (algorithm, block size).
+
+    Two generations of plain dicts instead of an LRU list: inserts go to the young one; when it
+    holds max_entries/2 the old one is dropped and the young one ages; a hit in the old one is
+    copied forward. Recently used entries survive, at most max_entries are held, and a miss costs one batched dict insert: most blocks of a new prompt miss, and after a
+    block misses every later block of that prompt does too (its parent is new), so lookups stop there.
     """
 
     def __init__(self, max_entries: int = 200_000):
-        if max_entries <= 0:
-            raise ValueError("max_entries must be positive")
+        if max_entries < 2:
+            raise ValueError("max_entries must be at least 2")
         self.max_entries = max_entries
-        self._d: OrderedDict[Any, tuple[bytes, int]] = OrderedDict()  # key -> (full, event form)
+        self._young: dict[Any, tuple[bytes, int]] = {}  # key -> (full hash, event form)
+        self._old: dict[Any, tuple[bytes, int]] = {}
         self.hits = 0
         self.misses = 0
 
+    def _age(self, force: bool = False) -> None:
+        """Invariant: young < max_entries/2 <= old's bound, so at most max_entries are held."""
+        if force or len(self._young) >= self.max_entries // 2:
+            self._old, self._young = self._young, {}
+
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self._young) + len(self._old)
 
 
 class BlockHasher:
@@ -193,80 +203,114 @@ class BlockHasher:
         buf = self._tail + list(tokens) if self._tail else list(tokens)
         bs = self.block_size
         n_full = len(buf) // bs
-        if self._memo is None and self._lora is None and not self._mm:
-            return self._extend_plain(buf, n_full)
-        packed = self._pack(buf, n_full * bs) if self._memo is not None else None
-        fn, parent, pos = self._fn, self._parent, self._pos
-        plain = self._lora is None and not self._mm
-        new_full: list[bytes] = []
-        new: list[int] = []
-        memo = self._memo if packed is not None else None
-        d = memo._d if memo is not None else None
-        step = bs * _W
-        hits = 0
-        for b in range(n_full):
-            extra = None if plain and (pos or not self._salt) else self._extra(pos, pos + bs)
-            if d is not None:
-                key = (parent or self._none) + packed[b * step:(b + 1) * step]
-                if extra is not None:
-                    key = (key, extra)
-                hit = d.get(key)
-                if hit is not None:
-                    d.move_to_end(key)
-                    hits += 1
-                    parent, ev = hit
-                    new_full.append(parent)
-                    new.append(ev)
-                    pos += bs
-                    continue
-            h = fn((parent or self._none, tuple(buf[b * bs:(b + 1) * bs]), extra))
-            ev = int.from_bytes(h, "big") & _MASK64
-            if d is not None:
-                d[key] = (h, ev)
-                if len(d) > memo.max_entries:
-                    d.popitem(last=False)
-            new_full.append(h)
-            new.append(ev)
-            parent = h
-            pos += bs
-        if memo is not None:
-            memo.hits += hits
-            memo.misses += n_full - hits
-        self._parent, self._pos = parent, pos
+        if self._lora is not None or self._mm:  # per-block extra keys: rare, no memo
+            full = self._chain_general(buf, n_full)
+            evs = [int.from_bytes(h, "big") & _MASK64 for h in full]
+        else:
+            memo = self._memo
+            packed = self._pack(buf, n_full * bs) if memo is not None else None
+            full, evs = self._memo_prefix(buf, n_full, packed) if packed is not None else ([], [])
+            k = len(full)
+            before = full[-1] if k else self._parent
+            new = self._chain_plain(buf, k, n_full, before)
+            new_evs = [int.from_bytes(h, "big") & _MASK64 for h in new]
+            if packed is not None:
+                if k < n_full:
+                    memo.misses += n_full - k
+                    self._memo_store(packed, k, [before or self._none] + new[:-1], new, new_evs)
+                memo.hits += k
+            full += new
+            evs += new_evs
+        if full:
+            self._parent = full[-1]
+        self._pos += n_full * bs
         self._tail = buf[n_full * bs:]
-        self.full_hashes.extend(new_full)
-        self.hashes.extend(new)
-        return new
+        self.full_hashes.extend(full)
+        self.hashes.extend(evs)
+        return evs
 
-    def _extend_plain(self, buf: list[int], n_full: int) -> list[int]:
-        """The common case (no memo, LoRA or multimodal keys) as a tight loop: ~25% faster."""
+    def _salt_key(self, b: int):
+        """Extra keys of relative block b in the plain case: the salt, on the sequence's first block."""
+        if self._salt and self._pos + b * self.block_size == 0:
+            return (("cache_salt", self._salt),)
+        return None
+
+    def _chain_plain(self, buf: list[int], first: int, end: int, parent: bytes | None) -> list[bytes]:
+        """Hashes of relative blocks first..end-1 (no LoRA/mm keys) in a tight loop."""
         bs = self.block_size
-        parent = self._parent or self._none
+        parent = parent or self._none
         out: list[bytes] = []
-        first = 0
-        if self._pos == 0 and self._salt and n_full:
-            parent = self._fn((parent, tuple(buf[:bs]), (("cache_salt", self._salt),)))
+        if first < end and self._salt_key(first) is not None:
+            parent = self._fn((parent, tuple(buf[first * bs:(first + 1) * bs]), self._salt_key(first)))
             out.append(parent)
-            first = bs
-        end = n_full * bs
-        if self.algo == "sha256":
+            first += 1
+        if self.algo == "sha256":  # the default: inlined, no Python call per block
             dumps, sha, proto = pickle.dumps, hashlib.sha256, _PROTO
-            for i in range(first, end, bs):
+            for i in range(first * bs, end * bs, bs):
                 parent = sha(dumps((parent, tuple(buf[i:i + bs]), None), proto)).digest()
                 out.append(parent)
         else:
             fn = self._fn
-            for i in range(first, end, bs):
+            for i in range(first * bs, end * bs, bs):
                 parent = fn((parent, tuple(buf[i:i + bs]), None))
                 out.append(parent)
-        if out:
-            self._parent = parent
-        self._pos += end
-        self._tail = buf[end:]
-        new = [int.from_bytes(h, "big") & _MASK64 for h in out]
-        self.full_hashes.extend(out)
-        self.hashes.extend(new)
-        return new
+        return out
+
+    def _memo_prefix(self, buf: list[int], n_full: int, packed: bytes) -> tuple[list[bytes], list[int]]:
+        """Leading blocks found in the memo. After the first miss every later key has a parent
+        never seen before, so the walk stops there."""
+        memo = self._memo
+        young, old = memo._young, memo._old
+        step = self.block_size * _W
+        parent = self._parent or self._none
+        full: list[bytes] = []
+        evs: list[int] = []
+        for b in range(n_full):
+            key = parent + packed[b * step:(b + 1) * step]
+            extra = self._salt_key(b) if b == 0 else None
+            if extra is not None:
+                key = (key, extra)
+            hit = young.get(key)
+            if hit is None:
+                hit = old.get(key)
+                if hit is None:
+                    break
+                young[key] = hit  # copied forward: recently used survives the next ageing
+                if len(young) >= memo.max_entries // 2:
+                    memo._age()
+                    young, old = memo._young, memo._old
+            parent = hit[0]
+            full.append(parent)
+            evs.append(hit[1])
+        return full, evs
+
+    def _memo_store(self, packed: bytes, first: int, parents: list[bytes], hashes: list[bytes],
+                    evs: list[int]) -> None:
+        """Insert the new blocks' keys (only the leading ones if they exceed half the memo: a chain
+        is only ever found from its start)."""
+        memo = self._memo
+        half = memo.max_entries // 2
+        if len(parents) > half - len(memo._young) and memo._young:
+            memo._age(force=True)
+        n = min(len(parents), half)
+        step = self.block_size * _W
+        keys = [parents[i] + packed[(first + i) * step:(first + i + 1) * step] for i in range(n)]
+        extra = self._salt_key(first)
+        if extra is not None and keys:
+            keys[0] = (keys[0], extra)
+        memo._young.update(zip(keys, zip(hashes[:n], evs[:n])))
+        memo._age()
+
+    def _chain_general(self, buf: list[int], n_full: int) -> list[bytes]:
+        """Per-block extra keys (LoRA, multimodal, salt) exactly as vLLM builds them."""
+        bs, fn = self.block_size, self._fn
+        parent, pos = self._parent or self._none, self._pos
+        out: list[bytes] = []
+        for b in range(n_full):
+            parent = fn((parent, tuple(buf[b * bs:(b + 1) * bs]), self._extra(pos, pos + bs)))
+            out.append(parent)
+            pos += bs
+        return out
 
     @staticmethod
     def _pack(buf: list[int], n: int) -> bytes | None:

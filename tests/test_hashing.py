@@ -129,8 +129,13 @@ def test_memo_gives_identical_hashes_and_counts_hits():
     assert b == block_hashes(b_tokens, 16)
     assert a[:32] == b[:32] and memo.hits == 32
     small = HashMemo(max_entries=10)
-    block_hashes(system, 16, memo=small)
-    assert len(small) == 10
+    want = block_hashes(system, 16)
+    assert block_hashes(system, 16, memo=small) == want
+    assert 0 < len(small) <= 10  # bounded
+    assert block_hashes(system, 16, memo=small) == want  # evicted entries recomputed, kept ones reused
+    assert small.hits > 0 and small.misses > 32
+    with pytest.raises(ValueError):
+        HashMemo(max_entries=1)
 
 
 def test_prefix_match_unit_view():
@@ -287,3 +292,23 @@ def test_block_hashes_equal_real_engine_events(engine_with_events, salt):
     # the other salt (or no salt) must match nothing
     other = block_hashes(tokens, 32, cache_salt=None if salt else "other")
     assert idx.match(other)["e0"] == (0, 0, 0)
+
+
+def test_memo_and_incremental_agree_with_plain_hashing_randomly():
+    """Memo hits, ageing, partial prefixes, salt and arbitrary splits never change a hash."""
+    rng = random.Random(21)
+    for _ in range(150):
+        memo = HashMemo(rng.choice([2, 3, 10, 1000]))
+        salt = rng.choice([None, "s"])
+        base = rand_tokens(rng, rng.randrange(0, 300))
+        for _ in range(3):
+            x = base[:rng.randrange(0, len(base) + 1)] + rand_tokens(rng, rng.randrange(0, 100))
+            want = block_hashes(x, 16, cache_salt=salt)
+            assert block_hashes(x, 16, cache_salt=salt, memo=memo) == want
+            hasher, got, i = BlockHasher(16, cache_salt=salt, memo=memo), [], 0
+            while i < len(x):
+                step = rng.randrange(1, 40)
+                got += hasher.extend(x[i:i + step])
+                i += step
+            assert got == want
+            assert len(memo) <= memo.max_entries
