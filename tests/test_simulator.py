@@ -155,6 +155,16 @@ def test_host_and_shared_tiers_serve_what_hbm_lost():
     assert m2["hit_tokens_by_tier"] == {"hbm": 0, "host": 0, "shared": 12}
 
 
+def test_host_tier_is_shared_by_the_replicas_of_one_node():
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (1000, 13, 0, [1, 2, 3, 4]))
+    same_node = simulate_policy(t, SimConfig(2, 10, host_blocks=10, replicas_per_node=2, cost=COST),
+                                make_policy("round_robin"))
+    assert same_node["hit_tokens_by_tier"] == {"hbm": 0, "host": 12, "shared": 0}  # r1 loads r0's blocks
+    two_nodes = simulate_policy(t, SimConfig(2, 10, host_blocks=10, replicas_per_node=1, cost=COST),
+                                make_policy("round_robin"))
+    assert two_nodes["cached_tokens"] == 0
+
+
 def test_simulate_document_shape_and_config_errors():
     t = load_trace("synthetic", limit=300)
     doc = simulate(t, SimConfig(4, 200, load=0.7), {"kvmesh": make_policy("kvmesh"),
