@@ -35,7 +35,8 @@ RUNTIME_ENV_DEFAULTS = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "TOKENIZERS_PARALLELISM": "false",
 }
-PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE",
+# Never KVMESH_SALT_SECRET itself: runtime_env env vars end up in Ray's logs (pass the file path instead).
+PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET_FILE",
                 "VLLM_LOGGING_LEVEL")
 
 
@@ -103,8 +104,14 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
     cfg = app_config(config)
     if cfg["port"] == 0:
         cfg["port"] = free_port()
-    if not os.environ.get("KVMESH_SALT_SECRET") and not os.environ.get("KVMESH_SALT_SECRET_FILE"):
-        os.environ["KVMESH_SALT_SECRET"] = secrets.token_hex(32)
+    if not os.environ.get("KVMESH_SALT_SECRET_FILE"):
+        # Replicas get the secret as a 0600 file path, never the value: Ray writes runtime_env env vars
+        # verbatim into runtime_env_agent.log (see deployments/tenants.write_secret_file).
+        from deployments.tenants import write_secret_file
+
+        secret = os.environ.pop("KVMESH_SALT_SECRET", None) or secrets.token_hex(32)
+        home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
+        os.environ["KVMESH_SALT_SECRET_FILE"] = str(write_secret_file(secret, os.path.join(home, "run")))
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": bool(os.environ.get("KVMESH_RAY_LOGS"))}

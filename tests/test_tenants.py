@@ -543,3 +543,28 @@ def test_k8s_tenants_secret_matches_rayservice_and_loads():
     with pytest.raises(AuthError, match="revoked"):
         reg.authenticate("Bearer kvm-example-acme-old-key-revoked")
     assert "kvm-example" not in "".join(line.split("#")[0] for line in secret["stringData"]["tenants.yaml"].splitlines())
+
+
+def test_secret_file_is_private_and_readable_by_resolve_secret(tmp_path):
+    import os
+    import stat
+
+    from deployments.tenants import write_secret_file
+
+    path = write_secret_file("a-secret-of-enough-length", tmp_path / "run")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert resolve_secret(None, None, env={"KVMESH_SALT_SECRET_FILE": str(path)}) == b"a-secret-of-enough-length"
+    assert write_secret_file("a-secret-of-enough-length", tmp_path / "run") != path  # never overwrites
+    with pytest.raises(ConfigError):
+        write_secret_file("short", tmp_path)
+
+
+def test_salt_secret_never_travels_in_ray_runtime_env(monkeypatch):
+    """Ray logs runtime_env env vars verbatim (runtime_env_agent.log): only the file path may travel."""
+    from deployments.app import runtime_env_vars
+
+    monkeypatch.setenv("KVMESH_SALT_SECRET", "must-not-be-passed-0123456789")
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secret/path")
+    env = runtime_env_vars()
+    assert "KVMESH_SALT_SECRET" not in env and "must-not-be-passed-0123456789" not in env.values()
+    assert env["KVMESH_SALT_SECRET_FILE"] == "/run/secret/path"
