@@ -241,10 +241,17 @@ def engine_with_events(tmp_path_factory):
     sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
     sub.connect(f"tcp://127.0.0.1:{port}")
     time.sleep(0.5)  # let the subscription reach the publisher (PUB drops until then)
-    yield engine, sub
-    sub.close(linger=0)
-    ctx.term()
-    del engine
+    try:
+        yield engine, sub
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()  # stops the KV-event publisher thread and frees the engine
+        del engine
+        import gc
+        gc.collect()
 
 
 def _run_and_collect(engine, sub, tokens, salt, rid):
