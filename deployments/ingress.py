@@ -74,6 +74,33 @@ def _engine_error(exc: BaseException) -> OpenAIError | None:
     return None
 
 
+# Per-tier LMCache figures (kvstore/tier_metrics.py); defined before the class, which Serve ships by value.
+def _tier_status() -> dict:
+    try:
+        from kvstore.node_server import tier_status
+
+        return tier_status()
+    except Exception:
+        log.exception("LMCache tier status failed")
+        return {}
+
+
+def _tier_metrics_text() -> str:
+    """Per-tier Prometheus lines from every node's LMCache server ("" when no node runs one)."""
+    from kvstore.tier_metrics import tier_metrics_text
+
+    status = _tier_status()
+    return tier_metrics_text(status) if status else ""
+
+
+def _tier_report() -> dict | None:
+    """Hits by tier, bytes moved and tier health summed over nodes (None without LMCache)."""
+    from kvstore.tier_metrics import tier_report
+
+    status = _tier_status()
+    return tier_report(status) if status else None
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(fastapi_app)
 class Ingress:
@@ -330,28 +357,3 @@ class Ingress:
         counts = await asyncio.to_thread(r.call_on_loop, lookup)
         return {"replicas": counts}
 
-
-def _tier_status() -> dict:
-    try:
-        from kvstore.node_server import tier_status
-
-        return tier_status()
-    except Exception:
-        log.exception("LMCache tier status failed")
-        return {}
-
-
-def _tier_metrics_text() -> str:
-    """Per-tier Prometheus lines from every node's LMCache server ("" when no node runs one)."""
-    from kvstore.tier_metrics import tier_metrics_text
-
-    status = _tier_status()
-    return tier_metrics_text(status) if status else ""
-
-
-def _tier_report() -> dict | None:
-    """Hits by tier, bytes moved and tier health summed over nodes (None without LMCache)."""
-    from kvstore.tier_metrics import tier_report
-
-    status = _tier_status()
-    return tier_report(status) if status else None

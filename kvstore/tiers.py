@@ -184,7 +184,8 @@ def kv_bytes_per_block(model_dir: str, block_size: int, dtype: str = "auto") -> 
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         kv_heads = c.get("num_key_value_heads") or heads
-        name = (c.get("torch_dtype") or c.get("dtype") or "float32") if dtype == "auto" else dtype
-        return 2 * c["num_hidden_layers"] * kv_heads * head_dim * block_size * _DTYPE_BYTES[str(name)]
+        # vLLM's "auto" runs float32 checkpoints in 16-bit (bfloat16 on CPU), keeps 16-bit ones as they are
+        per_elem = 2 if dtype == "auto" else _DTYPE_BYTES[str(dtype)]
+        return 2 * c["num_hidden_layers"] * kv_heads * head_dim * block_size * per_elem
     except (OSError, KeyError, ValueError, TypeError):
         return None

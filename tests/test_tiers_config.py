@@ -171,6 +171,7 @@ def test_kv_bytes_per_block_from_model_config(tmp_path):
                                                       "num_hidden_layers": 2, "torch_dtype": "float32"}))
     # the probe engines' tiny Llama: 32 tokens x 2 (K,V) x 2 layers x 2 heads x 64 dims x 4 bytes = 65536,
     # the LMCache chunk size seen in the server's L1 usage (3,211,264 bytes / 49 chunks)
-    assert kv_bytes_per_block(str(tmp_path), 32) == 65536
+    assert kv_bytes_per_block(str(tmp_path), 32, dtype="float32") == 65536
     assert kv_bytes_per_block(str(tmp_path), 32, dtype="bfloat16") == 32768
+    assert kv_bytes_per_block(str(tmp_path), 32) == 32768  # "auto": vLLM runs fp32 checkpoints in 16 bit
     assert kv_bytes_per_block(str(tmp_path / "missing"), 32) is None

@@ -38,7 +38,10 @@ def main() -> int:
                 cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             found["cached"] = cached
             time.sleep(2.0)
-            state = c.get("/kvmesh/state").json()
+            r = c.get("/kvmesh/state")
+            if r.status_code != 200:
+                raise RuntimeError(f"/kvmesh/state -> {r.status_code}: {r.text[:300]}")
+            state = r.json()
             found["router_tiers"] = (state.get("router") or {}).get("tiers")
             found["tier_report"] = state.get("tiers")
             found["tier_stats"] = {rid: s.get("tiers") for rid, s in (state.get("router") or {}).get("routing_stats", {}).items()}
