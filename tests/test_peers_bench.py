@@ -111,3 +111,14 @@ def test_cli_errors_are_one_line(argv, message, capsys, tmp_path):
     assert cli.main(argv + (["--work-dir", str(tmp_path)] if len(argv) > 2 else [])) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_merge_rows_later_run_replaces_same_setup():
+    first = _rows(0.80, [25, 22, 21, 22])
+    fixed = [results.make_row("chat", "tokens", "sglang-router/cache_aware", _summary(0.85), _workers([40, 4]), 0.82)]
+    merged = results.merge_rows(first, fixed)
+    assert len(merged) == 3
+    sg = [r for r in merged if r["setup"] == "sglang-router/cache_aware"][0]
+    assert sg["hit_rate_tokens"] == 0.85 and sg["errors"] == 0
+    [v] = results.check_targets(merged)
+    assert v["best_peer"] == "sglang-router/cache_aware" and v["checks"]["hit >= best peer - 0.01"] is False

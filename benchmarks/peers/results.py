@@ -100,6 +100,16 @@ def check_targets(rows: list[dict]) -> list[dict]:
     return verdicts
 
 
+def merge_rows(*runs: list[dict]) -> list[dict]:
+    """Rows of several runs; a later run's row replaces an earlier one for the same (workload, form,
+    setup) -- e.g. re-running one setup after a fix without repeating the whole comparison."""
+    merged: dict[tuple, dict] = {}
+    for rows in runs:
+        for r in rows:
+            merged[(r["workload"], r["form"], r["setup"])] = r
+    return list(merged.values())
+
+
 def _fmt(v, kind: str) -> str:
     if v is None:
         return "n/a"

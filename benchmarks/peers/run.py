@@ -59,10 +59,11 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
     return out
 
 
-def _replay(records, cfg: BenchConfig, url: str, form: str, seed: int, label: str, api_key: str | None = None):
+def _replay(records, cfg: BenchConfig, url: str, form: str, seed: int, label: str, api_key: str | None = None,
+            model: str | None = None):
     from deployments.replay import ReplayConfig, replay
 
-    rc = ReplayConfig(url=url, tokens_per_block=cfg.tokens_per_block, concurrency=cfg.concurrency,
+    rc = ReplayConfig(url=url, model=model, tokens_per_block=cfg.tokens_per_block, concurrency=cfg.concurrency,
                       api_key=api_key, prompt_form=form, max_tokens=cfg.max_tokens, tokenizer=cfg.spec.model,
                       timeout_s=300.0, label=label, seed=seed, progress=cfg.progress)
     return replay(records, rc).summary()
@@ -92,7 +93,8 @@ def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str
     proc, url, _ = setups.start_router(setup, servers, cfg.spec, cfg.work_dir / "logs")
     try:
         before = [metrics.scrape(s.url) for s in servers]
-        summary = _replay(records, cfg, url, form, seed, label=setup.name)
+        # sglang-router's /v1/models answers "unknown": name the servers' model explicitly
+        summary = _replay(records, cfg, url, form, seed, label=setup.name, model=engines.SERVED_MODEL_NAME)
         time.sleep(0.5)  # let the servers' counters settle after the last stream closed
         after = [metrics.scrape(s.url) for s in servers]
     finally:
