@@ -2,7 +2,7 @@
 
 Why this shape: the router decides on every request, in its own process, so the lookup must be a few
 hundred dict probes and integer ANDs, not a tree walk or a remote call. Replicas are bit positions
-("slots"); each indexed block hash maps to one small entry `[hbm_mask, host_node_mask, shared]`:
+("slots"); each indexed block hash maps to one small immutable entry `(hbm_mask, host_node_mask, shared)` (tuples of ints: invisible to the GC):
 
 - `hbm`  — per replica (the engine's own paged cache), a bitmask over replica slots;
 - `host` — per node (LMCache L1 / host DRAM): every replica on that node can load it, so the entry
@@ -75,11 +75,12 @@ class PrefixIndex:
         self._slot_rid: dict[int, str] = {}
         self._replica_node: dict[str, int] = {}
         self._all = 0  # OR of every registered replica's bit
-        self._held: dict[int, set[int]] = {}  # replica slot -> hashes with its hbm bit set
+        # replica slot -> {hash: None} with its hbm bit set (dicts of ints, unlike sets, are not GC-tracked)
+        self._held: dict[int, dict[int, None]] = {}
         # nodes
         self._node_slot: dict[str, int] = {}
         self._node_members: dict[int, int] = {}  # node slot -> replica bitmask
-        self._node_held: dict[int, set[int]] = {}  # node slot -> hashes in its host tier
+        self._node_held: dict[int, dict[int, None]] = {}  # node slot -> {hash: None} in its host tier
         self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
         # speculation
         self._spec: dict[int, dict[int, float]] = {}  # replica slot -> hash -> expiry
@@ -97,7 +98,7 @@ class PrefixIndex:
         slot = self._free_slot(self._slot_rid)
         self._slot[replica_id] = slot
         self._slot_rid[slot] = replica_id
-        self._held[slot] = set()
+        self._held[slot] = {}
         self._spec[slot] = {}
         nslot = self._ensure_node(node_id)
         self._replica_node[replica_id] = nslot
@@ -171,15 +172,13 @@ class PrefixIndex:
 
     def store_shared(self, hashes: Iterable[int]) -> None:
         for h in hashes:
-            self._entry(h)[2] = 1
+            self._or(h, 2, 1)
 
     def remove_shared(self, hashes: Iterable[int]) -> None:
         entries = self._entries
         for h in hashes:
-            e = entries.get(h)
-            if e is not None:
-                e[2] = 0
-                self._drop_if_empty(h, e)
+            if h in entries:
+                self._andnot(h, 2, 1)
 
     def speculate(self, replica_id: str, hashes: Sequence[int]) -> int:
         """Mark blocks as (about to be) in a replica's hbm, expiring unless a BlockStored confirms.
@@ -193,11 +192,9 @@ class PrefixIndex:
         held = self._held[slot]
         written = []
         for h in hashes:
-            e = self._entry(h)
-            if e[0] & bit and h not in spec:
+            if self._or(h, 0, bit) and h not in spec:
                 continue  # confirmed by a real event already
-            e[0] |= bit
-            held.add(h)
+            held[h] = None
             spec[h] = expiry
             written.append(h)
         if written:
@@ -355,11 +352,9 @@ class PrefixIndex:
                 if spec.get(h) != expiry:
                     continue  # confirmed, removed or re-speculated later
                 del spec[h]
-                held.discard(h)
-                e = self._entries.get(h)
-                if e is not None:
-                    e[0] &= ~bit
-                    self._drop_if_empty(h, e)
+                held.pop(h, None)
+                if h in self._entries:
+                    self._andnot(h, 0, bit)
                 dropped += 1
         self._c["speculative_expired"] += dropped
         return dropped
@@ -388,7 +383,7 @@ class PrefixIndex:
             nslot = self._free_slot(used)
             self._node_slot[node_id] = nslot
             self._node_members[nslot] = 0
-            self._node_held[nslot] = set()
+            self._node_held[nslot] = {}
         return nslot
 
     def _node_of(self, replica_id: str) -> str:
@@ -412,38 +407,52 @@ class PrefixIndex:
         self._widen[node_mask] = mask
         return mask
 
-    def _entry(self, h: int) -> list:
+    def _or(self, h: int, field: int, bit: int) -> bool:
+        """Set `bit` in field 0/1/2 of h's entry (admitting h if new, touching it in the LRU order).
+        Returns whether the bit was already set. Entries are replaced, never mutated: tuples of
+        ints are not tracked by the garbage collector, lists are -- with a million lists a full
+        collection took ~260 ms here, a pause the router must not have."""
         entries = self._entries
         e = entries.get(h)
         if e is None:
-            e = entries[h] = [0, 0, 0]
+            entries[h] = (bit, 0, 0) if field == 0 else (0, bit, 0) if field == 1 else (0, 0, bit)
             self._c["admissions"] += 1
             if len(entries) > self.max_blocks:
                 self._evict_one()
+            return False
+        entries.move_to_end(h)
+        if e[field] & bit:
+            return True
+        entries[h] = ((e[0] | bit, e[1], e[2]) if field == 0 else (e[0], e[1] | bit, e[2]) if field == 1
+                      else (e[0], e[1], e[2] | bit))
+        return False
+
+    def _andnot(self, h: int, field: int, bit: int) -> None:
+        """Clear `bit` in field 0/1/2 of h's (existing) entry; drop the entry when nothing is left."""
+        e = self._entries[h]
+        e = ((e[0] & ~bit, e[1], e[2]) if field == 0 else (e[0], e[1] & ~bit, e[2]) if field == 1
+             else (e[0], e[1], e[2] & ~bit))
+        if e[0] or e[1] or e[2]:
+            self._entries[h] = e
         else:
-            entries.move_to_end(h)
-        return e
+            del self._entries[h]
 
     def _evict_one(self) -> None:
         h, (hb, hn, _) = self._entries.popitem(last=False)
         for s in _bits(hb):
-            self._held[s].discard(h)
+            self._held[s].pop(h, None)
             self._spec[s].pop(h, None)
         for ns in _bits(hn):
-            self._node_held[ns].discard(h)
+            self._node_held[ns].pop(h, None)
         self._c["evictions"] += 1
-
-    def _drop_if_empty(self, h: int, e: list) -> None:
-        if not (e[0] or e[1] or e[2]):
-            del self._entries[h]
 
     def _store_hbm(self, slot: int, hashes: Iterable[int]) -> None:
         bit = 1 << slot
         held = self._held[slot]
         spec = self._spec[slot]
         for h in hashes:
-            self._entry(h)[0] |= bit
-            held.add(h)
+            self._or(h, 0, bit)
+            held[h] = None
             if spec and spec.pop(h, None) is not None:
                 self._c["speculative_confirmed"] += 1
 
@@ -453,12 +462,10 @@ class PrefixIndex:
         spec = self._spec[slot]
         entries = self._entries
         for h in hashes:
-            held.discard(h)
+            held.pop(h, None)
             spec.pop(h, None)
-            e = entries.get(h)
-            if e is not None:
-                e[0] &= ~bit
-                self._drop_if_empty(h, e)
+            if h in entries:
+                self._andnot(h, 0, bit)
 
     def _clear_slot(self, slot: int) -> None:
         held = self._held[slot]
@@ -470,16 +477,14 @@ class PrefixIndex:
         bit = 1 << nslot
         held = self._node_held[nslot]
         for h in hashes:
-            self._entry(h)[1] |= bit
-            held.add(h)
+            self._or(h, 1, bit)
+            held[h] = None
 
     def _remove_node(self, nslot: int, hashes: Iterable[int]) -> None:
         bit = 1 << nslot
         held = self._node_held[nslot]
         entries = self._entries
         for h in hashes:
-            held.discard(h)
-            e = entries.get(h)
-            if e is not None:
-                e[1] &= ~bit
-                self._drop_if_empty(h, e)
+            held.pop(h, None)
+            if h in entries:
+                self._andnot(h, 1, bit)

@@ -223,3 +223,17 @@ def test_match_arrays_columns_follow_slots():
     assert arr.shape == (3, 8)
     assert list(arr[:, idx.slot_of("b")]) == [2, 2, 3]
     assert list(arr[:, idx.slot_of("a")]) == [0, 0, 0]
+
+
+def test_index_contents_are_invisible_to_the_gc():
+    """A million GC-tracked entries made each full collection pause the router ~260 ms."""
+    import gc
+
+    idx = make()
+    idx.store("a", list(range(1000)))
+    idx.store_host("n1", list(range(500, 1500)))
+    idx.speculate("b", list(range(10)))
+    gc.collect()
+    assert not any(gc.is_tracked(e) for e in idx._entries.values())
+    assert not any(gc.is_tracked(d) for d in idx._held.values())
+    assert not any(gc.is_tracked(d) for d in idx._node_held.values())
