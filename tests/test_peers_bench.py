@@ -122,3 +122,16 @@ def test_merge_rows_later_run_replaces_same_setup():
     assert sg["hit_rate_tokens"] == 0.85 and sg["errors"] == 0
     [v] = results.check_targets(merged)
     assert v["best_peer"] == "sglang-router/cache_aware" and v["checks"]["hit >= best peer - 0.01"] is False
+
+
+def test_overhead_reads_kvmesh_metrics():
+    from benchmarks.peers.overhead import _kvmesh_decision_ms, _kvmesh_ingress_ttft_ms, _quantiles
+
+    text = ('kvmesh_ttft_seconds_sum{} 1.5\nkvmesh_ttft_seconds_count{} 100\n'
+            'kvmesh_ttft_seconds_sum{replica="a"} 9\nkvmesh_router_decisions_total 10\n'
+            'kvmesh_router_decision_seconds_total 0.005\n')
+    assert _kvmesh_ingress_ttft_ms(text) == pytest.approx(15.0)
+    assert _kvmesh_decision_ms(text) == pytest.approx(0.5)
+    assert _kvmesh_decision_ms("kvmesh_router_decisions_total 0\n") is None
+    q = _quantiles([0.001 * i for i in range(1, 101)])
+    assert q["n"] == 100 and q["p50_ms"] == pytest.approx(51.0) and q["p99_ms"] == pytest.approx(99.0)
