@@ -14,8 +14,8 @@ Sequence numbers detect loss. A gap means some BlockRemoved may be missing, so t
 could claim blocks it no longer has. If the engine runs a replay endpoint (vLLM
 `KVEventsConfig.replay_endpoint`, a ROUTER socket) we fetch the missed batches and stay exact;
 otherwise (or if the replay buffer no longer reaches back) the replica's view is cleared
-(`PrefixIndex.mark_stale`) and rebuilt from the following events: an under-estimate, never a
-phantom hit.
+(`PrefixIndex.mark_stale`) and rebuilt from what the buffer still holds and the following events:
+an under-estimate, never a phantom hit.
 
 Bind or connect: vLLM's publisher BINDS when its endpoint has `*`, `::` or is ipc/inproc, and
 CONNECTS for a concrete address. Deployments should let engines bind (`tcp://*:PORT`) and have
@@ -271,29 +271,47 @@ class KVEventSubscriber(KVEventApplier):
             return
         if kind == "gap":
             src.gaps += 1
-            recovered = src.replay_endpoint is not None and await self._replay(src, seq)
-            if not recovered and src.last_seq is not None:
-                self.resync_fresh(src)
-                src.last_seq = seq - 1
-            if self.classify(src, seq) == "duplicate":  # replay already delivered it
+            await self._recover(src, seq)
+            self.index.mark_fresh(src.replica_id)
+            if self.classify(src, seq) == "duplicate":  # the replay already delivered it
                 return
         self.apply(src, seq, payload)
-        if kind == "gap":
-            self.index.mark_fresh(src.replica_id)
 
-    async def _replay(self, src: SourceState, upto: int) -> bool:
-        """Fetch batches [expected, upto) from the engine's replay socket; True if the gap closed."""
+    async def _recover(self, src: SourceState, upto: int) -> None:
+        """Close a gap [expected, upto) from the engine's replay buffer, or clear and rebuild.
+
+        Exact when the buffer still holds every missed batch. Otherwise the replica's view is
+        cleared (unless nothing was known yet: a late join) and rebuilt from whatever contiguous
+        history the buffer still has, then from the live stream: an under-estimate of what the
+        engine holds, never a phantom hit.
+        """
+        exp = self.expected(src)
+        fetched = await self._fetch_replay(src, exp) if src.replay_endpoint is not None else {}
+        if all(s in fetched for s in range(exp, upto)):
+            while self.expected(src) in fetched:
+                s = self.expected(src)
+                self.apply(src, s, fetched[s])
+            src.replays_ok += 1
+            return
+        if src.replay_endpoint is not None:
+            src.replays_failed += 1
+        if src.last_seq is not None:
+            self.resync_fresh(src)
+        for s in sorted(fetched):  # the buffer's history is contiguous and newer than `exp`
+            self.apply(src, s, fetched[s])
+        if self.expected(src) < upto:
+            src.last_seq = upto - 1
+
+    async def _fetch_replay(self, src: SourceState, start: int) -> dict[int, bytes]:
+        """Ask the engine's ROUTER replay socket for every buffered batch with seq >= start."""
         zmq = self._zmq
-        start = self.expected(src)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        fetched: dict[int, bytes] = {}
         try:
             sock.connect(src.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            pending: dict[int, bytes] = {}
-            while True:
-                if not await sock.poll(int(self.replay_timeout_s * 1000)):
-                    break
+            while await sock.poll(int(self.replay_timeout_s * 1000)):
                 msg = await sock.recv_multipart()
                 if len(msg) != 4:
                     break
@@ -301,18 +319,8 @@ class KVEventSubscriber(KVEventApplier):
                 seq = int.from_bytes(seq_b, "big")
                 if seq == END_SEQ:
                     break
-                pending[seq] = payload
-            if start not in pending and start < upto:
-                src.replays_failed += 1
-                return False
-            for seq in sorted(pending):
-                if seq == self.expected(src):
-                    self.apply(src, seq, pending[seq])
-            ok = self.expected(src) >= upto
-            if ok:
-                src.replays_ok += 1
-            else:
-                src.replays_failed += 1
-            return ok
+                if seq >= start:
+                    fetched[seq] = payload
         finally:
             sock.close(linger=0)
+        return fetched

@@ -298,3 +298,36 @@ def test_malformed_messages_on_the_socket_do_not_end_the_stream():
             ctx.term()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_replay_buffer_too_short_rebuilds_from_what_it_still_has():
+    port, rport = free_port(), free_port()
+
+    async def main():
+        idx = PrefixIndex()
+        idx.add_replica("e0")
+        pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}",
+                                   topic="kv", buffer_steps=3)
+        sub = KVEventSubscriber(idx, replay_timeout_s=1.0)
+        try:
+            for h in (10, 11, 12, 13):  # nobody listening; the buffer keeps only the last 3 batches
+                pub.publish(batch([stored([h])]))
+            await asyncio.sleep(0.3)
+            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv",
+                                 replay_endpoint=f"tcp://127.0.0.1:{rport}")
+            await publish_until_seen(pub, sub, "e0", [stored([7])])
+            src = sub.sources["e0"]
+            assert src.gaps == 1 and src.replays_failed == 1 and src.replays_ok == 0
+            assert idx.stats["replicas_stale"] == 0  # a late join had nothing to clear
+            assert idx.match([10])["e0"] == (0, 0, 0)  # fell out of the buffer: unknown
+            assert idx.match([7])["e0"] == (1, 1, 1)
+            # later batches keep flowing in order
+            k = src.last_seq
+            pub.publish(batch([stored([8])]))
+            await wait_for(lambda: src.last_seq == k + 1)
+            assert idx.match([8])["e0"] == (1, 1, 1) and src.gaps == 1
+        finally:
+            await sub.close()
+            pub.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
