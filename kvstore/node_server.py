@@ -16,6 +16,7 @@ Engine start-up (deployments/engine.py calls this through `kvstore.tiers.engine_
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -117,10 +118,8 @@ def ensure_node_server(tier_config: dict | TierConfig, node_id: str | None = Non
 
 
 def _to_dict(cfg: TierConfig) -> dict:
-    return {"l1_size_gb": cfg.l1_size_gb, "chunk_size": cfg.chunk_size, "eviction_policy": cfg.eviction_policy,
-            "l2": cfg.l2, "host": cfg.host, "port": cfg.port, "prometheus_port": cfg.prometheus_port,
-            "max_workers": cfg.max_workers, "extra_args": list(cfg.extra_args),
-            "start_timeout_s": cfg.start_timeout_s, "watch_interval_s": cfg.watch_interval_s}
+    """A TierConfig as the plain dict the actor is created with (TierConfig.from_dict reads it back)."""
+    return dataclasses.asdict(cfg)
 
 
 def node_servers() -> dict[str, object]:

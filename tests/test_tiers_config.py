@@ -175,3 +175,11 @@ def test_kv_bytes_per_block_from_model_config(tmp_path):
     assert kv_bytes_per_block(str(tmp_path), 32, dtype="bfloat16") == 32768
     assert kv_bytes_per_block(str(tmp_path), 32) == 32768  # "auto": vLLM runs fp32 checkpoints in 16 bit
     assert kv_bytes_per_block(str(tmp_path / "missing"), 32) is None
+
+
+def test_actor_config_round_trip():
+    """The node-server actor is created from a plain dict; reading it back must give the same config."""
+    from kvstore.node_server import _to_dict
+
+    cfg = TierConfig.from_dict({"l2": "redis://h:1", "chunk_size": 64, "extra_args": ["--max-gpu-workers", "2"]})
+    assert TierConfig.from_dict(_to_dict(cfg)) == cfg
