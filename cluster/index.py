@@ -2,7 +2,8 @@
 
 Why this shape: the router decides on every request, in its own process, so the lookup must be a few
 hundred dict probes and integer ANDs, not a tree walk or a remote call. Replicas are bit positions
-("slots"); each indexed block hash maps to one small immutable entry `(hbm_mask, host_node_mask, shared)` (tuples of ints: invisible to the GC):
+("slots"); each indexed block hash maps to one small immutable entry
+`(hbm_mask, host_node_mask, shared)` (a tuple of ints, invisible to the garbage collector):
 
 - `hbm`  — per replica (the engine's own paged cache), a bitmask over replica slots;
 - `host` — per node (LMCache L1 / host DRAM): every replica on that node can load it, so the entry
