@@ -124,6 +124,7 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "queued": load.queued,
             "running": load.running,
+            "aborted": load.aborted,
             "kv_usage": self.driver.kv_usage(),
             "kv_events_endpoint": self.kv_events_endpoint,
             "replay_endpoint": self.replay_endpoint,

@@ -55,6 +55,7 @@ class _LoadCounter:
     def __init__(self):
         self.queued = 0
         self.running = 0
+        self.aborted = 0  # requests given up before finishing (client went away)
 
 
 class InprocDriver:
@@ -157,6 +158,7 @@ class InprocDriver:
             else:
                 self.load.queued -= 1
             if not finished:
+                self.load.aborted += 1
                 self._ops.put(("abort", request_id))
 
     async def call(self, fn):
@@ -217,15 +219,18 @@ class AsyncDriver:
 
     async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
         self.load.queued += 1
-        started = False
+        started = finished = False
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 if not started:
                     started = True
                     self.load.queued -= 1
                     self.load.running += 1
+                finished = out.finished
                 yield out
         finally:
+            if not finished:  # AsyncLLM aborts the request itself when its generator is closed
+                self.load.aborted += 1
             if started:
                 self.load.running -= 1
             else:

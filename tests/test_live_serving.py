@@ -29,6 +29,15 @@ def complete(client, prompt, max_tokens=4, **extra):
     return r
 
 
+def router_state(client) -> dict:
+    """The ingress's router view; the router is created with the first engine request, so make one."""
+    state = client.get("/kvmesh/state").json()["router"]
+    if state is None:
+        complete(client, fresh_tokens(8), max_tokens=1)
+        state = client.get("/kvmesh/state").json()["router"]
+    return state
+
+
 def cached(r) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -124,7 +133,7 @@ class EventRecorder:
 
 def test_router_index_agrees_with_engine_kv_events_after_a_replay(live_app):
     with live_app.client() as c:
-        stats = c.get("/kvmesh/state").json()["router"]["routing_stats"]
+        stats = router_state(c)["routing_stats"]
         endpoints = {rid: s["kv_events_endpoint"] for rid, s in stats.items()}
         assert len(endpoints) == 2 and all(endpoints.values())
         rec = EventRecorder(endpoints)
@@ -262,3 +271,31 @@ def test_metrics_report_hit_rates_per_replica_and_predictions(live_app):
     total = next(float(line.split()[-1]) for line in text.splitlines()
                  if line.startswith("kvmesh_cached_prompt_tokens_total "))
     assert total >= 4 * BLOCK
+
+
+def test_client_disconnect_mid_stream_aborts_the_engine_request(live_app):
+    import httpx
+
+    body = {"model": "tiny", "prompt": fresh_tokens(40), "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    def aborted(c) -> int:
+        return sum(s.get("aborted", 0) for s in router_state(c)["routing_stats"].values())
+
+    with httpx.Client(base_url=live_app.url, headers=live_app.headers, timeout=60) as c:
+        before = aborted(c)
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        # the connection is closed after one event: the engine must stop generating (not run 2000 steps)
+        deadline = time.monotonic() + 20
+        busy = None
+        while time.monotonic() < deadline:
+            state = router_state(c)
+            busy = (state["inflight"], [s.get("running", 0) + s.get("queued", 0)
+                                        for s in state["routing_stats"].values()])
+            if busy == (0, [0, 0]) and aborted(c) == before + 1:
+                break
+            time.sleep(0.5)
+        assert busy == (0, [0, 0]), busy
+        assert aborted(c) == before + 1  # the engine gave the request up (vLLM abort), not ran to the end
