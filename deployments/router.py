@@ -180,6 +180,8 @@ class KvmeshRouter(RequestRouter):
         policy = self._policy_for(req)
         ranked = policy.rank(info, self._views(candidate_replicas, matches))
         self._routing[pending_request.metadata.internal_request_id] = (hashes, info, matches, policy)
+        if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
+            del self._routing[next(iter(self._routing))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
