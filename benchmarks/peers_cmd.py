@@ -89,10 +89,22 @@ def _work_dir(args) -> Path:
     return Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
 
 
+def _require_peers(routers: set[str]) -> None:
+    from benchmarks.peers import setups
+
+    for name in sorted(routers):
+        try:
+            setups._bin(name)
+        except FileNotFoundError:
+            raise CliError(f"kvmesh bench: {name} is not installed (pip install -e '.[bench]')") from None
+
+
 def _run_peers(args) -> int:
     from benchmarks.peers import results
     from benchmarks.peers.run import BenchConfig, run
+    from benchmarks.peers.setups import PEER_SETUPS
 
+    _require_peers({s.router for s in PEER_SETUPS if s.name in args.setups})
     work_dir = _work_dir(args)
     spec = _spec(args, work_dir)
     cfg = BenchConfig(spec=spec, work_dir=work_dir, workers=args.workers, workloads=args.workloads,
@@ -118,6 +130,7 @@ def _run_peers(args) -> int:
 def _run_overhead(args) -> int:
     from benchmarks.peers.overhead import run_overhead
 
+    _require_peers({"vllm-router"})
     work_dir = _work_dir(args)
     spec = _spec(args, work_dir)
     report = run_overhead(spec, work_dir, workers=args.workers, requests=args.requests,
@@ -132,6 +145,7 @@ def _run_overhead(args) -> int:
 def _run_probe(args) -> int:
     from benchmarks.peers.kv_aware_probe import probe
 
+    _require_peers({"vllm-router"})
     work_dir = _work_dir(args)
     rows = probe(_spec(args, work_dir), work_dir)
     hits = {(r["engine_topic"], r["router_block_size"]): r["lookups"].get("hit", 0) for r in rows}
