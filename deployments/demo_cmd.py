@@ -122,6 +122,8 @@ def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
             results[name]["server"] = _server_state(url, key)
         except ReplayError as exc:
             raise CliError(f"kvmesh demo: {exc}") from None
+        except TimeoutError as exc:  # the app never became healthy
+            raise CliError(f"kvmesh demo: {name}: {exc}") from None
         finally:
             stop_local()
             if l2_dir:
