@@ -147,3 +147,12 @@ def test_cli_missing_peer_is_one_line(monkeypatch, capsys, tmp_path):
     assert cli.main(["bench", "peers", "--setups", "sglang-router/cache_aware", "--work-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "sglang-router is not installed" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 8, 16])
+def test_local_ray_has_room_for_every_replica(workers):
+    """4 replicas x 0.5 CPU + ingress 0.1 must fit the local Ray even on a 2-core machine."""
+    from benchmarks.peers.run import _ray_cpus
+    from deployments.config import ENGINE_DEFAULTS
+
+    assert _ray_cpus(workers) >= ENGINE_DEFAULTS["num_cpus"] * workers + 0.1

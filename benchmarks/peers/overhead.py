@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.peers import engines, setups
 from benchmarks.peers.engines import EngineSpec
+from benchmarks.peers.run import _ray_cpus
 
 
 def _quantiles(xs: list[float]) -> dict:
@@ -88,7 +89,7 @@ def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: i
     os.environ.setdefault("RAY_TMPDIR", str(work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)
     url = start_local({"replicas": workers, "policy": "kvmesh", "port": 0, "api_keys": [key],
-                       "engine": spec.kvmesh_engine_config()}, num_cpus=max(2, os.cpu_count() or 2))
+                       "engine": spec.kvmesh_engine_config()}, num_cpus=_ray_cpus(workers))
     try:
         report["kvmesh"] = _quantiles(_measure(url, requests, headers={"Authorization": f"Bearer {key}"}, seed=3,
                                                prompt_tokens=prompt_tokens))

@@ -7,6 +7,7 @@ client and settings for all (deployments.replay). Caches start cold for every se
 """
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -103,6 +104,13 @@ def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str
     return results.make_row(workload, form, setup.name, summary, workers, bound)
 
 
+def _ray_cpus(workers: int) -> int:
+    """Logical CPUs for the local Ray: every engine replica asks Serve for 0.5 CPU (deployments/config.py)
+    and the ingress for 0.1, so 4 replicas on a 2-core machine need more logical CPUs than cores (the
+    engines share the cores anyway, exactly like the N vLLM servers of the peer runs)."""
+    return max(os.cpu_count() or 2, math.ceil(0.5 * workers + 0.1 + 1))
+
+
 def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int) -> list[dict]:
     from deployments.app import start_local, stop_local
 
@@ -118,7 +126,7 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int)
                     if url is not None:
                         stop_local()
                     t0 = time.perf_counter()
-                    url = start_local(config, num_cpus=max(2, os.cpu_count() or 2))
+                    url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
                     cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
                 seed = 0 if cfg.cold == "restart" else seed + 1
                 cfg.log(f"[{workload}/{form}] {KVMESH}")
@@ -129,6 +137,13 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int)
         if url is not None:
             stop_local()
     return rows
+
+
+def _checkpoint(cfg: BenchConfig, rows: list[dict]) -> None:
+    """Rows so far, so a run cut short (time limit, crash) still leaves its measurements."""
+    import json
+
+    (cfg.work_dir / "rows.partial.json").write_text(json.dumps(rows, indent=1))
 
 
 def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
@@ -149,6 +164,7 @@ def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
                     servers, seed = pool.cold()
                     cfg.log(f"[{workload}/{form}] {setup.name} ({len(records)} requests)")
                     rows.append(run_peer(setup, records, cfg, servers, seed, workload, form, bound_rates[workload]))
+                    _checkpoint(cfg, rows)
     finally:
         pool.stop()  # free the cores and memory before kvmesh starts its own engines
     if KVMESH in cfg.setups:
