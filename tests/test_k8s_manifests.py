@@ -130,3 +130,18 @@ def test_serve_args_are_a_valid_kvmesh_config():
     assert (module, func) == (build_app.__module__, build_app.__name__)
     cfg = app_config(app["args"])
     assert cfg["engine"]["num_gpus"] == 1 and cfg["engine"]["block_size"] == 16
+
+
+def test_every_pod_reads_the_salt_secret_from_a_file():
+    """Every Ray pod (ingress replicas may land on workers) must derive the same salts, and the secret
+    must not travel as an env var value (Ray logs runtime_env env vars)."""
+    svc = _docs("RayService")[0]["spec"]["rayClusterConfig"]
+    pods = [svc["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in svc["workerGroupSpecs"]]
+    for pod in pods:
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert "KVMESH_SALT_SECRET" not in env
+        path = env["KVMESH_SALT_SECRET_FILE"]["value"]
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert path.startswith(mounts["salt"] + "/")
+        assert vols["salt"]["secret"]["secretName"] == "kvmesh-salt-secret"
