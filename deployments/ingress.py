@@ -194,9 +194,15 @@ class Ingress:
                 released = True
                 self.admission.release(ticket)
 
-        stream = self.engine.options(stream=True).generate.remote(engine_req)
+        t_call = time.perf_counter()
         try:
-            first = await stream.__anext__()
+            if req.stream:
+                stream = self.engine.options(stream=True).generate.remote(engine_req)
+                first = await stream.__anext__()
+                ttft = time.perf_counter() - t0
+            else:  # one unary call: no per-token hops through Serve
+                first = await self.engine.generate_full.remote(engine_req)
+                ttft = (t_call - t0) + (first.get("ttft_s") or 0.0)
         except StopAsyncIteration:
             release()
             return _error_response(RuntimeError("engine returned nothing"))
@@ -207,7 +213,6 @@ class Ingress:
                 log.exception("engine call failed")
             self.metrics.record_error(err.status if err else 500)
             return _error_response(err or exc)
-        ttft = time.perf_counter() - t0
         notify_first_token(request_id)
         replica = first["replica"]
         oid = proto.new_id(req.kind)
@@ -223,20 +228,10 @@ class Ingress:
             return proto.usage(len(ids), completion_tokens, cached)
 
         if not req.stream:
-            text, ntok, last = first["text"], len(first["token_ids"]), first
-            try:
-                async for chunk in stream:
-                    text += chunk["text"]
-                    ntok += len(chunk["token_ids"])
-                    last = chunk
-            except Exception as exc:
-                log.exception("engine stream failed")
-                self.metrics.record_error(500)
-                return _error_response(exc)
-            finally:
-                release()
-            u = finish(ntok, first["num_cached_tokens"])
-            return JSONResponse(proto.full_response(req, oid, text, last["finish_reason"], u), headers=headers)
+            release()
+            u = finish(len(first["token_ids"]), first["num_cached_tokens"])
+            return JSONResponse(proto.full_response(req, oid, first["text"], first["finish_reason"], u),
+                                headers=headers)
 
         async def events() -> AsyncIterator[bytes]:
             ntok = 0
