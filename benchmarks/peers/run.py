@@ -104,6 +104,24 @@ def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str
     return results.make_row(workload, form, setup.name, summary, workers, bound)
 
 
+def _prediction(url: str, key: str) -> dict:
+    """kvmesh's predicted-vs-delivered ledger (GET /kvmesh/state): did the router know what the
+    engines would serve from cache? Empty if the endpoint is unavailable."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/kvmesh/state", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        return r.json().get("prediction") or {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _prediction_delta(url: str, key: str, before: dict) -> dict:
+    after = _prediction(url, key)
+    keys = ("compared", "mismatches", "predicted_tokens", "delivered_tokens", "alarms")
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if k in after}
+
+
 def _ray_cpus(workers: int) -> int:
     """Logical CPUs for the local Ray: every engine replica asks Serve for 0.5 CPU (deployments/config.py)
     and the ingress for 0.1, so 4 replicas on a 2-core machine need more logical CPUs than cores (the
@@ -127,12 +145,16 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int)
                         stop_local()
                     t0 = time.perf_counter()
                     url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
+                    before = _prediction(url, key)
                     cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
                 seed = 0 if cfg.cold == "restart" else seed + 1
                 cfg.log(f"[{workload}/{form}] {KVMESH}")
                 summary = _replay(records, cfg, url, form, seed, label=KVMESH, api_key=key)
                 workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
-                rows.append(results.make_row(workload, form, KVMESH, summary, workers, bounds[workload]))
+                row = results.make_row(workload, form, KVMESH, summary, workers, bounds[workload])
+                row["prediction"] = _prediction_delta(url, key, before)
+                before = _prediction(url, key)
+                rows.append(row)
     finally:
         if url is not None:
             stop_local()
