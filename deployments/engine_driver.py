@@ -35,6 +35,7 @@ def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_tra
         prefix_caching_hash_algo=cfg["hash_algo"],
         seed=cfg["seed"],
         max_num_seqs=cfg["max_num_seqs"],
+        stream_interval=cfg.get("stream_interval", 1),
         disable_log_stats=False,
     )
     if cfg.get("max_num_batched_tokens"):

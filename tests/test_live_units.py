@@ -315,3 +315,18 @@ def test_serve_flags_override_the_config_file(tmp_path):
     assert cfg["engine"]["block_size"] == 32 and cfg["api_keys"] == ["kvm-abcdefgh12345"]
     generated = serve_cmd._build_config(parser.parse_args([]))["api_keys"]
     assert len(generated) == 1 and generated[0].startswith("kvm-") and len(generated[0]) > 20
+
+
+def test_engine_args_carry_the_config(tiny_model_dir):
+    from deployments.engine_driver import build_engine_args
+
+    cfg = engine_config({"block_size": 64, "stream_interval": 4, "hash_algo": "sha256_cbor",
+                         "num_gpu_blocks_override": 100})
+    args = build_engine_args(cfg, str(tiny_model_dir), {"endpoint": "tcp://*:5999", "topic": "kvmesh"},
+                             {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"})
+    assert (args.block_size, args.stream_interval, args.prefix_caching_hash_algo) == (64, 4, "sha256_cbor")
+    assert args.enable_prefix_caching and args.num_gpu_blocks_override == 100
+    assert args.kv_events_config.enable_kv_cache_events and args.kv_events_config.endpoint == "tcp://*:5999"
+    assert args.kv_transfer_config.kv_connector == "LMCacheMPConnector"
+    with pytest.raises(ConfigError):
+        engine_config({"stream_interval": 0})
