@@ -27,11 +27,20 @@ for _k, _v in TEST_ENV.items():
     os.environ.setdefault(_k, _v)
 
 # One private scratch root per test session: Ray's temp dir, vLLM's cache, the tiny model.
+_OWN_ROOT = not os.environ.get("KVMESH_TEST_ROOT")
 _ROOT = Path(os.environ.get("KVMESH_TEST_ROOT") or tempfile.mkdtemp(prefix="kvmesh-test-"))
 os.environ.setdefault("KVMESH_HOME", str(_ROOT / "home"))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_ROOT / "vllm-cache"))
 
 LIVE_API_KEY = "kvm-live-test-key-0123456789"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the session's scratch root (Ray logs, model, caches) unless the caller chose it."""
+    if _OWN_ROOT:
+        import shutil
+
+        shutil.rmtree(_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
