@@ -21,6 +21,17 @@ recent mix and a new replica starts at the mean). A replica whose recent work ex
 example all replicas hold only the shared system prompt) go to the replica with the least recent
 work, which is what spreads a shared prompt over the fleet.
 
+Why a second, short window (hot-prefix spread): the guard's memory is long (the simulator's hit rate
+needs it), so it balances totals since start-up. At low load, after a change of workload, it keeps
+"paying back" old imbalance: live, a flood of requests sharing one system prompt that followed other
+work went 48/0 to the replica with less past work. So the policy also keeps the same work decayed per
+request (`half_life_requests` per replica) and, only for a request whose longest cached prefix ends at
+a fork (a block `hot_fanout` distinct continuations have followed: a shared prompt, not one
+conversation's own history), adds `spread_weight * excess * prefill_s_per_token` to the score, where
+excess = recent work above `(1 + balance_slack) * mean`. With spread_weight = recompute_weight + 1 a
+hot prefix is replicated onto another replica once the excess exceeds the tokens recomputing it there
+costs; multi-turn users never see the term, so they stay where their history is.
+
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
 from __future__ import annotations
@@ -34,17 +45,32 @@ from policies.base import FleetView, Policy, ReplicaView, RequestInfo
 from policies.cost_model import DEFAULT_COST_MODEL, CostModel
 
 
+_NONE = object()
+
+
 class KvmeshPolicy(Policy):
     name = "kvmesh"
     uses_index = True
 
     def __init__(self, seed: int = 0, cost: CostModel | dict | None = None, balance_slack: float = 0.10,
                  window_tokens_per_replica: int = 20_000_000, mean_output_tokens: int = 256,
-                 recompute_weight: float = 30.0, **params):
+                 recompute_weight: float = 30.0, spread_weight: float = 31.0, half_life_requests: float = 8.0,
+                 hot_fanout: int = 8, **params):
         super().__init__(seed, balance_slack=balance_slack, window_tokens_per_replica=window_tokens_per_replica,
-                         mean_output_tokens=mean_output_tokens, recompute_weight=recompute_weight, **params)
-        if balance_slack < 0 or recompute_weight < 0:
-            raise ValueError("kvmesh: balance_slack and recompute_weight must be >= 0")
+                         mean_output_tokens=mean_output_tokens, recompute_weight=recompute_weight,
+                         spread_weight=spread_weight, half_life_requests=half_life_requests,
+                         hot_fanout=hot_fanout, **params)
+        if balance_slack < 0 or recompute_weight < 0 or spread_weight < 0 or half_life_requests <= 0 or hot_fanout < 2:
+            raise ValueError("kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
+                             "half_life_requests > 0, hot_fanout >= 2")
+        self.hot_fanout = hot_fanout
+        # block hash -> its continuations seen so far: one (bare), several (a set), or True once
+        # hot_fanout distinct ones were seen (a fork: a shared prompt many requests branch from)
+        self._fanout: OrderedDict = OrderedDict()
+        self.fanout_memory = 1_000_000
+        self._ends = 0
+        self.spread_weight = spread_weight
+        self.half_life_requests = half_life_requests
         self.cost = cost if isinstance(cost, CostModel) else CostModel.from_dict(cost) if cost else DEFAULT_COST_MODEL
         self.balance_slack = balance_slack
         self.window_tokens_per_replica = window_tokens_per_replica
@@ -54,6 +80,8 @@ class KvmeshPolicy(Policy):
         self._slot: dict[str, int] = {}
         self._w = np.zeros(0)
         self._total = 0.0
+        self._s = np.zeros(0)  # the same work, decayed per request (half-life in requests per replica)
+        self._s_total = 0.0
         self._ids_key: tuple = ()
         self._ids_idx = np.zeros(0, dtype=np.int64)
         self._ids_pos: dict[str, int] = {}
@@ -69,11 +97,14 @@ class KvmeshPolicy(Policy):
         if key != self._ids_key:
             live = len(self._slot)
             mean = self._total / live if live else 0.0
+            s_mean = self._s_total / live if live else 0.0
             for rid in key:
                 if rid not in self._slot:
                     self._slot[rid] = len(self._w)
                     self._w = np.append(self._w, mean)
                     self._total += mean
+                    self._s = np.append(self._s, s_mean)
+                    self._s_total += s_mean
             self._ids_key = key
             self._ids_idx = np.fromiter((self._slot[r] for r in key), dtype=np.int64, count=len(key))
             self._ids_pos = {r: k for k, r in enumerate(key)}
@@ -98,8 +129,16 @@ class KvmeshPolicy(Policy):
     def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
         """Sort keys per replica, most significant first: (outside the balance guard, score, recent work)."""
         ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
-        score = np.round(ttft + self.recompute_weight * self.cost.prefill_s_per_token * uncached, 9)
         idx = self._positions(ids)  # may grow self._w: index it afterwards
+        live = len(self._slot)
+        d = 0.5 ** (1.0 / (self.half_life_requests * live))  # one request ages the short window
+        self._s *= d
+        self._s_total *= d
+        cost = self.recompute_weight * uncached
+        if self.spread_weight and self._is_hot(request, shared_b):
+            excess = np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
+            cost = cost + self.spread_weight * excess
+        score = np.round(ttft + self.cost.prefill_s_per_token * cost, 9)
         work = self._w[idx]
         limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
         self._last = (request, ids, ttft, uncached)
@@ -110,6 +149,37 @@ class KvmeshPolicy(Policy):
             self._w *= 0.5
             self._total *= 0.5
         return work > limit, score, work
+
+    def _is_hot(self, request: RequestInfo, shared_b) -> bool:
+        """Does the request's longest cached prefix end at a fork many requests branch from (a shared
+        system prompt), rather than inside one conversation's own history?"""
+        k = min(int(np.max(shared_b)) if len(shared_b) else 0, len(request.block_hashes))
+        return k > 0 and self._fanout.get(request.block_hashes[k - 1], _NONE) is True
+
+    def _learn_fanout(self, hashes) -> None:
+        """Record each block's continuation (the next block, or this request's own end). Most blocks
+        sit inside one conversation and only ever see one continuation: stored bare, not as a set."""
+        fan = self._fanout
+        last = len(hashes) - 1
+        for k, h in enumerate(hashes):
+            seen = fan.get(h, _NONE)
+            if seen is True:
+                continue
+            if k < last:
+                nxt = hashes[k + 1]
+            else:
+                self._ends += 1
+                nxt = ("end", self._ends)
+            if seen is _NONE:
+                if len(fan) >= self.fanout_memory:
+                    fan.popitem(last=False)  # bounded: forget the oldest block
+                fan[h] = nxt
+            elif isinstance(seen, set):
+                seen.add(nxt)
+                if len(seen) >= self.hot_fanout:
+                    fan[h] = True
+            elif seen != nxt:
+                fan[h] = True if self.hot_fanout <= 2 else {seen, nxt}
 
     def _order(self, request: RequestInfo, ids, *arrays) -> np.ndarray:
         """Indices into `ids`, best first (ties: lower index)."""
@@ -169,6 +239,9 @@ class KvmeshPolicy(Policy):
             self._positions(list(self._ids_key) + [replica_id])
         self._w[self._slot[replica_id]] += u
         self._total += u
+        self._s[self._slot[replica_id]] += u
+        self._s_total += u
+        self._learn_fanout(request.block_hashes)
 
     def on_replica_removed(self, replica_id: str) -> None:
         slot = self._slot.pop(replica_id, None)
@@ -176,6 +249,8 @@ class KvmeshPolicy(Policy):
             return
         self._total -= self._w[slot]
         self._w[slot] = 0.0
+        self._s_total -= self._s[slot]
+        self._s[slot] = 0.0
         self._ids_key = ()  # rebuild positions on the next call
 
     def recent_work(self) -> dict[str, float]:
