@@ -68,18 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k.set_defaults(_bench=_run_probe)
 
 
+def _check_engine_args(args) -> None:
+    """Argument errors first (before checking what is installed or building anything)."""
+    if args.block_size % 32:
+        raise CliError(f"kvmesh bench: --block-size {args.block_size} must be a multiple of 32 on CPU engines")
+    if args.model != "tiny" and not Path(args.model, "config.json").exists():
+        raise CliError(f"kvmesh bench: --model {args.model}: no config.json there (a model directory or 'tiny')")
+
+
 def _spec(args, work_dir: Path):
     from benchmarks.peers.engines import EngineSpec
 
-    if args.block_size % 32:
-        raise CliError(f"kvmesh bench: --block-size {args.block_size} must be a multiple of 32 on CPU engines")
+    _check_engine_args(args)
     model = args.model
     if model == "tiny":
         from deployments.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(work_dir / "tiny"))
-    elif not Path(model, "config.json").exists():
-        raise CliError(f"kvmesh bench: --model {model}: no config.json there (a model directory or 'tiny')")
     return EngineSpec(model=model, block_size=args.block_size, kv_cache_space_gb=args.kv_space_gb)
 
 
@@ -104,6 +109,7 @@ def _run_peers(args) -> int:
     from benchmarks.peers.run import BenchConfig, run
     from benchmarks.peers.setups import PEER_SETUPS
 
+    _check_engine_args(args)
     _require_peers({s.router for s in PEER_SETUPS if s.name in args.setups})
     work_dir = _work_dir(args)
     spec = _spec(args, work_dir)
@@ -130,6 +136,7 @@ def _run_peers(args) -> int:
 def _run_overhead(args) -> int:
     from benchmarks.peers.overhead import run_overhead
 
+    _check_engine_args(args)
     _require_peers({"vllm-router"})
     work_dir = _work_dir(args)
     spec = _spec(args, work_dir)
@@ -145,6 +152,7 @@ def _run_overhead(args) -> int:
 def _run_probe(args) -> int:
     from benchmarks.peers.kv_aware_probe import probe
 
+    _check_engine_args(args)
     _require_peers({"vllm-router"})
     work_dir = _work_dir(args)
     rows = probe(_spec(args, work_dir), work_dir)
