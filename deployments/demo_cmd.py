@@ -24,6 +24,7 @@ import time
 # Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` remains for
 # machines without vLLM.
 LIVE_BY_DEFAULT = True
+TIERS_SUFFIX = "+tiers"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token trace block")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (cap)")
-    parser.add_argument("--policies", default="kvmesh,round_robin", help="comma-separated, run in this order")
+    parser.add_argument("--policies", default="kvmesh,round_robin,kvmesh+tiers",
+                        help="comma-separated, run in this order; NAME+tiers = that policy with the node's LMCache "
+                             "host tier and an fs shared tier behind the engines")
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a HF model directory")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--live", dest="live", action="store_true", default=LIVE_BY_DEFAULT,
@@ -55,10 +58,19 @@ def _check(args) -> list[str]:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     from policies.registry import POLICY_NAMES
 
-    unknown = [p for p in names if p not in POLICY_NAMES]
+    unknown = [p for p in names if _policy(p) not in POLICY_NAMES]
     if not names or unknown:
         raise CliError(f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(POLICY_NAMES)}")
     return names
+
+
+def _policy(name: str) -> str:
+    """The placement policy of a demo run name (`kvmesh+tiers` runs the kvmesh policy with tiers)."""
+    return name.removesuffix(TIERS_SUFFIX)
+
+
+def _with_tiers(args, name: str) -> bool:
+    return bool(args.tiers) or name.endswith(TIERS_SUFFIX)
 
 
 def workload(args) -> list[dict]:
@@ -107,10 +119,10 @@ def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
     for name in names:
         engine = {"model": args.model}
         l2_dir = None
-        if args.tiers:  # a fresh shared-tier folder per run: an L2 kept from the previous run is not cold
+        if _with_tiers(args, name):  # a fresh shared-tier folder per run: an L2 kept from the previous run is not cold
             l2_dir = tempfile.mkdtemp(prefix=f"kvmesh-demo-l2-{name}-")
             engine["lmcache"] = {"l1_size_gb": 1, "l2": "fs", "l2_path": l2_dir}
-        config = {"replicas": args.replicas, "policy": name, "port": 0, "api_keys": [key], "engine": engine}
+        config = {"replicas": args.replicas, "policy": _policy(name), "port": 0, "api_keys": [key], "engine": engine}
         t0 = time.perf_counter()
         print(f"[{name}] starting {args.replicas} replicas ...", flush=True)
         try:
@@ -156,10 +168,18 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
     reqs = [TraceRequest(r["timestamp"], sum(scaled_block_lengths(r, k)), scaled_output_length(r, k),
                          list(r["hash_ids"]), r.get("tenant")) for r in records]
     trace = Trace("demo-conversations", reqs, block_size=k)
-    doc = simulate(trace, SimConfig(args.replicas, capacity_blocks=100_000), {n: make_policy(n) for n in names})
+    runs = {}  # one simulation per tier set-up; a `+tiers` run gets a node-wide host tier and a shared tier
+    plain = [n for n in names if not _with_tiers(args, n)]
+    tiered = [n for n in names if _with_tiers(args, n)]
+    for group, cfg in ((plain, SimConfig(args.replicas, capacity_blocks=100_000)),
+                       (tiered, SimConfig(args.replicas, capacity_blocks=100_000, host_blocks=100_000,
+                                          replicas_per_node=args.replicas, shared=True))):
+        if group:
+            doc = simulate(trace, cfg, {n: make_policy(_policy(n)) for n in group})
+            runs.update({n: doc["policies"][n] for n in group})
     out = {}
     for name in names:
-        p = doc["policies"][name]
+        p = runs[name]
         per_replica = {
             rid: {"requests": row["requests"], "prompt_tokens": row["prompt_tokens"],
                   "cached_tokens": row["prompt_tokens"] - row["prefill_tokens"],
@@ -174,6 +194,7 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
             "ttft_p50_s": p["ttft_p50_s"], "ttft_p90_s": p["ttft_p90_s"],
             "throughput_tokens_s": p["throughput_tokens_s"], "uncached_max_over_mean": p["imbalance"],
             "per_replica_known": True, "per_replica": per_replica,
+            "hit_tokens_by_tier": p["hit_tokens_by_tier"] if _with_tiers(args, name) else None,
         }
     return out
 
@@ -195,9 +216,16 @@ def _report(args, names, results, bounds, live: bool) -> None:
         if pred.get("compared"):
             print(f"{name}: router predicted {pred['predicted_tokens']:,} cached tokens, engines delivered "
                   f"{pred['delivered_tokens']:,}; {pred['mismatches']} of {pred['compared']} requests differ")
-        if tiers:
-            print(f"{name}: LMCache hits by tier: host {int(tiers.get('host_hit_tokens') or 0):,} tokens, "
-                  f"shared {int(tiers.get('shared_hit_tokens') or 0):,} tokens")
+        cached = int(r.get("cached_tokens") or 0)
+        by_tier = r.get("hit_tokens_by_tier")  # simulated runs know the exact split
+        if by_tier:
+            print(f"{name}: hits by tier: " + ", ".join(f"{t} {int(v):,} tokens" for t, v in by_tier.items()))
+        elif tiers:  # LMCache counts its lookups node-wide over whole prompts, so they overlap engine-cache hits
+            print(f"{name}: hits by tier: {cached:,} cached tokens delivered from hbm + LMCache; LMCache lookups "
+                  f"found host {int(tiers.get('host_hit_tokens') or 0):,} and shared "
+                  f"{int(tiers.get('shared_hit_tokens') or 0):,} tokens")
+        else:
+            print(f"{name}: hits by tier: hbm {cached:,} tokens (no host/shared tier in this run)")
     if "kvmesh" in results and "round_robin" in results:
         a, b = results["kvmesh"], results["round_robin"]
         if a.get("uncached_prompt_tokens") and b.get("uncached_prompt_tokens"):
