@@ -4,8 +4,8 @@ Why a process and not a library call: the MP server is the only LMCache mode tha
 CPU, and it is meant to outlive engines (several engines on a node share its host-memory tier). The
 manager picks free ports, waits until both the ZMQ request port and the Prometheus port answer,
 reports health (process, ports, shared tier reachable), scrapes metrics, and stops the whole process
-group. Stop engines before their server: a vLLM connector whose server vanished waits out its 300 s
-message-queue timeout on shutdown.
+group. Stop engines before their server: a vLLM connector whose server vanished waits out its
+message-queue timeout (`kvstore.tiers.MQ_TIMEOUT_S`) on shutdown.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvstore.tiers import TierConfig, server_args
+from kvstore.tiers import HEARTBEAT_S, TierConfig, server_args
 
 _QUIET_ENV = {
     "LMCACHE_TRACK_USAGE": "false",
@@ -27,6 +27,14 @@ _QUIET_ENV = {
     "PYTHONHASHSEED": "0",
     "PYTHONWARNINGS": "ignore::FutureWarning",
 }
+
+# How long a restart keeps the server's port dark. An engine's connector re-registers its KV caches
+# only after a heartbeat PING went unanswered (the new server answers PING for any worker, known or
+# not). Its PINGs are `HEARTBEAT_S` apart and each waits `HEARTBEAT_S`, so an outage shorter than two
+# heartbeats can pass unseen; the engine then sends stores and retrieves for a KV registration the new
+# server never had, and each waits out the whole message-queue timeout. Three heartbeats plus slack
+# make every restart visible to every connector.
+RESTART_DARK_S = 3 * HEARTBEAT_S + 2.0
 
 
 def die_with_parent() -> None:
@@ -99,6 +107,8 @@ class LMCacheServer:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
+        self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
+        self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -117,6 +127,11 @@ class LMCacheServer:
         """Start the process without waiting (start several servers, then `wait_ready` each)."""
         if self.alive():
             return
+        stops = self.stops
+        while time.monotonic() < self.dark_until:  # a restart: every connector's heartbeat must see it
+            time.sleep(min(0.25, max(0.0, self.dark_until - time.monotonic())))
+            if self.stops != stops:  # stopped meanwhile (node shutting down): start nothing
+                return
         self.port = self.port or free_port(self.config.host)
         self.prometheus_port = self.prometheus_port or free_port(self.config.host)
         if self.config.l2 and self.config.l2.get("type") == "fs":
@@ -150,6 +165,7 @@ class LMCacheServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 20.0) -> None:
+        self.stops += 1
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -162,9 +178,12 @@ class LMCacheServer:
             except ProcessLookupError:
                 pass
         self.proc = None
+        self.dark_until = time.monotonic() + RESTART_DARK_S
 
     def restart(self) -> tuple[str, int]:
-        """Same ports again, so engines configured with this endpoint reconnect to the new process."""
+        """Same ports again, so engines configured with this endpoint reconnect to the new process.
+
+        The port stays dark for RESTART_DARK_S first, so connectors notice and re-register."""
         self.stop()
         self.restarts += 1
         self.shared_seen_down = False
@@ -175,9 +194,11 @@ class LMCacheServer:
 
         LMCache 0.5.6's Redis (`resp`) adapter never reconnects: after Redis restarts, every L2 store
         and lookup keeps failing (requests still succeed, by recomputing). Restarting the server on
-        the same ports is the recovery; engines' connectors reconnect to it, the node's L1 contents
-        are lost. Returns what it did: "ok", "shared-down", "restarted-dead", "restarted-shared-back".
-        With wait=False a restart only launches the process (call `wait_ready` later).
+        the same ports is the recovery; engines' connectors reconnect to it and re-register their KV
+        caches (the port is kept dark for RESTART_DARK_S so that their heartbeats see the restart);
+        the node's L1 contents are lost. Returns what it did: "ok", "shared-down", "restarted-dead",
+        "restarted-shared-back". With wait=False a restart only launches the process after the dark
+        period (call `wait_ready` later).
         """
         if self.proc is not None and not self.alive():
             self.start_again(wait)
@@ -193,6 +214,8 @@ class LMCacheServer:
         return "ok"
 
     def start_again(self, wait: bool = True) -> None:
+        # a server found dead may have died just now: keep the port dark from here, too
+        self.dark_until = max(self.dark_until, time.monotonic() + RESTART_DARK_S)
         self.proc = None
         self.restarts += 1
         self.shared_seen_down = False

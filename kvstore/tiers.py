@@ -22,6 +22,16 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 CONNECTOR = "LMCacheMPConnector"
+# The connector's liveness settings (LMCache's defaults: 10 s heartbeat, 300 s message-queue timeout).
+# A connector only re-registers its KV caches with a restarted server after one of its heartbeat PINGs
+# went unanswered, and the new server answers PING for workers it has never seen, so a restart that
+# the heartbeat misses leaves the engine talking to a server that does not know it: every store or
+# retrieve then waits out the full message-queue timeout (an engine stalled for minutes). A short
+# heartbeat makes a restart visible quickly (LMCacheServer keeps the port dark long enough, see
+# RESTART_DARK_S there), and a short timeout bounds the stall of a request caught mid-restart: it
+# fails over to recompute instead of hanging.
+HEARTBEAT_S = 2.0
+MQ_TIMEOUT_S = 20.0
 _EVICTION_POLICIES = ("LRU", "ARC", "IsolatedLRU", "noop")
 _KNOWN_KEYS = {
     "l1_size_gb", "chunk_size", "eviction_policy", "l2", "l2_path", "host", "port",
@@ -136,7 +146,9 @@ def kv_transfer_config(host: str, port: int) -> dict:
     return {
         "kv_connector": CONNECTOR,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port},
+        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port,
+                                      "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
+                                      "lmcache.mp.mq_timeout": MQ_TIMEOUT_S},
     }
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from kvstore.lmcache_metrics import parse_prometheus, tier_summary, total
 from kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
-from kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config, normalise_l2, server_args
+from kvstore.tiers import (HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, TierConfigError, kv_transfer_config,
+                           normalise_l2, server_args)
 
 
 def test_defaults_have_no_shared_tier():
@@ -65,7 +66,9 @@ def test_server_args_carry_transfer_mode_chunk_and_l2():
 def test_kv_transfer_config_shape():
     kv = kv_transfer_config("127.0.0.1", 5599)
     assert kv == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5599}}
+                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5599,
+                                                "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
+                                                "lmcache.mp.mq_timeout": MQ_TIMEOUT_S}}
     with pytest.raises(TierConfigError):
         kv_transfer_config("127.0.0.1", 0)
 

@@ -50,7 +50,7 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
         yield {"redis": redis, "sa": servers[0], "sb": servers[1], "A": engines[0], "B": engines[1],
                "rng": random.Random(4)}
     finally:
-        for e in engines:  # engines first: a connector whose server is gone waits 300 s on shutdown
+        for e in engines:  # engines first: a connector whose server is gone waits out its MQ timeout at shutdown
             e.stop()
         for s in servers:
             s.stop()

@@ -64,7 +64,8 @@ def test_one_server_per_node_found_by_every_engine(ray_local, tmp_path):
     node_id = ray_local.get_runtime_context().get_node_id()
     assert list(node_server.node_servers()) == [node_id]
     kv = engine_kv_transfer_config(cfg, block_size=32)
-    assert kv["kv_connector_extra_config"] == {"lmcache.mp.host": f"tcp://{first[0]}", "lmcache.mp.port": first[1]}
+    extra = kv["kv_connector_extra_config"]
+    assert (extra["lmcache.mp.host"], extra["lmcache.mp.port"]) == (f"tcp://{first[0]}", first[1])
 
     status = node_server.tier_status()
     assert status[node_id]["health"]["healthy"] is True
