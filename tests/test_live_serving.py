@@ -43,19 +43,19 @@ def cached(r) -> int:
 
 
 def test_second_request_sharing_a_prefix_goes_to_the_holder_and_hits(live_app):
+    # Where a *cold* prefix lands depends on the prefill work earlier tests routed in this shared
+    # session app (the policy evens out cumulative work), so only stickiness and exact hits are asserted
+    # here; spreading is asserted on the policy itself (tests/test_policies.py) and measured live by
+    # benchmarks (bench_live, bench peers: prefill tokens per replica max/mean).
     with live_app.client() as c:
-        holders = set()
         for _ in range(3):
             prefix = fresh_tokens(8 * BLOCK)
             first = complete(c, prefix + fresh_tokens(5))
             assert cached(first) == 0
             holder = first.headers["x-kvmesh-replica"]
-            holders.add(holder)
             second = complete(c, prefix + fresh_tokens(7))
             assert second.headers["x-kvmesh-replica"] == holder
             assert cached(second) == 8 * BLOCK  # every full block of the shared prefix
-        # distinct cold prefixes are spread, not piled onto one replica
-        assert len(holders) == 2, holders
 
 
 def test_greedy_output_identical_cold_and_warm(live_app):
