@@ -20,21 +20,12 @@ import secrets
 import socket
 from typing import Any
 
-from deployments.config import app_config
+from deployments.config import INPROC_ENGINE_ENV, app_config
 
 log = logging.getLogger(__name__)
 
 # Environment every replica needs; values come from the caller's environment when set there.
-RUNTIME_ENV_DEFAULTS = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "LMCACHE_DISABLE_BANNER": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+RUNTIME_ENV_DEFAULTS = INPROC_ENGINE_ENV
 # Never KVMESH_SALT_SECRET itself: runtime_env env vars end up in Ray's logs (pass the file path instead).
 PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET_FILE",
                 "VLLM_LOGGING_LEVEL")

@@ -23,6 +23,21 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+# Every kvmesh process (engine replicas, tests, benchmark servers) runs offline with the same hash seed:
+# vLLM's NONE_HASH and LMCache's keys depend on PYTHONHASHSEED, and nothing may reach a hub.
+OFFLINE_ENV: dict[str, str] = {
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# In-process engines (Serve replicas, tests): vLLM's engine core in the caller's process (~2 s start).
+INPROC_ENGINE_ENV: dict[str, str] = {**OFFLINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
 ENGINE_DEFAULTS: dict[str, Any] = {
     "model": "tiny",
     "block_size": 32,

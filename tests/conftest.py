@@ -12,17 +12,7 @@ from pathlib import Path
 
 import pytest
 
-TEST_ENV = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "LMCACHE_DISABLE_BANNER": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from deployments.config import INPROC_ENGINE_ENV as TEST_ENV
 for _k, _v in TEST_ENV.items():
     os.environ.setdefault(_k, _v)
 

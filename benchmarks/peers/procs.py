@@ -13,18 +13,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_ENV = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "LMCACHE_TRACK_USAGE": "false",
-    "LMCACHE_DISABLE_BANNER": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
+from deployments.config import OFFLINE_ENV
+
+# vLLM OpenAI servers run their engine core in a child process (as shipped): no in-process override.
+BENCH_ENV = {**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def free_port() -> int:
