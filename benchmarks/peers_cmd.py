@@ -79,7 +79,6 @@ def _check_engine_args(args) -> None:
 def _spec(args, work_dir: Path):
     from benchmarks.peers.engines import EngineSpec
 
-    _check_engine_args(args)
     model = args.model
     if model == "tiny":
         from deployments.tiny_model import build_tiny_model
@@ -92,6 +91,15 @@ def _work_dir(args) -> Path:
     import tempfile
 
     return Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+
+
+def _prepare(args, routers: set[str]) -> tuple[Path, object]:
+    """Argument errors first, then missing peers, then the work dir and the engine spec (may build the
+    tiny model)."""
+    _check_engine_args(args)
+    _require_peers(routers)
+    work_dir = _work_dir(args)
+    return work_dir, _spec(args, work_dir)
 
 
 def _require_peers(routers: set[str]) -> None:
@@ -109,10 +117,7 @@ def _run_peers(args) -> int:
     from benchmarks.peers.run import BenchConfig, run
     from benchmarks.peers.setups import PEER_SETUPS
 
-    _check_engine_args(args)
-    _require_peers({s.router for s in PEER_SETUPS if s.name in args.setups})
-    work_dir = _work_dir(args)
-    spec = _spec(args, work_dir)
+    work_dir, spec = _prepare(args, {s.router for s in PEER_SETUPS if s.name in args.setups})
     cfg = BenchConfig(spec=spec, work_dir=work_dir, workers=args.workers, workloads=args.workloads,
                       forms=args.forms, setups=args.setups, limit=args.limit, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, cold=args.cold, progress=not args.no_progress)
@@ -136,10 +141,7 @@ def _run_peers(args) -> int:
 def _run_overhead(args) -> int:
     from benchmarks.peers.overhead import run_overhead
 
-    _check_engine_args(args)
-    _require_peers({"vllm-router"})
-    work_dir = _work_dir(args)
-    spec = _spec(args, work_dir)
+    work_dir, spec = _prepare(args, {"vllm-router"})
     report = run_overhead(spec, work_dir, workers=args.workers, requests=args.requests,
                           prompt_tokens=args.prompt_tokens)
     out = Path(args.out_dir)
@@ -152,10 +154,8 @@ def _run_overhead(args) -> int:
 def _run_probe(args) -> int:
     from benchmarks.peers.kv_aware_probe import probe
 
-    _check_engine_args(args)
-    _require_peers({"vllm-router"})
-    work_dir = _work_dir(args)
-    rows = probe(_spec(args, work_dir), work_dir)
+    work_dir, spec = _prepare(args, {"vllm-router"})
+    rows = probe(spec, work_dir)
     hits = {(r["engine_topic"], r["router_block_size"]): r["lookups"].get("hit", 0) for r in rows}
     print(json.dumps(rows, indent=1))
     return 0 if any(hits.values()) else 1

@@ -10,6 +10,16 @@ from collections import OrderedDict
 from typing import Sequence
 
 
+
+def leading_held(hashes: Sequence[int], held) -> int:
+    """How many leading blocks of `hashes` are in `held` (any container: a set, a dict, an LRU's map)."""
+    i = 0
+    for h in hashes:
+        if h not in held:
+            break
+        i += 1
+    return i
+
 class BlockLRU:
     """Block hash -> present, LRU-evicted beyond `capacity` blocks (None = unbounded)."""
 
@@ -29,13 +39,7 @@ class BlockLRU:
 
     def prefix_len(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` are cached."""
-        d = self._d
-        i = 0
-        for h in hashes:
-            if h not in d:
-                break
-            i += 1
-        return i
+        return leading_held(hashes, self._d)
 
     def admit(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
         """Touch/insert `hashes` (children first); returns (newly inserted, evicted)."""

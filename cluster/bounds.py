@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cluster.block_cache import BlockLRU
+from cluster.block_cache import BlockLRU, leading_held
 from cluster.trace import TraceRequest
 from policies.cost_model import cacheable_blocks, cached_tokens
 
@@ -36,12 +36,7 @@ def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> floa
     hit = total = 0
     for r in requests:
         ids = r.hash_ids
-        m = 0
-        for h in ids:
-            if h not in seen:
-                break
-            m += 1
-        hit += cached_tokens(m, r.input_length, block_size)
+        hit += cached_tokens(leading_held(ids, seen), r.input_length, block_size)
         total += r.input_length
         seen.update(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
     return hit / total if total else 0.0
