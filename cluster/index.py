@@ -40,7 +40,7 @@ MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "host",
 
 _COUNTERS = (
     "admissions", "evictions", "lookups", "lookup_blocks", "hits", "hit_blocks",
-    "speculative_writes", "speculative_expired", "speculative_confirmed",
+    "speculative_writes", "speculative_expired", "speculative_confirmed", "speculative_withdrawn",
     "events_applied", "events_ignored", "replicas_stale",
 )
 
@@ -181,10 +181,12 @@ class PrefixIndex:
             if h in entries:
                 self._andnot(h, 2, 1)
 
-    def speculate(self, replica_id: str, hashes: Sequence[int]) -> int:
+    def speculate(self, replica_id: str, hashes: Sequence[int], fresh: list | None = None) -> int:
         """Mark blocks as (about to be) in a replica's hbm, expiring unless a BlockStored confirms.
 
         Returns how many blocks were newly marked. Blocks already confirmed there are left alone.
+        `fresh`, if given, receives the blocks the replica did not hold at all before (what
+        `withdraw` may take back).
         """
         slot = self._require(replica_id)
         bit = 1 << slot
@@ -195,6 +197,8 @@ class PrefixIndex:
         for h in hashes:
             if self._or(h, 0, bit) and h not in spec:
                 continue  # confirmed by a real event already
+            if fresh is not None and h not in held:
+                fresh.append(h)
             held[h] = None
             spec[h] = expiry
             written.append(h)
@@ -202,6 +206,18 @@ class PrefixIndex:
             self._spec_queue.append((expiry, slot, tuple(written)))
             self._c["speculative_writes"] += len(written)
         return len(written)
+
+    def withdraw(self, replica_id: str, hashes: Iterable[int]) -> int:
+        """Drop speculative marks (never confirmed by an event) of `hashes` on a replica: the router
+        speculated on a replica the request did not go to. Returns how many were dropped."""
+        slot = self._slot.get(replica_id)
+        if slot is None:
+            return 0
+        spec = self._spec[slot]
+        gone = [h for h in hashes if h in spec]
+        self._remove_hbm(slot, gone)
+        self._c["speculative_withdrawn"] += len(gone)
+        return len(gone)
 
     # ---------------------------------------------------------------- events
     def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:

@@ -20,6 +20,7 @@ also owns the index and the subscribers. Other threads (the ingress's /metrics) 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, List, Optional
@@ -82,11 +83,17 @@ class KvmeshRouter(RequestRouter):
         self.subscribe_events = subscribe_events
         self.events = None  # cluster.kv_events.KVEventSubscriber, created with the first source
         self._subscribed: set[str] = set()
-        self._routing: dict[str, tuple[list[int], RequestInfo, dict[str, tuple[int, int, int]]]] = {}
+        # internal request id -> (hashes, info, matches, policy, first choice, blocks speculated there),
+        # from ranking to placement
+        self._routing: dict[str, tuple] = {}
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         self.decisions = 0
         self.decision_s = 0.0
+        # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
+        # out, or the replica was full): each one is a prefix the policy meant to reuse
+        self.fallbacks = 0
+        self.recent = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
 
@@ -176,21 +183,50 @@ class KvmeshRouter(RequestRouter):
         info = RequestInfo(block_hashes=hashes, num_tokens=len(ids), block_size=self.block_size,
                            expected_output_tokens=int((req.get("params") or {}).get("max_tokens") or 0),
                            tenant=req.get("tenant"), request_id=req.get("request_id"))
+        internal = pending_request.metadata.internal_request_id
+        earlier = self._routing.pop(internal, None)
+        if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
+            self._withdraw(earlier)
         matches = self.index.match(hashes)
         policy = self._policy_for(req)
         ranked = policy.rank(info, self._views(candidate_replicas, matches))
-        self._routing[pending_request.metadata.internal_request_id] = (hashes, info, matches, policy)
+        # Commit to the first choice now: Serve may still await a queue-length probe before it places
+        # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
+        # cold requests all pick the same idle replica.
+        self._routing[internal] = (hashes, info, matches, policy, ranked[0], self._commit(policy, info, ranked[0]))
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
-            del self._routing[next(iter(self._routing))]
+            self._withdraw(self._routing.pop(next(iter(self._routing))))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
+    def _commit(self, policy, info: RequestInfo, rid: str) -> list[int]:
+        """Count `info` as routed to `rid` (policy work, speculative prefix); returns the blocks it newly
+        speculated there, for `_withdraw`."""
+        policy.on_routed(info, rid)
+        fresh: list[int] = []
+        if rid in self.index.replicas():
+            self.index.speculate(rid, info.block_hashes, fresh=fresh)
+        return fresh
+
+    def _withdraw(self, routing: tuple) -> None:
+        """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled."""
+        _, info, _, policy, rid, fresh = routing
+        policy.on_unrouted(info, rid)
+        if fresh:
+            self.index.withdraw(rid, fresh)
+
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False):
         # Serve calls `on_request_routed` only when the replica-rejection protocol is on, so the one
         # place that always learns which replica a request got is here (pinned: ray[serve]==2.60).
-        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        try:
+            replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        except BaseException:  # cancelled (client gone) before a replica was found: undo the commitment
+            gone = self._routing.pop(pending_request.metadata.internal_request_id, None)
+            if gone is not None:
+                self._withdraw(gone)
+            raise
         self._routed(pending_request, replica.replica_id)
         return replica
 
@@ -212,13 +248,16 @@ class KvmeshRouter(RequestRouter):
         routed = self._routing.pop(internal, None)
         if routed is None:
             return
-        hashes, info, matches, policy = routed
+        hashes, info, matches, policy, first, _ = routed
         rid = replica_id.unique_id
+        if rid != first:  # Serve placed it elsewhere (probe timeout, full replica): move the commitment
+            self.fallbacks += 1
+            self._withdraw(routed)
+            self._commit(policy, info, rid)
+        self.recent.append({"request_id": info.request_id, "tokens": info.num_tokens, "chosen": rid,
+                            "first_choice": first, "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]}})
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
-        if rid in self.index.replicas():
-            self.index.speculate(rid, hashes)
-        policy.on_routed(info, rid)
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, policy)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
@@ -252,6 +291,8 @@ class KvmeshRouter(RequestRouter):
             "events": self.events.stats() if self.events is not None else {},
             "decisions": self.decisions,
             "decision_s_total": self.decision_s,
+            "fallbacks": self.fallbacks,
+            "recent_decisions": list(self.recent),
             "inflight": len(self._inflight),
             "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {})
                               for r in self.curr_replicas.values()},

@@ -104,6 +104,11 @@ class Policy:
     def on_routed(self, request: RequestInfo, replica_id: str) -> None:
         """Called once the request was sent to `replica_id` (stateful peers learn from this)."""
 
+    def on_unrouted(self, request: RequestInfo, replica_id: str) -> None:
+        """Take back an `on_routed(request, replica_id)`. The live router credits its first choice as
+        soon as it ranks (so requests ranked while Serve is still placing this one see it) and calls
+        this when Serve placed the request elsewhere or ranked it again. Default: nothing to undo."""
+
     def on_completed(self, request: RequestInfo, replica_id: str) -> None:
         """Called when the request finished on `replica_id`."""
 

@@ -125,6 +125,20 @@ def test_speculation_does_not_touch_confirmed_blocks():
     assert idx.match([1, 2])["a"] == (1, 1, 1)
 
 
+def test_withdraw_takes_back_only_unconfirmed_fresh_speculation():
+    idx = make()
+    idx.store("a", [1])
+    idx.speculate("a", [1, 2, 3])  # another request's speculation of block 2 and 3 ...
+    fresh: list = []
+    idx.speculate("a", [1, 2, 3, 4, 5], fresh=fresh)
+    assert fresh == [4, 5]  # ... is not this request's to take back
+    idx.store("a", [4])  # block 4 confirmed by an event meanwhile
+    assert idx.withdraw("a", fresh) == 1
+    assert idx.match([1, 2, 3, 4, 5])["a"] == (4, 4, 4)
+    assert idx.stats["speculative_withdrawn"] == 1
+    assert idx.withdraw("gone", [1]) == 0
+
+
 def test_mark_stale_clears_view():
     idx = make()
     idx.store("a", [1, 2])

@@ -225,7 +225,7 @@ def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeyp
         a, b = fake_replica("A"), fake_replica("B")
         ids = list(range(10, 10 + 200))
         pending = fake_request(ids, "q1", salt="s1")
-        await router.choose_replicas([a, b], pending)  # registers both replicas
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))  # registers both replicas
         router.index.store("B", block_hashes(ids[:160], 32, cache_salt="s1"))
         ranked = await router.choose_replicas([a, b], pending)
         assert [g[0].replica_id.unique_id for g in ranked] == ["B", "A"]
@@ -241,6 +241,52 @@ def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeyp
         assert router.index.replicas() == ["A"]
         router.on_request_completed(b.replica_id, "i-q1")
         assert "i-q1" not in router._inflight
+
+    asyncio.run(scenario())
+
+
+def test_router_commits_to_its_first_choice_before_serve_places_the_request(monkeypatch):
+    """Issue 6, live: four cold requests of different groups were all ranked while Serve was still
+    probing queue lengths for the first, so none saw the others' work and all four went to one
+    replica (prefill max/mean 1.45). The router now credits its first choice when it ranks."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        reps = [fake_replica(n) for n in "ABCD"]
+        burst = [fake_request([1000 * (k + 1) + i for i in range(300)], f"c{k}") for k in range(4)]
+        firsts = []
+        for p in burst:  # all ranked before any is placed
+            firsts.append((await router.choose_replicas(reps, p))[0][0])
+        assert len({r.replica_id.unique_id for r in firsts}) == 4
+        # a request sharing c0's prompt, ranked before c0 is placed, already sees c0's blocks there
+        twin = fake_request([1000 + i for i in range(300)] + [7], "twin")
+        assert (await router.choose_replicas(reps, twin))[0][0] is firsts[0]
+        for p, r in zip(burst + [twin], firsts + [firsts[0]]):
+            router._routed(p, r.replica_id)
+        assert router.fallbacks == 0
+
+    asyncio.run(scenario())
+
+
+def test_router_moves_its_commitment_when_serve_places_elsewhere(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        p = fake_request(list(range(300)), "m1")
+        first = (await router.choose_replicas([a, b], p))[0][0]
+        other = b if first is a else a
+        work = router.policy.recent_work()
+        assert work[first.replica_id.unique_id] > work[other.replica_id.unique_id]
+        await router.choose_replicas([a, b], p)  # ranked again (no replica free): not counted twice
+        assert router.policy.recent_work() == work
+        router._routed(p, other.replica_id)  # Serve put it on the other replica
+        moved = router.policy.recent_work()
+        assert router.fallbacks == 1
+        assert moved[other.replica_id.unique_id] == pytest.approx(work[first.replica_id.unique_id])
+        assert moved[first.replica_id.unique_id] == pytest.approx(work[other.replica_id.unique_id])
 
     asyncio.run(scenario())
 

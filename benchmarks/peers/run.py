@@ -53,7 +53,7 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
             recs = conversation_slice(read_jsonl(trace), conversations=24, min_turns=3,
                                       tokens_per_block=cfg.tokens_per_block, max_prompt_tokens=max_prompt)
         elif name == "flood":
-            recs = synth_flood(requests=64, system_blocks=8, unique_blocks=2, interval_ms=50.0)
+            recs = synth_flood(requests=384, system_blocks=8, unique_blocks=2, interval_ms=50.0)
         else:
             raise ValueError(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
         out[name] = recs[: cfg.limit] if cfg.limit else recs
