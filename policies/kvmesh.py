@@ -16,10 +16,15 @@ replica predicts the same wait, and affinity alone would keep growing the replic
 own popular prefixes; a hot system prompt would pull every new conversation onto one replica. The
 guard tracks the prefill work this policy has sent to each replica (tokens it predicted would be
 computed, halved whenever the fleet total passes `window_tokens_per_replica * N`, so it follows the
-recent mix and a new replica starts at the mean). A replica whose recent work exceeds
-`(1 + balance_slack) * mean + num_tokens` is ranked after every replica within that bound. Ties (for
-example all replicas hold only the shared system prompt) go to the replica with the least recent
-work, which is what spreads a shared prompt over the fleet.
+recent mix and a new replica starts at the mean). The work a replica has above
+`(1 + balance_slack) * mean + num_tokens` is charged like prompt tokens to recompute, at
+`guard_weight` (30, the same as `recompute_weight`): a conversation leaves its history's replica only
+when that replica is further over the bound than the history it would recompute elsewhere, so a few
+long conversations cannot trade hit rate for balance they do not buy (live, 4 workers, Mooncake
+slice: a hard guard moved 4 conversations, 0.97 of the bound; soft, 0.99 at max/mean 1.14).
+`guard_weight=None` is the hard guard: every replica within the bound ranks first. Ties (for example
+all replicas hold only the shared system prompt) go to the replica with the least recent work, which
+is what spreads a shared prompt over the fleet.
 
 Why a second, short window (hot-prefix spread): the guard's memory is long (the simulator's hit rate
 needs it), so it balances totals since start-up. At low load, after a change of workload, it keeps
@@ -60,17 +65,20 @@ class KvmeshPolicy(Policy):
     def __init__(self, seed: int = 0, cost: CostModel | dict | None = None, balance_slack: float = 0.10,
                  window_tokens_per_replica: int = 20_000_000, mean_output_tokens: int = 256,
                  recompute_weight: float = 30.0, spread_weight: float = 31.0, half_life_requests: float = 8.0,
-                 hot_fanout: int = 8, hot_recompute_weight: float = 10.0, **params):
+                 hot_fanout: int = 8, hot_recompute_weight: float = 10.0,
+                 guard_weight: float | None = 30.0, **params):
         super().__init__(seed, balance_slack=balance_slack, window_tokens_per_replica=window_tokens_per_replica,
                          mean_output_tokens=mean_output_tokens, recompute_weight=recompute_weight,
                          spread_weight=spread_weight, half_life_requests=half_life_requests,
-                         hot_fanout=hot_fanout, hot_recompute_weight=hot_recompute_weight, **params)
+                         hot_fanout=hot_fanout, hot_recompute_weight=hot_recompute_weight,
+                         guard_weight=guard_weight, **params)
         if (balance_slack < 0 or recompute_weight < 0 or spread_weight < 0 or half_life_requests <= 0
-                or hot_fanout < 2 or hot_recompute_weight < 0):
+                or hot_fanout < 2 or hot_recompute_weight < 0 or (guard_weight is not None and guard_weight < 0)):
             raise ValueError("kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
-                             "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight >= 0")
+                             "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0")
         self.hot_fanout = hot_fanout
         self.hot_recompute_weight = hot_recompute_weight
+        self.guard_weight = guard_weight
         # block hash -> its continuations seen so far: one (bare), several (a set), or True once
         # hot_fanout distinct ones were seen (a fork: a shared prompt many requests branch from)
         self._fanout: OrderedDict = OrderedDict()
@@ -155,9 +163,12 @@ class KvmeshPolicy(Policy):
             if self.spread_weight:
                 excess = np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
                 cost = cost + self.spread_weight * excess
-        score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
         work = self._w[idx]
         limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
+        if self.guard_weight is not None:
+            cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
+            limit = np.inf
+        score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
         self._last = (request, ids, ttft, uncached)
         self._awaiting[id(request)] = self._last
         if len(self._awaiting) > 256:

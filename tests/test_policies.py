@@ -389,7 +389,8 @@ def test_kvmesh_learns_forks_not_chains():
 
 
 def test_kvmesh_rejects_bad_spread_parameters():
-    for bad in ({"spread_weight": -1}, {"half_life_requests": 0}, {"hot_fanout": 1}, {"hot_recompute_weight": -1}):
+    for bad in ({"spread_weight": -1}, {"half_life_requests": 0}, {"hot_fanout": 1}, {"hot_recompute_weight": -1},
+                {"guard_weight": -1}):
         with pytest.raises(ValueError):
             make_policy("kvmesh", **bad)
 
@@ -407,3 +408,25 @@ def test_kvmesh_unrouted_takes_back_exactly_the_credited_work():
     p.on_routed(r, "r1")
     moved = p.recent_work()
     assert moved["r0"] == pytest.approx(credited["r1"]) and moved["r1"] == pytest.approx(credited["r0"])
+
+
+def test_kvmesh_soft_guard_keeps_a_long_history_a_hard_guard_moves():
+    """A replica somewhat over the balance bound: the hard guard sends the next turn of a long
+    conversation elsewhere (recomputing its history), the soft guard (default) only once the overshoot
+    exceeds the history it would recompute."""
+    def setup(**kw):
+        p = make_policy("kvmesh", **kw)
+        for i in range(20):  # r0 gets more than its share of cold work
+            r = req([10_000 + 100 * i + k for k in range(30)], rid=f"w{i}")
+            p.rank(r, views(2))
+            p.on_routed(r, "r0" if i % 3 else "r1")
+        return p
+
+    history = list(range(40))  # 40 blocks of this user's history are on r0
+    vs = views(2, hbm_blocks={0: 40}, host_blocks={0: 40}, shared_blocks={0: 40})
+    hard, soft = setup(guard_weight=None), setup()
+    work = soft.recent_work()
+    over = work["r0"] - (1.1 * (work["r0"] + work["r1"]) / 2 + 41 * BS)
+    assert 0 < over < 40 * BS  # over the bound, by less than the history it would recompute elsewhere
+    assert hard.rank(req(history + [99]), vs)[0] == "r1"
+    assert soft.rank(req(history + [99]), vs)[0] == "r0"

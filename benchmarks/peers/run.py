@@ -3,7 +3,10 @@ servers, then kvmesh (`deployments.app.start_local`) with the same engine settin
 client and settings for all (deployments.replay). Caches start cold for every setup:
 - `restart` (default): fresh server processes per setup (there is no prefix-cache reset endpoint);
 - `reseed`: the same processes, but every setup's prompts are drawn with another seed, so no block of
-  one setup can hit a block of another (same block structure, disjoint tokens; KV space is ample).
+  one setup can hit a block of another (same block structure, disjoint tokens; KV space is ample:
+  2.1M tokens per engine, a whole 4-worker run puts < 0.5M on each).
+kvmesh gets a fresh app (engines, router, policy state) for every workload and form in both modes, as
+each peer gets a fresh router process.
 """
 from __future__ import annotations
 
@@ -129,25 +132,26 @@ def _ray_cpus(workers: int) -> int:
     return max(os.cpu_count() or 2, math.ceil(0.5 * workers + 0.1 + 1))
 
 
-def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict, first_seed: int) -> list[dict]:
+def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
     from deployments.app import start_local, stop_local
 
     os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)
     config = {"replicas": cfg.workers, "policy": "kvmesh", "port": 0, "api_keys": [key],
               "engine": cfg.spec.kvmesh_engine_config()}
-    rows, seed, url = [], first_seed, None
+    rows, url = [], None
     try:
         for workload, records in workloads.items():
             for form in cfg.forms:
-                if url is None or cfg.cold == "restart":
-                    if url is not None:
-                        stop_local()
-                    t0 = time.perf_counter()
-                    url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
-                    before = _prediction(url, key)
-                    cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
-                seed = 0 if cfg.cold == "restart" else seed + 1
+                # a fresh app (engines, router, policy state) per run, like each peer's fresh router
+                # process: nothing learned on one workload carries over to the next
+                if url is not None:
+                    stop_local()
+                t0 = time.perf_counter()
+                url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
+                before = _prediction(url, key)
+                cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
+                seed = 0
                 cfg.log(f"[{workload}/{form}] {KVMESH}")
                 summary = _replay(records, cfg, url, form, seed, label=KVMESH, api_key=key)
                 workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
@@ -190,7 +194,7 @@ def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
     finally:
         pool.stop()  # free the cores and memory before kvmesh starts its own engines
     if KVMESH in cfg.setups:
-        rows += run_kvmesh(workloads, cfg, bound_rates, first_seed=pool.runs)
+        rows += run_kvmesh(workloads, cfg, bound_rates)
     order = {name: i for i, name in enumerate(setups.SETUP_NAMES)}
     rows.sort(key=lambda r: (list(workloads).index(r["workload"]), list(cfg.forms).index(r["form"]),
                              order.get(r["setup"], 99)))
