@@ -53,7 +53,7 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
             recs = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, seed=0))
         elif name == "mooncake":
             trace = Path(__file__).resolve().parents[2] / "cluster" / "traces" / "mooncake_conversation_trace.jsonl"
-            recs = conversation_slice(read_jsonl(trace), conversations=24, min_turns=3,
+            recs = conversation_slice(read_jsonl(trace), conversations=48, min_turns=3,
                                       tokens_per_block=cfg.tokens_per_block, max_prompt_tokens=max_prompt)
         elif name == "flood":
             recs = synth_flood(requests=384, system_blocks=8, unique_blocks=2, interval_ms=50.0)
