@@ -17,12 +17,13 @@ own popular prefixes; a hot system prompt would pull every new conversation onto
 guard tracks the prefill work this policy has sent to each replica (tokens it predicted would be
 computed, halved whenever the fleet total passes `window_tokens_per_replica * N`, so it follows the
 recent mix and a new replica starts at the mean). The work a replica has above
-`(1 + balance_slack) * mean + num_tokens` is charged like prompt tokens to recompute, at
+`(1 + balance_slack) * mean` is charged like prompt tokens to recompute, at
 `guard_weight` (30, the same as `recompute_weight`): a conversation leaves its history's replica only
 when that replica is further over the bound than the history it would recompute elsewhere, so a few
 long conversations cannot trade hit rate for balance they do not buy (live, 4 workers, Mooncake
 slice: a hard guard moved 4 conversations, 0.97 of the bound; soft, 0.99 at max/mean 1.14).
-`guard_weight=None` is the hard guard: every replica within the bound ranks first. Ties (for example
+`guard_weight=None` is the hard guard: every replica within the bound (plus one request's tokens)
+ranks first. Ties (for example
 all replicas hold only the shared system prompt) go to the replica with the least recent work, which
 is what spreads a shared prompt over the fleet.
 
@@ -164,10 +165,12 @@ class KvmeshPolicy(Policy):
                 excess = np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
                 cost = cost + self.spread_weight * excess
         work = self._w[idx]
-        limit = (1.0 + self.balance_slack) * (self._total / len(self._slot)) + request.num_tokens
-        if self.guard_weight is not None:
+        limit = (1.0 + self.balance_slack) * (self._total / len(self._slot))
+        if self.guard_weight is not None:  # soft: every token over the bound is charged
             cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
             limit = np.inf
+        else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
+            limit = limit + request.num_tokens
         score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
         self._last = (request, ids, ttft, uncached)
         self._awaiting[id(request)] = self._last
