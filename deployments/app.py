@@ -20,7 +20,7 @@ import secrets
 import socket
 from typing import Any
 
-from deployments.config import INPROC_ENGINE_ENV, app_config
+from deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,9 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
         if address is None:
             kw["num_cpus"] = num_cpus or os.cpu_count() or 2
             kw["runtime_env"] = {"env_vars": runtime_env_vars()}
+            # the raylet, Serve's controller and proxies inherit this process's environment
+            os.environ.update(_proxy_env(cfg["proxy"]))
+            _reload_serve_constants()
         ray.init(address=address, **kw)
         _started_ray = True
     serve.start(http_options={"host": cfg["host"], "port": cfg["port"]})
@@ -116,6 +119,37 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
     _app_name = cfg["name"]
     _wait_ready(cfg, timeout_s)
     return f"http://{cfg['host']}:{cfg['port']}"
+
+
+def _proxy_env(proxy: str) -> dict[str, str]:
+    """PROXY_ENV plus, for HAProxy, this run's own files and ports: Serve's defaults (/tmp/haproxy-serve,
+    stats 8404, metrics 9101) are per machine, so two local clusters (a test and `kvmesh serve`, two
+    benchmark runs) would collide."""
+    import tempfile
+
+    env = dict(PROXY_ENV[proxy])
+    if proxy == "haproxy":
+        run = tempfile.mkdtemp(prefix="kvmesh-haproxy-")
+        env.update({
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        })
+    return env
+
+
+def _reload_serve_constants() -> None:
+    """Serve reads its feature flags once, at import; `from ray import serve` may have happened
+    before start_local set them (the driver must agree with the controller on the proxy mode)."""
+    import importlib
+    import sys
+
+    mod = sys.modules.get("ray.serve._private.constants")
+    if mod is not None:
+        importlib.reload(mod)
 
 
 def _wait_ready(cfg: dict, timeout_s: float) -> None:

