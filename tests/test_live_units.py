@@ -107,6 +107,22 @@ def test_config_defaults_and_strict_keys():
         engine_config({"hash_algo": "md5"})
     with pytest.raises(ConfigError):
         app_config({"api_keys": "k"})
+    assert cfg["proxy"] == "haproxy" and app_config({"proxy": "serve"})["proxy"] == "serve"
+    with pytest.raises(ConfigError, match="proxy"):
+        app_config({"proxy": "nginx"})
+
+
+def test_each_local_haproxy_run_gets_its_own_files_and_ports():
+    """Serve's HAProxy defaults are per machine (/tmp/haproxy-serve, stats 8404, metrics 9101): two
+    local clusters (the test app and a `kvmesh serve` subprocess) failed to start side by side."""
+    from deployments.app import _proxy_env
+
+    a, b = _proxy_env("haproxy"), _proxy_env("haproxy")
+    assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_STATS_PORT"):
+        assert a[k] != b[k]
+    assert Path(a["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.is_dir()
+    assert _proxy_env("serve") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
 
 
 def test_serve_config_file_round_trip(tmp_path):
