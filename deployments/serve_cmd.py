@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, help="engine KV block size (multiple of 32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="engine context length")
     parser.add_argument("--num-cpus", type=int, help="CPUs for a locally started Ray (default: all)")
+    parser.add_argument("--proxy", choices=("haproxy", "serve"),
+                        help="HTTP front of a locally started Ray: Serve's HAProxy mode (default) or its Python proxy")
 
 
 def _build_config(args) -> dict:
@@ -29,7 +31,8 @@ def _build_config(args) -> dict:
     from deployments.tenants import new_api_key
 
     cfg = load_config(args.config) if args.config else app_config({})
-    for flag, key in (("replicas", "replicas"), ("policy", "policy"), ("host", "host"), ("port", "port")):
+    for flag, key in (("replicas", "replicas"), ("policy", "policy"), ("host", "host"), ("port", "port"),
+                      ("proxy", "proxy")):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
     eng = dict(cfg["engine"])

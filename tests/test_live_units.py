@@ -375,6 +375,8 @@ def test_serve_flags_override_the_config_file(tmp_path):
                                                      "kvm-abcdefgh12345", "--block-size", "32"]))
     assert (cfg["replicas"], cfg["policy"], cfg["port"]) == (2, "round_robin", 9000)
     assert cfg["engine"]["block_size"] == 32 and cfg["api_keys"] == ["kvm-abcdefgh12345"]
+    assert cfg["proxy"] == "haproxy"
+    assert serve_cmd._build_config(parser.parse_args(["--config", str(p), "--proxy", "serve"]))["proxy"] == "serve"
     generated = serve_cmd._build_config(parser.parse_args([]))["api_keys"]
     assert len(generated) == 1 and generated[0].startswith("kvm-") and len(generated[0]) > 20
 
