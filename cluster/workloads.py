@@ -300,6 +300,27 @@ def cache_bounds(
     }
 
 
+def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None,
+                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload"):
+    """The records as a `cluster.trace.Trace` at the engine's block size, for the simulator: one id
+    per engine block (tenants never share one, as their salts keep them apart live), lengths scaled
+    like the replay client's prompts. Lets a policy change be checked on the live benchmarks'
+    workloads in seconds (tests/test_peers_bench.py)."""
+    from cluster.trace import Trace, TraceRequest
+
+    block_size = block_size or tokens_per_block
+    ids: dict[tuple, int] = {}
+    out = []
+    for rec in records:
+        lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
+        hashes = [ids.setdefault((rec.get("tenant"), hid, j), len(ids) + 1)
+                  for hid, n in zip(rec["hash_ids"], lengths) for j in range(-(-n // block_size))]
+        out.append(TraceRequest(rec["timestamp"], sum(lengths),
+                                scaled_output_length(rec, tokens_per_block, source_block_tokens), hashes,
+                                rec.get("tenant")))
+    return Trace(name, out, block_size=block_size)
+
+
 def _prefix_hits(keys: list[tuple], seen: set, usable: int) -> int:
     """Length of the longest prefix of `keys[:usable]` already in `seen`; then remember all `keys`."""
     hits = 0
