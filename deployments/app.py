@@ -74,6 +74,7 @@ def build_app(config: dict | None = None, **kwargs: Any):
 
 _started_ray = False
 _app_name: str | None = None
+_haproxy_dir: str | None = None  # this run's HAProxy config/socket folder, removed by stop_local
 
 
 def free_port() -> int:
@@ -111,7 +112,6 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
             kw["runtime_env"] = {"env_vars": runtime_env_vars()}
             # the raylet, Serve's controller and proxies inherit this process's environment
             os.environ.update(_proxy_env(cfg["proxy"]))
-            _reload_serve_constants()
         ray.init(address=address, **kw)
         _started_ray = True
     serve.start(http_options={"host": cfg["host"], "port": cfg["port"]})
@@ -127,9 +127,10 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     benchmark runs) would collide."""
     import tempfile
 
+    global _haproxy_dir
     env = dict(PROXY_ENV[proxy])
     if proxy == "haproxy":
-        run = tempfile.mkdtemp(prefix="kvmesh-haproxy-")
+        run = _haproxy_dir = tempfile.mkdtemp(prefix="kvmesh-haproxy-")
         env.update({
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
@@ -139,17 +140,6 @@ def _proxy_env(proxy: str) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         })
     return env
-
-
-def _reload_serve_constants() -> None:
-    """Serve reads its feature flags once, at import; `from ray import serve` may have happened
-    before start_local set them (the driver must agree with the controller on the proxy mode)."""
-    import importlib
-    import sys
-
-    mod = sys.modules.get("ray.serve._private.constants")
-    if mod is not None:
-        importlib.reload(mod)
 
 
 def _wait_ready(cfg: dict, timeout_s: float) -> None:
@@ -172,7 +162,7 @@ def _wait_ready(cfg: dict, timeout_s: float) -> None:
 
 def stop_local() -> None:
     """Delete the app and shut Serve down; shut Ray down too if start_local started it."""
-    global _started_ray, _app_name
+    global _started_ray, _app_name, _haproxy_dir
     import ray
     from ray import serve
 
@@ -190,5 +180,10 @@ def stop_local() -> None:
             log.exception("stopping LMCache node servers failed")
         if _started_ray:
             ray.shutdown()
+    if _started_ray and _haproxy_dir:
+        import shutil
+
+        shutil.rmtree(_haproxy_dir, ignore_errors=True)
+        _haproxy_dir = None
     _started_ray = False
     _app_name = None

@@ -23,9 +23,8 @@ when that replica is further over the bound than the history it would recompute 
 long conversations cannot trade hit rate for balance they do not buy (live, 4 workers, Mooncake
 slice: a hard guard moved 4 conversations, 0.97 of the bound; soft, 0.99 at max/mean 1.14).
 `guard_weight=None` is the hard guard: every replica within the bound (plus one request's tokens)
-ranks first. Ties (for example
-all replicas hold only the shared system prompt) go to the replica with the least recent work, which
-is what spreads a shared prompt over the fleet.
+ranks first. Ties (for example all replicas hold only the shared system prompt) go to the replica with
+the least recent work, which is what spreads a shared prompt over the fleet.
 
 Why a second, short window (hot-prefix spread): the guard's memory is long (the simulator's hit rate
 needs it), so it balances totals since start-up. At low load, after a change of workload, it keeps
@@ -155,8 +154,8 @@ class KvmeshPolicy(Policy):
         score = ttft
         hot = self._hot_blocks(request, shared_b)
         if hot:
-            # the shared prompt is paid once per replica and then serves the whole flood: do not let
-            # its one-time recompute decide placement (load, recent work and the rest of the prompt do)
+            # the shared prompt is paid once per replica and then serves the whole flood: its one-time
+            # recompute weighs hot_recompute_weight, so load, recent work and the rest of the prompt decide
             missing = (hot - np.minimum(shared_b, hot)) * request.block_size
             missing = np.minimum(missing, uncached)
             cost = cost - max(self.recompute_weight - self.hot_recompute_weight, 0.0) * missing

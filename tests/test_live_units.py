@@ -115,6 +115,8 @@ def test_config_defaults_and_strict_keys():
 def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     """Serve's HAProxy defaults are per machine (/tmp/haproxy-serve, stats 8404, metrics 9101): two
     local clusters (the test app and a `kvmesh serve` subprocess) failed to start side by side."""
+    import shutil
+
     from deployments.app import _proxy_env
 
     a, b = _proxy_env("haproxy"), _proxy_env("haproxy")
@@ -123,6 +125,8 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
         assert a[k] != b[k]
     assert Path(a["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.is_dir()
     assert _proxy_env("serve") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    for env in (a, b):
+        shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
 
 
 def test_serve_config_file_round_trip(tmp_path):
