@@ -49,21 +49,23 @@ def _measure(url: str, n: int, headers: dict | None = None, seed: int = 0, promp
     return out
 
 
-def _kvmesh_ingress_ttft_ms(text: str) -> float | None:
-    """Mean time from the ingress handler's start to the engine's first chunk (all requests seen)."""
-    total = re.search(r"^kvmesh_ttft_seconds_sum(?:\{\})?\s+(\S+)", text, re.M)
-    count = re.search(r"^kvmesh_ttft_seconds_count(?:\{\})?\s+(\S+)", text, re.M)
+def _mean_ms(text: str, seconds_metric: str, count_metric: str) -> float | None:
+    """Mean in ms of a Prometheus seconds total over its count (None when absent or zero)."""
+    total = re.search(rf"^{seconds_metric}(?:\{{\}})?\s+(\S+)", text, re.M)
+    count = re.search(rf"^{count_metric}(?:\{{\}})?\s+(\S+)", text, re.M)
     if not total or not count or float(count.group(1)) == 0:
         return None
     return 1000 * float(total.group(1)) / float(count.group(1))
+
+
+def _kvmesh_ingress_ttft_ms(text: str) -> float | None:
+    """Mean time from the ingress handler's start to the engine's first chunk (all requests seen)."""
+    return _mean_ms(text, "kvmesh_ttft_seconds_sum", "kvmesh_ttft_seconds_count")
 
 
 def _kvmesh_decision_ms(text: str) -> float | None:
-    total = re.search(r"^kvmesh_router_decision_seconds_total(?:\{\})?\s+(\S+)", text, re.M)
-    count = re.search(r"^kvmesh_router_decisions_total(?:\{\})?\s+(\S+)", text, re.M)
-    if not total or not count or float(count.group(1)) == 0:
-        return None
-    return 1000 * float(total.group(1)) / float(count.group(1))
+    """Mean routing decision time (hash + index lookup + policy)."""
+    return _mean_ms(text, "kvmesh_router_decision_seconds_total", "kvmesh_router_decisions_total")
 
 
 def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: int = 200,

@@ -151,13 +151,11 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
                 url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
                 before = _prediction(url, key)
                 cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
-                seed = 0
                 cfg.log(f"[{workload}/{form}] {KVMESH}")
-                summary = _replay(records, cfg, url, form, seed, label=KVMESH, api_key=key)
+                summary = _replay(records, cfg, url, form, 0, label=KVMESH, api_key=key)
                 workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
                 row = results.make_row(workload, form, KVMESH, summary, workers, bounds[workload])
                 row["prediction"] = _prediction_delta(url, key, before)
-                before = _prediction(url, key)
                 rows.append(row)
     finally:
         if url is not None:
