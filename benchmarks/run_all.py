@@ -1,6 +1,7 @@
 """`make bench`: run every benchmarks/bench_*.py module's `main()` in order, print figures and
 ratios against baselines measured in the same run, and say PASS/MISS per target. One failing bench
-does not hide the others; the exit status is non-zero if any bench crashed."""
+does not hide the others; the exit status is non-zero if any bench crashed or exited non-zero (a
+bench that misses a hard target raises SystemExit(1) after printing its report)."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +17,7 @@ import benchmarks
 def main(argv=None) -> int:
     wanted = set((argv if argv is not None else sys.argv[1:]) or os.environ.get("BENCH", "").split(",")) - {""}
     names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
-    crashed = []
+    crashed, failed = [], []
     for name in names:
         if wanted and name not in wanted and name.removeprefix("bench_") not in wanted:
             continue
@@ -24,13 +25,18 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             importlib.import_module(f"benchmarks.{name}").main()
+        except SystemExit as exc:  # a bench's verdict (e.g. a MISS): keep going, remember it
+            if exc.code not in (None, 0):
+                failed.append(name)
         except Exception:  # keep going: report every bench
             traceback.print_exc()
             crashed.append(name)
         print(f"--- {name}: {time.perf_counter() - t0:.1f}s", flush=True)
     if crashed:
         print(f"\ncrashed: {', '.join(crashed)}")
-    return 1 if crashed else 0
+    if failed:
+        print(f"\nexited non-zero: {', '.join(failed)}")
+    return 1 if crashed or failed else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@
   host tiers when given), seen by every request: what perfect placement could hit with LRU eviction
   at this capacity. Not a strict upper bound (a partitioned cache can occasionally beat LRU), but
   the reference a placement policy should reach.
-Both are token-weighted (cached prompt tokens / prompt tokens) with vLLM's rules (full blocks only,
+- `balance_bounded_bound`: the hit rate a placement reaches with one unbounded cache per replica
+  while keeping per-replica prefill (uncached prompt tokens computed) within max/mean 1.10: what
+  "as many hits as possible without piling work onto one replica" allows. Found greedily, so a
+  reference, not a proof of optimality.
+All are token-weighted (cached prompt tokens / prompt tokens) with vLLM's rules (full blocks only,
 the last prompt token always computed).
 """
 from __future__ import annotations
@@ -40,6 +44,78 @@ def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> floa
         total += r.input_length
         seen.update(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
     return hit / total if total else 0.0
+
+
+def balance_bounded_bound(requests: Sequence[TraceRequest], block_size: int, replicas: int,
+                          max_imbalance: float = 1.10, rounds: int = 6) -> dict:
+    """Best hit rate of an untimed placement (an unbounded cache per replica) whose per-replica prefill
+    stays within `max_imbalance` x the mean, by greedy bounded affinity (`_bounded_affinity`).
+
+    The greedy caps each replica at `max_imbalance` x max(running mean, a floor). No single floor
+    suits every workload, so several passes are made and the best kept:
+    - floor 0: the cap follows the running mean. Uniform over time (what a live guard does), but
+      the first requests do not fit anywhere and go to the least-loaded replica.
+    - floor = the final mean, which depends on the placement: first the least possible one (the
+      fleet's prefill under one unbounded cache / replicas; no placement computes less), then the
+      mean the previous pass ended with, until it stops changing or `rounds` passes are done. Loose
+      early, so one replica can fill up and push later conversations off it.
+    The result is the pass with the best hit rate among those that ended within `max_imbalance`,
+    else the pass with the lowest imbalance: the reported `imbalance` is what was reached, not
+    assumed. A reference, not a proof of optimality. With `max_imbalance` = inf this is pure affinity
+    and equals the infinite-cache bound (an id names its whole prefix, so the replica holding the
+    longest prefix of the union holds all of it). Returns hit_rate, imbalance (max/mean prefill),
+    max_imbalance, per_replica_prefill, fallbacks (requests no replica had room for), passes."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    tried = [_bounded_affinity(requests, block_size, replicas, max_imbalance, 0.0)]
+    least_total = sum(r.input_length for r in requests) * (1.0 - infinite_hit_rate(requests, block_size))
+    floor = least_total / replicas
+    for _ in range(max(1, rounds)):
+        run = _bounded_affinity(requests, block_size, replicas, max_imbalance, floor)
+        tried.append(run)
+        mean = sum(run["per_replica_prefill"]) / replicas
+        if abs(mean - floor) <= 1e-3 * max(floor, 1.0):
+            break
+        floor = mean
+    within = [r for r in tried if r["imbalance"] <= max_imbalance * (1 + 1e-9)]
+    best = max(within, key=lambda r: r["hit_rate"]) if within else min(tried, key=lambda r: r["imbalance"])
+    return dict(best, max_imbalance=max_imbalance, passes=len(tried))
+
+
+def _bounded_affinity(requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float,
+                      mean_floor: float) -> dict:
+    """One greedy pass. Requests are placed in order; a replica is allowed if its prefill after taking
+    the request stays within `max_imbalance` x max(running mean including this request, `mean_floor`).
+    When `mean_floor` does not exceed the final mean, both terms are <= the final mean, so a pass
+    without fallbacks ends within the bound. Among allowed replicas the longest cached prefix wins,
+    ties to the least prefill so far, then the lowest index; when none is allowed, the replica with
+    the least prefill after taking the request (a fallback)."""
+    held: list[set[int]] = [set() for _ in range(replicas)]
+    prefill = [0] * replicas
+    hit = total = fallbacks = 0
+    for r in requests:
+        n, ids = r.input_length, r.hash_ids
+        hits = [cached_tokens(leading_held(ids, h), n, block_size) for h in held]
+        fleet = sum(prefill)
+        best = None
+        for j in range(replicas):
+            extra = n - hits[j]
+            cap = max_imbalance * max((fleet + extra) / replicas, mean_floor)
+            if prefill[j] + extra <= cap * (1 + 1e-9):
+                key = (-hits[j], prefill[j], j)
+                best = key if best is None or key < best else best
+        if best is None:
+            fallbacks += 1
+            j = min(range(replicas), key=lambda k: (prefill[k] + n - hits[k], -hits[k], k))
+        else:
+            j = best[2]
+        hit += hits[j]
+        total += n
+        prefill[j] += n - hits[j]
+        held[j].update(ids[:cacheable_blocks(n, len(ids), block_size)])
+    mean = sum(prefill) / replicas
+    return {"hit_rate": hit / total if total else 0.0, "imbalance": max(prefill) / mean if mean else 1.0,
+            "per_replica_prefill": prefill, "fallbacks": fallbacks}
 
 
 def compute_bounds(requests: Sequence[TraceRequest], block_size: int, replicas: int, capacity_blocks: int,

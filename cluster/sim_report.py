@@ -16,6 +16,12 @@ def format_table(doc: dict) -> str:
         f"trace={doc['trace']} requests={doc['requests']} replicas={doc['replicas']} "
         f"capacity_blocks={doc['capacity_blocks']} load={_load(doc)}",
         "bounds: " + "  ".join(f"{k}={v:.4f}" for k, v in b.items()),
+    ]
+    bal = doc.get("balance_bounded")
+    if bal:
+        lines.append(f"balance-bounded bound (unbounded caches, prefill max/mean <= {bal['max_imbalance']:.2f}): "
+                     f"balance_bounded={bal['hit_rate']:.4f} (max/mean reached {bal['imbalance']:.3f})")
+    lines += [
         f"{'policy':<20} {'hit_tok':>7} {'hit_req':>7} {'/merged':>7} {'imbal':>6} {'p50_s':>8} {'p90_s':>8} "
         f"{'p99_s':>8} {'util':>5} {'tok/s':>9} {'cost_$':>9}",
     ]
@@ -45,6 +51,9 @@ def plot(doc: dict, path: str) -> None:
     for k, v in doc["bounds"].items():
         c, ls = styles.get(k, ("black", ":"))
         a1.axhline(v, color=c, linestyle=ls, label=f"{k} {v:.3f}")
+    if doc.get("balance_bounded"):
+        v = doc["balance_bounded"]["hit_rate"]
+        a1.axhline(v, color="tab:orange", linestyle="--", label=f"balance_bounded {v:.3f}")
     a1.set_ylabel("token-weighted hit rate")
     a1.set_title(f"{doc['trace']}: {doc['replicas']} replicas x {doc['capacity_blocks']} blocks")
     a1.legend(fontsize=8, loc="upper right")

@@ -82,6 +82,7 @@ def _cost_model(text: str | None):
 
 
 def run(args) -> int:
+    from cluster.bounds import balance_bounded_bound
     from cluster.sim_report import format_table, plot
     from cluster.simulator import SimConfig, simulate
     from cluster.trace import TraceError, load_trace
@@ -112,6 +113,8 @@ def run(args) -> int:
         doc = simulate(trace, cfg, policies, progress=progress)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    # beside doc["bounds"] (whose keys other tools rely on): hit rate, imbalance reached, per-replica prefill
+    doc["balance_bounded"] = balance_bounded_bound(trace.requests, trace.block_size, args.replicas)
     print(format_table(doc))
     if args.json_out:
         d = os.path.dirname(os.path.abspath(args.json_out))

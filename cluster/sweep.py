@@ -1,0 +1,216 @@
+"""Run placement policies over many workload-family draws in the simulator and summarise how close
+each gets to the bounds on every draw.
+
+Why: one trace can be tuned for; a distribution over shapes the policy was not tuned on says whether
+it is robust. Per draw the report gives each policy's hit rate against the merged-LRU bound (with
+room for every block, that is the infinite-cache bound) and against the balance-bounded bound (what
+a placement keeping prefill max/mean <= 1.10 reaches), its margin over the best other policy, and its
+per-replica prefill max/mean.
+
+Arrivals. "poisson"/"bursts" draws use their timestamps, scaled to the draw's offered load. "all"
+draws are sent at a fixed concurrency and the simulator has no concurrency cap, so the cap is
+approximated open-loop (`closed_loop_arrivals`): one request every (estimated latency / concurrency)
+seconds (Little's law), and a user's next turn no earlier than its previous turn's estimated end.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from cluster.bounds import balance_bounded_bound, compute_bounds
+from cluster.simulator import SimConfig, simulate_policy
+from cluster.trace import Trace, scale_to_load
+from cluster.workload_family import FamilyDraw, draw, records
+from cluster.workloads import engine_trace, scaled_block_lengths, scaled_output_length
+from policies.cost_model import DEFAULT_COST_MODEL, CostModel
+from policies.registry import PEERS, make_policy
+
+DEFAULT_POLICIES: tuple[str, ...] = ("kvmesh", "round_robin", *PEERS)
+METRICS = ("hit_over_merged", "hit_over_balance", "hit_minus_best_other", "prefill_max_over_mean")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    engine_block_size: int = 32  # the live engines' block size (a divisor of 32 and 64 tokens per block)
+    capacity_blocks: int | None = None  # per replica; None = room for every block of the draw (no eviction)
+    balance_limit: float = 1.10  # max/mean prefill the balance-bounded bound keeps to
+    target_ratio: float = 0.97  # the target: hit >= target_ratio x merged-LRU bound ...
+    target_imbalance: float = 1.25  # ... with prefill max/mean <= target_imbalance
+    cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
+
+
+def request_latency_s(rec: dict, tokens_per_block: int, cost: CostModel) -> float:
+    """Prefill with nothing cached plus decode, for one record expanded at `tokens_per_block`."""
+    prompt = sum(scaled_block_lengths(rec, tokens_per_block))
+    return cost.prefill_s(prompt, 0, 0, 0) + scaled_output_length(rec, tokens_per_block) * cost.decode_s_per_token
+
+
+def closed_loop_arrivals(recs: Sequence[dict], concurrency: int, tokens_per_block: int,
+                         cost: CostModel) -> tuple[list[dict], list[float]]:
+    """Records in arrival order and their arrival times (s) approximating `concurrency` in flight."""
+    lat = [request_latency_s(r, tokens_per_block, cost) for r in recs]
+    gap = sum(lat) / len(lat) / concurrency
+    ready: dict[str, float] = {}
+    clock, timed = 0.0, []
+    for i, r in enumerate(recs):
+        user = r.get("user")
+        t = max(clock, ready.get(user, 0.0)) if user is not None else clock
+        if user is not None:
+            ready[user] = t + lat[i]
+        timed.append((t, i))
+        clock += gap
+    timed.sort()
+    return [recs[i] for _, i in timed], [t for t, _ in timed]
+
+
+def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, list[float]]:
+    """The draw as a simulator trace at the engine block size, with its arrival times (s)."""
+    recs = records(d)
+    if d.arrival != "all":
+        trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
+        if trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
+            arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token,
+                                        opts.cost.prefill_base_s)
+            return trace, arrivals
+    ordered, arrivals = closed_loop_arrivals(recs, d.concurrency, d.tokens_per_block, opts.cost)
+    return engine_trace(ordered, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}"), arrivals
+
+
+def prefill_max_over_mean(per_replica: dict) -> float:
+    """max/mean over replicas of uncached prompt tokens computed (1.0 when nothing was computed)."""
+    work = [v["prefill_tokens"] for v in per_replica.values()]
+    mean = sum(work) / len(work)
+    return max(work) / mean if mean else 1.0
+
+
+def evaluate_draw(d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()
+                  ) -> dict:
+    """One row: the draw's shape, its bounds, and each policy's figures on it."""
+    trace, arrivals = draw_trace(d, opts)
+    bs = trace.block_size
+    capacity = opts.capacity_blocks or 1 + len({h for r in trace.requests for h in r.hash_ids})
+    bounds = compute_bounds(trace.requests, bs, d.replicas, capacity)
+    balance = balance_bounded_bound(trace.requests, bs, d.replicas, opts.balance_limit)
+    at_target = balance_bounded_bound(trace.requests, bs, d.replicas, opts.target_imbalance)
+    cfg = SimConfig(d.replicas, capacity, cost=opts.cost, seed=d.seed)
+    hits, work = {}, {}
+    for name in policies:
+        params = {"cost": opts.cost} if name == "kvmesh" else {}
+        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), arrivals=arrivals)
+        hits[name] = m["hit_rate_tokens"]
+        work[name] = prefill_max_over_mean(m["per_replica"])
+    return {
+        "seed": d.seed, "shape": d.describe(), "draw": d.to_dict(), "requests": len(trace),
+        "bounds": {"infinite": bounds["global_infinite"], "merged_lru": bounds["merged_lru"],
+                   "balance": balance["hit_rate"], "balance_imbalance": balance["imbalance"],
+                   "balance_fallbacks": balance["fallbacks"],
+                   # the same greedy at the target's imbalance: True when it found a placement meeting the target
+                   "balance_at_target": at_target["hit_rate"], "balance_at_target_imbalance": at_target["imbalance"],
+                   "target_reachable": (at_target["hit_rate"] >= opts.target_ratio * bounds["merged_lru"]
+                                        and at_target["imbalance"] <= opts.target_imbalance * (1 + 1e-9))},
+        "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"]),
+    }
+
+
+def policy_figures(hits: dict[str, float], work: dict[str, float], merged: float, balance: float) -> dict:
+    """Per policy: hit, the ratios to both bounds, the margin over the best other policy, prefill max/mean."""
+    out = {}
+    for name, hit in hits.items():
+        others = [h for n, h in hits.items() if n != name]
+        out[name] = {
+            "hit": hit,
+            "hit_over_merged": hit / merged if merged else 1.0,
+            "hit_over_balance": hit / balance if balance else 1.0,
+            "hit_minus_best_other": hit - max(others) if others else 0.0,
+            "prefill_max_over_mean": work[name],
+        }
+    return out
+
+
+def sweep(seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions(),
+          on_row=None) -> list[dict]:
+    """`evaluate_draw` for every seed, in order; `on_row(row)` after each (progress)."""
+    rows = []
+    for seed in seeds:
+        rows.append(evaluate_draw(draw(seed), policies, opts))
+        if on_row is not None:
+            on_row(rows[-1])
+    return rows
+
+
+# ------------------------------------------------------------------------------------- summary
+def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank: the ceil(q * n)-th smallest value (the smallest for q = 0)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+def distribution(values: Iterable[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"min": v[0], "p10": nearest_rank(v, 0.10), "median": nearest_rank(v, 0.50),
+            "p90": nearest_rank(v, 0.90), "max": v[-1]}
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """policy -> metric -> {min, p10, median, p90, max} over the draws."""
+    names = list(rows[0]["policies"])
+    return {n: {m: distribution(r["policies"][n][m] for r in rows) for m in METRICS} for n in names}
+
+
+def target_misses(rows: Sequence[dict], policy: str = "kvmesh", min_ratio: float = 0.97,
+                  max_imbalance: float = 1.25) -> list[dict]:
+    """Draws where `policy` is below `min_ratio` x the merged-LRU bound or above `max_imbalance`."""
+    return [r for r in rows if r["policies"][policy]["hit_over_merged"] < min_ratio
+            or r["policies"][policy]["prefill_max_over_mean"] > max_imbalance]
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'policy':<20} {'metric':<22} {'min':>7} {'p10':>7} {'median':>7} {'p90':>7} {'max':>7}"]
+    for name, metrics in summary.items():
+        for m, d in metrics.items():
+            lines.append(f"{name:<20} {m:<22} " + " ".join(f"{d[k]:>7.3f}" for k in ("min", "p10", "median", "p90",
+                                                                                        "max")))
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    """Box plots over the draws, one box per policy, for each metric; and every draw's hit / merged-LRU
+    bound against prefill max/mean per policy, with the target region marked."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows[0]["policies"])
+    titles = {"hit_over_merged": "hit / merged-LRU bound", "hit_over_balance": "hit / balance-bounded bound",
+              "hit_minus_best_other": "hit - best other policy", "prefill_max_over_mean": "prefill max/mean"}
+    refs = {"hit_over_merged": 0.97, "prefill_max_over_mean": 1.25, "hit_minus_best_other": 0.0}
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8))
+    for ax, metric in zip(axes.flat, METRICS):
+        ax.boxplot([[r["policies"][n][metric] for r in rows] for n in names], whis=(0, 100))
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=30, fontsize=8)
+        ax.set_title(f"{titles[metric]} ({len(rows)} draws; whiskers min-max)", fontsize=10)
+        if metric in refs:
+            ax.axhline(refs[metric], color="tab:red", linestyle="--", linewidth=1)
+    ax = axes.flat[4]
+    for n in names:
+        ax.scatter([r["policies"][n]["prefill_max_over_mean"] for r in rows],
+                   [r["policies"][n]["hit_over_merged"] for r in rows], s=10, label=n,
+                   zorder=3 if n == "kvmesh" else 2, color="black" if n == "kvmesh" else None,
+                   alpha=1.0 if n == "kvmesh" else 0.35)
+    ax.axhline(0.97, color="tab:red", linestyle="--", linewidth=1)
+    ax.axvline(1.25, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("prefill max/mean")
+    ax.set_ylabel("hit / merged-LRU bound")
+    ax.set_title("per draw (target: above and left of the red lines)", fontsize=10)
+    ax.legend(fontsize=7)
+    axes.flat[5].axis("off")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

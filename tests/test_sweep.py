@@ -1,0 +1,94 @@
+"""The robustness sweep: its per-draw figures and summary maths on hand-made numbers, its arrival model,
+one real draw end to end, and `make bench` failing when a bench reports a MISS."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from cluster.sweep import (
+    closed_loop_arrivals, distribution, evaluate_draw, nearest_rank, policy_figures, request_latency_s, summarize,
+    target_misses,
+)
+from policies.cost_model import DEFAULT_COST_MODEL
+
+
+def test_policy_figures_ratios_and_margin_over_the_best_other():
+    f = policy_figures({"kvmesh": 0.6, "round_robin": 0.3, "peer": 0.7}, {"kvmesh": 1.1, "round_robin": 1.0,
+                                                                           "peer": 2.0}, merged=0.8, balance=0.5)
+    assert f["kvmesh"]["hit_over_merged"] == pytest.approx(0.75)
+    assert f["kvmesh"]["hit_over_balance"] == pytest.approx(1.2)
+    assert f["kvmesh"]["hit_minus_best_other"] == pytest.approx(-0.1)
+    assert f["peer"]["hit_minus_best_other"] == pytest.approx(0.1)
+    assert f["peer"]["prefill_max_over_mean"] == 2.0
+
+
+def test_nearest_rank_quantiles():
+    v = list(range(1, 11))
+    assert distribution(v) == {"min": 1, "p10": 1, "median": 5, "p90": 9, "max": 10}
+    assert nearest_rank([3.0], 0.5) == 3.0 and nearest_rank(v, 0.11) == 2
+    with pytest.raises(ValueError):
+        nearest_rank([], 0.5)
+
+
+def _row(seed, ratio, imbalance):
+    figures = {"hit": ratio, "hit_over_merged": ratio, "hit_over_balance": ratio,
+               "hit_minus_best_other": ratio - 1, "prefill_max_over_mean": imbalance}
+    return {"seed": seed, "policies": {"kvmesh": figures}}
+
+
+def test_summary_and_misses_on_hand_made_rows():
+    rows = [_row(1, 1.0, 1.0), _row(2, 0.96, 1.1), _row(3, 0.99, 1.3), _row(4, 0.97, 1.25)]
+    s = summarize(rows)["kvmesh"]
+    assert s["hit_over_merged"] == {"min": 0.96, "p10": 0.96, "median": 0.97, "p90": 1.0, "max": 1.0}
+    assert s["prefill_max_over_mean"]["max"] == 1.3
+    assert s["hit_minus_best_other"]["min"] == pytest.approx(-0.04)
+    assert [r["seed"] for r in target_misses(rows)] == [2, 3]  # 0.97 and 1.25 themselves meet the target
+
+
+def test_closed_loop_arrivals_pace_by_concurrency_and_keep_a_users_turns_apart():
+    a = {"timestamp": 0, "input_length": 592, "output_length": 512, "hash_ids": [1, 2], "user": "a"}
+    b = {"timestamp": 0, "input_length": 592, "output_length": 512, "hash_ids": [3, 4], "user": "b"}
+    a2 = dict(a, hash_ids=[1, 2, 5], input_length=1100)
+    lat = request_latency_s(a, 32, DEFAULT_COST_MODEL)
+    # one full block (32 tokens) + 80 of 512 tokens -> 5 of 32; 512 output tokens -> 32
+    cost = DEFAULT_COST_MODEL
+    assert lat == pytest.approx(cost.prefill_s(32 + 5, 0, 0, 0) + 32 * cost.decode_s_per_token)
+    order, t = closed_loop_arrivals([a, a2, b], concurrency=4, tokens_per_block=32, cost=DEFAULT_COST_MODEL)
+    assert order == [a, b, a2]  # a's second turn waits for its first to finish; b goes meanwhile
+    assert t[0] == 0 and t[2] == pytest.approx(lat) and 0 < t[1] < lat
+    order, t = closed_loop_arrivals([a, b], concurrency=1, tokens_per_block=32, cost=DEFAULT_COST_MODEL)
+    assert t[1] == pytest.approx((lat + request_latency_s(b, 32, DEFAULT_COST_MODEL)) / 2)
+
+
+def test_one_draw_end_to_end():
+    from cluster.workload_family import draw
+
+    row = evaluate_draw(draw(2005), ("kvmesh", "round_robin"))
+    b = row["bounds"]
+    assert row["seed"] == 2005 and row["requests"] == draw(2005).requests
+    assert b["merged_lru"] == pytest.approx(b["infinite"])  # room for every block: nothing evicted
+    assert b["balance"] <= b["infinite"] + 1e-12 and b["balance_at_target"] >= b["balance"] - 1e-12
+    for name, p in row["policies"].items():
+        assert 0 < p["hit"] <= b["infinite"] + 1e-12, name
+        assert p["prefill_max_over_mean"] >= 1.0
+    assert row["policies"]["kvmesh"]["hit"] > row["policies"]["round_robin"]["hit"]
+
+
+def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
+    from benchmarks import run_all
+
+    def bench(code):
+        mod = types.ModuleType("benchmarks.bench_fake")
+
+        def main():
+            raise SystemExit(code)
+        mod.main = main
+        return mod
+
+    monkeypatch.setattr(run_all.pkgutil, "iter_modules", lambda path: [types.SimpleNamespace(name="bench_fake")])
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", bench(1))
+    assert run_all.main(["fake"]) == 1
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", bench(0))
+    assert run_all.main(["fake"]) == 0
