@@ -147,9 +147,7 @@ class KvmeshPolicy(Policy):
         ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
         idx = self._positions(ids)  # may grow self._w: index it afterwards
         live = len(self._slot)
-        d = 0.5 ** (1.0 / (self.half_life_requests * live))  # one request ages the short window
-        self._s *= d
-        self._s_total *= d
+        d = self._age()  # the short window as on_routed will see it: aged by this request (ranking is pure)
         cost = self.recompute_weight * uncached
         score = ttft
         hot = self._hot_blocks(request, shared_b)
@@ -161,7 +159,7 @@ class KvmeshPolicy(Policy):
             cost = cost - max(self.recompute_weight - self.hot_recompute_weight, 0.0) * missing
             score = score - missing * self.cost.prefill_s_per_token
             if self.spread_weight:
-                excess = np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
+                excess = d * np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
                 cost = cost + self.spread_weight * excess
         work = self._w[idx]
         limit = (1.0 + self.balance_slack) * (self._total / len(self._slot))
@@ -175,10 +173,11 @@ class KvmeshPolicy(Policy):
         self._awaiting[id(request)] = self._last
         if len(self._awaiting) > 256:
             self._awaiting.popitem(last=False)
-        if self._total > self.window_tokens_per_replica * len(self._slot):
-            self._w *= 0.5
-            self._total *= 0.5
         return work > limit, score, work
+
+    def _age(self) -> float:
+        """The short window's decay for one routed request (half-life in requests per replica)."""
+        return 0.5 ** (1.0 / (self.half_life_requests * max(len(self._slot), 1)))
 
     def _is_hot(self, request: RequestInfo, shared_b) -> bool:
         """Does the request's longest cached prefix end at a fork many requests branch from (a shared
@@ -271,7 +270,13 @@ class KvmeshPolicy(Policy):
                 u = float(seen[3][pos])
         if replica_id not in self._slot:
             self._positions(list(self._ids_key) + [replica_id])
+        d = self._age()  # one routed request ages the short window (here, not in ranking: Serve may rank twice)
+        self._s *= d
+        self._s_total *= d
         self._credit(replica_id, u)
+        if self._total > self.window_tokens_per_replica * len(self._slot):
+            self._w *= 0.5
+            self._total *= 0.5
         self._credited[id(request)] = (request, replica_id, u)
         if len(self._credited) > 256:
             self._credited.popitem(last=False)

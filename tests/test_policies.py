@@ -430,3 +430,22 @@ def test_kvmesh_soft_guard_moves_a_conversation_only_for_more_than_its_history()
     assert first(40) == "r0"  # 40 blocks of history on r0: more than the overshoot, stays
     assert first(20) == "r1"  # 20 blocks: cheaper to recompute than to overload r0
     assert p.rank(req([77, 78, 79]), views(2))[0] == "r1"  # nothing cached anywhere
+
+
+def test_kvmesh_ranking_again_changes_neither_the_order_nor_the_balance_state():
+    """Serve may rank one request several times while it backs off; only routing may age or grow the
+    policy's work windows, or a burst of re-ranks would shrink the recent work the spread sees."""
+    p = make_policy("kvmesh")
+    for i in range(40):  # a hot shared prompt (block 0..3) followed by many continuations, all on r0
+        r = req([0, 1, 2, 3, 100 + i], rid=f"w{i}")
+        p.rank(r, views(4, shared_blocks={0: 4}, host_blocks={0: 4}, hbm_blocks={0: 4}))
+        p.on_routed(r, "r0")
+    state = (p._w.copy(), p._s.copy(), p._total, p._s_total)
+    vs = views(4, shared_blocks={0: 4}, host_blocks={0: 4}, hbm_blocks={0: 4})
+    probe = req([0, 1, 2, 3, 999], rid="again")
+    orders = [p.rank(probe, vs) for _ in range(5)]
+    assert all(o == orders[0] for o in orders)
+    assert (p._w == state[0]).all() and (p._s == state[1]).all()
+    assert (p._total, p._s_total) == state[2:]
+    p.on_routed(probe, orders[0][0])  # routing (once) is what ages the short window
+    assert p._s_total < state[3] + probe.num_tokens
