@@ -175,3 +175,13 @@ def resolve_model(model: str) -> str:
 
         return str(build_tiny_model(tiny_model_dir()))
     return model
+
+
+def engine_dtype(model: str, dtype: str) -> str:
+    """The dtype to hand vLLM. The embedded tiny model is float32, and on CPU vLLM's "auto" casts it to
+    bfloat16, whose attention kernel uses AMX where the CPU reports it: on machines whose kernel does
+    not grant the process AMX state that kernel dies with SIGILL on the first prefill. float32 takes
+    the AVX-512 kernel and matches the weights as built."""
+    if dtype == "auto" and (model == "tiny" or Path(model) == tiny_model_dir()):
+        return "float32"
+    return dtype

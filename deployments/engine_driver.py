@@ -16,6 +16,8 @@ import queue
 import threading
 from typing import Any, AsyncIterator
 
+from deployments.config import engine_dtype
+
 log = logging.getLogger(__name__)
 
 
@@ -29,7 +31,7 @@ def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_tra
         tokenizer=model_path,
         block_size=cfg["block_size"],
         max_model_len=cfg["max_model_len"],
-        dtype=cfg["dtype"],
+        dtype=engine_dtype(cfg["model"], cfg["dtype"]),
         enforce_eager=cfg["enforce_eager"],
         enable_prefix_caching=True,
         prefix_caching_hash_algo=cfg["hash_algo"],

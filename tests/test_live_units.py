@@ -398,3 +398,16 @@ def test_engine_args_carry_the_config(tiny_model_dir):
     assert args.kv_transfer_config.kv_connector == "LMCacheMPConnector"
     with pytest.raises(ConfigError):
         engine_config({"stream_interval": 0})
+
+
+def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_dir):
+    """vLLM's CPU "auto" would cast the float32 tiny model to bfloat16, whose AMX attention kernel dies
+    with SIGILL where the process is not granted AMX state; a dtype the operator sets is kept."""
+    from deployments.config import engine_dtype
+    from deployments.engine_driver import build_engine_args
+
+    args = build_engine_args(engine_config({}), str(tiny_model_dir), None, None)
+    assert args.dtype == "float32"
+    assert build_engine_args(engine_config({"dtype": "bfloat16"}), str(tiny_model_dir), None, None).dtype == "bfloat16"
+    assert engine_dtype("tiny", "auto") == "float32"
+    assert engine_dtype("/models/llama-8b", "auto") == "auto"

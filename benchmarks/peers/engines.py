@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.peers import procs
+from deployments.config import engine_dtype
 
 SERVED_MODEL_NAME = "tiny"
 
@@ -63,6 +64,7 @@ def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> lis
         "--port", str(port),
         "--block-size", str(spec.block_size),
         "--max-model-len", str(spec.max_model_len),
+        "--dtype", engine_dtype(spec.model, "auto"),
         "--enable-prefix-caching",
         "--prefix-caching-hash-algo", spec.hash_algo,
         "--enable-prompt-tokens-details",
