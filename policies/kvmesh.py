@@ -189,9 +189,12 @@ class KvmeshPolicy(Policy):
         k = min(int(np.max(shared_b)) if len(shared_b) else 0, len(request.block_hashes))
         return k if k > 0 and self._fanout.get(request.block_hashes[k - 1], _NONE) is True else 0
 
-    def _learn_fanout(self, hashes) -> None:
+    def _learn_fanout(self, hashes, request_id: str | None = None) -> None:
         """Record each block's continuation (the next block, or this request's own end). Most blocks
-        sit inside one conversation and only ever see one continuation: stored bare, not as a set."""
+        sit inside one conversation and only ever see one continuation: stored bare, not as a set.
+        A request's end is named by its id, so the same request routed again (Serve ranks it again
+        while it backs off, and the router commits each time) adds no new continuation: otherwise a
+        few re-ranks would turn a conversation's last block into a hot fork."""
         fan = self._fanout
         last = len(hashes) - 1
         for k, h in enumerate(hashes):
@@ -200,6 +203,8 @@ class KvmeshPolicy(Policy):
                 continue
             if k < last:
                 nxt = hashes[k + 1]
+            elif request_id is not None:
+                nxt = ("end", request_id)
             else:
                 self._ends += 1
                 nxt = ("end", self._ends)
@@ -280,7 +285,7 @@ class KvmeshPolicy(Policy):
         self._credited[id(request)] = (request, replica_id, u)
         if len(self._credited) > 256:
             self._credited.popitem(last=False)
-        self._learn_fanout(request.block_hashes)
+        self._learn_fanout(request.block_hashes, request.request_id)
 
     def on_unrouted(self, request: RequestInfo, replica_id: str) -> None:
         """Take back the work `on_routed` credited (the fanout it learned stays: the prompt was seen)."""

@@ -1,6 +1,7 @@
 """Placement policies: interface contract for every policy, and the behaviour each one promises."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from policies.base import ReplicaView, RequestInfo
@@ -449,3 +450,20 @@ def test_kvmesh_ranking_again_changes_neither_the_order_nor_the_balance_state():
     assert (p._total, p._s_total) == state[2:]
     p.on_routed(probe, orders[0][0])  # routing (once) is what ages the short window
     assert p._s_total < state[3] + probe.num_tokens
+
+
+def test_kvmesh_a_request_routed_again_does_not_make_its_last_block_a_fork():
+    """The live router commits each time Serve ranks a request (and withdraws the earlier commitment):
+    the same request seen many times is one continuation, not a fork that would relax its next turn's
+    affinity."""
+    p = make_policy("kvmesh")
+    turn1 = [7, 8, 9]
+    for _ in range(12):  # Serve backing off: a fresh RequestInfo per ranking, the same request id
+        r = req(turn1, rid="conv-1-turn-1")
+        rid = p.rank(r, views(4))[0]
+        p.on_routed(r, rid)
+        p.on_unrouted(r, rid)
+    r = req(turn1, rid="conv-1-turn-1")
+    p.on_routed(r, p.rank(r, views(4))[0])
+    assert p._fanout.get(9) is not True
+    assert not p._is_hot(req(turn1 + [10, 11], rid="conv-1-turn-2"), np.array([3, 0, 0, 0]))
