@@ -6,7 +6,9 @@ Each seed of `benchmarks/robust_seeds.json` gives one workload shape (`cluster.w
 (default; for reporting only) or tune (the set to tune constants on). Target, per draw: kvmesh hit
 rate >= 0.97 x the merged-LRU bound with per-replica prefill max/mean <= 1.25; one miss is a MISS
 and a non-zero exit. Writes <BENCH_OUT>/robust/robust.json and robust.png (BENCH_OUT default out).
-`BENCH=robust make bench` or `python -m benchmarks.run_all robust`.
+`BENCH=robust make bench` or `python -m benchmarks.run_all robust`. With ROBUST_LIVE=N the first N eval
+seeds are also replayed live (kvmesh and round robin on fresh local apps) and compared with the
+simulator in the same send order (`benchmarks/robust_live.py`; about 2 minutes per draw here).
 """
 from __future__ import annotations
 
@@ -70,14 +72,37 @@ def main() -> dict:
     for name in DEFAULT_POLICIES:
         n_miss = len(target_misses(rows, name, opts.target_ratio, opts.target_imbalance))
         print(f"  {name:<20} meets the target on {len(rows) - n_miss:>3}/{len(rows)} draws")
+    live_missed = run_live_part(out_dir)
     verdict = "PASS" if not misses else "MISS"
     print(f"target: every draw {POLICY} hit >= {opts.target_ratio} x merged-LRU bound with prefill max/mean <= "
           f"{opts.target_imbalance}: {verdict} ({len(rows) - len(misses)}/{len(rows)} draws meet it)")
     if misses:
         print(format_misses(misses, opts))
+    if misses or live_missed:
         sys.stdout.flush()
         raise SystemExit(1)
     return {"summary": summary, "misses": []}
+
+
+def run_live_part(out_dir: str) -> bool:
+    """ROBUST_LIVE=N: the first N eval draws live; prints each draw's checks; True when one missed."""
+    n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
+    if n <= 0:
+        return False
+    from benchmarks.robust_live import format_live, live_checks, live_sweep
+
+    rows = live_sweep(load_seed_set("eval")[:n])
+    print(format_live(rows))
+    missed = False
+    for r in rows:
+        checks = live_checks(r)
+        r["checks"] = checks
+        failed = [name for name, ok in checks.items() if not ok]
+        missed = missed or bool(failed)
+        print(f"  live draw {r['seed']}: {'PASS' if not failed else 'MISS ' + ', '.join(failed)}")
+    with open(os.path.join(out_dir, "robust-live.json"), "w", encoding="utf-8") as fh:
+        json.dump(rows, fh, indent=1)
+    return missed
 
 
 if __name__ == "__main__":
