@@ -104,6 +104,8 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
     host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
     shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
+    for rid in rids:  # the same lifecycle as the live router: replicas join, then requests are placed
+        policy.on_replica_added(rid)
     if [index.slot_of(r) for r in rids] != list(range(N)):
         raise RuntimeError("prefix index did not give replicas slots 0..N-1")
 
@@ -153,9 +155,9 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
         req = RequestInfo(ids, n, bs, r.output_length, r.tenant, str(i))
-        j = policy.choose(req, fleet)
+        j = policy.place(req, fleet)[0]
         rid = rids[j]
-        policy.on_routed(req, rid)
+        policy.on_routed(req, rid, fleet.view(j))
 
         hbm_t = cached_tokens(int(m[0, j]), n, bs)
         host_t = cached_tokens(int(m[1, j]), n, bs)

@@ -32,7 +32,7 @@ from cluster.index import PrefixIndex
 from cluster.tier_tracker import TierTracker
 from deployments import local_state
 from kvstore.hashing import HashMemo, block_hashes
-from policies.base import ReplicaView, RequestInfo
+from policies.base import FleetView, ReplicaView, RequestInfo
 from policies.cost_model import cached_tokens
 from policies.registry import make_policy
 
@@ -53,15 +53,30 @@ def request_fields(pending_request: Optional[PendingRequest]) -> dict | None:
     return None
 
 
-class _Inflight:
-    __slots__ = ("replica", "uncached", "info", "first_token", "policy")
+class _Routing:
+    """A request between ranking and placement: the router has committed to its first choice."""
 
-    def __init__(self, replica: str, uncached: int, info: RequestInfo, policy):
+    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh")
+
+    def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView]):
+        self.info = info
+        self.matches = matches  # replica -> (hbm, host, shared) blocks of the request's prefix
+        self.policy = policy
+        self.views = views  # replica -> its view at ranking time
+        self.replica = ""  # the replica the request is committed to
+        self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
+
+
+class _Inflight:
+    __slots__ = ("replica", "uncached", "info", "first_token", "policy", "routing")
+
+    def __init__(self, replica: str, uncached: int, info: RequestInfo, policy, routing: _Routing):
         self.replica = replica
         self.uncached = uncached
         self.info = info
         self.first_token = False
         self.policy = policy
+        self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
 
 
 class KvmeshRouter(RequestRouter):
@@ -83,9 +98,7 @@ class KvmeshRouter(RequestRouter):
         self.subscribe_events = subscribe_events
         self.events = None  # cluster.kv_events.KVEventSubscriber, created with the first source
         self._subscribed: set[str] = set()
-        # internal request id -> (hashes, info, matches, policy, first choice, blocks speculated there),
-        # from ranking to placement
-        self._routing: dict[str, tuple] = {}
+        self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         self.decisions = 0
@@ -109,6 +122,8 @@ class KvmeshRouter(RequestRouter):
             stats = r.routing_stats or {}
             if rid not in known:
                 self.index.add_replica(rid, node_id=str(stats.get("node_id") or r.node_id or "node-0"))
+                for p in self._policies.values():
+                    p.on_replica_added(rid)
             if stats.get("tiers") and rid in self.index.replicas():  # engine runs on an LMCache node server
                 t = stats["tiers"]
                 self.tiers.set_node(self.index.node_of(rid), has_shared_tier=bool(t.get("shared")),
@@ -189,11 +204,15 @@ class KvmeshRouter(RequestRouter):
             self._withdraw(earlier)
         matches = self.index.match(hashes)
         policy = self._policy_for(req)
-        ranked = policy.rank(info, self._views(candidate_replicas, matches))
+        views = self._views(candidate_replicas, matches)
+        fleet = FleetView.from_views(views)
+        ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         # Commit to the first choice now: Serve may still await a queue-length probe before it places
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
         # cold requests all pick the same idle replica.
-        self._routing[internal] = (hashes, info, matches, policy, ranked[0], self._commit(policy, info, ranked[0]))
+        routing = _Routing(info, matches, policy, {v.replica_id: v for v in views})
+        self._commit(routing, ranked[0])
+        self._routing[internal] = routing
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
             self._withdraw(self._routing.pop(next(iter(self._routing))))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -201,25 +220,26 @@ class KvmeshRouter(RequestRouter):
         self.decision_s += time.perf_counter() - t0
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
-    def _commit(self, policy, info: RequestInfo, rid: str) -> list[int]:
-        """Count `info` as routed to `rid` (policy work, speculative prefix); returns the blocks it newly
-        speculated there, for `_withdraw`."""
-        policy.on_routed(info, rid)
-        fresh: list[int] = []
+    def _commit(self, routing: _Routing, rid: str) -> None:
+        """Count the request as routed to `rid` (policy work, speculative prefix)."""
+        routing.replica = rid
+        routing.policy.on_routed(routing.info, rid, routing.views.get(rid))
+        routing.fresh = []
         if rid in self.index.replicas():
-            self.index.speculate(rid, info.block_hashes, fresh=fresh)
-        return fresh
+            self.index.speculate(rid, routing.info.block_hashes, fresh=routing.fresh)
 
-    def _withdraw(self, routing: tuple) -> None:
+    def _withdraw(self, routing: _Routing) -> None:
         """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled."""
-        _, info, _, policy, rid, fresh = routing
-        policy.on_unrouted(info, rid)
-        if fresh:
-            self.index.withdraw(rid, fresh)
+        routing.policy.on_unrouted(routing.info, routing.replica)
+        if routing.fresh:
+            self.index.withdraw(routing.replica, routing.fresh)
+        routing.fresh = []
 
     async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False):
         # Serve calls `on_request_routed` only when the replica-rejection protocol is on, so the one
         # place that always learns which replica a request got is here (pinned: ray[serve]==2.60).
+        if is_retry:
+            self._retried(pending_request)
         try:
             replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
         except BaseException:  # cancelled (client gone) before a replica was found: undo the commitment
@@ -230,13 +250,25 @@ class KvmeshRouter(RequestRouter):
         self._routed(pending_request, replica.replica_id)
         return replica
 
+    def _retried(self, pending_request: PendingRequest) -> None:
+        """Serve routes a request again after its replica rejected it: the first placement's policy
+        credit and speculative blocks are taken back before it is ranked anew."""
+        earlier = self._inflight.pop(pending_request.metadata.internal_request_id, None)
+        if earlier is not None:
+            if earlier.info.request_id:
+                self._by_request_id.pop(earlier.info.request_id, None)
+            self._withdraw(earlier.routing)
+
     def _policy_for(self, req: dict):
         """The request's policy: the default, or the one the ingress set for its tenant (`policy`)."""
         name = req.get("policy")
         if not name or name == self.policy_name:
             return self.policy
         if name not in self._policies:
-            self._policies[name] = make_policy(name, seed=self.seed)
+            policy = make_policy(name, seed=self.seed)
+            for rid in self.index.replicas():
+                policy.on_replica_added(rid)
+            self._policies[name] = policy
         return self._policies[name]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -248,17 +280,17 @@ class KvmeshRouter(RequestRouter):
         routed = self._routing.pop(internal, None)
         if routed is None:
             return
-        hashes, info, matches, policy, first, _ = routed
+        info, matches, first = routed.info, routed.matches, routed.replica
         rid = replica_id.unique_id
         if rid != first:  # Serve placed it elsewhere (probe timeout, full replica): move the commitment
             self.fallbacks += 1
             self._withdraw(routed)
-            self._commit(policy, info, rid)
+            self._commit(routed, rid)
         self.recent.append({"request_id": info.request_id, "tokens": info.num_tokens, "chosen": rid,
                             "first_choice": first, "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]}})
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, policy)
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, routed.policy, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
@@ -271,7 +303,6 @@ class KvmeshRouter(RequestRouter):
             self._by_request_id.pop(st.info.request_id, None)
         if st.replica in self.index.replicas():  # its prompt's full chunks are now in L1 (and L2)
             self.tiers.record_prefill(st.replica, st.info.block_hashes)
-        st.policy.on_completed(st.info, st.replica)
 
     def first_token(self, request_id: str) -> None:
         """The ingress saw the first token: the request's prefill is no longer pending work."""

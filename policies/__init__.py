@@ -1,4 +1,5 @@
-"""Pure placement policies: (request blocks, per-replica views) -> replicas ranked best first.
+"""Placement policies: (request blocks, per-replica views) -> replicas ranked best first. Ranking is
+pure; a policy's state changes only in its lifecycle hooks (policies/base.py).
 
 The same policy objects run in the live Ray Serve router (deployments/router.py) and in the trace
 simulator (cluster/simulator.py). Nothing in this package does I/O or knows who calls it.

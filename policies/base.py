@@ -2,11 +2,20 @@
 
 A policy sees only plain data: the request's block hashes and, per candidate replica, how much of the
 request's prefix that replica holds in each tier plus its load. It returns replica ids ranked best
-first. Policies may keep private state (a peer's approximate tree, a round-robin counter) updated
-through `on_routed` / `on_completed`; given the same seed and the same call sequence they are
-deterministic.
+first.
+
+One lifecycle, the same in the live router and the simulator: `place` ranks (pure: ranking the same
+request twice on the same view gives the same order and changes nothing, since Serve may rank a
+request several times while it backs off); `on_routed` records where a request went; `on_unrouted`
+takes that back (the router commits to its first choice at once and moves the commitment if Serve
+places the request elsewhere, ranks it again, or the client leaves); `on_replica_removed` forgets a
+replica. Policies keep private state (a peer's approximate tree, a round-robin position, recent work)
+changed only by those hooks; given the same seed and the same call sequence they are deterministic.
 """
 from __future__ import annotations
+
+import random
+import zlib
 
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -69,20 +78,38 @@ class FleetView:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def from_views(cls, views: Sequence[ReplicaView]) -> "FleetView":
+        """The same replicas as arrays (the router builds ReplicaViews; policies may want arrays)."""
+        import numpy as np
+
+        def col(field: str, dtype) -> "object":
+            return np.fromiter((getattr(v, field) for v in views), dtype=dtype, count=len(views))
+
+        extra = {}
+        for name in {k for v in views for k in v.extra}:
+            extra[name] = np.array([v.extra.get(name) for v in views], dtype=object)
+        return cls([v.replica_id for v in views], col("hbm_blocks", np.int64), col("host_blocks", np.int64),
+                   col("shared_blocks", np.int64), col("queued", np.int64), col("running", np.int64),
+                   col("kv_usage", np.float64), col("pending_prefill_tokens", np.int64),
+                   col("capacity_blocks", np.int64), extra)
+
+    def view(self, k: int) -> ReplicaView:
+        """Replica `k` as a ReplicaView."""
+        return ReplicaView(
+            self.ids[k], int(self.hbm_blocks[k]), int(self.host_blocks[k]), int(self.shared_blocks[k]),
+            int(self.queued[k]), int(self.running[k]), float(self.kv_usage[k]),
+            int(self.pending_prefill_tokens[k]), int(self.capacity_blocks[k]),
+            {name: arr[k] for name, arr in self.extra.items()})
+
     def to_views(self) -> list[ReplicaView]:
         """One ReplicaView per replica (for policies without an array fast path)."""
-        out = []
-        for k, rid in enumerate(self.ids):
-            out.append(ReplicaView(
-                rid, int(self.hbm_blocks[k]), int(self.host_blocks[k]), int(self.shared_blocks[k]),
-                int(self.queued[k]), int(self.running[k]), float(self.kv_usage[k]),
-                int(self.pending_prefill_tokens[k]), int(self.capacity_blocks[k]),
-                {name: arr[k] for name, arr in self.extra.items()}))
-        return out
+        return [self.view(k) for k in range(len(self.ids))]
 
 
 class Policy:
-    """Base class: rank replicas best first. Subclasses override `rank`."""
+    """Base class. Subclasses override `rank` (a ranking of ReplicaViews) or `place` (the array form,
+    for policies with a fast path); each default is written in terms of the other."""
 
     name = "base"
     # True when the policy needs per-tier prefix matches (lets callers skip the index lookup otherwise)
@@ -91,26 +118,39 @@ class Policy:
     def __init__(self, seed: int = 0, **params):
         self.seed = seed
         self.params = params
+        self.routed = 0  # requests routed so far: seeds each request's tie-breaking draws
+
+    def place(self, request: RequestInfo, fleet: FleetView) -> list[int]:
+        """Indices into `fleet.ids`, best first: the entry point the router and the simulator call.
+        Pure. The default ranks ReplicaViews built from the fleet."""
+        pos = {rid: k for k, rid in enumerate(fleet.ids)}
+        return [pos[rid] for rid in self.rank(request, fleet.to_views())]
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
-        raise NotImplementedError
+        """Replica ids, best first. Pure. The default places a FleetView built from the views."""
+        if type(self).place is Policy.place:
+            raise NotImplementedError(f"{type(self).__name__} overrides neither rank nor place")
+        fleet = FleetView.from_views(replicas)
+        return [fleet.ids[k] for k in self.place(request, fleet)]
 
-    def choose(self, request: RequestInfo, fleet: FleetView) -> int:
-        """Index into `fleet.ids` of the best replica: the same decision as `rank(...)[0]`. Policies
-        with an array fast path override this; the default ranks ReplicaViews built from the fleet."""
-        best = self.rank(request, fleet.to_views())[0]
-        return fleet.ids.index(best)
+    def draws(self, request: RequestInfo) -> random.Random:
+        """A random stream for this request's tie-breaks: fixed by the seed, the request and how many
+        requests were routed before it, so ranking it again draws the same numbers."""
+        key = f"{self.seed}:{self.routed}:{request.request_id}:{len(request.block_hashes)}"
+        return random.Random(zlib.crc32(key.encode()))
 
-    def on_routed(self, request: RequestInfo, replica_id: str) -> None:
-        """Called once the request was sent to `replica_id` (stateful peers learn from this)."""
+    def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:
+        """The request was sent to `replica_id`; `view` is that replica as ranking saw it (prefix per
+        tier, load), when the caller has it. Subclasses that override this call it too."""
+        self.routed += 1
 
     def on_unrouted(self, request: RequestInfo, replica_id: str) -> None:
         """Take back an `on_routed(request, replica_id)`. The live router credits its first choice as
         soon as it ranks (so requests ranked while Serve is still placing this one see it) and calls
         this when Serve placed the request elsewhere or ranked it again. Default: nothing to undo."""
 
-    def on_completed(self, request: RequestInfo, replica_id: str) -> None:
-        """Called when the request finished on `replica_id`."""
+    def on_replica_added(self, replica_id: str) -> None:
+        """A replica joined the fleet (the router saw it, or the simulator started)."""
 
     def on_replica_removed(self, replica_id: str) -> None:
         """Forget anything kept about a replica that went away."""

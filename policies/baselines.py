@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import random
 from typing import Sequence
 
 from policies.base import Policy, ReplicaView, RequestInfo
@@ -24,22 +23,17 @@ class RoundRobin(Policy):
 
     name = "round_robin"
 
-    def __init__(self, seed: int = 0, **params):
-        super().__init__(seed, **params)
-        self._next = 0
-
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
             return []
         n = len(replicas)
-        start = self._next % n
-        self._next = start + 1
+        start = self.routed % n  # the position moves when a request is routed, not when it is ranked
         return [replicas[(start + i) % n].replica_id for i in range(n)]
 
-    def choose(self, request, fleet) -> int:
-        start = self._next % len(fleet)
-        self._next = start + 1
-        return start
+    def place(self, request, fleet) -> list[int]:
+        n = len(fleet)
+        start = self.routed % n if n else 0
+        return [(start + i) % n for i in range(n)]
 
 
 class RandomChoice(Policy):
@@ -47,15 +41,9 @@ class RandomChoice(Policy):
 
     name = "random"
 
-    def __init__(self, seed: int = 0, **params):
-        super().__init__(seed, **params)
-        self._rng = random.Random(seed)
-
     def rank(self, request, replicas):
-        if not replicas:
-            return []
         ids = [v.replica_id for v in replicas]
-        self._rng.shuffle(ids)
+        self.draws(request).shuffle(ids)
         return ids
 
 
@@ -64,17 +52,13 @@ class LeastLoaded(Policy):
 
     name = "least_loaded"
 
-    def __init__(self, seed: int = 0, **params):
-        super().__init__(seed, **params)
-        self._turn = 0
-
     def rank(self, request, replicas):
         if not replicas:
             return []
         n = len(replicas)
-        self._turn += 1
+        turn = self.routed + 1
         order = sorted(range(n), key=lambda i: (outstanding(replicas[i]), replicas[i].pending_prefill_tokens,
-                                                (i - self._turn) % n))
+                                                (i - turn) % n))
         return [replicas[i].replica_id for i in order]
 
 
@@ -83,17 +67,13 @@ class PowerOfTwo(Policy):
 
     name = "power_of_two"
 
-    def __init__(self, seed: int = 0, **params):
-        super().__init__(seed, **params)
-        self._rng = random.Random(seed)
-
     def rank(self, request, replicas):
         if not replicas:
             return []
         n = len(replicas)
         if n == 1:
             return [replicas[0].replica_id]
-        a, b = self._rng.sample(range(n), 2)
+        a, b = self.draws(request).sample(range(n), 2)
         pair = sorted((a, b), key=lambda i: outstanding(replicas[i]))
         rest = sorted((i for i in range(n) if i not in (a, b)), key=lambda i: outstanding(replicas[i]))
         return [replicas[i].replica_id for i in pair + rest]

@@ -12,7 +12,6 @@ kv_usage x capacity_blocks. Ties are broken randomly (seeded).
 from __future__ import annotations
 
 import math
-import random
 
 from policies.base import Policy
 
@@ -24,9 +23,9 @@ class DynamoCost(Policy):
     def __init__(self, seed: int = 0, overlap_score_weight: float = 1.0, **params):
         super().__init__(seed, overlap_score_weight=overlap_score_weight, **params)
         self.overlap_score_weight = overlap_score_weight
-        self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        rng = self.draws(request)
         if not replicas:
             return []
         bs = request.block_size
@@ -42,5 +41,5 @@ class DynamoCost(Policy):
                 active = v.kv_usage * v.capacity_blocks
             logit[v.replica_id] = self.overlap_score_weight * prefill_blocks + active + (req_blocks - overlap)
         ids = list(logit)
-        self._rng.shuffle(ids)
+        rng.shuffle(ids)
         return sorted(ids, key=lambda r: logit[r])

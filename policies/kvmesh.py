@@ -97,34 +97,45 @@ class KvmeshPolicy(Policy):
         self._total = 0.0
         self._s = np.zeros(0)  # the same work, decayed per request (half-life in requests per replica)
         self._s_total = 0.0
+        # a cache, not state: the slots of the last candidate list whose replicas are all known
         self._ids_key: tuple = ()
         self._ids_idx = np.zeros(0, dtype=np.int64)
-        self._ids_pos: dict[str, int] = {}
-        self._last: tuple | None = None  # (request, ids, ttft array, uncached array)
-        # decisions awaiting on_routed, by id(request): a live router may rank several requests
-        # (concurrently, retries) before it reports where each went
-        self._awaiting: OrderedDict[int, tuple] = OrderedDict()
         self._credited: OrderedDict[int, tuple] = OrderedDict()  # id(request) -> (request, replica, work)
 
     # ------------------------------------------------------------------ scoring
-    def _positions(self, ids: Sequence[str]) -> np.ndarray:
-        """Slots of `ids` in the work array (new replicas start at the current mean)."""
+    def on_replica_added(self, replica_id: str) -> None:
+        """A new replica starts at the fleet's current mean work, so the guard neither floods it nor
+        holds it back."""
+        if replica_id in self._slot:
+            return
+        live = len(self._slot)
+        mean = self._total / live if live else 0.0
+        s_mean = self._s_total / live if live else 0.0
+        self._slot[replica_id] = len(self._w)
+        self._w = np.append(self._w, mean)
+        self._total += mean
+        self._s = np.append(self._s, s_mean)
+        self._s_total += s_mean
+        self._ids_key = ()
+
+    def _work(self, ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, float, float, int]:
+        """(work, short-window work) per candidate, and the fleet's totals and size, with candidates
+        not yet added counted at the mean as `on_replica_added` would. Pure (the slot list is cached)."""
         key = tuple(ids)
-        if key != self._ids_key:
-            live = len(self._slot)
-            mean = self._total / live if live else 0.0
-            s_mean = self._s_total / live if live else 0.0
-            for rid in key:
-                if rid not in self._slot:
-                    self._slot[rid] = len(self._w)
-                    self._w = np.append(self._w, mean)
-                    self._total += mean
-                    self._s = np.append(self._s, s_mean)
-                    self._s_total += s_mean
-            self._ids_key = key
-            self._ids_idx = np.fromiter((self._slot[r] for r in key), dtype=np.int64, count=len(key))
-            self._ids_pos = {r: k for k, r in enumerate(key)}
-        return self._ids_idx
+        if key == self._ids_key:
+            idx = self._ids_idx
+            return self._w[idx], self._s[idx], self._total, self._s_total, len(self._slot)
+        slots = [self._slot.get(r) for r in key]
+        live = len(self._slot)
+        mean = self._total / live if live else 0.0
+        s_mean = self._s_total / live if live else 0.0
+        new = sum(1 for k in slots if k is None)
+        if not new:
+            self._ids_key, self._ids_idx = key, np.fromiter(slots, dtype=np.int64, count=len(slots))
+            return self._w[self._ids_idx], self._s[self._ids_idx], self._total, self._s_total, live
+        w = np.array([self._w[k] if k is not None else mean for k in slots])
+        sw = np.array([self._s[k] if k is not None else s_mean for k in slots])
+        return w, sw, self._total + new * mean, self._s_total + new * s_mean, live + new
 
     def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending):
         """Arrays (predicted TTFT in s, prompt tokens that would be computed) per replica. Pure."""
@@ -145,9 +156,8 @@ class KvmeshPolicy(Policy):
     def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
         """Sort keys per replica, most significant first: (outside the balance guard, score, recent work)."""
         ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
-        idx = self._positions(ids)  # may grow self._w: index it afterwards
-        live = len(self._slot)
-        d = self._age()  # the short window as on_routed will see it: aged by this request (ranking is pure)
+        work, recent, total, recent_total, live = self._work(ids)
+        d = self._age(live)  # the short window as on_routed will see it: aged by this request
         cost = self.recompute_weight * uncached
         score = ttft
         hot = self._hot_blocks(request, shared_b)
@@ -159,25 +169,20 @@ class KvmeshPolicy(Policy):
             cost = cost - max(self.recompute_weight - self.hot_recompute_weight, 0.0) * missing
             score = score - missing * self.cost.prefill_s_per_token
             if self.spread_weight:
-                excess = d * np.maximum(self._s[idx] - (1.0 + self.balance_slack) * (self._s_total / live), 0.0)
+                excess = d * np.maximum(recent - (1.0 + self.balance_slack) * (recent_total / live), 0.0)
                 cost = cost + self.spread_weight * excess
-        work = self._w[idx]
-        limit = (1.0 + self.balance_slack) * (self._total / len(self._slot))
+        limit = (1.0 + self.balance_slack) * (total / live)
         if self.guard_weight is not None:  # soft: every token over the bound is charged
             cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
             limit = np.inf
         else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
             limit = limit + request.num_tokens
         score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
-        self._last = (request, ids, ttft, uncached)
-        self._awaiting[id(request)] = self._last
-        if len(self._awaiting) > 256:
-            self._awaiting.popitem(last=False)
         return work > limit, score, work
 
-    def _age(self) -> float:
+    def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""
-        return 0.5 ** (1.0 / (self.half_life_requests * max(len(self._slot), 1)))
+        return 0.5 ** (1.0 / (self.half_life_requests * max(live, 1)))
 
     def _is_hot(self, request: RequestInfo, shared_b) -> bool:
         """Does the request's longest cached prefix end at a fork many requests branch from (a shared
@@ -224,58 +229,26 @@ class KvmeshPolicy(Policy):
         over, score, work = self._keys(request, ids, *arrays)
         return np.lexsort((np.arange(len(ids)), work, score, over))
 
-    def _best(self, request: RequestInfo, ids, *arrays) -> int:
-        """`_order(...)[0]` without sorting everything (the simulator's hot path)."""
-        over, score, work = self._keys(request, ids, *arrays)
-        if over.any() and not over.all():
-            score = np.where(over, np.inf, score)
-        cand = np.flatnonzero(score == score.min())
-        if len(cand) > 1:
-            w = work[cand]
-            cand = cand[w == w.min()]
-        return int(cand[0])
-
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
         ttft, unc = self._predict(request, *(np.array([x]) for x in (
             v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens)))
         return float(ttft[0]), int(unc[0])
 
-    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
-        if not replicas:
+    def place(self, request: RequestInfo, fleet: FleetView) -> list[int]:
+        if not len(fleet):
             return []
-        ids = [v.replica_id for v in replicas]
-        arr = [np.fromiter((getattr(v, f) for v in replicas), dtype=np.int64, count=len(replicas)) for f in
-               ("hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "pending_prefill_tokens")]
-        return [ids[k] for k in self._order(request, ids, *arr)]
-
-    def choose(self, request: RequestInfo, fleet: FleetView) -> int:
-        return self._best(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
-                          fleet.queued, fleet.running, fleet.pending_prefill_tokens)
-
-    @property
-    def last_prediction(self) -> dict[str, float]:
-        """Predicted TTFT (s) per replica for the last ranked request (for explanations)."""
-        if self._last is None:
-            return {}
-        _, ids, ttft, _ = self._last
-        return {rid: float(t) for rid, t in zip(ids, ttft)}
+        return self._order(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
+                           fleet.queued, fleet.running, fleet.pending_prefill_tokens).tolist()
 
     # ------------------------------------------------------------------ feedback
-    def on_routed(self, request: RequestInfo, replica_id: str) -> None:
-        """Credit the replica with the prefill work predicted for it when `request` was ranked."""
-        seen = self._awaiting.get(id(request))
-        u = request.num_tokens  # routed without a ranking (e.g. a fallback): count the whole prompt
-        if seen is not None and seen[0] is request:
-            ids = seen[1]
-            pos = self._ids_pos.get(replica_id) if ids is self._ids_key or tuple(ids) == self._ids_key else None
-            if pos is None and replica_id in ids:
-                pos = list(ids).index(replica_id)
-            if pos is not None:
-                u = float(seen[3][pos])
-        if replica_id not in self._slot:
-            self._positions(list(self._ids_key) + [replica_id])
-        d = self._age()  # one routed request ages the short window (here, not in ranking: Serve may rank twice)
+    def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:
+        """Credit the replica with the prefill work predicted from `view` (the replica as ranking saw
+        it); without a view (a request routed without ranking) the whole prompt counts."""
+        super().on_routed(request, replica_id, view)
+        u = self.predict(request, view)[1] if view is not None else request.num_tokens
+        self.on_replica_added(replica_id)
+        d = self._age(len(self._slot))  # one routed request ages the short window (not ranking: Serve may rank twice)
         self._s *= d
         self._s_total *= d
         self._credit(replica_id, u)

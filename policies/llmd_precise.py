@@ -11,7 +11,6 @@ This policy uses the real prefix index (hbm tier), like llm-d's precise mode.
 """
 from __future__ import annotations
 
-import random
 
 from policies.base import Policy
 from policies.baselines import outstanding
@@ -34,9 +33,9 @@ class LlmdPrecise(Policy):
         super().__init__(seed, prefix_weight=prefix_weight, kv_util_weight=kv_util_weight,
                          queue_weight=queue_weight, **params)
         self.w = (prefix_weight, kv_util_weight, queue_weight)
-        self._rng = random.Random(seed)
 
     def rank(self, request, replicas):
+        rng = self.draws(request)
         if not replicas:
             return []
         prefix = _minmax({v.replica_id: float(v.hbm_blocks) for v in replicas})
@@ -45,5 +44,5 @@ class LlmdPrecise(Policy):
         score = {v.replica_id: wp * prefix[v.replica_id] + wk * (1.0 - v.kv_usage) + wq * queue[v.replica_id]
                  for v in replicas}
         ids = list(score)
-        self._rng.shuffle(ids)
+        rng.shuffle(ids)
         return sorted(ids, key=lambda r: -score[r])

@@ -12,7 +12,6 @@ Differences: the tree is over block hashes, not characters; eviction is immediat
 """
 from __future__ import annotations
 
-import random
 
 from policies.approx_tree import ApproxTree
 from policies.base import Policy
@@ -29,15 +28,15 @@ class RayPrefixAffinity(Policy):
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self.tree = ApproxTree(max(1, eviction_threshold_chars // chars_per_token))
-        self._rng = random.Random(seed)
 
-    def _pow2(self, replicas):
+    def _pow2(self, replicas, rng):
         n = len(replicas)
         if n == 1:
             return [replicas[0]]
-        return [replicas[i] for i in self._rng.sample(range(n), 2)]
+        return [replicas[i] for i in rng.sample(range(n), 2)]
 
     def rank(self, request, replicas):
+        rng = self.draws(request)
         if not replicas:
             return []
         q = {v.replica_id: outstanding(v) for v in replicas}
@@ -53,12 +52,13 @@ class RayPrefixAffinity(Policy):
                 smallest = min(self.tree.size(r) for r in ids)
                 candidates = [r for r in ids if self.tree.size(r) == smallest]
         if not candidates:
-            candidates = [v.replica_id for v in self._pow2(replicas)]
-        self._rng.shuffle(candidates)  # Serve breaks queue-length ties randomly
+            candidates = [v.replica_id for v in self._pow2(replicas, rng)]
+        rng.shuffle(candidates)  # Serve breaks queue-length ties randomly
         first = min(candidates, key=lambda r: q[r])
         return [first] + sorted((r for r in ids if r != first), key=lambda r: q[r])
 
-    def on_routed(self, request, replica_id):
+    def on_routed(self, request, replica_id, view=None):
+        super().on_routed(request, replica_id, view)
         self.tree.insert(replica_id, request.block_hashes, request.block_size)
 
     def on_replica_removed(self, replica_id):

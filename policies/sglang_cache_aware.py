@@ -47,7 +47,8 @@ class SglangCacheAware(Policy):
             first = min(ids, key=lambda r: self.tree.size(r))
         return [first] + [r for r in by_load if r != first]
 
-    def on_routed(self, request, replica_id):
+    def on_routed(self, request, replica_id, view=None):
+        super().on_routed(request, replica_id, view)
         self.tree.insert(replica_id, request.block_hashes, request.block_size)
 
     def on_replica_removed(self, replica_id):

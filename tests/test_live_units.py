@@ -411,3 +411,26 @@ def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_
     assert build_engine_args(engine_config({"dtype": "bfloat16"}), str(tiny_model_dir), None, None).dtype == "bfloat16"
     assert engine_dtype("tiny", "auto") == "float32"
     assert engine_dtype("/models/llama-8b", "auto") == "auto"
+
+
+def test_router_takes_back_a_placement_the_replica_rejected(monkeypatch):
+    """Serve retries a request a replica rejected: the first placement's policy credit and its
+    speculative blocks must not stay behind (they would count twice once the retry is placed)."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))  # registers both replicas
+        idle = dict(router.policy.recent_work())
+        pending = fake_request(list(range(500, 800)), "q")
+        first = (await router.choose_replicas([a, b], pending))[0][0]
+        router._routed(pending, first.replica_id)
+        rid = first.replica_id.unique_id
+        assert router.policy.recent_work()[rid] > idle[rid]
+        assert router.index.held_blocks(rid) > 0
+        router._retried(pending)
+        assert router.policy.recent_work() == pytest.approx(idle)
+        assert router.index.held_blocks(rid) == 0 and "i-q" not in router._inflight
+
+    asyncio.run(scenario())

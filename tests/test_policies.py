@@ -25,6 +25,21 @@ def views(k, **per):
     return out
 
 
+def view(vs, rid):
+    """The view of replica `rid` among `vs` (what the router hands on_routed)."""
+    return next(v for v in vs if v.replica_id == rid)
+
+
+def route(p, r, vs, rid=None):
+    """Rank `r` on `vs` and route it to `rid` (default: the first choice) as the router does: the
+    replicas it sees have joined the fleet, and on_routed gets the chosen replica's view."""
+    for v in vs:
+        p.on_replica_added(v.replica_id)
+    rid = rid or p.rank(r, vs)[0]
+    p.on_routed(r, rid, view(vs, rid))
+    return rid
+
+
 def test_registry_lists_every_required_policy():
     assert set(POLICY_NAMES) == {"kvmesh", *BASELINES, *PEERS}
     assert set(BASELINES) == {"round_robin", "random", "least_loaded", "power_of_two", "consistent_hash"}
@@ -55,7 +70,7 @@ def test_every_policy_ranks_a_permutation_and_is_deterministic(name):
             r = req([rng.randrange(6), rng.randrange(50), rng.randrange(50)], rid=str(i))
             ranked = p.rank(r, vs)
             assert sorted(ranked) == sorted(v.replica_id for v in vs), name
-            p.on_routed(r, ranked[0])
+            p.on_routed(r, ranked[0], view(vs, ranked[0]))
             picks.append(ranked[0])
         return picks
 
@@ -110,9 +125,10 @@ def test_kvmesh_tier_credits_order_hbm_host_shared_none():
     vs[0].hbm_blocks = vs[0].host_blocks = vs[0].shared_blocks = 8  # in its own cache
     vs[1].host_blocks = vs[1].shared_blocks = 8  # in its node's host DRAM
     vs[2].shared_blocks = 8  # in the shared tier only
-    assert p.rank(req(range(10)), vs) == ["r0", "r1", "r2", "r3"]
-    pred = p.last_prediction
-    assert pred["r0"] < pred["r1"] < pred["r2"] < pred["r3"]
+    r = req(range(10))
+    assert p.rank(r, vs) == ["r0", "r1", "r2", "r3"]
+    pred = [p.predict(r, v)[0] for v in vs]
+    assert pred[0] < pred[1] < pred[2] < pred[3]
 
 
 def test_kvmesh_spreads_requests_that_share_one_system_prompt():
@@ -123,8 +139,7 @@ def test_kvmesh_spreads_requests_that_share_one_system_prompt():
         vs = views(8, hbm_blocks=dict.fromkeys(range(8), 1), host_blocks=dict.fromkeys(range(8), 1),
                    shared_blocks=dict.fromkeys(range(8), 1))
         r = req([0, 1000 + i, 2000 + i, 3000 + i], rid=str(i))
-        rid = p.rank(r, vs)[0]
-        p.on_routed(r, rid)
+        rid = route(p, r, vs)
         counts[rid] = counts.get(rid, 0) + 1
     assert len(counts) == 8
     assert max(counts.values()) <= 11  # 10 each on average
@@ -135,8 +150,7 @@ def test_kvmesh_guard_overrides_affinity_for_an_overworked_replica():
     # r0 owns a popular prefix: send it a lot of work via on_routed (as if routed before)
     for i in range(50):
         r = req([0, i + 100], rid=f"w{i}")
-        p.rank(r, views(4))
-        p.on_routed(r, "r0")
+        route(p, r, views(4), "r0")
     work = p.recent_work()
     assert work["r0"] > 1.1 * (sum(work.values()) / 4)
     vs = views(4, hbm_blocks={0: 9}, host_blocks={0: 9}, shared_blocks={0: 9})
@@ -145,19 +159,20 @@ def test_kvmesh_guard_overrides_affinity_for_an_overworked_replica():
     q = make_policy("kvmesh", balance_slack=1e9)
     for i in range(50):
         r = req([0, i + 100], rid=f"w{i}")
-        q.rank(r, views(4))
-        q.on_routed(r, "r0")
+        route(q, r, views(4), "r0")
     assert q.rank(req(range(10)), vs)[0] == "r0"
 
 
 def test_kvmesh_new_replica_starts_at_the_mean_and_removed_one_is_forgotten():
     p = make_policy("kvmesh")
+    for rid in ("r0", "r1"):
+        p.on_replica_added(rid)
     for i in range(20):
-        r = req([i], rid=str(i))
-        rid = p.rank(r, views(2))[0]
-        p.on_routed(r, rid)
+        route(p, req([i], rid=str(i)), views(2))
     before = p.recent_work()
     p.rank(req([99]), views(3))
+    assert p.recent_work() == before  # ranking with a replica not yet added changes nothing
+    p.on_replica_added("r2")
     after = p.recent_work()
     assert after["r2"] == pytest.approx(sum(before.values()) / 2)
     p.on_replica_removed("r2")
@@ -174,7 +189,8 @@ def test_kvmesh_rejects_bad_parameters():
 # -------------------------------------------------------------------------------------- baselines
 def test_round_robin_cycles_and_least_loaded_picks_minimum():
     rr = make_policy("round_robin")
-    assert [rr.rank(req([1]), views(3))[0] for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    assert [route(rr, req([1]), views(3)) for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    assert rr.rank(req([1]), views(3)) == rr.rank(req([1]), views(3))  # ranking alone does not turn it
     ll = make_policy("least_loaded")
     assert ll.rank(req([1]), views(3, queued={0: 2, 1: 1, 2: 3}))[0] == "r1"
 
@@ -245,8 +261,8 @@ def test_no_candidates_gives_an_empty_ranking(name):
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
-def test_choose_on_a_fleet_matches_rank(name):
-    """The array fast path decides exactly like rank()[0] (two instances fed the same sequence)."""
+def test_place_on_a_fleet_matches_rank(name):
+    """The array entry point decides exactly like rank() (two instances fed the same sequence)."""
     import random
 
     import numpy as np
@@ -268,11 +284,11 @@ def test_choose_on_a_fleet_matches_rank(name):
         fleet = FleetView([v.replica_id for v in vs], *(np.array([getattr(v, f) for v in vs]) for f in (
             "hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "kv_usage",
             "pending_prefill_tokens", "capacity_blocks")))
-        by_rank = a.rank(r, vs)[0]
-        by_choose = fleet.ids[b.choose(r, fleet)]
-        assert by_rank == by_choose, (name, i)
-        a.on_routed(r, by_rank)
-        b.on_routed(r, by_choose)
+        by_rank = a.rank(r, vs)
+        by_place = [fleet.ids[k] for k in b.place(r, fleet)]
+        assert by_rank == by_place, (name, i)
+        a.on_routed(r, by_rank[0], view(vs, by_rank[0]))
+        b.on_routed(r, by_place[0], fleet.view(fleet.ids.index(by_place[0])))
 
 
 def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave():
@@ -280,10 +296,12 @@ def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave
     warm = views(2, hbm_blocks={0: 9}, host_blocks={0: 9}, shared_blocks={0: 9})
     a = req(range(10), rid="a")  # 9 blocks cached on r0: (5120-1) // 512 = 9 -> 512 tokens computed there
     b = req(range(100, 110), rid="b")  # cold everywhere: 5120 computed
+    p.on_replica_added("r0")
+    p.on_replica_added("r1")
     p.rank(a, warm)
     p.rank(b, views(2))
-    p.on_routed(b, "r1")
-    p.on_routed(a, "r0")
+    p.on_routed(b, "r1", view(views(2), "r1"))
+    p.on_routed(a, "r0", view(warm, "r0"))
     work = p.recent_work()
     assert work["r0"] == pytest.approx(512) and work["r1"] == pytest.approx(5120)
 
@@ -303,9 +321,9 @@ def _run(policy, records, replicas):
     placed = {}
     routed = policy.on_routed
 
-    def record(request, replica_id):  # observe the decisions through the policy's own feedback hook
+    def record(request, replica_id, view=None):  # observe the decisions through the policy's own hook
         placed[int(request.request_id)] = replica_id
-        routed(request, replica_id)
+        routed(request, replica_id, view)
 
     policy.on_routed = record
     try:
@@ -399,14 +417,13 @@ def test_kvmesh_rejects_bad_spread_parameters():
 def test_kvmesh_unrouted_takes_back_exactly_the_credited_work():
     p = make_policy("kvmesh")
     r = req(range(10), rid="x")
-    p.rank(r, views(2))
-    p.on_routed(r, "r0")
+    route(p, r, views(2), "r0")
     credited = p.recent_work()
     assert credited["r0"] > credited["r1"]
     p.on_unrouted(r, "r1")  # not where it was credited: nothing changes
     assert p.recent_work() == credited
     p.on_unrouted(r, "r0")
-    p.on_routed(r, "r1")
+    route(p, r, views(2), "r1")
     moved = p.recent_work()
     assert moved["r0"] == pytest.approx(credited["r1"]) and moved["r1"] == pytest.approx(credited["r0"])
 
@@ -467,3 +484,34 @@ def test_kvmesh_a_request_routed_again_does_not_make_its_last_block_a_fork():
     p.on_routed(r, p.rank(r, views(4))[0])
     assert p._fanout.get(9) is not True
     assert not p._is_hot(req(turn1 + [10, 11], rid="conv-1-turn-2"), np.array([3, 0, 0, 0]))
+
+
+# Memoised lookups that ranking may fill: caches of pure functions of the state, not state.
+_CACHES = {"_ids_key", "_ids_idx", "_members", "_points", "_owners"}
+
+
+def _state(p) -> bytes:
+    import pickle
+
+    return pickle.dumps({k: v for k, v in vars(p).items() if k not in _CACHES})
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_ranking_is_pure_for_every_policy(name):
+    """Serve may rank a request several times while it backs off: the same request on the same view
+    ranks the same way each time and leaves the policy's state byte for byte as it was."""
+    import random
+
+    rng = random.Random(5)
+    p = make_policy(name, seed=3)
+    for i in range(30):  # some history, so trees, windows and counters are not empty
+        vs = views(4, hbm_blocks={rng.randrange(4): rng.randrange(3)}, queued={rng.randrange(4): rng.randrange(3)})
+        for v in vs:
+            v.host_blocks = v.shared_blocks = v.hbm_blocks
+        route(p, req([rng.randrange(3), rng.randrange(40), rng.randrange(40)], rid=f"h{i}"), vs)
+    vs = views(4, hbm_blocks={1: 2}, host_blocks={1: 2}, shared_blocks={1: 2}, queued={2: 1})
+    r = req([1, 2, 3, 4], rid="probe")
+    before = _state(p)
+    first = p.rank(r, vs)
+    assert _state(p) == before
+    assert p.rank(r, vs) == first and _state(p) == before
