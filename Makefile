@@ -36,7 +36,7 @@ demo: setup services
 	$(VENV)/bin/kvmesh demo
 
 bench: setup services
-	$(PY) -m benchmarks.run_all
+	$(PY) -m kvmesh.benchmarks.run_all
 
 # kvmesh vs real peer routers (issue 6; docs/peers.md). Peers are benchmark-only (the `bench` extra).
 bench-peers: setup

@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from cluster.workloads import ChatSpec, cache_bounds, synth_chat
+from kvmesh.cluster.workloads import ChatSpec, cache_bounds, synth_chat
 
 TOKENS_PER_BLOCK = 64  # two 32-token engine blocks per trace block
 TARGETS = {
@@ -62,8 +62,8 @@ def evaluate(results: dict[str, dict], bound_hit_rate: float) -> list[tuple[str,
 def run_live(records: list[dict], policies: list[str], replicas: int, concurrency: int = 4,
              max_tokens: int = 16) -> dict[str, dict]:
     """Replay `records` once per policy, each on a freshly started app (cold caches)."""
-    from deployments.app import start_local, stop_local
-    from deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.replay import ReplayConfig, replay
 
     key = "kvm-bench-" + os.urandom(6).hex()
     results = {}
@@ -115,7 +115,7 @@ def plot(results: dict[str, dict], bounds: dict, path: str) -> None:
 
 
 def main() -> None:
-    from deployments.replay import format_table
+    from kvmesh.deployments.replay import format_table
 
     replicas = int(os.environ.get("BENCH_LIVE_REPLICAS", 4))
     records = synth_chat(workload_spec())

@@ -1,12 +1,12 @@
 """Placement robustness: kvmesh and the peers' algorithms on randomised workload families (simulator).
 
 Why: the policy's constants were tuned on a few traces; this judges it on draws it was not tuned on.
-Each seed of `benchmarks/robust_seeds.json` gives one workload shape (`cluster.workload_family`);
-`cluster.sweep` runs every policy on it and compares with the bounds. Seeds: ROBUST_SEEDS=eval
+Each seed of `benchmarks/robust_seeds.json` gives one workload shape (`kvmesh.cluster.workload_family`);
+`kvmesh.cluster.sweep` runs every policy on it and compares with the bounds. Seeds: ROBUST_SEEDS=eval
 (default; for reporting only) or tune (the set to tune constants on). Target, per draw: kvmesh hit
 rate >= 0.97 x the merged-LRU bound with per-replica prefill max/mean <= 1.25; one miss is a MISS
 and a non-zero exit. Writes <BENCH_OUT>/robust/robust.json and robust.png (BENCH_OUT default out).
-`BENCH=robust make bench` or `python -m benchmarks.run_all robust`. With ROBUST_LIVE=N the first N eval
+`BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N eval
 seeds are also replayed live (kvmesh and round robin on fresh local apps) and compared with the
 simulator in the same send order (`benchmarks/robust_live.py`; about 2 minutes per draw here).
 """
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from cluster.sweep import DEFAULT_POLICIES, SweepOptions, format_summary, plot, summarize, sweep, target_misses
+from kvmesh.cluster.sweep import DEFAULT_POLICIES, SweepOptions, format_summary, plot, summarize, sweep, target_misses
 
 SEEDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "robust_seeds.json")
 POLICY = "kvmesh"
@@ -89,7 +89,7 @@ def run_live_part(out_dir: str) -> bool:
     n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
     if n <= 0:
         return False
-    from benchmarks.robust_live import format_live, live_checks, live_sweep
+    from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
     rows = live_sweep(load_seed_set("eval")[:n])
     print(format_live(rows))

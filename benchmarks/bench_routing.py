@@ -21,10 +21,10 @@ import time
 
 import msgpack
 
-from cluster.index import PrefixIndex
-from cluster.kv_events import KVEventApplier, SourceState
-from kvstore.hashing import BlockHasher, HashMemo, block_hashes
-from policies.base import ReplicaView, RequestInfo
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.kv_events import KVEventApplier, SourceState
+from kvmesh.kvstore.hashing import BlockHasher, HashMemo, block_hashes
+from kvmesh.policies.base import ReplicaView, RequestInfo
 
 P99_TARGET_MS = 2.0
 INGEST_TARGET = 100_000
@@ -44,7 +44,7 @@ def _pct(xs, q):
 
 def _policy():
     try:
-        from policies.registry import make_policy
+        from kvmesh.policies.registry import make_policy
         return make_policy("kvmesh"), "kvmesh policy"
     except Exception as exc:  # policies not present in this build
         return None, f"no kvmesh policy ({exc}); hash + lookup only"

@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 import time
 
-from cluster.sim_report import plot
-from cluster.simulator import SimConfig, simulate, simulate_policy
-from cluster.trace import load_trace, tile
-from policies.registry import PEERS, make_policy
+from kvmesh.cluster.sim_report import plot
+from kvmesh.cluster.simulator import SimConfig, simulate, simulate_policy
+from kvmesh.cluster.trace import load_trace, tile
+from kvmesh.policies.registry import PEERS, make_policy
 
 SPEED_TARGET_S = 120.0
 SPEED_REPLICAS = 256

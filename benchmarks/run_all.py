@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 
-import benchmarks
+from kvmesh import benchmarks
 
 
 def main(argv=None) -> int:
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()
         try:
-            importlib.import_module(f"benchmarks.{name}").main()
+            importlib.import_module(f"kvmesh.benchmarks.{name}").main()
         except SystemExit as exc:  # a bench's verdict (e.g. a MISS): keep going, remember it
             if exc.code not in (None, 0):
                 failed.append(name)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cluster.block_cache import BlockLRU, leading_held
-from cluster.trace import TraceRequest
-from policies.cost_model import cacheable_blocks, cached_tokens
+from kvmesh.cluster.block_cache import BlockLRU, leading_held
+from kvmesh.cluster.trace import TraceRequest
+from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 
 def lru_hit_rate(requests: Sequence[TraceRequest], block_size: int, capacity: int | None) -> float:

@@ -12,13 +12,13 @@ hundred dict probes and integer ANDs, not a tree walk or a remote call. Replicas
 
 Walking the request's hashes in order with `alive &= mask` gives each replica's longest cached prefix
 per tier; a replica drops out at the first block it lacks, and the walk stops when no replica is alive
-in any tier. Prefix lengths are cumulative (hbm <= host-or-hbm <= any tier), as `policies.base`
+in any tier. Prefix lengths are cumulative (hbm <= host-or-hbm <= any tier), as `kvmesh.policies.base`
 expects.
 
 Memory is bounded by `max_blocks` entries in LRU order (touched on store and on a matching lookup).
 Speculative entries (written when a request is routed, before the engine's BlockStored arrives)
 expire after `speculative_ttl_s` unless an event confirms them. Keys are the 64-bit event form of
-vLLM's block hashes (`kvstore.hashing.block_hashes`). Not thread-safe: one asyncio loop owns it.
+vLLM's block hashes (`kvmesh.kvstore.hashing.block_hashes`). Not thread-safe: one asyncio loop owns it.
 """
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ class PrefixIndex:
     def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:
         """Apply decoded vLLM KV events (BlockStored / BlockRemoved / AllBlocksCleared) for a replica.
 
-        Accepts `cluster.kv_events` records or vLLM's own msgspec structs (matched by class name).
+        Accepts `kvmesh.cluster.kv_events` records or vLLM's own msgspec structs (matched by class name).
         Only KV-cache group 0 counts (the full-attention group routing cares about); events for an
         unknown medium or another group are counted in `events_ignored`. Returns events applied.
         """

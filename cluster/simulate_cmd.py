@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from deployments.cli import CliError
+from kvmesh.deployments.cli import CliError
 
 
 def _positive_int(text: str) -> int:
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cost_model(text: str | None):
-    from policies.cost_model import CostModel
+    from kvmesh.policies.cost_model import CostModel
 
     if text is None:
         return CostModel()
@@ -82,11 +82,11 @@ def _cost_model(text: str | None):
 
 
 def run(args) -> int:
-    from cluster.bounds import balance_bounded_bound
-    from cluster.sim_report import format_table, plot
-    from cluster.simulator import SimConfig, simulate
-    from cluster.trace import TraceError, load_trace
-    from policies.registry import make_policy, parse_policy_list
+    from kvmesh.cluster.bounds import balance_bounded_bound
+    from kvmesh.cluster.sim_report import format_table, plot
+    from kvmesh.cluster.simulator import SimConfig, simulate
+    from kvmesh.cluster.trace import TraceError, load_trace
+    from kvmesh.policies.registry import make_policy, parse_policy_list
 
     try:
         names = parse_policy_list(args.policies)

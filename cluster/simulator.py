@@ -4,10 +4,10 @@ Model (docs/simulator.md has the long form):
 - Each replica is one accelerator with a finite HBM block cache (`BlockLRU`, LRU, parents outlive
   children); optionally a host tier per node (LMCache L1, write-through: every computed or loaded
   block is stored there) and one shared tier for the fleet (LMCache L2, write-through).
-- The simulated caches report every store and eviction to a real `cluster.index.PrefixIndex`, the
+- The simulated caches report every store and eviction to a real `kvmesh.cluster.index.PrefixIndex`, the
   same index the live router feeds from KV events; policies see `ReplicaView`s built from its
   `match` plus the replica's load, exactly like the live router.
-- Requests arrive at trace timestamps (optionally scaled to a target load, see `cluster.trace
+- Requests arrive at trace timestamps (optionally scaled to a target load, see `kvmesh.cluster.trace
   .scale_to_load`). A replica prefills one request at a time, FIFO (`CostModel.prefill_s`: base +
   uncached tokens x prefill cost + tier tokens x load cost); a request needs one of `max_batch`
   sequence slots from the start of its prefill to the end of its decode (output_length x
@@ -25,11 +25,11 @@ import time
 import numpy as np
 from dataclasses import dataclass, field
 
-from cluster.block_cache import BlockLRU
-from cluster.index import PrefixIndex
-from cluster.trace import Trace, scale_to_load
-from policies.base import FleetView, Policy, RequestInfo
-from policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
+from kvmesh.cluster.block_cache import BlockLRU
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.trace import Trace, scale_to_load
+from kvmesh.policies.base import FleetView, Policy, RequestInfo
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
 
 
 @dataclass
@@ -256,7 +256,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
 
 def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False) -> dict:
     """Run every policy on the same arrivals and return the issue-2 JSON document (with bounds)."""
-    from cluster.bounds import compute_bounds
+    from kvmesh.cluster.bounds import compute_bounds
 
     cfg.check()
     arrivals, offered = arrivals_for(trace, cfg)

@@ -18,13 +18,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from cluster.bounds import balance_bounded_bound, compute_bounds
-from cluster.simulator import SimConfig, simulate_policy
-from cluster.trace import Trace, scale_to_load
-from cluster.workload_family import FamilyDraw, draw, records
-from cluster.workloads import engine_trace, scaled_block_lengths, scaled_output_length
-from policies.cost_model import DEFAULT_COST_MODEL, CostModel
-from policies.registry import PEERS, make_policy
+from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds
+from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.trace import Trace, scale_to_load
+from kvmesh.cluster.workload_family import FamilyDraw, draw, records
+from kvmesh.cluster.workloads import engine_trace, scaled_block_lengths, scaled_output_length
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
+from kvmesh.policies.registry import PEERS, make_policy
 
 DEFAULT_POLICIES: tuple[str, ...] = ("kvmesh", "round_robin", *PEERS)
 METRICS = ("hit_over_merged", "hit_over_balance", "hit_minus_best_other", "prefill_max_over_mean")

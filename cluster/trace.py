@@ -55,7 +55,7 @@ class Trace:
 def resolve(name_or_path: str) -> str:
     """A bundled trace name ('conversation', 'synthetic') or a file path -> a readable path."""
     if name_or_path in BUNDLED:
-        return str(resources.files("cluster") / "traces" / BUNDLED[name_or_path])
+        return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
     if not os.path.isfile(name_or_path):
         raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
     return name_or_path

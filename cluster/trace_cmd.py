@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cluster import workloads
+from kvmesh.cluster import workloads
 
 BUNDLED = {
     "conversation": "mooncake_conversation_trace.jsonl",
@@ -22,7 +22,7 @@ def resolve_trace(name_or_path: str) -> str:
     if name_or_path in BUNDLED:
         from importlib import resources
 
-        return str(resources.files("cluster") / "traces" / BUNDLED[name_or_path])
+        return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
     return name_or_path
 
 
@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deployments.cli import CliError
+    from kvmesh.deployments.cli import CliError
 
     try:
         if args.trace_command == "synth":

@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
 
 CONTEXT_TOKENS = 4096  # prompt + answer must fit this after scaling (the live tiny model's context)
 MIN_REQUESTS, MAX_REQUESTS = 20, 200

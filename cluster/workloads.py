@@ -302,11 +302,11 @@ def cache_bounds(
 
 def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None,
                  source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload"):
-    """The records as a `cluster.trace.Trace` at the engine's block size, for the simulator: one id
+    """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator: one id
     per engine block (tenants never share one, as their salts keep them apart live), lengths scaled
     like the replay client's prompts. Lets a policy change be checked on the live benchmarks'
     workloads in seconds (tests/test_peers_bench.py)."""
-    from cluster.trace import Trace, TraceRequest
+    from kvmesh.cluster.trace import Trace, TraceRequest
 
     block_size = block_size or tokens_per_block
     ids: dict[tuple, int] = {}

@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from deployments.tenants import KvmeshHTTPError, Limits, Tenant
+from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant
 
 DEFAULT_QUEUE_TIMEOUT_S = 10.0
 CONCURRENCY_RETRY_S = 1.0

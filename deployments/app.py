@@ -1,11 +1,11 @@
 """Build the kvmesh Serve application from a config dict, and start/stop it locally.
 
-    from deployments.app import start_local, stop_local
+    from kvmesh.deployments.app import start_local, stop_local
     url = start_local({"replicas": 2, "policy": "kvmesh", "port": 8123, "api_keys": ["kvm-secret-key"]})
     ...                                  # OpenAI-compatible endpoint at url + "/v1"
     stop_local()                         # deletes the app, shuts Serve down, and Ray if we started it
 
-`build_app(config)` is also the Serve config import path (`import_path: deployments.app:build_app`,
+`build_app(config)` is also the Serve config import path (`import_path: kvmesh.deployments.app:build_app`,
 `args: <the same config>`), which is how k8s/ (KubeRay serveConfigV2) deploys it.
 
 Why runtime-env variables: engines and the router must agree on PYTHONHASHSEED (vLLM seeds its block
@@ -20,7 +20,7 @@ import secrets
 import socket
 from typing import Any
 
-from deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
+from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def build_app(config: dict | None = None, **kwargs: Any):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.engine import EngineReplica
-    from deployments.ingress import Ingress
+    from kvmesh.deployments.engine import EngineReplica
+    from kvmesh.deployments.ingress import Ingress
 
     cfg = app_config({**(config or {}), **kwargs})
     eng = cfg["engine"]
@@ -54,7 +54,7 @@ def build_app(config: dict | None = None, **kwargs: Any):
         ray_actor_options={"num_cpus": eng["num_cpus"], "num_gpus": eng["num_gpus"],
                            "runtime_env": {"env_vars": env}},
         request_router_config=RequestRouterConfig(
-            request_router_class="deployments.router:KvmeshRouter",
+            request_router_class="kvmesh.deployments.router:KvmeshRouter",
             request_router_kwargs={
                 "policy": cfg["policy"], "policy_params": cfg["policy_params"], "hash_algo": eng["hash_algo"],
                 "block_size": eng["block_size"], "speculative_ttl_s": cfg["speculative_ttl_s"],
@@ -99,7 +99,7 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
     if not os.environ.get("KVMESH_SALT_SECRET_FILE"):
         # Replicas get the secret as a 0600 file path, never the value: Ray writes runtime_env env vars
         # verbatim into runtime_env_agent.log (see deployments/tenants.write_secret_file).
-        from deployments.tenants import write_secret_file
+        from kvmesh.deployments.tenants import write_secret_file
 
         secret = os.environ.pop("KVMESH_SALT_SECRET", None) or secrets.token_hex(32)
         home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
@@ -173,7 +173,7 @@ def stop_local() -> None:
             log.exception("serve shutdown failed")
         try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
             # servers are detached actors and would otherwise outlive Serve on a shared cluster
-            from kvstore.node_server import stop_node_servers
+            from kvmesh.kvstore.node_server import stop_node_servers
 
             stop_node_servers()
         except Exception:

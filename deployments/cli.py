@@ -8,13 +8,13 @@ import sys
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS = {
-    "simulate": ("cluster.simulate_cmd", "replay a trace through simulated replicas, per policy, with bounds"),
-    "trace": ("cluster.trace_cmd", "generate workloads (multi-tenant multi-turn chat) in Mooncake JSONL form"),
-    "model": ("deployments.model_cmd", "build the tiny local model (random weights, local tokenizer)"),
-    "serve": ("deployments.serve_cmd", "start Ray Serve with vLLM engine replicas and the kvmesh router"),
-    "replay": ("deployments.replay_cmd", "replay a trace against a live OpenAI-compatible endpoint"),
-    "demo": ("deployments.demo_cmd", "the embedded default: build, serve, replay kvmesh vs round robin"),
-    "bench": ("benchmarks.peers_cmd", "side-by-side benchmarks (e.g. `kvmesh bench peers`)"),
+    "simulate": ("kvmesh.cluster.simulate_cmd", "replay a trace through simulated replicas, per policy, with bounds"),
+    "trace": ("kvmesh.cluster.trace_cmd", "generate workloads (multi-tenant multi-turn chat) in Mooncake JSONL form"),
+    "model": ("kvmesh.deployments.model_cmd", "build the tiny local model (random weights, local tokenizer)"),
+    "serve": ("kvmesh.deployments.serve_cmd", "start Ray Serve with vLLM engine replicas and the kvmesh router"),
+    "replay": ("kvmesh.deployments.replay_cmd", "replay a trace against a live OpenAI-compatible endpoint"),
+    "demo": ("kvmesh.deployments.demo_cmd", "the embedded default: build, serve, replay kvmesh vs round robin"),
+    "bench": ("kvmesh.benchmarks.peers_cmd", "side-by-side benchmarks (e.g. `kvmesh bench peers`)"),
 }
 
 
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m deployments.cli` runs this file as __main__; subcommands raise deployments.cli.CliError,
+    # `python -m kvmesh.deployments.cli` runs this file as __main__; subcommands raise kvmesh.deployments.cli.CliError,
     # a different class object than __main__.CliError, so dispatch through the imported module.
-    from deployments.cli import main as _main
+    from kvmesh.deployments.cli import main as _main
 
     sys.exit(_main())

@@ -12,7 +12,7 @@ errors, not silently ignored (a typo in `block_size` must not quietly fall back 
       hash_algo: sha256           # vLLM prefix_caching_hash_algo; the router hashes with the same one
       ...
     replicas: 2                   # engine replicas
-    policy: kvmesh                # policies.registry name
+    policy: kvmesh                # kvmesh.policies.registry name
     port: 8000
     api_keys: [KEY]               # or tenants_file: tenants.yaml (deployments/tenants.py)
 """
@@ -171,7 +171,7 @@ def tiny_model_dir() -> Path:
 def resolve_model(model: str) -> str:
     """Turn the config's model into a local directory (building the tiny model when asked)."""
     if model == "tiny":
-        from deployments.tiny_model import build_tiny_model
+        from kvmesh.deployments.tiny_model import build_tiny_model
 
         return str(build_tiny_model(tiny_model_dir()))
     return model

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> list[str]:
-    from deployments.cli import CliError
+    from kvmesh.deployments.cli import CliError
 
     for name in ("replicas", "conversations", "tokens_per_block", "concurrency", "max_tokens"):
         if getattr(args, name) < 1:
@@ -56,7 +56,7 @@ def _check(args) -> list[str]:
     if args.tokens_per_block % 32:
         raise CliError("kvmesh demo: --tokens-per-block must be a multiple of 32 (the CPU engine block size)")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from policies.registry import POLICY_NAMES
+    from kvmesh.policies.registry import POLICY_NAMES
 
     unknown = [p for p in names if _policy(p) not in POLICY_NAMES]
     if not names or unknown:
@@ -75,8 +75,8 @@ def _with_tiers(args, name: str) -> bool:
 
 def workload(args) -> list[dict]:
     """The demo's requests: whole conversations from the bundled trace that fit the model context."""
-    from cluster.trace_cmd import resolve_trace
-    from cluster.workloads import conversation_slice, read_jsonl
+    from kvmesh.cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.workloads import conversation_slice, read_jsonl
 
     max_len = 2048  # the tiny model's serving context (deployments/config.py default)
     records = read_jsonl(resolve_trace("conversation"))
@@ -85,7 +85,7 @@ def workload(args) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.workloads import cache_bounds
+    from kvmesh.cluster.workloads import cache_bounds
 
     names = _check(args)
     records = workload(args)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     live = args.live
     if live:
         try:
-            import deployments.app  # noqa: F401  (the live stack: Ray Serve + vLLM)
+            import kvmesh.deployments.app  # noqa: F401  (the live stack: Ray Serve + vLLM)
         except ImportError as exc:
             print(f"live serving unavailable ({exc}); running the simulator instead", file=sys.stderr)
             live = False
@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
-    from deployments.app import start_local, stop_local
-    from deployments.cli import CliError
-    from deployments.replay import ReplayConfig, ReplayError, replay
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
     key = "kvm-demo-" + os.urandom(6).hex()
     results = {}
@@ -159,10 +159,10 @@ def _server_state(url: str, key: str) -> dict:
 
 def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dict]:
     """The same requests through the trace simulator (cluster/simulator.py), one block = one hash id."""
-    from cluster.simulator import SimConfig, simulate
-    from cluster.trace import Trace, TraceRequest
-    from cluster.workloads import scaled_block_lengths, scaled_output_length
-    from policies.registry import make_policy
+    from kvmesh.cluster.simulator import SimConfig, simulate
+    from kvmesh.cluster.trace import Trace, TraceRequest
+    from kvmesh.cluster.workloads import scaled_block_lengths, scaled_output_length
+    from kvmesh.policies.registry import make_policy
 
     k = args.tokens_per_block
     reqs = [TraceRequest(r["timestamp"], sum(scaled_block_lengths(r, k)), scaled_output_length(r, k),
@@ -200,7 +200,7 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
 
 
 def _report(args, names, results, bounds, live: bool) -> None:
-    from deployments.replay import format_table
+    from kvmesh.deployments.replay import format_table
 
     print()
     print(("live: real vLLM engines behind Ray Serve" if live else "simulated (trace simulator)")

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from deployments.config import engine_config, resolve_model
+from kvmesh.deployments.config import engine_config, resolve_model
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -45,7 +45,7 @@ def lmcache_kv_transfer(cfg: dict) -> dict | None:
     if cfg.get("kv_transfer_config"):
         return dict(cfg["kv_transfer_config"])
     if cfg.get("lmcache"):
-        from kvstore import tiers  # H4's module: node-local LMCache server discovery
+        from kvmesh.kvstore import tiers  # H4's module: node-local LMCache server discovery
 
         return tiers.engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
     return None
@@ -80,14 +80,14 @@ class EngineReplica:
                          "topic": EVENTS_TOPIC}
             self.kv_events_endpoint = f"tcp://{node_ip}:{port}"
             self.replay_endpoint = f"tcp://{node_ip}:{rport}"
-        from deployments.engine_driver import build_engine_args, make_driver
+        from kvmesh.deployments.engine_driver import build_engine_args, make_driver
 
         args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
         self.driver = make_driver(self.cfg["engine_mode"], args)
         self.num_blocks = self.driver.num_blocks()
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
         if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
-            from kvstore.tiers import kv_bytes_per_block, tier_routing_info
+            from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
 
             self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], kv_bytes_per_block(
                 self.model_path, self.cfg["block_size"], self.cfg["dtype"]))

@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Any, AsyncIterator
 
-from deployments.config import engine_dtype
+from kvmesh.deployments.config import engine_dtype
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import openai_protocol as proto
-from deployments.config import app_config, resolve_model
-from deployments.openai_protocol import OpenAIError
-from deployments import local_state
-from deployments.router import active_routers, notify_first_token
-from deployments.serving_metrics import ServingMetrics
-from deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
+from kvmesh.deployments import openai_protocol as proto
+from kvmesh.deployments.config import app_config, resolve_model
+from kvmesh.deployments.openai_protocol import OpenAIError
+from kvmesh.deployments import local_state
+from kvmesh.deployments.router import active_routers, notify_first_token
+from kvmesh.deployments.serving_metrics import ServingMetrics
+from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -59,7 +59,7 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
         return TenantRegistry.from_file(cfg["tenants_file"])
     keys = cfg.get("api_keys") or []
     if keys:
-        from deployments.tenants import hash_api_key
+        from kvmesh.deployments.tenants import hash_api_key
 
         return TenantRegistry.from_dict({"tenants": [{"id": "default",
                                                        "keys": [{"sha256": hash_api_key(k)} for k in keys]}]})
@@ -77,7 +77,7 @@ def _engine_error(exc: BaseException) -> OpenAIError | None:
 # Per-tier LMCache figures (kvstore/tier_metrics.py); defined before the class, which Serve ships by value.
 def _tier_status() -> dict:
     try:
-        from kvstore.node_server import tier_status
+        from kvmesh.kvstore.node_server import tier_status
 
         return tier_status()
     except Exception:
@@ -87,7 +87,7 @@ def _tier_status() -> dict:
 
 def _tier_metrics_text() -> str:
     """Per-tier Prometheus lines from every node's LMCache server ("" when no node runs one)."""
-    from kvstore.tier_metrics import tier_metrics_text
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
 
     status = _tier_status()
     return tier_metrics_text(status) if status else ""
@@ -95,7 +95,7 @@ def _tier_metrics_text() -> str:
 
 def _tier_report() -> dict | None:
     """Hits by tier, bytes moved and tier health summed over nodes (None without LMCache)."""
-    from kvstore.tier_metrics import tier_report
+    from kvmesh.kvstore.tier_metrics import tier_report
 
     status = _tier_status()
     return tier_report(status) if status else None
@@ -119,11 +119,11 @@ class Ingress:
         self.registry = build_registry(self.cfg)
         if self.registry is None:
             log.warning("no API keys configured: the ingress is OPEN (every request is tenant 'anonymous')")
-            from deployments.tenants import resolve_secret
+            from kvmesh.deployments.tenants import resolve_secret
 
             self._anonymous = Tenant("anonymous", None, derive_salt(resolve_secret(), "anonymous"))
-        from deployments.admission import Admission
-        from deployments.tenant_metrics import TenantMetrics
+        from kvmesh.deployments.admission import Admission
+        from kvmesh.deployments.tenant_metrics import TenantMetrics
 
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
         self.metrics = ServingMetrics()

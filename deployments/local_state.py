@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 
-from deployments.prediction import PredictionLedger
+from kvmesh.deployments.prediction import PredictionLedger
 
 LEDGER = PredictionLedger()
 ROUTERS: "weakref.WeakSet" = weakref.WeakSet()  # KvmeshRouter instances living in this process

@@ -10,8 +10,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from deployments.cli import CliError
-    from deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.tiny_model import build_tiny_model
 
     if args.model_command == "build-tiny":
         try:

@@ -3,7 +3,7 @@
 Why hand-written and not pydantic models: every client error must become an OpenAI-style JSON body
 with the offending `param` and a 4xx status -- never a 422 with FastAPI's own shape, never a 500 --
 and the checks are few. Unknown fields are ignored (clients send extras such as `user`), except the
-ones that would let a client choose its cache salt (rejected by `deployments.tenants`).
+ones that would let a client choose its cache salt (rejected by `kvmesh.deployments.tenants`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.tenants import openai_error
+from kvmesh.deployments.tenants import openai_error
 
 DEFAULT_MAX_TOKENS = 16
 # parameters this server does not implement -> values that mean "off" (accepted silently)

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
 
 # Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
 # byte-level BPE and past the usual special-token ids, so valid for any such model.

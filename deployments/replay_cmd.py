@@ -68,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.trace_cmd import resolve_trace
-    from cluster.workloads import fit_context, read_jsonl
-    from deployments.cli import CliError
-    from deployments.replay import ReplayConfig, ReplayError, format_table, replay
+    from kvmesh.cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.workloads import fit_context, read_jsonl
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.replay import ReplayConfig, ReplayError, format_table, replay
 
     try:
         records = read_jsonl(resolve_trace(args.trace), limit=None if args.max_prompt_tokens else args.limit)

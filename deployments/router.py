@@ -28,13 +28,13 @@ from typing import Any, List, Optional
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.index import PrefixIndex
-from cluster.tier_tracker import TierTracker
-from deployments import local_state
-from kvstore.hashing import HashMemo, block_hashes
-from policies.base import FleetView, ReplicaView, RequestInfo
-from policies.cost_model import cached_tokens
-from policies.registry import make_policy
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.tier_tracker import TierTracker
+from kvmesh.deployments import local_state
+from kvmesh.kvstore.hashing import HashMemo, block_hashes
+from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import cached_tokens
+from kvmesh.policies.registry import make_policy
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -130,7 +130,7 @@ class KvmeshRouter(RequestRouter):
                                     host_capacity_blocks=t.get("host_capacity_blocks"),
                                     chunk_blocks=t.get("chunk_blocks"))
                 if getattr(self, "_tier_watch", None) is None:  # shared-tier loss, server restarts
-                    from kvstore.node_server import watch_tier_health
+                    from kvmesh.kvstore.node_server import watch_tier_health
 
                     self._tier_watch = asyncio.create_task(watch_tier_health(self.tiers))
             if self.subscribe_events and rid not in self._subscribed and stats.get("kv_events_endpoint"):
@@ -138,7 +138,7 @@ class KvmeshRouter(RequestRouter):
 
     async def _subscribe(self, rid: str, stats: dict) -> None:
         if self.events is None:
-            from cluster.kv_events import KVEventSubscriber
+            from kvmesh.cluster.kv_events import KVEventSubscriber
 
             self.events = KVEventSubscriber(self.tiers)  # the index, minus LMCache chunk-hash events
         await self.events.add_source(rid, stats["kv_events_endpoint"], topic=stats.get("events_topic", ""),

@@ -14,7 +14,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", help="serving config YAML (deployments/config.py); flags override it")
     parser.add_argument("--model", help="'tiny' (built locally) or a local Hugging Face model directory")
     parser.add_argument("--replicas", type=int, help="engine replicas (default 2)")
-    parser.add_argument("--policy", help="placement policy (policies.registry; default kvmesh)")
+    parser.add_argument("--policy", help="placement policy (kvmesh.policies.registry; default kvmesh)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 = pick a free one)")
     parser.add_argument("--api-key", help="the API key clients must send (default: a generated one)")
@@ -27,8 +27,8 @@ def add_arguments(parser) -> None:
 
 
 def _build_config(args) -> dict:
-    from deployments.config import ConfigError, app_config, load_config
-    from deployments.tenants import new_api_key
+    from kvmesh.deployments.config import ConfigError, app_config, load_config
+    from kvmesh.deployments.tenants import new_api_key
 
     cfg = load_config(args.config) if args.config else app_config({})
     for flag, key in (("replicas", "replicas"), ("policy", "policy"), ("host", "host"), ("port", "port"),
@@ -52,7 +52,7 @@ def _build_config(args) -> dict:
 
         if not Path(cfg["engine"]["model"]).is_dir():
             raise ConfigError(f"--model {cfg['engine']['model']}: not a local model directory (or 'tiny')")
-    from policies.registry import POLICY_NAMES
+    from kvmesh.policies.registry import POLICY_NAMES
 
     if cfg["policy"] not in POLICY_NAMES:
         raise ConfigError(f"--policy {cfg['policy']}: unknown; known: {', '.join(POLICY_NAMES)}")
@@ -60,22 +60,22 @@ def _build_config(args) -> dict:
 
 
 def run(args) -> int:
-    from deployments.cli import CliError
-    from deployments.config import ConfigError
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.config import ConfigError
 
     try:
         cfg = _build_config(args)
     except (ConfigError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if cfg["api_keys"]:
-        from deployments.tenants import TenantRegistry
+        from kvmesh.deployments.tenants import TenantRegistry
 
         try:
             TenantRegistry.single_key(cfg["api_keys"][0], secret=b"validate-the-key-shape-only")
         except Exception as exc:
             raise CliError(f"--api-key: {exc}") from None
 
-    from deployments.app import start_local, stop_local
+    from kvmesh.deployments.app import start_local, stop_local
 
     stop = threading.Event()
 

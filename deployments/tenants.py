@@ -7,10 +7,10 @@ block hash, router key and LMCache key downstream). Keys are stored only as SHA-
 
 API for the ingress (H3):
 
-    from deployments.tenants import (TenantRegistry, AuthError, ClientSaltError, reject_client_salt,
+    from kvmesh.deployments.tenants import (TenantRegistry, AuthError, ClientSaltError, reject_client_salt,
                                      openai_error)
-    from deployments.admission import Admission, AdmissionError, RateLimited
-    from deployments.tenant_metrics import TenantMetrics
+    from kvmesh.deployments.admission import Admission, AdmissionError, RateLimited
+    from kvmesh.deployments.tenant_metrics import TenantMetrics
 
     registry = TenantRegistry.from_file(path)            # YAML/TOML/JSON; secret from env/file/generated
     registry = TenantRegistry.single_key(api_key)        # `kvmesh serve --api-key KEY`: one tenant "default"
@@ -43,7 +43,7 @@ Config (see deployments/tenants.example.yaml and docs/tenants.md):
         keys: [{sha256: <hex of the key>}, {sha256: <hex>, revoked: true}]
         limits: {requests_per_s: 5}          # overrides defaults field by field
 
-`python -m deployments.tenants new-key` prints a fresh key and its digest; `hash-key` hashes stdin.
+`python -m kvmesh.deployments.tenants new-key` prints a fresh key and its digest; `hash-key` hashes stdin.
 """
 from __future__ import annotations
 
@@ -417,7 +417,7 @@ def _main(argv: list[str]) -> int:
     if argv == ["new-secret"]:
         print(secrets.token_hex(32))
         return 0
-    print("usage: python -m deployments.tenants new-key | hash-key (< key) | new-secret", file=sys.stderr)
+    print("usage: python -m kvmesh.deployments.tenants new-key | hash-key (< key) | new-secret", file=sys.stderr)
     return 2
 
 

@@ -6,7 +6,7 @@ everything that matters to kvmesh -- tokenization, chat template, block hashing,
 events -- behaves exactly as with a real model. The build is deterministic (same seed -> same bytes)
 so every process and every machine hashes the same token ids, and idempotent (a stamp file).
 
-    from deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.tiny_model import build_tiny_model
     path = build_tiny_model("/tmp/tiny")      # -> Path, a Hugging Face model directory
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ CPU, and it is meant to outlive engines (several engines on a node share its hos
 manager picks free ports, waits until both the ZMQ request port and the Prometheus port answer,
 reports health (process, ports, shared tier reachable), scrapes metrics, and stops the whole process
 group. Stop engines before their server: a vLLM connector whose server vanished waits out its
-message-queue timeout (`kvstore.tiers.MQ_TIMEOUT_S`) on shutdown.
+message-queue timeout (`kvmesh.kvstore.tiers.MQ_TIMEOUT_S`) on shutdown.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvstore.tiers import HEARTBEAT_S, TierConfig, server_args
+from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
+from kvmesh.kvstore.tiers import HEARTBEAT_S, TierConfig, server_args
 
 _QUIET_ENV = {
     "LMCACHE_TRACK_USAGE": "false",

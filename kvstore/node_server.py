@@ -9,10 +9,10 @@ same one. It needs no CPU reservation: the server's work is memory copies driven
 The server process is a child of the actor with a parent-death signal, so killing the actor (or Ray
 going away) also ends the server instead of leaving it orphaned.
 
-Engine start-up (deployments/engine.py calls this through `kvstore.tiers.engine_kv_transfer_config`):
+Engine start-up (deployments/engine.py calls this through `kvmesh.kvstore.tiers.engine_kv_transfer_config`):
 
     host, port = ensure_node_server(tier_config)          # get-or-create this node's server
-    kv_transfer_config = kvstore.tiers.kv_transfer_config(host, port)
+    kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(host, port)
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvstore.lmcache_server import LMCacheServer
-from kvstore.tiers import TierConfig, TierConfigError
+from kvmesh.kvstore.lmcache_server import LMCacheServer
+from kvmesh.kvstore.tiers import TierConfig, TierConfigError
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def stop_node_servers() -> int:
 
 
 async def watch_tier_health(tracker, interval_s: float = 5.0, stop=None) -> None:
-    """Router background task: keep a `cluster.tier_tracker.TierTracker` in step with the node servers.
+    """Router background task: keep a `kvmesh.cluster.tier_tracker.TierTracker` in step with the node servers.
 
     Every `interval_s`: the shared tier counts as up only if every node that has one reaches it
     (`set_shared_up`), and a node whose server was restarted (watchdog) loses its host tier in the

@@ -8,7 +8,7 @@ never reaches its server: process-global state), and the tests need two engines 
 {"cmd": "reset"} (drop the engine's own prefix cache) and {"cmd": "quit"}. Start-up prints
 {"ready": true}.
 
-    python -m kvstore.probe_engine MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
+    python -m kvmesh.kvstore.probe_engine MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
         [--num-blocks N] [--block-size B] [--kv-events-port P]
 """
 import argparse
@@ -25,14 +25,14 @@ class EngineProcess:
     """Test-side handle on one worker: start, generate, stop (process group, with timeouts)."""
 
     def __init__(self, model, host, port, log_path, *, num_blocks=0, kv_events_port=0, env=None):
-        cmd = [sys.executable, "-m", "kvstore.probe_engine", str(model), host, str(port)]
+        cmd = [sys.executable, "-m", "kvmesh.kvstore.probe_engine", str(model), host, str(port)]
         if num_blocks:
             cmd += ["--num-blocks", str(num_blocks)]
         if kv_events_port:
             cmd += ["--kv-events-port", str(kv_events_port)]
         self.log_path = log_path
         log = open(log_path, "ab")
-        from kvstore.lmcache_server import die_with_parent
+        from kvmesh.kvstore.lmcache_server import die_with_parent
 
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                      env={**os.environ, **(env or {})}, start_new_session=True,
@@ -96,8 +96,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from kvstore.compat import patch_llvmlite_dunder_lookup
-    from kvstore.tiers import kv_transfer_config
+    from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
+    from kvmesh.kvstore.tiers import kv_transfer_config
 
     patch_llvmlite_dunder_lookup()
     from vllm import LLM, SamplingParams

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvstore.lmcache_server import die_with_parent
+from kvmesh.kvstore.lmcache_server import die_with_parent
 
 
 def _free_port() -> int:

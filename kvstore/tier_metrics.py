@@ -1,10 +1,10 @@
 """Per-tier figures for the ingress `/metrics` and the demo report, from every node's LMCache server.
 
-    from kvstore.tier_metrics import tier_metrics_text, tier_report
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text, tier_report
     text = tier_metrics_text()        # Prometheus lines, appended to the ingress /metrics body
     report = tier_report()            # one dict summed over nodes, for reports
 
-Both call `kvstore.node_server.tier_status()` (one actor call per node, a few ms each) unless given a
+Both call `kvmesh.kvstore.node_server.tier_status()` (one actor call per node, a few ms each) unless given a
 status dict, so they belong on /metrics and reports, never on the routing path.
 
 What the numbers mean: `host`/`shared` hit tokens are LMCache's lookup hits (prompt tokens the node's
@@ -22,7 +22,7 @@ _SUMMED = ("lookup_requested_tokens", "lookup_hit_tokens", "host_hit_tokens", "s
 def _status(status: dict | None) -> dict:
     if status is not None:
         return status
-    from kvstore.node_server import tier_status
+    from kvmesh.kvstore.node_server import tier_status
 
     return tier_status()
 

@@ -156,11 +156,11 @@ def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
     """Engine start-up hook (deployments/engine.py): this node's LMCache server → kv_transfer_config.
 
     Validates the tier config against the engine's block size, gets or starts the node's server
-    (kvstore.node_server, a Ray actor), and patches llvmlite so an in-process engine can start next
-    to LMCache (kvstore.compat). Runs inside the engine replica's process, before the engine is built.
+    (kvmesh.kvstore.node_server, a Ray actor), and patches llvmlite so an in-process engine can start next
+    to LMCache (kvmesh.kvstore.compat). Runs inside the engine replica's process, before the engine is built.
     """
-    from kvstore.compat import patch_llvmlite_dunder_lookup
-    from kvstore.node_server import ensure_node_server
+    from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
+    from kvmesh.kvstore.node_server import ensure_node_server
 
     cfg = TierConfig.from_dict(lmcache)
     cfg.check_block_size(block_size)
@@ -174,7 +174,7 @@ def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | Non
 
     {"chunk_blocks": LMCache chunk / engine block, "shared": has an L2,
      "host_capacity_blocks": L1 size / bytes per KV block (None when the block size in bytes is unknown)}
-    Routers feed it to `cluster.tier_tracker.TierTracker.set_node`.
+    Routers feed it to `kvmesh.cluster.tier_tracker.TierTracker.set_node`.
     """
     cfg = TierConfig.from_dict(lmcache)
     cfg.check_block_size(block_size)

@@ -4,13 +4,13 @@ pure; a policy's state changes only in its lifecycle hooks (policies/base.py).
 The same policy objects run in the live Ray Serve router (deployments/router.py) and in the trace
 simulator (cluster/simulator.py). Nothing in this package does I/O or knows who calls it.
 """
-from policies.base import Policy, ReplicaView, RequestInfo, TIERS
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo, TIERS
 
 __all__ = ["Policy", "ReplicaView", "RequestInfo", "TIERS", "make_policy", "POLICY_NAMES"]
 
 
 def __getattr__(name):  # lazy, so importing the interface does not import every policy
     if name in ("make_policy", "POLICY_NAMES"):
-        from policies import registry
+        from kvmesh.policies import registry
         return getattr(registry, name)
     raise AttributeError(name)

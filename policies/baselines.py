@@ -10,7 +10,7 @@ import bisect
 import hashlib
 from typing import Sequence
 
-from policies.base import Policy, ReplicaView, RequestInfo
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 
 
 def outstanding(v: ReplicaView) -> int:

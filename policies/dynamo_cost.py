@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from policies.base import Policy
+from kvmesh.policies.base import Policy
 
 
 class DynamoCost(Policy):

@@ -51,8 +51,8 @@ from typing import Sequence
 
 import numpy as np
 
-from policies.base import FleetView, Policy, ReplicaView, RequestInfo
-from policies.cost_model import DEFAULT_COST_MODEL, CostModel
+from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
 
 
 _NONE = object()

@@ -12,8 +12,8 @@ This policy uses the real prefix index (hbm tier), like llm-d's precise mode.
 from __future__ import annotations
 
 
-from policies.base import Policy
-from policies.baselines import outstanding
+from kvmesh.policies.base import Policy
+from kvmesh.policies.baselines import outstanding
 
 
 def _minmax(values: dict[str, float], invert: bool = False) -> dict[str, float]:

@@ -13,9 +13,9 @@ Differences: the tree is over block hashes, not characters; eviction is immediat
 from __future__ import annotations
 
 
-from policies.approx_tree import ApproxTree
-from policies.base import Policy
-from policies.baselines import outstanding
+from kvmesh.policies.approx_tree import ApproxTree
+from kvmesh.policies.base import Policy
+from kvmesh.policies.baselines import outstanding
 
 
 class RayPrefixAffinity(Policy):

@@ -1,13 +1,13 @@
 """Policy names -> classes, so the CLI, the simulator and the live router build policies the same way."""
 from __future__ import annotations
 
-from policies.base import Policy
-from policies.baselines import ConsistentHash, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin
-from policies.dynamo_cost import DynamoCost
-from policies.kvmesh import KvmeshPolicy
-from policies.llmd_precise import LlmdPrecise
-from policies.ray_prefix_affinity import RayPrefixAffinity
-from policies.sglang_cache_aware import SglangCacheAware
+from kvmesh.policies.base import Policy
+from kvmesh.policies.baselines import ConsistentHash, LeastLoaded, PowerOfTwo, RandomChoice, RoundRobin
+from kvmesh.policies.dynamo_cost import DynamoCost
+from kvmesh.policies.kvmesh import KvmeshPolicy
+from kvmesh.policies.llmd_precise import LlmdPrecise
+from kvmesh.policies.ray_prefix_affinity import RayPrefixAffinity
+from kvmesh.policies.sglang_cache_aware import SglangCacheAware
 
 _CLASSES: dict[str, type[Policy]] = {c.name: c for c in (
     KvmeshPolicy, RoundRobin, RandomChoice, LeastLoaded, PowerOfTwo, ConsistentHash,

@@ -12,9 +12,9 @@ the tree is over block hashes, not characters, and `max_tree_tokens` bounds it i
 """
 from __future__ import annotations
 
-from policies.approx_tree import ApproxTree
-from policies.base import Policy
-from policies.baselines import outstanding
+from kvmesh.policies.approx_tree import ApproxTree
+from kvmesh.policies.base import Policy
+from kvmesh.policies.baselines import outstanding
 
 
 class SglangCacheAware(Policy):

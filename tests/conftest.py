@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.config import INPROC_ENGINE_ENV as TEST_ENV
+from kvmesh.deployments.config import INPROC_ENGINE_ENV as TEST_ENV
 for _k, _v in TEST_ENV.items():
     os.environ.setdefault(_k, _v)
 
@@ -36,8 +36,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The embedded tiny model, built once per session where `model: tiny` resolves."""
-    from deployments.config import tiny_model_dir as where
-    from deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.config import tiny_model_dir as where
+    from kvmesh.deployments.tiny_model import build_tiny_model
 
     return build_tiny_model(where())
 
@@ -61,7 +61,7 @@ def live_app(tiny_model_dir):
     ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
-    from deployments.app import free_port, start_local, stop_local
+    from kvmesh.deployments.app import free_port, start_local, stop_local
     from tenant_app import write_live_tenants
 
     config = {

@@ -34,7 +34,7 @@ def set_engine_env(tmp_root: Path) -> None:
 
 def build_prefill_heavy_model(out_dir: Path) -> Path:
     """The tiny model's tokenizer with a wider random Llama (deterministic, seed 0)."""
-    from deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.tiny_model import build_tiny_model
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():

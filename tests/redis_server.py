@@ -3,6 +3,6 @@
     with RedisServer(tmp_path) as redis:      # or redis = RedisServer(tmp_path).start(); ...; redis.stop()
         cfg = {"l2": redis.url}
 """
-from kvstore.redis_process import RedisServer
+from kvmesh.kvstore.redis_process import RedisServer
 
 __all__ = ["RedisServer"]

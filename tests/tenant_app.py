@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.tenants import hash_api_key
+from kvmesh.deployments.tenants import hash_api_key
 
 KEYS = {
     "acme": "kvm-live-acme-key-0123456789",

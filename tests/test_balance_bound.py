@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from cluster.block_cache import leading_held
-from cluster.bounds import balance_bounded_bound, infinite_hit_rate
-from cluster.trace import TraceRequest
-from cluster.workloads import ChatSpec, engine_trace, synth_chat
-from policies.cost_model import cacheable_blocks, cached_tokens
+from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
+from kvmesh.cluster.trace import TraceRequest
+from kvmesh.cluster.workloads import ChatSpec, engine_trace, synth_chat
+from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 
 def _round_robin_infinite(requests, block_size, replicas) -> float:
@@ -64,8 +64,8 @@ def test_bad_replica_count_is_refused():
 
 
 def test_simulate_reports_it_beside_the_other_bounds(tmp_path, capsys):
-    from cluster.workloads import write_jsonl
-    from deployments.cli import main
+    from kvmesh.cluster.workloads import write_jsonl
+    from kvmesh.deployments.cli import main
 
     trace, out = tmp_path / "chat.jsonl", tmp_path / "sim.json"
     write_jsonl(synth_chat(ChatSpec(users=3, turns=3)), trace)

@@ -4,7 +4,8 @@ import sys
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_unknown_subcommand_is_one_line_exit_2():

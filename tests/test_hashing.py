@@ -1,4 +1,4 @@
-"""kvstore.hashing must be byte-identical to the installed vLLM's own prefix-cache hashing.
+"""kvmesh.kvstore.hashing must be byte-identical to the installed vLLM's own prefix-cache hashing.
 
 The reference is vLLM itself: a real `vllm.v1.request.Request` hashed by
 `kv_cache_utils.get_request_block_hasher` (which generates the salt / LoRA / multimodal extra keys),
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from kvstore.hashing import (ALGOS, BlockHasher, HashMemo, block_hashes, block_hashes_full,
+from kvmesh.kvstore.hashing import (ALGOS, BlockHasher, HashMemo, block_hashes, block_hashes_full,
                              none_hash, to_event_hash)
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vllm is a test dependency")
@@ -166,7 +166,7 @@ def test_numpy_tokens_hash_like_python_ints():
 
 _CHILD = """
 import json, sys
-from kvstore.hashing import none_hash
+from kvmesh.kvstore.hashing import none_hash
 out = {}
 for algo in sys.argv[1:]:
     try:
@@ -215,7 +215,7 @@ def engine_with_events(tmp_path_factory):
 
     import zmq
 
-    from deployments.tiny_model import TINY_VERSION, build_tiny_model
+    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
     for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -258,7 +258,7 @@ def _run_and_collect(engine, sub, tokens, salt, rid):
     """Run one prompt to completion; return the BlockStored events (kvmesh-decoded) it caused."""
     from vllm import SamplingParams
 
-    from cluster.kv_events import BlockStored, decode_frames, decode_payload
+    from kvmesh.cluster.kv_events import BlockStored, decode_frames, decode_payload
 
     prompt = {"prompt_token_ids": tokens}
     if salt:
@@ -279,7 +279,7 @@ def _run_and_collect(engine, sub, tokens, salt, rid):
 @pytest.mark.parametrize("salt", [None, "tenant-salt-9d2e"])
 def test_block_hashes_equal_real_engine_events(engine_with_events, salt):
 
-    from cluster.index import PrefixIndex
+    from kvmesh.cluster.index import PrefixIndex
 
     engine, sub = engine_with_events
     rng = random.Random(11 if salt else 12)

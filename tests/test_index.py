@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cluster.index import PrefixIndex, event_hash
+from kvmesh.cluster.index import PrefixIndex, event_hash
 
 
 class FakeClock:

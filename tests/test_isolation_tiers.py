@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from deployments.tenants import TenantRegistry, hash_api_key
+from kvmesh.deployments.tenants import TenantRegistry, hash_api_key
 from isolation_support import set_engine_env
 
 pytestmark = pytest.mark.integration
@@ -54,10 +54,10 @@ def _cases(vocab: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """Redis + LMCache server S1 (L1 + Redis L2); the tests add engines and a second server."""
-    from deployments.tiny_model import build_tiny_model
-    from kvstore.lmcache_server import LMCacheServer
-    from kvstore.tiers import TierConfig
-    from kvstore.redis_process import RedisServer
+    from kvmesh.deployments.tiny_model import build_tiny_model
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+    from kvmesh.kvstore.redis_process import RedisServer
 
     root = tmp_path_factory.mktemp("h5-tiers")
     set_engine_env(root)
@@ -83,7 +83,7 @@ def stack(tmp_path_factory):
 
 
 def _engine(stack, server, name):
-    from kvstore.probe_engine import EngineProcess
+    from kvmesh.kvstore.probe_engine import EngineProcess
 
     host, port = server.endpoint
     return EngineProcess(stack["model"], host, port, stack["root"] / f"{name}.log").wait_ready(timeout=400)
@@ -152,7 +152,7 @@ def test_lmcache_keys_include_the_salt_and_tiers_isolate_tenants(stack):
 
 
 def _metric_sum(samples: dict, name: str) -> float:
-    from kvstore.lmcache_metrics import total
+    from kvmesh.kvstore.lmcache_metrics import total
     return total(samples, name)
 
 

@@ -121,8 +121,8 @@ def test_gpu_workers_and_engines_ask_for_one_gpu_each():
 
 def test_serve_args_are_a_valid_kvmesh_config():
     """The RayService's app args go through the same validation as `kvmesh serve --config`."""
-    from deployments.app import build_app
-    from deployments.config import app_config
+    from kvmesh.deployments.app import build_app
+    from kvmesh.deployments.config import app_config
 
     config = yaml.safe_load(_docs("RayService")[0]["spec"]["serveConfigV2"])
     app = config["applications"][0]

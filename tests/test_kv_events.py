@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from cluster.index import PrefixIndex
-from cluster.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError,
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError,
                                KVEventApplier, KVEventSubscriber, SourceState, decode_frames,
                                decode_payload)
 
@@ -260,7 +260,7 @@ def test_replay_unreachable_falls_back_to_clear():
 
 def test_decoder_does_not_import_vllm():
     import subprocess
-    code = "import sys, cluster.kv_events, cluster.index; print('vllm' in sys.modules)"
+    code = "import sys, kvmesh.cluster.kv_events, kvmesh.cluster.index; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

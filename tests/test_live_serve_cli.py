@@ -31,7 +31,7 @@ def test_kvmesh_serve_prints_url_and_key_serves_and_stops_on_sigterm(tmp_path, t
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     out = open(tmp_path / "serve.out", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--replicas", "1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--replicas", "1", "--port", "0",
                              "--num-cpus", "2"], cwd=Path(__file__).resolve().parents[1], env=env,
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -84,7 +84,7 @@ def test_router_prediction_equals_engine_report(live_app):
 
 class EventRecorder:
     """The test's own subscriber to every engine's KV-event stream: per replica, the blocks stored and
-    not removed since it connected (decoded with cluster.kv_events, independent of the router)."""
+    not removed since it connected (decoded with kvmesh.cluster.kv_events, independent of the router)."""
 
     def __init__(self, endpoints: dict[str, str]):
         import zmq
@@ -104,7 +104,7 @@ class EventRecorder:
     def _run(self):
         import zmq
 
-        from cluster.kv_events import decode_frames, decode_payload
+        from kvmesh.cluster.kv_events import decode_frames, decode_payload
 
         poller = zmq.Poller()
         for s in self.socks.values():

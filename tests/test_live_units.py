@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments import local_state
-from deployments import openai_protocol as proto
-from deployments.config import ConfigError, app_config, engine_config
-from deployments.prediction import PredictionLedger
-from deployments.serving_metrics import ServingMetrics
+from kvmesh.deployments import local_state
+from kvmesh.deployments import openai_protocol as proto
+from kvmesh.deployments.config import ConfigError, app_config, engine_config
+from kvmesh.deployments.prediction import PredictionLedger
+from kvmesh.deployments.serving_metrics import ServingMetrics
 
 
 # ---------------------------------------------------------------------------- request validation
@@ -117,7 +117,7 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     local clusters (the test app and a `kvmesh serve` subprocess) failed to start side by side."""
     import shutil
 
-    from deployments.app import _proxy_env
+    from kvmesh.deployments.app import _proxy_env
 
     a, b = _proxy_env("haproxy"), _proxy_env("haproxy")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
@@ -130,7 +130,7 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
 
 
 def test_serve_config_file_round_trip(tmp_path):
-    from deployments.config import load_config
+    from kvmesh.deployments.config import load_config
 
     p = tmp_path / "c.yaml"
     p.write_text("replicas: 4\npolicy: round_robin\nengine: {block_size: 64, max_model_len: 1024}\n")
@@ -142,7 +142,7 @@ def test_serve_config_file_round_trip(tmp_path):
 
 
 def test_serve_cli_errors_are_one_line_exit_2(tmp_path, capsys):
-    from deployments.cli import main
+    from kvmesh.deployments.cli import main
 
     assert main(["serve", "--policy", "nope"]) == 2
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
@@ -191,7 +191,7 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
 def test_tiny_model_is_deterministic_and_idempotent(tmp_path):
     from transformers import AutoTokenizer
 
-    from deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.tiny_model import build_tiny_model
 
     a = build_tiny_model(tmp_path / "a")
     b = build_tiny_model(tmp_path / "b")
@@ -227,7 +227,7 @@ def fake_request(ids, request_id, salt=None):
 def make_router(**kw):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from deployments.router import KvmeshRouter
+    from kvmesh.deployments.router import KvmeshRouter
 
     r = KvmeshRouter(deployment_id=DeploymentID(name="EngineReplica", app_name="t"),
                      handle_source=DeploymentHandleSource.UNKNOWN)
@@ -236,7 +236,7 @@ def make_router(**kw):
 
 
 def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeypatch):
-    from kvstore.hashing import block_hashes
+    from kvmesh.kvstore.hashing import block_hashes
 
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
@@ -324,7 +324,7 @@ def test_router_non_engine_requests_go_to_any_replica():
 def test_broken_hash_contract_raises_the_alarm_within_a_few_requests(monkeypatch):
     """The router hashing with another algorithm than the engines (index fed with sha256 keys, router
     hashing sha256_cbor) predicts 0 while engines deliver hits: the ledger alarms after 3 requests."""
-    from kvstore.hashing import block_hashes
+    from kvmesh.kvstore.hashing import block_hashes
 
     ledger = PredictionLedger(alarm_after=3)
     monkeypatch.setattr(local_state, "LEDGER", ledger)
@@ -369,7 +369,7 @@ def test_router_uses_the_tenant_policy_the_ingress_sets(monkeypatch):
 def test_serve_flags_override_the_config_file(tmp_path):
     import argparse
 
-    from deployments import serve_cmd
+    from kvmesh.deployments import serve_cmd
 
     p = tmp_path / "c.yaml"
     p.write_text("replicas: 4\npolicy: round_robin\nport: 9000\nengine: {block_size: 64}\n")
@@ -386,7 +386,7 @@ def test_serve_flags_override_the_config_file(tmp_path):
 
 
 def test_engine_args_carry_the_config(tiny_model_dir):
-    from deployments.engine_driver import build_engine_args
+    from kvmesh.deployments.engine_driver import build_engine_args
 
     cfg = engine_config({"block_size": 64, "stream_interval": 4, "hash_algo": "sha256_cbor",
                          "num_gpu_blocks_override": 100})
@@ -403,8 +403,8 @@ def test_engine_args_carry_the_config(tiny_model_dir):
 def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_dir):
     """vLLM's CPU "auto" would cast the float32 tiny model to bfloat16, whose AMX attention kernel dies
     with SIGILL where the process is not granted AMX state; a dtype the operator sets is kept."""
-    from deployments.config import engine_dtype
-    from deployments.engine_driver import build_engine_args
+    from kvmesh.deployments.config import engine_dtype
+    from kvmesh.deployments.engine_driver import build_engine_args
 
     args = build_engine_args(engine_config({}), str(tiny_model_dir), None, None)
     assert args.dtype == "float32"

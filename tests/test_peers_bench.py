@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from benchmarks.peers import metrics, results
-from deployments import cli
+from kvmesh.benchmarks.peers import metrics, results
+from kvmesh.deployments import cli
 
 METRICS_BEFORE = """\
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
@@ -125,7 +125,7 @@ def test_merge_rows_later_run_replaces_same_setup():
 
 
 def test_overhead_reads_kvmesh_metrics():
-    from benchmarks.peers.overhead import _kvmesh_decision_ms, _kvmesh_ingress_ttft_ms, _quantiles
+    from kvmesh.benchmarks.peers.overhead import _kvmesh_decision_ms, _kvmesh_ingress_ttft_ms, _quantiles
 
     text = ('kvmesh_ttft_seconds_sum{} 1.5\nkvmesh_ttft_seconds_count{} 100\n'
             'kvmesh_ttft_seconds_sum{replica="a"} 9\nkvmesh_router_decisions_total 10\n'
@@ -138,7 +138,7 @@ def test_overhead_reads_kvmesh_metrics():
 
 
 def test_cli_missing_peer_is_one_line(monkeypatch, capsys, tmp_path):
-    from benchmarks.peers import setups
+    from kvmesh.benchmarks.peers import setups
 
     def missing(name):
         raise FileNotFoundError(name)
@@ -152,8 +152,8 @@ def test_cli_missing_peer_is_one_line(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("workers", [1, 2, 4, 8, 16])
 def test_local_ray_has_room_for_every_replica(workers):
     """4 replicas x 0.5 CPU + ingress 0.1 must fit the local Ray even on a 2-core machine."""
-    from benchmarks.peers.run import _ray_cpus
-    from deployments.config import ENGINE_DEFAULTS
+    from kvmesh.benchmarks.peers.run import _ray_cpus
+    from kvmesh.deployments.config import ENGINE_DEFAULTS
 
     assert _ray_cpus(workers) >= ENGINE_DEFAULTS["num_cpus"] * workers + 0.1
 
@@ -180,11 +180,11 @@ def test_kvmesh_meets_the_issue6_targets_on_the_bench_workloads_in_the_simulator
     worker max/mean <= 1.25) on the exact workloads `kvmesh bench peers` replays, in several send orders.
     A policy change that breaks them fails here in seconds, before a 10-minute live run (the session-1
     policy -- hard guard, no hot-prefix weight -- fails on mooncake at 4 workers)."""
-    from benchmarks.peers.engines import EngineSpec
-    from benchmarks.peers.run import BenchConfig, build_workloads
-    from cluster.simulator import SimConfig, simulate_policy
-    from cluster.workloads import cache_bounds, engine_trace
-    from policies.registry import make_policy
+    from kvmesh.benchmarks.peers.engines import EngineSpec
+    from kvmesh.benchmarks.peers.run import BenchConfig, build_workloads
+    from kvmesh.cluster.simulator import SimConfig, simulate_policy
+    from kvmesh.cluster.workloads import cache_bounds, engine_trace
+    from kvmesh.policies.registry import make_policy
 
     recs = build_workloads(BenchConfig(spec=EngineSpec(model="x"), work_dir=tmp_path, workers=workers,
                                        workloads=(workload,)))[workload]
@@ -201,7 +201,7 @@ def test_kvmesh_meets_the_issue6_targets_on_the_bench_workloads_in_the_simulator
 
 
 def test_engine_trace_gives_one_id_per_engine_block_and_keeps_tenants_apart():
-    from cluster.workloads import engine_trace
+    from kvmesh.cluster.workloads import engine_trace
 
     recs = [{"timestamp": 0, "input_length": 600, "output_length": 512, "hash_ids": [1, 2], "tenant": "a"},
             {"timestamp": 1, "input_length": 600, "output_length": 512, "hash_ids": [1, 3], "tenant": "a"},

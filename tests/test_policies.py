@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.base import ReplicaView, RequestInfo
-from policies.cost_model import CostModel, cacheable_blocks, cached_tokens
-from policies.registry import BASELINES, PEERS, POLICY_NAMES, make_policy, parse_policy_list
+from kvmesh.policies.base import ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import CostModel, cacheable_blocks, cached_tokens
+from kvmesh.policies.registry import BASELINES, PEERS, POLICY_NAMES, make_policy, parse_policy_list
 
 BS = 512
 
@@ -267,7 +267,7 @@ def test_place_on_a_fleet_matches_rank(name):
 
     import numpy as np
 
-    from policies.base import FleetView
+    from kvmesh.policies.base import FleetView
 
     rng = random.Random(11)
     a, b = make_policy(name, seed=2), make_policy(name, seed=2)
@@ -308,7 +308,7 @@ def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave
 
 # ------------------------------------------------- issue 6: hot shared prompt at low load (live flood)
 def _trace(records):
-    from cluster.trace import Trace, TraceRequest
+    from kvmesh.cluster.trace import Trace, TraceRequest
 
     return Trace("t", [TraceRequest(r["timestamp"], r["input_length"], r["output_length"], list(r["hash_ids"]),
                                     r.get("tenant")) for r in records], 512)
@@ -316,7 +316,7 @@ def _trace(records):
 
 def _run(policy, records, replicas):
     """Simulate `records` (512-token blocks); return (metrics, replica chosen per record)."""
-    from cluster.simulator import SimConfig, simulate_policy
+    from kvmesh.cluster.simulator import SimConfig, simulate_policy
 
     placed = {}
     routed = policy.on_routed
@@ -334,13 +334,13 @@ def _run(policy, records, replicas):
 
 
 def _flood():
-    from cluster.workloads import synth_flood
+    from kvmesh.cluster.workloads import synth_flood
 
     return synth_flood(requests=64, system_blocks=8, unique_blocks=2, interval_ms=50.0)[:48]  # the live bench's
 
 
 def _chat(offset=0):
-    from cluster.workloads import ChatSpec, synth_chat
+    from kvmesh.cluster.workloads import ChatSpec, synth_chat
 
     recs = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, seed=0))[:48]
     return [dict(r, hash_ids=[h + offset for h in r["hash_ids"]]) for r in recs]
@@ -349,7 +349,7 @@ def _chat(offset=0):
 def test_kvmesh_spreads_a_shared_prompt_flood_at_low_load_within_002_of_the_bound():
     """Issue 6, live: 48 requests sharing one system prompt, one at a time, all went to one of 2 replicas
     (prefill max/mean 2.0). The prompt is now replicated once onto the second replica."""
-    from cluster.bounds import infinite_hit_rate
+    from kvmesh.cluster.bounds import infinite_hit_rate
 
     recs = _flood()
     bound = infinite_hit_rate(_trace(recs).requests, 512)
@@ -362,7 +362,7 @@ def test_kvmesh_spreads_a_shared_prompt_flood_at_low_load_within_002_of_the_boun
 def test_kvmesh_spreads_a_flood_that_follows_other_work():
     """The live bench runs workloads back to back on one router: the long-memory guard alone then
     tie-breaks the whole flood onto the replica with less past work (48/0). The short window does not."""
-    from cluster.bounds import infinite_hit_rate
+    from kvmesh.cluster.bounds import infinite_hit_rate
 
     flood = [dict(r, hash_ids=[h + 200_000 for h in r["hash_ids"]]) for r in _flood()]
     bound = infinite_hit_rate(_trace(flood).requests, 512)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import workloads as wl
-from deployments.cli import main as cli
-from deployments.replay import (
+from kvmesh.cluster import workloads as wl
+from kvmesh.deployments.cli import main as cli
+from kvmesh.deployments.replay import (
     PromptBuilder,
     ReplayConfig,
     ReplayError,
@@ -44,7 +44,7 @@ def _rec(ids, length=None, **extra):
 @pytest.fixture(scope="module")
 def tiny_model():
     """The tiny local model, built once per machine (idempotent, safe under concurrent builders)."""
-    from deployments.tiny_model import TINY_VERSION, build_tiny_model
+    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
     return build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
 
@@ -276,7 +276,7 @@ def test_max_errors_stops_sending(vllm_server):
 
 
 def test_bench_live_targets_pass_and_miss():
-    from benchmarks.bench_live import evaluate
+    from kvmesh.benchmarks.bench_live import evaluate
 
     def summary(uncached, hit, p50, errors=0):
         return {"uncached_prompt_tokens": uncached, "hit_rate_tokens": hit, "ttft_p50_s": p50, "errors": errors}

@@ -8,15 +8,15 @@ import sys
 
 import pytest
 
-from deployments.cli import main
-from policies.registry import POLICY_NAMES
+from kvmesh.deployments.cli import main
+from kvmesh.policies.registry import POLICY_NAMES
 
 ENV = dict(os.environ, PYTHONHASHSEED="0")
 
 
 def _cli(*args):
     """The real console entry (a subprocess), to see exactly what a user sees."""
-    return subprocess.run([sys.executable, "-m", "deployments.cli", "simulate", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", "simulate", *args], capture_output=True,
                           text=True, timeout=300, env=ENV)
 
 

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from cluster.block_cache import BlockLRU
-from cluster.bounds import compute_bounds, infinite_hit_rate, lru_hit_rate
-from cluster.simulator import SimConfig, simulate, simulate_policy
-from cluster.trace import Trace, TraceError, TraceRequest, load_trace, scale_to_load, tile
-from policies.cost_model import CostModel
-from policies.registry import PEERS, POLICY_NAMES, make_policy
+from kvmesh.cluster.block_cache import BlockLRU
+from kvmesh.cluster.bounds import compute_bounds, infinite_hit_rate, lru_hit_rate
+from kvmesh.cluster.simulator import SimConfig, simulate, simulate_policy
+from kvmesh.cluster.trace import Trace, TraceError, TraceRequest, load_trace, scale_to_load, tile
+from kvmesh.policies.cost_model import CostModel
+from kvmesh.policies.registry import PEERS, POLICY_NAMES, make_policy
 
 COST = CostModel(prefill_s_per_token=0.01, prefill_base_s=0.1, decode_s_per_token=0.001,
                  host_load_s_per_token=0.001, shared_load_s_per_token=0.005, max_batch=64)

@@ -7,11 +7,11 @@ import types
 
 import pytest
 
-from cluster.sweep import (
+from kvmesh.cluster.sweep import (
     closed_loop_arrivals, distribution, evaluate_draw, nearest_rank, policy_figures, request_latency_s, summarize,
     target_misses,
 )
-from policies.cost_model import DEFAULT_COST_MODEL
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL
 
 
 def test_policy_figures_ratios_and_margin_over_the_best_other():
@@ -63,7 +63,7 @@ def test_closed_loop_arrivals_pace_by_concurrency_and_keep_a_users_turns_apart()
 
 
 def test_one_draw_end_to_end():
-    from cluster.workload_family import draw
+    from kvmesh.cluster.workload_family import draw
 
     row = evaluate_draw(draw(2005), ("kvmesh", "round_robin"))
     b = row["bounds"]
@@ -77,10 +77,10 @@ def test_one_draw_end_to_end():
 
 
 def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
-    from benchmarks import run_all
+    from kvmesh.benchmarks import run_all
 
     def bench(code):
-        mod = types.ModuleType("benchmarks.bench_fake")
+        mod = types.ModuleType("kvmesh.benchmarks.bench_fake")
 
         def main():
             raise SystemExit(code)
@@ -88,7 +88,7 @@ def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
         return mod
 
     monkeypatch.setattr(run_all.pkgutil, "iter_modules", lambda path: [types.SimpleNamespace(name="bench_fake")])
-    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", bench(1))
+    monkeypatch.setitem(sys.modules, "kvmesh.benchmarks.bench_fake", bench(1))
     assert run_all.main(["fake"]) == 1
-    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", bench(0))
+    monkeypatch.setitem(sys.modules, "kvmesh.benchmarks.bench_fake", bench(0))
     assert run_all.main(["fake"]) == 0

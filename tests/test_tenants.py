@@ -11,9 +11,9 @@ import logging
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deployments.admission import Admission, PromptTooLarge, RateLimited, TokenBucket
-from deployments.tenant_metrics import TenantMetrics
-from deployments.tenants import (
+from kvmesh.deployments.admission import Admission, PromptTooLarge, RateLimited, TokenBucket
+from kvmesh.deployments.tenant_metrics import TenantMetrics
+from kvmesh.deployments.tenants import (
     AuthError, ClientSaltError, ConfigError, Limits, Tenant, TenantRegistry, derive_salt, hash_api_key,
     new_api_key, reject_client_salt, resolve_secret,
 )
@@ -549,7 +549,7 @@ def test_secret_file_is_private_and_readable_by_resolve_secret(tmp_path):
     import os
     import stat
 
-    from deployments.tenants import write_secret_file
+    from kvmesh.deployments.tenants import write_secret_file
 
     path = write_secret_file("a-secret-of-enough-length", tmp_path / "run")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -561,7 +561,7 @@ def test_secret_file_is_private_and_readable_by_resolve_secret(tmp_path):
 
 def test_salt_secret_never_travels_in_ray_runtime_env(monkeypatch):
     """Ray logs runtime_env env vars verbatim (runtime_env_agent.log): only the file path may travel."""
-    from deployments.app import runtime_env_vars
+    from kvmesh.deployments.app import runtime_env_vars
 
     monkeypatch.setenv("KVMESH_SALT_SECRET", "must-not-be-passed-0123456789")
     monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secret/path")

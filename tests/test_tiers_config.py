@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from kvstore.lmcache_metrics import parse_prometheus, tier_summary, total
-from kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
-from kvstore.tiers import (HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, TierConfigError, kv_transfer_config,
+from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary, total
+from kvmesh.kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
+from kvmesh.kvstore.tiers import (HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, TierConfigError, kv_transfer_config,
                            normalise_l2, server_args)
 
 
@@ -107,7 +107,7 @@ def test_tier_summary_bytes_from_resident_chunks():
 
 
 def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
-    from kvstore.lmcache_server import free_port
+    from kvmesh.kvstore.lmcache_server import free_port
     port = free_port()
     assert redis_ping("127.0.0.1", port) is False
     assert shared_tier_reachable({"type": "resp", "host": "127.0.0.1", "port": port}) is False
@@ -120,7 +120,7 @@ def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
 def test_server_that_exits_at_once_is_reported(tmp_path):
     cfg = TierConfig.from_dict({"extra_args": ["--no-such-flag"], "start_timeout_s": 60})
     srv = LMCacheServer(cfg, tmp_path / "srv.log")
-    from kvstore.lmcache_server import LMCacheServerError
+    from kvmesh.kvstore.lmcache_server import LMCacheServerError
     with pytest.raises(LMCacheServerError, match="exited"):
         srv.start()
     assert not srv.alive()
@@ -138,7 +138,7 @@ STATUS = {
 
 
 def test_tier_report_sums_nodes_and_flags_shared_down():
-    from kvstore.tier_metrics import tier_report
+    from kvmesh.kvstore.tier_metrics import tier_report
 
     r = tier_report(STATUS)
     assert r["host_hit_tokens"] == 586.0 and r["shared_hit_tokens"] == 64.0
@@ -147,7 +147,7 @@ def test_tier_report_sums_nodes_and_flags_shared_down():
 
 
 def test_tier_metrics_text_is_valid_prometheus():
-    from kvstore.tier_metrics import tier_metrics_text
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
 
     text = tier_metrics_text(STATUS)
     s = parse_prometheus(text)
@@ -159,7 +159,7 @@ def test_tier_metrics_text_is_valid_prometheus():
 
 
 def test_tier_routing_info_for_routers():
-    from kvstore.tiers import tier_routing_info
+    from kvmesh.kvstore.tiers import tier_routing_info
 
     info = tier_routing_info({"l1_size_gb": 1, "chunk_size": 256, "l2": "redis://r:6379"}, 32, bytes_per_block=1 << 20)
     assert info == {"chunk_blocks": 8, "shared": True, "host_capacity_blocks": 1024}
@@ -168,7 +168,7 @@ def test_tier_routing_info_for_routers():
 
 
 def test_kv_bytes_per_block_from_model_config(tmp_path):
-    from kvstore.tiers import kv_bytes_per_block
+    from kvmesh.kvstore.tiers import kv_bytes_per_block
 
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 2, "hidden_size": 128,
                                                       "num_hidden_layers": 2, "torch_dtype": "float32"}))
@@ -182,7 +182,7 @@ def test_kv_bytes_per_block_from_model_config(tmp_path):
 
 def test_actor_config_round_trip():
     """The node-server actor is created from a plain dict; reading it back must give the same config."""
-    from kvstore.node_server import _to_dict
+    from kvmesh.kvstore.node_server import _to_dict
 
     cfg = TierConfig.from_dict({"l2": "redis://h:1", "chunk_size": 64, "extra_args": ["--max-gpu-workers", "2"]})
     assert TierConfig.from_dict(_to_dict(cfg)) == cfg

@@ -17,7 +17,7 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     script = Path(__file__).with_name("tiers_live_check.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join the session's cluster
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=1500, env={**env, "PYTHONPATH": str(script.parent.parent)})
+                          timeout=1500, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert lines, proc.stderr[-3000:]
     found = json.loads(lines[-1])

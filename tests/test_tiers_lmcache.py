@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from kvstore.lmcache_server import LMCacheServer
-from kvstore.tiers import TierConfig
-from kvstore.probe_engine import EngineProcess
+from kvmesh.kvstore.lmcache_server import LMCacheServer
+from kvmesh.kvstore.tiers import TierConfig
+from kvmesh.kvstore.probe_engine import EngineProcess
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kvstore.lmcache_server import port_open
-from kvstore.tiers import TierConfigError
+from kvmesh.kvstore.lmcache_server import port_open
+from kvmesh.kvstore.tiers import TierConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ def _cfg(tmp_path, **over):
 
 
 def test_core_watchdog_restarts_a_dead_server(tmp_path):
-    from kvstore.node_server import NodeServerCore
+    from kvmesh.kvstore.node_server import NodeServerCore
 
     core = NodeServerCore(_cfg(tmp_path, watch_interval_s=0.5), str(tmp_path))
     try:
@@ -47,7 +47,7 @@ def ray_local(tmp_path_factory):
         os.environ.setdefault("RAY_TMPDIR", str(tmp))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp))
     yield ray
-    from kvstore.node_server import stop_node_servers
+    from kvmesh.kvstore.node_server import stop_node_servers
 
     stop_node_servers()
     if started:
@@ -55,8 +55,8 @@ def ray_local(tmp_path_factory):
 
 
 def test_one_server_per_node_found_by_every_engine(ray_local, tmp_path):
-    from kvstore import node_server
-    from kvstore.tiers import engine_kv_transfer_config
+    from kvmesh.kvstore import node_server
+    from kvmesh.kvstore.tiers import engine_kv_transfer_config
 
     cfg = _cfg(tmp_path)
     first = node_server.ensure_node_server(cfg)

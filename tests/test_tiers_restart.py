@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from kvstore.lmcache_server import RESTART_DARK_S, LMCacheServer, port_open
-from kvstore.tiers import HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, kv_transfer_config
+from kvmesh.kvstore.lmcache_server import RESTART_DARK_S, LMCacheServer, port_open
+from kvmesh.kvstore.tiers import HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, kv_transfer_config
 
 # Listens on the request port and answers HTTP on the metrics port, like the server's two endpoints.
 _STAND_IN = r"""

@@ -1,7 +1,7 @@
 """Unit tests: the tier tracker records prefills as host (per node) and shared (global) residency."""
-from cluster.index import PrefixIndex
-from cluster.kv_events import BlockRemoved, BlockStored
-from cluster.tier_tracker import TierTracker
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.kv_events import BlockRemoved, BlockStored
+from kvmesh.cluster.tier_tracker import TierTracker
 
 
 def _setup(shared=True, host_cap=None, shared_cap=None, chunk_blocks=1):
@@ -118,7 +118,7 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
     """The router's health task (no Ray: node_servers() faked as our own interface) updates the tracker."""
     import asyncio
 
-    from kvstore import node_server
+    from kvmesh.kvstore import node_server
 
     idx, t = _setup()
     t.record_prefill("a", [1, 2])

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from cluster.workload_family import (
+from kvmesh.cluster.workload_family import (
     ARRIVALS, CONTEXT_TOKENS, MAX_REQUESTS, MIN_REQUESTS, draw, prompt_and_answer_tokens, records,
 )
-from cluster.workloads import check_parent_rule, validate_record
+from kvmesh.cluster.workloads import check_parent_rule, validate_record
 
 SEEDS_FILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "robust_seeds.json")
 

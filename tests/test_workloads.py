@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from cluster import workloads as wl
-from deployments.cli import main as cli
+from kvmesh.cluster import workloads as wl
+from kvmesh.deployments.cli import main as cli
 
 
 def test_chat_is_deterministic_and_seed_dependent():
@@ -122,7 +122,7 @@ def test_bundled_conversation_matches_published_bound():
 
 
 def wl_path(name):
-    from cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.trace_cmd import resolve_trace
 
     return resolve_trace(name)
 

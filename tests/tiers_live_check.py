@@ -18,7 +18,7 @@ def main() -> int:
     os.environ.setdefault("KVMESH_LOG_DIR", os.path.join(root, "logs"))
     import httpx
 
-    from deployments.app import free_port, start_local, stop_local
+    from kvmesh.deployments.app import free_port, start_local, stop_local
 
     key = "kvm-tiers-live-key-0123456789"
     cfg = {"replicas": 2, "policy": "kvmesh", "port": free_port(), "api_keys": [key], "routing_stats_period_s": 0.5,

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.peers import procs
-from deployments.config import engine_dtype
+from kvmesh.benchmarks.peers import procs
+from kvmesh.deployments.config import engine_dtype
 
 SERVED_MODEL_NAME = "tiny"
 

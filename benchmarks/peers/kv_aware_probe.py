@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.peers import engines, procs, setups
+from kvmesh.benchmarks.peers import engines, procs, setups
 
 VARIANTS = [  # (engine KV-event topic, router --kv-event-block-size)
     ("", 16),

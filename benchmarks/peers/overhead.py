@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.peers import engines, setups
-from benchmarks.peers.engines import EngineSpec
-from benchmarks.peers.run import _ray_cpus
+from kvmesh.benchmarks.peers import engines, setups
+from kvmesh.benchmarks.peers.engines import EngineSpec
+from kvmesh.benchmarks.peers.run import _ray_cpus
 
 
 def _quantiles(xs: list[float]) -> dict:
@@ -86,7 +86,7 @@ def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: i
     finally:
         engines.stop_servers(servers)
 
-    from deployments.app import start_local, stop_local
+    from kvmesh.deployments.app import start_local, stop_local
 
     os.environ.setdefault("RAY_TMPDIR", str(work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)

@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments.config import OFFLINE_ENV
+from kvmesh.deployments.config import OFFLINE_ENV
 
 # vLLM OpenAI servers run their engine core in a child process (as shipped): no in-process override.
 BENCH_ENV = {**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

@@ -49,7 +49,7 @@ def workers_from_replay(per_replica: dict, n_workers: int) -> list[dict]:
 
 def make_row(workload: str, form: str, setup: str, summary: dict, workers: list[dict], bound: float | None,
              note: str = "") -> dict:
-    """One comparable row. `summary` is deployments.replay.ReplayReport.summary()."""
+    """One comparable row. `summary` is kvmesh.deployments.replay.ReplayReport.summary()."""
     hit = summary.get("hit_rate_tokens")
     return {
         "workload": workload, "form": form, "setup": setup, "note": note,

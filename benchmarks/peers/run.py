@@ -1,6 +1,6 @@
 """One side-by-side run: per workload and prompt form, every peer setup on N identical vLLM OpenAI
-servers, then kvmesh (`deployments.app.start_local`) with the same engine settings; the same replay
-client and settings for all (deployments.replay). Caches start cold for every setup:
+servers, then kvmesh (`kvmesh.deployments.app.start_local`) with the same engine settings; the same replay
+client and settings for all (kvmesh.deployments.replay). Caches start cold for every setup:
 - `restart` (default): fresh server processes per setup (there is no prefix-cache reset endpoint);
 - `reseed`: the same processes, but every setup's prompts are drawn with another seed, so no block of
   one setup can hit a block of another (same block structure, disjoint tokens; KV space is ample:
@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.peers import engines, metrics, results, setups
-from benchmarks.peers.engines import EngineSpec
-from benchmarks.peers.setups import KVMESH, PEER_SETUPS
+from kvmesh.benchmarks.peers import engines, metrics, results, setups
+from kvmesh.benchmarks.peers.engines import EngineSpec
+from kvmesh.benchmarks.peers.setups import KVMESH, PEER_SETUPS
 
 WORKLOADS = ("chat", "mooncake", "flood")
 FORMS = ("tokens", "text")
@@ -44,7 +44,7 @@ class BenchConfig:
 
 def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
     """The three issue-6 workloads, scaled so every prompt fits the engines' context."""
-    from cluster.workloads import ChatSpec, conversation_slice, read_jsonl, synth_chat, synth_flood
+    from kvmesh.cluster.workloads import ChatSpec, conversation_slice, read_jsonl, synth_chat, synth_flood
 
     out: dict[str, list[dict]] = {}
     max_prompt = cfg.spec.max_model_len - cfg.max_tokens - 8
@@ -65,7 +65,7 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
 
 def _replay(records, cfg: BenchConfig, url: str, form: str, seed: int, label: str, api_key: str | None = None,
             model: str | None = None):
-    from deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.replay import ReplayConfig, replay
 
     rc = ReplayConfig(url=url, model=model, tokens_per_block=cfg.tokens_per_block, concurrency=cfg.concurrency,
                       api_key=api_key, prompt_form=form, max_tokens=cfg.max_tokens, tokenizer=cfg.spec.model,
@@ -133,7 +133,7 @@ def _ray_cpus(workers: int) -> int:
 
 
 def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
-    from deployments.app import start_local, stop_local
+    from kvmesh.deployments.app import start_local, stop_local
 
     os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)
@@ -171,7 +171,7 @@ def _checkpoint(cfg: BenchConfig, rows: list[dict]) -> None:
 
 
 def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
-    from cluster.workloads import cache_bounds
+    from kvmesh.cluster.workloads import cache_bounds
 
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(cfg)

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peers import procs
-from benchmarks.peers.engines import SERVED_MODEL_NAME, EngineSpec, VllmServer
+from kvmesh.benchmarks.peers import procs
+from kvmesh.benchmarks.peers.engines import SERVED_MODEL_NAME, EngineSpec, VllmServer
 
 KVMESH = "kvmesh"
 
