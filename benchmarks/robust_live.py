@@ -5,10 +5,10 @@ Why: the simulator is how a policy change is judged before a live run, so it mus
 live router does. Per draw, kvmesh and round robin each get a fresh local app (vLLM engines at block
 size 32, the draw's tokens per block, 3-4 replicas as the draw says); the replay client sends the
 records in order under the draw's concurrency cap (4 for timed draws), a user's next turn after its
-previous reply, token-id prompts, streaming. The simulator replays the same records in the same order
-(one request per millisecond, so each decision sees the previous ones, as the live router does after
-its commit). Reported per draw: hit rate, per-replica requests and prefill (uncached prompt tokens),
-prefill max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
+previous reply, token-id prompts, streaming. The simulator sends the same records with its closed-loop
+client (`kvmesh.cluster.simulator.ClosedLoop`: the same concurrency, the same per-user order).
+Reported per draw: hit rate, per-replica requests and prefill (uncached prompt tokens), prefill
+max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
 differences.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from typing import Sequence
 
 from kvmesh.cluster.bounds import balance_bounded_bound
-from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
 from kvmesh.cluster.workloads import cache_bounds, engine_trace
 from kvmesh.policies.registry import make_policy
@@ -38,11 +38,11 @@ def _max_over_mean(values: Sequence[float]) -> float:
 
 
 def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str) -> dict:
-    """The simulator on the records in the order the replay client sends them."""
+    """The simulator on the records, sent as the replay client sends them."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     res = simulate_policy(trace, SimConfig(replicas=replicas, capacity_blocks=blocks), make_policy(policy),
-                          arrivals=[i * 1e-3 for i in range(len(trace.requests))])
+                          client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]))
     per = list(res["per_replica"].values())
     return {"hit": res["hit_rate_tokens"], "requests": sorted(p["requests"] for p in per),
             "prefill": sorted(p["prefill_tokens"] for p in per),

@@ -63,6 +63,57 @@ class SimConfig:
             raise ValueError("cost rates must be >= 0")
 
 
+@dataclass
+class ClosedLoop:
+    """A client that keeps `concurrency` requests in flight, a user's next request only after its
+    previous reply ended; requests that are ready wait for a free slot first come, first served (ties
+    in trace order). That is how the replay client (and a chat front end) sends, so the simulator sees
+    the live run's send order and overlap."""
+
+    concurrency: int
+    users: list | None = None  # per request: the user it belongs to (None: independent)
+
+    def sender(self, n: int) -> "_ClosedLoopSender":
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.users is not None and len(self.users) != n:
+            raise ValueError("users must name one user (or None) per request")
+        return _ClosedLoopSender(self.concurrency, self.users or [None] * n)
+
+
+class _ClosedLoopSender:
+    """Yields (request index, send time) in send order; told each request's end through `ended`."""
+
+    def __init__(self, concurrency: int, users: list) -> None:
+        self.concurrency = concurrency
+        self.ready: list[tuple[float, int]] = []  # (ready since, index): requests waiting for a slot
+        self.after: dict[int, int] = {}  # index -> the same user's next request
+        self.in_flight: list[float] = []  # stream ends of the requests in flight
+        last: dict = {}
+        for i, user in enumerate(users):
+            if user is not None and user in last:
+                self.after[last[user]] = i
+            else:
+                self.ready.append((0.0, i))
+            if user is not None:
+                last[user] = i
+        heapq.heapify(self.ready)
+        self.clock = 0.0
+
+    def __iter__(self):
+        while self.ready:
+            since, i = heapq.heappop(self.ready)
+            free = heapq.heappop(self.in_flight) if len(self.in_flight) >= self.concurrency else 0.0
+            self.clock = max(self.clock, since, free)
+            yield i, self.clock
+
+    def ended(self, i: int, end: float) -> None:
+        heapq.heappush(self.in_flight, end)
+        nxt = self.after.get(i)
+        if nxt is not None:
+            heapq.heappush(self.ready, (end, nxt))
+
+
 def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | None]:
     """Arrival times in seconds from the trace start, and the offered load (None for a zero-length span)."""
     c = cfg.cost
@@ -85,10 +136,14 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 
 def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list[float] | None = None,
-                    progress=None) -> dict:
-    """Replay `trace` under `policy`; returns the per-policy metrics dict (issue-2 keys plus extras)."""
+                    progress=None, client: "ClosedLoop | None" = None) -> dict:
+    """Replay `trace` under `policy`; returns the per-policy metrics dict. With `client`, a closed-loop
+    client (`ClosedLoop`) decides when, and so in which order, requests are sent, instead of `arrivals`."""
     cfg.check()
-    if arrivals is None:
+    sender = client.sender(len(trace.requests)) if client is not None else None
+    if sender is not None:
+        arrivals = [0.0] * len(trace.requests)  # filled in as the client sends
+    elif arrivals is None:
         arrivals, _ = arrivals_for(trace, cfg)
     c = cfg.cost
     bs = trace.block_size
@@ -138,8 +193,10 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     last_end = 0.0
     t_wall = time.perf_counter()
 
-    for i, r in enumerate(trace.requests):
-        t = arrivals[i]
+    order = sender if sender is not None else enumerate(arrivals)
+    for i, t in order:
+        r = trace.requests[i]
+        arrivals[i] = t
         ids = r.hash_ids
         n = r.input_length
         while events and events[0][0] <= t:
@@ -154,7 +211,8 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
         fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
-        req = RequestInfo(ids, n, bs, r.output_length, r.tenant, str(i))
+        # the router hashes full blocks only: a policy sees what it would see live
+        req = RequestInfo(ids[:n // bs], n, bs, r.output_length, r.tenant, str(i))
         j = policy.place(req, fleet)[0]
         rid = rids[j]
         policy.on_routed(req, rid, fleet.view(j))
@@ -195,6 +253,8 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         server_free[j] = done
         end = done + r.output_length * tpot
         push(sh, end)
+        if sender is not None:
+            sender.ended(i, end)
         kvb = -(-(n + r.output_length) // bs)
         push(events, (done, 0, j, uncached))
         push(events, (end, 1, j, kvb))
@@ -223,7 +283,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     prompt = sum(prompt_r)
     hit = sum(hit_r)
     mean_computed = sum(computed_r) / N
-    makespan = max(last_end - arrivals[0], 1e-9)
+    makespan = max(last_end - min(arrivals, default=0.0), 1e-9)
     ttfts.sort()
     cost_usd = ((prompt - hit) * cfg.uncached_rate + hit * cfg.cached_rate) / 1e6
     return {

@@ -8,9 +8,8 @@ a placement keeping prefill max/mean <= 1.10 reaches), its margin over the best 
 per-replica prefill max/mean.
 
 Arrivals. "poisson"/"bursts" draws use their timestamps, scaled to the draw's offered load. "all"
-draws are sent at a fixed concurrency and the simulator has no concurrency cap, so the cap is
-approximated open-loop (`closed_loop_arrivals`): one request every (estimated latency / concurrency)
-seconds (Little's law), and a user's next turn no earlier than its previous turn's estimated end.
+draws are sent by the simulator's closed-loop client (`kvmesh.cluster.simulator.ClosedLoop`): the draw's
+concurrency in flight, a user's next turn after its previous reply, as the live replay client sends.
 """
 from __future__ import annotations
 
@@ -19,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds
-from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.trace import Trace, scale_to_load
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
-from kvmesh.cluster.workloads import engine_trace, scaled_block_lengths, scaled_output_length
+from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
 from kvmesh.policies.registry import PEERS, make_policy
 
@@ -40,41 +39,17 @@ class SweepOptions:
     cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
 
 
-def request_latency_s(rec: dict, tokens_per_block: int, cost: CostModel) -> float:
-    """Prefill with nothing cached plus decode, for one record expanded at `tokens_per_block`."""
-    prompt = sum(scaled_block_lengths(rec, tokens_per_block))
-    return cost.prefill_s(prompt, 0, 0, 0) + scaled_output_length(rec, tokens_per_block) * cost.decode_s_per_token
-
-
-def closed_loop_arrivals(recs: Sequence[dict], concurrency: int, tokens_per_block: int,
-                         cost: CostModel) -> tuple[list[dict], list[float]]:
-    """Records in arrival order and their arrival times (s) approximating `concurrency` in flight."""
-    lat = [request_latency_s(r, tokens_per_block, cost) for r in recs]
-    gap = sum(lat) / len(lat) / concurrency
-    ready: dict[str, float] = {}
-    clock, timed = 0.0, []
-    for i, r in enumerate(recs):
-        user = r.get("user")
-        t = max(clock, ready.get(user, 0.0)) if user is not None else clock
-        if user is not None:
-            ready[user] = t + lat[i]
-        timed.append((t, i))
-        clock += gap
-    timed.sort()
-    return [recs[i] for _, i in timed], [t for t, _ in timed]
-
-
-def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, list[float]]:
-    """The draw as a simulator trace at the engine block size, with its arrival times (s)."""
+def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, dict]:
+    """The draw as a simulator trace at the engine block size, and how it is sent: `arrivals` (s) for
+    the timed patterns, a closed-loop `client` (the draw's concurrency, a user's turns in order) for
+    "all at once"."""
     recs = records(d)
-    if d.arrival != "all":
-        trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
-        if trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
-            arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token,
-                                        opts.cost.prefill_base_s)
-            return trace, arrivals
-    ordered, arrivals = closed_loop_arrivals(recs, d.concurrency, d.tokens_per_block, opts.cost)
-    return engine_trace(ordered, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}"), arrivals
+    trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
+    if d.arrival != "all" and trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
+        arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token,
+                                    opts.cost.prefill_base_s)
+        return trace, {"arrivals": arrivals}
+    return trace, {"client": ClosedLoop(d.concurrency, [r.get("user") for r in recs])}
 
 
 def prefill_max_over_mean(per_replica: dict) -> float:
@@ -87,7 +62,7 @@ def prefill_max_over_mean(per_replica: dict) -> float:
 def evaluate_draw(d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()
                   ) -> dict:
     """One row: the draw's shape, its bounds, and each policy's figures on it."""
-    trace, arrivals = draw_trace(d, opts)
+    trace, sending = draw_trace(d, opts)
     bs = trace.block_size
     capacity = opts.capacity_blocks or 1 + len({h for r in trace.requests for h in r.hash_ids})
     bounds = compute_bounds(trace.requests, bs, d.replicas, capacity)
@@ -97,7 +72,7 @@ def evaluate_draw(d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opt
     hits, work = {}, {}
     for name in policies:
         params = {"cost": opts.cost} if name == "kvmesh" else {}
-        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), arrivals=arrivals)
+        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
         hits[name] = m["hit_rate_tokens"]
         work[name] = prefill_max_over_mean(m["per_replica"])
     return {

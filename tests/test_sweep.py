@@ -8,10 +8,9 @@ import types
 import pytest
 
 from kvmesh.cluster.sweep import (
-    closed_loop_arrivals, distribution, evaluate_draw, nearest_rank, policy_figures, request_latency_s, summarize,
+    SweepOptions, distribution, evaluate_draw, nearest_rank, policy_figures, summarize,
     target_misses,
 )
-from kvmesh.policies.cost_model import DEFAULT_COST_MODEL
 
 
 def test_policy_figures_ratios_and_margin_over_the_best_other():
@@ -47,19 +46,17 @@ def test_summary_and_misses_on_hand_made_rows():
     assert [r["seed"] for r in target_misses(rows)] == [2, 3]  # 0.97 and 1.25 themselves meet the target
 
 
-def test_closed_loop_arrivals_pace_by_concurrency_and_keep_a_users_turns_apart():
-    a = {"timestamp": 0, "input_length": 592, "output_length": 512, "hash_ids": [1, 2], "user": "a"}
-    b = {"timestamp": 0, "input_length": 592, "output_length": 512, "hash_ids": [3, 4], "user": "b"}
-    a2 = dict(a, hash_ids=[1, 2, 5], input_length=1100)
-    lat = request_latency_s(a, 32, DEFAULT_COST_MODEL)
-    # one full block (32 tokens) + 80 of 512 tokens -> 5 of 32; 512 output tokens -> 32
-    cost = DEFAULT_COST_MODEL
-    assert lat == pytest.approx(cost.prefill_s(32 + 5, 0, 0, 0) + 32 * cost.decode_s_per_token)
-    order, t = closed_loop_arrivals([a, a2, b], concurrency=4, tokens_per_block=32, cost=DEFAULT_COST_MODEL)
-    assert order == [a, b, a2]  # a's second turn waits for its first to finish; b goes meanwhile
-    assert t[0] == 0 and t[2] == pytest.approx(lat) and 0 < t[1] < lat
-    order, t = closed_loop_arrivals([a, b], concurrency=1, tokens_per_block=32, cost=DEFAULT_COST_MODEL)
-    assert t[1] == pytest.approx((lat + request_latency_s(b, 32, DEFAULT_COST_MODEL)) / 2)
+def test_all_at_once_draws_are_sent_by_the_closed_loop_client():
+    from kvmesh.cluster.simulator import ClosedLoop
+    from kvmesh.cluster.sweep import draw_trace
+    from kvmesh.cluster.workload_family import draw, records
+
+    seed = next(s for s in range(2000, 2100) if draw(s).arrival == "all")
+    d = draw(seed)
+    trace, sending = draw_trace(d, SweepOptions())
+    client = sending["client"]
+    assert isinstance(client, ClosedLoop) and client.concurrency == d.concurrency
+    assert client.users == [r.get("user") for r in records(d)] and len(trace) == len(client.users)
 
 
 def test_one_draw_end_to_end():
