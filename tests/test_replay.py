@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster import workloads as wl
+from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.cli import main as cli
 from kvmesh.deployments.replay import (
     PromptBuilder,
@@ -169,7 +170,7 @@ def vllm_server(tiny_model, tmp_path_factory):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
          "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-         "--enforce-eager"],
+         "--enforce-eager", "--dtype", engine_dtype("tiny", "auto")],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
