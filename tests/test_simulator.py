@@ -282,9 +282,9 @@ def test_multi_turn_chat_sent_closed_loop_is_balanced_near_the_balance_bounded_b
     workload gave the same per-replica request counts (docs/policies.md)."""
     from pathlib import Path
 
-    from cluster.bounds import balance_bounded_bound
-    from cluster.simulator import ClosedLoop
-    from cluster.workloads import engine_trace, read_jsonl
+    from kvmesh.cluster.bounds import balance_bounded_bound
+    from kvmesh.cluster.simulator import ClosedLoop
+    from kvmesh.cluster.workloads import engine_trace, read_jsonl
 
     recs = read_jsonl(Path(__file__).parent / "fixtures" / "pileup-repro.jsonl")
     trace = engine_trace(recs, 64)
