@@ -52,13 +52,19 @@ class Trace:
         return (self.requests[-1].timestamp_ms - self.requests[0].timestamp_ms) / 1000.0
 
 
-def resolve(name_or_path: str) -> str:
-    """A bundled trace name ('conversation', 'synthetic') or a file path -> a readable path."""
+def bundled_path(name_or_path: str) -> str:
+    """A bundled trace name ('conversation', 'synthetic') -> its packaged file; anything else is a path
+    and comes back unchanged (the reader reports a missing file)."""
     if name_or_path in BUNDLED:
         return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
-    if not os.path.isfile(name_or_path):
-        raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
     return name_or_path
+
+
+def resolve(name_or_path: str) -> str:
+    """A bundled trace name ('conversation', 'synthetic') or a file path -> a readable path."""
+    if name_or_path not in BUNDLED and not os.path.isfile(name_or_path):
+        raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
+    return bundled_path(name_or_path)
 
 
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> int:

@@ -1,10 +1,20 @@
-"""The `kvmesh` entry point: bad arguments give one line on stderr and exit 2, never a traceback."""
+"""The `kvmesh` entry point: bad arguments give one line on stderr and exit 2, never a traceback; one CLI
+package holds every subcommand and the argument checks they share, and library code never imports it."""
+import argparse
+import ast
+import importlib
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.deployments.cli import args, main
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", *args], capture_output=True, text=True,
+def _run(*argv):
+    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", *argv], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -18,3 +28,82 @@ def test_unknown_subcommand_is_one_line_exit_2():
 def test_no_subcommand_is_an_error():
     r = _run()
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("cluster", "kvstore", "policies", "benchmarks", "deployments")
+
+
+def _library_sources():
+    for folder in LIBRARY:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if (ROOT / "deployments" / "cli") not in path.parents:
+                yield path
+
+
+def test_library_code_never_imports_the_cli():
+    """The CLI imports the library, never the other way round: library errors are the library's own."""
+    found = []
+    for path in _library_sources():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            else:
+                continue
+            if any(n == "kvmesh.deployments.cli" or n.startswith("kvmesh.deployments.cli.") for n in names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+
+
+def test_every_subcommand_lives_in_the_cli_package():
+    from kvmesh.deployments import cli
+
+    assert not [p for f in LIBRARY for p in (ROOT / f).rglob("*_cmd.py")]
+    for name in cli.COMMANDS:
+        mod = importlib.import_module(f"kvmesh.deployments.cli.{name}")
+        assert callable(mod.add_arguments) and callable(mod.run), name
+
+
+@pytest.mark.parametrize("check, text, value", [
+    (args.positive_int, "3", 3),
+    (args.non_negative_int, "0", 0),
+    (args.positive_float, "0.5", 0.5),
+    (args.non_negative_float, "0", 0.0),
+    (args.int_range, "2", (2, 2)),
+    (args.int_range, "1-3", (1, 3)),
+    (args.choices_csv(("a", "b")), "b, a", ("b", "a")),
+])
+def test_shared_argument_types_accept(check, text, value):
+    assert check(text) == value
+
+
+@pytest.mark.parametrize("check, text, message", [
+    (args.positive_int, "0", "must be >= 1, got 0"),
+    (args.positive_int, "x", "expected a whole number, got 'x'"),
+    (args.non_negative_int, "-1", "must be >= 0"),
+    (args.positive_float, "inf", "must be a positive number"),
+    (args.positive_float, "nan", "must be a positive number"),
+    (args.non_negative_float, "-0.5", "must be >= 0"),
+    (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
+    (args.choices_csv(("a", "b")), "c", "choose from a, b"),
+    (args.choices_csv(("a", "b")), ",", "choose from a, b"),
+])
+def test_shared_argument_types_reject_with_one_message(check, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        check(text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--trace", "conversation", "--replicas", "0", "--capacity-blocks", "1"], "--replicas: must be >= 1"),
+    (["trace", "synth", "--out", "x.jsonl", "--turns", "x"], "--turns: expected a whole number"),
+    (["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"], "--timeout: must be >= 0"),
+    (["demo", "--replicas", "0"], "--replicas: must be >= 1"),
+])
+def test_subcommands_share_the_checks(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

@@ -369,7 +369,7 @@ def test_router_uses_the_tenant_policy_the_ingress_sets(monkeypatch):
 def test_serve_flags_override_the_config_file(tmp_path):
     import argparse
 
-    from kvmesh.deployments import serve_cmd
+    from kvmesh.deployments.cli import serve as serve_cmd
 
     p = tmp_path / "c.yaml"
     p.write_text("replicas: 4\npolicy: round_robin\nport: 9000\nengine: {block_size: 64}\n")

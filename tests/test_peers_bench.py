@@ -101,7 +101,7 @@ def test_workers_from_replay_pads_idle_replicas():
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "peers", "--workloads", "nope"], "choose from chat, mooncake, flood"),
-    (["bench", "peers", "--workers", "0"], "expected a positive integer"),
+    (["bench", "peers", "--workers", "0"], "--workers: must be >= 1"),
     (["bench", "peers", "--setups", "vllm-router/magic"], "choose from"),
     (["bench", "peers", "--block-size", "48", "--model", "/nonexistent"], "multiple of 32"),
     (["bench", "peers", "--model", "/nonexistent"], "no config.json"),

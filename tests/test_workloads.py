@@ -122,9 +122,9 @@ def test_bundled_conversation_matches_published_bound():
 
 
 def wl_path(name):
-    from kvmesh.cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.trace import bundled_path
 
-    return resolve_trace(name)
+    return bundled_path(name)
 
 
 def test_validate_record_errors():

@@ -11,25 +11,8 @@ import argparse
 import json
 import os
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import non_negative_float, positive_int
 
 
 def _tenant_key(text: str) -> tuple[str, str]:
@@ -41,40 +24,40 @@ def _tenant_key(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--trace", required=True, help="Mooncake JSONL path or a bundled name (conversation, synthetic)")
-    parser.add_argument("--tokens-per-block", type=_positive_int, default=32,
+    parser.add_argument("--trace", required=True,
+                        help="Mooncake JSONL path or a bundled name (conversation, synthetic)")
+    parser.add_argument("--tokens-per-block", type=positive_int, default=32,
                         help="tokens per trace block (a multiple of the engine block size)")
-    parser.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N requests")
-    parser.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+    parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                         help="drop requests whose scaled prompt is longer (fit a small model's context)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=_positive_int, default=None, help="requests in flight (default 4)")
-    mode.add_argument("--time-scale", type=_non_negative_float, default=None,
+    mode.add_argument("--concurrency", type=positive_int, default=None, help="requests in flight (default 4)")
+    mode.add_argument("--time-scale", type=non_negative_float, default=None,
                       help="send at trace timestamp x this factor (0.5 = twice as fast)")
     parser.add_argument("--api-key", default=None, help="bearer key for every request")
     parser.add_argument("--tenant-key", type=_tenant_key, action="append", default=[], metavar="TENANT=KEY",
                         help="key for the trace's `tenant` field (repeatable); falls back to --api-key")
     parser.add_argument("--prompt-form", choices=("tokens", "text"), default="tokens")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir (needed for --prompt-form text)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=16, help="cap on output tokens per request")
+    parser.add_argument("--max-tokens", type=positive_int, default=16, help="cap on output tokens per request")
     parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
     parser.add_argument("--label", default=None, help="replica name when the server sends no x-kvmesh-replica")
     parser.add_argument("--seed", type=int, default=0,
                         help="changes every block's tokens (a fresh, cold token space per run on warm servers)")
-    parser.add_argument("--timeout", type=_non_negative_float, default=300.0, help="per-request timeout, s")
+    parser.add_argument("--timeout", type=non_negative_float, default=300.0, help="per-request timeout, s")
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", required=True, help="write the summary JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.trace import bundled_path
     from kvmesh.cluster.workloads import fit_context, read_jsonl
-    from kvmesh.deployments.cli import CliError
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, format_table, replay
 
     try:
-        records = read_jsonl(resolve_trace(args.trace), limit=None if args.max_prompt_tokens else args.limit)
+        records = read_jsonl(bundled_path(args.trace), limit=None if args.max_prompt_tokens else args.limit)
     except OSError as exc:
         raise CliError(f"kvmesh replay: {exc.strerror or exc}: {exc.filename}") from None
     except ValueError as exc:

