@@ -314,12 +314,13 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     }
 
 
-def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False) -> dict:
+def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False,
+             client: ClosedLoop | None = None) -> dict:
     """Run every policy on the same arrivals and return the issue-2 JSON document (with bounds)."""
     from kvmesh.cluster.bounds import compute_bounds
 
     cfg.check()
-    arrivals, offered = arrivals_for(trace, cfg)
+    arrivals, offered = arrivals_for(trace, cfg)  # with a closed-loop client, the open-loop reference
     n_nodes = len({i // cfg.replicas_per_node for i in range(cfg.replicas)})
     doc = {
         "trace": trace.name,
@@ -334,6 +335,7 @@ def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress
             "shared_blocks": cfg.shared_blocks, "replicas_per_node": cfg.replicas_per_node,
             "load": offered, "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
             "span_s": arrivals[-1] - arrivals[0], "cost_model": cfg.cost.to_dict(),
+            "closed_loop_concurrency": client.concurrency if client is not None else None,
             "uncached_rate_per_mtok": cfg.uncached_rate, "cached_rate_per_mtok": cfg.cached_rate, "seed": cfg.seed,
         },
     }
@@ -346,7 +348,7 @@ def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress
         for name, pol in policies.items():
             if bar is not None:
                 bar.set_postfix_str(name)
-            doc["policies"][name] = simulate_policy(trace, cfg, pol, arrivals, bar)
+            doc["policies"][name] = simulate_policy(trace, cfg, pol, None if client else arrivals, bar, client)
     finally:
         if bar is not None:
             bar.close()

@@ -92,3 +92,33 @@ def test_single_request_trace_has_no_load_and_strict_json(tmp_path, capsys):
     doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert doc["config"]["load"] is None and doc["requests"] == 1
     assert "load=n/a" in capsys.readouterr().out
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pileup-repro.jsonl")
+
+
+def test_live_block_size_and_closed_loop_sending(tmp_path):
+    """A Mooncake file (512 tokens per id) simulated as the live replay runs it: ids expanded to 64
+    tokens, engine blocks of 32, six requests in flight with each user's turns in order."""
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--trace", FIXTURE, "--tokens-per-block", "64", "--block-size", "32", "--replicas", "3",
+               "--capacity-blocks", "100000", "--concurrency", "6", "--policies", "kvmesh,round_robin",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["block_size"] == 32 and doc["config"]["closed_loop_concurrency"] == 6
+    k, rr = doc["policies"]["kvmesh"], doc["policies"]["round_robin"]
+    assert k["hit_rate_tokens"] > rr["hit_rate_tokens"] + 0.1 and k["imbalance"] <= 1.25
+    # the same file without expansion is read at 512 tokens per id, as before
+    plain = _cli("--trace", FIXTURE, "--replicas", "3", "--capacity-blocks", "1000", "--policies", "kvmesh")
+    assert plain.returncode == 0, plain.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens-per-block", "48", "--block-size", "32"], "must be a multiple of --block-size"),
+    (["--concurrency", "4", "--load", "0.5"], "not both"),
+    (["--block-size", "64"], "does not fit"),
+])
+def test_live_shape_options_reject_bad_combinations(args, message):
+    r = _cli("--trace", FIXTURE, "--replicas", "3", "--capacity-blocks", "100", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -22,7 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared", action="store_true", help="add a shared tier (LMCache L2) reachable from every replica")
     p.add_argument("--shared-blocks", type=positive_int, default=None, help="shared-tier capacity (default unbounded)")
     p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
-    p.add_argument("--block-size", type=positive_int, default=512, help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="without --tokens-per-block: tokens per trace hash id (default 512, Mooncake's); with it: "
+                        "the engine's block size (default: tokens per block)")
+    p.add_argument("--tokens-per-block", type=positive_int, default=None,
+                   help="expand each trace hash id (512 tokens in the file) to this many tokens, as `kvmesh replay` "
+                        "does, and simulate at --block-size: the live run's prompts and block size")
+    p.add_argument("--concurrency", type=positive_int, default=None,
+                   help="send closed-loop, as `kvmesh replay --concurrency` does: N in flight, a user's next "
+                        "turn after its previous reply (default: trace timestamps)")
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
     p.add_argument("--cost-model", default=None, metavar="JSON",
                    help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)")
@@ -52,11 +60,37 @@ def _cost_model(text: str | None):
         raise CliError(f"--cost-model: {exc}") from None
 
 
+def _load(args):
+    """The trace as the simulator takes it, and each request's user (for the closed-loop client)."""
+    from kvmesh.cluster.trace import TraceError, load_trace, resolve
+    from kvmesh.cluster.workloads import engine_trace, read_jsonl
+
+    if args.tokens_per_block is None:
+        try:
+            trace = load_trace(args.trace, args.block_size or 512, args.limit)
+            records = read_jsonl(resolve(args.trace), args.limit) if args.concurrency else []
+        except (TraceError, ValueError) as exc:
+            raise CliError(str(exc)) from None
+        return trace, [r.get("user") for r in records] or None
+    block = args.block_size or args.tokens_per_block
+    if args.tokens_per_block % block:
+        raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
+    try:
+        records = read_jsonl(resolve(args.trace), args.limit)
+    except (TraceError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"{args.trace}: {exc.strerror or exc}") from None
+    if not records:
+        raise CliError(f"{args.trace}: no requests")
+    name = os.path.splitext(os.path.basename(args.trace))[0]
+    return engine_trace(records, args.tokens_per_block, block, name=name), [r.get("user") for r in records]
+
+
 def run(args) -> int:
     from kvmesh.cluster.bounds import balance_bounded_bound
     from kvmesh.cluster.sim_report import format_table, plot
-    from kvmesh.cluster.simulator import SimConfig, simulate
-    from kvmesh.cluster.trace import TraceError, load_trace
+    from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate
     from kvmesh.policies.registry import make_policy, parse_policy_list
 
     try:
@@ -67,11 +101,10 @@ def run(args) -> int:
         raise CliError("--uncached-rate and --cached-rate must be >= 0")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise CliError(f"--plot: expected a .png path, got {args.plot!r}")
+    if args.concurrency is not None and args.load is not None:
+        raise CliError("give either --load (timed arrivals) or --concurrency (closed loop), not both")
     cost = _cost_model(args.cost_model)
-    try:
-        trace = load_trace(args.trace, args.block_size, args.limit)
-    except TraceError as exc:
-        raise CliError(str(exc)) from None
+    trace, users = _load(args)
     if len(trace) < 2 and args.load is not None:
         raise CliError("--load needs a trace with at least two requests at different times")
     cfg = SimConfig(args.replicas, args.capacity_blocks, host_blocks=args.host_blocks, shared=args.shared,
@@ -81,7 +114,8 @@ def run(args) -> int:
         cfg.check()
         policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
         progress = not args.no_progress and len(trace) * len(names) >= 20_000
-        doc = simulate(trace, cfg, policies, progress=progress)
+        client = ClosedLoop(args.concurrency, users) if args.concurrency else None
+        doc = simulate(trace, cfg, policies, progress=progress, client=client)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # beside doc["bounds"] (whose keys other tools rely on): hit rate, imbalance reached, per-replica prefill
