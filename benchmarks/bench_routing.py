@@ -1,4 +1,4 @@
-"""Routing decision time and KV-event ingest rate (issue 2 targets), with baselines in the same run.
+"""Routing decision time and KV-event ingest rate against their targets, with baselines in the same run.
 
 1. Decision time = hash (vLLM sha256 block hashes) + index lookup + kvmesh score, the live router's
    path (`deployments/router.py`), for an 8k-token prompt, 16-token blocks, 64 replicas on 8 nodes,

@@ -1,4 +1,4 @@
-"""Simulator benchmarks: its own speed, tiers vs no tiers (issue 4), kvmesh vs peers' algorithms (issue 6).
+"""Simulator benchmarks: its own speed, tiers vs no tiers, kvmesh vs peers' algorithms.
 
 1. Speed: requests synthesized by tiling the conversation trace with relabelled hash ids, replayed
    through 256 replicas under kvmesh (index match + policy + cache + time model per request).
@@ -13,7 +13,7 @@
    p90 TTFT.
 3. Peers: conversation trace, 8 replicas x 1000 blocks (one accelerator's KV space each), at load
    0.5 / 0.8 / 0.95: p90 TTFT of kvmesh vs sglang_cache_aware, ray_prefix_affinity, llmd_precise,
-   dynamo_cost (+ round robin for scale). Target (issue 6): kvmesh's p90 <= every peer's at 0.8, 0.95.
+   dynamo_cost (+ round robin for scale). Target: kvmesh's p90 <= every peer's at 0.8, 0.95.
 PNGs go to out/ (BENCH_OUT to change).
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def bench_tiers(conv, out_dir: str) -> dict:
         "host + shared": SimConfig(8, 1000, host_blocks=16000, shared=True, replicas_per_node=8, load=0.8),
     }
     res = {k: simulate_policy(conv, cfg, make_policy("kvmesh")) for k, cfg in variants.items()}
-    print("\ntiers (issue 4): conversation, 8 replicas x 1000 HBM blocks (one node), load 0.8, kvmesh")
+    print("\ntiers: conversation, 8 replicas x 1000 HBM blocks (one node), load 0.8, kvmesh")
     print(f"  {'variant':<14} {'hit':>7} {'hbm':>7} {'host':>7} {'shared':>7} {'p90_s':>7} {'p50_s':>7}")
     for k, m in res.items():
         p = m["prompt_tokens"]
@@ -85,7 +85,7 @@ def bench_tiers(conv, out_dir: str) -> dict:
 def bench_peers(conv, out_dir: str) -> dict:
     names = ("kvmesh", *PEERS, "round_robin")
     results = {}
-    print("\nsimulated peers (issue 6): conversation, 8 replicas x 1000 blocks; p90 TTFT (s) [hit rate]")
+    print("\nsimulated peers: conversation, 8 replicas x 1000 blocks; p90 TTFT (s) [hit rate]")
     print(f"  {'load':>5} " + " ".join(f"{n:>21}" for n in names))
     for load in (0.5, 0.8, 0.95):
         doc = simulate(conv, SimConfig(8, 1000, load=load), {n: make_policy(n) for n in names})

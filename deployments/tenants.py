@@ -5,7 +5,7 @@ keyed by something the client cannot choose. The salt is HMAC-SHA256(server secr
 group) computed here, passed to vLLM as `cache_salt` (folded into the first block's hash, so into every
 block hash, router key and LMCache key downstream). Keys are stored only as SHA-256 digests.
 
-API for the ingress (H3):
+API for the ingress (deployments/ingress.py):
 
     from kvmesh.deployments.tenants import (TenantRegistry, AuthError, ClientSaltError, reject_client_salt,
                                      openai_error)

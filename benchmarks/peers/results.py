@@ -68,7 +68,7 @@ def make_row(workload: str, form: str, setup: str, summary: dict, workers: list[
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """Issue 6's live targets per (workload, form): kvmesh hit >= best peer - 0.01, >= 0.95 x bound,
+    """The live targets per (workload, form): kvmesh hit >= best peer - 0.01, >= 0.95 x bound,
     prefill max/mean <= 1.25, zero errors. A peer that failed every request (e.g. sglang-router's 422
     on token ids) has no hit rate and does not count as 'best peer'."""
     verdicts = []
