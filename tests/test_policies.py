@@ -306,7 +306,7 @@ def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave
     assert work["r0"] == pytest.approx(512) and work["r1"] == pytest.approx(5120)
 
 
-# ------------------------------------------------- issue 6: hot shared prompt at low load (live flood)
+# ------------------------------------------------- hot shared prompt at low load (the live bench's flood)
 def _trace(records):
     from kvmesh.cluster.trace import Trace, TraceRequest
 
@@ -347,8 +347,8 @@ def _chat(offset=0):
 
 
 def test_kvmesh_spreads_a_shared_prompt_flood_at_low_load_within_002_of_the_bound():
-    """Issue 6, live: 48 requests sharing one system prompt, one at a time, all went to one of 2 replicas
-    (prefill max/mean 2.0). The prompt is now replicated once onto the second replica."""
+    """48 requests sharing one system prompt, one at a time, on 2 replicas: the prompt is replicated once
+    onto the second replica instead of every request going to one (prefill max/mean 2.0)."""
     from kvmesh.cluster.bounds import infinite_hit_rate
 
     recs = _flood()
@@ -367,7 +367,7 @@ def test_kvmesh_spreads_a_flood_that_follows_other_work():
     flood = [dict(r, hash_ids=[h + 200_000 for h in r["hash_ids"]]) for r in _flood()]
     bound = infinite_hit_rate(_trace(flood).requests, 512)
     out = {}
-    for fanout in (8, 10**9):  # the default, and with no prefix ever hot (the old behaviour)
+    for fanout in (8, 10**9):  # the default, and with no prefix ever hot (no spread term)
         p = make_policy("kvmesh", hot_fanout=fanout)
         _run(p, _chat(), 2)
         _run(p, _chat(offset=100_000), 2)  # another chat run, disjoint blocks (the bench's reseed)
@@ -376,7 +376,7 @@ def test_kvmesh_spreads_a_flood_that_follows_other_work():
     assert len(set(placed)) == 2 and m["imbalance"] <= 1.25, m["imbalance"]
     assert m["hit_rate_tokens"] >= bound - 0.02, (m["hit_rate_tokens"], bound)
     m0, placed0 = out[10**9]
-    assert m0["imbalance"] > 1.5, m0["imbalance"]  # the failure issue 6 saw live
+    assert m0["imbalance"] > 1.5, m0["imbalance"]  # without the spread term the flood piles up (48/0 live)
 
 
 def test_kvmesh_keeps_each_chat_user_on_one_replica():

@@ -1,4 +1,5 @@
-"""Trace loading, block cache, bounds, the simulator's time/cache model, and what issue 2/4/6 ask it to show."""
+"""Trace loading, block cache, bounds, the simulator's time/cache model, and what it must show: kvmesh
+against the bounds and the baselines, against the peers' algorithms, and what the tiers add."""
 from __future__ import annotations
 
 import json
@@ -184,7 +185,7 @@ def test_simulate_document_shape_and_config_errors():
             bad.check()
 
 
-# ------------------------------------------------------------------- issue 2: what it must show
+# ------------------------------------------------------- kvmesh against the bounds and the baselines
 @pytest.fixture(scope="module")
 def hit_runs():
     """kvmesh and round robin on both bundled traces, 8 and 4 replicas x 4000 blocks, trace timing."""
@@ -218,7 +219,7 @@ def test_kvmesh_has_the_lowest_p90_ttft_of_all_policies_at_high_load():
     assert min(p90, key=p90.get) == "kvmesh", p90
 
 
-# ------------------------------------------------------------------- issue 6: simulated comparison
+# ------------------------------------------------------------ kvmesh against the peers' algorithms
 @pytest.mark.parametrize("load", [0.8, 0.95])
 def test_kvmesh_p90_ttft_beats_every_peer_at_high_load(load):
     """One accelerator per replica: 1000 blocks of 512 tokens (~64 GiB of KV for an 8B model)."""
@@ -229,7 +230,7 @@ def test_kvmesh_p90_ttft_beats_every_peer_at_high_load(load):
         assert k <= doc["policies"][peer]["ttft_p90_s"], (peer, k, doc["policies"][peer]["ttft_p90_s"])
 
 
-# ------------------------------------------------------------------------- issue 4: tiers in sim
+# --------------------------------------------------------------------------------- tiers in sim
 def test_host_tier_raises_hit_rate_and_cuts_p90_with_small_hbm():
     t = load_trace("conversation")
     base = simulate_policy(t, SimConfig(8, 1000, load=0.8), make_policy("kvmesh"))

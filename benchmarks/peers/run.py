@@ -43,7 +43,7 @@ class BenchConfig:
 
 
 def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
-    """The three issue-6 workloads, scaled so every prompt fits the engines' context."""
+    """The three workloads (chat, mooncake, flood), scaled so every prompt fits the engines' context."""
     from kvmesh.cluster.workloads import ChatSpec, conversation_slice, read_jsonl, synth_chat, synth_flood
 
     out: dict[str, list[dict]] = {}

@@ -1,9 +1,10 @@
 """`kvmesh demo` (`make demo`): the embedded default, end to end on one machine.
 
-Builds the tiny local model, serves N engine replicas behind the kvmesh router, replays a slice of
-the bundled Mooncake conversation trace (whole multi-turn conversations, scaled to the tiny model's
-context), shuts down, does the same with round robin, and prints both side by side with the
-infinite-cache and round-robin bounds.
+Builds the tiny local model and, for each run in `--policies` (default kvmesh, round robin, and
+kvmesh with the LMCache tiers), serves N engine replicas behind the router, replays a slice of the
+bundled Mooncake conversation trace (whole multi-turn conversations, scaled to the tiny model's
+context) and shuts down; then prints the runs side by side with the infinite-cache and round-robin
+bounds.
 
 Fairness: each policy gets a freshly started app (cold engine caches, empty router index), the same
 requests in the same order, the same client concurrency and the same token expansion.
@@ -24,8 +25,8 @@ import time
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import positive_int
 
-# Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` remains for
-# machines without vLLM.
+# Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` is for machines
+# without vLLM.
 LIVE_BY_DEFAULT = True
 TIERS_SUFFIX = "+tiers"
 
