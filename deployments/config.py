@@ -48,7 +48,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "enforce_eager": True,
     "kv_transfer_config": None,  # passed through to vLLM (LMCacheMPConnector etc.)
-    "lmcache": None,  # dict: node-local LMCache server discovery (kvstore/, issue 4); see engine hook
+    "lmcache": None,  # dict: the node's LMCache tiers (kvstore/tiers.py TierConfig); see engine hook
     "num_gpus": 0,
     "num_cpus": 0.5,
     "seed": 0,

@@ -3,7 +3,8 @@
 Each replica publishes its KV-cache events on its own ZMQ endpoint and tells routers where via
 `record_routing_stats()` (Serve polls it and hands the dict to every router as
 `RunningReplica.routing_stats`). The publisher BINDS (`tcp://*:port`) so any number of routers (one
-per ingress replica) can connect to it; see docs/platform-notes: vLLM binds only for `*`/`::`.
+per ingress replica) can connect to it (vLLM's publisher binds only for `*`/`::`; with a concrete
+address it connects, and the subscriber would have to bind).
 
 Request (a plain dict, built by the ingress; the router reads `prompt_token_ids` and `cache_salt`):
     {"request_id": str, "prompt_token_ids": [int], "cache_salt": str | None,

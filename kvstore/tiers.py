@@ -4,7 +4,7 @@ One `TierConfig` describes what every node runs: how much host DRAM the LMCache 
 and which shared store it writes through to (L2). The same config yields the server's command line
 (`server_args`) and the engine's `kv_transfer_config` (`kv_transfer_config`), so both sides agree on
 chunk size and transfer mode — the two settings that otherwise hang or silently miss on CPU
-(see shared/docs/platform-notes.md).
+(docs/tiers.md, "CPU traps").
 
 L2 spellings accepted (`l2` key):
 - None / "none": host tier only.
