@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 
 def lmcache_kv_transfer(cfg: dict) -> dict | None:
-    """HOOK for the tiered store (issue 4): the kv_transfer_config this engine should use.
+    """The kv_transfer_config this engine should use (the tiered store's hook).
 
     An explicit `kv_transfer_config` in the engine config wins (passed straight to vLLM). Otherwise, when
     `lmcache` is set, kvstore/ finds (or starts) this node's LMCache server and returns the matching
