@@ -31,9 +31,9 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+from kvmesh.cluster.trace import read_records
 from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, cache_bounds, synth_chat
 
-TRACE = Path(__file__).resolve().parents[1] / "cluster" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 512  # cache granularity (see module docstring)
 TOKENS_PER_BLOCK = 512  # no scaling: the trace's own lengths
 LRU_CAPACITIES_BLOCKS = (2000, 8000)  # 1M and 4M tokens
@@ -95,7 +95,7 @@ def grouped(records: list[dict], size: int) -> list[dict]:
 
 
 def mooncake_figures(tenant_counts=(1, 8, 64, 512)) -> list[dict]:
-    recs = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    recs = read_records("conversation")
     warmup = len(recs) // 2
     caches = [("infinite", None)] + [(f"lru_{c * BLOCK // 1_000_000}M_tokens", c) for c in LRU_CAPACITIES_BLOCKS]
 

@@ -1,10 +1,15 @@
-"""Mooncake-form JSONL traces: loading with line-numbered validation, bundled names, load scaling.
+"""Mooncake-form JSONL traces: the record form, its one reader and checker, bundled names, load scaling.
 
-One record per line: `timestamp` (ms since trace start, non-decreasing), `input_length` and
-`output_length` (tokens), `hash_ids` (one id per `block_size`-token block of the prompt, the last one
-possibly partial; an id always follows the same parent, so it names its whole prefix). Extra keys are
-kept as they are (`tenant` is passed on to policies). A malformed line raises `TraceError` naming the
-file and line, which the CLI prints as one line (exit 2).
+One record per line: `timestamp` (ms since trace start), `input_length` and `output_length` (tokens),
+`hash_ids` (one id per `block_size`-token block of the prompt, the last one possibly partial; an id
+always follows the same parent, so it names its whole prefix). Extra keys are kept as they are
+(`tenant` is passed on to policies, `user` orders a replay's turns). A malformed line raises
+`TraceError` naming the file and line, which the CLI prints as one line (exit 2).
+
+Two forms of one record, one conversion between them: the JSONL record (a dict, `read_records`) is
+what workloads generate, the replay client sends and files hold; `TraceRequest.from_record` is what
+the simulator and the bounds take (`load_trace` for a file as it is, `workloads.engine_trace` after
+scaling to an engine's block size).
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ BUNDLED = {
     "conversation": "mooncake_conversation_trace.jsonl",
     "synthetic": "mooncake_synthetic_trace.jsonl",
 }
-MOONCAKE_BLOCK_TOKENS = 512
+SOURCE_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens
+FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 class TraceError(ValueError):
@@ -28,18 +34,27 @@ class TraceError(ValueError):
 
 @dataclass(slots=True)
 class TraceRequest:
+    """One record as the simulator and the bounds take it (`from_record`); extra keys stay in the record."""
+
     timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: list[int]
     tenant: str | None = None
 
+    @classmethod
+    def from_record(cls, rec: dict) -> "TraceRequest":
+        """The request of a checked record (`check_record`): the one place a record becomes a request."""
+        tenant = rec.get("tenant")
+        return cls(float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"]),
+                   list(rec["hash_ids"]), None if tenant is None else str(tenant))
+
 
 @dataclass
 class Trace:
     name: str
     requests: list[TraceRequest]
-    block_size: int = MOONCAKE_BLOCK_TOKENS
+    block_size: int = SOURCE_BLOCK_TOKENS
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -52,57 +67,46 @@ class Trace:
         return (self.requests[-1].timestamp_ms - self.requests[0].timestamp_ms) / 1000.0
 
 
-def bundled_path(name_or_path: str) -> str:
-    """A bundled trace name ('conversation', 'synthetic') -> its packaged file; anything else is a path
-    and comes back unchanged (the reader reports a missing file)."""
+def resolve(name_or_path: str | os.PathLike) -> str:
+    """A bundled trace name ('conversation', 'synthetic') -> its packaged file; a path -> itself, if it is a file."""
+    name_or_path = os.fspath(name_or_path)
     if name_or_path in BUNDLED:
         return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
-    return name_or_path
-
-
-def resolve(name_or_path: str) -> str:
-    """A bundled trace name ('conversation', 'synthetic') or a file path -> a readable path."""
-    if name_or_path not in BUNDLED and not os.path.isfile(name_or_path):
+    if not os.path.isfile(name_or_path):
         raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
-    return bundled_path(name_or_path)
+    return name_or_path
 
 
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> int:
     v = rec.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < minimum:
         raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {v!r}")
-    if isinstance(v, float) and key != "timestamp":
-        if not v.is_integer():
-            raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
-        v = int(v)
+    if isinstance(v, float) and key != "timestamp" and not v.is_integer():
+        raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
     return v
 
 
-def parse_record(line: str, where: str, block_size: int) -> TraceRequest:
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKENS) -> dict:
+    """Check one record (a parsed JSONL line); raise TraceError naming `where` (e.g. 'chat.jsonl line 12')."""
     if not isinstance(rec, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in rec]
+    missing = [k for k in FIELDS if k not in rec]
     if missing:
         raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
-    ts = _int_field(rec, "timestamp", where)
+    _int_field(rec, "timestamp", where)
     n_in = _int_field(rec, "input_length", where, minimum=1)
-    n_out = _int_field(rec, "output_length", where)
+    _int_field(rec, "output_length", where)
     ids = rec["hash_ids"]
     if not isinstance(ids, list) or not ids or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
                                                        for h in ids):
         raise TraceError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
     if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
         raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
-    tenant = rec.get("tenant")
-    return TraceRequest(float(ts), n_in, n_out, ids, None if tenant is None else str(tenant))
+    return rec
 
 
-def iter_trace(path: str, block_size: int = MOONCAKE_BLOCK_TOKENS, limit: int | None = None) -> Iterator[TraceRequest]:
-    last_ts = -math.inf
+def _iter_records(path: str, block_size: int, limit: int | None) -> Iterator[tuple[str, dict]]:
+    """(where, checked record) per non-blank line, at most `limit` records."""
     count = 0
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -111,23 +115,40 @@ def iter_trace(path: str, block_size: int = MOONCAKE_BLOCK_TOKENS, limit: int | 
             if limit is not None and count >= limit:
                 return
             where = f"{os.path.basename(path)} line {lineno}"
-            req = parse_record(line, where, block_size)
-            if req.timestamp_ms < last_ts:
-                raise TraceError(f"{where}: timestamp {req.timestamp_ms:g} goes back in time (previous {last_ts:g})")
-            last_ts = req.timestamp_ms
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             count += 1
-            yield req
+            yield where, check_record(rec, where, block_size)
 
 
-def load_trace(name_or_path: str, block_size: int = MOONCAKE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
-    """Load and validate a whole trace (bundled name or path). Raises TraceError; empty traces too."""
+def _read(name_or_path: str, path: str, block_size: int, limit: int | None) -> Iterator[tuple[str, dict]]:
+    try:
+        yield from _iter_records(path, block_size, limit)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
+
+
+def read_records(name_or_path: str | os.PathLike, limit: int | None = None, block_size: int = SOURCE_BLOCK_TOKENS) -> list[dict]:
+    """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad."""
+    return [rec for _, rec in _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)]
+
+
+def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
+    """Load and validate a whole trace (bundled name or path) for the simulator: timestamps must not go
+    back. Raises TraceError; empty traces too."""
     if block_size < 1:
         raise TraceError("block size must be >= 1")
     path = resolve(name_or_path)
-    try:
-        reqs = list(iter_trace(path, block_size, limit))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
+    reqs: list[TraceRequest] = []
+    last_ts = -math.inf
+    for where, rec in _read(name_or_path, path, block_size, limit):
+        req = TraceRequest.from_record(rec)
+        if req.timestamp_ms < last_ts:
+            raise TraceError(f"{where}: timestamp {req.timestamp_ms:g} goes back in time (previous {last_ts:g})")
+        last_ts = req.timestamp_ms
+        reqs.append(req)
     if not reqs:
         raise TraceError(f"trace {name_or_path!r}: no requests")
     name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)

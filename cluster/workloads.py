@@ -24,50 +24,12 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
-SOURCE_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens
+from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest
 
 
 # --------------------------------------------------------------------------------------- records
-def validate_record(rec: dict, where: str = "record", source_block_tokens: int = SOURCE_BLOCK_TOKENS) -> dict:
-    """Check one trace record; raise ValueError naming `where` (e.g. 'line 12') when it is malformed."""
-    if not isinstance(rec, dict):
-        raise ValueError(f"{where}: expected a JSON object")
-    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
-        if key not in rec:
-            raise ValueError(f"{where}: missing field {key!r}")
-    for key in ("timestamp", "input_length", "output_length"):
-        if not isinstance(rec[key], (int, float)) or isinstance(rec[key], bool) or rec[key] < 0:
-            raise ValueError(f"{where}: {key!r} must be a non-negative number")
-    ids = rec["hash_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"{where}: 'hash_ids' must be a non-empty list of integers")
-    n, length = len(ids), rec["input_length"]
-    if not (n - 1) * source_block_tokens < length <= n * source_block_tokens:
-        raise ValueError(
-            f"{where}: input_length {length} does not fit {n} hash ids of {source_block_tokens} tokens"
-        )
-    return rec
-
-
-def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Read and validate a Mooncake-form JSONL trace (blank lines skipped)."""
-    out: list[dict] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {lineno}: not JSON ({exc.msg})") from None
-            out.append(validate_record(rec, f"{path}: line {lineno}"))
-    return out
-
-
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
     """Write records one per line; returns the count. Creates parent folders."""
     path = os.fspath(path)
@@ -301,13 +263,11 @@ def cache_bounds(
 
 
 def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None,
-                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload"):
+                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload") -> Trace:
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator: one id
     per engine block (tenants never share one, as their salts keep them apart live), lengths scaled
     like the replay client's prompts. Lets a policy change be checked on the live benchmarks'
     workloads in seconds (tests/test_peers_bench.py)."""
-    from kvmesh.cluster.trace import Trace, TraceRequest
-
     block_size = block_size or tokens_per_block
     ids: dict[tuple, int] = {}
     out = []
@@ -315,9 +275,10 @@ def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int
         lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
         hashes = [ids.setdefault((rec.get("tenant"), hid, j), len(ids) + 1)
                   for hid, n in zip(rec["hash_ids"], lengths) for j in range(-(-n // block_size))]
-        out.append(TraceRequest(rec["timestamp"], sum(lengths),
-                                scaled_output_length(rec, tokens_per_block, source_block_tokens), hashes,
-                                rec.get("tenant")))
+        out.append(TraceRequest.from_record({
+            "timestamp": rec["timestamp"], "input_length": sum(lengths),
+            "output_length": scaled_output_length(rec, tokens_per_block, source_block_tokens),
+            "hash_ids": hashes, "tenant": rec.get("tenant")}))
     return Trace(name, out, block_size=block_size)
 
 

@@ -310,8 +310,7 @@ def test_kvmesh_credits_each_request_its_own_prediction_when_routings_interleave
 def _trace(records):
     from kvmesh.cluster.trace import Trace, TraceRequest
 
-    return Trace("t", [TraceRequest(r["timestamp"], r["input_length"], r["output_length"], list(r["hash_ids"]),
-                                    r.get("tenant")) for r in records], 512)
+    return Trace("t", [TraceRequest.from_record(r) for r in records], 512)
 
 
 def _run(policy, records, replicas):

@@ -140,7 +140,7 @@ def test_cli_unreachable_url_is_one_line_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--trace", "/nonexistent.jsonl"], "No such file"),
+    (["--trace", "/nonexistent.jsonl"], "no such file"),
     (["--trace", "conversation", "--concurrency", "2", "--time-scale", "1"], "not allowed with"),
     (["--trace", "conversation", "--tenant-key", "nokey"], "TENANT=KEY"),
     (["--trace", "conversation", "--max-prompt-tokens", "1"], "no requests"),

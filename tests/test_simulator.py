@@ -285,9 +285,10 @@ def test_multi_turn_chat_sent_closed_loop_is_balanced_near_the_balance_bounded_b
 
     from kvmesh.cluster.bounds import balance_bounded_bound
     from kvmesh.cluster.simulator import ClosedLoop
-    from kvmesh.cluster.workloads import engine_trace, read_jsonl
+    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.workloads import engine_trace
 
-    recs = read_jsonl(Path(__file__).parent / "fixtures" / "pileup-repro.jsonl")
+    recs = read_records(Path(__file__).parent / "fixtures" / "pileup-repro.jsonl")
     trace = engine_trace(recs, 64)
     cfg = SimConfig(replicas=3, capacity_blocks=100_000)
     res = simulate_policy(trace, cfg, make_policy("kvmesh"), client=ClosedLoop(6))

@@ -10,7 +10,8 @@ import pytest
 from kvmesh.cluster.workload_family import (
     ARRIVALS, CONTEXT_TOKENS, MAX_REQUESTS, MIN_REQUESTS, draw, prompt_and_answer_tokens, records,
 )
-from kvmesh.cluster.workloads import check_parent_rule, validate_record
+from kvmesh.cluster.trace import check_record
+from kvmesh.cluster.workloads import check_parent_rule
 
 SEEDS_FILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "robust_seeds.json")
 
@@ -69,7 +70,7 @@ def test_records_keep_the_mooncake_rules_and_fit_the_context(seed):
     recs = records(d)
     assert len(recs) == d.requests
     for i, r in enumerate(recs):
-        validate_record(r, f"seed {seed} record {i}")
+        check_record(r, f"seed {seed} record {i}")
         assert prompt_and_answer_tokens(r, d.tokens_per_block) <= CONTEXT_TOKENS
     check_parent_rule(recs)
     tenant_of = {}

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvmesh.cluster import workloads as wl
+from kvmesh.cluster.trace import TraceError, check_record, read_records
 from kvmesh.deployments.cli import main as cli
 
 
@@ -21,7 +22,7 @@ def test_chat_structure_history_grows_and_groups_share_system_prompt():
     recs = wl.synth_chat(spec)
     assert len(recs) == 2 * 2 * 3 * 4
     for i, r in enumerate(recs):
-        wl.validate_record(r, f"record {i}")
+        check_record(r, f"record {i}")
     assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs)
     wl.check_parent_rule(recs)
     by_user: dict[str, list[dict]] = {}
@@ -115,25 +116,29 @@ def test_bounds_reject_misaligned_blocks():
 
 
 def test_bundled_conversation_matches_published_bound():
-    recs = wl.read_jsonl(wl_path("conversation"))
+    recs = read_records("conversation")
     b = wl.cache_bounds(recs, 512, warmup=len(recs) // 2)
     # published: 39.8% over the second half (counting partial blocks, which we do not)
     assert 0.39 <= b["infinite"]["hit_rate"] <= 0.398
 
 
-def wl_path(name):
-    from kvmesh.cluster.trace import bundled_path
+def test_check_record_errors():
+    with pytest.raises(TraceError, match=r"line 3: missing field\(s\) hash_ids"):
+        check_record({"timestamp": 0, "input_length": 1, "output_length": 1}, "line 3")
+    with pytest.raises(TraceError, match="does not fit"):
+        check_record(_rec([1, 2], 100), "x")
+    with pytest.raises(TraceError, match="non-empty list"):
+        check_record({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []})
 
-    return bundled_path(name)
 
-
-def test_validate_record_errors():
-    with pytest.raises(ValueError, match="line 3: missing field 'hash_ids'"):
-        wl.validate_record({"timestamp": 0, "input_length": 1, "output_length": 1}, "line 3")
-    with pytest.raises(ValueError, match="does not fit"):
-        wl.validate_record(_rec([1, 2], 100), "x")
-    with pytest.raises(ValueError, match="non-empty list"):
-        wl.validate_record({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []})
+def test_read_records_keeps_extra_keys_and_names_the_bad_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    wl.write_jsonl([dict(_rec([1, 2]), tenant="a", user="u")], path)
+    assert read_records(path) == [dict(_rec([1, 2]), tenant="a", user="u")]
+    path.write_text(path.read_text() + "\n" + json.dumps(_rec([1, 2], 2000)) + "\n")
+    with pytest.raises(TraceError, match="t.jsonl line 3: input_length 2000 does not fit"):
+        read_records(path)
+    assert len(read_records(path, limit=1)) == 1
 
 
 def test_fit_context():
@@ -164,7 +169,7 @@ def test_cli_synth_flood_bounds(tmp_path, capsys):
     [
         (["trace", "synth", "--out", "x.jsonl", "--users", "0"], "must be >= 1"),
         (["trace", "synth", "--out", "x.jsonl", "--user-blocks", "3-1"], "MIN <= MAX"),
-        (["trace", "bounds", "--trace", "/nonexistent/t.jsonl"], "No such file"),
+        (["trace", "bounds", "--trace", "/nonexistent/t.jsonl"], "no such file"),
         (["trace", "bounds", "--trace", "BAD", "--tokens-per-block", "48", "--block-size", "32"], None),
         (["trace"], "required"),
     ],
@@ -174,14 +179,14 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n')
         argv = [str(bad) if a == "BAD" else a for a in argv]
-        message = "line 2: not JSON"
+        message = "bad.jsonl line 2: not valid JSON"
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and message in err
 
 
 def test_conversation_slice_keeps_whole_conversations_in_context():
-    recs = wl.read_jsonl(wl_path("conversation"))
+    recs = read_records("conversation")
     sl = wl.conversation_slice(recs, conversations=6, min_turns=3, tokens_per_block=32, max_prompt_tokens=1500)
     users = {}
     for r in sl:

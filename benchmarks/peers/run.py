@@ -44,7 +44,8 @@ class BenchConfig:
 
 def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
     """The three workloads (chat, mooncake, flood), scaled so every prompt fits the engines' context."""
-    from kvmesh.cluster.workloads import ChatSpec, conversation_slice, read_jsonl, synth_chat, synth_flood
+    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.workloads import ChatSpec, conversation_slice, synth_chat, synth_flood
 
     out: dict[str, list[dict]] = {}
     max_prompt = cfg.spec.max_model_len - cfg.max_tokens - 8
@@ -52,8 +53,7 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
         if name == "chat":
             recs = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, seed=0))
         elif name == "mooncake":
-            trace = Path(__file__).resolve().parents[2] / "cluster" / "traces" / "mooncake_conversation_trace.jsonl"
-            recs = conversation_slice(read_jsonl(trace), conversations=48, min_turns=3,
+            recs = conversation_slice(read_records("conversation"), conversations=48, min_turns=3,
                                       tokens_per_block=cfg.tokens_per_block, max_prompt_tokens=max_prompt)
         elif name == "flood":
             recs = synth_flood(requests=384, system_blocks=8, unique_blocks=2, interval_ms=50.0)

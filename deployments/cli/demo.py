@@ -76,11 +76,11 @@ def _with_tiers(args, name: str) -> bool:
 
 def workload(args) -> list[dict]:
     """The demo's requests: whole conversations from the bundled trace that fit the model context."""
-    from kvmesh.cluster.trace import bundled_path
-    from kvmesh.cluster.workloads import conversation_slice, read_jsonl
+    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.workloads import conversation_slice
 
     max_len = 2048  # the tiny model's serving context (deployments/config.py default)
-    records = read_jsonl(bundled_path("conversation"))
+    records = read_records("conversation")
     return conversation_slice(records, args.conversations, min_turns=3, tokens_per_block=args.tokens_per_block,
                               max_prompt_tokens=max_len - args.max_tokens - 8)
 
@@ -160,14 +160,11 @@ def _server_state(url: str, key: str) -> dict:
 def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dict]:
     """The same requests through the trace simulator (cluster/simulator.py), one block = one hash id."""
     from kvmesh.cluster.simulator import SimConfig, simulate
-    from kvmesh.cluster.trace import Trace, TraceRequest
-    from kvmesh.cluster.workloads import scaled_block_lengths, scaled_output_length
+    from kvmesh.cluster.workloads import engine_trace
     from kvmesh.policies.registry import make_policy
 
-    k = args.tokens_per_block
-    reqs = [TraceRequest(r["timestamp"], sum(scaled_block_lengths(r, k)), scaled_output_length(r, k),
-                         list(r["hash_ids"]), r.get("tenant")) for r in records]
-    trace = Trace("demo-conversations", reqs, block_size=k)
+    trace = engine_trace(records, args.tokens_per_block, name="demo-conversations")
+    reqs = trace.requests
     runs = {}  # one simulation per tier set-up; a `+tiers` run gets a node-wide host tier and a shared tier
     plain = [n for n in names if not _with_tiers(args, n)]
     tiered = [n for n in names if _with_tiers(args, n)]

@@ -52,14 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.trace import bundled_path
-    from kvmesh.cluster.workloads import fit_context, read_jsonl
+    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.workloads import fit_context
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, format_table, replay
 
     try:
-        records = read_jsonl(bundled_path(args.trace), limit=None if args.max_prompt_tokens else args.limit)
-    except OSError as exc:
-        raise CliError(f"kvmesh replay: {exc.strerror or exc}: {exc.filename}") from None
+        records = read_records(args.trace, limit=None if args.max_prompt_tokens else args.limit)
     except ValueError as exc:
         raise CliError(f"kvmesh replay: {exc}") from None
     if args.max_prompt_tokens:

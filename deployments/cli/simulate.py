@@ -62,25 +62,23 @@ def _cost_model(text: str | None):
 
 def _load(args):
     """The trace as the simulator takes it, and each request's user (for the closed-loop client)."""
-    from kvmesh.cluster.trace import TraceError, load_trace, resolve
-    from kvmesh.cluster.workloads import engine_trace, read_jsonl
+    from kvmesh.cluster.trace import TraceError, load_trace, read_records
+    from kvmesh.cluster.workloads import engine_trace
 
     if args.tokens_per_block is None:
         try:
             trace = load_trace(args.trace, args.block_size or 512, args.limit)
-            records = read_jsonl(resolve(args.trace), args.limit) if args.concurrency else []
-        except (TraceError, ValueError) as exc:
+            records = read_records(args.trace, args.limit, args.block_size or 512) if args.concurrency else []
+        except TraceError as exc:
             raise CliError(str(exc)) from None
         return trace, [r.get("user") for r in records] or None
     block = args.block_size or args.tokens_per_block
     if args.tokens_per_block % block:
         raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
     try:
-        records = read_jsonl(resolve(args.trace), args.limit)
-    except (TraceError, ValueError) as exc:
+        records = read_records(args.trace, args.limit)
+    except TraceError as exc:
         raise CliError(str(exc)) from None
-    except OSError as exc:
-        raise CliError(f"{args.trace}: {exc.strerror or exc}") from None
     if not records:
         raise CliError(f"{args.trace}: no requests")
     name = os.path.splitext(os.path.basename(args.trace))[0]

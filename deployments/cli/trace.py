@@ -10,7 +10,7 @@ import argparse
 import json
 
 from kvmesh.cluster import workloads
-from kvmesh.cluster.trace import BUNDLED, bundled_path
+from kvmesh.cluster.trace import BUNDLED, read_records
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import int_range, positive_int
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             n = workloads.write_jsonl(records, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
-        records = workloads.read_jsonl(bundled_path(args.trace), limit=args.limit)
+        records = read_records(args.trace, limit=args.limit)
         result = workloads.cache_bounds(
             records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup
         )
