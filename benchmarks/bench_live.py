@@ -19,7 +19,8 @@ import json
 import os
 import time
 
-from kvmesh.cluster.workloads import ChatSpec, cache_bounds, synth_chat
+from kvmesh.cluster.bounds import record_bounds
+from kvmesh.cluster.workloads import ChatSpec, synth_chat
 
 TOKENS_PER_BLOCK = 64  # two 32-token engine blocks per trace block
 TARGETS = {
@@ -119,7 +120,7 @@ def main() -> None:
 
     replicas = int(os.environ.get("BENCH_LIVE_REPLICAS", 4))
     records = synth_chat(workload_spec())
-    bounds = cache_bounds(records, TOKENS_PER_BLOCK, 32, replicas=replicas)
+    bounds = record_bounds(records, TOKENS_PER_BLOCK, 32, replicas=replicas)
     print(f"workload: {len(records)} requests, {bounds['prompt_tokens']:,} prompt tokens "
           f"({TOKENS_PER_BLOCK} tokens/block), {replicas} replicas")
     results = run_live(records, ["kvmesh", "round_robin"], replicas)

@@ -31,8 +31,9 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import read_records
-from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, cache_bounds, synth_chat
+from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, synth_chat
 
 BLOCK = 512  # cache granularity (see module docstring)
 TOKENS_PER_BLOCK = 512  # no scaling: the trace's own lengths
@@ -59,8 +60,8 @@ def with_public_preamble(records: list[dict], blocks: int) -> list[dict]:
 
 
 def hit_rate(records, salt_by_tenant: bool, warmup: int = 0) -> float:
-    return cache_bounds(records, TOKENS_PER_BLOCK, BLOCK, salt_by_tenant=salt_by_tenant,
-                        warmup=warmup)["infinite"]["hit_rate"]
+    return record_bounds(records, TOKENS_PER_BLOCK, BLOCK, salt_by_tenant=salt_by_tenant,
+                         warmup=warmup)["infinite"]["hit_rate"]
 
 
 def lru_hit_rate(records, capacity_blocks: int, salt_by_tenant: bool, warmup: int = 0) -> float:

@@ -18,10 +18,10 @@ import secrets
 import time
 from typing import Sequence
 
-from kvmesh.cluster.bounds import balance_bounded_bound
+from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
-from kvmesh.cluster.workloads import cache_bounds, engine_trace
+from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.registry import make_policy
 
 ENGINE_BLOCK = 32
@@ -52,8 +52,8 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
 def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int) -> dict:
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     bb = balance_bounded_bound(trace.requests, ENGINE_BLOCK, replicas)
-    inf = cache_bounds(recs, d.tokens_per_block, ENGINE_BLOCK, replicas=replicas)["infinite"]["hit_rate"]
-    return {"infinite": inf, "balance": bb["hit_rate"], "balance_imbalance": bb["imbalance"]}
+    return {"infinite": infinite_hit_rate(trace.requests, ENGINE_BLOCK), "balance": bb["hit_rate"],
+            "balance_imbalance": bb["imbalance"]}
 
 
 def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:

@@ -1,7 +1,9 @@
 """What was achievable, computed on the same trace and with the same block rules as the simulator.
 
-- `global_infinite`: one cache of unbounded size that sees every request (no placement, no
-  eviction): the most any fleet could hit.
+- `global_infinite` (`infinite` in `record_bounds`): one cache of unbounded size that sees every
+  request (no placement, no eviction): the most any fleet could hit.
+- `round_robin_infinite` (`record_bounds`): N unbounded caches, request i going to cache i mod N:
+  what placement blind to prefixes achieves even with unlimited memory.
 - `merged_lru`: one LRU cache with the whole fleet's capacity (replicas x capacity_blocks, plus the
   host tiers when given), seen by every request: what perfect placement could hit with LRU eviction
   at this capacity. Not a strict upper bound (a partitioned cache can occasionally beat LRU), but
@@ -11,14 +13,17 @@
   "as many hits as possible without piling work onto one replica" allows. Found greedily, so a
   reference, not a proof of optimality.
 All are token-weighted (cached prompt tokens / prompt tokens) with vLLM's rules (full blocks only,
-the last prompt token always computed).
+the last prompt token always computed). `compute_bounds` reports a simulated trace's bounds;
+`record_bounds` those of JSONL records replayed at an engine's granularity (`kvmesh trace bounds`,
+the live benchmarks), on the same functions after `workloads.engine_trace`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from kvmesh.cluster.block_cache import BlockLRU, leading_held
-from kvmesh.cluster.trace import TraceRequest
+from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, TraceRequest
+from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 
@@ -34,15 +39,25 @@ def lru_hit_rate(requests: Sequence[TraceRequest], block_size: int, capacity: in
     return hit / total if total else 0.0
 
 
-def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> float:
-    """Token-weighted hit rate of one infinite cache (a plain set: no recency to track)."""
-    seen: set[int] = set()
+def round_robin_infinite_hits(requests: Sequence[TraceRequest], block_size: int, replicas: int = 1,
+                              warmup: int = 0) -> tuple[int, int]:
+    """(cached, prompt) tokens with request i on unbounded cache i mod `replicas` (plain sets: no recency
+    to track); one replica is the infinite cache. The first `warmup` requests fill caches uncounted."""
+    seen: list[set[int]] = [set() for _ in range(replicas)]
     hit = total = 0
-    for r in requests:
-        ids = r.hash_ids
-        hit += cached_tokens(leading_held(ids, seen), r.input_length, block_size)
-        total += r.input_length
-        seen.update(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
+    for i, r in enumerate(requests):
+        ids, held = r.hash_ids, seen[i % replicas]
+        got = cached_tokens(leading_held(ids, held), r.input_length, block_size)
+        held.update(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
+        if i >= warmup:
+            hit += got
+            total += r.input_length
+    return hit, total
+
+
+def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> float:
+    """Token-weighted hit rate of one infinite cache."""
+    hit, total = round_robin_infinite_hits(requests, block_size)
     return hit / total if total else 0.0
 
 
@@ -127,3 +142,37 @@ def compute_bounds(requests: Sequence[TraceRequest], block_size: int, replicas: 
     if host_blocks_total:
         out["merged_lru_with_host"] = lru_hit_rate(requests, block_size, replicas * capacity_blocks + host_blocks_total)
     return out
+
+
+def record_bounds(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None, replicas: int = 1,
+                  source_block_tokens: int = SOURCE_BLOCK_TOKENS, salt_by_tenant: bool = True,
+                  warmup: int = 0) -> dict:
+    """Infinite-cache and round-robin-over-`replicas`-infinite-caches bounds of JSONL `records` replayed
+    at `tokens_per_block` tokens per trace block and engine blocks of `block_size` (`engine_trace`).
+
+    With `salt_by_tenant`, records of different `tenant`s share nothing (kvmesh salts per tenant).
+    The first `warmup` records fill the caches without being counted (the published Mooncake figure,
+    39.8% infinite-cache hit rate over the conversation trace's second half, is warmup = half; it
+    counts partial blocks, which vLLM never caches, so this bound comes out slightly lower).
+    """
+    block_size = block_size or tokens_per_block
+    if tokens_per_block < 1 or block_size < 1 or tokens_per_block % block_size:
+        raise ValueError("tokens_per_block must be a positive multiple of block_size")
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    reqs = engine_trace(records, tokens_per_block, block_size, source_block_tokens,
+                        salt_by_tenant=salt_by_tenant).requests
+    inf_hit, prompt = round_robin_infinite_hits(reqs, block_size, 1, warmup)
+    rr_hit, _ = round_robin_infinite_hits(reqs, block_size, replicas, warmup)
+    return {
+        "requests": max(0, len(records) - warmup),
+        "prompt_tokens": prompt,
+        "tokens_per_block": tokens_per_block,
+        "block_size": block_size,
+        "infinite": {"cached_tokens": inf_hit, "hit_rate": inf_hit / prompt if prompt else 0.0},
+        "round_robin_infinite": {
+            "replicas": replicas,
+            "cached_tokens": rr_hit,
+            "hit_rate": rr_hit / prompt if prompt else 0.0,
+        },
+    }

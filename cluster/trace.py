@@ -130,7 +130,8 @@ def _read(name_or_path: str, path: str, block_size: int, limit: int | None) -> I
         raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
 
 
-def read_records(name_or_path: str | os.PathLike, limit: int | None = None, block_size: int = SOURCE_BLOCK_TOKENS) -> list[dict]:
+def read_records(name_or_path: str | os.PathLike, limit: int | None = None,
+                 block_size: int = SOURCE_BLOCK_TOKENS) -> list[dict]:
     """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad."""
     return [rec for _, rec in _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)]
 

@@ -1,4 +1,4 @@
-"""Synthetic workloads in Mooncake JSONL form, and the cache bounds of any such trace.
+"""Synthetic workloads in Mooncake JSONL form, and their expansion to an engine's block size.
 
 Why synthetic traces: the bundled Mooncake traces have no tenants and no explicit conversations, so
 they cannot show what multi-tenant, multi-turn chat does to a prefix cache. These generators make
@@ -13,10 +13,8 @@ follows the same parent, so an id names the whole prefix before it. The last blo
 (`(n-1)*512 < input_length <= n*512`); a partial block is never cached, but a later request that
 carries the same id as a full block shares its first tokens.
 
-Bounds (`cache_bounds`) answer "what was achievable": the hit rate of one infinite cache seen by
-every request, and of N infinite caches fed round robin -- computed at the engine's granularity
-(tokens per trace block after scaling, engine block size), with vLLM's rule that the last prompt
-token is always computed.
+`engine_trace` expands records to the engine's granularity (tokens per trace block after scaling,
+engine block size) for the simulator and for the bounds (`kvmesh.cluster.bounds.record_bounds`).
 """
 from __future__ import annotations
 
@@ -192,105 +190,27 @@ def check_parent_rule(records: Iterable[dict]) -> None:
             prev = i
 
 
-# ------------------------------------------------------------------------------------- bounds
-def _engine_blocks(
-    rec: dict, tokens_per_block: int, block_size: int, source_block_tokens: int, salt_key
-) -> tuple[int, list[tuple]]:
-    """(prompt tokens, keys of the engine blocks that can be cached) for one record after scaling.
-
-    A key names a whole prefix: (salt, hash id, index of the engine block inside the trace block) --
-    valid because an id names its whole prefix. Engine blocks never straddle trace blocks as long as
-    `tokens_per_block` is a multiple of `block_size`. Every full block is stored after the request.
-    """
-    lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
-    total = sum(lengths)
-    keys: list[tuple] = []
-    for hid, n in zip(rec["hash_ids"], lengths):
-        keys.extend((salt_key, hid, j) for j in range(n // block_size))
-    return total, keys
-
-
-def cache_bounds(
-    records: Sequence[dict],
-    tokens_per_block: int,
-    block_size: int | None = None,
-    replicas: int = 1,
-    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
-    salt_by_tenant: bool = True,
-    warmup: int = 0,
-) -> dict:
-    """Token-weighted hit rates of idealised caches for `records` replayed at `tokens_per_block`.
-
-    - `infinite`: one cache of unlimited size shared by every request (no eviction, no placement);
-      the ceiling for any routing policy on a fleet without a shared tier.
-    - `round_robin_infinite`: `replicas` unlimited caches, request i going to cache i mod N; what
-      placement blind to prefixes achieves even with unlimited memory.
-    With `salt_by_tenant`, records of different `tenant`s share nothing (kvmesh salts per tenant).
-    The first `warmup` records fill the caches without being counted (the published Mooncake figure,
-    39.8% infinite-cache hit rate over the conversation trace's second half, is warmup = half; it
-    counts partial blocks, which vLLM never caches, so this bound comes out slightly lower).
-    """
-    block_size = block_size or tokens_per_block
-    if tokens_per_block < 1 or block_size < 1 or tokens_per_block % block_size:
-        raise ValueError("tokens_per_block must be a positive multiple of block_size")
-    if replicas < 1:
-        raise ValueError("replicas must be >= 1")
-    seen_all: set = set()
-    seen_rr: list[set] = [set() for _ in range(replicas)]
-    prompt = inf_hit = rr_hit = 0
-    for i, rec in enumerate(records):
-        salt = rec.get("tenant") if salt_by_tenant else None
-        total, keys = _engine_blocks(rec, tokens_per_block, block_size, source_block_tokens, salt)
-        usable = (total - 1) // block_size  # vLLM always computes the last prompt token
-        hit_all = _prefix_hits(keys, seen_all, usable) * block_size
-        hit_rr = _prefix_hits(keys, seen_rr[i % replicas], usable) * block_size
-        if i >= warmup:
-            prompt += total
-            inf_hit += hit_all
-            rr_hit += hit_rr
-    return {
-        "requests": max(0, len(records) - warmup),
-        "prompt_tokens": prompt,
-        "tokens_per_block": tokens_per_block,
-        "block_size": block_size,
-        "infinite": {"cached_tokens": inf_hit, "hit_rate": inf_hit / prompt if prompt else 0.0},
-        "round_robin_infinite": {
-            "replicas": replicas,
-            "cached_tokens": rr_hit,
-            "hit_rate": rr_hit / prompt if prompt else 0.0,
-        },
-    }
-
-
+# ------------------------------------------------------------------------------ engine granularity
 def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None,
-                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload") -> Trace:
-    """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator: one id
-    per engine block (tenants never share one, as their salts keep them apart live), lengths scaled
-    like the replay client's prompts. Lets a policy change be checked on the live benchmarks'
-    workloads in seconds (tests/test_peers_bench.py)."""
+                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload",
+                 salt_by_tenant: bool = True) -> Trace:
+    """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
+    bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
+    them apart live), lengths scaled like the replay client's prompts. Lets a policy change be checked
+    on the live benchmarks' workloads in seconds (tests/test_peers_bench.py)."""
     block_size = block_size or tokens_per_block
     ids: dict[tuple, int] = {}
     out = []
     for rec in records:
+        salt = rec.get("tenant") if salt_by_tenant else None
         lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
-        hashes = [ids.setdefault((rec.get("tenant"), hid, j), len(ids) + 1)
+        hashes = [ids.setdefault((salt, hid, j), len(ids) + 1)
                   for hid, n in zip(rec["hash_ids"], lengths) for j in range(-(-n // block_size))]
         out.append(TraceRequest.from_record({
             "timestamp": rec["timestamp"], "input_length": sum(lengths),
             "output_length": scaled_output_length(rec, tokens_per_block, source_block_tokens),
             "hash_ids": hashes, "tenant": rec.get("tenant")}))
     return Trace(name, out, block_size=block_size)
-
-
-def _prefix_hits(keys: list[tuple], seen: set, usable: int) -> int:
-    """Length of the longest prefix of `keys[:usable]` already in `seen`; then remember all `keys`."""
-    hits = 0
-    for k in keys[:usable]:
-        if k not in seen:
-            break
-        hits += 1
-    seen.update(keys)
-    return hits
 
 
 def fit_context(

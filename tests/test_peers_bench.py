@@ -184,12 +184,13 @@ def test_kvmesh_meets_the_peer_bench_targets_on_its_workloads_in_the_simulator(w
     from kvmesh.benchmarks.peers.engines import EngineSpec
     from kvmesh.benchmarks.peers.run import BenchConfig, build_workloads
     from kvmesh.cluster.simulator import SimConfig, simulate_policy
-    from kvmesh.cluster.workloads import cache_bounds, engine_trace
+    from kvmesh.cluster.bounds import record_bounds
+    from kvmesh.cluster.workloads import engine_trace
     from kvmesh.policies.registry import make_policy
 
     recs = build_workloads(BenchConfig(spec=EngineSpec(model="x"), work_dir=tmp_path, workers=workers,
                                        workloads=(workload,)))[workload]
-    bound = cache_bounds(recs, 32, 32)["infinite"]["hit_rate"]
+    bound = record_bounds(recs, 32, 32)["infinite"]["hit_rate"]
     for order in (recs, _turn_order(recs), _turn_order(recs, 1), _turn_order(recs, 2)):
         trace = engine_trace(order, 32)
         arrivals = [0.5 * i for i in range(len(order))]  # one at a time, caches updated in between

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cluster import workloads as wl
+from kvmesh.cluster.bounds import record_bounds
 from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.cli import main as cli
 from kvmesh.deployments.replay import (
@@ -215,7 +216,7 @@ def test_replay_hit_rate_equals_infinite_bound_on_one_server(vllm_server, tmp_pa
                 "--concurrency", "1", "--label", "vllm-0", "--seed", "1", "--per-request", "--json", str(out),
                 "--no-progress"]) == 0
     s = json.loads(out.read_text())
-    bound = wl.cache_bounds(recs, 32)
+    bound = record_bounds(recs, 32)
     assert s["errors"] == 0 and s["requests"] == len(recs)
     assert s["prompt_tokens"] == bound["prompt_tokens"]
     assert s["cached_tokens"] == bound["infinite"]["cached_tokens"] > 0
@@ -230,7 +231,7 @@ def test_text_form_gets_the_same_hits(vllm_server, tiny_model):
     cfg = ReplayConfig(url=vllm_server, tokens_per_block=32, concurrency=1, prompt_form="text",
                        tokenizer=str(tiny_model), seed=2, progress=False)
     s = replay(recs, cfg).summary()
-    bound = wl.cache_bounds(recs, 32)
+    bound = record_bounds(recs, 32)
     assert s["errors"] == 0
     assert s["prompt_tokens"] == bound["prompt_tokens"]  # one token per word, no BOS added by this tokenizer
     assert s["cached_tokens"] == bound["infinite"]["cached_tokens"]

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvmesh.cluster import workloads as wl
+from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import TraceError, check_record, read_records
 from kvmesh.deployments.cli import main as cli
 
@@ -85,39 +86,39 @@ def _rec(ids, length=None):
 def test_bounds_by_hand():
     # a: 3 full blocks; b shares 2 then new; c repeats a exactly (last token never cached)
     recs = [_rec([1, 2, 3]), _rec([1, 2, 4]), _rec([1, 2, 3])]
-    b = wl.cache_bounds(recs, tokens_per_block=32, replicas=2)
+    b = record_bounds(recs, tokens_per_block=32, replicas=2)
     assert b["prompt_tokens"] == 3 * 96
     assert b["infinite"]["cached_tokens"] == 0 + 64 + 64
     # round robin over 2: a->0, b->1 (cold), c->0 (sees a)
     assert b["round_robin_infinite"]["cached_tokens"] == 64
     # finer engine blocks inside a trace block: the last-token cap now costs one 16-token block only
-    b16 = wl.cache_bounds(recs, tokens_per_block=32, block_size=16, replicas=1)
+    b16 = record_bounds(recs, tokens_per_block=32, block_size=16, replicas=1)
     assert b16["infinite"]["cached_tokens"] == 64 + 80
 
 
 def test_bounds_partial_block_is_not_cached_but_later_full_use_shares():
     recs = [_rec([1, 2], 512 + 256), _rec([1, 2, 3], 3 * 512)]
-    b = wl.cache_bounds(recs, tokens_per_block=32, block_size=16)
+    b = record_bounds(recs, tokens_per_block=32, block_size=16)
     # first: 32 + 16 tokens, all three 16-token engine blocks stored; the second hits all of them
     assert b["infinite"]["cached_tokens"] == 32 + 16
 
 
 def test_bounds_salt_by_tenant_and_warmup():
     recs = [dict(_rec([1, 2]), tenant="a"), dict(_rec([1, 2, 3]), tenant="b"), dict(_rec([1, 2, 3]), tenant="a")]
-    assert wl.cache_bounds(recs, 32)["infinite"]["cached_tokens"] == 64  # only a's second request
-    assert wl.cache_bounds(recs, 32, salt_by_tenant=False)["infinite"]["cached_tokens"] == 64 + 64
-    warm = wl.cache_bounds(recs, 32, warmup=2)
+    assert record_bounds(recs, 32)["infinite"]["cached_tokens"] == 64  # only a's second request
+    assert record_bounds(recs, 32, salt_by_tenant=False)["infinite"]["cached_tokens"] == 64 + 64
+    warm = record_bounds(recs, 32, warmup=2)
     assert warm["requests"] == 1 and warm["prompt_tokens"] == 96 and warm["infinite"]["cached_tokens"] == 64
 
 
 def test_bounds_reject_misaligned_blocks():
     with pytest.raises(ValueError, match="multiple"):
-        wl.cache_bounds([_rec([1])], tokens_per_block=48, block_size=32)
+        record_bounds([_rec([1])], tokens_per_block=48, block_size=32)
 
 
 def test_bundled_conversation_matches_published_bound():
     recs = read_records("conversation")
-    b = wl.cache_bounds(recs, 512, warmup=len(recs) // 2)
+    b = record_bounds(recs, 512, warmup=len(recs) // 2)
     # published: 39.8% over the second half (counting partial blocks, which we do not)
     assert 0.39 <= b["infinite"]["hit_rate"] <= 0.398
 
@@ -160,7 +161,7 @@ def test_cli_synth_flood_bounds(tmp_path, capsys):
     assert cli(["trace", "bounds", "--trace", str(out), "--tokens-per-block", "32", "--replicas", "2",
                 "--json", str(res)]) == 0
     data = json.loads(res.read_text())
-    assert data == wl.cache_bounds(lines, 32, replicas=2)
+    assert data == record_bounds(lines, 32, replicas=2)
     assert "infinite cache" in capsys.readouterr().out
 
 
@@ -196,7 +197,7 @@ def test_conversation_slice_keeps_whole_conversations_in_context():
     assert [r["timestamp"] for r in sl] == sorted(r["timestamp"] for r in sl)
     for turns in users.values():  # one conversation: same first two ids, reuse across turns
         assert len({tuple(t["hash_ids"][:2]) for t in turns}) == 1
-    b = wl.cache_bounds(sl, 32, replicas=2)
+    b = record_bounds(sl, 32, replicas=2)
     assert b["infinite"]["hit_rate"] > b["round_robin_infinite"]["hit_rate"] > 0
 
 

@@ -171,11 +171,11 @@ def _checkpoint(cfg: BenchConfig, rows: list[dict]) -> None:
 
 
 def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
-    from kvmesh.cluster.workloads import cache_bounds
+    from kvmesh.cluster.bounds import record_bounds
 
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(cfg)
-    bounds = {name: cache_bounds(recs, cfg.tokens_per_block, cfg.spec.block_size, replicas=cfg.workers)
+    bounds = {name: record_bounds(recs, cfg.tokens_per_block, cfg.spec.block_size, replicas=cfg.workers)
               for name, recs in workloads.items()}
     bound_rates = {name: b["infinite"]["hit_rate"] for name, b in bounds.items()}
     peers = [s for s in PEER_SETUPS if s.name in cfg.setups]

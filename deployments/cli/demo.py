@@ -86,11 +86,11 @@ def workload(args) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.workloads import cache_bounds
+    from kvmesh.cluster.bounds import record_bounds
 
     names = _check(args)
     records = workload(args)
-    bounds = cache_bounds(records, args.tokens_per_block, 32, replicas=args.replicas)
+    bounds = record_bounds(records, args.tokens_per_block, 32, replicas=args.replicas)
     print(f"workload: {len(records)} requests from {args.conversations} conversations of the Mooncake "
           f"conversation trace, {bounds['prompt_tokens']:,} prompt tokens ({args.tokens_per_block} tokens/block)")
     live = args.live

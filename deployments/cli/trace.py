@@ -10,6 +10,7 @@ import argparse
 import json
 
 from kvmesh.cluster import workloads
+from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import BUNDLED, read_records
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import int_range, positive_int
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {n} requests to {args.out}")
             return 0
         records = read_records(args.trace, limit=args.limit)
-        result = workloads.cache_bounds(
+        result = record_bounds(
             records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup
         )
     except OSError as exc:
