@@ -40,7 +40,7 @@ part of the shared prefix a replica lacks also weighs `hot_recompute_weight` (10
 `recompute_weight` (30): it is paid once per replica and then serves every later request from the
 fork, so a flood spreads over the whole fleet instead of stopping at the replicas that already hold
 it (0 would replicate hot prefixes too eagerly for a capacity-bound fleet: simulated Mooncake
-synthetic trace, 4 x 4000 blocks, 0.521 vs 0.544 hit rate).
+synthetic trace, 4 x 4000 blocks, 0.515 vs 0.542 hit rate).
 
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
