@@ -46,7 +46,7 @@ def lmcache_kv_transfer(cfg: dict) -> dict | None:
     if cfg.get("kv_transfer_config"):
         return dict(cfg["kv_transfer_config"])
     if cfg.get("lmcache"):
-        from kvmesh.kvstore import tiers  # H4's module: node-local LMCache server discovery
+        from kvmesh.kvstore import tiers  # node-local LMCache server discovery
 
         return tiers.engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
     return None
