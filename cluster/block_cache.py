@@ -1,4 +1,5 @@
-"""A finite LRU cache of KV blocks, the simulator's stand-in for one tier on one replica or node.
+"""A finite LRU cache of KV blocks: the simulator's stand-in for one tier on one replica or node, and
+the router's model of an LMCache tier's capacity (`tier_tracker`).
 
 Eviction order follows vLLM's block pool: when a request's blocks are touched they are touched last
 block first, so the request's first block is the most recently used and a parent always outlives its
@@ -10,7 +11,6 @@ from collections import OrderedDict
 from typing import Sequence
 
 
-
 def leading_held(hashes: Sequence[int], held) -> int:
     """How many leading blocks of `hashes` are in `held` (any container: a set, a dict, an LRU's map)."""
     i = 0
@@ -20,14 +20,16 @@ def leading_held(hashes: Sequence[int], held) -> int:
         i += 1
     return i
 
+
 class BlockLRU:
-    """Block hash -> present, LRU-evicted beyond `capacity` blocks (None = unbounded)."""
+    """Block hash -> present, LRU-evicted beyond `capacity` blocks (None = unbounded; 0 = holds nothing,
+    as a tier smaller than one block). `capacity` may change; the next `admit` evicts down to it."""
 
     __slots__ = ("capacity", "_d")
 
     def __init__(self, capacity: int | None):
-        if capacity is not None and capacity < 1:
-            raise ValueError("block cache capacity must be >= 1 (or None for unbounded)")
+        if capacity is not None and capacity < 0:
+            raise ValueError("block cache capacity must be >= 0 (or None for unbounded)")
         self.capacity = capacity
         self._d: OrderedDict[int, None] = OrderedDict()
 
@@ -61,3 +63,9 @@ class BlockLRU:
             gone = set(evicted)
             new = [h for h in new if h not in gone]
         return new, evicted
+
+    def clear(self) -> list[int]:
+        """Forget every block (a restarted or lost tier); returns what was held."""
+        gone = list(self._d)
+        self._d.clear()
+        return gone

@@ -21,32 +21,11 @@ Only whole LMCache chunks are stored, so a prompt counts up to its last full chu
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Iterable, Sequence
 
+from kvmesh.cluster.block_cache import BlockLRU
+
 LMCACHE_MEDIA = frozenset({"CPU"})
-
-
-class _LRU:
-    """Block-hash LRU with a capacity (None = unbounded); `touch` returns the evicted hashes."""
-
-    def __init__(self, capacity: int | None):
-        self.capacity = capacity
-        self.order: OrderedDict[int, None] = OrderedDict()
-
-    def touch(self, hashes: Sequence[int]) -> list[int]:
-        order = self.order
-        for h in reversed(hashes):  # children first, so a prefix's parents are the most recent
-            order[h] = None
-            order.move_to_end(h)
-        if self.capacity is None or len(order) <= self.capacity:
-            return []
-        return [order.popitem(last=False)[0] for _ in range(len(order) - self.capacity)]
-
-    def clear(self) -> list[int]:
-        gone = list(self.order)
-        self.order.clear()
-        return gone
 
 
 class TierTracker:
@@ -57,10 +36,10 @@ class TierTracker:
             raise ValueError("chunk_blocks must be >= 1")
         self.index = index
         self.chunk_blocks = chunk_blocks
-        self._host: dict[str, _LRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
+        self._host: dict[str, BlockLRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
         self._chunk_blocks: dict[str, int] = {}  # node id -> LMCache chunk / engine block
         self._shared_nodes: set[str] = set()
-        self._shared = _LRU(shared_capacity_blocks)
+        self._shared = BlockLRU(shared_capacity_blocks)
         self.shared_up = True
         self.counters = dict.fromkeys(("prefills_recorded", "host_marked", "host_evicted", "shared_marked",
                                        "shared_evicted", "shared_dropped_on_loss", "host_dropped_on_restart",
@@ -78,7 +57,7 @@ class TierTracker:
         self._chunk_blocks[node_id] = max(1, int(chunk_blocks or self.chunk_blocks))
         lru = self._host.get(node_id)
         if lru is None:
-            self._host[node_id] = _LRU(host_capacity_blocks)
+            self._host[node_id] = BlockLRU(host_capacity_blocks)
         else:
             lru.capacity = host_capacity_blocks
         (self._shared_nodes.add if has_shared_tier else self._shared_nodes.discard)(node_id)
@@ -98,14 +77,14 @@ class TierTracker:
         if not stored:
             return 0
         self.counters["prefills_recorded"] += 1
-        evicted = lru.touch(stored)
+        _, evicted = lru.admit(stored)
         self.index.store_host(node, stored)
         if evicted:
             self.index.remove_host(node, evicted)
             self.counters["host_evicted"] += len(evicted)
         self.counters["host_marked"] += n
         if self.shared_up and node in self._shared_nodes:
-            gone = self._shared.touch(stored)
+            _, gone = self._shared.admit(stored)
             self.index.store_shared(stored)
             if gone:
                 self.index.remove_shared(gone)
@@ -143,5 +122,5 @@ class TierTracker:
     def stats(self) -> dict:
         """The index's counters (a property there too) plus the tracker's own."""
         return {**self.index.stats, **{f"tier_{k}": v for k, v in self.counters.items()},
-                "tier_shared_up": int(self.shared_up), "tier_shared_blocks": len(self._shared.order),
-                "tier_host_blocks": sum(len(l.order) for l in self._host.values())}
+                "tier_shared_up": int(self.shared_up), "tier_shared_blocks": len(self._shared),
+                "tier_host_blocks": sum(len(lru) for lru in self._host.values())}

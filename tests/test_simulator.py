@@ -97,8 +97,12 @@ def test_block_lru_parents_outlive_children():
     new, ev = c.admit([1, 2, 4, 5])  # 1,2 touched; 5 then 4 inserted: children go first
     assert ev == [3, 5] and set(new) == {4}
     assert c.prefix_len([1, 2, 4, 9]) == 3
+    c.capacity = 2  # a tier resized: the next admit evicts down to it
+    assert c.admit([1])[1] == [4] and len(c) == 2
+    assert sorted(c.clear()) == [1, 2] and len(c) == 0
+    assert BlockLRU(0).admit([1, 2]) == ([], [2, 1])  # smaller than one block: holds nothing
     with pytest.raises(ValueError):
-        BlockLRU(0)
+        BlockLRU(-1)
 
 
 def test_bounds_on_a_hand_computed_trace():
