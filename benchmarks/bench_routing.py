@@ -23,6 +23,7 @@ import msgpack
 
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.kv_events import KVEventApplier, SourceState
+from kvmesh.cluster.stats import nearest_rank
 from kvmesh.kvstore.hashing import BlockHasher, HashMemo, block_hashes
 from kvmesh.policies.base import ReplicaView, RequestInfo
 
@@ -35,11 +36,6 @@ SYSTEM_TOKENS, HISTORY_TOKENS, NEW_TOKENS = 2048, 4096, 2048
 
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def _policy():
@@ -122,9 +118,11 @@ def bench_decision(n_requests: int) -> dict:
             parts["score"].append(c3 - c2)
             if k == 0:
                 assert max(v[0] for v in m.values()) == (SYSTEM_TOKENS + HISTORY_TOKENS) // BLOCK
-        results[mode] = dict(p50=_pct(cpu, 0.5) * 1e3, p99=_pct(cpu, 0.99) * 1e3,
-                             wall_p50=_pct(wall, 0.5) * 1e3, wall_p99=_pct(wall, 0.99) * 1e3,
-                             **{f"{p}_p50": _pct(v, 0.5) * 1e3 for p, v in parts.items()})
+        for xs in (cpu, wall, *parts.values()):
+            xs.sort()
+        results[mode] = dict(p50=nearest_rank(cpu, 0.5) * 1e3, p99=nearest_rank(cpu, 0.99) * 1e3,
+                             wall_p50=nearest_rank(wall, 0.5) * 1e3, wall_p99=nearest_rank(wall, 0.99) * 1e3,
+                             **{f"{p}_p50": nearest_rank(v, 0.5) * 1e3 for p, v in parts.items()})
     # baseline: naive per-replica sets, walked replica by replica
     hashes = block_hashes(prompts[0], BLOCK)
     naive_t, fast_t = [], []
@@ -160,8 +158,8 @@ def bench_decision(n_requests: int) -> dict:
         print(f"  {mode:<12} {r['p50']:7.3f} {r['p99']:7.3f} {r['wall_p50']:10.3f} {r['wall_p99']:6.3f}   "
               f"{r['hash_p50']:6.3f} {r['lookup_p50']:6.3f} {r['score_p50']:6.3f}   "
               f"target p99 <= {P99_TARGET_MS} ms: {_verdict(r['p99'] <= P99_TARGET_MS)}")
-    print(f"  speculative write of the request's blocks (after routing): p50 {_pct(spec, 0.5) * 1e3:.3f} ms")
-    nb, fb = _pct(naive_t, 0.5) * 1e3, _pct(fast_t, 0.5) * 1e3
+    print(f"  speculative write of the request's blocks (after routing): p50 {nearest_rank(sorted(spec), 0.5) * 1e3:.3f} ms")
+    nb, fb = nearest_rank(sorted(naive_t), 0.5) * 1e3, nearest_rank(sorted(fast_t), 0.5) * 1e3
     print(f"  lookup only, p50: kvmesh one-pass bitmask {fb:.3f} ms (3 tiers) vs naive per-replica sets "
           f"{nb:.3f} ms (hbm only): x{nb / fb:.1f}")
     return {"decision_ms": results, "lookup_ms": fb, "naive_lookup_ms": nb}

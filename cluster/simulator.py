@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.trace import Trace, scale_to_load
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
@@ -125,14 +126,6 @@ def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | Non
     work = sum(r.input_length for r in trace.requests) * c.prefill_s_per_token + len(arr) * c.prefill_base_s
     span = arr[-1]
     return arr, (work / (cfg.replicas * span) if span > 0 else None)  # None: no time span, no rate
-
-
-def _pct(sorted_vals: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    if not sorted_vals:
-        return 0.0
-    k = max(0, min(len(sorted_vals) - 1, math.ceil(q / 100.0 * len(sorted_vals)) - 1))
-    return sorted_vals[k]
 
 
 def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list[float] | None = None,
@@ -290,9 +283,9 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         "hit_rate_tokens": hit / prompt if prompt else 0.0,
         "hit_rate_requests": frac_sum / n_req if n_req else 0.0,
         "imbalance": (max(computed_r) / mean_computed) if mean_computed else 1.0,
-        "ttft_p50_s": _pct(ttfts, 50),
-        "ttft_p90_s": _pct(ttfts, 90),
-        "ttft_p99_s": _pct(ttfts, 99),
+        "ttft_p50_s": nearest_rank(ttfts, 0.50) if ttfts else 0.0,
+        "ttft_p90_s": nearest_rank(ttfts, 0.90) if ttfts else 0.0,
+        "ttft_p99_s": nearest_rank(ttfts, 0.99) if ttfts else 0.0,
         "throughput_tokens_s": (prompt + out_tokens) / makespan,
         "blended_cost": cost_usd,
         # extras

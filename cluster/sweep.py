@@ -13,12 +13,12 @@ concurrency in flight, a user's next turn after its previous reply, as the live 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
+from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.trace import Trace, scale_to_load
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
 from kvmesh.cluster.workloads import engine_trace
@@ -115,14 +115,6 @@ def sweep(seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts
 
 
 # ------------------------------------------------------------------------------------- summary
-def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) by nearest rank: the ceil(q * n)-th smallest value (the smallest for q = 0)."""
-    if not sorted_values:
-        raise ValueError("no values")
-    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[k]
-
-
 def distribution(values: Iterable[float]) -> dict[str, float]:
     v = sorted(values)
     return {"min": v[0], "p10": nearest_rank(v, 0.10), "median": nearest_rank(v, 0.50),

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
+from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
 
 # Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
@@ -330,16 +331,6 @@ def replay(records: Sequence[dict], cfg: ReplayConfig) -> "ReplayReport":
 
 
 # ------------------------------------------------------------------------------------- results
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 @dataclass
 class ReplayReport:
     results: list[RequestResult]
@@ -355,7 +346,7 @@ class ReplayReport:
         known = [r for r in ok if r.cached_tokens is not None]
         prompt = sum(r.prompt_tokens for r in known)
         cached = sum(r.cached_tokens for r in known)
-        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         per_replica: dict[str, dict] = {}
         for r in ok:
             row = per_replica.setdefault(r.replica, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
@@ -378,9 +369,9 @@ class ReplayReport:
             "cached_tokens": cached if known else None,
             "uncached_prompt_tokens": prompt - cached if known else None,
             "output_tokens": sum(r.output_tokens for r in ok),
-            "ttft_p50_s": _quantile(ttfts, 0.5),
-            "ttft_p90_s": _quantile(ttfts, 0.9),
-            "ttft_p99_s": _quantile(ttfts, 0.99),
+            "ttft_p50_s": nearest_rank(ttfts, 0.5) if ttfts else None,
+            "ttft_p90_s": nearest_rank(ttfts, 0.9) if ttfts else None,
+            "ttft_p99_s": nearest_rank(ttfts, 0.99) if ttfts else None,
             "throughput_tokens_s": (sum(r.prompt_tokens + r.output_tokens for r in ok) / self.wall_s
                                     if self.wall_s > 0 else None),
             "wall_s": self.wall_s,

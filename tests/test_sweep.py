@@ -7,8 +7,9 @@ import types
 
 import pytest
 
+from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.sweep import (
-    SweepOptions, distribution, evaluate_draw, nearest_rank, policy_figures, summarize,
+    SweepOptions, distribution, evaluate_draw, policy_figures, summarize,
     target_misses,
 )
 

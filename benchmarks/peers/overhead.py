@@ -21,13 +21,13 @@ from pathlib import Path
 from kvmesh.benchmarks.peers import engines, setups
 from kvmesh.benchmarks.peers.engines import EngineSpec
 from kvmesh.benchmarks.peers.run import _ray_cpus
+from kvmesh.cluster.stats import nearest_rank
 
 
 def _quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
-    q = lambda p: xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]  # noqa: E731
-    return {"n": len(xs), "p50_ms": 1000 * q(0.5), "p90_ms": 1000 * q(0.9), "p99_ms": 1000 * q(0.99),
-            "mean_ms": 1000 * statistics.fmean(xs)}
+    return {"n": len(xs), "p50_ms": 1000 * nearest_rank(xs, 0.5), "p90_ms": 1000 * nearest_rank(xs, 0.9),
+            "p99_ms": 1000 * nearest_rank(xs, 0.99), "mean_ms": 1000 * statistics.fmean(xs)}
 
 
 def _measure(url: str, n: int, headers: dict | None = None, seed: int = 0, prompt_tokens: int = 16,
