@@ -163,11 +163,6 @@ class Tenant:
     salt: str = field(repr=False)
     limits: Limits = Limits()
 
-    @property
-    def cache_scope(self) -> str:
-        """The name the salt derives from: tenants with the same scope share cached prefixes."""
-        return f"group:{self.group}" if self.group else f"tenant:{self.id}"
-
 
 def hash_api_key(api_key: str) -> str:
     """SHA-256 hex of a key. Keys are long random tokens, so a fast hash suffices (no dictionary attack)."""

@@ -46,13 +46,6 @@ class CostModel:
                 + (shared_tokens - host_tokens) * self.shared_load_s_per_token
                 + (host_tokens - hbm_tokens) * self.host_load_s_per_token)
 
-    def host_credit(self) -> float:
-        """Fraction of the recompute cost saved per token found in the host tier."""
-        return 1.0 - self.host_load_s_per_token / self.prefill_s_per_token if self.prefill_s_per_token else 0.0
-
-    def shared_credit(self) -> float:
-        return 1.0 - self.shared_load_s_per_token / self.prefill_s_per_token if self.prefill_s_per_token else 0.0
-
     def to_dict(self) -> dict:
         return asdict(self)
 

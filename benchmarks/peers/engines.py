@@ -1,12 +1,11 @@
 """N identical vLLM OpenAI servers for the peer benchmark. Identical means: same model files, block
 size, KV space, prefix-cache hash algorithm, seed and KV-event publisher settings; only the ports
 differ. Each server publishes KV events on its own ZMQ port (`tcp://*:P`: the publisher binds, so the
-peers' subscribers connect -- see platform notes on the bind/connect rule)."""
+peers' subscribers connect; vLLM's publisher binds only for `*`/`::` and connects otherwise)."""
 from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,10 +101,3 @@ def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 
 
 def stop_servers(servers: list[VllmServer]) -> None:
     procs.stop_all([s.proc for s in servers])
-
-
-def restart_cold(servers: list[VllmServer], n: int, spec: EngineSpec, work_dir: Path) -> list[VllmServer]:
-    """No prefix-cache reset endpoint exists (platform notes): a cold cache means a fresh process."""
-    stop_servers(servers)
-    time.sleep(1.0)
-    return start_servers(n, spec, work_dir)
