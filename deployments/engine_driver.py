@@ -14,7 +14,7 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from kvmesh.deployments.config import engine_dtype
 
@@ -59,6 +59,36 @@ class _LoadCounter:
         self.queued = 0
         self.running = 0
         self.aborted = 0  # requests given up before finishing (client went away)
+
+    async def track(self, outputs: AsyncGenerator[Any, None],
+                    on_abandon: Callable[[], None] | None = None) -> AsyncIterator[Any]:
+        """Pass one request's engine outputs through, keeping queued/running/aborted: the one wrapper
+        both drivers' `generate` use. A stream left before its finished output (the caller closed it
+        or was cancelled) counts as aborted and `on_abandon` tells the engine; one the engine failed
+        (it raised) does not. The engine's stream is closed here, not left to the garbage collector."""
+        self.queued += 1
+        started = finished = False
+        try:
+            async for out in outputs:
+                if not started:
+                    started = True
+                    self.queued -= 1
+                    self.running += 1
+                finished = out.finished
+                yield out
+        except Exception:
+            finished = True  # the engine gave the request up itself: nothing to abort
+            raise
+        finally:
+            if started:
+                self.running -= 1
+            else:
+                self.queued -= 1
+            if not finished:
+                self.aborted += 1
+                if on_abandon is not None:
+                    on_abandon()
+            await outputs.aclose()
 
 
 class InprocDriver:
@@ -133,36 +163,26 @@ class InprocDriver:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     # -- asyncio side ----------------------------------------------------------------------------
-    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+    def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+        return self.load.track(self._outputs(prompt, params, request_id),
+                               on_abandon=lambda: self._ops.put(("abort", request_id)))
+
+    async def _outputs(self, prompt: dict, params, request_id: str) -> AsyncGenerator[Any, None]:
+        """The engine thread's outputs for one request, up to the finished one; an error it reports is raised."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self.load.queued += 1
-        started = finished = False
         self._ops.put(("add", request_id, prompt, params))
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, Exception):
-                    finished = True
                     raise item
-                if not started:
-                    started = True
-                    self.load.queued -= 1
-                    self.load.running += 1
-                finished = item.finished
                 yield item
-                if finished:
+                if item.finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if started:
-                self.load.running -= 1
-            else:
-                self.load.queued -= 1
-            if not finished:
-                self.load.aborted += 1
-                self._ops.put(("abort", request_id))
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread (engine objects are not thread-safe)."""
@@ -220,24 +240,9 @@ class AsyncDriver:
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_UsageLogger])
         self.load = _LoadCounter()
 
-    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
-        self.load.queued += 1
-        started = finished = False
-        try:
-            async for out in self.engine.generate(prompt, params, request_id):
-                if not started:
-                    started = True
-                    self.load.queued -= 1
-                    self.load.running += 1
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:  # AsyncLLM aborts the request itself when its generator is closed
-                self.load.aborted += 1
-            if started:
-                self.load.running -= 1
-            else:
-                self.load.queued -= 1
+    def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+        # AsyncLLM aborts the request itself when its generator is closed (track closes it)
+        return self.load.track(self.engine.generate(prompt, params, request_id))
 
     def kv_usage(self) -> float:
         return self._kv_usage

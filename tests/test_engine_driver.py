@@ -1,0 +1,146 @@
+"""The drivers' shared load bookkeeping (`_LoadCounter.track`) on a fake engine stream: no vLLM needed."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvmesh.deployments.engine_driver import _LoadCounter
+
+
+def _engine(n: int, log: list, fail_at: int | None = None, gate: asyncio.Event | None = None):
+    async def outputs():
+        try:
+            if gate is not None:
+                await gate.wait()
+            for i in range(n):
+                if i == fail_at:
+                    raise ValueError("engine rejected the request")
+                yield SimpleNamespace(finished=i == n - 1)
+        finally:
+            log.append("closed")
+    return outputs()
+
+
+def _state(load: _LoadCounter) -> tuple[int, int, int]:
+    return load.queued, load.running, load.aborted
+
+
+def test_a_finished_stream_leaves_nothing_counted():
+    async def go():
+        load, log, abandoned = _LoadCounter(), [], []
+        stream = load.track(_engine(3, log), on_abandon=lambda: abandoned.append(1))
+        seen = []
+        async for out in stream:
+            seen.append(_state(load))
+        return seen, _state(load), log, abandoned
+
+    seen, after, log, abandoned = asyncio.run(go())
+    assert seen == [(0, 1, 0)] * 3 and after == (0, 0, 0) and log == ["closed"] and abandoned == []
+
+
+def test_a_stream_left_early_is_aborted_and_the_engine_told():
+    async def go():
+        load, log, abandoned = _LoadCounter(), [], []
+        stream = load.track(_engine(3, log), on_abandon=lambda: abandoned.append(1))
+        await stream.__anext__()
+        await stream.aclose()  # the client went away after the first token
+        return _state(load), log, abandoned
+
+    assert asyncio.run(go()) == ((0, 0, 1), ["closed"], [1])
+
+
+def test_a_request_cancelled_while_queued_is_aborted():
+    async def go():
+        load, log, abandoned = _LoadCounter(), [], []
+        stream = load.track(_engine(3, log, gate=asyncio.Event()), on_abandon=lambda: abandoned.append(1))
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        queued = _state(load)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return queued, _state(load), log, abandoned
+
+    assert asyncio.run(go()) == ((1, 0, 0), (0, 0, 1), ["closed"], [1])
+
+
+def test_an_engine_error_is_raised_and_not_counted_as_an_abort():
+    async def go():
+        load, log, abandoned = _LoadCounter(), [], []
+        stream = load.track(_engine(3, log, fail_at=1), on_abandon=lambda: abandoned.append(1))
+        with pytest.raises(ValueError, match="rejected"):
+            async for _ in stream:
+                pass
+        return _state(load), log, abandoned
+
+    assert asyncio.run(go()) == ((0, 0, 0), ["closed"], [])
+
+
+class _FakeLLMEngine:
+    """Just enough of vLLM's LLMEngine for InprocDriver's thread: each request yields `steps` outputs."""
+
+    def __init__(self, steps: int):
+        self.steps, self.left, self.aborted = steps, {}, []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def add_request(self, rid, prompt, params):
+        if prompt.get("bad"):
+            raise ValueError("prompt too long")
+        self.left[rid] = self.steps
+
+    def abort_request(self, rids):
+        for rid in rids:
+            self.aborted.append(rid)
+            self.left.pop(rid, None)
+
+    def step(self):
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            outs.append(SimpleNamespace(request_id=rid, finished=self.left[rid] == 0))
+            if self.left[rid] == 0:
+                del self.left[rid]
+        return outs
+
+
+def _inproc(engine):
+    from kvmesh.deployments.engine_driver import InprocDriver
+
+    d = InprocDriver.__new__(InprocDriver)  # skip vLLM: the thread and queues are what is tested
+    d.engine, d.load, d._ops, d._streams, d._stop = engine, _LoadCounter(), queue.SimpleQueue(), {}, False
+    d._thread = threading.Thread(target=d._run, daemon=True)
+    d._thread.start()
+    return d
+
+
+def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
+    engine = _FakeLLMEngine(steps=3)
+    d = _inproc(engine)
+
+    async def go():
+        done = [out.finished async for out in d.generate({}, None, "a")]
+        stream = d.generate({}, None, "b")
+        await stream.__anext__()
+        await stream.aclose()
+        with pytest.raises(ValueError, match="too long"):
+            async for _ in d.generate({"bad": True}, None, "c"):
+                pass
+        return done
+
+    try:
+        assert asyncio.run(go()) == [False, False, True]
+        for _ in range(100):  # the abort travels through the engine thread's queue
+            if engine.aborted:
+                break
+            time.sleep(0.01)
+        assert engine.aborted == ["b"] and _state(d.load) == (0, 0, 1) and d._streams == {}
+    finally:
+        d._ops.put(("stop",))
+        d._thread.join(timeout=5)
