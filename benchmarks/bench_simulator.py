@@ -14,13 +14,14 @@
 3. Peers: conversation trace, 8 replicas x 1000 blocks (one accelerator's KV space each), at load
    0.5 / 0.8 / 0.95: p90 TTFT of kvmesh vs sglang_cache_aware, ray_prefix_affinity, llmd_precise,
    dynamo_cost (+ round robin for scale). Target: kvmesh's p90 <= every peer's at 0.8, 0.95.
-PNGs go to out/ (BENCH_OUT to change).
+PNGs go to out/ (BENCH_OUT to change). Exit status 1 when a target is missed.
 """
 from __future__ import annotations
 
 import os
 import time
 
+from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.sim_report import plot
 from kvmesh.cluster.simulator import SimConfig, simulate, simulate_policy
 from kvmesh.cluster.trace import load_trace, tile
@@ -31,11 +32,7 @@ SPEED_REPLICAS = 256
 SPEED_REQUESTS_TARGET = 1_000_000
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def bench_speed(conv) -> dict:
+def bench_speed(conv, targets: Targets) -> dict:
     n = int(os.environ.get("BENCH_SIM_REQUESTS", "3000"))
     trace = tile(conv, max(1, -(-n // len(conv))))
     trace.requests = trace.requests[:n]
@@ -54,14 +51,16 @@ def bench_speed(conv) -> dict:
               + ("  (baseline: same index + caches + time model, trivial policy)" if name == "round_robin" else ""))
     ex_cpu = cpu["kvmesh"] * SPEED_REQUESTS_TARGET
     ex_wall = wall["kvmesh"] * SPEED_REQUESTS_TARGET
+    verdict = targets.verdict(f"1M requests x {SPEED_REPLICAS} replicas <= {SPEED_TARGET_S:.0f} s CPU",
+                              ex_cpu <= SPEED_TARGET_S)
     print(f"  1M requests x {SPEED_REPLICAS} replicas, EXTRAPOLATED from {n} requests: {ex_cpu:,.0f} s of CPU "
           f"({ex_wall:,.0f} s wall on this shared machine); target <= {SPEED_TARGET_S:.0f} s: "
-          f"{_verdict(ex_cpu <= SPEED_TARGET_S)} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)")
+          f"{verdict} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)")
     return {"us_per_request_cpu": cpu["kvmesh"] * 1e6, "us_per_request_wall": wall["kvmesh"] * 1e6,
             "extrapolated_1m_cpu_s": ex_cpu, "extrapolated_1m_wall_s": ex_wall}
 
 
-def bench_tiers(conv, out_dir: str) -> dict:
+def bench_tiers(conv, out_dir: str, targets: Targets) -> dict:
     variants = {
         "no tiers": SimConfig(8, 1000, replicas_per_node=8, load=0.8),
         "host tier": SimConfig(8, 1000, host_blocks=16000, replicas_per_node=8, load=0.8),
@@ -76,13 +75,14 @@ def bench_tiers(conv, out_dir: str) -> dict:
         print(f"  {k:<14} {m['hit_rate_tokens']:>7.4f} {t['hbm'] / p:>7.4f} {t['host'] / p:>7.4f} "
               f"{t['shared'] / p:>7.4f} {m['ttft_p90_s']:>7.3f} {m['ttft_p50_s']:>7.3f}")
     base, host = res["no tiers"], res["host tier"]
+    better = host["hit_rate_tokens"] > base["hit_rate_tokens"] and host["ttft_p90_s"] < base["ttft_p90_s"]
     print(f"  host tier vs none: hit x{host['hit_rate_tokens'] / base['hit_rate_tokens']:.2f}, "
           f"p90 TTFT x{host['ttft_p90_s'] / base['ttft_p90_s']:.2f} "
-          f"{_verdict(host['hit_rate_tokens'] > base['hit_rate_tokens'] and host['ttft_p90_s'] < base['ttft_p90_s'])}")
+          f"{targets.verdict('host tier raises hit rate and cuts p90 TTFT', better)}")
     return {k: {"hit": m["hit_rate_tokens"], "p90": m["ttft_p90_s"]} for k, m in res.items()}
 
 
-def bench_peers(conv, out_dir: str) -> dict:
+def bench_peers(conv, out_dir: str, targets: Targets) -> dict:
     names = ("kvmesh", *PEERS, "round_robin")
     results = {}
     print("\nsimulated peers: conversation, 8 replicas x 1000 blocks; p90 TTFT (s) [hit rate]")
@@ -98,8 +98,9 @@ def bench_peers(conv, out_dir: str) -> dict:
         pol = results[load]["policies"]
         k = pol["kvmesh"]["ttft_p90_s"]
         best_peer = min(PEERS, key=lambda n: pol[n]["ttft_p90_s"])
+        ok = all(k <= pol[n]["ttft_p90_s"] for n in PEERS)
         print(f"  load {load:.2f}: kvmesh p90 {k:.3f} s vs best peer {best_peer} {pol[best_peer]['ttft_p90_s']:.3f} s "
-              f"(x{pol[best_peer]['ttft_p90_s'] / k:.2f}) {_verdict(all(k <= pol[n]['ttft_p90_s'] for n in PEERS))}")
+              f"(x{pol[best_peer]['ttft_p90_s'] / k:.2f}) {targets.verdict(f'kvmesh p90 <= every peer at {load}', ok)}")
     print(f"  plots: {out_dir}/sim_peers_load{{50,80,95}}.png")
     return {load: {n: d["policies"][n]["ttft_p90_s"] for n in names} for load, d in results.items()}
 
@@ -108,7 +109,11 @@ def main() -> dict:
     out_dir = os.environ.get("BENCH_OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     conv = load_trace("conversation")
-    return {"speed": bench_speed(conv), "tiers": bench_tiers(conv, out_dir), "peers": bench_peers(conv, out_dir)}
+    targets = Targets()
+    out = {"speed": bench_speed(conv, targets), "tiers": bench_tiers(conv, out_dir, targets),
+           "peers": bench_peers(conv, out_dir, targets)}
+    targets.exit_if_missed()
+    return out
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import read_records
 from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, synth_chat
@@ -150,13 +151,15 @@ def main() -> dict:
          f"{t64['kept']:.3f}", t64["kept"] >= 0.90),
         ("isolation never beats sharing (sanity)", all(r["isolated"] <= r["shared_salt"] + 1e-12 for r in rows)),
     ]
+    targets = Targets()
     for name, ok in checks:
-        print(f"  {'PASS' if ok else 'MISS'}: {name}")
+        print(f"  {targets.verdict(name, ok)}: {name}")
     result = {"mooncake": rows, "saas": saas}
     out = os.environ.get("BENCH_JSON_DIR")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "bench_tenants.json").write_text(json.dumps(result, indent=1))
+    targets.exit_if_missed()
     return result
 
 

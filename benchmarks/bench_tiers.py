@@ -17,7 +17,8 @@ takes — and the credits they imply (1 − load/prefill: the fraction of recomp
 
 The tiny model computes a token in microseconds, so on it LMCache's per-chunk transfer overhead can
 cost more than recomputing: the credits printed here describe THIS engine, not a GPU serving an 8B
-model (CostModel's defaults). Targets: loading from either tier is cheaper than recomputing.
+model (CostModel's defaults). Targets: loading from either tier is cheaper than recomputing (exit
+status 1 when one is missed, or when the prefill time per token cannot be measured).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from kvmesh.benchmarks.targets import Targets
 
 LENGTHS = (256, 512, 960)
 REPEATS = 4
@@ -120,19 +123,22 @@ def main(argv=None) -> None:
     for r in m["rows"]:
         print(f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['hbm']['prefill_s']:>8.4f} {r['host']['prefill_s']:>8.4f} "
               f"{r['host']['num_cached_tokens']:>11} {r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}")
+    targets = Targets()
     pre = m["prefill_s_per_token"]
     if not pre or pre <= 0:
-        print("prefill time per token not measurable (cold no slower than an hbm hit) -> MISS")
-        return
+        verdict = targets.verdict("prefill time per token measurable", False)
+        print(f"prefill time per token not measurable (cold no slower than an hbm hit) -> {verdict}")
+        targets.exit_if_missed()
     print(f"prefill: {pre * 1e6:.1f} us/token; an hbm hit (no load) costs {m['hbm_s'] * 1e3:.1f} ms per request")
     constants = {"prefill_s_per_token": pre, "prefill_base_s": m["hbm_s"]}
     for tier in ("host", "shared"):
         load = m[f"{tier}_load_s_per_token"]
         if load is None:
-            print(f"{tier}: no hits in {len(m['rows'])} tries -> MISS (tier served nothing)")
+            verdict = targets.verdict(f"{tier} tier load < recompute", False)
+            print(f"{tier}: no hits in {len(m['rows'])} tries -> {verdict} (tier served nothing)")
             continue
         constants[f"{tier}_load_s_per_token"] = max(load, 0.0)
-        verdict = "PASS" if load < pre else "MISS"
+        verdict = targets.verdict(f"{tier} tier load < recompute", load < pre)
         print(f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {1 - load / pre:+.2f} "
               f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)")
     print(f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, shared hit tokens {m['shared_hit_tokens']:.0f}")
@@ -140,6 +146,7 @@ def main(argv=None) -> None:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({**constants, "rows": m["rows"]}, indent=1))
+    targets.exit_if_missed()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`make bench`: run every benchmarks/bench_*.py module's `main()` in order, print figures and
 ratios against baselines measured in the same run, and say PASS/MISS per target. One failing bench
-does not hide the others; the exit status is non-zero if any bench crashed or exited non-zero (a
-bench that misses a hard target raises SystemExit(1) after printing its report)."""
+does not hide the others; the exit status is non-zero if any bench crashed or exited non-zero (every
+bench that misses a target raises SystemExit(1) after printing its report: `targets.Targets`)."""
 from __future__ import annotations
 
 import importlib
