@@ -19,6 +19,7 @@ errors, not silently ignored (a typo in `block_size` must not quietly fall back 
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -175,6 +176,17 @@ def resolve_model(model: str) -> str:
 
         return str(build_tiny_model(tiny_model_dir()))
     return model
+
+
+def hf_model_config(model_dir: str | os.PathLike) -> dict | None:
+    """The model folder's Hugging Face `config.json` (layers, heads, sizes), or None when it cannot be read:
+    the engine sizes its node's host tier in KV blocks from it (`kvmesh.kvstore.tiers.kv_bytes_per_block`)."""
+    try:
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def engine_dtype(model: str, dtype: str) -> str:

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from kvmesh.deployments.config import engine_config, resolve_model
+from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -46,9 +46,9 @@ def lmcache_kv_transfer(cfg: dict) -> dict | None:
     if cfg.get("kv_transfer_config"):
         return dict(cfg["kv_transfer_config"])
     if cfg.get("lmcache"):
-        from kvmesh.kvstore import tiers  # node-local LMCache server discovery
+        from kvmesh.kvstore.node_server import engine_kv_transfer_config  # finds or starts the node's server
 
-        return tiers.engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
+        return engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
     return None
 
 
@@ -90,8 +90,9 @@ class EngineReplica:
         if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
             from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
 
-            self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], kv_bytes_per_block(
-                self.model_path, self.cfg["block_size"], self.cfg["dtype"]))
+            bytes_per_block = kv_bytes_per_block(hf_model_config(self.model_path), self.cfg["block_size"],
+                                                 self.cfg["dtype"])
+            self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], bytes_per_block)
         log.info("engine replica %s ready: model=%s blocks=%d events=%s", self.replica_id, self.model_path,
                  self.num_blocks, self.kv_events_endpoint)
 

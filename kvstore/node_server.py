@@ -9,7 +9,7 @@ same one. It needs no CPU reservation: the server's work is memory copies driven
 The server process is a child of the actor with a parent-death signal, so killing the actor (or Ray
 going away) also ends the server instead of leaving it orphaned.
 
-Engine start-up (deployments/engine.py calls this through `kvmesh.kvstore.tiers.engine_kv_transfer_config`):
+Engine start-up (deployments/engine.py calls `engine_kv_transfer_config`, below):
 
     host, port = ensure_node_server(tier_config)          # get-or-create this node's server
     kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(host, port)
@@ -23,8 +23,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 from kvmesh.kvstore.lmcache_server import LMCacheServer
-from kvmesh.kvstore.tiers import TierConfig, TierConfigError
+from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,20 @@ def ensure_node_server(tier_config: dict | TierConfig, node_id: str | None = Non
         raise TierConfigError(f"node {node_id[:12]} already runs an LMCache server with {shape}; "
                               f"this engine asked for chunk_size={cfg.chunk_size} l2={cfg.l2}")
     return tuple(endpoint)
+
+
+def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
+    """Engine start-up hook (deployments/engine.py): this node's LMCache server → kv_transfer_config.
+
+    Validates the tier config against the engine's block size, gets or starts the node's server (the
+    actor above), and patches llvmlite so an in-process engine can start next to LMCache (compat). Runs
+    inside the engine replica's process, before the engine is built.
+    """
+    cfg = TierConfig.from_dict(lmcache)
+    cfg.check_block_size(block_size)
+    patch_llvmlite_dunder_lookup()
+    host, port = ensure_node_server(cfg)
+    return kv_transfer_config(host, port)
 
 
 def _to_dict(cfg: TierConfig) -> dict:

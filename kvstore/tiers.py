@@ -1,5 +1,10 @@
 """Tier configuration: host-memory L1 and shared L2 of the node's LMCache server, and the vLLM side.
 
+Pure configuration: it starts nothing, reads no files and imports no other kvstore module (the server
+process is `lmcache_server`, the Ray actor that owns it and the engines' start-up call are `node_server`),
+so every side reads it without an import circle. The one outside value it uses is the temp folder's name
+(`tempfile.gettempdir()`) for the default fs L2.
+
 One `TierConfig` describes what every node runs: how much host DRAM the LMCache MP server keeps (L1)
 and which shared store it writes through to (L2). The same config yields the server's command line
 (`server_args`) and the engine's `kv_transfer_config` (`kv_transfer_config`), so both sides agree on
@@ -152,23 +157,6 @@ def kv_transfer_config(host: str, port: int) -> dict:
     }
 
 
-def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
-    """Engine start-up hook (deployments/engine.py): this node's LMCache server → kv_transfer_config.
-
-    Validates the tier config against the engine's block size, gets or starts the node's server
-    (kvmesh.kvstore.node_server, a Ray actor), and patches llvmlite so an in-process engine can start next
-    to LMCache (kvmesh.kvstore.compat). Runs inside the engine replica's process, before the engine is built.
-    """
-    from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
-    from kvmesh.kvstore.node_server import ensure_node_server
-
-    cfg = TierConfig.from_dict(lmcache)
-    cfg.check_block_size(block_size)
-    patch_llvmlite_dunder_lookup()
-    host, port = ensure_node_server(cfg)
-    return kv_transfer_config(host, port)
-
-
 def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | None = None) -> dict:
     """What an engine replica adds to `record_routing_stats()` so routers can model its node's tiers.
 
@@ -185,19 +173,22 @@ def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | Non
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1}
 
 
-def kv_bytes_per_block(model_dir: str, block_size: int, dtype: str = "auto") -> int | None:
-    """Bytes of one KV block (K and V, all layers) for a HF model folder; None when it cannot tell.
+def kv_bytes_per_block(model_config: dict | None, block_size: int, dtype: str = "auto") -> int | None:
+    """Bytes of one KV block (K and V, all layers) for a model's HF `config.json` contents; None when it
+    cannot tell (no config, or fields missing).
 
-    = 2 x layers x kv_heads x head_dim x block_size x bytes per element — what sizes L1 in blocks.
+    = 2 x layers x kv_heads x head_dim x block_size x bytes per element — what sizes L1 in blocks. The
+    caller reads the file (`kvmesh.deployments.config.hf_model_config`): this module reads no files.
     """
+    if model_config is None:
+        return None
+    c = model_config
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            c = json.load(f)
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         kv_heads = c.get("num_key_value_heads") or heads
         # vLLM's "auto" runs float32 checkpoints in 16-bit (bfloat16 on CPU), keeps 16-bit ones as they are
         per_elem = 2 if dtype == "auto" else _DTYPE_BYTES[str(dtype)]
         return 2 * c["num_hidden_layers"] * kv_heads * head_dim * block_size * per_elem
-    except (OSError, KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError):
         return None

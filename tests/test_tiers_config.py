@@ -168,16 +168,20 @@ def test_tier_routing_info_for_routers():
 
 
 def test_kv_bytes_per_block_from_model_config(tmp_path):
+    from kvmesh.deployments.config import hf_model_config
     from kvmesh.kvstore.tiers import kv_bytes_per_block
 
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 2, "hidden_size": 128,
                                                       "num_hidden_layers": 2, "torch_dtype": "float32"}))
+    config = hf_model_config(tmp_path)
     # the probe engines' tiny Llama: 32 tokens x 2 (K,V) x 2 layers x 2 heads x 64 dims x 4 bytes = 65536,
     # the LMCache chunk size seen in the server's L1 usage (3,211,264 bytes / 49 chunks)
-    assert kv_bytes_per_block(str(tmp_path), 32, dtype="float32") == 65536
-    assert kv_bytes_per_block(str(tmp_path), 32, dtype="bfloat16") == 32768
-    assert kv_bytes_per_block(str(tmp_path), 32) == 32768  # "auto": vLLM runs fp32 checkpoints in 16 bit
-    assert kv_bytes_per_block(str(tmp_path / "missing"), 32) is None
+    assert kv_bytes_per_block(config, 32, dtype="float32") == 65536
+    assert kv_bytes_per_block(config, 32, dtype="bfloat16") == 32768
+    assert kv_bytes_per_block(config, 32) == 32768  # "auto": vLLM runs fp32 checkpoints in 16 bit
+    assert hf_model_config(tmp_path / "missing") is None
+    assert kv_bytes_per_block(None, 32) is None
+    assert kv_bytes_per_block({"num_attention_heads": 2}, 32) is None
 
 
 def test_actor_config_round_trip():

@@ -56,7 +56,7 @@ def ray_local(tmp_path_factory):
 
 def test_one_server_per_node_found_by_every_engine(ray_local, tmp_path):
     from kvmesh.kvstore import node_server
-    from kvmesh.kvstore.tiers import engine_kv_transfer_config
+    from kvmesh.kvstore.node_server import engine_kv_transfer_config
 
     cfg = _cfg(tmp_path)
     first = node_server.ensure_node_server(cfg)
