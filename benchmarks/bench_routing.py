@@ -44,12 +44,12 @@ def _policy():
         return None, f"no kvmesh policy ({exc}); hash + lookup only"
 
 
-def _build_index(rng):
+def _build_index(rng: random.Random):
     idx = PrefixIndex(max_blocks=FILL_BLOCKS + 500_000)
     rids = [f"r{i:02d}" for i in range(REPLICAS)]
     for i, rid in enumerate(rids):
         idx.add_replica(rid, f"n{i % NODES}")
-    naive = {rid: set() for rid in rids}
+    naive: dict[str, set[int]] = {rid: set() for rid in rids}
     system = [rng.randrange(50_000) for _ in range(SYSTEM_TOKENS)]
     history = [rng.randrange(50_000) for _ in range(HISTORY_TOKENS)]
     sys_h = block_hashes(system, BLOCK)
@@ -92,7 +92,9 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
                for _ in range(n_requests)]
     results = {}
     for mode in ("scratch", "memo", "incremental"):
-        cpu, wall, parts = [], [], {"hash": [], "lookup": [], "score": []}
+        cpu: list[float] = []
+        wall: list[float] = []
+        parts: dict[str, list[float]] = {"hash": [], "lookup": [], "score": []}
         for k, tokens in enumerate(prompts):
             w0, c0 = time.perf_counter(), time.thread_time()
             if mode == "scratch":
@@ -198,7 +200,7 @@ def bench_ingest(n_batches: int, targets: Targets | None = None) -> dict:
         ap.handle(rid, f)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     # baseline: decode the same frames with msgpack, apply to naive per-replica sets
-    naive = {rid: set() for rid in rids}
+    naive: dict[str, set[int]] = {rid: set() for rid in rids}
     c1 = time.process_time()
     for rid, f in order:
         for e in msgpack.unpackb(f[2], raw=False)[1]:

@@ -119,10 +119,12 @@ def main(argv=None) -> None:
         model = str(build_tiny_model(tiny_model_dir()))
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp:
         m = measure(model, Path(tmp))
-    print(f"{'N':>6} {'cold s':>8} {'hbm s':>8} {'host s':>8} {'host cached':>11} {'shared s':>9} {'shared cached':>13}")
+    print(f"{'N':>6} {'cold s':>8} {'hbm s':>8} {'host s':>8} {'host cached':>11} "
+          f"{'shared s':>9} {'shared cached':>13}")
     for r in m["rows"]:
-        print(f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['hbm']['prefill_s']:>8.4f} {r['host']['prefill_s']:>8.4f} "
-              f"{r['host']['num_cached_tokens']:>11} {r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}")
+        print(f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['hbm']['prefill_s']:>8.4f} "
+              f"{r['host']['prefill_s']:>8.4f} {r['host']['num_cached_tokens']:>11} "
+              f"{r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}")
     targets = Targets()
     pre = m["prefill_s_per_token"]
     if not pre or pre <= 0:
@@ -141,7 +143,8 @@ def main(argv=None) -> None:
         verdict = targets.verdict(f"{tier} tier load < recompute", load < pre)
         print(f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {1 - load / pre:+.2f} "
               f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)")
-    print(f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, shared hit tokens {m['shared_hit_tokens']:.0f}")
+    print(f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, "
+          f"shared hit tokens {m['shared_hit_tokens']:.0f}")
     print("CostModel.from_dict(" + json.dumps(constants) + ")")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 LENGTHS = (64, 256, 512, 1024, 1536)
@@ -58,7 +59,7 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, float
 
 def _rounds(llm, cases: dict, rounds: int, rng: random.Random) -> dict:
     """cases: name -> (prompts, max_tokens). Returns name -> sorted wall times over the rounds."""
-    times = {name: [] for name in cases}
+    times: dict[str, list[float]] = {name: [] for name in cases}
     order = list(cases)
     for _ in range(rounds):
         rng.shuffle(order)
@@ -67,7 +68,7 @@ def _rounds(llm, cases: dict, rounds: int, rng: random.Random) -> dict:
     return {name: sorted(ts) for name, ts in times.items()}
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares intercept and slope."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)

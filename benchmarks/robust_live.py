@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
@@ -99,7 +99,7 @@ def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
         recs = records(d)
         n = d.live_replicas
         log(f"  draw {seed}: {len(recs)} requests, {n} replicas, concurrency {live_concurrency(d)}")
-        row = {"seed": seed, "replicas": n, "requests": len(recs), "bounds": bounds_for(recs, d, n),
+        row: dict[str, Any] = {"seed": seed, "replicas": n, "requests": len(recs), "bounds": bounds_for(recs, d, n),
                "kvmesh": run_live(recs, d, n, "kvmesh", log), "round_robin": run_live(recs, d, n, "round_robin", log),
                "sim": simulate_in_send_order(recs, d, n, "kvmesh")}
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])

@@ -70,7 +70,7 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.speculative_ttl_s = speculative_ttl_s
         self._clock = clock
-        self._entries: OrderedDict[int, list] = OrderedDict()  # hash -> [hbm, host_nodes, shared]
+        self._entries: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # hash -> (hbm, host_nodes, shared)
         # replicas
         self._slot: dict[str, int] = {}
         self._slot_rid: dict[int, str] = {}
@@ -270,7 +270,7 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> dict[str, tuple[int, int, int]]:
         """Per registered replica: (hbm, host-or-hbm, any-tier) longest cached prefix, in blocks."""
         i, drops = self._walk(hashes)
-        lens = ({}, {}, {})
+        lens: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
         for tier, pos, mask in drops:
             d = lens[tier]
             for s in _bits(mask):

@@ -66,7 +66,8 @@ class EventBatch(NamedTuple):
     data_parallel_rank: int | None = None
 
 
-_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+_TYPES: dict[str, type[BlockStored | BlockRemoved | AllBlocksCleared]] = {
+    "BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
 _FIELDS = {name: set(cls._fields) for name, cls in _TYPES.items()}
 # positional order of the array (older) form, as declared in vLLM's structs
 _ARRAY_FIELDS = {
@@ -84,8 +85,8 @@ class DecodeError(ValueError):
 def _decode_event(raw: Any):
     if isinstance(raw, dict):
         kind = raw.get("type")
-        cls = _TYPES.get(kind)
-        if cls is None:
+        cls = _TYPES.get(kind) if isinstance(kind, str) else None
+        if kind is None or cls is None:
             return None  # an event type this version does not know: skip it
         names = _FIELDS[kind]
         return cls(**{k: v for k, v in raw.items() if k in names})
@@ -141,7 +142,7 @@ class SourceState:
 class KVEventApplier:
     """Sequence tracking + index updates, without sockets (the subscriber's testable core)."""
 
-    def __init__(self, index):
+    def __init__(self, index) -> None:
         self.index = index
         self.sources: dict[str, SourceState] = {}
 
@@ -286,7 +287,7 @@ class KVEventSubscriber(KVEventApplier):
         engine holds, never a phantom hit.
         """
         exp = self.expected(src)
-        fetched = await self._fetch_replay(src, exp) if src.replay_endpoint is not None else {}
+        fetched = await self._fetch_replay(src.replay_endpoint, exp) if src.replay_endpoint is not None else {}
         if all(s in fetched for s in range(exp, upto)):
             while self.expected(src) in fetched:
                 s = self.expected(src)
@@ -302,14 +303,14 @@ class KVEventSubscriber(KVEventApplier):
         if self.expected(src) < upto:
             src.last_seq = upto - 1
 
-    async def _fetch_replay(self, src: SourceState, start: int) -> dict[int, bytes]:
+    async def _fetch_replay(self, endpoint: str, start: int) -> dict[int, bytes]:
         """Ask the engine's ROUTER replay socket for every buffered batch with seq >= start."""
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         fetched: dict[int, bytes] = {}
         try:
-            sock.connect(src.replay_endpoint)
+            sock.connect(endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while await sock.poll(int(self.replay_timeout_s * 1000)):
                 msg = await sock.recv_multipart()

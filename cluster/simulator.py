@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
@@ -144,8 +145,9 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     rids = [f"r{i}" for i in range(N)]
     nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
     n_nodes = len(set(nodes))
+    unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
     index = PrefixIndex(max_blocks=N * cfg.capacity_blocks + n_nodes * cfg.host_blocks
-                        + (cfg.shared_blocks or 0) + 1_000_000 + (10_000_000 if cfg.shared and cfg.shared_blocks is None else 0),
+                        + (cfg.shared_blocks or 0) + 1_000_000 + unbounded_shared,
                         speculative_ttl_s=0.0)
     for rid, node in zip(rids, nodes):
         index.add_replica(rid, node)
@@ -164,10 +166,12 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     pending = np.zeros(N, dtype=np.int64)  # uncached prompt tokens not yet prefilled
     active = np.zeros(N, dtype=np.int64)  # KV blocks of unfinished requests
     events: list[tuple[float, int, int, int]] = []
-    fleet = FleetView(rids, None, None, None, queued, running, None, pending,
+    unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks and kv_usage: set per request below
+    fleet = FleetView(rids, unset, unset, unset, queued, running, np.zeros(N), pending,
                       np.full(N, cfg.capacity_blocks, dtype=np.int64))
     server_free = [0.0] * N
-    slot_heap = [[] for _ in range(N)]  # ends of admitted requests, for the max_batch constraint
+    # ends of admitted requests, for the max_batch constraint
+    slot_heap: list[list[float]] = [[] for _ in range(N)]
     max_batch = c.max_batch
     tpot = c.decode_s_per_token
     inv_cap = 1.0 / cfg.capacity_blocks
@@ -316,7 +320,7 @@ def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress
     cfg.check()
     arrivals, offered = arrivals_for(trace, cfg)  # with a closed-loop client, the open-loop reference
     n_nodes = len({i // cfg.replicas_per_node for i in range(cfg.replicas)})
-    doc = {
+    doc: dict[str, Any] = {
         "trace": trace.name,
         "replicas": cfg.replicas,
         "capacity_blocks": cfg.capacity_blocks,

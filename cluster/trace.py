@@ -77,7 +77,8 @@ def resolve(name_or_path: str | os.PathLike) -> str:
     return name_or_path
 
 
-def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> int:
+def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> float:
+    """The checked field: a number >= minimum, whole except the timestamp (an int or an integral float)."""
     v = rec.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < minimum:
         raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {v!r}")

@@ -48,13 +48,14 @@ def build_app(config: dict | None = None, **kwargs: Any):
     cfg = app_config({**(config or {}), **kwargs})
     eng = cfg["engine"]
     env = runtime_env_vars()
-    engine = serve.deployment(EngineReplica, name="EngineReplica").options(
+    engine = serve.deployment(name="EngineReplica")(EngineReplica).options(
         num_replicas=cfg["replicas"],
         max_ongoing_requests=cfg["max_ongoing_requests"],
         ray_actor_options={"num_cpus": eng["num_cpus"], "num_gpus": eng["num_gpus"],
                            "runtime_env": {"env_vars": env}},
         request_router_config=RequestRouterConfig(
-            request_router_class="kvmesh.deployments.router:KvmeshRouter",
+            # ray annotates RequestRouterConfig.__init__(**kwargs: dict[str, Any]), as if every keyword were a dict
+            request_router_class="kvmesh.deployments.router:KvmeshRouter",  # type: ignore[arg-type]
             request_router_kwargs={
                 "policy": cfg["policy"], "policy_params": cfg["policy_params"], "hash_algo": eng["hash_algo"],
                 "block_size": eng["block_size"], "speculative_ttl_s": cfg["speculative_ttl_s"],
@@ -65,7 +66,8 @@ def build_app(config: dict | None = None, **kwargs: Any):
         health_check_period_s=10,
         graceful_shutdown_timeout_s=5,
     ).bind(eng)
-    return Ingress.options(
+    # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators to a class's type
+    return Ingress.options(  # type: ignore[attr-defined]
         num_replicas=cfg["ingress_replicas"],
         max_ongoing_requests=max(256, cfg["max_ongoing_requests"] * cfg["replicas"]),
         ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": env}},

@@ -133,6 +133,8 @@ class EngineReplica:
             text.append(chunk["text"])
             token_ids.extend(chunk["token_ids"])
             last = chunk
+        if last is None:  # generate raises when the engine fails, so this is not expected
+            raise RuntimeError(f"engine returned no output for request {request.get('request_id')!r}")
         return {**last, "text": "".join(text), "token_ids": token_ids, "ttft_s": ttft}
 
     def record_routing_stats(self) -> dict:

@@ -14,9 +14,13 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, cast
 
 from kvmesh.deployments.config import engine_dtype
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core_client import InprocClient
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +55,21 @@ def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_tra
     return AsyncEngineArgs(**kwargs)
 
 
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """Resolve an engine-thread call's future on its loop (unless the caller has given it up)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
 class _LoadCounter:
     """Queued = admitted but no token yet; running = producing tokens. Counted by the driver itself so
     both drivers report the same thing without reaching into engine internals."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.queued = 0
         self.running = 0
         self.aborted = 0  # requests given up before finishing (client went away)
@@ -94,7 +108,7 @@ class _LoadCounter:
 class InprocDriver:
     """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues."""
 
-    def __init__(self, engine_args):
+    def __init__(self, engine_args) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -150,9 +164,11 @@ class InprocDriver:
             _, fn, loop, fut = op
             try:
                 res = fn(self.engine)
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+                loop.call_soon_threadsafe(_settle, fut, res, None)
             except Exception as exc:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                # passed as an argument, not closed over: Python unbinds `exc` when the except block ends,
+                # before the loop runs the callback
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
         elif kind == "stop":
             self._stop = True
 
@@ -192,7 +208,8 @@ class InprocDriver:
         return await fut
 
     def kv_usage(self) -> float:
-        sched = self.engine.engine_core.engine_core.scheduler
+        client = cast("InprocClient", self.engine.engine_core)  # in-process: __init__ turned multiprocessing off
+        sched = cast("Scheduler", client.engine_core.scheduler)  # vLLM's own scheduler: it has the KV manager
         try:
             return float(sched.kv_cache_manager.usage)
         except Exception:

@@ -126,7 +126,7 @@ class Ingress:
         from kvmesh.deployments.tenant_metrics import TenantMetrics
 
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
-        self.metrics = ServingMetrics()
+        self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
         self.tenant_metrics = TenantMetrics()
 
     # ------------------------------------------------------------------ helpers
@@ -146,10 +146,10 @@ class Ingress:
                 raise proto.bad(f"Token id {bad} is out of range for this model (vocabulary size "
                                 f"{self.vocab_size}).", "prompt", "invalid_token_id")
             return req.prompt_ids
-        if req.kind == "chat":
+        if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         else:
-            text = req.prompt_text
+            text = req.prompt_text or ""  # set on every completion request without prompt ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _check_model_and_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
@@ -177,7 +177,7 @@ class Ingress:
             self._check_model_and_length(req, ids)
             ticket = await self.admission.acquire(tenant, len(ids))
         except (OpenAIError, KvmeshHTTPError) as exc:
-            self.metrics.record_error(exc.status)
+            self.serving_metrics.record_error(exc.status)
             if exc.status == 429:
                 self.tenant_metrics.record_rejection(tenant.id, exc.code)
             return _error_response(exc)
@@ -211,7 +211,7 @@ class Ingress:
             err = _engine_error(exc)
             if err is None:
                 log.exception("engine call failed")
-            self.metrics.record_error(err.status if err else 500)
+            self.serving_metrics.record_error(err.status if err else 500)
             return _error_response(err or exc)
         notify_first_token(request_id)
         replica = first["replica"]
@@ -222,7 +222,7 @@ class Ingress:
             headers["x-kvmesh-predicted-cached-tokens"] = str(predicted)
 
         def finish(completion_tokens: int, cached: int) -> dict:
-            self.metrics.record(replica, len(ids), cached, completion_tokens, ttft)
+            self.serving_metrics.record(replica, len(ids), cached, completion_tokens, ttft)
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
             local_state.LEDGER.deliver(request_id, cached)
             return proto.usage(len(ids), completion_tokens, cached)
@@ -262,7 +262,7 @@ class Ingress:
                 raise
             except Exception:
                 log.exception("engine stream failed mid-response")
-                self.metrics.record_error(500)
+                self.serving_metrics.record_error(500)
                 yield proto.sse({"error": proto.openai_error(500, "engine failed", "internal_error",
                                                              "server_error")["error"]})
             finally:
@@ -308,7 +308,8 @@ class Ingress:
     @fastapi_app.get("/metrics")
     async def metrics(self):
         snap = await asyncio.to_thread(self._router_snapshot)
-        text = self.metrics.prometheus_text(local_state.LEDGER.snapshot(), snap) + self.tenant_metrics.prometheus_text()
+        text = self.serving_metrics.prometheus_text(local_state.LEDGER.snapshot(), snap)
+        text += self.tenant_metrics.prometheus_text()
         text += await asyncio.to_thread(_tier_metrics_text)  # per-tier LMCache figures (kvstore/tier_metrics.py)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -320,8 +321,8 @@ class Ingress:
         except KvmeshHTTPError as exc:
             return _error_response(exc)
         snap = await asyncio.to_thread(self._router_snapshot)
-        return {"router": snap, "prediction": local_state.LEDGER.snapshot(), "serving": self.metrics.snapshot(),
-                "model": self.served_model, "pid": os.getpid(), "tiers": await asyncio.to_thread(_tier_report)}
+        return {"router": snap, "prediction": local_state.LEDGER.snapshot(),
+                "serving": self.serving_metrics.snapshot(), "model": self.served_model, "pid": os.getpid(), "tiers": await asyncio.to_thread(_tier_report)}
 
     @fastapi_app.post("/kvmesh/index/lookup")
     async def index_lookup(self, request: Request):
@@ -342,7 +343,7 @@ class Ingress:
             return {"replicas": {}}
         r = routers[0]
 
-        def lookup():
+        def lookup() -> dict[str, int]:
             counts: dict[str, int] = {rid: 0 for rid in r.index.replicas()}
             for h in hashes:
                 for rid, (hbm, _, _) in r.index.match([h]).items():

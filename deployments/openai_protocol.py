@@ -17,8 +17,8 @@ from kvmesh.deployments.tenants import openai_error
 
 DEFAULT_MAX_TOKENS = 16
 # parameters this server does not implement -> values that mean "off" (accepted silently)
-_UNSUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-                "tools": ([],), "logit_bias": ({},)}
+_UNSUPPORTED: dict[str, tuple] = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+                                  "suffix": ("",), "tools": ([],), "logit_bias": ({},)}
 
 
 class OpenAIError(Exception):

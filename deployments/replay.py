@@ -343,9 +343,9 @@ class ReplayReport:
         Σ cached / Σ prompt tokens, `hit_rate_requests` the mean of per-request ratios; None where
         the server reported no cached-token counts. Throughput is (prompt + output tokens) / wall."""
         ok = [r for r in self.results if r.error is None]
-        known = [r for r in ok if r.cached_tokens is not None]
-        prompt = sum(r.prompt_tokens for r in known)
-        cached = sum(r.cached_tokens for r in known)
+        known = [(r.prompt_tokens, r.cached_tokens) for r in ok if r.cached_tokens is not None]  # (prompt, cached)
+        prompt = sum(p for p, _ in known)
+        cached = sum(c for _, c in known)
         ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
         per_replica: dict[str, dict] = {}
         for r in ok:
@@ -356,15 +356,14 @@ class ReplayReport:
         for row in per_replica.values():
             row["uncached_prompt_tokens"] = row["prompt_tokens"] - row["cached_tokens"]
             row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
-        errors = [r for r in self.results if r.error is not None]
+        errors = [r.error for r in self.results if r.error is not None]
         uncached = [row["uncached_prompt_tokens"] for row in per_replica.values()]
         return {
             "requests": len(self.results),
             "errors": len(errors),
-            "error_samples": sorted({r.error for r in errors})[:5],
+            "error_samples": sorted(set(errors))[:5],
             "hit_rate_tokens": cached / prompt if known and prompt else None,
-            "hit_rate_requests": (statistics.fmean(r.cached_tokens / r.prompt_tokens for r in known if r.prompt_tokens)
-                                  if known else None),
+            "hit_rate_requests": statistics.fmean(c / p for p, c in known if p) if known else None,
             "prompt_tokens": sum(r.prompt_tokens for r in ok),
             "cached_tokens": cached if known else None,
             "uncached_prompt_tokens": prompt - cached if known else None,
@@ -412,6 +411,7 @@ def format_table(summaries: dict[str, dict]) -> str:
         s = summaries[n]
         if s.get("per_replica_known"):
             parts = ", ".join(f"{rep}: {row['requests']} req {100 * row['hit_rate_tokens']:.0f}% hit "
-                              f"{row['uncached_prompt_tokens']:,} uncached" for rep, row in sorted(s["per_replica"].items()))
+                              f"{row['uncached_prompt_tokens']:,} uncached"
+                              for rep, row in sorted(s["per_replica"].items()))
             lines.append(f"  {n} per replica: {parts}")
     return "\n".join(lines)

@@ -2,14 +2,14 @@
 
 Thin glue, by design (the logic lives in `policies/` and `cluster/`, testable without Ray):
 
-1. hash the request's prompt tokens into vLLM block keys (`kvstore.hashing`, with the tenant salt),
-2. look them up in an in-process `cluster.index.PrefixIndex` (no remote call on the request path),
+1. hash the request's prompt tokens into vLLM block keys (`kvmesh.kvstore.hashing`, with the tenant salt),
+2. look them up in an in-process `kvmesh.cluster.index.PrefixIndex` (no remote call on the request path),
 3. build one `ReplicaView` per candidate (prefix per tier + load) and let the policy rank them,
 4. once Serve has sent the request, write speculative index entries for the chosen replica and record
-   the predicted cached tokens (checked against the engine's report, `deployments.prediction`).
+   the predicted cached tokens (checked against the engine's report, `kvmesh.deployments.prediction`).
 
 The index is fed by one background task per engine replica subscribing to its vLLM KV-event stream
-(`cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
+(`kvmesh.cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
 that leave are forgotten (index, subscriber, policy state). No `FIFOMixin`: it would hand the chosen
 replica to whichever request is at the queue head, breaking affinity under bursts.
 
@@ -23,7 +23,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -35,6 +35,9 @@ from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
 from kvmesh.policies.registry import make_policy
+
+if TYPE_CHECKING:
+    from kvmesh.cluster.kv_events import KVEventSubscriber
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -96,7 +99,7 @@ class KvmeshRouter(RequestRouter):
         self.tiers = TierTracker(self.index)  # LMCache host/shared residency (kvstore, docs/tiers.md)
         self.memo = HashMemo()
         self.subscribe_events = subscribe_events
-        self.events = None  # cluster.kv_events.KVEventSubscriber, created with the first source
+        self.events: KVEventSubscriber | None = None  # created with the first source
         self._subscribed: set[str] = set()
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
@@ -106,7 +109,7 @@ class KvmeshRouter(RequestRouter):
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
-        self.recent = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
+        self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
 
@@ -147,7 +150,7 @@ class KvmeshRouter(RequestRouter):
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
 
     def _forget(self, rid: str) -> None:
-        if rid in self._subscribed:
+        if rid in self._subscribed and self.events is not None:
             self._subscribed.discard(rid)
             self._event_loop.create_task(self.events.remove_source(rid))
         if rid in self.index.replicas():
@@ -190,7 +193,8 @@ class KvmeshRouter(RequestRouter):
         t0 = time.perf_counter()
         await self._sync_replicas(candidate_replicas)
         req = request_fields(pending_request)
-        if req is None or not candidate_replicas:  # not an engine request (e.g. info()): any replica
+        # not an engine request (e.g. info()): any replica
+        if req is None or pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         ids = req["prompt_token_ids"]
         hashes = block_hashes(ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"),

@@ -53,7 +53,7 @@ def _esc(v: str) -> str:
 
 
 class ServingMetrics:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.total = _Counters()
         self.per_replica: dict[str, _Counters] = {}
@@ -87,18 +87,20 @@ class ServingMetrics:
                 out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
 
         with self._lock:
-            groups = [({}, self.total)] + [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]
+            groups: list[tuple[dict, _Counters]] = [({}, self.total)]
+            groups += [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]
             metric("kvmesh_requests_total", "counter", "completed generation requests",
-                   [(l, c.requests) for l, c in groups])
-            metric("kvmesh_prompt_tokens_total", "counter", "prompt tokens", [(l, c.prompt_tokens) for l, c in groups])
+                   [(lab, c.requests) for lab, c in groups])
+            metric("kvmesh_prompt_tokens_total", "counter", "prompt tokens",
+                   [(lab, c.prompt_tokens) for lab, c in groups])
             metric("kvmesh_cached_prompt_tokens_total", "counter", "prompt tokens served from the KV cache",
-                   [(l, c.cached_tokens) for l, c in groups])
+                   [(lab, c.cached_tokens) for lab, c in groups])
             metric("kvmesh_completion_tokens_total", "counter", "generated tokens",
-                   [(l, c.completion_tokens) for l, c in groups])
+                   [(lab, c.completion_tokens) for lab, c in groups])
             metric("kvmesh_hit_rate_tokens", "gauge", "token-weighted KV hit rate = cached / prompt tokens",
-                   [(l, c.as_dict()["hit_rate_tokens"]) for l, c in groups])
+                   [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups])
             metric("kvmesh_hit_rate_requests", "gauge", "fraction of requests with any cached prompt token",
-                   [(l, c.as_dict()["hit_rate_requests"]) for l, c in groups])
+                   [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups])
             out.append("# HELP kvmesh_ttft_seconds time to first token seen by the ingress")
             out.append("# TYPE kvmesh_ttft_seconds histogram")
             for labels, c in groups:
@@ -112,14 +114,15 @@ class ServingMetrics:
             metric("kvmesh_http_errors_total", "counter", "client/server errors by status",
                    [({"status": str(s)}, n) for s, n in sorted(self.errors.items())])
         if ledger is not None:
+            per_replica = ledger["per_replica"].items()
             metric("kvmesh_predicted_cached_tokens_total", "counter", "cached tokens the router predicted",
-                   [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in ledger["per_replica"].items()])
+                   [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in per_replica])
             metric("kvmesh_delivered_cached_tokens_total", "counter", "cached tokens the engines reported "
                    "for requests with a prediction",
-                   [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in ledger["per_replica"].items()])
+                   [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in per_replica])
             metric("kvmesh_prediction_mismatches_total", "counter", "requests where predicted and delivered "
                    "cached tokens differ by a block or more",
-                   [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in ledger["per_replica"].items()])
+                   [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in per_replica])
             metric("kvmesh_prediction_compared_total", "counter", "requests compared", [({}, ledger["compared"])])
             metric("kvmesh_hash_contract_alarm", "gauge", "1 while predictions keep disagreeing with the engines "
                    "(router and engine block hashes probably differ)", [({}, int(ledger["alarm"]))])

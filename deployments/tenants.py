@@ -139,7 +139,7 @@ class Limits:
         unknown = set(raw) - names
         if unknown:  # a typo must not silently lift a limit
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(names)}")
-        values = {}
+        values: dict[str, Any] = {}  # field -> float, int (the two count fields) or None
         for name, value in raw.items():
             if value is None:
                 values[name] = None
@@ -255,7 +255,8 @@ class TenantRegistry:
             self.tenants.setdefault(entry.tenant.id, entry.tenant)
 
     def __repr__(self) -> str:
-        return f"TenantRegistry({len(self.tenants)} tenants, {len(self._entries)} keys, secret fp {self._secret_fingerprint})"
+        return (f"TenantRegistry({len(self.tenants)} tenants, {len(self._entries)} keys, "
+                f"secret fp {self._secret_fingerprint})")
 
     @property
     def secret_fingerprint(self) -> str:

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # Bump when anything below changes the produced files; an existing build with another version is rebuilt.
 TINY_VERSION = 2
@@ -32,7 +33,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-MODEL_SHAPE = dict(
+MODEL_SHAPE: dict[str, Any] = dict(
     hidden_size=128,  # head_dim 32: the smallest head size vLLM's CPU attention supports
     intermediate_size=256,
     num_hidden_layers=2,
@@ -107,7 +108,7 @@ def _build_model(tokenizer, seed: int):
         **MODEL_SHAPE,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()  # float32 weights (what .to(torch.float32) gives)
     gen = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -116,8 +116,9 @@ class HashMemo:
 
     Two generations of plain dicts instead of an LRU list: inserts go to the young one; when it
     holds max_entries/2 the old one is dropped and the young one ages; a hit in the old one is
-    copied forward. Recently used entries survive, at most max_entries are held, and a miss costs one batched dict insert: most blocks of a new prompt miss, and after a
-    block misses every later block of that prompt does too (its parent is new), so lookups stop there.
+    copied forward. Recently used entries survive, at most max_entries are held, and a miss costs one
+    batched dict insert: most blocks of a new prompt miss, and after a block misses every later block of
+    that prompt does too (its parent is new), so lookups stop there.
     """
 
     def __init__(self, max_entries: int = 200_000):
@@ -209,15 +210,18 @@ class BlockHasher:
         else:
             memo = self._memo
             packed = self._pack(buf, n_full * bs) if memo is not None else None
-            full, evs = self._memo_prefix(buf, n_full, packed) if packed is not None else ([], [])
+            if memo is not None and packed is not None:
+                full, evs = self._memo_prefix(memo, buf, n_full, packed)
+            else:
+                full, evs = [], []
             k = len(full)
             before = full[-1] if k else self._parent
             new = self._chain_plain(buf, k, n_full, before)
             new_evs = [int.from_bytes(h, "big") & _MASK64 for h in new]
-            if packed is not None:
+            if memo is not None and packed is not None:
                 if k < n_full:
                     memo.misses += n_full - k
-                    self._memo_store(packed, k, [before or self._none] + new[:-1], new, new_evs)
+                    self._memo_store(memo, packed, k, [before or self._none] + new[:-1], new, new_evs)
                 memo.hits += k
             full += new
             evs += new_evs
@@ -256,20 +260,19 @@ class BlockHasher:
                 out.append(parent)
         return out
 
-    def _memo_prefix(self, buf: list[int], n_full: int, packed: bytes) -> tuple[list[bytes], list[int]]:
+    def _memo_prefix(self, memo: HashMemo, buf: list[int], n_full: int,
+                     packed: bytes) -> tuple[list[bytes], list[int]]:
         """Leading blocks found in the memo. After the first miss every later key has a parent
         never seen before, so the walk stops there."""
-        memo = self._memo
         young, old = memo._young, memo._old
         step = self.block_size * _W
         parent = self._parent or self._none
         full: list[bytes] = []
         evs: list[int] = []
         for b in range(n_full):
-            key = parent + packed[b * step:(b + 1) * step]
+            block_key = parent + packed[b * step:(b + 1) * step]
             extra = self._salt_key(b) if b == 0 else None
-            if extra is not None:
-                key = (key, extra)
+            key: bytes | tuple[bytes, tuple] = block_key if extra is None else (block_key, extra)
             hit = young.get(key)
             if hit is None:
                 hit = old.get(key)
@@ -284,20 +287,20 @@ class BlockHasher:
             evs.append(hit[1])
         return full, evs
 
-    def _memo_store(self, packed: bytes, first: int, parents: list[bytes], hashes: list[bytes],
+    def _memo_store(self, memo: HashMemo, packed: bytes, first: int, parents: list[bytes], hashes: list[bytes],
                     evs: list[int]) -> None:
         """Insert the new blocks' keys (only the leading ones if they exceed half the memo: a chain
         is only ever found from its start)."""
-        memo = self._memo
         half = memo.max_entries // 2
         if len(parents) > half - len(memo._young) and memo._young:
             memo._age(force=True)
         n = min(len(parents), half)
         step = self.block_size * _W
-        keys = [parents[i] + packed[(first + i) * step:(first + i + 1) * step] for i in range(n)]
+        keys: list[bytes | tuple[bytes, tuple]] = [parents[i] + packed[(first + i) * step:(first + i + 1) * step]
+                                                   for i in range(n)]
         extra = self._salt_key(first)
         if extra is not None and keys:
-            keys[0] = (keys[0], extra)
+            keys[0] = (parents[0] + packed[first * step:(first + 1) * step], extra)
         memo._young.update(zip(keys, zip(hashes[:n], evs[:n])))
         memo._age()
 

@@ -137,13 +137,13 @@ class LMCacheServer:
         if self.config.l2 and self.config.l2.get("type") == "fs":
             Path(self.config.l2["base_path"]).mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **_QUIET_ENV, **(self.env or {})}
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.command(), stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                          preexec_fn=self.preexec_fn)
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()
 
     def wait_ready(self) -> tuple[str, int]:

@@ -22,10 +22,14 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 from kvmesh.kvstore.lmcache_server import LMCacheServer
 from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +44,9 @@ class NodeServerCore:
     def __init__(self, config: dict, log_dir: str | None = None):
         self.config = TierConfig.from_dict(config)
         self.config_dict = dict(config)
-        log_dir = Path(log_dir or os.environ.get("KVMESH_LOG_DIR") or tempfile.gettempdir())
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.server = LMCacheServer(self.config, log_dir / f"lmcache-server-{os.getpid()}.log")
+        logs = Path(log_dir or os.environ.get("KVMESH_LOG_DIR") or tempfile.gettempdir())
+        logs.mkdir(parents=True, exist_ok=True)
+        self.server = LMCacheServer(self.config, logs / f"lmcache-server-{os.getpid()}.log")
         self.server.start()
         self.last_supervise = "ok"
         self._stop = threading.Event()
@@ -137,11 +141,11 @@ def _to_dict(cfg: TierConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def node_servers() -> dict[str, object]:
+def node_servers() -> dict[str, ActorHandle]:
     """node id → actor handle for every kvmesh LMCache server actor in the cluster."""
     import ray
 
-    out = {}
+    out: dict[str, ActorHandle] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") == NAMESPACE and entry["name"].startswith(ACTOR_PREFIX):
             try:
@@ -155,11 +159,11 @@ def tier_status(timeout_s: float = 5.0) -> dict[str, dict]:
     """node id → {"health": ..., "tiers": ...} for every node server; unreachable ones say so."""
     import ray
 
-    out = {}
+    out: dict[str, dict] = {}
     for node, actor in node_servers().items():
         try:
-            health, tiers = ray.get([actor.health.remote(), actor.tier_metrics.remote()], timeout=timeout_s)
-            out[node] = {"health": health, "tiers": tiers}
+            replies: list[dict] = ray.get([actor.health.remote(), actor.tier_metrics.remote()], timeout=timeout_s)
+            out[node] = {"health": replies[0], "tiers": replies[1]}
         except Exception as exc:  # a dead actor must not break /metrics
             out[node] = {"health": {"healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}, "tiers": {}}
     return out
@@ -193,7 +197,7 @@ async def watch_tier_health(tracker, interval_s: float = 5.0, stop=None) -> None
     while stop is None or not stop.is_set():
         try:
             actors = await asyncio.to_thread(node_servers)
-            health = {}
+            health: dict[str, dict] = {}
             for node, actor in actors.items():
                 try:
                     health[node] = await asyncio.wait_for(actor.health.remote(), timeout=5.0)

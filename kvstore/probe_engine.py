@@ -3,8 +3,9 @@
 Used by the tier tests and by the calibration benchmark (benchmarks/bench_tiers.py), which need
 engines they can start, time and stop without Ray. Why a child process per engine: two `LLM`
 objects in one Python process cannot both use LMCacheMPConnector (the second engine's connector
-never reaches its server: process-global state), and the tests need two engines behind two servers. Each line in: {"prompt_token_ids": [...],
-"cache_salt": optional}; each line out: {"num_cached_tokens", "prefill_s"}. Also
+never reaches its server: process-global state), and the tests need two engines behind two servers.
+Each line in: {"prompt_token_ids": [...], "cache_salt": optional}; each line out: {"num_cached_tokens",
+"prefill_s"}. Also
 {"cmd": "reset"} (drop the engine's own prefix cache) and {"cmd": "quit"}. Start-up prints
 {"ready": true}.
 
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 class EngineProcess:
@@ -101,8 +103,9 @@ def main() -> int:
 
     patch_llvmlite_dunder_lookup()
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    kw = {}
+    kw: dict[str, Any] = {}
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
     if a.kv_events_port:
@@ -123,10 +126,11 @@ def main() -> int:
             out.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
             out.flush()
             continue
-        prompt = {"prompt_token_ids": req["prompt_token_ids"]}
+        prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"])
         if req.get("cache_salt"):
             prompt["cache_salt"] = req["cache_salt"]
         t0 = time.perf_counter()
+        reply: dict[str, Any]
         try:
             o = llm.generate([prompt], sp, use_tqdm=False)[0]
             reply = {"num_cached_tokens": o.num_cached_tokens or 0, "prefill_s": time.perf_counter() - t0}

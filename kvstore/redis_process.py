@@ -36,9 +36,10 @@ class RedisServer:
     """One redis-server process; `stop()` then `start()` reuses the same port (tier loss and return)."""
 
     def __init__(self, workdir: str | os.PathLike, port: int | None = None):
-        self.binary = shutil.which("redis-server")
-        if not self.binary:
+        binary = shutil.which("redis-server")
+        if not binary:
             raise RuntimeError("redis-server is not installed: run `make services` (apt-get install redis-server)")
+        self.binary = binary
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or _free_port()

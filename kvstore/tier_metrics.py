@@ -30,13 +30,14 @@ def _status(status: dict | None) -> dict:
 def tier_report(status: dict | None = None) -> dict:
     """Totals over nodes + per-node health: {"nodes", "healthy_nodes", "shared_tier_up", <sums>}."""
     status = _status(status)
-    out = {k: 0.0 for k in _SUMMED}
+    sums = {k: 0.0 for k in _SUMMED}
     shared_up = []
     for node in status.values():
         for k in _SUMMED:
-            out[k] += float(node.get("tiers", {}).get(k) or 0)
+            sums[k] += float(node.get("tiers", {}).get(k) or 0)
         if node["health"].get("shared_tier_up") is not None:
             shared_up.append(bool(node["health"]["shared_tier_up"]))
+    out: dict[str, float | bool | None] = dict(sums)
     out["nodes"] = len(status)
     out["healthy_nodes"] = sum(1 for n in status.values() if n["health"].get("healthy"))
     out["shared_tier_up"] = all(shared_up) if shared_up else None

@@ -18,7 +18,10 @@ import random
 import zlib
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TIERS = ("hbm", "host", "shared")
 
@@ -65,15 +68,15 @@ class FleetView:
     Arrays are numpy arrays of equal length; `extra` holds optional per-replica arrays."""
 
     ids: list
-    hbm_blocks: "object"
-    host_blocks: "object"
-    shared_blocks: "object"
-    queued: "object"
-    running: "object"
-    kv_usage: "object"
-    pending_prefill_tokens: "object"
-    capacity_blocks: "object"
-    extra: dict = field(default_factory=dict)
+    hbm_blocks: np.ndarray
+    host_blocks: np.ndarray
+    shared_blocks: np.ndarray
+    queued: np.ndarray
+    running: np.ndarray
+    kv_usage: np.ndarray
+    pending_prefill_tokens: np.ndarray
+    capacity_blocks: np.ndarray
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,7 +86,7 @@ class FleetView:
         """The same replicas as arrays (the router builds ReplicaViews; policies may want arrays)."""
         import numpy as np
 
-        def col(field: str, dtype) -> "object":
+        def col(field: str, dtype) -> np.ndarray:
             return np.fromiter((getattr(v, field) for v in views), dtype=dtype, count=len(views))
 
         extra = {}

@@ -41,7 +41,7 @@ class RandomChoice(Policy):
 
     name = "random"
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         ids = [v.replica_id for v in replicas]
         self.draws(request).shuffle(ids)
         return ids
@@ -52,7 +52,7 @@ class LeastLoaded(Policy):
 
     name = "least_loaded"
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
             return []
         n = len(replicas)
@@ -67,7 +67,7 @@ class PowerOfTwo(Policy):
 
     name = "power_of_two"
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
             return []
         n = len(replicas)
@@ -103,7 +103,7 @@ class ConsistentHash(Policy):
         self._owners = [r for _, r in ring]
         self._members = ids
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
             return []
         ids = tuple(sorted(v.replica_id for v in replicas))

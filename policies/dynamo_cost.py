@@ -11,9 +11,11 @@ kv_usage x capacity_blocks. Ties are broken randomly (seeded).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import math
 
-from kvmesh.policies.base import Policy
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 
 
 class DynamoCost(Policy):
@@ -24,7 +26,7 @@ class DynamoCost(Policy):
         super().__init__(seed, overlap_score_weight=overlap_score_weight, **params)
         self.overlap_score_weight = overlap_score_weight
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         rng = self.draws(request)
         if not replicas:
             return []

@@ -1,6 +1,6 @@
 """kvmesh's placement: the replica with the lowest predicted time to first token, inside a balance guard.
 
-Predicted TTFT on replica r (all terms from `policies.cost_model.CostModel`, the simulator's model):
+Predicted TTFT on replica r (all terms from `kvmesh.policies.cost_model.CostModel`, the simulator's model):
 
     wait_r    = pending_prefill_tokens_r * prefill_s_per_token + queued_r * prefill_base_s
                 (+ a slot wait when queued + running already fill max_batch)
@@ -93,13 +93,13 @@ class KvmeshPolicy(Policy):
         self.recompute_weight = recompute_weight
         # recent predicted prefill work per replica, in one growing array (slot per replica id)
         self._slot: dict[str, int] = {}
-        self._w = np.zeros(0)
+        self._w: np.ndarray = np.zeros(0)
         self._total = 0.0
-        self._s = np.zeros(0)  # the same work, decayed per request (half-life in requests per replica)
+        self._s: np.ndarray = np.zeros(0)  # the same work, decayed per request (half-life in requests per replica)
         self._s_total = 0.0
         # a cache, not state: the slots of the last candidate list whose replicas are all known
         self._ids_key: tuple = ()
-        self._ids_idx = np.zeros(0, dtype=np.int64)
+        self._ids_idx: np.ndarray = np.zeros(0, dtype=np.int64)
         self._credited: OrderedDict[int, tuple] = OrderedDict()  # id(request) -> (request, replica, work)
 
     # ------------------------------------------------------------------ scoring

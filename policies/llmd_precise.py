@@ -11,8 +11,10 @@ This policy uses the real prefix index (hbm tier), like llm-d's precise mode.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-from kvmesh.policies.base import Policy
+
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 
 
@@ -34,7 +36,7 @@ class LlmdPrecise(Policy):
                          queue_weight=queue_weight, **params)
         self.w = (prefix_weight, kv_util_weight, queue_weight)
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         rng = self.draws(request)
         if not replicas:
             return []

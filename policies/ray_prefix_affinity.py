@@ -12,9 +12,11 @@ Differences: the tree is over block hashes, not characters; eviction is immediat
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 from kvmesh.policies.approx_tree import ApproxTree
-from kvmesh.policies.base import Policy
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 
 
@@ -35,7 +37,7 @@ class RayPrefixAffinity(Policy):
             return [replicas[0]]
         return [replicas[i] for i in rng.sample(range(n), 2)]
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         rng = self.draws(request)
         if not replicas:
             return []

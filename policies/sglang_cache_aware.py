@@ -12,8 +12,10 @@ the tree is over block hashes, not characters, and `max_tree_tokens` bounds it i
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvmesh.policies.approx_tree import ApproxTree
-from kvmesh.policies.base import Policy
+from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 
 
@@ -29,7 +31,7 @@ class SglangCacheAware(Policy):
         self.rel_t = balance_rel_threshold
         self.tree = ApproxTree(max_tree_tokens)
 
-    def rank(self, request, replicas):
+    def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
             return []
         loads = {v.replica_id: outstanding(v) for v in replicas}

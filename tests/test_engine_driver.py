@@ -144,3 +144,22 @@ def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
     finally:
         d._ops.put(("stop",))
         d._thread.join(timeout=5)
+
+
+def test_inproc_driver_call_returns_and_raises():
+    # call(fn) runs fn on the engine thread; its result, or the exception it raised, reaches the caller
+    d = _inproc(_FakeLLMEngine(steps=1))
+
+    def boom(engine):
+        raise RuntimeError("boom")
+
+    async def go():
+        assert await asyncio.wait_for(d.call(lambda engine: 42), 5) == 42
+        with pytest.raises(RuntimeError, match="boom"):
+            await asyncio.wait_for(d.call(boom), 5)
+
+    try:
+        asyncio.run(go())
+    finally:
+        d._ops.put(("stop",))
+        d._thread.join(timeout=5)

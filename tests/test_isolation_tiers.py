@@ -4,9 +4,10 @@ Question answered: do LMCache's keys on the MP path include the salt? vLLM's
 LMCacheMPConnector sends `cache_salt` with every lookup/store, and LMCache 0.5.6 puts it in its
 `ObjectKey` (the serialized L2 key ends with `@<salt>`). These tests prove it end to end: tenant A's
 prompts are stored by one engine; that engine with its own prefix cache dropped (empty HBM) behind
-the same LMCache server (host tier), and a fresh engine behind a second server with an empty L1 that shares only Redis (shared tier), give
-tenant B exactly 0 cached tokens for them, while A and A's sharing-group partner get hits loaded from
-that tier. The Redis keys themselves are checked: each carries the salt of the tenant that stored it.
+the same LMCache server (host tier), and a fresh engine behind a second server with an empty L1 that
+shares only Redis (shared tier), give tenant B exactly 0 cached tokens for them, while A and A's
+sharing-group partner get hits loaded from that tier. The Redis keys themselves are checked: each
+carries the salt of the tenant that stored it.
 
 Engines run in child processes (kvstore/probe_engine.py): two LMCacheMPConnector engines cannot
 share one Python process. At most one engine runs at a time; the host-tier phase reuses the storing

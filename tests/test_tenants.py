@@ -203,7 +203,7 @@ def test_from_file_yaml_toml_json_agree(tmp_path):
         toml.append("[[tenants]]")
         toml.append(f'id = "{t["id"]}"')
         toml.append("keys = [" + ", ".join(
-            "{ sha256 = \"%s\"%s }" % (k["sha256"], ", revoked = true" if k.get("revoked") else "")
+            "{ sha256 = \"" + k["sha256"] + "\"" + (", revoked = true" if k.get("revoked") else "") + " }"
             for k in t["keys"]) + "]")
         if "limits" in t:
             toml.append("limits = { requests_per_s = 5 }")

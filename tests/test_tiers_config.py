@@ -155,7 +155,7 @@ def test_tier_metrics_text_is_valid_prometheus():
     assert total(s, "kvmesh_tier_shared_up", node="node-b") == 0.0
     assert total(s, "kvmesh_tier_server_healthy") == 2.0
     assert total(s, "kvmesh_tier_bytes_total", direction="to_host") == 100.0
-    assert "node-c" not in {l.get("node") for l, _ in s["kvmesh_tier_shared_up"]}
+    assert "node-c" not in {labels.get("node") for labels, _ in s["kvmesh_tier_shared_up"]}
 
 
 def test_tier_routing_info_for_routers():

@@ -18,7 +18,7 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join the session's cluster
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stderr[-3000:]
     found = json.loads(lines[-1])
     assert "error" not in found, found["error"]
@@ -33,5 +33,5 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     for t in found["tier_stats"].values():
         assert t["chunk_blocks"] == 2 and t["shared"] is True and t["host_capacity_blocks"] > 0
     assert found["router_tiers"]["prefills_recorded"] >= 1 and found["router_tiers"]["host_marked"] >= 18
-    assert any(l.startswith("kvmesh_tier_hit_tokens_total") for l in found["metrics_lines"])
-    assert any(l.startswith("kvmesh_tier_server_healthy") and l.endswith(" 1") for l in found["metrics_lines"])
+    assert any(line.startswith("kvmesh_tier_hit_tokens_total") for line in found["metrics_lines"])
+    assert any(line.startswith("kvmesh_tier_server_healthy") and line.endswith(" 1") for line in found["metrics_lines"])

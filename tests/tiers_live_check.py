@@ -44,9 +44,10 @@ def main() -> int:
             state = r.json()
             found["router_tiers"] = (state.get("router") or {}).get("tiers")
             found["tier_report"] = state.get("tiers")
-            found["tier_stats"] = {rid: s.get("tiers") for rid, s in (state.get("router") or {}).get("routing_stats", {}).items()}
+            routing_stats = (state.get("router") or {}).get("routing_stats", {})
+            found["tier_stats"] = {rid: s.get("tiers") for rid, s in routing_stats.items()}
             metrics = c.get("/metrics").text
-            found["metrics_lines"] = [l for l in metrics.splitlines() if l.startswith("kvmesh_tier_")]
+            found["metrics_lines"] = [line for line in metrics.splitlines() if line.startswith("kvmesh_tier_")]
     except Exception as exc:
         found["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:

@@ -43,7 +43,9 @@ def probe(spec: engines.EngineSpec, work_dir: Path, variants=VARIANTS, log=print
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 600) for _ in range(200)] for _ in range(4)]
     kv = setups.PeerSetup("vllm-router/kv_aware", "vllm-router", "kv_aware")
-    out, servers, topic_up = [], [], None
+    out: list[dict] = []
+    servers: list[engines.VllmServer] = []
+    topic_up = None
     try:
         for n, (topic, block_size) in enumerate(variants):
             if topic != topic_up:

@@ -14,6 +14,7 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class BenchConfig:
     tokens_per_block: int = 32
     cold: str = "restart"
     progress: bool = True
-    log: callable = field(default=lambda *a: print(*a, flush=True))
+    log: Callable[..., None] = field(default=lambda *a: print(*a, flush=True))
 
 
 def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
@@ -77,7 +78,8 @@ class _Servers:
     """The N vLLM servers, cold for every setup (restart or reseed)."""
 
     def __init__(self, cfg: BenchConfig):
-        self.cfg, self.servers, self.runs = cfg, [], 0
+        self.cfg, self.runs = cfg, 0
+        self.servers: list[engines.VllmServer] = []
 
     def cold(self) -> tuple[list, int]:
         self.runs += 1

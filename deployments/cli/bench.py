@@ -7,9 +7,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import choices_csv, positive_int
+
+if TYPE_CHECKING:
+    from kvmesh.benchmarks.peers.engines import EngineSpec
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -58,7 +62,7 @@ def _check_engine_args(args) -> None:
         raise CliError(f"kvmesh bench: --model {args.model}: no config.json there (a model directory or 'tiny')")
 
 
-def _spec(args, work_dir: Path):
+def _spec(args, work_dir: Path) -> EngineSpec:
     from kvmesh.benchmarks.peers.engines import EngineSpec
 
     model = args.model
@@ -75,7 +79,7 @@ def _work_dir(args) -> Path:
     return Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
 
 
-def _prepare(args, routers: set[str]) -> tuple[Path, object]:
+def _prepare(args, routers: set[str]) -> tuple[Path, EngineSpec]:
     """Argument errors first, then missing peers, then the work dir and the engine spec (may build the
     tiny model)."""
     _check_engine_args(args)
