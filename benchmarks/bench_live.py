@@ -13,6 +13,7 @@ On a 2-core machine the 4 engines share the cores, so TTFT includes CPU contenti
 both policies alike. Environment: BENCH_LIVE_REPLICAS, BENCH_LIVE_USERS, BENCH_LIVE_TURNS override
 the size (CI-sized defaults).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,14 @@ TARGETS = {
 
 def workload_spec() -> ChatSpec:
     return ChatSpec(
-        tenants=2, groups=2,
+        tenants=2,
+        groups=2,
         users=int(os.environ.get("BENCH_LIVE_USERS", 6)),
         turns=int(os.environ.get("BENCH_LIVE_TURNS", 4)),
-        system_blocks=8, user_blocks=(1, 2), reply_blocks=(1, 2), seed=0,
+        system_blocks=8,
+        user_blocks=(1, 2),
+        reply_blocks=(1, 2),
+        seed=0,
     )
 
 
@@ -48,12 +53,27 @@ def evaluate(results: dict[str, dict], bound_hit_rate: float) -> list[tuple[str,
         return a / b if a is not None and b else None
 
     rows = [
-        ("kvmesh uncached prompt tokens / round robin's", ratio(k["uncached_prompt_tokens"], rr["uncached_prompt_tokens"]),
-         f"<= {TARGETS['uncached_vs_rr']}", "le", TARGETS["uncached_vs_rr"]),
-        ("kvmesh hit rate / infinite-cache bound", ratio(k["hit_rate_tokens"], bound_hit_rate),
-         f">= {TARGETS['hit_vs_bound']}", "ge", TARGETS["hit_vs_bound"]),
-        ("kvmesh p50 TTFT / round robin's", ratio(k["ttft_p50_s"], rr["ttft_p50_s"]),
-         f"<= {TARGETS['ttft_p50_vs_rr']}", "le", TARGETS["ttft_p50_vs_rr"]),
+        (
+            "kvmesh uncached prompt tokens / round robin's",
+            ratio(k["uncached_prompt_tokens"], rr["uncached_prompt_tokens"]),
+            f"<= {TARGETS['uncached_vs_rr']}",
+            "le",
+            TARGETS["uncached_vs_rr"],
+        ),
+        (
+            "kvmesh hit rate / infinite-cache bound",
+            ratio(k["hit_rate_tokens"], bound_hit_rate),
+            f">= {TARGETS['hit_vs_bound']}",
+            "ge",
+            TARGETS["hit_vs_bound"],
+        ),
+        (
+            "kvmesh p50 TTFT / round robin's",
+            ratio(k["ttft_p50_s"], rr["ttft_p50_s"]),
+            f"<= {TARGETS['ttft_p50_vs_rr']}",
+            "le",
+            TARGETS["ttft_p50_vs_rr"],
+        ),
     ]
     out = [(name, v, need, v is not None and (v <= t if op == "le" else v >= t)) for name, v, need, op, t in rows]
     errors = sum(r["errors"] for r in results.values())
@@ -61,8 +81,9 @@ def evaluate(results: dict[str, dict], bound_hit_rate: float) -> list[tuple[str,
     return out
 
 
-def run_live(records: list[dict], policies: list[str], replicas: int, concurrency: int = 4,
-             max_tokens: int = 16) -> dict[str, dict]:
+def run_live(
+    records: list[dict], policies: list[str], replicas: int, concurrency: int = 4, max_tokens: int = 16
+) -> dict[str, dict]:
     """Replay `records` once per policy, each on a freshly started app (cold caches)."""
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.replay import ReplayConfig, replay
@@ -71,13 +92,25 @@ def run_live(records: list[dict], policies: list[str], replicas: int, concurrenc
     results = {}
     for name in policies:
         t0 = time.perf_counter()
-        config = {"replicas": replicas, "policy": name, "port": 0, "api_keys": [key],
-                  "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": round(1.6 / replicas, 2)}}
+        config = {
+            "replicas": replicas,
+            "policy": name,
+            "port": 0,
+            "api_keys": [key],
+            "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": round(1.6 / replicas, 2)},
+        }
         try:
             url = start_local(config)
             print(f"[{name}] {replicas} replicas up in {time.perf_counter() - t0:.0f}s", flush=True)
-            cfg = ReplayConfig(url=url, tokens_per_block=TOKENS_PER_BLOCK, concurrency=concurrency, api_key=key,
-                               max_tokens=max_tokens, timeout_s=120, max_errors=10)
+            cfg = ReplayConfig(
+                url=url,
+                tokens_per_block=TOKENS_PER_BLOCK,
+                concurrency=concurrency,
+                api_key=key,
+                max_tokens=max_tokens,
+                timeout_s=120,
+                max_errors=10,
+            )
             results[name] = replay(records, cfg).to_json(per_request=True)
         finally:
             stop_local()
@@ -97,8 +130,12 @@ def plot(results: dict[str, dict], bounds: dict, path: str) -> None:
     ax = axes[0]
     ax.bar(names, [100 * (results[n]["hit_rate_tokens"] or 0) for n in names], color=colors)
     ax.axhline(100 * bounds["infinite"]["hit_rate"], ls="--", color="k", label="infinite cache")
-    ax.axhline(100 * bounds["round_robin_infinite"]["hit_rate"], ls=":", color="tab:red",
-               label=f"RR over {bounds['round_robin_infinite']['replicas']} infinite caches")
+    ax.axhline(
+        100 * bounds["round_robin_infinite"]["hit_rate"],
+        ls=":",
+        color="tab:red",
+        label=f"RR over {bounds['round_robin_infinite']['replicas']} infinite caches",
+    )
     ax.set_ylabel("token-weighted hit rate (%)")
     ax.legend(fontsize=8)
     axes[1].bar(names, [results[n]["uncached_prompt_tokens"] or 0 for n in names], color=colors)
@@ -122,12 +159,16 @@ def main() -> None:
     replicas = int(os.environ.get("BENCH_LIVE_REPLICAS", 4))
     records = synth_chat(workload_spec())
     bounds = record_bounds(records, TOKENS_PER_BLOCK, 32, replicas=replicas)
-    print(f"workload: {len(records)} requests, {bounds['prompt_tokens']:,} prompt tokens "
-          f"({TOKENS_PER_BLOCK} tokens/block), {replicas} replicas")
+    print(
+        f"workload: {len(records)} requests, {bounds['prompt_tokens']:,} prompt tokens "
+        f"({TOKENS_PER_BLOCK} tokens/block), {replicas} replicas"
+    )
     results = run_live(records, ["kvmesh", "round_robin"], replicas)
     print(format_table(results))
-    print(f"bounds: infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over {replicas} "
-          f"infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%")
+    print(
+        f"bounds: infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over {replicas} "
+        f"infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%"
+    )
     rows = evaluate(results, bounds["infinite"]["hit_rate"])
     targets = Targets()
     for name, value, need, ok in rows:
@@ -135,8 +176,15 @@ def main() -> None:
         print(f"{targets.verdict(name, ok)}  {name}: {shown} (target {need})")
     os.makedirs("out", exist_ok=True)
     with open("out/bench_live.json", "w", encoding="utf-8") as fh:
-        json.dump({"bounds": bounds, "results": results,
-                   "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows]}, fh, indent=2)
+        json.dump(
+            {
+                "bounds": bounds,
+                "results": results,
+                "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
+            },
+            fh,
+            indent=2,
+        )
     plot(results, bounds, "out/bench_live.png")
     print("wrote out/bench_live.json, out/bench_live.png")
     targets.exit_if_missed()

@@ -10,6 +10,7 @@ and a non-zero exit. Writes <BENCH_OUT>/robust/robust.json and robust.png (BENCH
 seeds are also replayed live (kvmesh and round robin on fresh local apps) and compared with the
 simulator in the same send order (`benchmarks/robust_live.py`; about 2 minutes per draw here).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,9 +40,11 @@ def format_misses(misses: list[dict], opts: SweepOptions) -> str:
     for r in misses:
         k, b = r["policies"][POLICY], r["bounds"]
         reach = b["balance_at_target"] / b["merged_lru"] if b["merged_lru"] else 1.0
-        lines.append(f"  {r['seed']:>5} {k['hit_over_merged']:>10.3f} {k['prefill_max_over_mean']:>8.2f} "
-                     f"{reach:>7.3f} ({b['balance_at_target_imbalance']:.2f}) "
-                     f"{'reachable' if b['target_reachable'] else '':>9} {r['shape']}")
+        lines.append(
+            f"  {r['seed']:>5} {k['hit_over_merged']:>10.3f} {k['prefill_max_over_mean']:>8.2f} "
+            f"{reach:>7.3f} ({b['balance_at_target_imbalance']:.2f}) "
+            f"{'reachable' if b['target_reachable'] else '':>9} {r['shape']}"
+        )
     return "\n".join(lines)
 
 
@@ -56,26 +59,41 @@ def main() -> dict:
     summary = summarize(rows)
     misses = target_misses(rows, POLICY, opts.target_ratio, opts.target_imbalance)
     unreachable = [r["seed"] for r in rows if not r["bounds"]["target_reachable"]]
-    print(f"robustness: {len(rows)} draws ({which} seeds), policies {', '.join(DEFAULT_POLICIES)}; "
-          f"simulated in {wall:.1f} s")
+    print(
+        f"robustness: {len(rows)} draws ({which} seeds), policies {', '.join(DEFAULT_POLICIES)}; "
+        f"simulated in {wall:.1f} s"
+    )
     print(format_summary(summary))
     os.makedirs(out_dir, exist_ok=True)
     json_path, png_path = os.path.join(out_dir, "robust.json"), os.path.join(out_dir, "robust.png")
     with open(json_path, "w", encoding="utf-8") as fh:
-        json.dump({"seeds": which, "policies": list(DEFAULT_POLICIES), "summary": summary,
-                   "misses": [r["seed"] for r in misses], "target_unreachable_by_greedy": unreachable,
-                   "rows": rows}, fh, indent=1)
+        json.dump(
+            {
+                "seeds": which,
+                "policies": list(DEFAULT_POLICIES),
+                "summary": summary,
+                "misses": [r["seed"] for r in misses],
+                "target_unreachable_by_greedy": unreachable,
+                "rows": rows,
+            },
+            fh,
+            indent=1,
+        )
     plot(rows, png_path)
     print(f"wrote {json_path}, {png_path}")
-    print(f"the balance-bounded greedy at max/mean {opts.target_imbalance} did not meet the target on "
-          f"{len(unreachable)} draws: {unreachable}")
+    print(
+        f"the balance-bounded greedy at max/mean {opts.target_imbalance} did not meet the target on "
+        f"{len(unreachable)} draws: {unreachable}"
+    )
     for name in DEFAULT_POLICIES:
         n_miss = len(target_misses(rows, name, opts.target_ratio, opts.target_imbalance))
         print(f"  {name:<20} meets the target on {len(rows) - n_miss:>3}/{len(rows)} draws")
     live_missed = run_live_part(out_dir)
     verdict = "PASS" if not misses else "MISS"
-    print(f"target: every draw {POLICY} hit >= {opts.target_ratio} x merged-LRU bound with prefill max/mean <= "
-          f"{opts.target_imbalance}: {verdict} ({len(rows) - len(misses)}/{len(rows)} draws meet it)")
+    print(
+        f"target: every draw {POLICY} hit >= {opts.target_ratio} x merged-LRU bound with prefill max/mean <= "
+        f"{opts.target_imbalance}: {verdict} ({len(rows) - len(misses)}/{len(rows)} draws meet it)"
+    )
     if misses:
         print(format_misses(misses, opts))
     if misses or live_missed:

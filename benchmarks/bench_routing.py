@@ -14,6 +14,7 @@
    Target >= 100k blocks/s. Baseline: the same decoded events applied to naive per-replica sets.
 Exit status 1 when a target is missed.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,6 +40,7 @@ SYSTEM_TOKENS, HISTORY_TOKENS, NEW_TOKENS = 2048, 4096, 2048
 def _policy():
     try:
         from kvmesh.policies.registry import make_policy
+
         return make_policy("kvmesh"), "kvmesh policy"
     except Exception as exc:  # policies not present in this build
         return None, f"no kvmesh policy ({exc}); hash + lookup only"
@@ -79,8 +81,9 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
     rng = random.Random(0)
     t0 = time.perf_counter()
     idx, rids, naive, system, history = _build_index(rng)
-    print(f"index: {len(idx):,} blocks, {REPLICAS} replicas on {NODES} nodes, built in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"index: {len(idx):,} blocks, {REPLICAS} replicas on {NODES} nodes, built in {time.perf_counter() - t0:.1f} s"
+    )
     indexed = len(idx)
     policy, what = _policy()
     loads = [(rng.randrange(4), rng.randrange(8)) for _ in rids]
@@ -88,8 +91,7 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
     block_hashes(system + history, BLOCK, memo=memo)  # the earlier turn the router saw
     prefix_hasher = BlockHasher(BLOCK)
     prefix_hasher.extend(system + history)
-    prompts = [system + history + [rng.randrange(50_000) for _ in range(NEW_TOKENS)]
-               for _ in range(n_requests)]
+    prompts = [system + history + [rng.randrange(50_000) for _ in range(NEW_TOKENS)] for _ in range(n_requests)]
     results = {}
     for mode in ("scratch", "memo", "incremental"):
         cpu: list[float] = []
@@ -103,7 +105,7 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
                 hashes = block_hashes(tokens, BLOCK, memo=memo)
             else:  # next turn of a conversation whose hasher holds the history
                 hasher = BlockHasher(BLOCK, parent=prefix_hasher.parent, start_token=prefix_hasher.num_tokens)
-                hashes = prefix_hasher.hashes + hasher.extend(tokens[prefix_hasher.num_tokens:])
+                hashes = prefix_hasher.hashes + hasher.extend(tokens[prefix_hasher.num_tokens :])
             c1 = time.thread_time()
             m = idx.match(hashes)
             c2 = time.thread_time()
@@ -121,9 +123,13 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
                 assert max(v[0] for v in m.values()) == (SYSTEM_TOKENS + HISTORY_TOKENS) // BLOCK
         for xs in (cpu, wall, *parts.values()):
             xs.sort()
-        results[mode] = dict(p50=nearest_rank(cpu, 0.5) * 1e3, p99=nearest_rank(cpu, 0.99) * 1e3,
-                             wall_p50=nearest_rank(wall, 0.5) * 1e3, wall_p99=nearest_rank(wall, 0.99) * 1e3,
-                             **{f"{p}_p50": nearest_rank(v, 0.5) * 1e3 for p, v in parts.items()})
+        results[mode] = dict(
+            p50=nearest_rank(cpu, 0.5) * 1e3,
+            p99=nearest_rank(cpu, 0.99) * 1e3,
+            wall_p50=nearest_rank(wall, 0.5) * 1e3,
+            wall_p99=nearest_rank(wall, 0.99) * 1e3,
+            **{f"{p}_p50": nearest_rank(v, 0.5) * 1e3 for p, v in parts.items()},
+        )
     # baseline: naive per-replica sets, walked replica by replica
     hashes = block_hashes(prompts[0], BLOCK)
     naive_t, fast_t = [], []
@@ -150,20 +156,28 @@ def bench_decision(n_requests: int, targets: Targets | None = None) -> dict:
         c0 = time.thread_time()
         idx.speculate(rids[0], hashes)
         spec.append(time.thread_time() - c0)
-    print(f"routing decision, 8k-token prompt ({len(hashes)} blocks of {BLOCK}), {REPLICAS} replicas, "
-          f"{indexed:,} indexed blocks, {n_requests} requests, {what}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"  {'hashing':<12} {'p50 ms':>7} {'p99 ms':>7} {'(wall p50':>10} {'p99)':>6}   "
-          f"{'hash':>6} {'lookup':>6} {'score':>6}  (p50 ms, CPU)")
+    print(
+        f"routing decision, 8k-token prompt ({len(hashes)} blocks of {BLOCK}), {REPLICAS} replicas, "
+        f"{indexed:,} indexed blocks, {n_requests} requests, {what}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print(
+        f"  {'hashing':<12} {'p50 ms':>7} {'p99 ms':>7} {'(wall p50':>10} {'p99)':>6}   "
+        f"{'hash':>6} {'lookup':>6} {'score':>6}  (p50 ms, CPU)"
+    )
     for mode, r in results.items():
-        print(f"  {mode:<12} {r['p50']:7.3f} {r['p99']:7.3f} {r['wall_p50']:10.3f} {r['wall_p99']:6.3f}   "
-              f"{r['hash_p50']:6.3f} {r['lookup_p50']:6.3f} {r['score_p50']:6.3f}   "
-              f"target p99 <= {P99_TARGET_MS} ms: {targets.verdict(f'{mode} decision p99', r['p99'] <= P99_TARGET_MS)}")
+        print(
+            f"  {mode:<12} {r['p50']:7.3f} {r['p99']:7.3f} {r['wall_p50']:10.3f} {r['wall_p99']:6.3f}   "
+            f"{r['hash_p50']:6.3f} {r['lookup_p50']:6.3f} {r['score_p50']:6.3f}   "
+            f"target p99 <= {P99_TARGET_MS} ms: {targets.verdict(f'{mode} decision p99', r['p99'] <= P99_TARGET_MS)}"
+        )
     spec_p50 = nearest_rank(sorted(spec), 0.5) * 1e3
     print(f"  speculative write of the request's blocks (after routing): p50 {spec_p50:.3f} ms")
     nb, fb = nearest_rank(sorted(naive_t), 0.5) * 1e3, nearest_rank(sorted(fast_t), 0.5) * 1e3
-    print(f"  lookup only, p50: kvmesh one-pass bitmask {fb:.3f} ms (3 tiers) vs naive per-replica sets "
-          f"{nb:.3f} ms (hbm only): x{nb / fb:.1f}")
+    print(
+        f"  lookup only, p50: kvmesh one-pass bitmask {fb:.3f} ms (3 tiers) vs naive per-replica sets "
+        f"{nb:.3f} ms (hbm only): x{nb / fb:.1f}"
+    )
     return {"decision_ms": results, "lookup_ms": fb, "naive_lookup_ms": nb}
 
 
@@ -172,9 +186,19 @@ def _frames(rng, n_batches, per_batch=32):
     out, live = [], []
     for seq in range(n_batches):
         hs = [rng.getrandbits(64) for _ in range(per_batch)]
-        events = [{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
-                   "token_ids": [0] * (per_batch * BLOCK), "block_size": BLOCK, "lora_id": None,
-                   "medium": "GPU", "lora_name": None, "group_idx": 0}]
+        events = [
+            {
+                "type": "BlockStored",
+                "block_hashes": hs,
+                "parent_block_hash": None,
+                "token_ids": [0] * (per_batch * BLOCK),
+                "block_size": BLOCK,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "group_idx": 0,
+            }
+        ]
         live.append(hs)
         if seq % 4 == 3:
             events.append({"type": "BlockRemoved", "block_hashes": live.pop(0), "medium": "GPU", "group_idx": 0})
@@ -211,24 +235,34 @@ def bench_ingest(n_batches: int, targets: Targets | None = None) -> dict:
     naive_cpu = time.process_time() - c1
     assert sum(map(len, naive.values())) == sum(idx.held_blocks(r) for r in rids)
     rate, wall_rate, naive_rate = blocks / cpu, blocks / wall, blocks / naive_cpu
-    print(f"\nKV-event ingest: {len(order):,} batches, {blocks:,} blocks, {REPLICAS} replicas "
-          f"(decode + sequence check + apply)")
-    print(f"  kvmesh  {rate:,.0f} blocks/s CPU ({wall_rate:,.0f} wall); target >= {INGEST_TARGET:,}: "
-          f"{targets.verdict('ingest rate', rate >= INGEST_TARGET)}")
-    print(f"  baseline (decode + naive per-replica sets, no tiers/LRU/sequence checks): "
-          f"{naive_rate:,.0f} blocks/s; kvmesh at {rate / naive_rate:.2f}x of it")
+    print(
+        f"\nKV-event ingest: {len(order):,} batches, {blocks:,} blocks, {REPLICAS} replicas "
+        f"(decode + sequence check + apply)"
+    )
+    print(
+        f"  kvmesh  {rate:,.0f} blocks/s CPU ({wall_rate:,.0f} wall); target >= {INGEST_TARGET:,}: "
+        f"{targets.verdict('ingest rate', rate >= INGEST_TARGET)}"
+    )
+    print(
+        f"  baseline (decode + naive per-replica sets, no tiers/LRU/sequence checks): "
+        f"{naive_rate:,.0f} blocks/s; kvmesh at {rate / naive_rate:.2f}x of it"
+    )
     return {"blocks_per_s": rate, "baseline_blocks_per_s": naive_rate}
 
 
 def main() -> dict:
     n = int(os.environ.get("BENCH_ROUTING_REQUESTS", "1000"))
     targets = Targets()
-    out = {"decision": bench_decision(n, targets),
-           "ingest": bench_ingest(int(os.environ.get("BENCH_INGEST_BATCHES", "12800")), targets)}
+    out = {
+        "decision": bench_decision(n, targets),
+        "ingest": bench_ingest(int(os.environ.get("BENCH_INGEST_BATCHES", "12800")), targets),
+    }
     d = out["decision"]["decision_ms"]
-    print(f"\nsummary: decision p99 {d['scratch']['p99']:.2f} ms from scratch, {d['memo']['p99']:.2f} ms with "
-          f"the hash memo, {d['incremental']['p99']:.2f} ms incremental (target {P99_TARGET_MS} ms); "
-          f"ingest {out['ingest']['blocks_per_s']:,.0f} blocks/s (target {INGEST_TARGET:,})")
+    print(
+        f"\nsummary: decision p99 {d['scratch']['p99']:.2f} ms from scratch, {d['memo']['p99']:.2f} ms with "
+        f"the hash memo, {d['incremental']['p99']:.2f} ms incremental (target {P99_TARGET_MS} ms); "
+        f"ingest {out['ingest']['blocks_per_s']:,.0f} blocks/s (target {INGEST_TARGET:,})"
+    )
     targets.exit_if_missed()
     return out
 

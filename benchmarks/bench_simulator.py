@@ -16,6 +16,7 @@
    dynamo_cost (+ round robin for scale). Target: kvmesh's p90 <= every peer's at 0.8, 0.95.
 PNGs go to out/ (BENCH_OUT to change). Exit status 1 when a target is missed.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,20 +45,31 @@ def bench_speed(conv, targets: Targets) -> dict:
         wall[name] = (time.perf_counter() - t0) / n
         cpu[name] = (time.process_time() - c0) / n
     load1 = os.getloadavg()[0]
-    print(f"simulator speed, {SPEED_REPLICAS} replicas, {n} requests timed (tiled conversation trace, "
-          f"load average {load1:.1f} on {os.cpu_count()} cores):")
+    print(
+        f"simulator speed, {SPEED_REPLICAS} replicas, {n} requests timed (tiled conversation trace, "
+        f"load average {load1:.1f} on {os.cpu_count()} cores):"
+    )
     for name in ("kvmesh", "round_robin"):
-        print(f"  {name:<12} {cpu[name] * 1e6:7.0f} us/request CPU  {wall[name] * 1e6:7.0f} us/request wall"
-              + ("  (baseline: same index + caches + time model, trivial policy)" if name == "round_robin" else ""))
+        print(
+            f"  {name:<12} {cpu[name] * 1e6:7.0f} us/request CPU  {wall[name] * 1e6:7.0f} us/request wall"
+            + ("  (baseline: same index + caches + time model, trivial policy)" if name == "round_robin" else "")
+        )
     ex_cpu = cpu["kvmesh"] * SPEED_REQUESTS_TARGET
     ex_wall = wall["kvmesh"] * SPEED_REQUESTS_TARGET
-    verdict = targets.verdict(f"1M requests x {SPEED_REPLICAS} replicas <= {SPEED_TARGET_S:.0f} s CPU",
-                              ex_cpu <= SPEED_TARGET_S)
-    print(f"  1M requests x {SPEED_REPLICAS} replicas, EXTRAPOLATED from {n} requests: {ex_cpu:,.0f} s of CPU "
-          f"({ex_wall:,.0f} s wall on this shared machine); target <= {SPEED_TARGET_S:.0f} s: "
-          f"{verdict} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)")
-    return {"us_per_request_cpu": cpu["kvmesh"] * 1e6, "us_per_request_wall": wall["kvmesh"] * 1e6,
-            "extrapolated_1m_cpu_s": ex_cpu, "extrapolated_1m_wall_s": ex_wall}
+    verdict = targets.verdict(
+        f"1M requests x {SPEED_REPLICAS} replicas <= {SPEED_TARGET_S:.0f} s CPU", ex_cpu <= SPEED_TARGET_S
+    )
+    print(
+        f"  1M requests x {SPEED_REPLICAS} replicas, EXTRAPOLATED from {n} requests: {ex_cpu:,.0f} s of CPU "
+        f"({ex_wall:,.0f} s wall on this shared machine); target <= {SPEED_TARGET_S:.0f} s: "
+        f"{verdict} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)"
+    )
+    return {
+        "us_per_request_cpu": cpu["kvmesh"] * 1e6,
+        "us_per_request_wall": wall["kvmesh"] * 1e6,
+        "extrapolated_1m_cpu_s": ex_cpu,
+        "extrapolated_1m_wall_s": ex_wall,
+    }
 
 
 def bench_tiers(conv, out_dir: str, targets: Targets) -> dict:
@@ -72,13 +84,17 @@ def bench_tiers(conv, out_dir: str, targets: Targets) -> dict:
     for k, m in res.items():
         p = m["prompt_tokens"]
         t = m["hit_tokens_by_tier"]
-        print(f"  {k:<14} {m['hit_rate_tokens']:>7.4f} {t['hbm'] / p:>7.4f} {t['host'] / p:>7.4f} "
-              f"{t['shared'] / p:>7.4f} {m['ttft_p90_s']:>7.3f} {m['ttft_p50_s']:>7.3f}")
+        print(
+            f"  {k:<14} {m['hit_rate_tokens']:>7.4f} {t['hbm'] / p:>7.4f} {t['host'] / p:>7.4f} "
+            f"{t['shared'] / p:>7.4f} {m['ttft_p90_s']:>7.3f} {m['ttft_p50_s']:>7.3f}"
+        )
     base, host = res["no tiers"], res["host tier"]
     better = host["hit_rate_tokens"] > base["hit_rate_tokens"] and host["ttft_p90_s"] < base["ttft_p90_s"]
-    print(f"  host tier vs none: hit x{host['hit_rate_tokens'] / base['hit_rate_tokens']:.2f}, "
-          f"p90 TTFT x{host['ttft_p90_s'] / base['ttft_p90_s']:.2f} "
-          f"{targets.verdict('host tier raises hit rate and cuts p90 TTFT', better)}")
+    print(
+        f"  host tier vs none: hit x{host['hit_rate_tokens'] / base['hit_rate_tokens']:.2f}, "
+        f"p90 TTFT x{host['ttft_p90_s'] / base['ttft_p90_s']:.2f} "
+        f"{targets.verdict('host tier raises hit rate and cuts p90 TTFT', better)}"
+    )
     return {k: {"hit": m["hit_rate_tokens"], "p90": m["ttft_p90_s"]} for k, m in res.items()}
 
 
@@ -90,8 +106,9 @@ def bench_peers(conv, out_dir: str, targets: Targets) -> dict:
     for load in (0.5, 0.8, 0.95):
         doc = simulate(conv, SimConfig(8, 1000, load=load), {n: make_policy(n) for n in names})
         results[load] = doc
-        cells = [f"{doc['policies'][n]['ttft_p90_s']:>12.3f} [{doc['policies'][n]['hit_rate_tokens']:.3f}]"
-                 for n in names]
+        cells = [
+            f"{doc['policies'][n]['ttft_p90_s']:>12.3f} [{doc['policies'][n]['hit_rate_tokens']:.3f}]" for n in names
+        ]
         print(f"  {load:>5.2f} " + " ".join(f"{c:>21}" for c in cells))
         plot(doc, os.path.join(out_dir, f"sim_peers_load{int(load * 100)}.png"))
     for load in (0.8, 0.95):
@@ -99,8 +116,10 @@ def bench_peers(conv, out_dir: str, targets: Targets) -> dict:
         k = pol["kvmesh"]["ttft_p90_s"]
         best_peer = min(PEERS, key=lambda n: pol[n]["ttft_p90_s"])
         ok = all(k <= pol[n]["ttft_p90_s"] for n in PEERS)
-        print(f"  load {load:.2f}: kvmesh p90 {k:.3f} s vs best peer {best_peer} {pol[best_peer]['ttft_p90_s']:.3f} s "
-              f"(x{pol[best_peer]['ttft_p90_s'] / k:.2f}) {targets.verdict(f'kvmesh p90 <= every peer at {load}', ok)}")
+        print(
+            f"  load {load:.2f}: kvmesh p90 {k:.3f} s vs best peer {best_peer} {pol[best_peer]['ttft_p90_s']:.3f} s "
+            f"(x{pol[best_peer]['ttft_p90_s'] / k:.2f}) {targets.verdict(f'kvmesh p90 <= every peer at {load}', ok)}"
+        )
     print(f"  plots: {out_dir}/sim_peers_load{{50,80,95}}.png")
     return {load: {n: d["policies"][n]["ttft_p90_s"] for n in names} for load, d in results.items()}
 
@@ -110,8 +129,11 @@ def main() -> dict:
     os.makedirs(out_dir, exist_ok=True)
     conv = load_trace("conversation")
     targets = Targets()
-    out = {"speed": bench_speed(conv, targets), "tiers": bench_tiers(conv, out_dir, targets),
-           "peers": bench_peers(conv, out_dir, targets)}
+    out = {
+        "speed": bench_speed(conv, targets),
+        "tiers": bench_tiers(conv, out_dir, targets),
+        "peers": bench_peers(conv, out_dir, targets),
+    }
     targets.exit_if_missed()
     return out
 

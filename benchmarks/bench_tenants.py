@@ -22,6 +22,7 @@ conversation trace with 64 tenants and a 4M-token LRU cache.
 Granularity: keys are whole 512-token trace blocks (fast; partial blocks are never cached in either
 arm, so both lose the same tail).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,7 @@ from pathlib import Path
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import read_records
-from kvmesh.cluster.workloads import ChatSpec, SOURCE_BLOCK_TOKENS, synth_chat
+from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, ChatSpec, synth_chat
 
 BLOCK = 512  # cache granularity (see module docstring)
 TOKENS_PER_BLOCK = 512  # no scaling: the trace's own lengths
@@ -56,13 +57,16 @@ def with_public_preamble(records: list[dict], blocks: int) -> list[dict]:
     now always follows the preamble's last one."""
     base = max(i for r in records for i in r["hash_ids"]) + 1
     pre = list(range(base, base + blocks))
-    return [{**r, "hash_ids": pre + r["hash_ids"], "input_length": r["input_length"] + blocks * SOURCE_BLOCK_TOKENS}
-            for r in records]
+    return [
+        {**r, "hash_ids": pre + r["hash_ids"], "input_length": r["input_length"] + blocks * SOURCE_BLOCK_TOKENS}
+        for r in records
+    ]
 
 
 def hit_rate(records, salt_by_tenant: bool, warmup: int = 0) -> float:
-    return record_bounds(records, TOKENS_PER_BLOCK, BLOCK, salt_by_tenant=salt_by_tenant,
-                         warmup=warmup)["infinite"]["hit_rate"]
+    return record_bounds(records, TOKENS_PER_BLOCK, BLOCK, salt_by_tenant=salt_by_tenant, warmup=warmup)["infinite"][
+        "hit_rate"
+    ]
 
 
 def lru_hit_rate(records, capacity_blocks: int, salt_by_tenant: bool, warmup: int = 0) -> float:
@@ -112,8 +116,16 @@ def mooncake_figures(tenant_counts=(1, 8, 64, 512)) -> list[dict]:
         tagged = assign_tenants_by_conversation(recs, t)
         for name, cap in caches:
             iso = rate(tagged, cap, True)
-            rows.append({"tenants": t, "cache": name, "shared_salt": shared[name], "isolated": iso,
-                         "cost": shared[name] - iso, "kept": iso / shared[name] if shared[name] else 1.0})
+            rows.append(
+                {
+                    "tenants": t,
+                    "cache": name,
+                    "shared_salt": shared[name],
+                    "isolated": iso,
+                    "cost": shared[name] - iso,
+                    "kept": iso / shared[name] if shared[name] else 1.0,
+                }
+            )
     return rows
 
 
@@ -122,10 +134,15 @@ def saas_figures(tenants: int = 16, preamble_blocks: int = 4) -> dict:
     plain = synth_chat(spec)
     saas = with_public_preamble(plain, preamble_blocks)
     return {
-        "tenants": tenants, "preamble_blocks": preamble_blocks, "requests": len(saas),
+        "tenants": tenants,
+        "preamble_blocks": preamble_blocks,
+        "requests": len(saas),
         "no_common_text": {"shared_salt": hit_rate(plain, False), "isolated": hit_rate(plain, True)},
-        "public_preamble": {"shared_salt": hit_rate(saas, False), "isolated": hit_rate(saas, True),
-                            "groups_of_2": hit_rate(grouped(saas, 2), True)},
+        "public_preamble": {
+            "shared_salt": hit_rate(saas, False),
+            "isolated": hit_rate(saas, True),
+            "groups_of_2": hit_rate(grouped(saas, 2), True),
+        },
     }
 
 
@@ -134,21 +151,29 @@ def main() -> dict:
     print("Mooncake conversation trace, second half, token-weighted hit rate (conversation -> tenant):")
     print(f"  {'tenants':>8} {'cache':>16} {'shared salt':>12} {'isolated':>10} {'cost (pp)':>10} {'kept':>7}")
     for r in rows:
-        print(f"  {r['tenants']:>8} {r['cache']:>16} {r['shared_salt']:>12.4f} {r['isolated']:>10.4f} "
-              f"{100 * r['cost']:>10.2f} {r['kept']:>7.3f}")
+        print(
+            f"  {r['tenants']:>8} {r['cache']:>16} {r['shared_salt']:>12.4f} {r['isolated']:>10.4f} "
+            f"{100 * r['cost']:>10.2f} {r['kept']:>7.3f}"
+        )
     saas = saas_figures()
     nc, pp = saas["no_common_text"], saas["public_preamble"]
     print(f"SaaS chat ({saas['tenants']} tenants, {saas['requests']} requests), infinite cache:")
-    print(f"  no common text:       shared salt {nc['shared_salt']:.4f}  isolated {nc['isolated']:.4f}  "
-          f"cost {100 * (nc['shared_salt'] - nc['isolated']):.2f} pp")
-    print(f"  public {saas['preamble_blocks']}-block preamble: shared salt {pp['shared_salt']:.4f}  "
-          f"isolated {pp['isolated']:.4f}  groups of 2 {pp['groups_of_2']:.4f}  "
-          f"cost {100 * (pp['shared_salt'] - pp['isolated']):.2f} pp")
+    print(
+        f"  no common text:       shared salt {nc['shared_salt']:.4f}  isolated {nc['isolated']:.4f}  "
+        f"cost {100 * (nc['shared_salt'] - nc['isolated']):.2f} pp"
+    )
+    print(
+        f"  public {saas['preamble_blocks']}-block preamble: shared salt {pp['shared_salt']:.4f}  "
+        f"isolated {pp['isolated']:.4f}  groups of 2 {pp['groups_of_2']:.4f}  "
+        f"cost {100 * (pp['shared_salt'] - pp['isolated']):.2f} pp"
+    )
     t64 = next(r for r in rows if r["tenants"] == 64 and r["cache"] == "lru_4M_tokens")
     checks = [
         ("salting costs 0 where tenants share no text", nc["shared_salt"] == nc["isolated"]),
-        ("isolation keeps >= 90% of shared-salt hit rate (Mooncake, 64 tenants, 4M-token LRU): "
-         f"{t64['kept']:.3f}", t64["kept"] >= 0.90),
+        (
+            f"isolation keeps >= 90% of shared-salt hit rate (Mooncake, 64 tenants, 4M-token LRU): {t64['kept']:.3f}",
+            t64["kept"] >= 0.90,
+        ),
         ("isolation never beats sharing (sanity)", all(r["isolated"] <= r["shared_salt"] + 1e-12 for r in rows)),
     ]
     targets = Targets()

@@ -20,6 +20,7 @@ cost more than recomputing: the credits printed here describe THIS engine, not a
 model (CostModel's defaults). Targets: loading from either tier is cheaper than recomputing (exit
 status 1 when one is missed, or when the prefill time per token cannot be measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,16 @@ REPEATS = 4
 BLOCK = 32
 
 
-ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LMCACHE_TRACK_USAGE": "false",
-       "LMCACHE_DISABLE_BANNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-       "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "LMCACHE_TRACK_USAGE": "false",
+    "LMCACHE_DISABLE_BANNER": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def measure(model: str, root: Path) -> dict:
@@ -52,9 +60,13 @@ def measure(model: str, root: Path) -> dict:
     from kvmesh.kvstore.tiers import TierConfig
 
     redis = RedisServer(root / "redis").start()
-    servers = [LMCacheServer(TierConfig.from_dict({"l1_size_gb": 0.2, "chunk_size": BLOCK, "l2": redis.url,
-                                                   "start_timeout_s": 300}), root / f"lmcache-{n}.log")
-               for n in "ab"]
+    servers = [
+        LMCacheServer(
+            TierConfig.from_dict({"l1_size_gb": 0.2, "chunk_size": BLOCK, "l2": redis.url, "start_timeout_s": 300}),
+            root / f"lmcache-{n}.log",
+        )
+        for n in "ab"
+    ]
     engines = []
     try:
         for s in servers:
@@ -94,11 +106,17 @@ def measure(model: str, root: Path) -> dict:
                 out.append((r[kind]["prefill_s"] - r["hbm"]["prefill_s"]) / c)
         return out
 
-    out = {"rows": rows, "host_hit_tokens": tiers[0]["host_hit_tokens"],
-           "shared_hit_tokens": tiers[1]["shared_hit_tokens"],
-           "hbm_s": statistics.median(r["hbm"]["prefill_s"] for r in rows)}
-    for kind, key in (("cold", "prefill_s_per_token"), ("host", "host_load_s_per_token"),
-                      ("shared", "shared_load_s_per_token")):
+    out = {
+        "rows": rows,
+        "host_hit_tokens": tiers[0]["host_hit_tokens"],
+        "shared_hit_tokens": tiers[1]["shared_hit_tokens"],
+        "hbm_s": statistics.median(r["hbm"]["prefill_s"] for r in rows),
+    }
+    for kind, key in (
+        ("cold", "prefill_s_per_token"),
+        ("host", "host_load_s_per_token"),
+        ("shared", "shared_load_s_per_token"),
+    ):
         vals = per_token(kind)
         out[key] = statistics.median(vals) if vals else None
         out[f"{kind}_hits"] = len(vals)
@@ -119,12 +137,15 @@ def main(argv=None) -> None:
         model = str(build_tiny_model(tiny_model_dir()))
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp:
         m = measure(model, Path(tmp))
-    print(f"{'N':>6} {'cold s':>8} {'hbm s':>8} {'host s':>8} {'host cached':>11} "
-          f"{'shared s':>9} {'shared cached':>13}")
+    print(
+        f"{'N':>6} {'cold s':>8} {'hbm s':>8} {'host s':>8} {'host cached':>11} {'shared s':>9} {'shared cached':>13}"
+    )
     for r in m["rows"]:
-        print(f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['hbm']['prefill_s']:>8.4f} "
-              f"{r['host']['prefill_s']:>8.4f} {r['host']['num_cached_tokens']:>11} "
-              f"{r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}")
+        print(
+            f"{r['n']:>6} {r['cold']['prefill_s']:>8.4f} {r['hbm']['prefill_s']:>8.4f} "
+            f"{r['host']['prefill_s']:>8.4f} {r['host']['num_cached_tokens']:>11} "
+            f"{r['shared']['prefill_s']:>9.4f} {r['shared']['num_cached_tokens']:>13}"
+        )
     targets = Targets()
     pre = m["prefill_s_per_token"]
     if not pre or pre <= 0:
@@ -141,10 +162,13 @@ def main(argv=None) -> None:
             continue
         constants[f"{tier}_load_s_per_token"] = max(load, 0.0)
         verdict = targets.verdict(f"{tier} tier load < recompute", load < pre)
-        print(f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {1 - load / pre:+.2f} "
-              f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)")
-    print(f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, "
-          f"shared hit tokens {m['shared_hit_tokens']:.0f}")
+        print(
+            f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {1 - load / pre:+.2f} "
+            f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)"
+        )
+    print(
+        f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, shared hit tokens {m['shared_hit_tokens']:.0f}"
+    )
     print("CostModel.from_dict(" + json.dumps(constants) + ")")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

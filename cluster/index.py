@@ -20,11 +20,12 @@ Speculative entries (written when a request is routed, before the engine's Block
 expire after `speculative_ttl_s` unless an event confirms them. Keys are the 64-bit event form of
 vLLM's block hashes (`kvmesh.kvstore.hashing.block_hashes`). Not thread-safe: one asyncio loop owns it.
 """
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 TIERS = ("hbm", "host", "shared")
 _MASK64 = (1 << 64) - 1
@@ -39,9 +40,19 @@ _MASK64 = (1 << 64) - 1
 MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "host", "STORAGE": "host"}
 
 _COUNTERS = (
-    "admissions", "evictions", "lookups", "lookup_blocks", "hits", "hit_blocks",
-    "speculative_writes", "speculative_expired", "speculative_confirmed", "speculative_withdrawn",
-    "events_applied", "events_ignored", "replicas_stale",
+    "admissions",
+    "evictions",
+    "lookups",
+    "lookup_blocks",
+    "hits",
+    "hit_blocks",
+    "speculative_writes",
+    "speculative_expired",
+    "speculative_confirmed",
+    "speculative_withdrawn",
+    "events_applied",
+    "events_ignored",
+    "replicas_stale",
 )
 
 
@@ -63,8 +74,9 @@ def _bits(mask: int):
 class PrefixIndex:
     """Block hash -> residency per tier; `match` returns per-replica cumulative prefix lengths."""
 
-    def __init__(self, max_blocks: int = 2_000_000, speculative_ttl_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, max_blocks: int = 2_000_000, speculative_ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ):
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
         self.max_blocks = max_blocks
@@ -294,8 +306,9 @@ class PrefixIndex:
         if drops:
             nbytes = (n_slots + 7) // 8
             raw = b"".join(m.to_bytes(nbytes, "little") for _, _, m in drops)
-            bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8).reshape(len(drops), nbytes),
-                                 axis=1, bitorder="little")[:, :n_slots].astype(bool)
+            bits = np.unpackbits(
+                np.frombuffer(raw, dtype=np.uint8).reshape(len(drops), nbytes), axis=1, bitorder="little"
+            )[:, :n_slots].astype(bool)
             for k, (tier, pos, _) in enumerate(drops):  # each slot leaves each tier at most once
                 out[tier, bits[k]] = pos
         return out
@@ -379,8 +392,7 @@ class PrefixIndex:
     @property
     def stats(self) -> dict[str, int]:
         """Counters (monotonic) plus gauges `blocks`, `replicas`, `replicas_stale_now`."""
-        return dict(self._c, blocks=len(self._entries), replicas=len(self._slot),
-                    replicas_stale_now=len(self._stale))
+        return dict(self._c, blocks=len(self._entries), replicas=len(self._slot), replicas_stale_now=len(self._stale))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -440,15 +452,25 @@ class PrefixIndex:
         entries.move_to_end(h)
         if e[field] & bit:
             return True
-        entries[h] = ((e[0] | bit, e[1], e[2]) if field == 0 else (e[0], e[1] | bit, e[2]) if field == 1
-                      else (e[0], e[1], e[2] | bit))
+        entries[h] = (
+            (e[0] | bit, e[1], e[2])
+            if field == 0
+            else (e[0], e[1] | bit, e[2])
+            if field == 1
+            else (e[0], e[1], e[2] | bit)
+        )
         return False
 
     def _andnot(self, h: int, field: int, bit: int) -> None:
         """Clear `bit` in field 0/1/2 of h's (existing) entry; drop the entry when nothing is left."""
         e = self._entries[h]
-        e = ((e[0] & ~bit, e[1], e[2]) if field == 0 else (e[0], e[1] & ~bit, e[2]) if field == 1
-             else (e[0], e[1], e[2] & ~bit))
+        e = (
+            (e[0] & ~bit, e[1], e[2])
+            if field == 0
+            else (e[0], e[1] & ~bit, e[2])
+            if field == 1
+            else (e[0], e[1], e[2] & ~bit)
+        )
         if e[0] or e[1] or e[2]:
             self._entries[h] = e
         else:

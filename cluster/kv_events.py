@@ -22,6 +22,7 @@ CONNECTS for a concrete address. Deployments should let engines bind (`tcp://*:P
 every router connect to `tcp://ENGINE_IP:PORT` — a PUB fans out to any number of routers (one per
 ingress replica). `bind=True` supports the other direction (engine given `tcp://ROUTER_IP:PORT`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,12 +68,24 @@ class EventBatch(NamedTuple):
 
 
 _TYPES: dict[str, type[BlockStored | BlockRemoved | AllBlocksCleared]] = {
-    "BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
 _FIELDS = {name: set(cls._fields) for name, cls in _TYPES.items()}
 # positional order of the array (older) form, as declared in vLLM's structs
 _ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys", "group_idx"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
@@ -202,14 +215,16 @@ class KVEventSubscriber(KVEventApplier):
     def __init__(self, index, *, replay_timeout_s: float = 2.0, ctx=None):
         super().__init__(index)
         import zmq.asyncio
+
         self._zmq = __import__("zmq")
         # our own context: Context.instance() may hand back a sync singleton created by someone else
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self.replay_timeout_s = replay_timeout_s
 
-    async def add_source(self, replica_id: str, endpoint: str, *, bind: bool = False,
-                         topic: str = "", replay_endpoint: str | None = None) -> str:
+    async def add_source(
+        self, replica_id: str, endpoint: str, *, bind: bool = False, topic: str = "", replay_endpoint: str | None = None
+    ) -> str:
         """Start receiving a replica's events; returns the endpoint actually bound/connected."""
         zmq = self._zmq
         if replica_id in self.sources:
@@ -247,8 +262,7 @@ class KVEventSubscriber(KVEventApplier):
 
     def stats(self) -> dict[str, dict[str, int]]:
         keys = ("batches", "blocks", "duplicates", "gaps", "replays_ok", "replays_failed", "decode_errors")
-        return {rid: {k: getattr(s, k) for k in keys} | {"last_seq": s.last_seq}
-                for rid, s in self.sources.items()}
+        return {rid: {k: getattr(s, k) for k in keys} | {"last_seq": s.last_seq} for rid, s in self.sources.items()}
 
     async def _run(self, src: SourceState) -> None:
         while True:

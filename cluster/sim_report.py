@@ -1,4 +1,5 @@
 """Turning a simulation document into what people read: a fixed-width table and a PNG."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,10 @@ def format_table(doc: dict) -> str:
     ]
     bal = doc.get("balance_bounded")
     if bal:
-        lines.append(f"balance-bounded bound (unbounded caches, prefill max/mean <= {bal['max_imbalance']:.2f}): "
-                     f"balance_bounded={bal['hit_rate']:.4f} (max/mean reached {bal['imbalance']:.3f})")
+        lines.append(
+            f"balance-bounded bound (unbounded caches, prefill max/mean <= {bal['max_imbalance']:.2f}): "
+            f"balance_bounded={bal['hit_rate']:.4f} (max/mean reached {bal['imbalance']:.3f})"
+        )
     lines += [
         f"{'policy':<20} {'hit_tok':>7} {'hit_req':>7} {'/merged':>7} {'imbal':>6} {'p50_s':>8} {'p90_s':>8} "
         f"{'p99_s':>8} {'util':>5} {'tok/s':>9} {'cost_$':>9}",
@@ -30,13 +33,15 @@ def format_table(doc: dict) -> str:
         lines.append(
             f"{name:<20} {m['hit_rate_tokens']:>7.4f} {m['hit_rate_requests']:>7.4f} {ratio:>7} "
             f"{m['imbalance']:>6.3f} {m['ttft_p50_s']:>8.3f} {m['ttft_p90_s']:>8.3f} {m['ttft_p99_s']:>8.3f} "
-            f"{m['utilization']:>5.2f} {m['throughput_tokens_s']:>9.0f} {m['blended_cost']:>9.2f}")
+            f"{m['utilization']:>5.2f} {m['throughput_tokens_s']:>9.0f} {m['blended_cost']:>9.2f}"
+        )
     return "\n".join(lines)
 
 
 def plot(doc: dict, path: str) -> None:
     """Hit rate (with the bounds as lines) and p90 TTFT per policy, side by side."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -46,8 +51,11 @@ def plot(doc: dict, path: str) -> None:
     colors = ["tab:green" if n == "kvmesh" else "tab:gray" for n in names]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     a1.bar(names, hits, color=colors)
-    styles = {"global_infinite": ("tab:red", "--"), "merged_lru": ("tab:blue", "-."),
-              "merged_lru_with_host": ("tab:purple", ":")}
+    styles = {
+        "global_infinite": ("tab:red", "--"),
+        "merged_lru": ("tab:blue", "-."),
+        "merged_lru_with_host": ("tab:purple", ":"),
+    }
     for k, v in doc["bounds"].items():
         c, ls = styles.get(k, ("black", ":"))
         a1.axhline(v, color=c, linestyle=ls, label=f"{k} {v:.3f}")

@@ -16,15 +16,16 @@ Model (docs/simulator.md has the long form):
   routed: everything routed earlier to that replica is prefilled before it starts. Tier copies
   become visible when the computing request is routed (optimistic by at most one prefill).
 """
+
 from __future__ import annotations
 
 import heapq
 import math
 import time
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
@@ -75,7 +76,7 @@ class ClosedLoop:
     concurrency: int
     users: list | None = None  # per request: the user it belongs to (None: independent)
 
-    def sender(self, n: int) -> "_ClosedLoopSender":
+    def sender(self, n: int) -> _ClosedLoopSender:
         if self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if self.users is not None and len(self.users) != n:
@@ -129,8 +130,14 @@ def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | Non
     return arr, (work / (cfg.replicas * span) if span > 0 else None)  # None: no time span, no rate
 
 
-def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list[float] | None = None,
-                    progress=None, client: "ClosedLoop | None" = None) -> dict:
+def simulate_policy(
+    trace: Trace,
+    cfg: SimConfig,
+    policy: Policy,
+    arrivals: list[float] | None = None,
+    progress=None,
+    client: ClosedLoop | None = None,
+) -> dict:
     """Replay `trace` under `policy`; returns the per-policy metrics dict. With `client`, a closed-loop
     client (`ClosedLoop`) decides when, and so in which order, requests are sent, instead of `arrivals`."""
     cfg.check()
@@ -146,9 +153,14 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
     n_nodes = len(set(nodes))
     unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
-    index = PrefixIndex(max_blocks=N * cfg.capacity_blocks + n_nodes * cfg.host_blocks
-                        + (cfg.shared_blocks or 0) + 1_000_000 + unbounded_shared,
-                        speculative_ttl_s=0.0)
+    index = PrefixIndex(
+        max_blocks=N * cfg.capacity_blocks
+        + n_nodes * cfg.host_blocks
+        + (cfg.shared_blocks or 0)
+        + 1_000_000
+        + unbounded_shared,
+        speculative_ttl_s=0.0,
+    )
     for rid, node in zip(rids, nodes):
         index.add_replica(rid, node)
     hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
@@ -167,8 +179,17 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     active = np.zeros(N, dtype=np.int64)  # KV blocks of unfinished requests
     events: list[tuple[float, int, int, int]] = []
     unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks and kv_usage: set per request below
-    fleet = FleetView(rids, unset, unset, unset, queued, running, np.zeros(N), pending,
-                      np.full(N, cfg.capacity_blocks, dtype=np.int64))
+    fleet = FleetView(
+        rids,
+        unset,
+        unset,
+        unset,
+        queued,
+        running,
+        np.zeros(N),
+        pending,
+        np.full(N, cfg.capacity_blocks, dtype=np.int64),
+    )
     server_free = [0.0] * N
     # ends of admitted requests, for the max_batch constraint
     slot_heap: list[list[float]] = [[] for _ in range(N)]
@@ -209,7 +230,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
         # the router hashes full blocks only: a policy sees what it would see live
-        req = RequestInfo(ids[:n // bs], n, bs, r.output_length, r.tenant, str(i))
+        req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
         j = policy.place(req, fleet)[0]
         rid = rids[j]
         policy.on_routed(req, rid, fleet.view(j))
@@ -219,7 +240,7 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         shared_t = cached_tokens(int(m[2, j]), n, bs)
         uncached = n - shared_t
         # caches: the request's full blocks end up in this replica's hbm and, write-through, in the tiers
-        keep = ids[:cacheable_blocks(n, len(ids), bs)]
+        keep = ids[: cacheable_blocks(n, len(ids), bs)]
         new, evicted = hbm[j].admit(keep)
         if evicted:
             index.remove(rid, evicted)
@@ -302,8 +323,12 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
         "utilization": sum(busy_r) / (N * makespan),
         "requests_imbalance": max(reqs_r) / (n_req / N) if n_req else 1.0,
         "per_replica": {
-            rids[k]: {"requests": reqs_r[k], "prompt_tokens": prompt_r[k], "prefill_tokens": computed_r[k],
-                      "hit_rate_tokens": hit_r[k] / prompt_r[k] if prompt_r[k] else 0.0}
+            rids[k]: {
+                "requests": reqs_r[k],
+                "prompt_tokens": prompt_r[k],
+                "prefill_tokens": computed_r[k],
+                "hit_rate_tokens": hit_r[k] / prompt_r[k] if prompt_r[k] else 0.0,
+            }
             for k in range(N)
         },
         "index_stats": {k: v for k, v in index.stats.items() if k in ("lookups", "hits", "admissions", "evictions")},
@@ -311,8 +336,9 @@ def simulate_policy(trace: Trace, cfg: SimConfig, policy: Policy, arrivals: list
     }
 
 
-def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False,
-             client: ClosedLoop | None = None) -> dict:
+def simulate(
+    trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False, client: ClosedLoop | None = None
+) -> dict:
     """Run every policy on the same arrivals and return the result document (`kvmesh simulate --json`:
     config, bounds, per-policy metrics; docs/simulator.md)."""
     from kvmesh.cluster.bounds import compute_bounds
@@ -325,23 +351,33 @@ def simulate(trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress
         "replicas": cfg.replicas,
         "capacity_blocks": cfg.capacity_blocks,
         "requests": len(trace),
-        "bounds": compute_bounds(trace.requests, trace.block_size, cfg.replicas, cfg.capacity_blocks,
-                                 n_nodes * cfg.host_blocks),
+        "bounds": compute_bounds(
+            trace.requests, trace.block_size, cfg.replicas, cfg.capacity_blocks, n_nodes * cfg.host_blocks
+        ),
         "policies": {},
         "config": {
-            "block_size": trace.block_size, "host_blocks": cfg.host_blocks, "shared": cfg.shared,
-            "shared_blocks": cfg.shared_blocks, "replicas_per_node": cfg.replicas_per_node,
-            "load": offered, "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
-            "span_s": arrivals[-1] - arrivals[0], "cost_model": cfg.cost.to_dict(),
+            "block_size": trace.block_size,
+            "host_blocks": cfg.host_blocks,
+            "shared": cfg.shared,
+            "shared_blocks": cfg.shared_blocks,
+            "replicas_per_node": cfg.replicas_per_node,
+            "load": offered,
+            "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
+            "span_s": arrivals[-1] - arrivals[0],
+            "cost_model": cfg.cost.to_dict(),
             "closed_loop_concurrency": client.concurrency if client is not None else None,
-            "uncached_rate_per_mtok": cfg.uncached_rate, "cached_rate_per_mtok": cfg.cached_rate, "seed": cfg.seed,
+            "uncached_rate_per_mtok": cfg.uncached_rate,
+            "cached_rate_per_mtok": cfg.cached_rate,
+            "seed": cfg.seed,
         },
     }
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(trace) * len(policies), unit="req", desc="simulate", leave=False,
-                   disable=None, mininterval=0.5)  # disable=None: silent when stderr is not a terminal
+
+        bar = tqdm(
+            total=len(trace) * len(policies), unit="req", desc="simulate", leave=False, disable=None, mininterval=0.5
+        )  # disable=None: silent when stderr is not a terminal
     try:
         for name, pol in policies.items():
             if bar is not None:

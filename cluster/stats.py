@@ -1,9 +1,10 @@
 """One percentile for every report: the simulator's, the replay client's, the sweep's and the benchmarks'
 TTFT and timing figures use the same rule, so a live p90 and a simulated p90 mean the same thing."""
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def nearest_rank(sorted_values: Sequence[float], q: float) -> float:

@@ -11,10 +11,11 @@ Arrivals. "poisson"/"bursts" draws use their timestamps, scaled to the draw's of
 draws are sent by the simulator's closed-loop client (`kvmesh.cluster.simulator.ClosedLoop`): the draw's
 concurrency in flight, a user's next turn after its previous reply, as the live replay client sends.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
@@ -46,8 +47,7 @@ def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, dict]:
     recs = records(d)
     trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
     if d.arrival != "all" and trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
-        arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token,
-                                    opts.cost.prefill_base_s)
+        arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token, opts.cost.prefill_base_s)
         return trace, {"arrivals": arrivals}
     return trace, {"client": ClosedLoop(d.concurrency, [r.get("user") for r in recs])}
 
@@ -59,8 +59,9 @@ def prefill_max_over_mean(per_replica: dict) -> float:
     return max(work) / mean if mean else 1.0
 
 
-def evaluate_draw(d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()
-                  ) -> dict:
+def evaluate_draw(
+    d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()
+) -> dict:
     """One row: the draw's shape, its bounds, and each policy's figures on it."""
     trace, sending = draw_trace(d, opts)
     bs = trace.block_size
@@ -76,14 +77,24 @@ def evaluate_draw(d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opt
         hits[name] = m["hit_rate_tokens"]
         work[name] = prefill_max_over_mean(m["per_replica"])
     return {
-        "seed": d.seed, "shape": d.describe(), "draw": d.to_dict(), "requests": len(trace),
-        "bounds": {"infinite": bounds["global_infinite"], "merged_lru": bounds["merged_lru"],
-                   "balance": balance["hit_rate"], "balance_imbalance": balance["imbalance"],
-                   "balance_fallbacks": balance["fallbacks"],
-                   # the same greedy at the target's imbalance: True when it found a placement meeting the target
-                   "balance_at_target": at_target["hit_rate"], "balance_at_target_imbalance": at_target["imbalance"],
-                   "target_reachable": (at_target["hit_rate"] >= opts.target_ratio * bounds["merged_lru"]
-                                        and at_target["imbalance"] <= opts.target_imbalance * (1 + 1e-9))},
+        "seed": d.seed,
+        "shape": d.describe(),
+        "draw": d.to_dict(),
+        "requests": len(trace),
+        "bounds": {
+            "infinite": bounds["global_infinite"],
+            "merged_lru": bounds["merged_lru"],
+            "balance": balance["hit_rate"],
+            "balance_imbalance": balance["imbalance"],
+            "balance_fallbacks": balance["fallbacks"],
+            # the same greedy at the target's imbalance: True when it found a placement meeting the target
+            "balance_at_target": at_target["hit_rate"],
+            "balance_at_target_imbalance": at_target["imbalance"],
+            "target_reachable": (
+                at_target["hit_rate"] >= opts.target_ratio * bounds["merged_lru"]
+                and at_target["imbalance"] <= opts.target_imbalance * (1 + 1e-9)
+            ),
+        },
         "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"]),
     }
 
@@ -103,8 +114,9 @@ def policy_figures(hits: dict[str, float], work: dict[str, float], merged: float
     return out
 
 
-def sweep(seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions(),
-          on_row=None) -> list[dict]:
+def sweep(
+    seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions(), on_row=None
+) -> list[dict]:
     """`evaluate_draw` for every seed, in order; `on_row(row)` after each (progress)."""
     rows = []
     for seed in seeds:
@@ -117,8 +129,13 @@ def sweep(seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts
 # ------------------------------------------------------------------------------------- summary
 def distribution(values: Iterable[float]) -> dict[str, float]:
     v = sorted(values)
-    return {"min": v[0], "p10": nearest_rank(v, 0.10), "median": nearest_rank(v, 0.50),
-            "p90": nearest_rank(v, 0.90), "max": v[-1]}
+    return {
+        "min": v[0],
+        "p10": nearest_rank(v, 0.10),
+        "median": nearest_rank(v, 0.50),
+        "p90": nearest_rank(v, 0.90),
+        "max": v[-1],
+    }
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, float]]]:
@@ -127,19 +144,25 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, float]]]:
     return {n: {m: distribution(r["policies"][n][m] for r in rows) for m in METRICS} for n in names}
 
 
-def target_misses(rows: Sequence[dict], policy: str = "kvmesh", min_ratio: float = 0.97,
-                  max_imbalance: float = 1.25) -> list[dict]:
+def target_misses(
+    rows: Sequence[dict], policy: str = "kvmesh", min_ratio: float = 0.97, max_imbalance: float = 1.25
+) -> list[dict]:
     """Draws where `policy` is below `min_ratio` x the merged-LRU bound or above `max_imbalance`."""
-    return [r for r in rows if r["policies"][policy]["hit_over_merged"] < min_ratio
-            or r["policies"][policy]["prefill_max_over_mean"] > max_imbalance]
+    return [
+        r
+        for r in rows
+        if r["policies"][policy]["hit_over_merged"] < min_ratio
+        or r["policies"][policy]["prefill_max_over_mean"] > max_imbalance
+    ]
 
 
 def format_summary(summary: dict) -> str:
     lines = [f"{'policy':<20} {'metric':<22} {'min':>7} {'p10':>7} {'median':>7} {'p90':>7} {'max':>7}"]
     for name, metrics in summary.items():
         for m, d in metrics.items():
-            lines.append(f"{name:<20} {m:<22} " + " ".join(f"{d[k]:>7.3f}" for k in ("min", "p10", "median", "p90",
-                                                                                        "max")))
+            lines.append(
+                f"{name:<20} {m:<22} " + " ".join(f"{d[k]:>7.3f}" for k in ("min", "p10", "median", "p90", "max"))
+            )
     return "\n".join(lines)
 
 
@@ -149,12 +172,17 @@ def plot(rows: Sequence[dict], path: str) -> None:
     import os
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(rows[0]["policies"])
-    titles = {"hit_over_merged": "hit / merged-LRU bound", "hit_over_balance": "hit / balance-bounded bound",
-              "hit_minus_best_other": "hit - best other policy", "prefill_max_over_mean": "prefill max/mean"}
+    titles = {
+        "hit_over_merged": "hit / merged-LRU bound",
+        "hit_over_balance": "hit / balance-bounded bound",
+        "hit_minus_best_other": "hit - best other policy",
+        "prefill_max_over_mean": "prefill max/mean",
+    }
     refs = {"hit_over_merged": 0.97, "prefill_max_over_mean": 1.25, "hit_minus_best_other": 0.0}
     fig, axes = plt.subplots(2, 3, figsize=(18, 8))
     for ax, metric in zip(axes.flat, METRICS):
@@ -165,10 +193,15 @@ def plot(rows: Sequence[dict], path: str) -> None:
             ax.axhline(refs[metric], color="tab:red", linestyle="--", linewidth=1)
     ax = axes.flat[4]
     for n in names:
-        ax.scatter([r["policies"][n]["prefill_max_over_mean"] for r in rows],
-                   [r["policies"][n]["hit_over_merged"] for r in rows], s=10, label=n,
-                   zorder=3 if n == "kvmesh" else 2, color="black" if n == "kvmesh" else None,
-                   alpha=1.0 if n == "kvmesh" else 0.35)
+        ax.scatter(
+            [r["policies"][n]["prefill_max_over_mean"] for r in rows],
+            [r["policies"][n]["hit_over_merged"] for r in rows],
+            s=10,
+            label=n,
+            zorder=3 if n == "kvmesh" else 2,
+            color="black" if n == "kvmesh" else None,
+            alpha=1.0 if n == "kvmesh" else 0.35,
+        )
     ax.axhline(0.97, color="tab:red", linestyle="--", linewidth=1)
     ax.axvline(1.25, color="tab:red", linestyle="--", linewidth=1)
     ax.set_xscale("log")

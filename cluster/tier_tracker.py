@@ -19,9 +19,10 @@ shared entry: a restarted Redis is empty) and a restarted node server (`node_res
 Only whole LMCache chunks are stored, so a prompt counts up to its last full chunk
 (`chunk_blocks` = LMCache chunk size / engine block size).
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvmesh.cluster.block_cache import BlockLRU
 
@@ -41,16 +42,32 @@ class TierTracker:
         self._shared_nodes: set[str] = set()
         self._shared = BlockLRU(shared_capacity_blocks)
         self.shared_up = True
-        self.counters = dict.fromkeys(("prefills_recorded", "host_marked", "host_evicted", "shared_marked",
-                                       "shared_evicted", "shared_dropped_on_loss", "host_dropped_on_restart",
-                                       "lmcache_events_dropped"), 0)
+        self.counters = dict.fromkeys(
+            (
+                "prefills_recorded",
+                "host_marked",
+                "host_evicted",
+                "shared_marked",
+                "shared_evicted",
+                "shared_dropped_on_loss",
+                "host_dropped_on_restart",
+                "lmcache_events_dropped",
+            ),
+            0,
+        )
 
     def __getattr__(self, name):
         # match, add_replica, remove_replica, mark_stale, speculate, ... are the index's own.
         return getattr(self.index, name)
 
-    def set_node(self, node_id: str, *, has_shared_tier: bool, host_capacity_blocks: int | None = None,
-                 chunk_blocks: int | None = None) -> None:
+    def set_node(
+        self,
+        node_id: str,
+        *,
+        has_shared_tier: bool,
+        host_capacity_blocks: int | None = None,
+        chunk_blocks: int | None = None,
+    ) -> None:
         """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not).
 
         Idempotent (routers call it whenever routing stats arrive)."""
@@ -121,6 +138,10 @@ class TierTracker:
     @property
     def stats(self) -> dict:
         """The index's counters (a property there too) plus the tracker's own."""
-        return {**self.index.stats, **{f"tier_{k}": v for k, v in self.counters.items()},
-                "tier_shared_up": int(self.shared_up), "tier_shared_blocks": len(self._shared),
-                "tier_host_blocks": sum(len(lru) for lru in self._host.values())}
+        return {
+            **self.index.stats,
+            **{f"tier_{k}": v for k, v in self.counters.items()},
+            "tier_shared_up": int(self.shared_up),
+            "tier_shared_blocks": len(self._shared),
+            "tier_host_blocks": sum(len(lru) for lru in self._host.values()),
+        }

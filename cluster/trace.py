@@ -11,14 +11,15 @@ what workloads generate, the replay client sends and files hold; `TraceRequest.f
 the simulator and the bounds take (`load_trace` for a file as it is, `workloads.engine_trace` after
 scaling to an engine's block size).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Iterator, Sequence
 
 BUNDLED = {
     "conversation": "mooncake_conversation_trace.jsonl",
@@ -43,11 +44,16 @@ class TraceRequest:
     tenant: str | None = None
 
     @classmethod
-    def from_record(cls, rec: dict) -> "TraceRequest":
+    def from_record(cls, rec: dict) -> TraceRequest:
         """The request of a checked record (`check_record`): the one place a record becomes a request."""
         tenant = rec.get("tenant")
-        return cls(float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"]),
-                   list(rec["hash_ids"]), None if tenant is None else str(tenant))
+        return cls(
+            float(rec["timestamp"]),
+            int(rec["input_length"]),
+            int(rec["output_length"]),
+            list(rec["hash_ids"]),
+            None if tenant is None else str(tenant),
+        )
 
 
 @dataclass
@@ -98,8 +104,11 @@ def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKE
     n_in = _int_field(rec, "input_length", where, minimum=1)
     _int_field(rec, "output_length", where)
     ids = rec["hash_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
-                                                       for h in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids)
+    ):
         raise TraceError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
     if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
         raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
@@ -131,8 +140,9 @@ def _read(name_or_path: str, path: str, block_size: int, limit: int | None) -> I
         raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
 
 
-def read_records(name_or_path: str | os.PathLike, limit: int | None = None,
-                 block_size: int = SOURCE_BLOCK_TOKENS) -> list[dict]:
+def read_records(
+    name_or_path: str | os.PathLike, limit: int | None = None, block_size: int = SOURCE_BLOCK_TOKENS
+) -> list[dict]:
     """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad."""
     return [rec for _, rec in _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)]
 
@@ -167,13 +177,21 @@ def tile(trace: Trace, copies: int) -> Trace:
     out: list[TraceRequest] = []
     for k in range(copies):
         for r in trace.requests:
-            out.append(TraceRequest(r.timestamp_ms + k * span_ms, r.input_length, r.output_length,
-                                    [h + k * offset for h in r.hash_ids], r.tenant))
+            out.append(
+                TraceRequest(
+                    r.timestamp_ms + k * span_ms,
+                    r.input_length,
+                    r.output_length,
+                    [h + k * offset for h in r.hash_ids],
+                    r.tenant,
+                )
+            )
     return Trace(f"{trace.name}x{copies}", out, trace.block_size, dict(trace.meta, tiled=copies))
 
 
-def scale_to_load(trace: Trace, replicas: int, load: float, prefill_s_per_token: float,
-                  prefill_base_s: float = 0.0) -> tuple[list[float], float]:
+def scale_to_load(
+    trace: Trace, replicas: int, load: float, prefill_s_per_token: float, prefill_base_s: float = 0.0
+) -> tuple[list[float], float]:
     """Arrival times (s) stretched or squeezed so that the offered prefill work equals `load` x the
     fleet's prefill capacity over the trace's span:
 

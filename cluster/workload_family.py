@@ -12,6 +12,7 @@ its system prompt, its document (if it pulled one), every earlier question and a
 question. Answers may be a fraction of a block: `output_length` is the answer's tokens, and the next
 turn carries the answer as whole blocks (as a partial question block is carried as a full one).
 """
+
 from __future__ import annotations
 
 import math
@@ -74,9 +75,12 @@ class FamilyDraw:
 
     def describe(self) -> str:
         """One line naming the shape (for reports)."""
-        parts = [f"{self.groups}g/{self.tenants}t x {self.users_per_group}u x {self.turns}turns",
-                 f"sys{self.system_blocks}", f"q{self.question_blocks[0]}-{self.question_blocks[1]}",
-                 f"a{self.answer_blocks[0]:.2f}-{self.answer_blocks[1]:.2f}"]
+        parts = [
+            f"{self.groups}g/{self.tenants}t x {self.users_per_group}u x {self.turns}turns",
+            f"sys{self.system_blocks}",
+            f"q{self.question_blocks[0]}-{self.question_blocks[1]}",
+            f"a{self.answer_blocks[0]:.2f}-{self.answer_blocks[1]:.2f}",
+        ]
         if self.rag_docs:
             parts.append(f"rag{self.rag_docs}x{self.rag_doc_blocks}@{self.rag_share:.2f}")
         if self.flood_requests:
@@ -149,8 +153,14 @@ class _Ids:
 
 
 def _prompt_record(prompt: list[int], tail: int, output: int, tenant: str, user: str) -> dict:
-    return {"timestamp": 0, "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
-            "output_length": output, "hash_ids": prompt, "tenant": tenant, "user": user}
+    return {
+        "timestamp": 0,
+        "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
+        "output_length": output,
+        "hash_ids": prompt,
+        "tenant": tenant,
+        "user": user,
+    }
 
 
 def _conversations(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[list[dict]]:
@@ -177,10 +187,16 @@ def _conversations(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[list[di
 
 def _flood(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[dict]:
     hot = ids.take(d.flood_prompt_blocks)
-    return [_prompt_record(hot + ids.take(d.flood_unique_blocks), rng.randint(SOURCE_BLOCK_TOKENS // 8,
-                                                                            SOURCE_BLOCK_TOKENS),
-                           SOURCE_BLOCK_TOKENS // 2, "t0", f"t0-flood-{i}")
-            for i in range(d.flood_requests)]
+    return [
+        _prompt_record(
+            hot + ids.take(d.flood_unique_blocks),
+            rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS),
+            SOURCE_BLOCK_TOKENS // 2,
+            "t0",
+            f"t0-flood-{i}",
+        )
+        for i in range(d.flood_requests)
+    ]
 
 
 def records(d: FamilyDraw) -> list[dict]:

@@ -16,13 +16,14 @@ carries the same id as a full block shares its first tokens.
 `engine_trace` expands records to the engine's granularity (tokens per trace block after scaling,
 engine block size) for the simulator and for the bounds (`kvmesh.cluster.bounds.record_bounds`).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest
 
@@ -41,9 +42,7 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
     return n
 
 
-def scaled_block_lengths(
-    rec: dict, tokens_per_block: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS
-) -> list[int]:
+def scaled_block_lengths(rec: dict, tokens_per_block: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS) -> list[int]:
     """Tokens each hash id contributes once a trace block of `source_block_tokens` becomes
     `tokens_per_block` tokens: full blocks give all of them, the trailing partial block its share
     (rounded, at least 1). The replay client expands ids into exactly these lengths."""
@@ -191,9 +190,14 @@ def check_parent_rule(records: Iterable[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------ engine granularity
-def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int | None = None,
-                 source_block_tokens: int = SOURCE_BLOCK_TOKENS, name: str = "workload",
-                 salt_by_tenant: bool = True) -> Trace:
+def engine_trace(
+    records: Sequence[dict],
+    tokens_per_block: int,
+    block_size: int | None = None,
+    source_block_tokens: int = SOURCE_BLOCK_TOKENS,
+    name: str = "workload",
+    salt_by_tenant: bool = True,
+) -> Trace:
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
     bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
     them apart live), lengths scaled like the replay client's prompts. Lets a policy change be checked
@@ -204,23 +208,34 @@ def engine_trace(records: Sequence[dict], tokens_per_block: int, block_size: int
     for rec in records:
         salt = rec.get("tenant") if salt_by_tenant else None
         lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
-        hashes = [ids.setdefault((salt, hid, j), len(ids) + 1)
-                  for hid, n in zip(rec["hash_ids"], lengths) for j in range(-(-n // block_size))]
-        out.append(TraceRequest.from_record({
-            "timestamp": rec["timestamp"], "input_length": sum(lengths),
-            "output_length": scaled_output_length(rec, tokens_per_block, source_block_tokens),
-            "hash_ids": hashes, "tenant": rec.get("tenant")}))
+        hashes = [
+            ids.setdefault((salt, hid, j), len(ids) + 1)
+            for hid, n in zip(rec["hash_ids"], lengths)
+            for j in range(-(-n // block_size))
+        ]
+        out.append(
+            TraceRequest.from_record(
+                {
+                    "timestamp": rec["timestamp"],
+                    "input_length": sum(lengths),
+                    "output_length": scaled_output_length(rec, tokens_per_block, source_block_tokens),
+                    "hash_ids": hashes,
+                    "tenant": rec.get("tenant"),
+                }
+            )
+        )
     return Trace(name, out, block_size=block_size)
 
 
 def fit_context(
-    records: Iterable[dict], tokens_per_block: int, max_prompt_tokens: int,
+    records: Iterable[dict],
+    tokens_per_block: int,
+    max_prompt_tokens: int,
     source_block_tokens: int = SOURCE_BLOCK_TOKENS,
 ) -> list[dict]:
     """The records whose scaled prompt fits `max_prompt_tokens` (a tiny model's context), in order."""
     return [
-        r for r in records
-        if sum(scaled_block_lengths(r, tokens_per_block, source_block_tokens)) <= max_prompt_tokens
+        r for r in records if sum(scaled_block_lengths(r, tokens_per_block, source_block_tokens)) <= max_prompt_tokens
     ]
 
 
@@ -251,8 +266,10 @@ def conversation_slice(
             break
         if len(idx) < min_turns or len(key) < 2:
             continue
-        if any(sum(scaled_block_lengths(records[i], tokens_per_block, source_block_tokens)) > max_prompt_tokens
-               for i in idx):
+        if any(
+            sum(scaled_block_lengths(records[i], tokens_per_block, source_block_tokens)) > max_prompt_tokens
+            for i in idx
+        ):
             continue
         picked.extend(idx)
         chosen += 1

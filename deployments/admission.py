@@ -13,6 +13,7 @@ up to R x its limit. Size limits accordingly, or run one ingress replica per lim
     try: ...
     finally: admission.release(ticket)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,8 @@ import itertools
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant
 
@@ -98,8 +99,12 @@ class _TenantState:
 class Admission:
     """Admission control for one ingress replica. Not thread-safe: call from the ingress event loop."""
 
-    def __init__(self, max_concurrent: int | None = None, queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_concurrent: int | None = None,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_concurrent is not None and max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1 or None")
         self.max_concurrent = max_concurrent
@@ -111,10 +116,12 @@ class Admission:
         self._serial = itertools.count(1)
 
     @classmethod
-    def from_registry(cls, registry, **overrides) -> "Admission":
+    def from_registry(cls, registry, **overrides) -> Admission:
         cfg = {**registry.admission_config, **overrides}
-        return cls(max_concurrent=cfg.get("max_concurrent"),
-                   queue_timeout_s=cfg.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S))
+        return cls(
+            max_concurrent=cfg.get("max_concurrent"),
+            queue_timeout_s=cfg.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
+        )
 
     # -- introspection (tests, metrics) --
     @property
@@ -149,15 +156,23 @@ class Admission:
         """Per-tenant checks; on success charges the buckets and counts the request as active."""
         lim: Limits = tenant.limits
         if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
-            raise PromptTooLarge(f"Prompt has {prompt_tokens} tokens; this API key allows at most "
-                                 f"{lim.max_prompt_tokens}.", "tenant_prompt_limit_exceeded")
+            raise PromptTooLarge(
+                f"Prompt has {prompt_tokens} tokens; this API key allows at most {lim.max_prompt_tokens}.",
+                "tenant_prompt_limit_exceeded",
+            )
         if lim.tokens_per_min is not None and prompt_tokens > lim.tokens_per_min:
-            raise PromptTooLarge(f"Prompt has {prompt_tokens} tokens, more than this API key's budget of "
-                                 f"{lim.tokens_per_min:g} tokens per minute.", "tenant_prompt_limit_exceeded")
+            raise PromptTooLarge(
+                f"Prompt has {prompt_tokens} tokens, more than this API key's budget of "
+                f"{lim.tokens_per_min:g} tokens per minute.",
+                "tenant_prompt_limit_exceeded",
+            )
         state = self._state(tenant)
         if lim.max_concurrent is not None and state.active >= lim.max_concurrent:
-            raise RateLimited(CONCURRENCY_RETRY_S, f"Too many concurrent requests for this API key (limit "
-                              f"{lim.max_concurrent}).", "concurrency_limit_exceeded")
+            raise RateLimited(
+                CONCURRENCY_RETRY_S,
+                f"Too many concurrent requests for this API key (limit {lim.max_concurrent}).",
+                "concurrency_limit_exceeded",
+            )
         now = self._clock()
         wait = 0.0
         if state.requests is not None:
@@ -165,10 +180,14 @@ class Admission:
         if state.tokens is not None:
             wait = max(wait, state.tokens.wait_s(prompt_tokens, now))
         if wait > 0:
-            which = "requests per second" if state.requests is not None and state.requests.wait_s(1, now) > 0 \
+            which = (
+                "requests per second"
+                if state.requests is not None and state.requests.wait_s(1, now) > 0
                 else "prompt tokens per minute"
-            raise RateLimited(wait, f"Rate limit reached for this API key ({which}); retry after "
-                              f"{max(1, math.ceil(wait))} s.")
+            )
+            raise RateLimited(
+                wait, f"Rate limit reached for this API key ({which}); retry after {max(1, math.ceil(wait))} s."
+            )
         if state.requests is not None:
             state.requests.take(1)
         if state.tokens is not None:
@@ -221,8 +240,11 @@ class Admission:
         waiter.cancel()
         self._forget_waiters(tenant.id, state)
         self._undo_charge(state, prompt_tokens)
-        raise RateLimited(CONCURRENCY_RETRY_S, f"The server is at capacity (waited {self.queue_timeout_s:g} s); "
-                          "retry shortly.", "server_busy")
+        raise RateLimited(
+            CONCURRENCY_RETRY_S,
+            f"The server is at capacity (waited {self.queue_timeout_s:g} s); retry shortly.",
+            "server_busy",
+        )
 
     def _forget_waiters(self, tenant_id: str, state: _TenantState) -> None:
         """Drop finished waiters so a tenant with none left is no longer in the round robin."""

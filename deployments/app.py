@@ -12,6 +12,7 @@ Why runtime-env variables: engines and the router must agree on PYTHONHASHSEED (
 hash chain with it) and the engines need the in-process vLLM settings; a Ray cluster started by
 someone else does not inherit our shell, so they travel with the deployments.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,7 @@ log = logging.getLogger(__name__)
 # Environment every replica needs; values come from the caller's environment when set there.
 RUNTIME_ENV_DEFAULTS = INPROC_ENGINE_ENV
 # Never KVMESH_SALT_SECRET itself: runtime_env env vars end up in Ray's logs (pass the file path instead).
-PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET_FILE",
-                "VLLM_LOGGING_LEVEL")
+PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET_FILE", "VLLM_LOGGING_LEVEL")
 
 
 def runtime_env_vars() -> dict[str, str]:
@@ -48,24 +48,35 @@ def build_app(config: dict | None = None, **kwargs: Any):
     cfg = app_config({**(config or {}), **kwargs})
     eng = cfg["engine"]
     env = runtime_env_vars()
-    engine = serve.deployment(name="EngineReplica")(EngineReplica).options(
-        num_replicas=cfg["replicas"],
-        max_ongoing_requests=cfg["max_ongoing_requests"],
-        ray_actor_options={"num_cpus": eng["num_cpus"], "num_gpus": eng["num_gpus"],
-                           "runtime_env": {"env_vars": env}},
-        request_router_config=RequestRouterConfig(
-            # ray annotates RequestRouterConfig.__init__(**kwargs: dict[str, Any]), as if every keyword were a dict
-            request_router_class="kvmesh.deployments.router:KvmeshRouter",  # type: ignore[arg-type]
-            request_router_kwargs={
-                "policy": cfg["policy"], "policy_params": cfg["policy_params"], "hash_algo": eng["hash_algo"],
-                "block_size": eng["block_size"], "speculative_ttl_s": cfg["speculative_ttl_s"],
-                "mismatch_alarm_after": cfg["mismatch_alarm_after"], "seed": eng["seed"],
+    engine = (
+        serve.deployment(name="EngineReplica")(EngineReplica)
+        .options(
+            num_replicas=cfg["replicas"],
+            max_ongoing_requests=cfg["max_ongoing_requests"],
+            ray_actor_options={
+                "num_cpus": eng["num_cpus"],
+                "num_gpus": eng["num_gpus"],
+                "runtime_env": {"env_vars": env},
             },
-            request_routing_stats_period_s=cfg["routing_stats_period_s"],
-        ),
-        health_check_period_s=10,
-        graceful_shutdown_timeout_s=5,
-    ).bind(eng)
+            request_router_config=RequestRouterConfig(
+                # ray annotates RequestRouterConfig.__init__(**kwargs: dict[str, Any]), as if every keyword were a dict
+                request_router_class="kvmesh.deployments.router:KvmeshRouter",  # type: ignore[arg-type]
+                request_router_kwargs={
+                    "policy": cfg["policy"],
+                    "policy_params": cfg["policy_params"],
+                    "hash_algo": eng["hash_algo"],
+                    "block_size": eng["block_size"],
+                    "speculative_ttl_s": cfg["speculative_ttl_s"],
+                    "mismatch_alarm_after": cfg["mismatch_alarm_after"],
+                    "seed": eng["seed"],
+                },
+                request_routing_stats_period_s=cfg["routing_stats_period_s"],
+            ),
+            health_check_period_s=10,
+            graceful_shutdown_timeout_s=5,
+        )
+        .bind(eng)
+    )
     # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators to a class's type
     return Ingress.options(  # type: ignore[attr-defined]
         num_replicas=cfg["ingress_replicas"],
@@ -133,14 +144,16 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     env = dict(PROXY_ENV[proxy])
     if proxy == "haproxy":
         run = _haproxy_dir = tempfile.mkdtemp(prefix="kvmesh-haproxy-")
-        env.update({
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-        })
+        env.update(
+            {
+                "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
+                "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
+                "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
+                "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
+                "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            }
+        )
     return env
 
 

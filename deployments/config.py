@@ -16,13 +16,15 @@ errors, not silently ignored (a typo in `block_size` must not quietly fall back 
     port: 8000
     api_keys: [KEY]               # or tenants_file: tenants.yaml (deployments/tenants.py)
 """
+
 from __future__ import annotations
 
 import copy
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 # Every kvmesh process (engine replicas, tests, benchmark servers) runs offline with the same hash seed:
 # vLLM's NONE_HASH and LMCache's keys depend on PYTHONHASHSEED, and nothing may reach a hub.
@@ -117,10 +119,13 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(f"engine.block_size {bs} must be a multiple of 32 on CPU engines")
     if not isinstance(cfg["max_model_len"], int) or cfg["max_model_len"] < bs:
         raise ConfigError("engine.max_model_len must be an integer >= block_size")
-    if cfg["kv_cache_space_gb"] is not None and (not isinstance(cfg["kv_cache_space_gb"], int)
-                                                 or cfg["kv_cache_space_gb"] < 1):
-        raise ConfigError("engine.kv_cache_space_gb must be a whole number of GiB >= 1 "
-                          "(use num_gpu_blocks_override for a smaller cache)")
+    if cfg["kv_cache_space_gb"] is not None and (
+        not isinstance(cfg["kv_cache_space_gb"], int) or cfg["kv_cache_space_gb"] < 1
+    ):
+        raise ConfigError(
+            "engine.kv_cache_space_gb must be a whole number of GiB >= 1 "
+            "(use num_gpu_blocks_override for a smaller cache)"
+        )
     if cfg["hash_algo"] not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
         raise ConfigError(f"engine.hash_algo {cfg['hash_algo']!r} is not one vLLM supports")
     if not isinstance(cfg["stream_interval"], int) or cfg["stream_interval"] < 1:
@@ -140,7 +145,8 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if not isinstance(cfg[key], int) or cfg[key] < (0 if key == "port" else 1):
             raise ConfigError(f"config.{key} must be a positive integer")
     if not isinstance(cfg["tenant_policies"], dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()):
+        isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()
+    ):
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")

@@ -12,6 +12,7 @@ Request (a plain dict, built by the ingress; the router reads `prompt_token_ids`
 Stream of chunks (dicts): {"text", "token_ids", "finish_reason", "num_cached_tokens", "prompt_tokens",
     "replica"}; errors are raised (the ingress maps them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,14 +20,27 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 EVENTS_TOPIC = "kvmesh"
 
 
@@ -77,8 +91,7 @@ class EngineReplica:
         self.kv_events_endpoint = self.replay_endpoint = None
         if self.cfg["kv_events"]:
             port, rport = _free_port(), _free_port()
-            kv_events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}",
-                         "topic": EVENTS_TOPIC}
+            kv_events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}", "topic": EVENTS_TOPIC}
             self.kv_events_endpoint = f"tcp://{node_ip}:{port}"
             self.replay_endpoint = f"tcp://{node_ip}:{rport}"
         from kvmesh.deployments.engine_driver import build_engine_args, make_driver
@@ -90,11 +103,17 @@ class EngineReplica:
         if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
             from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
 
-            bytes_per_block = kv_bytes_per_block(hf_model_config(self.model_path), self.cfg["block_size"],
-                                                 self.cfg["dtype"])
+            bytes_per_block = kv_bytes_per_block(
+                hf_model_config(self.model_path), self.cfg["block_size"], self.cfg["dtype"]
+            )
             self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], bytes_per_block)
-        log.info("engine replica %s ready: model=%s blocks=%d events=%s", self.replica_id, self.model_path,
-                 self.num_blocks, self.kv_events_endpoint)
+        log.info(
+            "engine replica %s ready: model=%s blocks=%d events=%s",
+            self.replica_id,
+            self.model_path,
+            self.num_blocks,
+            self.kv_events_endpoint,
+        )
 
     def _sampling_params(self, params: dict):
         from vllm import SamplingParams

@@ -7,6 +7,7 @@ VLLM_ENABLE_V1_MULTIPROCESSING=0: ~2 s start) in one dedicated thread and hands 
 queues; `AsyncDriver` simply wraps `AsyncLLM`. Both run the same scheduler, prefix cache, KV-event
 publisher and KV connector, so routing and caching behave identically. Nothing here knows about Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ import logging
 import os
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from kvmesh.deployments.config import engine_dtype
 
@@ -74,8 +76,9 @@ class _LoadCounter:
         self.running = 0
         self.aborted = 0  # requests given up before finishing (client went away)
 
-    async def track(self, outputs: AsyncGenerator[Any, None],
-                    on_abandon: Callable[[], None] | None = None) -> AsyncIterator[Any]:
+    async def track(
+        self, outputs: AsyncGenerator[Any, None], on_abandon: Callable[[], None] | None = None
+    ) -> AsyncIterator[Any]:
         """Pass one request's engine outputs through, keeping queued/running/aborted: the one wrapper
         both drivers' `generate` use. A stream left before its finished output (the caller closed it
         or was cancelled) counts as aborted and `on_abandon` tells the engine; one the engine failed
@@ -180,8 +183,9 @@ class InprocDriver:
 
     # -- asyncio side ----------------------------------------------------------------------------
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
-        return self.load.track(self._outputs(prompt, params, request_id),
-                               on_abandon=lambda: self._ops.put(("abort", request_id)))
+        return self.load.track(
+            self._outputs(prompt, params, request_id), on_abandon=lambda: self._ops.put(("abort", request_id))
+        )
 
     async def _outputs(self, prompt: dict, params, request_id: str) -> AsyncGenerator[Any, None]:
         """The engine thread's outputs for one request, up to the finished one; an error it reports is raised."""

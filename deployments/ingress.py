@@ -10,6 +10,7 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`),
 GET /health, GET /metrics (Prometheus text), GET /kvmesh/state and POST /kvmesh/index/lookup
 (operator/debug views of the router's index).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,18 +18,18 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmesh.deployments import local_state
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.openai_protocol import OpenAIError
-from kvmesh.deployments import local_state
 from kvmesh.deployments.router import active_routers, notify_first_token
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
@@ -41,16 +42,21 @@ fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-com
 def _error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, (OpenAIError, KvmeshHTTPError)):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
-    return JSONResponse(proto.openai_error(500, "Internal server error.", "internal_error", "server_error"),
-                        status_code=500)
+    return JSONResponse(
+        proto.openai_error(500, "Internal server error.", "internal_error", "server_error"), status_code=500
+    )
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
 async def _http_exc(request: Request, exc: StarletteHTTPException):
-    msg = {404: f"Unknown path {request.url.path}.", 405: f"Method {request.method} not allowed on "
-           f"{request.url.path}."}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(proto.openai_error(exc.status_code, msg, "not_found" if exc.status_code == 404
-                                           else "invalid_request"), status_code=exc.status_code)
+    msg = {
+        404: f"Unknown path {request.url.path}.",
+        405: f"Method {request.method} not allowed on {request.url.path}.",
+    }.get(exc.status_code, str(exc.detail))
+    return JSONResponse(
+        proto.openai_error(exc.status_code, msg, "not_found" if exc.status_code == 404 else "invalid_request"),
+        status_code=exc.status_code,
+    )
 
 
 def build_registry(cfg: dict) -> TenantRegistry | None:
@@ -61,8 +67,9 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
     if keys:
         from kvmesh.deployments.tenants import hash_api_key
 
-        return TenantRegistry.from_dict({"tenants": [{"id": "default",
-                                                       "keys": [{"sha256": hash_api_key(k)} for k in keys]}]})
+        return TenantRegistry.from_dict(
+            {"tenants": [{"id": "default", "keys": [{"sha256": hash_api_key(k)} for k in keys]}]}
+        )
     return None
 
 
@@ -114,7 +121,8 @@ class Ingress:
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = self.cfg["engine"]["max_model_len"]
         self.served_model = self.cfg["served_model_name"] or (
-            "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name)
+            "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name
+        )
         self.model_aliases = {self.served_model, self.cfg["engine"]["model"], self.model_path}
         self.registry = build_registry(self.cfg)
         if self.registry is None:
@@ -143,8 +151,11 @@ class Ingress:
         if req.prompt_ids is not None:
             bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise proto.bad(f"Token id {bad} is out of range for this model (vocabulary size "
-                                f"{self.vocab_size}).", "prompt", "invalid_token_id")
+                raise proto.bad(
+                    f"Token id {bad} is out of range for this model (vocabulary size {self.vocab_size}).",
+                    "prompt",
+                    "invalid_token_id",
+                )
             return req.prompt_ids
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
             text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
@@ -154,16 +165,26 @@ class Ingress:
 
     def _check_model_and_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
         if req.model not in self.model_aliases:
-            raise OpenAIError(404, f"The model '{req.model}' does not exist. Available: {self.served_model}.",
-                              "model_not_found", "model")
+            raise OpenAIError(
+                404,
+                f"The model '{req.model}' does not exist. Available: {self.served_model}.",
+                "model_not_found",
+                "model",
+            )
         if not ids:
-            raise proto.bad("The prompt is empty after tokenization.", "prompt" if req.kind == "completion"
-                            else "messages", "empty_prompt")
+            raise proto.bad(
+                "The prompt is empty after tokenization.",
+                "prompt" if req.kind == "completion" else "messages",
+                "empty_prompt",
+            )
         need = len(ids) + req.params.get("max_tokens", proto.DEFAULT_MAX_TOKENS)
         if need > self.max_model_len:
-            raise proto.bad(f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                            f"has {len(ids)} prompt tokens plus max_tokens={req.params.get('max_tokens')}.",
-                            "prompt" if req.kind == "completion" else "messages", "context_length_exceeded")
+            raise proto.bad(
+                f"This model's maximum context length is {self.max_model_len} tokens; the request "
+                f"has {len(ids)} prompt tokens plus max_tokens={req.params.get('max_tokens')}.",
+                "prompt" if req.kind == "completion" else "messages",
+                "context_length_exceeded",
+            )
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: Request, kind: str) -> Response:
@@ -182,8 +203,13 @@ class Ingress:
                 self.tenant_metrics.record_rejection(tenant.id, exc.code)
             return _error_response(exc)
         request_id = uuid.uuid4().hex
-        engine_req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": tenant.salt,
-                      "tenant": tenant.id, "params": req.params}
+        engine_req = {
+            "request_id": request_id,
+            "prompt_token_ids": ids,
+            "cache_salt": tenant.salt,
+            "tenant": tenant.id,
+            "params": req.params,
+        }
         if tenant.id in self.cfg["tenant_policies"]:
             engine_req["policy"] = self.cfg["tenant_policies"][tenant.id]
         released = False
@@ -230,8 +256,9 @@ class Ingress:
         if not req.stream:
             release()
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
-            return JSONResponse(proto.full_response(req, oid, first["text"], first["finish_reason"], u),
-                                headers=headers)
+            return JSONResponse(
+                proto.full_response(req, oid, first["text"], first["finish_reason"], u), headers=headers
+            )
 
         async def events() -> AsyncIterator[bytes]:
             ntok = 0
@@ -243,8 +270,9 @@ class Ingress:
                 while True:
                     ntok += len(chunk["token_ids"])
                     if chunk["text"] or chunk["finish_reason"] or is_first:
-                        yield proto.sse(proto.stream_chunk(req, oid, chunk["text"], chunk["finish_reason"],
-                                                           first=is_first))
+                        yield proto.sse(
+                            proto.stream_chunk(req, oid, chunk["text"], chunk["finish_reason"], first=is_first)
+                        )
                     is_first = False
                     if chunk["finish_reason"] is not None:
                         break
@@ -263,8 +291,9 @@ class Ingress:
             except Exception:
                 log.exception("engine stream failed mid-response")
                 self.serving_metrics.record_error(500)
-                yield proto.sse({"error": proto.openai_error(500, "engine failed", "internal_error",
-                                                             "server_error")["error"]})
+                yield proto.sse(
+                    {"error": proto.openai_error(500, "engine failed", "internal_error", "server_error")["error"]}
+                )
             finally:
                 if not completed:
                     stream.cancel()
@@ -286,8 +315,18 @@ class Ingress:
             self._auth(request)
         except KvmeshHTTPError as exc:
             return _error_response(exc)
-        return {"object": "list", "data": [{"id": self.served_model, "object": "model", "created": 0,
-                                            "owned_by": "kvmesh", "max_model_len": self.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvmesh",
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
 
     @fastapi_app.get("/health")
     async def health(self):
@@ -321,8 +360,14 @@ class Ingress:
         except KvmeshHTTPError as exc:
             return _error_response(exc)
         snap = await asyncio.to_thread(self._router_snapshot)
-        return {"router": snap, "prediction": local_state.LEDGER.snapshot(),
-                "serving": self.serving_metrics.snapshot(), "model": self.served_model, "pid": os.getpid(), "tiers": await asyncio.to_thread(_tier_report)}
+        return {
+            "router": snap,
+            "prediction": local_state.LEDGER.snapshot(),
+            "serving": self.serving_metrics.snapshot(),
+            "model": self.served_model,
+            "pid": os.getpid(),
+            "tiers": await asyncio.to_thread(_tier_report),
+        }
 
     @fastapi_app.post("/kvmesh/index/lookup")
     async def index_lookup(self, request: Request):
@@ -333,8 +378,7 @@ class Ingress:
             self._auth(request)
             body = proto.parse_json(await request.body())
             hashes = body.get("hashes")
-            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool)
-                                                       for h in hashes):
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
                 raise proto.bad("'hashes' must be a list of integers.", "hashes", "invalid_type")
         except (OpenAIError, KvmeshHTTPError) as exc:
             return _error_response(exc)
@@ -352,4 +396,3 @@ class Ingress:
 
         counts = await asyncio.to_thread(r.call_on_loop, lookup)
         return {"replicas": counts}
-

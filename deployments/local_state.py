@@ -5,6 +5,7 @@ copy a class by value, together with the module-level objects its methods use). 
 process-wide instances therefore looks them up here at call time (`local_state.LEDGER`), through the
 module, which is always imported by reference -- never through a name bound at import time.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -12,4 +13,4 @@ import weakref
 from kvmesh.deployments.prediction import PredictionLedger
 
 LEDGER = PredictionLedger()
-ROUTERS: "weakref.WeakSet" = weakref.WeakSet()  # KvmeshRouter instances living in this process
+ROUTERS: weakref.WeakSet = weakref.WeakSet()  # KvmeshRouter instances living in this process

@@ -5,6 +5,7 @@ with the offending `param` and a 4xx status -- never a 422 with FastAPI's own sh
 and the checks are few. Unknown fields are ignored (clients send extras such as `user`), except the
 ones that would let a client choose its cache salt (rejected by `kvmesh.deployments.tenants`).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,21 @@ from kvmesh.deployments.tenants import openai_error
 
 DEFAULT_MAX_TOKENS = 16
 # parameters this server does not implement -> values that mean "off" (accepted silently)
-_UNSUPPORTED: dict[str, tuple] = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
-                                  "suffix": ("",), "tools": ([],), "logit_bias": ({},)}
+_UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "logit_bias": ({},),
+}
 
 
 class OpenAIError(Exception):
     """A client error: status + OpenAI error body."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 err_type: str | None = None):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None, err_type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -103,8 +110,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         include_usage = iu
     n = _number(body, "n", 1, 1, integer=True, default=1)
     del n  # only n == 1 is served
-    max_tokens_name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    max_tokens_name = (
+        "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     params: dict[str, Any] = {
         "max_tokens": _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=DEFAULT_MAX_TOKENS),
         "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
@@ -131,8 +139,13 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         v = body.get(name)
         if v is not None and not any(v == h and type(v) is type(h) for h in harmless):
             raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
-    return GenerationRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
-                             params={k: v for k, v in params.items() if v is not None})
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        params={k: v for k, v in params.items() if v is not None},
+    )
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -151,8 +164,12 @@ def parse_completion(body: dict) -> GenerationRequest:
         if not p:
             raise bad("'prompt' must not be empty.", "prompt", "empty_prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise bad("'prompt' must be a string or a list of token ids (integers); batches of several "
-                      "prompts are not supported.", "prompt", "invalid_type")
+            raise bad(
+                "'prompt' must be a string or a list of token ids (integers); batches of several "
+                "prompts are not supported.",
+                "prompt",
+                "invalid_type",
+            )
         req.prompt_ids = list(p)
     else:
         raise bad("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
@@ -166,12 +183,14 @@ def _content_text(content: Any, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content",
-                          "invalid_type")
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
+                )
             parts.append(part["text"])
         return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content",
-              "invalid_type")
+    raise bad(
+        f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"
+    )
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -201,23 +220,45 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict) -> dict:
     created = int(time.time())
     if req.kind == "chat":
-        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish}], "usage": u}
-    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": u}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": u,
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": u,
+    }
 
 
-def stream_chunk(req: GenerationRequest, rid: str, text: str | None, finish: str | None,
-                 first: bool = False, u: dict | None = None) -> dict:
+def stream_chunk(
+    req: GenerationRequest, rid: str, text: str | None, finish: str | None, first: bool = False, u: dict | None = None
+) -> dict:
     created = int(time.time())
     if req.kind == "chat":
         choices = []
@@ -228,13 +269,20 @@ def stream_chunk(req: GenerationRequest, rid: str, text: str | None, finish: str
             if text:
                 delta["content"] = text
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                 "choices": choices}
+        chunk = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+        }
     else:
-        choices = [] if text is None and finish is None else [
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-        chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                 "choices": choices}
+        choices = (
+            []
+            if text is None and finish is None
+            else [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        )
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if u is not None:
         chunk["usage"] = u
     elif req.include_usage:

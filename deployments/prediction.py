@@ -11,6 +11,7 @@ A single disagreement is not an alarm: two concurrent requests with one prefix, 
 lookup, or a speculative entry that expired legitimately differ by a block or so. The alarm needs
 `alarm_after` consecutive requests that each differ by at least one block.
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,21 +82,34 @@ class PredictionLedger:
                 self.alarm = True
                 self.alarms += 1
         if mismatch:
-            log.info("request %s on %s: predicted %d cached tokens, engine delivered %d", request_id,
-                     p.replica, p.predicted, delivered_tokens)
+            log.info(
+                "request %s on %s: predicted %d cached tokens, engine delivered %d",
+                request_id,
+                p.replica,
+                p.predicted,
+                delivered_tokens,
+            )
         if raise_alarm:
-            log.warning("HASH CONTRACT ALARM: %d consecutive requests where the router's predicted cached "
-                        "tokens disagree with the engine's (last: predicted %d, delivered %d on %s). Check "
-                        "hash_algo, PYTHONHASHSEED, tokenizer and salt handling.", self.consecutive,
-                        p.predicted, delivered_tokens, p.replica)
+            log.warning(
+                "HASH CONTRACT ALARM: %d consecutive requests where the router's predicted cached "
+                "tokens disagree with the engine's (last: predicted %d, delivered %d on %s). Check "
+                "hash_algo, PYTHONHASHSEED, tokenizer and salt handling.",
+                self.consecutive,
+                p.predicted,
+                delivered_tokens,
+                p.replica,
+            )
         return p.predicted, mismatch
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "compared": self.compared, "mismatches": self.mismatches, "consecutive": self.consecutive,
-                "alarm": self.alarm, "alarms": self.alarms, "predicted_tokens": self.predicted_tokens,
+                "compared": self.compared,
+                "mismatches": self.mismatches,
+                "consecutive": self.consecutive,
+                "alarm": self.alarm,
+                "alarms": self.alarms,
+                "predicted_tokens": self.predicted_tokens,
                 "delivered_tokens": self.delivered_tokens,
                 "per_replica": {k: list(v) for k, v in self.per_replica.items()},
             }
-

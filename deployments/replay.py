@@ -22,6 +22,7 @@ Ordering. Requests of one `user` (multi-turn chat) are sent one after another: a
 turn k+1 before turn k's reply arrived. Otherwise arrivals follow a fixed concurrency, or the trace's
 timestamps scaled by `time_scale`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,9 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Callable, Sequence
 
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
@@ -159,8 +160,9 @@ def one_token_words(tokenizer) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------- client
-async def _one_request(client, cfg: ReplayConfig, model: str, rec: dict, index: int, builder: PromptBuilder,
-                       run_t0: float) -> RequestResult:
+async def _one_request(
+    client, cfg: ReplayConfig, model: str, rec: dict, index: int, builder: PromptBuilder, run_t0: float
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": builder.prompt(rec),
@@ -205,20 +207,43 @@ async def _one_request(client, cfg: ReplayConfig, model: str, rec: dict, index: 
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (_HttpError, ValueError) as exc:
-        return RequestResult(index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, str(exc),
-                             start)
+        return RequestResult(
+            index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, str(exc), start
+        )
     except Exception as exc:  # transport errors: timeouts, resets -- counted, never fatal to the run
-        return RequestResult(index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica,
-                             f"{type(exc).__name__}: {exc}", start)
+        return RequestResult(
+            index,
+            user,
+            tenant,
+            sent,
+            None,
+            0,
+            ttft,
+            time.perf_counter() - t0,
+            replica,
+            f"{type(exc).__name__}: {exc}",
+            start,
+        )
     latency = time.perf_counter() - t0
     if usage is None:
-        return RequestResult(index, user, tenant, sent, None, out_chunks, ttft, latency, replica,
-                             "no usage in the stream", start)
+        return RequestResult(
+            index, user, tenant, sent, None, out_chunks, ttft, latency, replica, "no usage in the stream", start
+        )
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
-    return RequestResult(index, user, tenant, int(usage.get("prompt_tokens", sent)),
-                         None if cached is None else int(cached), int(usage.get("completion_tokens", out_chunks)),
-                         ttft, latency, replica, None, start)
+    return RequestResult(
+        index,
+        user,
+        tenant,
+        int(usage.get("prompt_tokens", sent)),
+        None if cached is None else int(cached),
+        int(usage.get("completion_tokens", out_chunks)),
+        ttft,
+        latency,
+        replica,
+        None,
+        start,
+    )
 
 
 class _HttpError(Exception):
@@ -251,8 +276,9 @@ async def _discover_model(client, cfg: ReplayConfig, headers: dict) -> str:
     return models[0]["id"]
 
 
-async def replay_async(records: Sequence[dict], cfg: ReplayConfig,
-                       on_result: Callable[[RequestResult], None] | None = None) -> "ReplayReport":
+async def replay_async(
+    records: Sequence[dict], cfg: ReplayConfig, on_result: Callable[[RequestResult], None] | None = None
+) -> ReplayReport:
     """Send every record; return the per-request results and the run's wall time."""
     import httpx
 
@@ -276,8 +302,18 @@ async def replay_async(records: Sequence[dict], cfg: ReplayConfig,
 
         async def attempt(i: int, rec: dict) -> RequestResult:
             if cfg.max_errors is not None and failures >= cfg.max_errors:  # checked once it may go
-                return RequestResult(i, rec.get("user"), rec.get("tenant"), builder.prompt_len(rec), None, 0,
-                                     None, 0.0, cfg.label or "unknown", f"not sent: {failures} errors before it")
+                return RequestResult(
+                    i,
+                    rec.get("user"),
+                    rec.get("tenant"),
+                    builder.prompt_len(rec),
+                    None,
+                    0,
+                    None,
+                    0.0,
+                    cfg.label or "unknown",
+                    f"not sent: {failures} errors before it",
+                )
             return await _one_request(client, cfg, model, rec, i, builder, t0)
 
         async def send(i: int, rec: dict, after: asyncio.Event | None, done: asyncio.Event) -> None:
@@ -325,7 +361,7 @@ def _progress(total: int):
     return tqdm(total=total, unit="req", desc="replay", leave=False, dynamic_ncols=True)
 
 
-def replay(records: Sequence[dict], cfg: ReplayConfig) -> "ReplayReport":
+def replay(records: Sequence[dict], cfg: ReplayConfig) -> ReplayReport:
     """Blocking wrapper around `replay_async` (own event loop)."""
     return asyncio.run(replay_async(records, cfg))
 
@@ -371,13 +407,15 @@ class ReplayReport:
             "ttft_p50_s": nearest_rank(ttfts, 0.5) if ttfts else None,
             "ttft_p90_s": nearest_rank(ttfts, 0.9) if ttfts else None,
             "ttft_p99_s": nearest_rank(ttfts, 0.99) if ttfts else None,
-            "throughput_tokens_s": (sum(r.prompt_tokens + r.output_tokens for r in ok) / self.wall_s
-                                    if self.wall_s > 0 else None),
+            "throughput_tokens_s": (
+                sum(r.prompt_tokens + r.output_tokens for r in ok) / self.wall_s if self.wall_s > 0 else None
+            ),
             "wall_s": self.wall_s,
             "model": self.model,
             "per_replica_known": any(r.replica != (self.label or "unknown") for r in ok),
-            "uncached_max_over_mean": (max(uncached) / statistics.fmean(uncached)
-                                       if uncached and statistics.fmean(uncached) > 0 else None),
+            "uncached_max_over_mean": (
+                max(uncached) / statistics.fmean(uncached) if uncached and statistics.fmean(uncached) > 0 else None
+            ),
             "per_replica": per_replica,
         }
 
@@ -390,17 +428,23 @@ class ReplayReport:
 
 def format_table(summaries: dict[str, dict]) -> str:
     """Side-by-side table: one column per run (e.g. {"kvmesh": s1, "round_robin": s2})."""
+
     def fmt(v, kind):
         if v is None:
             return "n/a"
         return {"pct": f"{100 * v:.1f}%", "int": f"{v:,}", "s": f"{1000 * v:.1f} ms", "f": f"{v:.2f}"}[kind]
 
     rows = [
-        ("requests", "requests", "int"), ("errors", "errors", "int"),
-        ("hit rate (tokens)", "hit_rate_tokens", "pct"), ("hit rate (requests)", "hit_rate_requests", "pct"),
-        ("prompt tokens", "prompt_tokens", "int"), ("uncached prompt tokens", "uncached_prompt_tokens", "int"),
-        ("TTFT p50", "ttft_p50_s", "s"), ("TTFT p90", "ttft_p90_s", "s"),
-        ("throughput tok/s", "throughput_tokens_s", "f"), ("uncached max/mean replica", "uncached_max_over_mean", "f"),
+        ("requests", "requests", "int"),
+        ("errors", "errors", "int"),
+        ("hit rate (tokens)", "hit_rate_tokens", "pct"),
+        ("hit rate (requests)", "hit_rate_requests", "pct"),
+        ("prompt tokens", "prompt_tokens", "int"),
+        ("uncached prompt tokens", "uncached_prompt_tokens", "int"),
+        ("TTFT p50", "ttft_p50_s", "s"),
+        ("TTFT p90", "ttft_p90_s", "s"),
+        ("throughput tok/s", "throughput_tokens_s", "f"),
+        ("uncached max/mean replica", "uncached_max_over_mean", "f"),
     ]
     names = list(summaries)
     width = max(12, *(len(n) for n in names))
@@ -410,8 +454,10 @@ def format_table(summaries: dict[str, dict]) -> str:
     for n in names:
         s = summaries[n]
         if s.get("per_replica_known"):
-            parts = ", ".join(f"{rep}: {row['requests']} req {100 * row['hit_rate_tokens']:.0f}% hit "
-                              f"{row['uncached_prompt_tokens']:,} uncached"
-                              for rep, row in sorted(s["per_replica"].items()))
+            parts = ", ".join(
+                f"{rep}: {row['requests']} req {100 * row['hit_rate_tokens']:.0f}% hit "
+                f"{row['uncached_prompt_tokens']:,} uncached"
+                for rep, row in sorted(s["per_replica"].items())
+            )
             lines.append(f"  {n} per replica: {parts}")
     return "\n".join(lines)

@@ -17,13 +17,14 @@ The router runs in the caller's process (the ingress replica), on Serve's router
 also owns the index and the subscribers. Other threads (the ingress's /metrics) read it through
 `snapshot()` / `index_view()`, which hop onto that loop.
 """
+
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -41,12 +42,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
-def active_routers() -> list["KvmeshRouter"]:
+
+def active_routers() -> list[KvmeshRouter]:
     """Routers living in this process (normally one per engine handle in the ingress)."""
     return list(local_state.ROUTERS)
 
 
-def request_fields(pending_request: Optional[PendingRequest]) -> dict | None:
+def request_fields(pending_request: PendingRequest | None) -> dict | None:
     """The engine request dict the ingress passed as the first positional argument, if any."""
     if pending_request is None or not pending_request.args:
         return None
@@ -85,10 +87,19 @@ class _Inflight:
 class KvmeshRouter(RequestRouter):
     """Prefix- and load-aware placement with a pluggable `policies` ranking."""
 
-    def initialize_state(self, policy: str = "kvmesh", policy_params: dict | None = None,
-                         hash_algo: str = "sha256", block_size: int = 32, speculative_ttl_s: float = 2.0,
-                         max_blocks: int = 2_000_000, mismatch_alarm_after: int = 3, seed: int = 0,
-                         subscribe_events: bool = True, **_ignored: Any):
+    def initialize_state(
+        self,
+        policy: str = "kvmesh",
+        policy_params: dict | None = None,
+        hash_algo: str = "sha256",
+        block_size: int = 32,
+        speculative_ttl_s: float = 2.0,
+        max_blocks: int = 2_000_000,
+        mismatch_alarm_after: int = 3,
+        seed: int = 0,
+        subscribe_events: bool = True,
+        **_ignored: Any,
+    ):
         self.policy = make_policy(policy, seed=seed, **(policy_params or {}))
         self.policy_name = policy
         self.seed = seed
@@ -114,10 +125,11 @@ class KvmeshRouter(RequestRouter):
         local_state.ROUTERS.add(self)
 
     # ------------------------------------------------------------------ replica membership
-    async def _sync_replicas(self, candidates: List[RunningReplica]) -> None:
+    async def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
         known = set(self.index.replicas())
         current = {r.replica_id.unique_id for r in self.curr_replicas.values()} | {
-            r.replica_id.unique_id for r in candidates}
+            r.replica_id.unique_id for r in candidates
+        }
         for rid in known - current:
             self._forget(rid)
         for r in candidates:
@@ -129,9 +141,12 @@ class KvmeshRouter(RequestRouter):
                     p.on_replica_added(rid)
             if stats.get("tiers") and rid in self.index.replicas():  # engine runs on an LMCache node server
                 t = stats["tiers"]
-                self.tiers.set_node(self.index.node_of(rid), has_shared_tier=bool(t.get("shared")),
-                                    host_capacity_blocks=t.get("host_capacity_blocks"),
-                                    chunk_blocks=t.get("chunk_blocks"))
+                self.tiers.set_node(
+                    self.index.node_of(rid),
+                    has_shared_tier=bool(t.get("shared")),
+                    host_capacity_blocks=t.get("host_capacity_blocks"),
+                    chunk_blocks=t.get("chunk_blocks"),
+                )
                 if getattr(self, "_tier_watch", None) is None:  # shared-tier loss, server restarts
                     from kvmesh.kvstore.node_server import watch_tier_health
 
@@ -144,8 +159,12 @@ class KvmeshRouter(RequestRouter):
             from kvmesh.cluster.kv_events import KVEventSubscriber
 
             self.events = KVEventSubscriber(self.tiers)  # the index, minus LMCache chunk-hash events
-        await self.events.add_source(rid, stats["kv_events_endpoint"], topic=stats.get("events_topic", ""),
-                                     replay_endpoint=stats.get("replay_endpoint"))
+        await self.events.add_source(
+            rid,
+            stats["kv_events_endpoint"],
+            topic=stats.get("events_topic", ""),
+            replay_endpoint=stats.get("replay_endpoint"),
+        )
         self._subscribed.add(rid)
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
 
@@ -164,7 +183,7 @@ class KvmeshRouter(RequestRouter):
         self._forget(replica_id.unique_id)
 
     # ------------------------------------------------------------------ routing
-    def _views(self, candidates: List[RunningReplica], matches: dict) -> list[ReplicaView]:
+    def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:
         pending: dict[str, list[int]] = {}
         for st in self._inflight.values():
             p = pending.setdefault(st.replica, [0, 0, 0])  # inflight, started, pending prefill tokens
@@ -179,17 +198,25 @@ class KvmeshRouter(RequestRouter):
             stats = r.routing_stats or {}
             inflight, started, prefill = pending.get(rid, (0, 0, 0))
             hbm, host, shared = matches.get(rid, (0, 0, 0))
-            views.append(ReplicaView(
-                replica_id=rid, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared,
-                # what this router sent is exact and fresh; the replica's own report covers other routers
-                queued=max(inflight - started, int(stats.get("queued", 0))),
-                running=max(started, int(stats.get("running", 0))),
-                kv_usage=float(stats.get("kv_usage", 0.0)), pending_prefill_tokens=prefill,
-                capacity_blocks=int(stats.get("num_blocks", 0))))
+            views.append(
+                ReplicaView(
+                    replica_id=rid,
+                    hbm_blocks=hbm,
+                    host_blocks=host,
+                    shared_blocks=shared,
+                    # what this router sent is exact and fresh; the replica's own report covers other routers
+                    queued=max(inflight - started, int(stats.get("queued", 0))),
+                    running=max(started, int(stats.get("running", 0))),
+                    kv_usage=float(stats.get("kv_usage", 0.0)),
+                    pending_prefill_tokens=prefill,
+                    capacity_blocks=int(stats.get("num_blocks", 0)),
+                )
+            )
         return views
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
         await self._sync_replicas(candidate_replicas)
         req = request_fields(pending_request)
@@ -197,11 +224,17 @@ class KvmeshRouter(RequestRouter):
         if req is None or pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         ids = req["prompt_token_ids"]
-        hashes = block_hashes(ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"),
-                              memo=self.memo)
-        info = RequestInfo(block_hashes=hashes, num_tokens=len(ids), block_size=self.block_size,
-                           expected_output_tokens=int((req.get("params") or {}).get("max_tokens") or 0),
-                           tenant=req.get("tenant"), request_id=req.get("request_id"))
+        hashes = block_hashes(
+            ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"), memo=self.memo
+        )
+        info = RequestInfo(
+            block_hashes=hashes,
+            num_tokens=len(ids),
+            block_size=self.block_size,
+            expected_output_tokens=int((req.get("params") or {}).get("max_tokens") or 0),
+            tenant=req.get("tenant"),
+            request_id=req.get("request_id"),
+        )
         internal = pending_request.metadata.internal_request_id
         earlier = self._routing.pop(internal, None)
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
@@ -275,8 +308,7 @@ class KvmeshRouter(RequestRouter):
             self._policies[name] = policy
         return self._policies[name]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         pass  # bookkeeping happens in _choose_replica_for_request (always called)
 
     def _routed(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
@@ -290,8 +322,15 @@ class KvmeshRouter(RequestRouter):
             self.fallbacks += 1
             self._withdraw(routed)
             self._commit(routed, rid)
-        self.recent.append({"request_id": info.request_id, "tokens": info.num_tokens, "chosen": rid,
-                            "first_choice": first, "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]}})
+        self.recent.append(
+            {
+                "request_id": info.request_id,
+                "tokens": info.num_tokens,
+                "chosen": rid,
+                "first_choice": first,
+                "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]},
+            }
+        )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, routed.policy, routed)
@@ -329,8 +368,7 @@ class KvmeshRouter(RequestRouter):
             "fallbacks": self.fallbacks,
             "recent_decisions": list(self.recent),
             "inflight": len(self._inflight),
-            "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {})
-                              for r in self.curr_replicas.values()},
+            "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self.curr_replicas.values()},
         }
 
     def held_blocks(self) -> dict[str, int]:

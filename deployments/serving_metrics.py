@@ -5,6 +5,7 @@ Why hand-rolled: a few counters and one histogram per replica; prometheus_client
 would collide across Serve replicas sharing a process in tests, and we want `snapshot()` as plain data
 for the demo and tests too.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -40,7 +41,9 @@ class _Counters:
 
     def as_dict(self) -> dict:
         return {
-            "requests": self.requests, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "hit_rate_tokens": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "hit_rate_requests": self.hit_requests / self.requests if self.requests else 0.0,
@@ -59,12 +62,14 @@ class ServingMetrics:
         self.per_replica: dict[str, _Counters] = {}
         self.errors: dict[int, int] = {}
 
-    def record(self, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-               ttft_s: float | None) -> None:
+    def record(
+        self, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float | None
+    ) -> None:
         with self._lock:
             self.total.add(prompt_tokens, cached_tokens, completion_tokens, ttft_s)
-            self.per_replica.setdefault(replica, _Counters()).add(prompt_tokens, cached_tokens,
-                                                                   completion_tokens, ttft_s)
+            self.per_replica.setdefault(replica, _Counters()).add(
+                prompt_tokens, cached_tokens, completion_tokens, ttft_s
+            )
 
     def record_error(self, status: int) -> None:
         with self._lock:
@@ -72,9 +77,11 @@ class ServingMetrics:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"total": self.total.as_dict(),
-                    "per_replica": {k: v.as_dict() for k, v in self.per_replica.items()},
-                    "errors": dict(self.errors)}
+            return {
+                "total": self.total.as_dict(),
+                "per_replica": {k: v.as_dict() for k, v in self.per_replica.items()},
+                "errors": dict(self.errors),
+            }
 
     def prometheus_text(self, ledger: dict | None = None, router: dict | None = None) -> str:
         out: list[str] = []
@@ -89,18 +96,39 @@ class ServingMetrics:
         with self._lock:
             groups: list[tuple[dict, _Counters]] = [({}, self.total)]
             groups += [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]
-            metric("kvmesh_requests_total", "counter", "completed generation requests",
-                   [(lab, c.requests) for lab, c in groups])
-            metric("kvmesh_prompt_tokens_total", "counter", "prompt tokens",
-                   [(lab, c.prompt_tokens) for lab, c in groups])
-            metric("kvmesh_cached_prompt_tokens_total", "counter", "prompt tokens served from the KV cache",
-                   [(lab, c.cached_tokens) for lab, c in groups])
-            metric("kvmesh_completion_tokens_total", "counter", "generated tokens",
-                   [(lab, c.completion_tokens) for lab, c in groups])
-            metric("kvmesh_hit_rate_tokens", "gauge", "token-weighted KV hit rate = cached / prompt tokens",
-                   [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups])
-            metric("kvmesh_hit_rate_requests", "gauge", "fraction of requests with any cached prompt token",
-                   [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups])
+            metric(
+                "kvmesh_requests_total",
+                "counter",
+                "completed generation requests",
+                [(lab, c.requests) for lab, c in groups],
+            )
+            metric(
+                "kvmesh_prompt_tokens_total", "counter", "prompt tokens", [(lab, c.prompt_tokens) for lab, c in groups]
+            )
+            metric(
+                "kvmesh_cached_prompt_tokens_total",
+                "counter",
+                "prompt tokens served from the KV cache",
+                [(lab, c.cached_tokens) for lab, c in groups],
+            )
+            metric(
+                "kvmesh_completion_tokens_total",
+                "counter",
+                "generated tokens",
+                [(lab, c.completion_tokens) for lab, c in groups],
+            )
+            metric(
+                "kvmesh_hit_rate_tokens",
+                "gauge",
+                "token-weighted KV hit rate = cached / prompt tokens",
+                [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups],
+            )
+            metric(
+                "kvmesh_hit_rate_requests",
+                "gauge",
+                "fraction of requests with any cached prompt token",
+                [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups],
+            )
             out.append("# HELP kvmesh_ttft_seconds time to first token seen by the ingress")
             out.append("# TYPE kvmesh_ttft_seconds histogram")
             for labels, c in groups:
@@ -111,26 +139,53 @@ class ServingMetrics:
                 out.append(f'kvmesh_ttft_seconds_bucket{{{base}{sep}le="+Inf"}} {c.ttft_count}')
                 out.append(f"kvmesh_ttft_seconds_sum{{{base}}} {c.ttft_sum}")
                 out.append(f"kvmesh_ttft_seconds_count{{{base}}} {c.ttft_count}")
-            metric("kvmesh_http_errors_total", "counter", "client/server errors by status",
-                   [({"status": str(s)}, n) for s, n in sorted(self.errors.items())])
+            metric(
+                "kvmesh_http_errors_total",
+                "counter",
+                "client/server errors by status",
+                [({"status": str(s)}, n) for s, n in sorted(self.errors.items())],
+            )
         if ledger is not None:
             per_replica = ledger["per_replica"].items()
-            metric("kvmesh_predicted_cached_tokens_total", "counter", "cached tokens the router predicted",
-                   [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in per_replica])
-            metric("kvmesh_delivered_cached_tokens_total", "counter", "cached tokens the engines reported "
-                   "for requests with a prediction",
-                   [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in per_replica])
-            metric("kvmesh_prediction_mismatches_total", "counter", "requests where predicted and delivered "
-                   "cached tokens differ by a block or more",
-                   [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in per_replica])
+            metric(
+                "kvmesh_predicted_cached_tokens_total",
+                "counter",
+                "cached tokens the router predicted",
+                [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in per_replica],
+            )
+            metric(
+                "kvmesh_delivered_cached_tokens_total",
+                "counter",
+                "cached tokens the engines reported for requests with a prediction",
+                [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in per_replica],
+            )
+            metric(
+                "kvmesh_prediction_mismatches_total",
+                "counter",
+                "requests where predicted and delivered cached tokens differ by a block or more",
+                [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in per_replica],
+            )
             metric("kvmesh_prediction_compared_total", "counter", "requests compared", [({}, ledger["compared"])])
-            metric("kvmesh_hash_contract_alarm", "gauge", "1 while predictions keep disagreeing with the engines "
-                   "(router and engine block hashes probably differ)", [({}, int(ledger["alarm"]))])
+            metric(
+                "kvmesh_hash_contract_alarm",
+                "gauge",
+                "1 while predictions keep disagreeing with the engines "
+                "(router and engine block hashes probably differ)",
+                [({}, int(ledger["alarm"]))],
+            )
         if router is not None:
             idx = router.get("index", {})
-            metric("kvmesh_router_index_events_total", "counter", "prefix-index counters",
-                   [({"counter": k}, v) for k, v in sorted(idx.items())])
+            metric(
+                "kvmesh_router_index_events_total",
+                "counter",
+                "prefix-index counters",
+                [({"counter": k}, v) for k, v in sorted(idx.items())],
+            )
             metric("kvmesh_router_decisions_total", "counter", "routing decisions", [({}, router.get("decisions", 0))])
-            metric("kvmesh_router_decision_seconds_total", "counter", "time spent deciding",
-                   [({}, router.get("decision_s_total", 0.0))])
+            metric(
+                "kvmesh_router_decision_seconds_total",
+                "counter",
+                "time spent deciding",
+                [({}, router.get("decision_s_total", 0.0))],
+            )
         return "\n".join(out) + "\n"

@@ -8,6 +8,7 @@ ingress replicas or tests can each own a collector.
 Definitions: token-weighted hit rate = sum(cached) / sum(prompt); request-weighted hit rate = mean over
 requests of cached/prompt (each request counts once, whatever its length).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -89,25 +90,50 @@ class TenantMetrics:
         """Prometheus exposition format (text 0.0.4), ready to append to the ingress's /metrics."""
         p = self.prefix
         lines = [
-            f"# HELP {p}_requests_total Requests served per tenant.", f"# TYPE {p}_requests_total counter",
+            f"# HELP {p}_requests_total Requests served per tenant.",
+            f"# TYPE {p}_requests_total counter",
         ]
         with self._lock:
             everyone = sorted(self._tenants.items())
             items = [(t, c) for t, c in everyone if c.requests]  # rejected-only tenants: rejections only
+
             def emit(name, kind, help_text, rows):
                 lines.extend([f"# HELP {p}_{name} {help_text}", f"# TYPE {p}_{name} {kind}"])
                 lines.extend(rows)
+
             lines.extend(f'{p}_requests_total{{tenant="{_label(t)}"}} {c.requests}' for t, c in items)
-            emit("prompt_tokens_total", "counter", "Prompt tokens per tenant.",
-                 [f'{p}_prompt_tokens_total{{tenant="{_label(t)}"}} {c.prompt_tokens}' for t, c in items])
-            emit("cached_tokens_total", "counter", "Prompt tokens served from the KV cache per tenant.",
-                 [f'{p}_cached_tokens_total{{tenant="{_label(t)}"}} {c.cached_tokens}' for t, c in items])
-            emit("hit_rate_tokens", "gauge", "Token-weighted KV cache hit rate (cached/prompt tokens).",
-                 [f'{p}_hit_rate_tokens{{tenant="{_label(t)}"}} '
-                  f'{(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0):.6f}' for t, c in items])
-            emit("hit_rate_requests", "gauge", "Request-weighted KV cache hit rate (mean per-request ratio).",
-                 [f'{p}_hit_rate_requests{{tenant="{_label(t)}"}} '
-                  f'{(c.hit_ratio_sum / c.requests if c.requests else 0.0):.6f}' for t, c in items])
+            emit(
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens per tenant.",
+                [f'{p}_prompt_tokens_total{{tenant="{_label(t)}"}} {c.prompt_tokens}' for t, c in items],
+            )
+            emit(
+                "cached_tokens_total",
+                "counter",
+                "Prompt tokens served from the KV cache per tenant.",
+                [f'{p}_cached_tokens_total{{tenant="{_label(t)}"}} {c.cached_tokens}' for t, c in items],
+            )
+            emit(
+                "hit_rate_tokens",
+                "gauge",
+                "Token-weighted KV cache hit rate (cached/prompt tokens).",
+                [
+                    f'{p}_hit_rate_tokens{{tenant="{_label(t)}"}} '
+                    f"{(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0):.6f}"
+                    for t, c in items
+                ],
+            )
+            emit(
+                "hit_rate_requests",
+                "gauge",
+                "Request-weighted KV cache hit rate (mean per-request ratio).",
+                [
+                    f'{p}_hit_rate_requests{{tenant="{_label(t)}"}} '
+                    f"{(c.hit_ratio_sum / c.requests if c.requests else 0.0):.6f}"
+                    for t, c in items
+                ],
+            )
             rows = []
             for t, c in items:
                 cumulative = 0
@@ -118,7 +144,14 @@ class TenantMetrics:
                 rows.append(f'{p}_ttft_seconds_sum{{tenant="{_label(t)}"}} {c.ttft_sum:.6f}')
                 rows.append(f'{p}_ttft_seconds_count{{tenant="{_label(t)}"}} {c.ttft_count}')
             emit("ttft_seconds", "histogram", "Time to first token per tenant.", rows)
-            emit("rejections_total", "counter", "Requests refused (auth, limits, bad input) per tenant and reason.",
-                 [f'{p}_rejections_total{{tenant="{_label(t)}",reason="{_label(r)}"}} {n}'
-                  for t, c in everyone for r, n in sorted(c.rejections.items())])
+            emit(
+                "rejections_total",
+                "counter",
+                "Requests refused (auth, limits, bad input) per tenant and reason.",
+                [
+                    f'{p}_rejections_total{{tenant="{_label(t)}",reason="{_label(r)}"}} {n}'
+                    for t, c in everyone
+                    for r, n in sorted(c.rejections.items())
+                ],
+            )
         return "\n".join(lines) + "\n"

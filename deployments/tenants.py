@@ -45,6 +45,7 @@ Config (see deployments/tenants.example.yaml and docs/tenants.md):
 
 `python -m kvmesh.deployments.tenants new-key` prints a fresh key and its digest; `hash-key` hashes stdin.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,9 +56,10 @@ import os
 import re
 import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,256}$")
 _SALT_DOMAIN = b"kvmesh-cache-salt-v1"
 
 
-def openai_error(status: int, message: str, code: str, err_type: str | None = None,
-                 param: str | None = None) -> dict:
+def openai_error(status: int, message: str, code: str, err_type: str | None = None, param: str | None = None) -> dict:
     """The OpenAI error body shape, so the official client raises its usual exception types."""
     if err_type is None:
         err_type = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
@@ -129,7 +130,7 @@ class Limits:
     burst_requests: float | None = None
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None, base: "Limits | None" = None, where: str = "limits") -> "Limits":
+    def from_dict(cls, raw: Mapping[str, Any] | None, base: Limits | None = None, where: str = "limits") -> Limits:
         base = base or cls()
         if raw is None:
             return base
@@ -180,8 +181,11 @@ def derive_salt(secret: bytes, tenant_id: str, group: str | None = None) -> str:
     return hmac.new(secret, _SALT_DOMAIN + b"\0" + scope.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
-def resolve_secret(secret: bytes | str | None = None, secret_file: str | os.PathLike | None = None,
-                   env: Mapping[str, str] | None = None) -> bytes:
+def resolve_secret(
+    secret: bytes | str | None = None,
+    secret_file: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+) -> bytes:
     """The server secret: explicit value, else $KVMESH_SALT_SECRET, else $KVMESH_SALT_SECRET_FILE, else
     `secret_file`, else a random one generated for this process (local runs: caches then do not
     survive a restart, which is safe)."""
@@ -255,8 +259,10 @@ class TenantRegistry:
             self.tenants.setdefault(entry.tenant.id, entry.tenant)
 
     def __repr__(self) -> str:
-        return (f"TenantRegistry({len(self.tenants)} tenants, {len(self._entries)} keys, "
-                f"secret fp {self._secret_fingerprint})")
+        return (
+            f"TenantRegistry({len(self.tenants)} tenants, {len(self._entries)} keys, "
+            f"secret fp {self._secret_fingerprint})"
+        )
 
     @property
     def secret_fingerprint(self) -> str:
@@ -264,17 +270,20 @@ class TenantRegistry:
         return self._secret_fingerprint
 
     @classmethod
-    def single_key(cls, api_key: str, secret: bytes | str | None = None, tenant_id: str = "default",
-                   limits: Limits | None = None) -> "TenantRegistry":
+    def single_key(
+        cls, api_key: str, secret: bytes | str | None = None, tenant_id: str = "default", limits: Limits | None = None
+    ) -> TenantRegistry:
         """One tenant with one key: what `kvmesh serve --api-key KEY` runs with."""
         if not isinstance(api_key, str) or not _TOKEN.match(api_key):
             raise ConfigError("API key must be 8-256 characters of [A-Za-z0-9._~+/=-]")
-        return cls.from_dict({"tenants": [{"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}],
-                                           "limits": None}]}, secret=secret,
-                             default_limits=limits)
+        return cls.from_dict(
+            {"tenants": [{"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}], "limits": None}]},
+            secret=secret,
+            default_limits=limits,
+        )
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, secret: bytes | str | None = None) -> "TenantRegistry":
+    def from_file(cls, path: str | os.PathLike, secret: bytes | str | None = None) -> TenantRegistry:
         """Load YAML (.yaml/.yml), TOML (.toml) or JSON (.json)."""
         path = Path(path)
         try:
@@ -284,19 +293,26 @@ class TenantRegistry:
         try:
             if path.suffix == ".toml":
                 import tomllib
+
                 raw = tomllib.loads(text)
             elif path.suffix == ".json":
                 raw = json.loads(text)
             else:
                 import yaml
+
                 raw = yaml.safe_load(text)
         except Exception as exc:  # parser errors differ per format; report one line
             raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
         return cls.from_dict(raw, secret=secret, base_dir=path.parent)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], secret: bytes | str | None = None,
-                  base_dir: Path | None = None, default_limits: Limits | None = None) -> "TenantRegistry":
+    def from_dict(
+        cls,
+        raw: Mapping[str, Any],
+        secret: bytes | str | None = None,
+        base_dir: Path | None = None,
+        default_limits: Limits | None = None,
+    ) -> TenantRegistry:
         if not isinstance(raw, Mapping):
             raise ConfigError("tenants config: expected a mapping at the top level")
         unknown = set(raw) - {"secret_file", "defaults", "admission", "tenants"}
@@ -387,14 +403,18 @@ def reject_client_salt(body: Any, headers: Mapping[str, str] | None = None) -> N
     if isinstance(body, Mapping):
         for name in CLIENT_SALT_FIELDS:
             if name in body:
-                raise ClientSaltError(f"'{name}' is set by the server from your API key and may not be sent.",
-                                      "client_cache_salt_not_allowed")
+                raise ClientSaltError(
+                    f"'{name}' is set by the server from your API key and may not be sent.",
+                    "client_cache_salt_not_allowed",
+                )
     if headers:
         present = {str(k).lower() for k in headers.keys()}
         for name in CLIENT_TENANT_HEADERS:
             if name in present:
-                raise ClientSaltError(f"Header '{name}' is not accepted: the tenant comes from your API key.",
-                                      "client_tenant_header_not_allowed")
+                raise ClientSaltError(
+                    f"Header '{name}' is not accepted: the tenant comes from your API key.",
+                    "client_tenant_header_not_allowed",
+                )
 
 
 def _main(argv: list[str]) -> int:

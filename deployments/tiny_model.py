@@ -9,6 +9,7 @@ so every process and every machine hashes the same token ids, and idempotent (a 
     from kvmesh.deployments.tiny_model import build_tiny_model
     path = build_tiny_model("/tmp/tiny")      # -> Path, a Hugging Face model directory
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ def _corpus() -> list[str]:
     # pseudo-words from syllables: enough distinct pairs for the trainer to fill the whole vocabulary
     syllables = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["th", "sh", "ng", "qu", "x", "y"]
     for _ in range(3000):
-        lines.append(" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
-                              for _ in range(rng.randint(4, 16))))
+        lines.append(
+            " ".join(
+                "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(4, 16))
+            )
+        )
     return lines
 
 

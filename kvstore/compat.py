@@ -8,6 +8,7 @@ in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) dies with
 because their worker starts before the connector imports LMCache. Making the wrapper refuse dunder
 names restores normal Python semantics without changing anything llvmlite itself calls.
 """
+
 from __future__ import annotations
 
 _PATCHED = False

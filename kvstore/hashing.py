@@ -20,13 +20,15 @@ Prompt-embedding inputs are not supported (the router never sees embeddings).
 blocks; `HashMemo` memoises (parent, block tokens) -> hash across requests, so a prompt whose prefix
 was seen before costs a dict probe per known block instead of a pickle + SHA-256.
 """
+
 from __future__ import annotations
 
 import array
 import hashlib
 import os
 import pickle
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -41,22 +43,28 @@ def _sha256(obj: Any) -> bytes:
 
 def _sha256_cbor(obj: Any) -> bytes:
     import cbor2
+
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
 def _xxhash(obj: Any) -> bytes:
     import xxhash
+
     return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=_PROTO))
 
 
 def _xxhash_cbor(obj: Any) -> bytes:
     import cbor2
     import xxhash
+
     return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
 
 
 _HASH_FNS: dict[str, Callable[[Any], bytes]] = {
-    "sha256": _sha256, "sha256_cbor": _sha256_cbor, "xxhash": _xxhash, "xxhash_cbor": _xxhash_cbor,
+    "sha256": _sha256,
+    "sha256_cbor": _sha256_cbor,
+    "xxhash": _xxhash,
+    "xxhash_cbor": _xxhash_cbor,
 }
 _NONE_HASHES: dict[tuple[str, str], bytes] = {}
 
@@ -80,7 +88,8 @@ def resolve_seed(algo: str, seed: str | None = None) -> str:
     if algo.startswith("xxhash"):
         raise ValueError(
             f"{algo}: vLLM seeds NONE_HASH randomly per process when PYTHONHASHSEED is unset; "
-            "set the same PYTHONHASHSEED for engines and router (or pass none_hash_seed)")
+            "set the same PYTHONHASHSEED for engines and router (or pass none_hash_seed)"
+        )
     return DEFAULT_NONE_HASH_SEED
 
 
@@ -146,11 +155,20 @@ class BlockHasher:
     hashes as hashing the whole token list at once.
     """
 
-    def __init__(self, block_size: int, *, algo: str = "sha256", cache_salt: str | None = None,
-                 lora_name: str | None = None, lora_path: str | None = None,
-                 mm_keys: Sequence[tuple[str, int, int]] | None = None,
-                 parent: bytes | None = None, start_token: int | None = None,
-                 none_hash_seed: str | None = None, memo: HashMemo | None = None):
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        algo: str = "sha256",
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        mm_keys: Sequence[tuple[str, int, int]] | None = None,
+        parent: bytes | None = None,
+        start_token: int | None = None,
+        none_hash_seed: str | None = None,
+        memo: HashMemo | None = None,
+    ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if (lora_name is None) != (lora_path is None):
@@ -228,7 +246,7 @@ class BlockHasher:
         if full:
             self._parent = full[-1]
         self._pos += n_full * bs
-        self._tail = buf[n_full * bs:]
+        self._tail = buf[n_full * bs :]
         self.full_hashes.extend(full)
         self.hashes.extend(evs)
         return evs
@@ -245,23 +263,22 @@ class BlockHasher:
         parent = parent or self._none
         out: list[bytes] = []
         if first < end and self._salt_key(first) is not None:
-            parent = self._fn((parent, tuple(buf[first * bs:(first + 1) * bs]), self._salt_key(first)))
+            parent = self._fn((parent, tuple(buf[first * bs : (first + 1) * bs]), self._salt_key(first)))
             out.append(parent)
             first += 1
         if self.algo == "sha256":  # the default: inlined, no Python call per block
             dumps, sha, proto = pickle.dumps, hashlib.sha256, _PROTO
             for i in range(first * bs, end * bs, bs):
-                parent = sha(dumps((parent, tuple(buf[i:i + bs]), None), proto)).digest()
+                parent = sha(dumps((parent, tuple(buf[i : i + bs]), None), proto)).digest()
                 out.append(parent)
         else:
             fn = self._fn
             for i in range(first * bs, end * bs, bs):
-                parent = fn((parent, tuple(buf[i:i + bs]), None))
+                parent = fn((parent, tuple(buf[i : i + bs]), None))
                 out.append(parent)
         return out
 
-    def _memo_prefix(self, memo: HashMemo, buf: list[int], n_full: int,
-                     packed: bytes) -> tuple[list[bytes], list[int]]:
+    def _memo_prefix(self, memo: HashMemo, buf: list[int], n_full: int, packed: bytes) -> tuple[list[bytes], list[int]]:
         """Leading blocks found in the memo. After the first miss every later key has a parent
         never seen before, so the walk stops there."""
         young, old = memo._young, memo._old
@@ -270,7 +287,7 @@ class BlockHasher:
         full: list[bytes] = []
         evs: list[int] = []
         for b in range(n_full):
-            block_key = parent + packed[b * step:(b + 1) * step]
+            block_key = parent + packed[b * step : (b + 1) * step]
             extra = self._salt_key(b) if b == 0 else None
             key: bytes | tuple[bytes, tuple] = block_key if extra is None else (block_key, extra)
             hit = young.get(key)
@@ -287,8 +304,9 @@ class BlockHasher:
             evs.append(hit[1])
         return full, evs
 
-    def _memo_store(self, memo: HashMemo, packed: bytes, first: int, parents: list[bytes], hashes: list[bytes],
-                    evs: list[int]) -> None:
+    def _memo_store(
+        self, memo: HashMemo, packed: bytes, first: int, parents: list[bytes], hashes: list[bytes], evs: list[int]
+    ) -> None:
         """Insert the new blocks' keys (only the leading ones if they exceed half the memo: a chain
         is only ever found from its start)."""
         half = memo.max_entries // 2
@@ -296,11 +314,12 @@ class BlockHasher:
             memo._age(force=True)
         n = min(len(parents), half)
         step = self.block_size * _W
-        keys: list[bytes | tuple[bytes, tuple]] = [parents[i] + packed[(first + i) * step:(first + i + 1) * step]
-                                                   for i in range(n)]
+        keys: list[bytes | tuple[bytes, tuple]] = [
+            parents[i] + packed[(first + i) * step : (first + i + 1) * step] for i in range(n)
+        ]
         extra = self._salt_key(first)
         if extra is not None and keys:
-            keys[0] = (parents[0] + packed[first * step:(first + 1) * step], extra)
+            keys[0] = (parents[0] + packed[first * step : (first + 1) * step], extra)
         memo._young.update(zip(keys, zip(hashes[:n], evs[:n])))
         memo._age()
 
@@ -310,7 +329,7 @@ class BlockHasher:
         parent, pos = self._parent or self._none, self._pos
         out: list[bytes] = []
         for b in range(n_full):
-            parent = fn((parent, tuple(buf[b * bs:(b + 1) * bs]), self._extra(pos, pos + bs)))
+            parent = fn((parent, tuple(buf[b * bs : (b + 1) * bs]), self._extra(pos, pos + bs)))
             out.append(parent)
             pos += bs
         return out
@@ -331,11 +350,20 @@ def block_hashes_full(token_ids: Sequence[int], block_size: int, **kw) -> list[b
     return hasher.full_hashes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, *, algo: str = "sha256",
-                 cache_salt: str | None = None, lora_name: str | None = None,
-                 lora_path: str | None = None, mm_keys: Sequence[tuple[str, int, int]] | None = None,
-                 parent: bytes | None = None, hash_block_size: int | None = None,
-                 none_hash_seed: str | None = None, memo: HashMemo | None = None) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    mm_keys: Sequence[tuple[str, int, int]] | None = None,
+    parent: bytes | None = None,
+    hash_block_size: int | None = None,
+    none_hash_seed: str | None = None,
+    memo: HashMemo | None = None,
+) -> list[int]:
     """64-bit event-form hashes of the full blocks of `token_ids`, as in vLLM's BlockStored events.
 
     `hash_block_size` mirrors vLLM's `prefix_match_unit`: when the engine hashes at a finer unit
@@ -348,9 +376,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, algo: str = "sha2
             raise ValueError(f"block sizes must be positive ints, got {size!r}")
     if block_size % unit:
         raise ValueError(f"block_size {block_size} is not a multiple of hash_block_size {unit}")
-    hasher = BlockHasher(unit, algo=algo, cache_salt=cache_salt, lora_name=lora_name,
-                         lora_path=lora_path, mm_keys=mm_keys, parent=parent,
-                         none_hash_seed=none_hash_seed, memo=memo)
+    hasher = BlockHasher(
+        unit,
+        algo=algo,
+        cache_salt=cache_salt,
+        lora_name=lora_name,
+        lora_path=lora_path,
+        mm_keys=mm_keys,
+        parent=parent,
+        none_hash_seed=none_hash_seed,
+        memo=memo,
+    )
     out = hasher.extend(token_ids)
     step = block_size // unit
-    return out if step == 1 else out[step - 1::step]
+    return out if step == 1 else out[step - 1 :: step]

@@ -6,11 +6,12 @@ node's host memory, `..._hit_l2_tokens_total` = tokens found only in the shared 
 traffic (`lmcache_mp_l1_read/write_chunks_total`, `lmcache_mp_l2_*_objects_total`), from which bytes
 moved follow as chunks x bytes per chunk.
 """
+
 from __future__ import annotations
 
 import re
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -48,7 +49,8 @@ def tier_summary(samples: dict, chunk_bytes: int | None = None) -> dict:
         chunk_bytes = int(round(l1_bytes / (l1_writes - l1_evicted)))
     l2_stored = total(samples, "lmcache_mp_l2_store_completed_objects_total")
     l2_loaded = total(samples, "lmcache_mp_l2_load_completed_objects_total") or total(
-        samples, "lmcache_mp_l2_prefetch_load_completed_objects_total")
+        samples, "lmcache_mp_l2_prefetch_load_completed_objects_total"
+    )
     per_chunk = chunk_bytes or 0
     return {
         "lookup_requested_tokens": total(samples, "lmcache_mp_lookup_requested_tokens_total"),

@@ -7,6 +7,7 @@ reports health (process, ports, shared tier reachable), scrapes metrics, and sto
 group. Stop engines before their server: a vLLM connector whose server vanished waits out its
 message-queue timeout (`kvmesh.kvstore.tiers.MQ_TIMEOUT_S`) on shutdown.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,13 @@ def shared_tier_reachable(l2: dict | None) -> bool | None:
 class LMCacheServer:
     """One LMCache MP server process; `start()` blocks until it serves, `stop()` ends its process group."""
 
-    def __init__(self, config: TierConfig, log_path: str | os.PathLike | None = None, env: dict | None = None,
-                 preexec_fn=die_with_parent):
+    def __init__(
+        self,
+        config: TierConfig,
+        log_path: str | os.PathLike | None = None,
+        env: dict | None = None,
+        preexec_fn=die_with_parent,
+    ):
         config.validate()
         self.preexec_fn = preexec_fn
         self.config = config
@@ -115,8 +121,12 @@ class LMCacheServer:
         return self.config.host, self.port
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "lmcache.v1.multiprocess.server",
-                *server_args(self.config, self.port, self.prometheus_port)]
+        return [
+            sys.executable,
+            "-m",
+            "lmcache.v1.multiprocess.server",
+            *server_args(self.config, self.port, self.prometheus_port),
+        ]
 
     def start(self) -> tuple[str, int]:
         """Launch and wait until it serves (both ports answer)."""
@@ -139,9 +149,15 @@ class LMCacheServer:
         env = {**os.environ, **_QUIET_ENV, **(self.env or {})}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                         preexec_fn=self.preexec_fn)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self.preexec_fn,
+            )
         finally:
             if log is not None:
                 log.close()
@@ -153,13 +169,15 @@ class LMCacheServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise LMCacheServerError(
-                    f"LMCache server exited with code {self.proc.returncode} during start-up (log: {self.log_path})")
+                    f"LMCache server exited with code {self.proc.returncode} during start-up (log: {self.log_path})"
+                )
             if port_open(self.config.host, self.port) and self._scrape(timeout=2.0) is not None:
                 return self.endpoint
             time.sleep(0.25)
         self.stop()
         raise LMCacheServerError(
-            f"LMCache server not ready after {self.config.start_timeout_s:.0f} s (log: {self.log_path})")
+            f"LMCache server not ready after {self.config.start_timeout_s:.0f} s (log: {self.log_path})"
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

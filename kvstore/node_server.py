@@ -14,6 +14,7 @@ Engine start-up (deployments/engine.py calls `engine_kv_transfer_config`, below)
     host, port = ensure_node_server(tier_config)          # get-or-create this node's server
     kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(host, port)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,8 +99,9 @@ def actor_name(node_id: str) -> str:
     return ACTOR_PREFIX + node_id
 
 
-def ensure_node_server(tier_config: dict | TierConfig, node_id: str | None = None,
-                       timeout_s: float = 300.0) -> tuple[str, int]:
+def ensure_node_server(
+    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
+) -> tuple[str, int]:
     """Get or create this node's LMCache server actor; return the (host, port) engines connect to.
 
     Raises TierConfigError when the node's running server has a different chunk size or shared tier
@@ -111,14 +113,23 @@ def ensure_node_server(tier_config: dict | TierConfig, node_id: str | None = Non
     cfg = tier_config if isinstance(tier_config, TierConfig) else TierConfig.from_dict(tier_config)
     as_dict = _to_dict(cfg)
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    actor = _actor_cls().options(
-        name=actor_name(node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(as_dict, os.environ.get("KVMESH_LOG_DIR"))
+    actor = (
+        _actor_cls()
+        .options(
+            name=actor_name(node_id),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(as_dict, os.environ.get("KVMESH_LOG_DIR"))
+    )
     shape, endpoint = ray.get([actor.shape.remote(), actor.endpoint.remote()], timeout=timeout_s)
     if shape != {"chunk_size": cfg.chunk_size, "l2": cfg.l2}:
-        raise TierConfigError(f"node {node_id[:12]} already runs an LMCache server with {shape}; "
-                              f"this engine asked for chunk_size={cfg.chunk_size} l2={cfg.l2}")
+        raise TierConfigError(
+            f"node {node_id[:12]} already runs an LMCache server with {shape}; "
+            f"this engine asked for chunk_size={cfg.chunk_size} l2={cfg.l2}"
+        )
     return tuple(endpoint)
 
 
@@ -149,7 +160,7 @@ def node_servers() -> dict[str, ActorHandle]:
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") == NAMESPACE and entry["name"].startswith(ACTOR_PREFIX):
             try:
-                out[entry["name"][len(ACTOR_PREFIX):]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                out[entry["name"][len(ACTOR_PREFIX) :]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
             except ValueError:  # died between listing and lookup
                 continue
     return out

@@ -12,6 +12,7 @@ Each line in: {"prompt_token_ids": [...], "cache_salt": optional}; each line out
     python -m kvmesh.kvstore.probe_engine MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
         [--num-blocks N] [--block-size B] [--kv-events-port P]
 """
+
 import argparse
 import json
 import os
@@ -36,9 +37,15 @@ class EngineProcess:
         log = open(log_path, "ab")
         from kvmesh.kvstore.lmcache_server import die_with_parent
 
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                     env={**os.environ, **(env or {})}, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         log.close()
 
     def _read(self, timeout):
@@ -55,8 +62,9 @@ class EngineProcess:
         return self
 
     def generate(self, token_ids, cache_salt=None, timeout=120):
-        self.proc.stdin.write((json.dumps({"prompt_token_ids": list(token_ids), "cache_salt": cache_salt})
-                               + "\n").encode())
+        self.proc.stdin.write(
+            (json.dumps({"prompt_token_ids": list(token_ids), "cache_salt": cache_salt}) + "\n").encode()
+        )
         self.proc.stdin.flush()
         return self._read(timeout)
 
@@ -110,11 +118,21 @@ def main() -> int:
         kw["num_gpu_blocks_override"] = a.num_blocks
     if a.kv_events_port:
         from vllm.config import KVEventsConfig
-        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                endpoint=f"tcp://*:{a.kv_events_port}", topic="kv")
-    llm = LLM(model=a.model, block_size=a.block_size, max_model_len=a.max_model_len, enforce_eager=True,
-              dtype="float32", enable_prefix_caching=True, seed=0,
-              kv_transfer_config=kv_transfer_config(a.host, a.port), **kw)
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{a.kv_events_port}", topic="kv"
+        )
+    llm = LLM(
+        model=a.model,
+        block_size=a.block_size,
+        max_model_len=a.max_model_len,
+        enforce_eager=True,
+        dtype="float32",
+        enable_prefix_caching=True,
+        seed=0,
+        kv_transfer_config=kv_transfer_config(a.host, a.port),
+        **kw,
+    )
     sp = SamplingParams(max_tokens=1, temperature=0)
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()

@@ -4,6 +4,7 @@ A real Redis, not a fake: the shared-tier tests and the calibration must show LM
 loading KV chunks, and what happens when that store disappears. No persistence (save "" and
 appendonly no) so a restart comes back empty, like a lost cache node.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,12 +50,28 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> "RedisServer":
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-               "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no"]
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+        ]
         log = open(self.workdir / "redis.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -83,7 +100,7 @@ class RedisServer:
                 pass
         self.proc = None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

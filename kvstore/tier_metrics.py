@@ -13,10 +13,19 @@ the whole prompt, so tokens it also holds in its own cache (`hbm`) can be counte
 delivered split is hbm = engine cached tokens − tokens loaded through the connector (vLLM's
 `vllm:external_prefix_cache_hits`), and host/shared divide the loaded part.
 """
+
 from __future__ import annotations
 
-_SUMMED = ("lookup_requested_tokens", "lookup_hit_tokens", "host_hit_tokens", "shared_hit_tokens",
-           "bytes_to_host", "bytes_from_host", "bytes_to_shared", "bytes_from_shared")
+_SUMMED = (
+    "lookup_requested_tokens",
+    "lookup_hit_tokens",
+    "host_hit_tokens",
+    "shared_hit_tokens",
+    "bytes_to_host",
+    "bytes_from_host",
+    "bytes_to_shared",
+    "bytes_from_shared",
+)
 
 
 def _status(status: dict | None) -> dict:
@@ -59,29 +68,41 @@ def tier_metrics_text(status: dict | None = None) -> str:
         t = s.get("tiers", {})
         for tier, key in (("host", "host_hit_tokens"), ("shared", "shared_hit_tokens")):
             lines.append(f'kvmesh_tier_hit_tokens_total{{node="{_esc(node)}",tier="{tier}"}} {float(t.get(key) or 0)}')
-    lines += ["# HELP kvmesh_tier_lookup_tokens_total Prompt tokens engines asked LMCache about.",
-              "# TYPE kvmesh_tier_lookup_tokens_total counter"]
+    lines += [
+        "# HELP kvmesh_tier_lookup_tokens_total Prompt tokens engines asked LMCache about.",
+        "# TYPE kvmesh_tier_lookup_tokens_total counter",
+    ]
     for node, s in sorted(status.items()):
-        lines.append(f'kvmesh_tier_lookup_tokens_total{{node="{_esc(node)}"}} '
-                     f'{float(s.get("tiers", {}).get("lookup_requested_tokens") or 0)}')
-    lines += ["# HELP kvmesh_tier_bytes_total KV bytes moved between engines and tiers.",
-              "# TYPE kvmesh_tier_bytes_total counter"]
+        lines.append(
+            f'kvmesh_tier_lookup_tokens_total{{node="{_esc(node)}"}} '
+            f"{float(s.get('tiers', {}).get('lookup_requested_tokens') or 0)}"
+        )
+    lines += [
+        "# HELP kvmesh_tier_bytes_total KV bytes moved between engines and tiers.",
+        "# TYPE kvmesh_tier_bytes_total counter",
+    ]
     for node, s in sorted(status.items()):
         t = s.get("tiers", {})
         for direction in ("to_host", "from_host", "to_shared", "from_shared"):
-            lines.append(f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
-                         f'{float(t.get("bytes_" + direction) or 0)}')
-    lines += ["# HELP kvmesh_tier_server_healthy 1 when the node's LMCache server serves and exports metrics.",
-              "# TYPE kvmesh_tier_server_healthy gauge",
-              "# HELP kvmesh_tier_shared_up 1 when the node's shared tier answers, 0 when down (absent: none).",
-              "# TYPE kvmesh_tier_shared_up gauge",
-              "# HELP kvmesh_tier_host_usage_ratio Fraction of the node's L1 in use.",
-              "# TYPE kvmesh_tier_host_usage_ratio gauge"]
+            lines.append(
+                f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
+                f"{float(t.get('bytes_' + direction) or 0)}"
+            )
+    lines += [
+        "# HELP kvmesh_tier_server_healthy 1 when the node's LMCache server serves and exports metrics.",
+        "# TYPE kvmesh_tier_server_healthy gauge",
+        "# HELP kvmesh_tier_shared_up 1 when the node's shared tier answers, 0 when down (absent: none).",
+        "# TYPE kvmesh_tier_shared_up gauge",
+        "# HELP kvmesh_tier_host_usage_ratio Fraction of the node's L1 in use.",
+        "# TYPE kvmesh_tier_host_usage_ratio gauge",
+    ]
     for node, s in sorted(status.items()):
         h = s["health"]
         lines.append(f'kvmesh_tier_server_healthy{{node="{_esc(node)}"}} {1 if h.get("healthy") else 0}')
         if h.get("shared_tier_up") is not None:
             lines.append(f'kvmesh_tier_shared_up{{node="{_esc(node)}"}} {1 if h["shared_tier_up"] else 0}')
-        lines.append(f'kvmesh_tier_host_usage_ratio{{node="{_esc(node)}"}} '
-                     f'{float(s.get("tiers", {}).get("l1_usage_ratio") or 0)}')
+        lines.append(
+            f'kvmesh_tier_host_usage_ratio{{node="{_esc(node)}"}} '
+            f"{float(s.get('tiers', {}).get('l1_usage_ratio') or 0)}"
+        )
     return "\n".join(lines) + "\n"

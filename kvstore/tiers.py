@@ -18,6 +18,7 @@ L2 spellings accepted (`l2` key):
 - "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter.
 - any other {"type": NAME, ...}: passed to LMCache unchanged (mooncake_store, s3, p2p, ...).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,18 @@ HEARTBEAT_S = 2.0
 MQ_TIMEOUT_S = 20.0
 _EVICTION_POLICIES = ("LRU", "ARC", "IsolatedLRU", "noop")
 _KNOWN_KEYS = {
-    "l1_size_gb", "chunk_size", "eviction_policy", "l2", "l2_path", "host", "port",
-    "prometheus_port", "max_workers", "extra_args", "start_timeout_s", "watch_interval_s",
+    "l1_size_gb",
+    "chunk_size",
+    "eviction_policy",
+    "l2",
+    "l2_path",
+    "host",
+    "port",
+    "prometheus_port",
+    "max_workers",
+    "extra_args",
+    "start_timeout_s",
+    "watch_interval_s",
 }
 
 
@@ -63,7 +74,7 @@ class TierConfig:
     watch_interval_s: float = 2.0  # node server's watchdog period (0 = no watchdog)
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "TierConfig":
+    def from_dict(cls, d: dict | None) -> TierConfig:
         """Build from the engine config's `lmcache` dict; unknown keys are errors, not ignored."""
         d = dict(d or {})
         unknown = sorted(set(d) - _KNOWN_KEYS)
@@ -130,14 +141,24 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
 def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
     """Arguments for `python -m lmcache.v1.multiprocess.server` (without the interpreter)."""
     args = [
-        "--host", cfg.host, "--port", str(port),
-        "--l1-size-gb", repr(float(cfg.l1_size_gb)), "--no-l1-use-lazy",
-        "--eviction-policy", cfg.eviction_policy,
-        "--chunk-size", str(cfg.chunk_size),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--l1-size-gb",
+        repr(float(cfg.l1_size_gb)),
+        "--no-l1-use-lazy",
+        "--eviction-policy",
+        cfg.eviction_policy,
+        "--chunk-size",
+        str(cfg.chunk_size),
         # CPU clients hang for 300 s without this (they cannot use the default lmcache_driven mode)
-        "--supported-transfer-mode", "auto",
-        "--max-workers", str(cfg.max_workers),
-        "--prometheus-port", str(prometheus_port),
+        "--supported-transfer-mode",
+        "auto",
+        "--max-workers",
+        str(cfg.max_workers),
+        "--prometheus-port",
+        str(prometheus_port),
     ]
     if cfg.l2:
         args += ["--l2-adapter", json.dumps(cfg.l2, sort_keys=True)]
@@ -151,9 +172,12 @@ def kv_transfer_config(host: str, port: int) -> dict:
     return {
         "kv_connector": CONNECTOR,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port,
-                                      "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
-                                      "lmcache.mp.mq_timeout": MQ_TIMEOUT_S},
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": f"tcp://{host}",
+            "lmcache.mp.port": port,
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
+            "lmcache.mp.mq_timeout": MQ_TIMEOUT_S,
+        },
     }
 
 

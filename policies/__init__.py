@@ -4,7 +4,8 @@ pure; a policy's state changes only in its lifecycle hooks (policies/base.py).
 The same policy objects run in the live Ray Serve router (deployments/router.py) and in the trace
 simulator (cluster/simulator.py). Nothing in this package does I/O or knows who calls it.
 """
-from kvmesh.policies.base import Policy, ReplicaView, RequestInfo, TIERS
+
+from kvmesh.policies.base import TIERS, Policy, ReplicaView, RequestInfo
 
 __all__ = ["Policy", "ReplicaView", "RequestInfo", "TIERS", "make_policy", "POLICY_NAMES"]
 
@@ -12,5 +13,6 @@ __all__ = ["Policy", "ReplicaView", "RequestInfo", "TIERS", "make_policy", "POLI
 def __getattr__(name):  # lazy, so importing the interface does not import every policy
     if name in ("make_policy", "POLICY_NAMES"):
         from kvmesh.policies import registry
+
         return getattr(registry, name)
     raise AttributeError(name)

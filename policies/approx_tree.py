@@ -6,10 +6,11 @@ to the engines. Over block hashes that chain their parents, a per-replica set of
 that tree: a hash is present only if its whole prefix was inserted. The peers' policies use this
 structure, never the real prefix index, so their misses from stale guesses show up in comparisons.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class ApproxTree:

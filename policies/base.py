@@ -12,13 +12,14 @@ places the request elsewhere, ranks it again, or the client leaves); `on_replica
 replica. Policies keep private state (a peer's approximate tree, a round-robin position, recent work)
 changed only by those hooks; given the same seed and the same call sequence they are deterministic.
 """
+
 from __future__ import annotations
 
 import random
 import zlib
-
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
@@ -82,7 +83,7 @@ class FleetView:
         return len(self.ids)
 
     @classmethod
-    def from_views(cls, views: Sequence[ReplicaView]) -> "FleetView":
+    def from_views(cls, views: Sequence[ReplicaView]) -> FleetView:
         """The same replicas as arrays (the router builds ReplicaViews; policies may want arrays)."""
         import numpy as np
 
@@ -92,18 +93,33 @@ class FleetView:
         extra = {}
         for name in {k for v in views for k in v.extra}:
             extra[name] = np.array([v.extra.get(name) for v in views], dtype=object)
-        return cls([v.replica_id for v in views], col("hbm_blocks", np.int64), col("host_blocks", np.int64),
-                   col("shared_blocks", np.int64), col("queued", np.int64), col("running", np.int64),
-                   col("kv_usage", np.float64), col("pending_prefill_tokens", np.int64),
-                   col("capacity_blocks", np.int64), extra)
+        return cls(
+            [v.replica_id for v in views],
+            col("hbm_blocks", np.int64),
+            col("host_blocks", np.int64),
+            col("shared_blocks", np.int64),
+            col("queued", np.int64),
+            col("running", np.int64),
+            col("kv_usage", np.float64),
+            col("pending_prefill_tokens", np.int64),
+            col("capacity_blocks", np.int64),
+            extra,
+        )
 
     def view(self, k: int) -> ReplicaView:
         """Replica `k` as a ReplicaView."""
         return ReplicaView(
-            self.ids[k], int(self.hbm_blocks[k]), int(self.host_blocks[k]), int(self.shared_blocks[k]),
-            int(self.queued[k]), int(self.running[k]), float(self.kv_usage[k]),
-            int(self.pending_prefill_tokens[k]), int(self.capacity_blocks[k]),
-            {name: arr[k] for name, arr in self.extra.items()})
+            self.ids[k],
+            int(self.hbm_blocks[k]),
+            int(self.host_blocks[k]),
+            int(self.shared_blocks[k]),
+            int(self.queued[k]),
+            int(self.running[k]),
+            float(self.kv_usage[k]),
+            int(self.pending_prefill_tokens[k]),
+            int(self.capacity_blocks[k]),
+            {name: arr[k] for name, arr in self.extra.items()},
+        )
 
     def to_views(self) -> list[ReplicaView]:
         """One ReplicaView per replica (for policies without an array fast path)."""

@@ -4,11 +4,12 @@ They bracket every cache-aware result: round robin / random show the hit rate a 
 accident (about 1/N of the reusable prefix), least-loaded and power-of-two the best balance without
 affinity, consistent hashing the best affinity without balance.
 """
+
 from __future__ import annotations
 
 import bisect
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 
@@ -57,8 +58,9 @@ class LeastLoaded(Policy):
             return []
         n = len(replicas)
         turn = self.routed + 1
-        order = sorted(range(n), key=lambda i: (outstanding(replicas[i]), replicas[i].pending_prefill_tokens,
-                                                (i - turn) % n))
+        order = sorted(
+            range(n), key=lambda i: (outstanding(replicas[i]), replicas[i].pending_prefill_tokens, (i - turn) % n)
+        )
         return [replicas[i].replica_id for i in order]
 
 

@@ -16,6 +16,7 @@ Defaults describe one accelerator per replica serving an ~8B model (one H100-cla
   prompts fill the KV space well before that).
 All are plain seconds; see docs/simulator.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
@@ -41,16 +42,18 @@ class CostModel:
     def prefill_s(self, num_tokens: int, hbm_tokens: int = 0, host_tokens: int = 0, shared_tokens: int = 0) -> float:
         """Seconds to prefill a prompt whose first tokens are cached (cumulative per tier:
         hbm <= host <= shared <= num_tokens): recompute the rest, load the tier parts."""
-        return (self.prefill_base_s
-                + (num_tokens - shared_tokens) * self.prefill_s_per_token
-                + (shared_tokens - host_tokens) * self.shared_load_s_per_token
-                + (host_tokens - hbm_tokens) * self.host_load_s_per_token)
+        return (
+            self.prefill_base_s
+            + (num_tokens - shared_tokens) * self.prefill_s_per_token
+            + (shared_tokens - host_tokens) * self.shared_load_s_per_token
+            + (host_tokens - hbm_tokens) * self.host_load_s_per_token
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict | None) -> "CostModel":
+    def from_dict(cls, values: dict | None) -> CostModel:
         """Build from (possibly partial) measured values; unknown keys are an error, not ignored."""
         values = dict(values or {})
         known = {f.name for f in fields(cls)}

@@ -9,11 +9,11 @@ new blocks). Default overlap weight 1.0, temperature 0. Overlap comes from the K
 hbm tier). Active blocks: `extra["active_blocks"]` when the caller provides it, else
 kv_usage x capacity_blocks. Ties are broken randomly (seeded).
 """
+
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import math
+from collections.abc import Sequence
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 

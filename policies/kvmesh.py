@@ -44,16 +44,16 @@ synthetic trace, 4 x 4000 blocks, 0.515 vs 0.542 hit rate).
 
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
-
 
 _NONE = object()
 
@@ -62,20 +62,47 @@ class KvmeshPolicy(Policy):
     name = "kvmesh"
     uses_index = True
 
-    def __init__(self, seed: int = 0, cost: CostModel | dict | None = None, balance_slack: float = 0.10,
-                 window_tokens_per_replica: int = 20_000_000, mean_output_tokens: int = 256,
-                 recompute_weight: float = 30.0, spread_weight: float = 31.0, half_life_requests: float = 8.0,
-                 hot_fanout: int = 8, hot_recompute_weight: float = 10.0,
-                 guard_weight: float | None = 30.0, **params):
-        super().__init__(seed, balance_slack=balance_slack, window_tokens_per_replica=window_tokens_per_replica,
-                         mean_output_tokens=mean_output_tokens, recompute_weight=recompute_weight,
-                         spread_weight=spread_weight, half_life_requests=half_life_requests,
-                         hot_fanout=hot_fanout, hot_recompute_weight=hot_recompute_weight,
-                         guard_weight=guard_weight, **params)
-        if (balance_slack < 0 or recompute_weight < 0 or spread_weight < 0 or half_life_requests <= 0
-                or hot_fanout < 2 or hot_recompute_weight < 0 or (guard_weight is not None and guard_weight < 0)):
-            raise ValueError("kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
-                             "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0")
+    def __init__(
+        self,
+        seed: int = 0,
+        cost: CostModel | dict | None = None,
+        balance_slack: float = 0.10,
+        window_tokens_per_replica: int = 20_000_000,
+        mean_output_tokens: int = 256,
+        recompute_weight: float = 30.0,
+        spread_weight: float = 31.0,
+        half_life_requests: float = 8.0,
+        hot_fanout: int = 8,
+        hot_recompute_weight: float = 10.0,
+        guard_weight: float | None = 30.0,
+        **params,
+    ):
+        super().__init__(
+            seed,
+            balance_slack=balance_slack,
+            window_tokens_per_replica=window_tokens_per_replica,
+            mean_output_tokens=mean_output_tokens,
+            recompute_weight=recompute_weight,
+            spread_weight=spread_weight,
+            half_life_requests=half_life_requests,
+            hot_fanout=hot_fanout,
+            hot_recompute_weight=hot_recompute_weight,
+            guard_weight=guard_weight,
+            **params,
+        )
+        if (
+            balance_slack < 0
+            or recompute_weight < 0
+            or spread_weight < 0
+            or half_life_requests <= 0
+            or hot_fanout < 2
+            or hot_recompute_weight < 0
+            or (guard_weight is not None and guard_weight < 0)
+        ):
+            raise ValueError(
+                "kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
+                "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0"
+            )
         self.hot_fanout = hot_fanout
         self.hot_recompute_weight = hot_recompute_weight
         self.guard_weight = guard_weight
@@ -149,8 +176,13 @@ class KvmeshPolicy(Policy):
         over = queued + running + (1 - c.max_batch)
         wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
         uncached = n - shared
-        ttft = (wait + c.prefill_base_s + uncached * c.prefill_s_per_token
-                + (shared - host) * c.shared_load_s_per_token + (host - hbm) * c.host_load_s_per_token)
+        ttft = (
+            wait
+            + c.prefill_base_s
+            + uncached * c.prefill_s_per_token
+            + (shared - host) * c.shared_load_s_per_token
+            + (host - hbm) * c.host_load_s_per_token
+        )
         return ttft, uncached
 
     def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
@@ -231,15 +263,28 @@ class KvmeshPolicy(Policy):
 
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
-        ttft, unc = self._predict(request, *(np.array([x]) for x in (
-            v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens)))
+        ttft, unc = self._predict(
+            request,
+            *(
+                np.array([x])
+                for x in (v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens)
+            ),
+        )
         return float(ttft[0]), int(unc[0])
 
     def place(self, request: RequestInfo, fleet: FleetView) -> list[int]:
         if not len(fleet):
             return []
-        return self._order(request, fleet.ids, fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks,
-                           fleet.queued, fleet.running, fleet.pending_prefill_tokens).tolist()
+        return self._order(
+            request,
+            fleet.ids,
+            fleet.hbm_blocks,
+            fleet.host_blocks,
+            fleet.shared_blocks,
+            fleet.queued,
+            fleet.running,
+            fleet.pending_prefill_tokens,
+        ).tolist()
 
     # ------------------------------------------------------------------ feedback
     def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:

@@ -9,10 +9,10 @@ picking the maximum. Prefix score = longest device-cached prefix in blocks, min-
 the candidates (as the scheduler's score normalisation does). Ties are broken randomly (seeded).
 This policy uses the real prefix index (hbm tier), like llm-d's precise mode.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
@@ -30,10 +30,17 @@ class LlmdPrecise(Policy):
     name = "llmd_precise"
     uses_index = True
 
-    def __init__(self, seed: int = 0, prefix_weight: float = 3.0, kv_util_weight: float = 2.0,
-                 queue_weight: float = 2.0, **params):
-        super().__init__(seed, prefix_weight=prefix_weight, kv_util_weight=kv_util_weight,
-                         queue_weight=queue_weight, **params)
+    def __init__(
+        self,
+        seed: int = 0,
+        prefix_weight: float = 3.0,
+        kv_util_weight: float = 2.0,
+        queue_weight: float = 2.0,
+        **params,
+    ):
+        super().__init__(
+            seed, prefix_weight=prefix_weight, kv_util_weight=kv_util_weight, queue_weight=queue_weight, **params
+        )
         self.w = (prefix_weight, kv_util_weight, queue_weight)
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
@@ -43,8 +50,10 @@ class LlmdPrecise(Policy):
         prefix = _minmax({v.replica_id: float(v.hbm_blocks) for v in replicas})
         queue = _minmax({v.replica_id: float(outstanding(v)) for v in replicas}, invert=True)
         wp, wk, wq = self.w
-        score = {v.replica_id: wp * prefix[v.replica_id] + wk * (1.0 - v.kv_usage) + wq * queue[v.replica_id]
-                 for v in replicas}
+        score = {
+            v.replica_id: wp * prefix[v.replica_id] + wk * (1.0 - v.kv_usage) + wq * queue[v.replica_id]
+            for v in replicas
+        }
         ids = list(score)
         rng.shuffle(ids)
         return sorted(ids, key=lambda r: -score[r])

@@ -10,10 +10,10 @@ tenants"); (3) Serve sends to the least-queued candidate. The tree evicts per re
 eviction_threshold_chars=400,000 characters; here 4 characters per token turn that into tokens.
 Differences: the tree is over block hashes, not characters; eviction is immediate, not periodic.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 
 from kvmesh.policies.approx_tree import ApproxTree
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
@@ -23,10 +23,22 @@ from kvmesh.policies.baselines import outstanding
 class RayPrefixAffinity(Policy):
     name = "ray_prefix_affinity"
 
-    def __init__(self, seed: int = 0, imbalanced_threshold: float = float("inf"), match_rate_threshold: float = 0.1,
-                 eviction_threshold_chars: int = 400_000, chars_per_token: int = 4, **params):
-        super().__init__(seed, imbalanced_threshold=imbalanced_threshold, match_rate_threshold=match_rate_threshold,
-                         eviction_threshold_chars=eviction_threshold_chars, **params)
+    def __init__(
+        self,
+        seed: int = 0,
+        imbalanced_threshold: float = float("inf"),
+        match_rate_threshold: float = 0.1,
+        eviction_threshold_chars: int = 400_000,
+        chars_per_token: int = 4,
+        **params,
+    ):
+        super().__init__(
+            seed,
+            imbalanced_threshold=imbalanced_threshold,
+            match_rate_threshold=match_rate_threshold,
+            eviction_threshold_chars=eviction_threshold_chars,
+            **params,
+        )
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self.tree = ApproxTree(max(1, eviction_threshold_chars // chars_per_token))

@@ -1,4 +1,5 @@
 """Policy names -> classes, so the CLI, the simulator and the live router build policies the same way."""
+
 from __future__ import annotations
 
 from kvmesh.policies.base import Policy
@@ -9,10 +10,21 @@ from kvmesh.policies.llmd_precise import LlmdPrecise
 from kvmesh.policies.ray_prefix_affinity import RayPrefixAffinity
 from kvmesh.policies.sglang_cache_aware import SglangCacheAware
 
-_CLASSES: dict[str, type[Policy]] = {c.name: c for c in (
-    KvmeshPolicy, RoundRobin, RandomChoice, LeastLoaded, PowerOfTwo, ConsistentHash,
-    SglangCacheAware, RayPrefixAffinity, LlmdPrecise, DynamoCost,
-)}
+_CLASSES: dict[str, type[Policy]] = {
+    c.name: c
+    for c in (
+        KvmeshPolicy,
+        RoundRobin,
+        RandomChoice,
+        LeastLoaded,
+        PowerOfTwo,
+        ConsistentHash,
+        SglangCacheAware,
+        RayPrefixAffinity,
+        LlmdPrecise,
+        DynamoCost,
+    )
+}
 POLICY_NAMES: tuple[str, ...] = tuple(_CLASSES)
 BASELINES = ("round_robin", "random", "least_loaded", "power_of_two", "consistent_hash")
 PEERS = ("sglang_cache_aware", "ray_prefix_affinity", "llmd_precise", "dynamo_cost")

@@ -10,6 +10,7 @@ with the longest prefix match in the router's approximate tree (fed with each ro
 trimmed) wins if match/len > cache_threshold, else the worker with the smallest tree. Differences:
 the tree is over block hashes, not characters, and `max_tree_tokens` bounds it in tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,10 +23,23 @@ from kvmesh.policies.baselines import outstanding
 class SglangCacheAware(Policy):
     name = "sglang_cache_aware"
 
-    def __init__(self, seed: int = 0, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 2**26, **params):
-        super().__init__(seed, cache_threshold=cache_threshold, balance_abs_threshold=balance_abs_threshold,
-                         balance_rel_threshold=balance_rel_threshold, max_tree_tokens=max_tree_tokens, **params)
+    def __init__(
+        self,
+        seed: int = 0,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 2**26,
+        **params,
+    ):
+        super().__init__(
+            seed,
+            cache_threshold=cache_threshold,
+            balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold,
+            max_tree_tokens=max_tree_tokens,
+            **params,
+        )
         self.cache_threshold = cache_threshold
         self.abs_t = balance_abs_threshold
         self.rel_t = balance_rel_threshold

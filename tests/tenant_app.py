@@ -4,6 +4,7 @@ several tenants: plain ones, a sharing group, a revoked key and a tightly limite
 The keys are test constants, not secrets; the file written holds only their SHA-256 digests, as a
 real deployment's would.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,10 @@ def write_live_tenants(path: Path, default_key: str) -> Path:
     """Write the tenants file: tenant `default` (the key the other live tests use, no limits) plus ours."""
     tenants = [
         {"id": "default", "keys": [{"sha256": hash_api_key(default_key)}]},
-        {"id": "acme", "keys": [{"sha256": hash_api_key(KEYS["acme"])},
-                                {"sha256": hash_api_key(REVOKED_KEY), "revoked": True}]},
+        {
+            "id": "acme",
+            "keys": [{"sha256": hash_api_key(KEYS["acme"])}, {"sha256": hash_api_key(REVOKED_KEY), "revoked": True}],
+        },
         {"id": "globex", "keys": [{"sha256": hash_api_key(KEYS["globex"])}]},
         {"id": "docs-a", "group": GROUP, "keys": [{"sha256": hash_api_key(KEYS["docs-a"])}]},
         {"id": "docs-b", "group": GROUP, "keys": [{"sha256": hash_api_key(KEYS["docs-b"])}]},

@@ -5,6 +5,7 @@ client raises AuthenticationError); a client-chosen cache salt or tenant header 
 429 with Retry-After or 400 for a prompt no retry can fix; rejections show in /metrics per tenant; and
 no key material (valid or not) ever reaches the logs.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from tenant_app import KEYS, QUOTA_LIMITS, REVOKED_KEY, all_keys, auth
 
 pytestmark = pytest.mark.integration
@@ -29,10 +29,15 @@ BAD_AUTH = [  # (case, headers, expected error code)
     ("unknown", auth(UNKNOWN_KEY), "invalid_api_key"),
     ("revoked", auth(REVOKED_KEY), "revoked_api_key"),
 ]
-ENDPOINTS = [("POST", "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}),
-             ("POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
-                                               "messages": [{"role": "user", "content": "hi"}]}),
-             ("GET", "/v1/models", None)]
+ENDPOINTS = [
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+    ),
+    ("GET", "/v1/models", None),
+]
 
 
 def call(app, method, path, body=None, headers=None, timeout=120.0) -> httpx.Response:
@@ -80,17 +85,21 @@ def test_openai_client_raises_authentication_error(live_app):
         assert key not in str(info.value)
 
 
-@pytest.mark.parametrize("body_extra, headers_extra, code", [
-    ({"cache_salt": "attacker-chosen"}, {}, "client_cache_salt_not_allowed"),
-    ({"cache_salt": ""}, {}, "client_cache_salt_not_allowed"),
-    ({"tenant_id": "acme"}, {}, "client_cache_salt_not_allowed"),
-    ({}, {"X-Kvmesh-Tenant": "acme"}, "client_tenant_header_not_allowed"),
-    ({}, {"X-Cache-Salt": "abc"}, "client_tenant_header_not_allowed"),
-])
+@pytest.mark.parametrize(
+    "body_extra, headers_extra, code",
+    [
+        ({"cache_salt": "attacker-chosen"}, {}, "client_cache_salt_not_allowed"),
+        ({"cache_salt": ""}, {}, "client_cache_salt_not_allowed"),
+        ({"tenant_id": "acme"}, {}, "client_cache_salt_not_allowed"),
+        ({}, {"X-Kvmesh-Tenant": "acme"}, "client_tenant_header_not_allowed"),
+        ({}, {"X-Cache-Salt": "abc"}, "client_tenant_header_not_allowed"),
+    ],
+)
 def test_client_chosen_salt_or_tenant_is_rejected(live_app, body_extra, headers_extra, code):
-    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
-                                                 "messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
         resp = call(live_app, "POST", path, {**body, **body_extra}, {**auth(KEYS["globex"]), **headers_extra})
         assert_openai_error(resp, 400, code, "invalid_request_error")
 
@@ -98,8 +107,9 @@ def test_client_chosen_salt_or_tenant_is_rejected(live_app, body_extra, headers_
 def test_tenant_limits_give_429_with_retry_after_and_400_for_oversized_prompts(live_app):
     key = KEYS["quota"]
     long_prompt = list(range(1, QUOTA_LIMITS["max_prompt_tokens"] + 2))  # token ids: exact length
-    resp = call(live_app, "POST", "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 1},
-                auth(key))
+    resp = call(
+        live_app, "POST", "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 1}, auth(key)
+    )
     assert_openai_error(resp, 400, "tenant_prompt_limit_exceeded")
     small = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 1}
     first = call(live_app, "POST", "/v1/completions", small, auth(key))
@@ -124,16 +134,24 @@ def test_rejections_are_counted_per_tenant_in_metrics(live_app):
 
 def _log_files() -> list[Path]:
     root = Path(os.environ["RAY_TMPDIR"])
-    return [p for p in root.rglob("*") if p.is_file() and (p.suffix in (".log", ".out", ".err", ".txt")
-                                                           or "logs" in p.parts)]
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file() and (p.suffix in (".log", ".out", ".err", ".txt") or "logs" in p.parts)
+    ]
 
 
 def test_no_key_material_in_logs(live_app):
     """Runs after the tests above (file order) so every kind of key has been sent at least once."""
     for key in [*all_keys(live_app.api_key), UNKNOWN_KEY]:  # make sure each was sent at least once here too
         call(live_app, "GET", "/v1/models", headers=auth(key))
-    call(live_app, "POST", "/v1/completions", {"model": "tiny", "prompt": "log probe", "max_tokens": 2},
-         auth(KEYS["acme"]))
+    call(
+        live_app,
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": "log probe", "max_tokens": 2},
+        auth(KEYS["acme"]),
+    )
     files = _log_files()
     blob = b"".join(p.read_bytes() for p in files)
     assert len(files) > 3 and b"/v1/models" in blob, "not looking at the serving logs"

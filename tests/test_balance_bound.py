@@ -1,6 +1,7 @@
 """The balance-bounded bound: between round robin over unbounded caches and the infinite cache, within
 its imbalance where that is feasible, trading hit rate for balance where affinity piles work up, and
 reported by `kvmesh simulate`."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ def _round_robin_infinite(requests, block_size, replicas) -> float:
         h = held[i % replicas]
         hit += cached_tokens(leading_held(r.hash_ids, h), r.input_length, block_size)
         total += r.input_length
-        h.update(r.hash_ids[:cacheable_blocks(r.input_length, len(r.hash_ids), block_size)])
+        h.update(r.hash_ids[: cacheable_blocks(r.input_length, len(r.hash_ids), block_size)])
     return hit / total
 
 
@@ -69,8 +70,22 @@ def test_simulate_reports_it_beside_the_other_bounds(tmp_path, capsys):
 
     trace, out = tmp_path / "chat.jsonl", tmp_path / "sim.json"
     write_jsonl(synth_chat(ChatSpec(users=3, turns=3)), trace)
-    rc = main(["simulate", "--trace", str(trace), "--replicas", "2", "--capacity-blocks", "1000",
-               "--policies", "round_robin", "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "simulate",
+            "--trace",
+            str(trace),
+            "--replicas",
+            "2",
+            "--capacity-blocks",
+            "1000",
+            "--policies",
+            "round_robin",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     bal = doc["balance_bounded"]

@@ -1,6 +1,7 @@
 """`make bench` fails on a missed target: a bench prints its whole report, then exits 1 (`Targets`), and
 `run_all` turns that into a non-zero exit. Fake benches and real benches with their measurements
 replaced; no engines."""
+
 from __future__ import annotations
 
 import sys
@@ -27,6 +28,7 @@ def _fake_bench(ok: bool) -> types.ModuleType:
         print(f"figure 1.0 {targets.verdict('the fake target', ok)}")
         print("report ends")
         targets.exit_if_missed()
+
     mod.main = main
     return mod
 
@@ -54,11 +56,21 @@ def test_targets_remember_each_miss():
 def test_bench_tenants_exits_non_zero_when_isolation_keeps_too_little(monkeypatch, kept, status):
     from kvmesh.benchmarks import bench_tenants
 
-    row = {"tenants": 64, "cache": "lru_4M_tokens", "shared_salt": 0.4, "isolated": 0.4 * kept,
-           "cost": 0.4 * (1 - kept), "kept": kept}
-    saas = {"tenants": 2, "preamble_blocks": 1, "requests": 4,
-            "no_common_text": {"shared_salt": 0.3, "isolated": 0.3},
-            "public_preamble": {"shared_salt": 0.4, "isolated": 0.3, "groups_of_2": 0.35}}
+    row = {
+        "tenants": 64,
+        "cache": "lru_4M_tokens",
+        "shared_salt": 0.4,
+        "isolated": 0.4 * kept,
+        "cost": 0.4 * (1 - kept),
+        "kept": kept,
+    }
+    saas = {
+        "tenants": 2,
+        "preamble_blocks": 1,
+        "requests": 4,
+        "no_common_text": {"shared_salt": 0.3, "isolated": 0.3},
+        "public_preamble": {"shared_salt": 0.4, "isolated": 0.3, "groups_of_2": 0.35},
+    }
     monkeypatch.setattr(bench_tenants, "mooncake_figures", lambda: [row])
     monkeypatch.setattr(bench_tenants, "saas_figures", lambda: saas)
     monkeypatch.delenv("BENCH_JSON_DIR", raising=False)
@@ -71,15 +83,30 @@ def test_bench_live_exits_non_zero_on_a_miss(monkeypatch, tmp_path, kvmesh_uncac
     from kvmesh.benchmarks import bench_live
 
     def summary(uncached, hit, p50):
-        return {"uncached_prompt_tokens": uncached, "hit_rate_tokens": hit, "ttft_p50_s": p50, "ttft_p90_s": p50,
-                "errors": 0, "requests": 1, "prompt_tokens": 100, "cached_tokens": 100 - uncached}
+        return {
+            "uncached_prompt_tokens": uncached,
+            "hit_rate_tokens": hit,
+            "ttft_p50_s": p50,
+            "ttft_p90_s": p50,
+            "errors": 0,
+            "requests": 1,
+            "prompt_tokens": 100,
+            "cached_tokens": 100 - uncached,
+        }
 
     def run_live(records, policies, replicas):  # no engines: the figures a run would return
         return {"kvmesh": summary(kvmesh_uncached, 0.95, 0.05), "round_robin": summary(100, 0.4, 0.1)}
 
     monkeypatch.setattr(bench_live, "run_live", run_live)
-    monkeypatch.setattr(bench_live, "record_bounds", lambda *a, **k: {
-        "prompt_tokens": 100, "infinite": {"hit_rate": 1.0}, "round_robin_infinite": {"hit_rate": 0.5, "replicas": 4}})
+    monkeypatch.setattr(
+        bench_live,
+        "record_bounds",
+        lambda *a, **k: {
+            "prompt_tokens": 100,
+            "infinite": {"hit_rate": 1.0},
+            "round_robin_infinite": {"hit_rate": 0.5, "replicas": 4},
+        },
+    )
     monkeypatch.setattr(bench_live, "plot", lambda *a: None)
     monkeypatch.setattr("kvmesh.deployments.replay.format_table", lambda results: "table")
     monkeypatch.chdir(tmp_path)
@@ -92,9 +119,17 @@ def test_bench_tiers_exits_non_zero_when_a_tier_loads_slower_than_recompute(monk
     from kvmesh.benchmarks import bench_tiers
 
     run = {"prefill_s": 0.01, "num_cached_tokens": 256}
-    m = {"rows": [{"n": 256, "cold": run, "hbm": run, "host": run, "shared": run}], "host_hit_tokens": 256,
-         "shared_hit_tokens": 256, "hbm_s": 0.01, "prefill_s_per_token": 1e-5, "host_load_s_per_token": 5e-6,
-         "shared_load_s_per_token": 2e-5, "host_hits": 1, "shared_hits": 1}
+    m = {
+        "rows": [{"n": 256, "cold": run, "hbm": run, "host": run, "shared": run}],
+        "host_hit_tokens": 256,
+        "shared_hit_tokens": 256,
+        "hbm_s": 0.01,
+        "prefill_s_per_token": 1e-5,
+        "host_load_s_per_token": 5e-6,
+        "shared_load_s_per_token": 2e-5,
+        "host_hits": 1,
+        "shared_hits": 1,
+    }
     monkeypatch.setattr(bench_tiers, "measure", lambda model, root: m)
     with pytest.raises(SystemExit) as exc:
         bench_tiers.main(["--model", "unused"])

@@ -1,5 +1,6 @@
 """The `kvmesh` entry point: bad arguments give one line on stderr and exit 2, never a traceback; one CLI
 package holds every subcommand and the argument checks they share, and library code never imports it."""
+
 import argparse
 import ast
 import importlib
@@ -14,8 +15,9 @@ from kvmesh.deployments.cli import args, main
 
 
 def _run(*argv):
-    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", *argv], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.deployments.cli", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_unknown_subcommand_is_one_line_exit_2():
@@ -68,41 +70,53 @@ def test_every_subcommand_lives_in_the_cli_package():
         assert callable(mod.add_arguments) and callable(mod.run), name
 
 
-@pytest.mark.parametrize("check, text, value", [
-    (args.positive_int, "3", 3),
-    (args.non_negative_int, "0", 0),
-    (args.positive_float, "0.5", 0.5),
-    (args.non_negative_float, "0", 0.0),
-    (args.int_range, "2", (2, 2)),
-    (args.int_range, "1-3", (1, 3)),
-    (args.choices_csv(("a", "b")), "b, a", ("b", "a")),
-])
+@pytest.mark.parametrize(
+    "check, text, value",
+    [
+        (args.positive_int, "3", 3),
+        (args.non_negative_int, "0", 0),
+        (args.positive_float, "0.5", 0.5),
+        (args.non_negative_float, "0", 0.0),
+        (args.int_range, "2", (2, 2)),
+        (args.int_range, "1-3", (1, 3)),
+        (args.choices_csv(("a", "b")), "b, a", ("b", "a")),
+    ],
+)
 def test_shared_argument_types_accept(check, text, value):
     assert check(text) == value
 
 
-@pytest.mark.parametrize("check, text, message", [
-    (args.positive_int, "0", "must be >= 1, got 0"),
-    (args.positive_int, "x", "expected a whole number, got 'x'"),
-    (args.non_negative_int, "-1", "must be >= 0"),
-    (args.positive_float, "inf", "must be a positive number"),
-    (args.positive_float, "nan", "must be a positive number"),
-    (args.non_negative_float, "-0.5", "must be >= 0"),
-    (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
-    (args.choices_csv(("a", "b")), "c", "choose from a, b"),
-    (args.choices_csv(("a", "b")), ",", "choose from a, b"),
-])
+@pytest.mark.parametrize(
+    "check, text, message",
+    [
+        (args.positive_int, "0", "must be >= 1, got 0"),
+        (args.positive_int, "x", "expected a whole number, got 'x'"),
+        (args.non_negative_int, "-1", "must be >= 0"),
+        (args.positive_float, "inf", "must be a positive number"),
+        (args.positive_float, "nan", "must be a positive number"),
+        (args.non_negative_float, "-0.5", "must be >= 0"),
+        (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
+        (args.choices_csv(("a", "b")), "c", "choose from a, b"),
+        (args.choices_csv(("a", "b")), ",", "choose from a, b"),
+    ],
+)
 def test_shared_argument_types_reject_with_one_message(check, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
         check(text)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["simulate", "--trace", "conversation", "--replicas", "0", "--capacity-blocks", "1"], "--replicas: must be >= 1"),
-    (["trace", "synth", "--out", "x.jsonl", "--turns", "x"], "--turns: expected a whole number"),
-    (["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"], "--timeout: must be >= 0"),
-    (["demo", "--replicas", "0"], "--replicas: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["simulate", "--trace", "conversation", "--replicas", "0", "--capacity-blocks", "1"],
+            "--replicas: must be >= 1",
+        ),
+        (["trace", "synth", "--out", "x.jsonl", "--turns", "x"], "--turns: expected a whole number"),
+        (["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"], "--timeout: must be >= 0"),
+        (["demo", "--replicas", "0"], "--replicas: must be >= 1"),
+    ],
+)
 def test_subcommands_share_the_checks(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

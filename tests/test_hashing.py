@@ -4,19 +4,27 @@ The reference is vLLM itself: a real `vllm.v1.request.Request` hashed by
 `kv_cache_utils.get_request_block_hasher` (which generates the salt / LoRA / multimodal extra keys),
 and the 64-bit form from `maybe_convert_block_hash`. vLLM is imported here only, never by kvstore.
 """
+
 from __future__ import annotations
 
 import json
-import time
 import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
-from kvmesh.kvstore.hashing import (ALGOS, BlockHasher, HashMemo, block_hashes, block_hashes_full,
-                             none_hash, to_event_hash)
+from kvmesh.kvstore.hashing import (
+    ALGOS,
+    BlockHasher,
+    HashMemo,
+    block_hashes,
+    block_hashes_full,
+    none_hash,
+    to_event_hash,
+)
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vllm is a test dependency")
 from vllm.lora.request import LoRARequest  # noqa: E402
@@ -39,13 +47,22 @@ def vllm_hashes(tokens, block_size, algo, salt=None, lora=None, mm=None):
     kcu.init_none_hash(fn)
     feats = None
     if mm:
-        feats = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                       mm_position=PlaceholderRange(offset=off, length=n))
-                 for ident, off, n in mm]
-    req = Request(request_id="r", prompt_token_ids=list(tokens),
-                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-                  cache_salt=salt, lora_request=lora, mm_features=feats,
-                  block_hasher=kcu.get_request_block_hasher(block_size, fn))
+        feats = [
+            MultiModalFeatureSpec(
+                data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=off, length=n)
+            )
+            for ident, off, n in mm
+        ]
+    req = Request(
+        request_id="r",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        lora_request=lora,
+        mm_features=feats,
+        block_hasher=kcu.get_request_block_hasher(block_size, fn),
+    )
     return list(req.block_hashes)
 
 
@@ -80,8 +97,7 @@ def test_lora_and_multimodal_extra_keys_match_vllm():
     tokens = rand_tokens(rng, 300)
     lora = LoRARequest(lora_name="adapter-x", lora_int_id=3, lora_path="/models/adapter-x")
     ref = vllm_hashes(tokens, 32, "sha256", salt="s1", lora=lora)
-    assert block_hashes_full(tokens, 32, cache_salt="s1", lora_name="adapter-x",
-                             lora_path="/models/adapter-x") == ref
+    assert block_hashes_full(tokens, 32, cache_salt="s1", lora_name="adapter-x", lora_path="/models/adapter-x") == ref
     mm = [("img-aaa", 10, 40), ("img-bbb", 50, 3), ("img-ccc", 64, 100), ("img-ddd", 250, 10)]
     ref = vllm_hashes(tokens, 32, "sha256", mm=mm)
     assert block_hashes_full(tokens, 32, mm_keys=mm) == ref
@@ -103,7 +119,7 @@ def test_incremental_equals_one_shot_for_any_split():
         got, i = [], 0
         while i < len(tokens):
             step = rng.randrange(1, 90)
-            got += hasher.extend(tokens[i:i + step])
+            got += hasher.extend(tokens[i : i + step])
             i += step
         assert got == want == hasher.hashes
         assert hasher.num_tokens == len(tokens)
@@ -184,8 +200,14 @@ def test_none_hash_seed_rules_in_fresh_processes(seed, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *ALGOS], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, *ALGOS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours = json.loads(proc.stdout.strip().splitlines()[-1])
     if seed is None:
@@ -217,9 +239,14 @@ def engine_with_events(tmp_path_factory):
 
     from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                       "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
+    for key, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     model = build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
@@ -230,10 +257,19 @@ def engine_with_events(tmp_path_factory):
     from vllm import EngineArgs, LLMEngine
     from vllm.config import KVEventsConfig
 
-    args = EngineArgs(model=str(model), block_size=32, max_model_len=1024, enforce_eager=True,
-                      enable_prefix_caching=True, dtype="float32", max_num_seqs=4, seed=0,
-                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                      endpoint=f"tcp://*:{port}", topic="kv"))
+    args = EngineArgs(
+        model=str(model),
+        block_size=32,
+        max_model_len=1024,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        dtype="float32",
+        max_num_seqs=4,
+        seed=0,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic="kv"
+        ),
+    )
     engine = LLMEngine.from_engine_args(args)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -251,6 +287,7 @@ def engine_with_events(tmp_path_factory):
             core.shutdown()  # stops the KV-event publisher thread and frees the engine
         del engine
         import gc
+
         gc.collect()
 
 
@@ -309,13 +346,13 @@ def test_memo_and_incremental_agree_with_plain_hashing_randomly():
         salt = rng.choice([None, "s"])
         base = rand_tokens(rng, rng.randrange(0, 300))
         for _ in range(3):
-            x = base[:rng.randrange(0, len(base) + 1)] + rand_tokens(rng, rng.randrange(0, 100))
+            x = base[: rng.randrange(0, len(base) + 1)] + rand_tokens(rng, rng.randrange(0, 100))
             want = block_hashes(x, 16, cache_salt=salt)
             assert block_hashes(x, 16, cache_salt=salt, memo=memo) == want
             hasher, got, i = BlockHasher(16, cache_salt=salt, memo=memo), [], 0
             while i < len(x):
                 step = rng.randrange(1, 40)
-                got += hasher.extend(x[i:i + step])
+                got += hasher.extend(x[i : i + step])
                 i += step
             assert got == want
             assert len(memo) <= memo.max_entries

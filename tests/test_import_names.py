@@ -3,6 +3,7 @@
 Why: generic names such as `cluster` or `policies` collide in users' environments, and a module imported
 under two names (`cluster.index` and `kvmesh.cluster.index`) is two modules with two sets of classes and
 globals in one process (isinstance checks and module state silently split)."""
+
 from __future__ import annotations
 
 import ast
@@ -36,16 +37,20 @@ def test_only_kvmesh_is_installed_outside_the_repository(tmp_path):
         "    sys.exit(f'{name} is importable outside the repository')\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 def test_bundled_traces_ship_with_the_package(tmp_path):
-    code = ("from importlib import resources\n"
-            "print((resources.files('kvmesh.cluster') / 'traces' / 'mooncake_conversation_trace.jsonl').is_file())")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "from importlib import resources\n"
+        "print((resources.files('kvmesh.cluster') / 'traces' / 'mooncake_conversation_trace.jsonl').is_file())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]
 
 
@@ -79,11 +84,14 @@ def test_no_code_uses_a_bare_folder_name():
 def test_the_cli_loads_no_module_under_a_bare_folder_name():
     """Run from the repository root, where the folders are importable by their bare names: loading every
     subcommand still imports each module once, as `kvmesh.*`."""
-    code = ("import sys\n"
-            "from kvmesh.deployments.cli import build_parser\n"
-            "build_parser()\n"
-            f"print(sorted(n for n in sys.modules if n.split('.')[0] in {FOLDER_NAMES!r}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys\n"
+        "from kvmesh.deployments.cli import build_parser\n"
+        "build_parser()\n"
+        f"print(sorted(n for n in sys.modules if n.split('.')[0] in {FOLDER_NAMES!r}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -2,10 +2,12 @@
 
 The property test checks `match` against a deliberately naive model (per-replica sets walked one
 replica at a time), so a wrong bitmask shortcut cannot hide."""
+
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.cluster.index import PrefixIndex, event_hash
 
@@ -38,7 +40,7 @@ def test_hbm_prefix_stops_at_first_gap():
 
 def test_host_tier_is_per_node_and_shared_is_global():
     idx = make()
-    idx.store("a", [1, 2])            # a: hbm 2
+    idx.store("a", [1, 2])  # a: hbm 2
     idx.store("a", [3, 4], tier="host")  # node n1: blocks 3,4
     idx.store_shared([5])
     m = idx.match([1, 2, 3, 4, 5, 6])
@@ -170,6 +172,7 @@ def test_event_hash_accepts_bytes_and_ints():
 def naive_match(hbm, host, shared, node_of, hashes):
     out = {}
     for rid, held in hbm.items():
+
         def prefix(ok):
             n = 0
             for h in hashes:
@@ -177,6 +180,7 @@ def naive_match(hbm, host, shared, node_of, hashes):
                     break
                 n += 1
             return n
+
         node = node_of[rid]
         out[rid] = (
             prefix(lambda h: h in held),
@@ -208,19 +212,26 @@ def test_match_equals_naive_model(operations, query):
     shared: set[int] = set()
     for op, rid, hs in operations:
         if op == "store":
-            idx.store(rid, hs); hbm[rid] |= set(hs)
+            idx.store(rid, hs)
+            hbm[rid] |= set(hs)
         elif op == "remove":
-            idx.remove(rid, hs); hbm[rid] -= set(hs)
+            idx.remove(rid, hs)
+            hbm[rid] -= set(hs)
         elif op == "host":
-            idx.store(rid, hs, tier="host"); host[node_of[rid]] |= set(hs)
+            idx.store(rid, hs, tier="host")
+            host[node_of[rid]] |= set(hs)
         elif op == "unhost":
-            idx.remove(rid, hs, tier="host"); host[node_of[rid]] -= set(hs)
+            idx.remove(rid, hs, tier="host")
+            host[node_of[rid]] -= set(hs)
         elif op == "shared":
-            idx.store_shared(hs); shared |= set(hs)
+            idx.store_shared(hs)
+            shared |= set(hs)
         elif op == "unshared":
-            idx.remove_shared(hs); shared -= set(hs)
+            idx.remove_shared(hs)
+            shared -= set(hs)
         elif op == "clear":
-            idx.clear(rid); hbm[rid].clear()
+            idx.clear(rid)
+            hbm[rid].clear()
     assert idx.match(query) == naive_match(hbm, host, shared, node_of, query)
     assert len(idx) == len(set().union(*hbm.values(), *host.values(), shared))
     arr = idx.match_arrays(query)

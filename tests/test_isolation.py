@@ -12,6 +12,7 @@ most 0.6x the cold median -- which also shows the test has the power to see a re
 0.001 threshold (not 0.01) keeps the false-alarm rate of the indistinguishability check at 1 in 1000
 CI runs; a real leak (a full prefix hit) is ~4x faster here and gives p ~ 1e-7 at these sample sizes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,23 +20,39 @@ import random
 import statistics
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from isolation_support import (
+    EngineRunner,
+    build_prefill_heavy_model,
+    full_blocks_cached,
+    mann_whitney_u,
+    set_engine_env,
+)
 
 from kvmesh.deployments.tenants import TenantRegistry, hash_api_key
-from isolation_support import (
-    EngineRunner, build_prefill_heavy_model, full_blocks_cached, mann_whitney_u, set_engine_env,
-)
 
 SECRET = b"isolation-test-secret-0123456789"
 TENANTS = {  # id -> sharing group
-    "t0": None, "t1": None, "t2": None, "t3": None, "docs-a": "public-docs", "docs-b": "public-docs",
+    "t0": None,
+    "t1": None,
+    "t2": None,
+    "t3": None,
+    "docs-a": "public-docs",
+    "docs-b": "public-docs",
 }
 
 
 def make_registry() -> TenantRegistry:
-    return TenantRegistry.from_dict({"tenants": [
-        {"id": tid, **({"group": g} if g else {}), "keys": [{"sha256": hash_api_key(f"kvm-key-for-{tid}-xyz")}]}
-        for tid, g in TENANTS.items()]}, secret=SECRET)
+    return TenantRegistry.from_dict(
+        {
+            "tenants": [
+                {"id": tid, **({"group": g} if g else {}), "keys": [{"sha256": hash_api_key(f"kvm-key-for-{tid}-xyz")}]}
+                for tid, g in TENANTS.items()
+            ]
+        },
+        secret=SECRET,
+    )
 
 
 REGISTRY = make_registry()
@@ -43,6 +60,7 @@ SALTS = {tid: t.salt for tid, t in REGISTRY.tenants.items()}
 
 
 # --- pure helpers (no engine) -----------------------------------------------------------------------
+
 
 def test_mann_whitney_u_helper():
     same = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -61,6 +79,7 @@ def test_registry_salts_for_the_isolation_cases():
 
 
 # --- real engine ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
@@ -83,10 +102,16 @@ def fresh_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 @pytest.mark.integration
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
-@given(a=st.sampled_from(sorted(TENANTS)), b=st.sampled_from(sorted(TENANTS)),
-       length=st.integers(40, 600), seed=st.integers(0, 2**32 - 1), shared=st.floats(0.2, 1.0))
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    a=st.sampled_from(sorted(TENANTS)),
+    b=st.sampled_from(sorted(TENANTS)),
+    length=st.integers(40, 600),
+    seed=st.integers(0, 2**32 - 1),
+    shared=st.floats(0.2, 1.0),
+)
 def test_cross_tenant_isolation_property(engine, a, b, length, seed, shared):
     """Random tenant pairs and prompts: 0 cached tokens exactly across scopes, full hits within one."""
     rng = random.Random(seed)
@@ -130,8 +155,11 @@ def test_cross_tenant_timing_probe_is_indistinguishable_from_cold(engine):
     for i in range(rounds):
         secret_prompt = fresh_prompt(rng, length, engine.vocab)
         assert engine.run(secret_prompt, SALTS["t0"])[0] == 0  # tenant t0 sends its prompt
-        steps = [("probe", secret_prompt, "t1"), ("cold", fresh_prompt(rng, length, engine.vocab), "t1"),
-                 ("repeat", secret_prompt, "t0")]
+        steps = [
+            ("probe", secret_prompt, "t1"),
+            ("cold", fresh_prompt(rng, length, engine.vocab), "t1"),
+            ("repeat", secret_prompt, "t0"),
+        ]
         rng.shuffle(steps)
         for kind, prompt, tenant in steps:
             cached, ttft = engine.run(prompt, SALTS[tenant])

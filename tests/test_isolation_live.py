@@ -4,13 +4,13 @@ Same properties as tests/test_isolation.py, but the salt is the one the ingress 
 and the cached-token count is the one the client sees (`usage.prompt_tokens_details.cached_tokens`),
 with two engine replicas behind the kvmesh router.
 """
+
 from __future__ import annotations
 
 import random
 
 import httpx
 import pytest
-
 from tenant_app import KEYS, auth
 
 pytestmark = pytest.mark.integration
@@ -21,8 +21,12 @@ N_CASES = 12
 
 
 def complete(app, key: str, prompt: list[int]) -> tuple[int, str]:
-    resp = httpx.post(app.url + "/v1/completions", headers=auth(key), timeout=180,
-                      json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    resp = httpx.post(
+        app.url + "/v1/completions",
+        headers=auth(key),
+        timeout=180,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"], resp.headers["x-kvmesh-replica"]
 
@@ -58,8 +62,11 @@ def test_cross_tenant_isolation_through_the_ingress(live_app):
 
 def test_per_tenant_hit_rates_in_metrics(live_app):
     text = httpx.get(live_app.url + "/metrics", timeout=60).text
-    rates = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("kvmesh_tenant_hit_rate_tokens{")}
+    rates = {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmesh_tenant_hit_rate_tokens{")
+    }
     assert set(SCOPES) & set(rates), rates
     assert all(0.0 <= r <= 1.0 for r in rates.values())
     assert any(r > 0 for t, r in rates.items() if t in SCOPES)

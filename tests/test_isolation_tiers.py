@@ -13,22 +13,29 @@ Engines run in child processes (kvstore/probe_engine.py): two LMCacheMPConnector
 share one Python process. At most one engine runs at a time; the host-tier phase reuses the storing
 engine after dropping its own prefix cache (HBM), so only LMCache's L1 can serve hits.
 """
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from isolation_support import set_engine_env
 
 from kvmesh.deployments.tenants import TenantRegistry, hash_api_key
-from isolation_support import set_engine_env
 
 pytestmark = pytest.mark.integration
 
 SECRET = b"tier-isolation-secret-0123456789"
 TENANTS = {"t0": None, "t1": None, "t2": None, "docs-a": "public-docs", "docs-b": "public-docs"}
-REGISTRY = TenantRegistry.from_dict({"tenants": [
-    {"id": tid, **({"group": g} if g else {}), "keys": [{"sha256": hash_api_key(f"kvm-tier-key-{tid}-xyz")}]}
-    for tid, g in TENANTS.items()]}, secret=SECRET)
+REGISTRY = TenantRegistry.from_dict(
+    {
+        "tenants": [
+            {"id": tid, **({"group": g} if g else {}), "keys": [{"sha256": hash_api_key(f"kvm-tier-key-{tid}-xyz")}]}
+            for tid, g in TENANTS.items()
+        ]
+    },
+    secret=SECRET,
+)
 SALTS = {tid: t.salt for tid, t in REGISTRY.tenants.items()}
 CHUNK = 64  # LMCache chunk (2 engine blocks of 32)
 N_PROMPTS = 6
@@ -57,8 +64,8 @@ def stack(tmp_path_factory):
     """Redis + LMCache server S1 (L1 + Redis L2); the tests add engines and a second server."""
     from kvmesh.deployments.tiny_model import build_tiny_model
     from kvmesh.kvstore.lmcache_server import LMCacheServer
-    from kvmesh.kvstore.tiers import TierConfig
     from kvmesh.kvstore.redis_process import RedisServer
+    from kvmesh.kvstore.tiers import TierConfig
 
     root = tmp_path_factory.mktemp("h5-tiers")
     set_engine_env(root)
@@ -67,16 +74,16 @@ def stack(tmp_path_factory):
     servers = []
 
     def new_server(name: str) -> LMCacheServer:
-        cfg = TierConfig(l1_size_gb=0.25, chunk_size=CHUNK,
-                         l2={"type": "resp", "host": "127.0.0.1", "port": redis.port})
+        cfg = TierConfig(
+            l1_size_gb=0.25, chunk_size=CHUNK, l2={"type": "resp", "host": "127.0.0.1", "port": redis.port}
+        )
         srv = LMCacheServer(cfg, root / f"{name}.log")
         srv.start()
         servers.append(srv)
         return srv
 
     try:
-        yield {"root": root, "model": model, "redis": redis, "new_server": new_server,
-               "s1": new_server("lmcache-s1")}
+        yield {"root": root, "model": model, "redis": redis, "new_server": new_server, "s1": new_server("lmcache-s1")}
     finally:
         for srv in servers:
             srv.stop()
@@ -92,6 +99,7 @@ def _engine(stack, server, name):
 
 def _vocab(model) -> int:
     from transformers import AutoTokenizer
+
     return len(AutoTokenizer.from_pretrained(str(model)))
 
 
@@ -147,13 +155,15 @@ def test_lmcache_keys_include_the_salt_and_tiers_isolate_tenants(stack):
         _probe_tier(e2, cases, tier="shared")
     finally:
         e2.stop()
-    l2_hits = _metric_sum(s2.metrics(), "lmcache_mp_lookup_hit_l2_tokens_total") - \
-        _metric_sum(before, "lmcache_mp_lookup_hit_l2_tokens_total")
+    l2_hits = _metric_sum(s2.metrics(), "lmcache_mp_lookup_hit_l2_tokens_total") - _metric_sum(
+        before, "lmcache_mp_lookup_hit_l2_tokens_total"
+    )
     assert l2_hits > 0, "the owners' hits on S2 must have come from Redis"
 
 
 def _metric_sum(samples: dict, name: str) -> float:
     from kvmesh.kvstore.lmcache_metrics import total
+
     return total(samples, name)
 
 
@@ -162,8 +172,9 @@ def _probe_tier(engine, cases, tier):
         n_full = (len(c["prompt"]) - 1) // CHUNK * CHUNK  # what a chunk-aligned tier hit can give
         prober = c["probers"][tier]
         probe = engine.generate(c["prompt"], SALTS[prober])
-        assert probe.get("num_cached_tokens") == 0, \
+        assert probe.get("num_cached_tokens") == 0, (
             f"{tier} tier: tenant {prober} got {probe} of tenant {c['owner']}'s prompt"
+        )
         # the partner (same group salt) first, so its hit can only come from the tier, not HBM
         for who in ([c["partner"]] if c["partner"] else []) + [c["owner"]]:
             got = engine.generate(c["prompt"], SALTS[who]).get("num_cached_tokens")

@@ -2,6 +2,7 @@
 unknown key anywhere is an error, as `kubectl --validate=strict` would say), and its serveConfigV2
 against Ray Serve's own ServeDeploySchema plus a strict key check (Serve silently drops unknown
 autoscaling keys, so a typo would otherwise pass)."""
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,11 @@ def _strict(schema: dict) -> dict:
     """Forbid keys a CRD schema does not declare (the API server would prune or reject them)."""
     if isinstance(schema, dict):
         schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
     elif isinstance(schema, list):
         schema = [_strict(v) for v in schema]
@@ -73,8 +77,9 @@ def check_serve_config(text: str) -> list[str]:
     for app in config.get("applications", []):
         for dep in app.get("deployments", []):
             DeploymentSchema.model_validate(dep)
-            problems += unknown_keys(dep.get("autoscaling_config") or {}, AutoscalingConfig,
-                                     f"{dep['name']}.autoscaling_config.")
+            problems += unknown_keys(
+                dep.get("autoscaling_config") or {}, AutoscalingConfig, f"{dep['name']}.autoscaling_config."
+            )
     return problems
 
 

@@ -4,6 +4,7 @@ Frames are built with vLLM's own `KVEventBatch` / `BlockStored` / ... structs an
 and in the socket tests sent by vLLM's own `ZmqEventPublisher` (PUB + ROUTER replay), so a change
 in vLLM's wire format fails here. kvmesh's decoder itself never imports vLLM.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,17 @@ import time
 import pytest
 
 from kvmesh.cluster.index import PrefixIndex
-from kvmesh.cluster.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError,
-                               KVEventApplier, KVEventSubscriber, SourceState, decode_frames,
-                               decode_payload)
+from kvmesh.cluster.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    KVEventApplier,
+    KVEventSubscriber,
+    SourceState,
+    decode_frames,
+    decode_payload,
+)
 
 kv = pytest.importorskip("vllm.distributed.kv_events", reason="vllm is a test dependency")
 import msgspec  # noqa: E402
@@ -25,9 +34,16 @@ _enc = msgspec.msgpack.Encoder()
 
 
 def stored(hashes, medium="GPU", parent=None, **kw):
-    return kv.BlockStored(block_hashes=list(hashes), parent_block_hash=parent,
-                          token_ids=list(range(16 * len(hashes))), block_size=16, lora_id=None,
-                          medium=medium, lora_name=None, **kw)
+    return kv.BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        **kw,
+    )
 
 
 def removed(hashes, medium="GPU", **kw):
@@ -65,8 +81,17 @@ def test_decode_real_vllm_batch_all_fields():
 
 def test_decode_array_form_and_unknown_event_types():
     import msgpack
-    payload = msgpack.packb([1.0, [["BlockStored", [1, 2], None, [0] * 32, 16, None, "GPU"],
-                                   {"type": "SomethingNew", "x": 1}, ["BlockRemoved", [2], None]]])
+
+    payload = msgpack.packb(
+        [
+            1.0,
+            [
+                ["BlockStored", [1, 2], None, [0] * 32, 16, None, "GPU"],
+                {"type": "SomethingNew", "x": 1},
+                ["BlockRemoved", [2], None],
+            ],
+        ]
+    )
     events = decode_payload(payload).events
     assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
     assert events[0].block_hashes == [1, 2] and events[1].block_hashes == [2]
@@ -199,16 +224,16 @@ def test_real_publisher_replay_recovers_missed_batches():
     async def main():
         idx = PrefixIndex()
         idx.add_replica("e0")
-        pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}",
-                                   topic="kv")
+        pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", topic="kv")
         sub = KVEventSubscriber(idx, replay_timeout_s=2.0)
         try:
             # published before anyone subscribed: PUB drops them, only the replay buffer has them
             pub.publish(batch([stored([1, 2, 3])]))
             pub.publish(batch([removed([3])]))
             await asyncio.sleep(0.3)
-            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv",
-                                 replay_endpoint=f"tcp://127.0.0.1:{rport}")
+            await sub.add_source(
+                "e0", f"tcp://127.0.0.1:{port}", topic="kv", replay_endpoint=f"tcp://127.0.0.1:{rport}"
+            )
             await publish_until_seen(pub, sub, "e0", [stored([7])])
             src = sub.sources["e0"]
             assert src.replays_ok == 1 and src.gaps == 1
@@ -238,8 +263,7 @@ def test_replay_unreachable_falls_back_to_clear():
         pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
         sub = KVEventSubscriber(idx, replay_timeout_s=0.3)
         try:
-            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv",
-                                 replay_endpoint=f"tcp://127.0.0.1:{dead}")
+            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv", replay_endpoint=f"tcp://127.0.0.1:{dead}")
             await publish_until_seen(pub, sub, "e0", [stored([1])])
             src = sub.sources["e0"]
             k, gaps0, failed0 = src.last_seq, src.gaps, src.replays_failed
@@ -260,6 +284,7 @@ def test_replay_unreachable_falls_back_to_clear():
 
 def test_decoder_does_not_import_vllm():
     import subprocess
+
     code = "import sys, kvmesh.cluster.kv_events, kvmesh.cluster.index; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
@@ -306,15 +331,17 @@ def test_replay_buffer_too_short_rebuilds_from_what_it_still_has():
     async def main():
         idx = PrefixIndex()
         idx.add_replica("e0")
-        pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}",
-                                   topic="kv", buffer_steps=3)
+        pub = kv.ZmqEventPublisher(
+            0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", topic="kv", buffer_steps=3
+        )
         sub = KVEventSubscriber(idx, replay_timeout_s=1.0)
         try:
             for h in (10, 11, 12, 13):  # nobody listening; the buffer keeps only the last 3 batches
                 pub.publish(batch([stored([h])]))
             await asyncio.sleep(0.3)
-            await sub.add_source("e0", f"tcp://127.0.0.1:{port}", topic="kv",
-                                 replay_endpoint=f"tcp://127.0.0.1:{rport}")
+            await sub.add_source(
+                "e0", f"tcp://127.0.0.1:{port}", topic="kv", replay_endpoint=f"tcp://127.0.0.1:{rport}"
+            )
             await publish_until_seen(pub, sub, "e0", [stored([7])])
             src = sub.sources["e0"]
             assert src.gaps == 1 and src.replays_failed == 1 and src.replays_ok == 0

@@ -4,6 +4,7 @@ kvstore module reads) imports none of them.
 Why: a circle closed by a function-level import works until someone moves the import to the top or
 imports the modules in another order; a configuration leaf can be read by the engine, the node's
 server and the router without pulling in processes, Ray actors or each other."""
+
 from __future__ import annotations
 
 import ast
@@ -41,7 +42,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         path.pop()

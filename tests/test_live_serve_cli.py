@@ -1,11 +1,12 @@
 """`kvmesh serve` as a user runs it: a subprocess that starts its own Ray, prints URL and API key,
 answers OpenAI requests, and exits cleanly (status 0, no leftover processes) on SIGTERM."""
+
 from __future__ import annotations
 
 import os
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,9 +32,14 @@ def test_kvmesh_serve_prints_url_and_key_serves_and_stops_on_sigterm(tmp_path, t
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     out = open(tmp_path / "serve.out", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--replicas", "1", "--port", "0",
-                             "--num-cpus", "2"], cwd=Path(__file__).resolve().parents[1], env=env,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--replicas", "1", "--port", "0", "--num-cpus", "2"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url = key = None
         deadline = time.monotonic() + 600
@@ -45,8 +51,12 @@ def test_kvmesh_serve_prints_url_and_key_serves_and_stops_on_sigterm(tmp_path, t
             url, key = (m.group(1) if m else None), (k.group(1) if k else None)
         assert url and key, (tmp_path / "serve.out").read_text()[-3000:]
         h = {"Authorization": f"Bearer {key}"}
-        r = httpx.post(url + "/v1/completions", headers=h, timeout=120,
-                       json={"model": "tiny", "prompt": "hello kvmesh", "max_tokens": 3, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers=h,
+            timeout=120,
+            json={"model": "tiny", "prompt": "hello kvmesh", "max_tokens": 3, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3 and r.headers["x-kvmesh-replica"]
         assert httpx.post(url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x"}).status_code == 401

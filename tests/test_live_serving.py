@@ -3,6 +3,7 @@
 All tests share the session app (tests/conftest.py `live_app`); each uses its own fresh random token
 prompts so earlier tests' cache contents never decide an outcome.
 """
+
 from __future__ import annotations
 
 import random
@@ -23,8 +24,9 @@ def fresh_tokens(n: int) -> list[int]:
 
 
 def complete(client, prompt, max_tokens=4, **extra):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                              "temperature": 0, **extra})
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -170,35 +172,46 @@ def test_openai_client_works_unchanged(live_app):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 
-    comp = client.completions.create(model="tiny", prompt="The cache remembers what the model has read.",
-                                     max_tokens=5, temperature=0)
+    comp = client.completions.create(
+        model="tiny", prompt="The cache remembers what the model has read.", max_tokens=5, temperature=0
+    )
     assert comp.choices[0].finish_reason in ("length", "stop")
     assert comp.usage.prompt_tokens > 0 and comp.usage.completion_tokens > 0
 
-    chat = client.chat.completions.create(model="tiny", messages=[
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
-        max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        max_tokens=5,
+        temperature=0,
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens > 0
 
     pieces = []
     usage = None
-    for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there!"}],
-                                                max_tokens=6, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there!"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
         if chunk.usage:
             usage = chunk.usage
     assert usage is not None and usage.completion_tokens == 6
     # the streamed text equals the non-streamed greedy text for the same prompt
-    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there!"}],
-                                           max_tokens=6, temperature=0)
+    again = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there!"}], max_tokens=6, temperature=0
+    )
     assert "".join(pieces) == again.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens >= 0
 
-    stream = client.completions.create(model="tiny", prompt="Tell me about Paris", max_tokens=4, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(
+        model="tiny", prompt="Tell me about Paris", max_tokens=4, temperature=0, stream=True
+    )
     texts = [ch.choices[0].text for ch in stream if ch.choices]
     assert len(texts) >= 1
 
@@ -219,16 +232,36 @@ BAD_INPUTS = [
     ("max_tokens string", None, {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "invalid_type"),
     ("temperature too high", None, {"model": "tiny", "prompt": "hi", "temperature": 7}, 400, "invalid_value"),
     ("prompt too long", None, {"model": "tiny", "prompt": [5] * 2100}, 400, "context_length_exceeded"),
-    ("prompt + max_tokens too long", None, {"model": "tiny", "prompt": [5] * 2000, "max_tokens": 100}, 400,
-     "context_length_exceeded"),
+    (
+        "prompt + max_tokens too long",
+        None,
+        {"model": "tiny", "prompt": [5] * 2000, "max_tokens": 100},
+        400,
+        "context_length_exceeded",
+    ),
     ("unknown model", None, {"model": "gpt-17", "prompt": "hi"}, 404, "model_not_found"),
-    ("client cache_salt", None, {"model": "tiny", "prompt": "hi", "cache_salt": "mine"}, 400,
-     "client_cache_salt_not_allowed"),
+    (
+        "client cache_salt",
+        None,
+        {"model": "tiny", "prompt": "hi", "cache_salt": "mine"},
+        400,
+        "client_cache_salt_not_allowed",
+    ),
     ("missing api key", {}, {"model": "tiny", "prompt": "hi"}, 401, "missing_api_key"),
-    ("unknown api key", {"Authorization": "Bearer kvm-not-a-real-key-000"}, {"model": "tiny", "prompt": "hi"}, 401,
-     "invalid_api_key"),
-    ("malformed auth header", {"Authorization": "Basic abc"}, {"model": "tiny", "prompt": "hi"}, 401,
-     "invalid_api_key"),
+    (
+        "unknown api key",
+        {"Authorization": "Bearer kvm-not-a-real-key-000"},
+        {"model": "tiny", "prompt": "hi"},
+        401,
+        "invalid_api_key",
+    ),
+    (
+        "malformed auth header",
+        {"Authorization": "Basic abc"},
+        {"model": "tiny", "prompt": "hi"},
+        401,
+        "invalid_api_key",
+    ),
 ]
 
 
@@ -245,8 +278,9 @@ def test_bad_input_gets_openai_style_4xx_and_server_keeps_serving(live_app):
         assert err["code"] == code, (desc, err)
         assert err["message"]
     with live_app.client() as c:
-        bad_chat = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard",
-                                                                                         "content": "x"}]})
+        bad_chat = c.post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}
+        )
         assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages[0].role"
         no_msgs = c.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
         assert no_msgs.status_code == 400
@@ -268,16 +302,24 @@ def test_metrics_report_hit_rates_per_replica_and_predictions(live_app):
     assert f'kvmesh_cached_prompt_tokens_total{{replica="{replica}"}}' in text
     assert "kvmesh_hit_rate_tokens " in text and "kvmesh_ttft_seconds_bucket" in text
     assert "kvmesh_predicted_cached_tokens_total" in text and "kvmesh_hash_contract_alarm 0" in text
-    total = next(float(line.split()[-1]) for line in text.splitlines()
-                 if line.startswith("kvmesh_cached_prompt_tokens_total "))
+    total = next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvmesh_cached_prompt_tokens_total ")
+    )
     assert total >= 4 * BLOCK
 
 
 def test_client_disconnect_mid_stream_aborts_the_engine_request(live_app):
     import httpx
 
-    body = {"model": "tiny", "prompt": fresh_tokens(40), "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": fresh_tokens(40),
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
     def aborted(c) -> int:
         return sum(s.get("aborted", 0) for s in router_state(c)["routing_stats"].values())
 
@@ -292,8 +334,10 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(live_app):
         busy = None
         while time.monotonic() < deadline:
             state = router_state(c)
-            busy = (state["inflight"], [s.get("running", 0) + s.get("queued", 0)
-                                        for s in state["routing_stats"].values()])
+            busy = (
+                state["inflight"],
+                [s.get("running", 0) + s.get("queued", 0) for s in state["routing_stats"].values()],
+            )
             if busy == (0, [0, 0]) and aborted(c) == before + 1:
                 break
             time.sleep(0.5)

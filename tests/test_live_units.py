@@ -1,5 +1,6 @@
 """Fast tests of the live-serving parts without engines: request validation, config, the prediction
 ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,16 @@ def err(fn, body) -> proto.OpenAIError:
 
 
 def test_completion_accepts_text_token_ids_and_single_item_batches():
-    r = proto.parse_completion({"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True,
-                                "stream_options": {"include_usage": True}, "user": "ignored"})
+    r = proto.parse_completion(
+        {
+            "model": "tiny",
+            "prompt": "hi",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "ignored",
+        }
+    )
     assert (r.prompt_text, r.stream, r.include_usage, r.params["max_tokens"]) == ("hi", True, True, 3)
     assert proto.parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_ids == [1, 2, 3]
     assert proto.parse_completion({"model": "m", "prompt": ["x"]}).prompt_text == "x"
@@ -34,26 +43,29 @@ def test_completion_accepts_text_token_ids_and_single_item_batches():
     assert proto.parse_completion({"model": "m", "prompt": "x"}).params["max_tokens"] == proto.DEFAULT_MAX_TOKENS
 
 
-@pytest.mark.parametrize("body,param,code", [
-    ({"prompt": "x"}, "model", "missing_required_parameter"),
-    ({"model": 3, "prompt": "x"}, "model", "invalid_type"),
-    ({"model": "m"}, "prompt", "missing_required_parameter"),
-    ({"model": "m", "prompt": ""}, "prompt", "empty_prompt"),
-    ({"model": "m", "prompt": [1, "a"]}, "prompt", "invalid_type"),
-    ({"model": "m", "prompt": [1, True]}, "prompt", "invalid_type"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt", "invalid_type"),
-    ({"model": "m", "prompt": {"a": 1}}, "prompt", "invalid_type"),
-    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
-    ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "invalid_type"),
-    ({"model": "m", "prompt": "x", "temperature": -1}, "temperature", "invalid_value"),
-    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
-    ({"model": "m", "prompt": "x", "n": 2}, "n", "invalid_value"),
-    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
-    ({"model": "m", "prompt": "x", "stop": 5}, "stop", "invalid_type"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
-    ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "unsupported_parameter"),
-])
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        ({"prompt": "x"}, "model", "missing_required_parameter"),
+        ({"model": 3, "prompt": "x"}, "model", "invalid_type"),
+        ({"model": "m"}, "prompt", "missing_required_parameter"),
+        ({"model": "m", "prompt": ""}, "prompt", "empty_prompt"),
+        ({"model": "m", "prompt": [1, "a"]}, "prompt", "invalid_type"),
+        ({"model": "m", "prompt": [1, True]}, "prompt", "invalid_type"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt", "invalid_type"),
+        ({"model": "m", "prompt": {"a": 1}}, "prompt", "invalid_type"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
+        ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"model": "m", "prompt": "x", "temperature": -1}, "temperature", "invalid_value"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+        ({"model": "m", "prompt": "x", "n": 2}, "n", "invalid_value"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
+        ({"model": "m", "prompt": "x", "stop": 5}, "stop", "invalid_type"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "unsupported_parameter"),
+    ],
+)
 def test_completion_rejects_bad_fields_with_param_and_code(body, param, code):
     e = err(proto.parse_completion, body)
     assert (e.status, e.param, e.code) == (400, param, code)
@@ -61,17 +73,30 @@ def test_completion_rejects_bad_fields_with_param_and_code(body, param, code):
 
 
 def test_chat_validation():
-    r = proto.parse_chat({"model": "m", "messages": [{"role": "system", "content": "s"},
-                                                     {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                                  {"type": "text", "text": "b"}]}]})
+    r = proto.parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        }
+    )
     assert r.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
     assert err(proto.parse_chat, {"model": "m"}).code == "missing_required_parameter"
     assert err(proto.parse_chat, {"model": "m", "messages": []}).code == "empty_prompt"
     assert err(proto.parse_chat, {"model": "m", "messages": "hi"}).code == "invalid_type"
-    assert err(proto.parse_chat, {"model": "m", "messages": [{"role": "x", "content": "a"}]}).param == "messages[0].role"
+    assert (
+        err(proto.parse_chat, {"model": "m", "messages": [{"role": "x", "content": "a"}]}).param == "messages[0].role"
+    )
     assert err(proto.parse_chat, {"model": "m", "messages": [{"role": "user", "content": 5}]}).code == "invalid_type"
-    assert err(proto.parse_chat, {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {}}]}]}).code == "invalid_type"
+    assert (
+        err(
+            proto.parse_chat,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        ).code
+        == "invalid_type"
+    )
 
 
 def test_parse_json_errors():
@@ -81,8 +106,14 @@ def test_parse_json_errors():
 
 
 def test_stream_chunks_have_openai_shape():
-    req = proto.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                            "stream": True, "stream_options": {"include_usage": True}})
+    req = proto.parse_chat(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     first = proto.stream_chunk(req, "id", "he", None, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "he"} and first["usage"] is None
     last = proto.stream_chunk(req, "id", None, None, u=proto.usage(5, 2, 3))
@@ -215,8 +246,9 @@ def test_tiny_model_is_deterministic_and_idempotent(tmp_path):
 
 # ---------------------------------------------------------------------------- router with fake replicas
 def fake_replica(rid: str, **stats):
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats, node_id="n0",
-                           max_ongoing_requests=64)
+    return SimpleNamespace(
+        replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats, node_id="n0", max_ongoing_requests=64
+    )
 
 
 def fake_request(ids, request_id, salt=None):
@@ -229,8 +261,9 @@ def make_router(**kw):
 
     from kvmesh.deployments.router import KvmeshRouter
 
-    r = KvmeshRouter(deployment_id=DeploymentID(name="EngineReplica", app_name="t"),
-                     handle_source=DeploymentHandleSource.UNKNOWN)
+    r = KvmeshRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
     r.initialize_state(subscribe_events=False, **kw)
     return r
 
@@ -376,8 +409,11 @@ def test_serve_flags_override_the_config_file(tmp_path):
     p.write_text("replicas: 4\npolicy: round_robin\nport: 9000\nengine: {block_size: 64}\n")
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)
-    cfg = serve_cmd._build_config(parser.parse_args(["--config", str(p), "--replicas", "2", "--api-key",
-                                                     "kvm-abcdefgh12345", "--block-size", "32"]))
+    cfg = serve_cmd._build_config(
+        parser.parse_args(
+            ["--config", str(p), "--replicas", "2", "--api-key", "kvm-abcdefgh12345", "--block-size", "32"]
+        )
+    )
     assert (cfg["replicas"], cfg["policy"], cfg["port"]) == (2, "round_robin", 9000)
     assert cfg["engine"]["block_size"] == 32 and cfg["api_keys"] == ["kvm-abcdefgh12345"]
     assert cfg["proxy"] == "haproxy"
@@ -389,10 +425,15 @@ def test_serve_flags_override_the_config_file(tmp_path):
 def test_engine_args_carry_the_config(tiny_model_dir):
     from kvmesh.deployments.engine_driver import build_engine_args
 
-    cfg = engine_config({"block_size": 64, "stream_interval": 4, "hash_algo": "sha256_cbor",
-                         "num_gpu_blocks_override": 100})
-    args = build_engine_args(cfg, str(tiny_model_dir), {"endpoint": "tcp://*:5999", "topic": "kvmesh"},
-                             {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"})
+    cfg = engine_config(
+        {"block_size": 64, "stream_interval": 4, "hash_algo": "sha256_cbor", "num_gpu_blocks_override": 100}
+    )
+    args = build_engine_args(
+        cfg,
+        str(tiny_model_dir),
+        {"endpoint": "tcp://*:5999", "topic": "kvmesh"},
+        {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"},
+    )
     assert (args.block_size, args.stream_interval, args.prefix_caching_hash_algo) == (64, 4, "sha256_cbor")
     assert args.enable_prefix_caching and args.num_gpu_blocks_override == 100
     assert args.kv_events_config.enable_kv_cache_events and args.kv_events_config.endpoint == "tcp://*:5999"

@@ -1,6 +1,7 @@
 """The peer benchmark's pure parts: /metrics parsing and deltas, per-worker aggregation, the live
 targets of `results.check_targets` (including the cases that must fail), the table, the JSON/PNG writers, and the CLI's
 one-line errors. The live run itself needs the peers installed and minutes of CPU: `kvmesh bench peers`."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,11 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 1.0
 vllm:prompt_tokens_created{engine="0",model_name="tiny"} 1.7e+09
 """
-METRICS_AFTER = METRICS_BEFORE.replace("} 100.0\nvllm:prefix_cache_hits", "} 740.0\nvllm:prefix_cache_hits") \
-    .replace("} 32.0", "} 416.0").replace('"length",model_name="tiny"} 2.0', '"length",model_name="tiny"} 5.0')
+METRICS_AFTER = (
+    METRICS_BEFORE.replace("} 100.0\nvllm:prefix_cache_hits", "} 740.0\nvllm:prefix_cache_hits")
+    .replace("} 32.0", "} 416.0")
+    .replace('"length",model_name="tiny"} 2.0', '"length",model_name="tiny"} 5.0')
+)
 
 
 def test_metrics_parse_sums_label_sets_and_ignores_other_metrics():
@@ -43,8 +47,15 @@ def test_max_over_mean_counts_idle_workers():
 
 
 def _summary(hit, errors=0, requests=10, uncached=100):
-    return {"requests": requests, "errors": errors, "hit_rate_tokens": hit, "uncached_prompt_tokens": uncached,
-            "ttft_p50_s": 0.05, "ttft_p90_s": 0.1, "per_replica": {}}
+    return {
+        "requests": requests,
+        "errors": errors,
+        "hit_rate_tokens": hit,
+        "uncached_prompt_tokens": uncached,
+        "ttft_p50_s": 0.05,
+        "ttft_p90_s": 0.1,
+        "per_replica": {},
+    }
 
 
 def _workers(prefill):
@@ -53,10 +64,15 @@ def _workers(prefill):
 
 def _rows(kvmesh_hit, kvmesh_prefill, peer_hit=0.79, kvmesh_errors=0, bound=0.82):
     return [
-        results.make_row("chat", "tokens", "vllm-router/cache_aware", _summary(peer_hit), _workers([0, 60, 30, 0]), bound),
-        results.make_row("chat", "tokens", "sglang-router/cache_aware", _summary(None, errors=10), _workers([0] * 4), bound),
-        results.make_row("chat", "tokens", "kvmesh", _summary(kvmesh_hit, errors=kvmesh_errors),
-                         _workers(kvmesh_prefill), bound),
+        results.make_row(
+            "chat", "tokens", "vllm-router/cache_aware", _summary(peer_hit), _workers([0, 60, 30, 0]), bound
+        ),
+        results.make_row(
+            "chat", "tokens", "sglang-router/cache_aware", _summary(None, errors=10), _workers([0] * 4), bound
+        ),
+        results.make_row(
+            "chat", "tokens", "kvmesh", _summary(kvmesh_hit, errors=kvmesh_errors), _workers(kvmesh_prefill), bound
+        ),
     ]
 
 
@@ -66,12 +82,15 @@ def test_targets_pass_when_kvmesh_is_ahead_balanced_and_clean():
     assert all(v["checks"].values())
 
 
-@pytest.mark.parametrize("kw, failing", [
-    (dict(kvmesh_hit=0.77, kvmesh_prefill=[25, 22, 21, 22], bound=0.80), "hit >= best peer - 0.01"),
-    (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], peer_hit=0.70, bound=0.90), "hit >= 0.95 x bound"),
-    (dict(kvmesh_hit=0.80, kvmesh_prefill=[0, 60, 30, 0]), "prefill max/mean <= 1.25"),
-    (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], kvmesh_errors=1), "zero errors"),
-])
+@pytest.mark.parametrize(
+    "kw, failing",
+    [
+        (dict(kvmesh_hit=0.77, kvmesh_prefill=[25, 22, 21, 22], bound=0.80), "hit >= best peer - 0.01"),
+        (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], peer_hit=0.70, bound=0.90), "hit >= 0.95 x bound"),
+        (dict(kvmesh_hit=0.80, kvmesh_prefill=[0, 60, 30, 0]), "prefill max/mean <= 1.25"),
+        (dict(kvmesh_hit=0.80, kvmesh_prefill=[25, 22, 21, 22], kvmesh_errors=1), "zero errors"),
+    ],
+)
 def test_targets_miss(kw, failing):
     [v] = results.check_targets(_rows(**kw))
     assert not v["pass"]
@@ -99,14 +118,17 @@ def test_workers_from_replay_pads_idle_replicas():
     assert [x["prefill_tokens"] for x in w] == [200, 0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "peers", "--workloads", "nope"], "choose from chat, mooncake, flood"),
-    (["bench", "peers", "--workers", "0"], "--workers: must be >= 1"),
-    (["bench", "peers", "--setups", "vllm-router/magic"], "choose from"),
-    (["bench", "peers", "--block-size", "48", "--model", "/nonexistent"], "multiple of 32"),
-    (["bench", "peers", "--model", "/nonexistent"], "no config.json"),
-    (["bench"], "required"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "peers", "--workloads", "nope"], "choose from chat, mooncake, flood"),
+        (["bench", "peers", "--workers", "0"], "--workers: must be >= 1"),
+        (["bench", "peers", "--setups", "vllm-router/magic"], "choose from"),
+        (["bench", "peers", "--block-size", "48", "--model", "/nonexistent"], "multiple of 32"),
+        (["bench", "peers", "--model", "/nonexistent"], "no config.json"),
+        (["bench"], "required"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path):
     assert cli.main(argv + (["--work-dir", str(tmp_path)] if len(argv) > 2 else [])) == 2
     err = capsys.readouterr().err.strip()
@@ -127,9 +149,11 @@ def test_merge_rows_later_run_replaces_same_setup():
 def test_overhead_reads_kvmesh_metrics():
     from kvmesh.benchmarks.peers.overhead import _kvmesh_decision_ms, _kvmesh_ingress_ttft_ms, _quantiles
 
-    text = ('kvmesh_ttft_seconds_sum{} 1.5\nkvmesh_ttft_seconds_count{} 100\n'
-            'kvmesh_ttft_seconds_sum{replica="a"} 9\nkvmesh_router_decisions_total 10\n'
-            'kvmesh_router_decision_seconds_total 0.005\n')
+    text = (
+        "kvmesh_ttft_seconds_sum{} 1.5\nkvmesh_ttft_seconds_count{} 100\n"
+        'kvmesh_ttft_seconds_sum{replica="a"} 9\nkvmesh_router_decisions_total 10\n'
+        "kvmesh_router_decision_seconds_total 0.005\n"
+    )
     assert _kvmesh_ingress_ttft_ms(text) == pytest.approx(15.0)
     assert _kvmesh_decision_ms(text) == pytest.approx(0.5)
     assert _kvmesh_decision_ms("kvmesh_router_decisions_total 0\n") is None
@@ -183,13 +207,14 @@ def test_kvmesh_meets_the_peer_bench_targets_on_its_workloads_in_the_simulator(w
     mooncake at 4 workers)."""
     from kvmesh.benchmarks.peers.engines import EngineSpec
     from kvmesh.benchmarks.peers.run import BenchConfig, build_workloads
-    from kvmesh.cluster.simulator import SimConfig, simulate_policy
     from kvmesh.cluster.bounds import record_bounds
+    from kvmesh.cluster.simulator import SimConfig, simulate_policy
     from kvmesh.cluster.workloads import engine_trace
     from kvmesh.policies.registry import make_policy
 
-    recs = build_workloads(BenchConfig(spec=EngineSpec(model="x"), work_dir=tmp_path, workers=workers,
-                                       workloads=(workload,)))[workload]
+    recs = build_workloads(
+        BenchConfig(spec=EngineSpec(model="x"), work_dir=tmp_path, workers=workers, workloads=(workload,))
+    )[workload]
     bound = record_bounds(recs, 32, 32)["infinite"]["hit_rate"]
     for order in (recs, _turn_order(recs), _turn_order(recs, 1), _turn_order(recs, 2)):
         trace = engine_trace(order, 32)
@@ -205,9 +230,11 @@ def test_kvmesh_meets_the_peer_bench_targets_on_its_workloads_in_the_simulator(w
 def test_engine_trace_gives_one_id_per_engine_block_and_keeps_tenants_apart():
     from kvmesh.cluster.workloads import engine_trace
 
-    recs = [{"timestamp": 0, "input_length": 600, "output_length": 512, "hash_ids": [1, 2], "tenant": "a"},
-            {"timestamp": 1, "input_length": 600, "output_length": 512, "hash_ids": [1, 3], "tenant": "a"},
-            {"timestamp": 2, "input_length": 600, "output_length": 512, "hash_ids": [1, 2], "tenant": "b"}]
+    recs = [
+        {"timestamp": 0, "input_length": 600, "output_length": 512, "hash_ids": [1, 2], "tenant": "a"},
+        {"timestamp": 1, "input_length": 600, "output_length": 512, "hash_ids": [1, 3], "tenant": "a"},
+        {"timestamp": 2, "input_length": 600, "output_length": 512, "hash_ids": [1, 2], "tenant": "b"},
+    ]
     t = engine_trace(recs, 64, 32)
     a, a2, b = (r.hash_ids for r in t.requests)
     assert t.block_size == 32 and [r.input_length for r in t.requests] == [64 + 11] * 3  # 88 of 512 -> 11 of 64

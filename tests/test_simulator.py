@@ -1,5 +1,6 @@
 """Trace loading, block cache, bounds, the simulator's time/cache model, and what it must show: kvmesh
 against the bounds and the baselines, against the peers' algorithms, and what the tiers add."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ from kvmesh.cluster.trace import Trace, TraceError, TraceRequest, load_trace, sc
 from kvmesh.policies.cost_model import CostModel
 from kvmesh.policies.registry import PEERS, POLICY_NAMES, make_policy
 
-COST = CostModel(prefill_s_per_token=0.01, prefill_base_s=0.1, decode_s_per_token=0.001,
-                 host_load_s_per_token=0.001, shared_load_s_per_token=0.005, max_batch=64)
+COST = CostModel(
+    prefill_s_per_token=0.01,
+    prefill_base_s=0.1,
+    decode_s_per_token=0.001,
+    host_load_s_per_token=0.001,
+    shared_load_s_per_token=0.005,
+    max_batch=64,
+)
 
 
 def tiny_trace(*reqs, block_size=4):
@@ -36,17 +43,20 @@ def test_bundled_traces_load():
     assert len(load_trace("conversation", limit=10)) == 10
 
 
-@pytest.mark.parametrize("line,needle", [
-    ('{"timestamp": 0, "input_length": 10', "not valid JSON"),
-    ('[1, 2]', "expected a JSON object"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "missing field(s) hash_ids"),
-    ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp'"),
-    ('{"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [1]}', "'input_length'"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}', "hash_ids"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, "x"]}', "hash_ids"),
-    ('{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}', "does not fit 1 hash ids"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1.5, "hash_ids": [1]}', "whole number"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"timestamp": 0, "input_length": 10', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "missing field(s) hash_ids"),
+        ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "'timestamp'"),
+        ('{"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [1]}', "'input_length'"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, "x"]}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}', "does not fit 1 hash ids"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1.5, "hash_ids": [1]}', "whole number"),
+    ],
+)
 def test_malformed_line_names_its_line(tmp_path, line, needle):
     good = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}'
     path = write(tmp_path, [good, "", line])
@@ -57,8 +67,10 @@ def test_malformed_line_names_its_line(tmp_path, line, needle):
 
 
 def test_time_going_back_and_empty_and_missing_file(tmp_path):
-    rows = ['{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
-            '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}']
+    rows = [
+        '{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+        '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+    ]
     with pytest.raises(TraceError, match="line 2: timestamp 4 goes back in time"):
         load_trace(write(tmp_path, rows))
     (tmp_path / "e.jsonl").write_text("\n\n")
@@ -72,7 +84,7 @@ def test_tile_relabels_ids_and_shifts_time():
     t = load_trace("synthetic", limit=50)
     t3 = tile(t, 3)
     assert len(t3) == 150
-    ids = [set(h for r in t3.requests[k * 50:(k + 1) * 50] for h in r.hash_ids) for k in range(3)]
+    ids = [set(h for r in t3.requests[k * 50 : (k + 1) * 50] for h in r.hash_ids) for k in range(3)]
     assert not (ids[0] & ids[1]) and not (ids[1] & ids[2])
     ts = [r.timestamp_ms for r in t3.requests]
     assert ts == sorted(ts)
@@ -111,8 +123,11 @@ def test_bounds_on_a_hand_computed_trace():
     assert infinite_hit_rate(t.requests, 4) == pytest.approx(12 / 25)
     assert lru_hit_rate(t.requests, 4, 2) == pytest.approx(8 / 25)  # kept 1,2 (parents), lost 3
     b = compute_bounds(t.requests, 4, replicas=1, capacity_blocks=2, host_blocks_total=8)
-    assert b == {"global_infinite": pytest.approx(12 / 25), "merged_lru": pytest.approx(8 / 25),
-                 "merged_lru_with_host": pytest.approx(12 / 25)}
+    assert b == {
+        "global_infinite": pytest.approx(12 / 25),
+        "merged_lru": pytest.approx(8 / 25),
+        "merged_lru_with_host": pytest.approx(12 / 25),
+    }
 
 
 def test_reference_bound_of_the_conversation_trace():
@@ -162,24 +177,35 @@ def test_host_and_shared_tiers_serve_what_hbm_lost():
 
 def test_host_tier_is_shared_by_the_replicas_of_one_node():
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (1000, 13, 0, [1, 2, 3, 4]))
-    same_node = simulate_policy(t, SimConfig(2, 10, host_blocks=10, replicas_per_node=2, cost=COST),
-                                make_policy("round_robin"))
+    same_node = simulate_policy(
+        t, SimConfig(2, 10, host_blocks=10, replicas_per_node=2, cost=COST), make_policy("round_robin")
+    )
     assert same_node["hit_tokens_by_tier"] == {"hbm": 0, "host": 12, "shared": 0}  # r1 loads r0's blocks
-    two_nodes = simulate_policy(t, SimConfig(2, 10, host_blocks=10, replicas_per_node=1, cost=COST),
-                                make_policy("round_robin"))
+    two_nodes = simulate_policy(
+        t, SimConfig(2, 10, host_blocks=10, replicas_per_node=1, cost=COST), make_policy("round_robin")
+    )
     assert two_nodes["cached_tokens"] == 0
 
 
 def test_simulate_document_shape_and_config_errors():
     t = load_trace("synthetic", limit=300)
-    doc = simulate(t, SimConfig(4, 200, load=0.7), {"kvmesh": make_policy("kvmesh"),
-                                                    "round_robin": make_policy("round_robin")})
+    doc = simulate(
+        t, SimConfig(4, 200, load=0.7), {"kvmesh": make_policy("kvmesh"), "round_robin": make_policy("round_robin")}
+    )
     assert set(doc) >= {"trace", "replicas", "capacity_blocks", "requests", "bounds", "policies"}
     assert doc["requests"] == 300 and doc["config"]["load"] == pytest.approx(0.7)
     assert set(doc["bounds"]) == {"global_infinite", "merged_lru"}
     for m in doc["policies"].values():
-        assert {"hit_rate_tokens", "hit_rate_requests", "imbalance", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                "throughput_tokens_s", "blended_cost"} <= set(m)
+        assert {
+            "hit_rate_tokens",
+            "hit_rate_requests",
+            "imbalance",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_p99_s",
+            "throughput_tokens_s",
+            "blended_cost",
+        } <= set(m)
         assert 0 <= m["hit_rate_tokens"] <= doc["bounds"]["global_infinite"] + 1e-9
         assert m["ttft_p50_s"] <= m["ttft_p90_s"] <= m["ttft_p99_s"]
         assert sum(r["requests"] for r in m["per_replica"].values()) == 300
@@ -197,13 +223,17 @@ def hit_runs():
     for trace in ("conversation", "synthetic"):
         t = load_trace(trace)
         for replicas in (8, 4):
-            out[trace, replicas] = simulate(t, SimConfig(replicas, 4000), {
-                "kvmesh": make_policy("kvmesh"), "round_robin": make_policy("round_robin")})
+            out[trace, replicas] = simulate(
+                t,
+                SimConfig(replicas, 4000),
+                {"kvmesh": make_policy("kvmesh"), "round_robin": make_policy("round_robin")},
+            )
     return out
 
 
-@pytest.mark.parametrize("trace,replicas", [("conversation", 8), ("conversation", 4), ("synthetic", 8),
-                                            ("synthetic", 4)])
+@pytest.mark.parametrize(
+    "trace,replicas", [("conversation", 8), ("conversation", 4), ("synthetic", 8), ("synthetic", 4)]
+)
 def test_kvmesh_reaches_the_merged_lru_bound_balanced(hit_runs, trace, replicas):
     doc = hit_runs[trace, replicas]
     k = doc["policies"]["kvmesh"]
@@ -217,8 +247,7 @@ def test_round_robin_is_about_a_tenth_on_the_conversation_trace(hit_runs):
 
 
 def test_kvmesh_has_the_lowest_p90_ttft_of_all_policies_at_high_load():
-    doc = simulate(load_trace("conversation"), SimConfig(8, 4000, load=0.95),
-                   {n: make_policy(n) for n in POLICY_NAMES})
+    doc = simulate(load_trace("conversation"), SimConfig(8, 4000, load=0.95), {n: make_policy(n) for n in POLICY_NAMES})
     p90 = {n: m["ttft_p90_s"] for n, m in doc["policies"].items()}
     assert min(p90, key=p90.get) == "kvmesh", p90
 
@@ -227,8 +256,9 @@ def test_kvmesh_has_the_lowest_p90_ttft_of_all_policies_at_high_load():
 @pytest.mark.parametrize("load", [0.8, 0.95])
 def test_kvmesh_p90_ttft_beats_every_peer_at_high_load(load):
     """One accelerator per replica: 1000 blocks of 512 tokens (~64 GiB of KV for an 8B model)."""
-    doc = simulate(load_trace("conversation"), SimConfig(8, 1000, load=load),
-                   {n: make_policy(n) for n in ("kvmesh", *PEERS)})
+    doc = simulate(
+        load_trace("conversation"), SimConfig(8, 1000, load=load), {n: make_policy(n) for n in ("kvmesh", *PEERS)}
+    )
     k = doc["policies"]["kvmesh"]["ttft_p90_s"]
     for peer in PEERS:
         assert k <= doc["policies"][peer]["ttft_p90_s"], (peer, k, doc["policies"][peer]["ttft_p90_s"])
@@ -242,7 +272,6 @@ def test_host_tier_raises_hit_rate_and_cuts_p90_with_small_hbm():
     assert tiers["hit_tokens_by_tier"]["host"] > 0
     assert tiers["hit_rate_tokens"] > base["hit_rate_tokens"] + 0.05
     assert tiers["ttft_p90_s"] < base["ttft_p90_s"]
-
 
 
 def _sent(trace, client):

@@ -1,5 +1,6 @@
 """The robustness sweep: its per-draw figures and summary maths on hand-made numbers, its arrival model,
 one real draw end to end, and `make bench` failing when a bench reports a MISS."""
+
 from __future__ import annotations
 
 import sys
@@ -9,14 +10,22 @@ import pytest
 
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.sweep import (
-    SweepOptions, distribution, evaluate_draw, policy_figures, summarize,
+    SweepOptions,
+    distribution,
+    evaluate_draw,
+    policy_figures,
+    summarize,
     target_misses,
 )
 
 
 def test_policy_figures_ratios_and_margin_over_the_best_other():
-    f = policy_figures({"kvmesh": 0.6, "round_robin": 0.3, "peer": 0.7}, {"kvmesh": 1.1, "round_robin": 1.0,
-                                                                           "peer": 2.0}, merged=0.8, balance=0.5)
+    f = policy_figures(
+        {"kvmesh": 0.6, "round_robin": 0.3, "peer": 0.7},
+        {"kvmesh": 1.1, "round_robin": 1.0, "peer": 2.0},
+        merged=0.8,
+        balance=0.5,
+    )
     assert f["kvmesh"]["hit_over_merged"] == pytest.approx(0.75)
     assert f["kvmesh"]["hit_over_balance"] == pytest.approx(1.2)
     assert f["kvmesh"]["hit_minus_best_other"] == pytest.approx(-0.1)
@@ -33,8 +42,13 @@ def test_nearest_rank_quantiles():
 
 
 def _row(seed, ratio, imbalance):
-    figures = {"hit": ratio, "hit_over_merged": ratio, "hit_over_balance": ratio,
-               "hit_minus_best_other": ratio - 1, "prefill_max_over_mean": imbalance}
+    figures = {
+        "hit": ratio,
+        "hit_over_merged": ratio,
+        "hit_over_balance": ratio,
+        "hit_minus_best_other": ratio - 1,
+        "prefill_max_over_mean": imbalance,
+    }
     return {"seed": seed, "policies": {"kvmesh": figures}}
 
 
@@ -82,6 +96,7 @@ def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
 
         def main():
             raise SystemExit(code)
+
         mod.main = main
         return mod
 

@@ -1,5 +1,6 @@
 """Unit tests for the tenant layer: config, key hashing, authentication, salts, client-salt rejection,
 admission (limits, fairness) and per-tenant metrics. No Ray, no engines."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,23 @@ import json
 import logging
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.deployments.admission import Admission, PromptTooLarge, RateLimited, TokenBucket
 from kvmesh.deployments.tenant_metrics import TenantMetrics
 from kvmesh.deployments.tenants import (
-    AuthError, ClientSaltError, ConfigError, Limits, Tenant, TenantRegistry, derive_salt, hash_api_key,
-    new_api_key, reject_client_salt, resolve_secret,
+    AuthError,
+    ClientSaltError,
+    ConfigError,
+    Limits,
+    Tenant,
+    TenantRegistry,
+    derive_salt,
+    hash_api_key,
+    new_api_key,
+    reject_client_salt,
+    resolve_secret,
 )
 
 SECRET = b"unit-test-secret-0123456789abcdef"
@@ -27,9 +38,15 @@ def config(**overrides):
         "defaults": {"limits": {"max_prompt_tokens": 1000}},
         "admission": {"max_concurrent": 4, "queue_timeout_s": 1},
         "tenants": [
-            {"id": "acme", "keys": [{"sha256": hash_api_key(KEY_A)}, {"sha256": hash_api_key(KEY_A2)},
-                                    {"sha256": hash_api_key(KEY_REVOKED), "revoked": True}],
-             "limits": {"requests_per_s": 5}},
+            {
+                "id": "acme",
+                "keys": [
+                    {"sha256": hash_api_key(KEY_A)},
+                    {"sha256": hash_api_key(KEY_A2)},
+                    {"sha256": hash_api_key(KEY_REVOKED), "revoked": True},
+                ],
+                "limits": {"requests_per_s": 5},
+            },
             {"id": "globex", "keys": [{"sha256": hash_api_key(KEY_B)}]},
         ],
     }
@@ -44,21 +61,31 @@ def registry():
 
 # --- authentication ---------------------------------------------------------------------------------
 
+
 def test_authenticate_known_keys_map_to_their_tenant(registry):
     assert registry.authenticate(f"Bearer {KEY_A}").id == "acme"
     assert registry.authenticate(f"bearer {KEY_A2}").id == "acme"  # scheme is case-insensitive
     assert registry.authenticate(f"Bearer {KEY_B}").id == "globex"
 
 
-@pytest.mark.parametrize("header, code", [
-    (None, "missing_api_key"), ("", "missing_api_key"), ("   ", "missing_api_key"),
-    ("Basic dXNlcjpwYXNz", "invalid_api_key"), ("Bearer", "invalid_api_key"), ("Bearer ", "invalid_api_key"),
-    (f"Bearer {KEY_A} extra", "invalid_api_key"), (f"Token {KEY_A}", "invalid_api_key"),
-    ("Bearer abc", "invalid_api_key"), ("Bearer " + "x" * 300, "invalid_api_key"),
-    ("Bearer kvm-\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9", "invalid_api_key"),
-    ("Bearer kvm-not-a-known-key-000", "invalid_api_key"),
-    (f"Bearer {KEY_REVOKED}", "revoked_api_key"),
-])
+@pytest.mark.parametrize(
+    "header, code",
+    [
+        (None, "missing_api_key"),
+        ("", "missing_api_key"),
+        ("   ", "missing_api_key"),
+        ("Basic dXNlcjpwYXNz", "invalid_api_key"),
+        ("Bearer", "invalid_api_key"),
+        ("Bearer ", "invalid_api_key"),
+        (f"Bearer {KEY_A} extra", "invalid_api_key"),
+        (f"Token {KEY_A}", "invalid_api_key"),
+        ("Bearer abc", "invalid_api_key"),
+        ("Bearer " + "x" * 300, "invalid_api_key"),
+        ("Bearer kvm-\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9", "invalid_api_key"),
+        ("Bearer kvm-not-a-known-key-000", "invalid_api_key"),
+        (f"Bearer {KEY_REVOKED}", "revoked_api_key"),
+    ],
+)
 def test_authenticate_rejects_with_401_and_openai_body(registry, header, code):
     with pytest.raises(AuthError) as info:
         registry.authenticate(header)
@@ -72,13 +99,20 @@ def test_authenticate_rejects_with_401_and_openai_body(registry, header, code):
 AUTH_MESSAGES = {  # every 401 message is a constant: nothing from the request can appear in it
     "Missing API key: send it as 'Authorization: Bearer <key>'.",
     "Malformed Authorization header: expected 'Bearer <key>'.",
-    "Malformed API key.", "Incorrect API key provided.", "This API key has been revoked.",
+    "Malformed API key.",
+    "Incorrect API key provided.",
+    "This API key has been revoked.",
 }
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=80), st.text(max_size=80).map(lambda t: "Bearer " + t),
-                 st.from_regex(r"Bearer kvm-[A-Za-z0-9_-]{8,40}", fullmatch=True)))
+@given(
+    st.one_of(
+        st.text(max_size=80),
+        st.text(max_size=80).map(lambda t: "Bearer " + t),
+        st.from_regex(r"Bearer kvm-[A-Za-z0-9_-]{8,40}", fullmatch=True),
+    )
+)
 def test_authenticate_never_echoes_the_request(header):
     registry = TenantRegistry.from_dict(config(), secret=SECRET)
     try:
@@ -117,6 +151,7 @@ def test_new_api_key_is_accepted_and_unique():
 
 # --- salts ------------------------------------------------------------------------------------------
 
+
 def test_salt_is_hmac_of_secret_and_scope(registry):
     acme = registry.tenants["acme"]
     expected = hmac.new(SECRET, b"kvmesh-cache-salt-v1\0tenant:acme", hashlib.sha256).hexdigest()
@@ -125,19 +160,23 @@ def test_salt_is_hmac_of_secret_and_scope(registry):
 
 
 def test_same_group_shares_salt_and_group_never_collides_with_tenant():
-    cfg = config(tenants=[
-        {"id": "a", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_A)}]},
-        {"id": "b", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_B)}]},
-        {"id": "docs", "keys": [{"sha256": hash_api_key(KEY_A2)}]},  # a tenant named like the group
-    ])
+    cfg = config(
+        tenants=[
+            {"id": "a", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_A)}]},
+            {"id": "b", "group": "docs", "keys": [{"sha256": hash_api_key(KEY_B)}]},
+            {"id": "docs", "keys": [{"sha256": hash_api_key(KEY_A2)}]},  # a tenant named like the group
+        ]
+    )
     reg = TenantRegistry.from_dict(cfg, secret=SECRET)
     assert reg.tenants["a"].salt == reg.tenants["b"].salt
     assert reg.tenants["docs"].salt != reg.tenants["a"].salt
 
 
 @settings(max_examples=200)
-@given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
-       st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True))
+@given(
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
+)
 def test_salts_differ_for_different_tenants_and_secrets(t1, t2):
     s1, s2 = derive_salt(SECRET, t1), derive_salt(SECRET, t2)
     assert (s1 == s2) == (t1 == t2)
@@ -148,8 +187,10 @@ def test_salts_differ_for_different_tenants_and_secrets(t1, t2):
 def test_resolve_secret_precedence_and_validation(tmp_path, caplog):
     f = tmp_path / "secret"
     f.write_text("file-secret-0123456789\n")
-    assert resolve_secret(b"explicit-secret-0123", f, env={"KVMESH_SALT_SECRET": "env-secret-0123456789"}) \
+    assert (
+        resolve_secret(b"explicit-secret-0123", f, env={"KVMESH_SALT_SECRET": "env-secret-0123456789"})
         == b"explicit-secret-0123"
+    )
     assert resolve_secret(None, f, env={"KVMESH_SALT_SECRET": "env-secret-0123456789"}) == b"env-secret-0123456789"
     assert resolve_secret(None, None, env={"KVMESH_SALT_SECRET_FILE": str(f)}) == b"file-secret-0123456789"
     assert resolve_secret(None, f, env={}) == b"file-secret-0123456789"
@@ -165,20 +206,24 @@ def test_resolve_secret_precedence_and_validation(tmp_path, caplog):
 
 # --- config validation ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda c: c.update(tenants=[]), "non-empty"),
-    (lambda c: c.update(extra=1), "unknown top-level"),
-    (lambda c: c["tenants"][0].update(id="bad id!"), r"\.id"),
-    (lambda c: c["tenants"][1].update(id="acme"), "duplicate"),
-    (lambda c: c["tenants"][0].update(keys=[{"sha256": "nothex"}]), "64 hex"),
-    (lambda c: c["tenants"][0].update(keys=[{"key": KEY_A}]), "sha256"),  # plain keys refused
-    (lambda c: c["tenants"][1].update(keys=[{"sha256": hash_api_key(KEY_A)}]), "twice"),
-    (lambda c: c["tenants"][0].update(limits={"request_per_s": 1}), "unknown key"),  # typo
-    (lambda c: c["tenants"][0].update(limits={"max_concurrent": -1}), "positive"),
-    (lambda c: c["tenants"][0].update(limits={"max_concurrent": 1.5}), "integer"),
-    (lambda c: c["tenants"][0].update(group=""), r"\.group"),
-    (lambda c: c["tenants"][0]["keys"][0].update(revoked="yes"), "revoked"),
-])
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda c: c.update(tenants=[]), "non-empty"),
+        (lambda c: c.update(extra=1), "unknown top-level"),
+        (lambda c: c["tenants"][0].update(id="bad id!"), r"\.id"),
+        (lambda c: c["tenants"][1].update(id="acme"), "duplicate"),
+        (lambda c: c["tenants"][0].update(keys=[{"sha256": "nothex"}]), "64 hex"),
+        (lambda c: c["tenants"][0].update(keys=[{"key": KEY_A}]), "sha256"),  # plain keys refused
+        (lambda c: c["tenants"][1].update(keys=[{"sha256": hash_api_key(KEY_A)}]), "twice"),
+        (lambda c: c["tenants"][0].update(limits={"request_per_s": 1}), "unknown key"),  # typo
+        (lambda c: c["tenants"][0].update(limits={"max_concurrent": -1}), "positive"),
+        (lambda c: c["tenants"][0].update(limits={"max_concurrent": 1.5}), "integer"),
+        (lambda c: c["tenants"][0].update(group=""), r"\.group"),
+        (lambda c: c["tenants"][0]["keys"][0].update(revoked="yes"), "revoked"),
+    ],
+)
 def test_bad_config_is_rejected_with_a_pointer(mutate, match):
     cfg = config()
     mutate(cfg)
@@ -194,17 +239,22 @@ def test_limits_inherit_defaults_field_by_field(registry):
 
 def test_from_file_yaml_toml_json_agree(tmp_path):
     import yaml
+
     cfg = config()
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(cfg))
     (tmp_path / "t.json").write_text(json.dumps(cfg))
-    toml = ['[defaults.limits]', 'max_prompt_tokens = 1000', '[admission]', 'max_concurrent = 4',
-            'queue_timeout_s = 1']
+    toml = ["[defaults.limits]", "max_prompt_tokens = 1000", "[admission]", "max_concurrent = 4", "queue_timeout_s = 1"]
     for t in cfg["tenants"]:
         toml.append("[[tenants]]")
         toml.append(f'id = "{t["id"]}"')
-        toml.append("keys = [" + ", ".join(
-            "{ sha256 = \"" + k["sha256"] + "\"" + (", revoked = true" if k.get("revoked") else "") + " }"
-            for k in t["keys"]) + "]")
+        toml.append(
+            "keys = ["
+            + ", ".join(
+                '{ sha256 = "' + k["sha256"] + '"' + (", revoked = true" if k.get("revoked") else "") + " }"
+                for k in t["keys"]
+            )
+            + "]"
+        )
         if "limits" in t:
             toml.append("limits = { requests_per_s = 5 }")
     (tmp_path / "t.toml").write_text("\n".join(toml) + "\n")
@@ -222,6 +272,7 @@ def test_from_file_yaml_toml_json_agree(tmp_path):
 
 def test_example_config_loads():
     from pathlib import Path
+
     example = Path(__file__).resolve().parents[1] / "deployments" / "tenants.example.yaml"
     reg = TenantRegistry.from_file(example, secret=SECRET)
     assert len(reg.tenants) >= 3
@@ -231,6 +282,7 @@ def test_example_config_loads():
 
 def test_secret_file_relative_to_config(tmp_path, monkeypatch):
     import yaml
+
     monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
     monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
     (tmp_path / "salt").write_text("relative-file-secret-0123")
@@ -241,8 +293,10 @@ def test_secret_file_relative_to_config(tmp_path, monkeypatch):
 
 # --- client salts -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body", [{"cache_salt": "x"}, {"cache_salt": None}, {"tenant_id": "acme"},
-                                  {"prompt": "hi", "kvmesh_tenant": "b"}])
+
+@pytest.mark.parametrize(
+    "body", [{"cache_salt": "x"}, {"cache_salt": None}, {"tenant_id": "acme"}, {"prompt": "hi", "kvmesh_tenant": "b"}]
+)
 def test_client_salt_in_body_is_rejected(body):
     with pytest.raises(ClientSaltError) as info:
         reject_client_salt(body)
@@ -262,6 +316,7 @@ def test_ordinary_requests_pass_client_salt_check():
 
 
 # --- admission --------------------------------------------------------------------------------------
+
 
 class FakeClock:
     def __init__(self):
@@ -360,6 +415,7 @@ def test_rejected_request_does_not_consume_budget():
 def test_fair_queue_alternates_between_flooding_and_quiet_tenant():
     """Global bound 1: tenant F queues 6 requests, then Q queues 2; grants alternate F/Q, so Q's
     requests are served 2nd and 4th, not after all of F's."""
+
     async def scenario():
         adm = Admission(max_concurrent=1, queue_timeout_s=5)
         flood, quiet = tenant("flood"), tenant("quiet")
@@ -442,8 +498,7 @@ def test_cancelled_waiter_frees_its_place():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), min_size=1, max_size=40),
-       st.integers(1, 4))
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), min_size=1, max_size=40), st.integers(1, 4))
 def test_admission_invariants_under_random_acquire_release(ops, cap):
     """Random interleavings: in-flight never exceeds the global or per-tenant caps and returns to 0."""
     adm = Admission(max_concurrent=cap)
@@ -475,6 +530,7 @@ def test_admission_from_registry(registry):
 
 # --- metrics ----------------------------------------------------------------------------------------
 
+
 def test_metrics_hit_rates_and_prometheus_text():
     m = TenantMetrics()
     m.record("a", 100, 50, 0.2)
@@ -501,6 +557,7 @@ def test_metrics_hit_rates_and_prometheus_text():
 
 def test_metrics_text_parses_with_prometheus_parser():
     from prometheus_client import parser  # installed with vLLM
+
     m = TenantMetrics()
     m.record('we"ird\\tenant', 64, 32, 0.3)
     families = {f.name: f for f in parser.text_string_to_metric_families(m.prometheus_text())}
@@ -525,6 +582,7 @@ def test_metrics_token_rate_matches_definition(reqs):
 
 # --- k8s secret -------------------------------------------------------------------------------------
 
+
 def test_k8s_tenants_secret_matches_rayservice_and_loads():
     """The example Secret is what the RayService mounts (name, key, path) and a valid tenants file."""
     from pathlib import Path
@@ -542,7 +600,9 @@ def test_k8s_tenants_secret_matches_rayservice_and_loads():
     assert reg.authenticate("Bearer kvm-example-acme-key-do-not-use").id == "acme"
     with pytest.raises(AuthError, match="revoked"):
         reg.authenticate("Bearer kvm-example-acme-old-key-revoked")
-    assert "kvm-example" not in "".join(line.split("#")[0] for line in secret["stringData"]["tenants.yaml"].splitlines())
+    assert "kvm-example" not in "".join(
+        line.split("#")[0] for line in secret["stringData"]["tenants.yaml"].splitlines()
+    )
 
 
 def test_secret_file_is_private_and_readable_by_resolve_secret(tmp_path):

@@ -1,12 +1,20 @@
 """Unit tests: tier config parsing, LMCache server arguments, vLLM kv_transfer_config, metrics parsing."""
+
 import json
 
 import pytest
 
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary, total
 from kvmesh.kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
-from kvmesh.kvstore.tiers import (HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, TierConfigError, kv_transfer_config,
-                           normalise_l2, server_args)
+from kvmesh.kvstore.tiers import (
+    HEARTBEAT_S,
+    MQ_TIMEOUT_S,
+    TierConfig,
+    TierConfigError,
+    kv_transfer_config,
+    normalise_l2,
+    server_args,
+)
 
 
 def test_defaults_have_no_shared_tier():
@@ -15,12 +23,15 @@ def test_defaults_have_no_shared_tier():
     assert cfg.chunk_size == 256
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("redis://10.0.0.5:6380", {"type": "resp", "host": "10.0.0.5", "port": 6380}),
-    ("valkey://vk:6379", {"type": "valkey", "startup_nodes": "vk:6379"}),
-    ({"type": "mooncake_store", "x": 1}, {"type": "mooncake_store", "x": 1}),
-    ("none", None),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("redis://10.0.0.5:6380", {"type": "resp", "host": "10.0.0.5", "port": 6380}),
+        ("valkey://vk:6379", {"type": "valkey", "startup_nodes": "vk:6379"}),
+        ({"type": "mooncake_store", "x": 1}, {"type": "mooncake_store", "x": 1}),
+        ("none", None),
+    ],
+)
 def test_l2_spellings(spec, expected):
     assert normalise_l2(spec) == expected
 
@@ -29,16 +40,19 @@ def test_fs_l2_uses_given_path(tmp_path):
     assert normalise_l2("fs", str(tmp_path)) == {"type": "fs", "base_path": str(tmp_path)}
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({"l1_size_gb": 0}, "l1_size_gb"),
-    ({"l1_sise_gb": 1}, "unknown lmcache key"),
-    ({"eviction_policy": "FIFO"}, "eviction_policy"),
-    ({"l2": "redis://nohost"}, "host and a port"),
-    ({"l2": "ftp://x:1"}, "not understood"),
-    ({"l2": {"type": "resp"}}, "needs 'host' and 'port'"),
-    ({"l2": {"base_path": "/x"}}, "string 'type'"),
-    ({"port": 70000}, "port"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"l1_size_gb": 0}, "l1_size_gb"),
+        ({"l1_sise_gb": 1}, "unknown lmcache key"),
+        ({"eviction_policy": "FIFO"}, "eviction_policy"),
+        ({"l2": "redis://nohost"}, "host and a port"),
+        ({"l2": "ftp://x:1"}, "not understood"),
+        ({"l2": {"type": "resp"}}, "needs 'host' and 'port'"),
+        ({"l2": {"base_path": "/x"}}, "string 'type'"),
+        ({"port": 70000}, "port"),
+    ],
+)
 def test_bad_config_names_the_key(bad, words):
     with pytest.raises(TierConfigError, match=words):
         TierConfig.from_dict(bad)
@@ -65,10 +79,16 @@ def test_server_args_carry_transfer_mode_chunk_and_l2():
 
 def test_kv_transfer_config_shape():
     kv = kv_transfer_config("127.0.0.1", 5599)
-    assert kv == {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5599,
-                                                "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
-                                                "lmcache.mp.mq_timeout": MQ_TIMEOUT_S}}
+    assert kv == {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": 5599,
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
+            "lmcache.mp.mq_timeout": MQ_TIMEOUT_S,
+        },
+    }
     with pytest.raises(TierConfigError):
         kv_transfer_config("127.0.0.1", 0)
 
@@ -108,6 +128,7 @@ def test_tier_summary_bytes_from_resident_chunks():
 
 def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
     from kvmesh.kvstore.lmcache_server import free_port
+
     port = free_port()
     assert redis_ping("127.0.0.1", port) is False
     assert shared_tier_reachable({"type": "resp", "host": "127.0.0.1", "port": port}) is False
@@ -121,18 +142,32 @@ def test_server_that_exits_at_once_is_reported(tmp_path):
     cfg = TierConfig.from_dict({"extra_args": ["--no-such-flag"], "start_timeout_s": 60})
     srv = LMCacheServer(cfg, tmp_path / "srv.log")
     from kvmesh.kvstore.lmcache_server import LMCacheServerError
+
     with pytest.raises(LMCacheServerError, match="exited"):
         srv.start()
     assert not srv.alive()
 
 
 STATUS = {
-    "node-b": {"health": {"healthy": True, "shared_tier_up": False},
-               "tiers": {"host_hit_tokens": 10.0, "shared_hit_tokens": 0.0, "lookup_requested_tokens": 40.0,
-                         "bytes_to_host": 100.0, "l1_usage_ratio": 0.5}},
-    "node-a": {"health": {"healthy": True, "shared_tier_up": True},
-               "tiers": {"host_hit_tokens": 576.0, "shared_hit_tokens": 64.0, "lookup_requested_tokens": 700.0,
-                         "bytes_from_shared": 8.0}},
+    "node-b": {
+        "health": {"healthy": True, "shared_tier_up": False},
+        "tiers": {
+            "host_hit_tokens": 10.0,
+            "shared_hit_tokens": 0.0,
+            "lookup_requested_tokens": 40.0,
+            "bytes_to_host": 100.0,
+            "l1_usage_ratio": 0.5,
+        },
+    },
+    "node-a": {
+        "health": {"healthy": True, "shared_tier_up": True},
+        "tiers": {
+            "host_hit_tokens": 576.0,
+            "shared_hit_tokens": 64.0,
+            "lookup_requested_tokens": 700.0,
+            "bytes_from_shared": 8.0,
+        },
+    },
     "node-c": {"health": {"healthy": False, "error": "ActorDiedError"}, "tiers": {}},
 }
 
@@ -171,8 +206,9 @@ def test_kv_bytes_per_block_from_model_config(tmp_path):
     from kvmesh.deployments.config import hf_model_config
     from kvmesh.kvstore.tiers import kv_bytes_per_block
 
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 2, "hidden_size": 128,
-                                                      "num_hidden_layers": 2, "torch_dtype": "float32"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 2, "hidden_size": 128, "num_hidden_layers": 2, "torch_dtype": "float32"})
+    )
     config = hf_model_config(tmp_path)
     # the probe engines' tiny Llama: 32 tokens x 2 (K,V) x 2 layers x 2 heads x 64 dims x 4 bytes = 65536,
     # the LMCache chunk size seen in the server's L1 usage (3,211,264 bytes / 49 chunks)

@@ -2,6 +2,7 @@
 
 Runs tests/tiers_live_check.py in a child process so it gets its own Ray and Serve, apart from the
 session's shared live app."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,9 @@ pytestmark = pytest.mark.integration
 def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     script = Path(__file__).with_name("tiers_live_check.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # never join the session's cluster
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=1500, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=1500, env=env
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stderr[-3000:]
     found = json.loads(lines[-1])

@@ -7,17 +7,18 @@ with a deliberately small KV cache (40 blocks of 32 tokens), so a 1000-token pro
 600-token prefix out of the engine's own cache. Evidence comes from two independent places: the
 engine's `num_cached_tokens` and the LMCache server's own Prometheus counters per tier.
 """
+
 from __future__ import annotations
 
 import random
 import time
 
 import pytest
+from redis_server import RedisServer
 
 from kvmesh.kvstore.lmcache_server import LMCacheServer
-from kvmesh.kvstore.tiers import TierConfig
 from kvmesh.kvstore.probe_engine import EngineProcess
-from redis_server import RedisServer
+from kvmesh.kvstore.tiers import TierConfig
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +37,28 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
     servers, engines = [], []
     try:
         for name in ("a", "b"):
-            cfg = TierConfig.from_dict({"l1_size_gb": 0.05, "chunk_size": BLOCK, "l2": redis.url,
-                                        "start_timeout_s": 300})
+            cfg = TierConfig.from_dict(
+                {"l1_size_gb": 0.05, "chunk_size": BLOCK, "l2": redis.url, "start_timeout_s": 300}
+            )
             servers.append(LMCacheServer(cfg, root / f"lmcache-{name}.log"))
         for s in servers:
             s.launch()
         for s in servers:
             s.wait_ready()
         for name, s in zip(("a", "b"), servers):
-            engines.append(EngineProcess(tiny_model_dir, *s.endpoint, root / f"engine-{name}.log",
-                                         num_blocks=NUM_BLOCKS))
+            engines.append(
+                EngineProcess(tiny_model_dir, *s.endpoint, root / f"engine-{name}.log", num_blocks=NUM_BLOCKS)
+            )
         for e in engines:
             e.wait_ready(timeout=400)
-        yield {"redis": redis, "sa": servers[0], "sb": servers[1], "A": engines[0], "B": engines[1],
-               "rng": random.Random(4)}
+        yield {
+            "redis": redis,
+            "sa": servers[0],
+            "sb": servers[1],
+            "A": engines[0],
+            "B": engines[1],
+            "rng": random.Random(4),
+        }
     finally:
         for e in engines:  # engines first: a connector whose server is gone waits out its MQ timeout at shutdown
             e.stop()

@@ -1,4 +1,5 @@
 """Integration: the per-node LMCache server owner (in-process core and as a Ray actor), real servers."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,14 @@ pytestmark = pytest.mark.integration
 
 
 def _cfg(tmp_path, **over):
-    return {"l1_size_gb": 0.05, "chunk_size": 64, "l2": "fs", "l2_path": str(tmp_path / "l2"),
-            "start_timeout_s": 300, **over}
+    return {
+        "l1_size_gb": 0.05,
+        "chunk_size": 64,
+        "l2": "fs",
+        "l2_path": str(tmp_path / "l2"),
+        "start_timeout_s": 300,
+        **over,
+    }
 
 
 def test_core_watchdog_restarts_a_dead_server(tmp_path):

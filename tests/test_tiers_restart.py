@@ -7,6 +7,7 @@ each waiting out the message-queue timeout (CI: `engine worker silent for 120 s`
 version of this is tests/test_tiers_lmcache.py::test_shared_tier_loss_then_return; here a stand-in
 process (our own `LMCacheServer.command` hook) measures the dark period itself in a second.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Unit tests: the tier tracker records prefills as host (per node) and shared (global) residency."""
+
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.kv_events import BlockRemoved, BlockStored
 from kvmesh.cluster.tier_tracker import TierTracker
@@ -131,6 +132,7 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
         def __await__(self):
             async def _get():
                 return dict(health[self.node])
+
             return _get().__await__()
 
     class _Actor:

@@ -1,5 +1,6 @@
 """Workload families: one seed, one shape, the same records every time; shapes stay inside their
 ranges, records keep the Mooncake rules and fit the live context; the tune and eval seed sets never meet."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,16 @@ import os
 
 import pytest
 
-from kvmesh.cluster.workload_family import (
-    ARRIVALS, CONTEXT_TOKENS, MAX_REQUESTS, MIN_REQUESTS, draw, prompt_and_answer_tokens, records,
-)
 from kvmesh.cluster.trace import check_record
+from kvmesh.cluster.workload_family import (
+    ARRIVALS,
+    CONTEXT_TOKENS,
+    MAX_REQUESTS,
+    MIN_REQUESTS,
+    draw,
+    prompt_and_answer_tokens,
+    records,
+)
 from kvmesh.cluster.workloads import check_parent_rule
 
 SEEDS_FILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "robust_seeds.json")
@@ -87,17 +94,17 @@ def test_each_turn_carries_the_whole_conversation_before_it(seed):
     for r in records(draw(seed)):
         prev = last.get(r["user"])
         if prev is not None:
-            assert r["hash_ids"][:len(prev["hash_ids"])] == prev["hash_ids"]
+            assert r["hash_ids"][: len(prev["hash_ids"])] == prev["hash_ids"]
             assert len(r["hash_ids"]) > len(prev["hash_ids"])
         last[r["user"]] = r
 
 
 def test_a_flood_shares_one_hot_prompt_and_a_rag_document_is_shared():
     flood = next(d for d in map(draw, ALL_SEEDS) if d.flood_requests)
-    hot = [r["hash_ids"][:flood.flood_prompt_blocks] for r in records(flood) if "-flood-" in r["user"]]
+    hot = [r["hash_ids"][: flood.flood_prompt_blocks] for r in records(flood) if "-flood-" in r["user"]]
     assert len(hot) == flood.flood_requests and all(h == hot[0] for h in hot)
     rag = next(d for d in map(draw, ALL_SEEDS) if d.rag_docs and d.users_per_group >= 4 and d.rag_share > 0.6)
     firsts = {}
     for r in records(rag):
-        firsts.setdefault(r["user"], r["hash_ids"][rag.system_blocks:rag.system_blocks + rag.rag_doc_blocks])
+        firsts.setdefault(r["user"], r["hash_ids"][rag.system_blocks : rag.system_blocks + rag.rag_doc_blocks])
     assert len({tuple(v) for v in firsts.values()}) < len(firsts)  # some users pulled the same document

@@ -1,4 +1,5 @@
 """Synthetic workloads (cluster/workloads.py) and `kvmesh trace`: structure, determinism, bounds."""
+
 from __future__ import annotations
 
 import json
@@ -149,8 +150,27 @@ def test_fit_context():
 
 def test_cli_synth_flood_bounds(tmp_path, capsys):
     out = tmp_path / "chat.jsonl"
-    assert cli(["trace", "synth", "--out", str(out), "--tenants", "1", "--groups", "2", "--users", "2",
-                "--turns", "3", "--seed", "5"]) == 0
+    assert (
+        cli(
+            [
+                "trace",
+                "synth",
+                "--out",
+                str(out),
+                "--tenants",
+                "1",
+                "--groups",
+                "2",
+                "--users",
+                "2",
+                "--turns",
+                "3",
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 12 and all("tenant" in r and "user" in r for r in lines)
     assert lines == wl.synth_chat(wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, seed=5))
@@ -158,8 +178,10 @@ def test_cli_synth_flood_bounds(tmp_path, capsys):
     assert cli(["trace", "flood", "--out", str(flood), "--requests", "5"]) == 0
     assert len(flood.read_text().splitlines()) == 5
     res = tmp_path / "b.json"
-    assert cli(["trace", "bounds", "--trace", str(out), "--tokens-per-block", "32", "--replicas", "2",
-                "--json", str(res)]) == 0
+    assert (
+        cli(["trace", "bounds", "--trace", str(out), "--tokens-per-block", "32", "--replicas", "2", "--json", str(res)])
+        == 0
+    )
     data = json.loads(res.read_text())
     assert data == record_bounds(lines, 32, replicas=2)
     assert "infinite cache" in capsys.readouterr().out

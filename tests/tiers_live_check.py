@@ -3,6 +3,7 @@ the kvmesh app with LMCache on the engines' path, checked end to end. Prints one
 
     python tests/tiers_live_check.py WORKDIR
 """
+
 import json
 import os
 import shutil
@@ -21,10 +22,26 @@ def main() -> int:
     from kvmesh.deployments.app import free_port, start_local, stop_local
 
     key = "kvm-tiers-live-key-0123456789"
-    cfg = {"replicas": 2, "policy": "kvmesh", "port": free_port(), "api_keys": [key], "routing_stats_period_s": 0.5,
-           "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 256,
-                      "lmcache": {"l1_size_gb": 0.05, "chunk_size": 64, "l2": "fs",
-                                  "l2_path": os.path.join(root, "l2"), "start_timeout_s": 300}}}
+    cfg = {
+        "replicas": 2,
+        "policy": "kvmesh",
+        "port": free_port(),
+        "api_keys": [key],
+        "routing_stats_period_s": 0.5,
+        "engine": {
+            "model": "tiny",
+            "block_size": 32,
+            "max_model_len": 2048,
+            "num_gpu_blocks_override": 256,
+            "lmcache": {
+                "l1_size_gb": 0.05,
+                "chunk_size": 64,
+                "l2": "fs",
+                "l2_path": os.path.join(root, "l2"),
+                "start_timeout_s": 300,
+            },
+        },
+    }
     found = {}
     try:
         url = start_local(cfg, num_cpus=2, timeout_s=900)

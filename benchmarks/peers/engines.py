@@ -2,6 +2,7 @@
 size, KV space, prefix-cache hash algorithm, seed and KV-event publisher settings; only the ports
 differ. Each server publishes KV events on its own ZMQ port (`tcp://*:P`: the publisher binds, so the
 peers' subscribers connect; vLLM's publisher binds only for `*`/`::` and connects otherwise)."""
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,16 @@ class EngineSpec:
 
     def kvmesh_engine_config(self) -> dict:
         """The same settings in `kvmesh serve`'s engine config (deployments/config.py)."""
-        return {"model": self.model, "block_size": self.block_size, "max_model_len": self.max_model_len,
-                "kv_cache_space_gb": self.kv_cache_space_gb, "hash_algo": self.hash_algo, "seed": self.seed,
-                "max_num_seqs": self.max_num_seqs, "enforce_eager": True}
+        return {
+            "model": self.model,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "kv_cache_space_gb": self.kv_cache_space_gb,
+            "hash_algo": self.hash_algo,
+            "seed": self.seed,
+            "max_num_seqs": self.max_num_seqs,
+            "enforce_eager": True,
+        }
 
 
 @dataclass
@@ -56,22 +64,36 @@ def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> lis
         "topic": topic,
     }
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.model,
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--block-size", str(spec.block_size),
-        "--max-model-len", str(spec.max_model_len),
-        "--dtype", engine_dtype(spec.model, "auto"),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--block-size",
+        str(spec.block_size),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--dtype",
+        engine_dtype(spec.model, "auto"),
         "--enable-prefix-caching",
-        "--prefix-caching-hash-algo", spec.hash_algo,
+        "--prefix-caching-hash-algo",
+        spec.hash_algo,
         "--enable-prompt-tokens-details",
-        "--kv-events-config", json.dumps(kv_events),
+        "--kv-events-config",
+        json.dumps(kv_events),
         "--enforce-eager",
-        "--seed", str(spec.seed),
-        "--max-num-seqs", str(spec.max_num_seqs),
-        "--uvicorn-log-level", "warning",
+        "--seed",
+        str(spec.seed),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--uvicorn-log-level",
+        "warning",
     ]
 
 

@@ -1,6 +1,7 @@
 """Per-worker counters from a vLLM OpenAI server's Prometheus /metrics. Peers do not report where they
 sent each request, so the per-worker split comes from the engines themselves: a scrape before and after
 a replay, and the difference. Only the counters needed are parsed (no prometheus_client dependency)."""
+
 from __future__ import annotations
 
 import re

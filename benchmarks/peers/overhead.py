@@ -8,6 +8,7 @@ end-to-end latency is then mostly path overhead plus one tiny prefill. Three pat
 against `direct`. kvmesh's own routing decision time comes from its /metrics
 (kvmesh_router_decision_seconds_total / kvmesh_router_decisions_total).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,20 +27,30 @@ from kvmesh.cluster.stats import nearest_rank
 
 def _quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"n": len(xs), "p50_ms": 1000 * nearest_rank(xs, 0.5), "p90_ms": 1000 * nearest_rank(xs, 0.9),
-            "p99_ms": 1000 * nearest_rank(xs, 0.99), "mean_ms": 1000 * statistics.fmean(xs)}
+    return {
+        "n": len(xs),
+        "p50_ms": 1000 * nearest_rank(xs, 0.5),
+        "p90_ms": 1000 * nearest_rank(xs, 0.9),
+        "p99_ms": 1000 * nearest_rank(xs, 0.99),
+        "mean_ms": 1000 * statistics.fmean(xs),
+    }
 
 
-def _measure(url: str, n: int, headers: dict | None = None, seed: int = 0, prompt_tokens: int = 16,
-             warmup: int = 10) -> list[float]:
+def _measure(
+    url: str, n: int, headers: dict | None = None, seed: int = 0, prompt_tokens: int = 16, warmup: int = 10
+) -> list[float]:
     import httpx
 
     rng = random.Random(seed)
     out = []
     with httpx.Client(timeout=60.0, headers=headers or {}) as client:
         for i in range(warmup + n):
-            body = {"model": engines.SERVED_MODEL_NAME, "max_tokens": 1, "temperature": 0.0,
-                    "prompt": [rng.randrange(10, 600) for _ in range(prompt_tokens)]}
+            body = {
+                "model": engines.SERVED_MODEL_NAME,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt": [rng.randrange(10, 600) for _ in range(prompt_tokens)],
+            }
             t0 = time.perf_counter()
             r = client.post(url.rstrip("/") + "/v1/completions", json=body)
             dt = time.perf_counter() - t0
@@ -68,10 +79,22 @@ def _kvmesh_decision_ms(text: str) -> float | None:
     return _mean_ms(text, "kvmesh_router_decision_seconds_total", "kvmesh_router_decisions_total")
 
 
-def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: int = 200,
-                 prompt_tokens: int = 16, log=lambda *a: print(*a, flush=True)) -> dict:
-    report: dict = {"engine": spec.as_dict(), "workers": workers, "requests": requests,
-                    "prompt_tokens": prompt_tokens, "max_tokens": 1, "concurrency": 1}
+def run_overhead(
+    spec: EngineSpec,
+    work_dir: Path,
+    workers: int = 2,
+    requests: int = 200,
+    prompt_tokens: int = 16,
+    log=lambda *a: print(*a, flush=True),
+) -> dict:
+    report: dict = {
+        "engine": spec.as_dict(),
+        "workers": workers,
+        "requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": 1,
+        "concurrency": 1,
+    }
     servers = engines.start_servers(workers, spec, work_dir)
     try:
         report["direct"] = _quantiles(_measure(servers[0].url, requests, seed=1, prompt_tokens=prompt_tokens))
@@ -90,11 +113,14 @@ def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: i
 
     os.environ.setdefault("RAY_TMPDIR", str(work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)
-    url = start_local({"replicas": workers, "policy": "kvmesh", "port": 0, "api_keys": [key],
-                       "engine": spec.kvmesh_engine_config()}, num_cpus=_ray_cpus(workers))
+    url = start_local(
+        {"replicas": workers, "policy": "kvmesh", "port": 0, "api_keys": [key], "engine": spec.kvmesh_engine_config()},
+        num_cpus=_ray_cpus(workers),
+    )
     try:
-        report["kvmesh"] = _quantiles(_measure(url, requests, headers={"Authorization": f"Bearer {key}"}, seed=3,
-                                               prompt_tokens=prompt_tokens))
+        report["kvmesh"] = _quantiles(
+            _measure(url, requests, headers={"Authorization": f"Bearer {key}"}, seed=3, prompt_tokens=prompt_tokens)
+        )
         import httpx
 
         text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
@@ -109,6 +135,8 @@ def run_overhead(spec: EngineSpec, work_dir: Path, workers: int = 2, requests: i
         "kvmesh": report["kvmesh"]["p50_ms"] - d,
     }
     report["kvmesh_minus_vllm_router_p50_ms"] = report["kvmesh"]["p50_ms"] - report["vllm-router/round_robin"]["p50_ms"]
-    log(f"overhead vs direct (p50): {report['overhead_p50_ms']}; kvmesh - vllm-router: "
-        f"{report['kvmesh_minus_vllm_router_p50_ms']:.1f} ms")
+    log(
+        f"overhead vs direct (p50): {report['overhead_p50_ms']}; kvmesh - vllm-router: "
+        f"{report['kvmesh_minus_vllm_router_p50_ms']:.1f} ms"
+    )
     return report

@@ -1,6 +1,7 @@
 """Child processes for the peer benchmark: each in its own process group (so a server and the workers
 it spawns die together), stdout/stderr to a log file, and a readiness wait with a deadline. Why: the
 machine is shared; every process we start must be stoppable by its own id, never by name."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ A row is one (workload, prompt form, setup). Per-worker figures come from each v
 header for kvmesh; both are reduced to the same max/mean numbers here. "Prefill tokens" are the
 prompt tokens a worker actually computed (prompt - prefix-cache hits): the work the router placed.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,32 +34,56 @@ def workers_from_metric_deltas(deltas: list[dict]) -> list[dict]:
     out = []
     for d in deltas:
         prompt, hits = d.get("prompt_tokens", 0), d.get("prefix_hits", 0)
-        out.append({"requests": d.get("requests", 0), "prompt_tokens": prompt, "cached_tokens": hits,
-                    "prefill_tokens": max(0, prompt - hits)})
+        out.append(
+            {
+                "requests": d.get("requests", 0),
+                "prompt_tokens": prompt,
+                "cached_tokens": hits,
+                "prefill_tokens": max(0, prompt - hits),
+            }
+        )
     return out
 
 
 def workers_from_replay(per_replica: dict, n_workers: int) -> list[dict]:
     """Per worker from kvmesh's replay summary (`x-kvmesh-replica`), padded with idle workers."""
-    out = [{"requests": r["requests"], "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
-            "prefill_tokens": r["prompt_tokens"] - r["cached_tokens"]} for r in per_replica.values()]
-    out += [{"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
-            for _ in range(max(0, n_workers - len(out)))]
+    out = [
+        {
+            "requests": r["requests"],
+            "prompt_tokens": r["prompt_tokens"],
+            "cached_tokens": r["cached_tokens"],
+            "prefill_tokens": r["prompt_tokens"] - r["cached_tokens"],
+        }
+        for r in per_replica.values()
+    ]
+    out += [
+        {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
+        for _ in range(max(0, n_workers - len(out)))
+    ]
     return out
 
 
-def make_row(workload: str, form: str, setup: str, summary: dict, workers: list[dict], bound: float | None,
-             note: str = "") -> dict:
+def make_row(
+    workload: str, form: str, setup: str, summary: dict, workers: list[dict], bound: float | None, note: str = ""
+) -> dict:
     """One comparable row. `summary` is kvmesh.deployments.replay.ReplayReport.summary()."""
     hit = summary.get("hit_rate_tokens")
     return {
-        "workload": workload, "form": form, "setup": setup, "note": note,
-        "requests": summary.get("requests", 0), "errors": summary.get("errors", 0),
+        "workload": workload,
+        "form": form,
+        "setup": setup,
+        "note": note,
+        "requests": summary.get("requests", 0),
+        "errors": summary.get("errors", 0),
         "error_samples": summary.get("error_samples", []),
-        "hit_rate_tokens": hit, "hit_rate_requests": summary.get("hit_rate_requests"),
-        "prompt_tokens": summary.get("prompt_tokens"), "uncached_prompt_tokens": summary.get("uncached_prompt_tokens"),
-        "bound_infinite": bound, "hit_over_bound": (hit / bound) if (hit is not None and bound) else None,
-        "ttft_p50_s": summary.get("ttft_p50_s"), "ttft_p90_s": summary.get("ttft_p90_s"),
+        "hit_rate_tokens": hit,
+        "hit_rate_requests": summary.get("hit_rate_requests"),
+        "prompt_tokens": summary.get("prompt_tokens"),
+        "uncached_prompt_tokens": summary.get("uncached_prompt_tokens"),
+        "bound_infinite": bound,
+        "hit_over_bound": (hit / bound) if (hit is not None and bound) else None,
+        "ttft_p50_s": summary.get("ttft_p50_s"),
+        "ttft_p90_s": summary.get("ttft_p90_s"),
         "wall_s": summary.get("wall_s"),
         "requests_per_worker": [w["requests"] for w in workers],
         "prefill_per_worker": [w["prefill_tokens"] for w in workers],
@@ -77,26 +102,39 @@ def check_targets(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["workload"], r["form"]), []).append(r)
     for (workload, form), group in groups.items():
         ours = [r for r in group if r["setup"] == KVMESH]
-        peers = [r for r in group if r["setup"] != KVMESH and r["hit_rate_tokens"] is not None
-                 and r["errors"] < r["requests"]]
+        peers = [
+            r
+            for r in group
+            if r["setup"] != KVMESH and r["hit_rate_tokens"] is not None and r["errors"] < r["requests"]
+        ]
         if not ours:
             continue
         k = ours[0]
         best = max(peers, key=lambda r: r["hit_rate_tokens"], default=None)
         hit = k["hit_rate_tokens"]
         checks = {
-            "hit >= best peer - 0.01": None if best is None or hit is None
+            "hit >= best peer - 0.01": None
+            if best is None or hit is None
             else hit >= best["hit_rate_tokens"] - HIT_MARGIN,
-            "hit >= 0.95 x bound": None if hit is None or not k["bound_infinite"]
+            "hit >= 0.95 x bound": None
+            if hit is None or not k["bound_infinite"]
             else hit >= BOUND_SHARE * k["bound_infinite"],
-            "prefill max/mean <= 1.25": None if k["prefill_max_over_mean"] is None
+            "prefill max/mean <= 1.25": None
+            if k["prefill_max_over_mean"] is None
             else k["prefill_max_over_mean"] <= MAX_PREFILL_IMBALANCE,
             "zero errors": k["errors"] == 0,
         }
-        verdicts.append({"workload": workload, "form": form, "best_peer": best["setup"] if best else None,
-                         "best_peer_hit": best["hit_rate_tokens"] if best else None, "kvmesh_hit": hit,
-                         "checks": checks,
-                         "pass": all(v is True for v in checks.values())})
+        verdicts.append(
+            {
+                "workload": workload,
+                "form": form,
+                "best_peer": best["setup"] if best else None,
+                "best_peer_hit": best["hit_rate_tokens"] if best else None,
+                "kvmesh_hit": hit,
+                "checks": checks,
+                "pass": all(v is True for v in checks.values()),
+            }
+        )
     return verdicts
 
 
@@ -125,12 +163,19 @@ def _fmt(v, kind: str) -> str:
 
 
 COLUMNS = [
-    ("workload", "workload", "s"), ("form", "form", "s"), ("setup", "setup", "s"),
-    ("hit", "hit_rate_tokens", "pct"), ("/bound", "hit_over_bound", "x"),
-    ("uncached", "uncached_prompt_tokens", "int"), ("req/worker", "requests_per_worker", "list"),
-    ("req max/mean", "requests_max_over_mean", "x"), ("prefill/worker", "prefill_per_worker", "list"),
+    ("workload", "workload", "s"),
+    ("form", "form", "s"),
+    ("setup", "setup", "s"),
+    ("hit", "hit_rate_tokens", "pct"),
+    ("/bound", "hit_over_bound", "x"),
+    ("uncached", "uncached_prompt_tokens", "int"),
+    ("req/worker", "requests_per_worker", "list"),
+    ("req max/mean", "requests_max_over_mean", "x"),
+    ("prefill/worker", "prefill_per_worker", "list"),
     ("prefill max/mean", "prefill_max_over_mean", "x"),
-    ("TTFT p50 ms", "ttft_p50_s", "ms"), ("p90 ms", "ttft_p90_s", "ms"), ("errors", "errors", "int"),
+    ("TTFT p50 ms", "ttft_p50_s", "ms"),
+    ("p90 ms", "ttft_p90_s", "ms"),
+    ("errors", "errors", "int"),
 ]
 
 
@@ -145,11 +190,14 @@ def format_table(rows: list[dict]) -> str:
 def format_verdicts(verdicts: list[dict]) -> str:
     out = []
     for v in verdicts:
-        checks = ", ".join(f"{name}: {'PASS' if ok else ('n/a' if ok is None else 'MISS')}"
-                           for name, ok in v["checks"].items())
-        out.append(f"{'PASS' if v['pass'] else 'MISS'}  {v['workload']}/{v['form']}: kvmesh "
-                   f"{_fmt(v['kvmesh_hit'], 'pct')} vs best peer {v['best_peer']} {_fmt(v['best_peer_hit'], 'pct')}"
-                   f" -- {checks}")
+        checks = ", ".join(
+            f"{name}: {'PASS' if ok else ('n/a' if ok is None else 'MISS')}" for name, ok in v["checks"].items()
+        )
+        out.append(
+            f"{'PASS' if v['pass'] else 'MISS'}  {v['workload']}/{v['form']}: kvmesh "
+            f"{_fmt(v['kvmesh_hit'], 'pct')} vs best peer {v['best_peer']} {_fmt(v['best_peer_hit'], 'pct')}"
+            f" -- {checks}"
+        )
     return "\n".join(out)
 
 

@@ -8,6 +8,7 @@ client and settings for all (kvmesh.deployments.replay). Caches start cold for e
 kvmesh gets a fresh app (engines, router, policy state) for every workload and form in both modes, as
 each peer gets a fresh router process.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,13 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
         if name == "chat":
             recs = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, seed=0))
         elif name == "mooncake":
-            recs = conversation_slice(read_records("conversation"), conversations=48, min_turns=3,
-                                      tokens_per_block=cfg.tokens_per_block, max_prompt_tokens=max_prompt)
+            recs = conversation_slice(
+                read_records("conversation"),
+                conversations=48,
+                min_turns=3,
+                tokens_per_block=cfg.tokens_per_block,
+                max_prompt_tokens=max_prompt,
+            )
         elif name == "flood":
             recs = synth_flood(requests=384, system_blocks=8, unique_blocks=2, interval_ms=50.0)
         else:
@@ -64,13 +70,32 @@ def build_workloads(cfg: BenchConfig) -> dict[str, list[dict]]:
     return out
 
 
-def _replay(records, cfg: BenchConfig, url: str, form: str, seed: int, label: str, api_key: str | None = None,
-            model: str | None = None):
+def _replay(
+    records,
+    cfg: BenchConfig,
+    url: str,
+    form: str,
+    seed: int,
+    label: str,
+    api_key: str | None = None,
+    model: str | None = None,
+):
     from kvmesh.deployments.replay import ReplayConfig, replay
 
-    rc = ReplayConfig(url=url, model=model, tokens_per_block=cfg.tokens_per_block, concurrency=cfg.concurrency,
-                      api_key=api_key, prompt_form=form, max_tokens=cfg.max_tokens, tokenizer=cfg.spec.model,
-                      timeout_s=300.0, label=label, seed=seed, progress=cfg.progress)
+    rc = ReplayConfig(
+        url=url,
+        model=model,
+        tokens_per_block=cfg.tokens_per_block,
+        concurrency=cfg.concurrency,
+        api_key=api_key,
+        prompt_form=form,
+        max_tokens=cfg.max_tokens,
+        tokenizer=cfg.spec.model,
+        timeout_s=300.0,
+        label=label,
+        seed=seed,
+        progress=cfg.progress,
+    )
     return replay(records, rc).summary()
 
 
@@ -139,8 +164,13 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
 
     os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
     key = "kvm-bench-" + secrets.token_hex(6)
-    config = {"replicas": cfg.workers, "policy": "kvmesh", "port": 0, "api_keys": [key],
-              "engine": cfg.spec.kvmesh_engine_config()}
+    config = {
+        "replicas": cfg.workers,
+        "policy": "kvmesh",
+        "port": 0,
+        "api_keys": [key],
+        "engine": cfg.spec.kvmesh_engine_config(),
+    }
     rows, url = [], None
     try:
         for workload, records in workloads.items():
@@ -177,8 +207,10 @@ def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
 
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(cfg)
-    bounds = {name: record_bounds(recs, cfg.tokens_per_block, cfg.spec.block_size, replicas=cfg.workers)
-              for name, recs in workloads.items()}
+    bounds = {
+        name: record_bounds(recs, cfg.tokens_per_block, cfg.spec.block_size, replicas=cfg.workers)
+        for name, recs in workloads.items()
+    }
     bound_rates = {name: b["infinite"]["hit_rate"] for name, b in bounds.items()}
     peers = [s for s in PEER_SETUPS if s.name in cfg.setups]
     rows: list[dict] = []
@@ -196,7 +228,12 @@ def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
     if KVMESH in cfg.setups:
         rows += run_kvmesh(workloads, cfg, bound_rates)
     order = {name: i for i, name in enumerate(setups.SETUP_NAMES)}
-    rows.sort(key=lambda r: (list(workloads).index(r["workload"]), list(cfg.forms).index(r["form"]),
-                             order.get(r["setup"], 99)))
+    rows.sort(
+        key=lambda r: (
+            list(workloads).index(r["workload"]),
+            list(cfg.forms).index(r["form"]),
+            order.get(r["setup"], 99),
+        )
+    )
     extra = {"bounds": bounds, "workload_sizes": {k: len(v) for k, v in workloads.items()}}
     return rows, extra

@@ -5,6 +5,7 @@ vllm-router's kv_aware the event sources with the engines' real block size (its 
 matches a 32-token engine: docs/peers.md). Everything else (thresholds, balance knobs) is the peer's
 default, so the comparison is against the product as shipped.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -43,27 +44,58 @@ def _bin(name: str) -> str:
     return found
 
 
-def router_command(setup: PeerSetup, servers: list[VllmServer], spec: EngineSpec, port: int,
-                   metrics_port: int) -> list[str]:
+def router_command(
+    setup: PeerSetup, servers: list[VllmServer], spec: EngineSpec, port: int, metrics_port: int
+) -> list[str]:
     urls = [s.url for s in servers]
     if setup.router == "vllm-router":
-        cmd = [_bin("vllm-router"), "--worker-urls", *urls, "--policy", setup.policy, "--host", "127.0.0.1",
-               "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-               "--log-level", "warning"]
+        cmd = [
+            _bin("vllm-router"),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            setup.policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            "warning",
+        ]
         if setup.policy == "kv_aware":
             for s in servers:
                 cmd += ["--kv-event-source", f"{s.url}={s.kv_endpoint}"]
             cmd += ["--kv-event-block-size", str(spec.block_size), "--kv-event-model", SERVED_MODEL_NAME]
         return cmd
     if setup.router == "sglang-router":
-        return [_bin("sglang-router"), "launch", "--worker-urls", *urls, "--policy", setup.policy,
-                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(metrics_port), "--log-level", "warn"]
+        return [
+            _bin("sglang-router"),
+            "launch",
+            "--worker-urls",
+            *urls,
+            "--policy",
+            setup.policy,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--log-level",
+            "warn",
+        ]
     raise ValueError(f"unknown router {setup.router}")
 
 
-def start_router(setup: PeerSetup, servers: list[VllmServer], spec: EngineSpec, log_dir: Path,
-                 deadline_s: float = 120.0) -> tuple[procs.Proc, str, str]:
+def start_router(
+    setup: PeerSetup, servers: list[VllmServer], spec: EngineSpec, log_dir: Path, deadline_s: float = 120.0
+) -> tuple[procs.Proc, str, str]:
     """Start the peer; return (process, base URL, its Prometheus URL) once /health answers."""
     port, mport = procs.free_port(), procs.free_port()
     proc = procs.start(setup.name.replace("/", "-"), router_command(setup, servers, spec, port, mport), log_dir)

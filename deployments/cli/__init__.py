@@ -2,6 +2,7 @@
 types (`args`). This module only dispatches, and turns a `CliError` (or bad arguments) into one line on
 stderr and exit status 2. Library code never imports this package: it raises its own errors, which the
 subcommands turn into `CliError`."""
+
 from __future__ import annotations
 
 import argparse

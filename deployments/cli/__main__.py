@@ -1,4 +1,5 @@
 """`python -m kvmesh.deployments.cli`: the same entry point as the `kvmesh` console script."""
+
 import sys
 
 from kvmesh.deployments.cli import main

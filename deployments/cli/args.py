@@ -1,11 +1,12 @@
 """Argument types shared by the subcommands (argparse `type=`), so one check gives one message everywhere.
 
 A bad value raises `argparse.ArgumentTypeError`; the dispatcher prints it as one line and exits 2."""
+
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def _whole(text: str) -> int:
@@ -64,10 +65,12 @@ def int_range(text: str) -> tuple[int, int]:
 
 def choices_csv(choices) -> Callable[[str], tuple]:
     """A comma-separated, non-empty subset of `choices`, e.g. `--workloads chat,flood`."""
+
     def parse(text: str) -> tuple:
         items = tuple(x.strip() for x in text.split(",") if x.strip())
         bad = [x for x in items if x not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)} (got {text!r})")
         return items
+
     return parse

@@ -1,6 +1,7 @@
 """`kvmesh bench peers`: kvmesh side by side with real peer routers (vllm-router, sglang-router) on
 identical vLLM OpenAI servers (docs/peers.md); `kvmesh bench overhead`: kvmesh's per-request overhead vs
 vllm-router round_robin on the same engines. Peers are benchmark-only: `pip install -e '.[bench]'`."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many requests per workload")
     p.add_argument("--workloads", type=choices_csv(WORKLOADS), default=WORKLOADS, help=",".join(WORKLOADS))
     p.add_argument("--forms", type=choices_csv(("tokens", "text")), default=FORMS, help="tokens,text")
-    p.add_argument("--setups", type=choices_csv(tuple(SETUP_NAMES)), default=tuple(SETUP_NAMES),
-                   help=",".join(SETUP_NAMES))
+    p.add_argument(
+        "--setups", type=choices_csv(tuple(SETUP_NAMES)), default=tuple(SETUP_NAMES), help=",".join(SETUP_NAMES)
+    )
     p.add_argument("--concurrency", type=positive_int, default=4)
     p.add_argument("--max-tokens", type=positive_int, default=8)
-    p.add_argument("--cold", choices=("restart", "reseed"), default="restart",
-                   help="cold caches by restarting servers (default) or by drawing each setup's prompts anew")
+    p.add_argument(
+        "--cold",
+        choices=("restart", "reseed"),
+        default="restart",
+        help="cold caches by restarting servers (default) or by drawing each setup's prompts anew",
+    )
     p.add_argument("--out-dir", default="out/peers", help="peers.json and peers.png go here")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(_bench=_run_peers)
@@ -104,9 +110,19 @@ def _run_peers(args) -> int:
     from kvmesh.benchmarks.peers.setups import PEER_SETUPS
 
     work_dir, spec = _prepare(args, {s.router for s in PEER_SETUPS if s.name in args.setups})
-    cfg = BenchConfig(spec=spec, work_dir=work_dir, workers=args.workers, workloads=args.workloads,
-                      forms=args.forms, setups=args.setups, limit=args.limit, concurrency=args.concurrency,
-                      max_tokens=args.max_tokens, cold=args.cold, progress=not args.no_progress)
+    cfg = BenchConfig(
+        spec=spec,
+        work_dir=work_dir,
+        workers=args.workers,
+        workloads=args.workloads,
+        forms=args.forms,
+        setups=args.setups,
+        limit=args.limit,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        cold=args.cold,
+        progress=not args.no_progress,
+    )
     t0 = time.perf_counter()
     rows, extra = run(cfg)
     verdicts = results.check_targets(rows)
@@ -115,9 +131,16 @@ def _run_peers(args) -> int:
     print()
     print(results.format_verdicts(verdicts))
     out = Path(args.out_dir)
-    meta = {"engine": spec.as_dict(), "workers": args.workers, "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens, "cold": args.cold, "limit": args.limit, "wall_s": time.perf_counter() - t0,
-            "work_dir": str(work_dir)}
+    meta = {
+        "engine": spec.as_dict(),
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "cold": args.cold,
+        "limit": args.limit,
+        "wall_s": time.perf_counter() - t0,
+        "work_dir": str(work_dir),
+    }
     results.write_json(out / "peers.json", meta, rows, verdicts, extra)
     results.write_png(out / "peers.png", rows)
     print(f"\nwrote {out / 'peers.json'} and {out / 'peers.png'} (logs in {work_dir / 'logs'})")
@@ -128,8 +151,9 @@ def _run_overhead(args) -> int:
     from kvmesh.benchmarks.peers.overhead import run_overhead
 
     work_dir, spec = _prepare(args, {"vllm-router"})
-    report = run_overhead(spec, work_dir, workers=args.workers, requests=args.requests,
-                          prompt_tokens=args.prompt_tokens)
+    report = run_overhead(
+        spec, work_dir, workers=args.workers, requests=args.requests, prompt_tokens=args.prompt_tokens
+    )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(report, indent=2))

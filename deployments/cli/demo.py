@@ -12,6 +12,7 @@ requests in the same order, the same client concurrency and the same token expan
 `--simulate` runs the same slice through the trace simulator instead (no engines; for machines
 without vLLM), and so does the demo when the live stack cannot be imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,18 +38,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-block", type=positive_int, default=32, help="tokens per 512-token trace block")
     parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
     parser.add_argument("--max-tokens", type=positive_int, default=8, help="output tokens per request (cap)")
-    parser.add_argument("--policies", default="kvmesh,round_robin,kvmesh+tiers",
-                        help="comma-separated, run in this order; NAME+tiers = that policy with the node's LMCache "
-                             "host tier and an fs shared tier behind the engines")
+    parser.add_argument(
+        "--policies",
+        default="kvmesh,round_robin,kvmesh+tiers",
+        help="comma-separated, run in this order; NAME+tiers = that policy with the node's LMCache "
+        "host tier and an fs shared tier behind the engines",
+    )
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a HF model directory")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--live", dest="live", action="store_true", default=LIVE_BY_DEFAULT,
-                      help="real engines behind Ray Serve" + (" (default)" if LIVE_BY_DEFAULT else ""))
-    mode.add_argument("--simulate", dest="live", action="store_false",
-                      help="the trace simulator instead of live engines" + ("" if LIVE_BY_DEFAULT else " (default)"))
-    parser.add_argument("--tiers", action="store_true",
-                        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits "
-                             "by tier")
+    mode.add_argument(
+        "--live",
+        dest="live",
+        action="store_true",
+        default=LIVE_BY_DEFAULT,
+        help="real engines behind Ray Serve" + (" (default)" if LIVE_BY_DEFAULT else ""),
+    )
+    mode.add_argument(
+        "--simulate",
+        dest="live",
+        action="store_false",
+        help="the trace simulator instead of live engines" + ("" if LIVE_BY_DEFAULT else " (default)"),
+    )
+    parser.add_argument(
+        "--tiers",
+        action="store_true",
+        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits by tier",
+    )
     parser.add_argument("--json", default=None, help="write all results here")
 
 
@@ -60,8 +75,9 @@ def _check(args) -> list[str]:
 
     unknown = [p for p in names if _policy(p) not in POLICY_NAMES]
     if not names or unknown:
-        raise CliError(f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; "
-                       f"known: {', '.join(POLICY_NAMES)}")
+        raise CliError(
+            f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(POLICY_NAMES)}"
+        )
     return names
 
 
@@ -81,8 +97,13 @@ def workload(args) -> list[dict]:
 
     max_len = 2048  # the tiny model's serving context (deployments/config.py default)
     records = read_records("conversation")
-    return conversation_slice(records, args.conversations, min_turns=3, tokens_per_block=args.tokens_per_block,
-                              max_prompt_tokens=max_len - args.max_tokens - 8)
+    return conversation_slice(
+        records,
+        args.conversations,
+        min_turns=3,
+        tokens_per_block=args.tokens_per_block,
+        max_prompt_tokens=max_len - args.max_tokens - 8,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
     names = _check(args)
     records = workload(args)
     bounds = record_bounds(records, args.tokens_per_block, 32, replicas=args.replicas)
-    print(f"workload: {len(records)} requests from {args.conversations} conversations of the Mooncake "
-          f"conversation trace, {bounds['prompt_tokens']:,} prompt tokens ({args.tokens_per_block} tokens/block)")
+    print(
+        f"workload: {len(records)} requests from {args.conversations} conversations of the Mooncake "
+        f"conversation trace, {bounds['prompt_tokens']:,} prompt tokens ({args.tokens_per_block} tokens/block)"
+    )
     live = args.live
     if live:
         try:
@@ -128,8 +151,15 @@ def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
         try:
             url = start_local(config)
             print(f"[{name}] serving at {url} after {time.perf_counter() - t0:.0f}s; replaying", flush=True)
-            cfg = ReplayConfig(url=url, tokens_per_block=args.tokens_per_block, concurrency=args.concurrency,
-                               api_key=key, max_tokens=args.max_tokens, timeout_s=120, max_errors=10)
+            cfg = ReplayConfig(
+                url=url,
+                tokens_per_block=args.tokens_per_block,
+                concurrency=args.concurrency,
+                api_key=key,
+                max_tokens=args.max_tokens,
+                timeout_s=120,
+                max_errors=10,
+            )
             results[name] = replay(records, cfg).to_json(per_request=bool(args.json))
             results[name]["server"] = _server_state(url, key)
         except ReplayError as exc:
@@ -152,9 +182,12 @@ def _server_state(url: str, key: str) -> dict:
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": f"GET /kvmesh/state failed: {exc}"}
     pred = state.get("prediction") or {}
-    return {"prediction": {k: pred.get(k) for k in ("compared", "mismatches", "alarm", "predicted_tokens",
-                                                     "delivered_tokens")},
-            "tiers": state.get("tiers")}
+    return {
+        "prediction": {
+            k: pred.get(k) for k in ("compared", "mismatches", "alarm", "predicted_tokens", "delivered_tokens")
+        },
+        "tiers": state.get("tiers"),
+    }
 
 
 def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dict]:
@@ -168,9 +201,19 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
     runs = {}  # one simulation per tier set-up; a `+tiers` run gets a node-wide host tier and a shared tier
     plain = [n for n in names if not _with_tiers(args, n)]
     tiered = [n for n in names if _with_tiers(args, n)]
-    for group, cfg in ((plain, SimConfig(args.replicas, capacity_blocks=100_000)),
-                       (tiered, SimConfig(args.replicas, capacity_blocks=100_000, host_blocks=100_000,
-                                          replicas_per_node=args.replicas, shared=True))):
+    for group, cfg in (
+        (plain, SimConfig(args.replicas, capacity_blocks=100_000)),
+        (
+            tiered,
+            SimConfig(
+                args.replicas,
+                capacity_blocks=100_000,
+                host_blocks=100_000,
+                replicas_per_node=args.replicas,
+                shared=True,
+            ),
+        ),
+    ):
         if group:
             doc = simulate(trace, cfg, {n: make_policy(_policy(n)) for n in group})
             runs.update({n: doc["policies"][n] for n in group})
@@ -178,19 +221,29 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
     for name in names:
         p = runs[name]
         per_replica = {
-            rid: {"requests": row["requests"], "prompt_tokens": row["prompt_tokens"],
-                  "cached_tokens": row["prompt_tokens"] - row["prefill_tokens"],
-                  "uncached_prompt_tokens": row["prefill_tokens"], "hit_rate_tokens": row["hit_rate_tokens"]}
+            rid: {
+                "requests": row["requests"],
+                "prompt_tokens": row["prompt_tokens"],
+                "cached_tokens": row["prompt_tokens"] - row["prefill_tokens"],
+                "uncached_prompt_tokens": row["prefill_tokens"],
+                "hit_rate_tokens": row["hit_rate_tokens"],
+            }
             for rid, row in p["per_replica"].items()
         }
         out[name] = {
-            "requests": len(reqs), "errors": 0,
-            "hit_rate_tokens": p["hit_rate_tokens"], "hit_rate_requests": p["hit_rate_requests"],
-            "prompt_tokens": p["prompt_tokens"], "cached_tokens": p["cached_tokens"],
+            "requests": len(reqs),
+            "errors": 0,
+            "hit_rate_tokens": p["hit_rate_tokens"],
+            "hit_rate_requests": p["hit_rate_requests"],
+            "prompt_tokens": p["prompt_tokens"],
+            "cached_tokens": p["cached_tokens"],
             "uncached_prompt_tokens": p["prompt_tokens"] - p["cached_tokens"],
-            "ttft_p50_s": p["ttft_p50_s"], "ttft_p90_s": p["ttft_p90_s"],
-            "throughput_tokens_s": p["throughput_tokens_s"], "uncached_max_over_mean": p["imbalance"],
-            "per_replica_known": True, "per_replica": per_replica,
+            "ttft_p50_s": p["ttft_p50_s"],
+            "ttft_p90_s": p["ttft_p90_s"],
+            "throughput_tokens_s": p["throughput_tokens_s"],
+            "uncached_max_over_mean": p["imbalance"],
+            "per_replica_known": True,
+            "per_replica": per_replica,
             "hit_tokens_by_tier": p["hit_tokens_by_tier"] if _with_tiers(args, name) else None,
         }
     return out
@@ -200,33 +253,43 @@ def _report(args, names, results, bounds, live: bool) -> None:
     from kvmesh.deployments.replay import format_table
 
     print()
-    print(("live: real vLLM engines behind Ray Serve" if live else "simulated (trace simulator)")
-          + f", {args.replicas} replicas, cold start per policy")
+    print(
+        ("live: real vLLM engines behind Ray Serve" if live else "simulated (trace simulator)")
+        + f", {args.replicas} replicas, cold start per policy"
+    )
     print(format_table(results))
-    print(f"{'bounds':28}infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over "
-          f"{args.replicas} infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%")
+    print(
+        f"{'bounds':28}infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over "
+        f"{args.replicas} infinite caches {100 * bounds['round_robin_infinite']['hit_rate']:.1f}%"
+    )
     for name, r in results.items():
         if (r.get("hit_rate_tokens") or 0) > bounds["infinite"]["hit_rate"] + 0.01:
             print(f"WARNING: {name} hit more than an infinite cache could: cache state leaked from an earlier run")
         server = r.get("server") or {}
         pred, tiers = server.get("prediction") or {}, server.get("tiers")
         if pred.get("compared"):
-            print(f"{name}: router predicted {pred['predicted_tokens']:,} cached tokens, engines delivered "
-                  f"{pred['delivered_tokens']:,}; {pred['mismatches']} of {pred['compared']} requests differ")
+            print(
+                f"{name}: router predicted {pred['predicted_tokens']:,} cached tokens, engines delivered "
+                f"{pred['delivered_tokens']:,}; {pred['mismatches']} of {pred['compared']} requests differ"
+            )
         cached = int(r.get("cached_tokens") or 0)
         by_tier = r.get("hit_tokens_by_tier")  # simulated runs know the exact split
         if by_tier:
             print(f"{name}: hits by tier: " + ", ".join(f"{t} {int(v):,} tokens" for t, v in by_tier.items()))
         elif tiers:  # LMCache counts its lookups node-wide over whole prompts, so they overlap engine-cache hits
-            print(f"{name}: hits by tier: {cached:,} cached tokens delivered from hbm + LMCache; LMCache lookups "
-                  f"found host {int(tiers.get('host_hit_tokens') or 0):,} and shared "
-                  f"{int(tiers.get('shared_hit_tokens') or 0):,} tokens")
+            print(
+                f"{name}: hits by tier: {cached:,} cached tokens delivered from hbm + LMCache; LMCache lookups "
+                f"found host {int(tiers.get('host_hit_tokens') or 0):,} and shared "
+                f"{int(tiers.get('shared_hit_tokens') or 0):,} tokens"
+            )
         else:
             print(f"{name}: hits by tier: hbm {cached:,} tokens (no host/shared tier in this run)")
     if "kvmesh" in results and "round_robin" in results:
         a, b = results["kvmesh"], results["round_robin"]
         if a.get("uncached_prompt_tokens") and b.get("uncached_prompt_tokens"):
-            print(f"kvmesh computes {a['uncached_prompt_tokens'] / b['uncached_prompt_tokens']:.2f}x the prompt "
-                  f"tokens round robin computes")
+            print(
+                f"kvmesh computes {a['uncached_prompt_tokens'] / b['uncached_prompt_tokens']:.2f}x the prompt "
+                f"tokens round robin computes"
+            )
         if a.get("ttft_p50_s") and b.get("ttft_p50_s"):
             print(f"kvmesh p50 TTFT is {a['ttft_p50_s'] / b['ttft_p50_s']:.2f}x round robin's")

@@ -1,4 +1,5 @@
 """`kvmesh model build-tiny DIR`: build the embedded default model (see deployments/tiny_model.py)."""
+
 from __future__ import annotations
 
 from kvmesh.deployments.cli import CliError

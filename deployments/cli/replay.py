@@ -5,6 +5,7 @@
 
 See deployments/replay.py for how prompts are built and what is measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,27 +25,50 @@ def _tenant_key(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--trace", required=True,
-                        help="Mooncake JSONL path or a bundled name (conversation, synthetic)")
-    parser.add_argument("--tokens-per-block", type=positive_int, default=32,
-                        help="tokens per trace block (a multiple of the engine block size)")
+    parser.add_argument(
+        "--trace", required=True, help="Mooncake JSONL path or a bundled name (conversation, synthetic)"
+    )
+    parser.add_argument(
+        "--tokens-per-block",
+        type=positive_int,
+        default=32,
+        help="tokens per trace block (a multiple of the engine block size)",
+    )
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
-    parser.add_argument("--max-prompt-tokens", type=positive_int, default=None,
-                        help="drop requests whose scaled prompt is longer (fit a small model's context)")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="drop requests whose scaled prompt is longer (fit a small model's context)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=positive_int, default=None, help="requests in flight (default 4)")
-    mode.add_argument("--time-scale", type=non_negative_float, default=None,
-                      help="send at trace timestamp x this factor (0.5 = twice as fast)")
+    mode.add_argument(
+        "--time-scale",
+        type=non_negative_float,
+        default=None,
+        help="send at trace timestamp x this factor (0.5 = twice as fast)",
+    )
     parser.add_argument("--api-key", default=None, help="bearer key for every request")
-    parser.add_argument("--tenant-key", type=_tenant_key, action="append", default=[], metavar="TENANT=KEY",
-                        help="key for the trace's `tenant` field (repeatable); falls back to --api-key")
+    parser.add_argument(
+        "--tenant-key",
+        type=_tenant_key,
+        action="append",
+        default=[],
+        metavar="TENANT=KEY",
+        help="key for the trace's `tenant` field (repeatable); falls back to --api-key",
+    )
     parser.add_argument("--prompt-form", choices=("tokens", "text"), default="tokens")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir (needed for --prompt-form text)")
     parser.add_argument("--max-tokens", type=positive_int, default=16, help="cap on output tokens per request")
     parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
     parser.add_argument("--label", default=None, help="replica name when the server sends no x-kvmesh-replica")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="changes every block's tokens (a fresh, cold token space per run on warm servers)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="changes every block's tokens (a fresh, cold token space per run on warm servers)",
+    )
     parser.add_argument("--timeout", type=non_negative_float, default=300.0, help="per-request timeout, s")
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
     parser.add_argument("--no-progress", action="store_true")
@@ -65,10 +89,20 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         raise CliError("kvmesh replay: no requests to replay")
     cfg = ReplayConfig(
-        url=args.url, tokens_per_block=args.tokens_per_block, concurrency=args.concurrency,
-        time_scale=args.time_scale, api_key=args.api_key, tenant_keys=dict(args.tenant_key),
-        prompt_form=args.prompt_form, max_tokens=args.max_tokens, model=args.model, tokenizer=args.tokenizer,
-        timeout_s=args.timeout, label=args.label, seed=args.seed, progress=not args.no_progress,
+        url=args.url,
+        tokens_per_block=args.tokens_per_block,
+        concurrency=args.concurrency,
+        time_scale=args.time_scale,
+        api_key=args.api_key,
+        tenant_keys=dict(args.tenant_key),
+        prompt_form=args.prompt_form,
+        max_tokens=args.max_tokens,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        timeout_s=args.timeout,
+        label=args.label,
+        seed=args.seed,
+        progress=not args.no_progress,
     )
     try:
         report = replay(records, cfg)

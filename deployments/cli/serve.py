@@ -3,6 +3,7 @@ shut down cleanly on Ctrl-C / SIGTERM.
 
 Flags override the config file (`--config FILE`, the same YAML the Serve app builder takes).
 """
+
 from __future__ import annotations
 
 import signal
@@ -24,8 +25,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--block-size", type=int, help="engine KV block size (multiple of 32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="engine context length")
     parser.add_argument("--num-cpus", type=int, help="CPUs for a locally started Ray (default: all)")
-    parser.add_argument("--proxy", choices=("haproxy", "serve"),
-                        help="HTTP front of a locally started Ray: Serve's HAProxy mode (default) or its Python proxy")
+    parser.add_argument(
+        "--proxy",
+        choices=("haproxy", "serve"),
+        help="HTTP front of a locally started Ray: Serve's HAProxy mode (default) or its Python proxy",
+    )
 
 
 def _build_config(args) -> dict:
@@ -33,8 +37,13 @@ def _build_config(args) -> dict:
     from kvmesh.deployments.tenants import new_api_key
 
     cfg = load_config(args.config) if args.config else app_config({})
-    for flag, key in (("replicas", "replicas"), ("policy", "policy"), ("host", "host"), ("port", "port"),
-                      ("proxy", "proxy")):
+    for flag, key in (
+        ("replicas", "replicas"),
+        ("policy", "policy"),
+        ("host", "host"),
+        ("port", "port"),
+        ("proxy", "proxy"),
+    ):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
     eng = dict(cfg["engine"])
@@ -83,8 +92,12 @@ def run(args) -> int:
     def _on_signal(signum, frame):
         stop.set()
 
-    print(f"starting kvmesh: {cfg['replicas']} engine replica(s), policy {cfg['policy']}, model "
-          f"{cfg['engine']['model']} ...", file=sys.stderr, flush=True)
+    print(
+        f"starting kvmesh: {cfg['replicas']} engine replica(s), policy {cfg['policy']}, model "
+        f"{cfg['engine']['model']} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         url = start_local(cfg, num_cpus=args.num_cpus)
     except Exception as exc:

@@ -1,4 +1,5 @@
 """`kvmesh simulate`: replay a trace through simulated replicas per policy, with bounds; table, JSON, PNG."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,25 +16,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=positive_int, required=True, help="number of engine replicas")
     p.add_argument("--capacity-blocks", type=positive_int, required=True, help="HBM KV blocks per replica")
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (default)")
-    p.add_argument("--load", type=positive_float, default=None,
-                   help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
-                        "default: trace timestamps as recorded")
+    p.add_argument(
+        "--load",
+        type=positive_float,
+        default=None,
+        help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
+        "default: trace timestamps as recorded",
+    )
     p.add_argument("--host-blocks", type=non_negative_int, default=0, help="host-tier (LMCache L1) blocks per node")
     p.add_argument("--shared", action="store_true", help="add a shared tier (LMCache L2) reachable from every replica")
     p.add_argument("--shared-blocks", type=positive_int, default=None, help="shared-tier capacity (default unbounded)")
     p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
-    p.add_argument("--block-size", type=positive_int, default=None,
-                   help="without --tokens-per-block: tokens per trace hash id (default 512, Mooncake's); with it: "
-                        "the engine's block size (default: tokens per block)")
-    p.add_argument("--tokens-per-block", type=positive_int, default=None,
-                   help="expand each trace hash id (512 tokens in the file) to this many tokens, as `kvmesh replay` "
-                        "does, and simulate at --block-size: the live run's prompts and block size")
-    p.add_argument("--concurrency", type=positive_int, default=None,
-                   help="send closed-loop, as `kvmesh replay --concurrency` does: N in flight, a user's next "
-                        "turn after its previous reply (default: trace timestamps)")
+    p.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="without --tokens-per-block: tokens per trace hash id (default 512, Mooncake's); with it: "
+        "the engine's block size (default: tokens per block)",
+    )
+    p.add_argument(
+        "--tokens-per-block",
+        type=positive_int,
+        default=None,
+        help="expand each trace hash id (512 tokens in the file) to this many tokens, as `kvmesh replay` "
+        "does, and simulate at --block-size: the live run's prompts and block size",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        help="send closed-loop, as `kvmesh replay --concurrency` does: N in flight, a user's next "
+        "turn after its previous reply (default: trace timestamps)",
+    )
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
-    p.add_argument("--cost-model", default=None, metavar="JSON",
-                   help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)")
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="JSON",
+        help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)",
+    )
     p.add_argument("--uncached-rate", type=float, default=3.00, help="$ per 1M uncached prompt tokens")
     p.add_argument("--cached-rate", type=float, default=0.30, help="$ per 1M cached prompt tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -105,9 +126,19 @@ def run(args) -> int:
     trace, users = _load(args)
     if len(trace) < 2 and args.load is not None:
         raise CliError("--load needs a trace with at least two requests at different times")
-    cfg = SimConfig(args.replicas, args.capacity_blocks, host_blocks=args.host_blocks, shared=args.shared,
-                    shared_blocks=args.shared_blocks, replicas_per_node=args.replicas_per_node, load=args.load,
-                    cost=cost, uncached_rate=args.uncached_rate, cached_rate=args.cached_rate, seed=args.seed)
+    cfg = SimConfig(
+        args.replicas,
+        args.capacity_blocks,
+        host_blocks=args.host_blocks,
+        shared=args.shared,
+        shared_blocks=args.shared_blocks,
+        replicas_per_node=args.replicas_per_node,
+        load=args.load,
+        cost=cost,
+        uncached_rate=args.uncached_rate,
+        cached_rate=args.cached_rate,
+        seed=args.seed,
+    )
     try:
         cfg.check()
         policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}

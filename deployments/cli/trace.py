@@ -1,9 +1,10 @@
 """`kvmesh trace`: make workloads in Mooncake JSONL form and print a trace's cache bounds.
 
-    kvmesh trace synth --out chat.jsonl --tenants 2 --groups 2 --users 4 --turns 4 --seed 0
-    kvmesh trace flood --out flood.jsonl --requests 64 --system-blocks 8
-    kvmesh trace bounds --trace chat.jsonl --tokens-per-block 32 --replicas 4
+kvmesh trace synth --out chat.jsonl --tenants 2 --groups 2 --users 4 --turns 4 --seed 0
+kvmesh trace flood --out flood.jsonl --requests 64 --system-blocks 8
+kvmesh trace bounds --trace chat.jsonl --tokens-per-block 32 --replicas 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b = sub.add_parser("bounds", help="infinite-cache and round-robin-over-N-infinite-caches hit rates")
     b.add_argument("--trace", required=True, help="JSONL path or a bundled name: " + ", ".join(BUNDLED))
     b.add_argument("--tokens-per-block", type=positive_int, default=512, help="tokens per trace block after scaling")
-    b.add_argument("--block-size", type=positive_int, default=None,
-                   help="engine block size (default: tokens-per-block)")
+    b.add_argument(
+        "--block-size", type=positive_int, default=None, help="engine block size (default: tokens-per-block)"
+    )
     b.add_argument("--replicas", type=positive_int, default=4)
     b.add_argument("--limit", type=positive_int, default=None)
     b.add_argument("--warmup", type=int, default=0, help="first N records fill the caches uncounted")
@@ -57,26 +59,35 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.trace_command == "synth":
             spec = workloads.ChatSpec(
-                tenants=args.tenants, groups=args.groups, users=args.users, turns=args.turns,
-                system_blocks=args.system_blocks, user_blocks=args.user_blocks,
-                reply_blocks=args.reply_blocks, start_spread_ms=args.start_spread_ms,
-                think_ms=args.think_ms, seed=args.seed,
+                tenants=args.tenants,
+                groups=args.groups,
+                users=args.users,
+                turns=args.turns,
+                system_blocks=args.system_blocks,
+                user_blocks=args.user_blocks,
+                reply_blocks=args.reply_blocks,
+                start_spread_ms=args.start_spread_ms,
+                think_ms=args.think_ms,
+                seed=args.seed,
             )
             n = workloads.write_jsonl(workloads.synth_chat(spec), args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
         if args.trace_command == "flood":
             records = workloads.synth_flood(
-                requests=args.requests, system_blocks=args.system_blocks, unique_blocks=args.unique_blocks,
-                interval_ms=args.interval_ms, output_blocks=args.output_blocks, tenant=args.tenant, seed=args.seed,
+                requests=args.requests,
+                system_blocks=args.system_blocks,
+                unique_blocks=args.unique_blocks,
+                interval_ms=args.interval_ms,
+                output_blocks=args.output_blocks,
+                tenant=args.tenant,
+                seed=args.seed,
             )
             n = workloads.write_jsonl(records, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
         records = read_records(args.trace, limit=args.limit)
-        result = record_bounds(
-            records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup
-        )
+        result = record_bounds(records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup)
     except OSError as exc:
         raise CliError(f"kvmesh trace: {exc.strerror or exc}: {exc.filename}") from None
     except ValueError as exc:
