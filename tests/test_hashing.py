@@ -27,6 +27,7 @@ from kvmesh.kvstore.hashing import (
 )
 
 kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vllm is a test dependency")
+# E402 below: these vLLM imports come after the importorskip, so the module is skipped without vLLM
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402

@@ -28,7 +28,7 @@ from kvmesh.cluster.kv_events import (
 )
 
 kv = pytest.importorskip("vllm.distributed.kv_events", reason="vllm is a test dependency")
-import msgspec  # noqa: E402
+import msgspec  # noqa: E402  (after the importorskip: vLLM brings msgspec)
 
 _enc = msgspec.msgpack.Encoder()
 
