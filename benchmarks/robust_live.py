@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
@@ -32,11 +33,6 @@ TIMED_CONCURRENCY = 4  # live draws are all sent under a concurrency cap; timed 
 
 def live_concurrency(d: FamilyDraw) -> int:
     return d.concurrency if d.arrival == "all" else TIMED_CONCURRENCY
-
-
-def _max_over_mean(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean else 1.0
 
 
 def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str) -> dict:
@@ -54,7 +50,7 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
         "hit": res["hit_rate_tokens"],
         "requests": sorted(p["requests"] for p in per),
         "prefill": sorted(p["prefill_tokens"] for p in per),
-        "prefill_max_over_mean": _max_over_mean([p["prefill_tokens"] for p in per]),
+        "prefill_max_over_mean": max_over_mean([p["prefill_tokens"] for p in per]) or 1.0,
     }
 
 
@@ -108,7 +104,7 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
         "ttft_p50_s": s["ttft_p50_s"],
         "requests": sorted(p["requests"] for p in per),
         "prefill": sorted(p["uncached_prompt_tokens"] for p in per),
-        "prefill_max_over_mean": _max_over_mean([p["uncached_prompt_tokens"] for p in per]),
+        "prefill_max_over_mean": max_over_mean([p["uncached_prompt_tokens"] for p in per]) or 1.0,
     }
 
 

@@ -19,7 +19,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, FreshIds, scaled_block_lengths, scaled_output_length
 
 CONTEXT_TOKENS = 4096  # prompt + answer must fit this after scaling (the live tiny model's context)
 MIN_REQUESTS, MAX_REQUESTS = 20, 200
@@ -140,18 +140,6 @@ def _draw_once(seed: int, rng: random.Random) -> FamilyDraw:
     )
 
 
-class _Ids:
-    """Fresh hash ids: each id is made for one position, so its parent never changes."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def take(self, n: int) -> list[int]:
-        ids = list(range(self.next, self.next + n))
-        self.next += n
-        return ids
-
-
 def _prompt_record(prompt: list[int], tail: int, output: int, tenant: str, user: str) -> dict:
     return {
         "timestamp": 0,
@@ -163,7 +151,7 @@ def _prompt_record(prompt: list[int], tail: int, output: int, tenant: str, user:
     }
 
 
-def _conversations(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[list[dict]]:
+def _conversations(d: FamilyDraw, rng: random.Random, ids: FreshIds) -> list[list[dict]]:
     """Every conversation's turns, in turn order (timestamps not yet set)."""
     out = []
     for g in range(d.groups):
@@ -185,7 +173,7 @@ def _conversations(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[list[di
     return out
 
 
-def _flood(d: FamilyDraw, rng: random.Random, ids: _Ids) -> list[dict]:
+def _flood(d: FamilyDraw, rng: random.Random, ids: FreshIds) -> list[dict]:
     hot = ids.take(d.flood_prompt_blocks)
     return [
         _prompt_record(
@@ -209,7 +197,7 @@ def records(d: FamilyDraw) -> list[dict]:
     together in `bursts` bursts `BURST_GAP_MS` apart, the flood with one of them. Timed records are
     sorted by timestamp (a user's turns stay in order)."""
     rng = random.Random(d.seed * 1_000_003 + 17)
-    ids = _Ids()
+    ids = FreshIds()
     convs = _conversations(d, rng, ids)
     flood = _flood(d, rng, ids)
     if d.arrival == "all":

@@ -92,7 +92,7 @@ class ChatSpec:
             raise ValueError("start_spread_ms and think_ms must be >= 0")
 
 
-class _Ids:
+class FreshIds:
     """Hands out fresh hash ids: each id is created for exactly one position, so its parent is fixed."""
 
     def __init__(self) -> None:
@@ -112,7 +112,7 @@ def synth_chat(spec: ChatSpec = ChatSpec()) -> list[dict]:
     """
     spec.check()
     rng = random.Random(spec.seed)
-    ids = _Ids()
+    ids = FreshIds()
     records: list[dict] = []
     for t in range(spec.tenants):
         tenant = f"t{t}"
@@ -159,7 +159,7 @@ def synth_flood(
     if requests < 1 or system_blocks < 1 or unique_blocks < 1 or output_blocks < 1 or interval_ms < 0:
         raise ValueError("requests, system_blocks, unique_blocks, output_blocks must be >= 1; interval_ms >= 0")
     rng = random.Random(seed)
-    ids = _Ids()
+    ids = FreshIds()
     system = ids.take(system_blocks)
     out = []
     for i in range(requests):

@@ -73,15 +73,21 @@ class _Routing:
 
 
 class _Inflight:
-    __slots__ = ("replica", "uncached", "info", "first_token", "policy", "routing")
+    __slots__ = ("replica", "uncached", "first_token", "routing")
 
-    def __init__(self, replica: str, uncached: int, info: RequestInfo, policy, routing: _Routing):
+    def __init__(self, replica: str, uncached: int, routing: _Routing):
         self.replica = replica
         self.uncached = uncached
-        self.info = info
         self.first_token = False
-        self.policy = policy
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
+
+    @property
+    def info(self) -> RequestInfo:
+        return self.routing.info
+
+    @property
+    def policy(self):
+        return self.routing.policy
 
 
 class KvmeshRouter(RequestRouter):
@@ -333,7 +339,7 @@ class KvmeshRouter(RequestRouter):
         )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, info, routed.policy, routed)
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
