@@ -121,6 +121,8 @@ class KvmeshRouter(RequestRouter):
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
+        # completed requests whose first token the ingress has not confirmed yet (request id -> state)
+        self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
         self.decisions = 0
         self.decision_s = 0.0
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
@@ -345,11 +347,21 @@ class KvmeshRouter(RequestRouter):
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Serve calls this for every request, failed and cancelled ones included, and says nothing of the
+        # outcome: only a request whose first token came back has a prefill that LMCache stored.
         st = self._inflight.pop(internal_request_id, None)
         if st is None:
             return
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
+        if st.first_token:
+            self._record_prefill(st)
+        elif st.info.request_id:  # its first token may still be on its way from the ingress
+            self._unconfirmed[st.info.request_id] = st
+            while len(self._unconfirmed) > 1024:  # failed or cancelled before a token: never confirmed
+                self._unconfirmed.popitem(last=False)
+
+    def _record_prefill(self, st: _Inflight) -> None:
         if st.replica in self.index.replicas():  # its prompt's full chunks are now in L1 (and L2)
             self.tiers.record_prefill(st.replica, st.info.block_hashes)
 
@@ -359,6 +371,10 @@ class KvmeshRouter(RequestRouter):
         st = self._inflight.get(internal) if internal else None
         if st is not None:
             st.first_token = True
+            return
+        done = self._unconfirmed.pop(request_id, None)
+        if done is not None:  # the request completed before the ingress's word arrived
+            self._record_prefill(done)
 
     # ------------------------------------------------------------------ observability
     def snapshot(self) -> dict:

@@ -1,0 +1,77 @@
+"""The router when requests fail or replicas die: what it records, forgets and refuses (fake replicas, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from kvmesh.deployments import local_state
+from kvmesh.deployments.prediction import PredictionLedger
+
+
+def fake_replica(rid: str, **stats):
+    return SimpleNamespace(
+        replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats, node_id="n0", max_ongoing_requests=64
+    )
+
+
+def fake_request(ids, request_id, salt=None):
+    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": salt, "params": {"max_tokens": 4}}
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
+
+
+def make_router(**kw):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from kvmesh.deployments.router import KvmeshRouter
+
+    r = KvmeshRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    r.initialize_state(subscribe_events=False, **kw)
+    return r
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+
+async def _routed(router, replicas, pending):
+    chosen = (await router.choose_replicas(replicas, pending))[0][0]
+    router._routed(pending, chosen.replica_id)
+    return chosen
+
+
+def test_only_requests_that_produced_a_token_enter_the_host_and_shared_tiers():
+    """Serve reports every request as completed, failed and cancelled ones included; a prompt whose
+    prefill never finished was never stored by LMCache, so the tiers must not gain it."""
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a = fake_replica("A")
+        await router.choose_replicas([a], fake_request([1, 2, 3], "reg"))
+        router.tiers.set_node("n0", has_shared_tier=True, host_capacity_blocks=10_000, chunk_blocks=1)
+        marked = router.tiers.counters
+
+        await _routed(router, [a], fake_request(list(range(100, 228)), "failed"))  # 4 blocks
+        router.on_request_completed(a.replica_id, "i-failed")  # the engine died before its first token
+        await _routed(router, [a], fake_request(list(range(300, 428)), "cancelled"))
+        router.on_request_completed(a.replica_id, "i-cancelled")  # the client left while it was queued
+        assert (marked["host_marked"], marked["shared_marked"]) == (0, 0)
+
+        await _routed(router, [a], fake_request(list(range(500, 628)), "served"))
+        router.first_token("served")
+        router.on_request_completed(a.replica_id, "i-served")
+        assert (marked["host_marked"], marked["shared_marked"]) == (4, 4)
+
+        # a short request can complete before the ingress's first-token word reaches the router
+        await _routed(router, [a], fake_request(list(range(700, 828)), "raced"))
+        router.on_request_completed(a.replica_id, "i-raced")
+        assert marked["host_marked"] == 4
+        router.first_token("raced")
+        assert (marked["host_marked"], marked["shared_marked"]) == (8, 8)
+
+    asyncio.run(scenario())
