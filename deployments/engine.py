@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
+from kvmesh.deployments.ports import PortReservation
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -42,12 +42,6 @@ SAMPLING_KEYS = (
     "repetition_penalty",
 )
 EVENTS_TOPIC = "kvmesh"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def lmcache_kv_transfer(cfg: dict) -> dict | None:
@@ -89,16 +83,20 @@ class EngineReplica:
         self.model_path = resolve_model(self.cfg["model"])
         kv_events = None
         self.kv_events_endpoint = self.replay_endpoint = None
+        # held until vLLM's publisher has bound them: replicas starting together must not pick the same port
+        ports = PortReservation(2 if self.cfg["kv_events"] else 0)
         if self.cfg["kv_events"]:
-            port, rport = _free_port(), _free_port()
+            port, rport = ports.ports
             kv_events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}", "topic": EVENTS_TOPIC}
             self.kv_events_endpoint = f"tcp://{node_ip}:{port}"
             self.replay_endpoint = f"tcp://{node_ip}:{rport}"
         from kvmesh.deployments.engine_driver import build_engine_args, make_driver
 
-        args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
-        self.driver = make_driver(self.cfg["engine_mode"], args)
+        with ports:
+            args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
+            self.driver = make_driver(self.cfg["engine_mode"], args)
         self.num_blocks = self.driver.num_blocks()
+        self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
         if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
             from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
@@ -163,7 +161,8 @@ class EngineReplica:
             "queued": load.queued,
             "running": load.running,
             "aborted": load.aborted,
-            "kv_usage": self.driver.kv_usage(),
+            "kv_usage": self._kv_usage(),
+            "stats_errors": self.stats_errors,
             "kv_events_endpoint": self.kv_events_endpoint,
             "replay_endpoint": self.replay_endpoint,
             "events_topic": EVENTS_TOPIC,
@@ -173,6 +172,22 @@ class EngineReplica:
             "hash_algo": self.cfg["hash_algo"],
             "tiers": self.tier_info,
         }
+
+    def _kv_usage(self) -> float:
+        """KV usage from vLLM's internals. If they change shape, routing keeps the replica's endpoints and
+        load (only this figure is lost): the failure is counted (`stats_errors`, exported by the ingress
+        as kvmesh_replica_stats_errors_total) and logged, and every later report tries again."""
+        try:
+            return self.driver.kv_usage()
+        except Exception:
+            self.stats_errors += 1
+            if self.stats_errors == 1 or self.stats_errors % 100 == 0:
+                log.exception(
+                    "replica %s cannot read its KV usage (%d times); routing goes on without it",
+                    self.replica_id,
+                    self.stats_errors,
+                )
+            return 0.0
 
     async def info(self) -> dict:
         return {**self.record_routing_stats(), "model_path": self.model_path}

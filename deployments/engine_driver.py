@@ -212,12 +212,10 @@ class InprocDriver:
         return await fut
 
     def kv_usage(self) -> float:
+        """Read from vLLM's internals; raises if their shape changed (the replica counts and logs it)."""
         client = cast("InprocClient", self.engine.engine_core)  # in-process: __init__ turned multiprocessing off
         sched = cast("Scheduler", client.engine_core.scheduler)  # vLLM's own scheduler: it has the KV manager
-        try:
-            return float(sched.kv_cache_manager.usage)
-        except Exception:
-            return 0.0
+        return float(sched.kv_cache_manager.usage)
 
     def num_blocks(self) -> int:
         return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)

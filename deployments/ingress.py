@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvmesh.deployments import local_state
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
+from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.openai_protocol import OpenAIError
 from kvmesh.deployments.router import active_routers, notify_first_token
 from kvmesh.deployments.serving_metrics import ServingMetrics
@@ -136,6 +137,7 @@ class Ingress:
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
         self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
         self.tenant_metrics = TenantMetrics()
+        self.failures = FailureCounters()
 
     # ------------------------------------------------------------------ helpers
     def _auth(self, request: Request) -> Tenant:
@@ -349,6 +351,7 @@ class Ingress:
         snap = await asyncio.to_thread(self._router_snapshot)
         text = self.serving_metrics.prometheus_text(local_state.LEDGER.snapshot(), snap)
         text += self.tenant_metrics.prometheus_text()
+        text += failure_metrics_text(self.failures, snap)  # migrations, forgotten replicas, stats errors
         text += await asyncio.to_thread(_tier_metrics_text)  # per-tier LMCache figures (kvstore/tier_metrics.py)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

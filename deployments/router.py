@@ -128,6 +128,7 @@ class KvmeshRouter(RequestRouter):
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
+        self.forgotten = 0  # replicas dropped from the index, subscribers and policies
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
@@ -184,6 +185,7 @@ class KvmeshRouter(RequestRouter):
             self.index.remove_replica(rid)
         for p in self._policies.values():
             p.on_replica_removed(rid)
+        self.forgotten += 1
         log.info("forgot replica %s", rid)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
@@ -388,6 +390,7 @@ class KvmeshRouter(RequestRouter):
             "decisions": self.decisions,
             "decision_s_total": self.decision_s,
             "fallbacks": self.fallbacks,
+            "forgotten": self.forgotten,
             "recent_decisions": list(self.recent),
             "inflight": len(self._inflight),
             "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self.curr_replicas.values()},
