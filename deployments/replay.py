@@ -97,6 +97,8 @@ class RequestResult:
     replica: str
     error: str | None = None
     start_s: float = 0.0  # when it was sent, seconds after the run started
+    output_text: str = ""  # the streamed text (greedy outputs of two runs can be compared)
+    request_id: str | None = None  # the server's id for it (`x-request-id`), e.g. for /kvmesh/explain
 
 
 # ------------------------------------------------------------------------------- prompt building
@@ -137,6 +139,8 @@ class PromptBuilder:
         return parts
 
     def prompt_len(self, rec: dict) -> int:
+        if "body" in rec:  # a logged OpenAI body: its length as the caller tokenised it, if known
+            return int(rec.get("prompt_tokens") or 0)
         return sum(scaled_block_lengths(rec, self.cfg.tokens_per_block, self.cfg.source_block_tokens))
 
 
@@ -163,15 +167,21 @@ def one_token_words(tokenizer) -> list[str]:
 async def _one_request(
     client, cfg: ReplayConfig, model: str, rec: dict, index: int, builder: PromptBuilder, run_t0: float
 ) -> RequestResult:
-    body = {
-        "model": model,
-        "prompt": builder.prompt(rec),
-        "max_tokens": min(cfg.max_tokens, scaled_output_length(rec, cfg.tokens_per_block, cfg.source_block_tokens)),
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **cfg.extra_body,
-    }
+    path = "/v1/completions"
+    if "body" in rec:  # a logged OpenAI request (`cluster/request_log.py`): sent as logged, streamed, greedy
+        path = rec.get("endpoint") or ("/v1/chat/completions" if "messages" in rec["body"] else path)
+        body = {"model": model, "temperature": 0.0, **rec["body"], **cfg.extra_body}
+        body.update(stream=True, stream_options={"include_usage": True})
+    else:
+        body = {
+            "model": model,
+            "prompt": builder.prompt(rec),
+            "max_tokens": min(cfg.max_tokens, scaled_output_length(rec, cfg.tokens_per_block, cfg.source_block_tokens)),
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **cfg.extra_body,
+        }
     user, tenant = rec.get("user"), rec.get("tenant")
     key = cfg.tenant_keys.get(tenant) if tenant is not None else None
     key = key or cfg.api_key
@@ -185,12 +195,15 @@ async def _one_request(
     usage = None
     replica = cfg.label or "unknown"
     out_chunks = 0
+    text: list[str] = []
+    request_id = None
     try:
-        async with client.stream("POST", cfg.url.rstrip("/") + "/v1/completions", json=body, headers=hdrs) as resp:
+        async with client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=hdrs) as resp:
             replica = resp.headers.get("x-kvmesh-replica", replica)
+            request_id = resp.headers.get("x-request-id")
             if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                raise _HttpError(f"HTTP {resp.status_code}: {_error_message(text)}")
+                err = (await resp.aread()).decode("utf-8", "replace")
+                raise _HttpError(f"HTTP {resp.status_code}: {_error_message(err)}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -202,6 +215,8 @@ async def _one_request(
                     raise _HttpError(f"stream error: {_error_message(data)}")
                 if chunk.get("choices"):
                     out_chunks += 1
+                    choice = chunk["choices"][0]
+                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                 if chunk.get("usage"):
@@ -243,6 +258,8 @@ async def _one_request(
         replica,
         None,
         start,
+        "".join(text),
+        request_id,
     )
 
 

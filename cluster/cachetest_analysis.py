@@ -1,0 +1,177 @@
+"""`kvmesh cachetest` analysis: a logged request as the engine sees it, and the attribution of every uncached
+prompt token of every sent request to one reason (`cluster/miss_reasons.py`).
+
+The fleet's history is rebuilt from what the test itself sent, in time order: a request's blocks count as
+computed once its first token arrived (its prefill is done), so two concurrent requests with one prefix
+are both `cold`. When the endpoint is kvmesh, the router's record of the placement
+(`/kvmesh/explain/{request_id}`) splits the blocks computed before into `misrouted` (another replica or
+tier held them) and `evicted` (none did); against a peer that part is `unknown`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.cluster.miss_reasons import attribute, drift_kind, leading_held, text_units
+from kvmesh.cluster.prefix_share import TokenizedRequest, _lcp, hash_requests
+from kvmesh.cluster.request_log import LoggedRequest, prompt_text
+
+
+@dataclass
+class Prepared:
+    """A logged request with its token ids, hashes and message units (for drift)."""
+
+    req: LoggedRequest
+    tok: TokenizedRequest
+    units: list = field(default_factory=list)  # [(unit key, token end)]
+    origin: Prepared | None = None  # the logged prompt this one was derived from (the partial pass)
+
+
+def prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: str = "sha256") -> list[Prepared]:
+    """Tokenise every request as kvmesh's ingress does (chat template, no extra special tokens), hash it."""
+    out = []
+    for i, r in enumerate(reqs):
+        text = prompt_text(r, tokenizer)
+        if text is None:
+            ids = list(r.body["prompt"])
+            units: list = []
+        else:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            if r.is_chat:
+                contents = [(m["role"], _content(m["content"])) for m in r.body["messages"]]
+            else:
+                contents = [("prompt", line) for line in text.split("\n") if line.strip()]
+            units = text_units(text, contents, enc["offset_mapping"])
+        out.append(Prepared(r, TokenizedRequest(i, r.id, r.tenant, r.model, ids), units))
+    hash_requests([p.tok for p in out], block_size, algo)
+    return out
+
+
+def _content(content) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+@dataclass
+class Sent:
+    """One request as a pass sent it and the server answered."""
+
+    prepared: Prepared
+    pass_name: str
+    start_s: float  # on one clock for the whole test
+    ready_s: float | None  # when its prefill was done (first token), None if it failed
+    prompt_tokens: int
+    cached_tokens: int | None
+    replica: str
+    error: str | None = None
+    explain: dict | None = None  # the router's record (kvmesh), else None
+
+
+class MissAnalyzer:
+    """Walks sent requests in send order, keeping what the fleet has computed, and attributes misses."""
+
+    def __init__(self, block_size: int, decode=None):
+        self.block_size = block_size
+        self.decode = decode  # token ids -> text, for the drift examples
+        self.salted: dict[tuple, set[int]] = {}  # (tenant, model) -> blocks computed
+        self.unsalted: dict[str | None, set[int]] = {}  # tenant -> blocks computed (no salt)
+        self.units: dict[str | None, dict[tuple, Prepared]] = {}  # tenant -> unit-key prefix -> first prompt
+        self.drifts: list[dict] = []
+
+    def run(self, sent: Sequence[Sent]) -> list[dict[str, int]]:
+        """Reasons per sent request (in the order given); every request's values sum to its uncached tokens."""
+        order = sorted(range(len(sent)), key=lambda i: sent[i].start_s)
+        ready = sorted((s.ready_s, i) for i, s in enumerate(sent) if s.ready_s is not None and s.error is None)
+        out: list[dict[str, int]] = [{} for _ in sent]
+        k = 0
+        for i in order:
+            s = sent[i]
+            while k < len(ready) and ready[k][0] <= s.start_s:
+                self._computed(sent[ready[k][1]].prepared)
+                k += 1
+            if s.error is None and s.cached_tokens is not None:
+                out[i] = self.attribute(s)
+        return out
+
+    def _computed(self, p: Prepared) -> None:
+        t = p.tok
+        self.salted.setdefault((t.tenant, t.model), set()).update(t.salted)
+        self.unsalted.setdefault(t.tenant, set()).update(t.unsalted)
+        chains = self.units.setdefault(t.tenant, {})
+        for j in range(1, len(p.units) + 1):
+            chains.setdefault(tuple(u[0] for u in p.units[:j]), p)
+
+    def attribute(self, s: Sent) -> dict[str, int]:
+        t, B = s.prepared.tok, self.block_size
+        n = s.prompt_tokens
+        seen = leading_held(t.salted, self.salted.get((t.tenant, t.model), ()))
+        isolated = max(
+            (leading_held(t.unsalted, held) for ten, held in self.unsalted.items() if ten != t.tenant), default=0
+        )
+        adapter = max(
+            (
+                leading_held(t.salted, held)
+                for (ten, model), held in self.salted.items()
+                if ten == t.tenant and model != t.model
+            ),
+            default=0,
+        )
+        drift_end, twin = self._drift(s.prepared)
+        partial_end = 0
+        for other in (twin, s.prepared.origin):
+            if other is not None:
+                partial_end = max(partial_end, _lcp(t.ids, other.tok.ids))
+        elsewhere = None
+        if s.explain is not None:
+            elsewhere = int(s.explain.get("elsewhere_blocks", 0))
+        reasons = attribute(
+            n,
+            s.cached_tokens or 0,
+            B,
+            seen_blocks=seen,
+            isolated_blocks=isolated,
+            adapter_blocks=adapter,
+            drift_end=drift_end,
+            partial_end=partial_end,
+            elsewhere_blocks=elsewhere,
+        )
+        if reasons.get("drift") and twin is not None:
+            self._record_drift(s, twin, partial_end, reasons["drift"])
+        return reasons
+
+    def _drift(self, p: Prepared) -> tuple[int, Prepared | None]:
+        """(token end of the leading units whose text matches an earlier prompt's, that prompt)."""
+        chains = self.units.get(p.tok.tenant)
+        if not chains or not p.units:
+            return 0, None
+        end, twin = 0, None
+        for j in range(1, len(p.units) + 1):
+            other = chains.get(tuple(u[0] for u in p.units[:j]))
+            if other is None:
+                break
+            end, twin = p.units[j - 1][1], other
+        return end, twin
+
+    def _record_drift(self, s: Sent, twin: Prepared, at: int, tokens: int) -> None:
+        a, b = s.prepared.tok.ids, twin.tok.ids
+        span_a = span_b = ""
+        if self.decode is not None:
+            span_a = self.decode(a[max(0, at - 12) : at + 12])
+            span_b = self.decode(b[max(0, at - 12) : at + 12])
+        self.drifts.append(
+            {
+                "id": s.prepared.req.id,
+                "pass": s.pass_name,
+                "tenant": s.prepared.tok.tenant,
+                "matches": twin.req.id,
+                "drift_tokens": tokens,
+                "first_differing_token": at,
+                "token_ids": [a[at] if at < len(a) else None, b[at] if at < len(b) else None],
+                "text": span_a,
+                "earlier_text": span_b,
+                "kind": drift_kind(span_a, span_b) if self.decode is not None else "unknown",
+            }
+        )

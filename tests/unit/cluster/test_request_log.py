@@ -1,0 +1,79 @@
+"""The request log reader: endpoint inference, one-line errors naming the line, the bundled example."""
+
+import json
+
+import pytest
+
+from kvmesh.cluster.app_log import example_log
+from kvmesh.cluster.request_log import CHAT, COMPLETIONS, RequestLogError, read_request_log
+
+
+def _write(tmp_path, lines):
+    p = tmp_path / "log.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_only_body_is_required_and_the_endpoint_is_inferred(tmp_path):
+    p = _write(
+        tmp_path,
+        [
+            json.dumps({"body": {"messages": [{"role": "user", "content": "hi"}]}}),
+            json.dumps({"body": {"prompt": "hello"}, "tenant": "t1", "interaction": "x", "timestamp": 2}),
+        ],
+    )
+    a, b = read_request_log(p)
+    assert (a.id, a.endpoint, a.tenant, a.interaction) == ("line-1", CHAT, None, "line-1")
+    assert (b.endpoint, b.tenant, b.interaction, b.timestamp) == (COMPLETIONS, "t1", "x", 2.0)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not JSON"),
+        (json.dumps({"id": "a"}), "line 2: 'body' must be"),
+        (json.dumps({"body": {"prompt": "x"}, "endpoint": "/v1/embeddings"}), "line 2: unknown endpoint"),
+        (json.dumps({"body": {"prompt": "x"}, "endpoint": CHAT}), "line 2: endpoint /v1/chat/completions needs"),
+        (json.dumps({"body": {"input": "x"}}), "line 2: body has neither"),
+        (json.dumps({"body": {"prompt": [1, "a"]}}), "line 2: 'prompt' must be"),
+        (json.dumps({"body": {"messages": [{"role": "user"}]}}), "line 2: messages[0] needs"),
+        (json.dumps({"body": {"prompt": "x"}, "timestamp": "now"}), "line 2: 'timestamp'"),
+        (json.dumps({"id": "line-1", "body": {"prompt": "x"}}), "line 2: id 'line-1' already used on line 1"),
+    ],
+)
+def test_bad_lines_name_the_file_and_line(tmp_path, line, message):
+    p = _write(tmp_path, [json.dumps({"body": {"prompt": "ok"}}), line])
+    with pytest.raises(RequestLogError) as err:
+        read_request_log(p)
+    assert message in str(err.value) and str(p) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unreadable_line_is_named(tmp_path):
+    p = tmp_path / "log.jsonl"
+    p.write_bytes(b'{"body": {"prompt": "ok"}}\n\xff\xfe\n')
+    with pytest.raises(RequestLogError, match="line 2: not UTF-8"):
+        read_request_log(p)
+
+
+def test_missing_and_empty_files_are_errors(tmp_path):
+    with pytest.raises(RequestLogError, match="cannot open"):
+        read_request_log(tmp_path / "nope.jsonl")
+    with pytest.raises(RequestLogError, match="no requests"):
+        read_request_log(_write(tmp_path, [""]))
+
+
+def test_the_bundled_example_log_is_the_generator_output_and_has_the_promised_shapes():
+    from pathlib import Path
+
+    import kvmesh.cluster as cluster_pkg
+
+    bundled = Path(next(iter(cluster_pkg.__path__))) / "traces" / "app_log.jsonl"
+    reqs = read_request_log(bundled)
+    assert [json.loads(line) for line in bundled.read_text().splitlines()] == json.loads(
+        json.dumps(example_log(), sort_keys=True)
+    )
+    assert len({r.tenant for r in reqs}) >= 3
+    assert {r.extra["variant"] for r in reqs} >= {"plain", "template", "whitespace", "tool_order"}
+    assert any(r.endpoint == COMPLETIONS for r in reqs) and any(len(r.body.get("messages", [])) >= 4 for r in reqs)
+    assert any("Tools" in r.body["messages"][0]["content"] for r in reqs if r.is_chat)
