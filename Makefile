@@ -52,9 +52,11 @@ typecheck: setup
 test: setup services lint
 	$(PY) -m pytest -q
 
-# The quick loop: no lint (`make lint` separately; mypy's first run, cache empty, takes over a minute).
+# The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
+# first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real
+# services, in one process, since its tests share one live app (`make test`).
 test-unit: setup
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -n 2 tests/unit
 
 demo: setup services
 	$(VENV)/bin/kvmesh demo

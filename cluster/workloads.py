@@ -201,7 +201,7 @@ def engine_trace(
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
     bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
     them apart live), lengths scaled like the replay client's prompts. Lets a policy change be checked
-    on the live benchmarks' workloads in seconds (tests/test_peers_bench.py)."""
+    on the live benchmarks' workloads in seconds (tests/unit/benchmarks/test_peers.py)."""
     block_size = block_size or tokens_per_block
     ids: dict[tuple, int] = {}
     out = []

@@ -8,12 +8,16 @@ machine; every live test reuses it (tests that need a cold cache use fresh promp
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvmesh.deployments.config import INPROC_ENGINE_ENV as TEST_ENV
+
+# Test support modules (tests/support/) import by bare name from tests at any depth.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 for _k, _v in TEST_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -71,7 +75,7 @@ def live_app(tiny_model_dir):
         "replicas": 2,
         "policy": "kvmesh",
         "port": free_port(),
-        # tenant "default" = LIVE_API_KEY (no limits) plus the multi-tenant cases of tests/tenant_app.py
+        # tenant "default" = LIVE_API_KEY (no limits) plus the multi-tenant cases of tests/support/tenant_app.py
         "tenants_file": str(write_live_tenants(_ROOT / "tenants.yaml", LIVE_API_KEY)),
         "routing_stats_period_s": 0.5,
         # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
@@ -86,3 +90,12 @@ def live_app(tiny_model_dir):
         yield LiveApp(url, LIVE_API_KEY, config)
     finally:
         stop_local()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration/ is an integration test, marked or not, so `-m` selections agree
+    with the folders."""
+    integration = Path(__file__).parent / "integration"
+    for item in items:
+        if integration in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)

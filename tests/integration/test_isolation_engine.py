@@ -32,6 +32,8 @@ from isolation_support import (
 
 from kvmesh.deployments.tenants import TenantRegistry, hash_api_key
 
+pytestmark = pytest.mark.integration
+
 SECRET = b"isolation-test-secret-0123456789"
 TENANTS = {  # id -> sharing group
     "t0": None,
@@ -62,22 +64,6 @@ SALTS = {tid: t.salt for tid, t in REGISTRY.tenants.items()}
 # --- pure helpers (no engine) -----------------------------------------------------------------------
 
 
-def test_mann_whitney_u_helper():
-    same = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-    assert mann_whitney_u(same, list(same))[1] == pytest.approx(1.0)
-    low, high = [i / 100 for i in range(20)], [1 + i / 100 for i in range(20)]
-    assert mann_whitney_u(low, high)[0] == 0 and mann_whitney_u(low, high)[1] < 1e-6
-    assert mann_whitney_u(low, high, "less")[1] < 1e-6
-    assert mann_whitney_u(high, low, "less")[1] > 0.999
-    # textbook value: x=1..3 vs 4..6, normal approximation z=-1.964 -> two-sided p=0.0495
-    assert mann_whitney_u([1, 2, 3], [4, 5, 6])[1] == pytest.approx(0.0495, abs=1e-3)
-
-
-def test_registry_salts_for_the_isolation_cases():
-    assert SALTS["docs-a"] == SALTS["docs-b"]
-    assert len({SALTS[t] for t in ("t0", "t1", "t2", "t3", "docs-a")}) == 5
-
-
 # --- real engine ------------------------------------------------------------------------------------
 
 
@@ -101,7 +87,6 @@ def fresh_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return head + [rng.randrange(10, vocab) for _ in range(length - len(head))]
 
 
-@pytest.mark.integration
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
@@ -134,7 +119,6 @@ def test_cross_tenant_isolation_property(engine, a, b, length, seed, shared):
     assert engine.run(prompt, SALTS[a])[0] == full_blocks_cached(length)
 
 
-@pytest.mark.integration
 def test_unsalted_and_salted_never_share(engine):
     """The ingress always salts; even so, an unsalted request (another client of the same engine)
     must not see a tenant's blocks, nor the reverse."""
@@ -147,7 +131,6 @@ def test_unsalted_and_salted_never_share(engine):
     assert engine.run(p2, None)[0] == full_blocks_cached(300)
 
 
-@pytest.mark.integration
 def test_cross_tenant_timing_probe_is_indistinguishable_from_cold(engine):
     rng = random.Random(11)
     length, rounds, warmup = 1900, 20, 2

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from paths import FIXTURES
 
 from kvmesh.deployments.cli import main
 from kvmesh.policies.registry import POLICY_NAMES
@@ -176,7 +177,7 @@ def test_single_request_trace_has_no_load_and_strict_json(tmp_path, capsys):
     assert "load=n/a" in capsys.readouterr().out
 
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "pileup-repro.jsonl")
+FIXTURE = str(FIXTURES / "pileup-repro.jsonl")
 
 
 def test_live_block_size_and_closed_loop_sending(tmp_path):

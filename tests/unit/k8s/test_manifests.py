@@ -8,14 +8,14 @@ from __future__ import annotations
 import copy
 import json
 import typing
-from pathlib import Path
 
 import jsonschema
 import pydantic
 import pytest
 import yaml
+from paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 K8S = ROOT / "k8s"
 SCHEMA = ROOT / "tests" / "fixtures" / "kuberay" / "rayservice-v1.openapi.json"
 

@@ -8,9 +8,10 @@ server and the router without pulling in processes, Ray actors or each other."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-KVSTORE = Path(__file__).resolve().parents[1] / "kvstore"
+from paths import REPO_ROOT
+
+KVSTORE = REPO_ROOT / "kvstore"
 PACKAGE = "kvmesh.kvstore"
 
 

@@ -47,7 +47,7 @@ def cached(r) -> int:
 def test_second_request_sharing_a_prefix_goes_to_the_holder_and_hits(live_app):
     # Where a *cold* prefix lands depends on the prefill work earlier tests routed in this shared
     # session app (the policy evens out cumulative work), so only stickiness and exact hits are asserted
-    # here; spreading is asserted on the policy itself (tests/test_policies.py) and measured live by
+    # here; spreading is asserted on the policy itself (tests/unit/policies/test_policies.py) and measured live by
     # benchmarks (bench_live, bench peers: prefill tokens per replica max/mean).
     with live_app.client() as c:
         for _ in range(3):

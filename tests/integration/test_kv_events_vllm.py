@@ -30,6 +30,8 @@ from kvmesh.cluster.kv_events import (
 kv = pytest.importorskip("vllm.distributed.kv_events", reason="vllm is a test dependency")
 import msgspec  # noqa: E402  (after the importorskip: vLLM brings msgspec)
 
+pytestmark = pytest.mark.integration  # the decoder is checked against vLLM's own event classes and publisher
+
 _enc = msgspec.msgpack.Encoder()
 
 

@@ -7,9 +7,9 @@ import importlib
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import REPO_ROOT
 
 from kvmesh.deployments.cli import args, main
 
@@ -32,7 +32,7 @@ def test_no_subcommand_is_an_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 LIBRARY = ("cluster", "kvstore", "policies", "benchmarks", "deployments")
 
 

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from paths import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def test_kvmesh_serve_prints_url_and_key_serves_and_stops_on_sigterm(tmp_path, t
     out = open(tmp_path / "serve.out", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--replicas", "1", "--port", "0", "--num-cpus", "2"],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=REPO_ROOT,
         env=env,
         stdout=out,
         stderr=subprocess.STDOUT,

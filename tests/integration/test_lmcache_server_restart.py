@@ -4,7 +4,7 @@ Why: LMCache's connector re-registers its KV caches with a restarted server only
 heartbeat PINGs went unanswered, and the new server answers PING for workers it does not know. A
 restart faster than two heartbeats left engines sending stores to a server that never heard of them,
 each waiting out the message-queue timeout (CI: `engine worker silent for 120 s`). The real-server
-version of this is tests/test_tiers_lmcache.py::test_shared_tier_loss_then_return; here a stand-in
+version of this is tests/integration/test_tiers_lmcache.py::test_shared_tier_loss_then_return; here a stand-in
 process (our own `LMCacheServer.command` hook) measures the dark period itself in a second.
 """
 

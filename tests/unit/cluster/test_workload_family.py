@@ -4,9 +4,9 @@ ranges, records keep the Mooncake rules and fit the live context; the tune and e
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
+from paths import REPO_ROOT
 
 from kvmesh.cluster.trace import check_record
 from kvmesh.cluster.workload_family import (
@@ -20,7 +20,7 @@ from kvmesh.cluster.workload_family import (
 )
 from kvmesh.cluster.workloads import check_parent_rule
 
-SEEDS_FILE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "robust_seeds.json")
+SEEDS_FILE = str(REPO_ROOT / "benchmarks" / "robust_seeds.json")
 
 
 def _seed_sets() -> dict:

@@ -1,4 +1,4 @@
-"""Run by tests/test_tiers_live.py in its own process (its own Ray, apart from the session's live app):
+"""Run by tests/integration/test_tiers_live.py in its own process (its own Ray, apart from the session's live app):
 the kvmesh app with LMCache on the engines' path, checked end to end. Prints one JSON line of findings.
 
     python tests/tiers_live_check.py WORKDIR

@@ -10,9 +10,10 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 FOLDER_NAMES = ("deployments", "kvstore", "policies", "cluster", "benchmarks")
 # a dotted module path (optionally `:attr`) in a string: `-m` targets, import_module, Serve import paths
 _FOLDER_PATH = re.compile(rf"^({'|'.join(FOLDER_NAMES)})(\.[a-z_]+)+(:\w+)?$")

@@ -12,6 +12,7 @@ import logging
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import REPO_ROOT
 
 from kvmesh.deployments.admission import Admission, PromptTooLarge, RateLimited, TokenBucket
 from kvmesh.deployments.tenant_metrics import TenantMetrics
@@ -271,9 +272,8 @@ def test_from_file_yaml_toml_json_agree(tmp_path):
 
 
 def test_example_config_loads():
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "deployments" / "tenants.example.yaml"
+    example = REPO_ROOT / "deployments" / "tenants.example.yaml"
     reg = TenantRegistry.from_file(example, secret=SECRET)
     assert len(reg.tenants) >= 3
     groups = [t.group for t in reg.tenants.values() if t.group]
@@ -585,11 +585,10 @@ def test_metrics_token_rate_matches_definition(reqs):
 
 def test_k8s_tenants_secret_matches_rayservice_and_loads():
     """The example Secret is what the RayService mounts (name, key, path) and a valid tenants file."""
-    from pathlib import Path
 
     import yaml
 
-    k8s = Path(__file__).resolve().parents[1] / "k8s"
+    k8s = REPO_ROOT / "k8s"
     secret = yaml.safe_load((k8s / "tenants-secret.example.yaml").read_text())
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "kvmesh-tenants"
     docs = [d for d in yaml.safe_load_all((k8s / "rayservice.yaml").read_text()) if d and d.get("kind") == "RayService"]

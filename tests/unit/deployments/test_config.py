@@ -1,0 +1,108 @@
+"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
+ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvmesh.deployments.config import ConfigError, app_config, engine_config
+
+# ---------------------------------------------------------------------------- request validation
+
+
+# ---------------------------------------------------------------------------- config
+def test_config_defaults_and_strict_keys():
+    cfg = app_config({"replicas": 3, "engine": {"block_size": 64}})
+    assert cfg["replicas"] == 3 and cfg["engine"]["block_size"] == 64 and cfg["policy"] == "kvmesh"
+    with pytest.raises(ConfigError, match="unknown key"):
+        app_config({"replica": 2})
+    with pytest.raises(ConfigError, match="unknown key"):
+        engine_config({"blocksize": 32})
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        engine_config({"block_size": 16})
+    assert engine_config({"block_size": 16, "num_gpus": 1})["block_size"] == 16  # GPUs take any size
+    with pytest.raises(ConfigError, match="whole number"):
+        engine_config({"kv_cache_space_gb": 0.5})
+    with pytest.raises(ConfigError, match="hash_algo"):
+        engine_config({"hash_algo": "md5"})
+    with pytest.raises(ConfigError):
+        app_config({"api_keys": "k"})
+    assert cfg["proxy"] == "haproxy" and app_config({"proxy": "serve"})["proxy"] == "serve"
+    with pytest.raises(ConfigError, match="proxy"):
+        app_config({"proxy": "nginx"})
+
+
+def test_each_local_haproxy_run_gets_its_own_files_and_ports():
+    """Serve's HAProxy defaults are per machine (/tmp/haproxy-serve, stats 8404, metrics 9101): two
+    local clusters (the test app and a `kvmesh serve` subprocess) failed to start side by side."""
+    import shutil
+
+    from kvmesh.deployments.app import _proxy_env
+
+    a, b = _proxy_env("haproxy"), _proxy_env("haproxy")
+    assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_STATS_PORT"):
+        assert a[k] != b[k]
+    assert Path(a["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.is_dir()
+    assert _proxy_env("serve") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    for env in (a, b):
+        shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+
+
+def test_serve_config_file_round_trip(tmp_path):
+    from kvmesh.deployments.config import load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("replicas: 4\npolicy: round_robin\nengine: {block_size: 64, max_model_len: 1024}\n")
+    cfg = load_config(p)
+    assert (cfg["replicas"], cfg["policy"], cfg["engine"]["max_model_len"]) == (4, "round_robin", 1024)
+    p.write_text("- 1\n")
+    with pytest.raises(ConfigError):
+        load_config(p)
+
+
+# ---------------------------------------------------------------------------- prediction ledger
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+# ---------------------------------------------------------------------------- tiny model
+
+
+# ---------------------------------------------------------------------------- router with fake replicas
+
+
+def test_engine_args_carry_the_config(tiny_model_dir):
+    from kvmesh.deployments.engine_driver import build_engine_args
+
+    cfg = engine_config(
+        {"block_size": 64, "stream_interval": 4, "hash_algo": "sha256_cbor", "num_gpu_blocks_override": 100}
+    )
+    args = build_engine_args(
+        cfg,
+        str(tiny_model_dir),
+        {"endpoint": "tcp://*:5999", "topic": "kvmesh"},
+        {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"},
+    )
+    assert (args.block_size, args.stream_interval, args.prefix_caching_hash_algo) == (64, 4, "sha256_cbor")
+    assert args.enable_prefix_caching and args.num_gpu_blocks_override == 100
+    assert args.kv_events_config.enable_kv_cache_events and args.kv_events_config.endpoint == "tcp://*:5999"
+    assert args.kv_transfer_config.kv_connector == "LMCacheMPConnector"
+    with pytest.raises(ConfigError):
+        engine_config({"stream_interval": 0})
+
+
+def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_dir):
+    """vLLM's CPU "auto" would cast the float32 tiny model to bfloat16, whose AMX attention kernel dies
+    with SIGILL where the process is not granted AMX state; a dtype the operator sets is kept."""
+    from kvmesh.deployments.config import engine_dtype
+    from kvmesh.deployments.engine_driver import build_engine_args
+
+    args = build_engine_args(engine_config({}), str(tiny_model_dir), None, None)
+    assert args.dtype == "float32"
+    assert build_engine_args(engine_config({"dtype": "bfloat16"}), str(tiny_model_dir), None, None).dtype == "bfloat16"
+    assert engine_dtype("tiny", "auto") == "float32"
+    assert engine_dtype("/models/llama-8b", "auto") == "auto"

@@ -1,0 +1,38 @@
+"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
+ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+
+from __future__ import annotations
+
+from kvmesh.deployments.prediction import PredictionLedger
+
+# ---------------------------------------------------------------------------- request validation
+
+
+# ---------------------------------------------------------------------------- config
+
+
+# ---------------------------------------------------------------------------- prediction ledger
+def test_ledger_alarms_after_consecutive_mismatches_only():
+    led = PredictionLedger(alarm_after=3)
+    for i in range(2):
+        led.predict(f"a{i}", "r1", 0, 32)
+        assert led.deliver(f"a{i}", 192) == (0, True)
+    led.predict("ok", "r1", 64, 32)
+    assert led.deliver("ok", 64 + 31) == (64, False)  # within one block: agreement
+    assert not led.alarm and led.consecutive == 0
+    for i in range(3):
+        led.predict(f"b{i}", "r2", 0, 32)
+        led.deliver(f"b{i}", 96)
+    snap = led.snapshot()
+    assert snap["alarm"] and snap["alarms"] == 1 and snap["mismatches"] == 5 and snap["compared"] == 6
+    assert snap["per_replica"]["r2"] == [0, 288, 3]
+    assert led.deliver("unknown", 5) is None
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+# ---------------------------------------------------------------------------- tiny model
+
+
+# ---------------------------------------------------------------------------- router with fake replicas
