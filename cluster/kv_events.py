@@ -21,6 +21,10 @@ Bind or connect: vLLM's publisher BINDS when its endpoint has `*`, `::` or is ip
 CONNECTS for a concrete address. Deployments should let engines bind (`tcp://*:PORT`) and have
 every router connect to `tcp://ENGINE_IP:PORT` — a PUB fans out to any number of routers (one per
 ingress replica). `bind=True` supports the other direction (engine given `tcp://ROUTER_IP:PORT`).
+
+kvmesh's engines do not expose vLLM's publisher: `cluster/event_relay.py` republishes it without token
+ids over ZMQ CURVE, and a source added with `auth="curve"` connects with the deployment's channel keys
+(`cluster/secure_channel.py`), to the stream and to its replay endpoint alike.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ class SourceState:
     bind: bool = False
     topic: str = ""
     replay_endpoint: str | None = None
+    auth: str | None = None  # "curve": the engine's relay, reached with the deployment's channel keys
     last_seq: int | None = None
     batches: int = 0
     blocks: int = 0
@@ -212,8 +217,9 @@ class KVEventApplier:
 class KVEventSubscriber(KVEventApplier):
     """asyncio SUB sockets, one per engine replica, feeding a PrefixIndex in the same loop."""
 
-    def __init__(self, index, *, replay_timeout_s: float = 2.0, ctx=None):
+    def __init__(self, index, *, replay_timeout_s: float = 2.0, ctx=None, keys=None):
         super().__init__(index)
+        self._keys = keys  # ChannelKeys for auth="curve" sources; loaded from the environment when first needed
         import zmq.asyncio
 
         self._zmq = __import__("zmq")
@@ -223,13 +229,22 @@ class KVEventSubscriber(KVEventApplier):
         self.replay_timeout_s = replay_timeout_s
 
     async def add_source(
-        self, replica_id: str, endpoint: str, *, bind: bool = False, topic: str = "", replay_endpoint: str | None = None
+        self,
+        replica_id: str,
+        endpoint: str,
+        *,
+        bind: bool = False,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        auth: str | None = None,
     ) -> str:
         """Start receiving a replica's events; returns the endpoint actually bound/connected."""
         zmq = self._zmq
+        if auth not in (None, "curve"):
+            raise ValueError(f"unknown KV-event stream auth {auth!r}")
         if replica_id in self.sources:
             await self.remove_source(replica_id)
-        sock = self._ctx.socket(zmq.SUB)
+        sock = self._secure(self._ctx.socket(zmq.SUB), auth)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt_string(zmq.SUBSCRIBE, topic)
@@ -238,10 +253,19 @@ class KVEventSubscriber(KVEventApplier):
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             sock.connect(endpoint)
-        src = SourceState(replica_id, endpoint, bind, topic, replay_endpoint, _sock=sock)
+        src = SourceState(replica_id, endpoint, bind, topic, replay_endpoint, auth, _sock=sock)
         self.sources[replica_id] = src
         src._task = asyncio.get_running_loop().create_task(self._run(src), name=f"kv-events-{replica_id}")
         return endpoint
+
+    def _secure(self, sock, auth: str | None):
+        if auth == "curve":
+            from kvmesh.cluster.secure_channel import channel_keys, secure_client
+
+            if self._keys is None:
+                self._keys = channel_keys()
+            secure_client(sock, self._keys)
+        return sock
 
     async def remove_source(self, replica_id: str) -> None:
         src = self.sources.pop(replica_id, None)
@@ -301,7 +325,7 @@ class KVEventSubscriber(KVEventApplier):
         engine holds, never a phantom hit.
         """
         exp = self.expected(src)
-        fetched = await self._fetch_replay(src.replay_endpoint, exp) if src.replay_endpoint is not None else {}
+        fetched = await self._fetch_replay(src, exp) if src.replay_endpoint is not None else {}
         if all(s in fetched for s in range(exp, upto)):
             while self.expected(src) in fetched:
                 s = self.expected(src)
@@ -317,14 +341,14 @@ class KVEventSubscriber(KVEventApplier):
         if self.expected(src) < upto:
             src.last_seq = upto - 1
 
-    async def _fetch_replay(self, endpoint: str, start: int) -> dict[int, bytes]:
+    async def _fetch_replay(self, src: SourceState, start: int) -> dict[int, bytes]:
         """Ask the engine's ROUTER replay socket for every buffered batch with seq >= start."""
         zmq = self._zmq
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self._secure(self._ctx.socket(zmq.DEALER), src.auth)
         sock.setsockopt(zmq.LINGER, 0)
         fetched: dict[int, bytes] = {}
         try:
-            sock.connect(endpoint)
+            sock.connect(src.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while await sock.poll(int(self.replay_timeout_s * 1000)):
                 msg = await sock.recv_multipart()

@@ -1,0 +1,133 @@
+"""List every listening socket of a local `kvmesh serve` and its whole process tree (docs/security.md).
+
+Starts `kvmesh serve` (tiny model, LMCache host tier on) on a free port, waits until it answers, lists the
+TCP sockets in LISTEN state and the UDP sockets of the serve process and every descendant (psutil), then
+stops it with SIGINT. Rerun it after any change that opens or moves a socket:
+
+    .venv/bin/python -m kvmesh.benchmarks.socket_inventory [--json FILE]
+
+Exit status 1 when a socket is bound to a non-loopback address, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+LOOPBACK = ("127.", "::1")
+API_KEY = "kvm-socket-inventory-0123456789"
+SERVE_CONFIG = """\
+replicas: 2
+engine:
+  model: tiny
+  block_size: 32
+  max_model_len: 2048
+  num_gpu_blocks_override: 512
+  lmcache: {l1_size_gb: 0.2, l2: none, chunk_size: 256}
+"""
+
+
+def listening_sockets(root_pid: int) -> list[dict]:
+    """Listening TCP and bound UDP sockets of `root_pid` and all its descendants, one row per socket."""
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+
+    root = psutil.Process(root_pid)
+    rows = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = proc.name()
+            cmd = " ".join(proc.cmdline()[:3])[:80]
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            udp = c.type == 2  # socket.SOCK_DGRAM
+            if not udp and c.status != psutil.CONN_LISTEN:
+                continue
+            rows.append(
+                {
+                    "pid": proc.pid,
+                    "process": name,
+                    "cmdline": cmd,
+                    "proto": "udp" if udp else "tcp",
+                    "address": c.laddr.ip,
+                    "port": c.laddr.port,
+                    "loopback": c.laddr.ip.startswith(LOOPBACK),
+                }
+            )
+    return sorted(rows, key=lambda r: (r["process"], r["port"]))
+
+
+def _wait_serving(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until a completion comes back: then every engine and the LMCache server are up."""
+    body = json.dumps({"model": "tiny", "prompt": "socket inventory", "max_tokens": 1}).encode()
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvmesh serve exited with status {proc.returncode}")
+        try:
+            req = urllib.request.Request(f"{base}/v1/completions", data=body, headers=headers)
+            with urllib.request.urlopen(req, timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base} not serving after {timeout_s:.0f} s")
+
+
+def measure(timeout_s: float = 600) -> list[dict]:
+    from kvmesh.deployments.app import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvmesh-inventory-") as tmp:
+        cfg = Path(tmp) / "serve.yaml"
+        cfg.write_text(SERVE_CONFIG)
+        env = {**os.environ, "KVMESH_HOME": os.environ.get("KVMESH_HOME") or str(Path(tmp) / "home")}
+        cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--port", str(port)]
+        cmd += ["--api-key", API_KEY]
+        log = open(Path(tmp) / "serve.log", "wb")  # noqa: SIM115 (closed below, after the process)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                _wait_serving(f"http://127.0.0.1:{port}", proc, timeout_s)
+            except Exception:
+                sys.stderr.write((Path(tmp) / "serve.log").read_text(errors="replace")[-3000:])
+                raise
+            time.sleep(2.0)
+            return listening_sockets(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = measure()
+    for r in rows:
+        print(f"{r['proto']:3} {r['address']:>15}:{r['port']:<5} {r['process']:<24} pid {r['pid']:<7} {r['cmdline']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    exposed = [r for r in rows if not r["loopback"]]
+    print(f"{len(rows)} sockets, {len(exposed)} on a non-loopback address")
+    return 1 if exposed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
