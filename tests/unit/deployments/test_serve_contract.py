@@ -1,0 +1,48 @@
+"""The start-up check of what kvmesh's router needs from Ray Serve: clean on the pinned Ray, and a clear
+failure naming the difference when Ray differs (a version outside the range, a changed PendingRequest)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import ray
+import ray.serve.request_router as public
+
+from kvmesh.deployments.serve_contract import ServeContractError, check_serve_contract, contract_problems
+
+
+def test_the_installed_ray_fits():
+    assert contract_problems() == []
+    check_serve_contract()
+
+
+def test_a_ray_outside_the_supported_range_fails_the_deploy(monkeypatch):
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    with pytest.raises(ServeContractError, match=r"ray 2\.61\.0 is outside the supported range >=2\.60,<2\.61"):
+        check_serve_contract()
+
+
+def test_a_pending_request_without_its_future_is_named(monkeypatch):
+    @dataclasses.dataclass
+    class NoFuture:
+        args: list
+        metadata: object
+
+        def reset_future(self):
+            pass
+
+    monkeypatch.setattr(public, "PendingRequest", NoFuture)
+    assert contract_problems() == ["PendingRequest has no field 'future'"]
+
+
+def test_a_reset_that_keeps_the_old_future_is_named(monkeypatch):
+    real = public.PendingRequest
+
+    @dataclasses.dataclass
+    class StickyFuture(real):  # type: ignore[valid-type,misc]
+        def reset_future(self):
+            pass
+
+    monkeypatch.setattr(public, "PendingRequest", StickyFuture)
+    assert contract_problems() == ["PendingRequest.reset_future does not give the request a new future"]
