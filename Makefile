@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-# Debian services the tests need (Redis for the shared KV tier); the tests start and stop them.
+# Debian services the tests need (Redis for the shared KV tier, Chromium for the cachetest report page);
+# the tests start and stop them.
 services:
 	@command -v redis-server >/dev/null || { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || { echo "could not install redis-server"; exit 1; }; }
+	@command -v chromium >/dev/null || { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || { echo "could not install chromium"; exit 1; }; }
 
 # Lint, format check and types (pyproject.toml [tool.ruff], [tool.mypy]), run by `make test` before the
 # tests. The library packages are typed as kvmesh.*: mypy cannot follow the editable install's import hook,

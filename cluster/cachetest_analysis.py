@@ -119,7 +119,7 @@ class MissAnalyzer:
             ),
             default=0,
         )
-        drift_end, twin = self._drift(s.prepared)
+        drift_end, twin, twin_end = self._drift(s.prepared)
         partial_end = 0
         for other in (twin, s.prepared.origin):
             if other is not None:
@@ -139,28 +139,31 @@ class MissAnalyzer:
             elsewhere_blocks=elsewhere,
         )
         if reasons.get("drift") and twin is not None:
-            self._record_drift(s, twin, partial_end, reasons["drift"])
+            self._record_drift(s, twin, partial_end, reasons["drift"], drift_end, twin_end)
         return reasons
 
-    def _drift(self, p: Prepared) -> tuple[int, Prepared | None]:
-        """(token end of the leading units whose text matches an earlier prompt's, that prompt)."""
+    def _drift(self, p: Prepared) -> tuple[int, Prepared | None, int]:
+        """(token end of the leading units whose text matches an earlier prompt's, that prompt, and the
+        token end of the same units in it)."""
         chains = self.units.get(p.tok.tenant)
         if not chains or not p.units:
-            return 0, None
-        end, twin = 0, None
+            return 0, None, 0
+        end, twin, twin_end = 0, None, 0
         for j in range(1, len(p.units) + 1):
             other = chains.get(tuple(u[0] for u in p.units[:j]))
-            if other is None:
+            if other is None or len(other.units) < j:
                 break
-            end, twin = p.units[j - 1][1], other
-        return end, twin
+            end, twin, twin_end = p.units[j - 1][1], other, other.units[j - 1][1]
+        return end, twin, twin_end
 
-    def _record_drift(self, s: Sent, twin: Prepared, at: int, tokens: int) -> None:
+    def _record_drift(self, s: Sent, twin: Prepared, at: int, tokens: int, end: int, twin_end: int) -> None:
         a, b = s.prepared.tok.ids, twin.tok.ids
         span_a = span_b = ""
+        kind = "unknown"
         if self.decode is not None:
             span_a = self.decode(a[max(0, at - 12) : at + 12])
             span_b = self.decode(b[max(0, at - 12) : at + 12])
+            kind = drift_kind(self.decode(a[at:end]), self.decode(b[at:twin_end]))
         self.drifts.append(
             {
                 "id": s.prepared.req.id,
@@ -172,6 +175,6 @@ class MissAnalyzer:
                 "token_ids": [a[at] if at < len(a) else None, b[at] if at < len(b) else None],
                 "text": span_a,
                 "earlier_text": span_b,
-                "kind": drift_kind(span_a, span_b) if self.decode is not None else "unknown",
+                "kind": kind,
             }
         )

@@ -32,6 +32,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
+from kvmesh.deployments.miss_attribution import ATTRIBUTION
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -343,6 +344,7 @@ class KvmeshRouter(RequestRouter):
         )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = cached_tokens(shared, info.num_tokens, info.block_size)
+        ATTRIBUTION.placed(info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views)
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal

@@ -19,6 +19,7 @@ COMMANDS = {
     "replay": "replay a trace against a live OpenAI-compatible endpoint",
     "demo": "the embedded default: build, serve, replay kvmesh vs round robin",
     "bench": "side-by-side benchmarks (e.g. `kvmesh bench peers`)",
+    "cachetest": "cold/warm/partial cache test of a request log, miss attribution, HTML report",
 }
 
 

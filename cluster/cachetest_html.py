@@ -1,0 +1,333 @@
+"""`kvmesh cachetest`'s output folder: report.json, PNG plots and one self-contained report.html (CSS, JS and
+images inline, nothing fetched), from the document `cluster/cachetest_report.build_report` returns.
+
+Sections of the page, in order: the summary (hit rate, cost and TTFT change against no caching and
+against round robin where run), cold vs warm, the sweeps, the tier breakdown, miss reasons as stacked
+bars, per-tenant and per-replica tables, the top drifted prompts with their diff.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+
+from kvmesh.cluster.miss_reasons import REASONS
+
+_COLORS = {
+    "cold": "#8da0cb",
+    "evicted": "#e78ac3",
+    "misrouted": "#fc8d62",
+    "isolated": "#66c2a5",
+    "partial_block": "#a6d854",
+    "drift": "#ffd92f",
+    "adapter": "#e5c494",
+    "unknown": "#b3b3b3",
+}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_all(report: dict, out: Path) -> dict[str, Path]:
+    """Write the PNGs; name -> path."""
+    plt = _plt()
+    passes = report["passes"]
+    names = list(passes)
+    paths: dict[str, Path] = {}
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    axes[0].bar(names, [100 * passes[n]["hit_rate_tokens"] for n in names], color="#4c72b0")
+    axes[0].set_ylabel("hit rate, % of prompt tokens")
+    axes[1].bar(names, [1000 * (passes[n]["ttft_p50_s"] or 0) for n in names], color="#55a868", label="p50")
+    axes[1].plot(names, [1000 * (passes[n]["ttft_p90_s"] or 0) for n in names], "ko", label="p90")
+    axes[1].set_ylabel("TTFT, ms")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    paths["passes"] = out / "passes.png"
+    fig.savefig(paths["passes"], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    bottom = [0.0] * len(names)
+    for reason in REASONS:
+        vals = [float(passes[n]["miss_tokens"].get(reason, 0)) for n in names]
+        if any(vals):
+            ax.bar(names, vals, bottom=bottom, color=_COLORS[reason], label=reason)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("uncached prompt tokens")
+    ax.legend(fontsize=8, ncol=4)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    paths["miss_reasons"] = out / "miss_reasons.png"
+    fig.savefig(paths["miss_reasons"], dpi=90)
+    plt.close(fig)
+
+    sweep = sorted(((p["concurrency"], n) for n, p in passes.items() if n == "warm" or n.startswith("warm_c")))
+    if len(sweep) > 1:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        xs = [c for c, _ in sweep]
+        ax.plot(xs, [1000 * (passes[n]["ttft_p50_s"] or 0) for _, n in sweep], "o-", label="TTFT p50, ms")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [100 * passes[n]["hit_rate_tokens"] for _, n in sweep], "s--", color="#c44e52")
+        ax2.set_ylabel("hit rate, %")
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel("TTFT p50, ms")
+        fig.tight_layout()
+        paths["sweep"] = out / "sweep.png"
+        fig.savefig(paths["sweep"], dpi=90)
+        plt.close(fig)
+    return paths
+
+
+def _fmt(v, kind: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if kind == "pct":
+        return f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1000 * v:.1f} ms"
+    if kind == "usd":
+        return f"${v:.6f}"
+    if kind == "rel":
+        return f"{100 * v:+.1f}%"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return html.escape(f"{v:,}" if isinstance(v, int) else str(v))
+
+
+def _table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="sortable {cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _img(path: Path | None, alt: str) -> str:
+    if path is None:
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _miss_cells(miss: dict) -> list[str]:
+    return [_fmt(miss.get(r, 0)) for r in REASONS]
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
+.cards{display:flex;flex-wrap:wrap;gap:1em}
+.card{border:1px solid #ddd;border-radius:6px;padding:.6em 1em;min-width:11em}
+.card b{display:block;font-size:1.5em}.warn{background:#fff3cd;padding:.5em 1em;border-radius:6px}
+table{border-collapse:collapse;margin:.5em 0;font-size:.85em}
+td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+th{background:#f4f4f4;cursor:pointer}td:first-child,th:first-child{text-align:left}
+pre{background:#f7f7f7;padding:.5em;white-space:pre-wrap;font-size:.85em}mark{background:#ffd92f}
+img{max-width:100%}
+"""
+
+_JS = """
+document.querySelectorAll('table.sortable th').forEach(function (th, i) {
+  th.addEventListener('click', function () {
+    var tbody = th.closest('table').querySelector('tbody');
+    var rows = Array.prototype.slice.call(tbody.rows);
+    var num = function (r) { return parseFloat(r.cells[i].textContent.replace(/[^0-9.+-]/g, '')); };
+    var desc = th.dataset.desc !== '1'; th.dataset.desc = desc ? '1' : '0';
+    rows.sort(function (a, b) {
+      var x = num(a), y = num(b);
+      if (isNaN(x) || isNaN(y)) { x = a.cells[i].textContent; y = b.cells[i].textContent; }
+      return (x < y ? -1 : x > y ? 1 : 0) * (desc ? -1 : 1);
+    });
+    rows.forEach(function (r) { tbody.appendChild(r); });
+  });
+});
+document.getElementById('loaded').textContent = 'interactive: click a column header to sort';
+"""
+
+
+def _diff_html(d: dict) -> str:
+    return (
+        f"<p><b>{html.escape(str(d['id']))}</b> ({html.escape(str(d['pass']))}, tenant "
+        f"{html.escape(str(d['tenant']))}): {d['drift_tokens']} tokens drifted from "
+        f"<b>{html.escape(str(d['matches']))}</b>, kind <b>{html.escape(d['kind'])}</b>; first differing token "
+        f"#{d['first_differing_token']} (ids {html.escape(str(d['token_ids']))})</p>"
+        f"<pre>this:    {html.escape(repr(d['text']))}\nearlier: {html.escape(repr(d['earlier_text']))}</pre>"
+    )
+
+
+def render_html(report: dict, plots: dict[str, Path]) -> str:
+    s = report.get("summary") or {}
+    passes = report["passes"]
+    meta = report.get("meta", {})
+    off = report.get("offline", {})
+    cards = [
+        ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct")),
+        ("hit-rate-requests", "hit rate (requests)", _fmt(s.get("hit_rate_requests"), "pct")),
+        ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel")),
+        ("ttft-change", "TTFT p50 vs cold", _fmt(s.get("ttft_change_vs_cold"), "rel")),
+        ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd")),
+        ("offline-bound", "infinite-cache bound", _fmt(s.get("offline_infinite_hit_rate"), "pct")),
+    ]
+    if "cost_change_vs_round_robin" in s:
+        cards.append(("cost-vs-rr", "input cost vs round robin", _fmt(s["cost_change_vs_round_robin"], "rel")))
+        cards.append(("ttft-vs-rr", "TTFT p50 vs round robin", _fmt(s.get("ttft_change_vs_round_robin"), "rel")))
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>kvmesh cachetest report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>kvmesh cachetest report</h1>",
+        f"<p>{html.escape(str(meta.get('url', '')))} &middot; model {html.escape(str(meta.get('model', '')))} "
+        f"&middot; block size {meta.get('block_size')} &middot; {html.escape(str(meta.get('generated_at', '')))}"
+        f" &middot; <span id='loaded'>static</span></p>",
+        "<h2 id='summary'>Summary</h2><div class='cards'>",
+    ]
+    for cid, title, value in cards:
+        parts.append(f"<div class='card'>{html.escape(title)}<b id='{cid}'>{value}</b></div>")
+    parts.append("</div>")
+    if s.get("warning"):
+        parts.append(f"<p class='warn'>{html.escape(s['warning'])}</p>")
+    parts.append(
+        f"<p>Errors: <b id='errors'>{s.get('errors', 0)}</b>. Correctness (warm greedy outputs = cold): "
+        f"<b id='correct'>{_fmt(s.get('correct'))}</b>. Isolation probe (another tenant's identical prompt gets 0 "
+        f"cached tokens): <b id='isolation'>{_fmt(report.get('isolation', {}).get('ok'))}</b>. "
+        f"Offline: repeated-prefix share {_fmt(off.get('repeated_prefix_share'), 'pct')} of "
+        f"{_fmt(off.get('prompt_tokens'))} prompt tokens.</p>"
+    )
+    parts.append("<h2 id='passes'>Cold vs warm, and every pass</h2>")
+    parts.append(_img(plots.get("passes"), "hit rate and TTFT per pass"))
+    rows = []
+    for n, p in passes.items():
+        rows.append(
+            [
+                html.escape(n),
+                _fmt(p["requests"]),
+                _fmt(p["errors"]),
+                _fmt(p["prompt_tokens"]),
+                _fmt(p["cached_tokens"]),
+                _fmt(p["hit_rate_tokens"], "pct"),
+                _fmt(p["hit_rate_requests"], "pct"),
+                _fmt(p["ttft_p50_s"], "ms"),
+                _fmt(p["ttft_p90_s"], "ms"),
+                _fmt(p["ttft_p99_s"], "ms"),
+                _fmt(p.get("throughput_tokens_s")),
+                _fmt(p["input_cost"], "usd"),
+                _fmt(p["cost_per_interaction"], "usd"),
+                _fmt(p.get("evictions")),
+            ]
+        )
+    parts.append(
+        _table(
+            [
+                "pass",
+                "requests",
+                "errors",
+                "prompt tok",
+                "cached tok",
+                "hit (tok)",
+                "hit (req)",
+                "TTFT p50",
+                "p90",
+                "p99",
+                "tok/s",
+                "input cost",
+                "per interaction",
+                "evictions",
+            ],
+            rows,
+            "passes",
+        )
+    )
+    parts.append("<h2 id='sweeps'>Sweeps</h2>")
+    sweep = [n for n in passes if n == "warm" or n.startswith("warm_c") or n.startswith("replicas_")]
+    if len(sweep) > 1:
+        parts.append(_img(plots.get("sweep"), "concurrency sweep"))
+        parts.append(
+            _table(
+                ["pass", "in flight", "hit (tok)", "TTFT p50", "TTFT p99", "tok/s"],
+                [
+                    [
+                        html.escape(n),
+                        _fmt(passes[n]["concurrency"]),
+                        _fmt(passes[n]["hit_rate_tokens"], "pct"),
+                        _fmt(passes[n]["ttft_p50_s"], "ms"),
+                        _fmt(passes[n]["ttft_p99_s"], "ms"),
+                        _fmt(passes[n].get("throughput_tokens_s")),
+                    ]
+                    for n in sweep
+                ],
+            )
+        )
+    else:
+        parts.append("<p>No sweep was run (--concurrency-sweep, --replicas-sweep).</p>")
+    parts.append("<h2 id='tiers'>Where the cache lived: hits by tier</h2>")
+    parts.append(
+        _table(
+            ["pass", "hbm", "host", "shared", "unknown", "evictions", "spilled to host (B)", "to shared (B)"],
+            [
+                [html.escape(n)]
+                + [_fmt(p["hits_by_tier"].get(t)) for t in ("hbm", "host", "shared", "unknown")]
+                + [
+                    _fmt(p.get("evictions")),
+                    _fmt((p.get("spills") or {}).get("to_host_bytes")),
+                    _fmt((p.get("spills") or {}).get("to_shared_bytes")),
+                ]
+                for n, p in passes.items()
+            ],
+        )
+    )
+    parts.append("<h2 id='misses'>Why tokens missed</h2>")
+    parts.append(_img(plots.get("miss_reasons"), "miss reasons per pass"))
+    parts.append(
+        _table(
+            ["pass", *REASONS], [[html.escape(n), *_miss_cells(p["miss_tokens"])] for n, p in passes.items()], "misses"
+        )
+    )
+    main = passes.get("warm") or next(iter(passes.values()))
+    for title, key in (("Per tenant", "per_tenant"), ("Per replica", "per_replica")):
+        parts.append(f"<h2 id='{key}'>{title} ({'warm' if 'warm' in passes else 'first'} pass)</h2>")
+        parts.append(
+            _table(
+                [title.split()[1], "requests", "prompt tok", "cached tok", "hit (tok)", *REASONS],
+                [
+                    [
+                        html.escape(k or "(none)"),
+                        _fmt(r["requests"]),
+                        _fmt(r["prompt_tokens"]),
+                        _fmt(r["cached_tokens"]),
+                        _fmt(r["hit_rate_tokens"], "pct"),
+                        *_miss_cells(r["miss_tokens"]),
+                    ]
+                    for k, r in sorted(main[key].items())
+                ],
+            )
+        )
+    parts.append("<h2 id='drift'>Top drifted prompts</h2>")
+    drifts = report.get("drift_examples") or []
+    parts.extend(_diff_html(d) for d in drifts) if drifts else parts.append("<p>No drift found.</p>")
+    parts.append(f"<script>{_JS}</script></body></html>")
+    return "\n".join(parts)
+
+
+def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """report.json, the PNGs and report.html in `out_dir`; name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json"}
+    with open(paths["json"], "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    plots = plot_all(report, out)
+    paths.update(plots)
+    paths["html"] = out / "report.html"
+    paths["html"].write_text(render_html(report, plots), encoding="utf-8")
+    return paths

@@ -1,0 +1,215 @@
+"""`kvmesh cachetest`'s figures: every pass's hit rates, TTFT, cost and misses by reason, from what was sent
+(`cluster/cachetest_analysis.Sent`), as the `report.json` document (schema in docs/cachetest.md).
+
+Pure: no network, no plotting (`cluster/cachetest_html.py` draws the plots and the page), so a report for
+a log of tens of thousands of requests is built in seconds (benchmarks/bench_cachetest.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.cluster.cachetest_analysis import MissAnalyzer, Sent
+from kvmesh.cluster.miss_reasons import REASONS
+from kvmesh.cluster.stats import nearest_rank
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class PassRun:
+    """One pass as the runner measured it."""
+
+    name: str
+    sent: list[Sent]
+    wall_s: float
+    concurrency: int
+    output_tokens: int = 0
+    counters_before: dict = field(default_factory=dict)  # server counters (evictions, tier hits, spills)
+    counters_after: dict = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)  # logged id -> greedy output text
+
+
+@dataclass
+class Rates:
+    uncached_per_m: float = 3.00  # $ per 1M uncached input tokens
+    cached_per_m: float = 0.30  # $ per 1M cached input tokens
+
+    def cost(self, prompt: int, cached: int) -> float:
+        return ((prompt - cached) * self.uncached_per_m + cached * self.cached_per_m) / 1e6
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return nearest_rank(values, q) if values else None
+
+
+def _diff(before: dict, after: dict, key: str) -> float:
+    return float(after.get(key) or 0) - float(before.get(key) or 0)
+
+
+def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) -> dict:
+    """The per-pass figures under the issue's keys (plus a few extras: wall, throughput, baselines)."""
+    ok = [(s, r) for s, r in zip(run.sent, reasons) if s.error is None]
+    known = [(s, r) for s, r in ok if s.cached_tokens is not None]
+    prompt = sum(s.prompt_tokens for s, _ in ok)
+    cached = sum(s.cached_tokens or 0 for s, _ in known)
+    ttfts = sorted(s.ready_s - s.start_s for s, _ in ok if s.ready_s is not None)
+    miss: dict[str, int] = {}
+    for _, r in known:
+        for k, v in r.items():
+            miss[k] = miss.get(k, 0) + v
+    interactions: dict[str, bool] = {}
+    for s in run.sent:
+        key = s.prepared.req.interaction
+        interactions[key] = interactions.get(key, True) and s.error is None
+    completed = sum(interactions.values())
+    cost = rates.cost(prompt, cached)
+    before, after = run.counters_before, run.counters_after
+    server = bool(after)
+    host = _diff(before, after, "host_hit_tokens") if server else 0.0
+    shared = _diff(before, after, "shared_hit_tokens") if server else 0.0
+    loaded = min(float(cached), host + shared)
+    tenants: dict[str, dict] = {}
+    replicas: dict[str, dict] = {}
+    for s, r in known:
+        for table, key in ((tenants, s.prepared.tok.tenant or ""), (replicas, s.replica)):
+            row = table.setdefault(key, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "miss_tokens": {}})
+            row["requests"] += 1
+            row["prompt_tokens"] += s.prompt_tokens
+            row["cached_tokens"] += s.cached_tokens or 0
+            for k, v in r.items():
+                row["miss_tokens"][k] = row["miss_tokens"].get(k, 0) + v
+    for table in (tenants, replicas):
+        for row in table.values():
+            row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+    return {
+        "requests": len(run.sent),
+        "errors": len(run.sent) - len(ok),
+        "error_samples": sorted({s.error for s in run.sent if s.error})[:5],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate_tokens": cached / prompt if prompt else 0.0,
+        "hit_rate_requests": statistics.fmean((s.cached_tokens or 0) > 0 for s, _ in known) if known else 0.0,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "billed_input_tokens": prompt,
+        "input_cost": cost,
+        "input_cost_without_cache": rates.cost(prompt, 0),
+        "completed_interactions": completed,
+        "cost_per_interaction": cost / completed if completed else None,
+        "hits_by_tier": {"hbm": cached - loaded, "host": min(host, float(cached)), "shared": max(0.0, loaded - host)}
+        if server
+        else {"hbm": None, "host": None, "shared": None, "unknown": cached},
+        "evictions": _diff(before, after, "evictions") if server else None,
+        "spills": {
+            "to_host_bytes": _diff(before, after, "bytes_to_host"),
+            "to_shared_bytes": _diff(before, after, "bytes_to_shared"),
+        }
+        if server
+        else None,
+        "miss_tokens": dict(sorted(miss.items(), key=lambda kv: REASONS.index(kv[0]))),
+        "throughput_tokens_s": (prompt + run.output_tokens) / run.wall_s if run.wall_s > 0 else None,
+        "throughput_requests_s": len(ok) / run.wall_s if run.wall_s > 0 else None,
+        "wall_s": run.wall_s,
+        "concurrency": run.concurrency,
+        "per_tenant": tenants,
+        "per_replica": replicas,
+    }
+
+
+def build_report(
+    runs: Sequence[PassRun],
+    offline: dict,
+    rates: Rates,
+    block_size: int,
+    *,
+    meta: dict | None = None,
+    decode=None,
+    isolation: dict | None = None,
+) -> dict:
+    """The whole report.json document: offline figures, every pass, every request, attribution, summary."""
+    sent = [s for run in runs for s in run.sent]
+    analyzer = MissAnalyzer(block_size, decode)
+    reasons = analyzer.run(sent)
+    passes: dict[str, dict] = {}
+    requests: list[dict] = []
+    k = 0
+    for run in runs:
+        mine = reasons[k : k + len(run.sent)]
+        k += len(run.sent)
+        passes[run.name] = pass_figures(run, mine, rates)
+        for s, r in zip(run.sent, mine):
+            requests.append(
+                {
+                    "id": s.prepared.req.id,
+                    "pass": run.name,
+                    "tenant": s.prepared.tok.tenant,
+                    "prompt_tokens": s.prompt_tokens,
+                    "cached_tokens": s.cached_tokens,
+                    "replica": s.replica,
+                    "miss_tokens": r,
+                }
+            )
+    by_name = {r.name: r for r in runs}
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "meta": dict(meta or {}, block_size=block_size, rates=vars(rates)),
+        "offline": offline,
+        "passes": passes,
+        "correctness": _correctness(by_name.get("cold"), by_name.get("warm")),
+        "isolation": isolation or {"run": False, "why": "needs keys of two tenants"},
+        "drift_examples": sorted(analyzer.drifts, key=lambda d: -d["drift_tokens"])[:10],
+        "requests": requests,
+    }
+    report["summary"] = summary(report)
+    return report
+
+
+def _correctness(cold: PassRun | None, warm: PassRun | None) -> dict:
+    """Greedy outputs of the warm pass against the cold pass's, request by request."""
+    if cold is None or warm is None:
+        return {"compared": 0, "equal": 0, "ok": None, "differing_ids": []}
+    both = [i for i in warm.outputs if i in cold.outputs]
+    differ = [i for i in both if warm.outputs[i] != cold.outputs[i]]
+    return {"compared": len(both), "equal": len(both) - len(differ), "ok": not differ, "differing_ids": differ[:20]}
+
+
+def summary(report: dict) -> dict:
+    """The headline: warm hit rate and what the cache changed in cost and TTFT against no caching (the cold
+    pass's TTFT, every input token at the uncached rate) and against round robin where it was run."""
+    passes = report["passes"]
+    warm = passes.get("warm") or next(iter(passes.values()), None)
+    cold = passes.get("cold")
+    if warm is None:
+        return {}
+    out = {
+        "pass": "warm" if "warm" in passes else next(iter(passes)),
+        "hit_rate_tokens": warm["hit_rate_tokens"],
+        "hit_rate_requests": warm["hit_rate_requests"],
+        "input_cost": warm["input_cost"],
+        "input_cost_without_cache": warm["input_cost_without_cache"],
+        "cost_change_vs_no_cache": _rel(warm["input_cost"], warm["input_cost_without_cache"]),
+        "cost_per_interaction": warm["cost_per_interaction"],
+        "ttft_p50_s": warm["ttft_p50_s"],
+        "ttft_change_vs_cold": _rel(warm["ttft_p50_s"], cold["ttft_p50_s"]) if cold else None,
+        "offline_infinite_hit_rate": report["offline"].get("infinite_cache", {}).get("hit_rate"),
+        "errors": sum(p["errors"] for p in passes.values()),
+        "correct": report["correctness"]["ok"],
+        "isolated": report["isolation"].get("ok"),
+    }
+    rr = passes.get("round_robin")
+    if rr is not None:
+        out["cost_change_vs_round_robin"] = _rel(warm["input_cost"], rr["input_cost"])
+        out["ttft_change_vs_round_robin"] = _rel(warm["ttft_p50_s"], rr["ttft_p50_s"])
+    if warm["hit_rate_tokens"] > 0.3 and (out["cost_change_vs_no_cache"] or 0) > -0.05:
+        out["warning"] = "high hit rate without a cost gain: the reused blocks are too small to matter"
+    return out
+
+
+def _rel(new: float | None, old: float | None) -> float | None:
+    if new is None or old is None or old == 0:
+        return None
+    return new / old - 1.0

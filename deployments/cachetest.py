@@ -1,0 +1,315 @@
+"""`kvmesh cachetest`'s passes against any OpenAI-compatible URL (kvmesh, a vLLM server, a peer router).
+
+Passes, each sent by the streaming replay client (`deployments/replay.py`, turns of one interaction in
+order, N requests in flight):
+- `cold`: the log as logged, first contact (the server's cache is reset first where it offers a reset:
+  vLLM's `POST /reset_prefix_cache`; kvmesh started by `--serve` is fresh; `meta.cold_reset` says which).
+- `warm`: the same requests again.
+- `partial`: each prompt's tail changed, at a block boundary (`partial_boundary`: the kept prefix is whole
+  blocks) and mid-block (`partial_midblock`: half a block more is kept, which no cache can serve), sent
+  as token ids to /v1/completions so the change lands exactly where intended.
+- `warm_cN`: the concurrency sweep (warm, N in flight).
+After warm: the isolation probe (another tenant sends a logged prompt verbatim: 0 cached tokens
+expected) and the correctness check (warm greedy outputs == cold's).
+
+Against kvmesh the router's record of each request (`/kvmesh/explain/{id}`) and the server's counters
+(`/kvmesh/state`: evictions, tier hits, spills) are read; elsewhere those figures are `unknown`/None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.cluster.cachetest_analysis import Prepared, Sent
+from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
+from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
+from kvmesh.cluster.request_log import COMPLETIONS, LoggedRequest
+from kvmesh.deployments.replay import ReplayConfig, ReplayError, RequestResult, replay
+
+PASSES = ("cold", "warm", "partial")
+
+
+class CachetestError(Exception):
+    """The test cannot run (bad configuration, unreachable endpoint, a tenant without a key)."""
+
+
+@dataclass
+class CachetestConfig:
+    url: str
+    api_key: str | None = None
+    tenant_keys: dict[str, str] = field(default_factory=dict)
+    passes: Sequence[str] = PASSES
+    concurrency: Sequence[int] = (4,)  # the first runs the passes; more values add warm_cN sweep passes
+    rates: Rates = field(default_factory=Rates)
+    block_size: int = 32
+    timeout_s: float = 120.0
+    bound_replicas: Sequence[int] = (1, 2, 4)
+
+    def check(self, reqs: Sequence[LoggedRequest]) -> None:
+        bad = [p for p in self.passes if p not in PASSES]
+        if bad:
+            raise CachetestError(f"--passes: unknown pass {bad[0]!r} (choose from {', '.join(PASSES)})")
+        if self.tenant_keys:
+            for r in reqs:
+                if r.tenant is not None and r.tenant not in self.tenant_keys and not self.api_key:
+                    raise CachetestError(
+                        f"log line {r.line}: tenant {r.tenant!r} has no key (add --tenant-key {r.tenant}=KEY)"
+                    )
+
+
+def _http(cfg: CachetestConfig):
+    import httpx
+
+    headers = {}
+    key = cfg.api_key or next(iter(cfg.tenant_keys.values()), None)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.Client(base_url=cfg.url.rstrip("/"), headers=headers, timeout=30.0)
+
+
+def discover(cfg: CachetestConfig) -> tuple[list[str], bool]:
+    """(served model ids, whether the endpoint is kvmesh); raises CachetestError when unreachable."""
+    try:
+        with _http(cfg) as c:
+            resp = c.get("/v1/models")
+            if resp.status_code != 200:
+                raise CachetestError(f"--url {cfg.url}: GET /v1/models answered HTTP {resp.status_code}")
+            models = [m["id"] for m in resp.json().get("data") or []]
+            is_kvmesh = c.get("/kvmesh/state").status_code == 200
+    except CachetestError:
+        raise
+    except Exception as exc:
+        raise CachetestError(f"--url {cfg.url}: unreachable ({type(exc).__name__})") from None
+    if not models:
+        raise CachetestError(f"--url {cfg.url}: serves no model")
+    return models, is_kvmesh
+
+
+def server_counters(cfg: CachetestConfig) -> dict:
+    """kvmesh's cumulative counters that a pass diffs: index evictions, tier hits and bytes moved."""
+    try:
+        with _http(cfg) as c:
+            state = c.get("/kvmesh/state").json()
+    except Exception:
+        return {}
+    out = {"evictions": ((state.get("router") or {}).get("index") or {}).get("evictions", 0)}
+    out.update({k: v for k, v in (state.get("tiers") or {}).items() if isinstance(v, (int, float))})
+    return out
+
+
+def reset_cache(cfg: CachetestConfig) -> str | None:
+    """Ask the server to drop its prefix cache; the name of the reset used, or None when none exists."""
+    try:
+        with _http(cfg) as c:
+            for path in ("/kvmesh/reset_prefix_cache", "/reset_prefix_cache"):
+                if c.post(path).status_code == 200:
+                    return path
+    except Exception:
+        return None
+    return None
+
+
+def fetch_explanations(cfg: CachetestConfig, request_ids: Sequence[str]) -> dict[str, dict]:
+    """The router's record of each request (kvmesh only), fetched 16 at a time."""
+    import httpx
+
+    async def main() -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        gate = asyncio.Semaphore(16)
+        key = cfg.api_key or next(iter(cfg.tenant_keys.values()), None)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=30.0) as c:
+
+            async def one(rid: str) -> None:
+                async with gate:
+                    resp = await c.get(f"/kvmesh/explain/{rid}")
+                    if resp.status_code == 200:
+                        out[rid] = resp.json()
+
+            await asyncio.gather(*(one(r) for r in request_ids))
+        return out
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------- pass building
+def _record(p: Prepared, served: str, body: dict | None = None, endpoint: str | None = None) -> dict:
+    r = p.req
+    body = dict(body if body is not None else r.body)
+    body["model"] = served
+    return {
+        "body": body,
+        "endpoint": endpoint or r.endpoint,
+        "tenant": r.tenant,
+        "user": f"{r.tenant}/{r.interaction}",
+        "prompt_tokens": p.tok.n,
+    }
+
+
+def partial_variants(prepared: Sequence[Prepared], block_size: int, mid_block: bool, vocab: int) -> list[Prepared]:
+    """Each prompt with its tail changed after its last whole block but one (kept prefix = whole blocks),
+    or half a block later (`mid_block`). Token ids shift within [10, vocab) so every changed token differs."""
+    out = []
+    for p in prepared:
+        ids = p.tok.ids
+        keep = max(block_size, ((len(ids) - 1) // block_size - 1) * block_size)
+        if mid_block:
+            keep += block_size // 2
+        keep = min(keep, len(ids) - 1)
+        lo = 10
+        tail = [lo + ((t - lo + 7) % (vocab - lo)) for t in ids[keep:]]
+        tok = TokenizedRequest(p.tok.index, p.tok.id, p.tok.tenant, p.tok.model, ids[:keep] + tail)
+        req = LoggedRequest(
+            p.req.id,
+            {"prompt": tok.ids, "max_tokens": p.req.body.get("max_tokens", 16)},
+            COMPLETIONS,
+            p.req.tenant,
+            p.req.interaction,
+            p.req.timestamp,
+            p.req.line,
+        )
+        out.append(Prepared(req, tok, [], origin=p))
+    hash_requests([p.tok for p in out], block_size)
+    return out
+
+
+def _sent(items: Sequence[Prepared], results: Sequence[RequestResult], name: str, offset: float) -> list[Sent]:
+    by_index = {r.index: r for r in results}
+    out = []
+    for i, p in enumerate(items):
+        r = by_index[i]
+        ready = None if r.ttft_s is None or r.error is not None else offset + r.start_s + r.ttft_s
+        out.append(Sent(p, name, offset + r.start_s, ready, r.prompt_tokens, r.cached_tokens, r.replica, r.error, None))
+    return out
+
+
+class Runner:
+    """Sends the passes, one after another, on one clock; `report()` builds report.json's document."""
+
+    def __init__(self, cfg: CachetestConfig, prepared: Sequence[Prepared], tokenizer, progress: bool = False):
+        self.cfg = cfg
+        self.prepared = list(prepared)
+        self.tokenizer = tokenizer
+        self.progress = progress
+        self.models, self.is_kvmesh = discover(cfg)
+        self.served = self.models[0]
+        self.runs: list[PassRun] = []
+        self.clock = 0.0
+        self.isolation: dict | None = None
+        self.reset: str | None = None
+
+    def send(
+        self, name: str, items: Sequence[Prepared], concurrency: int, records: list[dict] | None = None
+    ) -> PassRun:
+        records = records or [_record(p, self.served) for p in items]
+        rcfg = ReplayConfig(
+            url=self.cfg.url,
+            concurrency=concurrency,
+            api_key=self.cfg.api_key,
+            tenant_keys=dict(self.cfg.tenant_keys),
+            model=self.served,
+            timeout_s=self.cfg.timeout_s,
+            progress=self.progress,
+        )
+        before = server_counters(self.cfg) if self.is_kvmesh else {}
+        try:
+            rep = replay(records, rcfg)
+        except ReplayError as exc:
+            raise CachetestError(f"--url {self.cfg.url}: {exc}") from None
+        after = server_counters(self.cfg) if self.is_kvmesh else {}
+        sent = _sent(items, rep.results, name, self.clock)
+        self.clock += rep.wall_s + 1.0
+        if self.is_kvmesh:
+            ids = [r.request_id for r in rep.results if r.request_id]
+            explained = fetch_explanations(self.cfg, ids)
+            by_index = {r.index: r for r in rep.results}
+            for i, s in enumerate(sent):
+                rid = by_index[i].request_id
+                s.explain = explained.get(rid) if rid else None
+        run = PassRun(
+            name,
+            sent,
+            rep.wall_s,
+            concurrency,
+            sum(r.output_tokens for r in rep.results if r.error is None),
+            before,
+            after,
+            {items[r.index].req.id: r.output_text for r in rep.results if r.error is None},
+        )
+        self.runs.append(run)
+        return run
+
+    def run_all(self) -> None:
+        c0 = self.cfg.concurrency[0]
+        passes = self.cfg.passes
+        if "cold" in passes:
+            self.reset = reset_cache(self.cfg)
+            self.send("cold", self.prepared, c0)
+        if "warm" in passes:
+            self.send("warm", self.prepared, c0)
+            self.isolation = self.isolation_probe()
+        if "partial" in passes:
+            vocab = len(self.tokenizer)
+            self.send("partial_boundary", partial_variants(self.prepared, self.cfg.block_size, False, vocab), c0)
+            self.send("partial_midblock", partial_variants(self.prepared, self.cfg.block_size, True, vocab), c0)
+        for c in self.cfg.concurrency[1:]:
+            self.send(f"warm_c{c}", self.prepared, c)
+
+    def isolation_probe(self) -> dict:
+        """Another tenant sends a logged prompt verbatim: a salted cache must serve it 0 tokens."""
+        keyed = [t for t in self.cfg.tenant_keys]
+        src = next((p for p in self.prepared if p.req.tenant in keyed), None)
+        other = next((t for t in keyed if src is not None and t != src.req.tenant), None)
+        if src is None or other is None:
+            return {"run": False, "why": "needs keys of two tenants (--tenant-key)"}
+        rec = _record(src, self.served)
+        rec.update(tenant=other, user=f"probe/{other}")
+        rcfg = ReplayConfig(
+            url=self.cfg.url,
+            concurrency=1,
+            tenant_keys=dict(self.cfg.tenant_keys),
+            model=self.served,
+            timeout_s=self.cfg.timeout_s,
+            progress=False,
+        )
+        res = replay([rec], rcfg).results[0]
+        return {
+            "run": True,
+            "request": src.req.id,
+            "from_tenant": src.req.tenant,
+            "as_tenant": other,
+            "prompt_tokens": res.prompt_tokens,
+            "cached_tokens": res.cached_tokens,
+            "error": res.error,
+            "ok": res.error is None and res.cached_tokens == 0,
+        }
+
+    def report(self, offline: dict, meta: dict | None = None) -> dict:
+        def decode(ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(list(ids))
+
+        info = {
+            "url": self.cfg.url,
+            "model": self.served,
+            "kvmesh": self.is_kvmesh,
+            "cold_reset": self.reset,
+            "concurrency": list(self.cfg.concurrency),
+            "generated_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+        report = build_report(
+            self.runs,
+            offline,
+            self.cfg.rates,
+            self.cfg.block_size,
+            meta=dict(info, **(meta or {})),
+            decode=decode,
+            isolation=self.isolation,
+        )
+        return report
+
+
+def offline_figures(prepared: Sequence[Prepared], block_size: int, replicas: Sequence[int]) -> dict:
+    return offline_pass([p.tok for p in prepared], block_size, replicas)

@@ -1,0 +1,180 @@
+"""`kvmesh cachetest`: does the prefix cache pay on this traffic, and why did each missed token miss?
+
+    kvmesh cachetest --url URL --requests LOG.jsonl --out DIR [--api-key KEY | --tenant-key T=KEY ...]
+                     [--passes cold,warm,partial] [--concurrency N | --concurrency-sweep 1,4,16]
+                     [--uncached-rate 3.00 --cached-rate 0.30]
+    kvmesh cachetest --serve [--replicas N] [--replicas-sweep 1,2,4] --requests LOG.jsonl --out DIR
+
+Writes DIR/report.json (schema: docs/cachetest.md), PNG plots and DIR/report.html (self-contained).
+The default log is the bundled example (`cluster/traces/app_log.jsonl`); `--trace` takes a Mooncake trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import non_negative_float, positive_int
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _tenant_key(text: str) -> tuple[str, str]:
+    tenant, sep, key = text.partition("=")
+    if not sep or not tenant or not key:
+        raise argparse.ArgumentTypeError(f"expected TENANT=KEY, got {text!r}")
+    return tenant, key
+
+
+def default_log() -> str:
+    import kvmesh.cluster as cluster_pkg
+
+    return str(Path(next(iter(cluster_pkg.__path__))) / "traces" / "app_log.jsonl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="OpenAI-compatible base URL (kvmesh, vLLM, a peer router)")
+    where.add_argument("--serve", action="store_true", help="start kvmesh (tiny model) for the test, stop it after")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--requests", help="request log, JSONL of OpenAI bodies (default: the bundled example)")
+    src.add_argument("--trace", help="a Mooncake trace (path or bundled name) instead of a request log")
+    parser.add_argument("--out", required=True, help="output folder (report.json, *.png, report.html)")
+    parser.add_argument("--api-key", help="bearer key for every request")
+    parser.add_argument("--tenant-key", type=_tenant_key, action="append", default=[], metavar="TENANT=KEY")
+    parser.add_argument("--passes", default="cold,warm,partial", help="comma-separated: cold, warm, partial")
+    conc = parser.add_mutually_exclusive_group()
+    conc.add_argument("--concurrency", type=positive_int, default=None, help="requests in flight (default 4)")
+    conc.add_argument("--concurrency-sweep", type=_int_list, default=None, help="e.g. 1,4,16 (warm passes)")
+    parser.add_argument("--uncached-rate", type=non_negative_float, default=3.00, help="$ per 1M uncached tokens")
+    parser.add_argument("--cached-rate", type=non_negative_float, default=0.30, help="$ per 1M cached tokens")
+    parser.add_argument("--block-size", type=positive_int, default=32, help="the engines' KV block size")
+    parser.add_argument("--tokenizer", help="the served model's folder (default: the tiny model)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N requests of the log")
+    parser.add_argument("--trace-tokens-per-block", type=positive_int, default=32, help="with --trace")
+    parser.add_argument("--timeout", type=non_negative_float, default=120.0, help="per-request timeout, s")
+    parser.add_argument("--replicas", type=positive_int, default=2, help="with --serve: engine replicas")
+    parser.add_argument("--replicas-sweep", type=_int_list, default=None, help="with --serve: e.g. 1,2,4")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _load(args):
+    from kvmesh.cluster.request_log import RequestLogError, parse_line, read_request_log
+
+    if args.trace:
+        import json
+
+        from kvmesh.cluster.trace import read_records
+        from kvmesh.deployments.replay import PromptBuilder, ReplayConfig
+
+        try:
+            records = read_records(args.trace, limit=args.limit)
+        except ValueError as exc:
+            raise CliError(f"--trace: {exc}") from None
+        builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=args.trace_tokens_per_block))
+        out = []
+        for n, rec in enumerate(records, start=1):
+            line = {"id": f"trace-{n}", "body": {"prompt": builder.prompt(rec), "max_tokens": 8}}
+            for k in ("tenant", "user"):
+                if rec.get(k) is not None:
+                    line["tenant" if k == "tenant" else "interaction"] = str(rec[k])
+            out.append(parse_line(json.dumps(line), args.trace, n))
+        return out
+    try:
+        return read_request_log(args.requests or default_log(), limit=args.limit)
+    except RequestLogError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from kvmesh.deployments.config import resolve_model
+
+        path = resolve_model("tiny")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--tokenizer {path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.cachetest_analysis import prepare
+    from kvmesh.cluster.cachetest_report import Rates
+    from kvmesh.deployments.cachetest import CachetestConfig, CachetestError
+
+    if args.replicas_sweep and not args.serve:
+        raise CliError("--replicas-sweep needs --serve (the test must start kvmesh itself)")
+    reqs = _load(args)
+    concurrency = args.concurrency_sweep or [args.concurrency or 4]
+    cfg = CachetestConfig(
+        url=args.url or "",
+        api_key=args.api_key,
+        tenant_keys=dict(args.tenant_key),
+        passes=[p.strip() for p in args.passes.split(",") if p.strip()],
+        concurrency=concurrency,
+        rates=Rates(args.uncached_rate, args.cached_rate),
+        block_size=args.block_size,
+        timeout_s=args.timeout,
+        bound_replicas=sorted({1, 2, 4, args.replicas, *(args.replicas_sweep or [])}),
+    )
+    try:
+        cfg.check(reqs)
+    except CachetestError as exc:
+        raise CliError(str(exc)) from None
+    tok = _tokenizer(args.tokenizer)
+    prepared = prepare(reqs, tok, args.block_size)
+    try:
+        if args.serve:
+            from kvmesh.deployments.cachetest_serve import serve_and_test
+
+            report = serve_and_test(cfg, prepared, tok, args.replicas, args.replicas_sweep, not args.no_progress)
+        else:
+            report = _test_url(cfg, prepared, tok, not args.no_progress)
+    except CachetestError as exc:
+        raise CliError(str(exc)) from None
+    from kvmesh.cluster.cachetest_html import write_outputs
+
+    try:
+        paths = write_outputs(report, args.out)
+    except OSError as exc:
+        raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
+    _print_summary(report)
+    print(f"report: {paths['html']}")
+    return 0
+
+
+def _test_url(cfg, prepared, tok, progress: bool) -> dict:
+    from kvmesh.deployments.cachetest import Runner, offline_figures
+
+    offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
+    runner = Runner(cfg, prepared, tok, progress=progress)
+    runner.run_all()
+    return runner.report(offline)
+
+
+def _print_summary(report: dict) -> None:
+    s = report.get("summary") or {}
+    for name, p in report["passes"].items():
+        print(
+            f"{name:18} hit {100 * p['hit_rate_tokens']:5.1f}% tokens {100 * p['hit_rate_requests']:5.1f}% requests  "
+            f"TTFT p50 {1000 * (p['ttft_p50_s'] or 0):7.1f} ms  errors {p['errors']}  "
+            f"misses {p['miss_tokens']}",
+            file=sys.stdout,
+        )
+    if s:
+        print(
+            f"warm hit rate {100 * s['hit_rate_tokens']:.1f}%, input cost vs no cache "
+            f"{100 * (s['cost_change_vs_no_cache'] or 0):+.1f}%, correct {s['correct']}, isolated {s['isolated']}"
+        )

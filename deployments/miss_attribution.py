@@ -1,0 +1,158 @@
+"""Why each uncached prompt token missed, as the fleet saw it: the server side of `kvmesh cachetest`'s miss
+attribution, behind `GET /kvmesh/explain/{request_id}` and the `kvmesh_miss_tokens_total` counters.
+
+The router knows what a client cannot: at placement, which replicas and tiers held how much of the
+request's prefix (its index), which replica it chose and why. This module keeps that record per
+request (`placed`, called by the router) and, when the ingress learns the delivered cached tokens
+(`delivered`), splits the uncached tokens with `cluster/miss_reasons.attribute`, using what the fleet
+has computed since start-up (the request's salted block hashes per tenant, and unsalted ones for
+`isolated`). Drift needs the text of earlier prompts, so only the client (`cluster/cachetest_analysis.py`)
+reports it; the server counts those tokens as `cold`.
+
+Thread-safe: the router writes from its event loop, the ingress from its own. Bounded: the oldest
+records and the least recently computed blocks are dropped first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmesh.cluster.miss_reasons import attribute, leading_held
+from kvmesh.kvstore.hashing import HashMemo, block_hashes
+
+
+class _Bounded:
+    """An insertion-ordered set of block hashes that forgets the oldest beyond `cap`."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._d: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._d
+
+    def update(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._d[h] = None
+            self._d.move_to_end(h)
+        while len(self._d) > self.cap:
+            self._d.popitem(last=False)
+
+
+def placement_reason(chosen: str, first_choice: str, best: str | None, views: dict) -> str:
+    """Why the request did not go where most of its prefix was: Serve moved it (queue probe timed out,
+    replica full), the policy saw more work queued there (load), or the balance guard held it back."""
+    if chosen != first_choice:
+        return "serve_fallback"
+    if best is None or best == chosen:
+        return ""
+    b, c = views.get(best), views.get(chosen)
+    if b is not None and c is not None:
+        work_b = b.queued + b.running + b.pending_prefill_tokens / 1000.0
+        work_c = c.queued + c.running + c.pending_prefill_tokens / 1000.0
+        if work_b > work_c:
+            return "load"
+    return "balance_guard"
+
+
+class MissAttribution:
+    def __init__(self, max_requests: int = 50_000, max_blocks: int = 1_000_000):
+        self.max_requests = max_requests
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, dict] = OrderedDict()
+        self._computed: dict[str, _Bounded] = {}  # tenant -> salted blocks computed (any replica)
+        self._unsalted: dict[str, _Bounded] = {}  # tenant -> the same blocks without salt
+        self._max_blocks = max_blocks
+        self._memo = HashMemo()
+        self.counters: dict[tuple[str, str], int] = {}  # (reason, tenant) -> tokens
+
+    def placed(
+        self,
+        request_id: str | None,
+        replica: str,
+        first_choice: str,
+        matches: dict,
+        block_hashes_: Sequence[int],
+        block_size: int,
+        views: dict | None = None,
+    ) -> None:
+        """The router's record at placement: per replica the longest prefix held in any tier (blocks)."""
+        if not request_id:
+            return
+        best_len = {rid: int(m[2]) for rid, m in matches.items()}
+        elsewhere = max((v for rid, v in best_len.items() if rid != replica), default=0)
+        best = max(best_len, key=lambda r: (best_len[r], r == replica), default=None)
+        rec = {
+            "request_id": request_id,
+            "replica": replica,
+            "first_choice": first_choice,
+            "prefix_blocks": best_len,
+            "predicted_blocks": best_len.get(replica, 0),
+            "elsewhere_blocks": elsewhere,
+            "router_reason": placement_reason(replica, first_choice, best, views or {}) if elsewhere else "",
+            "block_size": block_size,
+            "hashes": list(block_hashes_),
+        }
+        with self._lock:
+            self._records[request_id] = rec
+            while len(self._records) > self.max_requests:
+                self._records.popitem(last=False)
+
+    def delivered(self, request_id: str, tenant: str, token_ids: Sequence[int], cached: int) -> dict | None:
+        """Attribute the request's uncached tokens (None when the router never placed it)."""
+        with self._lock:
+            rec = self._records.get(request_id)
+        if rec is None:
+            return None
+        bs, hashes = rec["block_size"], rec["hashes"]
+        unsalted = block_hashes(token_ids, bs, memo=self._memo)
+        with self._lock:
+            computed = self._computed.setdefault(tenant, _Bounded(self._max_blocks))
+            seen = leading_held(hashes, computed)
+            isolated = max(
+                (leading_held(unsalted, held) for t, held in self._unsalted.items() if t != tenant), default=0
+            )
+            reasons = attribute(
+                len(token_ids),
+                cached,
+                bs,
+                seen_blocks=seen,
+                isolated_blocks=isolated,
+                elsewhere_blocks=rec["elsewhere_blocks"],
+            )
+            computed.update(hashes)
+            self._unsalted.setdefault(tenant, _Bounded(self._max_blocks)).update(unsalted)
+            for reason, tokens in reasons.items():
+                self.counters[(reason, tenant)] = self.counters.get((reason, tenant), 0) + tokens
+            rec.pop("hashes", None)
+            rec.update(
+                tenant=tenant,
+                prompt_tokens=len(token_ids),
+                cached_tokens=cached,
+                seen_blocks=seen,
+                miss_tokens=reasons,
+            )
+        return reasons
+
+    def explain(self, request_id: str) -> dict | None:
+        with self._lock:
+            rec = self._records.get(request_id)
+            return None if rec is None else {k: v for k, v in rec.items() if k != "hashes"}
+
+    def prometheus_text(self) -> str:
+        lines = [
+            "# HELP kvmesh_miss_tokens_total Uncached prompt tokens by reason and tenant (see docs/cachetest.md).",
+            "# TYPE kvmesh_miss_tokens_total counter",
+        ]
+        with self._lock:
+            items = sorted(self.counters.items())
+        for (reason, tenant), tokens in items:
+            t = tenant.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'kvmesh_miss_tokens_total{{reason="{reason}",tenant="{t}"}} {tokens}')
+        return "\n".join(lines) + "\n"
+
+
+# One per process: the router (in the ingress process) and the ingress share it, as they share the ledger.
+ATTRIBUTION = MissAttribution()

@@ -1,0 +1,67 @@
+"""report.json's document and report.html from sent requests: schema keys, exact sums, self-contained page."""
+
+import json
+
+from cachetest_support import sample_report
+
+from kvmesh.cluster.cachetest_html import render_html, write_outputs
+
+PASS_KEYS = {
+    "requests",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate_tokens",
+    "hit_rate_requests",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "input_cost",
+    "cost_per_interaction",
+    "hits_by_tier",
+    "miss_tokens",
+}
+REQUEST_KEYS = {"id", "pass", "tenant", "prompt_tokens", "cached_tokens", "replica", "miss_tokens"}
+
+
+def _report(server=False):
+    return sample_report(server)
+
+
+def test_every_request_and_pass_sums_exactly_and_has_the_schema_keys():
+    rep = _report()
+    for name, p in rep["passes"].items():
+        assert PASS_KEYS <= set(p), name
+        assert sum(p["miss_tokens"].values()) == p["prompt_tokens"] - p["cached_tokens"]
+    assert {r["pass"] for r in rep["requests"]} == {"cold", "warm"}
+    for r in rep["requests"]:
+        assert set(r) == REQUEST_KEYS
+        if r["cached_tokens"] is not None:
+            assert sum(r["miss_tokens"].values()) == r["prompt_tokens"] - r["cached_tokens"]
+    cold = rep["passes"]["cold"]
+    assert cold["cached_tokens"] == 0 and cold["errors"] > 0
+    assert cold["input_cost"] == cold["prompt_tokens"] * 3.0 / 1e6
+    assert rep["passes"]["warm"]["input_cost"] < cold["input_cost"]
+    assert rep["summary"]["cost_change_vs_no_cache"] < 0 and rep["correctness"]["ok"] is True
+    # a peer reports no tiers: the cached tokens are in an unknown tier, not guessed into hbm
+    assert rep["passes"]["warm"]["hits_by_tier"]["unknown"] == rep["passes"]["warm"]["cached_tokens"]
+    json.dumps(rep)  # serialisable
+
+
+def test_tier_hits_and_evictions_come_from_the_server_counters():
+    warm = _report(server=True)["passes"]["warm"]
+    assert warm["evictions"] == 3
+    tiers = warm["hits_by_tier"]
+    assert tiers["host"] == 64 and tiers["hbm"] + tiers["host"] + tiers["shared"] == warm["cached_tokens"]
+
+
+def test_the_page_is_self_contained_with_every_section(tmp_path):
+    rep = _report()
+    paths = write_outputs(rep, tmp_path)
+    page = paths["html"].read_text()
+    for section in ("summary", "passes", "sweeps", "tiers", "misses", "per_tenant", "per_replica", "drift"):
+        assert f"id='{section}'" in page
+    assert "<link" not in page and 'src="http' not in page and "src='http" not in page
+    assert page.count("data:image/png;base64,") == 2  # passes and miss reasons (no sweep was run)
+    assert json.loads(paths["json"].read_text())["passes"]["warm"]["requests"] == 60
+    assert f"{100 * rep['summary']['hit_rate_tokens']:.1f}%" in render_html(rep, {})
