@@ -118,8 +118,10 @@ class KvmeshPolicy(Policy):
         self.window_tokens_per_replica = window_tokens_per_replica
         self.mean_output_tokens = mean_output_tokens
         self.recompute_weight = recompute_weight
-        # recent predicted prefill work per replica, in one growing array (slot per replica id)
+        # recent predicted prefill work per replica, one array slot per live replica; a removed replica's
+        # slot is reused by the next one added, so autoscaling churn never grows the arrays
         self._slot: dict[str, int] = {}
+        self._free: list[int] = []
         self._w: np.ndarray = np.zeros(0)
         self._total = 0.0
         self._s: np.ndarray = np.zeros(0)  # the same work, decayed per request (half-life in requests per replica)
@@ -138,10 +140,15 @@ class KvmeshPolicy(Policy):
         live = len(self._slot)
         mean = self._total / live if live else 0.0
         s_mean = self._s_total / live if live else 0.0
-        self._slot[replica_id] = len(self._w)
-        self._w = np.append(self._w, mean)
+        if self._free:
+            slot = self._free.pop()
+            self._w[slot], self._s[slot] = mean, s_mean
+        else:
+            slot = len(self._w)
+            self._w = np.append(self._w, mean)
+            self._s = np.append(self._s, s_mean)
+        self._slot[replica_id] = slot
         self._total += mean
-        self._s = np.append(self._s, s_mean)
         self._s_total += s_mean
         self._ids_key = ()
 
@@ -328,6 +335,7 @@ class KvmeshPolicy(Policy):
         self._w[slot] = 0.0
         self._s_total -= self._s[slot]
         self._s[slot] = 0.0
+        self._free.append(slot)
         self._ids_key = ()  # rebuild positions on the next call
 
     def recent_work(self) -> dict[str, float]:

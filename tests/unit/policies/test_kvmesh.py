@@ -1,0 +1,46 @@
+"""kvmesh policy: per-replica state under autoscaling churn (replicas that come and go)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.policies.base import ReplicaView, RequestInfo
+from kvmesh.policies.registry import make_policy
+
+BS = 512
+
+
+def _route(policy, replica_ids: list[str], i: int) -> str:
+    """Rank one fresh request over `replica_ids` and credit it to the first choice, as the router does."""
+    views = [ReplicaView(rid, capacity_blocks=1000) for rid in replica_ids]
+    for rid in replica_ids:
+        policy.on_replica_added(rid)
+    request = RequestInfo([10_000 + i, 20_000 + i], 2 * BS, BS, 10, None, str(i))
+    chosen = policy.rank(request, views)[0]
+    policy.on_routed(request, chosen, next(v for v in views if v.replica_id == chosen))
+    return chosen
+
+
+def test_per_replica_arrays_do_not_grow_with_every_replica_id_ever_seen():
+    p = make_policy("kvmesh")
+    fleet = ["r0", "r1", "r2"]
+    for gen in range(200):  # 200 scale-up/scale-down cycles, each with a new replica id
+        newcomer = f"scaled-{gen}"
+        _route(p, [*fleet, newcomer], gen)
+        p.on_replica_removed(newcomer)
+    assert len(p._w) <= 4 and len(p._s) <= 4
+    assert set(p.recent_work()) == set(fleet)
+
+
+def test_a_recycled_slot_starts_at_the_mean_not_at_its_previous_owners_work():
+    p = make_policy("kvmesh")
+    for i in range(30):
+        _route(p, ["r0", "r1", "old"], i)
+    p.on_routed(RequestInfo([1, 2, 3], 3 * BS, BS, 10, None, "big"), "old")  # "old" holds the most work
+    p.on_replica_removed("old")
+    work = p.recent_work()
+    mean = sum(work.values()) / len(work)
+    p.on_replica_added("new")
+    assert p.recent_work()["new"] == pytest.approx(mean)
+    # the fleet total counts the newcomer once, at the mean: the balance guard sees a fleet of three
+    assert p._total == pytest.approx(sum(p.recent_work().values()))
