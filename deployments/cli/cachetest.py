@@ -112,7 +112,7 @@ def _tokenizer(path: str | None):
 def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.cachetest_analysis import prepare
     from kvmesh.cluster.cachetest_report import Rates
-    from kvmesh.deployments.cachetest import CachetestConfig, CachetestError
+    from kvmesh.deployments.cachetest import CachetestConfig, CachetestError, discover
 
     if args.replicas_sweep and not args.serve:
         raise CliError("--replicas-sweep needs --serve (the test must start kvmesh itself)")
@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         cfg.check(reqs)
+        if not args.serve:
+            discover(cfg)  # an unreachable URL fails before the tokenizer loads
     except CachetestError as exc:
         raise CliError(str(exc)) from None
     tok = _tokenizer(args.tokenizer)
