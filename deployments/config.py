@@ -98,6 +98,14 @@ PROXY_ENV: dict[str, dict[str, str]] = {
 }
 
 
+# Test-only fault injection (kept out of the defaults above, which are the operator's settings): an
+# in-process engine whose step() raises after this many steps, to test that a broken engine heals.
+ENGINE_DEFAULTS["fail_step_after"] = None
+# How many times one request may move to another engine replica after its replica died, before the
+# client gets a 503 (deployments/migration.py).
+APP_DEFAULTS["max_migrations"] = 3
+
+
 class ConfigError(ValueError):
     """A bad serving configuration (unknown key, wrong type, impossible value)."""
 
@@ -132,6 +140,10 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError("engine.stream_interval must be an integer >= 1")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
+    if cfg["fail_step_after"] is not None and (
+        not isinstance(cfg["fail_step_after"], int) or cfg["fail_step_after"] < 0
+    ):
+        raise ConfigError("engine.fail_step_after (test-only) must be an integer >= 0 or null")
     return cfg
 
 
@@ -141,6 +153,12 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _check_keys(raw, APP_DEFAULTS, "config")
     cfg = {**copy.deepcopy(APP_DEFAULTS), **raw}
     cfg["engine"] = engine_config(cfg["engine"])
+    if (
+        not isinstance(cfg["max_migrations"], int)
+        or isinstance(cfg["max_migrations"], bool)
+        or cfg["max_migrations"] < 0
+    ):
+        raise ConfigError("config.max_migrations must be an integer >= 0")
     for key in ("replicas", "ingress_replicas", "max_ongoing_requests", "port"):
         if not isinstance(cfg[key], int) or cfg[key] < (0 if key == "port" else 1):
             raise ConfigError(f"config.{key} must be a positive integer")

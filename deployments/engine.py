@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
+from kvmesh.deployments.engine_driver import EngineBroken
 from kvmesh.deployments.ports import PortReservation
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
@@ -94,7 +95,7 @@ class EngineReplica:
 
         with ports:
             args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
-            self.driver = make_driver(self.cfg["engine_mode"], args)
+            self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
@@ -127,16 +128,23 @@ class EngineReplica:
         params = self._sampling_params(request.get("params") or {})
         rid = request.get("request_id") or uuid.uuid4().hex
         n_prompt = len(prompt["prompt_token_ids"])
-        async for out in self.driver.generate(prompt, params, rid):
-            comp = out.outputs[0] if out.outputs else None
-            yield {
-                "text": comp.text if comp else "",
-                "token_ids": list(comp.token_ids) if comp else [],
-                "finish_reason": comp.finish_reason if comp and out.finished else None,
-                "num_cached_tokens": int(out.num_cached_tokens or 0),
-                "prompt_tokens": n_prompt,
-                "replica": self.replica_id,
-            }
+        try:
+            async for out in self.driver.generate(prompt, params, rid):
+                comp = out.outputs[0] if out.outputs else None
+                yield {
+                    "text": comp.text if comp else "",
+                    "token_ids": list(comp.token_ids) if comp else [],
+                    "finish_reason": comp.finish_reason if comp and out.finished else None,
+                    "num_cached_tokens": int(out.num_cached_tokens or 0),
+                    "prompt_tokens": n_prompt,
+                    "replica": self.replica_id,
+                }
+        except Exception as exc:
+            if self.driver.healthy() and not isinstance(exc, EngineBroken):
+                raise
+            # the engine itself failed: name this replica, so the ingress moves the request elsewhere
+            # and the routers stop sending here before Serve's health check replaces the replica
+            raise EngineBroken(f"engine of replica {self.replica_id} failed: {exc!r}", self.replica_id) from None
 
     async def generate_full(self, request: dict) -> dict:
         """Non-streaming form of `generate`: one reply instead of a chunk per token (one Serve hop
@@ -163,6 +171,7 @@ class EngineReplica:
             "aborted": load.aborted,
             "kv_usage": self._kv_usage(),
             "stats_errors": self.stats_errors,
+            "healthy": self.driver.healthy(),  # a broken engine: routers stop choosing this replica
             "kv_events_endpoint": self.kv_events_endpoint,
             "replay_endpoint": self.replay_endpoint,
             "events_topic": EVENTS_TOPIC,

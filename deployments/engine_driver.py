@@ -108,13 +108,27 @@ class _LoadCounter:
             await outputs.aclose()
 
 
-class InprocDriver:
-    """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues."""
+class EngineBroken(RuntimeError):
+    """The engine can no longer serve (its step failed): the request should move to another replica."""
 
-    def __init__(self, engine_args) -> None:
+
+class InprocDriver:
+    """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues.
+
+    A failed `step()` leaves vLLM's scheduler in an unknown state, so the driver stops stepping for
+    good: every stream and every later request fails with `EngineBroken`, and `healthy()` turns false
+    so that Serve's health check replaces the replica (a live thread serving nothing would stay green).
+    """
+
+    _broken: BaseException | None = None  # the step failure that ended this engine
+    _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
+    _steps = 0
+
+    def __init__(self, engine_args, fail_step_after: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        self._fail_after = fail_step_after
         self.engine = LLMEngine.from_engine_args(engine_args)
         self.load = _LoadCounter()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,7 +140,7 @@ class InprocDriver:
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            busy = self.engine.has_unfinished_requests()
+            busy = self._broken is None and self.engine.has_unfinished_requests()
             if busy:
                 try:
                     op = self._ops.get_nowait()
@@ -142,21 +156,31 @@ class InprocDriver:
                     op = None
             if self._stop:
                 break
-            if self.engine.has_unfinished_requests():
+            if self._broken is None and self.engine.has_unfinished_requests():
                 try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # the engine is broken: fail every stream, keep the thread alive
-                    log.exception("engine step failed")
+                    outputs = self._step()
+                except Exception as exc:  # the engine is broken: fail every stream, report unhealthy
+                    log.exception("engine step failed: this replica stops serving and fails its health check")
+                    self._broken = exc
                     for rid in list(self._streams):
-                        self._push(rid, exc)
+                        self._push(rid, EngineBroken(f"engine step failed: {exc!r}"))
                     continue
                 for out in outputs:
                     self._push(out.request_id, out)
+
+    def _step(self):
+        self._steps += 1
+        if self._fail_after is not None and self._steps > self._fail_after:
+            raise RuntimeError(f"injected step failure after {self._fail_after} steps (engine.fail_step_after)")
+        return self.engine.step()
 
     def _apply(self, op) -> None:
         kind = op[0]
         if kind == "add":
             _, rid, prompt, params = op
+            if self._broken is not None:
+                self._push(rid, EngineBroken(f"engine step failed: {self._broken!r}"))
+                return
             try:
                 self.engine.add_request(rid, prompt, params)
             except Exception as exc:  # bad request (e.g. too long): report to the caller only
@@ -224,7 +248,7 @@ class InprocDriver:
         return bool(await self.call(lambda e: e.reset_prefix_cache()))
 
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+        return self._thread.is_alive() and not self._stop and self._broken is None
 
     def shutdown(self) -> None:
         self._ops.put(("stop",))
@@ -279,7 +303,8 @@ class AsyncDriver:
         self.engine.shutdown()
 
 
-def make_driver(mode: str | None, engine_args):
+def make_driver(mode: str | None, engine_args, fail_step_after: int | None = None):
+    """`fail_step_after` (test-only fault, in-process engines only): step() raises after that many steps."""
     if mode is None:
         mode = "inproc" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" else "async"
-    return InprocDriver(engine_args) if mode == "inproc" else AsyncDriver(engine_args)
+    return InprocDriver(engine_args, fail_step_after) if mode == "inproc" else AsyncDriver(engine_args)

@@ -30,9 +30,10 @@ from kvmesh.deployments import local_state
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
+from kvmesh.deployments.migration import MigratingStream, call_migrating
 from kvmesh.deployments.miss_attribution import ATTRIBUTION
 from kvmesh.deployments.openai_protocol import OpenAIError
-from kvmesh.deployments.router import active_routers, notify_first_token
+from kvmesh.deployments.router import active_routers, notify_first_token, notify_replica_failed
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
@@ -76,7 +77,10 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
 
 
 def _engine_error(exc: BaseException) -> OpenAIError | None:
-    """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses)."""
+    """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses), and
+    the 503 of a request whose replica kept dying (deployments/migration.py)."""
+    if isinstance(exc, OpenAIError):
+        return exc
     if isinstance(exc, ValueError):
         text = str(exc).strip().splitlines()
         return proto.bad(text[-1][:500] if text else "Invalid request.", code="invalid_request")
@@ -190,6 +194,16 @@ class Ingress:
             )
 
     # ------------------------------------------------------------------ generation
+    def _migrating_stream(self, engine_req: dict) -> MigratingStream:
+        return MigratingStream(
+            engine_req,
+            self.engine.options(stream=True).generate.remote,
+            max_migrations=self.cfg["max_migrations"],
+            counters=self.failures,
+            replica_failed=notify_replica_failed,
+            first_token=notify_first_token,
+        )
+
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         try:
@@ -225,12 +239,18 @@ class Ingress:
 
         t_call = time.perf_counter()
         try:
-            if req.stream:
-                stream = self.engine.options(stream=True).generate.remote(engine_req)
+            if req.stream:  # survives replica deaths: routed again, or continued elsewhere mid-stream
+                stream = self._migrating_stream(engine_req)
                 first = await stream.__anext__()
                 ttft = time.perf_counter() - t0
             else:  # one unary call: no per-token hops through Serve
-                first = await self.engine.generate_full.remote(engine_req)
+                first = await call_migrating(
+                    engine_req,
+                    self.engine.generate_full.remote,
+                    max_migrations=self.cfg["max_migrations"],
+                    counters=self.failures,
+                    replica_failed=notify_replica_failed,
+                )
                 ttft = (t_call - t0) + (first.get("ttft_s") or 0.0)
         except StopAsyncIteration:
             release()
@@ -292,12 +312,12 @@ class Ingress:
             except asyncio.CancelledError:  # client went away
                 stream.cancel()
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("engine stream failed mid-response")
-                self.serving_metrics.record_error(500)
-                yield proto.sse(
-                    {"error": proto.openai_error(500, "engine failed", "internal_error", "server_error")["error"]}
-                )
+                err = exc if isinstance(exc, OpenAIError) else None  # 503: migrations exhausted
+                self.serving_metrics.record_error(err.status if err else 500)
+                body = err.body() if err else proto.openai_error(500, "engine failed", "internal_error", "server_error")
+                yield proto.sse({"error": body["error"]})
             finally:
                 if not completed:
                     stream.cancel()

@@ -130,6 +130,8 @@ class KvmeshRouter(RequestRouter):
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
+        # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
+        self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
@@ -179,19 +181,50 @@ class KvmeshRouter(RequestRouter):
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
 
     def _forget(self, rid: str) -> None:
+        """Drop everything routing keeps about a replica: its index slot (speculative entries included),
+        its KV-event subscriber, its policy state and completed requests awaiting confirmation."""
         if rid in self._subscribed and self.events is not None:
             self._subscribed.discard(rid)
             self._event_loop.create_task(self.events.remove_source(rid))
-        if rid in self.index.replicas():
-            self.index.remove_replica(rid)
+        if rid not in self.index.replicas():
+            return
+        self.index.remove_replica(rid)
         for p in self._policies.values():
             p.on_replica_removed(rid)
+        for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
+            del self._unconfirmed[request_id]
         self.forgotten += 1
         log.info("forgot replica %s", rid)
 
+    def replica_failed(self, rid: str) -> None:
+        """A replica is dead (Serve said so, or the ingress saw it fail): forget it now and never choose it."""
+        self._dead.add(rid)
+        self._forget(rid)
+
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
-        self._forget(replica_id.unique_id)
+        self.replica_failed(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set: replicas that left are forgotten at once (not on the next request);
+        new ones (a restarted replica has a new id) are added cold when their routing stats arrive."""
+        super().update_replicas(replicas)
+        present = {r.replica_id.unique_id for r in replicas}
+        for rid in set(self.index.replicas()) - present:
+            self._forget(rid)
+        self._dead &= present  # a dead id Serve no longer lists cannot come back
+
+    def _live(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """Candidates minus replicas known dead; a replica whose engine reports itself broken joins them."""
+        live = []
+        for r in candidates:
+            rid = r.replica_id.unique_id
+            if rid not in self._dead and (r.routing_stats or {}).get("healthy", True) is False:
+                log.warning("replica %s reports a broken engine: no longer routed to", rid)
+                self.replica_failed(rid)
+            if rid not in self._dead:
+                live.append(r)
+        return live
 
     # ------------------------------------------------------------------ routing
     def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:
@@ -229,6 +262,7 @@ class KvmeshRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
+        candidate_replicas = self._live(candidate_replicas)
         await self._sync_replicas(candidate_replicas)
         req = request_fields(pending_request)
         # not an engine request (e.g. info()): any replica
@@ -415,6 +449,15 @@ class KvmeshRouter(RequestRouter):
             return fn()
 
         return asyncio.run_coroutine_threadsafe(_call(), loop).result(timeout)
+
+
+def notify_replica_failed(replica_id: str) -> None:
+    """The ingress saw `replica_id` fail a request: every router in this process stops choosing it."""
+    for r in active_routers():
+        try:
+            r._event_loop.call_soon_threadsafe(r.replica_failed, replica_id)
+        except RuntimeError:  # loop closed
+            pass
 
 
 def notify_first_token(request_id: str) -> None:

@@ -1,0 +1,201 @@
+"""Request migration: a request whose engine replica dies is finished by another replica.
+
+Why here, in the ingress: the ingress holds the only copy of what the client has already received.
+When a replica dies (its actor is gone, or its engine broke and raised `EngineBroken`):
+
+- before the first token, the request is simply routed again; the router has been told the replica
+  is dead, so it never picks it again;
+- mid-stream, a continuation is sent: a new engine request whose prompt is the original prompt plus
+  the token ids already sent, with `max_tokens`/`min_tokens` reduced by that many and the same tenant
+  salt (so its prefix still hits the caches). Greedy decoding therefore yields exactly the tokens the
+  dead replica would have produced, and the client sees one uninterrupted stream;
+- unary requests are sent again whole (nothing reached the client yet).
+
+Each move counts in /metrics (`kvmesh_migrations_total`); after `max_migrations` moves the request
+fails with an OpenAI-style 503 (`MigrationExhausted`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvmesh.deployments.engine_driver import EngineBroken
+from kvmesh.deployments.failure_metrics import FailureCounters
+from kvmesh.deployments.openai_protocol import OpenAIError
+
+log = logging.getLogger("ray.serve.kvmesh")
+
+
+class MigrationExhausted(OpenAIError):
+    """The request lost its replica more often than `max_migrations` allows."""
+
+    def __init__(self, moves: int):
+        super().__init__(
+            503,
+            f"The engine replica serving this request failed and it could not be finished elsewhere "
+            f"after {moves} migration(s); retry later.",
+            "engine_unavailable",
+            err_type="server_error",
+        )
+
+    def headers(self) -> dict:
+        return {**super().headers(), "Retry-After": "1"}
+
+
+def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
+    """(is this the replica dying rather than the request being bad?, the dead replica's id if known)."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    cause = getattr(exc, "cause", None)
+    for e in (exc, cause):
+        if isinstance(e, EngineBroken):
+            return True, e.args[1] if len(e.args) > 1 else None
+        if isinstance(e, (RayActorError, ReplicaUnavailableError)):
+            return True, None
+    return False, None
+
+
+def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
+    """The engine request that finishes `request` after `sent_token_ids` reached the client.
+
+    With nothing sent yet it is the request itself, under the same id (so the router's prediction for
+    its new placement is the one checked against what the engine reports); a continuation gets an id
+    of its own."""
+    if not sent_token_ids:
+        return request
+    params = dict(request.get("params") or {})
+    n = len(sent_token_ids)
+    params["max_tokens"] = max(1, int(params.get("max_tokens") or 16) - n)  # 16: vLLM's default
+    if params.get("min_tokens"):
+        params["min_tokens"] = max(0, int(params["min_tokens"]) - n)
+    return {
+        **request,
+        "request_id": f"{request['request_id']}-m{move}",
+        "prompt_token_ids": list(request["prompt_token_ids"]) + list(sent_token_ids),
+        "params": params,
+    }
+
+
+class MigratingStream:
+    """The engine chunks of one streamed request, across as many replicas as it takes.
+
+    `open(engine_request)` starts a stream on the engine deployment (Serve's router places it);
+    `replica_failed(replica_id)` tells the routers in this process that a replica is dead;
+    `first_token(request_id)` tells them a continuation has started (its prefill is done).
+    """
+
+    def __init__(
+        self,
+        request: dict,
+        open: Callable[[dict], Any],
+        *,
+        max_migrations: int,
+        counters: FailureCounters,
+        replica_failed: Callable[[str], None],
+        first_token: Callable[[str], None],
+    ):
+        self.request = request
+        self._open = open
+        self.max_migrations = max_migrations
+        self.counters = counters
+        self._replica_failed = replica_failed
+        self._first_token = first_token
+        self.sent: list[int] = []  # token ids already handed to the client
+        self.moves = 0
+        self.replica: str | None = None  # the replica streaming now (from its chunks)
+        self._current = request
+        self._stream: Any = open(request)
+        self._started = False  # the current engine request produced a chunk
+
+    def __aiter__(self) -> MigratingStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        while True:
+            try:
+                chunk = await self._stream.__anext__()
+            except StopAsyncIteration:
+                raise
+            except Exception as exc:
+                dead, rid = replica_failure(exc)
+                if not dead:
+                    raise
+                self._move(rid or self.replica, exc)
+                continue
+            if not self._started:
+                self._started = True
+                if self._current["request_id"] != self.request["request_id"]:
+                    self._first_token(self._current["request_id"])
+            self.replica = chunk.get("replica", self.replica)
+            self.sent.extend(chunk["token_ids"])
+            return chunk
+
+    def _move(self, dead_replica: str | None, exc: BaseException) -> None:
+        reason = "mid_stream" if self.sent else "before_first_token"
+        if dead_replica:
+            self._replica_failed(dead_replica)
+        self._stream.cancel()
+        if self.moves >= self.max_migrations:
+            self.counters.gave_up()
+            log.warning(
+                "request %s: replica failed and max_migrations=%d reached",
+                self.request["request_id"],
+                self.max_migrations,
+            )
+            raise MigrationExhausted(self.moves) from exc
+        self.moves += 1
+        self.counters.migrated(reason)
+        log.warning(
+            "request %s: replica %s failed (%s) %s; migrating (move %d, %d tokens already sent)",
+            self.request["request_id"],
+            dead_replica or "?",
+            type(exc).__name__,
+            reason.replace("_", " "),
+            self.moves,
+            len(self.sent),
+        )
+        self._current = continuation(self.request, self.sent, self.moves)
+        self._started = False
+        self.replica = None
+        self._stream = self._open(self._current)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+async def call_migrating(
+    request: dict,
+    call: Callable[[dict], Any],
+    *,
+    max_migrations: int,
+    counters: FailureCounters,
+    replica_failed: Callable[[str], None],
+) -> dict:
+    """A unary engine call, sent again whole to another replica when its replica dies."""
+    moves = 0
+    current = request
+    while True:
+        try:
+            return await call(current)
+        except Exception as exc:
+            dead, rid = replica_failure(exc)
+            if not dead:
+                raise
+            if rid:
+                replica_failed(rid)
+            if moves >= max_migrations:
+                counters.gave_up()
+                raise MigrationExhausted(moves) from exc
+            moves += 1
+            counters.migrated("unary")
+            log.warning(
+                "request %s: replica %s failed (%s); sent again (move %d)",
+                request["request_id"],
+                rid or "?",
+                type(exc).__name__,
+                moves,
+            )
+            current = continuation(request, [], moves)

@@ -1,0 +1,147 @@
+"""Request migration with kvmesh's engine-stream interface faked: what a continuation asks for, how one
+stream is stitched from several replicas, and where the bound stops it (no Ray cluster, no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from kvmesh.deployments.engine_driver import EngineBroken
+from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
+from kvmesh.deployments.migration import MigratingStream, MigrationExhausted, call_migrating, continuation
+
+REQUEST = {
+    "request_id": "r1",
+    "prompt_token_ids": [5, 6, 7],
+    "cache_salt": "salt-a",
+    "tenant": "t",
+    "params": {"max_tokens": 6, "min_tokens": 4, "temperature": 0.0},
+}
+ANSWER = [11, 12, 13, 14, 15, 16]  # what greedy decoding yields for REQUEST on any replica
+
+
+class _Replica:
+    """Streams the continuation of whatever it is asked, one token per chunk; dies after `die_after` chunks."""
+
+    def __init__(self, name: str, die_after: int | None = None, error=None):
+        self.name, self.die_after, self.error = name, die_after, error
+        self.requests: list[dict] = []
+        self.cancelled = 0
+
+    def open(self, request: dict):
+        self.requests.append(request)
+        done = len(request["prompt_token_ids"]) - len(REQUEST["prompt_token_ids"])
+        todo = ANSWER[done : done + request["params"]["max_tokens"]]
+        replica = self
+
+        class _Stream:
+            def __init__(self):
+                self.i = 0
+
+            async def __anext__(self):
+                if replica.die_after is not None and self.i >= replica.die_after:
+                    raise replica.error or ActorDiedError()
+                if self.i >= len(todo):
+                    raise StopAsyncIteration
+                self.i += 1
+                last = self.i == len(todo)
+                return {
+                    "token_ids": [todo[self.i - 1]],
+                    "text": "x",
+                    "finish_reason": "length" if last else None,
+                    "num_cached_tokens": 0,
+                    "replica": replica.name,
+                }
+
+            def cancel(self):
+                replica.cancelled += 1
+
+        return _Stream()
+
+
+def _fleet(*replicas):
+    """Serve's placement, faked: each new engine request goes to the next replica."""
+    order = list(replicas)
+    return lambda request: order.pop(0).open(request)
+
+
+async def _drain(stream) -> list[int]:
+    return [t async for chunk in stream for t in chunk["token_ids"]]
+
+
+def _stream(open_, counters, failed, started, max_migrations=2):
+    return MigratingStream(
+        dict(REQUEST),
+        open_,
+        max_migrations=max_migrations,
+        counters=counters,
+        replica_failed=failed.append,
+        first_token=started.append,
+    )
+
+
+def test_a_continuation_asks_for_the_rest_from_the_prompt_plus_what_was_sent():
+    c = continuation(REQUEST, [11, 12], 1)
+    assert c["prompt_token_ids"] == [5, 6, 7, 11, 12]
+    assert c["params"]["max_tokens"] == 4 and c["params"]["min_tokens"] == 2 and c["params"]["temperature"] == 0.0
+    assert c["cache_salt"] == "salt-a" and c["tenant"] == "t" and c["request_id"] == "r1-m1"
+    assert REQUEST["params"]["max_tokens"] == 6  # the original is untouched
+    assert continuation(REQUEST, [], 1) is REQUEST  # nothing sent yet: the same request, routed again
+
+
+def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
+    counters, failed, started = FailureCounters(), [], []
+    a, b = _Replica("A", die_after=2), _Replica("B")
+    stream = _stream(_fleet(a, b), counters, failed, started)
+    assert asyncio.run(_drain(stream)) == ANSWER
+    assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11, 12] and b.requests[0]["params"]["max_tokens"] == 4
+    assert failed == ["A"] and started == ["r1-m1"] and a.cancelled == 1
+    assert counters.snapshot() == {"migrations": {"mid_stream": 1}, "exhausted": 0}
+    assert 'kvmesh_migrations_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
+
+
+def test_a_broken_engine_before_the_first_token_routes_the_request_again():
+    counters, failed, started = FailureCounters(), [], []
+    broken = _Replica("A", die_after=0, error=EngineBroken("engine step failed", "A"))
+    b = _Replica("B")
+    assert asyncio.run(_drain(_stream(_fleet(broken, b), counters, failed, started))) == ANSWER
+    assert b.requests[0] is not None and b.requests[0]["request_id"] == "r1"
+    assert failed == ["A"] and started == []
+    assert counters.snapshot()["migrations"] == {"before_first_token": 1}
+
+
+def test_after_max_migrations_the_request_ends_with_a_503():
+    counters, failed, started = FailureCounters(), [], []
+    dying = [_Replica(n, die_after=1) for n in "ABC"]
+    stream = _stream(_fleet(*dying), counters, failed, started, max_migrations=2)
+    with pytest.raises(MigrationExhausted) as info:
+        asyncio.run(_drain(stream))
+    assert info.value.status == 503 and info.value.body()["error"]["code"] == "engine_unavailable"
+    assert counters.snapshot() == {"migrations": {"mid_stream": 2}, "exhausted": 1}
+
+
+def test_a_bad_request_is_not_migrated():
+    counters = FailureCounters()
+    bad = _Replica("A", die_after=0, error=ValueError("prompt too long"))
+    with pytest.raises(ValueError):
+        asyncio.run(_drain(_stream(_fleet(bad, _Replica("B")), counters, [], [])))
+    assert counters.snapshot()["migrations"] == {}
+
+
+def test_a_unary_call_is_sent_again_whole():
+    counters, failed = FailureCounters(), []
+    calls = []
+
+    async def call(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise EngineBroken("engine step failed", "A")
+        return {"token_ids": ANSWER, "replica": "B"}
+
+    out = asyncio.run(
+        call_migrating(dict(REQUEST), call, max_migrations=1, counters=counters, replica_failed=failed.append)
+    )
+    assert out["token_ids"] == ANSWER and calls[1]["prompt_token_ids"] == REQUEST["prompt_token_ids"]
+    assert failed == ["A"] and counters.snapshot()["migrations"] == {"unary": 1}
