@@ -52,6 +52,7 @@ class TierTracker:
                 "shared_dropped_on_loss",
                 "host_dropped_on_restart",
                 "lmcache_events_dropped",
+                "nodes_dropped",
             ),
             0,
         )
@@ -124,6 +125,22 @@ class TierTracker:
             gone = lru.clear()
             self.index.remove_host(node_id, gone)
             self.counters["host_dropped_on_restart"] += len(gone)
+
+    def drop_node(self, node_id: str) -> None:
+        """The node left the cluster (or its LMCache server is gone for good): forget its host tier and
+        stop counting it as a writer to the shared tier. A node that comes back is declared anew by
+        `set_node` when its engines' routing stats arrive."""
+        if node_id not in self._host:
+            return
+        self.node_restarted(node_id)
+        del self._host[node_id]
+        self._chunk_blocks.pop(node_id, None)
+        self._shared_nodes.discard(node_id)
+        self.counters["nodes_dropped"] += 1
+
+    def nodes(self) -> dict[str, dict]:
+        """node id -> {"host_blocks", "shared"}: the nodes whose tiers the router models now."""
+        return {n: {"host_blocks": len(lru), "shared": n in self._shared_nodes} for n, lru in self._host.items()}
 
     def apply_events(self, replica_id: str, events: Iterable, medium_tiers: dict | None = None) -> int:
         """Forward engine KV events to the index, minus LMCache's chunk-hash events (see module doc)."""

@@ -194,13 +194,15 @@ def stop_node_servers() -> int:
     return len(actors)
 
 
-async def watch_tier_health(tracker, interval_s: float = 5.0, stop=None) -> None:
+async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None:
     """Router background task: keep a `kvmesh.cluster.tier_tracker.TierTracker` in step with the node servers.
 
     Every `interval_s`: the shared tier counts as up only if every node that has one reaches it
-    (`set_shared_up`), and a node whose server was restarted (watchdog) loses its host tier in the
-    tracker (`node_restarted`). Actor calls are awaited, never blocking the router's loop; errors skip
-    a round. `stop` is an optional asyncio.Event.
+    (`set_shared_up`), a node whose server was restarted (watchdog) loses its host tier in the
+    tracker (`node_restarted`), and a node whose server is down (dead process, unreachable actor) or
+    gone (the node left the cluster) is dropped from the tracker (`drop_node`) until its engines
+    declare it again. Actor calls are awaited, never blocking the router's loop; errors skip a round.
+    `stop` is an optional asyncio.Event.
     """
     import asyncio
 
@@ -213,7 +215,13 @@ async def watch_tier_health(tracker, interval_s: float = 5.0, stop=None) -> None
                 try:
                     health[node] = await asyncio.wait_for(actor.health.remote(), timeout=5.0)
                 except Exception:
+                    tracker.drop_node(node)  # the actor (or its node) does not answer
                     continue
+                if not health[node].get("serving", True):
+                    tracker.drop_node(node)  # the server process is dead; the watchdog restarts it empty
+            for node in list(tracker.nodes()):
+                if node not in actors:
+                    tracker.drop_node(node)
             ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
             if ups:
                 tracker.set_shared_up(all(ups))
