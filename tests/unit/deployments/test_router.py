@@ -1,5 +1,5 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""The router's ranking and bookkeeping with fake replicas (no Ray cluster, no engines): prefix holder first,
+commitment before Serve places, moves and withdrawals, tenant policies, the hash-contract alarm."""
 
 from __future__ import annotations
 
@@ -10,20 +10,6 @@ import pytest
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
-
-# ---------------------------------------------------------------------------- request validation
-
-
-# ---------------------------------------------------------------------------- config
-
-
-# ---------------------------------------------------------------------------- prediction ledger
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-# ---------------------------------------------------------------------------- tiny model
 
 
 # ---------------------------------------------------------------------------- router with fake replicas

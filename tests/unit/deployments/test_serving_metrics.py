@@ -1,5 +1,4 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""Serving metrics text (deployments/serving_metrics.py): token- and request-weighted hit rates."""
 
 from __future__ import annotations
 
@@ -7,14 +6,6 @@ import pytest
 
 from kvmesh.deployments.prediction import PredictionLedger
 from kvmesh.deployments.serving_metrics import ServingMetrics
-
-# ---------------------------------------------------------------------------- request validation
-
-
-# ---------------------------------------------------------------------------- config
-
-
-# ---------------------------------------------------------------------------- prediction ledger
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -32,9 +23,3 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     assert 'kvmesh_ttft_seconds_bucket{replica="r1",le="0.1"} 1' in text
     assert 'kvmesh_http_errors_total{status="400"} 1' in text
     assert "kvmesh_hash_contract_alarm 0" in text and 'kvmesh_router_index_events_total{counter="lookups"} 3' in text
-
-
-# ---------------------------------------------------------------------------- tiny model
-
-
-# ---------------------------------------------------------------------------- router with fake replicas

@@ -1,22 +1,10 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""The embedded tiny model (deployments/tiny_model.py): built locally, deterministic, idempotent."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-
-# ---------------------------------------------------------------------------- request validation
-
-
-# ---------------------------------------------------------------------------- config
-
-
-# ---------------------------------------------------------------------------- prediction ledger
-
-
-# ---------------------------------------------------------------------------- metrics
 
 
 # ---------------------------------------------------------------------------- tiny model
@@ -43,6 +31,3 @@ def test_tiny_model_is_deterministic_and_idempotent(tmp_path):
     assert tok.decode(ids) == "The cache remembers"
     assert build_tiny_model(tmp_path / "c", seed=1) != a
     assert digest(tmp_path / "c")["model.safetensors"] != digest(a)["model.safetensors"]
-
-
-# ---------------------------------------------------------------------------- router with fake replicas
