@@ -10,12 +10,14 @@ tier held them) and `evicted` (none did); against a peer that part is `unknown`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.miss_reasons import attribute, drift_kind, leading_held, text_units
 from kvmesh.cluster.prefix_share import TokenizedRequest, _lcp, hash_requests
-from kvmesh.cluster.request_log import LoggedRequest, prompt_text
+from kvmesh.cluster.request_log import ChatRenderer, LoggedRequest, prompt_text
 
 
 @dataclass
@@ -26,26 +28,74 @@ class Prepared:
     tok: TokenizedRequest
     units: list = field(default_factory=list)  # [(unit key, token end)]
     origin: Prepared | None = None  # the logged prompt this one was derived from (the partial pass)
+    _chain: list[int] | None = None
+
+    @property
+    def unit_chain(self) -> list[int]:
+        """Per leading unit count j, one key for the first j units (compared across prompts)."""
+        if self._chain is None:
+            h, chain = 0, []
+            for key, _ in self.units:
+                h = hash((h, key))
+                chain.append(h)
+            self._chain = chain
+        return self._chain
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building hundreds of thousands of small lists and tuples
+    (token ids, offsets, hashes) that never form cycles otherwise triggers full collections that cost
+    as much as the work itself."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: str = "sha256") -> list[Prepared]:
-    """Tokenise every request as kvmesh's ingress does (chat template, no extra special tokens), hash it."""
+    with paused_gc():
+        return _prepare(reqs, tokenizer, block_size, algo)
+
+
+def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: str) -> list[Prepared]:
+    """Tokenise every request as kvmesh's ingress does (chat template, no extra special tokens), hash it.
+
+    Texts are encoded in one batch by the fast tokenizer's backend (with character offsets, which map
+    messages to token positions for drift); a slow tokenizer encodes them one by one."""
+    render = ChatRenderer(tokenizer)
+    texts = [prompt_text(r, tokenizer, render) for r in reqs]
+    encoded = _encode(tokenizer, [t for t in texts if t is not None])
     out = []
-    for i, r in enumerate(reqs):
-        text = prompt_text(r, tokenizer)
+    k = 0
+    for i, (r, text) in enumerate(zip(reqs, texts)):
         if text is None:
             ids = list(r.body["prompt"])
             units: list = []
         else:
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = list(enc["input_ids"])
+            ids, offsets = encoded[k]
+            k += 1
             if r.is_chat:
                 contents = [(m["role"], _content(m["content"])) for m in r.body["messages"]]
             else:
                 contents = [("prompt", line) for line in text.split("\n") if line.strip()]
-            units = text_units(text, contents, enc["offset_mapping"])
+            units = text_units(text, contents, offsets)
         out.append(Prepared(r, TokenizedRequest(i, r.id, r.tenant, r.model, ids), units))
     hash_requests([p.tok for p in out], block_size, algo)
+    return out
+
+
+def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    out = []
+    for t in texts:
+        enc = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)
+        out.append((list(enc["input_ids"]), enc["offset_mapping"]))
     return out
 
 
@@ -78,7 +128,7 @@ class MissAnalyzer:
         self.decode = decode  # token ids -> text, for the drift examples
         self.salted: dict[tuple, set[int]] = {}  # (tenant, model) -> blocks computed
         self.unsalted: dict[str | None, set[int]] = {}  # tenant -> blocks computed (no salt)
-        self.units: dict[str | None, dict[tuple, Prepared]] = {}  # tenant -> unit-key prefix -> first prompt
+        self.units: dict[str | None, dict[int, Prepared]] = {}  # tenant -> unit-chain key -> first prompt
         self.drifts: list[dict] = []
 
     def run(self, sent: Sequence[Sent]) -> list[dict[str, int]]:
@@ -101,8 +151,8 @@ class MissAnalyzer:
         self.salted.setdefault((t.tenant, t.model), set()).update(t.salted)
         self.unsalted.setdefault(t.tenant, set()).update(t.unsalted)
         chains = self.units.setdefault(t.tenant, {})
-        for j in range(1, len(p.units) + 1):
-            chains.setdefault(tuple(u[0] for u in p.units[:j]), p)
+        for key in p.unit_chain:
+            chains.setdefault(key, p)
 
     def attribute(self, s: Sent) -> dict[str, int]:
         t, B = s.prepared.tok, self.block_size
@@ -149,8 +199,8 @@ class MissAnalyzer:
         if not chains or not p.units:
             return 0, None, 0
         end, twin, twin_end = 0, None, 0
-        for j in range(1, len(p.units) + 1):
-            other = chains.get(tuple(u[0] for u in p.units[:j]))
+        for j, key in enumerate(p.unit_chain, start=1):
+            other = chains.get(key)
             if other is None or len(other.units) < j:
                 break
             end, twin, twin_end = p.units[j - 1][1], other, other.units[j - 1][1]

@@ -325,7 +325,7 @@ def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json"}
     with open(paths["json"], "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1)
+        json.dump(report, fh, separators=(",", ":"))
     plots = plot_all(report, out)
     paths.update(plots)
     paths["html"] = out / "report.html"

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.cluster.cachetest_analysis import MissAnalyzer, Sent
+from kvmesh.cluster.cachetest_analysis import MissAnalyzer, Sent, paused_gc
 from kvmesh.cluster.miss_reasons import REASONS
 from kvmesh.cluster.stats import nearest_rank
 
@@ -131,6 +131,11 @@ def build_report(
     isolation: dict | None = None,
 ) -> dict:
     """The whole report.json document: offline figures, every pass, every request, attribution, summary."""
+    with paused_gc():
+        return _build_report(runs, offline, rates, block_size, meta, decode, isolation)
+
+
+def _build_report(runs, offline, rates, block_size, meta, decode, isolation) -> dict:
     sent = [s for run in runs for s in run.sent]
     analyzer = MissAnalyzer(block_size, decode)
     reasons = analyzer.run(sent)

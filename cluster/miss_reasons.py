@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from functools import lru_cache
 
 REASONS = ("cold", "evicted", "misrouted", "isolated", "partial_block", "drift", "adapter", "unknown")
 
@@ -84,6 +85,7 @@ _WORD = re.compile(r"\w+")
 _MARKUP = re.compile(r"<\|[^|>]*\|>|</?s>")  # chat-template special tokens: markup, not words
 
 
+@lru_cache(maxsize=65536)
 def unit_key(role: str, text: str) -> tuple:
     """What "the same text" means for drift: the words of a message, in any order (so whitespace,
     punctuation, template separators and tool order do not count), and its role."""

@@ -17,6 +17,7 @@ pass is O(n log n) comparisons, fast enough for logs of tens of thousands of req
 from __future__ import annotations
 
 import bisect
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,6 +106,16 @@ def as_trace(reqs: Sequence[TokenizedRequest]) -> list[TraceRequest]:
 
 def offline_pass(reqs: Sequence[TokenizedRequest], block_size: int, replicas: Sequence[int] = (1, 2, 4)) -> dict:
     """The offline figures of a hashed log (`hash_requests` first)."""
+    gc_was = gc.isenabled()
+    gc.disable()  # many small tuples, no cycles (see cachetest_analysis.paused_gc)
+    try:
+        return _offline_pass(reqs, block_size, replicas)
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+def _offline_pass(reqs: Sequence[TokenizedRequest], block_size: int, replicas: Sequence[int]) -> dict:
     prompt = sum(r.n for r in reqs)
     shared = shared_prefixes(reqs)
     shared_any = shared_prefixes(reqs, by_tenant=False)
