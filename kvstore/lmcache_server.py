@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvmesh.kvstore.tiers import HEARTBEAT_S, TierConfig, server_args
+from kvmesh.kvstore.tiers import HEARTBEAT_S, TierConfig, l2_credentials_env, server_args
 
 _QUIET_ENV = {
     "LMCACHE_TRACK_USAGE": "false",
@@ -67,10 +67,25 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def redis_ping(host: str, port: int, timeout: float = 1.0) -> bool:
-    """True when a RESP server answers PING: how kvmesh tells the shared tier is up."""
+def _resp_command(*parts: str) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        data = p.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def redis_ping(
+    host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str | None = None
+) -> bool:
+    """True when a RESP server answers PING (after AUTH when it needs a password): how kvmesh tells
+    the shared tier is up."""
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            if password:
+                s.sendall(_resp_command("AUTH", *([username] if username else []), password))
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
             return s.recv(64).startswith(b"+PONG")
     except OSError:
@@ -82,8 +97,9 @@ def shared_tier_reachable(l2: dict | None) -> bool | None:
     if not l2:
         return None
     kind = l2.get("type")
-    if kind == "resp":
-        return redis_ping(l2["host"], l2["port"])
+    if kind == "resp":  # the password as the LMCache server gets it: in the L2 or from the environment
+        password = l2.get("password") or os.environ.get("LMCACHE_RESP_PASSWORD")
+        return redis_ping(l2["host"], l2["port"], password=password, username=l2.get("username"))
     if kind == "valkey":
         host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
         return redis_ping(host, int(port)) if port.isdigit() else None
@@ -146,7 +162,7 @@ class LMCacheServer:
         self.prometheus_port = self.prometheus_port or free_port(self.config.host)
         if self.config.l2 and self.config.l2.get("type") == "fs":
             Path(self.config.l2["base_path"]).mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **_QUIET_ENV, **(self.env or {})}
+        env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.config.l2), **(self.env or {})}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
             self.proc = subprocess.Popen(

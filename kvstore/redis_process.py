@@ -2,12 +2,14 @@
 
 A real Redis, not a fake: the shared-tier tests and the calibration must show LMCache's own `resp` adapter storing and
 loading KV chunks, and what happens when that store disappears. No persistence (save "" and
-appendonly no) so a restart comes back empty, like a lost cache node.
+appendonly no) so a restart comes back empty, like a lost cache node. It requires a password (random per
+server, in `url`), as the shared tier does on KubeRay: it holds every tenant's KV chunks.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -24,19 +26,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+def _ping(port: int, password: str | None) -> bool:
+    from kvmesh.kvstore.lmcache_server import redis_ping
+
+    return redis_ping("127.0.0.1", port, timeout=0.5, password=password)
 
 
 class RedisServer:
     """One redis-server process; `stop()` then `start()` reuses the same port (tier loss and return)."""
 
-    def __init__(self, workdir: str | os.PathLike, port: int | None = None):
+    def __init__(self, workdir: str | os.PathLike, port: int | None = None, require_password: bool = True):
         binary = shutil.which("redis-server")
         if not binary:
             raise RuntimeError("redis-server is not installed: run `make services` (apt-get install redis-server)")
@@ -44,11 +43,13 @@ class RedisServer:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or _free_port()
+        self.password = secrets.token_hex(16) if require_password else None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
         cmd = [
@@ -68,6 +69,8 @@ class RedisServer:
             "--daemonize",
             "no",
         ]
+        if self.password:  # on the command line: this server's own, local, throw-away password
+            cmd += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
@@ -77,14 +80,14 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited ({self.proc.returncode}); see {self.workdir / 'redis.log'}")
-            if _ping(self.port):
+            if _ping(self.port, self.password):
                 return self
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"redis-server did not answer PING on port {self.port} within {timeout} s")
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None and _ping(self.port)
+        return self.proc is not None and self.proc.poll() is None and _ping(self.port, self.password)
 
     def stop(self) -> None:
         if self.proc is None:

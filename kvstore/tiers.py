@@ -14,7 +14,9 @@ chunk size and transfer mode — the two settings that otherwise hang or silentl
 L2 spellings accepted (`l2` key):
 - None / "none": host tier only.
 - "fs" (+ `l2_path`) or {"type": "fs", "base_path": DIR}: a local folder; the embedded default.
-- "redis://HOST:PORT" or {"type": "resp", "host": H, "port": P}: Redis via LMCache's `resp` adapter.
+- "redis://HOST:PORT" or {"type": "resp", "host": H, "port": P}: Redis via LMCache's `resp` adapter;
+  "redis://[USER]:PASSWORD@HOST:PORT" or "password"/"username" keys for a Redis that requires AUTH
+  (they reach the server process as LMCACHE_RESP_PASSWORD/USERNAME, never on its command line).
 - "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter.
 - any other {"type": NAME, ...}: passed to LMCache unchanged (mooncake_store, s3, p2p, ...).
 """
@@ -25,7 +27,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 CONNECTOR = "LMCacheMPConnector"
 # The connector's liveness settings (LMCache's defaults: 10 s heartbeat, 300 s message-queue timeout).
@@ -124,7 +126,12 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
                 raise TierConfigError(f"l2 URL {l2!r} needs a host and a port, e.g. redis://127.0.0.1:6379")
             if url.scheme == "valkey":
                 return {"type": "valkey", "startup_nodes": f"{url.hostname}:{url.port}"}
-            return {"type": "resp", "host": url.hostname, "port": url.port}
+            out = {"type": "resp", "host": url.hostname, "port": url.port}
+            if url.password:
+                out["password"] = unquote(url.password)
+            if url.username:
+                out["username"] = unquote(url.username)
+            return out
         raise TierConfigError(f"l2 {l2!r} not understood; use none, fs, redis://H:P, valkey://H:P or an adapter dict")
     if isinstance(l2, dict):
         if not isinstance(l2.get("type"), str):
@@ -136,6 +143,19 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
             raise TierConfigError("l2 type 'resp' needs 'host' and 'port'")
         return out
     raise TierConfigError(f"l2 must be a string or a dict, got {type(l2).__name__}")
+
+
+_CREDENTIALS = {"password": "LMCACHE_RESP_PASSWORD", "username": "LMCACHE_RESP_USERNAME"}
+
+
+def l2_credentials_env(l2: dict | None) -> dict[str, str]:
+    """The resp adapter's credentials as the environment LMCache reads when its JSON names none.
+
+    Why: the `--l2-adapter` JSON is on the server's command line, which `ps` shows every local user.
+    """
+    if not l2 or l2.get("type") != "resp":
+        return {}
+    return {env: str(l2[key]) for key, env in _CREDENTIALS.items() if l2.get(key)}
 
 
 def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
@@ -161,7 +181,8 @@ def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
         str(prometheus_port),
     ]
     if cfg.l2:
-        args += ["--l2-adapter", json.dumps(cfg.l2, sort_keys=True)]
+        public = {k: v for k, v in cfg.l2.items() if not (cfg.l2["type"] == "resp" and k in _CREDENTIALS)}
+        args += ["--l2-adapter", json.dumps(public, sort_keys=True)]
     return args + list(cfg.extra_args)
 
 

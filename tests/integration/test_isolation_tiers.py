@@ -65,7 +65,7 @@ def stack(tmp_path_factory):
     from kvmesh.deployments.tiny_model import build_tiny_model
     from kvmesh.kvstore.lmcache_server import LMCacheServer
     from kvmesh.kvstore.redis_process import RedisServer
-    from kvmesh.kvstore.tiers import TierConfig
+    from kvmesh.kvstore.tiers import TierConfig, normalise_l2
 
     root = tmp_path_factory.mktemp("h5-tiers")
     set_engine_env(root)
@@ -74,9 +74,7 @@ def stack(tmp_path_factory):
     servers = []
 
     def new_server(name: str) -> LMCacheServer:
-        cfg = TierConfig(
-            l1_size_gb=0.25, chunk_size=CHUNK, l2={"type": "resp", "host": "127.0.0.1", "port": redis.port}
-        )
+        cfg = TierConfig(l1_size_gb=0.25, chunk_size=CHUNK, l2=normalise_l2(redis.url))
         srv = LMCacheServer(cfg, root / f"{name}.log")
         srv.start()
         servers.append(srv)
@@ -103,23 +101,23 @@ def _vocab(model) -> int:
     return len(AutoTokenizer.from_pretrained(str(model)))
 
 
-def _redis_keys(redis_port: int) -> list[str]:
+def _redis_keys(redis_url: str) -> list[str]:
     import redis as redis_py
 
-    client = redis_py.Redis(host="127.0.0.1", port=redis_port, socket_timeout=10)
+    client = redis_py.Redis.from_url(redis_url, socket_timeout=10)  # the URL carries the password
     try:
         return [k.decode() for k in client.scan_iter(count=1000)]
     finally:
         client.close()
 
 
-def _wait_for_l2(port: int, salts: set[str], timeout: float = 60.0) -> list[str]:
+def _wait_for_l2(redis_url: str, salts: set[str], timeout: float = 60.0) -> list[str]:
     """L2 writes are asynchronous: wait until keys for every given salt are in Redis."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        keys = _redis_keys(port)
+        keys = _redis_keys(redis_url)
         if all(any(k.endswith("@" + s) for k in keys) for s in salts) or time.monotonic() > deadline:
             return keys
         time.sleep(0.5)
@@ -134,7 +132,7 @@ def test_lmcache_keys_include_the_salt_and_tiers_isolate_tenants(stack):
         for c in cases:
             reply = e1.generate(c["prompt"], SALTS[c["owner"]])
             assert reply.get("num_cached_tokens") == 0, reply
-        keys = _wait_for_l2(stack["redis"].port, owner_salts)
+        keys = _wait_for_l2(stack["redis"].url, owner_salts)
         assert keys, "nothing reached the shared tier"
         key_salts = {k.rsplit("@", 1)[-1] for k in keys}
         assert key_salts == owner_salts, "every L2 key carries the salt of the tenant that stored it"

@@ -215,3 +215,17 @@ def test_actor_config_round_trip():
 
     cfg = TierConfig.from_dict({"l2": "redis://h:1", "chunk_size": 64, "extra_args": ["--max-gpu-workers", "2"]})
     assert TierConfig.from_dict(_to_dict(cfg)) == cfg
+
+
+def test_redis_credentials_come_from_the_url_and_stay_off_the_servers_command_line():
+    from kvmesh.kvstore.tiers import l2_credentials_env, normalise_l2, server_args
+
+    l2 = normalise_l2("redis://:s3cr%40t@10.0.0.5:6379")
+    assert l2 == {"type": "resp", "host": "10.0.0.5", "port": 6379, "password": "s3cr@t"}
+    assert normalise_l2("redis://kvmesh:pw@h:1")["username"] == "kvmesh"
+    cfg = TierConfig.from_dict({"l2": "redis://:s3cr%40t@10.0.0.5:6379"})
+    args = server_args(cfg, 1, 2)
+    assert not any("s3cr" in a for a in args)
+    assert json.loads(args[args.index("--l2-adapter") + 1]) == {"type": "resp", "host": "10.0.0.5", "port": 6379}
+    assert l2_credentials_env(cfg.l2) == {"LMCACHE_RESP_PASSWORD": "s3cr@t"}
+    assert l2_credentials_env(normalise_l2("redis://h:1")) == {} and l2_credentials_env(None) == {}

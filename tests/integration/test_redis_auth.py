@@ -1,0 +1,45 @@
+"""The shared tier requires a password: the test Redis refuses clients without it, kvmesh's own probe and
+the LMCache server authenticate, and the password never appears on the LMCache server's command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.kvstore.lmcache_server import LMCacheServer, redis_ping, shared_tier_reachable
+from kvmesh.kvstore.redis_process import RedisServer
+from kvmesh.kvstore.tiers import TierConfig, normalise_l2
+
+pytestmark = pytest.mark.integration
+
+
+def test_redis_requires_the_password_and_kvmesh_sends_it(tmp_path, monkeypatch):
+    import psutil
+    import redis as redis_py
+
+    monkeypatch.delenv("LMCACHE_RESP_PASSWORD", raising=False)
+    with RedisServer(tmp_path / "redis") as redis:
+        assert redis.password and f":{redis.password}@" in redis.url
+        with pytest.raises(redis_py.exceptions.AuthenticationError):
+            redis_py.Redis(host="127.0.0.1", port=redis.port, socket_timeout=5).set("k", "v")
+        assert redis_ping("127.0.0.1", redis.port) is False
+        assert redis_ping("127.0.0.1", redis.port, password=redis.password) is True
+        l2 = normalise_l2(redis.url)
+        assert shared_tier_reachable(l2) is True
+        bare = {k: v for k, v in l2.items() if k != "password"}
+        assert shared_tier_reachable(bare) is False
+        monkeypatch.setenv("LMCACHE_RESP_PASSWORD", redis.password)  # how KubeRay's workers get Valkey's
+        assert shared_tier_reachable(bare) is True
+        monkeypatch.delenv("LMCACHE_RESP_PASSWORD")
+
+        server = LMCacheServer(
+            TierConfig.from_dict({"l1_size_gb": 0.05, "chunk_size": 32, "l2": redis.url, "start_timeout_s": 300}),
+            tmp_path / "lmcache.log",
+        )
+        try:
+            server.start()
+            assert server.health()["shared_tier_up"] is True
+            proc = psutil.Process(server.proc.pid)
+            assert redis.password not in " ".join(proc.cmdline())
+            assert proc.environ().get("LMCACHE_RESP_PASSWORD") == redis.password
+        finally:
+            server.stop()
