@@ -30,6 +30,7 @@ class PassRun:
     counters_before: dict = field(default_factory=dict)  # server counters (evictions, tier hits, spills)
     counters_after: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # logged id -> greedy output text
+    fresh_fleet: bool = False  # sent to a newly started server: nothing computed before counts
 
 
 @dataclass
@@ -136,9 +137,17 @@ def build_report(
 
 
 def _build_report(runs, offline, rates, block_size, meta, decode, isolation) -> dict:
-    sent = [s for run in runs for s in run.sent]
-    analyzer = MissAnalyzer(block_size, decode)
-    reasons = analyzer.run(sent)
+    drifts: list[dict] = []
+    reasons: list[dict[str, int]] = []
+    group: list[PassRun] = []
+    for run in [*runs, None]:  # runs sent to one server share its history; a fresh server starts anew
+        if run is None or (run.fresh_fleet and group):
+            analyzer = MissAnalyzer(block_size, decode)
+            reasons += analyzer.run([s for g in group for s in g.sent])
+            drifts += analyzer.drifts
+            group = []
+        if run is not None:
+            group.append(run)
     passes: dict[str, dict] = {}
     requests: list[dict] = []
     k = 0
@@ -166,7 +175,7 @@ def _build_report(runs, offline, rates, block_size, meta, decode, isolation) -> 
         "passes": passes,
         "correctness": _correctness(by_name.get("cold"), by_name.get("warm")),
         "isolation": isolation or {"run": False, "why": "needs keys of two tenants"},
-        "drift_examples": sorted(analyzer.drifts, key=lambda d: -d["drift_tokens"])[:10],
+        "drift_examples": sorted(drifts, key=lambda d: -d["drift_tokens"])[:10],
         "requests": requests,
     }
     report["summary"] = summary(report)
@@ -186,12 +195,12 @@ def summary(report: dict) -> dict:
     """The headline: warm hit rate and what the cache changed in cost and TTFT against no caching (the cold
     pass's TTFT, every input token at the uncached rate) and against round robin where it was run."""
     passes = report["passes"]
-    warm = passes.get("warm") or next(iter(passes.values()), None)
-    cold = passes.get("cold")
-    if warm is None:
+    main = next((n for n in ("warm", "kvmesh") if n in passes), next(iter(passes), None))
+    if main is None:
         return {}
+    warm, cold = passes[main], passes.get("cold")
     out = {
-        "pass": "warm" if "warm" in passes else next(iter(passes)),
+        "pass": main,
         "hit_rate_tokens": warm["hit_rate_tokens"],
         "hit_rate_requests": warm["hit_rate_requests"],
         "input_cost": warm["input_cost"],

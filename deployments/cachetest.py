@@ -313,3 +313,30 @@ class Runner:
 
 def offline_figures(prepared: Sequence[Prepared], block_size: int, replicas: Sequence[int]) -> dict:
     return offline_pass([p.tok for p in prepared], block_size, replicas)
+
+
+def report_from_replays(
+    records: Sequence[dict], replays: dict, tokens_per_block: int, block_size: int, rates: Rates | None = None
+) -> dict:
+    """A cachetest report for runs already replayed (the demo): one fresh server per run (`replays`: run
+    name -> `ReplayReport` of `records`, Mooncake form, token prompts as `deployments/replay.py` builds them)."""
+    from kvmesh.deployments.replay import PromptBuilder
+
+    builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=tokens_per_block))
+    prepared = []
+    for i, rec in enumerate(records):
+        rid = str(rec.get("id", f"req-{i}"))
+        ids = list(builder.prompt(rec))
+        interaction = str(rec["user"]) if rec.get("user") is not None else rid
+        req = LoggedRequest(rid, {"prompt": ids}, COMPLETIONS, rec.get("tenant"), interaction)
+        prepared.append(Prepared(req, TokenizedRequest(i, rid, rec.get("tenant"), None, ids)))
+    hash_requests([p.tok for p in prepared], block_size)
+    runs, clock = [], 0.0
+    for name, rep in replays.items():
+        sent = _sent(prepared, rep.results, name, clock)
+        clock += rep.wall_s + 1.0
+        outputs = {prepared[r.index].req.id: r.output_text for r in rep.results if r.error is None}
+        out_tokens = sum(r.output_tokens for r in rep.results if r.error is None)
+        runs.append(PassRun(name, sent, rep.wall_s, 0, out_tokens, outputs=outputs, fresh_fleet=True))
+    offline = offline_pass([p.tok for p in prepared], block_size, (1, 2, 4))
+    return build_report(runs, offline, rates or Rates(), block_size, meta={"source": "kvmesh demo"})

@@ -82,7 +82,7 @@ def serve_and_test(
                 assert main_runner is not None
                 runner.clock = main_runner.clock
                 runner.runs = main_runner.runs  # one history: later apps are fresh, their passes append
-                runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0])
+                runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0]).fresh_fleet = True
                 runner.send(f"replicas_{n}", prepared, cfg.concurrency[0])
                 main_runner.clock = runner.clock
         finally:

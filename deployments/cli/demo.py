@@ -123,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"live serving unavailable ({exc}); running the simulator instead", file=sys.stderr)
             live = False
-    results = _run_live(args, names, records) if live else _run_simulated(args, names, records)
+    replays: dict = {}  # run name -> ReplayReport (live runs), for the cachetest report
+    results = _run_live(args, names, records, replays) if live else _run_simulated(args, names, records)
     _report(args, names, results, bounds, live)
+    if replays:
+        print(f"cachetest report: {_cachetest_report(args, records, replays)}")
     if args.json:
         if os.path.dirname(args.json):
             os.makedirs(os.path.dirname(args.json), exist_ok=True)
@@ -133,7 +136,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.get("errors", 0) == 0 for r in results.values()) else 1
 
 
-def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
+def _cachetest_report(args, records: list[dict], replays: dict) -> str:
+    """This run as a `kvmesh cachetest` report (hit rates, costs, misses by reason, per policy)."""
+    from kvmesh.cluster.cachetest_html import write_outputs
+    from kvmesh.deployments.cachetest import report_from_replays
+
+    report = report_from_replays(records, replays, args.tokens_per_block, 32)
+    out = os.path.join(os.path.dirname(args.json) if args.json else "out", "demo-cachetest")
+    return str(write_outputs(report, out)["html"])
+
+
+def _run_live(args, names: list[str], records: list[dict], replays: dict | None = None) -> dict[str, dict]:
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
@@ -160,7 +173,10 @@ def _run_live(args, names: list[str], records: list[dict]) -> dict[str, dict]:
                 timeout_s=120,
                 max_errors=10,
             )
-            results[name] = replay(records, cfg).to_json(per_request=bool(args.json))
+            rep = replay(records, cfg)
+            if replays is not None:
+                replays[name] = rep
+            results[name] = rep.to_json(per_request=bool(args.json))
             results[name]["server"] = _server_state(url, key)
         except ReplayError as exc:
             raise CliError(f"kvmesh demo: {exc}") from None

@@ -1,0 +1,42 @@
+"""The cachetest runner's pure parts: partial-pass prompts and the demo's report from replayed runs."""
+
+from kvmesh.cluster.cachetest_analysis import Prepared
+from kvmesh.cluster.prefix_share import TokenizedRequest
+from kvmesh.cluster.request_log import LoggedRequest
+from kvmesh.deployments.cachetest import partial_variants, report_from_replays
+from kvmesh.deployments.replay import ReplayReport, RequestResult
+
+B = 32
+
+
+def test_partial_variants_keep_whole_blocks_or_half_a_block_more_and_change_every_later_token():
+    ids = list(range(10, 10 + 5 * B + 7))
+    p = Prepared(LoggedRequest("a", {"prompt": ids}, "/v1/completions", "t"), TokenizedRequest(0, "a", "t", None, ids))
+    (boundary,) = partial_variants([p], B, False, 1024)
+    (mid,) = partial_variants([p], B, True, 1024)
+    for v, keep in ((boundary, 4 * B), (mid, 4 * B + B // 2)):
+        assert v.tok.ids[:keep] == ids[:keep] and len(v.tok.ids) == len(ids)
+        assert all(a != b for a, b in zip(v.tok.ids[keep:], ids[keep:]))
+        assert v.origin is p and v.req.body["prompt"] == v.tok.ids and v.tok.salted
+
+
+def test_the_demo_report_treats_each_run_as_a_fresh_server():
+    records = [
+        {"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2, 3 + i], "user": "u"}
+        for i in range(4)
+    ]
+    replays = {}
+    for name, cached in (("kvmesh", [0, 64, 64, 64]), ("round_robin", [0, 0, 64, 0])):
+        results = [
+            RequestResult(i, "u", None, 96, c, 4, 0.01, 0.02, f"r{i % 2}", None, float(i), "out")
+            for i, c in enumerate(cached)
+        ]
+        replays[name] = ReplayReport(results, 5.0)
+    rep = report_from_replays(records, replays, 32, B)
+    kv, rr = rep["passes"]["kvmesh"], rep["passes"]["round_robin"]
+    assert kv["cached_tokens"] == 192 and rr["cached_tokens"] == 64
+    # the second run's first request is cold again (a fresh server), not "computed before"
+    first_rr = next(r for r in rep["requests"] if r["pass"] == "round_robin")
+    assert first_rr["miss_tokens"] == {"cold": 64, "partial_block": 32}
+    assert rep["summary"]["pass"] == "kvmesh" and rep["summary"]["cost_change_vs_round_robin"] < 0
+    assert rep["correctness"]["ok"] is None  # no cold/warm pair in a demo
