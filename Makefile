@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 LMCACHE_TRACK_USAGE=false LMCACHE
        RAY_USAGE_STATS_ENABLED=0 PYTHONHASHSEED=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
        VLLM_CPU_OMP_THREADS_BIND=nobind TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup services lint ruff format typecheck test test-unit demo bench bench-peers simulate clean
+.PHONY: setup services lint ruff format typecheck test test-unit test-gpu demo bench bench-peers simulate clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,17 @@ test: setup services lint
 # services, in one process, since its tests share one live app (`make test`).
 test-unit: setup
 	$(PY) -m pytest -q -n 2 tests/unit
+
+# The live suite (every test on the session's live app) on vLLM's AsyncLLM engines, the production path,
+# on a CUDA machine: the GPU extra in its own venv, then the live app's engines async, each taking
+# KVMESH_TEST_NUM_GPUS of the one GPU (its memory share follows). Not run in CPU CI.
+GPU_VENV ?= .venv-gpu
+LIVE_SUITE ?= $(shell grep -l live_app tests/integration/test_*.py)
+test-gpu: services
+	test -x $(GPU_VENV)/bin/python || python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -e ".[gpu,test]"
+	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device')"
+	KVMESH_TEST_ENGINE_MODE=async KVMESH_TEST_NUM_GPUS=0.3 $(GPU_VENV)/bin/python -m pytest -q $(LIVE_SUITE) $(PYTEST_ARGS)
 
 demo: setup services
 	$(VENV)/bin/kvmesh demo

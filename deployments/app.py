@@ -22,6 +22,7 @@ import socket
 from typing import Any
 
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
+from kvmesh.deployments.deploy_plan import ENGINE, engine_options, ingress_options
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,9 @@ def build_app(config: dict | None = None, **kwargs: Any):
     eng = cfg["engine"]
     env = runtime_env_vars()
     engine = (
-        serve.deployment(name="EngineReplica")(EngineReplica)
+        serve.deployment(name=ENGINE)(EngineReplica)
         .options(
-            num_replicas=cfg["replicas"],
-            max_ongoing_requests=cfg["max_ongoing_requests"],
-            ray_actor_options={
-                "num_cpus": eng["num_cpus"],
-                "num_gpus": eng["num_gpus"],
-                "runtime_env": {"env_vars": env},
-            },
+            **engine_options(cfg, env),
             request_router_config=RequestRouterConfig(
                 # ray annotates RequestRouterConfig.__init__(**kwargs: dict[str, Any]), as if every keyword were a dict
                 request_router_class="kvmesh.deployments.router:KvmeshRouter",  # type: ignore[arg-type]
@@ -72,17 +67,13 @@ def build_app(config: dict | None = None, **kwargs: Any):
                 },
                 request_routing_stats_period_s=cfg["routing_stats_period_s"],
             ),
-            health_check_period_s=10,
-            graceful_shutdown_timeout_s=5,
         )
         .bind(eng)
     )
     # @serve.deployment made Ingress a Deployment; mypy does not apply class decorators to a class's type
-    return Ingress.options(  # type: ignore[attr-defined]
-        num_replicas=cfg["ingress_replicas"],
-        max_ongoing_requests=max(256, cfg["max_ongoing_requests"] * cfg["replicas"]),
-        ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": env}},
-    ).bind(engine, cfg)
+    return Ingress.options(**ingress_options(cfg, env)).bind(  # type: ignore[attr-defined]
+        engine, cfg
+    )
 
 
 _started_ray = False

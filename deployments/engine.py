@@ -199,7 +199,7 @@ class EngineReplica:
             return 0.0
 
     async def info(self) -> dict:
-        return {**self.record_routing_stats(), "model_path": self.model_path}
+        return {**self.record_routing_stats(), "model_path": self.model_path, "driver": type(self.driver).__name__}
 
     async def reset_prefix_cache(self) -> bool:
         """Cold-start helper for benchmarks (demo: kvmesh vs round robin both from an empty cache)."""

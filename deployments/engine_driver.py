@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -48,6 +49,8 @@ def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_tra
     )
     if cfg.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+    if cfg.get("gpu_memory_utilization"):
+        kwargs["gpu_memory_utilization"] = cfg["gpu_memory_utilization"]
     if cfg.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = cfg["num_gpu_blocks_override"]
     if kv_events:
@@ -280,7 +283,15 @@ class AsyncDriver:
             def log_engine_initialized(self):
                 pass
 
-        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[_UsageLogger])
+        loggers: list[Any] = [_UsageLogger]
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            # in a Ray worker: vLLM's own metrics leave through Ray's metrics port as ray_vllm_*
+            # (the k8s/monitoring dashboard's vLLM panels); its default Prometheus registry is served by nobody here
+            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+            loggers.append(RayPrometheusStatLogger)
+        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         self.load = _LoadCounter()
 
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:

@@ -183,6 +183,12 @@ class ServingMetrics:
             )
             metric("kvmesh_router_decisions_total", "counter", "routing decisions", [({}, router.get("decisions", 0))])
             metric(
+                "kvmesh_router_fallbacks_total",
+                "counter",
+                "requests Serve placed elsewhere than the policy's first choice (a full replica or a slow probe)",
+                [({}, router.get("fallbacks", 0))],
+            )
+            metric(
                 "kvmesh_router_decision_seconds_total",
                 "counter",
                 "time spent deciding",

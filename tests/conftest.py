@@ -67,6 +67,7 @@ def live_app(tiny_model_dir):
     ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
+    from engine_mode import live_engine_overrides
     from tenant_app import write_live_tenants
 
     from kvmesh.deployments.app import free_port, start_local, stop_local
@@ -79,7 +80,13 @@ def live_app(tiny_model_dir):
         "tenants_file": str(write_live_tenants(_ROOT / "tenants.yaml", LIVE_API_KEY)),
         "routing_stats_period_s": 0.5,
         # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
-        "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 1024},
+        "engine": {
+            "model": "tiny",
+            "block_size": 32,
+            "max_model_len": 2048,
+            "num_gpu_blocks_override": 1024,
+            **live_engine_overrides(),  # async engines (and GPUs) when `make test-gpu` asks for them
+        },
     }
     try:
         url = start_local(config, num_cpus=2, timeout_s=600)

@@ -20,6 +20,7 @@ COMMANDS = {
     "demo": "the embedded default: build, serve, replay kvmesh vs round robin",
     "bench": "side-by-side benchmarks (e.g. `kvmesh bench peers`)",
     "cachetest": "cold/warm/partial cache test of a request log, miss attribution, HTML report",
+    "k8s": "render the KubeRay manifest's Serve config from a kvmesh config (`kvmesh k8s render`)",
 }
 
 

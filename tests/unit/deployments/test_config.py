@@ -106,3 +106,18 @@ def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_
     assert build_engine_args(engine_config({"dtype": "bfloat16"}), str(tiny_model_dir), None, None).dtype == "bfloat16"
     assert engine_dtype("tiny", "auto") == "float32"
     assert engine_dtype("/models/llama-8b", "auto") == "auto"
+
+
+def test_cpu_only_defaults_stay_off_gpu_engines(tiny_model_dir):
+    """Eager mode and 32 sequences suit a CPU engine; a GPU engine keeps vLLM's own defaults (CUDA
+    graphs, vLLM's batch size) unless the config sets them."""
+    from kvmesh.deployments.engine_driver import build_engine_args
+
+    cpu, gpu = engine_config({}), engine_config({"num_gpus": 1, "block_size": 16})
+    assert (cpu["enforce_eager"], cpu["max_num_seqs"]) == (True, 32)
+    assert (gpu["enforce_eager"], gpu["max_num_seqs"]) == (False, None)
+    args = build_engine_args(gpu, str(tiny_model_dir), None, None)
+    assert args.enforce_eager is False and args.max_num_seqs is None
+    set_by_hand = engine_config({"num_gpus": 1, "enforce_eager": True, "max_num_seqs": 8})
+    assert (set_by_hand["enforce_eager"], set_by_hand["max_num_seqs"]) == (True, 8)
+    assert engine_config(gpu) == gpu  # filling twice changes nothing (the app config is validated again)

@@ -109,19 +109,25 @@ def test_serve_config_is_valid_and_has_no_unknown_keys():
 
 
 def test_serve_config_check_catches_autoscaling_typo():
+    """Autoscaling lives in the kvmesh config (Serve drops unknown autoscaling keys, kvmesh does not)."""
+    from kvmesh.deployments.config import ConfigError, app_config
+
     text = _docs("RayService")[0]["spec"]["serveConfigV2"].replace("target_ongoing_requests", "target_ongoing_request")
-    assert any("target_ongoing_request" in p for p in check_serve_config(text))
+    with pytest.raises(ConfigError, match="target_ongoing_request"):
+        app_config(yaml.safe_load(text)["applications"][0]["args"])
 
 
 def test_gpu_workers_and_engines_ask_for_one_gpu_each():
+    from kvmesh.deployments.config import app_config
+    from kvmesh.deployments.deploy_plan import ENGINE, actor_resources
+
     svc = _docs("RayService")[0]
     group = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1"
-    config = yaml.safe_load(svc["spec"]["serveConfigV2"])
-    engine = [d for d in config["applications"][0]["deployments"] if d["name"] == "EngineReplica"][0]
-    assert engine["ray_actor_options"]["num_gpus"] == 1
-    assert engine["autoscaling_config"]["max_replicas"] <= group["maxReplicas"]
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert actor_resources(args)[ENGINE]["GPU"] == 1
+    assert app_config(args)["autoscaling"]["max_replicas"] <= group["maxReplicas"]
 
 
 def test_serve_args_are_a_valid_kvmesh_config():

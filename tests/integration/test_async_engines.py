@@ -1,0 +1,187 @@
+"""The production engine path, live: vLLM's AsyncLLM (EngineCore in its own process, `engine_mode: async`,
+what k8s/ deploys on GPUs) behind the kvmesh ingress and router, on the tiny model.
+
+One Serve app with one async engine replica serves every check here (its start-up is the cost:
+~30 s for AsyncLLM on CPU). It runs next to the session's `live_app` on the same Ray cluster, under
+route prefix /async; when the session app itself runs async engines (`make test-gpu`), it is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+from engine_mode import live_engine_overrides
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 32
+APP_NAME = "kvmesh-async"
+_rng = random.Random(2026)
+
+
+def fresh_tokens(n: int) -> list[int]:
+    return [_rng.randrange(10, 1000) for _ in range(n)]
+
+
+class AsyncApp:
+    def __init__(self, url: str, headers: dict):
+        self.url = url
+        self.headers = headers
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def async_app(live_app):
+    if live_app.config["engine"].get("engine_mode") == "async":
+        yield AsyncApp(live_app.url, live_app.headers)
+        return
+    from ray import serve
+
+    from kvmesh.deployments.app import build_app
+
+    config = {
+        "name": APP_NAME,
+        "route_prefix": "/async",
+        "replicas": 1,
+        "port": live_app.config["port"],
+        "tenants_file": live_app.config["tenants_file"],
+        "routing_stats_period_s": 0.5,
+        "engine": {
+            "model": "tiny",
+            "block_size": BLOCK,
+            "max_model_len": 2048,
+            "num_gpu_blocks_override": 512,
+            **live_engine_overrides(),
+            "engine_mode": "async",
+        },
+    }
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/async", blocking=False)
+    app = AsyncApp(live_app.url + "/async", live_app.headers)
+    try:
+        with app.client() as c:  # the HTTP front learns the new route a moment after the app is up
+            deadline = time.monotonic() + 300
+            while c.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "async app never became healthy"
+                time.sleep(0.5)
+        yield app
+    finally:
+        serve.delete(APP_NAME)
+
+
+def complete(c: httpx.Client, prompt, max_tokens: int = 4, **extra) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def router_state(c: httpx.Client) -> dict:
+    state = c.get("/kvmesh/state").json()["router"]
+    if state is None:  # the router is created with the first engine request
+        complete(c, fresh_tokens(8), max_tokens=1)
+        state = c.get("/kvmesh/state").json()["router"]
+    return state
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_the_replica_runs_vllms_async_engine(async_app):
+    with async_app.client() as c:
+        stats = router_state(c)["routing_stats"]
+    assert stats and all(s.get("num_blocks", 0) > 0 for s in stats.values())
+    # only AsyncLLM's engine runs out of process: the in-process driver never reports kv usage this way
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
+    info = handle.info.remote().result(timeout_s=60)
+    assert info["driver"] == "AsyncDriver"
+
+
+def test_completion_answers_with_usage(async_app):
+    with async_app.client() as c:
+        r = complete(c, fresh_tokens(40), max_tokens=6, ignore_eos=True)
+    body = r.json()
+    assert body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 40
+
+
+def test_repeated_prefix_reports_cached_tokens_and_the_prediction_matches(async_app):
+    prefix = fresh_tokens(6 * BLOCK)
+    with async_app.client() as c:
+        first = complete(c, prefix + fresh_tokens(3))
+        second = complete(c, prefix + fresh_tokens(5))
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BLOCK
+    assert int(second.headers["x-kvmesh-predicted-cached-tokens"]) == 6 * BLOCK
+
+
+def test_streaming_chat_sends_chunks_then_usage_then_done(async_app):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello from the async engine " + str(_rng.random())}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = []
+    with async_app.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    usage = [ch["usage"] for ch in chunks if ch.get("usage")]
+    assert text and len(chunks) > 2
+    assert usage and usage[-1]["completion_tokens"] <= 8 and usage[-1]["prompt_tokens"] > 0
+
+
+def test_kv_events_from_the_engine_core_process_reach_the_router(async_app):
+    """vLLM publishes KV events from AsyncLLM's EngineCore process; the router's subscriber must get
+    them (blocks counted, no gaps), not only its own speculative entries."""
+    with async_app.client() as c:
+        state = router_state(c)
+        rid = next(iter(state["routing_stats"]))
+        wait_for(lambda: rid in router_state(c)["subscribers"], "the router to subscribe")
+        before = router_state(c)["events"][rid]["blocks"]
+        complete(c, fresh_tokens(5 * BLOCK), max_tokens=1)
+        after = wait_for(
+            lambda: (e := router_state(c)["events"][rid])["blocks"] >= before + 5 and e, "BlockStored events"
+        )
+    assert after["gaps"] == 0 and after["decode_errors"] == 0
+
+
+def test_client_disconnect_mid_stream_aborts_the_async_engine_request(async_app):
+    body = {"model": "tiny", "prompt": fresh_tokens(40), "max_tokens": 2000, "temperature": 0}
+    body.update({"ignore_eos": True, "stream": True})
+
+    def aborted(c) -> int:
+        return sum(s.get("aborted", 0) for s in router_state(c)["routing_stats"].values())
+
+    def idle(c) -> bool:
+        state = router_state(c)
+        return state["inflight"] == 0 and all(
+            s.get("running", 0) + s.get("queued", 0) == 0 for s in state["routing_stats"].values()
+        )
+
+    with async_app.client(timeout=60) as c:
+        before = aborted(c)
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        # closed after one event: AsyncLLM must drop the request, not generate 2000 tokens
+        wait_for(lambda: idle(c) and aborted(c) == before + 1, "the engine to abort the request", timeout=60)

@@ -1,0 +1,71 @@
+"""The deploy plan: deployment options, resources and files from the config alone, and the Serve config
+text `kvmesh k8s render` writes into a manifest."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from kvmesh.deployments.config import ConfigError, app_config
+from kvmesh.deployments.deploy_plan import (
+    ENGINE,
+    INGRESS,
+    actor_resources,
+    engine_options,
+    files_read,
+    ingress_options,
+    render_serve_config,
+    replace_block,
+)
+
+GPU = {"engine": {"model": "/models/m", "num_gpus": 1, "num_cpus": 8, "block_size": 16}}
+
+
+def test_autoscaling_replaces_the_fixed_replica_count_and_sizes_the_ingress():
+    cfg = app_config({**GPU, "autoscaling": {"min_replicas": 2, "max_replicas": 16}, "max_ongoing_requests": 64})
+    opts = engine_options(cfg, {"A": "1"})
+    assert opts["num_replicas"] == "auto" and opts["autoscaling_config"]["max_replicas"] == 16
+    assert opts["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 1, "runtime_env": {"env_vars": {"A": "1"}}}
+    assert ingress_options(cfg, {})["max_ongoing_requests"] == 64 * 16
+    assert engine_options(app_config({}), {})["num_replicas"] == 2
+
+
+def test_an_autoscaling_typo_is_a_config_error():
+    with pytest.raises(ConfigError, match="target_ongoing_request"):
+        app_config({"autoscaling": {"target_ongoing_request": 2}})
+
+
+def test_resources_and_files_follow_the_config():
+    cfg = {**GPU, "tenants_file": "/etc/t/tenants.yaml"}
+    assert actor_resources(cfg) == {ENGINE: {"CPU": 8.0, "GPU": 1.0}, INGRESS: {"CPU": 0.1}}
+    files = files_read(cfg, {"KVMESH_SALT_SECRET_FILE": "/etc/s/secret"})
+    assert files[ENGINE] == {"model": "/models/m"}
+    assert files[INGRESS] == {
+        "salt secret": "/etc/s/secret",
+        "tokenizer": "/models/m",
+        "tenants file": "/etc/t/tenants.yaml",
+    }
+    assert files_read({}, {}) == {ENGINE: {}, INGRESS: {"salt secret": None}}  # tiny model: built, not mounted
+
+
+def test_the_rendered_serve_config_carries_the_config_as_args_and_no_overrides():
+    text = render_serve_config({**GPU, "name": "x", "route_prefix": "/x"})
+    config = yaml.safe_load(text)
+    app = config["applications"][0]
+    assert app == {
+        "name": "x",
+        "route_prefix": "/x",
+        "import_path": "kvmesh.deployments.app:build_app",
+        "args": {**GPU, "name": "x", "route_prefix": "/x"},
+    }
+    with pytest.raises(ConfigError):
+        render_serve_config({"replicas": 0})
+
+
+def test_replace_block_keeps_the_rest_of_the_manifest():
+    manifest = "a: 1  # keep\nspec:\n  block: |\n    old: 1\n\n    older: 2\n  after: 3\n"
+    out = replace_block(manifest, "block", "new: 1\nlist:\n  - x\n")
+    assert out == "a: 1  # keep\nspec:\n  block: |\n    new: 1\n    list:\n      - x\n  after: 3\n"
+    assert yaml.safe_load(out)["spec"] == {"block": "new: 1\nlist:\n  - x\n", "after": 3}
+    with pytest.raises(ValueError, match="no literal block"):
+        replace_block(manifest, "missing", "x")

@@ -1,0 +1,188 @@
+"""The KubeRay manifest checked at the level of pods: would every kvmesh deployment find a pod to run on,
+and would it find there every file it reads?
+
+A pod offers Ray what KubeRay tells its raylet (rayStartParams, else the container's limits); a
+deployment replica asks for what `deploy_plan.actor_resources` says `build_app` asks for; it "can land"
+on every pod group whose pod offers that much. On each such pod, every path from
+`deploy_plan.files_read` must lie under a volume mount. The Serve config itself must be what
+`kvmesh k8s render` makes from k8s/config/kvmesh.yaml, with no per-deployment overrides (Serve would
+replace the code's whole ray_actor_options with them).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import yaml
+from paths import REPO_ROOT
+
+from kvmesh.deployments.app import build_app
+from kvmesh.deployments.config import app_config
+from kvmesh.deployments.deploy_plan import (
+    ENGINE,
+    INGRESS,
+    actor_resources,
+    files_read,
+    max_engine_replicas,
+    render_serve_config,
+    replace_block,
+)
+from kvmesh.kvstore.tiers import normalise_l2
+
+K8S = REPO_ROOT / "k8s"
+CONFIG = K8S / "config" / "kvmesh.yaml"
+MANIFEST = K8S / "rayservice.yaml"
+
+
+def _docs(kind: str) -> list[dict]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == kind]
+    return out
+
+
+@pytest.fixture
+def service() -> dict:
+    return yaml.safe_load(MANIFEST.read_text())
+
+
+def _app(service: dict) -> dict:
+    return yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+
+
+def _groups(service: dict) -> dict[str, dict]:
+    """group name -> {"pod": pod spec, "params": rayStartParams, "max_pods": int}."""
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    out = {"head": {"pod": head["template"]["spec"], "params": head.get("rayStartParams") or {}, "max_pods": 1}}
+    for g in cluster["workerGroupSpecs"]:
+        out[g["groupName"]] = {
+            "pod": g["template"]["spec"],
+            "params": g.get("rayStartParams") or {},
+            "max_pods": g.get("maxReplicas", g.get("replicas", 1)),
+        }
+    return out
+
+
+def _quantity(value) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def ray_resources(group: dict) -> dict[str, float]:
+    """What KubeRay hands the pod's raylet: num-cpus/num-gpus start params, else the container limits."""
+    container = group["pod"]["containers"][0]
+    limits = {**container.get("resources", {}).get("requests", {}), **container.get("resources", {}).get("limits", {})}
+    params = group["params"]
+    cpus = _quantity(params["num-cpus"]) if "num-cpus" in params else math.floor(_quantity(limits.get("cpu", 0)))
+    gpus = _quantity(params["num-gpus"]) if "num-gpus" in params else _quantity(limits.get("nvidia.com/gpu", 0))
+    return {"CPU": cpus, "GPU": gpus}
+
+
+def fits(need: dict[str, float], have: dict[str, float]) -> bool:
+    return all(have.get(k, 0.0) >= v for k, v in need.items())
+
+
+def landing_groups(service: dict) -> dict[str, list[str]]:
+    """deployment -> the pod groups one of its replicas fits on."""
+    need = actor_resources(_app(service)["args"])
+    groups = _groups(service)
+    return {dep: [name for name, g in groups.items() if fits(res, ray_resources(g))] for dep, res in need.items()}
+
+
+def missing_files(service: dict) -> list[str]:
+    """'deployment on group: what (path)' for every file a deployment would not find where it can land."""
+    args = _app(service)["args"]
+    groups = _groups(service)
+    problems = []
+    for dep, names in landing_groups(service).items():
+        for name in names:
+            pod = groups[name]["pod"]
+            container = pod["containers"][0]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            volumes = {v["name"] for v in pod.get("volumes", [])}
+            mounts = [
+                m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts", []) if m["name"] in volumes
+            ]
+            for what, path in files_read(args, env)[dep].items():
+                if path is None or not any((path.rstrip("/") + "/").startswith(m) for m in mounts):
+                    problems.append(f"{dep} on {name}: {what} ({path})")
+    return problems
+
+
+def test_serve_config_is_rendered_from_the_kvmesh_config():
+    """The manifest's serveConfigV2 is exactly `kvmesh k8s render`'s output (the builder's, not a hand copy)."""
+    manifest = MANIFEST.read_text()
+    wanted = replace_block(manifest, "serveConfigV2", render_serve_config(yaml.safe_load(CONFIG.read_text())))
+    assert manifest == wanted, "k8s/rayservice.yaml is out of date: run `kvmesh k8s render`"
+
+
+def test_serve_config_overrides_no_deployment_options(service):
+    """A `deployments:` entry would replace the code's ray_actor_options (CPUs, runtime env) wholesale."""
+    assert "deployments" not in _app(service)
+
+
+def test_the_built_app_keeps_the_codes_resources_and_runtime_env(service):
+    args = _app(service)["args"]
+    ingress = build_app(args)._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert engine.name == ENGINE and ingress.name == INGRESS
+    opts = engine.ray_actor_options
+    assert (opts["num_gpus"], opts["num_cpus"]) == (1, 8)
+    assert opts["runtime_env"]["env_vars"]["PYTHONHASHSEED"] == "0"
+    assert ingress.ray_actor_options["runtime_env"]["env_vars"]["PYTHONHASHSEED"] == "0"
+    auto = engine._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas) == (2, 16)
+
+
+def test_every_deployment_fits_some_pod_group(service):
+    where = landing_groups(service)
+    assert where[INGRESS], "the Ingress fits on no pod"
+    assert "head" in where[INGRESS]  # the head serves HTTP; its Ingress must not wait for a GPU pod
+    assert where[ENGINE] and "head" not in where[ENGINE]  # engines need a GPU
+
+
+def test_engine_autoscaling_fits_the_worker_groups(service):
+    args = _app(service)["args"]
+    need = actor_resources(args)[ENGINE]
+    groups = _groups(service)
+    capacity = 0
+    for name in landing_groups(service)[ENGINE]:
+        have = ray_resources(groups[name])
+        per_pod = min(math.floor(have[k] / v) for k, v in need.items() if v)
+        capacity += per_pod * groups[name]["max_pods"]
+    assert max_engine_replicas(app_config(args)) <= capacity
+
+
+def test_every_file_a_deployment_reads_is_mounted_where_it_can_land(service):
+    assert missing_files(service) == []
+
+
+def test_the_mount_check_catches_a_missing_mount(service):
+    broken = copy.deepcopy(service)
+    worker = broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["volumeMounts"] = [m for m in worker["volumeMounts"] if m["name"] != "tenants"]
+    head = broken["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["volumeMounts"] = [m for m in head["volumeMounts"] if m["name"] != "models"]
+    problems = missing_files(broken)
+    assert any(p.startswith("Ingress on gpu-engines: tenants file") for p in problems)
+    assert any(p.startswith("Ingress on head: tokenizer") for p in problems)
+
+
+def test_the_fit_check_catches_a_head_without_cpus(service):
+    broken = copy.deepcopy(service)
+    broken["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = "0"
+    assert "head" not in landing_groups(broken)[INGRESS]
+
+
+def test_the_shared_tier_is_the_valkey_service_over_resp(service):
+    """The engines' L2 is the Valkey Service, spoken to through LMCache's RESP adapter: the same
+    `redis://` spelling the live tier tests run against a real redis-server
+    (tests/integration/test_tiers_lmcache.py uses RedisServer.url)."""
+    l2 = normalise_l2(_app(service)["args"]["engine"]["lmcache"]["l2"])
+    valkey = [s for s in _docs("Service") if s["metadata"]["name"] == l2["host"]]
+    assert valkey, f"no Service named {l2['host']} in k8s/"
+    assert l2["type"] == "resp" == normalise_l2("redis://127.0.0.1:6379")["type"]
+    assert l2["port"] in [p["port"] for p in valkey[0]["spec"]["ports"]]
