@@ -1,0 +1,64 @@
+"""Deploy the app, and fail within a minute, in one line, when a deployment cannot be placed.
+
+Why: `serve.run` waits until every replica runs; a replica the cluster has no room for stays pending
+forever, and only the Serve controller's log says so. After 30 s pending, the controller puts the
+replica's needs and the cluster's free resources in the deployment's status message; this watch turns
+that message into the start-up error, with the flags that change it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+UNSCHEDULABLE = re.compile(
+    r"has (\d+) replicas that have taken more than \S+ to be scheduled.*?"
+    r"Resources required for each replica: (\{.*?\}), total resources available: (\{.*?\})",
+    re.S,
+)
+FIX = "raise --num-cpus (or the cluster's CPUs), lower --replicas or engine.num_cpus"
+
+
+class DeploymentUnschedulable(RuntimeError):
+    """A deployment's replicas found no node with room for them."""
+
+
+def unschedulable_reason(status: Any, app_name: str) -> str | None:
+    """One line naming the first deployment of `app_name` whose replicas wait for resources, or None."""
+    app = getattr(status, "applications", {}).get(app_name)
+    for name, dep in (getattr(app, "deployments", None) or {}).items():
+        m = UNSCHEDULABLE.search(getattr(dep, "message", "") or "")
+        if m:
+            return (
+                f"deployment {name}: {m.group(1)} replica(s) cannot be scheduled: each needs {m.group(2)}, "
+                f"the cluster has {m.group(3)} free; {FIX}"
+            )
+    return None
+
+
+def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
+    """`serve.run` the app; raise DeploymentUnschedulable as soon as Serve reports a replica it cannot place."""
+    from ray import serve
+
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.run(app, name=cfg["name"], route_prefix=cfg["route_prefix"], blocking=False)
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=deploy, name="kvmesh-deploy", daemon=True).start()
+    while not done.wait(poll_s):
+        try:
+            reason = unschedulable_reason(serve.status(), cfg["name"])
+        except Exception:  # the controller is still starting
+            reason = None
+        if reason:
+            raise DeploymentUnschedulable(reason)
+    if failure:
+        raise failure[0]

@@ -1,0 +1,91 @@
+"""The Ray cluster kvmesh starts for a local run: always its own, reachable only from this machine, and
+big enough for what was asked.
+
+Why not a plain `ray.init()`: it joins whatever `RAY_ADDRESS` or the last `ray start` left behind (then
+fails on `num_cpus`, or deploys into someone else's cluster), binds the dashboard and runtime-env agents
+to the host's network address, and its logical CPUs are the machine's cores, so `--replicas 4` of
+0.5-CPU engines on 2 cores leaves no room for the ingress and the app never becomes healthy.
+
+Here the cluster is started with `address="local"`, and the node's address is pinned to 127.0.0.1: Ray
+then binds its GCS, raylet, workers' and agents' servers to that address. Ray 2.60's `ray.init` rewrites
+127.0.0.1 to the host's routable address before it starts the node (`services.resolve_ip_for_localhost`),
+so that one function is bypassed for 127.0.0.1 during the call; this is the only private Ray use here,
+and a check after start-up fails the start loudly if the installed Ray behaves differently.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+
+
+class NotEnoughResources(RuntimeError):
+    """The app's deployments cannot all be placed on the cluster."""
+
+
+def cpus_needed(cfg: Mapping[str, Any]) -> float:
+    """Logical CPUs the app's replicas reserve: every engine replica plus every ingress replica."""
+    from kvmesh.deployments.deploy_plan import INGRESS_NUM_CPUS, max_engine_replicas
+
+    return max_engine_replicas(cfg) * float(cfg["engine"]["num_cpus"]) + cfg["ingress_replicas"] * INGRESS_NUM_CPUS
+
+
+def local_num_cpus(cfg: Mapping[str, Any], requested: int | None) -> int:
+    """Logical CPUs for a local cluster: the machine's cores, or more when the app needs more.
+
+    Ray's CPUs are a scheduling count, not a limit: engines that share cores are slower, never stuck.
+    An explicit request is honoured and checked (NotEnoughResources names the flags that fix it).
+    """
+    need = cpus_needed(cfg)
+    if requested is not None:
+        check_fits(cfg, float(requested), "--num-cpus")
+        return requested
+    return max(os.cpu_count() or 2, math.ceil(need - 1e-9))
+
+
+def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
+    need = cpus_needed(cfg)
+    if need > cpus + 1e-9:
+        eng = cfg["engine"]
+        raise NotEnoughResources(
+            f"the app needs {need:g} CPUs ({cfg['replicas']} engine replica(s) x {eng['num_cpus']:g} + ingress "
+            f"{cpus_needed({**cfg, 'replicas': 0}):g}) but {where} gives {cpus:g}: raise {where}, lower "
+            "--replicas or engine.num_cpus"
+        )
+
+
+def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
+    """Start a new single-node Ray cluster on 127.0.0.1 (never joining one found on the machine)."""
+    import ray
+    import ray._private.services as services
+
+    os.environ.pop("RAY_ADDRESS", None)  # Ray's own processes and workers must not see it either
+    resolve = services.resolve_ip_for_localhost
+
+    def keep_loopback(host: str) -> str:
+        return host if host == LOOPBACK else resolve(host)
+
+    services.resolve_ip_for_localhost = keep_loopback
+    try:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            dashboard_host=LOOPBACK,
+            log_to_driver=log_to_driver,
+            runtime_env={"env_vars": dict(env_vars)},
+            _node_ip_address=LOOPBACK,
+        )
+    finally:
+        services.resolve_ip_for_localhost = resolve
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(
+            f"the local Ray node took the address {node_ip}, not {LOOPBACK}: Ray {ray.__version__} pins node "
+            "addresses differently from the versions kvmesh supports"
+        )

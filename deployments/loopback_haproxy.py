@@ -1,0 +1,71 @@
+"""The HAProxy binary a local run hands to Ray Serve: the real one, with its side ports on loopback and
+a parent-death signal.
+
+Why a wrapper: Serve's HAProxy config template binds the stats page and the Prometheus exporter on every
+interface (`bind *:<stats>`, `bind :<metrics>`), with no setting to change that; and HAProxy is started by
+a Ray worker, so when Ray kills that worker the HAProxy processes were orphaned, kept the HTTP port and
+answered every request with HTTP 500. Serve runs whatever `RAY_SERVE_HAPROXY_BINARY_PATH` names, so a
+local run points it at a small script that runs this module: it rewrites those two binds to 127.0.0.1 in
+a copy of the config, asks the kernel for SIGTERM when its parent dies, and execs the real binary (same
+pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose.
+
+    python -m kvmesh.deployments.loopback_haproxy REAL_HAPROXY STATS_PORT METRICS_PORT [haproxy args...]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+import sys
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_config(text: str, ports: set[int]) -> str:
+    """`text` with every all-interfaces `bind` of one of `ports` rebound to 127.0.0.1."""
+
+    def rebind(m: re.Match) -> str:
+        port = int(m.group(3))
+        return f"{m.group(1)}bind {LOOPBACK}:{port}" if port in ports else m.group(0)
+
+    return re.sub(r"^(\s*)bind\s+(\*|0\.0\.0\.0|::|\[::\])?:(\d+)\b", rebind, text, flags=re.MULTILINE)
+
+
+def rewrite_args(args: list[str], ports: set[int]) -> list[str]:
+    """HAProxy's arguments with each `-f CONFIG` replaced by a loopback copy written next to it."""
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "-f":
+            src = out[i + 1]
+            with open(src, encoding="utf-8") as fh:
+                text = fh.read()
+            dst = f"{src}.loopback"
+            with open(dst, "w", encoding="utf-8") as fh:
+                fh.write(loopback_config(text, ports))
+            out[i + 1] = dst
+    return out
+
+
+def write_launcher(folder: str, real_binary: str, stats_port: int, metrics_port: int) -> str:
+    """An executable script in `folder` that Serve can run as its HAProxy binary; returns its path."""
+    path = os.path.join(folder, "haproxy")
+    cmd = [sys.executable, "-m", __name__, real_binary, str(stats_port), str(metrics_port)]
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f'#!/bin/sh\nexec {" ".join(shlex.quote(c) for c in cmd)} "$@"\n')
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+def main(argv: list[str]) -> None:
+    from kvmesh.deployments.process_tree import set_parent_death_signal
+
+    real, stats_port, metrics_port, *args = argv
+    args = rewrite_args(args, {int(stats_port), int(metrics_port)})
+    set_parent_death_signal()
+    os.execv(real, [real, *args])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

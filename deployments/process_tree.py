@@ -1,0 +1,89 @@
+"""Every process a local kvmesh run starts ends with it: kernel-level parent-death signals, a child
+subreaper, and a last sweep of whatever is still below the run's own process.
+
+Why all three: Ray starts its node processes with a parent-death SIGKILL, but the processes *they* start
+(Serve's HAProxy, started by a Ray worker; servers a worker spawned) are reparented to init when their
+parent dies, and from then on nothing kvmesh runs can see them. A process marked as child subreaper
+inherits those orphans instead of init, so after Ray shut down its own way, `end_descendants` still
+finds every leftover below it and ends it. Linux only; elsewhere these are no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+from collections.abc import Callable, Collection
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants of this process are reparented to it (not to init) from now on."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """The kernel sends `sig` to this process when the thread that started it ends."""
+    return _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` for subprocess.Popen: the child gets `sig` when its parent thread dies."""
+
+    def preexec() -> None:
+        set_parent_death_signal(sig)
+
+    return preexec
+
+
+def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:
+    """SIGTERM every process below this one, SIGKILL those still alive after `grace_s`, reap them.
+
+    Returns "name (pid)" for each process that had to be ended, so the caller can say what was left.
+    """
+    import psutil
+
+    me = psutil.Process()
+    try:
+        procs = [p for p in me.children(recursive=True) if p.pid not in exclude]
+    except psutil.Error:
+        return []
+    ended = []
+    for p in procs:
+        try:
+            ended.append(f"{p.name()} ({p.pid})")
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    _reap_zombies()
+    return ended
+
+
+def _reap_zombies() -> None:
+    """A subreaper must wait() for the orphans it inherited, or they stay as zombies."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

@@ -1,0 +1,131 @@
+"""Local runs: sized to fit, side ports on loopback, a taken port named with its holder, a kept salt secret,
+an unschedulable deployment explained in one line, and no process left below a stopped run."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvmesh.deployments.config import app_config
+from kvmesh.deployments.deploy_watch import unschedulable_reason
+from kvmesh.deployments.local_ray import NotEnoughResources, cpus_needed, local_num_cpus
+from kvmesh.deployments.loopback_haproxy import loopback_config, rewrite_args
+from kvmesh.deployments.port_check import check_port_free
+from kvmesh.deployments.salt_secret import persistent_secret_file
+
+SERVE_HAPROXY_CFG = """\
+frontend prometheus
+    bind :9101
+    mode http
+frontend http_frontend
+    bind 0.0.0.0:8000
+listen stats
+  bind *:8404
+  stats enable
+"""
+
+
+def test_four_half_cpu_engines_and_the_ingress_fit_a_local_ray_on_two_cores(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = app_config({"replicas": 4})
+    assert cpus_needed(cfg) == pytest.approx(4 * 0.5 + 0.1)
+    assert local_num_cpus(cfg, None) == 3  # more logical CPUs than cores: engines share them, none waits
+    assert local_num_cpus(app_config({"replicas": 1}), None) == 2
+    with pytest.raises(NotEnoughResources, match=r"needs 2\.1 CPUs .* --num-cpus gives 2: raise --num-cpus"):
+        local_num_cpus(cfg, 2)
+
+
+def test_haproxy_side_ports_move_to_loopback_and_the_front_keeps_its_host(tmp_path):
+    out = loopback_config(SERVE_HAPROXY_CFG, {9101, 8404})
+    assert "bind 127.0.0.1:9101" in out and "  bind 127.0.0.1:8404" in out
+    assert "bind 0.0.0.0:8000" in out  # the HTTP front is the operator's choice (--host), untouched
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(SERVE_HAPROXY_CFG)
+    args = rewrite_args(["-db", "-f", str(cfg), "-sf", "12"], {9101, 8404})
+    assert args[:2] == ["-db", "-f"] and args[3:] == ["-sf", "12"]
+    assert "bind 127.0.0.1:9101" in open(args[2]).read() and cfg.read_text() == SERVE_HAPROXY_CFG
+
+
+def test_a_taken_port_is_refused_naming_the_holder():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=rf"port {port} on 127.0.0.1 is already in use by pid {os.getpid()} \("):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again once its holder closed it
+
+
+def test_the_generated_salt_secret_is_private_and_kept_across_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
+    first = persistent_secret_file()
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and len(first.read_text()) == 64
+    assert persistent_secret_file() == first and first.read_text() == first.read_text()
+    explicit = persistent_secret_file("an-explicit-secret-of-enough-bytes")
+    assert explicit != first and explicit.read_text() == "an-explicit-secret-of-enough-bytes"
+    first.chmod(0o644)
+    with pytest.raises(PermissionError, match="readable by others"):
+        persistent_secret_file()
+
+
+def test_a_replica_waiting_for_resources_becomes_a_one_line_reason():
+    from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    message = (
+        "Deployment 'Ingress' in application 'kvmesh' has 1 replicas that have taken more than 30s to be "
+        "scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime environment to be "
+        "installed. Resources required for each replica: {'CPU': 0.1}, total resources available: {'CPU': 0.0}. "
+        "Use `ray status` for more details."
+    )
+
+    def dep(msg: str = "") -> DeploymentStatusOverview:
+        return DeploymentStatusOverview(
+            status="UPDATING", status_trigger="CONFIG_UPDATE_STARTED", replica_states={}, message=msg
+        )
+
+    app = ApplicationStatusOverview(
+        status="DEPLOYING",
+        message="",
+        last_deployed_time_s=0.0,
+        deployments={"EngineReplica": dep(), "Ingress": dep(message)},
+    )
+    status = ServeStatus(applications={"kvmesh": app})
+    reason = unschedulable_reason(status, "kvmesh")
+    assert reason and "\n" not in reason
+    assert reason.startswith("deployment Ingress: 1 replica(s) cannot be scheduled: each needs {'CPU': 0.1}")
+    assert "the cluster has {'CPU': 0.0} free" in reason and "--num-cpus" in reason and "--replicas" in reason
+    slow_init = message.replace("to be scheduled", "to initialize")
+    app.deployments["Ingress"] = dep(slow_init)
+    assert unschedulable_reason(ServeStatus(applications={"kvmesh": app}), "kvmesh") is None
+
+
+def test_a_stopped_run_ends_what_its_children_orphaned():
+    """A subreaper inherits a grandchild whose parent exited (as HAProxy outlives a killed Ray worker) and
+    end_descendants ends it; without the subreaper, the orphan would belong to init, out of reach."""
+    script = textwrap.dedent(
+        """
+        import subprocess, time, psutil
+        from kvmesh.deployments.process_tree import become_subreaper, end_descendants
+        assert become_subreaper()
+        subprocess.run(["sh", "-c", "sleep 300 & echo $!"], check=True, stdout=open("pid", "w"))
+        orphan = psutil.Process(int(open("pid").read()))
+        assert orphan.ppid() == psutil.Process().pid, orphan.ppid()
+        ended = end_descendants(grace_s=5)
+        print(ended, orphan.is_running())
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=_tmp())
+    assert out.returncode == 0, out.stderr
+    assert "sleep (" in out.stdout and out.stdout.strip().endswith("False"), out.stdout
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="kvmesh-reaper-")
