@@ -103,6 +103,8 @@ APP_DEFAULTS: dict[str, Any] = {
 # Environment Ray and every Serve actor need for each proxy choice, set before Ray starts.
 PROXY_ENV: dict[str, dict[str, str]] = {
     # draining: local runs have no external load balancer to deregister from (default 30 s per stop)
+    # engine.hash_algo xxhash/xxhash_cbor with several tenants: refused unless set true (see _check_hash_risk)
+    "accept_hash_collision_risk": False,
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"},
     "serve": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
 }
@@ -225,9 +227,25 @@ def tiny_model_dir() -> Path:
     return home / "models" / "tiny"
 
 
+    _check_hash_risk(cfg)
 def resolve_model(model: str) -> str:
     """Turn the config's model into a local directory (building the tiny model when asked)."""
     if model == "tiny":
+def _check_hash_risk(cfg: Mapping[str, Any]) -> None:
+    """Block hashes name cached KV across tenants' requests: with a non-cryptographic hash (xxhash), prompts
+    can be crafted to collide with another tenant's blocks (a wrong cache hit serves one tenant's KV to
+    another's request), and random collisions grow with every tenant. Several tenants therefore need sha256,
+    or the operator's explicit acceptance (docs/tenants.md)."""
+    several_tenants = bool(cfg["tenants_file"]) or len(cfg["api_keys"]) > 1
+    if not isinstance(cfg["accept_hash_collision_risk"], bool):
+        raise ConfigError("config.accept_hash_collision_risk must be true or false")
+    if cfg["engine"]["hash_algo"].startswith("xxhash") and several_tenants and not cfg["accept_hash_collision_risk"]:
+        raise ConfigError(
+            f"engine.hash_algo {cfg['engine']['hash_algo']} with several tenants risks cross-tenant block hash "
+            "collisions: use sha256 (the default), or set accept_hash_collision_risk: true"
+        )
+
+
         from kvmesh.deployments.tiny_model import build_tiny_model
 
         return str(build_tiny_model(tiny_model_dir()))

@@ -70,6 +70,9 @@ class EngineReplica:
         self.cfg = engine_config(engine)
         if self.cfg["num_gpus"] == 0 and self.cfg.get("kv_cache_space_gb"):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg["kv_cache_space_gb"])
+        from kvmesh.deployments.loopback_serve import bind_replica_grpc_to_loopback
+
+        bind_replica_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         try:
             from ray import serve
 

@@ -120,6 +120,9 @@ class Ingress:
     def __init__(self, engine_handle, config: dict):
         from transformers import AutoTokenizer
 
+        from kvmesh.deployments.loopback_serve import bind_replica_grpc_to_loopback
+
+        bind_replica_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         self.cfg = app_config(config)
         self.engine = engine_handle
         self.model_path = resolve_model(self.cfg["engine"]["model"])

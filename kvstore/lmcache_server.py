@@ -140,7 +140,7 @@ class LMCacheServer:
         return [
             sys.executable,
             "-m",
-            "lmcache.v1.multiprocess.server",
+            "kvmesh.kvstore.lmcache_main",  # LMCache's server, metrics port on --host too
             *server_args(self.config, self.port, self.prometheus_port),
         ]
 

@@ -1,5 +1,5 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""The serving config (deployments/config.py): defaults, strict keys, file round trip, engine arguments,
+per-run HAProxy files and ports."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 from kvmesh.deployments.config import ConfigError, app_config, engine_config
-
-# ---------------------------------------------------------------------------- request validation
 
 
 # ---------------------------------------------------------------------------- config
@@ -63,15 +61,6 @@ def test_serve_config_file_round_trip(tmp_path):
         load_config(p)
 
 
-# ---------------------------------------------------------------------------- prediction ledger
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-# ---------------------------------------------------------------------------- tiny model
-
-
 # ---------------------------------------------------------------------------- router with fake replicas
 
 
@@ -121,3 +110,15 @@ def test_cpu_only_defaults_stay_off_gpu_engines(tiny_model_dir):
     set_by_hand = engine_config({"num_gpus": 1, "enforce_eager": True, "max_num_seqs": 8})
     assert (set_by_hand["enforce_eager"], set_by_hand["max_num_seqs"]) == (True, 8)
     assert engine_config(gpu) == gpu  # filling twice changes nothing (the app config is validated again)
+
+
+def test_xxhash_with_several_tenants_needs_the_operators_explicit_acceptance():
+    from kvmesh.deployments.config import ConfigError, app_config
+
+    for tenants in ({"tenants_file": "tenants.yaml"}, {"api_keys": ["kvm-a" * 8, "kvm-b" * 8]}):
+        with pytest.raises(ConfigError, match="xxhash with several tenants .* accept_hash_collision_risk: true"):
+            app_config({"engine": {"hash_algo": "xxhash"}, **tenants})
+        accepted = app_config({"engine": {"hash_algo": "xxhash"}, "accept_hash_collision_risk": True, **tenants})
+        assert accepted["engine"]["hash_algo"] == "xxhash"
+    assert app_config({"engine": {"hash_algo": "xxhash"}, "api_keys": ["kvm-a" * 8]})["engine"]["hash_algo"] == "xxhash"
+    assert app_config({"tenants_file": "tenants.yaml"})["engine"]["hash_algo"] == "sha256"
