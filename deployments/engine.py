@@ -169,6 +169,7 @@ class EngineReplica:
         load = self.driver.load
         return {
             "replica_id": self.replica_id,
+            "pid": os.getpid(),  # the replica's process, for operators and fault tests (kill -9)
             "queued": load.queued,
             "running": load.running,
             "aborted": load.aborted,

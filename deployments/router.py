@@ -148,9 +148,7 @@ class KvmeshRouter(RequestRouter):
             rid = r.replica_id.unique_id
             stats = r.routing_stats or {}
             if rid not in known:
-                self.index.add_replica(rid, node_id=str(stats.get("node_id") or r.node_id or "node-0"))
-                for p in self._policies.values():
-                    p.on_replica_added(rid)
+                self._add_replica(r)
             if stats.get("tiers") and rid in self.index.replicas():  # engine runs on an LMCache node server
                 t = stats["tiers"]
                 self.tiers.set_node(
@@ -205,14 +203,26 @@ class KvmeshRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.replica_failed(replica_id.unique_id)
 
+    def _add_replica(self, r: RunningReplica) -> None:
+        """A new replica, cold: an empty index slot and fresh policy state (its events subscribe once its
+        routing stats name the endpoint)."""
+        rid = r.replica_id.unique_id
+        self.index.add_replica(rid, node_id=str((r.routing_stats or {}).get("node_id") or r.node_id or "node-0"))
+        for p in self._policies.values():
+            p.on_replica_added(rid)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new replica set: replicas that left are forgotten at once (not on the next request);
-        new ones (a restarted replica has a new id) are added cold when their routing stats arrive."""
+        new ones (a restarted replica has a new id) are added cold at once, without waiting for a request."""
         super().update_replicas(replicas)
         present = {r.replica_id.unique_id for r in replicas}
         for rid in set(self.index.replicas()) - present:
             self._forget(rid)
         self._dead &= present  # a dead id Serve no longer lists cannot come back
+        known = set(self.index.replicas())
+        for r in replicas:
+            if r.replica_id.unique_id not in known | self._dead:
+                self._add_replica(r)
 
     def _live(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         """Candidates minus replicas known dead; a replica whose engine reports itself broken joins them."""

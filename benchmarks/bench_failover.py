@@ -1,0 +1,124 @@
+"""`BENCH=failover make bench`: an engine replica killed mid-replay loses no request.
+
+Two runs of the same 150-request streaming conversation replay (30 conversations x 5 turns, each
+turn extending the last, greedy, 24 tokens each) at concurrency 6 on 3 in-process engine replicas,
+each on a freshly started app (cold caches): one untouched, one with a real `kill -9` of the busiest
+engine replica once a third of the requests completed (benchmarks/failover_run.py).
+
+Targets: 0 failed requests in the killed run; every stream open on the killed replica counted as a
+migration in /metrics (kvmesh_migrations_total >= those streams, and > 0); the token-weighted hit rate
+of the last third of the killed run (by completion order) within 0.05 of the untouched run's.
+Also reported: whether every greedy output equals the untouched run's. Environment:
+BENCH_FAILOVER_REPLICAS, BENCH_FAILOVER_CONVERSATIONS, BENCH_FAILOVER_TURNS, BENCH_FAILOVER_CONCURRENCY.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+
+from kvmesh.benchmarks.failover_run import RunReport, conversations, metric, run
+from kvmesh.benchmarks.targets import Targets
+
+MAX_TOKENS = 24
+HIT_RATE_TOLERANCE = 0.05
+
+
+def run_app(convs, replicas: int, concurrency: int, kill_at: float | None) -> tuple[RunReport, dict]:
+    from kvmesh.deployments.app import start_local, stop_local
+
+    key = "kvm-bench-" + os.urandom(6).hex()
+    config = {
+        "replicas": replicas,
+        "policy": "kvmesh",
+        "port": 0,
+        "api_keys": [key],
+        "max_migrations": 3,
+        "engine": {"model": "tiny", "max_model_len": 1024, "num_cpus": round(1.6 / replicas, 2)},
+    }
+    t0 = time.perf_counter()
+    try:
+        url = start_local(config)
+        print(f"[{'kill' if kill_at else 'no kill'}] {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
+        headers = {"Authorization": f"Bearer {key}"}
+        report = run(url, headers, convs, concurrency=concurrency, max_tokens=MAX_TOKENS, kill_at=kill_at)
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            counters = {
+                name: metric(c, name)
+                for name in (
+                    "kvmesh_migrations_total",
+                    "kvmesh_migrations_exhausted_total",
+                    "kvmesh_router_replicas_forgotten_total",
+                )
+            }
+        return report, counters
+    finally:
+        stop_local()
+
+
+def main() -> None:
+    replicas = int(os.environ.get("BENCH_FAILOVER_REPLICAS", 3))
+    n_conv = int(os.environ.get("BENCH_FAILOVER_CONVERSATIONS", 30))
+    turns = int(os.environ.get("BENCH_FAILOVER_TURNS", 5))
+    concurrency = int(os.environ.get("BENCH_FAILOVER_CONCURRENCY", 6))
+    convs = conversations(n_conv, turns, seed=2026)
+    print(
+        f"workload: {n_conv * turns} streaming requests ({n_conv} conversations x {turns} turns), "
+        f"concurrency {concurrency}, {replicas} replicas, {MAX_TOKENS} tokens each"
+    )
+    base, _ = run_app(convs, replicas, concurrency, kill_at=None)
+    killed, counters = run_app(convs, replicas, concurrency, kill_at=1 / 3)
+    same_text = sum(a.text == b.text for a, b in zip(base.results, killed.results))
+    migrations = counters["kvmesh_migrations_total"]
+    print(
+        f"untouched run: {base.failed} failed, hit rate {base.hit_rate():.3f}, "
+        f"last third {base.last_third_hit_rate():.3f}, {base.wall_s:.0f}s"
+    )
+    print(
+        f"killed run: replica {killed.killed_replica} (pid {killed.killed_pid}) killed after "
+        f"{killed.killed_after} completed requests with {killed.open_on_killed} streams open on it; "
+        f"{killed.failed} failed, hit rate {killed.hit_rate():.3f}, last third "
+        f"{killed.last_third_hit_rate():.3f}, {killed.wall_s:.0f}s"
+    )
+    print(
+        f"migrations {migrations:.0f}, exhausted {counters['kvmesh_migrations_exhausted_total']:.0f}, "
+        f"replicas forgotten {counters['kvmesh_router_replicas_forgotten_total']:.0f}; "
+        f"greedy outputs equal to the untouched run: {same_text}/{len(base.results)}"
+    )
+    gap = abs(killed.last_third_hit_rate() - base.last_third_hit_rate())
+    targets = Targets()
+    rows = [
+        ("failed requests (killed run)", float(killed.failed), "== 0", killed.failed == 0 and base.failed == 0),
+        ("kill landed mid-stream", float(killed.open_on_killed), ">= 1", killed.open_on_killed >= 1),
+        (
+            "migrations counted in /metrics",
+            migrations,
+            f">= {killed.open_on_killed} and > 0",
+            migrations >= max(1, killed.open_on_killed),
+        ),
+        ("last-third hit rate gap", gap, f"<= {HIT_RATE_TOLERANCE}", gap <= HIT_RATE_TOLERANCE),
+    ]
+    for name, value, need, ok in rows:
+        print(f"{targets.verdict(name, ok)}  {name}: {value:.3f} (target {need})")
+    os.makedirs("out", exist_ok=True)
+    with open("out/bench_failover.json", "w", encoding="utf-8") as fh:
+        json.dump(
+            {
+                "untouched": base.to_json(),
+                "killed": killed.to_json(),
+                "counters": counters,
+                "greedy_equal": same_text,
+                "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
+            },
+            fh,
+            indent=2,
+        )
+    print("wrote out/bench_failover.json")
+    targets.exit_if_missed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""An engine replica killed (a real `kill -9` of its process) while it streams: no request is lost.
+
+One Serve app with 2 in-process engine replicas, next to the session's `live_app` on the same Ray
+cluster under route prefix /failover. The same 40 streaming requests (10 conversations x 4 turns, 4 at
+a time) run twice: once untouched, once with the busiest replica killed a third of the way in. Every
+request of the second run must succeed with the same greedy text and usage as in the first, the
+migrations must show in /metrics, and the router must forget the dead replica and take Serve's
+replacement back cold.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from kvmesh.benchmarks.failover_run import conversations, metric, replica_pids, run
+
+pytestmark = pytest.mark.integration
+
+APP_NAME = "kvmesh-failover"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def failover_app(live_app):
+    from ray import serve
+
+    from kvmesh.deployments.app import build_app
+
+    config = {
+        "name": APP_NAME,
+        "route_prefix": "/failover",
+        "replicas": 2,
+        "port": live_app.config["port"],
+        "tenants_file": live_app.config["tenants_file"],
+        "routing_stats_period_s": 0.5,
+        "max_migrations": 3,
+        # two more engines beside the session app's: small CPU reservations so all of them fit
+        "engine": {"model": "tiny", "max_model_len": 1024, "num_gpu_blocks_override": 512, "num_cpus": 0.1},
+    }
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/failover", blocking=False)
+    url = live_app.url + "/failover"
+    try:
+        with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
+            deadline = time.monotonic() + 300
+            while c.get("/health").status_code != 200:  # the HTTP front learns the route a moment later
+                assert time.monotonic() < deadline, "failover app never became healthy"
+                time.sleep(0.5)
+        yield url, live_app.headers
+    finally:
+        serve.delete(APP_NAME)
+
+
+def _wait_for(predicate, what: str, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1.0)
+    return value
+
+
+def test_a_replica_killed_mid_stream_loses_no_request(failover_app):
+    url, headers = failover_app
+    convs = conversations(10, 4, seed=13)
+    reference = run(url, headers, convs, concurrency=4, max_tokens=MAX_TOKENS)
+    assert reference.failed == 0, [r.error for r in reference.results if not r.ok]
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+        before = metric(c, "kvmesh_migrations_total")
+        assert len(replica_pids(c)) == 2
+
+    killed = run(url, headers, convs, concurrency=4, max_tokens=MAX_TOKENS, kill_at=1 / 3)
+
+    assert killed.killed_pid is not None and killed.open_on_killed >= 1  # it died while streaming
+    assert killed.failed == 0, [r.error for r in killed.results if not r.ok]
+    for ref, got in zip(reference.results, killed.results):
+        assert got.text == ref.text  # greedy output as without the failure
+        assert (got.prompt_tokens, got.completion_tokens) == (ref.prompt_tokens, MAX_TOKENS)
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+        assert metric(c, "kvmesh_migrations_total") > before
+        dead = killed.killed_replica
+
+        def router_state():
+            return c.get("/kvmesh/state").json()["router"]
+
+        assert dead not in router_state()["replicas"]  # forgotten: index slot, subscriber, policy
+        assert metric(c, "kvmesh_router_replicas_forgotten_total") >= 1
+        # Serve starts a replacement (a new replica id): the router adds it back, cold
+        fresh = _wait_for(
+            lambda: [r for r in replica_pids(c) if r != dead] if len(replica_pids(c)) == 2 else None,
+            "Serve to replace the killed replica",
+        )
+        _wait_for(lambda: len([r for r in router_state()["replicas"] if r != dead]) == 2, "the router to add it")
+        assert dead not in fresh
