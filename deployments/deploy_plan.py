@@ -35,6 +35,8 @@ def engine_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[
         "health_check_period_s": 10,
         "graceful_shutdown_timeout_s": 5,
     }
+    if eng.get("resources"):
+        opts["ray_actor_options"]["resources"] = dict(eng["resources"])
     if cfg.get("autoscaling"):
         opts["num_replicas"] = "auto"
         opts["autoscaling_config"] = dict(cfg["autoscaling"])
@@ -64,6 +66,7 @@ def actor_resources(config: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     engine = {"CPU": float(eng["num_cpus"])}
     if eng["num_gpus"]:
         engine["GPU"] = float(eng["num_gpus"])
+    engine.update({k: float(v) for k, v in (eng.get("resources") or {}).items()})
     return {ENGINE: engine, INGRESS: {"CPU": INGRESS_NUM_CPUS}}
 
 

@@ -1,0 +1,227 @@
+"""A real multi-node Ray cluster on this machine, for the multi-node tests and the scale benchmark.
+
+Each node is its own `ray start --block` process (own raylet, object store and worker pool) in its own
+process group, on 127.0.0.1, with its own CPU count and custom resources, so Ray schedules across
+nodes exactly as on a real cluster. `stop_node(i)` kills one node's whole process group (raylet
+included, SIGKILL): the node leaves as a crashed machine would. `stop()` ends every process the
+cluster started, found by pid, never by name (`ray stop` would end every Ray on the machine).
+
+    with LocalRayCluster(workdir, [NodeSpec(1, {"kvmesh_engine": 1}), NodeSpec(0, {"kvmesh_engine": 1})]) as c:
+        start_local(cfg, address=c.address)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kvmesh.deployments.config import INPROC_ENGINE_ENV
+from kvmesh.deployments.ray_join import RAY_START_LOOPBACK
+
+LOOPBACK = "127.0.0.1"
+# Ray 2.60 turns token authentication on for clusters it starts; every node and driver must agree
+CLUSTER_ENV = {**INPROC_ENGINE_ENV, "RAY_AUTH_MODE": "disabled"}
+
+
+@dataclasses.dataclass
+class NodeSpec:
+    num_cpus: int
+    resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalRayCluster:
+    """Head = node 0, the others join it. Every port is picked free, so clusters can run side by side."""
+
+    def __init__(self, workdir: str | os.PathLike, nodes: Sequence[NodeSpec], start_timeout_s: float = 120.0):
+        if not nodes:
+            raise ValueError("a cluster needs at least the head node")
+        self.workdir = Path(workdir)
+        self.nodes = list(nodes)
+        self.start_timeout_s = start_timeout_s
+        # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
+        self.temp_dir = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
+        self.address = ""
+        self.procs: list[subprocess.Popen | None] = []
+        self._seen: dict[int, float] = {}  # pid -> start time of every process seen below a node, for stop()
+
+    def env(self) -> dict[str, str]:
+        """The environment of every node, and the one a driver joining the cluster needs."""
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(CLUSTER_ENV)
+        return env
+
+    def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
+        ports = _free_ports(9)
+        cmd = [sys.executable, "-c", RAY_START_LOOPBACK, "start", "--block", "--node-ip-address", LOOPBACK]
+        cmd += ["--num-cpus", str(spec.num_cpus)]
+        cmd += ["--resources", json.dumps(dict(spec.resources)), "--disable-usage-stats"]
+        cmd += ["--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1])]
+        cmd += ["--dashboard-agent-listen-port", str(ports[2]), "--dashboard-agent-grpc-port", str(ports[3])]
+        cmd += ["--runtime-env-agent-port", str(ports[4]), "--metrics-export-port", str(ports[5])]
+        cmd += ["--object-store-memory", str(200 * 1024 * 1024)]
+        if head:
+            gcs = ports[6]
+            cmd += ["--head", "--port", str(gcs), "--include-dashboard", "false", "--temp-dir", self.temp_dir]
+            cmd += ["--ray-client-server-port", str(ports[7])]
+            self.address = f"{LOOPBACK}:{gcs}"
+        else:
+            cmd += ["--address", self.address]
+        with open(self.workdir / f"ray-node-{len(self.procs)}.log", "wb") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+
+    def start(self) -> LocalRayCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i, spec in enumerate(self.nodes):
+                for attempt in range(3):  # a raylet gets 30 s to register (fixed in Ray): a busy machine can miss it
+                    self.procs.append(self._start_node(spec, head=i == 0))
+                    if self._wait_started(i):
+                        break
+                    self.procs.pop()
+                    if attempt == 2:
+                        raise RuntimeError(f"ray node {i} did not start; see {self.workdir}/ray-node-{i}.log")
+            self._remember_pids()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_started(self, i: int) -> bool:
+        """True once node i's `ray start` says the node runs (it waits for the node's GCS registration);
+        False when it exited instead."""
+        log = self.workdir / f"ray-node-{i}.log"
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if b"Ray runtime started" in log.read_bytes():
+                return True
+            if self.procs[i] is None or self.procs[i].poll() is not None:  # type: ignore[union-attr]
+                return False
+            time.sleep(0.5)
+        raise TimeoutError(f"ray node {i} did not start in {self.start_timeout_s:.0f}s; see {log}")
+
+    def _check_procs(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() is not None:
+                raise RuntimeError(f"ray node {i} exited ({p.returncode}); see {self.workdir}/ray-node-{i}.log")
+
+    def wait_nodes(self, n: int) -> list[dict]:
+        """Wait until n nodes are alive; return them as Ray's GCS lists them. Asked from a short-lived
+        child process, so the caller does not become a Ray driver of this cluster. RuntimeError when a
+        node process exited meanwhile."""
+        code = (
+            "import json, time, ray\n"
+            "from kvmesh.deployments.ray_join import join_cluster\n"
+            f"join_cluster({self.address!r})\n"
+            f"deadline = time.monotonic() + {self.start_timeout_s}\n"
+            f"pids = {[p.pid for p in self.procs if p is not None]}\n"
+            "def dead(pid):\n"
+            "    try:\n"
+            "        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] in 'ZX'\n"
+            "    except OSError:\n"
+            "        return True\n"
+            "while True:\n"
+            "    alive = [x for x in ray.nodes() if x['Alive']]\n"
+            "    gone = any(dead(p) for p in pids)\n"
+            f"    if len(alive) >= {n} or gone or time.monotonic() > deadline:\n"
+            "        print(json.dumps(alive)); break\n"
+            "    time.sleep(0.5)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=self.start_timeout_s + 60,
+        )
+        self._check_procs()
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        alive = json.loads(lines[-1]) if lines else []
+        if len(alive) < n:
+            raise TimeoutError(f"the local Ray cluster has {len(alive)} of {n} nodes: {proc.stderr[-500:]}")
+        self._remember_pids()
+        return alive
+
+    def _remember_pids(self) -> None:
+        import psutil  # Ray's own dependency
+
+        for p in self.procs:
+            if p is None:
+                continue
+            try:
+                top = psutil.Process(p.pid)
+                for proc in [top, *top.children(recursive=True)]:
+                    self._seen[proc.pid] = proc.create_time()
+            except psutil.NoSuchProcess:
+                continue
+
+    def stop_node(self, i: int) -> None:
+        """Kill node i (not the head) for real: SIGKILL to its whole process group, raylet included."""
+        if i == 0:
+            raise ValueError("node 0 is the head: stopping it ends the cluster")
+        self._remember_pids()
+        p = self.procs[i]
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=30)
+        self.procs[i] = None
+
+    def stop(self) -> None:
+        """End every node (workers first, then the head) and every process seen below them."""
+        import psutil
+
+        self._remember_pids()
+        for p in reversed(self.procs):
+            if p is not None and p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in reversed(self.procs):
+            if p is not None:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pass
+        self._remember_pids()
+        for pid, started in sorted(self._seen.items()):
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == started:  # the same process, not a later one given its pid
+                    proc.kill()
+            except psutil.NoSuchProcess:
+                continue
+        self.procs = []
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

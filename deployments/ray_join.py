@@ -1,0 +1,64 @@
+"""Join a Ray cluster someone else started (`kvmesh serve --address`, KubeRay's head, `ray start`).
+
+Joining passes no CPUs, GPUs or environment: the cluster's nodes keep what their operator gave them,
+and the app's deployments carry their own runtime env. One trap is handled here: a cluster whose nodes
+run on 127.0.0.1 (several nodes on one machine, `ray start --node-ip-address 127.0.0.1`). Ray 2.60
+rewrites a loopback address to the host's routable one (`services.resolve_ip_for_localhost`), both the
+GCS address a driver or node joins and the node's own address, while the servers of such a cluster
+listen on 127.0.0.1 only: the join then times out. For loopback addresses that rewrite is bypassed
+during the call (deployments/local_ray.py does the same for the cluster kvmesh starts itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host in (LOOPBACK, "localhost")
+
+
+@contextlib.contextmanager
+def keep_loopback() -> Iterator[None]:
+    """While inside, Ray keeps 127.0.0.1 as it is instead of rewriting it to the host's address."""
+    import ray._private.services as services
+
+    resolve = services.resolve_ip_for_localhost
+
+    def keep(host: str) -> str:
+        return LOOPBACK if host in (LOOPBACK, "localhost") else resolve(host)
+
+    services.resolve_ip_for_localhost = keep
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = resolve
+
+
+def join_cluster(address: str, *, log_to_driver: bool = False) -> None:
+    """Connect this process to the running cluster at `address` (host:port of its GCS) as a driver."""
+    import ray
+
+    if not is_loopback(address):
+        ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
+        return
+    with keep_loopback():
+        ray.init(
+            address=f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+            _node_ip_address=LOOPBACK,
+        )
+
+
+# `ray start` with the same bypass, for the nodes of a cluster on 127.0.0.1 (benchmarks/local_cluster.py):
+# python -c RAY_START_LOOPBACK start --node-ip-address 127.0.0.1 ...
+RAY_START_LOOPBACK = (
+    "import sys; from kvmesh.deployments.ray_join import keep_loopback; from ray.scripts.scripts import main\n"
+    "with keep_loopback():\n"
+    "    sys.argv[0] = 'ray'; main()\n"
+)
