@@ -326,7 +326,7 @@ def report_from_replays(
     prepared = []
     for i, rec in enumerate(records):
         rid = str(rec.get("id", f"req-{i}"))
-        ids = list(builder.prompt(rec))
+        ids = [int(t) for t in builder.prompt(rec)]  # token prompts (no tokenizer given)
         interaction = str(rec["user"]) if rec.get("user") is not None else rid
         req = LoggedRequest(rid, {"prompt": ids}, COMPLETIONS, rec.get("tenant"), interaction)
         prepared.append(Prepared(req, TokenizedRequest(i, rid, rec.get("tenant"), None, ids)))
