@@ -23,6 +23,7 @@ from typing import Any
 
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
 from kvmesh.deployments.deploy_plan import ENGINE, engine_options, ingress_options
+from kvmesh.deployments.serve_contract import check_serve_contract
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def build_app(config: dict | None = None, **kwargs: Any):
     from kvmesh.deployments.engine import EngineReplica
     from kvmesh.deployments.ingress import Ingress
 
+    check_serve_contract()  # an unsupported Ray Serve fails the deploy here, naming what differs
     cfg = app_config({**(config or {}), **kwargs})
     eng = cfg["engine"]
     env = runtime_env_vars()

@@ -26,13 +26,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray.serve._private.replica_result import ReplicaResult
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
 from kvmesh.deployments.miss_attribution import ATTRIBUTION
+from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -107,6 +107,7 @@ class KvmeshRouter(RequestRouter):
         subscribe_events: bool = True,
         **_ignored: Any,
     ):
+        check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
         self.policy = make_policy(policy, seed=seed, **(policy_params or {}))
         self.policy_name = policy
         self.seed = seed
@@ -133,6 +134,8 @@ class KvmeshRouter(RequestRouter):
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
+        self._loop: asyncio.AbstractEventLoop | None = None  # Serve's router loop, seen in our own hooks
+        self._watched: set[asyncio.Future] = set()  # PendingRequest futures whose outcome is awaited
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
 
@@ -183,7 +186,7 @@ class KvmeshRouter(RequestRouter):
         its KV-event subscriber, its policy state and completed requests awaiting confirmation."""
         if rid in self._subscribed and self.events is not None:
             self._subscribed.discard(rid)
-            self._event_loop.create_task(self.events.remove_source(rid))
+            asyncio.get_running_loop().create_task(self.events.remove_source(rid))
         if rid not in self.index.replicas():
             return
         self.index.remove_replica(rid)
@@ -215,6 +218,10 @@ class KvmeshRouter(RequestRouter):
         """Serve's new replica set: replicas that left are forgotten at once (not on the next request);
         new ones (a restarted replica has a new id) are added cold at once, without waiting for a request."""
         super().update_replicas(replicas)
+        try:  # Serve calls this on the router's loop: the loop other threads hand work to (call_soon)
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
         present = {r.replica_id.unique_id for r in replicas}
         for rid in set(self.index.replicas()) - present:
             self._forget(rid)
@@ -291,6 +298,9 @@ class KvmeshRouter(RequestRouter):
             request_id=req.get("request_id"),
         )
         internal = pending_request.metadata.internal_request_id
+        self._loop = asyncio.get_running_loop()
+        if internal in self._inflight:  # Serve routes it again: the replica it was placed on rejected it
+            self._retried(pending_request)
         earlier = self._routing.pop(internal, None)
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
@@ -305,6 +315,7 @@ class KvmeshRouter(RequestRouter):
         routing = _Routing(info, matches, policy, {v.replica_id: v for v in views})
         self._commit(routing, ranked[0])
         self._routing[internal] = routing
+        self._watch(pending_request)
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
             self._withdraw(self._routing.pop(next(iter(self._routing))))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -327,20 +338,26 @@ class KvmeshRouter(RequestRouter):
             self.index.withdraw(routing.replica, routing.fresh)
         routing.fresh = []
 
-    async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False):
-        # Serve calls `on_request_routed` only when the replica-rejection protocol is on, so the one
-        # place that always learns which replica a request got is here (pinned: ray[serve]==2.60).
-        if is_retry:
-            self._retried(pending_request)
-        try:
-            replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
-        except BaseException:  # cancelled (client gone) before a replica was found: undo the commitment
+    def _watch(self, pending_request: PendingRequest) -> None:
+        """Learn where Serve placed the request, or that its caller gave up, from the request's own future:
+        Serve resolves `PendingRequest.future` with the chosen replica, cancels it when the caller goes
+        away, and gives a retried request a fresh one (deployments/serve_contract.py checks all three).
+        Serve's `on_request_routed` would come only after the replica accepted, and not at all without
+        the rejection protocol."""
+        fut = getattr(pending_request, "future", None)
+        if fut is None or fut in self._watched:
+            return
+        self._watched.add(fut)
+        fut.add_done_callback(lambda done: self._settled(pending_request, done))
+
+    def _settled(self, pending_request: PendingRequest, fut: asyncio.Future) -> None:
+        self._watched.discard(fut)
+        if fut.cancelled() or fut.exception() is not None:  # no replica for it (client gone): undo the commitment
             gone = self._routing.pop(pending_request.metadata.internal_request_id, None)
             if gone is not None:
                 self._withdraw(gone)
-            raise
-        self._routed(pending_request, replica.replica_id)
-        return replica
+            return
+        self._routed(pending_request, fut.result().replica_id)
 
     def _retried(self, pending_request: PendingRequest) -> None:
         """Serve routes a request again after its replica rejected it: the first placement's policy
@@ -362,9 +379,6 @@ class KvmeshRouter(RequestRouter):
                 policy.on_replica_added(rid)
             self._policies[name] = policy
         return self._policies[name]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        pass  # bookkeeping happens in _choose_replica_for_request (always called)
 
     def _routed(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
         internal = pending_request.metadata.internal_request_id
@@ -445,14 +459,23 @@ class KvmeshRouter(RequestRouter):
     def held_blocks(self) -> dict[str, int]:
         return {rid: self.index.held_blocks(rid) for rid in self.index.replicas()}
 
+    def call_soon(self, fn, *args) -> None:
+        """Run fn(*args) on the router's loop, from any thread; dropped when the router has not routed yet
+        (nothing of it can be in flight) or its loop is closed."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # loop closed
+                pass
+
     def call_on_loop(self, fn, timeout: float = 5.0):
         """Run fn() on the router's event loop from another thread (the index is not thread-safe)."""
-        loop = self._event_loop
+        loop = self._loop
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is loop:
+        if loop is None or running is loop:  # not routing yet: nothing runs on a loop of its own
             return fn()
 
         async def _call():
@@ -464,15 +487,9 @@ class KvmeshRouter(RequestRouter):
 def notify_replica_failed(replica_id: str) -> None:
     """The ingress saw `replica_id` fail a request: every router in this process stops choosing it."""
     for r in active_routers():
-        try:
-            r._event_loop.call_soon_threadsafe(r.replica_failed, replica_id)
-        except RuntimeError:  # loop closed
-            pass
+        r.call_soon(r.replica_failed, replica_id)
 
 
 def notify_first_token(request_id: str) -> None:
     for r in active_routers():
-        try:
-            r._event_loop.call_soon_threadsafe(r.first_token, request_id)
-        except RuntimeError:  # loop closed
-            pass
+        r.call_soon(r.first_token, request_id)

@@ -88,9 +88,16 @@ def _pending_request_behaviour(pending_request_cls) -> list[str]:
         return [f"PendingRequest cannot be made as Serve makes it: {exc}"]
 
 
+_checked = False  # the installed Ray does not change within a process: check it once
+
+
 def check_serve_contract() -> None:
     """Raise ServeContractError, naming every difference, when the installed Ray Serve does not fit."""
+    global _checked
+    if _checked:
+        return
     problems = contract_problems()
+    _checked = not problems
     if problems:
         raise ServeContractError(
             "kvmesh's request router does not support the installed Ray Serve: "

@@ -189,3 +189,40 @@ def test_router_takes_back_a_placement_the_replica_rejected(monkeypatch):
         assert router.index.held_blocks(rid) == 0 and "i-q" not in router._inflight
 
     asyncio.run(scenario())
+
+
+def test_router_learns_placement_and_cancellation_from_the_requests_future(monkeypatch):
+    """Serve resolves PendingRequest.future with the replica it chose, or cancels it when the caller
+    goes away: the router books the placement from it, or takes its commitment back; a retried request
+    (ranked again after its replica rejected it) withdraws the first placement."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        idle = dict(router.policy.recent_work())
+
+        placed = fake_request(list(range(500, 800)), "placed")
+        placed.future = asyncio.get_running_loop().create_future()
+        first = (await router.choose_replicas([a, b], placed))[0][0]
+        placed.future.set_result(first)
+        await asyncio.sleep(0)  # done callbacks run on the next loop turn
+        assert router._inflight["i-placed"].replica == first.replica_id.unique_id
+        placed.future = asyncio.get_running_loop().create_future()  # Serve's reset_future before a retry
+        await router.choose_replicas([a, b], placed)
+        assert "i-placed" not in router._inflight and "i-placed" in router._routing
+        placed.future.cancel()  # the client left while the retry waited for a replica
+        await asyncio.sleep(0)
+        assert "i-placed" not in router._routing
+
+        gone = fake_request(list(range(900, 1200)), "gone")
+        gone.future = asyncio.get_running_loop().create_future()
+        await router.choose_replicas([a, b], gone)
+        gone.future.cancel()
+        await asyncio.sleep(0)
+        assert "i-gone" not in router._routing and "i-gone" not in router._inflight
+        assert router.policy.recent_work() == pytest.approx(idle)
+        assert all(router.index.held_blocks(r) == 0 for r in ("A", "B"))
+
+    asyncio.run(scenario())

@@ -18,6 +18,9 @@ def test_the_installed_ray_fits():
 
 
 def test_a_ray_outside_the_supported_range_fails_the_deploy(monkeypatch):
+    import kvmesh.deployments.serve_contract as contract
+
+    monkeypatch.setattr(contract, "_checked", False)
     monkeypatch.setattr(ray, "__version__", "2.61.0")
     with pytest.raises(ServeContractError, match=r"ray 2\.61\.0 is outside the supported range >=2\.60,<2\.61"):
         check_serve_contract()
@@ -46,3 +49,18 @@ def test_a_reset_that_keeps_the_old_future_is_named(monkeypatch):
 
     monkeypatch.setattr(public, "PendingRequest", StickyFuture)
     assert contract_problems() == ["PendingRequest.reset_future does not give the request a new future"]
+
+
+def test_pyproject_pins_the_supported_ray_range():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from paths import REPO_ROOT
+
+    from kvmesh.deployments.serve_contract import SUPPORTED_RAY
+
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_RAY
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("cpu", "gpu"):
+        ray_req = next(Requirement(r) for r in extras[extra] if Requirement(r).name == "ray")
+        assert ray_req.specifier == Requirement(f"ray>={lo_major}.{lo_minor}.0,<{hi_major}.{hi_minor}").specifier
