@@ -64,6 +64,7 @@ def build_app(config: dict | None = None, **kwargs: Any):
                     "hash_algo": eng["hash_algo"],
                     "block_size": eng["block_size"],
                     "speculative_ttl_s": cfg["speculative_ttl_s"],
+                    "router_sync": cfg["router_sync"],
                     "mismatch_alarm_after": cfg["mismatch_alarm_after"],
                     "seed": eng["seed"],
                 },

@@ -84,6 +84,8 @@ APP_DEFAULTS: dict[str, Any] = {
     "max_ongoing_requests": 64,
     "routing_stats_period_s": 0.5,
     "speculative_ttl_s": 2.0,
+    # several ingress replicas: each router publishes its placements to the others (router_sync.py)
+    "router_sync": True,
     "mismatch_alarm_after": 3,
     "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
@@ -199,6 +201,8 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()
     ):
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
+    if not isinstance(cfg["router_sync"], bool):
+        raise ConfigError("config.router_sync must be true or false")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
     _check_autoscaling(cfg["autoscaling"])

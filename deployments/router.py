@@ -32,6 +32,7 @@ from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
 from kvmesh.deployments.miss_attribution import ATTRIBUTION
+from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
@@ -105,6 +106,7 @@ class KvmeshRouter(RequestRouter):
         mismatch_alarm_after: int = 3,
         seed: int = 0,
         subscribe_events: bool = True,
+        router_sync: bool = True,
         **_ignored: Any,
     ):
         check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
@@ -134,10 +136,39 @@ class KvmeshRouter(RequestRouter):
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
+        # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
+        self.peers = PeerPlacements(self.index, lambda: self._policies.values())
+        self.router_sync = router_sync
+        self.sync: RouterSync | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's router loop, seen in our own hooks
         self._watched: set[asyncio.Future] = set()  # PendingRequest futures whose outcome is awaited
         local_state.LEDGER.alarm_after = mismatch_alarm_after
         local_state.ROUTERS.add(self)
+
+    def _start_sync(self) -> None:
+        """Join the placement stream of the other ingress replicas' routers, once, from the router loop."""
+        if self.sync is not None or not self.router_sync:
+            return
+        import ray
+
+        try:
+            asyncio.get_running_loop()  # called from the router's own hooks, which run on its loop
+        except RuntimeError:
+            return  # not on a loop yet: the first routing call starts it
+        if not ray.is_initialized():
+            return
+        try:
+            from ray import serve
+
+            app = serve.get_replica_context().app_name
+        except Exception:  # not in a Serve replica (tests): one registry per process is enough
+            app = "local"
+        self.sync = RouterSync(app, self.peers)
+        try:
+            self.sync.start()
+        except Exception:
+            log.exception("router sync failed to start: this router sees only its own placements")
+            self.router_sync = False
 
     # ------------------------------------------------------------------ replica membership
     async def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
@@ -222,6 +253,7 @@ class KvmeshRouter(RequestRouter):
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             pass
+        self._start_sync()
         present = {r.replica_id.unique_id for r in replicas}
         for rid in set(self.index.replicas()) - present:
             self._forget(rid)
@@ -253,6 +285,11 @@ class KvmeshRouter(RequestRouter):
                 p[1] += 1
             else:
                 p[2] += st.uncached
+        for rid, (n, started, prefill) in self.peers.pending().items():
+            p = pending.setdefault(rid, [0, 0, 0])
+            p[0] += n
+            p[1] += started
+            p[2] += prefill
         views = []
         for r in candidates:
             rid = r.replica_id.unique_id
@@ -330,6 +367,9 @@ class KvmeshRouter(RequestRouter):
         routing.fresh = []
         if rid in self.index.replicas():
             self.index.speculate(rid, routing.info.block_hashes, fresh=routing.fresh)
+        if self.sync is not None and routing.info.request_id:
+            matched = routing.matches.get(rid, (0, 0, 0))
+            self.sync.publish(routed_message(self.sync.router_id, routing.info, rid, matched))
 
     def _withdraw(self, routing: _Routing) -> None:
         """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled."""
@@ -337,6 +377,11 @@ class KvmeshRouter(RequestRouter):
         if routing.fresh:
             self.index.withdraw(routing.replica, routing.fresh)
         routing.fresh = []
+        self._publish("unrouted", routing.info.request_id, routing.replica)
+
+    def _publish(self, kind: str, request_id: str | None, replica: str = "") -> None:
+        if self.sync is not None and request_id:
+            self.sync.publish([kind, self.sync.router_id, request_id, replica])
 
     def _watch(self, pending_request: PendingRequest) -> None:
         """Learn where Serve placed the request, or that its caller gave up, from the request's own future:
@@ -414,6 +459,7 @@ class KvmeshRouter(RequestRouter):
         st = self._inflight.pop(internal_request_id, None)
         if st is None:
             return
+        self._publish("done", st.info.request_id, st.replica)
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
         if st.first_token:
@@ -433,6 +479,7 @@ class KvmeshRouter(RequestRouter):
         st = self._inflight.get(internal) if internal else None
         if st is not None:
             st.first_token = True
+            self._publish("started", request_id, st.replica)
             return
         done = self._unconfirmed.pop(request_id, None)
         if done is not None:  # the request completed before the ingress's word arrived

@@ -1,0 +1,322 @@
+"""One placement view across ingress replicas: every router publishes its placements, every other router
+applies them.
+
+Why: each ingress replica runs its own router, with its own prefix index, speculative entries, load view
+and balance guard. Alone, two routers put the same new prefix on two replicas, and each balances only the
+work it sent itself (with two ingress replicas on four engines, one replica got every prefill). Dynamo
+keeps its router replicas' active blocks in step by publishing each routing decision; kvmesh does the
+same: a router's commitment (replica, block hashes, predicted prefill work) goes out on a ZMQ PUB socket
+the moment it is made, and each peer credits it to the same replica, in its index (speculative blocks,
+TTL-bounded until the engine's BlockStored confirms them), its policies (balance guard, fanout) and its
+in-flight load, and takes it back when the placement is moved, the first token arrives or it completes.
+
+Nothing here is on the request path: publishing is a non-blocking send; peers' messages are applied by a
+background task on the router's own event loop; peers are found by a background poll of a small named
+registry actor. Messages carry block hashes and counts, never token ids or text. Between nodes the stream
+is CURVE-encrypted with the deployment's channel keys (`kvmesh.cluster.secure_channel`); without keys it
+binds to loopback only, so it never crosses a network in the clear.
+
+`PeerPlacements` is the state and its rules (pure, tested without sockets); `RouterSync` is the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.policies.base import ReplicaView, RequestInfo
+
+log = logging.getLogger("ray.serve.kvmesh")
+
+REGISTRY_NAMESPACE = "kvmesh"
+PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this long ago is gone
+PLACEMENT_TTL_S = 120.0  # a peer placement never closed (lost message, peer died) stops counting after this
+
+
+@dataclass
+class PeerPlacement:
+    """One request another router placed: what this router credited for it, to take back later."""
+
+    replica: str
+    info: RequestInfo
+    uncached: int
+    fresh: list[int] = field(default_factory=list)  # blocks speculated here for it
+    started: bool = False
+    at: float = field(default_factory=time.monotonic)
+
+
+class PeerPlacements:
+    """Other routers' in-flight placements, applied to this router's index and policies.
+
+    `policies` is a callable returning the router's live policy objects (tenants may add some later)."""
+
+    def __init__(self, index, policies) -> None:
+        self.index = index
+        self.policies = policies
+        self.placements: dict[tuple[str, str], PeerPlacement] = {}
+        self.applied = 0
+
+    def apply(self, msg: list) -> None:
+        """One message from a peer: [kind, router, request, replica, *payload]."""
+        kind, router, request, replica = msg[0], msg[1], msg[2], msg[3]
+        key = (router, request)
+        self.applied += 1
+        if kind == "routed":
+            self._close(key)
+            hashes, num_tokens, block_size, expected_out, tenant, matched = msg[4:10]
+            info = RequestInfo(
+                block_hashes=[int(h) for h in hashes],
+                num_tokens=int(num_tokens),
+                block_size=int(block_size),
+                expected_output_tokens=int(expected_out),
+                tenant=tenant,
+                request_id=f"peer:{router}:{request}",
+            )
+            hbm, host, shared = (int(x) for x in matched)
+            view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
+            placed = PeerPlacement(replica, info, uncached=info.num_tokens - shared * info.block_size)
+            for policy in self.policies():
+                policy.on_routed(info, replica, view)
+            if replica in self.index.replicas():
+                self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
+            self.placements[key] = placed
+        elif kind == "unrouted":
+            placed = self.placements.pop(key, None)
+            if placed is not None and placed.replica == replica:
+                for policy in self.policies():
+                    policy.on_unrouted(placed.info, replica)
+                if placed.fresh:
+                    self.index.withdraw(replica, placed.fresh)
+        elif kind == "started":
+            placed = self.placements.get(key)
+            if placed is not None:
+                placed.started = True
+        elif kind == "done":
+            self.placements.pop(key, None)
+        elif kind == "bye":
+            self.drop_router(router)
+
+    def _close(self, key: tuple[str, str]) -> None:
+        self.placements.pop(key, None)
+
+    def drop_router(self, router: str) -> None:
+        """A peer left: its requests no longer count as load here (their prefixes stay until evicted)."""
+        for key in [k for k in self.placements if k[0] == router]:
+            del self.placements[key]
+
+    def forget_replica(self, replica: str) -> None:
+        for key in [k for k, p in self.placements.items() if p.replica == replica]:
+            del self.placements[key]
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for key in [k for k, p in self.placements.items() if now - p.at > PLACEMENT_TTL_S]:
+            del self.placements[key]
+
+    def pending(self) -> dict[str, list[int]]:
+        """Per replica: [in flight, started, pending prefill tokens] of other routers' requests."""
+        out: dict[str, list[int]] = {}
+        for p in self.placements.values():
+            row = out.setdefault(p.replica, [0, 0, 0])
+            row[0] += 1
+            if p.started:
+                row[1] += 1
+            else:
+                row[2] += p.uncached
+        return out
+
+
+def routed_message(router: str, info: RequestInfo, replica: str, matched: tuple[int, int, int]) -> list:
+    """What a router publishes when it commits `info` to `replica` (block hashes and counts only)."""
+    return [
+        "routed",
+        router,
+        info.request_id,
+        replica,
+        list(info.block_hashes),
+        info.num_tokens,
+        info.block_size,
+        info.expected_output_tokens,
+        info.tenant,
+        list(matched),
+    ]
+
+
+def _registry_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class RouterRegistry:
+        """Where each ingress replica's router says how to reach its placement stream."""
+
+        def __init__(self) -> None:
+            self.entries: dict[str, tuple[str, float]] = {}
+
+        def heartbeat(self, router: str, endpoint: str) -> dict[str, str]:
+            now = time.time()
+            self.entries[router] = (endpoint, now)
+            return {r: e for r, (e, t) in self.entries.items() if r != router and now - t < PEER_TTL_S}
+
+        def leave(self, router: str) -> None:
+            self.entries.pop(router, None)
+
+    return RouterRegistry
+
+
+class RouterSync:
+    """The placement stream of one router: a PUB socket for its own placements, one SUB socket for its
+    peers', and a registry heartbeat that finds them. Runs on the router's event loop."""
+
+    def __init__(self, app_name: str, placements: PeerPlacements, poll_s: float = 1.0) -> None:
+        self.app_name = app_name
+        self.router_id = uuid.uuid4().hex[:12]
+        self.placements = placements
+        self.poll_s = poll_s
+        self.peers: dict[str, str] = {}  # router id -> endpoint
+        self.published = 0
+        self.started_at = time.monotonic()
+        self.first_peer_s: float | None = None  # start -> first peer placement applied
+        self._pub: Any = None
+        self._sub: Any = None
+        self._tasks: list[asyncio.Task] = []
+        self._registry: Any = None
+        self._server: Any = None
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from kvmesh.cluster.secure_channel import ChannelError, ChannelServer, channel_keys, secure_client
+
+        host = _node_host()
+        try:
+            keys = channel_keys()
+        except ChannelError:
+            keys = None
+        if keys is None and host != "127.0.0.1":
+            host = "127.0.0.1"  # no channel keys: never in the clear on a network; peers on other nodes miss it
+            log.warning("router sync: no channel secret, placement stream bound to loopback only")
+        ctx = zmq.asyncio.Context.instance()
+        if keys is not None:
+            self._server = ChannelServer(keys)
+            pub = self._server.socket(zmq.PUB)
+        else:
+            pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 100_000)
+        port = pub.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        sub = ctx.socket(zmq.SUB)
+        if keys is not None:
+            secure_client(sub, keys)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._pub, self._sub = pub, sub
+        self._tasks = [asyncio.create_task(self._discover()), asyncio.create_task(self._receive())]
+        log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.publish(["bye", self.router_id, "", ""])
+        for t in self._tasks:
+            t.cancel()
+        for s in (self._pub, self._sub):
+            if s is not None:
+                s.close(0)
+        if self._server is not None:
+            self._server.close()
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                self._registry.leave.remote(self.router_id)
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, msg: list) -> None:
+        """Send without waiting: a full queue drops the message (peers then see a little less load)."""
+        if self._pub is None:
+            return
+        import msgpack
+        import zmq
+
+        try:
+            self._pub.send(msgpack.packb(msg), flags=zmq.NOBLOCK)
+            self.published += 1
+        except zmq.Again:
+            pass
+
+    # ------------------------------------------------------------------ background tasks
+    async def _discover(self) -> None:
+        import ray
+
+        name = f"router-registry-{self.app_name}"
+        while True:
+            try:
+                if self._registry is None:
+                    self._registry = (
+                        _registry_class()
+                        .options(name=name, namespace=REGISTRY_NAMESPACE, get_if_exists=True, lifetime="detached")
+                        .remote()
+                    )
+                peers = await self._registry.heartbeat.remote(self.router_id, self.endpoint)
+                for router, endpoint in peers.items():
+                    if self.peers.get(router) != endpoint:
+                        self._sub.connect(endpoint)
+                        self.peers[router] = endpoint
+                        log.info("router sync: peer %s at %s", router, endpoint)
+                for router in set(self.peers) - set(peers):
+                    with contextlib.suppress(Exception):
+                        self._sub.disconnect(self.peers[router])
+                    del self.peers[router]
+                    self.placements.drop_router(router)
+                self.placements.expire()
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.RayActorError:
+                self._registry = None  # the registry died with its node: make it again
+            except Exception:  # never let discovery end the router
+                log.exception("router sync: discovery failed; retrying")
+            await asyncio.sleep(self.poll_s)
+
+    async def _receive(self) -> None:
+        import msgpack
+
+        while True:
+            try:
+                raw = await self._sub.recv()
+                msg = msgpack.unpackb(raw)
+                if msg[1] == self.router_id:
+                    continue
+                self.placements.apply(msg)
+                if self.first_peer_s is None:
+                    self.first_peer_s = time.monotonic() - self.started_at
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a malformed message is dropped, the stream goes on
+                log.exception("router sync: bad message dropped")
+
+    def stats(self) -> dict:
+        return {
+            "router": self.router_id,
+            "endpoint": getattr(self, "endpoint", None),
+            "peers": sorted(self.peers),
+            "published": self.published,
+            "applied": self.placements.applied,
+            "peer_inflight": len(self.placements.placements),
+            "first_peer_placement_s": self.first_peer_s,
+        }
+
+
+def _node_host() -> str:
+    """This node's address as Ray knows it (loopback in local runs)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"

@@ -1,0 +1,164 @@
+"""Router-to-router placement sync without sockets: what one router publishes, another applies."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvmesh.deployments.router_sync import PeerPlacements, routed_message
+from kvmesh.policies.base import RequestInfo
+
+
+def fake_replica(rid: str):
+    return SimpleNamespace(
+        replica_id=SimpleNamespace(unique_id=rid), routing_stats={}, node_id="n0", max_ongoing_requests=64
+    )
+
+
+def fake_request(ids, request_id):
+    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
+
+
+class Wire:
+    """Stands in for RouterSync (kvmesh's own interface): collects what a router publishes."""
+
+    def __init__(self, router_id: str):
+        self.router_id = router_id
+        self.sent: list[list] = []
+
+    def publish(self, msg: list) -> None:
+        self.sent.append(msg)
+
+    def stats(self) -> dict:
+        return {}
+
+
+def make_router(name: str):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from kvmesh.deployments.router import KvmeshRouter
+
+    r = KvmeshRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    r.initialize_state(subscribe_events=False, policy="kvmesh", block_size=32)
+    r.sync = Wire(name)
+    return r
+
+
+def relay(src, dst) -> None:
+    for msg in src.sync.sent:
+        dst.peers.apply(msg)
+    src.sync.sent.clear()
+
+
+REPLICAS = [fake_replica(f"r{i}") for i in range(4)]
+
+
+def _first(ranked) -> str:
+    return ranked[0][0].replica_id.unique_id
+
+
+def test_a_new_prefix_sent_through_two_routers_lands_on_one_replica():
+    async def scenario():
+        a, b = make_router("A"), make_router("B")
+        for r in (a, b):
+            await r.choose_replicas(REPLICAS, fake_request([1, 2, 3], f"reg-{id(r)}"))
+            r.sync.sent.clear()
+        # B's own traffic so far differs from A's: two short requests still in flight
+        for k in range(2):
+            own = fake_request(list(range(90_000 + 1000 * k, 90_000 + 1000 * k + 64)), f"own{k}")
+            b._routed(own, SimpleNamespace(unique_id=_first(await b.choose_replicas(REPLICAS, own))))
+        b.sync.sent.clear()
+        prefixes = [list(range(10_000 * k, 10_000 * k + 1280)) for k in range(1, 9)]
+        for k, ids in enumerate(prefixes):
+            pending = fake_request(ids, f"a{k}")
+            where = _first(await a.choose_replicas(REPLICAS, pending))
+            a._routed(pending, SimpleNamespace(unique_id=where))
+            relay(a, b)
+            # the same new prefix (another user, through the other front) goes where A sent it
+            again = fake_request(ids + [7, 7, 7], f"b{k}")
+            assert _first(await b.choose_replicas(REPLICAS, again)) == where
+            b._routed(again, SimpleNamespace(unique_id=where))
+            relay(b, a)
+
+    asyncio.run(scenario())
+
+
+def test_peer_load_counts_in_the_views_and_leaves_when_the_request_does():
+    async def scenario():
+        a, b = make_router("A"), make_router("B")
+        for r in (a, b):
+            await r.choose_replicas(REPLICAS, fake_request([1, 2, 3], f"reg-{id(r)}"))
+            r.sync.sent.clear()  # the registering request stays unrouted: not part of what is counted
+        placed = {}
+        for k in range(6):
+            pending = fake_request(list(range(5000 * (k + 1), 5000 * (k + 1) + 256)), f"a{k}")
+            where = _first(await a.choose_replicas(REPLICAS, pending))
+            a._routed(pending, SimpleNamespace(unique_id=where))
+            placed[f"a{k}"] = where
+        relay(a, b)
+        pending = b.peers.pending()
+        expected: dict[str, int] = {}
+        for where in placed.values():
+            expected[where] = expected.get(where, 0) + 1
+        assert {r: row[0] for r, row in pending.items()} == expected
+        assert sum(row[2] for row in pending.values()) == 6 * 256  # cold prompts: all prefill pending
+        views = {v.replica_id: v for v in b._views(REPLICAS, {})}
+        assert sum(v.queued for v in views.values()) == 6
+        # first tokens, then completions, travel too
+        for k in range(6):
+            a.first_token(f"a{k}")
+        relay(a, b)
+        assert sum(row[2] for row in b.peers.pending().values()) == 0
+        for k in range(6):
+            a.on_request_completed(SimpleNamespace(unique_id=placed[f"a{k}"]), f"i-a{k}")
+        relay(a, b)
+        assert b.peers.pending() == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_withdrawn_peer_placement_is_taken_back_exactly():
+    from kvmesh.cluster.index import PrefixIndex
+    from kvmesh.policies.registry import make_policy
+
+    index = PrefixIndex(max_blocks=10_000)
+    policy = make_policy("kvmesh")
+    for rid in ("r0", "r1"):
+        index.add_replica(rid)
+        policy.on_replica_added(rid)
+    peers = PeerPlacements(index, lambda: [policy])
+    before = (policy._w.copy(), index.held_blocks("r1"))
+    info = RequestInfo(block_hashes=[11, 12, 13, 14], num_tokens=130, block_size=32, request_id="q")
+    peers.apply(routed_message("A", info, "r1", (0, 0, 0)))
+    assert index.held_blocks("r1") == 4
+    assert policy._w.sum() > before[0].sum()
+    peers.apply(["unrouted", "A", "q", "r1"])
+    assert index.held_blocks("r1") == before[1]
+    assert np.array_equal(policy._w, before[0])
+    assert peers.pending() == {}
+
+
+def test_a_peer_that_says_bye_no_longer_counts():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("r0")
+    peers = PeerPlacements(index, lambda: [])
+    for q in ("q1", "q2"):
+        info = RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id=q)
+        peers.apply(routed_message("A", info, "r0", (0, 0, 0)))
+    peers.apply(
+        routed_message(
+            "B", RequestInfo(block_hashes=[3], num_tokens=32, block_size=32, request_id="q3"), "r0", (0, 0, 0)
+        )
+    )
+    assert peers.pending()["r0"][0] == 3
+    peers.apply(["bye", "A", "", ""])
+    assert peers.pending()["r0"][0] == 1
+    peers.expire(now=1e12)
+    assert peers.pending() == {}
