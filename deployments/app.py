@@ -30,7 +30,14 @@ log = logging.getLogger(__name__)
 # Environment every replica needs; values come from the caller's environment when set there.
 RUNTIME_ENV_DEFAULTS = INPROC_ENGINE_ENV
 # Never KVMESH_SALT_SECRET itself: runtime_env env vars end up in Ray's logs (pass the file path instead).
-PASS_THROUGH = ("KVMESH_HOME", "VLLM_CACHE_ROOT", "HF_HOME", "KVMESH_SALT_SECRET_FILE", "VLLM_LOGGING_LEVEL")
+PASS_THROUGH = (
+    "KVMESH_HOME",
+    "VLLM_CACHE_ROOT",
+    "HF_HOME",
+    "KVMESH_SALT_SECRET_FILE",
+    "KVMESH_CHANNEL_SECRET_FILE",  # engines and routers derive their CURVE keys from it (cluster/secure_channel.py)
+    "VLLM_LOGGING_LEVEL",
+)
 
 
 def runtime_env_vars() -> dict[str, str]:
@@ -103,6 +110,11 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
     cfg = app_config(config)
     if cfg["port"] == 0:
         cfg["port"] = free_port()
+    if not os.environ.get("KVMESH_CHANNEL_SECRET_FILE"):  # this run's KV-event streams (cluster/secure_channel.py)
+        from kvmesh.cluster.secure_channel import write_channel_secret
+
+        home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
+        os.environ["KVMESH_CHANNEL_SECRET_FILE"] = str(write_channel_secret(os.path.join(home, "run")))
     if not os.environ.get("KVMESH_SALT_SECRET_FILE"):
         # Replicas get the secret as a 0600 file path, never the value: Ray writes runtime_env env vars
         # verbatim into runtime_env_agent.log (see deployments/tenants.write_secret_file).

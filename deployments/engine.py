@@ -1,10 +1,11 @@
 """The engine replica: a Ray Serve deployment wrapping one vLLM engine (prefix caching + KV events).
 
-Each replica publishes its KV-cache events on its own ZMQ endpoint and tells routers where via
-`record_routing_stats()` (Serve polls it and hands the dict to every router as
-`RunningReplica.routing_stats`). The publisher BINDS (`tcp://*:port`) so any number of routers (one
-per ingress replica) can connect to it (vLLM's publisher binds only for `*`/`::`; with a concrete
-address it connects, and the subscriber would have to bind).
+Each replica's KV-cache events reach routers through its own relay (`kvmesh.cluster.event_relay`), and
+`record_routing_stats()` tells routers where (Serve polls it and hands the dict to every router as
+`RunningReplica.routing_stats`). vLLM's publisher binds ipc sockets in a folder only this user can open
+(its `BlockStored` events carry the prompt's token ids); the relay re-publishes only what routing needs,
+over ZMQ CURVE (`kvmesh.cluster.secure_channel`), on a PUB + replay ROUTER bound to the node's address,
+so any number of routers (one per ingress replica) connect to it.
 
 Request (a plain dict, built by the ingress; the router reads `prompt_token_ids` and `cache_salt`):
     {"request_id": str, "prompt_token_ids": [int], "cache_salt": str | None,
@@ -15,8 +16,11 @@ Stream of chunks (dicts): {"text", "token_ids", "finish_reason", "num_cached_tok
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +28,6 @@ from typing import Any
 
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
 from kvmesh.deployments.engine_driver import EngineBroken
-from kvmesh.deployments.ports import PortReservation
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -85,18 +88,13 @@ class EngineReplica:
         else:
             self.node_id, node_ip = "node-0", "127.0.0.1"
         self.model_path = resolve_model(self.cfg["model"])
-        kv_events = None
         self.kv_events_endpoint = self.replay_endpoint = None
-        # held until vLLM's publisher has bound them: replicas starting together must not pick the same port
-        ports = PortReservation(2 if self.cfg["kv_events"] else 0)
-        if self.cfg["kv_events"]:
-            port, rport = ports.ports
-            kv_events = {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{rport}", "topic": EVENTS_TOPIC}
-            self.kv_events_endpoint = f"tcp://{node_ip}:{port}"
-            self.replay_endpoint = f"tcp://{node_ip}:{rport}"
+        self.events_relay: Any = None
+        self._events_dir: str | None = None
+        kv_events = self._start_event_relay(node_ip) if self.cfg["kv_events"] else None
         from kvmesh.deployments.engine_driver import build_engine_args, make_driver
 
-        with ports:
+        with self._relay_closed_on_error():
             args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
             self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
@@ -116,6 +114,36 @@ class EngineReplica:
             self.num_blocks,
             self.kv_events_endpoint,
         )
+
+    def _start_event_relay(self, node_ip: str) -> dict:
+        """vLLM's publisher on private ipc sockets; the relay re-publishes them for routers (over CURVE)."""
+        from kvmesh.cluster.event_relay import EventRelay
+        from kvmesh.cluster.secure_channel import channel_keys
+
+        keys = channel_keys()  # fail before the engine loads when the deployment has no channel secret
+        # mkdtemp is 0700: no other user can open the sockets; /tmp keeps the path within ipc's ~107 bytes
+        self._events_dir = tempfile.mkdtemp(prefix="kvmesh-events-", dir="/tmp")
+        raw, raw_replay = f"ipc://{self._events_dir}/pub", f"ipc://{self._events_dir}/replay"
+        self.events_relay = EventRelay(raw, raw_replay, bind_host=node_ip, keys=keys, topic=EVENTS_TOPIC)
+        self.kv_events_endpoint = self.events_relay.endpoint
+        self.replay_endpoint = self.events_relay.replay_endpoint
+        return {"endpoint": raw, "replay_endpoint": raw_replay, "topic": EVENTS_TOPIC}
+
+    def _stop_event_relay(self) -> None:
+        relay, self.events_relay = getattr(self, "events_relay", None), None
+        if relay is not None:
+            relay.close()
+        events_dir, self._events_dir = getattr(self, "_events_dir", None), None
+        if events_dir:
+            shutil.rmtree(events_dir, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _relay_closed_on_error(self):
+        try:
+            yield
+        except BaseException:
+            self._stop_event_relay()
+            raise
 
     def _sampling_params(self, params: dict):
         from vllm import SamplingParams
@@ -178,6 +206,7 @@ class EngineReplica:
             "healthy": self.driver.healthy(),  # a broken engine: routers stop choosing this replica
             "kv_events_endpoint": self.kv_events_endpoint,
             "replay_endpoint": self.replay_endpoint,
+            "events_auth": "curve" if self.events_relay is not None else None,  # routers connect with channel keys
             "events_topic": EVENTS_TOPIC,
             "node_id": self.node_id,
             "block_size": self.cfg["block_size"],
@@ -221,3 +250,4 @@ class EngineReplica:
                 drv.shutdown()
             except Exception:
                 pass
+        self._stop_event_relay()

@@ -208,6 +208,7 @@ class KvmeshRouter(RequestRouter):
             stats["kv_events_endpoint"],
             topic=stats.get("events_topic", ""),
             replay_endpoint=stats.get("replay_endpoint"),
+            auth=stats.get("events_auth"),  # "curve": the engine's relay (cluster/event_relay.py)
         )
         self._subscribed.add(rid)
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])

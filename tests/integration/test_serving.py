@@ -91,11 +91,13 @@ class EventRecorder:
     def __init__(self, endpoints: dict[str, str]):
         import zmq
 
+        from kvmesh.cluster.secure_channel import channel_keys, secure_client
+
         self.ctx = zmq.Context()
         self.blocks: dict[str, set[int]] = {rid: set() for rid in endpoints}
         self.socks = {}
         for rid, ep in endpoints.items():
-            s = self.ctx.socket(zmq.SUB)
+            s = secure_client(self.ctx.socket(zmq.SUB), channel_keys())  # the engines' relays speak CURVE only
             s.setsockopt(zmq.SUBSCRIBE, b"")
             s.connect(ep)
             self.socks[rid] = s

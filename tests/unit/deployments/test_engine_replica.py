@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
+import os
+import stat
 from types import SimpleNamespace
 
 import pytest
 
+from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV, ChannelError, write_channel_secret
 from kvmesh.deployments import engine_driver
 from kvmesh.deployments.engine import EngineReplica
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
@@ -31,12 +32,10 @@ class _FakeDriver:
         return True
 
 
-def _port(endpoint: str) -> int:
-    return int(endpoint.rsplit(":", 1)[1])
-
-
 def _replica(monkeypatch, tmp_path, on_build=None) -> EngineReplica:
     """A replica whose driver is fake; `on_build(kv_events)` runs where vLLM would bind its publisher."""
+    if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
+        monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(tmp_path / "run")))
 
     def build_engine_args(cfg, model_path, kv_events, kv_transfer):
         return kv_events
@@ -51,36 +50,29 @@ def _replica(monkeypatch, tmp_path, on_build=None) -> EngineReplica:
     return EngineReplica({"model": str(tmp_path)})
 
 
-def test_event_ports_are_held_until_the_engine_binds_them(monkeypatch, tmp_path):
-    """Another replica starting at the same moment must not be able to take this replica's KV-event
-    ports between choosing them and vLLM binding them; vLLM's own (ZMQ) bind must still succeed."""
-    import zmq
-
+def test_vllm_publishes_privately_and_routers_are_told_the_relay(monkeypatch, tmp_path):
+    """vLLM's own publisher (its BlockStored events carry prompt token ids) binds ipc sockets in a folder
+    only this user can open; routing stats advertise the relay's CURVE endpoints on the node address."""
     seen = {}
+    r = _replica(monkeypatch, tmp_path, seen.update)
+    folder = os.path.dirname(seen["endpoint"].removeprefix("ipc://"))
+    try:
+        assert seen["endpoint"].startswith("ipc://") and seen["replay_endpoint"].startswith(f"ipc://{folder}/")
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        stats = r.record_routing_stats()
+        assert stats["events_auth"] == "curve"
+        assert stats["kv_events_endpoint"] == r.events_relay.endpoint
+        assert stats["replay_endpoint"] == r.events_relay.replay_endpoint
+        assert stats["kv_events_endpoint"].startswith("tcp://127.0.0.1:")  # outside Ray: the loopback node
+    finally:
+        r._stop_event_relay()
+    assert not os.path.exists(folder)
 
-    def on_build(kv_events):
-        ports = [_port(kv_events["endpoint"]), _port(kv_events["replay_endpoint"])]
-        for port in ports:
-            other = socket.socket()
-            try:
-                with pytest.raises(OSError) as info:
-                    other.bind(("", port))
-                assert info.value.errno == errno.EADDRINUSE
-            finally:
-                other.close()
-        ctx = zmq.Context.instance()
-        pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-        try:
-            pub.bind(kv_events["endpoint"])  # tcp://*:port, as vLLM's publisher binds it
-            replay.bind(kv_events["replay_endpoint"])
-        finally:
-            pub.close(linger=0)
-            replay.close(linger=0)
-        seen["ports"] = ports
 
-    r = _replica(monkeypatch, tmp_path, on_build)
-    assert len(set(seen["ports"])) == 2
-    assert r.kv_events_endpoint.endswith(f":{seen['ports'][0]}")
+def test_an_engine_without_a_channel_secret_refuses_to_start(monkeypatch, tmp_path):
+    monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, str(tmp_path / "no-such-secret"))
+    with pytest.raises(ChannelError, match="no-such-secret"):
+        _replica(monkeypatch, tmp_path)
 
 
 def test_routing_stats_survive_a_failing_read_of_engine_internals(monkeypatch, tmp_path, caplog):
