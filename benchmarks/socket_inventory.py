@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-LOOPBACK = ("127.", "::1")
+LOOPBACK = ("127.", "::1", "::ffff:127.")  # IPv4-mapped loopback: Ray binds its node address as "::ffff:127.0.0.1"
 API_KEY = "kvm-socket-inventory-0123456789"
 SERVE_CONFIG = """\
 replicas: 2
