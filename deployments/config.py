@@ -54,6 +54,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "lmcache": None,  # dict: the node's LMCache tiers (kvstore/tiers.py TierConfig); see engine hook
     "num_gpus": 0,
     "num_cpus": 0.5,
+    # custom Ray resources one engine replica reserves, e.g. {"kvmesh_engine": 1} with one unit per node
+    # (`ray start --resources`): at most one engine per node, so replicas land on different nodes
+    "resources": None,
     "seed": 0,
     "engine_mode": None,  # "inproc" (LLMEngine stepped in a thread) | "async" (AsyncLLM); None = from env
     "kv_events": True,
@@ -100,13 +103,16 @@ APP_DEFAULTS: dict[str, Any] = {
     # actor, one more actor hop: +5-10 ms per request here). Applies when kvmesh starts Ray itself;
     # a cluster started elsewhere sets RAY_SERVE_ENABLE_HA_PROXY in its own environment (k8s/).
     "proxy": "haproxy",
+    # engine.hash_algo xxhash/xxhash_cbor with several tenants: refused unless set true (see _check_hash_risk)
+    "accept_hash_collision_risk": False,
+    # a running Ray cluster (host:port) to deploy onto instead of starting one (`kvmesh serve --address`);
+    # kvmesh then sets no CPUs, GPUs or environment of that cluster's nodes
+    "address": None,
 }
 
 # Environment Ray and every Serve actor need for each proxy choice, set before Ray starts.
 PROXY_ENV: dict[str, dict[str, str]] = {
     # draining: local runs have no external load balancer to deregister from (default 30 s per stop)
-    # engine.hash_algo xxhash/xxhash_cbor with several tenants: refused unless set true (see _check_hash_risk)
-    "accept_hash_collision_risk": False,
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"},
     "serve": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
 }
@@ -158,6 +164,17 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         not isinstance(cfg["fail_step_after"], int) or cfg["fail_step_after"] < 0
     ):
         raise ConfigError("engine.fail_step_after (test-only) must be an integer >= 0 or null")
+    res = cfg["resources"]
+    if res is not None and (
+        not isinstance(res, dict)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in res.values())
+        or not all(isinstance(k, str) for k in res)
+        or any(v <= 0 for v in res.values())
+        or {"CPU", "GPU", "memory"} & set(res)
+    ):
+        raise ConfigError(
+            "engine.resources must map custom Ray resource names to positive amounts (CPU/GPU: num_cpus/num_gpus)"
+        )
     on_cpu = not cfg["num_gpus"]
     for key, cpu_value in CPU_ONLY_DEFAULTS.items():
         if cfg[key] is None and on_cpu:
@@ -201,14 +218,32 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()
     ):
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
-    if not isinstance(cfg["router_sync"], bool):
-        raise ConfigError("config.router_sync must be true or false")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
+    if not isinstance(cfg["router_sync"], bool):
+        raise ConfigError("config.router_sync must be true or false")
     _check_autoscaling(cfg["autoscaling"])
+    if cfg["address"] is not None and (not isinstance(cfg["address"], str) or not cfg["address"].strip()):
+        raise ConfigError("config.address must be a Ray cluster address (host:port) or null")
     if cfg["proxy"] not in PROXY_ENV:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
+    _check_hash_risk(cfg)
     return cfg
+
+
+def _check_hash_risk(cfg: Mapping[str, Any]) -> None:
+    """Block hashes name cached KV across tenants' requests: with a non-cryptographic hash (xxhash), prompts
+    can be crafted to collide with another tenant's blocks (a wrong cache hit serves one tenant's KV to
+    another's request), and random collisions grow with every tenant. Several tenants therefore need sha256,
+    or the operator's explicit acceptance (docs/tenants.md)."""
+    several_tenants = bool(cfg["tenants_file"]) or len(cfg["api_keys"]) > 1
+    if not isinstance(cfg["accept_hash_collision_risk"], bool):
+        raise ConfigError("config.accept_hash_collision_risk must be true or false")
+    if cfg["engine"]["hash_algo"].startswith("xxhash") and several_tenants and not cfg["accept_hash_collision_risk"]:
+        raise ConfigError(
+            f"engine.hash_algo {cfg['engine']['hash_algo']} with several tenants risks cross-tenant block hash "
+            "collisions: use sha256 (the default), or set accept_hash_collision_risk: true"
+        )
 
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -231,25 +266,9 @@ def tiny_model_dir() -> Path:
     return home / "models" / "tiny"
 
 
-    _check_hash_risk(cfg)
 def resolve_model(model: str) -> str:
     """Turn the config's model into a local directory (building the tiny model when asked)."""
     if model == "tiny":
-def _check_hash_risk(cfg: Mapping[str, Any]) -> None:
-    """Block hashes name cached KV across tenants' requests: with a non-cryptographic hash (xxhash), prompts
-    can be crafted to collide with another tenant's blocks (a wrong cache hit serves one tenant's KV to
-    another's request), and random collisions grow with every tenant. Several tenants therefore need sha256,
-    or the operator's explicit acceptance (docs/tenants.md)."""
-    several_tenants = bool(cfg["tenants_file"]) or len(cfg["api_keys"]) > 1
-    if not isinstance(cfg["accept_hash_collision_risk"], bool):
-        raise ConfigError("config.accept_hash_collision_risk must be true or false")
-    if cfg["engine"]["hash_algo"].startswith("xxhash") and several_tenants and not cfg["accept_hash_collision_risk"]:
-        raise ConfigError(
-            f"engine.hash_algo {cfg['engine']['hash_algo']} with several tenants risks cross-tenant block hash "
-            "collisions: use sha256 (the default), or set accept_hash_collision_risk: true"
-        )
-
-
         from kvmesh.deployments.tiny_model import build_tiny_model
 
         return str(build_tiny_model(tiny_model_dir()))
