@@ -31,6 +31,8 @@ def test_redis_requires_the_password_and_kvmesh_sends_it(tmp_path, monkeypatch):
         assert shared_tier_reachable(bare) is True
         monkeypatch.delenv("LMCACHE_RESP_PASSWORD")
 
+        admin = redis_py.Redis.from_url(redis.url, socket_timeout=5)
+        admin.config_resetstat()  # the refused calls above are counted: start from zero
         server = LMCacheServer(
             TierConfig.from_dict({"l1_size_gb": 0.05, "chunk_size": 32, "l2": redis.url, "start_timeout_s": 300}),
             tmp_path / "lmcache.log",
@@ -41,5 +43,9 @@ def test_redis_requires_the_password_and_kvmesh_sends_it(tmp_path, monkeypatch):
             proc = psutil.Process(server.proc.pid)
             assert redis.password not in " ".join(proc.cmdline())
             assert proc.environ().get("LMCACHE_RESP_PASSWORD") == redis.password
+            # LMCache's resp adapter connected and authenticated: connections of its own, no refused AUTH,
+            # no command refused for want of one since the counters were reset
+            assert len(admin.client_list()) > 1
+            assert not {"errorstat_WRONGPASS", "errorstat_NOAUTH"} & set(admin.info("errorstats"))
         finally:
             server.stop()
