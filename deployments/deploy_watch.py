@@ -8,6 +8,7 @@ that message into the start-up error, with the flags that change it.
 
 from __future__ import annotations
 
+import ast
 import re
 import threading
 from typing import Any
@@ -24,12 +25,22 @@ class DeploymentUnschedulable(RuntimeError):
     """A deployment's replicas found no node with room for them."""
 
 
+def _fits(required: str, available: str) -> bool:
+    """Whether the cluster's free resources cover one replica. Serve also reports replicas that waited
+    30 s only because a loaded machine starts worker processes slowly: those are not unschedulable."""
+    try:
+        need, free = ast.literal_eval(required), ast.literal_eval(available)
+        return all(float(free.get(k, 0.0)) >= float(v) for k, v in need.items())
+    except (ValueError, TypeError, AttributeError, SyntaxError):
+        return False
+
+
 def unschedulable_reason(status: Any, app_name: str) -> str | None:
     """One line naming the first deployment of `app_name` whose replicas wait for resources, or None."""
     app = getattr(status, "applications", {}).get(app_name)
     for name, dep in (getattr(app, "deployments", None) or {}).items():
         m = UNSCHEDULABLE.search(getattr(dep, "message", "") or "")
-        if m:
+        if m and not _fits(m.group(2), m.group(3)):
             return (
                 f"deployment {name}: {m.group(1)} replica(s) cannot be scheduled: each needs {m.group(2)}, "
                 f"the cluster has {m.group(3)} free; {FIX}"
