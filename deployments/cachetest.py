@@ -146,6 +146,7 @@ def _record(p: Prepared, served: str, body: dict | None = None, endpoint: str | 
         "tenant": r.tenant,
         "user": f"{r.tenant}/{r.interaction}",
         "prompt_tokens": p.tok.n,
+        "timestamp": r.timestamp * 1000.0,  # the replay client's unit (ms)
     }
 
 

@@ -143,3 +143,10 @@ async def _drive(ws_url: str, path: Path, element_ids: list[str], screenshot: Pa
         Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
         task.cancel()
     return result
+
+
+if __name__ == "__main__":  # python tests/support/headless_chromium.py PAGE.html SHOT.png (docs screenshots)
+    import sys
+
+    got = load_page(Path(sys.argv[1]), ["hit-rate"], Path(sys.argv[2]))
+    print(f"console errors: {got.console_errors}, hit rate shown: {got.values['hit-rate']}")
