@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
 from kvmesh.deployments.miss_attribution import ATTRIBUTION
@@ -203,13 +204,18 @@ class KvmeshRouter(RequestRouter):
             from kvmesh.cluster.kv_events import KVEventSubscriber
 
             self.events = KVEventSubscriber(self.tiers)  # the index, minus LMCache chunk-hash events
-        await self.events.add_source(
-            rid,
-            stats["kv_events_endpoint"],
-            topic=stats.get("events_topic", ""),
-            replay_endpoint=stats.get("replay_endpoint"),
-            auth=stats.get("events_auth"),  # "curve": the engine's relay (cluster/event_relay.py)
-        )
+        try:
+            await self.events.add_source(
+                rid,
+                stats["kv_events_endpoint"],
+                topic=stats.get("events_topic", ""),
+                replay_endpoint=stats.get("replay_endpoint"),
+                auth=stats.get("events_auth"),  # "curve": the engine's relay (cluster/event_relay.py)
+            )
+        except ChannelError as exc:  # a missing secret does not come back by retrying: say so once, route on
+            self._subscribed.add(rid)
+            log.error("no KV events from %s (routing on load alone): %s", rid, exc)
+            return
         self._subscribed.add(rid)
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
 
