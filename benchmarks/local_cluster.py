@@ -26,11 +26,51 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvmesh.deployments.config import INPROC_ENGINE_ENV
-from kvmesh.deployments.ray_join import RAY_START_LOOPBACK
 
 LOOPBACK = "127.0.0.1"
 # Ray 2.60 turns token authentication on for clusters it starts; every node and driver must agree
-CLUSTER_ENV = {**INPROC_ENGINE_ENV, "RAY_AUTH_MODE": "disabled"}
+CLUSTER_ENV = {**INPROC_ENGINE_ENV, "RAY_AUTH_MODE": "disabled", "RAY_raylet_start_wait_time_s": "150"}
+
+
+# `ray start` for a node on 127.0.0.1 (deployments/ray_join.py: Ray would rewrite the address), and patient:
+# Ray gives a new raylet 30 s to appear in the GCS, which a machine busy with engines can miss
+RAY_START = """
+import sys
+from kvmesh.benchmarks.local_cluster import patient_node_start
+from kvmesh.deployments.ray_join import keep_loopback
+from ray.scripts.scripts import main
+
+patient_node_start()
+with keep_loopback():
+    sys.argv[0] = "ray"
+    main()
+"""
+
+
+def patient_node_start(wait_s: float = 150.0) -> None:
+    """Give a starting Ray node `wait_s` instead of Ray's fixed 30 s to appear in the GCS (this process's
+    `ray start` or `ray.init` only): on a machine busy with engines the raylet registers late, and Ray
+    would abandon a node that is about to work."""
+    import ray._private.services as services
+
+    # the raylets this process starts wait as long for their agents' ports (Ray's default is a few seconds)
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", str(int(wait_s)))
+    get_node = services.get_node
+    if getattr(get_node, "patient", False):
+        return
+
+    def patient_get_node(gcs_address, node_id):
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return get_node(gcs_address, node_id)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    patient_get_node.patient = True  # type: ignore[attr-defined]
+    services.get_node = patient_get_node
 
 
 @dataclasses.dataclass
@@ -55,7 +95,7 @@ def _free_ports(n: int) -> list[int]:
 class LocalRayCluster:
     """Head = node 0, the others join it. Every port is picked free, so clusters can run side by side."""
 
-    def __init__(self, workdir: str | os.PathLike, nodes: Sequence[NodeSpec], start_timeout_s: float = 120.0):
+    def __init__(self, workdir: str | os.PathLike, nodes: Sequence[NodeSpec], start_timeout_s: float = 300.0):
         if not nodes:
             raise ValueError("a cluster needs at least the head node")
         self.workdir = Path(workdir)
@@ -75,7 +115,7 @@ class LocalRayCluster:
 
     def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
         ports = _free_ports(9)
-        cmd = [sys.executable, "-c", RAY_START_LOOPBACK, "start", "--block", "--node-ip-address", LOOPBACK]
+        cmd = [sys.executable, "-c", RAY_START, "start", "--block", "--node-ip-address", LOOPBACK]
         cmd += ["--num-cpus", str(spec.num_cpus)]
         cmd += ["--resources", json.dumps(dict(spec.resources)), "--disable-usage-stats"]
         cmd += ["--node-manager-port", str(ports[0]), "--object-manager-port", str(ports[1])]
@@ -96,7 +136,7 @@ class LocalRayCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             for i, spec in enumerate(self.nodes):
-                for attempt in range(3):  # a raylet gets 30 s to register (fixed in Ray): a busy machine can miss it
+                for attempt in range(3):  # a node that still failed to start (see RAY_START) gets another try
                     self.procs.append(self._start_node(spec, head=i == 0))
                     if self._wait_started(i):
                         break

@@ -53,12 +53,3 @@ def join_cluster(address: str, *, log_to_driver: bool = False) -> None:
             log_to_driver=log_to_driver,
             _node_ip_address=LOOPBACK,
         )
-
-
-# `ray start` with the same bypass, for the nodes of a cluster on 127.0.0.1 (benchmarks/local_cluster.py):
-# python -c RAY_START_LOOPBACK start --node-ip-address 127.0.0.1 ...
-RAY_START_LOOPBACK = (
-    "import sys; from kvmesh.deployments.ray_join import keep_loopback; from ray.scripts.scripts import main\n"
-    "with keep_loopback():\n"
-    "    sys.argv[0] = 'ray'; main()\n"
-)
