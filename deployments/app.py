@@ -128,6 +128,8 @@ def start_local(
     cfg = app_config(config)
     if cfg["port"] == 0:
         cfg["port"] = free_port()
+    if not os.environ.get("KVMESH_RAY_LOGS"):  # Serve's progress notes stay in Ray's log files
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     if not os.environ.get("KVMESH_CHANNEL_SECRET_FILE"):  # this run's KV-event streams (cluster/secure_channel.py)
         from kvmesh.cluster.secure_channel import write_channel_secret
 
