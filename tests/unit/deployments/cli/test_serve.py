@@ -1,5 +1,5 @@
-"""Fast tests of the live-serving parts without engines: request validation, config, the prediction
-ledger, metrics text, the tiny model build, and the router's ranking/bookkeeping with fake replicas."""
+"""`kvmesh serve` argument handling without starting anything: one-line errors with exit 2, flags over
+the config file."""
 
 from __future__ import annotations
 
@@ -29,15 +29,6 @@ def test_serve_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
 
 
-# ---------------------------------------------------------------------------- prediction ledger
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-# ---------------------------------------------------------------------------- tiny model
-
-
 # ---------------------------------------------------------------------------- router with fake replicas
 
 
@@ -61,3 +52,42 @@ def test_serve_flags_override_the_config_file(tmp_path):
     assert serve_cmd._build_config(parser.parse_args(["--config", str(p), "--proxy", "serve"]))["proxy"] == "serve"
     generated = serve_cmd._build_config(parser.parse_args([]))["api_keys"]
     assert len(generated) == 1 and generated[0].startswith("kvm-") and len(generated[0]) > 20
+
+
+def test_serve_address_and_autoscaling_flags_reach_the_config(tmp_path, capsys):
+    import argparse
+
+    from kvmesh.deployments.cli import main
+    from kvmesh.deployments.cli import serve as serve_cmd
+    from kvmesh.deployments.config import ConfigError, app_config
+    from kvmesh.deployments.deploy_plan import actor_resources, engine_options
+
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "address: 127.0.0.1:6379\nautoscaling: {target_ongoing_requests: 1, upscale_delay_s: 1}\n"
+        "engine: {resources: {kvmesh_engine: 1}}\n"
+    )
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    cfg = serve_cmd._build_config(parser.parse_args(["--config", str(p), "--autoscaling", "1:3"]))
+    assert cfg["address"] == "127.0.0.1:6379"
+    assert cfg["autoscaling"] == {
+        "target_ongoing_requests": 1,
+        "upscale_delay_s": 1,
+        "min_replicas": 1,
+        "max_replicas": 3,
+    }
+    over = serve_cmd._build_config(parser.parse_args(["--config", str(p), "--address", "10.0.0.1:6380"]))
+    assert over["address"] == "10.0.0.1:6380"
+    opts = engine_options(cfg, {})
+    assert opts["num_replicas"] == "auto" and opts["autoscaling_config"]["max_replicas"] == 3
+    assert opts["ray_actor_options"]["resources"] == {"kvmesh_engine": 1}
+    assert actor_resources(cfg)["EngineReplica"]["kvmesh_engine"] == 1.0
+    # the driver process gets the same flags back
+    assert "1:3" in serve_cmd._flags(parser.parse_args(["--autoscaling", "1:3"]))
+    for bad in ("3:1", "2", "a:b", "0:0"):
+        assert main(["serve", "--autoscaling", bad]) == 2
+    for bad_cfg in ({"address": ""}, {"engine": {"resources": {"CPU": 1}}}, {"engine": {"resources": {"x": 0}}}):
+        with pytest.raises(ConfigError):
+            app_config(bad_cfg)
+    assert all(line.startswith("error: ") for line in capsys.readouterr().err.splitlines() if line)
