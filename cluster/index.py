@@ -71,6 +71,18 @@ def _bits(mask: int):
         mask ^= low
 
 
+def _scatter(row, mask: int, value: int, n_slots: int) -> None:
+    """row[s] = value for each set bit s of `mask`: bit by bit for a few, unpacked for many."""
+    if mask.bit_count() <= 8:
+        for s in _bits(mask):
+            row[s] = value
+        return
+    import numpy as np
+
+    raw = np.frombuffer(mask.to_bytes((n_slots + 7) // 8, "little"), dtype=np.uint8)
+    row[np.unpackbits(raw, bitorder="little")[:n_slots].astype(bool)] = value
+
+
 class PrefixIndex:
     """Block hash -> residency per tier; `match` returns per-replica cumulative prefix lengths."""
 
@@ -294,23 +306,27 @@ class PrefixIndex:
         """`match` as a (3, n_slots) int64 numpy array indexed by replica slot (`slot_of`).
 
         Rows: hbm, host-or-hbm, any tier. For large fleets (simulator, hundreds of replicas) where
-        building a dict of tuples costs more than the walk; unregistered slots read as the walk
-        length and must be ignored by the caller.
+        building a dict of tuples costs more than the walk; unregistered slots read 0 and must be
+        ignored by the caller. Why it starts from zeros: most replicas lack a request's first block,
+        so only the few that drop later, or hold the whole walk, are written.
         """
         import numpy as np
 
         if n_slots is None:
             n_slots = max(self._slot_rid, default=-1) + 1
         i, drops = self._walk(hashes)
-        out = np.full((3, n_slots), i, dtype=np.int64)
-        if drops:
-            nbytes = (n_slots + 7) // 8
-            raw = b"".join(m.to_bytes(nbytes, "little") for _, _, m in drops)
-            bits = np.unpackbits(
-                np.frombuffer(raw, dtype=np.uint8).reshape(len(drops), nbytes), axis=1, bitorder="little"
-            )[:, :n_slots].astype(bool)
-            for k, (tier, pos, _) in enumerate(drops):  # each slot leaves each tier at most once
-                out[tier, bits[k]] = pos
+        out = np.zeros((3, n_slots), dtype=np.int64)
+        if not i:
+            return out
+        gone = [0, 0, 0]
+        for tier, pos, mask in drops:  # each slot leaves each tier at most once
+            gone[tier] |= mask
+            if pos:
+                _scatter(out[tier], mask, pos, n_slots)
+        for tier in range(3):
+            alive = self._all & ~gone[tier]
+            if alive:
+                _scatter(out[tier], alive, i, n_slots)
         return out
 
     def slot_of(self, replica_id: str) -> int:

@@ -178,7 +178,9 @@ def simulate_policy(
     pending = np.zeros(N, dtype=np.int64)  # uncached prompt tokens not yet prefilled
     active = np.zeros(N, dtype=np.int64)  # KV blocks of unfinished requests
     events: list[tuple[float, int, int, int]] = []
-    unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks and kv_usage: set per request below
+    unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks: set per request below
+    kv_usage = np.zeros(N)  # min(active / capacity, 1), kept up to date as active changes
+    tierless = not host and shared is None
     fleet = FleetView(
         rids,
         unset,
@@ -186,7 +188,7 @@ def simulate_policy(
         unset,
         queued,
         running,
-        np.zeros(N),
+        kv_usage,
         pending,
         np.full(N, cfg.capacity_blocks, dtype=np.int64),
     )
@@ -226,12 +228,17 @@ def simulate_policy(
             else:
                 running[k] -= 1
                 active[k] -= val
+                kv_usage[k] = min(active[k] * inv_cap, 1.0)
         m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
-        fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
-        fleet.kv_usage = np.minimum(active * inv_cap, 1.0)
+        if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
+            fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m[0]
+        else:
+            fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         # the router hashes full blocks only: a policy sees what it would see live
         req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
-        j = policy.place(req, fleet)[0]
+        j = policy.best(req, fleet)
+        if j is None:
+            raise RuntimeError(f"{policy.name} placed request {i} nowhere")
         rid = rids[j]
         policy.on_routed(req, rid, fleet.view(j))
 
@@ -279,6 +286,7 @@ def simulate_policy(
         queued[j] += 1
         pending[j] += uncached
         active[j] += kvb
+        kv_usage[j] = min(active[j] * inv_cap, 1.0)
         if end > last_end:
             last_end = end
         # metrics
@@ -296,38 +304,68 @@ def simulate_policy(
         if progress is not None:
             progress.update(1)
 
-    wall = time.perf_counter() - t_wall
-    n_req = len(trace.requests)
-    prompt = sum(prompt_r)
-    hit = sum(hit_r)
-    mean_computed = sum(computed_r) / N
-    makespan = max(last_end - min(arrivals, default=0.0), 1e-9)
+    return summarize(
+        cfg,
+        rids,
+        arrivals,
+        ttfts,
+        Tally(prompt_r, hit_r, computed_r, reqs_r, busy_r, tier_tokens, frac_sum, out_tokens, last_end),
+        index,
+        time.perf_counter() - t_wall,
+    )
+
+
+@dataclass
+class Tally:
+    """What a run counted, per replica (lists indexed like `rids`) and in total."""
+
+    prompt_r: list
+    hit_r: list
+    computed_r: list
+    reqs_r: list
+    busy_r: list
+    tier_tokens: dict
+    frac_sum: float
+    out_tokens: int
+    last_end: float
+
+
+def summarize(
+    cfg: SimConfig, rids: list, arrivals: list, ttfts: list, t: Tally, index: PrefixIndex, wall: float
+) -> dict:
+    """The per-policy metrics dict from what a run counted (`ttfts` is sorted in place)."""
+    N = len(rids)
+    n_req = len(ttfts)
+    prompt = sum(t.prompt_r)
+    hit = sum(t.hit_r)
+    mean_computed = sum(t.computed_r) / N
+    makespan = max(t.last_end - min(arrivals, default=0.0), 1e-9)
     ttfts.sort()
     cost_usd = ((prompt - hit) * cfg.uncached_rate + hit * cfg.cached_rate) / 1e6
     return {
         "hit_rate_tokens": hit / prompt if prompt else 0.0,
-        "hit_rate_requests": frac_sum / n_req if n_req else 0.0,
-        "imbalance": (max(computed_r) / mean_computed) if mean_computed else 1.0,
+        "hit_rate_requests": t.frac_sum / n_req if n_req else 0.0,
+        "imbalance": (max(t.computed_r) / mean_computed) if mean_computed else 1.0,
         "ttft_p50_s": nearest_rank(ttfts, 0.50) if ttfts else 0.0,
         "ttft_p90_s": nearest_rank(ttfts, 0.90) if ttfts else 0.0,
         "ttft_p99_s": nearest_rank(ttfts, 0.99) if ttfts else 0.0,
-        "throughput_tokens_s": (prompt + out_tokens) / makespan,
+        "throughput_tokens_s": (prompt + t.out_tokens) / makespan,
         "blended_cost": cost_usd,
         # extras
         "blended_cost_per_mtok": cost_usd / prompt * 1e6 if prompt else 0.0,
-        "hit_rate_hbm_tokens": tier_tokens["hbm"] / prompt if prompt else 0.0,
-        "hit_tokens_by_tier": tier_tokens,
+        "hit_rate_hbm_tokens": t.tier_tokens["hbm"] / prompt if prompt else 0.0,
+        "hit_tokens_by_tier": t.tier_tokens,
         "prompt_tokens": prompt,
         "cached_tokens": hit,
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "utilization": sum(busy_r) / (N * makespan),
-        "requests_imbalance": max(reqs_r) / (n_req / N) if n_req else 1.0,
+        "utilization": sum(t.busy_r) / (N * makespan),
+        "requests_imbalance": max(t.reqs_r) / (n_req / N) if n_req else 1.0,
         "per_replica": {
             rids[k]: {
-                "requests": reqs_r[k],
-                "prompt_tokens": prompt_r[k],
-                "prefill_tokens": computed_r[k],
-                "hit_rate_tokens": hit_r[k] / prompt_r[k] if prompt_r[k] else 0.0,
+                "requests": t.reqs_r[k],
+                "prompt_tokens": t.prompt_r[k],
+                "prefill_tokens": t.computed_r[k],
+                "hit_rate_tokens": t.hit_r[k] / t.prompt_r[k] if t.prompt_r[k] else 0.0,
             }
             for k in range(N)
         },
@@ -337,10 +375,19 @@ def simulate_policy(
 
 
 def simulate(
-    trace: Trace, cfg: SimConfig, policies: dict[str, Policy], progress: bool = False, client: ClosedLoop | None = None
+    trace: Trace,
+    cfg: SimConfig,
+    policies: dict[str, Policy],
+    progress: bool = False,
+    client: ClosedLoop | None = None,
+    routers=None,
 ) -> dict:
     """Run every policy on the same arrivals and return the result document (`kvmesh simulate --json`:
-    config, bounds, per-policy metrics; docs/simulator.md)."""
+    config, bounds, per-policy metrics; docs/simulator.md). With `routers` (a
+    `kvmesh.cluster.multi_router.RouterSetup`), each policy runs in that many routers, each with its
+    own copy of the policy as given."""
+    import copy
+
     from kvmesh.cluster.bounds import compute_bounds
 
     cfg.check()
@@ -382,6 +429,13 @@ def simulate(
         for name, pol in policies.items():
             if bar is not None:
                 bar.set_postfix_str(name)
+            if routers is not None:
+                from kvmesh.cluster.multi_router import simulate_routers
+
+                doc["policies"][name] = simulate_routers(trace, cfg, lambda p=pol: copy.deepcopy(p), routers, arrivals)
+                if bar is not None:
+                    bar.update(len(trace))
+                continue
             doc["policies"][name] = simulate_policy(trace, cfg, pol, None if client else arrivals, bar, client)
     finally:
         if bar is not None:

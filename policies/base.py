@@ -152,6 +152,12 @@ class Policy:
         fleet = FleetView.from_views(replicas)
         return [fleet.ids[k] for k in self.place(request, fleet)]
 
+    def best(self, request: RequestInfo, fleet: FleetView) -> int | None:
+        """The first index `place` would return (None for an empty fleet). Policies with a cheaper way
+        to find only the best replica override it; the simulator, which uses only that, calls this."""
+        ranked = self.place(request, fleet)
+        return ranked[0] if ranked else None
+
     def draws(self, request: RequestInfo) -> random.Random:
         """A random stream for this request's tie-breaks: fixed by the seed, the request and how many
         requests were routed before it, so ranking it again draws the same numbers."""

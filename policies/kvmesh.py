@@ -128,7 +128,7 @@ class KvmeshPolicy(Policy):
         self._s_total = 0.0
         # a cache, not state: the slots of the last candidate list whose replicas are all known
         self._ids_key: tuple = ()
-        self._ids_idx: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._ids_idx: np.ndarray | None = np.zeros(0, dtype=np.int64)  # None: every slot, in order
         self._credited: OrderedDict[int, tuple] = OrderedDict()  # id(request) -> (request, replica, work)
 
     # ------------------------------------------------------------------ scoring
@@ -158,6 +158,8 @@ class KvmeshPolicy(Policy):
         key = tuple(ids)
         if key == self._ids_key:
             idx = self._ids_idx
+            if idx is None:  # candidates are the slots in order: the arrays themselves, read only
+                return self._w, self._s, self._total, self._s_total, len(self._slot)
             return self._w[idx], self._s[idx], self._total, self._s_total, len(self._slot)
         slots = [self._slot.get(r) for r in key]
         live = len(self._slot)
@@ -165,35 +167,48 @@ class KvmeshPolicy(Policy):
         s_mean = self._s_total / live if live else 0.0
         new = sum(1 for k in slots if k is None)
         if not new:
-            self._ids_key, self._ids_idx = key, np.fromiter(slots, dtype=np.int64, count=len(slots))
-            return self._w[self._ids_idx], self._s[self._ids_idx], self._total, self._s_total, live
+            idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
+            self._ids_key, self._ids_idx = key, None if slots == list(range(len(self._w))) else idx
+            return self._w[idx], self._s[idx], self._total, self._s_total, live
         w = np.array([self._w[k] if k is not None else mean for k in slots])
         sw = np.array([self._s[k] if k is not None else s_mean for k in slots])
         return w, sw, self._total + new * mean, self._s_total + new * s_mean, live + new
 
     def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending):
-        """Arrays (predicted TTFT in s, prompt tokens that would be computed) per replica. Pure."""
+        """Arrays (predicted TTFT in s, prompt tokens that would be computed) per replica. Pure.
+
+        Why the shortcuts: at hundreds of replicas each array operation costs about as much as the
+        rest of the decision, so terms that are exactly zero are not computed (adding 0.0 changes no
+        bit): tiers passed as the same array object (a fleet without host or shared tier) and the
+        slot wait while no replica's batch is full."""
         c = self.cost
         n, bs = request.num_tokens, request.block_size
         most = max(0, (n - 1) // bs)  # vLLM: whole blocks only, last token always computed
-        hbm = np.minimum(hbm_b, most) * bs
-        host = np.minimum(host_b, most) * bs
         shared = np.minimum(shared_b, most) * bs
+        host = shared if host_b is shared_b else np.minimum(host_b, most) * bs
+        hbm = host if hbm_b is host_b else np.minimum(hbm_b, most) * bs
         wait = pending * c.prefill_s_per_token + queued * c.prefill_base_s
-        over = queued + running + (1 - c.max_batch)
-        wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
+        busy = queued + running
+        if len(busy) and busy.max() > c.max_batch - 1:
+            over = busy + (1 - c.max_batch)
+            wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
         uncached = n - shared
-        ttft = (
-            wait
-            + c.prefill_base_s
-            + uncached * c.prefill_s_per_token
-            + (shared - host) * c.shared_load_s_per_token
-            + (host - hbm) * c.host_load_s_per_token
-        )
+        ttft = wait + c.prefill_base_s + uncached * c.prefill_s_per_token
+        if host is not shared:
+            ttft = ttft + (shared - host) * c.shared_load_s_per_token
+        if hbm is not host:
+            ttft = ttft + (host - hbm) * c.host_load_s_per_token
         return ttft, uncached
 
+    def _uncached(self, request: RequestInfo, shared_blocks: int) -> int:
+        """Prompt tokens that would be computed on a replica holding `shared_blocks` (`_predict`'s
+        second value, for one replica, without arrays)."""
+        most = max(0, (request.num_tokens - 1) // request.block_size)
+        return request.num_tokens - min(shared_blocks, most) * request.block_size
+
     def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
-        """Sort keys per replica, most significant first: (outside the balance guard, score, recent work)."""
+        """Sort keys per replica: (the balance guard's bound, score, recent work); replicas whose work is
+        over the bound rank after those within it (the bound is infinite for the soft guard)."""
         ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
         work, recent, total, recent_total, live = self._work(ids)
         d = self._age(live)  # the short window as on_routed will see it: aged by this request
@@ -217,7 +232,7 @@ class KvmeshPolicy(Policy):
         else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
             limit = limit + request.num_tokens
         score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
-        return work > limit, score, work
+        return limit, score, work
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""
@@ -230,7 +245,7 @@ class KvmeshPolicy(Policy):
 
     def _hot_blocks(self, request: RequestInfo, shared_b) -> int:
         """Blocks of the request's longest cached prefix when that prefix ends at a fork, else 0."""
-        k = min(int(np.max(shared_b)) if len(shared_b) else 0, len(request.block_hashes))
+        k = min(int(shared_b.max()) if len(shared_b) else 0, len(request.block_hashes))
         return k if k > 0 and self._fanout.get(request.block_hashes[k - 1], _NONE) is True else 0
 
     def _learn_fanout(self, hashes, request_id: str | None = None) -> None:
@@ -265,8 +280,8 @@ class KvmeshPolicy(Policy):
 
     def _order(self, request: RequestInfo, ids, *arrays) -> np.ndarray:
         """Indices into `ids`, best first (ties: lower index)."""
-        over, score, work = self._keys(request, ids, *arrays)
-        return np.lexsort((np.arange(len(ids)), work, score, over))
+        limit, score, work = self._keys(request, ids, *arrays)
+        return np.lexsort((np.arange(len(ids)), work, score, work > limit))
 
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
@@ -293,12 +308,25 @@ class KvmeshPolicy(Policy):
             fleet.pending_prefill_tokens,
         ).tolist()
 
+    def best(self, request: RequestInfo, fleet: FleetView) -> int | None:
+        """`place(...)[0]` without sorting the whole fleet: the lowest score, then the least work,
+        then the lowest index (what the simulator needs per request at hundreds of replicas)."""
+        if not len(fleet):
+            return None
+        args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
+        limit, score, work = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        low = score.min()
+        if limit != np.inf or low != low:  # hard guard, or a NaN score: the full order decides
+            return int(np.lexsort((np.arange(len(score)), work, score, work > limit))[0])
+        ties = np.flatnonzero(score == low)
+        return int(ties[0]) if len(ties) == 1 else int(ties[np.argmin(work[ties])])
+
     # ------------------------------------------------------------------ feedback
     def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:
         """Credit the replica with the prefill work predicted from `view` (the replica as ranking saw
         it); without a view (a request routed without ranking) the whole prompt counts."""
         super().on_routed(request, replica_id, view)
-        u = self.predict(request, view)[1] if view is not None else request.num_tokens
+        u = self._uncached(request, view.shared_blocks) if view is not None else request.num_tokens
         self.on_replica_added(replica_id)
         d = self._age(len(self._slot))  # one routed request ages the short window (not ranking: Serve may rank twice)
         self._s *= d

@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_int, positive_float, positive_int
+from kvmesh.deployments.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +49,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "turn after its previous reply (default: trace timestamps)",
     )
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
+    p.add_argument(
+        "--routers",
+        type=positive_int,
+        default=1,
+        help="routers (ingress replicas), each with its own index and policy; requests spread round robin",
+    )
+    p.add_argument(
+        "--event-delay-ms",
+        type=non_negative_float,
+        default=0.0,
+        help="engine KV/load events and router sync reach a router this late (default 0)",
+    )
+    p.add_argument(
+        "--router-sync",
+        choices=("on", "off"),
+        default="on",
+        help="routers publish their decisions to each other (default on); off: only engine events",
+    )
+    p.add_argument(
+        "--churn-every-s",
+        type=positive_float,
+        default=None,
+        help="replace one replica by a cold one (new id, empty HBM cache) every N simulated seconds",
+    )
     p.add_argument(
         "--cost-model",
         default=None,
@@ -106,6 +130,14 @@ def _load(args):
     return engine_trace(records, args.tokens_per_block, block, name=name), [r.get("user") for r in records]
 
 
+def _router_setup(args):
+    """The multi-router model's setup, or None for the single all-knowing router."""
+    from kvmesh.cluster.multi_router import RouterSetup
+
+    setup = RouterSetup(args.routers, args.event_delay_ms / 1000.0, args.router_sync == "on", args.churn_every_s)
+    return None if setup == RouterSetup() else setup
+
+
 def run(args) -> int:
     from kvmesh.cluster.bounds import balance_bounded_bound
     from kvmesh.cluster.sim_report import format_table, plot
@@ -144,7 +176,10 @@ def run(args) -> int:
         policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
         progress = not args.no_progress and len(trace) * len(names) >= 20_000
         client = ClosedLoop(args.concurrency, users) if args.concurrency else None
-        doc = simulate(trace, cfg, policies, progress=progress, client=client)
+        setup = _router_setup(args)
+        if setup is not None and client is not None:
+            raise CliError("--routers/--event-delay-ms/--churn-every-s replay timed arrivals: drop --concurrency")
+        doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=setup)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # beside doc["bounds"] (whose keys other tools rely on): hit rate, imbalance reached, per-replica prefill

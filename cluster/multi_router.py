@@ -1,0 +1,349 @@
+"""The fleet simulated with R routers, each with its own view, seeing engines and each other late.
+
+`kvmesh.cluster.simulator` models one router that knows every cache change and every queue at once.
+Live, each ingress replica runs its own router: its own `PrefixIndex`, its own policy instance (guard
+work, hot-prefix fanout, commitments), its own load view. This module replays a trace through R such
+routers over one ground-truth fleet (the same caches, tiers and time model as the simulator), with:
+
+- engine events delayed by `delay_s` (vLLM's event batching plus the network): KV stores/evictions
+  and load changes (a request queued, prefilled, finished) reach every router `delay_s` after they
+  happen. A router knows its own placements at once: it speculates the request's blocks on the
+  chosen replica and counts the request in that replica's queue.
+- router sync (`sync=True`): each router publishes its decisions (request, replica, the replica as it
+  ranked it, the blocks it speculated); the others apply them `delay_s` later, the same
+  `Policy.on_routed` and the same speculation as their own, so their guard work and fanout include
+  the whole fleet's traffic. Without sync a router never learns the others' decisions, only what the
+  engines report.
+- replica churn (`churn_every_s`): every interval one replica (in turn) leaves and a new one, with a
+  new id and an empty HBM cache, joins in its place on the same node (its host tier stays warm).
+  Routers drop the old one and add the new one at once (the control plane's replica set, not the
+  event stream): `PrefixIndex.remove_replica`/`add_replica`, `Policy.on_replica_removed`/`added`. What
+  the old replica had accepted drains (its requests keep the TTFT they were given); the new one
+  starts with an idle accelerator.
+
+Requests go to routers round robin: an HTTP front or L4 balancer spreads connections, not users, so
+consecutive turns of one conversation usually land on different routers (the hard case for a
+per-router view). With R=1 and no delay this is exactly `simulator.simulate_policy` (tested), and so
+is any R with sync and no delay: every router then applies the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.cluster.block_cache import BlockLRU
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, summarize
+from kvmesh.cluster.trace import Trace
+from kvmesh.policies.base import FleetView, Policy, RequestInfo
+from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
+
+# message kinds on the event stream (engine events and, with sync, router decisions)
+_KV, _LOAD, _ROUTE = 0, 1, 2
+_ENGINE = -1  # origin of an engine's own event
+
+
+@dataclass(frozen=True)
+class RouterSetup:
+    routers: int = 1
+    delay_s: float = 0.0  # engine events and router sync reach a router this late
+    sync: bool = True  # routers publish their decisions to each other
+    churn_every_s: float | None = None  # one replica replaced by a cold one per interval
+
+    def check(self) -> None:
+        if self.routers < 1:
+            raise ValueError("routers must be >= 1")
+        if not self.delay_s >= 0:
+            raise ValueError("event delay must be >= 0")
+        if self.churn_every_s is not None and not self.churn_every_s > 0:
+            raise ValueError("churn interval must be > 0")
+
+
+class _Router:
+    """One router's view: its index, policy, load arrays, and how far it has read the event stream."""
+
+    def __init__(self, n: int, rids: list, nodes: list, index_blocks: int, policy: Policy, capacity: int):
+        self.index = PrefixIndex(max_blocks=index_blocks, speculative_ttl_s=0.0)
+        for rid, node in zip(rids, nodes):
+            self.index.add_replica(rid, node)
+        self.policy = policy
+        for rid in rids:
+            policy.on_replica_added(rid)
+        self.ids = list(rids)
+        self.live = set(rids)
+        self.queued = np.zeros(n, dtype=np.int64)
+        self.running = np.zeros(n, dtype=np.int64)
+        self.pending = np.zeros(n, dtype=np.int64)
+        self.active = np.zeros(n, dtype=np.int64)
+        self.kv_usage = np.zeros(n)
+        unset = np.zeros(n, dtype=np.int64)
+        self.fleet = FleetView(
+            self.ids,
+            unset,
+            unset,
+            unset,
+            self.queued,
+            self.running,
+            self.kv_usage,
+            self.pending,
+            np.full(n, capacity, dtype=np.int64),
+        )
+        self.read = 0  # position in the stream (absolute)
+        self.inv_cap = 1.0 / capacity
+
+    def load(self, k: int, dq: int, dr: int, dp: int, da: int) -> None:
+        self.queued[k] += dq
+        self.running[k] += dr
+        self.pending[k] += dp
+        if da:
+            self.active[k] += da
+            self.kv_usage[k] = min(self.active[k] * self.inv_cap, 1.0)
+
+    def apply(self, me: int, msg: tuple) -> None:
+        """One message of the stream, as this router `me` sees it."""
+        _, origin, kind, a, b, c, d = msg
+        if kind == _KV:  # (tier, holder, new, evicted): holder is a replica id, node id or None
+            idx = self.index
+            if a == 0:
+                if b in self.live:  # not a replica that left meanwhile
+                    if d:
+                        idx.remove(b, d)
+                    if c:
+                        idx.store(b, c)
+            elif a == 1:
+                if d:
+                    idx.remove_host(b, d)
+                if c:
+                    idx.store_host(b, c)
+            else:
+                if d:
+                    idx.remove_shared(d)
+                if c:
+                    idx.store_shared(c)
+        elif kind == _LOAD:  # (slot, replica id, deltas): the replica's own report
+            if origin != me and self.ids[a] == b:
+                self.load(a, *c)
+        elif origin != me:  # _ROUTE: another router's decision (request, replica id, view, blocks)
+            if b in self.live:
+                self.index.store(b, d)
+                self.policy.on_routed(a, b, c)
+
+
+def simulate_routers(
+    trace: Trace,
+    cfg: SimConfig,
+    make_policy: Callable[[], Policy],
+    setup: RouterSetup,
+    arrivals: list[float] | None = None,
+) -> dict:
+    """Replay `trace` through `setup.routers` routers (each with its own policy from `make_policy`);
+    returns `simulate_policy`'s metrics dict plus `routers` (the setup and churn counts)."""
+    cfg.check()
+    setup.check()
+    if arrivals is None:
+        arrivals, _ = arrivals_for(trace, cfg)
+    c = cfg.cost
+    bs = trace.block_size
+    N = cfg.replicas
+    R = setup.routers
+    delay = setup.delay_s
+    rids = [f"r{i}" for i in range(N)]
+    nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
+    n_nodes = len(set(nodes))
+    unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
+    index_blocks = (
+        N * cfg.capacity_blocks + n_nodes * cfg.host_blocks + (cfg.shared_blocks or 0) + 1_000_000 + unbounded_shared
+    )
+    routers = [_Router(N, rids, nodes, index_blocks, make_policy(), cfg.capacity_blocks) for _ in range(R)]
+    hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
+    host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
+    shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
+    tierless = not host and shared is None
+
+    # ground truth, as in simulate_policy; events carry the replica id so a replaced replica's are dropped
+    events: list[tuple[float, int, int, int, str]] = []
+    server_free = [0.0] * N
+    slot_heap: list[list[float]] = [[] for _ in range(N)]
+    stream: list[tuple] = []  # (time, origin, kind, a, b, c, d), in time order
+    base = 0  # absolute position of stream[0]
+    push, pop = heapq.heappush, heapq.heappop
+    next_churn = setup.churn_every_s if setup.churn_every_s is not None else float("inf")
+    churned = 0
+    t0 = arrivals[0] if arrivals else 0.0
+
+    prompt_r = [0] * N
+    hit_r = [0] * N
+    computed_r = [0] * N
+    reqs_r = [0] * N
+    busy_r = [0.0] * N
+    tier_tokens = {"hbm": 0, "host": 0, "shared": 0}
+    ttfts: list[float] = []
+    frac_sum = 0.0
+    out_tokens = 0
+    last_end = 0.0
+    t_wall = time.perf_counter()
+
+    def kv_message(when: float, tier: int, holder, new, evicted) -> None:
+        if new or evicted:
+            stream.append((when, _ENGINE, _KV, tier, holder, new, evicted))
+
+    for i, t in enumerate(arrivals):
+        r = trace.requests[i]
+        while events and events[0][0] <= t:
+            when, kind, k, val, rid = pop(events)
+            if rid != rids[k]:
+                continue  # the replica that accepted it has left
+            delta = (-1, 1, -val, 0) if kind == 0 else (0, -1, 0, -val)
+            stream.append((when, _ENGINE, _LOAD, k, rid, delta, None))
+        while t - t0 >= next_churn:  # replace one replica by a cold one
+            k = churned % N
+            old, new_id = rids[k], f"r{k}.{churned // N + 1}"
+            rids[k] = new_id
+            hbm[k] = BlockLRU(cfg.capacity_blocks)
+            server_free[k] = t0 + next_churn
+            slot_heap[k] = []
+            for rt in routers:
+                rt.index.remove_replica(old)
+                rt.policy.on_replica_removed(old)
+                rt.index.add_replica(new_id, nodes[k])
+                rt.policy.on_replica_added(new_id)
+                if rt.index.slot_of(new_id) != k:
+                    raise RuntimeError("prefix index did not reuse the departed replica's slot")
+                rt.ids[k] = new_id
+                rt.live.discard(old)
+                rt.live.add(new_id)
+                rt.load(k, -int(rt.queued[k]), -int(rt.running[k]), -int(rt.pending[k]), -int(rt.active[k]))
+            churned += 1
+            next_churn += setup.churn_every_s  # type: ignore[operator]
+        me = i % R
+        rt = routers[me]
+        # deliver what happened at least `delay` ago
+        horizon = t - delay
+        pos = rt.read - base
+        end = len(stream)
+        while pos < end and stream[pos][0] <= horizon:
+            rt.apply(me, stream[pos])
+            pos += 1
+        rt.read = pos + base
+        if i % 4096 == 0 and stream:  # drop what every router has read
+            low = min(x.read for x in routers) - base
+            if low > 0:
+                del stream[:low]
+                base += low
+
+        ids = r.hash_ids
+        n = r.input_length
+        fleet = rt.fleet
+        m = rt.index.match_arrays(ids, N)
+        if tierless:
+            fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m[0]
+        else:
+            fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
+        req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
+        j = rt.policy.best(req, fleet)
+        if j is None:
+            raise RuntimeError("policy placed a request nowhere")
+        rid = rids[j]
+        view = fleet.view(j)
+        rt.policy.on_routed(req, rid, view)
+
+        # ground truth: what the chosen replica and the tiers hold
+        j_hbm = hbm[j]
+        hbm_t = cached_tokens(j_hbm.prefix_len(ids), n, bs)
+        host_t = hbm_t
+        if host:
+            host_t = max(hbm_t, cached_tokens(_either_prefix(ids, j_hbm, host[nodes[j]]), n, bs))
+        shared_t = host_t
+        if shared is not None:
+            shared_t = max(host_t, cached_tokens(_any_prefix(ids, j_hbm, host.get(nodes[j]), shared), n, bs))
+        uncached = n - shared_t
+        keep = ids[: cacheable_blocks(n, len(ids), bs)]
+        # this router speculates at once; with sync the others learn the decision `delay` later
+        if keep:
+            rt.index.store(rid, keep)
+        if R > 1 and setup.sync:
+            stream.append((t, me, _ROUTE, req, rid, view, keep))
+        new, evicted = j_hbm.admit(keep)
+        kv_message(t, 0, rid, new, evicted)
+        if host:
+            new, evicted = host[nodes[j]].admit(keep)
+            kv_message(t, 1, nodes[j], new, evicted)
+        if shared is not None:
+            new, evicted = shared.admit(keep)
+            kv_message(t, 2, None, new, evicted)
+        # time
+        service = c.prefill_s(n, hbm_t, host_t, shared_t)
+        s = t if t > server_free[j] else server_free[j]
+        sh = slot_heap[j]
+        while sh and sh[0] <= s:
+            pop(sh)
+        if len(sh) >= c.max_batch:
+            e = pop(sh)
+            s = e if e > s else s
+        done = s + service
+        server_free[j] = done
+        end_t = done + r.output_length * c.decode_s_per_token
+        push(sh, end_t)
+        kvb = -(-(n + r.output_length) // bs)
+        push(events, (done, 0, j, uncached, rid))
+        push(events, (end_t, 1, j, kvb, rid))
+        rt.load(j, 1, 0, uncached, kvb)  # this router knows at once; the others when the engine reports
+        stream.append((t, me, _LOAD, j, rid, (1, 0, uncached, kvb), None))
+        if end_t > last_end:
+            last_end = end_t
+        ttfts.append(done - t)
+        prompt_r[j] += n
+        hit_r[j] += shared_t
+        computed_r[j] += uncached
+        reqs_r[j] += 1
+        busy_r[j] += service
+        tier_tokens["hbm"] += hbm_t
+        tier_tokens["host"] += host_t - hbm_t
+        tier_tokens["shared"] += shared_t - host_t
+        frac_sum += shared_t / n
+        out_tokens += r.output_length
+
+    out = summarize(
+        cfg,
+        [f"r{k}" for k in range(N)],  # per accelerator: a replaced replica's figures stay with its slot
+        arrivals,
+        ttfts,
+        Tally(prompt_r, hit_r, computed_r, reqs_r, busy_r, tier_tokens, frac_sum, out_tokens, last_end),
+        routers[0].index,
+        time.perf_counter() - t_wall,
+    )
+    out["routers"] = {
+        "routers": R,
+        "event_delay_s": delay,
+        "sync": setup.sync,
+        "assignment": "round robin",
+        "replicas_replaced": churned,
+        # the widest slot each router's index uses: stays at the fleet size however many replicas came and went
+        "index_slots": max(max(x.index.slot_of(rid) for rid in x.ids) + 1 for x in routers),
+    }
+    return out
+
+
+def _either_prefix(ids, a: BlockLRU, b: BlockLRU) -> int:
+    """Leading blocks held in `a` or `b` (a replica's hbm or its node's host tier)."""
+    i = 0
+    for h in ids:
+        if h not in a and h not in b:
+            break
+        i += 1
+    return i
+
+
+def _any_prefix(ids, a: BlockLRU, b: BlockLRU | None, s: BlockLRU) -> int:
+    """Leading blocks held in hbm, host (if any) or the shared tier."""
+    i = 0
+    for h in ids:
+        if h not in a and h not in s and (b is None or h not in b):
+            break
+        i += 1
+    return i

@@ -1,0 +1,130 @@
+"""The fleet with R routers (cluster/multi_router.py): the one-router case is the plain simulator, sync
+with no delay makes R routers one, routers without sync split a prefix, and replica churn keeps every
+per-replica structure at the fleet's size."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
+from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.workloads import ChatSpec, engine_trace, synth_chat
+from kvmesh.policies.base import FleetView, RequestInfo
+from kvmesh.policies.cost_model import CostModel
+from kvmesh.policies.registry import make_policy
+
+COST = CostModel(prefill_s_per_token=0.001, prefill_base_s=0.01, decode_s_per_token=0.0005, max_batch=8)
+
+
+def chat(users: int = 6, turns: int = 4):
+    records = synth_chat(ChatSpec(tenants=2, groups=2, users=users, turns=turns, start_spread_ms=2000, think_ms=500))
+    return engine_trace(records, 32, name="chat")
+
+
+def comparable(m: dict, *skip: str) -> dict:
+    return {k: v for k, v in m.items() if k not in ("sim_wall_s", "routers", *skip)}
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return chat()
+
+
+def cfg() -> SimConfig:
+    return SimConfig(6, 60, cost=COST, load=0.9)
+
+
+def kvmesh():
+    return make_policy("kvmesh", cost=COST)
+
+
+def test_one_router_without_delay_is_the_plain_simulator(trace):
+    plain = simulate_policy(trace, cfg(), kvmesh())
+    one = simulate_routers(trace, cfg(), kvmesh, RouterSetup(1, 0.0))
+    assert one["hit_rate_tokens"] > 0.3  # a workload with reuse, so equality says something
+    assert comparable(one) == comparable(plain)
+
+
+def test_synced_routers_without_delay_act_as_one(trace):
+    plain = simulate_policy(trace, cfg(), kvmesh())
+    four = simulate_routers(trace, cfg(), kvmesh, RouterSetup(4, 0.0, sync=True))
+    # index_stats count each router's own lookups: a quarter each
+    assert comparable(four, "index_stats") == comparable(plain, "index_stats")
+
+
+def test_routers_without_sync_split_a_prefix():
+    """Router 1 never hears where router 0 put a conversation: with a long delay its turns land on
+    replicas that lack the history, so the hit rate drops; sync (no delay) restores it."""
+    trace = chat(users=4, turns=6)
+    one = simulate_routers(trace, cfg(), kvmesh, RouterSetup(1, 0.0))
+    blind = simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 5.0, sync=False))
+    synced = simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 0.0, sync=True))
+    assert blind["hit_rate_tokens"] < one["hit_rate_tokens"] - 0.02
+    assert synced["hit_rate_tokens"] == one["hit_rate_tokens"]
+
+
+def test_sync_lets_routers_balance_the_whole_fleet():
+    """Without sync each router balances only its own traffic; the peers' decisions, delivered, are
+    credited by the same Policy.on_routed (so with sync the routers' guard work agrees)."""
+    made = []
+
+    def factory():
+        made.append(kvmesh())
+        return made[-1]
+
+    trace = chat(users=3, turns=3)
+    simulate_routers(trace, cfg(), factory, RouterSetup(3, 0.0, sync=True))
+    synced = [p.recent_work() for p in made]
+    made.clear()
+    simulate_routers(trace, cfg(), factory, RouterSetup(3, 0.0, sync=False))
+    blind = [p.recent_work() for p in made]
+    # synced, each router credits (nearly: the last decisions are still in flight) the whole fleet's work
+    assert sum(blind[0].values()) < 0.5 * sum(synced[0].values())
+    assert min(sum(w.values()) for w in synced) > 0.9 * max(sum(w.values()) for w in synced)
+
+
+def test_replica_churn_keeps_per_replica_state_bounded(trace):
+    made = []
+
+    def factory():
+        made.append(kvmesh())
+        return made[-1]
+
+    out = simulate_routers(trace, cfg(), factory, RouterSetup(2, 0.01, churn_every_s=0.02))
+    replaced = out["routers"]["replicas_replaced"]
+    assert replaced >= 3 * cfg().replicas  # every replica replaced several times
+    assert out["routers"]["index_slots"] == cfg().replicas
+    for p in made:
+        assert len(p.recent_work()) == cfg().replicas
+        assert len(p._w) == cfg().replicas  # slots of departed replicas are reused
+    assert len(out["per_replica"]) == cfg().replicas
+
+
+def test_best_is_the_first_of_place():
+    """The simulator asks only for the best replica; it must be `place`'s first choice."""
+    rng = np.random.default_rng(0)
+    p = kvmesh()
+    n = 16
+    ids = [f"r{i}" for i in range(n)]
+    for i in range(200):
+        shared = rng.integers(0, 4, n) * rng.integers(0, 2, n)
+        fleet = FleetView(
+            ids,
+            np.minimum(shared, rng.integers(0, 4, n)),
+            shared,
+            shared,
+            rng.integers(0, 3, n),
+            rng.integers(0, 10, n),
+            np.zeros(n),
+            rng.integers(0, 2, n) * 100,
+            np.full(n, 100),
+        )
+        req = RequestInfo(list(range(100 * i, 100 * i + 4)), 4 * 32 + 5, 32, request_id=str(i))
+        assert p.best(req, fleet) == p.place(req, fleet)[0]
+        p.on_routed(req, ids[p.best(req, fleet)], fleet.view(0))
+    hard = copy.deepcopy(p)
+    hard.guard_weight = None
+    assert hard.best(req, fleet) == hard.place(req, fleet)[0]
