@@ -134,6 +134,7 @@ class KvmeshRouter(RequestRouter):
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
+        self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
@@ -227,7 +228,11 @@ class KvmeshRouter(RequestRouter):
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
         if rid not in self.index.replicas():
             return
+        node = self.index.node_of(rid)
         self.index.remove_replica(rid)
+        if all(self.index.node_of(r) != node for r in self.index.replicas()):
+            self.tiers.drop_node(node)  # no engine left on it: the node (or its last replica) is gone
+        self.peers.forget_replica(rid)
         for p in self._policies.values():
             p.on_replica_removed(rid)
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
@@ -282,6 +287,21 @@ class KvmeshRouter(RequestRouter):
                 live.append(r)
         return live
 
+    def _ready(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """Candidates the router can see into: a replica added by Serve (autoscaling, restart) gets no
+        traffic until its first routing stats arrived and its KV-event stream is subscribed, so what
+        it caches is indexed from its first request on. Only when no replica is ready do all count."""
+        ready = []
+        for r in candidates:
+            stats = r.routing_stats or {}
+            rid = r.replica_id.unique_id
+            unsubscribed = self.subscribe_events and stats.get("kv_events_endpoint") and rid not in self._subscribed
+            if stats and not unsubscribed:
+                ready.append(r)
+        if len(ready) < len(candidates):
+            self.held_back += len(candidates) - len(ready)
+        return ready or candidates
+
     # ------------------------------------------------------------------ routing
     def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:
         pending: dict[str, list[int]] = {}
@@ -323,8 +343,11 @@ class KvmeshRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
-        candidate_replicas = self._live(candidate_replicas)
+        self._start_sync()
+        # one order for every router (by replica id), so routers with the same view break ties alike
+        candidate_replicas = sorted(self._live(candidate_replicas), key=lambda r: r.replica_id.unique_id)
         await self._sync_replicas(candidate_replicas)
+        candidate_replicas = self._ready(candidate_replicas)
         req = request_fields(pending_request)
         # not an engine request (e.g. info()): any replica
         if req is None or pending_request is None or not candidate_replicas:
@@ -450,6 +473,7 @@ class KvmeshRouter(RequestRouter):
                 "chosen": rid,
                 "first_choice": first,
                 "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]},
+                "chosen_tiers": list(matches.get(rid, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
             }
         )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
@@ -505,8 +529,11 @@ class KvmeshRouter(RequestRouter):
             "decision_s_total": self.decision_s,
             "fallbacks": self.fallbacks,
             "forgotten": self.forgotten,
+            "held_back": self.held_back,
+            "tier_nodes": self.tiers.nodes(),
             "recent_decisions": list(self.recent),
             "inflight": len(self._inflight),
+            "sync": self.sync.stats() if self.sync is not None else None,
             "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self.curr_replicas.values()},
         }
 

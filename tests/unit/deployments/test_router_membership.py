@@ -1,0 +1,92 @@
+"""The router as Serve adds and removes engine replicas (autoscaling, nodes leaving): a new replica gets
+traffic only once the router can see into it; a removed one is drained from the index, the policy and
+the tier view (fake replicas, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from kvmesh.deployments import local_state
+from kvmesh.deployments.prediction import PredictionLedger
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplicaID:
+    unique_id: str
+
+
+def fake_replica(rid: str, node: str = "n0", **stats):
+    return SimpleNamespace(replica_id=_ReplicaID(rid), routing_stats=stats, node_id=node, max_ongoing_requests=64)
+
+
+def fake_request(ids, request_id):
+    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
+
+
+def make_router(**kw):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from kvmesh.deployments.router import KvmeshRouter
+
+    r = KvmeshRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    r.initialize_state(subscribe_events=False, **kw)
+    return r
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+
+def _ids(ranked) -> list[str]:
+    return [g[0].replica_id.unique_id for g in ranked]
+
+
+def test_a_new_replica_gets_no_traffic_before_its_routing_stats_arrive():
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a = fake_replica("A", node_id="n0")
+        fresh = fake_replica("B")  # Serve lists it, its first routing stats have not come yet
+        for k in range(8):  # cold requests would spread over both replicas if B counted
+            assert _ids(await router.choose_replicas([a, fresh], fake_request([k] * 64, f"q{k}"))) == ["A"]
+        assert router.held_back == 8
+        fresh.routing_stats = {"node_id": "n1"}
+        seen = set()
+        for k in range(8):
+            seen.add(_ids(await router.choose_replicas([a, fresh], fake_request([100 + k] * 64, f"r{k}")))[0])
+        assert "B" in seen
+        # with no replica ready at all, requests still go somewhere
+        assert _ids(await router.choose_replicas([fake_replica("C")], fake_request([7] * 64, "s"))) == ["C"]
+
+    asyncio.run(scenario())
+
+
+def test_a_removed_replica_is_drained_from_index_policy_and_tier_view():
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b, c = (fake_replica(r, node=n, node_id=n) for r, n in (("A", "n0"), ("B", "n0"), ("C", "n1")))
+        await router.choose_replicas([a, b, c], fake_request([1, 2, 3], "reg"))
+        for node in ("n0", "n1"):
+            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        router.tiers.record_prefill("C", list(range(1, 9)))
+        router.tiers.record_prefill("A", list(range(11, 19)))
+        assert router.tiers.nodes()["n1"]["host_blocks"] == 8
+        # scale down: Serve stops C (the only replica on n1) and B (n0 keeps A)
+        router.update_replicas([a])
+        assert router.index.replicas() == ["A"]
+        assert set(router.policy.recent_work()) == {"A"}
+        assert set(router.tiers.nodes()) == {"n0"} and router.tiers.nodes()["n0"]["host_blocks"] == 8
+        # what C computed is still in the shared tier (Redis outlives the node), not on any host
+        assert router.index.match(list(range(1, 9))) == {"A": (0, 0, 8)}
+        for k in range(4):  # nothing new goes to a removed replica, even if a stale candidate list names it
+            ranked = await router.choose_replicas([a], fake_request(list(range(64)), f"q{k}"))
+            assert _ids(ranked) == ["A"]
+
+    asyncio.run(scenario())
