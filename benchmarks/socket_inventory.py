@@ -94,7 +94,7 @@ def measure(timeout_s: float = 600) -> list[dict]:
         cfg.write_text(SERVE_CONFIG)
         env = {**os.environ, "KVMESH_HOME": os.environ.get("KVMESH_HOME") or str(Path(tmp) / "home")}
         cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--port", str(port)]
-        cmd += ["--api-key", API_KEY]
+        cmd += ["--api-key", API_KEY, "--num-cpus", "4"]  # headroom for the LMCache node actor beside two engines
         log = open(Path(tmp) / "serve.log", "wb")  # noqa: SIM115 (closed below, after the process)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
