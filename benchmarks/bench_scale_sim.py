@@ -106,17 +106,12 @@ def plot(rows: list[dict], path: str) -> None:
             ax = axes[i][k]
             for r, color in zip(ROUTERS, ("black", "tab:blue", "tab:red")):
                 for sync in (True, False) if r > 1 else (True,):
-                    ys = [
-                        next(
-                            x[key]
-                            for x in rows
-                            if (x["trace"], x["routers"], x["delay_s"], x["sync"]) == (name, r, d, sync)
-                        )
-                        for d in DELAYS_S
-                    ]
+                    got = {
+                        x["delay_s"]: x[key] for x in rows if (x["trace"], x["routers"], x["sync"]) == (name, r, sync)
+                    }
                     ax.plot(
-                        xs,
-                        ys,
+                        [x for x, d in zip(xs, DELAYS_S) if d in got],
+                        [got[d] for d in DELAYS_S if d in got],
                         color=color,
                         ls="-" if sync else "--",
                         marker="o",
