@@ -387,6 +387,7 @@ def simulate(
     `kvmesh.cluster.multi_router.RouterSetup`), each policy runs in that many routers, each with its
     own copy of the policy as given."""
     import copy
+    import functools
 
     from kvmesh.cluster.bounds import compute_bounds
 
@@ -432,7 +433,8 @@ def simulate(
             if routers is not None:
                 from kvmesh.cluster.multi_router import simulate_routers
 
-                doc["policies"][name] = simulate_routers(trace, cfg, lambda p=pol: copy.deepcopy(p), routers, arrivals)
+                fresh = functools.partial(copy.deepcopy, pol)
+                doc["policies"][name] = simulate_routers(trace, cfg, fresh, routers, arrivals)
                 if bar is not None:
                     bar.update(len(trace))
                 continue
