@@ -1,9 +1,9 @@
 """`BENCH=failover make bench`: an engine replica killed mid-replay loses no request.
 
 Two runs of the same 150-request streaming conversation replay (30 conversations x 5 turns, each
-turn extending the last, greedy, 24 tokens each) at concurrency 6 on 3 in-process engine replicas,
-each on a freshly started app (cold caches): one untouched, one with a real `kill -9` of the busiest
-engine replica once a third of the requests completed (benchmarks/failover_run.py).
+turn extending the last, greedy, 24 tokens each) at concurrency 6 on 3 in-process engine replicas of
+one app, as two tenants (their salts keep each run's caches cold): one untouched, then one with a real
+`kill -9` of the busiest engine replica once a third of its requests completed (failover_run.py).
 
 Targets: 0 failed requests in the killed run; every stream open on the killed replica counted as a
 migration in /metrics (kvmesh_migrations_total >= those streams, and > 0); the token-weighted hit rate
@@ -27,15 +27,26 @@ MAX_TOKENS = 24
 HIT_RATE_TOLERANCE = 0.05
 
 
-def run_app(convs, replicas: int, concurrency: int, kill_at: float | None) -> tuple[RunReport, dict]:
-    from kvmesh.deployments.app import start_local, stop_local
+def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunReport, dict]:
+    """Both runs on one app (one start-up): the untouched run as one tenant, the killed run as another,
+    whose salt keeps its prefixes apart, so each run starts from cold caches."""
+    import tempfile
 
-    key = "kvm-bench-" + os.urandom(6).hex()
+    import yaml
+
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.tenants import hash_api_key
+
+    keys = {run: f"kvm-bench-{run}-" + os.urandom(6).hex() for run in ("untouched", "killed")}
+    tenants = [{"id": run, "keys": [{"sha256": hash_api_key(key)}]} for run, key in keys.items()]
+    tenants_file = os.path.join(tempfile.mkdtemp(prefix="kvmesh-bench-failover-"), "tenants.yaml")
+    with open(tenants_file, "w", encoding="utf-8") as fh:
+        yaml.safe_dump({"tenants": tenants}, fh)
     config = {
         "replicas": replicas,
         "policy": "kvmesh",
         "port": 0,
-        "api_keys": [key],
+        "tenants_file": tenants_file,
         "max_migrations": 3,
         "proxy": "serve",  # the front is not what is measured; Serve's proxy actor starts reliably under load
         "engine": {"model": "tiny", "max_model_len": 1024, "num_cpus": round(1.6 / replicas, 2)},
@@ -44,9 +55,14 @@ def run_app(convs, replicas: int, concurrency: int, kill_at: float | None) -> tu
     try:
         # logical CPUs to spare: a replacement engine must be placeable while the killed one is cleaned up
         url = start_local(config, num_cpus=4)
-        print(f"[{'kill' if kill_at else 'no kill'}] {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
-        headers = {"Authorization": f"Bearer {key}"}
-        report = run(url, headers, convs, concurrency=concurrency, max_tokens=MAX_TOKENS, kill_at=kill_at)
+        print(f"{replicas} replicas up in {time.perf_counter() - t0:.0f}s", flush=True)
+        reports = {}
+        for run_name, kill_at in (("untouched", None), ("killed", 1 / 3)):
+            headers = {"Authorization": f"Bearer {keys[run_name]}"}
+            reports[run_name] = run(
+                url, headers, convs, concurrency=concurrency, max_tokens=MAX_TOKENS, kill_at=kill_at
+            )
+            print(f"[{run_name}] done in {reports[run_name].wall_s:.0f}s", flush=True)
         with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
             counters = {
                 name: metric(c, name)
@@ -56,7 +72,7 @@ def run_app(convs, replicas: int, concurrency: int, kill_at: float | None) -> tu
                     "kvmesh_router_replicas_forgotten_total",
                 )
             }
-        return report, counters
+        return reports["untouched"], reports["killed"], counters
     finally:
         stop_local()
 
@@ -71,8 +87,7 @@ def main() -> None:
         f"workload: {n_conv * turns} streaming requests ({n_conv} conversations x {turns} turns), "
         f"concurrency {concurrency}, {replicas} replicas, {MAX_TOKENS} tokens each"
     )
-    base, _ = run_app(convs, replicas, concurrency, kill_at=None)
-    killed, counters = run_app(convs, replicas, concurrency, kill_at=1 / 3)
+    base, killed, counters = run_app(convs, replicas, concurrency)
     same_text = sum(a.text == b.text for a, b in zip(base.results, killed.results))
     migrations = counters["kvmesh_migrations_total"]
     print(
