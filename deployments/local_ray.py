@@ -59,8 +59,32 @@ def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
         )
 
 
+START_ATTEMPTS = 2  # Ray gives its raylet a fixed 30 s to register; a busy machine can miss that once
+
+
 def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
-    """Start a new single-node Ray cluster on 127.0.0.1 (never joining one found on the machine)."""
+    """Start a new single-node Ray cluster on 127.0.0.1 (never joining one found on the machine).
+
+    A start that timed out (Ray: "The current node timed out during startup") is cleaned up (the processes
+    it left below this one are ended) and tried once more."""
+    import psutil
+
+    from kvmesh.deployments.process_tree import end_descendants
+
+    before = [p.pid for p in psutil.Process().children(recursive=True)]
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_once(num_cpus=num_cpus, env_vars=env_vars, log_to_driver=log_to_driver)
+        except Exception as exc:
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(exc):
+                raise
+            import ray
+
+            ray.shutdown()
+            end_descendants(grace_s=5.0, exclude=before)
+
+
+def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
     import ray
     import ray._private.services as services
 
