@@ -5,6 +5,7 @@ TCP sockets in LISTEN state and the UDP sockets of the serve process and every d
 stops it with SIGINT. Rerun it after any change that opens or moves a socket:
 
     .venv/bin/python -m kvmesh.benchmarks.socket_inventory [--json FILE]
+    .venv/bin/python -m kvmesh.benchmarks.socket_inventory --engine   # one engine replica, no Ray (~10 s)
 
 Exit status 1 when a socket is bound to a non-loopback address, 0 otherwise.
 """
@@ -115,11 +116,65 @@ def measure(timeout_s: float = 600) -> list[dict]:
             log.close()
 
 
+def measure_engine() -> list[dict]:
+    """What one EngineReplica (real vLLM engine, KV events on, in this process, no Ray) adds: its listeners,
+    and vLLM's own publisher, which must be unix sockets in an owner-only folder."""
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+
+    from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV, write_channel_secret
+
+    def listening() -> set[tuple[str, int]]:
+        conns = psutil.Process().net_connections(kind="inet")
+        return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+    if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
+        os.environ[CHANNEL_SECRET_FILE_ENV] = str(write_channel_secret(tempfile.mkdtemp(prefix="kvmesh-inventory-")))
+    before = listening()
+    from kvmesh.deployments.engine import EngineReplica
+
+    replica = EngineReplica({"model": "tiny", "num_gpu_blocks_override": 64, "max_model_len": 512})
+    try:
+        advertised = {replica.kv_events_endpoint, replica.replay_endpoint}
+        rows = []
+        for ip, port in sorted(listening() - before):
+            what = "KV-event relay (CURVE)" if any(e and e.endswith(f":{port}") for e in advertised) else "vLLM"
+            rows.append(
+                {
+                    "pid": os.getpid(),
+                    "process": "engine replica",
+                    "cmdline": what,
+                    "proto": "tcp",
+                    "address": ip,
+                    "port": port,
+                    "loopback": ip.startswith(LOOPBACK),
+                }
+            )
+        folder = replica._events_dir or ""
+        mode = oct(os.stat(folder).st_mode & 0o777) if folder else "-"
+        for name in sorted(os.listdir(folder)) if folder else []:
+            rows.append(
+                {
+                    "pid": os.getpid(),
+                    "process": "engine replica",
+                    "cmdline": f"vLLM publisher, folder {mode}",
+                    "proto": "unix",
+                    "address": f"{folder}/{name}",
+                    "port": 0,
+                    "loopback": True,
+                }
+            )
+        return rows
+    finally:
+        replica.driver.shutdown()
+        replica._stop_event_relay()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--engine", action="store_true", help="one engine replica in this process instead")
     args = parser.parse_args(argv)
-    rows = measure()
+    rows = measure_engine() if args.engine else measure()
     for r in rows:
         print(f"{r['proto']:3} {r['address']:>15}:{r['port']:<5} {r['process']:<24} pid {r['pid']:<7} {r['cmdline']}")
     if args.json:
