@@ -185,3 +185,28 @@ def test_client_disconnect_mid_stream_aborts_the_async_engine_request(async_app)
             assert next(line for line in r.iter_lines() if line.startswith("data: "))
         # closed after one event: AsyncLLM must drop the request, not generate 2000 tokens
         wait_for(lambda: idle(c) and aborted(c) == before + 1, "the engine to abort the request", timeout=60)
+
+
+def test_vllm_metrics_leave_through_rays_metrics_port_under_the_dashboards_names(async_app):
+    """Async engines publish vLLM's metrics through Ray (RayPrometheusStatLogger); the Grafana dashboard
+    (k8s/monitoring) queries them as ray_vllm_*: they must appear so on Ray's metrics export port."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+    ports = {(n["NodeManagerAddress"], n["MetricsExportPort"]) for n in nodes}
+    assert ports
+    with async_app.client() as c:
+        complete(c, fresh_tokens(2 * BLOCK), max_tokens=2)
+
+    def exported() -> str:
+        for host, port in ports:
+            try:
+                text = httpx.get(f"http://{host}:{port}/metrics", timeout=10).text
+            except httpx.HTTPError:
+                continue
+            if "ray_vllm_prefix_cache_queries_total" in text:
+                return text
+        return ""
+
+    text = wait_for(exported, "vLLM's metrics on Ray's metrics port", timeout=90)
+    assert "ray_vllm_time_to_first_token_seconds_bucket" in text and "ray_vllm_kv_cache_usage_perc" in text
