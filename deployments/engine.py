@@ -64,6 +64,28 @@ def lmcache_kv_transfer(cfg: dict) -> dict | None:
     return None
 
 
+EVENTS_DIR_PREFIX = "kvmesh-events-"
+
+
+def remove_dead_event_dirs(root: str = "/tmp") -> int:
+    """Remove private KV-event folders (kvmesh-events-<pid>-*) whose replica process is gone: a replica
+    killed by Serve or SIGKILL never runs __del__. Returns how many were removed."""
+    removed = 0
+    for entry in os.scandir(root):
+        pid = entry.name.removeprefix(EVENTS_DIR_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(EVENTS_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): keep it
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+        except PermissionError:
+            continue
+    return removed
+
+
 class EngineReplica:
     """One vLLM engine. Methods take token ids: tokenizing happens once, in the ingress."""
 
@@ -121,8 +143,9 @@ class EngineReplica:
         from kvmesh.cluster.secure_channel import channel_keys
 
         keys = channel_keys()  # fail before the engine loads when the deployment has no channel secret
+        remove_dead_event_dirs()
         # mkdtemp is 0700: no other user can open the sockets; /tmp keeps the path within ipc's ~107 bytes
-        self._events_dir = tempfile.mkdtemp(prefix="kvmesh-events-", dir="/tmp")
+        self._events_dir = tempfile.mkdtemp(prefix=f"{EVENTS_DIR_PREFIX}{os.getpid()}-", dir="/tmp")
         raw, raw_replay = f"ipc://{self._events_dir}/pub", f"ipc://{self._events_dir}/replay"
         self.events_relay = EventRelay(raw, raw_replay, bind_host=node_ip, keys=keys, topic=EVENTS_TOPIC)
         self.kv_events_endpoint = self.events_relay.endpoint

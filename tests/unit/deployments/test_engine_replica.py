@@ -91,3 +91,20 @@ def test_routing_stats_survive_a_failing_read_of_engine_internals(monkeypatch, t
     assert f'kvmesh_replica_stats_errors_total{{replica="{r.replica_id}"}} 3' in text
     r.driver.broken_internals = False
     assert r.record_routing_stats()["kv_usage"] == 0.25
+
+
+def test_event_folders_of_dead_replicas_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from kvmesh.deployments.engine import EVENTS_DIR_PREFIX, remove_dead_event_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{EVENTS_DIR_PREFIX}{int(dead.stdout)}-abc"
+    alive = tmp_path / f"{EVENTS_DIR_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "kvmesh-events-notapid"
+    for d in (gone, alive, other):
+        d.mkdir()
+    (gone / "pub").write_text("")
+    assert remove_dead_event_dirs(str(tmp_path)) == 1
+    assert not gone.exists() and alive.exists() and other.exists()
