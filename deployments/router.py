@@ -46,6 +46,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
 
+def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
+    """Prompt tokens the engine will report cached: vLLM's own prefix cache always recomputes the last
+    block, but LMCache (host or shared tier) may deliver every prompt token but the last one (seen live: a
+    320-token prompt held whole in Redis came back with 319 cached tokens, not 288)."""
+    local = cached_tokens(hbm_blocks, num_tokens, block_size)
+    if any_tier_blocks <= hbm_blocks:
+        return local
+    return max(local, min(any_tier_blocks * block_size, num_tokens - 1))
+
+
 def active_routers() -> list[KvmeshRouter]:
     """Routers living in this process (normally one per engine handle in the ingress)."""
     return list(local_state.ROUTERS)
@@ -477,7 +487,7 @@ class KvmeshRouter(RequestRouter):
             }
         )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
-        predicted = cached_tokens(shared, info.num_tokens, info.block_size)
+        predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
         ATTRIBUTION.placed(info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views)
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:

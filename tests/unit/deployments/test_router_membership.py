@@ -90,3 +90,13 @@ def test_a_removed_replica_is_drained_from_index_policy_and_tier_view():
             assert _ids(ranked) == ["A"]
 
     asyncio.run(scenario())
+
+
+def test_predicted_cached_tokens_follow_vllm_for_hbm_and_lmcache_for_tiers():
+    from kvmesh.deployments.router import predicted_cached_tokens
+
+    assert predicted_cached_tokens(10, 10, 320, 32) == 288  # own cache: the last block is recomputed
+    assert predicted_cached_tokens(0, 10, 320, 32) == 319  # LMCache: all but the last token
+    assert predicted_cached_tokens(4, 10, 320, 32) == 319
+    assert predicted_cached_tokens(0, 4, 320, 32) == 128  # a prefix of the prompt: its whole blocks
+    assert predicted_cached_tokens(0, 0, 320, 32) == 0
