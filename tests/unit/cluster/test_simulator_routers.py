@@ -109,7 +109,7 @@ def test_best_is_the_first_of_place():
     p = kvmesh()
     n = 16
     ids = [f"r{i}" for i in range(n)]
-    for i in range(200):
+    for i in range(60):
         shared = rng.integers(0, 4, n) * rng.integers(0, 2, n)
         fleet = FleetView(
             ids,
