@@ -26,12 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.deployments import local_state
+# by module, like local_state: Serve ships this class by value, a bare global would be a private copy
+from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating
-from kvmesh.deployments.miss_attribution import ATTRIBUTION
 from kvmesh.deployments.openai_protocol import OpenAIError
 from kvmesh.deployments.router import active_routers, notify_first_token, notify_replica_failed
 from kvmesh.deployments.serving_metrics import ServingMetrics
@@ -277,7 +277,8 @@ class Ingress:
             self.serving_metrics.record(replica, len(ids), cached, completion_tokens, ttft)
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
             local_state.LEDGER.deliver(request_id, cached)
-            ATTRIBUTION.delivered(request_id, tenant.id, ids, cached)  # why the rest missed (/kvmesh/explain)
+            # why the rest missed (/kvmesh/explain)
+            miss_attribution.ATTRIBUTION.delivered(request_id, tenant.id, ids, cached)
             return proto.usage(len(ids), completion_tokens, cached)
 
         if not req.stream:
@@ -376,7 +377,7 @@ class Ingress:
         snap = await asyncio.to_thread(self._router_snapshot)
         text = self.serving_metrics.prometheus_text(local_state.LEDGER.snapshot(), snap)
         text += self.tenant_metrics.prometheus_text()
-        text += ATTRIBUTION.prometheus_text()
+        text += miss_attribution.ATTRIBUTION.prometheus_text()
         text += failure_metrics_text(self.failures, snap)  # migrations, forgotten replicas, stats errors
         text += await asyncio.to_thread(_tier_metrics_text)  # per-tier LMCache figures (kvstore/tier_metrics.py)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -405,7 +406,7 @@ class Ingress:
             self._auth(request)
         except KvmeshHTTPError as exc:
             return _error_response(exc)
-        rec = ATTRIBUTION.explain(request_id)
+        rec = miss_attribution.ATTRIBUTION.explain(request_id)
         if rec is None:
             return _error_response(OpenAIError(404, f"No record of request {request_id!r}.", "not_found"))
         return rec

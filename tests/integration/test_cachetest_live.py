@@ -86,6 +86,9 @@ def test_planted_causes_are_attributed_to_their_reasons(live_app, tiny_model_dir
     report = runner.report({"prompt_tokens": 0})
 
     rows = {(r["pass"], r["id"]): r for r in report["requests"]}
+    explained = {(s.pass_name, s.prepared.req.id): s.explain for run in runner.runs for s in run.sent}
+    missing = [k for k, e in explained.items() if e is None]
+    assert not missing, f"no /kvmesh/explain record for {missing[:5]}"
     for r in report["requests"]:
         assert r["cached_tokens"] is not None, r
         assert sum(r["miss_tokens"].values()) == r["prompt_tokens"] - r["cached_tokens"], r
@@ -96,12 +99,16 @@ def test_planted_causes_are_attributed_to_their_reasons(live_app, tiny_model_dir
         assert planted > 0, r
         return r["miss_tokens"].get(reason, 0) / planted
 
-    assert share("planted", "drift", "drift") >= 0.95, rows[("planted", "drift")]
-    assert share("planted", "isolated", "isolated") >= 0.95, rows[("planted", "isolated")]
+    def why(rid: str) -> str:
+        r = rows[("planted", rid)]
+        return f"{r['cached_tokens']} cached, misses {r['miss_tokens']}, router {explained[('planted', rid)]}"
+
+    assert share("planted", "drift", "drift") >= 0.95, why("drift")
+    assert share("planted", "isolated", "isolated") >= 0.95, why("isolated")
     tail = rows[("planted", "tail-b")]
     assert tail["cached_tokens"] >= 4 * B
     assert tail["miss_tokens"] == {"partial_block": tail["prompt_tokens"] - tail["cached_tokens"]}
-    assert share("planted", "evict-b", "evicted") >= 0.95, rows[("planted", "evict-b")]
+    assert share("planted", "evict-b", "evicted") >= 0.95, why("evict-b")
 
     # misrouting: ground truth from the replica headers -- the hot prefix was computed on `home`
     home = rows[("planted", "hot-0")]["replica"]
