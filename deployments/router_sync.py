@@ -86,16 +86,16 @@ class PeerPlacements:
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
             self.placements[key] = placed
         elif kind == "unrouted":
-            placed = self.placements.pop(key, None)
-            if placed is not None and placed.replica == replica:
+            moved = self.placements.pop(key, None)
+            if moved is not None and moved.replica == replica:
                 for policy in self.policies():
-                    policy.on_unrouted(placed.info, replica)
-                if placed.fresh:
-                    self.index.withdraw(replica, placed.fresh)
+                    policy.on_unrouted(moved.info, replica)
+                if moved.fresh:
+                    self.index.withdraw(replica, moved.fresh)
         elif kind == "started":
-            placed = self.placements.get(key)
-            if placed is not None:
-                placed.started = True
+            started = self.placements.get(key)
+            if started is not None:
+                started.started = True
         elif kind == "done":
             self.placements.pop(key, None)
         elif kind == "bye":
