@@ -1,0 +1,179 @@
+"""Run by tests/integration/test_multinode.py in its own process: a real 2-node Ray cluster on this machine
+(benchmarks/local_cluster.py), a real redis-server as the shared tier, the kvmesh app deployed onto the
+cluster as `kvmesh serve --address` does (one engine replica per node, each node its own LMCache server),
+then a prefix computed on the worker node is served on the head node from Redis, the worker node is
+killed, and the head node's LMCache server is killed. Prints one JSON line of findings.
+
+    python tests/integration/multinode_check.py WORKDIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _poll(fn, timeout_s: float, interval_s: float = 0.5):
+    """fn() until it returns something truthy (returned), or the last value at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    value = fn()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        value = fn()
+    return value
+
+
+def _lmcache_pid(endpoint: str) -> int | None:
+    """The pid of the LMCache server listening on endpoint (host:port)."""
+    import psutil
+
+    port = int(endpoint.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    return None
+
+
+def main() -> int:
+    root = sys.argv[1]
+    os.environ["KVMESH_HOME"] = os.path.join(root, "home")
+    os.environ["KVMESH_LOG_DIR"] = os.path.join(root, "logs")
+    import httpx
+
+    from kvmesh.benchmarks.local_cluster import CLUSTER_ENV, LocalRayCluster, NodeSpec
+    from kvmesh.kvstore.redis_process import RedisServer
+
+    os.environ.update(CLUSTER_ENV)
+    os.environ.pop("RAY_ADDRESS", None)
+    found: dict = {}
+    redis = RedisServer(os.path.join(root, "redis")).start()
+    # head: the ingress (0.1 CPU) and one engine; worker: one engine and nothing else (no CPUs to offer)
+    cluster = LocalRayCluster(
+        os.path.join(root, "ray"), [NodeSpec(1, {"kvmesh_engine": 1}), NodeSpec(0, {"kvmesh_engine": 1})]
+    )
+    try:
+        cluster.start()
+        import ray
+
+        from kvmesh.deployments.app import free_port, start_local, stop_local
+        from kvmesh.kvstore.node_server import tier_status
+
+        key = "kvm-multinode-key-0123456789"
+        cfg = {
+            "replicas": 2,
+            "policy": "kvmesh",
+            "port": free_port(),
+            "api_keys": [key],
+            "proxy": "serve",
+            "routing_stats_period_s": 0.5,
+            "address": cluster.address,
+            "engine": {
+                "model": "tiny",
+                "num_cpus": 0,
+                "resources": {"kvmesh_engine": 1},
+                "num_gpu_blocks_override": 256,
+                "lmcache": {"l1_size_gb": 0.05, "chunk_size": 64, "l2": redis.url, "start_timeout_s": 300},
+            },
+        }
+        url = start_local(cfg, timeout_s=900)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        head = next(n["NodeID"] for n in nodes if "node:__internal_head__" in n["Resources"])
+        worker = next(n["NodeID"] for n in nodes if n["NodeID"] != head)
+        found["nodes"] = len(nodes)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+
+            def state() -> dict:
+                return c.get("/kvmesh/state").json()["router"] or {"routing_stats": {}, "replicas": []}
+
+            def send(prompt: list[int]) -> dict:
+                r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+                r.raise_for_status()
+                return {
+                    "replica": r.headers["x-kvmesh-replica"],
+                    "request_id": r.headers["x-request-id"],
+                    "predicted": int(r.headers.get("x-kvmesh-predicted-cached-tokens", -1)),
+                    "cached": r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                }
+
+            def node_of() -> dict:
+                return {rid: s.get("node_id") for rid, s in state()["routing_stats"].items()}
+
+            send([11] * 40)  # the ingress's router exists from the first request on
+            # both engines up, each on its own node, each node with its own LMCache server
+            placed = _poll(lambda: (lambda m: m if len(set(m.values())) == 2 else None)(node_of()), 120)
+            found["engine_nodes"] = sorted(placed.values()) if placed else None
+            found["lmcache_nodes"] = sorted(tier_status())
+            worker_replica = next(rid for rid, n in placed.items() if n == worker)
+            # a prefix computed on the worker node: cold prompts until one lands there
+            first, prompt = None, None
+            for k in range(6):
+                prompt = [(i * 7919 + k * 104_729) % 1000 + 10 for i in range(320)]
+                first = send(prompt)
+                if first["replica"] == worker_replica:
+                    break
+            found["first"] = first
+            _poll(lambda: state()["tiers"]["prefills_recorded"] >= 1 and state()["tier_nodes"].get(worker), 30)
+            found["tier_nodes_before"] = state()["tier_nodes"]
+            time.sleep(2.0)  # LMCache writes L1 -> L2 (Redis) in the background
+
+            # the worker node leaves for real: its raylet and every process of the node are killed
+            cluster.stop_node(1)
+            gone = _poll(lambda: worker_replica not in state()["replicas"], 120)
+            st = state()
+            found["after_node_left"] = {
+                "replica_forgotten": bool(gone),
+                "replicas": st["replicas"],
+                "tier_nodes": st["tier_nodes"],
+            }
+
+            # the same prefix on the head node's engine: a shared-tier (Redis) hit, predicted == delivered
+            before = tier_status()[head]["tiers"]
+            second = send(prompt)
+            after = _poll(
+                lambda: (lambda t: t if t.get("shared_hit_tokens", 0) > before.get("shared_hit_tokens", 0) else None)(
+                    tier_status()[head]["tiers"]
+                ),
+                20,
+            )
+            found["second"] = second
+            found["head_l2_hit_tokens"] = (after or {}).get("shared_hit_tokens", 0) - before.get("shared_hit_tokens", 0)
+            ids = {part.strip() for part in second["request_id"].split(",")}  # the proxy may add its own id
+            decision = next((d for d in reversed(state()["recent_decisions"]) if d["request_id"] in ids), None)
+            found["second_tiers"] = decision["chosen_tiers"] if decision else None
+            found["block_size"] = 32
+
+            # the head node's LMCache server dies (kill -9): its host tier leaves the router's view
+            _poll(lambda: state()["tiers"]["prefills_recorded"] >= 2, 30)
+            found["head_host_blocks_before_kill"] = state()["tier_nodes"].get(head, {}).get("host_blocks", 0)
+            endpoint = ray.get(ray.get_actor(f"kvmesh-lmcache-{head}", namespace="kvmesh").health.remote())["endpoint"]
+            pid = _lmcache_pid(endpoint)
+            found["lmcache_pid_found"] = pid is not None
+            if pid is not None:
+                os.kill(pid, 9)
+                dropped = _poll(lambda: state()["tier_nodes"].get(head, {}).get("host_blocks", 0) == 0, 30, 0.2)
+                found["head_dropped_after_kill"] = bool(dropped)
+                found["tier_counters"] = state()["tiers"]
+        stop_local()
+    except Exception as exc:
+        found["error"] = f"{type(exc).__name__}: {exc}"[:800]
+        found["trace"] = traceback.format_exc()[-2000:]
+    finally:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:
+            pass
+        cluster.stop()
+        redis.stop()
+    print(json.dumps(found))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Integration: kvmesh on a real 2-node Ray cluster (benchmarks/local_cluster.py), deployed onto it as
+`kvmesh serve --address` does, with an LMCache server per node and a real redis-server as the shared tier.
+
+Runs tests/integration/multinode_check.py in a child process (a Ray driver of its own cluster, apart from
+the session's shared live app) and checks its findings: a prefix computed on one node is served on the
+other from Redis, as the router predicted; a node that leaves and an LMCache server killed with -9 leave
+the router's tier view."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_cross_node_shared_tier_hit_and_nodes_leaving(tmp_path):
+    script = Path(__file__).with_name("multinode_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=1500)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, err[-3000:]
+    found = json.loads(lines[-1])
+    assert "error" not in found, found.get("trace") or found["error"]
+    # two Ray nodes, one engine on each, each node with its own LMCache server
+    assert found["nodes"] == 2 and len(set(found["engine_nodes"])) == 2
+    assert len(found["lmcache_nodes"]) == 2
+    # the prefix was computed cold on the worker node, and recorded in that node's host tier
+    assert found["first"]["cached"] == 0
+    assert any(v["host_blocks"] > 0 for v in found["tier_nodes_before"].values())
+    # the worker node left: its replica and its node left the router's view
+    left = found["after_node_left"]
+    assert left["replica_forgotten"] and len(left["replicas"]) == 1
+    assert len(left["tier_nodes"]) <= 1
+    # served on the head node from Redis: a shared-tier hit in the router's score (not in the engine's
+    # own cache, not on this node's host tier), predicted == delivered == LMCache's L2 hit counter
+    second = found["second"]
+    hbm, host, shared = found["second_tiers"]
+    assert (hbm, host) == (0, 0) and shared > 0
+    assert second["cached"] > 0 and second["predicted"] == second["cached"]
+    assert found["head_l2_hit_tokens"] >= second["cached"] - found["block_size"]
+    assert found["head_l2_hit_tokens"] > 0
+    # the head node's LMCache server killed with -9: its host tier left the router's view
+    assert found["head_host_blocks_before_kill"] > 0
+    assert found["lmcache_pid_found"] and found["head_dropped_after_kill"]
