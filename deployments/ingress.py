@@ -268,7 +268,8 @@ class Ingress:
         notify_first_token(request_id)
         replica = first["replica"]
         oid = proto.new_id(req.kind)
-        headers = {"x-kvmesh-replica": replica, "x-request-id": request_id}
+        # x-request-id is Serve's own (its middleware appends one to every response): ours has its own name
+        headers = {"x-kvmesh-replica": replica, "x-kvmesh-request-id": request_id}
         predicted = local_state.LEDGER.prediction(request_id)
         if predicted is not None:  # what the router expected this replica to serve from cache
             headers["x-kvmesh-predicted-cached-tokens"] = str(predicted)

@@ -98,7 +98,7 @@ class RequestResult:
     error: str | None = None
     start_s: float = 0.0  # when it was sent, seconds after the run started
     output_text: str = ""  # the streamed text (greedy outputs of two runs can be compared)
-    request_id: str | None = None  # the server's id for it (`x-request-id`), e.g. for /kvmesh/explain
+    request_id: str | None = None  # the server's id for it (`x-kvmesh-request-id`), e.g. for /kvmesh/explain
 
 
 # ------------------------------------------------------------------------------- prompt building
@@ -200,7 +200,7 @@ async def _one_request(
     try:
         async with client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=hdrs) as resp:
             replica = resp.headers.get("x-kvmesh-replica", replica)
-            request_id = resp.headers.get("x-request-id")
+            request_id = resp.headers.get("x-kvmesh-request-id") or resp.headers.get("x-request-id")
             if resp.status_code != 200:
                 err = (await resp.aread()).decode("utf-8", "replace")
                 raise _HttpError(f"HTTP {resp.status_code}: {_error_message(err)}")

@@ -94,7 +94,7 @@ def main() -> int:
                 r.raise_for_status()
                 return {
                     "replica": r.headers["x-kvmesh-replica"],
-                    "request_id": r.headers["x-request-id"],
+                    "request_id": r.headers["x-kvmesh-request-id"],
                     "predicted": int(r.headers.get("x-kvmesh-predicted-cached-tokens", -1)),
                     "cached": r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
                 }
@@ -141,8 +141,9 @@ def main() -> int:
             )
             found["second"] = second
             found["head_l2_hit_tokens"] = (after or {}).get("shared_hit_tokens", 0) - before.get("shared_hit_tokens", 0)
-            ids = {part.strip() for part in second["request_id"].split(",")}  # the proxy may add its own id
-            decision = next((d for d in reversed(state()["recent_decisions"]) if d["request_id"] in ids), None)
+            decision = next(
+                (d for d in reversed(state()["recent_decisions"]) if d["request_id"] == second["request_id"]), None
+            )
             found["second_tiers"] = decision["chosen_tiers"] if decision else None
             found["block_size"] = 32
 
