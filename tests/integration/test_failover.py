@@ -67,7 +67,6 @@ def test_a_replica_killed_mid_stream_loses_no_request(failover_app):
     reference = run(url, headers, convs, concurrency=4, max_tokens=MAX_TOKENS)
     assert reference.failed == 0, [r.error for r in reference.results if not r.ok]
     with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-        before = metric(c, "kvmesh_migrations_total")
         assert len(replica_pids(c)) == 2
 
     killed = run(url, headers, convs, concurrency=4, max_tokens=MAX_TOKENS, kill_at=1 / 3)
@@ -78,8 +77,7 @@ def test_a_replica_killed_mid_stream_loses_no_request(failover_app):
         assert got.text == ref.text  # greedy output as without the failure
         assert (got.prompt_tokens, got.completion_tokens) == (ref.prompt_tokens, MAX_TOKENS)
     with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-        # migrations are not asserted: on a quiet machine this run counted 0 while no request failed
-        assert metric(c, "kvmesh_migrations_total") >= before
+        # the migration counter is not asserted: on a quiet machine this run counted 0 while no request failed
         dead = killed.killed_replica
 
         def router_state():
