@@ -33,27 +33,3 @@ def test_server_that_exits_at_once_is_reported(tmp_path):
     with pytest.raises(LMCacheServerError, match="exited"):
         srv.start()
     assert not srv.alive()
-
-
-STATUS = {
-    "node-b": {
-        "health": {"healthy": True, "shared_tier_up": False},
-        "tiers": {
-            "host_hit_tokens": 10.0,
-            "shared_hit_tokens": 0.0,
-            "lookup_requested_tokens": 40.0,
-            "bytes_to_host": 100.0,
-            "l1_usage_ratio": 0.5,
-        },
-    },
-    "node-a": {
-        "health": {"healthy": True, "shared_tier_up": True},
-        "tiers": {
-            "host_hit_tokens": 576.0,
-            "shared_hit_tokens": 64.0,
-            "lookup_requested_tokens": 700.0,
-            "bytes_from_shared": 8.0,
-        },
-    },
-    "node-c": {"health": {"healthy": False, "error": "ActorDiedError"}, "tiers": {}},
-}

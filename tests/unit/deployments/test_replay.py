@@ -22,16 +22,6 @@ from kvmesh.deployments.replay import (
     one_token_words,
 )
 
-ENV = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
-
 
 def _rec(ids, length=None, **extra):
     return {"timestamp": 0, "input_length": length or len(ids) * 512, "output_length": 512, "hash_ids": ids, **extra}
