@@ -29,7 +29,13 @@ from kvmesh.deployments.config import INPROC_ENGINE_ENV
 
 LOOPBACK = "127.0.0.1"
 # Ray 2.60 turns token authentication on for clusters it starts; every node and driver must agree
-CLUSTER_ENV = {**INPROC_ENGINE_ENV, "RAY_AUTH_MODE": "disabled", "RAY_raylet_start_wait_time_s": "150"}
+# Serve's own proxy: HAProxy's stats and metrics ports are per machine, and every node here is on this one
+CLUSTER_ENV = {
+    **INPROC_ENGINE_ENV,
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_raylet_start_wait_time_s": "150",
+    "RAY_SERVE_ENABLE_HA_PROXY": "0",
+}
 
 
 # `ray start` for a node on 127.0.0.1 (deployments/ray_join.py: Ray would rewrite the address), and patient:
@@ -109,7 +115,8 @@ class LocalRayCluster:
 
     def env(self) -> dict[str, str]:
         """The environment of every node, and the one a driver joining the cluster needs."""
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # a local run's Serve settings (HAProxy files and ports) would be shared by every node here
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_SERVE_")}
         env.update(CLUSTER_ENV)
         return env
 

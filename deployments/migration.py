@@ -6,9 +6,13 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
 - before the first token, the request is simply routed again; the router has been told the replica
   is dead, so it never picks it again;
 - mid-stream, a continuation is sent: a new engine request whose prompt is the original prompt plus
-  the token ids already sent, with `max_tokens`/`min_tokens` reduced by that many and the same tenant
-  salt (so its prefix still hits the caches). Greedy decoding therefore yields exactly the tokens the
-  dead replica would have produced, and the client sees one uninterrupted stream;
+  the token ids whose text already reached the client, with `max_tokens`/`min_tokens` reduced by that
+  many and the same tenant salt (so its prefix still hits the caches). Greedy decoding therefore yields
+  exactly the tokens the dead replica would have produced, and the client sees one uninterrupted
+  stream. Tokens whose text the detokenizer still held back (the first bytes of a multi-byte
+  character) are generated again rather than put in the prompt: a prompt ending inside a character
+  makes vLLM's detokenizer (tokenizers' DecodeStream primed with the prompt) emit the whole prompt
+  as the first output text;
 - unary requests are sent again whole (nothing reached the client yet).
 
 Each move counts in /metrics (`kvmesh_migrations_total`); after `max_migrations` moves the request
@@ -104,6 +108,8 @@ class MigratingStream:
         self._replica_failed = replica_failed
         self._first_token = first_token
         self.sent: list[int] = []  # token ids already handed to the client
+        self.settled = 0  # how many of them have their text in the client's hands too
+        self._skip = 0  # token ids a continuation generates again whose ids were handed over already
         self.moves = 0
         self.replica: str | None = None  # the replica streaming now (from its chunks)
         self._current = request
@@ -130,7 +136,13 @@ class MigratingStream:
                 if self._current["request_id"] != self.request["request_id"]:
                     self._first_token(self._current["request_id"])
             self.replica = chunk.get("replica", self.replica)
+            if self._skip:
+                drop = min(self._skip, len(chunk["token_ids"]))
+                self._skip -= drop
+                chunk = {**chunk, "token_ids": chunk["token_ids"][drop:]}
             self.sent.extend(chunk["token_ids"])
+            if not self._skip and chunk["text"] and not chunk["text"].endswith("\ufffd"):
+                self.settled = len(self.sent)
             return chunk
 
     def _move(self, dead_replica: str | None, exc: BaseException) -> None:
@@ -149,15 +161,16 @@ class MigratingStream:
         self.moves += 1
         self.counters.migrated(reason)
         log.warning(
-            "request %s: replica %s failed (%s) %s; migrating (move %d, %d tokens already sent)",
+            "request %s: replica %s failed (%s) %s; migrating (move %d, %d tokens already delivered)",
             self.request["request_id"],
             dead_replica or "?",
             type(exc).__name__,
             reason.replace("_", " "),
             self.moves,
-            len(self.sent),
+            self.settled,
         )
-        self._current = continuation(self.request, self.sent, self.moves)
+        self._skip = len(self.sent) - self.settled
+        self._current = continuation(self.request, self.sent[: self.settled], self.moves)
         self._started = False
         self.replica = None
         self._stream = self._open(self._current)

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 
 def test_cross_node_shared_tier_hit_and_nodes_leaving(tmp_path):
     script = Path(__file__).with_name("multinode_check.py")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # the session's local apps leave their Serve settings (HAProxy ports) in this process's environment
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_SERVE_")}
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path)],
         stdout=subprocess.PIPE,

@@ -25,8 +25,9 @@ ANSWER = [11, 12, 13, 14, 15, 16]  # what greedy decoding yields for REQUEST on 
 class _Replica:
     """Streams the continuation of whatever it is asked, one token per chunk; dies after `die_after` chunks."""
 
-    def __init__(self, name: str, die_after: int | None = None, error=None):
+    def __init__(self, name: str, die_after: int | None = None, error=None, held=()):
         self.name, self.die_after, self.error = name, die_after, error
+        self.held = set(held)  # tokens whose text the detokenizer holds back until the next token
         self.requests: list[dict] = []
         self.cancelled = 0
 
@@ -39,6 +40,7 @@ class _Replica:
         class _Stream:
             def __init__(self):
                 self.i = 0
+                self.pending: list[int] = []
 
             async def __anext__(self):
                 if replica.die_after is not None and self.i >= replica.die_after:
@@ -47,9 +49,14 @@ class _Replica:
                     raise StopAsyncIteration
                 self.i += 1
                 last = self.i == len(todo)
+                token = todo[self.i - 1]
+                self.pending.append(token)
+                text = ""
+                if token not in replica.held or last:
+                    text, self.pending = "".join(f"<{t}>" for t in self.pending), []
                 return {
-                    "token_ids": [todo[self.i - 1]],
-                    "text": "x",
+                    "token_ids": [token],
+                    "text": text,
                     "finish_reason": "length" if last else None,
                     "num_cached_tokens": 0,
                     "replica": replica.name,
@@ -100,6 +107,21 @@ def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
     assert failed == ["A"] and started == ["r1-m1"] and a.cancelled == 1
     assert counters.snapshot() == {"migrations": {"mid_stream": 1}, "exhausted": 0}
     assert 'kvmesh_migrations_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
+
+
+def test_a_token_whose_text_was_held_back_is_generated_again_not_put_in_the_prompt():
+    """The dead replica handed over 11 and 12, but 12's text (a character's first byte) was held back:
+    the continuation's prompt ends after 11, and its first chunk brings 12's text without its id again."""
+    counters, failed, started = FailureCounters(), [], []
+    a, b = _Replica("A", die_after=2, held={12}), _Replica("B", held={12})
+    chunks = asyncio.run(_chunks(_stream(_fleet(a, b), counters, failed, started)))
+    assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11] and b.requests[0]["params"]["max_tokens"] == 5
+    assert [t for c in chunks for t in c["token_ids"]] == ANSWER  # each id once
+    assert "".join(c["text"] for c in chunks) == "".join(f"<{t}>" for t in ANSWER)  # each text once
+
+
+async def _chunks(stream) -> list[dict]:
+    return [chunk async for chunk in stream]
 
 
 def test_a_broken_engine_before_the_first_token_routes_the_request_again():
