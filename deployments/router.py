@@ -16,6 +16,12 @@ replica to whichever request is at the queue head, breaking affinity under burst
 The router runs in the caller's process (the ingress replica), on Serve's router event loop, which
 also owns the index and the subscribers. Other threads (the ingress's /metrics) read it through
 `snapshot()` / `index_view()`, which hop onto that loop.
+
+Serve ships this class to that process by value (`RequestRouterConfig` pickles the router's module by
+value, with the module-level objects its methods name): the process-wide objects the ingress shares
+(the prediction ledger, the miss attribution) are reached through their modules at call time
+(`local_state.LEDGER`, `miss_attribution.ATTRIBUTION`), never through a name bound at import, which
+would arrive as a private copy.
 """
 
 from __future__ import annotations
@@ -31,8 +37,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
-from kvmesh.deployments import local_state
-from kvmesh.deployments.miss_attribution import ATTRIBUTION
+from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
@@ -488,7 +493,9 @@ class KvmeshRouter(RequestRouter):
         )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
-        ATTRIBUTION.placed(info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views)
+        miss_attribution.ATTRIBUTION.placed(
+            info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views
+        )
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
