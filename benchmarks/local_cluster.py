@@ -57,11 +57,11 @@ def patient_node_start(wait_s: float = 150.0) -> None:
     """Give a starting Ray node `wait_s` instead of Ray's fixed 30 s to appear in the GCS (this process's
     `ray start` or `ray.init` only): on a machine busy with engines the raylet registers late, and Ray
     would abandon a node that is about to work."""
-    import ray._private.services as services
+    from kvmesh.deployments import ray_private
 
     # the raylets this process starts wait as long for their agents' ports (Ray's default is a few seconds)
     os.environ.setdefault("RAY_raylet_start_wait_time_s", str(int(wait_s)))
-    get_node = services.get_node
+    get_node = ray_private.get_node_function()
     if getattr(get_node, "patient", False):
         return
 
@@ -76,7 +76,7 @@ def patient_node_start(wait_s: float = 150.0) -> None:
                 time.sleep(1.0)
 
     patient_get_node.patient = True  # type: ignore[attr-defined]
-    services.get_node = patient_get_node
+    ray_private.set_get_node_function(patient_get_node)
 
 
 @dataclasses.dataclass

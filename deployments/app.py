@@ -140,6 +140,7 @@ def start_local(
 
         os.environ["KVMESH_SALT_SECRET_FILE"] = str(persistent_secret_file(os.environ.pop("KVMESH_SALT_SECRET", None)))
     address = address or cfg["address"]
+    check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
     if not ray.is_initialized():
         log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
         if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources

@@ -6,10 +6,10 @@ were cut. Before shutting down, `drain` waits until no replica of the app has a 
 bound passes). New requests are still admitted meanwhile: a replay that keeps sending is stopped by the
 bound, not by the drain.
 
-Serve 2.60 has no public count of a replica's requests in flight; its replica actors (named
-`SERVE_REPLICA::<app>#...`) answer `get_num_ongoing_requests`, which is what Serve's own draining reads.
-If those names or that method change, the drain logs it and returns at once (the stop is then as abrupt
-as before, never stuck).
+Serve 2.60 has no public count of a replica's requests in flight; its replica actors (named with Serve's
+replica prefix and `<app>#...`) answer `get_num_ongoing_requests`, which is what Serve's own draining
+reads. Both are private Serve names (deployments/ray_private.py, checked at deploy). If they change, the
+drain logs it and returns at once (the stop is then as abrupt as before, never stuck).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
+from kvmesh.deployments.ray_private import REPLICA_IN_FLIGHT_METHOD, SERVE_REPLICA_ACTOR_PREFIX
+
 log = logging.getLogger(__name__)
 
-REPLICA_PREFIX = "SERVE_REPLICA::"
+REPLICA_PREFIX = SERVE_REPLICA_ACTOR_PREFIX
 DRAIN_TIMEOUT_S = 60.0
 
 
@@ -34,7 +36,8 @@ def in_flight(app_name: str) -> int | None:
             if a["name"].startswith(f"{REPLICA_PREFIX}{app_name}#")
         ]
         counts: list[int] = ray.get(
-            [ray.get_actor(n, namespace=ns).get_num_ongoing_requests.remote() for n, ns in names], timeout=10
+            [getattr(ray.get_actor(n, namespace=ns), REPLICA_IN_FLIGHT_METHOD).remote() for n, ns in names],
+            timeout=10,
         )
     except Exception as exc:
         log.warning("cannot count requests in flight (%s): stopping without draining", exc)

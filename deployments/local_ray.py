@@ -86,16 +86,18 @@ def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver
 
 def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
     import ray
-    import ray._private.services as services
+
+    from kvmesh.deployments import ray_private
 
     os.environ.pop("RAY_ADDRESS", None)  # Ray's own processes and workers must not see it either
-    resolve = services.resolve_ip_for_localhost
 
-    def keep_loopback(host: str) -> str:
-        return host if host == LOOPBACK else resolve(host)
+    def make(resolve):
+        def keep_loopback(host: str) -> str:
+            return host if host == LOOPBACK else resolve(host)
 
-    services.resolve_ip_for_localhost = keep_loopback
-    try:
+        return keep_loopback
+
+    with ray_private.localhost_resolver(make):
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -105,10 +107,8 @@ def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bo
             # a user reads kvmesh's lines; Ray's own (start-up notes, the token-auth notice) stay in its log files
             logging_level=logging.INFO if log_to_driver else logging.ERROR,
             runtime_env={"env_vars": dict(env_vars)},
-            _node_ip_address=LOOPBACK,
+            **ray_private.node_ip_init_kwargs(LOOPBACK),
         )
-    finally:
-        services.resolve_ip_for_localhost = resolve
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         ray.shutdown()

@@ -4,13 +4,15 @@ Why: Ray Serve 2.60 starts every replica's inter-deployment gRPC server on "[::]
 no setting to change it. A local kvmesh run pins its Ray node to 127.0.0.1 (deployments/local_ray.py),
 so no peer can be elsewhere and the port must not be reachable from elsewhere either. Each replica calls
 `bind_replica_grpc_to_loopback()` in its constructor, which Serve runs before it starts that server. On a
-node with a routable address (KubeRay) nothing changes. Serve's module-level name is private: if it is
-missing (another Ray), the replica logs it and keeps Serve's binding.
+node with a routable address (KubeRay) nothing changes. Serve's module-level name is private
+(deployments/ray_private.py): if it is missing (another Ray), the replica logs it and keeps Serve's binding.
 """
 
 from __future__ import annotations
 
 import logging
+
+from kvmesh.deployments import ray_private
 
 log = logging.getLogger("ray.serve.kvmesh")
 
@@ -25,10 +27,9 @@ def bind_replica_grpc_to_loopback() -> bool:
     if not ray.is_initialized() or ray.util.get_node_ip_address() != LOOPBACK:
         return False
     try:
-        from ray.serve._private import replica
+        add_port = ray_private.replica_grpc_add_port()
     except ImportError:
         return False
-    add_port = getattr(replica, "add_port_to_grpc_server", None)
     if add_port is None:
         log.warning("this Ray Serve has no replica.add_port_to_grpc_server: its gRPC server binds Serve's default")
         return False
@@ -39,5 +40,5 @@ def bind_replica_grpc_to_loopback() -> bool:
         return add_port(server, f"{LOOPBACK}:0" if address == "[::]:0" else address)
 
     setattr(add_port_on_loopback, _MARK, True)
-    replica.add_port_to_grpc_server = add_port_on_loopback
+    ray_private.set_replica_grpc_add_port(add_port_on_loopback)
     return True

@@ -6,13 +6,16 @@ run on 127.0.0.1 (several nodes on one machine, `ray start --node-ip-address 127
 rewrites a loopback address to the host's routable one (`services.resolve_ip_for_localhost`), both the
 GCS address a driver or node joins and the node's own address, while the servers of such a cluster
 listen on 127.0.0.1 only: the join then times out. For loopback addresses that rewrite is bypassed
-during the call (deployments/local_ray.py does the same for the cluster kvmesh starts itself).
+during the call (deployments/local_ray.py does the same for the cluster kvmesh starts itself); the
+private names involved live in deployments/ray_private.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+from kvmesh.deployments import ray_private
 
 LOOPBACK = "127.0.0.1"
 
@@ -25,18 +28,15 @@ def is_loopback(address: str) -> bool:
 @contextlib.contextmanager
 def keep_loopback() -> Iterator[None]:
     """While inside, Ray keeps 127.0.0.1 as it is instead of rewriting it to the host's address."""
-    import ray._private.services as services
 
-    resolve = services.resolve_ip_for_localhost
+    def make(resolve):
+        def keep(host: str) -> str:
+            return LOOPBACK if host in (LOOPBACK, "localhost") else resolve(host)
 
-    def keep(host: str) -> str:
-        return LOOPBACK if host in (LOOPBACK, "localhost") else resolve(host)
+        return keep
 
-    services.resolve_ip_for_localhost = keep
-    try:
+    with ray_private.localhost_resolver(make):
         yield
-    finally:
-        services.resolve_ip_for_localhost = resolve
 
 
 def join_cluster(address: str, *, log_to_driver: bool = False) -> None:
@@ -51,5 +51,5 @@ def join_cluster(address: str, *, log_to_driver: bool = False) -> None:
             address=f"{LOOPBACK}:{address.rsplit(':', 1)[1]}",
             include_dashboard=False,
             log_to_driver=log_to_driver,
-            _node_ip_address=LOOPBACK,
+            **ray_private.node_ip_init_kwargs(LOOPBACK),
         )

@@ -1,4 +1,4 @@
-"""What kvmesh's request router relies on in Ray Serve, checked when the app is built.
+"""What kvmesh relies on in Ray and Ray Serve, checked before a local Ray starts and when the app is built.
 
 The router uses only Serve's public request-router surface (`ray.serve.request_router`): it ranks in
 `choose_replicas`, and learns where Serve placed a request, or that the caller gave up, from the
@@ -6,6 +6,10 @@ request's own `PendingRequest.future` (Serve resolves it with the chosen replica
 caller goes away, and gives a retried request a fresh one through `reset_future`). If an installed Ray
 changes any of that, placement bookkeeping (policy credit, speculative prefixes, predictions) would
 stop without an error, so `check_serve_contract` fails the deploy instead, naming what differs.
+
+The few private Ray names kvmesh uses elsewhere (nodes on loopback, Serve's replica gRPC binding, the
+drain's in-flight count) are all in deployments/ray_private.py; its `problems()` is part of this check, so
+a Ray that lacks one of them fails the deploy in the same way, naming the symbol.
 
 The supported Ray range here is the one `pyproject.toml` pins.
 """
@@ -56,7 +60,9 @@ def contract_problems() -> list[str]:
         problems.append("PendingRequest.reset_future is missing")
     if not problems:
         problems += _pending_request_behaviour(PendingRequest)
-    return problems
+    from kvmesh.deployments import ray_private
+
+    return problems + ray_private.problems()
 
 
 def _pending_request_behaviour(pending_request_cls) -> list[str]:
@@ -100,7 +106,7 @@ def check_serve_contract() -> None:
     _checked = not problems
     if problems:
         raise ServeContractError(
-            "kvmesh's request router does not support the installed Ray Serve: "
+            "kvmesh does not support the installed Ray Serve: "
             + "; ".join(problems)
             + " (install the ray[serve] version pyproject.toml pins)"
         )

@@ -1,0 +1,135 @@
+"""Every private Ray and Ray Serve name kvmesh uses, in one module, each listed in `PRIVATE_SYMBOLS`.
+
+Ray 2.60 has no public way to do these few things, and each is small:
+- keep a node on 127.0.0.1: Ray rewrites a loopback address to the host's routable one
+  (`ray._private.services.resolve_ip_for_localhost`) and pins a node's address only through `ray.init`'s
+  private keyword `_node_ip_address` (deployments/local_ray.py, deployments/ray_join.py);
+- give a starting node longer than Ray's fixed 30 s to register (`ray._private.services.get_node`,
+  benchmarks/local_cluster.py);
+- bind Serve's replica-to-replica gRPC server on loopback (`ray.serve._private.replica.add_port_to_grpc_server`,
+  deployments/loopback_serve.py);
+- count a Serve replica's requests in flight (its actor's name prefix,
+  `ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX`, and `ReplicaActor.get_num_ongoing_requests`,
+  deployments/drain.py).
+
+No other kvmesh module imports a private Ray path (tests/unit/deployments/test_ray_private.py scans the
+source). `problems()` checks that the installed Ray still has each name, and the Ray Serve contract
+check (deployments/serve_contract.py) includes it, so a Ray that lacks one fails the deploy naming it,
+rather than a patch going missing at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Serve names a replica's actor "SERVE_REPLICA::<app>#<deployment>#<id>"
+SERVE_REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
+# the replica actor's method that Serve's own draining reads
+REPLICA_IN_FLIGHT_METHOD = "get_num_ongoing_requests"
+# ray.init's private keyword that pins this node's address
+NODE_IP_INIT_KEYWORD = "_node_ip_address"
+
+
+@dataclass(frozen=True)
+class PrivateSymbol:
+    module: str
+    name: str  # attribute path inside the module ("Class.method" for a method)
+    used_by: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+PRIVATE_SYMBOLS = (
+    PrivateSymbol("ray._private.services", "resolve_ip_for_localhost", "local_ray, ray_join: nodes on 127.0.0.1"),
+    PrivateSymbol("ray._private.services", "get_node", "benchmarks.local_cluster: patient node start"),
+    PrivateSymbol("ray.serve._private.replica", "add_port_to_grpc_server", "loopback_serve: gRPC on loopback"),
+    PrivateSymbol("ray.serve._private.replica", f"ReplicaActor.{REPLICA_IN_FLIGHT_METHOD}", "drain"),
+    PrivateSymbol("ray.serve._private.common", "REPLICA_ID_FULL_ID_STR_PREFIX", "drain: replica actor names"),
+)
+
+
+def _resolve(symbol: PrivateSymbol) -> Any:
+    obj: Any = importlib.import_module(symbol.module)
+    for part in symbol.name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def problems() -> list[str]:
+    """Every private name in PRIVATE_SYMBOLS the installed Ray lacks or has changed (empty when all fit)."""
+    out = []
+    for symbol in PRIVATE_SYMBOLS:
+        try:
+            value = _resolve(symbol)
+        except ImportError as exc:
+            out.append(f"{symbol.qualified} cannot be imported ({exc}; used by {symbol.used_by})")
+            continue
+        except AttributeError:
+            out.append(f"{symbol.qualified} is missing (used by {symbol.used_by})")
+            continue
+        if symbol.name == "REPLICA_ID_FULL_ID_STR_PREFIX":
+            if value != SERVE_REPLICA_ACTOR_PREFIX:
+                out.append(f"{symbol.qualified} is {value!r}, not {SERVE_REPLICA_ACTOR_PREFIX!r} (used by drain)")
+        elif not callable(value):
+            out.append(f"{symbol.qualified} is not callable (used by {symbol.used_by})")
+    import ray
+
+    try:  # the keyword is read from **kwargs, so it is not in the signature: look in the source
+        init_text = inspect.getsource(inspect.unwrap(ray.init))
+    except (OSError, TypeError):  # no source installed: the docstring lists it too; neither: cannot tell
+        init_text = ray.init.__doc__ or ""
+    if init_text and NODE_IP_INIT_KEYWORD not in init_text:
+        out.append(f"ray.init has no keyword {NODE_IP_INIT_KEYWORD} (used by local_ray, ray_join)")
+    return out
+
+
+def node_ip_init_kwargs(node_ip: str) -> dict[str, Any]:
+    """The `ray.init` keyword arguments that pin this node's address to `node_ip`."""
+    return {NODE_IP_INIT_KEYWORD: node_ip}
+
+
+@contextlib.contextmanager
+def localhost_resolver(make: Callable[[Callable[[str], str]], Callable[[str], str]]) -> Iterator[None]:
+    """While inside, Ray resolves "localhost"-like hosts with `make(ray's own resolver)`."""
+    import ray._private.services as services
+
+    resolve = services.resolve_ip_for_localhost
+    services.resolve_ip_for_localhost = make(resolve)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = resolve
+
+
+def get_node_function() -> Callable[..., Any]:
+    """Ray's `services.get_node(gcs_address, node_id)`, which a starting node waits on."""
+    import ray._private.services as services
+
+    return services.get_node
+
+
+def set_get_node_function(fn: Callable[..., Any]) -> None:
+    import ray._private.services as services
+
+    services.get_node = fn
+
+
+def replica_grpc_add_port() -> Callable[..., Any] | None:
+    """Serve's replica-module `add_port_to_grpc_server`; None when the module has no such name (ImportError
+    when this Ray has no such module)."""
+    from ray.serve._private import replica
+
+    return getattr(replica, "add_port_to_grpc_server", None)
+
+
+def set_replica_grpc_add_port(fn: Callable[..., Any]) -> None:
+    from ray.serve._private import replica
+
+    replica.add_port_to_grpc_server = fn
