@@ -216,7 +216,9 @@ class Ingress:
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             ids = self._tokenize(req)
             self._check_model_and_length(req, ids)
+            t_queue = time.perf_counter()
             ticket = await self.admission.acquire(tenant, len(ids))
+            queue_wait_s = time.perf_counter() - t_queue  # in admission's fair queue (0 when a slot was free)
         except (OpenAIError, KvmeshHTTPError) as exc:
             self.serving_metrics.record_error(exc.status)
             if exc.status == 429:
@@ -269,7 +271,11 @@ class Ingress:
         replica = first["replica"]
         oid = proto.new_id(req.kind)
         # x-request-id is Serve's own (its middleware appends one to every response): ours has its own name
-        headers = {"x-kvmesh-replica": replica, "x-kvmesh-request-id": request_id}
+        headers = {
+            "x-kvmesh-replica": replica,
+            "x-kvmesh-request-id": request_id,
+            "x-kvmesh-queue-wait-ms": str(round(queue_wait_s * 1000)),  # bounded by admission.queue_timeout_s
+        }
         predicted = local_state.LEDGER.prediction(request_id)
         if predicted is not None:  # what the router expected this replica to serve from cache
             headers["x-kvmesh-predicted-cached-tokens"] = str(predicted)
