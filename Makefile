@@ -51,8 +51,10 @@ typecheck: setup
 	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache \
 	    $(foreach d,$(LIB_DIRS),-p kvmesh.$(d))
 
+# tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app)
 test: setup services lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q tests/integration
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real
