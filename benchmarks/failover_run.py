@@ -5,8 +5,9 @@ integration test.
 Workload: conversations whose every turn extends the previous turn's prompt (token-id prompts), so
 turns hit the prefix cache of the replica that served the conversation; each of `concurrency`
 workers runs whole conversations turn by turn. Every request streams (`/v1/completions`, greedy,
-`ignore_eos`, fixed `max_tokens`), so a kill lands mid-stream. The kill picks the replica with the
-most streams open at that moment and sends SIGKILL to the pid it reports in its routing stats.
+`ignore_eos`, fixed `max_tokens`). Once the given fraction of requests completed, the next stream to
+receive a token has its replica killed (SIGKILL to the pid the replica reports in its routing stats)
+right then, so the kill lands while that stream is still generating there.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class RunReport:
     killed_pid: int | None = None
     killed_after: int = 0  # completed requests when the kill was sent
     open_on_killed: int = 0  # streams open on that replica at the kill
+    killed_children: list[int] = field(default_factory=list)  # its child processes (AsyncLLM's engine core)
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -86,6 +88,7 @@ class RunReport:
             "killed_pid": self.killed_pid,
             "killed_after": self.killed_after,
             "open_on_killed": self.open_on_killed,
+            "killed_children": self.killed_children,
             "wall_s": self.wall_s,
             "hit_rate": self.hit_rate(),
             "last_third_hit_rate": self.last_third_hit_rate(),
@@ -94,7 +97,11 @@ class RunReport:
         }
 
 
-def stream_one(client: httpx.Client, prompt: list[int], max_tokens: int, result: StreamResult, on_replica) -> None:
+def stream_one(
+    client: httpx.Client, prompt: list[int], max_tokens: int, result: StreamResult, on_replica, on_token=None
+) -> None:
+    """One streamed completion into `result`; `on_replica(replica, +1/-1)` brackets the stream and
+    `on_token(replica)` follows each event that carried text."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -127,6 +134,8 @@ def stream_one(client: httpx.Client, prompt: list[int], max_tokens: int, result:
                         break
                     for choice in event.get("choices") or []:
                         parts.append(choice.get("text") or "")
+                        if on_token is not None and choice.get("text"):
+                            on_token(result.replica)
                     usage = event.get("usage")
                     if usage:
                         result.prompt_tokens = usage["prompt_tokens"]
@@ -137,6 +146,37 @@ def stream_one(client: httpx.Client, prompt: list[int], max_tokens: int, result:
                 on_replica(result.replica, -1)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids below `pid` (an engine replica's own processes, such as AsyncLLM's engine core)."""
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def surviving(pids: list[int], within_s: float) -> list[int]:
+    """Those of `pids` still running (not zombies) `within_s` seconds from now."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    return left
 
 
 def replica_pids(client: httpx.Client) -> dict[str, int]:
@@ -163,7 +203,7 @@ def run(
     kill_at: float | None = None,
     timeout_s: float = 300.0,
 ) -> RunReport:
-    """Replay `convs`; with `kill_at`, SIGKILL the busiest engine replica once that fraction completed."""
+    """Replay `convs`; with `kill_at`, SIGKILL a replica mid-stream once that fraction completed."""
     total = sum(len(c) for c in convs)
     results = [StreamResult(ci, t) for ci, conv in enumerate(convs) for t in range(len(conv))]
     by_conv: dict[int, list[StreamResult]] = {}
@@ -179,22 +219,23 @@ def run(
         with lock:
             open_streams[replica] += delta
 
-    def maybe_kill(client: httpx.Client) -> None:
-        nonlocal done
+    def maybe_kill(replica: str) -> None:
+        """Once `kill_at` of the requests completed, SIGKILL the replica of the stream that just received
+        a token: the kill lands while that stream is still generating on it."""
         with lock:
-            done += 1
             if kill_at is None or report.killed_pid is not None or done < kill_at * total:
                 return
-            busiest = [rid for rid, n in open_streams.most_common() if n > 0]
-            pids = replica_pids(client)
-            target = next((rid for rid in busiest if rid in pids), None) or next(iter(pids), None)
-            if target is None:
+            with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+                pids = replica_pids(c)
+            if replica not in pids:
                 return
-            report.killed_replica, report.killed_pid = target, pids[target]
-            report.killed_after, report.open_on_killed = done, open_streams[target]
-        os.kill(report.killed_pid, signal.SIGKILL)
+            report.killed_replica, report.killed_pid = replica, pids[replica]
+            report.killed_after, report.open_on_killed = done, open_streams[replica]
+            report.killed_children = _children(report.killed_pid)
+            os.kill(report.killed_pid, signal.SIGKILL)
 
     def worker() -> None:
+        nonlocal done
         with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
             while True:
                 with lock:
@@ -203,9 +244,10 @@ def run(
                     ci = queue.pop(0)
                 for turn, prompt in enumerate(convs[ci]):
                     res = by_conv[ci][turn]
-                    stream_one(client, prompt, max_tokens, res, on_replica)
+                    stream_one(client, prompt, max_tokens, res, on_replica, maybe_kill)
                     res.finished_at = time.monotonic()
-                    maybe_kill(client)
+                    with lock:
+                        done += 1
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
