@@ -7,7 +7,10 @@ What it shows:
   and no client waits past that bound plus the slowest service time seen without overload plus a margin;
 - every 200 is a complete answer, and every request sent got an answer (200 or 429, nothing else);
 - the ingress's and the engine's resident memory after the flood is within a stated bound of before;
-- afterwards /health is 200 and a normal request succeeds.
+- afterwards /health is 200 and a normal request succeeds;
+- every socket the app's processes listen on is on loopback, and SIGINT (Ctrl-C) stops it leaving no process
+  behind, exit status 0 (tests/support/serve_process.py's `stop_and_check`). This app is the live tests' check
+  of a stop by SIGINT; tests/integration/test_serve_lifecycle.py covers the other ways of stopping.
 
 The sustainable rate is measured first: `admission.max_concurrent` closed-loop clients (what the server
 admits at once) for a few seconds; completions per second is the rate. The flood then offers four times it,
@@ -22,19 +25,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import psutil
 import pytest
 import yaml
-from paths import REPO_ROOT
+from serve_process import Serve, exposed_sockets, stop_and_check
 
 from kvmesh.deployments.tenants import hash_api_key
 
@@ -100,51 +97,17 @@ def _body(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def overload_app(tiny_model_dir, tmp_path_factory):
-    """`kvmesh serve` in its own process group with its own Ray, torn down (and its tree ended) afterwards."""
+    """`kvmesh serve` in its own process group with its own Ray (tests/support/serve_process.py); the last
+    test stops it by SIGINT and checks the stop, and whatever is left afterwards is ended here."""
     tmp = tmp_path_factory.mktemp("overload")
     tenants = tmp / "tenants.yaml"
     tenants.write_text(yaml.safe_dump(TENANTS, sort_keys=False))
-    cfg = tmp / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({**CONFIG, "tenants_file": str(tenants)}, sort_keys=False))
-    ray_tmp = tempfile.mkdtemp(prefix="kvo-", dir="/tmp")  # Ray's socket paths must stay short
-    out_path = tmp / "serve.out"
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1", RAY_ADDRESS="127.0.0.1:1")
-    with open(out_path, "w+") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--port", "0"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            url = None
-            deadline = time.monotonic() + 600
-            while url is None and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(1)
-                m = re.search(r"kvmesh serving at (http://\S+)/v1", out_path.read_text())
-                url = m.group(1) if m else None
-            assert url, out_path.read_text()[-3000:]
-            yield url
-        finally:
-            tree = [psutil.Process(proc.pid)] if proc.poll() is None else []
-            try:
-                tree += tree[0].children(recursive=True) if tree else []
-            except psutil.Error:
-                pass
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)  # kvmesh serve's clean stop (drain, Serve, Ray)
-                try:
-                    proc.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    pass
-            for p in tree:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            shutil.rmtree(ray_tmp, ignore_errors=True)
+    serve = Serve(tmp, "serve", yaml.safe_dump({**CONFIG, "tenants_file": str(tenants)}, sort_keys=False))
+    try:
+        serve.wait_serving()
+        yield serve
+    finally:
+        serve.cleanup(sigint_wait_s=90)  # a clean stop first where the stop test did not stop it
 
 
 def _pids(client: httpx.Client) -> dict[str, int]:
@@ -207,7 +170,7 @@ async def _open_loop(url: str, rate: float, duration_s: float) -> tuple[list, fl
 
 
 def test_four_times_the_sustainable_rate_gets_429s_bounded_waits_flat_memory_and_a_healthy_server(overload_app):
-    url = overload_app
+    url = overload_app.url
     with httpx.Client(base_url=url, timeout=60) as c:
         warm = c.post("/v1/completions", json=_body(0), headers=_auth("bulk-a"))
         assert warm.status_code == 200, warm.text
@@ -291,3 +254,10 @@ def test_four_times_the_sustainable_rate_gets_429s_bounded_waits_flat_memory_and
         after = c.post("/v1/completions", json=_body(7), headers=_auth("capped"))
         assert after.status_code == 200, after.text
         assert after.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_after_the_flood_sockets_are_on_loopback_and_sigint_stops_the_app_leaving_nothing(overload_app):
+    """This app is where the live tests check a stop by SIGINT (the other ways: test_serve_lifecycle.py)."""
+    exposed = exposed_sockets(overload_app.tree())
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    stop_and_check(overload_app, "sigint")
