@@ -9,10 +9,13 @@ route prefix /async; when the session app itself runs async engines (`make test-
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 
 import httpx
+import psutil
 import pytest
 from engine_mode import live_engine_overrides
 
@@ -210,3 +213,53 @@ def test_vllm_metrics_leave_through_rays_metrics_port_under_the_dashboards_names
 
     text = wait_for(exported, "vLLM's metrics on Ray's metrics port", timeout=90)
     assert "ray_vllm_time_to_first_token_seconds_bucket" in text and "ray_vllm_kv_cache_usage_perc" in text
+
+
+def _stream_text(r: httpx.Response, on_text=None) -> tuple[str, dict | None]:
+    """The streamed text and the usage event of an SSE completion; `on_text()` after each text event."""
+    parts, usage = [], None
+    for line in r.iter_lines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                parts.append(choice["text"])
+                if on_text is not None:
+                    on_text()
+    return "".join(parts), usage
+
+
+def test_an_async_replica_killed_mid_stream_is_finished_by_its_replacement_with_the_same_output(async_app):
+    """A real `kill -9` of the replica process while it streams: AsyncLLM's engine core process dies with
+    it, and the ingress continues the stream on another replica (with one replica, Serve's replacement)
+    from the prompt plus the tokens already sent: the client sees the greedy text of an untouched run."""
+    from kvmesh.benchmarks.failover_run import metric, replica_pids, surviving
+
+    body = {"model": "tiny", "prompt": fresh_tokens(64), "max_tokens": 400, "temperature": 0}
+    body.update({"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    with async_app.client(timeout=600) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            reference, _ = _stream_text(r)
+        pids = replica_pids(c)
+        before = metric(c, "kvmesh_migrations_total")
+        killed: list[int] = []
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            pid = pids[r.headers["x-kvmesh-replica"]]
+            children = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+            def kill_once() -> None:
+                if not killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+            text, usage = _stream_text(r, kill_once)
+        assert killed and children  # killed while streaming; the engine core ran in a process of its own
+        assert text == reference
+        assert usage is not None and usage["completion_tokens"] == 400
+        assert metric(c, "kvmesh_migrations_total") >= before + 1
+        assert not surviving(children, 30.0), children
