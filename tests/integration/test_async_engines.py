@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 from engine_mode import live_engine_overrides
+from side_app import side_app
 
 pytestmark = pytest.mark.integration
 
@@ -44,17 +45,8 @@ def async_app(live_app):
     if live_app.config["engine"].get("engine_mode") == "async":
         yield AsyncApp(live_app.url, live_app.headers)
         return
-    from ray import serve
-
-    from kvmesh.deployments.app import build_app
-
     config = {
-        "name": APP_NAME,
-        "route_prefix": "/async",
         "replicas": 1,
-        "port": live_app.config["port"],
-        "tenants_file": live_app.config["tenants_file"],
-        "routing_stats_period_s": 0.5,
         "engine": {
             "model": "tiny",
             "block_size": BLOCK,
@@ -64,17 +56,8 @@ def async_app(live_app):
             "engine_mode": "async",
         },
     }
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/async", blocking=False)
-    app = AsyncApp(live_app.url + "/async", live_app.headers)
-    try:
-        with app.client() as c:  # the HTTP front learns the new route a moment after the app is up
-            deadline = time.monotonic() + 300
-            while c.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, "async app never became healthy"
-                time.sleep(0.5)
-        yield app
-    finally:
-        serve.delete(APP_NAME)
+    with side_app(live_app, APP_NAME, "/async", config) as url:
+        yield AsyncApp(url, live_app.headers)
 
 
 def complete(c: httpx.Client, prompt, max_tokens: int = 4, **extra) -> httpx.Response:

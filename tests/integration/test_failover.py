@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from engine_mode import live_engine_overrides
+from side_app import side_app
 
 from kvmesh.benchmarks.failover_run import conversations, metric, replica_pids, run, surviving
 
@@ -27,17 +28,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def failover_app(live_app):
-    from ray import serve
-
-    from kvmesh.deployments.app import build_app
-
     config = {
-        "name": APP_NAME,
-        "route_prefix": "/failover",
         "replicas": 2,
-        "port": live_app.config["port"],
-        "tenants_file": live_app.config["tenants_file"],
-        "routing_stats_period_s": 0.5,
         "max_migrations": 3,
         # two more engines beside the session app's: small CPU reservations so all of them fit
         "engine": {
@@ -48,17 +40,8 @@ def failover_app(live_app):
             **live_engine_overrides(),  # AsyncLLM engines (and GPUs) when `make test-gpu` asks for them
         },
     }
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/failover", blocking=False)
-    url = live_app.url + "/failover"
-    try:
-        with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
-            deadline = time.monotonic() + 300
-            while c.get("/health").status_code != 200:  # the HTTP front learns the route a moment later
-                assert time.monotonic() < deadline, "failover app never became healthy"
-                time.sleep(0.5)
+    with side_app(live_app, APP_NAME, "/failover", config) as url:
         yield url, live_app.headers
-    finally:
-        serve.delete(APP_NAME)
 
 
 def _wait_for(predicate, what: str, timeout: float = 240.0):

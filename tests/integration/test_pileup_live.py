@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 from paths import FIXTURES
+from side_app import side_app
 
 from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound
@@ -35,18 +36,9 @@ CONCURRENCY = 6
 @pytest.fixture(scope="module")
 def pileup_app(live_app):
     """Three engine replicas next to the session app, on the same Ray cluster, under /pileup."""
-    from ray import serve
-
-    from kvmesh.deployments.app import build_app
-
     config = {
-        "name": APP_NAME,
-        "route_prefix": "/pileup",
         "replicas": REPLICAS,
         "policy": "kvmesh",
-        "port": live_app.config["port"],
-        "tenants_file": live_app.config["tenants_file"],
-        "routing_stats_period_s": 0.5,
         # small CPU reservations so three more engines fit beside the session app's two
         "engine": {
             "model": "tiny",
@@ -56,22 +48,15 @@ def pileup_app(live_app):
             "num_cpus": 0.1,
         },
     }
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/pileup", blocking=False)
-    url = live_app.url + "/pileup"
-    try:
+    with side_app(live_app, APP_NAME, "/pileup", config) as url:
         with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
             deadline = time.monotonic() + 300
-            while c.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, "pileup app never became healthy"
-                time.sleep(0.5)
             while len((c.get("/kvmesh/state").json()["router"] or {}).get("routing_stats") or {}) < REPLICAS:
                 # every replica known to the router before the first placement (a late one would start cold)
                 c.post("/v1/completions", json={"model": "tiny", "prompt": [11, 12], "max_tokens": 1})
                 assert time.monotonic() < deadline, "the router never saw all replicas"
                 time.sleep(0.5)
         yield url, live_app
-    finally:
-        serve.delete(APP_NAME)
 
 
 def test_the_reported_pileup_workload_stays_balanced_near_the_bound(pileup_app):

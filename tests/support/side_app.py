@@ -1,0 +1,40 @@
+"""A second kvmesh app beside the session's `live_app`: same Ray cluster, HTTP port and tenants, its own
+route prefix and engines, deleted afterwards. For tests that need their own replica count or engine
+settings (or kill replicas) without starting another Ray cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+
+
+@contextlib.contextmanager
+def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: float = 300.0) -> Iterator[str]:
+    """Deploy `config` (plus the session app's port and tenants) as app `name` under `route_prefix`;
+    yields its URL once the HTTP front answers /health there."""
+    from ray import serve
+
+    from kvmesh.deployments.app import build_app
+
+    full = {
+        "name": name,
+        "route_prefix": route_prefix,
+        "port": live_app.config["port"],
+        "tenants_file": live_app.config["tenants_file"],
+        "routing_stats_period_s": 0.5,
+        **config,
+    }
+    serve.run(build_app(full), name=name, route_prefix=route_prefix, blocking=False)
+    url = live_app.url + route_prefix
+    try:
+        with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
+            deadline = time.monotonic() + timeout_s
+            while c.get("/health").status_code != 200:  # the HTTP front learns the route a moment later
+                assert time.monotonic() < deadline, f"{name} never became healthy"
+                time.sleep(0.5)
+        yield url
+    finally:
+        serve.delete(name)
