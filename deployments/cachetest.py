@@ -3,7 +3,8 @@
 Passes, each sent by the streaming replay client (`deployments/replay.py`, turns of one interaction in
 order, N requests in flight):
 - `cold`: the log as logged, first contact (the server's cache is reset first where it offers a reset:
-  vLLM's `POST /reset_prefix_cache`; kvmesh started by `--serve` is fresh; `meta.cold_reset` says which).
+  kvmesh's `POST /kvmesh/reset_prefix_cache`, every engine replica, `--serve` included; vLLM's
+  `POST /reset_prefix_cache`; `meta.cold_reset` says which).
 - `warm`: the same requests again.
 - `partial`: each prompt's tail changed, at a block boundary (`partial_boundary`: the kept prefix is whole
   blocks) and mid-block (`partial_midblock`: half a block more is kept, which no cache can serve), sent

@@ -36,6 +36,7 @@ def app_config_for(tenants_path: Path, replicas: int, block_size: int, gpu_block
         "port": free_port(),
         "tenants_file": str(tenants_path),
         "routing_stats_period_s": 0.5,
+        "allow_cache_reset": True,  # the cold pass resets the engines' caches (POST /kvmesh/reset_prefix_cache)
         "engine": {
             "model": "tiny",
             "block_size": block_size,

@@ -105,6 +105,9 @@ APP_DEFAULTS: dict[str, Any] = {
     "proxy": "haproxy",
     # engine.hash_algo xxhash/xxhash_cbor with several tenants: refused unless set true (see _check_hash_risk)
     "accept_hash_collision_risk": False,
+    # POST /kvmesh/reset_prefix_cache (a cache test's cold pass): any authenticated caller could empty every
+    # engine's prefix cache, so it answers 403 unless set true (`kvmesh cachetest --serve` sets it)
+    "allow_cache_reset": False,
     # a running Ray cluster (host:port) to deploy onto instead of starting one (`kvmesh serve --address`);
     # kvmesh then sets no CPUs, GPUs or environment of that cluster's nodes
     "address": None,
@@ -220,8 +223,9 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
-    if not isinstance(cfg["router_sync"], bool):
-        raise ConfigError("config.router_sync must be true or false")
+    for key in ("router_sync", "allow_cache_reset"):
+        if not isinstance(cfg[key], bool):
+            raise ConfigError(f"config.{key} must be true or false")
     _check_autoscaling(cfg["autoscaling"])
     if cfg["address"] is not None and (not isinstance(cfg["address"], str) or not cfg["address"].strip()):
         raise ConfigError("config.address must be a Ray cluster address (host:port) or null")

@@ -257,9 +257,10 @@ class EngineReplica:
     async def info(self) -> dict:
         return {**self.record_routing_stats(), "model_path": self.model_path, "driver": type(self.driver).__name__}
 
-    async def reset_prefix_cache(self) -> bool:
-        """Cold-start helper for benchmarks (demo: kvmesh vs round robin both from an empty cache)."""
-        return await self.driver.reset_prefix_cache()
+    async def reset_prefix_cache(self) -> dict:
+        """Drop the engine's prefix cache (vLLM refuses while requests hold blocks: `reset` False); the
+        ingress's `POST /kvmesh/reset_prefix_cache` broadcasts it to every replica."""
+        return {"replica": self.replica_id, "reset": bool(await self.driver.reset_prefix_cache())}
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine died (the step thread or the EngineCore process)."""

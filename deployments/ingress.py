@@ -8,7 +8,8 @@ router's prediction for the same request is checked against it (deployments/pred
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
 GET /health, GET /metrics (Prometheus text), GET /kvmesh/state and POST /kvmesh/index/lookup
-(operator/debug views of the router's index).
+(operator/debug views of the router's index), GET /kvmesh/explain/{request_id} (why a request's tokens
+missed) and POST /kvmesh/reset_prefix_cache (every engine's prefix cache, when the config allows it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating
 from kvmesh.deployments.openai_protocol import OpenAIError
-from kvmesh.deployments.router import active_routers, notify_first_token, notify_replica_failed
+from kvmesh.deployments.router import active_routers, notify_cache_reset, notify_first_token, notify_replica_failed
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
@@ -417,6 +418,37 @@ class Ingress:
         if rec is None:
             return _error_response(OpenAIError(404, f"No record of request {request_id!r}.", "not_found"))
         return rec
+
+    @fastapi_app.post("/kvmesh/reset_prefix_cache")
+    async def reset_prefix_cache(self, request: Request):
+        """Drop every engine replica's prefix cache (the cache test's cold pass), through Serve's broadcast to
+        all replicas; the routers here forget what those replicas held at once (the engines' AllBlocksCleared
+        events come only with their next step). 403 unless the config allows it (`allow_cache_reset`: any
+        tenant could otherwise empty everyone's cache); 409 when a replica refused (requests in flight hold
+        blocks) or failed, and when LMCache tiers are configured: they keep what the engines computed, so
+        the next pass would not be cold."""
+        try:
+            self._auth(request)
+        except KvmeshHTTPError as exc:
+            return _error_response(exc)
+        if not self.cfg["allow_cache_reset"]:
+            msg = "Cache reset is off on this server (config allow_cache_reset)."
+            return _error_response(OpenAIError(403, msg, "cache_reset_disabled"))
+        if self.cfg["engine"].get("lmcache") or self.cfg["engine"].get("kv_transfer_config"):
+            msg = "LMCache tiers keep the KV the engines computed: a reset cannot empty them."
+            return _error_response(OpenAIError(409, msg, "tiers_kept"))
+        try:
+            answers = await self.engine.broadcast("reset_prefix_cache").results_async(
+                timeout_s=60.0, return_exceptions=True
+            )
+        except Exception:
+            log.exception("prefix cache reset failed")
+            answers = []
+        done = {a["replica"]: a.get("reset") is True for a in answers if isinstance(a, dict) and "replica" in a}
+        await asyncio.to_thread(notify_cache_reset, [rid for rid, ok in done.items() if ok])
+        ok = bool(answers) and len(done) == len(answers) and all(done.values())
+        body = {"reset": ok, "replicas": done}
+        return body if ok else JSONResponse(body, status_code=409)
 
     @fastapi_app.post("/kvmesh/index/lookup")
     async def index_lookup(self, request: Request):

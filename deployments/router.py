@@ -554,6 +554,12 @@ class KvmeshRouter(RequestRouter):
             "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self.curr_replicas.values()},
         }
 
+    def cache_reset(self, rid: str) -> None:
+        """The replica's engine dropped its prefix cache: forget what it held now (its AllBlocksCleared
+        event is published only with the engine's next step, after the next request was routed)."""
+        if rid in self.index.replicas():
+            self.index.clear(rid, "hbm")
+
     def held_blocks(self) -> dict[str, int]:
         return {rid: self.index.held_blocks(rid) for rid in self.index.replicas()}
 
@@ -586,6 +592,13 @@ def notify_replica_failed(replica_id: str) -> None:
     """The ingress saw `replica_id` fail a request: every router in this process stops choosing it."""
     for r in active_routers():
         r.call_soon(r.replica_failed, replica_id)
+
+
+def notify_cache_reset(replica_ids: list[str]) -> None:
+    """These replicas' engines dropped their prefix caches: every router in this process forgets what they
+    held before this returns (called from a thread other than the routers' loop)."""
+    for r in active_routers():
+        r.call_on_loop(lambda r=r: [r.cache_reset(rid) for rid in replica_ids])
 
 
 def notify_first_token(request_id: str) -> None:

@@ -11,6 +11,9 @@ The few private Ray names kvmesh uses elsewhere (nodes on loopback, Serve's repl
 drain's in-flight count) are all in deployments/ray_private.py; its `problems()` is part of this check, so
 a Ray that lacks one of them fails the deploy in the same way, naming the symbol.
 
+The ingress's prefix cache reset calls every engine replica through `DeploymentHandle.broadcast` (public,
+alpha in Ray 2.60), checked here too.
+
 The supported Ray range here is the one `pyproject.toml` pins.
 """
 
@@ -52,6 +55,10 @@ def contract_problems() -> list[str]:
         problems.append("RequestRouter.curr_replicas is not a property")
     if not isinstance(getattr(RunningReplica, "routing_stats", None), property):
         problems.append("RunningReplica.routing_stats is not a property")
+    from ray.serve.handle import DeploymentHandle
+
+    if not callable(getattr(DeploymentHandle, "broadcast", None)):  # the ingress's prefix cache reset
+        problems.append("DeploymentHandle.broadcast is missing")
     fields = {f.name for f in dataclasses.fields(PendingRequest)} if dataclasses.is_dataclass(PendingRequest) else set()
     for name in ("args", "metadata", "future"):
         if name not in fields:

@@ -79,6 +79,7 @@ def live_app(tiny_model_dir):
         # tenant "default" = LIVE_API_KEY (no limits) plus the multi-tenant cases of tests/support/tenant_app.py
         "tenants_file": str(write_live_tenants(_ROOT / "tenants.yaml", LIVE_API_KEY)),
         "routing_stats_period_s": 0.5,
+        "allow_cache_reset": True,  # tests/integration/test_cachetest_live.py resets the engines' caches
         # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
         "engine": {
             "model": "tiny",

@@ -30,6 +30,10 @@ def test_config_defaults_and_strict_keys():
     assert cfg["proxy"] == "haproxy" and app_config({"proxy": "serve"})["proxy"] == "serve"
     with pytest.raises(ConfigError, match="proxy"):
         app_config({"proxy": "nginx"})
+    # the prefix cache reset empties every tenant's cache: off unless the operator turns it on
+    assert cfg["allow_cache_reset"] is False and app_config({"allow_cache_reset": True})["allow_cache_reset"]
+    with pytest.raises(ConfigError, match="allow_cache_reset must be true or false"):
+        app_config({"allow_cache_reset": "yes"})
 
 
 def test_each_local_haproxy_run_gets_its_own_files_and_ports():

@@ -123,6 +123,23 @@ def test_router_non_engine_requests_go_to_any_replica():
     asyncio.run(scenario())
 
 
+def test_a_replica_whose_cache_was_reset_holds_nothing_in_the_index():
+    from kvmesh.kvstore.hashing import block_hashes
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))  # registers both replicas
+        hashes = block_hashes(list(range(10, 10 + 96)), 32)
+        router.index.store("A", hashes)
+        router.index.store("B", hashes)
+        router.cache_reset("B")
+        router.cache_reset("never-seen")  # a replica the router never registered: nothing to forget
+        assert router.held_blocks() == {"A": 3, "B": 0}
+
+    asyncio.run(scenario())
+
+
 def test_broken_hash_contract_raises_the_alarm_within_a_few_requests(monkeypatch):
     """The router hashing with another algorithm than the engines (index fed with sha256 keys, router
     hashing sha256_cbor) predicts 0 while engines deliver hits: the ledger alarms after 3 requests."""

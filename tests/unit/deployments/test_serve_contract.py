@@ -64,3 +64,10 @@ def test_pyproject_pins_the_supported_ray_range():
     for extra in ("cpu", "gpu"):
         ray_req = next(Requirement(r) for r in extras[extra] if Requirement(r).name == "ray")
         assert ray_req.specifier == Requirement(f"ray>={lo_major}.{lo_minor}.0,<{hi_major}.{hi_minor}").specifier
+
+
+def test_a_handle_without_broadcast_is_named(monkeypatch):
+    from ray.serve.handle import DeploymentHandle
+
+    monkeypatch.delattr(DeploymentHandle, "broadcast")
+    assert contract_problems() == ["DeploymentHandle.broadcast is missing"]
