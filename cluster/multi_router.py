@@ -12,8 +12,11 @@ routers over one ground-truth fleet (the same caches, tiers and time model as th
 - router sync (`sync=True`): each router publishes its decisions (request, replica, the replica as it
   ranked it, the blocks it speculated); the others apply them `delay_s` later, the same
   `Policy.on_routed` and the same speculation as their own, so their guard work and fanout include
-  the whole fleet's traffic. Without sync a router never learns the others' decisions, only what the
-  engines report.
+  the whole fleet's traffic. Each router also counts the peers' decisions it has not heard of yet
+  (`router_sync.UnseenPlacements`, the live router's estimate: peers' rate times the lag) and hands
+  the count to the policy (`FleetView.unseen_placements`), which spreads new prefixes over where those
+  may have gone instead of sending every router's to the one replica the shared stale view ranks
+  first. Without sync a router never learns the others' decisions, only what the engines report.
 - replica churn (`churn_every_s`): every interval one replica (in turn) leaves and a new one, with a
   new id and an empty HBM cache, joins in its place on the same node (its host tier stays warm).
   Routers drop the old one and add the new one at once (the control plane's replica set, not the
@@ -40,6 +43,7 @@ from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, summarize
 from kvmesh.cluster.trace import Trace
+from kvmesh.deployments.router_sync import UnseenPlacements
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
@@ -67,7 +71,7 @@ class RouterSetup:
 class _Router:
     """One router's view: its index, policy, load arrays, and how far it has read the event stream."""
 
-    def __init__(self, n: int, rids: list, nodes: list, index_blocks: int, policy: Policy, capacity: int):
+    def __init__(self, n: int, rids: list, nodes: list, index_blocks: int, policy: Policy, capacity: int, delay: float):
         self.index = PrefixIndex(max_blocks=index_blocks, speculative_ttl_s=0.0)
         for rid, node in zip(rids, nodes):
             self.index.add_replica(rid, node)
@@ -95,6 +99,8 @@ class _Router:
         )
         self.read = 0  # position in the stream (absolute)
         self.inv_cap = 1.0 / capacity
+        self.delay = delay
+        self.unseen = UnseenPlacements()  # peers' placements not heard of yet, as the live router counts them
 
     def load(self, k: int, dq: int, dr: int, dp: int, da: int) -> None:
         self.queued[k] += dq
@@ -129,6 +135,7 @@ class _Router:
             if origin != me and self.ids[a] == b:
                 self.load(a, *c)
         elif origin != me:  # _ROUTE: another router's decision (request, replica id, view, blocks)
+            self.unseen.heard(msg[0], msg[0] + self.delay, a.num_tokens - c.shared_blocks * a.block_size)
             if b in self.live:
                 self.index.store(b, d)
                 self.policy.on_routed(a, b, c)
@@ -159,11 +166,12 @@ def simulate_routers(
     index_blocks = (
         N * cfg.capacity_blocks + n_nodes * cfg.host_blocks + (cfg.shared_blocks or 0) + 1_000_000 + unbounded_shared
     )
-    routers = [_Router(N, rids, nodes, index_blocks, make_policy(), cfg.capacity_blocks) for _ in range(R)]
+    routers = [_Router(N, rids, nodes, index_blocks, make_policy(), cfg.capacity_blocks, delay) for _ in range(R)]
     hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
     host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
     shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
     tierless = not host and shared is None
+    synced = R > 1 and setup.sync
 
     # ground truth, as in simulate_policy; events carry the replica id so a replaced replica's are dropped
     events: list[tuple[float, int, int, int, str]] = []
@@ -245,6 +253,8 @@ def simulate_routers(
         else:
             fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
+        if synced:
+            fleet.unseen_placements, fleet.unseen_tokens = rt.unseen.estimate(t)
         j = rt.policy.best(req, fleet)
         if j is None:
             raise RuntimeError("policy placed a request nowhere")
@@ -266,7 +276,7 @@ def simulate_routers(
         # this router speculates at once; with sync the others learn the decision `delay` later
         if keep:
             rt.index.store(rid, keep)
-        if R > 1 and setup.sync:
+        if synced:
             stream.append((t, me, _ROUTE, req, rid, view, keep))
         new, evicted = j_hbm.admit(keep)
         kv_message(t, 0, rid, new, evicted)

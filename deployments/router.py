@@ -390,6 +390,8 @@ class KvmeshRouter(RequestRouter):
         policy = self._policy_for(req)
         views = self._views(candidate_replicas, matches)
         fleet = FleetView.from_views(views)
+        # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
+        fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         # Commit to the first choice now: Serve may still await a queue-length probe before it places
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of

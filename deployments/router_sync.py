@@ -16,6 +16,12 @@ registry actor. Messages carry block hashes and counts, never token ids or text.
 is CURVE-encrypted with the deployment's channel keys (`kvmesh.cluster.secure_channel`); without keys it
 binds to loopback only, so it never crosses a network in the clear.
 
+Each `routed` message carries the wall-clock time it was made: a peer's placements reach this router one
+lag late, so the peers' placements of the last lag are unknown here. `UnseenPlacements` counts them
+(rate times lag) for the policy, which spreads new prefixes over where they may have gone instead of
+ranking them onto the replica every router's stale view puts first (`KvmeshPolicy._unseen_pick`). The
+simulator (`kvmesh.cluster.multi_router`) counts them with the same class.
+
 `PeerPlacements` is the state and its rules (pure, tested without sockets); `RouterSync` is the I/O.
 """
 
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,7 @@ log = logging.getLogger("ray.serve.kvmesh")
 REGISTRY_NAMESPACE = "kvmesh"
 PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this long ago is gone
 PLACEMENT_TTL_S = 120.0  # a peer placement never closed (lost message, peer died) stops counting after this
+UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured over this much recent time
 
 
 @dataclass
@@ -50,16 +58,66 @@ class PeerPlacement:
     at: float = field(default_factory=time.monotonic)
 
 
+class UnseenPlacements:
+    """How many placements other routers have made that this router has not heard of yet, and their
+    mean prefill work.
+
+    A peer's placement reaches this router one stream lag after it was made, so at any moment the peers'
+    placements of the last lag are unknown here: where they went, and that they exist. Their number is
+    the peers' placement rate times the lag (Little's law), measured from the placements heard in the
+    last `window_s`: each one adds its own lag (heard minus sent) to the count. With no peers, or a
+    stream without lag, it is 0. The policy places a request as one of them (`FleetView.unseen_placements`,
+    `KvmeshPolicy._unseen_pick`)."""
+
+    def __init__(self, window_s: float = UNSEEN_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._heard: deque[tuple[float, float, float]] = deque()  # (heard at, lag, prefill tokens)
+        self._lag_sum = 0.0
+        self._tokens_sum = 0.0
+
+    def heard(self, sent_at: float, heard_at: float, tokens: float) -> None:
+        """A peer's placement of `tokens` prefill work, made at `sent_at`, arrived at `heard_at` (same
+        clock; a negative lag, from clock skew between hosts, counts as none)."""
+        lag = max(heard_at - sent_at, 0.0)
+        self._heard.append((heard_at, lag, tokens))
+        self._lag_sum += lag
+        self._tokens_sum += tokens
+        self._drop(heard_at)
+
+    def estimate(self, now: float) -> tuple[float, float]:
+        """(peers' placements made but not heard of here, their mean prefill tokens), expected at `now`."""
+        self._drop(now)
+        if not self._heard:
+            return 0.0, 0.0
+        return max(self._lag_sum, 0.0) / self.window_s, max(self._tokens_sum, 0.0) / len(self._heard)
+
+    def _drop(self, now: float) -> None:
+        heard = self._heard
+        while heard and heard[0][0] <= now - self.window_s:
+            _, lag, tokens = heard.popleft()
+            self._lag_sum -= lag
+            self._tokens_sum -= tokens
+        if not heard:
+            self._lag_sum = self._tokens_sum = 0.0  # no float residue once empty
+
+
 class PeerPlacements:
     """Other routers' in-flight placements, applied to this router's index and policies.
 
-    `policies` is a callable returning the router's live policy objects (tenants may add some later)."""
+    `policies` is a callable returning the router's live policy objects (tenants may add some later).
+    `clock` is the wall clock peers stamp their placements with (`routed_message`)."""
 
-    def __init__(self, index, policies) -> None:
+    def __init__(self, index, policies, clock=time.time) -> None:
         self.index = index
         self.policies = policies
         self.placements: dict[tuple[str, str], PeerPlacement] = {}
         self.applied = 0
+        self.clock = clock
+        self.unseen = UnseenPlacements()
+
+    def unseen_placements(self) -> tuple[float, float]:
+        """(peers' placements this router cannot know of yet, their mean prefill tokens): `UnseenPlacements`."""
+        return self.unseen.estimate(self.clock())
 
     def apply(self, msg: list) -> None:
         """One message from a peer: [kind, router, request, replica, *payload]."""
@@ -80,6 +138,8 @@ class PeerPlacements:
             hbm, host, shared = (int(x) for x in matched)
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
             placed = PeerPlacement(replica, info, uncached=info.num_tokens - shared * info.block_size)
+            if len(msg) > 10:  # stamped by the peer when it placed the request
+                self.unseen.heard(float(msg[10]), self.clock(), placed.uncached)
             for policy in self.policies():
                 policy.on_routed(info, replica, view)
             if replica in self.index.replicas():
@@ -131,8 +191,11 @@ class PeerPlacements:
         return out
 
 
-def routed_message(router: str, info: RequestInfo, replica: str, matched: tuple[int, int, int]) -> list:
-    """What a router publishes when it commits `info` to `replica` (block hashes and counts only)."""
+def routed_message(
+    router: str, info: RequestInfo, replica: str, matched: tuple[int, int, int], sent_at: float | None = None
+) -> list:
+    """What a router publishes when it commits `info` to `replica` (block hashes and counts only), with
+    the wall-clock time it did (`sent_at`, default now): peers measure the stream's lag from it."""
     return [
         "routed",
         router,
@@ -144,6 +207,7 @@ def routed_message(router: str, info: RequestInfo, replica: str, matched: tuple[
         info.expected_output_tokens,
         info.tenant,
         list(matched),
+        time.time() if sent_at is None else sent_at,
     ]
 
 
@@ -308,6 +372,7 @@ class RouterSync:
             "published": self.published,
             "applied": self.placements.applied,
             "peer_inflight": len(self.placements.placements),
+            "unseen_placements": round(self.placements.unseen_placements()[0], 3),
             "first_peer_placement_s": self.first_peer_s,
         }
 

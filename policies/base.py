@@ -66,7 +66,12 @@ class FleetView:
     """Every candidate replica at once, as arrays (index k = replica `ids[k]`): the same fields as
     `ReplicaView`. Why: at hundreds of replicas, building one object per replica per request costs
     more than the decision; the simulator (and a large live fleet) hands policies this instead.
-    Arrays are numpy arrays of equal length; `extra` holds optional per-replica arrays."""
+    Arrays are numpy arrays of equal length; `extra` holds optional per-replica arrays.
+
+    `unseen_placements` says how stale the view is: how many placements other routers (ingress replicas
+    sharing the fleet) have made that this view does not include yet, because their placement stream
+    arrives late (`kvmesh.deployments.router_sync.UnseenPlacements`), and `unseen_tokens` their mean
+    prefill work. 0 for a lone router, or peers heard without lag."""
 
     ids: list
     hbm_blocks: np.ndarray
@@ -78,6 +83,8 @@ class FleetView:
     pending_prefill_tokens: np.ndarray
     capacity_blocks: np.ndarray
     extra: dict[str, np.ndarray] = field(default_factory=dict)
+    unseen_placements: float = 0.0
+    unseen_tokens: float = 0.0  # their mean prefill work (prompt tokens to compute)
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -42,6 +42,14 @@ fork, so a flood spreads over the whole fleet instead of stopping at the replica
 it (0 would replicate hot prefixes too eagerly for a capacity-bound fleet: simulated Mooncake
 synthetic trace, 4 x 4000 blocks, 0.515 vs 0.542 hit rate).
 
+Why a stale view is placed at random (several routers): ingress replicas share their placements with
+a lag, so they rank on the same view, one lag old. Ranked deterministically, every router's new prefix
+of that lag goes to the one replica the view ranks first (16 routers, 100 ms: half the single router's
+hit rate). Given how many placements it has not heard of yet (`FleetView.unseen_placements`), the
+policy draws the replica from the mix under which those placements, placed by the same rule, leave
+every replica it may pick equally good (`_unseen_pick`). A request with a prefix one replica holds still
+goes there. With nothing unseen (one router, or no lag) placement is the deterministic best.
+
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
 
@@ -175,7 +183,8 @@ class KvmeshPolicy(Policy):
         return w, sw, self._total + new * mean, self._s_total + new * s_mean, live + new
 
     def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending):
-        """Arrays (predicted TTFT in s, prompt tokens that would be computed) per replica. Pure.
+        """Arrays (predicted TTFT in s, prompt tokens that would be computed, the wait before its
+        prefill starts) per replica. Pure.
 
         Why the shortcuts: at hundreds of replicas each array operation costs about as much as the
         rest of the decision, so terms that are exactly zero are not computed (adding 0.0 changes no
@@ -198,7 +207,7 @@ class KvmeshPolicy(Policy):
             ttft = ttft + (shared - host) * c.shared_load_s_per_token
         if hbm is not host:
             ttft = ttft + (host - hbm) * c.host_load_s_per_token
-        return ttft, uncached
+        return ttft, uncached, wait
 
     def _uncached(self, request: RequestInfo, shared_blocks: int) -> int:
         """Prompt tokens that would be computed on a replica holding `shared_blocks` (`_predict`'s
@@ -208,13 +217,18 @@ class KvmeshPolicy(Policy):
 
     def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
         """Sort keys per replica: (the balance guard's bound, score, recent work); replicas whose work is
-        over the bound rank after those within it (the bound is infinite for the soft guard)."""
-        ttft, uncached = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
+        over the bound rank after those within it (the bound is infinite for the soft guard). The fourth
+        value is what `_unseen_pick` needs to count placements the view lacks: (the wait per replica, the
+        guard's bound, short-window work or None when the spread term is off, its bound, the short
+        window's decay)."""
+        ttft, uncached, wait = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
         work, recent, total, recent_total, live = self._work(ids)
         d = self._age(live)  # the short window as on_routed will see it: aged by this request
         cost = self.recompute_weight * uncached
         score = ttft
         hot = self._hot_blocks(request, shared_b)
+        spread = None
+        recent_bound = 0.0
         if hot:
             # the shared prompt is paid once per replica and then serves the whole flood: its one-time
             # recompute weighs hot_recompute_weight, so load, recent work and the rest of the prompt decide
@@ -223,16 +237,100 @@ class KvmeshPolicy(Policy):
             cost = cost - max(self.recompute_weight - self.hot_recompute_weight, 0.0) * missing
             score = score - missing * self.cost.prefill_s_per_token
             if self.spread_weight:
-                excess = d * np.maximum(recent - (1.0 + self.balance_slack) * (recent_total / live), 0.0)
+                recent_bound = (1.0 + self.balance_slack) * (recent_total / live)
+                excess = d * np.maximum(recent - recent_bound, 0.0)
                 cost = cost + self.spread_weight * excess
-        limit = (1.0 + self.balance_slack) * (total / live)
+                spread = recent
+        bound = limit = (1.0 + self.balance_slack) * (total / live)
         if self.guard_weight is not None:  # soft: every token over the bound is charged
             cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
             limit = np.inf
         else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
             limit = limit + request.num_tokens
         score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
-        return limit, score, work
+        return limit, score, work, (wait, bound, spread, recent_bound, d)
+
+    def _unseen_pick(self, request: RequestInfo, fleet: FleetView, limit, score, work, extra) -> int | None:
+        """The replica for `request` when other routers have made placements this view lacks
+        (`fleet.unseen_placements`, each `fleet.unseen_tokens` of prefill work on average); None when
+        there are none (the deterministic best stands).
+
+        Why: routers that share placements late share the same stale view, and ranking is deterministic,
+        so within one lag every router sends its new prefixes to the same best replica, one request per
+        router (simulated, 16 routers at 100 ms lag: half the single router's hit rate, as the burst's
+        queue and the guard then push conversations off their history). A router cannot know where the
+        unseen placements went, but it knows how they were chosen: by this same rule.
+
+        The rule is a mixed one. The unseen placements are taken to be ranked like this request without
+        its private prefix (the part of its cached prefix one replica alone holds: a conversation's own
+        history; what two or more hold, a shared system prompt or document, stays). They go to replica m
+        with probability pi_m, chosen so that with the expected unseen placements counted there
+        (unseen * pi_m, each charged like a placement: its prefill, guard and short-window work), every
+        replica they may go to has the same expected score and none they avoid a lower one (water filling: pi_m = (L - s_m) / (unseen * step_m) for
+        s_m < L). This request takes the replica with the lowest expected score; when several tie (a new
+        prefix: the replicas the water covers) it draws among them by pi. Near ties spread evenly over
+        every tied replica instead of piling onto the first; a conversation whose history is on one
+        replica stays there unless the expected unseen load there outweighs it. With none unseen it is
+        the deterministic best. The draw comes from `draws(request)`, so ranking the request again picks
+        the same replica."""
+        unseen = fleet.unseen_placements
+        if not unseen > 0 or len(score) < 2 or not np.isfinite(score).all():
+            return None
+        shared_b = fleet.shared_blocks
+        common = int(np.partition(shared_b, len(shared_b) - 2)[-2])  # the longest prefix two replicas hold
+        if int(shared_b.max()) > common:
+            _, others, _, extra_o = self._keys(
+                request,
+                fleet.ids,
+                np.minimum(fleet.hbm_blocks, common),
+                np.minimum(fleet.host_blocks, common),
+                np.minimum(shared_b, common),
+                fleet.queued,
+                fleet.running,
+                fleet.pending_prefill_tokens,
+            )
+        else:
+            others, extra_o = score, extra
+        c = self.cost
+        p = c.prefill_s_per_token
+        tokens = max(float(fleet.unseen_tokens), 0.0)
+        # one unseen placement's charge on each replica: its prefill (waited for by later requests there),
+        # and the guard's and short window's charge for its work
+        step = np.full(len(score), tokens * p + c.prefill_base_s)
+        _, bound, spread_o, recent_bound_o, d = extra_o
+        if self.guard_weight is not None:
+            step += p * self.guard_weight * (np.maximum(work + tokens - bound, 0.0) - np.maximum(work - bound, 0.0))
+        if spread_o is not None:
+            step += (
+                p
+                * self.spread_weight
+                * d
+                * (np.maximum(spread_o + tokens - recent_bound_o, 0.0) - np.maximum(spread_o - recent_bound_o, 0.0))
+            )
+        # water filling: the level L at which sum over {s_m < L} of (L - s_m) / step_m = unseen
+        blocked = work > limit  # the hard guard: replicas over the bound only when every replica is
+        if blocked.all():
+            blocked[:] = False
+        keyed = np.where(blocked, np.inf, others)
+        order = np.argsort(keyed, kind="stable")
+        s_sorted, inv = keyed[order], 1.0 / step[order]
+        level = s_sorted[0] + unseen * step[order[0]]
+        a = b = 0.0
+        for q in range(len(order)):
+            if q and not s_sorted[q] < level:
+                break
+            a += inv[q]
+            b += s_sorted[q] * inv[q]
+            level = (unseen + b) / a
+        pi = np.maximum(level - keyed, 0.0) / (unseen * step)
+        expected = np.where(blocked, np.inf, score + unseen * pi * step)
+        best = float(expected.min())
+        near = np.flatnonzero(expected <= best + 1e-9 * max(abs(best), 1.0))
+        weights = pi[near]
+        if len(near) == 1 or not weights.sum() > 0:
+            return int(near[0])
+        draw = self.draws(request).random() * float(weights.sum())
+        return int(near[min(int(np.searchsorted(np.cumsum(weights), draw, side="right")), len(near) - 1)])
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""
@@ -278,14 +376,9 @@ class KvmeshPolicy(Policy):
             elif seen != nxt:
                 fan[h] = True if self.hot_fanout <= 2 else {seen, nxt}
 
-    def _order(self, request: RequestInfo, ids, *arrays) -> np.ndarray:
-        """Indices into `ids`, best first (ties: lower index)."""
-        limit, score, work = self._keys(request, ids, *arrays)
-        return np.lexsort((np.arange(len(ids)), work, score, work > limit))
-
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
-        ttft, unc = self._predict(
+        ttft, unc, _ = self._predict(
             request,
             *(
                 np.array([x])
@@ -295,18 +388,18 @@ class KvmeshPolicy(Policy):
         return float(ttft[0]), int(unc[0])
 
     def place(self, request: RequestInfo, fleet: FleetView) -> list[int]:
+        """Indices best first; with unseen peer placements, `_unseen_pick`'s replica first, then the rest
+        in order."""
         if not len(fleet):
             return []
-        return self._order(
-            request,
-            fleet.ids,
-            fleet.hbm_blocks,
-            fleet.host_blocks,
-            fleet.shared_blocks,
-            fleet.queued,
-            fleet.running,
-            fleet.pending_prefill_tokens,
-        ).tolist()
+        args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
+        limit, score, work, extra = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        order = np.lexsort((np.arange(len(score)), work, score, work > limit)).tolist()
+        pick = self._unseen_pick(request, fleet, limit, score, work, extra)
+        if pick is not None and pick != order[0]:
+            order.remove(pick)
+            order.insert(0, pick)
+        return order
 
     def best(self, request: RequestInfo, fleet: FleetView) -> int | None:
         """`place(...)[0]` without sorting the whole fleet: the lowest score, then the least work,
@@ -314,7 +407,11 @@ class KvmeshPolicy(Policy):
         if not len(fleet):
             return None
         args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
-        limit, score, work = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        limit, score, work, extra = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        if fleet.unseen_placements > 0:
+            pick = self._unseen_pick(request, fleet, limit, score, work, extra)
+            if pick is not None:
+                return pick
         low = score.min()
         if limit != np.inf or low != low:  # hard guard, or a NaN score: the full order decides
             return int(np.lexsort((np.arange(len(score)), work, score, work > limit))[0])

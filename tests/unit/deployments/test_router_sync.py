@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvmesh.deployments.router_sync import PeerPlacements, routed_message
+from kvmesh.deployments.router_sync import PeerPlacements, UnseenPlacements, routed_message
 from kvmesh.policies.base import RequestInfo
 
 
@@ -162,3 +162,36 @@ def test_a_peer_that_says_bye_no_longer_counts():
     assert peers.pending()["r0"][0] == 1
     peers.expire(now=1e12)
     assert peers.pending() == {}
+
+
+def test_unseen_placements_are_the_peers_rate_times_the_lag():
+    unseen = UnseenPlacements(window_s=2.0)
+    assert unseen.estimate(0.0) == (0.0, 0.0)
+    # 100 placements a second for 2 s, each heard 0.1 s after it was made: 10 unseen at any time
+    for k in range(200):
+        t = k / 100
+        unseen.heard(t, t + 0.1, 300.0 if k % 2 else 100.0)
+    count, tokens = unseen.estimate(2.1)
+    assert abs(count - 10.0) < 0.3
+    assert abs(tokens - 200.0) < 1.0  # the mean prefill work of what was heard in the window
+    unseen.heard(5.0, 4.9, 100.0)  # a clock behind the peer's: no lag, not a negative one
+    assert unseen.estimate(5.0)[0] == 0.0
+    assert unseen.estimate(100.0) == (0.0, 0.0)  # nothing heard lately: nothing unseen
+
+
+def test_a_stamped_peer_placement_measures_the_lag():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("r0")
+    now = [1000.0]
+    peers = PeerPlacements(index, lambda: [], clock=lambda: now[0])
+    info = RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q1")
+    msg = routed_message("A", info, "r0", (1, 1, 1), sent_at=999.5)
+    peers.apply(msg)
+    count, tokens = peers.unseen_placements()
+    assert count == 0.5 / peers.unseen.window_s  # one placement, heard 0.5 s late
+    assert tokens == 32  # 64 prompt tokens, one block cached there
+    peers.apply(msg[:10])  # a peer without stamps (an older version): applied, no lag measured
+    assert peers.pending()["r0"][0] == 1
+    assert peers.unseen_placements()[0] == count

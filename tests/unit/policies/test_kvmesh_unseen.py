@@ -1,0 +1,83 @@
+"""kvmesh policy with a stale view: placements other routers made that this router has not heard of
+yet (`FleetView.unseen_placements`) spread new prefixes instead of piling them onto one replica, and
+leave a request whose prefix one replica holds where it is."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvmesh.policies.base import FleetView, RequestInfo
+from kvmesh.policies.registry import make_policy
+
+BS = 32
+N = 16
+
+
+def fleet(shared=None, unseen: float = 0.0, tokens: float = 0.0) -> FleetView:
+    z = np.zeros(N, dtype=np.int64)
+    s = z.copy() if shared is None else np.asarray(shared, dtype=np.int64)
+    return FleetView(
+        [f"r{i}" for i in range(N)],
+        s,
+        s,
+        s,
+        z.copy(),
+        z.copy(),
+        np.zeros(N),
+        z.copy(),
+        np.full(N, 1000),
+        unseen_placements=unseen,
+        unseen_tokens=tokens,
+    )
+
+
+def warmed():
+    """A policy that has routed 64 cold requests evenly (no cached prefix anywhere), as every router
+    sharing placements has."""
+    p = make_policy("kvmesh")
+    for i in range(N):
+        p.on_replica_added(f"r{i}")
+    for i in range(64):
+        p.on_routed(RequestInfo([5_000_000 + i], 10 * BS, BS, request_id=f"w{i}"), f"r{i % N}")
+    return p
+
+
+def cold(i: int) -> RequestInfo:
+    return RequestInfo(list(range(100 * i, 100 * i + 10)), 10 * BS + 5, BS, request_id=f"q{i}")
+
+
+def test_without_unseen_placements_every_router_picks_the_same_replica():
+    p = warmed()
+    picks = {p.best(cold(i), fleet()) for i in range(16)}
+    assert len(picks) == 1  # the same stale view, a deterministic ranking: the herd
+
+
+def test_unseen_placements_spread_new_prefixes_over_the_replicas_they_may_have_taken():
+    p = warmed()
+    # 16 requests, each ranked on the same view (16 routers that have not heard of each other yet)
+    view = fleet(unseen=15, tokens=10 * BS)
+    picks = [p.best(cold(i), view) for i in range(16)]
+    assert len(set(picks)) >= 8
+    assert max(picks.count(k) for k in set(picks)) <= 4
+
+
+def test_a_prefix_held_by_one_replica_keeps_its_requests():
+    p = warmed()
+    shared = np.zeros(N, dtype=np.int64)
+    shared[5] = 9  # a conversation's history, on r5 only
+    view = fleet(shared, unseen=15, tokens=10 * BS)
+    assert {p.best(cold(i), view) for i in range(40)} == {5}
+
+
+def test_best_is_the_first_of_place_and_ranking_again_picks_the_same():
+    p = warmed()
+    rng = np.random.default_rng(1)
+    for i in range(50):
+        view = fleet(rng.integers(0, 3, N), unseen=float(rng.uniform(0, 20)), tokens=float(rng.uniform(0, 400)))
+        view.pending_prefill_tokens = rng.integers(0, 2, N) * 300
+        req = cold(i)
+        first = p.place(req, view)
+        assert p.best(req, view) == first[0]
+        assert p.place(req, view) == first
+        assert sorted(first) == list(range(N))
+        p.on_routed(req, view.ids[first[0]], view.view(first[0]))
