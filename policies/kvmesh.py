@@ -266,8 +266,8 @@ class KvmeshPolicy(Policy):
         history; what two or more hold, a shared system prompt or document, stays). They go to replica m
         with probability pi_m, chosen so that with the expected unseen placements counted there
         (unseen * pi_m, each charged like a placement: its prefill, guard and short-window work), every
-        replica they may go to has the same expected score and none they avoid a lower one (water filling: pi_m = (L - s_m) / (unseen * step_m) for
-        s_m < L). This request takes the replica with the lowest expected score; when several tie (a new
+        replica they may go to has the same expected score and none they avoid a lower one (water
+        filling: pi_m = (L - s_m) / (unseen * step_m) for s_m < L). This request takes the replica with the lowest expected score; when several tie (a new
         prefix: the replicas the water covers) it draws among them by pi. Near ties spread evenly over
         every tied replica instead of piling onto the first; a conversation whose history is on one
         replica stays there unless the expected unseen load there outweighs it. With none unseen it is
