@@ -261,18 +261,18 @@ class KvmeshPolicy(Policy):
         queue and the guard then push conversations off their history). A router cannot know where the
         unseen placements went, but it knows how they were chosen: by this same rule.
 
-        The rule is a mixed one. The unseen placements are taken to be ranked like this request without
-        its private prefix (the part of its cached prefix one replica alone holds: a conversation's own
-        history; what two or more hold, a shared system prompt or document, stays). They go to replica m
-        with probability pi_m, chosen so that with the expected unseen placements counted there
-        (unseen * pi_m, each charged like a placement: its prefill, guard and short-window work), every
-        replica they may go to has the same expected score and none they avoid a lower one (water
-        filling: pi_m = (L - s_m) / (unseen * step_m) for s_m < L). This request takes the replica with the lowest expected score; when several tie (a new
-        prefix: the replicas the water covers) it draws among them by pi. Near ties spread evenly over
-        every tied replica instead of piling onto the first; a conversation whose history is on one
-        replica stays there unless the expected unseen load there outweighs it. With none unseen it is
-        the deterministic best. The draw comes from `draws(request)`, so ranking the request again picks
-        the same replica."""
+        The rule is a mixed one. The unseen placements are taken to be ranked like this request without its
+        private prefix (the part of its cached prefix one replica alone holds: a conversation's own history;
+        what two or more hold, a shared system prompt or document, stays). They go to replica m with
+        probability pi_m, chosen so that with the expected unseen placements counted there (unseen * pi_m,
+        each charged like a placement: its prefill, guard and short-window work), every replica they may go
+        to has the same expected score and none they avoid a lower one (water filling: pi_m = (L - s_m) /
+        (unseen * step_m) for s_m < L). This request takes the replica with the lowest expected score; when
+        several tie (a new prefix: the replicas the water covers) it draws among them by pi. Near ties
+        spread evenly over every tied replica instead of piling onto the first; a conversation whose history
+        is on one replica stays there unless the expected unseen load there outweighs it. With none unseen
+        it is the deterministic best. The draw comes from `draws(request)`, so ranking the request again
+        picks the same replica."""
         unseen = fleet.unseen_placements
         if not unseen > 0 or len(score) < 2 or not np.isfinite(score).all():
             return None
