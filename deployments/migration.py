@@ -54,7 +54,8 @@ def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
     from ray.serve.exceptions import ReplicaUnavailableError
 
     cause = getattr(exc, "cause", None)
-    for e in (exc, cause):
+    # the cause first: Ray's RayTaskError(EngineBroken) is an EngineBroken too, but its args are Ray's own
+    for e in (cause, exc):
         if isinstance(e, EngineBroken):
             return True, e.args[1] if len(e.args) > 1 else None
         if isinstance(e, (RayActorError, ReplicaUnavailableError)):

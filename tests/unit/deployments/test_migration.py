@@ -167,3 +167,20 @@ def test_a_unary_call_is_sent_again_whole():
     )
     assert out["token_ids"] == ANSWER and calls[1]["prompt_token_ids"] == REQUEST["prompt_token_ids"]
     assert failed == ["A"] and counters.snapshot()["migrations"] == {"unary": 1}
+
+
+def test_the_dead_replica_is_named_through_rays_wrapper_of_a_broken_engine():
+    """A unary call's EngineBroken reaches the ingress wrapped by Ray (RayTaskError(EngineBroken)): the
+    replica it names must still be found, or the router keeps choosing the broken replica and the
+    request burns its migrations on it."""
+    from ray.exceptions import RayTaskError
+
+    from kvmesh.deployments.migration import replica_failure
+
+    try:
+        raise EngineBroken("engine step failed", "rep-A")
+    except EngineBroken as exc:
+        wrapped = RayTaskError("generate_full", "traceback", exc).as_instanceof_cause()
+    assert isinstance(wrapped, EngineBroken)
+    assert replica_failure(wrapped) == (True, "rep-A")
+    assert replica_failure(EngineBroken("engine step failed", "rep-B")) == (True, "rep-B")
