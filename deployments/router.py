@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from kvmesh.cluster.kv_events import KVEventSubscriber
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
-DEAD_FLEET_WAIT_S = 0.25  # how long a request waits before asking again while every listed replica is dead
 
 
 def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
@@ -111,6 +110,8 @@ class _Inflight:
 
 class KvmeshRouter(RequestRouter):
     """Prefix- and load-aware placement with a pluggable `policies` ranking."""
+
+    dead_fleet_wait_s = 0.25  # how long a request waits before asking again while every listed replica is dead
 
     def initialize_state(
         self,
@@ -367,7 +368,7 @@ class KvmeshRouter(RequestRouter):
             # every replica Serve lists is known dead (a lone replica whose engine broke, before Serve's health
             # check replaces it): Serve asks again at once when the answer is empty, so wait here, or that
             # retry loop never yields and the replacement's arrival is never processed
-            await asyncio.sleep(DEAD_FLEET_WAIT_S)
+            await asyncio.sleep(self.dead_fleet_wait_s)
         await self._sync_replicas(candidate_replicas)
         candidate_replicas = self._ready(candidate_replicas)
         req = request_fields(pending_request)
