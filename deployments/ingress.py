@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
+from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating
 from kvmesh.deployments.openai_protocol import OpenAIError
@@ -206,7 +207,12 @@ class Ingress:
             counters=self.failures,
             replica_failed=notify_replica_failed,
             first_token=notify_first_token,
+            text_for=self._continuation_text,
         )
+
+    def _continuation_text(self, request: dict, sent_token_ids: list[int]) -> ContinuationText:
+        skip = (request.get("params") or {}).get("skip_special_tokens", True)
+        return ContinuationText(rust_tokenizer(self.tokenizer), request["prompt_token_ids"], sent_token_ids, skip)
 
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()

@@ -6,13 +6,12 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
 - before the first token, the request is simply routed again; the router has been told the replica
   is dead, so it never picks it again;
 - mid-stream, a continuation is sent: a new engine request whose prompt is the original prompt plus
-  the token ids whose text already reached the client, with `max_tokens`/`min_tokens` reduced by that
-  many and the same tenant salt (so its prefix still hits the caches). Greedy decoding therefore yields
-  exactly the tokens the dead replica would have produced, and the client sees one uninterrupted
-  stream. Tokens whose text the detokenizer still held back (the first bytes of a multi-byte
-  character) are generated again rather than put in the prompt: a prompt ending inside a character
-  makes vLLM's detokenizer (tokenizers' DecodeStream primed with the prompt) emit the whole prompt
-  as the first output text;
+  the token ids already sent to the client, with `max_tokens`/`min_tokens` reduced by that many and
+  the same tenant salt (so its prefix still hits the caches). Greedy decoding therefore yields exactly
+  the tokens the dead replica would have produced. Their text is detokenized here, by replaying the
+  dead replica's detokenizer (`continuation_text`), not taken from the new replica: vLLM primes its
+  detokenizer with the prompt, and a prompt tail with incomplete UTF-8 makes it emit held-back
+  prompt text with the first new token. The client sees one uninterrupted stream;
 - unary requests are sent again whole (nothing reached the client yet).
 
 Each move counts in /metrics (`kvmesh_migrations_total`); after `max_migrations` moves the request
@@ -64,7 +63,7 @@ def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
 
 
 def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
-    """The engine request that finishes `request` after `sent_token_ids` reached the client.
+    """The engine request that finishes `request` after `sent_token_ids` were sent to the client.
 
     With nothing sent yet it is the request itself, under the same id (so the router's prediction for
     its new placement is the one checked against what the engine reports); a continuation gets an id
@@ -89,7 +88,9 @@ class MigratingStream:
 
     `open(engine_request)` starts a stream on the engine deployment (Serve's router places it);
     `replica_failed(replica_id)` tells the routers in this process that a replica is dead;
-    `first_token(request_id)` tells them a continuation has started (its prefill is done).
+    `first_token(request_id)` tells them a continuation has started (its prefill is done);
+    `text_for(request, sent_token_ids)` gives the detokenizer of a continuation's new tokens
+    (`.text(token_ids) -> str`), as the dead replica's would have been.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class MigratingStream:
         counters: FailureCounters,
         replica_failed: Callable[[str], None],
         first_token: Callable[[str], None],
+        text_for: Callable[[dict, list[int]], Any],
     ):
         self.request = request
         self._open = open
@@ -108,9 +110,9 @@ class MigratingStream:
         self.counters = counters
         self._replica_failed = replica_failed
         self._first_token = first_token
+        self._text_for = text_for
         self.sent: list[int] = []  # token ids already handed to the client
-        self.settled = 0  # how many of them have their text in the client's hands too
-        self._skip = 0  # token ids a continuation generates again whose ids were handed over already
+        self._text: Any = None  # a continuation's detokenizer (None: the engine's text is the text)
         self.moves = 0
         self.replica: str | None = None  # the replica streaming now (from its chunks)
         self._current = request
@@ -137,13 +139,9 @@ class MigratingStream:
                 if self._current["request_id"] != self.request["request_id"]:
                     self._first_token(self._current["request_id"])
             self.replica = chunk.get("replica", self.replica)
-            if self._skip:
-                drop = min(self._skip, len(chunk["token_ids"]))
-                self._skip -= drop
-                chunk = {**chunk, "token_ids": chunk["token_ids"][drop:]}
+            if self._text is not None:
+                chunk = {**chunk, "text": self._text.text(chunk["token_ids"])}
             self.sent.extend(chunk["token_ids"])
-            if not self._skip and chunk["text"] and not chunk["text"].endswith("\ufffd"):
-                self.settled = len(self.sent)
             return chunk
 
     def _move(self, dead_replica: str | None, exc: BaseException) -> None:
@@ -168,10 +166,10 @@ class MigratingStream:
             type(exc).__name__,
             reason.replace("_", " "),
             self.moves,
-            self.settled,
+            len(self.sent),
         )
-        self._skip = len(self.sent) - self.settled
-        self._current = continuation(self.request, self.sent[: self.settled], self.moves)
+        self._current = continuation(self.request, self.sent, self.moves)
+        self._text = self._text_for(self.request, list(self.sent)) if self.sent else None
         self._started = False
         self.replica = None
         self._stream = self._open(self._current)

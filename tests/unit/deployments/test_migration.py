@@ -78,7 +78,30 @@ async def _drain(stream) -> list[int]:
     return [t async for chunk in stream for t in chunk["token_ids"]]
 
 
-def _stream(open_, counters, failed, started, max_migrations=2):
+class _Text:
+    """The ingress's detokenizer, faked like `_Replica`'s: a held token's text comes with the next one."""
+
+    def __init__(self, held, sent):
+        self.held, self.pending = set(held), []
+        self.text(sent)  # replays what the dead replica streamed
+
+    def text(self, token_ids) -> str:
+        out = ""
+        for t in token_ids:
+            self.pending.append(t)
+            if t not in self.held or t == ANSWER[-1]:
+                out, self.pending = out + "".join(f"<{p}>" for p in self.pending), []
+        return out
+
+
+def _stream(open_, counters, failed, started, max_migrations=2, held=()):
+    texts: list[list[int]] = []
+
+    def text_for(request, sent):
+        assert request == REQUEST
+        texts.append(sent)
+        return _Text(held, sent)
+
     return MigratingStream(
         dict(REQUEST),
         open_,
@@ -86,6 +109,7 @@ def _stream(open_, counters, failed, started, max_migrations=2):
         counters=counters,
         replica_failed=failed.append,
         first_token=started.append,
+        text_for=text_for,
     )
 
 
@@ -109,15 +133,33 @@ def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
     assert 'kvmesh_migrations_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
 
 
-def test_a_token_whose_text_was_held_back_is_generated_again_not_put_in_the_prompt():
+def test_a_continuation_takes_its_text_from_the_ingress_not_from_the_new_replica():
     """The dead replica handed over 11 and 12, but 12's text (a character's first byte) was held back:
-    the continuation's prompt ends after 11, and its first chunk brings 12's text without its id again."""
+    the continuation's prompt ends after 12, and its text is the ingress's replay of the dead replica's
+    detokenizer (12's text arrives with 13's), whatever text the new replica sends."""
     counters, failed, started = FailureCounters(), [], []
-    a, b = _Replica("A", die_after=2, held={12}), _Replica("B", held={12})
-    chunks = asyncio.run(_chunks(_stream(_fleet(a, b), counters, failed, started)))
-    assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11] and b.requests[0]["params"]["max_tokens"] == 5
+    a = _Replica("A", die_after=2, held={12})
+    b = _Replica("B", held={12})
+    b_open = b.open
+    b.open = lambda request: _Garbled(b_open(request))  # the new replica's text is not to be trusted
+    chunks = asyncio.run(_chunks(_stream(_fleet(a, b), counters, failed, started, held={12})))
+    assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11, 12] and b.requests[0]["params"]["max_tokens"] == 4
     assert [t for c in chunks for t in c["token_ids"]] == ANSWER  # each id once
     assert "".join(c["text"] for c in chunks) == "".join(f"<{t}>" for t in ANSWER)  # each text once
+
+
+class _Garbled:
+    """A stream whose chunks carry the prompt's text again (what vLLM's detokenizer may do)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    async def __anext__(self):
+        chunk = await self.stream.__anext__()
+        return {**chunk, "text": "<prompt again>" + chunk["text"]}
+
+    def cancel(self):
+        self.stream.cancel()
 
 
 async def _chunks(stream) -> list[dict]:
