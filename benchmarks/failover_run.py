@@ -101,7 +101,7 @@ def stream_one(
     client: httpx.Client, prompt: list[int], max_tokens: int, result: StreamResult, on_replica, on_token=None
 ) -> None:
     """One streamed completion into `result`; `on_replica(replica, +1/-1)` brackets the stream and
-    `on_token(replica)` follows each event that carried text."""
+    `on_token(replica, n)` follows each event that carried text (`n`: such events so far, this one too)."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -120,7 +120,8 @@ def stream_one(
             result.replica = r.headers.get("x-kvmesh-replica", "")
             on_replica(result.replica, +1)
             try:
-                parts = []
+                parts: list[str] = []
+                texts = 0
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -134,8 +135,10 @@ def stream_one(
                         break
                     for choice in event.get("choices") or []:
                         parts.append(choice.get("text") or "")
-                        if on_token is not None and choice.get("text"):
-                            on_token(result.replica)
+                        if choice.get("text"):
+                            texts += 1
+                            if on_token is not None:
+                                on_token(result.replica, texts)
                     usage = event.get("usage")
                     if usage:
                         result.prompt_tokens = usage["prompt_tokens"]
@@ -219,14 +222,21 @@ def run(
         with lock:
             open_streams[replica] += delta
 
-    def maybe_kill(replica: str) -> None:
+    pids: dict[str, int] = {}
+    if kill_at is not None:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            pids.update(replica_pids(c))
+
+    def maybe_kill(replica: str, texts: int) -> None:
         """Once `kill_at` of the requests completed, SIGKILL the replica of the stream that just received
-        a token: the kill lands while that stream is still generating on it."""
+        its first text: the kill lands while that stream still has all but one of its tokens to generate
+        there (the replicas' pids are known beforehand, so nothing delays the kill)."""
         with lock:
-            if kill_at is None or report.killed_pid is not None or done < kill_at * total:
+            if kill_at is None or report.killed_pid is not None or done < kill_at * total or texts != 1:
                 return
-            with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
-                pids = replica_pids(c)
+            if replica not in pids:
+                with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+                    pids.update(replica_pids(c))
             if replica not in pids:
                 return
             report.killed_replica, report.killed_pid = replica, pids[replica]
