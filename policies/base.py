@@ -15,6 +15,8 @@ changed only by those hooks; given the same seed and the same call sequence they
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 import zlib
 from collections.abc import Sequence
@@ -170,6 +172,26 @@ class Policy:
         requests were routed before it, so ranking it again draws the same numbers."""
         key = f"{self.seed}:{self.routed}:{request.request_id}:{len(request.block_hashes)}"
         return random.Random(zlib.crc32(key.encode()))
+
+    def prompt_pick(self, request: RequestInfo, ids: Sequence[str], weights: Sequence[float]) -> int:
+        """An index into `ids` drawn with probability proportional to `weights`, fixed by the seed, the
+        request's hashed prompt (its last full block's chained hash, or its id without one) and the
+        replica ids: weighted rendezvous hashing (each replica's own uniform u, the least -ln(u) / w
+        wins). The same prompt draws alike on every router whatever each routed before, and a small
+        difference between two routers' weights rarely changes the winner, so routers that cannot see
+        each other's latest placements still agree where one new prompt goes; ranking again repeats."""
+        tail = request.block_hashes[-1] if len(request.block_hashes) else request.request_id
+        prefix = f"{self.seed}:{tail}:{len(request.block_hashes)}:{request.num_tokens}:"
+        best, best_key = 0, math.inf
+        for k, (rid, w) in enumerate(zip(ids, weights)):
+            if not w > 0:
+                continue
+            # a cryptographic hash: CRC is affine, so its values for one replica set across prompts correlate
+            u = (int.from_bytes(hashlib.blake2b((prefix + rid).encode(), digest_size=8).digest()) + 0.5) / 2**64
+            key = -math.log(u) / w
+            if key < best_key:
+                best, best_key = k, key
+        return best
 
     def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:
         """The request was sent to `replica_id`; `view` is that replica as ranking saw it (prefix per

@@ -271,8 +271,9 @@ class KvmeshPolicy(Policy):
         several tie (a new prefix: the replicas the water covers) it draws among them by pi. Near ties
         spread evenly over every tied replica instead of piling onto the first; a conversation whose history
         is on one replica stays there unless the expected unseen load there outweighs it. With none unseen
-        it is the deterministic best. The draw comes from `draws(request)`, so ranking the request again
-        picks the same replica."""
+        it is the deterministic best. The draw is `prompt_pick` (weighted rendezvous hashing on the prompt):
+        ranking the request again picks the same replica, and two routers given the same new prompt at
+        once agree on it unless their views differ much, so it is computed on one replica."""
         unseen = fleet.unseen_placements
         if not unseen > 0 or len(score) < 2 or not np.isfinite(score).all():
             return None
@@ -329,8 +330,7 @@ class KvmeshPolicy(Policy):
         weights = pi[near]
         if len(near) == 1 or not weights.sum() > 0:
             return int(near[0])
-        draw = self.draws(request).random() * float(weights.sum())
-        return int(near[min(int(np.searchsorted(np.cumsum(weights), draw, side="right")), len(near) - 1)])
+        return int(near[self.prompt_pick(request, [fleet.ids[k] for k in near], weights.tolist())])
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""

@@ -81,3 +81,17 @@ def test_best_is_the_first_of_place_and_ranking_again_picks_the_same():
         assert p.place(req, view) == first
         assert sorted(first) == list(range(N))
         p.on_routed(req, view.ids[first[0]], view.view(first[0]))
+
+
+def test_two_routers_given_one_new_prompt_at_once_send_it_to_one_replica():
+    """Two routers that have each routed a different number of requests rank the same new prompt (two
+    requests through different fronts, say) on the same stale view: they draw alike and agree."""
+    a, b = warmed(), warmed()
+    b.on_routed(RequestInfo([6_000_000], 10 * BS, BS, request_id="extra"), "r3")  # histories differ
+    view = fleet(unseen=15, tokens=10 * BS)
+    agree = 0
+    for i in range(16):
+        prompt = cold(i)
+        twin = RequestInfo(list(prompt.block_hashes), prompt.num_tokens, BS, request_id=f"other-{i}")
+        agree += a.best(prompt, view) == b.best(twin, view)
+    assert agree == 16
