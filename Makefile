@@ -54,7 +54,7 @@ typecheck: setup
 # tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app)
 test: setup services lint
 	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q tests/integration
+	$(PY) -m pytest -q --durations=25 tests/integration
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real

@@ -1,24 +1,19 @@
 """Two ingress replicas, one placement view: a real `kvmesh serve` with `ingress_replicas: 2` (HAProxy spreads
 connections over both), two engines. Each ingress's router finds the other through the registry actor,
 their placement streams run over CURVE, a new prefix sent through both fronts at once lands on one
-engine replica, and each router's count of the other's in-flight requests returns to zero."""
+engine replica, and each router's count of the other's in-flight requests returns to zero. The same app then
+has its sockets checked (loopback only) and is stopped by SIGTERM to the serve process, which must leave
+nothing running (tests/support/serve_process.py)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import pytest
 import yaml
-from paths import REPO_ROOT
+from serve_process import Serve, serves_on_loopback, stop_and_check, taken_port_refused
 
 pytestmark = pytest.mark.integration
 
@@ -26,46 +21,11 @@ PAIRS = 8
 PREFIX_TOKENS = 640
 
 
-def _start(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="kvsync-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "replicas": 2,
-                "ingress_replicas": 2,
-                "port": 0,
-                "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 512},
-            }
-        )
-    )
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
-    out = open(tmp_path / "serve.out", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--num-cpus", "3"],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    return proc, out, ray_tmp
-
-
-def _stop(proc, out, ray_tmp) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    out.close()
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+CONFIG = {
+    "replicas": 2,
+    "ingress_replicas": 2,
+    "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 512},
+}
 
 
 def _states(url: str, headers: dict, want: int = 2, tries: int = 40) -> dict[str, dict]:
@@ -84,17 +44,11 @@ def _states(url: str, headers: dict, want: int = 2, tries: int = 40) -> dict[str
 
 
 def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
-    proc, out, ray_tmp = _start(tmp_path)
+    serve = Serve(tmp_path, "sync", yaml.safe_dump(CONFIG), ("--num-cpus", "3"))
     try:
-        url = key = None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and not (url and key):
-            time.sleep(1)
-            text = (tmp_path / "serve.out").read_text()
-            m = re.search(r"kvmesh serving at (http://\S+)/v1", text)
-            k = re.search(r"API key: (\S+)", text)
-            url, key = (m.group(1) if m else None), (k.group(1) if k else None)
-        assert url and key, (tmp_path / "serve.out").read_text()[-3000:]
+        serve.wait_serving()
+        url, key = serve.url, serve.key
+        assert url and key
         headers = {"Authorization": f"Bearer {key}"}
 
         def send(ids: list[int]) -> str:
@@ -132,5 +86,11 @@ def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
         for s in states.values():
             assert s["published"] > 0 and s["applied"] > 0, states
             assert s["peer_inflight"] == 0, states  # every peer request that finished was taken back
+
+        # the app as a service manager runs it: on loopback only, its port refused to a second serve, and a
+        # SIGTERM to the serve process ends it and everything it started
+        serves_on_loopback([serve])
+        taken_port_refused(serve)
+        stop_and_check(serve, "sigterm")
     finally:
-        _stop(proc, out, ray_tmp)
+        serve.cleanup()

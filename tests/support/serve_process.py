@@ -4,7 +4,8 @@ by one signal checked to leave nothing running, cut no request in flight and exi
 
 Used by the live tests that start their own app; which test covers which way of stopping:
 - tests/integration/test_serve_lifecycle.py: SIGTERM to the process group with streams in flight (they must
-  finish), SIGKILL of the serve process alone, SIGTERM to the serve process;
+  finish), SIGKILL of the serve process alone;
+- tests/integration/test_router_sync.py: SIGTERM to the serve process (an app with two ingress replicas);
 - tests/integration/test_overload.py: SIGINT (Ctrl-C), after the flood.
 """
 
@@ -36,7 +37,7 @@ class Serve:
     """One `kvmesh serve --config <name>.yaml --port 0` subprocess in its own process group, as a service
     manager starts it, with a private Ray temp dir and its output in `<tmp>/<name>.out`."""
 
-    def __init__(self, tmp: Path, name: str, config: str):
+    def __init__(self, tmp: Path, name: str, config: str, args: tuple[str, ...] = ()):
         self.out_path = tmp / f"{name}.out"
         cfg = tmp / f"{name}.yaml"
         cfg.write_text(config)
@@ -44,7 +45,7 @@ class Serve:
         env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, PYTHONUNBUFFERED="1", RAY_ADDRESS="127.0.0.1:1")
         self.out = open(self.out_path, "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--port", "0"],
+            [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--config", str(cfg), "--port", "0", *args],
             cwd=REPO_ROOT,
             env=env,  # a RAY_ADDRESS pointing nowhere: kvmesh must start its own Ray, not join one
             stdout=self.out,
@@ -121,6 +122,34 @@ def exposed_sockets(procs: list[psutil.Process]) -> list[str]:
             if not ip.is_loopback:
                 bad.append(f"{name} (pid {p.pid}) on {c.laddr.ip}:{c.laddr.port}")
     return bad
+
+
+def serves_on_loopback(serves: list[Serve]) -> None:
+    """Each app answers a completion; every socket any of their processes listens on is on loopback."""
+    for s in serves:
+        r = httpx.post(
+            s.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {s.key}"},
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 2},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+    exposed = exposed_sockets([p for s in serves for p in s.tree()])
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def taken_port_refused(serve: Serve) -> None:
+    """A second `kvmesh serve` on `serve`'s port fails at once (exit 2), naming the port and its holder."""
+    assert serve.url
+    port = int(serve.url.rsplit(":", 1)[1])
+    taken = subprocess.run(
+        [sys.executable, "-m", "kvmesh.deployments.cli", "serve", "--port", str(port)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert taken.returncode == 2 and f"port {port}" in taken.stderr and "pid " in taken.stderr, taken.stderr
 
 
 def survivors(procs: list[psutil.Process], within_s: float) -> list[str]:
