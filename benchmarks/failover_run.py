@@ -165,21 +165,15 @@ def surviving(pids: list[int], within_s: float) -> list[int]:
     """Those of `pids` still running (not zombies) `within_s` seconds from now."""
     import psutil
 
+    from kvmesh.deployments.process_tree import still_running
+
     procs = []
     for pid in pids:
         try:
             procs.append(psutil.Process(pid))
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
-    left = []
-    for p in alive:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except psutil.Error:
-            pass
-    return left
+    return [p.pid for p in still_running(procs, within_s)]
 
 
 def replica_pids(client: httpx.Client) -> dict[str, int]:

@@ -78,6 +78,22 @@ def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list
     return ended
 
 
+def still_running(procs: list, within_s: float) -> list:
+    """Those of `procs` (psutil.Process) still running, zombies aside, after waiting up to `within_s` for
+    them to end: what a stop left behind."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.Error:
+            pass
+    return left
+
+
 def _reap_zombies() -> None:
     """A subreaper must wait() for the orphans it inherited, or they stay as zombies."""
     while True:

@@ -29,6 +29,8 @@ import psutil
 import pytest
 from paths import REPO_ROOT
 
+from kvmesh.deployments.process_tree import still_running
+
 GONE_WITHIN_S = 10.0  # every process a stopped `kvmesh serve` started must end this soon after it exits
 STOP_WAYS = ("sigint", "sigterm", "sigterm-group", "sigkill")
 
@@ -154,12 +156,10 @@ def taken_port_refused(serve: Serve) -> None:
 
 def survivors(procs: list[psutil.Process], within_s: float) -> list[str]:
     """Those of `procs` still running (zombies aside) after waiting up to `within_s` for them to end."""
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
     left = []
-    for p in alive:
+    for p in still_running(procs, within_s):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.name()} (pid {p.pid})")
+            left.append(f"{p.name()} (pid {p.pid})")
         except psutil.Error:
             pass
     return left

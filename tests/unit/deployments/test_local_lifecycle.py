@@ -129,3 +129,19 @@ def _tmp() -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="kvmesh-reaper-")
+
+
+def test_still_running_names_what_a_stop_left_behind_and_not_what_ended():
+    import psutil
+
+    from kvmesh.deployments.process_tree import still_running
+
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        procs = [psutil.Process(p.pid) for p in (left, ended)]
+        assert [p.pid for p in still_running(procs, 3.0)] == [left.pid]
+    finally:
+        left.kill()
+        left.wait()
+        ended.wait()
