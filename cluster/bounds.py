@@ -100,6 +100,16 @@ def balance_bounded_bound(
     return dict(best, max_imbalance=max_imbalance, passes=len(tried))
 
 
+def online_bounded_greedy(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, caps: Sequence[float] = (1.10, 1.15, 1.20, 1.25)
+) -> list[dict]:
+    """The same greedy without hindsight, one pass per cap: each replica capped at cap x the running
+    mean (floor 0), what an online placement can know. The balance-bounded bound's other passes cap at
+    the final mean, which only the finished placement knows; comparing the two says how much of a
+    policy's miss only hindsight recovers. A reference like the bound, not an optimum."""
+    return [dict(_bounded_affinity(requests, block_size, replicas, cap, 0.0), max_imbalance=cap) for cap in caps]
+
+
 def _bounded_affinity(
     requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float, mean_floor: float
 ) -> dict:

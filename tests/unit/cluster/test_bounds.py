@@ -92,3 +92,23 @@ def test_simulate_reports_it_beside_the_other_bounds(tmp_path, capsys):
     assert bal["max_imbalance"] == 1.10 and len(bal["per_replica_prefill"]) == 2
     assert doc["policies"]["round_robin"]["hit_rate_tokens"] <= bal["hit_rate"] <= doc["bounds"]["global_infinite"]
     assert f"balance_bounded={bal['hit_rate']:.4f}" in capsys.readouterr().out
+
+
+def test_online_greedy_needs_no_hindsight_and_loses_what_only_hindsight_keeps():
+    """One long conversation first, then short ones: capped at the running mean, the conversation's
+    later turns no longer fit on its replica while it is most of the work so far, so the online greedy
+    recomputes history the hindsight passes (capped at the final mean) keep."""
+    from kvmesh.cluster.bounds import online_bounded_greedy
+
+    bs = 4
+    history: list[int] = []
+    reqs = []
+    for turn in range(8):  # one conversation: each turn's prompt holds the whole history
+        history += [1000 + 10 * turn + k for k in range(4)]
+        reqs.append(TraceRequest(turn, len(history) * bs + 1, 4, list(history)))
+    reqs += [TraceRequest(100 + i, 4 * bs + 1, 4, [5000 + 10 * i + k for k in range(4)]) for i in range(40)]
+    online = online_bounded_greedy(reqs, bs, 2)
+    hindsight = balance_bounded_bound(reqs, bs, 2, 1.25)
+    assert [p["max_imbalance"] for p in online] == [1.10, 1.15, 1.20, 1.25]
+    assert max(p["hit_rate"] for p in online) < hindsight["hit_rate"]
+    assert hindsight["imbalance"] <= 1.25
