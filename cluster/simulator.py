@@ -31,7 +31,7 @@ from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.trace import Trace, scale_to_load
-from kvmesh.policies.base import FleetView, Policy, RequestInfo
+from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
 
 
@@ -173,14 +173,21 @@ def simulate_policy(
 
     # load state, per replica, updated by a heap of (time, kind, replica, value) events:
     # kind 0 = prefill done (queued -> running), kind 1 = decode done (running -> gone)
+    # Each is kept twice: as Python numbers (what the loop reads and updates) and as the numpy arrays the
+    # policy reads (written from them), since numpy scalar arithmetic costs several times a list's.
     queued = np.zeros(N, dtype=np.int64)
     running = np.zeros(N, dtype=np.int64)
     pending = np.zeros(N, dtype=np.int64)  # uncached prompt tokens not yet prefilled
-    active = np.zeros(N, dtype=np.int64)  # KV blocks of unfinished requests
+    kv_usage = np.zeros(N)  # min(active / capacity, 1), kept up to date as active changes
+    queued_l = [0] * N
+    running_l = [0] * N
+    pending_l = [0] * N
+    active_l = [0] * N  # KV blocks of unfinished requests
+    kv_l = [0.0] * N
     events: list[tuple[float, int, int, int]] = []
     unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks: set per request below
-    kv_usage = np.zeros(N)  # min(active / capacity, 1), kept up to date as active changes
     tierless = not host and shared is None
+    capacity = cfg.capacity_blocks
     fleet = FleetView(
         rids,
         unset,
@@ -190,15 +197,23 @@ def simulate_policy(
         running,
         kv_usage,
         pending,
-        np.full(N, cfg.capacity_blocks, dtype=np.int64),
+        np.full(N, capacity, dtype=np.int64),
     )
     server_free = [0.0] * N
     # ends of admitted requests, for the max_batch constraint
     slot_heap: list[list[float]] = [[] for _ in range(N)]
     max_batch = c.max_batch
     tpot = c.decode_s_per_token
-    inv_cap = 1.0 / cfg.capacity_blocks
+    base_s = c.prefill_base_s
+    per_token_s = c.prefill_s_per_token
+    inv_cap = 1.0 / capacity
+    # 0 tier tokens x a finite load cost is 0.0 (an infinite one would make it NaN, as prefill_s does)
+    plain_service = tierless and math.isfinite(c.host_load_s_per_token) and math.isfinite(c.shared_load_s_per_token)
     push, pop = heapq.heappush, heapq.heappop
+    best, on_routed = policy.best, policy.on_routed
+    requests = trace.requests
+    match_hbm = index.match_hbm_array
+    lrus = [lru.admit for lru in hbm]
 
     # metrics
     prompt_r = [0] * N
@@ -206,7 +221,7 @@ def simulate_policy(
     computed_r = [0] * N
     reqs_r = [0] * N
     busy_r = [0.0] * N
-    tier_tokens = {"hbm": 0, "host": 0, "shared": 0}
+    hbm_tokens = host_tokens = shared_tokens = 0
     ttfts: list[float] = []
     frac_sum = 0.0
     out_tokens = 0
@@ -215,40 +230,51 @@ def simulate_policy(
 
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
-        r = trace.requests[i]
+        r = requests[i]
         arrivals[i] = t
         ids = r.hash_ids
         n = r.input_length
+        out_len = r.output_length
         while events and events[0][0] <= t:
             _, kind, k, val = pop(events)
             if kind == 0:
-                queued[k] -= 1
-                running[k] += 1
-                pending[k] -= val
+                queued[k] = queued_l[k] = queued_l[k] - 1
+                running[k] = running_l[k] = running_l[k] + 1
+                pending[k] = pending_l[k] = pending_l[k] - val
             else:
-                running[k] -= 1
-                active[k] -= val
-                kv_usage[k] = min(active[k] * inv_cap, 1.0)
-        m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
+                running[k] = running_l[k] = running_l[k] - 1
+                a = active_l[k] = active_l[k] - val
+                kv_usage[k] = kv_l[k] = min(a * inv_cap, 1.0)
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
-            fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m[0]
+            m0 = match_hbm(ids, N)  # column = slot = replica number
+            fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
         else:
+            m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
             fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         # the router hashes full blocks only: a policy sees what it would see live
-        req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
-        j = policy.best(req, fleet)
+        req = RequestInfo(ids[: n // bs], n, bs, out_len, r.tenant, str(i))
+        j = best(req, fleet)
         if j is None:
             raise RuntimeError(f"{policy.name} placed request {i} nowhere")
         rid = rids[j]
-        policy.on_routed(req, rid, fleet.view(j))
+        if tierless:
+            hbm_b = host_b = shared_b = int(m0[j])
+        else:
+            hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
+        # the replica as the policy saw it (`FleetView.view(j)`, from the Python copies)
+        on_routed(
+            req,
+            rid,
+            ReplicaView(rid, hbm_b, host_b, shared_b, queued_l[j], running_l[j], kv_l[j], pending_l[j], capacity, {}),
+        )
 
-        hbm_t = cached_tokens(int(m[0, j]), n, bs)
-        host_t = cached_tokens(int(m[1, j]), n, bs)
-        shared_t = cached_tokens(int(m[2, j]), n, bs)
+        hbm_t = cached_tokens(hbm_b, n, bs)
+        host_t = hbm_t if tierless else cached_tokens(host_b, n, bs)
+        shared_t = hbm_t if tierless else cached_tokens(shared_b, n, bs)
         uncached = n - shared_t
         # caches: the request's full blocks end up in this replica's hbm and, write-through, in the tiers
         keep = ids[: cacheable_blocks(n, len(ids), bs)]
-        new, evicted = hbm[j].admit(keep)
+        new, evicted = lrus[j](keep)
         if evicted:
             index.remove(rid, evicted)
         if new:
@@ -265,8 +291,8 @@ def simulate_policy(
                 index.remove_shared(evicted)
             if new:
                 index.store_shared(new)
-        # time
-        service = c.prefill_s(n, hbm_t, host_t, shared_t)
+        # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
+        service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         s = t if t > server_free[j] else server_free[j]
         sh = slot_heap[j]
         while sh and sh[0] <= s:
@@ -276,17 +302,17 @@ def simulate_policy(
             s = e if e > s else s
         done = s + service
         server_free[j] = done
-        end = done + r.output_length * tpot
+        end = done + out_len * tpot
         push(sh, end)
         if sender is not None:
             sender.ended(i, end)
-        kvb = -(-(n + r.output_length) // bs)
+        kvb = -(-(n + out_len) // bs)
         push(events, (done, 0, j, uncached))
         push(events, (end, 1, j, kvb))
-        queued[j] += 1
-        pending[j] += uncached
-        active[j] += kvb
-        kv_usage[j] = min(active[j] * inv_cap, 1.0)
+        queued[j] = queued_l[j] = queued_l[j] + 1
+        pending[j] = pending_l[j] = pending_l[j] + uncached
+        a = active_l[j] = active_l[j] + kvb
+        kv_usage[j] = kv_l[j] = min(a * inv_cap, 1.0)
         if end > last_end:
             last_end = end
         # metrics
@@ -296,14 +322,15 @@ def simulate_policy(
         computed_r[j] += uncached
         reqs_r[j] += 1
         busy_r[j] += service
-        tier_tokens["hbm"] += hbm_t
-        tier_tokens["host"] += host_t - hbm_t
-        tier_tokens["shared"] += shared_t - host_t
+        hbm_tokens += hbm_t
+        host_tokens += host_t - hbm_t
+        shared_tokens += shared_t - host_t
         frac_sum += shared_t / n
-        out_tokens += r.output_length
+        out_tokens += out_len
         if progress is not None:
             progress.update(1)
 
+    tier_tokens = {"hbm": hbm_tokens, "host": host_tokens, "shared": shared_tokens}
     return summarize(
         cfg,
         rids,

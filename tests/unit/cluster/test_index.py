@@ -240,6 +240,45 @@ def test_match_equals_naive_model(operations, query):
         assert tuple(int(x) for x in arr[:, idx.slot_of(rid)]) == v
 
 
+hbm_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "clear", "match"]),
+        st.integers(0, 19),
+        st.lists(st.integers(0, 12), max_size=8),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hbm_ops, st.booleans(), st.integers(8, 40))
+def test_match_hbm_array_is_match_arrays_hbm_row(operations, tiered, max_blocks):
+    """The hbm-only walk answers, counts and touches (LRU order, so later evictions) exactly as the
+    three-tier walk; 20 replicas so that masks of more than 8 slots are written too."""
+    twins = [PrefixIndex(max_blocks=max_blocks), PrefixIndex(max_blocks=max_blocks)]
+    for idx in twins:
+        for k in range(20):
+            idx.add_replica(f"r{k}", f"n{k // 4}")
+        if tiered:  # a host tier in use: the fast walk must fall back to the full one
+            idx.store_host("n0", [1, 2])
+    full, fast = twins
+    for op, k, hs in operations:
+        rid = f"r{k}"
+        if op == "match":
+            assert fast.match_hbm_array(hs, 24).tolist() == full.match_arrays(hs, 24)[0].tolist()
+            continue
+        for idx in twins:
+            if op == "store":
+                idx.store(rid, hs)
+            elif op == "remove":
+                idx.remove(rid, hs)
+            else:
+                idx.clear(rid)
+    assert fast.stats == full.stats
+    assert list(fast._entries.items()) == list(full._entries.items())
+    assert fast.match_hbm_array([0, 1, 2, 3]).tolist() == full.match_arrays([0, 1, 2, 3])[0].tolist()
+
+
 def test_match_arrays_columns_follow_slots():
     idx = make()
     idx.store("b", [1, 2])
