@@ -357,19 +357,19 @@ class PrefixIndex:
         alive = self._all
         last_drop = 0
         i = 0
-        n = len(hashes)
-        while i < n and alive:
-            h = hashes[i]
-            e = get(h)
-            if e is None:
-                break
-            kept = alive & e[0]
-            if kept != alive:
-                if i:  # slots that drop at block 0 hold nothing: out is already 0 there
-                    _scatter(out, alive ^ kept, i, n_slots)
-                    last_drop = i
-                alive = kept
-            if alive:
+        if alive:
+            for h in hashes:
+                e = get(h)
+                if e is None:
+                    break
+                kept = alive & e[0]
+                if kept != alive:
+                    if i:  # slots that drop at block 0 hold nothing: out is already 0 there
+                        _scatter(out, alive ^ kept, i, n_slots)
+                        last_drop = i
+                    alive = kept
+                    if not alive:
+                        break
                 touch(h)
                 i += 1
         if alive and i:
