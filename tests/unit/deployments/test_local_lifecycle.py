@@ -116,6 +116,9 @@ def test_a_stopped_run_ends_what_its_children_orphaned():
         subprocess.run(["sh", "-c", "sleep 300 & echo $!"], check=True, stdout=open("pid", "w"))
         orphan = psutil.Process(int(open("pid").read()))
         assert orphan.ppid() == psutil.Process().pid, orphan.ppid()
+        deadline = time.monotonic() + 30
+        while orphan.name() != "sleep" and time.monotonic() < deadline:  # forked by sh, not yet exec'd
+            time.sleep(0.01)
         ended = end_descendants(grace_s=5)
         print(ended, orphan.is_running())
         """
