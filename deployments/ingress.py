@@ -210,9 +210,15 @@ class Ingress:
             text_for=self._continuation_text,
         )
 
-    def _continuation_text(self, request: dict, sent_token_ids: list[int]) -> ContinuationText:
+    def _continuation_text(self, request: dict, sent_token_ids: list[int]) -> ContinuationText | None:
+        """The ingress's detokenizer for a continuation; None (the new replica's text is used) for a model
+        without a fast tokenizer, whose engine does not detokenize with DecodeStream either."""
+        try:
+            backend = rust_tokenizer(self.tokenizer)
+        except TypeError:
+            return None
         skip = (request.get("params") or {}).get("skip_special_tokens", True)
-        return ContinuationText(rust_tokenizer(self.tokenizer), request["prompt_token_ids"], sent_token_ids, skip)
+        return ContinuationText(backend, request["prompt_token_ids"], sent_token_ids, skip)
 
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()

@@ -90,7 +90,7 @@ class MigratingStream:
     `replica_failed(replica_id)` tells the routers in this process that a replica is dead;
     `first_token(request_id)` tells them a continuation has started (its prefill is done);
     `text_for(request, sent_token_ids)` gives the detokenizer of a continuation's new tokens
-    (`.text(token_ids) -> str`), as the dead replica's would have been.
+    (`.text(token_ids) -> str`), as the dead replica's would have been, or None to keep the engine's text.
     """
 
     def __init__(
