@@ -346,11 +346,7 @@ class PrefixIndex:
             return self.match_arrays(hashes, n_slots)[0]
         if n_slots is None:
             n_slots = max(self._slot_rid, default=-1) + 1
-        if self._spec_queue:
-            self.expire()
-        c = self._c
-        c["lookups"] += 1
-        c["lookup_blocks"] += len(hashes)
+        self._begin_lookup(hashes)
         get = self._entries.get
         touch = self._entries.move_to_end
         out = np.zeros(n_slots, dtype=np.int64)
@@ -374,10 +370,7 @@ class PrefixIndex:
                 i += 1
         if alive and i:
             _scatter(out, alive, i, n_slots)
-        best = i if alive else last_drop
-        if best:
-            c["hits"] += 1
-            c["hit_blocks"] += best
+        self._count_hit(i if alive else last_drop)
         return out
 
     def slot_of(self, replica_id: str) -> int:
@@ -386,10 +379,7 @@ class PrefixIndex:
 
     def _walk(self, hashes: Sequence[int]) -> tuple[int, list[tuple[int, int, int]]]:
         """The one pass: returns (blocks walked, [(tier, position, slots that dropped there)])."""
-        self.expire()
-        c = self._c
-        c["lookups"] += 1
-        c["lookup_blocks"] += len(hashes)
+        self._begin_lookup(hashes)
         get = self._entries.get
         touch = self._entries.move_to_end
         widen = self._widen
@@ -425,11 +415,22 @@ class PrefixIndex:
             if a_s:
                 touch(h)
                 i += 1
-        best = i if a_s else max((p for t, p, _ in drops if t == 2), default=0)
-        if best:
-            c["hits"] += 1
-            c["hit_blocks"] += best
+        self._count_hit(i if a_s else max((p for t, p, _ in drops if t == 2), default=0))
         return i, drops
+
+    def _begin_lookup(self, hashes: Sequence[int]) -> None:
+        """What every lookup does first: drop expired speculation, count the lookup and its blocks."""
+        if self._spec_queue:
+            self.expire()
+        c = self._c
+        c["lookups"] += 1
+        c["lookup_blocks"] += len(hashes)
+
+    def _count_hit(self, blocks: int) -> None:
+        """Count a lookup's longest cached prefix (any tier), when it found one."""
+        if blocks:
+            self._c["hits"] += 1
+            self._c["hit_blocks"] += blocks
 
     def expire(self) -> int:
         """Drop speculative entries whose TTL passed without confirmation; returns how many."""
