@@ -217,9 +217,13 @@ def run(
             open_streams[replica] += delta
 
     pids: dict[str, int] = {}
-    if kill_at is not None:
+
+    def learn_pids() -> None:
         with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
             pids.update(replica_pids(c))
+
+    if kill_at is not None:
+        learn_pids()
 
     def maybe_kill(replica: str, texts: int) -> None:
         """Once `kill_at` of the requests completed, SIGKILL the replica of the stream that just received
@@ -228,9 +232,8 @@ def run(
         with lock:
             if kill_at is None or report.killed_pid is not None or done < kill_at * total or texts != 1:
                 return
-            if replica not in pids:
-                with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
-                    pids.update(replica_pids(c))
+            if replica not in pids:  # a replica that started after the run began
+                learn_pids()
             if replica not in pids:
                 return
             report.killed_replica, report.killed_pid = replica, pids[replica]

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 # vLLM's FastIncrementalDetokenizer recovers from this DecodeStream error by starting a fresh stream
 INVALID_PREFIX = "Invalid prefix encountered"
 
@@ -25,8 +27,6 @@ class ContinuationText:
     """Incremental text for the new tokens of a continuation (`step(token_id) -> text`)."""
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], sent_ids: Sequence[int], skip_special_tokens=True):
-        from tokenizers.decoders import DecodeStream
-
         self._tokenizer = tokenizer  # a `tokenizers.Tokenizer` (a fast HF tokenizer's `_tokenizer`)
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
@@ -35,8 +35,6 @@ class ContinuationText:
 
     def step(self, token_id: int) -> str:
         """The text `token_id` adds ("" while the detokenizer holds it back), as vLLM's step does."""
-        from tokenizers.decoders import DecodeStream
-
         try:
             text = self._stream.step(self._tokenizer, token_id)
         except (OverflowError, TypeError):
