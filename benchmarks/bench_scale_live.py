@@ -31,6 +31,18 @@ TOKENS_PER_BLOCK = 32
 MAX_TOKENS = 8
 HIT_SLACK = 0.01
 MAX_OVER_MEAN = 1.25
+REPEATS = 3  # replays per app: one run's hit rate moves by about 0.02 on this machine
+ROUTER_FIGURES = (
+    "router",
+    "peers",
+    "published",
+    "applied",
+    "peer_inflight",
+    "lag_ms_mean",
+    "lag_ms_max",
+    "first_peer_connect_s",
+    "first_peer_placement_s",
+)
 # (ingress replicas, router sync)
 SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, False))
 
@@ -83,8 +95,9 @@ def router_states(url: str, key: str, want: int, tries: int = 40) -> list[dict]:
     return list(seen.values())
 
 
-def run_one(records: list[dict], ingress: int, sync: bool) -> dict:
-    """A fresh app with `ingress` ingress replicas, the replay through its front, and the figures."""
+def run_one(records: list[dict], ingress: int, sync: bool, repeats: int = 1) -> dict:
+    """A fresh app with `ingress` ingress replicas, `repeats` replays through its front (each with its
+    own token expansion, so each starts cold), and the figures."""
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.replay import ReplayConfig, replay
 
@@ -100,42 +113,66 @@ def run_one(records: list[dict], ingress: int, sync: bool) -> dict:
     }
     t0 = time.perf_counter()
     url = start_local(config)
+    reps = []
     try:
         up_s = time.perf_counter() - t0
-        report = replay(
-            records,
-            ReplayConfig(
-                url=url,
-                tokens_per_block=TOKENS_PER_BLOCK,
-                concurrency=CONCURRENCY,
-                api_key=key,
-                max_tokens=MAX_TOKENS,
-                timeout_s=300,
-                max_errors=10,
-                progress=False,
-            ),
-        )
+        for rep in range(repeats):
+            report = replay(
+                records,
+                ReplayConfig(
+                    url=url,
+                    tokens_per_block=TOKENS_PER_BLOCK,
+                    concurrency=CONCURRENCY,
+                    api_key=key,
+                    max_tokens=MAX_TOKENS,
+                    timeout_s=300,
+                    max_errors=10,
+                    progress=False,
+                    seed=rep,  # another token expansion: every block is new to the fleet
+                ),
+            )
+            reps.append(report.summary())
         states = router_states(url, key, ingress) if ingress > 1 else []
     finally:
         stop_local()
-    s = report.summary()
-    per = s["per_replica"]
+    return summarize(reps, ingress, sync, up_s, states)
+
+
+def summarize(reps: list[dict], ingress: int, sync: bool, up_s: float, states: list[dict]) -> dict:
+    """One setup's row: the mean over its repetitions of hit rate and p50 TTFT, per-replica requests and
+    prefill (and its max/mean) summed over all of them, and each repetition's own figures beside them."""
+    hits = [s["hit_rate_tokens"] for s in reps]
+    ttfts = [s["ttft_p50_s"] for s in reps]
+    balance = [prefill_max_over_mean(s["per_replica"], ENGINES) for s in reps]
+    per: dict[str, dict] = {}
+    for s in reps:
+        for rid, r in s["per_replica"].items():
+            row = per.setdefault(rid, {"requests": 0, "uncached_prompt_tokens": 0})
+            row["requests"] += r["requests"]
+            row["uncached_prompt_tokens"] += r["uncached_prompt_tokens"]
     return {
         "ingress": ingress,
         "sync": sync,
         "up_s": round(up_s, 1),
-        "requests": s["requests"],
-        "errors": s["errors"],
-        "hit": s["hit_rate_tokens"],
-        "ttft_p50_s": s["ttft_p50_s"],
+        "repeats": len(reps),
+        "requests": sum(s["requests"] for s in reps),
+        "errors": sum(s["errors"] for s in reps),
+        "hit": _mean(hits),
+        "hits": hits,
+        "ttft_p50_s": _mean(ttfts),
         "per_replica_requests": sorted((r["requests"] for r in per.values()), reverse=True),
         "per_replica_prefill": sorted((r["uncached_prompt_tokens"] for r in per.values()), reverse=True),
+        # over the whole run: the balance guard evens out the fleet's work over time, so a later repetition
+        # leans against an earlier one's imbalance and only the sum says how even the fleet's work was
         "prefill_max_over_mean": prefill_max_over_mean(per, ENGINES),
-        "routers": [
-            {k: st.get(k) for k in ("router", "peers", "published", "applied", "first_peer_placement_s")}
-            for st in states
-        ],
+        "prefill_max_over_mean_each": balance,
+        "routers": [{k: st.get(k) for k in ROUTER_FIGURES} for st in states],
     }
+
+
+def _mean(values: list) -> float | None:
+    """Mean of the values present; None when a repetition has none (no usage reported)."""
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
 
 
 def checks(rows: list[dict]) -> list[tuple[str, bool]]:
@@ -203,13 +240,14 @@ def main() -> None:
     wanted_setups = os.environ.get("BENCH_SCALE_LIVE_SETUPS")
     setups = [s for s in SETUPS if not wanted_setups or str(s[0]) in wanted_setups.split(",")]
     names = (os.environ.get("BENCH_SCALE_LIVE_WORKLOADS") or "chat,mooncake").split(",")
+    repeats = int(os.environ.get("BENCH_SCALE_LIVE_REPEATS", REPEATS))
     loads = workloads(names)
     rows = []
     for name, records in loads.items():
         for ingress, sync in setups:
             t0 = time.perf_counter()
             print(f"  {name}: {ingress} ingress replica(s), sync {'on' if sync else 'off'} ...", flush=True)
-            row = {"workload": name, **run_one(records, ingress, sync)}
+            row = {"workload": name, **run_one(records, ingress, sync, repeats)}
             rows.append(row)
             print(
                 f"    hit {row['hit']}, prefill max/mean {row['prefill_max_over_mean']:.2f}, "

@@ -148,6 +148,10 @@ class Ingress:
         self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
         self.tenant_metrics = TenantMetrics()
         self.failures = FailureCounters()
+        # Initialise the engine handle now, not at the first request: its router is built as soon as Serve
+        # names the engine replicas, so it joins the other ingress replicas' placement stream and subscribes
+        # to the engines' KV events before traffic arrives, not seconds into it.
+        self.engine.options()
 
     # ------------------------------------------------------------------ helpers
     def _auth(self, request: Request) -> Tenant:

@@ -74,11 +74,17 @@ class UnseenPlacements:
         self._heard: deque[tuple[float, float, float]] = deque()  # (heard at, lag, prefill tokens)
         self._lag_sum = 0.0
         self._tokens_sum = 0.0
+        self.count = 0  # every placement heard, and their lag: the stream's latency as /kvmesh/state shows it
+        self.lag_total = 0.0
+        self.lag_max = 0.0
 
     def heard(self, sent_at: float, heard_at: float, tokens: float) -> None:
         """A peer's placement of `tokens` prefill work, made at `sent_at`, arrived at `heard_at` (same
         clock; a negative lag, from clock skew between hosts, counts as none)."""
         lag = max(heard_at - sent_at, 0.0)
+        self.count += 1
+        self.lag_total += lag
+        self.lag_max = max(self.lag_max, lag)
         self._heard.append((heard_at, lag, tokens))
         self._lag_sum += lag
         self._tokens_sum += tokens
@@ -245,6 +251,7 @@ class RouterSync:
         self.published = 0
         self.started_at = time.monotonic()
         self.first_peer_s: float | None = None  # start -> first peer placement applied
+        self.first_connect_s: float | None = None  # start -> subscribed to a peer's stream
         self._pub: Any = None
         self._sub: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -332,6 +339,8 @@ class RouterSync:
                     if self.peers.get(router) != endpoint:
                         self._sub.connect(endpoint)
                         self.peers[router] = endpoint
+                        if self.first_connect_s is None:
+                            self.first_connect_s = time.monotonic() - self.started_at
                         log.info("router sync: peer %s at %s", router, endpoint)
                 for router in set(self.peers) - set(peers):
                     with contextlib.suppress(Exception):
@@ -365,6 +374,7 @@ class RouterSync:
                 log.exception("router sync: bad message dropped")
 
     def stats(self) -> dict:
+        unseen = self.placements.unseen
         return {
             "router": self.router_id,
             "endpoint": getattr(self, "endpoint", None),
@@ -373,6 +383,9 @@ class RouterSync:
             "applied": self.placements.applied,
             "peer_inflight": len(self.placements.placements),
             "unseen_placements": round(self.placements.unseen_placements()[0], 3),
+            "lag_ms_mean": round(1000 * unseen.lag_total / unseen.count, 2) if unseen.count else None,
+            "lag_ms_max": round(1000 * unseen.lag_max, 2) if unseen.count else None,
+            "first_peer_connect_s": self.first_connect_s,
             "first_peer_placement_s": self.first_peer_s,
         }
 

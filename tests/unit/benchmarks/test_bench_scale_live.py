@@ -45,3 +45,29 @@ def test_synced_runs_are_judged_against_the_single_ingress_run():
 def test_a_run_with_failed_requests_misses():
     verdict = dict(checks([_row("chat", 1, True, 0.8, 1.0, errors=2)]))
     assert verdict == {"chat ingress=1 sync=on: no failed request": False}
+
+
+def _summary(hit, per):
+    return {
+        "requests": sum(r["requests"] for r in per.values()),
+        "errors": 0,
+        "hit_rate_tokens": hit,
+        "ttft_p50_s": 0.1,
+        "per_replica": per,
+    }
+
+
+def test_repetitions_are_averaged_and_each_kept():
+    from kvmesh.benchmarks.bench_scale_live import summarize
+
+    even = {k: {"requests": 2, "uncached_prompt_tokens": 100} for k in "abcd"}
+    skew = {"a": {"requests": 5, "uncached_prompt_tokens": 200}, "b": {"requests": 3, "uncached_prompt_tokens": 200}}
+    row = summarize([_summary(0.7, even), _summary(0.8, skew)], 2, True, 30.0, [])
+    assert row["hits"] == [0.7, 0.8] and abs(row["hit"] - 0.75) < 1e-12
+    assert row["prefill_max_over_mean_each"] == [1.0, 2.0]  # skew: 200 against a mean of 100 over 4
+    # the run's balance is the summed work's: a 300 / 300 / 100 / 100 fleet, mean 200
+    assert row["prefill_max_over_mean"] == 1.5
+    assert row["per_replica_prefill"] == [300, 300, 100, 100]
+    assert row["per_replica_requests"] == [7, 5, 2, 2] and row["requests"] == 16
+    # a repetition without a hit rate (no usage reported) leaves the row without one: a miss, not a guess
+    assert summarize([_summary(None, even), _summary(0.8, even)], 2, True, 30.0, [])["hit"] is None
