@@ -394,6 +394,8 @@ class KvmeshRouter(RequestRouter):
         earlier = self._routing.pop(internal, None)
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
+        if self.sync is not None:
+            self.sync.drain()  # peers' placements already received count in this ranking
         matches = self.index.match(hashes)
         policy = self._policy_for(req)
         views = self._views(candidate_replicas, matches)

@@ -260,6 +260,22 @@ class RouterSync:
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
+        """Open the stream (`open`) and start finding peers and reading their placements."""
+        self.open()
+        self._tasks = [asyncio.create_task(self._discover()), asyncio.create_task(self._receive())]
+        log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
+
+    def connect(self, router: str, endpoint: str) -> None:
+        """Subscribe to a peer's stream (discovery calls this for every peer the registry names)."""
+        self._sub.connect(endpoint)
+        self.peers[router] = endpoint
+        if self.first_connect_s is None:
+            self.first_connect_s = time.monotonic() - self.started_at
+        log.info("router sync: peer %s at %s", router, endpoint)
+
+    def open(self) -> None:
+        """Bind this router's PUB socket and make its SUB socket (CURVE with the deployment's channel keys;
+        without them, loopback only)."""
         import zmq
         import zmq.asyncio
 
@@ -290,8 +306,6 @@ class RouterSync:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt_string(zmq.SUBSCRIBE, "")
         self._pub, self._sub = pub, sub
-        self._tasks = [asyncio.create_task(self._discover()), asyncio.create_task(self._receive())]
-        log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -337,11 +351,7 @@ class RouterSync:
                 peers = await self._registry.heartbeat.remote(self.router_id, self.endpoint)
                 for router, endpoint in peers.items():
                     if self.peers.get(router) != endpoint:
-                        self._sub.connect(endpoint)
-                        self.peers[router] = endpoint
-                        if self.first_connect_s is None:
-                            self.first_connect_s = time.monotonic() - self.started_at
-                        log.info("router sync: peer %s at %s", router, endpoint)
+                        self.connect(router, endpoint)
                 for router in set(self.peers) - set(peers):
                     with contextlib.suppress(Exception):
                         self._sub.disconnect(self.peers[router])
@@ -356,22 +366,50 @@ class RouterSync:
                 log.exception("router sync: discovery failed; retrying")
             await asyncio.sleep(self.poll_s)
 
-    async def _receive(self) -> None:
+    def drain(self) -> int:
+        """Apply every peer message already received, in order, without waiting; returns how many.
+
+        The router calls this before it ranks a request: a loop busy routing (a burst of requests, a slow
+        first call) would otherwise rank on a view without placements already sitting in the socket. It
+        is also the only reader of the socket (`_receive` waits for readiness and drains), so messages
+        are applied in the order they were sent."""
+        import zmq
+
+        n = 0
+        while self._sub is not None:
+            try:
+                raw = self._sub.recv(flags=zmq.NOBLOCK).result()  # a finished future: a message or Again
+            except zmq.Again:
+                break
+            n += 1
+            self._apply(raw)
+        return n
+
+    def _apply(self, raw: bytes) -> None:
         import msgpack
+
+        try:
+            msg = msgpack.unpackb(raw)
+            if msg[1] == self.router_id:
+                return
+            self.placements.apply(msg)
+            if self.first_peer_s is None:
+                self.first_peer_s = time.monotonic() - self.started_at
+        except Exception:  # a malformed message is dropped, the stream goes on
+            log.exception("router sync: bad message dropped")
+
+    async def _receive(self) -> None:
+        import zmq
 
         while True:
             try:
-                raw = await self._sub.recv()
-                msg = msgpack.unpackb(raw)
-                if msg[1] == self.router_id:
-                    continue
-                self.placements.apply(msg)
-                if self.first_peer_s is None:
-                    self.first_peer_s = time.monotonic() - self.started_at
+                await self._sub.poll(flags=zmq.POLLIN)  # readable: what arrived is drained, in order
+                self.drain()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a malformed message is dropped, the stream goes on
-                log.exception("router sync: bad message dropped")
+            except Exception:  # never let the stream's reader end
+                log.exception("router sync: receive failed; retrying")
+                await asyncio.sleep(0.1)
 
     def stats(self) -> dict:
         unseen = self.placements.unseen
