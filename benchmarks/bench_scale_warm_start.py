@@ -24,8 +24,10 @@ an explicit version a new random code version, so redeploying with another repli
 every replica, warm ones included; the autoscaler changes only the target count.
 
 Figures: the new replica's token hit rate over its first FIRST_N requests, the old replicas' over the same
-span, the new replica's first request (cached tokens), and the token hit rate over the WINDOW requests
-before and after the removal (the dip). Targets (shared against no_shared, both measured in this run):
+span, the new replica's first request (cached tokens), the token hit rate over the WINDOW requests
+before and after the removal (the dip), and the orphaned prefixes (served only by the replica that left,
+so no remaining engine cache holds them) with the hit rate of each one's next request. Targets (shared
+against no_shared, both measured in this run):
 shared's new-replica hit rate >= no_shared's, shared's (and same_node's) first request on the new replica
 is a tier hit (cached tokens > 0), shared's dip <= no_shared's + DIP_SLACK; every arm: its new replica
 served FIRST_N requests, a replica was removed, no request failed. Writes BENCH_OUT/warm_start/
@@ -116,6 +118,25 @@ def removal_split(rows: list[dict], removed: list[str], seen_at: float) -> float
     return min([seen_at, *last[-1:]]) if last else seen_at
 
 
+def orphaned_prefixes(rows: list[dict], removed: list[str], before_end: float) -> list[int]:
+    """Prefixes that only the removed replicas had served before the removal: no remaining replica holds
+    them in its own cache, so their next requests are tier hits or recomputes."""
+    seen: dict[int, set[str]] = {}
+    for r in rows:
+        if r.get("ok") and r["t1"] < before_end:
+            seen.setdefault(r["prefix"], set()).add(r["replica"])
+    return sorted(k for k, reps in seen.items() if reps <= set(removed))
+
+
+def first_after(rows: list[dict], prefixes: list[int], after_start: float) -> list[dict]:
+    """Each prefix's first successful request sent after `after_start`."""
+    out: dict[int, dict] = {}
+    for r in sorted((r for r in rows if r.get("ok") and r["t0"] > after_start), key=lambda r: r["t0"]):
+        if r["prefix"] in prefixes:
+            out.setdefault(r["prefix"], r)
+    return list(out.values())
+
+
 def dip(before: float | None, after: float | None) -> float | None:
     """How far the hit rate fell across the removal (negative: it rose)."""
     return None if before is None or after is None else before - after
@@ -125,9 +146,12 @@ def arm_figures(rows: list[dict], new: str | None, removed_at: float | None, rem
     """One arm's figures from its request rows, the new replica's id, when the shrunk replica set was
     seen and which replicas left."""
     mine, old = new_replica_span(rows, new, FIRST_N) if new else ([], [])
-    before, after = [], []
+    before, after, orphans, orphan_next = [], [], [], []
     if removed_at is not None:
-        before, after = dip_windows(rows, removal_split(rows, removed, removed_at), removed_at, WINDOW)
+        split = removal_split(rows, removed, removed_at)
+        before, after = dip_windows(rows, split, removed_at, WINDOW)
+        orphans = orphaned_prefixes(rows, removed, split)
+        orphan_next = first_after(rows, orphans, removed_at)
     hb, ha = hit_rate(before), hit_rate(after)
     return {
         "requests": len(rows),
@@ -146,6 +170,8 @@ def arm_figures(rows: list[dict], new: str | None, removed_at: float | None, rem
         "before_n": len(before),
         "after_n": len(after),
         "dip": dip(hb, ha),
+        "orphaned_prefixes": len(orphans),
+        "orphan_next_hit": hit_rate(orphan_next),
     }
 
 
@@ -184,13 +210,14 @@ def table(arms: dict[str, dict]) -> str:
 
     lines = [
         f"{'arm':<6} {'new hit':>8} {'old hit':>8} {'new n':>6} {'first cached':>12} "
-        f"{'before':>8} {'after':>8} {'dip':>8} {'requests':>8} {'errors':>6}"
+        f"{'before':>8} {'after':>8} {'dip':>8} {'orphans':>7} {'orph hit':>8} {'requests':>8} {'errors':>6}"
     ]
     for name, a in arms.items():
         first = f"{f(a['new_first_cached'])}/{f(a['new_first_prompt_tokens'])}"
         lines.append(
             f"{name:<6} {f(a['new_hit']):>8} {f(a['old_hit_same_span']):>8} {a['new_requests']:>6} {first:>12} "
-            f"{f(a['before_hit']):>8} {f(a['after_hit']):>8} {f(a['dip']):>8} {a['requests']:>8} {a['errors']:>6}"
+            f"{f(a['before_hit']):>8} {f(a['after_hit']):>8} {f(a['dip']):>8} {a['orphaned_prefixes']:>7} "
+            f"{f(a['orphan_next_hit']):>8} {a['requests']:>8} {a['errors']:>6}"
         )
     return "\n".join(lines)
 
@@ -390,6 +417,8 @@ def run_arm(arm: str, seed: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     figures = arm_figures(found["rows"], found["new"], found["removed_at"], found["removed_replicas"])
     extra = {k: v for k, v in found.items() if k not in ("rows", "new", "removed_at")}
+    if found["removed_at"] is not None and found["rows"]:  # on the rows' clock (seconds from the first send)
+        extra["removal_seen_s"] = round(found["removed_at"] - min(r["t0"] for r in found["rows"]), 3)
     return {"arm": arm, **figures, **extra, "rows": _relative(found["rows"])}
 
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 from kvmesh.benchmarks import bench_scale_warm_start as b
 
 
-def _row(t0, replica, cached, prompt=144, ok=True):
-    return {"t0": t0, "t1": t0 + 0.5, "replica": replica, "cached": cached, "prompt_tokens": prompt, "ok": ok}
+def _row(t0, replica, cached, prompt=144, ok=True, prefix=0):
+    return {
+        "t0": t0,
+        "t1": t0 + 0.5,
+        "replica": replica,
+        "cached": cached,
+        "prompt_tokens": prompt,
+        "ok": ok,
+        "prefix": prefix,
+    }
 
 
 def test_hit_rate_counts_tokens_of_successful_requests_only():
@@ -98,3 +106,15 @@ def test_arm_figures_split_the_dip_at_the_removed_replicas_last_request():
     assert fig["before_n"] == 4 and fig["after_n"] == 2  # before: finished by t=4; after: sent after 5.6
     assert fig["before_hit"] == 128 / 144 and fig["after_hit"] == 0.0
     assert fig["dip"] == 128 / 144
+    assert fig["orphaned_prefixes"] == 0  # "a" served prefix 0 too
+
+
+def test_orphaned_prefixes_are_those_only_the_removed_replica_served():
+    rows = [dict(_row(0, "a", 128), prefix=0), dict(_row(1, "gone", 128), prefix=0)]
+    rows += [dict(_row(2, "gone", 0), prefix=1), dict(_row(3, "gone", 128), prefix=1)]
+    rows += [dict(_row(9, "gone", 0), prefix=2)]  # after the split: does not count
+    rows += [dict(_row(10, "a", 0), prefix=1), dict(_row(11, "a", 128), prefix=1), dict(_row(12, "a", 128), prefix=0)]
+    assert b.orphaned_prefixes(rows, ["gone"], before_end=5) == [1]
+    nxt = b.first_after(rows, [1], after_start=5)
+    assert [r["t0"] for r in nxt] == [10]  # its first request after the removal: a recompute here
+    assert b.hit_rate(nxt) == 0.0
