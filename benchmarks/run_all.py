@@ -15,6 +15,8 @@ import traceback
 from kvmesh import benchmarks
 
 OPT_IN = {"bench_sim_speed"}  # minutes on this machine and a large trace file: BENCH=sim_speed
+# benches a BENCH=<group> runs beside its bench_<group>*.py ones (their names do not say the group)
+GROUPS = {"scale": {"bench_ingress_throughput"}}
 
 
 def main(argv=None) -> int:
@@ -25,8 +27,9 @@ def main(argv=None) -> int:
         short = name.removeprefix("bench_")
         if name in OPT_IN and name not in wanted and short not in wanted:
             continue  # long: only when named
-        if wanted and name not in wanted and not any(short == w or short.startswith(w + "_") for w in wanted):
-            continue  # BENCH=scale runs bench_scale.py and bench_scale_*.py
+        named = any(short == w or short.startswith(w + "_") or name in GROUPS.get(w, ()) for w in wanted)
+        if wanted and name not in wanted and not named:
+            continue  # BENCH=scale runs bench_scale.py, bench_scale_*.py and its GROUPS
         print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()
         try:

@@ -224,6 +224,15 @@ class Ingress:
         skip = (request.get("params") or {}).get("skip_special_tokens", True)
         return ContinuationText(backend, request["prompt_token_ids"], sent_token_ids, skip)
 
+    def _record_call_stages(self, t0: float, t_call: float, engine_s: float | None) -> None:
+        """Stage timers for a request whose engine call answered: what the ingress did before the call, the
+        call itself, and the engine's own share of it (what is left of the call is routing and the hop)."""
+        now = time.perf_counter()
+        self.serving_metrics.record_stage("pre_call", t_call - t0)  # auth, parse, tokenize, admission
+        self.serving_metrics.record_stage("engine_call", now - t_call)
+        if engine_s is not None:
+            self.serving_metrics.record_stage("engine_first_output", engine_s)
+
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         try:
@@ -231,7 +240,9 @@ class Ingress:
             body = proto.parse_json(await request.body())
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            t_tok = time.perf_counter()
             ids = self._tokenize(req)
+            self.serving_metrics.record_stage("tokenize", time.perf_counter() - t_tok)
             self._check_model_and_length(req, ids)
             t_queue = time.perf_counter()
             ticket = await self.admission.acquire(tenant, len(ids))
@@ -284,6 +295,9 @@ class Ingress:
                 log.exception("engine call failed")
             self.serving_metrics.record_error(err.status if err else 500)
             return _error_response(err or exc)
+        # where a request's time goes (GET /metrics): the engine call holds the routing decision, the handle
+        # hop and the engine's own time to its first output (reported by unary calls)
+        self._record_call_stages(t0, t_call, first.get("ttft_s"))
         notify_first_token(request_id)
         replica = first["replica"]
         oid = proto.new_id(req.kind)
@@ -308,9 +322,11 @@ class Ingress:
         if not req.stream:
             release()
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
-            return JSONResponse(
+            response = JSONResponse(
                 proto.full_response(req, oid, first["text"], first["finish_reason"], u), headers=headers
             )
+            self.serving_metrics.record_stage("handler", time.perf_counter() - t0)
+            return response
 
         async def events() -> AsyncIterator[bytes]:
             ntok = 0

@@ -1,5 +1,7 @@
 """Ingress-side serving metrics in Prometheus text form: hit rates (token- and request-weighted),
-cached tokens, TTFT, predicted vs delivered cached tokens -- globally and per replica.
+cached tokens, TTFT, predicted vs delivered cached tokens -- globally and per replica -- and the
+time each request spends in the ingress's stages (sum of seconds and count per stage), so the
+per-request overhead can be split without a profiler.
 
 Why hand-rolled: a few counters and one histogram per replica; prometheus_client's global registry
 would collide across Serve replicas sharing a process in tests, and we want `snapshot()` as plain data
@@ -61,6 +63,14 @@ class ServingMetrics:
         self.total = _Counters()
         self.per_replica: dict[str, _Counters] = {}
         self.errors: dict[int, int] = {}
+        self.stages: dict[str, list] = {}  # stage -> [seconds total, count]
+
+    def record_stage(self, stage: str, seconds: float) -> None:
+        """Add one request's time in `stage` (e.g. tokenize, engine_call): cumulative, cheap."""
+        with self._lock:
+            total = self.stages.setdefault(stage, [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
 
     def record(
         self, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float | None
@@ -81,6 +91,7 @@ class ServingMetrics:
                 "total": self.total.as_dict(),
                 "per_replica": {k: v.as_dict() for k, v in self.per_replica.items()},
                 "errors": dict(self.errors),
+                "stages": {k: {"seconds_total": v[0], "count": v[1]} for k, v in sorted(self.stages.items())},
             }
 
     def prometheus_text(self, ledger: dict | None = None, router: dict | None = None) -> str:
@@ -144,6 +155,19 @@ class ServingMetrics:
                 "counter",
                 "client/server errors by status",
                 [({"status": str(s)}, n) for s, n in sorted(self.errors.items())],
+            )
+            stages = sorted(self.stages.items())
+            metric(
+                "kvmesh_ingress_stage_seconds_total",
+                "counter",
+                "seconds requests spent in each ingress stage",
+                [({"stage": k}, v[0]) for k, v in stages],
+            )
+            metric(
+                "kvmesh_ingress_stage_calls_total",
+                "counter",
+                "requests timed in each ingress stage",
+                [({"stage": k}, v[1]) for k, v in stages],
             )
         if ledger is not None:
             per_replica = ledger["per_replica"].items()

