@@ -146,7 +146,10 @@ def arm_figures(rows: list[dict], new: str | None, removed_at: float | None, rem
     """One arm's figures from its request rows, the new replica's id, when the shrunk replica set was
     seen and which replicas left."""
     mine, old = new_replica_span(rows, new, FIRST_N) if new else ([], [])
-    before, after, orphans, orphan_next = [], [], [], []
+    before: list[dict] = []
+    after: list[dict] = []
+    orphans: list[int] = []
+    orphan_next: list[dict] = []
     if removed_at is not None:
         split = removal_split(rows, removed, removed_at)
         before, after = dip_windows(rows, split, removed_at, WINDOW)
@@ -336,7 +339,7 @@ async def drive(url: str, key: str, seed: int, add_node) -> dict:
 async def scale_up(c, d: Driver, initial: set[str], found: dict) -> str | None:
     """CONC_HIGH clients until the new replica served FIRST_N requests; the new replica's id or None."""
     t0 = time.monotonic()
-    state = {"new": None, "joined": None}
+    state: dict = {"new": None, "joined": None}
 
     def new_count() -> int:
         return sum(1 for r in d.rows if r.get("ok") and r["replica"] == state["new"])
@@ -400,7 +403,8 @@ def run_arm(arm: str, seed: int) -> dict:
     key = "kvm-warm-" + secrets.token_hex(6)
     work = tempfile.mkdtemp(prefix="kvm-warm-")
     saved = dict(os.environ)
-    redis = cluster = None
+    redis: RedisServer | None = None
+    cluster = None
     try:
         if arm != "no_shared":
             redis = RedisServer(os.path.join(work, "redis")).start()
