@@ -19,9 +19,13 @@ ASGI path. Block hashing has no timer of its own in the router, so it is timed h
 ids with the router's function (kvstore/hashing.py `block_hashes`, fresh memo). CPU seconds per process
 kind (ingress, engines, front, the rest of Ray, this client) come from psutil over each measured phase.
 
+A fourth setup, 2 ingress replicas with router sync off, is the contrast: what the placement stream
+between routers costs (reported, not judged).
+
 Targets: no failed request in any run; requests/s with 2 ingress replicas >= RATIO_MIN x with 1 (per
 prompt form). Writes BENCH_OUT/ingress_throughput/ingress_throughput.json and .png (BENCH_OUT default
-out). Part of `BENCH=scale make bench`; BENCH_INGRESS_SETUPS (e.g. "1,2") narrows it. Exit 1 on a miss.
+out). Part of `BENCH=scale make bench` (about 4 minutes here); BENCH_INGRESS_SETUPS (e.g. "1,2")
+narrows it. Exit 1 on a miss.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.stats import nearest_rank
 
 ENGINES = 4
-SETUPS = (1, 2, 4)  # ingress replicas
+# (ingress replicas, router sync); 2 without sync is the contrast (what the placement stream costs), not judged
+SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, False))
 # 4 per engine: on 2 cores the sweep gave 178 req/s at 16 and 190 at 32 for twice the p50, the CPU all busy
 CONCURRENCY = 16
 SWEEP = (1, 4, 8, 16, 32)
@@ -140,12 +145,17 @@ def cpu_shares(before: dict[int, tuple[str, float]], after: dict[int, tuple[str,
     return {k: round(v, 3) for k, v in sorted(out.items())}
 
 
-def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
-    """requests/s of each setup over the single-ingress setup's, per prompt form."""
-    out: dict[str, dict[int, float]] = {}
+def label(row: dict) -> str:
+    """A setup's name: its ingress replicas, "nosync" when router sync was off."""
+    return f"{row['ingress']}" + ("" if row.get("sync", True) else " nosync")
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """requests/s of each setup (by label) over the single-ingress setup's, per prompt form."""
+    out: dict[str, dict[str, float]] = {}
     for form in sorted({f for r in rows for f in r["forms"]}):
         base = next((r["forms"][form]["load"]["rps"] for r in rows if r["ingress"] == 1 and form in r["forms"]), None)
-        out[form] = {r["ingress"]: r["forms"][form]["load"]["rps"] / base for r in rows if base and form in r["forms"]}
+        out[form] = {label(r): r["forms"][form]["load"]["rps"] / base for r in rows if base and form in r["forms"]}
     return out
 
 
@@ -156,11 +166,11 @@ def checks(rows: list[dict]) -> list[tuple[str, bool]]:
     for r in rows:
         for form, f in r["forms"].items():
             errors = f["load"]["errors"] + sum(s["load"]["errors"] for s in r.get("sweep", []))
-            out.append((f"ingress={r['ingress']} {form}: no failed request", errors == 0))
+            out.append((f"ingress={label(r)} {form}: no failed request", errors == 0))
     rs = ratios(rows)
     forms = sorted({f for r in rows for f in r["forms"]})
     for form in forms:
-        ratio = rs.get(form, {}).get(2)
+        ratio = rs.get(form, {}).get("2")
         out.append(
             (f"{form}: rps(2 ingress) >= {RATIO_MIN} x rps(1 ingress)", ratio is not None and ratio >= RATIO_MIN)
         )
@@ -347,7 +357,7 @@ def measured_phase(url: str, key: str, ingress: int, form: str, seed: int) -> di
     return phase(url, key, ingress, CONCURRENCY, REQUESTS, prompt_maker(form, seed))
 
 
-def run_one(ingress: int, forms: tuple[str, ...]) -> dict:
+def run_one(ingress: int, sync: bool, forms: tuple[str, ...]) -> dict:
     """A fresh app with `ingress` ingress replicas: (single ingress: a concurrency sweep) and each form."""
     from kvmesh.deployments.app import start_local, stop_local
 
@@ -355,12 +365,13 @@ def run_one(ingress: int, forms: tuple[str, ...]) -> dict:
     config = {
         "replicas": ENGINES,
         "ingress_replicas": ingress,
+        "router_sync": sync,
         "policy": "kvmesh",
         "port": 0,
         "api_keys": [key],
         "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": 0.4},
     }
-    row: dict = {"ingress": ingress, "loadavg_before": os.getloadavg()}
+    row: dict = {"ingress": ingress, "sync": sync, "loadavg_before": os.getloadavg()}
     t0 = time.perf_counter()
     url = start_local(config).rstrip("/")
     try:
@@ -403,7 +414,7 @@ def table(rows: list[dict], hashing: dict) -> str:
     rs = ratios(rows)
     for r in rows:
         for form, ph in r["forms"].items():
-            lines.append(_line(f"{r['ingress']} {form}", rs.get(form, {}).get(r["ingress"]), ph))
+            lines.append(_line(f"{label(r)} {form}", rs.get(form, {}).get(label(r)), ph))
     for r in rows:
         for ph in r.get("sweep", []):
             lines.append(_line(f"{r['ingress']} tokens C={ph['concurrency']}", None, ph))
@@ -424,8 +435,11 @@ def plot(rows: list[dict], path: str) -> None:
     forms = sorted({f for r in rows for f in r["forms"]})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, form in enumerate(forms):
-        sub = [r for r in rows if form in r["forms"]]
-        axes[0].plot([r["ingress"] for r in sub], [r["forms"][form]["load"]["rps"] for r in sub], "o-", label=form)
+        for sync, style in ((True, "o-"), (False, "x")):
+            sub = [r for r in rows if form in r["forms"] and r.get("sync", True) == sync]
+            rps = [r["forms"][form]["load"]["rps"] for r in sub]
+            name = form if sync else f"{form}, router sync off"
+            axes[0].plot([r["ingress"] for r in sub], rps, style, color=f"C{i}", label=name)
     axes[0].set_xticks(sorted({r["ingress"] for r in rows}))
     axes[0].set_xlabel("ingress replicas")
     axes[0].set_ylabel("requests/s")
@@ -433,7 +447,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[0].set_ylim(bottom=0)
     axes[0].legend()
     parts = ("pre_call", "decision", "hop", "engine_first_output", "post_call")
-    labels = [f"{r['ingress']} {form}" for r in rows for form in r["forms"]]
+    labels = [f"{label(r)} {form}" for r in rows for form in r["forms"]]
     bottoms = [0.0] * len(labels)
     for j, part in enumerate(parts):
         vals = [(r["forms"][form]["stages_ms"].get(part) or 0.0) for r in rows for form in r["forms"]]
@@ -453,14 +467,17 @@ def main() -> None:
     out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "ingress_throughput")
     os.makedirs(out_dir, exist_ok=True)
     wanted = os.environ.get("BENCH_INGRESS_SETUPS")
-    setups = [n for n in SETUPS if not wanted or str(n) in wanted.split(",")]
+    setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
     forms = ("tokens", "text")
     hashing = offline_hashing(forms)
     rows = []
-    for ingress in setups:
+    for ingress, sync in setups:
         t0 = time.perf_counter()
-        print(f"  {ingress} ingress replica(s), load average {os.getloadavg()[0]:.1f} ...", flush=True)
-        rows.append(run_one(ingress, forms))
+        print(
+            f"  {ingress} ingress replica(s), sync {'on' if sync else 'off'}, load {os.getloadavg()[0]:.1f} ...",
+            flush=True,
+        )
+        rows.append(run_one(ingress, sync, forms))
         got = ", ".join(f"{form} {f['load']['rps']:.1f} req/s" for form, f in rows[-1]["forms"].items())
         print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\ningress throughput: {ENGINES} engines, closed loop C={CONCURRENCY}, max_tokens 1, {REQUESTS} requests")

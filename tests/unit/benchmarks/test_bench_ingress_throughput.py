@@ -80,23 +80,24 @@ def test_process_kinds_from_ray_worker_titles():
     assert process_kind("/x/raylet --foo", 7, 1) == "ray_other"
 
 
-def _row(ingress, rps_tokens, rps_text=None, errors=0, sweep_errors=0):
+def _row(ingress, rps_tokens, rps_text=None, errors=0, sweep_errors=0, sync=True):
     forms = {"tokens": {"load": {"rps": rps_tokens, "errors": errors}}}
     if rps_text is not None:
         forms["text"] = {"load": {"rps": rps_text, "errors": 0}}
-    row = {"ingress": ingress, "forms": forms}
+    row = {"ingress": ingress, "sync": sync, "forms": forms}
     if ingress == 1:
         row["sweep"] = [{"load": {"errors": sweep_errors}}]
     return row
 
 
 def test_two_ingress_replicas_must_keep_nine_tenths_of_one():
-    rows = [_row(1, 100.0, 80.0), _row(2, 91.0, 70.0), _row(4, 50.0, 40.0)]
-    assert ratios(rows)["tokens"] == {1: 1.0, 2: 0.91, 4: 0.5}
+    rows = [_row(1, 100.0, 80.0), _row(2, 91.0, 70.0), _row(4, 50.0, 40.0), _row(2, 20.0, 75.0, sync=False)]
+    assert ratios(rows)["tokens"] == {"1": 1.0, "2": 0.91, "4": 0.5, "2 nosync": 0.2}
     verdict = dict(checks(rows))
-    assert verdict["tokens: rps(2 ingress) >= 0.9 x rps(1 ingress)"]
-    assert not verdict["text: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # 70/80 = 0.875
+    assert verdict["tokens: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # the synced run, not the contrast
+    assert not verdict["text: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # 70/80 = 0.875; the contrast's 75 not used
     assert not any("rps(4" in name for name in verdict)  # reported, not judged
+    assert verdict["ingress=2 nosync tokens: no failed request"]
 
 
 def test_failed_requests_and_missing_runs_miss():
@@ -173,10 +174,23 @@ def test_table_has_a_line_per_run_form_and_sweep_point():
     rows = [
         {"ingress": 1, "forms": {"tokens": _phase(80.0, hop=3.5)}, "sweep": [{"concurrency": 4, **_phase(60.0)}]},
         {"ingress": 2, "forms": {"tokens": _phase(60.0)}},
+        {"ingress": 2, "sync": False, "forms": {"tokens": _phase(40.0)}},
     ]
     hashing = {"tokens": {"hash_us_mean": 5.0, "full_blocks_mean": 0.0, "prompt_tokens_mean": 16.0}}
     lines = table(rows, hashing).splitlines()
-    assert len(lines) == 1 + 2 + 1 + 1
+    assert len(lines) == 1 + 3 + 1 + 1
     assert lines[1].startswith("1 tokens") and " 3.50 " in lines[1] and " 1.00 " in lines[1]
     assert lines[2].startswith("2 tokens") and " 0.75 " in lines[2]  # ratio to one ingress replica
-    assert lines[3].startswith("1 tokens C=4")
+    assert lines[3].startswith("2 nosync tokens") and " 0.50 " in lines[3]
+    assert lines[4].startswith("1 tokens C=4")
+
+
+def test_plot_writes_a_png(tmp_path):
+    from kvmesh.benchmarks.bench_ingress_throughput import plot
+
+    rows = [
+        {"ingress": 1, "forms": {"tokens": _phase(80.0, hop=3.5), "text": _phase(60.0, decision=1.0)}},
+        {"ingress": 2, "sync": False, "forms": {"tokens": _phase(40.0)}},
+    ]
+    plot(rows, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
