@@ -176,8 +176,10 @@ def test_table_has_a_line_per_run_form_and_sweep_point():
         {"ingress": 2, "forms": {"tokens": _phase(60.0)}},
         {"ingress": 2, "sync": False, "forms": {"tokens": _phase(40.0)}},
     ]
-    hashing = {"tokens": {"hash_us_mean": 5.0, "full_blocks_mean": 0.0, "prompt_tokens_mean": 16.0}}
-    lines = table(rows, hashing).splitlines()
+    offline = {
+        "tokens": {"tokenize_us_mean": 0.0, "hash_us_mean": 5.0, "full_blocks_mean": 0.0, "prompt_tokens_mean": 16.0}
+    }
+    lines = table(rows, offline).splitlines()
     assert len(lines) == 1 + 3 + 1 + 1
     assert lines[1].startswith("1 tokens") and " 3.50 " in lines[1] and " 1.00 " in lines[1]
     assert lines[2].startswith("2 tokens") and " 0.75 " in lines[2]  # ratio to one ingress replica
