@@ -461,7 +461,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[1].set_ylabel("ms per request (mean, in the ingress)")
     axes[1].set_title("where the ingress's time goes")
     axes[1].legend(fontsize=7)
-    axes[1].tick_params(axis="x", labelsize=7)
+    axes[1].tick_params(axis="x", labelsize=7, labelrotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
