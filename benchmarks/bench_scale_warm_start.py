@@ -460,15 +460,10 @@ def head_only_cluster(work: str):
 
 def add_worker(cluster) -> None:
     """A second node with room for one engine, joined after the warm-up as a cluster autoscaler would add
-    one: the autoscaler's third replica can only land there, on a node whose host tier is empty.
-    LocalRayCluster starts its nodes together and has no add-node call; this uses its node starter."""
+    one: the autoscaler's third replica can only land there, on a node whose host tier is empty."""
     from kvmesh.benchmarks.local_cluster import NodeSpec
 
-    spec = NodeSpec(0, {"kvmesh_engine": 1})
-    cluster.nodes.append(spec)
-    cluster.procs.append(cluster._start_node(spec, head=False))
-    if not cluster._wait_started(len(cluster.procs) - 1):
-        raise RuntimeError(f"the second Ray node did not start; see {cluster.workdir}")
+    cluster.add_node(NodeSpec(0, {"kvmesh_engine": 1}))
     cluster.wait_nodes(2)
 
 

@@ -156,6 +156,16 @@ class LocalRayCluster:
             raise
         return self
 
+    def add_node(self, spec: NodeSpec) -> int:
+        """Join one more node to the running cluster (as a cluster autoscaler adds one); returns its index."""
+        self.nodes.append(spec)
+        self.procs.append(self._start_node(spec, head=False))
+        i = len(self.procs) - 1
+        if not self._wait_started(i):
+            raise RuntimeError(f"ray node {i} did not start; see {self.workdir}/ray-node-{i}.log")
+        self._remember_pids()
+        return i
+
     def _wait_started(self, i: int) -> bool:
         """True once node i's `ray start` says the node runs (it waits for the node's GCS registration);
         False when it exited instead."""
