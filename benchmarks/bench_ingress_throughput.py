@@ -240,8 +240,8 @@ def drive(url: str, key: str, concurrency: int, n: int, make: Callable) -> dict:
 
 
 def ingress_states(url: str, key: str, want: int, tries: int = 60) -> dict[str, dict]:
-    """/kvmesh/state of every ingress replica, by pid: each new connection (the earlier ones held open,
-    so leastconn sends it to another replica) reaches one replica."""
+    """/kvmesh/state of every ingress replica, by pid: the front picks a replica per request (leastconn,
+    ties in turn), so asking again, on new connections with the earlier ones held open, reaches them all."""
     import httpx
 
     seen: dict[str, dict] = {}
