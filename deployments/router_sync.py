@@ -257,12 +257,15 @@ class RouterSync:
         self._tasks: list[asyncio.Task] = []
         self._registry: Any = None
         self._server: Any = None
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
+        self._reader_fd = -1
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
         """Open the stream (`open`) and start finding peers and reading their placements."""
         self.open()
-        self._tasks = [asyncio.create_task(self._discover()), asyncio.create_task(self._receive())]
+        self._tasks = [asyncio.create_task(self._discover())]
+        self.read_when_ready(asyncio.get_running_loop())
         log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
 
     def connect(self, router: str, endpoint: str) -> None:
@@ -299,7 +302,7 @@ class RouterSync:
         pub.setsockopt(zmq.SNDHWM, 100_000)
         port = pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        sub = ctx.socket(zmq.SUB)
+        sub = zmq.Context.instance().socket(zmq.SUB)  # a plain socket: read by `drain`, no futures per message
         if keys is not None:
             secure_client(sub, keys)
         sub.setsockopt(zmq.LINGER, 0)
@@ -310,11 +313,16 @@ class RouterSync:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.publish(["bye", self.router_id, "", ""])
+        if self._reader_loop is not None:
+            with contextlib.suppress(Exception):
+                self._reader_loop.remove_reader(self._reader_fd)
+            self._reader_loop = None
         for t in self._tasks:
             t.cancel()
         for s in (self._pub, self._sub):
             if s is not None:
                 s.close(0)
+        self._pub = self._sub = None  # publish and drain are no-ops from here on
         if self._server is not None:
             self._server.close()
         if self._registry is not None:
@@ -370,20 +378,38 @@ class RouterSync:
         """Apply every peer message already received, in order, without waiting; returns how many.
 
         The router calls this before it ranks a request: a loop busy routing (a burst of requests, a slow
-        first call) would otherwise rank on a view without placements already sitting in the socket. It
-        is also the only reader of the socket (`_receive` waits for readiness and drains), so messages
-        are applied in the order they were sent."""
+        first call) would otherwise rank on a view without placements already sitting in the socket.
+        The loop also calls it when the socket turns readable (`read_when_ready`). Both run on the
+        router's loop and this is the socket's only reader, so messages apply in the order they were
+        sent. `EVENTS` is asked first: a receive that finds nothing costs more than the check."""
         import zmq
 
         n = 0
-        while self._sub is not None:
+        sub = self._sub
+        while sub is not None and sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                raw = self._sub.recv(flags=zmq.NOBLOCK).result()  # a finished future: a message or Again
+                raw = sub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             n += 1
             self._apply(raw)
         return n
+
+    def read_when_ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Drain the stream whenever its socket signals (ZMQ's descriptor is edge-triggered: `drain`
+        reads until `EVENTS` says empty, which re-arms it)."""
+        import zmq
+
+        self._reader_fd = self._sub.getsockopt(zmq.FD)
+        self._reader_loop = loop
+        loop.add_reader(self._reader_fd, self._on_readable)
+        self._on_readable()  # what arrived before the reader was added
+
+    def _on_readable(self) -> None:
+        try:
+            self.drain()
+        except Exception:  # never let the stream's reader end
+            log.exception("router sync: receive failed")
 
     def _apply(self, raw: bytes) -> None:
         import msgpack
@@ -397,19 +423,6 @@ class RouterSync:
                 self.first_peer_s = time.monotonic() - self.started_at
         except Exception:  # a malformed message is dropped, the stream goes on
             log.exception("router sync: bad message dropped")
-
-    async def _receive(self) -> None:
-        import zmq
-
-        while True:
-            try:
-                await self._sub.poll(flags=zmq.POLLIN)  # readable: what arrived is drained, in order
-                self.drain()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never let the stream's reader end
-                log.exception("router sync: receive failed; retrying")
-                await asyncio.sleep(0.1)
 
     def stats(self) -> dict:
         unseen = self.placements.unseen

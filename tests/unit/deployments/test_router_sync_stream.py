@@ -1,6 +1,6 @@
 """The placement stream over real ZMQ sockets on loopback (no Ray: peers are connected by hand): messages
 already received are applied before the next ranking, in the order they were sent, even while the
-router's loop never yielded to its reader."""
+router's loop never yielded to its reader; and the loop applies them as they arrive."""
 
 from __future__ import annotations
 
@@ -74,10 +74,10 @@ def test_drain_applies_what_arrived_in_order_without_waiting():
     asyncio.run(run())
 
 
-def test_the_reader_task_applies_messages_as_they_arrive():
+def test_the_loop_applies_messages_as_they_arrive():
     async def run():
         a, b = _pair()
-        reader = asyncio.create_task(b._receive())
+        b.read_when_ready(asyncio.get_running_loop())
         try:
             _wait_until_subscribed(a, b)
             a.publish(routed_message(a.router_id, _placement(7), "r1", (0, 0, 0)))
@@ -87,8 +87,15 @@ def test_the_reader_task_applies_messages_as_they_arrive():
                     break
             assert b.placements.pending() == {"r1": [1, 0, 64]}
             assert b.first_peer_s is not None
+            for n in range(3):  # several at once: one signal, all of them read
+                a.publish(["started", a.router_id, "q7", "r1"] if n == 2 else ["bye", "nobody", "", ""])
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if b.placements.pending()["r1"][1]:
+                    break
+            assert b.placements.pending() == {"r1": [1, 1, 0]}
         finally:
-            reader.cancel()
-            _close(a, b)
+            b.close()
+            a.close()
 
     asyncio.run(run())
