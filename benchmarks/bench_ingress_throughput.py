@@ -38,6 +38,8 @@ import secrets
 import time
 from collections.abc import Callable
 
+from kvmesh.benchmarks.output import out_dir as bench_out
+from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.stats import nearest_rank
 
@@ -462,15 +464,12 @@ def plot(rows: list[dict], path: str) -> None:
     axes[1].set_title("where the ingress's time goes")
     axes[1].legend(fontsize=7)
     axes[1].tick_params(axis="x", labelsize=7, labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, path)
 
 
 def main() -> None:
     targets = Targets()
-    out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "ingress_throughput")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = bench_out("ingress_throughput")
     wanted = os.environ.get("BENCH_INGRESS_SETUPS")
     setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
     forms = ("tokens", "text")

@@ -23,6 +23,8 @@ import secrets
 import time
 from collections.abc import Sequence
 
+from kvmesh.benchmarks.output import out_dir as bench_out
+from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 
 ENGINES = 4
@@ -228,15 +230,12 @@ def plot(rows: list[dict], path: str) -> None:
             ax.axhline(MAX_OVER_MEAN, color="k", ls="--", lw=1)
         ax.set_title(f"{label} by ingress replicas (4 engines)")
         ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, path)
 
 
 def main() -> None:
     targets = Targets()
-    out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "scale_live")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = bench_out("scale_live")
     wanted_setups = os.environ.get("BENCH_SCALE_LIVE_SETUPS")
     setups = [s for s in SETUPS if not wanted_setups or str(s[0]) in wanted_setups.split(",")]
     names = (os.environ.get("BENCH_SCALE_LIVE_WORKLOADS") or "chat,mooncake").split(",")

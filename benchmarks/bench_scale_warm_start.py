@@ -47,6 +47,8 @@ import shutil
 import tempfile
 import time
 
+from kvmesh.benchmarks.output import out_dir as bench_out
+from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 
 HOT_PREFIXES = 8
@@ -497,15 +499,12 @@ def plot(arms: dict[str, dict], path: str) -> None:
         ax.set_xticks([x + 0.2 for x in range(len(names))], names)
         ax.set(title=title, ylabel="token hit rate", ylim=(0, 1))
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, path)
 
 
 def main() -> None:
     targets = Targets()
-    out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "warm_start")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = bench_out("warm_start")
     wanted = (os.environ.get("BENCH_WARM_START_ARMS") or DEFAULT_ARMS).split(",")
     arms: dict[str, dict] = {}
     for arm in (a for a in ARMS if a in wanted):

@@ -1,0 +1,23 @@
+"""Where a bench writes its files, and how it saves its plot: one place, so every bench honours
+`BENCH_OUT` (default `out`) the same way and closes its figures (a long `make bench` would otherwise hold
+every figure in memory)."""
+
+from __future__ import annotations
+
+import os
+
+
+def out_dir(name: str) -> str:
+    """BENCH_OUT/name, created."""
+    path = os.path.join(os.environ.get("BENCH_OUT", "out"), name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def save_plot(fig, path: str) -> None:
+    """Lay the figure out, write it as a PNG and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
