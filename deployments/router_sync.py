@@ -302,7 +302,7 @@ class RouterSync:
         pub.setsockopt(zmq.SNDHWM, 100_000)
         port = pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        sub = zmq.Context.instance().socket(zmq.SUB)  # a plain socket: read by `drain`, no futures per message
+        sub: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)  # plain: read by `drain`, no future per message
         if keys is not None:
             secure_client(sub, keys)
         sub.setsockopt(zmq.LINGER, 0)
