@@ -28,7 +28,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
-from kvmesh.deployments import local_state, miss_attribution
+from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
@@ -414,13 +414,39 @@ class Ingress:
 
     @fastapi_app.get("/metrics")
     async def metrics(self):
+        """This replica's page, or with several ingress replicas every replica's, merged and labelled
+        `ingress` (deployments/fleet_metrics.py): a scrape reaches one replica, whichever it is."""
+        if self.cfg["ingress_replicas"] > 1:
+            text = await self._fleet_metrics_page()
+        else:
+            text = (await self.metrics_page())[1]
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def metrics_page(self) -> tuple[str, str]:
+        """(this replica's id, its own Prometheus page); other ingress replicas call it through Serve."""
         snap = await asyncio.to_thread(self._router_snapshot)
         text = self.serving_metrics.prometheus_text(local_state.LEDGER.snapshot(), snap)
         text += self.tenant_metrics.prometheus_text()
         text += miss_attribution.ATTRIBUTION.prometheus_text()
         text += failure_metrics_text(self.failures, snap)  # migrations, forgotten replicas, stats errors
         text += await asyncio.to_thread(_tier_metrics_text)  # per-tier LMCache figures (kvstore/tier_metrics.py)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return serve.get_replica_context().replica_id.unique_id, text
+
+    async def _fleet_metrics_page(self) -> str:
+        """Every ingress replica's page through Serve's broadcast (once per scrape, off the request path);
+        this replica's own alone if the others cannot be asked."""
+        try:
+            ctx = serve.get_replica_context()
+            peers = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
+            pages = await peers.broadcast("metrics_page").results_async(timeout_s=10.0, return_exceptions=True)
+            merged = dict(p for p in pages if isinstance(p, tuple) and len(p) == 2)
+        except Exception:
+            log.exception("other ingress replicas' metrics not collected: this replica's page alone")
+            merged = {}
+        if not merged:
+            rid, text = await self.metrics_page()
+            merged = {rid: text}
+        return fleet_metrics.merge(merged)
 
     @fastapi_app.get("/kvmesh/state")
     async def state(self, request: Request):

@@ -8,6 +8,7 @@ nothing running (tests/support/serve_process.py)."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 
 import httpx
@@ -86,6 +87,14 @@ def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
         for s in states.values():
             assert s["published"] > 0 and s["applied"] > 0, states
             assert s["peer_inflight"] == 0, states  # every peer request that finished was taken back
+
+        # one scrape, whichever replica answers, holds both replicas' counters, each labelled with its
+        # replica and each family once (a scrape reaching one replica would switch between their counters)
+        for _ in range(2):
+            page = httpx.get(url + "/metrics", timeout=30).text
+            assert page.count("# TYPE kvmesh_requests_total counter") == 1, page[:2000]
+            fronts = set(re.findall(r'^kvmesh_requests_total\{ingress="([^"]+)"', page, re.M))
+            assert len(fronts) == 2, page[:2000]
 
         # the app as a service manager runs it: on loopback only, its port refused to a second serve, and a
         # SIGTERM to the serve process ends it and everything it started
