@@ -38,12 +38,12 @@ import secrets
 import time
 from collections.abc import Callable
 
+from kvmesh.benchmarks.ingress_fleet import ENGINES, app_config, ingress_states
 from kvmesh.benchmarks.output import out_dir as bench_out
 from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.stats import nearest_rank
 
-ENGINES = 4
 # (ingress replicas, router sync); 2 without sync is the contrast (what the placement stream costs), not judged
 SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, False))
 # 4 per engine: on 2 cores the sweep gave 178 req/s at 16 and 190 at 32 for twice the p50, the CPU all busy
@@ -241,35 +241,6 @@ def drive(url: str, key: str, concurrency: int, n: int, make: Callable) -> dict:
     return {"concurrency": concurrency, **load_summary(latencies, errors, wall)}
 
 
-def ingress_states(url: str, key: str, want: int, tries: int = 60) -> dict[str, dict]:
-    """/kvmesh/state of every ingress replica, by pid: the front picks a replica per request (leastconn,
-    ties in turn), so asking again, on new connections with the earlier ones held open, reaches them all."""
-    import httpx
-
-    seen: dict[str, dict] = {}
-    clients = []
-    try:
-        for _ in range(tries):
-            c = httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"})
-            clients.append(c)
-            r = c.get(url + "/kvmesh/state")
-            if r.status_code == 200:
-                st = r.json()
-                seen[str(st.get("pid"))] = st
-            if len(seen) >= want:
-                break
-            if len(clients) >= 8:  # let leastconn start over
-                for old in clients:
-                    old.close()
-                clients = []
-    finally:
-        for c in clients:
-            c.close()
-    if len(seen) < want:
-        raise RuntimeError(f"reached {len(seen)} of {want} ingress replicas for /kvmesh/state")
-    return seen
-
-
 def process_kind(cmdline: str, pid: int, me: int) -> str:
     """Which part of the run a process is, from its command line (Ray sets worker titles)."""
     if pid == me:
@@ -368,15 +339,7 @@ def run_one(ingress: int, sync: bool, forms: tuple[str, ...]) -> dict:
     from kvmesh.deployments.app import start_local, stop_local
 
     key = "kvm-ingress-" + secrets.token_hex(6)
-    config = {
-        "replicas": ENGINES,
-        "ingress_replicas": ingress,
-        "router_sync": sync,
-        "policy": "kvmesh",
-        "port": 0,
-        "api_keys": [key],
-        "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": 0.4},
-    }
+    config = app_config(key, ingress, sync)
     row: dict = {"ingress": ingress, "sync": sync, "loadavg_before": os.getloadavg()}
     t0 = time.perf_counter()
     url = start_local(config).rstrip("/")

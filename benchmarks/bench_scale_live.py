@@ -23,11 +23,11 @@ import secrets
 import time
 from collections.abc import Sequence
 
+from kvmesh.benchmarks.ingress_fleet import ENGINES, app_config, ingress_states
 from kvmesh.benchmarks.output import out_dir as bench_out
 from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 
-ENGINES = 4
 CONCURRENCY = 8
 TOKENS_PER_BLOCK = 32
 MAX_TOKENS = 8
@@ -78,23 +78,10 @@ def prefill_max_over_mean(per_replica: dict, replicas: int) -> float:
     return max(values) / mean if mean > 0 else 1.0
 
 
-def router_states(url: str, key: str, want: int, tries: int = 40) -> list[dict]:
-    """/kvmesh/state's router sync figures from each ingress replica (the front picks one per connection)."""
-    import httpx
-
-    seen: dict[str, dict] = {}
-    for _ in range(tries):
-        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as c:
-            r = c.get(url + "/kvmesh/state")
-        if r.status_code == 200:
-            router = r.json().get("router") or {}
-            sync = router.get("sync") or {}
-            if sync.get("router"):
-                seen[sync["router"]] = sync
-        if len(seen) >= want:
-            break
-        time.sleep(0.2)
-    return list(seen.values())
+def router_states(url: str, key: str, want: int) -> list[dict]:
+    """/kvmesh/state's router sync figures from each ingress replica reached (`ingress_states`)."""
+    states = ingress_states(url, key, want, required=False).values()
+    return [sync for st in states if (sync := (st.get("router") or {}).get("sync") or {}).get("router")]
 
 
 def run_one(records: list[dict], ingress: int, sync: bool, repeats: int = 1) -> dict:
@@ -104,17 +91,8 @@ def run_one(records: list[dict], ingress: int, sync: bool, repeats: int = 1) -> 
     from kvmesh.deployments.replay import ReplayConfig, replay
 
     key = "kvm-scale-" + secrets.token_hex(6)
-    config = {
-        "replicas": ENGINES,
-        "ingress_replicas": ingress,
-        "router_sync": sync,
-        "policy": "kvmesh",
-        "port": 0,
-        "api_keys": [key],
-        "engine": {"model": "tiny", "max_model_len": 2048, "num_cpus": 0.4},
-    }
     t0 = time.perf_counter()
-    url = start_local(config)
+    url = start_local(app_config(key, ingress, sync))
     reps = []
     try:
         up_s = time.perf_counter() - t0
