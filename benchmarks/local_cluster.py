@@ -25,13 +25,16 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvmesh.deployments.config import INPROC_ENGINE_ENV
+from kvmesh.deployments.config import INPROC_ENGINE_ENV, SERVE_PATH_ENV
 
 LOOPBACK = "127.0.0.1"
-# Ray 2.60 turns token authentication on for clusters it starts; every node and driver must agree
-# Serve's own proxy: HAProxy's stats and metrics ports are per machine, and every node here is on this one
+# Every node's environment, as an operator's cluster would set it (k8s/rayservice.yaml): Serve's
+# request-path settings; token authentication off (Ray 2.60 turns it on for clusters it starts, and every
+# node and driver must agree); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
+# every node here is on this one)
 CLUSTER_ENV = {
     **INPROC_ENGINE_ENV,
+    **SERVE_PATH_ENV,
     "RAY_AUTH_MODE": "disabled",
     "RAY_raylet_start_wait_time_s": "150",
     "RAY_SERVE_ENABLE_HA_PROXY": "0",

@@ -20,7 +20,7 @@ import os
 import socket
 from typing import Any
 
-from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, app_config
+from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, SERVE_PATH_ENV, app_config
 from kvmesh.deployments.deploy_plan import ENGINE, engine_options, ingress_options
 from kvmesh.deployments.serve_contract import check_serve_contract
 
@@ -166,13 +166,13 @@ def start_local(
 
 
 def _proxy_env(proxy: str) -> dict[str, str]:
-    """PROXY_ENV plus, for HAProxy, this run's own files and ports: Serve's defaults (/tmp/haproxy-serve,
-    stats 8404, metrics 9101) are per machine, so two local clusters (a test and `kvmesh serve`, two
-    benchmark runs) would collide."""
+    """SERVE_PATH_ENV and PROXY_ENV plus, for HAProxy, this run's own files and ports: Serve's defaults
+    (/tmp/haproxy-serve, stats 8404, metrics 9101) are per machine, so two local clusters (a test and
+    `kvmesh serve`, two benchmark runs) would collide."""
     import tempfile
 
     global _haproxy_dir
-    env = dict(PROXY_ENV[proxy])
+    env = {**SERVE_PATH_ENV, **PROXY_ENV[proxy]}
     # a proxy that starts slowly on a busy machine is not broken: Serve's 5 s readiness bound made it kill
     # and restart the proxies during start-up, and the deploy failed with "The actor died unexpectedly"
     env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"

@@ -42,14 +42,21 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     import shutil
 
     from kvmesh.deployments.app import _proxy_env
+    from kvmesh.deployments.config import SERVE_PATH_ENV
 
     a, b = _proxy_env("haproxy"), _proxy_env("haproxy")
     assert a["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_STATS_PORT"):
         assert a[k] != b[k]
     assert Path(a["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.is_dir()
-    # Serve's own proxy: no HAProxy files or ports, only the HA-proxy switch and the proxy readiness bound
-    assert _proxy_env("serve") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+    # Serve's own proxy: no HAProxy files or ports, only the HA-proxy switch, the proxy readiness bound
+    # and the request-path settings every local run gets
+    assert _proxy_env("serve") == {
+        **SERVE_PATH_ENV,
+        "RAY_SERVE_ENABLE_HA_PROXY": "0",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    }
+    assert SERVE_PATH_ENV.items() <= a.items()
     for env in (a, b):
         shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
 

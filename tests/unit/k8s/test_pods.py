@@ -186,3 +186,16 @@ def test_the_shared_tier_is_the_valkey_service_over_resp(service):
     assert valkey, f"no Service named {l2['host']} in k8s/"
     assert l2["type"] == "resp" == normalise_l2("redis://127.0.0.1:6379")["type"]
     assert l2["port"] in [p["port"] for p in valkey[0]["spec"]["ports"]]
+
+
+def test_every_pod_sets_serves_request_path_like_a_local_run(service):
+    """Serve reads its request-path settings in each replica's process, from the node's environment: a pod
+    without them would run the ingress and engine replicas on the slower default path (thread hand-offs,
+    Ray actor calls) that local runs and the benchmarks no longer measure."""
+    from kvmesh.deployments.config import SERVE_PATH_ENV
+
+    for name, group in _groups(service).items():
+        for container in group["pod"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env") or []}
+            missing = {k: v for k, v in SERVE_PATH_ENV.items() if env.get(k) != v}
+            assert not missing, f"{name}/{container['name']} lacks {missing}"
