@@ -173,15 +173,24 @@ class Policy:
         key = f"{self.seed}:{self.routed}:{request.request_id}:{len(request.block_hashes)}"
         return random.Random(zlib.crc32(key.encode()))
 
-    def prompt_pick(self, request: RequestInfo, ids: Sequence[str], weights: Sequence[float]) -> int:
+    def prompt_pick(
+        self, request: RequestInfo, ids: Sequence[str], weights: Sequence[float], known_blocks: int | None = None
+    ) -> int:
         """An index into `ids` drawn with probability proportional to `weights`, fixed by the seed, the
-        request's hashed prompt (its last full block's chained hash, or its id without one) and the
-        replica ids: weighted rendezvous hashing (each replica's own uniform u, the least -ln(u) / w
-        wins). The same prompt draws alike on every router whatever each routed before, and a small
-        difference between two routers' weights rarely changes the winner, so routers that cannot see
-        each other's latest placements still agree where one new prompt goes; ranking again repeats."""
-        tail = request.block_hashes[-1] if len(request.block_hashes) else request.request_id
-        prefix = f"{self.seed}:{tail}:{len(request.block_hashes)}:{request.num_tokens}:"
+        request's hashed prompt and the replica ids: weighted rendezvous hashing (each replica's own
+        uniform u, the least -ln(u) / w wins). The prompt is keyed by the chained hash of its first block
+        past `known_blocks` (the prefix some replica already holds), so requests that start the same new
+        content (one new document, asked about twice) draw alike; without `known_blocks`, or with the
+        whole prompt known, by its last full block (its id without one). The same key draws alike on
+        every router whatever each routed before, and a small difference between two routers' weights
+        rarely changes the winner, so routers that cannot see each other's latest placements still
+        agree where new content goes; ranking again repeats."""
+        hashes = request.block_hashes
+        if known_blocks is not None and known_blocks < len(hashes):
+            prefix = f"{self.seed}:{hashes[known_blocks]}:{known_blocks}:"
+        else:
+            tail = hashes[-1] if len(hashes) else request.request_id
+            prefix = f"{self.seed}:{tail}:{len(hashes)}:{request.num_tokens}:"
         best, best_key = 0, math.inf
         for k, (rid, w) in enumerate(zip(ids, weights)):
             if not w > 0:

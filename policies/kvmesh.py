@@ -271,9 +271,10 @@ class KvmeshPolicy(Policy):
         several tie (a new prefix: the replicas the water covers) it draws among them by pi. Near ties
         spread evenly over every tied replica instead of piling onto the first; a conversation whose history
         is on one replica stays there unless the expected unseen load there outweighs it. With none unseen
-        it is the deterministic best. The draw is `prompt_pick` (weighted rendezvous hashing on the prompt):
-        ranking the request again picks the same replica, and two routers given the same new prompt at
-        once agree on it unless their views differ much, so it is computed on one replica."""
+        it is the deterministic best. The draw is `prompt_pick` (weighted rendezvous hashing on the prompt's
+        first block no replica holds): ranking the request again picks the same replica, and two routers
+        given the same new content at once (one new document, two questions about it) agree on it unless
+        their views differ much, so it is computed on one replica."""
         unseen = fleet.unseen_placements
         if not unseen > 0 or len(score) < 2 or not np.isfinite(score).all():
             return None
@@ -330,7 +331,8 @@ class KvmeshPolicy(Policy):
         weights = pi[near]
         if len(near) == 1 or not weights.sum() > 0:
             return int(near[0])
-        return int(near[self.prompt_pick(request, [fleet.ids[k] for k in near], weights.tolist())])
+        known = int(shared_b.max())  # the prefix some replica holds: the draw keys on what follows
+        return int(near[self.prompt_pick(request, [fleet.ids[k] for k in near], weights.tolist(), known)])
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""

@@ -94,4 +94,35 @@ def test_two_routers_given_one_new_prompt_at_once_send_it_to_one_replica():
         prompt = cold(i)
         twin = RequestInfo(list(prompt.block_hashes), prompt.num_tokens, BS, request_id=f"other-{i}")
         agree += a.best(prompt, view) == b.best(twin, view)
-    assert agree == 16
+    assert agree >= 14  # their weights differ a little (b routed one more request): rarely the winner
+
+
+def test_one_new_document_asked_through_two_routers_lands_on_one_replica():
+    """Two requests that start the same new content (a document nobody holds yet) and end differently
+    (two questions about it), ranked by two routers on the same stale view, agree on its replica: the
+    draw is keyed on the first block no replica holds, not on the prompt's end, so the second request
+    finds the document where the first put it."""
+    a, b = warmed(), warmed()
+    b.on_routed(RequestInfo([6_000_000], 10 * BS, BS, request_id="extra"), "r3")
+    view = fleet(unseen=15, tokens=10 * BS)
+    agree = 0
+    for i in range(16):
+        doc = list(range(100 * i, 100 * i + 8))
+        q1 = RequestInfo([*doc, 7_000_000 + i, 7_100_000 + i], 10 * BS + 5, BS, request_id=f"q1-{i}")
+        q2 = RequestInfo([*doc, 8_000_000 + i], 9 * BS + 3, BS, request_id=f"q2-{i}")
+        agree += a.best(q1, view) == b.best(q2, view)
+    assert agree >= 14  # keyed on each prompt's end they would agree about one time in eight
+    # different documents still spread over the replicas the unseen placements may have taken
+    picks = [a.best(RequestInfo(list(range(100 * i, 100 * i + 8)), 8 * BS + 1, BS), view) for i in range(16)]
+    assert len(set(picks)) >= 8
+
+
+def test_the_new_content_key_starts_after_the_prefix_some_replica_holds():
+    """With a shared system prompt held by every replica, requests differ right after it: their draws
+    do not collapse onto one replica (a flood's users keep spreading)."""
+    p = warmed()
+    shared = np.full(N, 4, dtype=np.int64)  # 4 blocks of system prompt everywhere
+    view = fleet(shared, unseen=15, tokens=10 * BS)
+    system = [9_000_000 + k for k in range(4)]
+    picks = [p.best(RequestInfo([*system, 100 * i, 100 * i + 1], 6 * BS + 1, BS), view) for i in range(16)]
+    assert len(set(picks)) >= 8
