@@ -126,7 +126,11 @@ class Ingress:
 
         bind_replica_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         self.cfg = app_config(config)
-        self.engine = engine_handle
+        # Serve fixes a handle's transport where the handle was made: in the process that built the app,
+        # which may have imported Serve before SERVE_PATH_ENV reached its environment. This replica's own
+        # environment decides instead: Serve's gRPC channel, or Ray actor calls (by reference).
+        self.engine_transport = "grpc" if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1" else "actor"
+        self.engine = engine_handle.options(_by_reference=self.engine_transport == "actor")
         self.model_path = resolve_model(self.cfg["engine"]["model"])
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = len(self.tokenizer)
@@ -459,7 +463,7 @@ class Ingress:
         return {
             "router": snap,
             "prediction": local_state.LEDGER.snapshot(),
-            "serving": self.serving_metrics.snapshot(),
+            "serving": {**self.serving_metrics.snapshot(), "engine_transport": self.engine_transport},
             "model": self.served_model,
             "pid": os.getpid(),
             "tiers": await asyncio.to_thread(_tier_report),

@@ -345,3 +345,12 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(live_app):
             time.sleep(0.5)
         assert busy == (0, [0, 0]), busy
         assert aborted(c) == before + 1  # the engine gave the request up (vLLM abort), not ran to the end
+
+
+def test_the_ingress_reaches_engines_over_serves_grpc_channel(live_app):
+    """Local runs set Serve's replica-to-replica gRPC channel (SERVE_PATH_ENV); the engine handle must use it
+    even though the handle was made in the process that built the app, before that setting reached it."""
+    with live_app.client() as c:
+        complete(c, fresh_tokens(8), max_tokens=1)
+        serving = c.get("/kvmesh/state").json()["serving"]
+    assert serving["engine_transport"] == "grpc"
