@@ -77,6 +77,7 @@ demo: setup services
 	$(VENV)/bin/kvmesh demo
 
 bench: setup services
+	$(PY) -m pip install -q "vllm-router==0.1.17"  # the overhead bench's peer baseline (BENCH=scale)
 	$(PY) -m kvmesh.benchmarks.run_all
 
 # kvmesh vs real peer routers (docs/peers.md). Peers are benchmark-only (the `bench` extra).

@@ -16,7 +16,7 @@ from kvmesh import benchmarks
 
 OPT_IN = {"bench_sim_speed"}  # minutes on this machine and a large trace file: BENCH=sim_speed
 # benches a BENCH=<group> runs beside its bench_<group>*.py ones (their names do not say the group)
-GROUPS = {"scale": {"bench_ingress_throughput"}}
+GROUPS = {"scale": {"bench_ingress_throughput", "bench_overhead"}}
 
 
 def main(argv=None) -> int:

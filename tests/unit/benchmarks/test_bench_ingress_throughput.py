@@ -116,13 +116,17 @@ def test_prompts_are_fresh_and_short():
         prompt_maker("audio", 0)
 
 
-def test_bench_scale_runs_the_ingress_throughput_bench(monkeypatch):
+def test_bench_scale_runs_the_ingress_throughput_and_overhead_benches(monkeypatch):
     ran = []
-    names = ["bench_ingress_throughput", "bench_scale_live", "bench_tiers"]
+    names = ["bench_ingress_throughput", "bench_overhead", "bench_scale_live", "bench_tiers"]
     monkeypatch.setattr(run_all.pkgutil, "iter_modules", lambda path: [types.SimpleNamespace(name=n) for n in names])
     monkeypatch.setattr(run_all.importlib, "import_module", lambda m: types.SimpleNamespace(main=lambda: ran.append(m)))
     assert run_all.main(["scale"]) == 0
-    assert ran == ["kvmesh.benchmarks.bench_ingress_throughput", "kvmesh.benchmarks.bench_scale_live"]
+    assert ran == [
+        "kvmesh.benchmarks.bench_ingress_throughput",
+        "kvmesh.benchmarks.bench_overhead",
+        "kvmesh.benchmarks.bench_scale_live",
+    ]
 
 
 def test_post_call_is_the_handler_less_what_came_before_and_the_call():
