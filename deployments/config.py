@@ -126,9 +126,9 @@ PROXY_ENV: dict[str, dict[str, str]] = {
 # operators and the log audit see it). User code and the handle's router run on the replica's own event
 # loop (not a thread of their own: one cross-thread hand-off less per call each way), replica-to-replica
 # calls go over Serve's gRPC channel (bound to loopback locally, deployments/loopback_serve.py) instead
-# of Ray actor calls, and Serve's log lines go to its log files only, not to stderr as well. Measured
-# on 2 engines: single-client p50 11-13 ms against 13-20 ms, 16 clients 180-205 req/s against 135-157
-# (docs/scale.md). A cluster started elsewhere sets these in its own environment (k8s/rayservice.yaml).
+# of Ray actor calls, and Serve's log lines go to its log files only, not to stderr as well (measured:
+# docs/scale.md, "Overhead now"). A cluster started elsewhere sets these in its own environment
+# (k8s/rayservice.yaml).
 SERVE_PATH_ENV: dict[str, str] = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

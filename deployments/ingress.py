@@ -123,13 +123,14 @@ class Ingress:
         from transformers import AutoTokenizer
 
         from kvmesh.deployments.loopback_serve import bind_replica_grpc_to_loopback
+        from kvmesh.deployments.ray_private import serve_uses_grpc_by_default
 
         bind_replica_grpc_to_loopback()  # before Serve starts this replica's gRPC server
         self.cfg = app_config(config)
         # Serve fixes a handle's transport where the handle was made: in the process that built the app,
-        # which may have imported Serve before SERVE_PATH_ENV reached its environment. This replica's own
-        # environment decides instead: Serve's gRPC channel, or Ray actor calls (by reference).
-        self.engine_transport = "grpc" if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1" else "actor"
+        # which may have imported Serve before SERVE_PATH_ENV reached its environment. What Serve resolved
+        # in this replica decides instead: its gRPC channel, or Ray actor calls (by reference).
+        self.engine_transport = "grpc" if serve_uses_grpc_by_default() else "actor"
         self.engine = engine_handle.options(_by_reference=self.engine_transport == "actor")
         self.model_path = resolve_model(self.cfg["engine"]["model"])
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -8,6 +8,9 @@ Ray 2.60 has no public way to do these few things, and each is small:
   benchmarks/local_cluster.py);
 - bind Serve's replica-to-replica gRPC server on loopback (`ray.serve._private.replica.add_port_to_grpc_server`,
   deployments/loopback_serve.py);
+- know which transport Serve resolved for replica-to-replica calls in this process
+  (`ray.serve._private.constants.RAY_SERVE_USE_GRPC_BY_DEFAULT`: its own environment variable, or its
+  throughput preset; deployments/ingress.py);
 - count a Serve replica's requests in flight (its actor's name prefix,
   `ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX`, and `ReplicaActor.get_num_ongoing_requests`,
   deployments/drain.py).
@@ -52,6 +55,7 @@ PRIVATE_SYMBOLS = (
     PrivateSymbol("ray.serve._private.replica", "add_port_to_grpc_server", "loopback_serve: gRPC on loopback"),
     PrivateSymbol("ray.serve._private.replica", f"ReplicaActor.{REPLICA_IN_FLIGHT_METHOD}", "drain"),
     PrivateSymbol("ray.serve._private.common", "REPLICA_ID_FULL_ID_STR_PREFIX", "drain: replica actor names"),
+    PrivateSymbol("ray.serve._private.constants", "RAY_SERVE_USE_GRPC_BY_DEFAULT", "ingress: engine transport"),
 )
 
 
@@ -77,6 +81,9 @@ def problems() -> list[str]:
         if symbol.name == "REPLICA_ID_FULL_ID_STR_PREFIX":
             if value != SERVE_REPLICA_ACTOR_PREFIX:
                 out.append(f"{symbol.qualified} is {value!r}, not {SERVE_REPLICA_ACTOR_PREFIX!r} (used by drain)")
+        elif symbol.name == "RAY_SERVE_USE_GRPC_BY_DEFAULT":
+            if not isinstance(value, bool):
+                out.append(f"{symbol.qualified} is {value!r}, not a bool (used by {symbol.used_by})")
         elif not callable(value):
             out.append(f"{symbol.qualified} is not callable (used by {symbol.used_by})")
     import ray
@@ -133,3 +140,10 @@ def set_replica_grpc_add_port(fn: Callable[..., Any]) -> None:
     from ray.serve._private import replica
 
     replica.add_port_to_grpc_server = fn
+
+
+def serve_uses_grpc_by_default() -> bool:
+    """Whether Serve, as resolved in this process, sends replica-to-replica calls over its gRPC channel."""
+    from ray.serve._private import constants
+
+    return bool(constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)
