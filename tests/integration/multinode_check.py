@@ -104,7 +104,10 @@ def main() -> int:
 
             send([11] * 40)  # the ingress's router exists from the first request on
             # both engines up, each on its own node, each node with its own LMCache server
-            placed = _poll(lambda: (lambda m: m if len(set(m.values())) == 2 else None)(node_of()), 120)
+            # a replica's node id is None until its first routing stats carry it
+            placed = _poll(
+                lambda: (lambda m: m if None not in m.values() and len(set(m.values())) == 2 else None)(node_of()), 120
+            )
             found["engine_nodes"] = sorted(placed.values()) if placed else None
             found["lmcache_nodes"] = sorted(tier_status())
             worker_replica = next(rid for rid, n in placed.items() if n == worker)
