@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds, online_bounded_greedy
+from kvmesh.cluster.out_of_reach import target_out_of_reach
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.trace import Trace, scale_to_load
@@ -70,6 +71,9 @@ def evaluate_draw(
     balance = balance_bounded_bound(trace.requests, bs, d.replicas, opts.balance_limit)
     at_target = balance_bounded_bound(trace.requests, bs, d.replicas, opts.target_imbalance)
     online = online_bounded_greedy(trace.requests, bs, d.replicas)
+    proof = target_out_of_reach(
+        trace.requests, bs, d.replicas, opts.target_ratio * bounds["merged_lru"], opts.target_imbalance
+    )
 
     def meets_target(placement: dict) -> bool:
         return placement["hit_rate"] >= opts.target_ratio * bounds["merged_lru"] and placement[
@@ -100,6 +104,10 @@ def evaluate_draw(
             "target_reachable": meets_target(at_target),
             # the greedy without hindsight (cap x the running mean), at any of its caps
             "online_greedy_meets_target": any(meets_target(p) for p in online),
+            # True: no placement meets the target (cluster/out_of_reach.py); False proves nothing
+            "target_out_of_reach": proof["out_of_reach"],
+            "computed_floor": proof["computed_floor"],
+            "computed_allowed": proof["computed_allowed"],
         },
         "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"]),
     }

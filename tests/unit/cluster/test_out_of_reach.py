@@ -1,0 +1,100 @@
+"""The balanced compute floor is a true lower bound (checked against every placement of small random
+workloads), it proves the arithmetic of a shared prompt spread for balance, and it agrees with the
+simulator: no policy meets the robustness target on a draw it proves out of reach."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.out_of_reach import balanced_compute_floor, target_out_of_reach
+from kvmesh.cluster.sweep import SweepOptions, evaluate_draw
+from kvmesh.cluster.trace import TraceRequest
+from kvmesh.cluster.workload_family import draw
+from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
+
+BS = 4
+
+
+def _random_requests(rng: random.Random, n: int) -> list[TraceRequest]:
+    """Prompts that branch off each other's prefixes, each id naming its whole prefix."""
+    paths: list[list[int]] = []
+    next_id = 1
+    out = []
+    for _ in range(n):
+        base = rng.choice(paths)[: rng.randint(0, 4)] if paths and rng.random() < 0.8 else []
+        ids = base + list(range(next_id, next_id + rng.randint(1, 3)))
+        next_id += len(ids)
+        paths.append(ids)
+        tokens = (len(ids) - 1) * BS + rng.randint(1, BS)
+        out.append(TraceRequest(float(len(out)), tokens, 1, ids))
+    return out
+
+
+def _computed(requests, placement, replicas) -> list[int]:
+    """Tokens each replica computes, unbounded caches, vLLM's rules, requests in order."""
+    held: list[set[int]] = [set() for _ in range(replicas)]
+    work = [0] * replicas
+    for r, j in zip(requests, placement):
+        work[j] += r.input_length - cached_tokens(leading_held(r.hash_ids, held[j]), r.input_length, BS)
+        held[j].update(r.hash_ids[: cacheable_blocks(r.input_length, len(r.hash_ids), BS)])
+    return work
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_placement_computes_less_than_the_floor_under_its_load(seed):
+    rng = random.Random(seed)
+    replicas = rng.choice([2, 3])
+    requests = _random_requests(rng, rng.randint(4, 7))
+    placements = [_computed(requests, p, replicas) for p in itertools.product(range(replicas), repeat=len(requests))]
+    least = min(sum(w) for w in placements)
+    for max_load in sorted({max(w) for w in placements}) + [min(max(w) for w in placements) - 1]:
+        floor = balanced_compute_floor(requests, BS, replicas, max_load)
+        fitting = [sum(w) for w in placements if max(w) <= max_load]
+        if floor is None:
+            assert not fitting, (max_load, fitting)  # None: proven that nothing fits
+        elif fitting:
+            assert min(fitting) >= floor, (max_load, floor, min(fitting))
+    assert balanced_compute_floor(requests, BS, replicas, float("inf")) <= least
+
+
+def test_a_shared_prompt_spread_for_balance_is_computed_on_several_replicas():
+    """8 requests on 4 replicas, each a 4-block shared prompt, 4 private blocks and a 1-token tail (33
+    tokens). Computed once: (4 + 32) blocks + 8 tails = 152 tokens. With at most 60 tokens per replica:
+    below the prompt's last block are 8 x (4 blocks + tail) = 136 tokens, and each replica holding it has
+    60 - 16 = 44 tokens of room, so ceil(136 / 44) = 4 replicas compute it, and so every block above it:
+    floor = 4 x 4 x 4 + 136 = 200, which is what the best placement (two requests per replica) computes."""
+    shared = [1, 2, 3, 4]
+    reqs = [TraceRequest(float(i), 8 * BS + 1, 1, shared + [10 * i + k for k in range(10, 15)]) for i in range(8)]
+    assert balanced_compute_floor(reqs, BS, 4, float("inf")) == 152
+    assert balanced_compute_floor(reqs, BS, 4, 60) == 200
+    prompt = 8 * 33
+    # 170 computed allowed, so at most 1.25 * 170 / 4 = 53.1 per replica: the floor is then 200 > 170
+    proof = target_out_of_reach(reqs, BS, 4, 1 - 170 / prompt, 1.25)
+    assert proof["out_of_reach"] and proof["computed_floor"] == 200
+    # the infinite-cache hit rate on one replica is not excluded (max/mean up to the replica count)
+    assert not target_out_of_reach(reqs, BS, 4, 1 - 152 / prompt, 4.0)["out_of_reach"]
+
+
+def test_a_request_larger_than_the_load_limit_fits_nowhere():
+    reqs = [TraceRequest(0.0, 3 * BS + 3, 1, [1, 2, 3, 4])]
+    assert balanced_compute_floor(reqs, BS, 2, 2) is None
+
+
+@pytest.mark.parametrize("seed", [1001, 1003, 1015, 1023, 1045])
+def test_no_policy_meets_the_robustness_target_on_a_draw_proven_out_of_reach(seed):
+    opts = SweepOptions()
+    row = evaluate_draw(draw(seed), opts=opts)
+    met = [
+        name
+        for name, p in row["policies"].items()
+        if p["hit_over_merged"] >= opts.target_ratio and p["prefill_max_over_mean"] <= opts.target_imbalance + 1e-9
+    ]
+    proof = row["bounds"]["target_out_of_reach"]
+    if proof:
+        assert not met and not row["bounds"]["target_reachable"], met
+    else:
+        assert seed not in (1001, 1003, 1015)  # these three are proven out of reach
