@@ -547,3 +547,20 @@ def test_ranking_is_pure_for_every_policy(name):
     first = p.rank(r, vs)
     assert _state(p) == before
     assert p.rank(r, vs) == first and _state(p) == before
+
+
+def test_kvmesh_copies_a_group_prompt_only_as_far_as_its_traffic_fills_replicas():
+    """Seven groups, each with its own hot system prompt, one replica each (a seventh of the traffic):
+    a group's next conversation stays on its prompt's replica even with a queue there, rather than
+    copying the prompt onto an idle replica (which, done for every group, makes each replica compute
+    every group's prompt). A flood, all the traffic on one prompt, is still copied (the flood tests)."""
+    p = make_policy("kvmesh")
+    sys_prompt = {g: [g * 1000 + k for k in range(1, 5)] for g in range(7)}
+    for u in range(10):  # ten conversations per group start, interleaved: every prompt becomes a fork
+        for g in range(7):
+            p.on_routed(req(sys_prompt[g] + [g * 1000 + 100 + u], rid=f"{g}-{u}"), f"r{g}")
+    fresh = req(sys_prompt[0] + [999], rid="new")
+    shared = {i: 4 if i == 0 else 0 for i in range(7)}
+    vs = views(7, hbm_blocks=shared, host_blocks=shared, shared_blocks=shared, pending_prefill_tokens={0: 20 * 2048})
+    assert p._is_hot(fresh, np.array(list(shared.values())))
+    assert p.rank(fresh, vs)[0] == "r0"
