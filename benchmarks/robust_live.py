@@ -5,7 +5,8 @@ Why: the simulator is how a policy change is judged before a live run, so it mus
 live router does. Per draw, kvmesh and round robin each get a fresh local app (vLLM engines at block
 size 32, the draw's tokens per block, 3-4 replicas as the draw says); the replay client sends the
 records in order under the draw's concurrency cap (4 for timed draws), a user's next turn after its
-previous reply, token-id prompts, streaming. The simulator sends the same records with its closed-loop
+previous reply, token-id prompts, streaming; vllm-router's cache_aware policy gets the same replay over
+as many bare vLLM servers with the same engine settings. The simulator sends the same records with its closed-loop
 client (`kvmesh.cluster.simulator.ClosedLoop`: the same concurrency, the same per-user order).
 Reported per draw: hit rate, per-replica requests and prefill (uncached prompt tokens), prefill
 max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
@@ -29,6 +30,7 @@ from kvmesh.policies.registry import make_policy
 
 ENGINE_BLOCK = 32
 TIMED_CONCURRENCY = 4  # live draws are all sent under a concurrency cap; timed patterns use this one
+PEER = "vllm-router/cache_aware"  # the peer the live target compares with (it piles up to reach its hit rate)
 
 
 def live_concurrency(d: FamilyDraw) -> int:
@@ -108,6 +110,57 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     }
 
 
+def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: str, log=print) -> dict:
+    """The same replay through a peer router (vllm-router cache_aware by default) over `replicas` bare
+    vLLM servers with the kvmesh app's engine settings (tiny model, block size 32, context 4096):
+    identical servers, so the hit rates compare. Per-worker figures come from the servers' /metrics."""
+    import tempfile
+    from pathlib import Path
+
+    from kvmesh.benchmarks.peers import engines, metrics, results, setups
+    from kvmesh.deployments.config import resolve_model
+    from kvmesh.deployments.replay import ReplayConfig, replay
+
+    setup = next(x for x in setups.PEER_SETUPS if x.name == setup_name)
+    spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
+    t0 = time.perf_counter()
+    servers = engines.start_servers(replicas, spec, work)
+    try:
+        proc, url, _ = setups.start_router(setup, servers, spec, work / "logs")
+        log(f"    {setup_name}: {replicas} vLLM servers and the router up in {time.perf_counter() - t0:.0f}s")
+        try:
+            before = [metrics.scrape(x.url) for x in servers]
+            report = replay(
+                recs,
+                ReplayConfig(
+                    url=url,
+                    model=engines.SERVED_MODEL_NAME,
+                    tokens_per_block=d.tokens_per_block,
+                    concurrency=live_concurrency(d),
+                    max_tokens=16,
+                    progress=False,
+                ),
+            )
+            time.sleep(0.5)  # the servers' counters settle after the last stream closes
+            after = [metrics.scrape(x.url) for x in servers]
+        finally:
+            proc.stop()
+    finally:
+        engines.stop_servers(servers)
+    s = report.summary()
+    workers = results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
+    return {
+        "setup": setup_name,
+        "hit": s["hit_rate_tokens"],
+        "errors": s["errors"],
+        "ttft_p50_s": s["ttft_p50_s"],
+        "requests": sorted(w["requests"] for w in workers),
+        "prefill": sorted(w["prefill_tokens"] for w in workers),
+        "prefill_max_over_mean": max_over_mean([w["prefill_tokens"] for w in workers]) or 1.0,
+    }
+
+
 def compare(live: dict, sim: dict) -> dict:
     """Sim-vs-live differences: hit rate, prefill max/mean, and per-replica request counts (sorted,
     as a share of the mean count: replica names differ between the two runs)."""
@@ -134,6 +187,7 @@ def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
             "bounds": bounds_for(recs, d, n),
             "kvmesh": run_live(recs, d, n, "kvmesh", log),
             "round_robin": run_live(recs, d, n, "round_robin", log),
+            "peer": run_peer_router(recs, d, n, PEER, log),
             "sim": simulate_in_send_order(recs, d, n, "kvmesh"),
         }
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
@@ -144,7 +198,7 @@ def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
 def live_checks(row: dict) -> dict[str, bool]:
     """The live targets for one draw."""
     k, rr, b = row["kvmesh"], row["round_robin"], row["bounds"]
-    return {
+    checks = {
         "hit >= 0.95 x balance-bounded": k["hit"] >= 0.95 * b["balance"],
         "prefill max/mean <= 1.25": k["prefill_max_over_mean"] <= 1.25,
         "TTFT p50 <= round robin's": k["ttft_p50_s"] <= rr["ttft_p50_s"],
@@ -153,19 +207,29 @@ def live_checks(row: dict) -> dict[str, bool]:
         "sim max/mean within 0.15": row["sim_vs_live"]["prefill_max_over_mean"] <= 0.15,
         "sim requests/replica within 0.15": row["sim_vs_live"]["requests"] <= 0.15,
     }
+    if "peer" in row:  # rows saved before the peer leg was added have none
+        checks[f"hit >= {row['peer']['setup']} - 0.03"] = k["hit"] >= row["peer"]["hit"] - 0.03
+    return checks
 
 
 def format_live(rows: Sequence[dict]) -> str:
     lines = [
         "seed  N  reqs  bound inf/bal   kvmesh hit  max/mean  p50 ms | rr hit  max/mean  p50 ms | "
-        "sim hit  max/mean  req/replica live vs sim"
+        "peer hit  max/mean  p50 ms | sim hit  max/mean  req/replica live vs sim"
     ]
     for r in rows:
         k, rr, s, b = r["kvmesh"], r["round_robin"], r["sim"], r["bounds"]
+        pe = r.get("peer")
+        peer = (
+            f"{pe['hit']:.3f}     {pe['prefill_max_over_mean']:.2f}      {pe['ttft_p50_s'] * 1e3:5.0f}"
+            if pe
+            else f"{'-':>5}     {'-':>4}      {'-':>5}"
+        )
         lines.append(
             f"{r['seed']}  {r['replicas']}  {r['requests']:4d}  {b['infinite']:.3f}/{b['balance']:.3f}  "
             f"  {k['hit']:.3f}       {k['prefill_max_over_mean']:.2f}      {k['ttft_p50_s'] * 1e3:5.0f} | "
             f"{rr['hit']:.3f}   {rr['prefill_max_over_mean']:.2f}      {rr['ttft_p50_s'] * 1e3:5.0f} | "
+            f"{peer} | "
             f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}"
         )
     return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""The live robustness checks: the peer comparison is judged when the row has a peer leg, and the table
+prints rows with and without one."""
+
+from __future__ import annotations
+
+from kvmesh.benchmarks.robust_live import format_live, live_checks
+
+
+def _row(kvmesh_hit: float, peer_hit: float | None) -> dict:
+    side = {"hit": kvmesh_hit, "prefill_max_over_mean": 1.1, "ttft_p50_s": 0.1, "errors": 0, "requests": [5, 5]}
+    row = {
+        "seed": 2000,
+        "replicas": 2,
+        "requests": 10,
+        "bounds": {"infinite": 0.8, "balance": 0.78},
+        "kvmesh": side,
+        "round_robin": dict(side, hit=0.5, ttft_p50_s=0.2),
+        "sim": dict(side),
+        "sim_vs_live": {"hit": 0.0, "prefill_max_over_mean": 0.0, "requests": 0.0},
+    }
+    if peer_hit is not None:
+        row["peer"] = dict(side, hit=peer_hit, setup="vllm-router/cache_aware")
+    return row
+
+
+def test_the_peer_check_fails_more_than_003_below_the_peer_and_passes_within():
+    name = "hit >= vllm-router/cache_aware - 0.03"
+    assert live_checks(_row(0.77, 0.79))[name]
+    assert not live_checks(_row(0.75, 0.79))[name]
+    assert name not in live_checks(_row(0.75, None))
+
+
+def test_the_table_has_a_line_per_row_with_or_without_a_peer_leg():
+    text = format_live([_row(0.77, 0.79), _row(0.77, None)])
+    lines = text.splitlines()
+    assert len(lines) == 3 and "peer hit" in lines[0]
+    assert "0.790" in lines[1] and "0.790" not in lines[2]
