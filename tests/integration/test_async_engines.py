@@ -87,7 +87,14 @@ def wait_for(predicate, what: str, timeout: float = 30.0):
 
 def test_the_replica_runs_vllms_async_engine(async_app):
     with async_app.client() as c:
-        stats = router_state(c)["routing_stats"]
+        router_state(c)  # the router exists from the first request on
+        # Serve collects a replica's routing stats on a period: right after start-up they can be empty
+        stats = wait_for(
+            lambda: (lambda st: st if st and all(s.get("num_blocks", 0) > 0 for s in st.values()) else None)(
+                router_state(c)["routing_stats"]
+            ),
+            "the async replica's routing stats with its KV block count",
+        )
     assert stats and all(s.get("num_blocks", 0) > 0 for s in stats.values())
     # only AsyncLLM's engine runs out of process: the in-process driver never reports kv usage this way
     from ray import serve

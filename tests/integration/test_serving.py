@@ -137,8 +137,13 @@ class EventRecorder:
 
 def test_router_index_agrees_with_engine_kv_events_after_a_replay(live_app):
     with live_app.client() as c:
-        stats = router_state(c)["routing_stats"]
-        endpoints = {rid: s["kv_events_endpoint"] for rid, s in stats.items()}
+        deadline = time.monotonic() + 30  # Serve collects routing stats on a period: at first they can be empty
+        while True:
+            stats = router_state(c)["routing_stats"]
+            endpoints = {rid: s.get("kv_events_endpoint") for rid, s in stats.items()}
+            if (len(endpoints) == 2 and all(endpoints.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert len(endpoints) == 2 and all(endpoints.values())
         rec = EventRecorder(endpoints)
         try:
