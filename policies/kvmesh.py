@@ -148,6 +148,7 @@ class KvmeshPolicy(Policy):
         self._fork_count: dict = {}
         self._fork_k = 1.0
         self._fork_total = 0.0
+        self._fork_prune_at = 4096
 
     # ------------------------------------------------------------------ scoring
     def on_replica_added(self, replica_id: str) -> None:
@@ -354,24 +355,21 @@ class KvmeshPolicy(Policy):
         share = self._fork_count.get(fork, 0.0) * self._fork_k / self._fork_total
         return holders < share * live * (1.0 + self.balance_slack)
 
-    def _count_fork(self, hashes) -> None:
-        """Count one request towards the deepest fork its prompt passes (decayed like the short window)."""
-        fork = None
-        for h in hashes:
-            seen = self._fanout.get(h, _NONE)
-            if seen is _NONE:
-                break
-            if seen is True:
-                fork = h
+    def _count_fork(self, fork) -> None:
+        """Count one request towards `fork`, the deepest fork its prompt passes (None: none), decayed like
+        the short window."""
         d = self._age(len(self._slot))
         self._fork_k *= d  # every count decays by d without touching them: a count is stored / _fork_k
         self._fork_total = self._fork_total * d + 1.0
         if fork is not None:
             self._fork_count[fork] = self._fork_count.get(fork, 0.0) + 1.0 / self._fork_k
-            if len(self._fork_count) > 4096 or self._fork_k < 1e-12:
+            if len(self._fork_count) > self._fork_prune_at or self._fork_k < 1e-12:
+                # forget forks with under 1/1000 of a recent request; pruning at twice what stays keeps it
+                # amortised O(1) per request however many forks are live
                 k = self._fork_k
                 self._fork_count = {f: v * k for f, v in self._fork_count.items() if v * k > 1e-3}
                 self._fork_k = 1.0
+                self._fork_prune_at = max(4096, 2 * len(self._fork_count))
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""
@@ -387,17 +385,20 @@ class KvmeshPolicy(Policy):
         k = min(int(shared_b.max()) if len(shared_b) else 0, len(request.block_hashes))
         return k if k > 0 and self._fanout.get(request.block_hashes[k - 1], _NONE) is True else 0
 
-    def _learn_fanout(self, hashes, request_id: str | None = None) -> None:
-        """Record each block's continuation (the next block, or this request's own end). Most blocks
-        sit inside one conversation and only ever see one continuation: stored bare, not as a set.
-        A request's end is named by its id, so the same request routed again (Serve ranks it again
-        while it backs off, and the router commits each time) adds no new continuation: otherwise a
-        few re-ranks would turn a conversation's last block into a hot fork."""
+    def _learn_fanout(self, hashes, request_id: str | None = None):
+        """Record each block's continuation (the next block, or this request's own end) and return the
+        deepest fork the prompt passes (None: none). Most blocks sit inside one conversation and only
+        ever see one continuation: stored bare, not as a set. A request's end is named by its id, so the
+        same request routed again (Serve ranks it again while it backs off, and the router commits each
+        time) adds no new continuation: otherwise a few re-ranks would turn a conversation's last block
+        into a hot fork."""
         fan = self._fanout
         last = len(hashes) - 1
+        fork = None
         for k, h in enumerate(hashes):
             seen = fan.get(h, _NONE)
             if seen is True:
+                fork = h
                 continue
             if k < last:
                 nxt = hashes[k + 1]
@@ -414,8 +415,14 @@ class KvmeshPolicy(Policy):
                 seen.add(nxt)
                 if len(seen) >= self.hot_fanout:
                     fan[h] = True
+                    fork = h
             elif seen != nxt:
-                fan[h] = True if self.hot_fanout <= 2 else {seen, nxt}
+                if self.hot_fanout <= 2:
+                    fan[h] = True
+                    fork = h
+                else:
+                    fan[h] = {seen, nxt}
+        return fork
 
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
@@ -476,8 +483,7 @@ class KvmeshPolicy(Policy):
         self._credited[id(request)] = (request, replica_id, u)
         if len(self._credited) > 256:
             self._credited.popitem(last=False)
-        self._learn_fanout(request.block_hashes, request.request_id)
-        self._count_fork(request.block_hashes)
+        self._count_fork(self._learn_fanout(request.block_hashes, request.request_id))
 
     def on_unrouted(self, request: RequestInfo, replica_id: str) -> None:
         """Take back the work `on_routed` credited (the fanout it learned stays: the prompt was seen)."""
