@@ -100,13 +100,19 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
         replicas - len(s["per_replica"])
     )
+    return _figures(s, [p["requests"] for p in per], [p["uncached_prompt_tokens"] for p in per])
+
+
+def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
+    """One live run's row: hit rate, errors, TTFT p50 from the replay summary; requests and prefill
+    tokens per replica (sorted: replica names differ between runs) and prefill max/mean."""
     return {
-        "hit": s["hit_rate_tokens"],
-        "errors": s["errors"],
-        "ttft_p50_s": s["ttft_p50_s"],
-        "requests": sorted(p["requests"] for p in per),
-        "prefill": sorted(p["uncached_prompt_tokens"] for p in per),
-        "prefill_max_over_mean": max_over_mean([p["uncached_prompt_tokens"] for p in per]) or 1.0,
+        "hit": summary["hit_rate_tokens"],
+        "errors": summary["errors"],
+        "ttft_p50_s": summary["ttft_p50_s"],
+        "requests": sorted(requests),
+        "prefill": sorted(prefill),
+        "prefill_max_over_mean": max_over_mean(prefill) or 1.0,
     }
 
 
@@ -148,17 +154,9 @@ def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: 
             proc.stop()
     finally:
         engines.stop_servers(servers)
-    s = report.summary()
     workers = results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
-    return {
-        "setup": setup_name,
-        "hit": s["hit_rate_tokens"],
-        "errors": s["errors"],
-        "ttft_p50_s": s["ttft_p50_s"],
-        "requests": sorted(w["requests"] for w in workers),
-        "prefill": sorted(w["prefill_tokens"] for w in workers),
-        "prefill_max_over_mean": max_over_mean([w["prefill_tokens"] for w in workers]) or 1.0,
-    }
+    row = _figures(report.summary(), [w["requests"] for w in workers], [w["prefill_tokens"] for w in workers])
+    return {"setup": setup_name, **row}
 
 
 def compare(live: dict, sim: dict) -> dict:
