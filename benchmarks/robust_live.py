@@ -123,39 +123,34 @@ def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: 
     import tempfile
     from pathlib import Path
 
-    from kvmesh.benchmarks.peers import engines, metrics, results, setups
+    from kvmesh.benchmarks.peers import engines, setups
+    from kvmesh.benchmarks.peers.run import replay_through_peer
     from kvmesh.deployments.config import resolve_model
     from kvmesh.deployments.replay import ReplayConfig, replay
 
     setup = next(x for x in setups.PEER_SETUPS if x.name == setup_name)
     spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
+
+    def send(url: str) -> dict:
+        config = ReplayConfig(
+            url=url,
+            model=engines.SERVED_MODEL_NAME,
+            tokens_per_block=d.tokens_per_block,
+            concurrency=live_concurrency(d),
+            max_tokens=16,
+            progress=False,
+        )
+        return replay(recs, config).summary()
+
     work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
     t0 = time.perf_counter()
     servers = engines.start_servers(replicas, spec, work)
     try:
-        proc, url, _ = setups.start_router(setup, servers, spec, work / "logs")
-        log(f"    {setup_name}: {replicas} vLLM servers and the router up in {time.perf_counter() - t0:.0f}s")
-        try:
-            before = [metrics.scrape(x.url) for x in servers]
-            report = replay(
-                recs,
-                ReplayConfig(
-                    url=url,
-                    model=engines.SERVED_MODEL_NAME,
-                    tokens_per_block=d.tokens_per_block,
-                    concurrency=live_concurrency(d),
-                    max_tokens=16,
-                    progress=False,
-                ),
-            )
-            time.sleep(0.5)  # the servers' counters settle after the last stream closes
-            after = [metrics.scrape(x.url) for x in servers]
-        finally:
-            proc.stop()
+        log(f"    {setup_name}: {replicas} vLLM servers up in {time.perf_counter() - t0:.0f}s")
+        summary, workers = replay_through_peer(setup, servers, spec, work / "logs", send)
     finally:
         engines.stop_servers(servers)
-    workers = results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
-    row = _figures(report.summary(), [w["requests"] for w in workers], [w["prefill_tokens"] for w in workers])
+    row = _figures(summary, [w["requests"] for w in workers], [w["prefill_tokens"] for w in workers])
     return {"setup": setup_name, **row}
 
 

@@ -120,17 +120,32 @@ class _Servers:
         self.servers = []
 
 
-def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str, form: str, bound) -> dict:
-    proc, url, _ = setups.start_router(setup, servers, cfg.spec, cfg.work_dir / "logs")
+def replay_through_peer(
+    setup, servers, spec: EngineSpec, log_dir: Path, send: Callable[[str], dict]
+) -> tuple[dict, list[dict]]:
+    """Start the peer router over `servers`, run `send(router_url)` (a replay, returning its summary),
+    stop the router; return the summary and per-worker figures from the servers' /metrics deltas (a
+    peer names no replica in its responses)."""
+    proc, url, _ = setups.start_router(setup, servers, spec, log_dir)
     try:
         before = [metrics.scrape(s.url) for s in servers]
-        # sglang-router's /v1/models answers "unknown": name the servers' model explicitly
-        summary = _replay(records, cfg, url, form, seed, label=setup.name, model=engines.SERVED_MODEL_NAME)
+        summary = send(url)
         time.sleep(0.5)  # let the servers' counters settle after the last stream closed
         after = [metrics.scrape(s.url) for s in servers]
     finally:
         proc.stop()
-    workers = results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
+    return summary, results.workers_from_metric_deltas([metrics.delta(b, a) for b, a in zip(before, after)])
+
+
+def run_peer(setup, records, cfg: BenchConfig, servers, seed: int, workload: str, form: str, bound) -> dict:
+    summary, workers = replay_through_peer(
+        setup,
+        servers,
+        cfg.spec,
+        cfg.work_dir / "logs",
+        # sglang-router's /v1/models answers "unknown": name the servers' model explicitly
+        lambda url: _replay(records, cfg, url, form, seed, label=setup.name, model=engines.SERVED_MODEL_NAME),
+    )
     return results.make_row(workload, form, setup.name, summary, workers, bound)
 
 
