@@ -182,6 +182,19 @@ def replica_pids(client: httpx.Client) -> dict[str, int]:
     return {rid: s["pid"] for rid, s in (state.get("routing_stats") or {}).items() if s.get("pid")}
 
 
+def pid_of(client: httpx.Client, replica: str, timeout_s: float = 60.0) -> int:
+    """The process id of `replica`, waiting for its first routing stats: a replica can serve a request
+    before the router has heard from it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid = replica_pids(client).get(replica)
+        if pid is not None:
+            return pid
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replica {replica} reported no process id within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def metric(client: httpx.Client, name: str) -> float:
     """An unlabelled sample of `name` from /metrics (0 when absent)."""
     for line in client.get("/metrics").text.splitlines():

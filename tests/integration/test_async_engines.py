@@ -226,7 +226,7 @@ def test_an_async_replica_killed_mid_stream_is_finished_by_its_replacement_with_
     """A real `kill -9` of the replica process while it streams: AsyncLLM's engine core process dies with
     it, and the ingress continues the stream on another replica (with one replica, Serve's replacement)
     from the prompt plus the tokens already sent: the client sees the greedy text of an untouched run."""
-    from kvmesh.benchmarks.failover_run import metric, replica_pids, surviving
+    from kvmesh.benchmarks.failover_run import metric, pid_of, surviving
 
     body = {"model": "tiny", "prompt": fresh_tokens(64), "max_tokens": 400, "temperature": 0}
     body.update({"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
@@ -234,12 +234,11 @@ def test_an_async_replica_killed_mid_stream_is_finished_by_its_replacement_with_
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             reference, _ = _stream_text(r)
-        pids = replica_pids(c)
         before = metric(c, "kvmesh_migrations_total")
         killed: list[int] = []
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            pid = pids[r.headers["x-kvmesh-replica"]]
+            pid = pid_of(c, r.headers["x-kvmesh-replica"])
             children = [p.pid for p in psutil.Process(pid).children(recursive=True)]
 
             def kill_once() -> None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from side_app import side_app
 
-from kvmesh.benchmarks.failover_run import metric, replica_pids, surviving
+from kvmesh.benchmarks.failover_run import metric, pid_of, replica_pids, surviving
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_serve_replaces_a_replica_whose_engine_broke_and_the_request_is_finished
             ok = c.post("/v1/completions", json={**body, "max_tokens": 4})
             assert ok.status_code == 200, ok.text
             broken = ok.headers["x-kvmesh-replica"]
-            pid = replica_pids(c)[broken]
+            pid = pid_of(c, broken)
             # 28 tokens after the first request's 4: the engine breaks at its 31st step, mid-request; the request
             # waits for the replacement and is sent there again whole (28 steps: within a fresh engine's budget)
             r = c.post("/v1/completions", json={**body, "max_tokens": 28})
