@@ -6,7 +6,10 @@ Each seed of `benchmarks/robust_seeds.json` gives one workload shape (`kvmesh.cl
 (default; for reporting only) or tune (the set to tune constants on). Target, per draw: kvmesh hit
 rate >= 0.97 x the merged-LRU bound with per-replica prefill max/mean <= 1.25, unless the draw is
 proven out of reach for every placement (`kvmesh.cluster.out_of_reach`: the two halves of the target
-exclude each other there); one other miss is a MISS and a non-zero exit. Writes
+exclude each other there, or the exact solver, `kvmesh.cluster.exact_placement`, found that no placement
+meets it); one other miss is a MISS and a non-zero exit. Each miss the floor does not settle is put to the
+solver (ROBUST_EXACT_S seconds per attempt, default 10; 0 skips it): "reachable" there means an offline
+placement meets the target, so the miss is the policy's. Writes
 <BENCH_OUT>/robust/robust.json and robust.png (BENCH_OUT default out).
 `BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N eval
 seeds are also replayed live (kvmesh and round robin on fresh local apps) and compared with the
@@ -20,7 +23,16 @@ import os
 import sys
 import time
 
-from kvmesh.cluster.sweep import DEFAULT_POLICIES, SweepOptions, format_summary, plot, summarize, sweep, target_misses
+from kvmesh.cluster.sweep import (
+    DEFAULT_POLICIES,
+    SweepOptions,
+    decide_exactly,
+    format_summary,
+    plot,
+    summarize,
+    sweep,
+    target_misses,
+)
 
 SEEDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "robust_seeds.json")
 POLICY = "kvmesh"
@@ -35,18 +47,42 @@ def load_seed_set(which: str) -> list[int]:
     return list(sets[which])
 
 
+def proven_out_of_reach(row: dict) -> bool:
+    """No placement meets the target on this draw: the floor proves it, or the exact solver did."""
+    b = row["bounds"]
+    return bool(b["target_out_of_reach"]) or b.get("exact_verdict") == "out of reach"
+
+
+def reached_offline(row: dict) -> bool:
+    """A placement found offline meets the target on this draw: the greedy at the target's imbalance or
+    the exact solver's (so a miss there is the policy's)."""
+    b = row["bounds"]
+    return bool(b["target_reachable"]) or b.get("exact_verdict") == "reachable"
+
+
 def format_misses(misses: list[dict], opts: SweepOptions) -> str:
     """One line per missed draw; `greedy@target` is the balance-bounded greedy at the target's
-    imbalance (hit / merged-LRU bound, max/mean reached): 'reachable' when it met the target itself,
-    'out of reach' when no placement can (`kvmesh.cluster.out_of_reach`)."""
-    lines = [f"  {'seed':>5} {'hit/merged':>10} {'max/mean':>8} {'greedy@target':>14} {'':>12} shape"]
+    imbalance (hit / merged-LRU bound, max/mean reached), `exact` the exact solver's placement where it
+    found one; the mark: 'out of reach' when no placement can meet the target (floor or solver),
+    'reachable' when a placement found offline (greedy or solver) meets it, 'undecided' otherwise."""
+    lines = [f"  {'seed':>5} {'hit/merged':>10} {'max/mean':>8} {'greedy@target':>14} {'exact':>14} {'':>12} shape"]
     for r in misses:
         k, b = r["policies"][POLICY], r["bounds"]
         reach = b["balance_at_target"] / b["merged_lru"] if b["merged_lru"] else 1.0
-        mark = "out of reach" if b["target_out_of_reach"] else "reachable" if b["target_reachable"] else ""
+        exact = (
+            f"{b['exact_hit_over_merged']:>7.3f} ({b['exact_imbalance']:.2f})"
+            if b.get("exact_hit_over_merged") is not None
+            else ""
+        )
+        if proven_out_of_reach(r):
+            mark = "out of reach"
+        elif reached_offline(r):
+            mark = "reachable"
+        else:
+            mark = "undecided"
         lines.append(
             f"  {r['seed']:>5} {k['hit_over_merged']:>10.3f} {k['prefill_max_over_mean']:>8.2f} "
-            f"{reach:>7.3f} ({b['balance_at_target_imbalance']:.2f}) {mark:>12} {r['shape']}"
+            f"{reach:>7.3f} ({b['balance_at_target_imbalance']:.2f}) {exact:>14} {mark:>12} {r['shape']}"
         )
     return "\n".join(lines)
 
@@ -61,8 +97,25 @@ def main() -> dict:
     wall = time.perf_counter() - t0
     summary = summarize(rows)
     missed = target_misses(rows, POLICY, opts.target_ratio, opts.target_imbalance)
-    proven = [r["seed"] for r in rows if r["bounds"]["target_out_of_reach"]]
-    misses = [r for r in missed if not r["bounds"]["target_out_of_reach"]]
+    exact_s = float(os.environ.get("ROBUST_EXACT_S", "10"))
+    open_misses = [r for r in missed if not r["bounds"]["target_out_of_reach"]]
+    if exact_s > 0:
+        t1 = time.perf_counter()
+        for i, r in enumerate(open_misses):
+            t2 = time.perf_counter()
+            verdict = decide_exactly(r, opts, exact_s)["bounds"]["exact_verdict"]
+            print(
+                f"  exact solver, miss {i + 1}/{len(open_misses)} the floor left open: seed {r['seed']} {verdict} "
+                f"({time.perf_counter() - t2:.1f} s)",
+                flush=True,
+            )
+        print(f"  exact solver: {time.perf_counter() - t1:.0f} s")
+    floor_proven = [r["seed"] for r in rows if r["bounds"]["target_out_of_reach"]]
+    solver_proven = [r["seed"] for r in open_misses if r["bounds"].get("exact_verdict") == "out of reach"]
+    proven = floor_proven + solver_proven
+    misses = [r for r in missed if not proven_out_of_reach(r)]
+    policy_misses = [r["seed"] for r in misses if reached_offline(r)]
+    undecided = [r["seed"] for r in misses if not reached_offline(r)]
     unreachable = [r["seed"] for r in rows if not r["bounds"]["target_reachable"]]
     print(
         f"robustness: {len(rows)} draws ({which} seeds), policies {', '.join(DEFAULT_POLICIES)}; "
@@ -79,6 +132,10 @@ def main() -> dict:
                 "summary": summary,
                 "misses": [r["seed"] for r in misses],
                 "target_out_of_reach": proven,
+                "target_out_of_reach_by_floor": floor_proven,
+                "target_out_of_reach_by_solver": solver_proven,
+                "reachable_offline": policy_misses,
+                "undecided": undecided,
                 "target_unreachable_by_greedy": unreachable,
                 "rows": rows,
             },
@@ -102,9 +159,16 @@ def main() -> dict:
         f"mean, best of caps 1.10-1.25)"
     )
     print(
-        f"  no placement meets the target on {len(proven):>3}/{len(rows)} draws (proven: the balanced compute floor "
-        f"exceeds what the hit rate allows): {proven}"
+        f"  no placement meets the target on {len(proven):>3}/{len(rows)} draws, proven: {len(floor_proven)} by the "
+        f"balanced compute floor (it exceeds what the hit rate allows) {floor_proven}, {len(solver_proven)} more by "
+        f"the exact solver {solver_proven}"
     )
+    if exact_s > 0:
+        print(
+            f"  of the other misses, a placement found offline (greedy or solver) meets the target on "
+            f"{len(policy_misses)} (the policy's misses) {policy_misses}; {len(undecided)} undecided within "
+            f"{exact_s:.0f} s {undecided}"
+        )
     live_missed = run_live_part(out_dir)
     verdict = "PASS" if not misses else "MISS"
     met = len(rows) - len(missed)

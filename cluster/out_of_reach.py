@@ -32,7 +32,18 @@ def balanced_compute_floor(
     requests: Sequence[TraceRequest], block_size: int, replicas: int, max_load: float
 ) -> int | None:
     """Fewest prompt tokens any placement of `requests` on `replicas` unbounded caches computes while no
-    replica computes more than `max_load`; None when no placement keeps every replica under it.
+    replica computes more than `max_load`; None when no placement keeps every replica under it
+    (`balanced_hosts`'s floor)."""
+    found = balanced_hosts(requests, block_size, replicas, max_load)
+    return None if found is None else found[0]
+
+
+def balanced_hosts(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, max_load: float
+) -> tuple[int, dict[int, int]] | None:
+    """(the floor: fewest prompt tokens any placement computes while no replica computes more than
+    `max_load`, the fewest replicas that compute each block under that limit); None when no placement
+    keeps every replica under it.
 
     Bottom-up over the prefix tree: block h is computed on at least hosts(h) replicas, where the work
     below h (each block g below it on its own hosts(g) replicas, plus the tails of the requests through
@@ -82,7 +93,7 @@ def balanced_compute_floor(
         else:
             rest[up] += work
             hosts[up] = max(hosts[up], hosts[h])
-    return floor
+    return floor, hosts
 
 
 def target_out_of_reach(

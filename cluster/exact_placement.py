@@ -1,0 +1,278 @@
+"""The best placement of a whole workload under a balance limit, solved exactly (a mixed-integer program).
+
+Why: the robustness target asks, per workload, for a hit rate near the merged-LRU bound *and*
+per-replica prefill max/mean <= 1.25. `out_of_reach.balanced_compute_floor` proves some workloads
+cannot meet both; the greedy references only say what one heuristic found. Between them a miss is
+undecided: the policy's fault or the workload's. Solving the placement problem itself decides it: the
+solver's lower bound on computed tokens is a proof that no placement does better, and the placement it
+finds, replayed with the simulator's own accounting, shows that one does.
+
+The model (one unbounded cache per replica, no timing: with room for every block, what a replica caches
+does not depend on when requests arrive). Requests' full blocks form a prefix tree; chains of blocks
+that every request passing the first also passes are one node, weighing their tokens. Per replica m:
+y[v, m] = 1 when m computes node v, x[r, m] = 1 when request r runs on m. A request runs on one replica;
+its replica computes the node its full blocks end at (y >= x), and a replica computing a node computes
+its parent (y[parent] >= y), and computes a node only for a request of its own (y[v] <= its
+children's y + the x of requests ending at v: otherwise idle replicas could compute blocks nobody
+asked for to raise the mean). Replica m computes load[m] = sum of node weights it computes + the partial
+last block of each request it runs. Balance: load[m] <= max_imbalance x the mean load. Minimise the
+total. Replicas are interchangeable, so loads are ordered (load[0] >= load[1] >= ...) to cut the
+search. A prompt ending on a block boundary recomputes its last block even where it is cached (vLLM
+always computes the last token); the model counts that block once per replica, which never counts
+more than a placement computes, so the solver's bound stays a bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvmesh.cluster.out_of_reach import balanced_hosts
+from kvmesh.cluster.trace import TraceRequest
+
+
+def _tree(requests: Sequence[TraceRequest], block_size: int):
+    """(node weights in tokens, parent index per node (-1: root), end node per request (-1: no full
+    block), partial tail tokens per request, node per block), with unbranching chains merged into one
+    node."""
+    parent: dict[int, int | None] = {}
+    children: dict[int | None, set[int]] = {}
+    ends: dict[int, int] = {}
+    paths = []
+    for r in requests:
+        path = r.hash_ids[: r.input_length // block_size]
+        above = None
+        for h in path:
+            if h not in parent:
+                parent[h] = above
+                children.setdefault(above, set()).add(h)
+            above = h
+        if above is not None:
+            ends[above] = ends.get(above, 0) + 1
+        paths.append(above)
+    head: dict[int, int] = {}  # block -> index of the merged node it belongs to
+    weight: list[int] = []
+    up: list[int] = []
+    stack = [(h, -1) for h in children.get(None, ())]
+    while stack:  # top-down: a block starts a node unless it is its parent's only child and no request ends there
+        h, above_node = stack.pop()
+        p = parent[h]
+        if p is not None and len(children.get(p, ())) == 1 and not ends.get(p):
+            node = head[p]
+        else:
+            node = len(weight)
+            weight.append(0)
+            up.append(above_node)
+        head[h] = node
+        weight[node] += block_size
+        stack.extend((c, node) for c in children.get(h, ()))
+    end = [head[a] if a is not None else -1 for a in paths]
+    tails = [r.input_length % block_size for r in requests]
+    return weight, up, end, tails, head
+
+
+def best_balanced_placement(
+    requests: Sequence[TraceRequest],
+    block_size: int,
+    replicas: int,
+    max_imbalance: float,
+    time_limit_s: float = 10.0,
+    max_computed: float | None = None,
+    tighten: bool = False,
+) -> dict:
+    """Solve for the placement computing the fewest prompt tokens with per-replica computed tokens
+    <= `max_imbalance` x their mean. Returns `computed_lower` (no placement computes fewer: a proof),
+    `placement` (replica per request, or None when the solver found none in time), `optimal` (the
+    solver closed the gap) and `status`.
+
+    With `max_computed`, only placements computing at most that many tokens count (a target's hit rate),
+    and the solver stops at the first one it finds: `placement` None with `status` "Infeasible" then
+    proves that none exists. Each replica then computes at most max_imbalance x max_computed / replicas,
+    so every block is computed on at least as many replicas as `out_of_reach.balanced_hosts` says: those
+    counts are added as cuts (the solver's relaxation alone lets one replica compute a fraction of
+    everything). With `tighten`, the balance rows take the allowance for prompts ending on a block
+    boundary off instead of adding it (the model then never under-counts a placement's imbalance: for
+    finding one that replays within the limit, not for proofs)."""
+    import highspy
+
+    if replicas < 1 or block_size < 1:
+        raise ValueError("replicas and block_size must be >= 1")
+    weight, up, end, tails, head_of = _tree(requests, block_size)
+    V, n, R = len(weight), len(requests), replicas
+    # columns: y[v, m] = v * R + m, then x[r, m] = Y + r * R + m, then load[m] = Y + X + m
+    Y, X = V * R, n * R
+    cols = Y + X + R
+    rows_i: list[np.ndarray] = []
+    rows_v: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    inf = highspy.kHighsInf
+
+    def add(idx, val, lo, hi):
+        rows_i.append(np.asarray(idx, dtype=np.int32))
+        rows_v.append(np.asarray(val, dtype=np.float64))
+        lower.append(lo)
+        upper.append(hi)
+
+    ms = np.arange(R)
+    for r in range(n):  # each request on one replica
+        add(Y + r * R + ms, np.ones(R), 1.0, 1.0)
+    for r, v in enumerate(end):  # its replica computes the node its full blocks end at
+        if v >= 0:
+            for m in range(R):
+                add([v * R + m, Y + r * R + m], [1.0, -1.0], 0.0, inf)
+    for v, p in enumerate(up):  # a replica computing a node computes its parent
+        if p >= 0:
+            for m in range(R):
+                add([p * R + m, v * R + m], [1.0, -1.0], 0.0, inf)
+    below: list[list[int]] = [[] for _ in range(V)]  # columns, per node and replica, that make it computed there
+    for v, p in enumerate(up):
+        if p >= 0:
+            below[p].append(v)
+    runs_at: list[list[int]] = [[] for _ in range(V)]
+    for r, v in enumerate(end):
+        if v >= 0:
+            runs_at[v].append(r)
+    for v in range(V):  # and only then: no replica computes a node no request of its needs (no padding)
+        for m in range(R):
+            cover = [v * R + m] + [c * R + m for c in below[v]] + [Y + r * R + m for r in runs_at[v]]
+            add(cover, [1.0] + [-1.0] * (len(cover) - 1), -inf, 0.0)
+    w = np.asarray(weight, dtype=np.float64)
+    t = np.asarray(tails, dtype=np.float64)
+    for m in range(R):  # load[m] = what replica m computes
+        idx = np.concatenate([np.arange(V) * R + m, Y + np.arange(n) * R + m, [Y + X + m]])
+        add(idx, np.concatenate([w, t, [-1.0]]), 0.0, 0.0)
+    share = max_imbalance / R
+    # a prompt ending on a block boundary may count one block less here than it computes (see above):
+    # the balance rows allow for that much, so every real placement within the limit stays in the model
+    slack = share * block_size * sum(1 for r in requests if r.input_length % block_size == 0)
+    slack = -slack if tighten else slack
+    for m in range(R):  # balance: load[m] <= max_imbalance x mean
+        val = np.full(R, -share)
+        val[m] += 1.0
+        add(Y + X + ms, val, -inf, slack)
+    if max_computed is not None:
+        add(Y + X + ms, np.ones(R), -inf, float(max_computed))
+        found = balanced_hosts(requests, block_size, R, max_imbalance * max_computed / R)
+        if found is None:
+            return {
+                "computed_lower": float("inf"),
+                "placement": None,
+                "optimal": True,
+                "status": "Infeasible",
+                "nodes": V,
+            }
+        node_hosts = [1] * V
+        for req in requests:  # a merged node's blocks are all computed wherever its first one is
+            for h in req.hash_ids[: max(0, (req.input_length - 1) // block_size)]:
+                v = head_of.get(h)
+                if v is not None:
+                    node_hosts[v] = max(node_hosts[v], found[1].get(h, 1))
+        for v, k in enumerate(node_hosts):
+            if k > 1:
+                add(np.arange(R) + v * R, np.ones(R), float(k), inf)
+    for m in range(R - 1):  # interchangeable replicas: loads in decreasing order
+        add([Y + X + m, Y + X + m + 1], [1.0, -1.0], 0.0, inf)
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = cols
+    lp.num_row_ = len(lower)
+    lp.col_cost_ = np.concatenate([np.zeros(Y + X), np.ones(R)])
+    lp.col_lower_ = np.zeros(cols)
+    lp.col_upper_ = np.concatenate([np.ones(Y + X), np.full(R, inf)])
+    lp.row_lower_ = np.asarray(lower)
+    lp.row_upper_ = np.asarray(upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum([len(i) for i in rows_i])]).astype(np.int32)
+    lp.a_matrix_.index_ = np.concatenate(rows_i)
+    lp.a_matrix_.value_ = np.concatenate(rows_v)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * (Y + X) + [highspy.HighsVarType.kContinuous] * R
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    solver.setOptionValue("time_limit", float(time_limit_s))
+    solver.setOptionValue("threads", 1)
+    if max_computed is not None:
+        solver.setOptionValue("mip_max_improving_sols", 1)  # any placement within the limit answers the question
+    solver.passModel(lp)
+    solver.run()
+    info = solver.getInfo()
+    status = solver.modelStatusToString(solver.getModelStatus())
+    placement = None
+    if info.primal_solution_status == 2:  # a feasible integer solution
+        xv = np.asarray(solver.getSolution().col_value[Y : Y + X]).reshape(n, R)
+        placement = [int(k) for k in xv.argmax(axis=1)]
+    optimal = status == "Optimal"
+    if status == "Infeasible":
+        lower_bound = float("inf")
+    else:
+        lower_bound = info.objective_function_value if optimal else info.mip_dual_bound
+    return {
+        "computed_lower": float(lower_bound) if not np.isnan(lower_bound) else 0.0,
+        "placement": placement,
+        "optimal": optimal,
+        "status": status,
+        "nodes": V,
+    }
+
+
+def replay_placement(
+    requests: Sequence[TraceRequest], block_size: int, replicas: int, placement: Sequence[int]
+) -> dict:
+    """The hit rate and per-replica computed tokens of `placement` (replica per request), in trace order,
+    with one unbounded cache per replica and vLLM's rule that the last prompt token is always computed
+    (the simulator's accounting)."""
+    held: list[set[int]] = [set() for _ in range(replicas)]
+    computed = [0] * replicas
+    prompt = cached = 0
+    for r, m in zip(requests, placement):
+        n = r.input_length
+        most = max(0, (n - 1) // block_size)
+        k = 0
+        while k < most and r.hash_ids[k] in held[m]:
+            k += 1
+        cached += k * block_size
+        prompt += n
+        computed[m] += n - k * block_size
+        held[m].update(r.hash_ids[: n // block_size])
+    mean = sum(computed) / replicas
+    return {
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "computed": computed,
+        "imbalance": max(computed) / mean if mean else 1.0,
+    }
+
+
+def decide_target(
+    requests: Sequence[TraceRequest],
+    block_size: int,
+    replicas: int,
+    hit_rate: float,
+    max_imbalance: float,
+    time_limit_s: float = 10.0,
+) -> dict:
+    """Can a placement reach token hit rate `hit_rate` with per-replica prefill max/mean <= `max_imbalance`?
+    `verdict` "reachable" (`placement` is one, checked by `replay_placement`), "out of reach" (the solver
+    proved that none is) or "undecided" (neither within `time_limit_s` per attempt)."""
+    prompt = sum(r.input_length for r in requests)
+    allowed = prompt * (1.0 - hit_rate)
+
+    def meets(placement) -> dict | None:
+        got = replay_placement(requests, block_size, replicas, placement)
+        ok = got["hit_rate"] >= hit_rate * (1 - 1e-12) and got["imbalance"] <= max_imbalance * (1 + 1e-9)
+        return got if ok else None
+
+    first = best_balanced_placement(requests, block_size, replicas, max_imbalance, time_limit_s, allowed)
+    if first["status"] == "Infeasible" or first["computed_lower"] > allowed * (1 + 1e-9):
+        return {"verdict": "out of reach", "placement": None, "replayed": None, "status": first["status"]}
+    tries = [first]
+    if first["placement"] is not None and meets(first["placement"]) is None:
+        tries.append(
+            best_balanced_placement(requests, block_size, replicas, max_imbalance, time_limit_s, allowed, tighten=True)
+        )
+    for t in tries:
+        if t["placement"] is not None:
+            got = meets(t["placement"])
+            if got is not None:
+                return {"verdict": "reachable", "placement": t["placement"], "replayed": got, "status": t["status"]}
+    return {"verdict": "undecided", "placement": None, "replayed": None, "status": tries[-1]["status"]}
