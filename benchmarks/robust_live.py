@@ -23,6 +23,7 @@ from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
+from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
 from kvmesh.cluster.workloads import engine_trace
@@ -56,13 +57,20 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     }
 
 
-def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int) -> dict:
+def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 30.0) -> dict:
+    """The draw's bounds at the live block size, and whether any placement meets the live target
+    (hit >= 0.95 x balance-bounded with max/mean <= 1.25; `exact_placement.decide_target`): "reachable"
+    makes a live miss the policy's, "out of reach" the workload's."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     bb = balance_bounded_bound(trace.requests, ENGINE_BLOCK, replicas)
+    exact = decide_target(trace.requests, ENGINE_BLOCK, replicas, 0.95 * bb["hit_rate"], 1.25, exact_s)
+    got = exact["replayed"]
     return {
         "infinite": infinite_hit_rate(trace.requests, ENGINE_BLOCK),
         "balance": bb["hit_rate"],
         "balance_imbalance": bb["imbalance"],
+        "target_verdict": exact["verdict"],
+        "target_placement": [got["hit_rate"], got["imbalance"]] if got else None,
     }
 
 
@@ -225,4 +233,10 @@ def format_live(rows: Sequence[dict]) -> str:
             f"{peer} | "
             f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}"
         )
+    for r in rows:
+        b = r["bounds"]
+        if "target_verdict" in b:  # rows saved before the solver was added have none
+            found = b["target_placement"]
+            at = f": a placement found offline reaches {found[0]:.3f} at max/mean {found[1]:.2f}" if found else ""
+            lines.append(f"  {r['seed']}: the live target is {b['target_verdict']}{at}")
     return "\n".join(lines)
