@@ -149,6 +149,7 @@ class KvmeshPolicy(Policy):
         self._fork_k = 1.0
         self._fork_total = 0.0
         self._fork_prune_at = 4096
+        self._withdrawn_ids: OrderedDict[str, None] = OrderedDict()  # requests withdrawn once: aged already
 
     # ------------------------------------------------------------------ scoring
     def on_replica_added(self, replica_id: str) -> None:
@@ -473,9 +474,11 @@ class KvmeshPolicy(Policy):
         super().on_routed(request, replica_id, view)
         u = self._uncached(request, view.shared_blocks) if view is not None else request.num_tokens
         self.on_replica_added(replica_id)
-        d = self._age(len(self._slot))  # one routed request ages the short window (not ranking: Serve may rank twice)
-        self._s *= d
-        self._s_total *= d
+        first = self._first_routing(request.request_id)
+        if first:  # one request ages the short window once, however often it is committed
+            d = self._age(len(self._slot))
+            self._s *= d
+            self._s_total *= d
         self._credit(replica_id, u)
         if self._total > self.window_tokens_per_replica * len(self._slot):
             self._w *= 0.5
@@ -483,10 +486,25 @@ class KvmeshPolicy(Policy):
         self._credited[id(request)] = (request, replica_id, u)
         if len(self._credited) > 256:
             self._credited.popitem(last=False)
-        self._count_fork(self._learn_fanout(request.block_hashes, request.request_id))
+        fork = self._learn_fanout(request.block_hashes, request.request_id)
+        if first:
+            self._count_fork(fork)
+
+    def _first_routing(self, request_id: str | None) -> bool:
+        """Is this the request's first commit? Serve ranks a request again while no replica can take it
+        (or after one rejected it), and the router withdraws the earlier commit (`on_unrouted`) and commits
+        the new one each time. Its work is taken back; the short window's aging and the fork's request
+        count are not, so they count only the first commit: a request waiting through many re-ranks must
+        not age the window or weigh its fork many times."""
+        return request_id is None or request_id not in self._withdrawn_ids
 
     def on_unrouted(self, request: RequestInfo, replica_id: str) -> None:
-        """Take back the work `on_routed` credited (the fanout it learned stays: the prompt was seen)."""
+        """Take back the work `on_routed` credited (the fanout it learned stays: the prompt was seen, and
+        so do the short window's aging and the fork's count: its next commit adds neither)."""
+        if request.request_id is not None:
+            self._withdrawn_ids[request.request_id] = None
+            if len(self._withdrawn_ids) > 65_536:  # far more than can wait for a replica at once
+                self._withdrawn_ids.popitem(last=False)
         seen = self._credited.get(id(request))
         if seen is not None and seen[0] is request and seen[1] == replica_id:
             del self._credited[id(request)]

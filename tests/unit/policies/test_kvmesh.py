@@ -44,3 +44,31 @@ def test_a_recycled_slot_starts_at_the_mean_not_at_its_previous_owners_work():
     assert p.recent_work()["new"] == pytest.approx(mean)
     # the fleet total counts the newcomer once, at the mean: the balance guard sees a fleet of three
     assert p._total == pytest.approx(sum(p.recent_work().values()))
+
+
+def test_a_request_committed_again_ages_the_short_window_and_counts_its_fork_once():
+    """Serve ranks a waiting request again and again; the router withdraws each commit before the next.
+    The policy then holds what one commit to the last replica leaves: the same recent work, decay and fork
+    counts, not one aging and one fork request per attempt."""
+    import copy
+
+    import numpy as np
+
+    shared = [1, 2, 3]
+    p = make_policy("kvmesh", half_life_requests=2.0)
+    for rid in ("r0", "r1"):
+        p.on_replica_added(rid)
+    for i in range(10):  # ten requests branch off one prompt: a fork
+        p.on_routed(RequestInfo([*shared, 100 + i], 4 * BS, BS, 10, None, f"g{i}"), f"r{i % 2}")
+    waiting = RequestInfo([*shared, 999], 4 * BS, BS, 10, None, "waits")
+    once = copy.deepcopy(p)
+    once.on_routed(waiting, "r1")
+    for attempt in range(5):
+        p.on_routed(waiting, "r0")
+        p.on_unrouted(waiting, "r0")
+    p.on_routed(waiting, "r1")
+    assert np.allclose(p._s, once._s) and p._s_total == pytest.approx(once._s_total)
+    assert np.allclose(p._w, once._w)
+    assert p._fork_total == pytest.approx(once._fork_total)
+    fork = shared[-1]
+    assert p._fork_count[fork] * p._fork_k == pytest.approx(once._fork_count[fork] * once._fork_k)
