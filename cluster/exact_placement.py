@@ -16,8 +16,8 @@ its parent (y[parent] >= y), and computes a node only for a request of its own (
 children's y + the x of requests ending at v: otherwise idle replicas could compute blocks nobody
 asked for to raise the mean). Replica m computes load[m] = sum of node weights it computes + the partial
 last block of each request it runs. Balance: load[m] <= max_imbalance x the mean load. Minimise the
-total. Replicas are interchangeable, so loads are ordered (load[0] >= load[1] >= ...) to cut the
-search. A prompt ending on a block boundary recomputes its last block even where it is cached (vLLM
+total. Replicas are interchangeable, so one labelling of each placement is searched (see `symmetry`).
+A prompt ending on a block boundary recomputes its last block even where it is cached (vLLM
 always computes the last token); the model counts that block once per replica, which never counts
 more than a placement computes, so the solver's bound stays a bound.
 """
@@ -80,6 +80,7 @@ def best_balanced_placement(
     time_limit_s: float = 10.0,
     max_computed: float | None = None,
     tighten: bool = False,
+    symmetry: str = "loads",
 ) -> dict:
     """Solve for the placement computing the fewest prompt tokens with per-replica computed tokens
     <= `max_imbalance` x their mean. Returns `computed_lower` (no placement computes fewer: a proof),
@@ -93,7 +94,12 @@ def best_balanced_placement(
     counts are added as cuts (the solver's relaxation alone lets one replica compute a fraction of
     everything). With `tighten`, the balance rows take the allowance for prompts ending on a block
     boundary off instead of adding it (the model then never under-counts a placement's imbalance: for
-    finding one that replays within the limit, not for proofs)."""
+    finding one that replays within the limit, not for proofs).
+
+    Replicas are interchangeable, so one labelling of each placement is enough. `symmetry` "loads" keeps
+    loads in decreasing order (load[0] >= load[1] >= ...); "first use" numbers replicas in the order
+    requests first reach them (request r runs on one of replicas 0..r). Either is valid alone; which
+    solves faster depends on the workload (`decide_target` tries both)."""
     import highspy
 
     if replicas < 1 or block_size < 1:
@@ -172,15 +178,21 @@ def best_balanced_placement(
         for v, k in enumerate(node_hosts):
             if k > 1:
                 add(np.arange(R) + v * R, np.ones(R), float(k), inf)
-    for m in range(R - 1):  # interchangeable replicas: loads in decreasing order
-        add([Y + X + m, Y + X + m + 1], [1.0, -1.0], 0.0, inf)
+    if symmetry == "loads":
+        for m in range(R - 1):
+            add([Y + X + m, Y + X + m + 1], [1.0, -1.0], 0.0, inf)
+    elif symmetry != "first use":
+        raise ValueError(f"symmetry must be 'loads' or 'first use', got {symmetry!r}")
 
     lp = highspy.HighsLp()
     lp.num_col_ = cols
     lp.num_row_ = len(lower)
     lp.col_cost_ = np.concatenate([np.zeros(Y + X), np.ones(R)])
     lp.col_lower_ = np.zeros(cols)
-    lp.col_upper_ = np.concatenate([np.ones(Y + X), np.full(R, inf)])
+    x_upper = np.ones((n, R))
+    if symmetry == "first use":
+        x_upper[np.arange(R)[None, :] > np.arange(n)[:, None]] = 0.0
+    lp.col_upper_ = np.concatenate([np.ones(Y), x_upper.ravel(), np.full(R, inf)])
     lp.row_lower_ = np.asarray(lower)
     lp.row_upper_ = np.asarray(upper)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -253,7 +265,8 @@ def decide_target(
 ) -> dict:
     """Can a placement reach token hit rate `hit_rate` with per-replica prefill max/mean <= `max_imbalance`?
     `verdict` "reachable" (`placement` is one, checked by `replay_placement`), "out of reach" (the solver
-    proved that none is) or "undecided" (neither within `time_limit_s` per attempt)."""
+    proved that none is) or "undecided" (neither within `time_limit_s` per attempt: each symmetry
+    breaking in turn, and again with `tighten` when a placement found does not replay within the limit)."""
     prompt = sum(r.input_length for r in requests)
     allowed = prompt * (1.0 - hit_rate)
 
@@ -262,17 +275,20 @@ def decide_target(
         ok = got["hit_rate"] >= hit_rate * (1 - 1e-12) and got["imbalance"] <= max_imbalance * (1 + 1e-9)
         return got if ok else None
 
-    first = best_balanced_placement(requests, block_size, replicas, max_imbalance, time_limit_s, allowed)
-    if first["status"] == "Infeasible" or first["computed_lower"] > allowed * (1 + 1e-9):
-        return {"verdict": "out of reach", "placement": None, "replayed": None, "status": first["status"]}
-    tries = [first]
-    if first["placement"] is not None and meets(first["placement"]) is None:
-        tries.append(
-            best_balanced_placement(requests, block_size, replicas, max_imbalance, time_limit_s, allowed, tighten=True)
+    status = ""
+    for symmetry in ("first use", "loads"):  # the first finds placements fast, the second proves more
+        res = best_balanced_placement(
+            requests, block_size, replicas, max_imbalance, time_limit_s, allowed, symmetry=symmetry
         )
-    for t in tries:
-        if t["placement"] is not None:
-            got = meets(t["placement"])
+        status = res["status"]
+        if status == "Infeasible" or res["computed_lower"] > allowed * (1 + 1e-9):
+            return {"verdict": "out of reach", "placement": None, "replayed": None, "status": status}
+        if res["placement"] is not None and meets(res["placement"]) is None:
+            res = best_balanced_placement(
+                requests, block_size, replicas, max_imbalance, time_limit_s, allowed, True, symmetry
+            )
+        if res["placement"] is not None:
+            got = meets(res["placement"])
             if got is not None:
-                return {"verdict": "reachable", "placement": t["placement"], "replayed": got, "status": t["status"]}
-    return {"verdict": "undecided", "placement": None, "replayed": None, "status": tries[-1]["status"]}
+                return {"verdict": "reachable", "placement": res["placement"], "replayed": got, "status": status}
+    return {"verdict": "undecided", "placement": None, "replayed": None, "status": status}

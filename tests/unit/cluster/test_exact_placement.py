@@ -124,10 +124,10 @@ def test_replay_counts_what_the_simulator_counts():
 
 
 def test_on_draws_the_solver_settles_misses_the_floor_leaves_open():
-    """Eval draw 2087: the floor does not prove it, the solver does, and no policy meets the target there.
+    """Eval draw 2073: the floor does not prove it, the solver does, and no policy meets the target there.
     Eval draw 2064: kvmesh misses it, and the solver finds a placement that meets it (the policy's miss)."""
     opts = SweepOptions()
-    out = evaluate_draw(draw(2087), opts=opts)
+    out = evaluate_draw(draw(2073), opts=opts)
     assert not out["bounds"]["target_out_of_reach"]
     assert decide_exactly(out, opts, 120)["bounds"]["exact_verdict"] == "out of reach"
     assert all(target_misses([out], name, opts.target_ratio, opts.target_imbalance) for name in out["policies"])
