@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
 from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.trace import load_trace
 from kvmesh.cluster.workloads import ChatSpec, engine_trace, synth_chat
 from kvmesh.policies.base import FleetView, RequestInfo
 from kvmesh.policies.cost_model import CostModel
@@ -87,23 +88,22 @@ def test_sync_lets_routers_balance_the_whole_fleet():
 
 
 def test_synced_routers_with_delay_keep_the_single_router_hit_rate(monkeypatch):
-    """4 synced routers hearing each other 100 ms late, on a generated multi-tenant chat slice at the
-    bench's fleet size (256 replicas, load 0.8): each router counts the placements it has not heard of
-    yet and spreads new prefixes accordingly, so the hit rate stays within 3% of one router's (measured:
-    0.975-0.981 of it over four seeds of this shape). Without that count they share one stale view and
-    send each window's new prefixes to one replica."""
-    from kvmesh.benchmarks.bench_scale_sim import chat_slice
+    """16 synced routers hearing each other 100 ms late, on the bundled synthetic trace at the bench's
+    fleet size (256 replicas, load 0.8): each router counts the placements it has not heard of yet and
+    spreads new prefixes accordingly, so the hit rate stays within 3% of one router's (measured: 0.977-0.984
+    of it over five policy seeds). Without that count they share one stale view and send each window's
+    new prefixes to the one replica it ranks first (0.80-0.82 of it, and p90 TTFT five times as long)."""
     from kvmesh.deployments.router_sync import UnseenPlacements
 
-    trace = chat_slice(2)  # 3,200 requests
+    trace = load_trace("synthetic")
     fleet = SimConfig(256, 4000, load=0.8)
     one = simulate_routers(trace, fleet, lambda: make_policy("kvmesh"), RouterSetup(1, 0.1))["hit_rate_tokens"]
-    four = simulate_routers(trace, fleet, lambda: make_policy("kvmesh"), RouterSetup(4, 0.1, sync=True))
-    assert four["hit_rate_tokens"] >= 0.97 * one
+    many = simulate_routers(trace, fleet, lambda: make_policy("kvmesh"), RouterSetup(16, 0.1, sync=True))
+    assert many["hit_rate_tokens"] >= 0.97 * one
     monkeypatch.setattr(UnseenPlacements, "estimate", lambda self, now: (0.0, 0.0))
-    herd = simulate_routers(trace, fleet, lambda: make_policy("kvmesh"), RouterSetup(4, 0.1, sync=True))
-    assert herd["hit_rate_tokens"] < 0.95 * one
-    assert herd["ttft_p90_s"] > 2 * four["ttft_p90_s"]
+    herd = simulate_routers(trace, fleet, lambda: make_policy("kvmesh"), RouterSetup(16, 0.1, sync=True))
+    assert herd["hit_rate_tokens"] < 0.9 * one
+    assert herd["ttft_p90_s"] > 2 * many["ttft_p90_s"]
 
 
 def test_replica_churn_keeps_per_replica_state_bounded(trace):

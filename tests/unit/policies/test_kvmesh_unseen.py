@@ -48,8 +48,26 @@ def cold(i: int) -> RequestInfo:
 
 def test_without_unseen_placements_every_router_picks_the_same_replica():
     p = warmed()
+    for i in range(N):  # one replica has less recent work than the others
+        if i != 7:
+            p.on_routed(RequestInfo([6_000_000 + i], 10 * BS, BS, request_id=f"x{i}"), f"r{i}")
     picks = {p.best(cold(i), fleet()) for i in range(16)}
-    assert len(picks) == 1  # the same stale view, a deterministic ranking: the herd
+    assert picks == {7}  # the same stale view, a deterministic ranking: the herd
+
+
+def test_routers_that_have_sent_nothing_yet_spread_their_first_requests_by_prompt():
+    """At start-up every replica ties (no work, nothing cached) and no router has heard of another's
+    placements: each router's first request goes where its prompt hashes, not all to the first replica.
+    Ranking again picks the same replica, and `place` agrees with `best`."""
+    picks = []
+    for i in range(16):  # 16 routers, fresh, each with its own first request
+        p = make_policy("kvmesh")
+        for k in range(N):
+            p.on_replica_added(f"r{k}")
+        j = p.best(cold(i), fleet())
+        assert p.best(cold(i), fleet()) == j and p.place(cold(i), fleet())[0] == j
+        picks.append(j)
+    assert len(set(picks)) >= 8 and max(picks.count(k) for k in set(picks)) <= 4
 
 
 def test_unseen_placements_spread_new_prefixes_over_the_replicas_they_may_have_taken():
