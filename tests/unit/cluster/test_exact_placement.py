@@ -8,6 +8,7 @@ import itertools
 import random
 
 import pytest
+from prefix_workloads import branching_requests
 
 from kvmesh.cluster.exact_placement import best_balanced_placement, decide_target, replay_placement
 from kvmesh.cluster.sweep import SweepOptions, decide_exactly, evaluate_draw, target_misses
@@ -15,22 +16,6 @@ from kvmesh.cluster.trace import TraceRequest
 from kvmesh.cluster.workload_family import draw
 
 BS = 4
-
-
-def _random_requests(rng: random.Random, n: int, aligned: bool = True) -> list[TraceRequest]:
-    """Prompts that branch off each other's prefixes (ids name their whole prefix); with `aligned`, some
-    end on a block boundary."""
-    paths: list[list[int]] = []
-    next_id = 1
-    out = []
-    for _ in range(n):
-        base = rng.choice(paths)[: rng.randint(0, 4)] if paths and rng.random() < 0.8 else []
-        ids = base + list(range(next_id, next_id + rng.randint(1, 3)))
-        next_id += len(ids)
-        paths.append(ids)
-        tokens = (len(ids) - 1) * BS + rng.randint(1, BS if aligned else BS - 1)
-        out.append(TraceRequest(float(len(out)), tokens, 1, ids))
-    return out
 
 
 def _every_placement(requests, replicas):
@@ -42,7 +27,7 @@ def _every_placement(requests, replicas):
 def test_the_solver_finds_the_best_placement_within_the_balance_limit(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3])
-    requests = _random_requests(rng, rng.randint(4, 7), aligned=False)
+    requests = branching_requests(rng, rng.randint(4, 7), BS, aligned=False)
     limit = rng.choice([1.1, 1.25, 1.5])
     within = [
         sum(got["computed"]) for _, got in _every_placement(requests, replicas) if got["imbalance"] <= limit + 1e-9
@@ -63,7 +48,7 @@ def test_with_prompts_ending_on_a_block_boundary_the_bound_stays_a_bound(seed):
     replica and widens the balance limit by as much, so its optimum is never above the best placement."""
     rng = random.Random(seed)
     replicas = rng.choice([2, 3])
-    requests = _random_requests(rng, rng.randint(4, 7))
+    requests = branching_requests(rng, rng.randint(4, 7), BS)
     limit = rng.choice([1.1, 1.25, 1.5])
     within = [
         sum(got["computed"]) for _, got in _every_placement(requests, replicas) if got["imbalance"] <= limit + 1e-9
@@ -80,7 +65,7 @@ def test_the_verdict_on_a_target_is_what_every_placement_says(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3])
     exact = seed % 2 == 0
-    requests = _random_requests(rng, rng.randint(4, 7), aligned=not exact)
+    requests = branching_requests(rng, rng.randint(4, 7), BS, aligned=not exact)
     limit = rng.choice([1.1, 1.25])
     prompt = sum(r.input_length for r in requests)
     runs = [got for _, got in _every_placement(requests, replicas)]

@@ -8,6 +8,7 @@ import itertools
 import random
 
 import pytest
+from prefix_workloads import branching_requests
 
 from kvmesh.cluster.block_cache import leading_held
 from kvmesh.cluster.out_of_reach import balanced_compute_floor, target_out_of_reach
@@ -17,21 +18,6 @@ from kvmesh.cluster.workload_family import draw
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 BS = 4
-
-
-def _random_requests(rng: random.Random, n: int) -> list[TraceRequest]:
-    """Prompts that branch off each other's prefixes, each id naming its whole prefix."""
-    paths: list[list[int]] = []
-    next_id = 1
-    out = []
-    for _ in range(n):
-        base = rng.choice(paths)[: rng.randint(0, 4)] if paths and rng.random() < 0.8 else []
-        ids = base + list(range(next_id, next_id + rng.randint(1, 3)))
-        next_id += len(ids)
-        paths.append(ids)
-        tokens = (len(ids) - 1) * BS + rng.randint(1, BS)
-        out.append(TraceRequest(float(len(out)), tokens, 1, ids))
-    return out
 
 
 def _computed(requests, placement, replicas) -> list[int]:
@@ -48,7 +34,7 @@ def _computed(requests, placement, replicas) -> list[int]:
 def test_no_placement_computes_less_than_the_floor_under_its_load(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3])
-    requests = _random_requests(rng, rng.randint(4, 7))
+    requests = branching_requests(rng, rng.randint(4, 7), BS)
     placements = [_computed(requests, p, replicas) for p in itertools.product(range(replicas), repeat=len(requests))]
     least = min(sum(w) for w in placements)
     for max_load in sorted({max(w) for w in placements}) + [min(max(w) for w in placements) - 1]:
