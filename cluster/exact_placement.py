@@ -28,8 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvmesh.cluster.block_cache import leading_held
 from kvmesh.cluster.out_of_reach import balanced_hosts
 from kvmesh.cluster.trace import TraceRequest
+from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 
 def _tree(requests: Sequence[TraceRequest], block_size: int):
@@ -124,22 +126,18 @@ def best_balanced_placement(
     ms = np.arange(R)
     for r in range(n):  # each request on one replica
         add(Y + r * R + ms, np.ones(R), 1.0, 1.0)
+    runs_at: list[list[int]] = [[] for _ in range(V)]  # requests whose full blocks end at each node
     for r, v in enumerate(end):  # its replica computes the node its full blocks end at
         if v >= 0:
+            runs_at[v].append(r)
             for m in range(R):
                 add([v * R + m, Y + r * R + m], [1.0, -1.0], 0.0, inf)
+    below: list[list[int]] = [[] for _ in range(V)]  # each node's children
     for v, p in enumerate(up):  # a replica computing a node computes its parent
         if p >= 0:
+            below[p].append(v)
             for m in range(R):
                 add([p * R + m, v * R + m], [1.0, -1.0], 0.0, inf)
-    below: list[list[int]] = [[] for _ in range(V)]  # columns, per node and replica, that make it computed there
-    for v, p in enumerate(up):
-        if p >= 0:
-            below[p].append(v)
-    runs_at: list[list[int]] = [[] for _ in range(V)]
-    for r, v in enumerate(end):
-        if v >= 0:
-            runs_at[v].append(r)
     for v in range(V):  # and only then: no replica computes a node no request of its needs (no padding)
         for m in range(R):
             cover = [v * R + m] + [c * R + m for c in below[v]] + [Y + r * R + m for r in runs_at[v]]
@@ -170,11 +168,10 @@ def best_balanced_placement(
                 "nodes": V,
             }
         node_hosts = [1] * V
-        for req in requests:  # a merged node's blocks are all computed wherever its first one is
-            for h in req.hash_ids[: max(0, (req.input_length - 1) // block_size)]:
-                v = head_of.get(h)
-                if v is not None:
-                    node_hosts[v] = max(node_hosts[v], found[1].get(h, 1))
+        for h, k in found[1].items():  # a merged node's blocks are all computed wherever its first one is
+            v = head_of.get(h)
+            if v is not None:
+                node_hosts[v] = max(node_hosts[v], k)
         for v, k in enumerate(node_hosts):
             if k > 1:
                 add(np.arange(R) + v * R, np.ones(R), float(k), inf)
@@ -239,14 +236,11 @@ def replay_placement(
     prompt = cached = 0
     for r, m in zip(requests, placement):
         n = r.input_length
-        most = max(0, (n - 1) // block_size)
-        k = 0
-        while k < most and r.hash_ids[k] in held[m]:
-            k += 1
-        cached += k * block_size
+        hit = cached_tokens(leading_held(r.hash_ids, held[m]), n, block_size)
+        cached += hit
         prompt += n
-        computed[m] += n - k * block_size
-        held[m].update(r.hash_ids[: n // block_size])
+        computed[m] += n - hit
+        held[m].update(r.hash_ids[: cacheable_blocks(n, len(r.hash_ids), block_size)])
     mean = sum(computed) / replicas
     return {
         "hit_rate": cached / prompt if prompt else 0.0,

@@ -10,24 +10,13 @@ import random
 import pytest
 from prefix_workloads import branching_requests
 
-from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.exact_placement import replay_placement
 from kvmesh.cluster.out_of_reach import balanced_compute_floor, target_out_of_reach
 from kvmesh.cluster.sweep import SweepOptions, evaluate_draw, target_misses
 from kvmesh.cluster.trace import TraceRequest
 from kvmesh.cluster.workload_family import draw
-from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
 BS = 4
-
-
-def _computed(requests, placement, replicas) -> list[int]:
-    """Tokens each replica computes, unbounded caches, vLLM's rules, requests in order."""
-    held: list[set[int]] = [set() for _ in range(replicas)]
-    work = [0] * replicas
-    for r, j in zip(requests, placement):
-        work[j] += r.input_length - cached_tokens(leading_held(r.hash_ids, held[j]), r.input_length, BS)
-        held[j].update(r.hash_ids[: cacheable_blocks(r.input_length, len(r.hash_ids), BS)])
-    return work
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -35,7 +24,10 @@ def test_no_placement_computes_less_than_the_floor_under_its_load(seed):
     rng = random.Random(seed)
     replicas = rng.choice([2, 3])
     requests = branching_requests(rng, rng.randint(4, 7), BS)
-    placements = [_computed(requests, p, replicas) for p in itertools.product(range(replicas), repeat=len(requests))]
+    placements = [
+        replay_placement(requests, BS, replicas, p)["computed"]
+        for p in itertools.product(range(replicas), repeat=len(requests))
+    ]
     least = min(sum(w) for w in placements)
     for max_load in sorted({max(w) for w in placements}) + [min(max(w) for w in placements) - 1]:
         floor = balanced_compute_floor(requests, BS, replicas, max_load)
