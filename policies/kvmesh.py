@@ -446,10 +446,8 @@ class KvmeshPolicy(Policy):
         args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
         limit, score, work, extra = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
         order = np.lexsort((np.arange(len(score)), work, score, work > limit)).tolist()
-        top = order[0]
-        tied = np.flatnonzero((score == score[top]) & (work == work[top]) & ((work > limit) == (work[top] > limit)))
-        if len(tied) > 1:  # as `best` breaks the tie
-            first = self._tie_break(request, fleet, tied, work)
+        first = self._first_in_order(request, fleet, order[0], limit, score, work)
+        if first != order[0]:
             order.remove(first)
             order.insert(0, first)
         pick = self._unseen_pick(request, fleet, limit, score, work, extra)
@@ -459,8 +457,8 @@ class KvmeshPolicy(Policy):
         return order
 
     def best(self, request: RequestInfo, fleet: FleetView) -> int | None:
-        """`place(...)[0]` without sorting the whole fleet: the lowest score, then the least work,
-        then the lowest index (what the simulator needs per request at hundreds of replicas)."""
+        """`place(...)[0]` without sorting the whole fleet: the lowest score, then the least work, then
+        `_tie_break`'s draw (what the simulator needs per request at hundreds of replicas)."""
         if not len(fleet):
             return None
         args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
@@ -471,11 +469,19 @@ class KvmeshPolicy(Policy):
                 return pick
         low = score.min()
         if limit != np.inf or low != low:  # hard guard, or a NaN score: the full order decides
-            return int(np.lexsort((np.arange(len(score)), work, score, work > limit))[0])
+            top = int(np.lexsort((np.arange(len(score)), work, score, work > limit))[0])
+            return self._first_in_order(request, fleet, top, limit, score, work)
         ties = np.flatnonzero(score == low)
         if len(ties) == 1:
             return int(ties[0])
         return self._tie_break(request, fleet, ties, work)
+
+    def _first_in_order(self, request: RequestInfo, fleet: FleetView, top: int, limit, score, work) -> int:
+        """The replica to rank first when `top` heads the full order: `top`, or `_tie_break`'s pick among
+        the replicas equal to it on every key (guard side, score, recent work)."""
+        over = work > limit
+        tied = np.flatnonzero((score == score[top]) & (work == work[top]) & (over == over[top]))
+        return top if len(tied) < 2 else self._tie_break(request, fleet, tied, work)
 
     def _tie_break(self, request: RequestInfo, fleet: FleetView, ties: np.ndarray, work: np.ndarray) -> int:
         """Among equally scored replicas: the least recent work, and among those (replicas nothing was sent

@@ -144,3 +144,13 @@ def test_the_new_content_key_starts_after_the_prefix_some_replica_holds():
     system = [9_000_000 + k for k in range(4)]
     picks = [p.best(RequestInfo([*system, 100 * i, 100 * i + 1], 6 * BS + 1, BS), view) for i in range(16)]
     assert len(set(picks)) >= 8
+
+
+def test_with_the_hard_guard_ties_are_drawn_the_same_way_by_best_and_place():
+    picks = set()
+    for i in range(16):
+        p = make_policy("kvmesh", guard_weight=None)
+        j = p.best(cold(i), fleet())
+        assert p.place(cold(i), fleet())[0] == j
+        picks.add(j)
+    assert len(picks) >= 8  # drawn by prompt, not the first replica every time
