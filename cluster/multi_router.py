@@ -43,7 +43,7 @@ from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, summarize
 from kvmesh.cluster.trace import Trace
-from kvmesh.deployments.router_sync import UnseenPlacements
+from kvmesh.deployments.router_sync import UnseenPlacements, is_free_choice
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
@@ -112,7 +112,7 @@ class _Router:
 
     def apply(self, me: int, msg: tuple) -> None:
         """One message of the stream, as this router `me` sees it."""
-        _, origin, kind, a, b, c, d = msg
+        _, origin, kind, a, b, c, d = msg[:7]
         if kind == _KV:  # (tier, holder, new, evicted): holder is a replica id, node id or None
             idx = self.index
             if a == 0:
@@ -135,7 +135,7 @@ class _Router:
             if origin != me and self.ids[a] == b:
                 self.load(a, *c)
         elif origin != me:  # _ROUTE: another router's decision (request, replica id, view, blocks)
-            self.unseen.heard(msg[0], msg[0] + self.delay, a.num_tokens - c.shared_blocks * a.block_size)
+            self.unseen.heard(msg[0], msg[0] + self.delay, a.num_tokens - c.shared_blocks * a.block_size, msg[-1])
             if b in self.live:
                 self.index.store(b, d)
                 self.policy.on_routed(a, b, c)
@@ -277,7 +277,7 @@ def simulate_routers(
         if keep:
             rt.index.store(rid, keep)
         if synced:
-            stream.append((t, me, _ROUTE, req, rid, view, keep))
+            stream.append((t, me, _ROUTE, req, rid, view, keep, is_free_choice(fleet.shared_blocks)))
         new, evicted = j_hbm.admit(keep)
         kv_message(t, 0, rid, new, evicted)
         if host:

@@ -38,7 +38,7 @@ from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
-from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
+from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
@@ -426,7 +426,8 @@ class KvmeshRouter(RequestRouter):
             self.index.speculate(rid, routing.info.block_hashes, fresh=routing.fresh)
         if self.sync is not None and routing.info.request_id:
             matched = routing.matches.get(rid, (0, 0, 0))
-            self.sync.publish(routed_message(self.sync.router_id, routing.info, rid, matched))
+            free = is_free_choice([v.shared_blocks for v in routing.views.values()])
+            self.sync.publish(routed_message(self.sync.router_id, routing.info, rid, matched, free=free))
 
     def _withdraw(self, routing: _Routing) -> None:
         """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled."""

@@ -198,3 +198,40 @@ def test_a_stamped_peer_placement_measures_the_lag():
     peers.apply(msg[:10])  # a peer without stamps (an older version): applied, no lag measured
     assert peers.pending()["r0"][0] == 1
     assert peers.unseen_placements()[0] == count
+
+
+def test_a_placement_is_free_unless_one_replica_alone_holds_the_longest_prefix():
+    from kvmesh.deployments.router_sync import is_free_choice
+
+    assert is_free_choice([0, 0, 0])  # nothing cached: any replica
+    assert is_free_choice([4, 4, 1])  # a shared prompt two replicas hold
+    assert not is_free_choice([2, 9, 2])  # a conversation's history on one replica
+    assert not is_free_choice(np.array([0, 3]))
+    assert is_free_choice([5])  # one candidate: nothing to compete for, counted as before
+
+
+def test_only_free_peer_placements_count_as_unseen_but_all_count_towards_their_mean_work():
+    unseen = UnseenPlacements(window_s=2.0)
+    # 100 placements a second, heard 0.1 s late; every other one a next turn bound to its history
+    for k in range(200):
+        t = k / 100
+        unseen.heard(t, t + 0.1, 300.0 if k % 2 else 100.0, free=bool(k % 2))
+    count, tokens = unseen.estimate(2.1)
+    assert abs(count - 5.0) < 0.3  # the free half: 50 a second x 0.1 s
+    assert abs(tokens - 200.0) < 1.0
+    assert unseen.count == 200 and abs(unseen.lag_total - 20.0) < 1e-6  # the stream's latency: every message
+
+
+def test_a_peer_placement_says_whether_it_was_free():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("r0")
+    now = [1000.0]
+    peers = PeerPlacements(index, lambda: [], clock=lambda: now[0])
+    info = RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q1")
+    peers.apply(routed_message("A", info, "r0", (1, 1, 1), sent_at=999.5, free=False))
+    assert peers.unseen_placements() == (0.0, 32.0)
+    info2 = RequestInfo(block_hashes=[3, 4], num_tokens=64, block_size=32, request_id="q2")
+    peers.apply(routed_message("A", info2, "r0", (0, 0, 0), sent_at=999.5))
+    assert peers.unseen_placements()[0] == 0.5 / peers.unseen.window_s
