@@ -70,10 +70,11 @@ class FleetView:
     more than the decision; the simulator (and a large live fleet) hands policies this instead.
     Arrays are numpy arrays of equal length; `extra` holds optional per-replica arrays.
 
-    `unseen_placements` says how stale the view is: how many placements other routers (ingress replicas
-    sharing the fleet) have made that this view does not include yet, because their placement stream
-    arrives late (`kvmesh.deployments.router_sync.UnseenPlacements`), and `unseen_tokens` their mean
-    prefill work. 0 for a lone router, or peers heard without lag."""
+    `unseen_placements` says how stale the view is: how many free placements (ones not bound to the one
+    replica holding their history) other routers (ingress replicas sharing the fleet) have made that this
+    view does not include yet, because their placement stream arrives late
+    (`kvmesh.deployments.router_sync.UnseenPlacements`), and `unseen_tokens` the mean prefill work of a
+    peer's placement. 0 for a lone router, or peers heard without lag."""
 
     ids: list
     hbm_blocks: np.ndarray
