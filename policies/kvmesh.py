@@ -55,8 +55,9 @@ a lag, so they rank on the same view, one lag old. Ranked deterministically, eve
 of that lag goes to the one replica the view ranks first (16 routers, 100 ms: half the single router's
 hit rate). Given how many free placements (not bound to a history) it has not heard of yet
 (`FleetView.unseen_placements`), the policy draws the replica from the mix under which those
-placements, placed by the same rule, leave every replica it may pick equally good (`_unseen_pick`). A request with a prefix one replica holds still
-goes there. With nothing unseen (one router, or no lag) placement is the deterministic best.
+placements, placed by the same rule, leave every replica it may pick equally good (`_unseen_pick`). A
+request with a prefix one replica holds still goes there. With nothing unseen (one router, or no lag)
+placement is the deterministic best.
 
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
