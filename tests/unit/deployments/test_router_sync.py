@@ -182,14 +182,18 @@ def test_unseen_placements_are_the_peers_rate_times_the_lag():
     assert unseen.estimate(100.0) == (0.0, 0.0)  # nothing heard lately: nothing unseen
 
 
-def test_a_stamped_peer_placement_measures_the_lag():
+def _peers_at_a_fixed_clock() -> tuple[PeerPlacements, RequestInfo]:
+    """Peer placements on one replica, read at a clock standing at 1000 s, and a two-block request."""
     from kvmesh.cluster.index import PrefixIndex
 
     index = PrefixIndex(max_blocks=1000)
     index.add_replica("r0")
-    now = [1000.0]
-    peers = PeerPlacements(index, lambda: [], clock=lambda: now[0])
-    info = RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q1")
+    peers = PeerPlacements(index, lambda: [], clock=lambda: 1000.0)
+    return peers, RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q1")
+
+
+def test_a_stamped_peer_placement_measures_the_lag():
+    peers, info = _peers_at_a_fixed_clock()
     msg = routed_message("A", info, "r0", (1, 1, 1), sent_at=999.5)
     peers.apply(msg)
     count, tokens = peers.unseen_placements()
@@ -223,13 +227,7 @@ def test_only_free_peer_placements_count_as_unseen_but_all_count_towards_their_m
 
 
 def test_a_peer_placement_says_whether_it_was_free():
-    from kvmesh.cluster.index import PrefixIndex
-
-    index = PrefixIndex(max_blocks=1000)
-    index.add_replica("r0")
-    now = [1000.0]
-    peers = PeerPlacements(index, lambda: [], clock=lambda: now[0])
-    info = RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q1")
+    peers, info = _peers_at_a_fixed_clock()
     peers.apply(routed_message("A", info, "r0", (1, 1, 1), sent_at=999.5, free=False))
     assert peers.unseen_placements() == (0.0, 32.0)
     info2 = RequestInfo(block_hashes=[3, 4], num_tokens=64, block_size=32, request_id="q2")
