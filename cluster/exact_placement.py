@@ -24,6 +24,9 @@ more than a placement computes, so the solver's bound stays a bound.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -197,7 +200,8 @@ def best_balanced_placement(
     lp.a_matrix_.index_ = np.concatenate(rows_i)
     lp.a_matrix_.value_ = np.concatenate(rows_v)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * (Y + X) + [highspy.HighsVarType.kContinuous] * R
-    solver = highspy.Highs()
+    with _stdout_muted():  # HiGHS prints its banner from C++ when the first solver is made
+        solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("time_limit", float(time_limit_s))
     solver.setOptionValue("threads", 1)
@@ -223,6 +227,21 @@ def best_balanced_placement(
         "status": status,
         "nodes": V,
     }
+
+
+@contextlib.contextmanager
+def _stdout_muted():
+    """Send file descriptor 1 to /dev/null for the block: output written by C code goes nowhere, not
+    only Python's (`sys.stdout` is flushed first so nothing already printed is lost)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def replay_placement(
