@@ -87,8 +87,8 @@ class UnseenPlacements:
     Only free placements (`is_free_choice`) are counted: a conversation's next turn goes to the one
     replica holding its history, whichever router ranks it, so it does not compete for the replicas a
     new prefix may take. Counting every placement spread requests wider than the competition does
-    (simulated, 256 replicas, 16 routers 100 ms apart, Mooncake synthetic trace, policy seeds 0-5:
-    0.979 -> 0.983 of one router's hit rate; at 1 s on a generated chat workload 0.68 -> 0.75). The
+    (simulated, 256 replicas, 16 routers 100 ms apart, Mooncake synthetic trace, policy seeds 0-4:
+    0.979 -> 0.982 of one router's hit rate; at 1 s on a generated chat workload 0.68 -> 0.75). The
     mean work stays over every placement heard: each adds its prefill to some replica's queue."""
 
     def __init__(self, window_s: float = UNSEEN_WINDOW_S) -> None:
