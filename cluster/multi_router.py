@@ -112,7 +112,7 @@ class _Router:
 
     def apply(self, me: int, msg: tuple) -> None:
         """One message of the stream, as this router `me` sees it."""
-        _, origin, kind, a, b, c, d = msg[:7]
+        t, origin, kind, a, b, c, d, free = msg
         if kind == _KV:  # (tier, holder, new, evicted): holder is a replica id, node id or None
             idx = self.index
             if a == 0:
@@ -135,7 +135,7 @@ class _Router:
             if origin != me and self.ids[a] == b:
                 self.load(a, *c)
         elif origin != me:  # _ROUTE: another router's decision (request, replica id, view, blocks)
-            self.unseen.heard(msg[0], msg[0] + self.delay, a.num_tokens - c.shared_blocks * a.block_size, msg[-1])
+            self.unseen.heard(t, t + self.delay, a.num_tokens - c.shared_blocks * a.block_size, free)
             if b in self.live:
                 self.index.store(b, d)
                 self.policy.on_routed(a, b, c)
@@ -177,7 +177,7 @@ def simulate_routers(
     events: list[tuple[float, int, int, int, str]] = []
     server_free = [0.0] * N
     slot_heap: list[list[float]] = [[] for _ in range(N)]
-    stream: list[tuple] = []  # (time, origin, kind, a, b, c, d), in time order
+    stream: list[tuple] = []  # (time, origin, kind, a, b, c, d, free), in time order; free: routes only
     base = 0  # absolute position of stream[0]
     push, pop = heapq.heappush, heapq.heappop
     next_churn = setup.churn_every_s if setup.churn_every_s is not None else float("inf")
@@ -198,7 +198,7 @@ def simulate_routers(
 
     def kv_message(when: float, tier: int, holder, new, evicted) -> None:
         if new or evicted:
-            stream.append((when, _ENGINE, _KV, tier, holder, new, evicted))
+            stream.append((when, _ENGINE, _KV, tier, holder, new, evicted, None))
 
     for i, t in enumerate(arrivals):
         r = trace.requests[i]
@@ -207,7 +207,7 @@ def simulate_routers(
             if rid != rids[k]:
                 continue  # the replica that accepted it has left
             delta = (-1, 1, -val, 0) if kind == 0 else (0, -1, 0, -val)
-            stream.append((when, _ENGINE, _LOAD, k, rid, delta, None))
+            stream.append((when, _ENGINE, _LOAD, k, rid, delta, None, None))
         while t - t0 >= next_churn:  # replace one replica by a cold one
             k = churned % N
             old, new_id = rids[k], f"r{k}.{churned // N + 1}"
@@ -303,7 +303,7 @@ def simulate_routers(
         push(events, (done, 0, j, uncached, rid))
         push(events, (end_t, 1, j, kvb, rid))
         rt.load(j, 1, 0, uncached, kvb)  # this router knows at once; the others when the engine reports
-        stream.append((t, me, _LOAD, j, rid, (1, 0, uncached, kvb), None))
+        stream.append((t, me, _LOAD, j, rid, (1, 0, uncached, kvb), None, None))
         if end_t > last_end:
             last_end = end_t
         ttfts.append(done - t)

@@ -37,9 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from kvmesh.policies.base import ReplicaView, RequestInfo
+from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
 log = logging.getLogger("ray.serve.kvmesh")
 
@@ -66,11 +64,8 @@ def is_free_choice(shared_blocks) -> bool:
     than one replica? True when no replica alone holds the longest prefix (nothing cached, or a shared
     prompt two or more hold); False for a request that follows its own history to the one replica holding
     it. Only free placements compete with a router's own new prefixes for the same replicas."""
-    held = np.asarray(shared_blocks)
-    if len(held) < 2:
-        return True
-    second, first = np.partition(held, len(held) - 2)[-2:]
-    return bool(second >= first)
+    longest, common = two_longest(shared_blocks)
+    return longest <= common
 
 
 class UnseenPlacements:

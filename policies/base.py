@@ -29,6 +29,20 @@ if TYPE_CHECKING:
 TIERS = ("hbm", "host", "shared")
 
 
+def two_longest(shared_blocks) -> tuple[int, int]:
+    """(the longest cached prefix any candidate holds, the longest two or more hold), in blocks. Where the
+    first is longer, one replica alone holds the part between them: a conversation's own history, not a
+    prompt shared across replicas. One candidate counts as both; none as (0, 0)."""
+    import numpy as np
+
+    held = np.asarray(shared_blocks)
+    if len(held) < 2:
+        only = int(held[0]) if len(held) else 0
+        return only, only
+    second, first = np.partition(held, len(held) - 2)[-2:]
+    return int(first), int(second)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What a policy may know about one request."""

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo
+from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo, two_longest
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
 
 _NONE = object()
@@ -295,8 +295,8 @@ class KvmeshPolicy(Policy):
         if not unseen > 0 or len(score) < 2 or not np.isfinite(score).all():
             return None
         shared_b = fleet.shared_blocks
-        common = int(np.partition(shared_b, len(shared_b) - 2)[-2])  # the longest prefix two replicas hold
-        if int(shared_b.max()) > common:
+        known, common = two_longest(shared_b)  # a prefix one replica alone holds past `common` is private
+        if known > common:
             _, others, _, extra_o = self._keys(
                 request,
                 fleet.ids,
@@ -347,7 +347,7 @@ class KvmeshPolicy(Policy):
         weights = pi[near]
         if len(near) == 1 or not weights.sum() > 0:
             return int(near[0])
-        known = int(shared_b.max())  # the prefix some replica holds: the draw keys on what follows
+        # `known`, the prefix some replica holds: the draw keys on what follows
         return int(near[self.prompt_pick(request, [fleet.ids[k] for k in near], weights.tolist(), known)])
 
     def _fork_needs_copy(self, fork, holders: int, live: int) -> bool:
