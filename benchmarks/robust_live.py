@@ -10,7 +10,7 @@ as many bare vLLM servers with the same engine settings. The simulator sends the
 client (`kvmesh.cluster.simulator.ClosedLoop`: the same concurrency, the same per-user order).
 Reported per draw: hit rate, per-replica requests and prefill (uncached prompt tokens), prefill
 max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
-differences.
+differences, down to the share of requests the simulator places as the live router did.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Sequence
+from itertools import permutations
 from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
@@ -42,10 +44,19 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     """The simulator on the records, sent as the replay client sends them."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
+    placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
+    chosen = make_policy(policy)
+    routed = chosen.on_routed
+
+    def record(request, replica_id, view=None):
+        placed.append((int(request.request_id), replica_id))
+        routed(request, replica_id, view)
+
+    chosen.on_routed = record  # type: ignore[method-assign]
     res = simulate_policy(
         trace,
         SimConfig(replicas=replicas, capacity_blocks=blocks),
-        make_policy(policy),
+        chosen,
         client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]),
     )
     per = list(res["per_replica"].values())
@@ -54,7 +65,43 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
         "requests": sorted(p["requests"] for p in per),
         "prefill": sorted(p["prefill_tokens"] for p in per),
         "prefill_max_over_mean": max_over_mean([p["prefill_tokens"] for p in per]) or 1.0,
+        "placement": first_use_names(placed, len(recs)),
     }
+
+
+def first_use_names(sent: Sequence[tuple[int, str]], n: int) -> list[str]:
+    """Each request's replica (by record index; "" where none is known), renamed r0, r1, ... in the order
+    the replicas were first used, taking `sent` (record index, replica) in send order. Why: replica names
+    differ between two runs, the sequence of placements need not; two runs that place every request
+    alike get equal lists."""
+    names: dict[str, str] = {}
+    out = [""] * n
+    for index, replica in sent:
+        out[index] = names.setdefault(replica, f"r{len(names)}")
+    return out
+
+
+def placed_alike(live: Sequence[str], sim: Sequence[str]) -> float:
+    """The share of requests the two runs placed alike: on replicas matched one to one so that as many
+    requests as possible agree. Why matched, not compared by name: two idle replicas are
+    interchangeable, so the first two placements may take them in either order, which would rename
+    every later placement without moving any request. Exhaustive over matchings up to 7 replicas (a
+    live draw has 3-4), greedy by the largest overlaps beyond."""
+    pairs = Counter((a, b) for a, b in zip(live, sim) if a and b)
+    if not pairs:
+        return 0.0
+    rows, cols = sorted({a for a, _ in pairs}), sorted({b for _, b in pairs})
+    if len(rows) > len(cols):
+        rows, cols, pairs = cols, rows, Counter({(b, a): k for (a, b), k in pairs.items()})
+    if len(cols) <= 7:
+        best = max(sum(pairs[a, b] for a, b in zip(rows, perm)) for perm in permutations(cols, len(rows)))
+    else:
+        best, matched = 0, set()
+        for (a, b), k in pairs.most_common():
+            if ("live", a) not in matched and ("sim", b) not in matched:
+                best += k
+                matched |= {("live", a), ("sim", b)}
+    return best / sum(pairs.values())
 
 
 def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 30.0) -> dict:
@@ -108,7 +155,11 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
         replicas - len(s["per_replica"])
     )
-    return _figures(s, [p["requests"] for p in per], [p["uncached_prompt_tokens"] for p in per])
+    sent = sorted(report.results, key=lambda r: r.start_s)
+    return {
+        **_figures(s, [p["requests"] for p in per], [p["uncached_prompt_tokens"] for p in per]),
+        "placement": first_use_names([(r.index, r.replica) for r in sent if r.error is None], len(recs)),
+    }
 
 
 def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
@@ -164,14 +215,18 @@ def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: 
 
 def compare(live: dict, sim: dict) -> dict:
     """Sim-vs-live differences: hit rate, prefill max/mean, and per-replica request counts (sorted,
-    as a share of the mean count: replica names differ between the two runs)."""
+    as a share of the mean count: replica names differ between the two runs); and the share of requests
+    the two placed on the same replica (`placed_alike`), where both runs recorded their placements."""
     mean = sum(live["requests"]) / len(live["requests"]) if live["requests"] else 1.0
     counts = max(abs(a - b) for a, b in zip(live["requests"], sim["requests"])) / mean if mean else 0.0
-    return {
+    out = {
         "hit": abs(live["hit"] - sim["hit"]),
         "prefill_max_over_mean": abs(live["prefill_max_over_mean"] - sim["prefill_max_over_mean"]),
         "requests": counts,
     }
+    if live.get("placement") and sim.get("placement"):
+        out["placed_alike"] = placed_alike(live["placement"], sim["placement"])
+    return out
 
 
 def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
@@ -216,7 +271,7 @@ def live_checks(row: dict) -> dict[str, bool]:
 def format_live(rows: Sequence[dict]) -> str:
     lines = [
         "seed  N  reqs  bound inf/bal   kvmesh hit  max/mean  p50 ms | rr hit  max/mean  p50 ms | "
-        "peer hit  max/mean  p50 ms | sim hit  max/mean  req/replica live vs sim"
+        "peer hit  max/mean  p50 ms | sim hit  max/mean  req/replica live vs sim  (placed alike)"
     ]
     for r in rows:
         k, rr, s, b = r["kvmesh"], r["round_robin"], r["sim"], r["bounds"]
@@ -232,6 +287,7 @@ def format_live(rows: Sequence[dict]) -> str:
             f"{rr['hit']:.3f}   {rr['prefill_max_over_mean']:.2f}      {rr['ttft_p50_s'] * 1e3:5.0f} | "
             f"{peer} | "
             f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}"
+            + (f"  ({alike:.0%})" if (alike := r["sim_vs_live"].get("placed_alike")) is not None else "")
         )
     for r in rows:
         b = r["bounds"]

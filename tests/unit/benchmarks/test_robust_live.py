@@ -50,3 +50,53 @@ def test_the_live_target_verdict_comes_with_a_placement_that_meets_it():
     assert hit >= 0.95 * b["balance"] and imbalance <= 1.25
     row = dict(_row(0.77, 0.79), bounds=b)
     assert f"2000: the live target is reachable: a placement found offline reaches {hit:.3f}" in format_live([row])
+
+
+def test_placements_are_named_by_first_use_so_two_runs_that_place_alike_compare_equal():
+    from kvmesh.benchmarks.robust_live import first_use_names, placed_alike
+
+    live = first_use_names([(0, "engine-b"), (2, "engine-a"), (1, "engine-b"), (3, "engine-a")], 5)
+    sim = first_use_names([(0, "r3"), (1, "r3"), (2, "r0"), (3, "r1")], 5)
+    assert live == ["r0", "r0", "r1", "r1", ""]  # request 4 was never placed (it failed live)
+    assert sim == ["r0", "r0", "r1", "r2", ""]
+    assert placed_alike(live, sim) == 3 / 4  # only request 3 differs; the unplaced one is not counted
+    assert placed_alike(live, live) == 1.0
+    # the same placements with the first two replicas taken in the other order: nothing moved
+    swapped = {"r0": "r1", "r1": "r0", "": ""}
+    assert placed_alike(live, [swapped[x] for x in live]) == 1.0
+    # three requests on one replica in one run, spread over three in the other: one of three agrees
+    assert placed_alike(["r0", "r0", "r0"], ["r0", "r1", "r2"]) == placed_alike(["r0", "r1", "r2"], ["r0"] * 3) == 1 / 3
+
+
+def test_placed_alike_beyond_seven_replicas_matches_greedily():
+    from kvmesh.benchmarks.robust_live import placed_alike
+
+    names = [f"r{i}" for i in range(9)]
+    live = [n for n in names for _ in range(3)]
+    shifted = [names[(names.index(n) + 1) % 9] for n in live]  # every replica renamed
+    assert placed_alike(live, shifted) == 1.0
+    assert placed_alike(live, shifted[:-1] + ["r1"]) == 26 / 27
+
+
+def test_the_simulated_placement_of_a_draw_matches_its_per_replica_counts():
+    from collections import Counter
+
+    from kvmesh.benchmarks.robust_live import simulate_in_send_order
+    from kvmesh.cluster.workload_family import draw, records
+
+    d = draw(2000)
+    sim = simulate_in_send_order(records(d), d, d.live_replicas, "kvmesh")
+    assert all(sim["placement"]) and len(sim["placement"]) == len(records(d))
+    assert sorted(Counter(sim["placement"]).values()) == sim["requests"]
+    assert sim["placement"][0] == "r0"
+
+
+def test_the_comparison_reports_placed_alike_only_where_both_runs_recorded_placements():
+    from kvmesh.benchmarks.robust_live import compare
+
+    side = {"hit": 0.7, "prefill_max_over_mean": 1.1, "requests": [2, 2]}
+    assert "placed_alike" not in compare(side, side)  # rows saved before placements were recorded
+    got = compare(dict(side, placement=["r0", "r1", "r0", "r1"]), dict(side, placement=["r0", "r1", "r1", "r0"]))
+    assert got["placed_alike"] == 0.5 and got["requests"] == 0.0
+    row = dict(_row(0.77, 0.79), sim_vs_live=got)
+    assert "(50%)" in format_live([row]).splitlines()[1]
