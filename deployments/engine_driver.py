@@ -265,7 +265,7 @@ class InprocDriver:
 class AsyncDriver:
     """vLLM's AsyncLLM (EngineCore in a child process): the production path on GPU nodes."""
 
-    def __init__(self, engine_args):
+    def __init__(self, engine_args) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 

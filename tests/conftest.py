@@ -94,16 +94,50 @@ def live_app(tiny_model_dir):
     except Exception:
         stop_local()
         raise
+    _live_app_stop.append(stop_local)
     try:
         yield LiveApp(url, LIVE_API_KEY, config)
     finally:
-        stop_local()
+        _stop_live_app()
 
 
+# The live app's stop while it runs, and the node id of the last test that uses it (pytest_collection_finish)
+_live_app_stop: list = []
+_last_live_test: list[str] = []
+
+
+def _stop_live_app() -> None:
+    while _live_app_stop:
+        _live_app_stop.pop()()
+
+
+def _uses_live_app(item) -> bool:
+    return "live_app" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/integration/ is an integration test, marked or not, so `-m` selections agree
-    with the folders."""
+    with the folders.
+
+    The live app's tests run first (in their own order), the rest after, and the app stops after its last
+    test: idle, its engines, router and Ray's processes take about a seventh of two cores, which the tests
+    that start their own apps would otherwise lose to it."""
     integration = Path(__file__).parent / "integration"
     for item in items:
         if integration in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: not _uses_live_app(item))
+
+
+def pytest_collection_finish(session):
+    users = [item.nodeid for item in session.items if _uses_live_app(item)]
+    _last_live_test[:] = users[-1:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last live-app test's own fixtures are torn down (side apps on its cluster first), stop it."""
+    yield
+    if _last_live_test and item.nodeid == _last_live_test[0]:
+        _stop_live_app()
