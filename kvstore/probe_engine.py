@@ -73,13 +73,21 @@ class EngineProcess:
         self.proc.stdin.flush()
         return self._read(timeout)["reset"]
 
-    def stop(self, timeout=30):
+    def ask_to_quit(self) -> None:
+        """Start the engine's shutdown without waiting for it: engines sharing a test stop side by side."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(b'{"cmd": "quit"}\n')
                 self.proc.stdin.flush()
+            except OSError:
+                pass
+
+    def stop(self, timeout=30):
+        if self.proc.poll() is None:
+            self.ask_to_quit()
+            try:
                 self.proc.wait(timeout)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
         if self.proc.poll() is None:
             try:

@@ -63,7 +63,8 @@ class LiveApp:
 
 @pytest.fixture(scope="session")
 def live_app(tiny_model_dir):
-    """Ray (num_cpus=2, private temp dir) + the kvmesh app with 2 engine replicas; torn down at the end."""
+    """Ray (num_cpus=2, private temp dir) + the kvmesh app with 2 engine replicas. Its Serve stops after the
+    last test that uses it (pytest_runtest_teardown), Ray at the end of the session."""
     ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
@@ -94,21 +95,31 @@ def live_app(tiny_model_dir):
     except Exception:
         stop_local()
         raise
-    _live_app_stop.append(stop_local)
+    _live_serving[:] = [True]
     try:
         yield LiveApp(url, LIVE_API_KEY, config)
     finally:
-        _stop_live_app()
+        stop_local(drain=bool(_live_serving))  # Serve already down (_end_live_serving): Ray alone is left
 
 
-# The live app's stop while it runs, and the node id of the last test that uses it (pytest_collection_finish)
-_live_app_stop: list = []
+# Whether the live app's Serve is still up, and the node id of the last test that uses it
+_live_serving: list[bool] = []
 _last_live_test: list[str] = []
 
 
-def _stop_live_app() -> None:
-    while _live_app_stop:
-        _live_app_stop.pop()()
+def _end_live_serving() -> None:
+    """Serve (engines, router, ingress) and the node's LMCache servers down; Ray itself stays up until the
+    session ends. Ending Ray here is not safe: after ray.shutdown() mid-session, a Ray API call still pending
+    in this process started a fresh Ray at once, stop_local ended that Ray's processes as its own, and its GCS
+    client then ended the whole test process 60 s later."""
+    if _live_serving:
+        from ray import serve
+
+        from kvmesh.kvstore.node_server import stop_node_servers
+
+        _live_serving.clear()
+        serve.shutdown()
+        stop_node_servers()
 
 
 def _uses_live_app(item) -> bool:
@@ -120,9 +131,9 @@ def pytest_collection_modifyitems(config, items):
     """Everything under tests/integration/ is an integration test, marked or not, so `-m` selections agree
     with the folders.
 
-    The live app's tests run first (in their own order), the rest after, and the app stops after its last
-    test: idle, its engines, router and Ray's processes take about a seventh of two cores, which the tests
-    that start their own apps would otherwise lose to it."""
+    The live app's tests run first (in their own order), the rest after, and the app's Serve stops after its
+    last test: idle, its engines, router and Serve's processes take about a seventh of two cores, which the
+    tests that start their own apps would otherwise lose to it."""
     integration = Path(__file__).parent / "integration"
     for item in items:
         if integration in Path(str(item.fspath)).parents:
@@ -137,7 +148,8 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last live-app test's own fixtures are torn down (side apps on its cluster first), stop it."""
+    """After the last live-app test's own fixtures are torn down (side apps on its cluster first), end its
+    serving."""
     yield
     if _last_live_test and item.nodeid == _last_live_test[0]:
-        _stop_live_app()
+        _end_live_serving()

@@ -61,6 +61,8 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
         }
     finally:
         for e in engines:  # engines first: a connector whose server is gone waits out its MQ timeout at shutdown
+            e.ask_to_quit()
+        for e in engines:
             e.stop()
         for s in servers:
             s.stop()
