@@ -57,10 +57,15 @@ typecheck: setup
 	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache \
 	    $(foreach d,$(LIB_DIRS),-p kvmesh.$(d))
 
-# tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app)
-test: setup services lint
+# tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app). The
+# type check (CPU only, nothing timed) runs niced beside the integration tests, on the share of the cores
+# they leave idle (about a third); its report follows theirs, and either failing fails the target.
+test: setup services ruff
 	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q --durations=25 tests/integration
+	@tc=$$(mktemp); (nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1; echo "typecheck exit $$?" >> $$tc) & \
+	echo "$(PY) -m pytest -q --durations=25 tests/integration  (typecheck beside it)"; \
+	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait; cat $$tc; \
+	grep -qx "typecheck exit 0" $$tc; tcrc=$$?; rm -f $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real

@@ -65,6 +65,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": None,  # GPU engines: vLLM's share of the GPU (None = vLLM's 0.9); lower to share one
     # stream every N generated tokens (the first at once): each streamed chunk is one Serve hop (~3 ms)
     "stream_interval": 1,
+    # Serve checks each replica's engine this often and replaces a replica after 3 failed checks in a row
+    "health_check_period_s": 10,
 }
 
 # Defaults that suit a CPU engine only: on a GPU, eager mode gives up CUDA graphs and 32 sequences
@@ -177,6 +179,9 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(f"engine.hash_algo {cfg['hash_algo']!r} is not one vLLM supports")
     if not isinstance(cfg["stream_interval"], int) or cfg["stream_interval"] < 1:
         raise ConfigError("engine.stream_interval must be an integer >= 1")
+    hc = cfg["health_check_period_s"]
+    if not isinstance(hc, (int, float)) or isinstance(hc, bool) or hc <= 0:
+        raise ConfigError("engine.health_check_period_s must be a positive number of seconds")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
     if cfg["fail_step_after"] is not None and (

@@ -32,7 +32,7 @@ def engine_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[
             "num_gpus": eng["num_gpus"],
             "runtime_env": {"env_vars": dict(env_vars)},
         },
-        "health_check_period_s": 10,
+        "health_check_period_s": eng["health_check_period_s"],
         "graceful_shutdown_timeout_s": 5,
     }
     if eng.get("resources"):

@@ -71,6 +71,7 @@ def test_serve_replaces_a_replica_whose_engine_broke_and_the_request_is_finished
             "num_cpus": 0.1,
             "engine_mode": "inproc",
             "fail_step_after": 30,  # per engine: the replacement gets a budget of its own
+            "health_check_period_s": 2,  # three failed checks replace it: 6 s, not Serve's 30
         },
     }
     body = {"model": "tiny", "prompt": [(5 * i) % 900 + 11 for i in range(48)], "temperature": 0, "ignore_eos": True}

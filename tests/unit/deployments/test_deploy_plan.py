@@ -30,6 +30,14 @@ def test_autoscaling_replaces_the_fixed_replica_count_and_sizes_the_ingress():
     assert engine_options(app_config({}), {})["num_replicas"] == 2
 
 
+def test_the_engine_health_check_period_reaches_serve_and_must_be_positive():
+    assert engine_options(app_config({}), {})["health_check_period_s"] == 10
+    assert engine_options(app_config({"engine": {"health_check_period_s": 2}}), {})["health_check_period_s"] == 2
+    for bad in (0, -1, True, "10"):
+        with pytest.raises(ConfigError, match="health_check_period_s"):
+            app_config({"engine": {"health_check_period_s": bad}})
+
+
 def test_an_autoscaling_typo_is_a_config_error():
     with pytest.raises(ConfigError, match="target_ongoing_request"):
         app_config({"autoscaling": {"target_ongoing_request": 2}})
