@@ -96,11 +96,12 @@ def placed_alike(live: Sequence[str], sim: Sequence[str]) -> float:
     if len(cols) <= 7:
         best = max(sum(pairs[a, b] for a, b in zip(rows, perm)) for perm in permutations(cols, len(rows)))
     else:
-        best, matched = 0, set()
+        best, used_rows, used_cols = 0, set(), set()
         for (a, b), k in pairs.most_common():
-            if ("live", a) not in matched and ("sim", b) not in matched:
+            if a not in used_rows and b not in used_cols:
                 best += k
-                matched |= {("live", a), ("sim", b)}
+                used_rows.add(a)
+                used_cols.add(b)
     return best / sum(pairs.values())
 
 
