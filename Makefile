@@ -62,10 +62,10 @@ typecheck: setup
 # they leave idle (about a third); its report follows theirs, and either failing fails the target.
 test: setup services ruff
 	$(PY) -m pytest -q -n 2 tests/unit
-	@tc=$$(mktemp); (nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1; echo "typecheck exit $$?" >> $$tc) & \
+	@tc=$$(mktemp); nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1 & typecheck=$$!; \
 	echo "$(PY) -m pytest -q --durations=25 tests/integration  (typecheck beside it)"; \
-	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait; cat $$tc; \
-	grep -qx "typecheck exit 0" $$tc; tcrc=$$?; rm -f $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
+	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; \
+	cat $$tc; rm -f $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real

@@ -55,7 +55,7 @@ def measure(model: str, root: Path) -> dict:
     for k, v in ENV.items():  # inherited by servers and engines: same hash seeds on every "node"
         os.environ.setdefault(k, v)
     from kvmesh.kvstore.lmcache_server import LMCacheServer
-    from kvmesh.kvstore.probe_engine import EngineProcess
+    from kvmesh.kvstore.probe_engine import EngineProcess, stop_engines
     from kvmesh.kvstore.redis_process import RedisServer
     from kvmesh.kvstore.tiers import TierConfig
 
@@ -92,8 +92,7 @@ def measure(model: str, root: Path) -> dict:
                 rows.append(row)
         tiers = [s.tier_metrics() for s in servers]
     finally:
-        for e in engines:
-            e.stop()
+        stop_engines(engines)
         for s in servers:
             s.stop()
         redis.stop()

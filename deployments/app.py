@@ -220,6 +220,33 @@ def _wait_ready(cfg: dict, timeout_s: float) -> None:
     raise TimeoutError(f"kvmesh app not healthy at {url} after {timeout_s:.0f}s")
 
 
+def stop_serving() -> None:
+    """Delete the app (on someone else's cluster) or shut Serve down (on this process's own), then the
+    per-node LMCache servers; Ray itself stays up. stop_local does this before ending Ray; a process that
+    goes on using its Ray (a test session) may call it alone."""
+    global _app_name
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        if _joined[0] and _app_name:  # someone else's cluster: its Serve and other apps stay
+            serve.delete(_app_name)
+        else:
+            serve.shutdown()
+    except Exception:
+        log.exception("serve shutdown failed")
+    try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
+        # servers are detached actors and would otherwise outlive Serve on a shared cluster
+        from kvmesh.kvstore.node_server import stop_node_servers
+
+        stop_node_servers()
+    except Exception:
+        log.exception("stopping LMCache node servers failed")
+    _app_name = None  # nothing left to drain
+
+
 def stop_local(drain: bool = True) -> None:
     """Delete the app and shut Serve down; shut Ray down too if start_local started it, and end every
     process left below this one since then (deployments/process_tree.py).
@@ -229,7 +256,6 @@ def stop_local(drain: bool = True) -> None:
     """
     global _started_ray, _app_name, _haproxy_dir
     import ray
-    from ray import serve
 
     if ray.is_initialized():
         if drain and _app_name:
@@ -237,20 +263,7 @@ def stop_local(drain: bool = True) -> None:
 
             drain_requests(_app_name)
         if drain or not _started_ray or _joined[0]:
-            try:
-                if _joined[0] and _app_name:  # someone else's cluster: its Serve and other apps stay
-                    serve.delete(_app_name)
-                else:
-                    serve.shutdown()
-            except Exception:
-                log.exception("serve shutdown failed")
-            try:  # after the engines (a connector whose server vanished waits 300 s): the per-node LMCache
-                # servers are detached actors and would otherwise outlive Serve on a shared cluster
-                from kvmesh.kvstore.node_server import stop_node_servers
-
-                stop_node_servers()
-            except Exception:
-                log.exception("stopping LMCache node servers failed")
+            stop_serving()
         if _started_ray:
             ray.shutdown()
     if _started_ray:

@@ -64,7 +64,7 @@ class LiveApp:
 @pytest.fixture(scope="session")
 def live_app(tiny_model_dir):
     """Ray (num_cpus=2, private temp dir) + the kvmesh app with 2 engine replicas. Its Serve stops after the
-    last test that uses it (pytest_runtest_teardown), Ray at the end of the session."""
+    last test that uses it (pytest_runtest_teardown), Ray at the end of the session (stop_local)."""
     ray_tmp = Path(os.environ.get("RAY_TMPDIR") or _ROOT / "ray")
     ray_tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(ray_tmp)
@@ -95,31 +95,14 @@ def live_app(tiny_model_dir):
     except Exception:
         stop_local()
         raise
-    _live_serving[:] = [True]
     try:
         yield LiveApp(url, LIVE_API_KEY, config)
     finally:
-        stop_local(drain=bool(_live_serving))  # Serve already down (_end_live_serving): Ray alone is left
+        stop_local()
 
 
-# Whether the live app's Serve is still up, and the node id of the last test that uses it
-_live_serving: list[bool] = []
+# The node id of the last test that uses the live app (pytest_collection_finish)
 _last_live_test: list[str] = []
-
-
-def _end_live_serving() -> None:
-    """Serve (engines, router, ingress) and the node's LMCache servers down; Ray itself stays up until the
-    session ends. Ending Ray here is not safe: after ray.shutdown() mid-session, a Ray API call still pending
-    in this process started a fresh Ray at once, stop_local ended that Ray's processes as its own, and its GCS
-    client then ended the whole test process 60 s later."""
-    if _live_serving:
-        from ray import serve
-
-        from kvmesh.kvstore.node_server import stop_node_servers
-
-        _live_serving.clear()
-        serve.shutdown()
-        stop_node_servers()
 
 
 def _uses_live_app(item) -> bool:
@@ -149,7 +132,12 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After the last live-app test's own fixtures are torn down (side apps on its cluster first), end its
-    serving."""
+    serving: Serve and the node's LMCache servers. Ray stays up until the session ends; ending it here is
+    not safe: after ray.shutdown() mid-session, a Ray API call still pending in this process started a fresh
+    Ray at once, stop_local ended that Ray's processes as its own, and its GCS client then ended the whole
+    test process 60 s later."""
     yield
     if _last_live_test and item.nodeid == _last_live_test[0]:
-        _end_live_serving()
+        from kvmesh.deployments.app import stop_serving
+
+        stop_serving()

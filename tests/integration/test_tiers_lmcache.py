@@ -17,7 +17,7 @@ import pytest
 from redis_server import RedisServer
 
 from kvmesh.kvstore.lmcache_server import LMCacheServer
-from kvmesh.kvstore.probe_engine import EngineProcess
+from kvmesh.kvstore.probe_engine import EngineProcess, stop_engines
 from kvmesh.kvstore.tiers import TierConfig
 
 pytestmark = pytest.mark.integration
@@ -60,10 +60,7 @@ def two_nodes(tiny_model_dir, tmp_path_factory):
             "rng": random.Random(4),
         }
     finally:
-        for e in engines:  # engines first: a connector whose server is gone waits out its MQ timeout at shutdown
-            e.ask_to_quit()
-        for e in engines:
-            e.stop()
+        stop_engines(engines)  # engines first: a connector whose server is gone waits out its MQ timeout at shutdown
         for s in servers:
             s.stop()
         redis.stop()
