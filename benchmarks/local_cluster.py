@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kvmesh.cluster.ports import free_ports
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, SERVE_PATH_ENV
 
 LOOPBACK = "127.0.0.1"
@@ -88,19 +88,6 @@ class NodeSpec:
     resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class LocalRayCluster:
     """Head = node 0, the others join it. Every port is picked free, so clusters can run side by side."""
 
@@ -124,7 +111,7 @@ class LocalRayCluster:
         return env
 
     def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
-        ports = _free_ports(9)
+        ports = free_ports(9)
         cmd = [sys.executable, "-c", RAY_START, "start", "--block", "--node-ip-address", LOOPBACK]
         cmd += ["--num-cpus", str(spec.num_cpus)]
         cmd += ["--resources", json.dumps(dict(spec.resources)), "--disable-usage-stats"]

@@ -87,7 +87,7 @@ def _wait_serving(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def measure(timeout_s: float = 600) -> list[dict]:
-    from kvmesh.deployments.app import free_port
+    from kvmesh.cluster.ports import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvmesh-inventory-") as tmp:

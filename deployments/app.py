@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
+from kvmesh.cluster.ports import free_port
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, SERVE_PATH_ENV, app_config
 from kvmesh.deployments.deploy_plan import ENGINE, engine_options, ingress_options
 from kvmesh.deployments.serve_contract import check_serve_contract
@@ -100,12 +100,6 @@ def _child_pids() -> list[int]:
     import psutil
 
     return [p.pid for p in psutil.Process().children(recursive=True)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_local(

@@ -28,7 +28,7 @@ def tenants_file(folder: Path, tenants: Sequence[str]) -> tuple[Path, dict[str, 
 
 
 def app_config_for(tenants_path: Path, replicas: int, block_size: int, gpu_blocks: int = 1024) -> dict:
-    from kvmesh.deployments.app import free_port
+    from kvmesh.cluster.ports import free_port
 
     return {
         "replicas": replicas,

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvmesh.cluster.ports import free_port
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
 from kvmesh.kvstore.tiers import HEARTBEAT_S, TierConfig, l2_credentials_env, server_args
 
@@ -51,12 +52,6 @@ def die_with_parent() -> None:
 
 class LMCacheServerError(RuntimeError):
     """The server did not start or died; the message says why and where its log is."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

@@ -12,18 +12,12 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from kvmesh.cluster.ports import free_port
 from kvmesh.kvstore.lmcache_server import die_with_parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int, password: str | None) -> bool:
@@ -42,7 +36,7 @@ class RedisServer:
         self.binary = binary
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.password = secrets.token_hex(16) if require_password else None
         self.proc: subprocess.Popen | None = None
 

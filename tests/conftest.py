@@ -71,7 +71,8 @@ def live_app(tiny_model_dir):
     from engine_mode import live_engine_overrides
     from tenant_app import write_live_tenants
 
-    from kvmesh.deployments.app import free_port, start_local, stop_local
+    from kvmesh.cluster.ports import free_port
+    from kvmesh.deployments.app import start_local, stop_local
 
     config = {
         "replicas": 2,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.benchmarks.peers import procs
+from kvmesh.cluster.ports import free_port
 from kvmesh.deployments.config import engine_dtype
 
 SERVED_MODEL_NAME = "tiny"
@@ -101,7 +102,7 @@ def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 
     """Cold-start `n` servers and wait until all answer /health. Stops them all if any fails."""
     servers: list[VllmServer] = []
     for i in range(n):
-        port, kv_port = procs.free_port(), procs.free_port()
+        port, kv_port = free_port(), free_port()
         topic = spec.kv_topic
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gb),

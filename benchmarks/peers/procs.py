@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,13 +17,6 @@ from kvmesh.deployments.config import OFFLINE_ENV
 
 # vLLM OpenAI servers run their engine core in a child process (as shipped): no in-process override.
 BENCH_ENV = {**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on loopback (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvmesh.benchmarks.peers import procs
 from kvmesh.benchmarks.peers.engines import SERVED_MODEL_NAME, EngineSpec, VllmServer
+from kvmesh.cluster.ports import free_port
 
 KVMESH = "kvmesh"
 
@@ -97,7 +98,7 @@ def start_router(
     setup: PeerSetup, servers: list[VllmServer], spec: EngineSpec, log_dir: Path, deadline_s: float = 120.0
 ) -> tuple[procs.Proc, str, str]:
     """Start the peer; return (process, base URL, its Prometheus URL) once /health answers."""
-    port, mport = procs.free_port(), procs.free_port()
+    port, mport = free_port(), free_port()
     proc = procs.start(setup.name.replace("/", "-"), router_command(setup, servers, spec, port, mport), log_dir)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -103,7 +103,8 @@ def main() -> int:
     ray_tmp = tempfile.mkdtemp(prefix="kva-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     os.environ["RAY_TMPDIR"] = ray_tmp
     from kvmesh.benchmarks.local_cluster import patient_node_start
-    from kvmesh.deployments.app import free_port, start_local, stop_local
+    from kvmesh.cluster.ports import free_port
+    from kvmesh.deployments.app import start_local, stop_local
 
     patient_node_start()  # a busy machine can take longer than Ray's 30 s to register the node
 

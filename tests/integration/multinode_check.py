@@ -58,7 +58,8 @@ def main() -> int:
         cluster.start()
         import ray
 
-        from kvmesh.deployments.app import free_port, start_local, stop_local
+        from kvmesh.cluster.ports import free_port
+        from kvmesh.deployments.app import start_local, stop_local
         from kvmesh.kvstore.node_server import tier_status
 
         key = "kvm-multinode-key-0123456789"

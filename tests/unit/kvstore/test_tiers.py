@@ -127,7 +127,7 @@ def test_tier_summary_bytes_from_resident_chunks():
 
 
 def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
-    from kvmesh.kvstore.lmcache_server import free_port
+    from kvmesh.cluster.ports import free_port
 
     port = free_port()
     assert redis_ping("127.0.0.1", port) is False
