@@ -1,12 +1,17 @@
 """N identical vLLM OpenAI servers for the peer benchmark. Identical means: same model files, block
 size, KV space, prefix-cache hash algorithm, seed and KV-event publisher settings; only the ports
-differ. Each server publishes KV events on its own ZMQ port (`tcp://*:P`: the publisher binds, so the
-peers' subscribers connect; vLLM's publisher binds only for `*`/`::` and connects otherwise)."""
+differ. Each server publishes KV events (which carry the prompts' token ids). By default the publisher
+binds a unix socket in a 0700 folder: nothing reads the events but a subscriber of this user. A peer
+that subscribes itself (vllm-router's kv_aware) accepts only a `tcp://HOST:PORT` source, and vLLM's
+publisher binds only for `*`/`::` (it connects otherwise), so `kv_events_tcp=True` binds `tcp://*:P`:
+on every interface, for the runs that need it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,16 +57,17 @@ class EngineSpec:
 @dataclass
 class VllmServer:
     url: str  # http://127.0.0.1:PORT
-    kv_endpoint: str  # tcp://127.0.0.1:ZPORT (where a subscriber connects)
+    kv_endpoint: str  # where a subscriber connects: ipc://DIR/kv, or tcp://127.0.0.1:ZPORT
     topic: str
     proc: procs.Proc = field(repr=False)
+    events_dir: str | None = None  # the 0700 folder of an ipc endpoint, removed with the server
 
 
-def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> list[str]:
+def server_command(spec: EngineSpec, port: int, kv_bind: str, topic: str) -> list[str]:
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{kv_port}",
+        "endpoint": kv_bind,
         "topic": topic,
     }
     return [
@@ -98,11 +104,22 @@ def server_command(spec: EngineSpec, port: int, kv_port: int, topic: str) -> lis
     ]
 
 
-def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 600.0) -> list[VllmServer]:
-    """Cold-start `n` servers and wait until all answer /health. Stops them all if any fails."""
+def start_servers(
+    n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 600.0, kv_events_tcp: bool = False
+) -> list[VllmServer]:
+    """Cold-start `n` servers and wait until all answer /health. Stops them all if any fails.
+    `kv_events_tcp`: publish KV events on TCP (every interface) for a peer that subscribes over TCP;
+    otherwise on a private unix socket."""
     servers: list[VllmServer] = []
     for i in range(n):
-        port, kv_port = free_port(), free_port()
+        port = free_port()
+        events_dir = None
+        if kv_events_tcp:
+            kv_port = free_port()
+            kv_bind, kv_endpoint = f"tcp://*:{kv_port}", f"tcp://127.0.0.1:{kv_port}"
+        else:  # mkdtemp is 0700; /tmp keeps the path within ipc's ~107 bytes
+            events_dir = tempfile.mkdtemp(prefix="kvmesh-peer-ev-", dir="/tmp")
+            kv_bind = kv_endpoint = f"ipc://{events_dir}/kv"
         topic = spec.kv_topic
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gb),
@@ -110,8 +127,8 @@ def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 
             "OMP_NUM_THREADS": str(spec.omp_threads),
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.in_process_engine else "1",
         }
-        proc = procs.start(f"vllm-{i}", server_command(spec, port, kv_port, topic), work_dir / "logs", env)
-        servers.append(VllmServer(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv_port}", topic, proc))
+        proc = procs.start(f"vllm-{i}", server_command(spec, port, kv_bind, topic), work_dir / "logs", env)
+        servers.append(VllmServer(f"http://127.0.0.1:{port}", kv_endpoint, topic, proc, events_dir))
     try:
         procs.wait_ready([s.proc for s in servers], [s.url + "/health" for s in servers], deadline_s)
         # /health can answer a moment before the model endpoint does
@@ -124,3 +141,6 @@ def start_servers(n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 
 
 def stop_servers(servers: list[VllmServer]) -> None:
     procs.stop_all([s.proc for s in servers])
+    for s in servers:
+        if s.events_dir:
+            shutil.rmtree(s.events_dir, ignore_errors=True)

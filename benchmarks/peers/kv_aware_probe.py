@@ -54,7 +54,7 @@ def probe(spec: engines.EngineSpec, work_dir: Path, variants=VARIANTS, log=print
         for n, (topic, block_size) in enumerate(variants):
             if topic != topic_up:
                 engines.stop_servers(servers)
-                servers = engines.start_servers(2, replace(spec, kv_topic=topic), work_dir)
+                servers = engines.start_servers(2, replace(spec, kv_topic=topic), work_dir, kv_events_tcp=True)
                 topic_up = topic
             proc, url, murl = setups.start_router(kv, servers, replace(spec, block_size=block_size), work_dir / "logs")
             try:

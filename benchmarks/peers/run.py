@@ -111,7 +111,9 @@ class _Servers:
         if self.cfg.cold == "restart" or not self.servers:
             t0 = time.perf_counter()
             engines.stop_servers(self.servers)
-            self.servers = engines.start_servers(self.cfg.workers, self.cfg.spec, self.cfg.work_dir)
+            # a peer that subscribes to the engines' KV events itself takes only a TCP source
+            tcp = any(s.policy == "kv_aware" for s in PEER_SETUPS if s.name in self.cfg.setups)
+            self.servers = engines.start_servers(self.cfg.workers, self.cfg.spec, self.cfg.work_dir, kv_events_tcp=tcp)
             self.cfg.log(f"  {self.cfg.workers} vLLM servers cold-started in {time.perf_counter() - t0:.0f}s")
         return self.servers, (0 if self.cfg.cold == "restart" else self.runs)
 

@@ -240,3 +240,36 @@ def test_engine_trace_gives_one_id_per_engine_block_and_keeps_tenants_apart():
     assert t.block_size == 32 and [r.input_length for r in t.requests] == [64 + 11] * 3  # 88 of 512 -> 11 of 64
     assert len(a) == 3 and a[:2] == a2[:2] and a[2] != a2[2]  # 2 full engine blocks of id 1, then a partial
     assert not set(a) & set(b)  # another tenant shares nothing
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_tcp(tcp, monkeypatch, tmp_path):
+    """By default each bare vLLM server's KV events (token ids included) go to a unix socket in a 0700
+    folder, removed with the server; only a run with a TCP-subscribing peer binds them on TCP."""
+    import json
+    import os
+    import stat
+
+    from kvmesh.benchmarks.peers import engines, procs
+
+    started = []
+
+    class FakeProc:
+        def __init__(self, cmd):
+            self.cmd = cmd
+
+    monkeypatch.setattr(procs, "start", lambda name, cmd, log_dir, env: started.append(FakeProc(cmd)) or started[-1])
+    monkeypatch.setattr(procs, "wait_ready", lambda *a, **k: None)
+    monkeypatch.setattr(procs, "stop_all", lambda ps: None)
+    servers = engines.start_servers(2, engines.EngineSpec(model="m"), tmp_path, kv_events_tcp=tcp)
+    binds = [json.loads(p.cmd[p.cmd.index("--kv-events-config") + 1])["endpoint"] for p in started]
+    assert len(set(binds)) == 2
+    for s, bind in zip(servers, binds):
+        if tcp:
+            port = bind.removeprefix("tcp://*:")
+            assert port.isdigit() and s.kv_endpoint == f"tcp://127.0.0.1:{port}" and s.events_dir is None
+        else:
+            assert bind == s.kv_endpoint == f"ipc://{s.events_dir}/kv"
+            assert stat.S_IMODE(os.stat(s.events_dir).st_mode) == 0o700
+    engines.stop_servers(servers)
+    assert not any(s.events_dir and os.path.exists(s.events_dir) for s in servers)
