@@ -10,7 +10,7 @@ Each line in: {"prompt_token_ids": [...], "cache_salt": optional}; each line out
 {"ready": true}.
 
     python -m kvmesh.kvstore.probe_engine MODEL_DIR LMCACHE_HOST LMCACHE_PORT \
-        [--num-blocks N] [--block-size B] [--kv-events-port P]
+        [--num-blocks N] [--block-size B]
 """
 
 import argparse
@@ -27,12 +27,10 @@ from typing import Any
 class EngineProcess:
     """Test-side handle on one worker: start, generate, stop (process group, with timeouts)."""
 
-    def __init__(self, model, host, port, log_path, *, num_blocks=0, kv_events_port=0, env=None):
+    def __init__(self, model, host, port, log_path, *, num_blocks=0, env=None):
         cmd = [sys.executable, "-m", "kvmesh.kvstore.probe_engine", str(model), host, str(port)]
         if num_blocks:
             cmd += ["--num-blocks", str(num_blocks)]
-        if kv_events_port:
-            cmd += ["--kv-events-port", str(kv_events_port)]
         self.log_path = log_path
         log = open(log_path, "ab")
         from kvmesh.kvstore.lmcache_server import die_with_parent
@@ -113,7 +111,6 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-events-port", type=int, default=0)
     a = ap.parse_args()
     out = sys.stdout
     sys.stdout = sys.stderr  # keep the JSON channel clean of library prints
@@ -132,12 +129,6 @@ def main() -> int:
     kw: dict[str, Any] = {}
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
-    if a.kv_events_port:
-        from vllm.config import KVEventsConfig
-
-        kw["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{a.kv_events_port}", topic="kv"
-        )
     llm = LLM(
         model=a.model,
         block_size=a.block_size,
