@@ -67,6 +67,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "stream_interval": 1,
     # Serve checks each replica's engine this often and replaces a replica after 3 failed checks in a row
     "health_check_period_s": 10,
+    # OpenMP threads of a CPU engine's model compute (OMP_NUM_THREADS in its replica); None: its CPU share
+    # rounded down, at least 1 (Ray's own rule for whole CPUs); GPU engines keep vLLM's handling
+    "cpu_threads": None,
 }
 
 # Defaults that suit a CPU engine only: on a GPU, eager mode gives up CUDA graphs and 32 sequences
@@ -182,6 +185,9 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     hc = cfg["health_check_period_s"]
     if not isinstance(hc, (int, float)) or isinstance(hc, bool) or hc <= 0:
         raise ConfigError("engine.health_check_period_s must be a positive number of seconds")
+    ct = cfg["cpu_threads"]
+    if ct is not None and (not isinstance(ct, int) or isinstance(ct, bool) or ct < 1):
+        raise ConfigError("engine.cpu_threads must be an integer >= 1 or null (the engine's CPU share)")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
     if cfg["fail_step_after"] is not None and (

@@ -22,15 +22,32 @@ INGRESS_NUM_CPUS = 0.1  # tokenizing, admission and routing: light next to an en
 SALT_FILE_ENV = "KVMESH_SALT_SECRET_FILE"
 
 
+def engine_cpu_threads(eng: Mapping[str, Any]) -> int | None:
+    """OpenMP threads for a CPU engine's model compute: `cpu_threads`, else its CPU share rounded down (at
+    least 1); None for a GPU engine. Why: Ray sets OMP_NUM_THREADS only for whole CPUs, so an engine with
+    half a CPU ran one OpenMP thread per core of the node. Three such engines on 2 cores, eval draw 2005
+    replayed three times on one app: 33-34 ms of engine CPU per request with two threads each, 24-29 with
+    one; each replay took 5.1-5.5 s against 4.1-4.7 s."""
+    if eng.get("cpu_threads") is not None:
+        return int(eng["cpu_threads"])
+    if eng["num_gpus"]:
+        return None
+    return max(1, int(eng["num_cpus"]))
+
+
 def engine_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[str, Any]:
     """Serve options of the engine deployment (everything but the request router, which needs Ray)."""
     eng = cfg["engine"]
+    env = dict(env_vars)
+    threads = engine_cpu_threads(eng)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     opts: dict[str, Any] = {
         "max_ongoing_requests": cfg["max_ongoing_requests"],
         "ray_actor_options": {
             "num_cpus": eng["num_cpus"],
             "num_gpus": eng["num_gpus"],
-            "runtime_env": {"env_vars": dict(env_vars)},
+            "runtime_env": {"env_vars": env},
         },
         "health_check_period_s": eng["health_check_period_s"],
         "graceful_shutdown_timeout_s": 5,

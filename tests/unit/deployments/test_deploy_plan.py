@@ -77,3 +77,18 @@ def test_replace_block_keeps_the_rest_of_the_manifest():
     assert yaml.safe_load(out)["spec"] == {"block": "new: 1\nlist:\n  - x\n", "after": 3}
     with pytest.raises(ValueError, match="no literal block"):
         replace_block(manifest, "missing", "x")
+
+
+def test_a_cpu_engine_runs_as_many_openmp_threads_as_its_cpu_share_and_a_gpu_engine_is_left_alone():
+    def omp(engine):
+        return engine_options(app_config({"engine": engine}), {"A": "1"})["ray_actor_options"]["runtime_env"][
+            "env_vars"
+        ].get("OMP_NUM_THREADS")
+
+    assert omp({}) == "1"  # the default half CPU: one thread, not one per core of the node
+    assert omp({"num_cpus": 4}) == "4" and omp({"num_cpus": 2.5}) == "2"
+    assert omp({"cpu_threads": 3}) == "3"
+    assert omp(GPU["engine"]) is None
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="cpu_threads"):
+            app_config({"engine": {"cpu_threads": bad}})

@@ -1,0 +1,184 @@
+"""Where the CPU goes while one workload is served: kvmesh on Ray Serve against a peer router over bare
+vLLM servers, by process, on the same machine.
+
+Why: on a machine with a few cores shared by every engine, time to first token under load follows the
+CPU each request costs, so a TTFT gap to a peer is the sum of what each process of the serving path
+spends. This replays one workload-family draw (the live robustness sweep's settings: engine block size
+32, the draw's concurrency, token prompts, streaming, 16 output tokens) through each setup and sums the
+CPU time of this process and every descendant between the first request and the last answer, grouped by
+role (engine replicas, ingress replicas, Serve's controller and proxy, HAProxy, Ray's daemons; the bare
+servers and the peer router). Run it with nothing else on the machine:
+
+    .venv/bin/python -m kvmesh.benchmarks.cpu_split [--seed 2005] [--setups kvmesh,peer]
+
+"This process" holds the replay client, and for kvmesh also the Ray driver that started the app.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+ROLES = (  # first match wins: vLLM's own "EngineCore" before kvmesh's "Engine" deployment
+    ("EngineCore", "bare vLLM servers"),
+    ("api_server", "bare vLLM servers"),
+    ("Engine", "engine replicas"),
+    ("Ingress", "ingress replicas"),
+    ("ServeController", "Serve controller"),
+    ("ProxyActor", "Serve proxy actor"),
+    ("haproxy", "HAProxy"),
+    ("raylet", "Ray daemons"),
+    ("gcs_server", "Ray daemons"),
+    ("log_monitor", "Ray daemons"),
+    ("dashboard", "Ray daemons"),
+    ("runtime_env", "Ray daemons"),
+    ("monitor", "Ray daemons"),
+    ("router", "peer router"),
+)
+
+
+def role(name: str, cmdline: str, client_pid: int, pid: int) -> str:
+    """The role of one process, by its name and command line."""
+    if pid == client_pid:
+        return "this process (client, driver)"
+    text = f"{name} {cmdline}"
+    for key, label in ROLES:
+        if key.lower() in text.lower():
+            return label
+    return "other Ray workers" if "ray::" in text else name
+
+
+def cpu_by_pid(root: psutil.Process) -> dict[int, tuple[str, float]]:
+    """(role, user + system CPU seconds so far) of `root` and every descendant still alive."""
+    out = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (role(p.name(), " ".join(p.cmdline()), root.pid, p.pid), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_between(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per role spent between two `cpu_by_pid` snapshots (a process started in between counts
+    from zero)."""
+    spent: collections.Counter = collections.Counter()
+    for pid, (label, t) in after.items():
+        spent[label] += t - (before[pid][1] if pid in before else 0.0)
+    return dict(spent)
+
+
+def _measured(send: Callable[[], dict]) -> dict:
+    me = psutil.Process()
+    before, t0 = cpu_by_pid(me), time.perf_counter()
+    summary = send()
+    after, wall = cpu_by_pid(me), time.perf_counter() - t0
+    return {"summary": summary, "wall_s": wall, "cpu_s": cpu_between(before, after)}
+
+
+def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
+    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, live_concurrency
+    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.replay import ReplayConfig, replay
+
+    key = "kvm-cpu-" + secrets.token_hex(6)
+    config = {
+        "replicas": replicas,
+        "policy": "kvmesh",
+        "port": 0,
+        "api_keys": [key],
+        "engine": {"block_size": ENGINE_BLOCK, "max_model_len": 4096},
+    }
+    url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
+    try:
+        time.sleep(3)  # start-up work settles
+        cfg = ReplayConfig(
+            url=url,
+            tokens_per_block=d.tokens_per_block,
+            concurrency=live_concurrency(d),
+            api_key=key,
+            max_tokens=16,
+            progress=False,
+        )
+        return _measured(lambda: replay(recs, cfg).summary())
+    finally:
+        stop_local()
+
+
+def run_peer(recs: list[dict], d, replicas: int) -> dict:
+    from kvmesh.benchmarks.peers import engines, setups
+    from kvmesh.benchmarks.peers.run import replay_through_peer
+    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, PEER, live_concurrency
+    from kvmesh.deployments.config import resolve_model
+    from kvmesh.deployments.replay import ReplayConfig, replay
+
+    setup = next(x for x in setups.PEER_SETUPS if x.name == PEER)
+    spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-cpu-split-"))
+    got: dict = {}
+
+    def send(url: str) -> dict:
+        time.sleep(3)
+        cfg = ReplayConfig(
+            url=url,
+            model=engines.SERVED_MODEL_NAME,
+            tokens_per_block=d.tokens_per_block,
+            concurrency=live_concurrency(d),
+            max_tokens=16,
+            progress=False,
+        )
+        got.update(_measured(lambda: replay(recs, cfg).summary()))
+        return got["summary"]
+
+    servers = engines.start_servers(replicas, spec, work)
+    try:
+        replay_through_peer(setup, servers, spec, work / "logs", send)
+    finally:
+        engines.stop_servers(servers)
+    return {**got, "setup": PEER}
+
+
+def format_run(name: str, res: dict, requests: int) -> str:
+    s, cpu = res["summary"], res["cpu_s"]
+    total = sum(cpu.values())
+    lines = [
+        f"{name}: {requests} requests in {res['wall_s']:.1f} s, hit {s['hit_rate_tokens']:.3f}, errors {s['errors']}, "
+        f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; CPU {total:.1f} s ({total / res['wall_s']:.2f} cores), "
+        f"{1e3 * total / requests:.0f} ms per request"
+    ]
+    for label, t in sorted(cpu.items(), key=lambda kv: -kv[1]):
+        if t >= 0.005 * total:
+            lines.append(f"  {t:6.2f} s  {100 * t / total:5.1f}%  {1e3 * t / requests:5.1f} ms/request  {label}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmesh.cluster.workload_family import draw, records
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=2005, help="workload-family draw (default: eval draw 2005)")
+    ap.add_argument("--setups", default="kvmesh,peer", help="comma-separated: kvmesh, peer")
+    a = ap.parse_args(argv)
+    names = [x for x in a.setups.split(",") if x]
+    bad = [x for x in names if x not in ("kvmesh", "peer")]
+    if bad or not names:
+        ap.error(f"--setups takes kvmesh and/or peer, not {','.join(bad) or 'nothing'}")
+    d = draw(a.seed)
+    recs = records(d)
+    for name in names:
+        res = (run_kvmesh if name == "kvmesh" else run_peer)(recs, d, d.live_replicas)
+        print(format_run(name if name == "kvmesh" else res["setup"], res, len(recs)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
