@@ -86,9 +86,9 @@ def _measured(send: Callable[[], dict]) -> dict:
 
 
 def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
-    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, live_concurrency
+    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, replay_config
     from kvmesh.deployments.app import start_local, stop_local
-    from kvmesh.deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.replay import replay
 
     key = "kvm-cpu-" + secrets.token_hex(6)
     config = {
@@ -101,14 +101,7 @@ def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
     url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
     try:
         time.sleep(3)  # start-up work settles
-        cfg = ReplayConfig(
-            url=url,
-            tokens_per_block=d.tokens_per_block,
-            concurrency=live_concurrency(d),
-            api_key=key,
-            max_tokens=16,
-            progress=False,
-        )
+        cfg = replay_config(url, d, api_key=key)
         return _measured(lambda: replay(recs, cfg).summary())
     finally:
         stop_local()
@@ -117,9 +110,9 @@ def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
 def run_peer(recs: list[dict], d, replicas: int) -> dict:
     from kvmesh.benchmarks.peers import engines, setups
     from kvmesh.benchmarks.peers.run import replay_through_peer
-    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, PEER, live_concurrency
+    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, PEER, replay_config
     from kvmesh.deployments.config import resolve_model
-    from kvmesh.deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.replay import replay
 
     setup = next(x for x in setups.PEER_SETUPS if x.name == PEER)
     spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
@@ -128,14 +121,7 @@ def run_peer(recs: list[dict], d, replicas: int) -> dict:
 
     def send(url: str) -> dict:
         time.sleep(3)
-        cfg = ReplayConfig(
-            url=url,
-            model=engines.SERVED_MODEL_NAME,
-            tokens_per_block=d.tokens_per_block,
-            concurrency=live_concurrency(d),
-            max_tokens=16,
-            progress=False,
-        )
+        cfg = replay_config(url, d, model=engines.SERVED_MODEL_NAME)
         got.update(_measured(lambda: replay(recs, cfg).summary()))
         return got["summary"]
 

@@ -45,6 +45,22 @@ def live_concurrency(d: FamilyDraw) -> int:
     return d.concurrency if d.arrival == "all" else TIMED_CONCURRENCY
 
 
+def replay_config(url: str, d: FamilyDraw, api_key: str | None = None, model: str | None = None):
+    """How every live run of a draw is sent (kvmesh, round robin, a peer router): the draw's tokens per
+    block and concurrency cap, 16 output tokens, no progress bar."""
+    from kvmesh.deployments.replay import ReplayConfig
+
+    return ReplayConfig(
+        url=url,
+        model=model,
+        tokens_per_block=d.tokens_per_block,
+        concurrency=live_concurrency(d),
+        api_key=api_key,
+        max_tokens=16,
+        progress=False,
+    )
+
+
 def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str) -> dict:
     """The simulator on the records, sent as the replay client sends them."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
@@ -131,7 +147,7 @@ def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 
 def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
     """One fresh local app with `policy`, the replay, and the replay's per-replica figures."""
     from kvmesh.deployments.app import start_local, stop_local
-    from kvmesh.deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.replay import replay
 
     key = "kvm-robust-" + secrets.token_hex(6)
     config = {
@@ -145,17 +161,7 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
     try:
         log(f"    {policy}: {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
-        report = replay(
-            recs,
-            ReplayConfig(
-                url=url,
-                tokens_per_block=d.tokens_per_block,
-                concurrency=live_concurrency(d),
-                api_key=key,
-                max_tokens=16,
-                progress=False,
-            ),
-        )
+        report = replay(recs, replay_config(url, d, api_key=key))
     finally:
         stop_local()
     s = report.summary()
@@ -192,21 +198,13 @@ def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: 
     from kvmesh.benchmarks.peers import engines, setups
     from kvmesh.benchmarks.peers.run import replay_through_peer
     from kvmesh.deployments.config import resolve_model
-    from kvmesh.deployments.replay import ReplayConfig, replay
+    from kvmesh.deployments.replay import replay
 
     setup = next(x for x in setups.PEER_SETUPS if x.name == setup_name)
     spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
 
     def send(url: str) -> dict:
-        config = ReplayConfig(
-            url=url,
-            model=engines.SERVED_MODEL_NAME,
-            tokens_per_block=d.tokens_per_block,
-            concurrency=live_concurrency(d),
-            max_tokens=16,
-            progress=False,
-        )
-        return replay(recs, config).summary()
+        return replay(recs, replay_config(url, d, model=engines.SERVED_MODEL_NAME)).summary()
 
     work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
     t0 = time.perf_counter()

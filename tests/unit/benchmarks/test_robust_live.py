@@ -125,3 +125,15 @@ def test_the_simulated_send_order_reports_ttft_lower_for_kvmesh_where_it_caches_
     rr = simulate_in_send_order(recs, d, d.live_replicas, "round_robin")
     assert k["hit"] > rr["hit"] + 0.1
     assert 0 < k["ttft_p50_s"] < rr["ttft_p50_s"]
+
+
+def test_every_live_run_of_a_draw_is_sent_alike():
+    from kvmesh.benchmarks.robust_live import TIMED_CONCURRENCY, replay_config
+    from kvmesh.cluster.workload_family import draw
+
+    d = draw(2005)  # all at once, concurrency 13
+    k = replay_config("http://127.0.0.1:1", d, api_key="key")
+    p = replay_config("http://127.0.0.1:2", d, model="tiny")
+    assert (k.concurrency, k.tokens_per_block, k.max_tokens, k.progress) == (13, d.tokens_per_block, 16, False)
+    assert (k.api_key, k.model, p.api_key, p.model) == ("key", None, None, "tiny")
+    assert replay_config("http://x", draw(2000)).concurrency == TIMED_CONCURRENCY  # a timed draw
