@@ -41,7 +41,10 @@ ROLES = (  # first match wins: vLLM's own "EngineCore" before kvmesh's "Engine" 
     ("dashboard", "Ray daemons"),
     ("runtime_env", "Ray daemons"),
     ("monitor", "Ray daemons"),
-    ("router", "peer router"),
+    ("vllm::router", "peer router"),
+    ("vllm-router", "peer router"),
+    ("vllm_router", "peer router"),
+    ("sglang", "peer router"),
 )
 
 

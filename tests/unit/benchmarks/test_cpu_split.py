@@ -16,6 +16,7 @@ from kvmesh.benchmarks import cpu_split
         ("VLLM::EngineCore", "python -m vllm.entrypoints.openai.api_server", "bare vLLM servers"),
         ("python", "python -m vllm.entrypoints.openai.api_server --port 1", "bare vLLM servers"),
         ("vllm::router", "", "peer router"),
+        ("ray::RouterRegistry", "", "other Ray workers"),  # kvmesh's own router registry is not a peer
         ("raylet", "/x/raylet --node", "Ray daemons"),
         ("ray::IDLE", "", "other Ray workers"),
         ("sleep", "sleep 5", "sleep"),
