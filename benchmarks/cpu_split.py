@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import secrets
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import psutil
 
@@ -89,37 +85,21 @@ def _measured(send: Callable[[], dict]) -> dict:
 
 
 def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
-    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, replay_config
-    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.benchmarks.robust_live import live_app, replay_config
     from kvmesh.deployments.replay import replay
 
-    key = "kvm-cpu-" + secrets.token_hex(6)
-    config = {
-        "replicas": replicas,
-        "policy": "kvmesh",
-        "port": 0,
-        "api_keys": [key],
-        "engine": {"block_size": ENGINE_BLOCK, "max_model_len": 4096},
-    }
-    url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
-    try:
+    with live_app(replicas, "kvmesh") as (url, key):
         time.sleep(3)  # start-up work settles
         cfg = replay_config(url, d, api_key=key)
         return _measured(lambda: replay(recs, cfg).summary())
-    finally:
-        stop_local()
 
 
 def run_peer(recs: list[dict], d, replicas: int) -> dict:
-    from kvmesh.benchmarks.peers import engines, setups
+    from kvmesh.benchmarks.peers import engines
     from kvmesh.benchmarks.peers.run import replay_through_peer
-    from kvmesh.benchmarks.robust_live import ENGINE_BLOCK, PEER, replay_config
-    from kvmesh.deployments.config import resolve_model
+    from kvmesh.benchmarks.robust_live import PEER, bare_servers, peer_setup, replay_config
     from kvmesh.deployments.replay import replay
 
-    setup = next(x for x in setups.PEER_SETUPS if x.name == PEER)
-    spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-cpu-split-"))
     got: dict = {}
 
     def send(url: str) -> dict:
@@ -128,11 +108,8 @@ def run_peer(recs: list[dict], d, replicas: int) -> dict:
         got.update(_measured(lambda: replay(recs, cfg).summary()))
         return got["summary"]
 
-    servers = engines.start_servers(replicas, spec, work)
-    try:
-        replay_through_peer(setup, servers, spec, work / "logs", send)
-    finally:
-        engines.stop_servers(servers)
+    with bare_servers(replicas) as (servers, spec, work):
+        replay_through_peer(peer_setup(PEER), servers, spec, work / "logs", send)
     return {**got, "setup": PEER}
 
 

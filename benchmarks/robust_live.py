@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import permutations
+from pathlib import Path
 from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
@@ -144,10 +147,11 @@ def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 
     }
 
 
-def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
-    """One fresh local app with `policy`, the replay, and the replay's per-replica figures."""
+@contextmanager
+def live_app(replicas: int, policy: str, log=print) -> Iterator[tuple[str, str]]:
+    """A fresh local kvmesh app (the robustness settings: tiny model, block size 32, context 4096) with
+    `policy`; yields (url, api key) and stops the app on leaving."""
     from kvmesh.deployments.app import start_local, stop_local
-    from kvmesh.deployments.replay import replay
 
     key = "kvm-robust-" + secrets.token_hex(6)
     config = {
@@ -161,9 +165,43 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
     try:
         log(f"    {policy}: {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
-        report = replay(recs, replay_config(url, d, api_key=key))
+        yield url, key
     finally:
         stop_local()
+
+
+@contextmanager
+def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
+    """`replicas` bare vLLM servers with the kvmesh app's engine settings (tiny model, block size 32,
+    context 4096), for a peer router in front; yields (servers, their EngineSpec, a work folder) and
+    stops them on leaving."""
+    from kvmesh.benchmarks.peers import engines
+    from kvmesh.deployments.config import resolve_model
+
+    spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
+    t0 = time.perf_counter()
+    servers = engines.start_servers(replicas, spec, work)
+    try:
+        log(f"    {replicas} vLLM servers up in {time.perf_counter() - t0:.0f}s")
+        yield servers, spec, work
+    finally:
+        engines.stop_servers(servers)
+
+
+def peer_setup(name: str):
+    """The peer bench's setup called `name` (a router and its policy)."""
+    from kvmesh.benchmarks.peers import setups
+
+    return next(x for x in setups.PEER_SETUPS if x.name == name)
+
+
+def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
+    """One fresh local app with `policy`, the replay, and the replay's per-replica figures."""
+    from kvmesh.deployments.replay import replay
+
+    with live_app(replicas, policy, log) as (url, key):
+        report = replay(recs, replay_config(url, d, api_key=key))
     s = report.summary()
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
         replicas - len(s["per_replica"])
@@ -190,30 +228,18 @@ def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
 
 def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: str, log=print) -> dict:
     """The same replay through a peer router (vllm-router cache_aware by default) over `replicas` bare
-    vLLM servers with the kvmesh app's engine settings (tiny model, block size 32, context 4096):
-    identical servers, so the hit rates compare. Per-worker figures come from the servers' /metrics."""
-    import tempfile
-    from pathlib import Path
-
-    from kvmesh.benchmarks.peers import engines, setups
+    vLLM servers with the kvmesh app's engine settings (`bare_servers`): identical servers, so the hit
+    rates compare. Per-worker figures come from the servers' /metrics."""
+    from kvmesh.benchmarks.peers import engines
     from kvmesh.benchmarks.peers.run import replay_through_peer
-    from kvmesh.deployments.config import resolve_model
     from kvmesh.deployments.replay import replay
-
-    setup = next(x for x in setups.PEER_SETUPS if x.name == setup_name)
-    spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
 
     def send(url: str) -> dict:
         return replay(recs, replay_config(url, d, model=engines.SERVED_MODEL_NAME)).summary()
 
-    work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
-    t0 = time.perf_counter()
-    servers = engines.start_servers(replicas, spec, work)
-    try:
-        log(f"    {setup_name}: {replicas} vLLM servers up in {time.perf_counter() - t0:.0f}s")
-        summary, workers = replay_through_peer(setup, servers, spec, work / "logs", send)
-    finally:
-        engines.stop_servers(servers)
+    log(f"    {setup_name}:")
+    with bare_servers(replicas, log) as (servers, spec, work):
+        summary, workers = replay_through_peer(peer_setup(setup_name), servers, spec, work / "logs", send)
     row = _figures(summary, [w["requests"] for w in workers], [w["prefill_tokens"] for w in workers])
     return {"setup": setup_name, **row}
 

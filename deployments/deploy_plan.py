@@ -28,7 +28,7 @@ def engine_cpu_threads(eng: Mapping[str, Any]) -> int | None:
     half a CPU ran one OpenMP thread per core of the node. Three such engines on 2 cores, eval draw 2005
     replayed three times on one app: 33-34 ms of engine CPU per request with two threads each, 24-29 with
     one; each replay took 5.1-5.5 s against 4.1-4.7 s."""
-    if eng.get("cpu_threads") is not None:
+    if eng["cpu_threads"] is not None:
         return int(eng["cpu_threads"])
     if eng["num_gpus"]:
         return None

@@ -273,3 +273,27 @@ def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_
             assert stat.S_IMODE(os.stat(s.events_dir).st_mode) == 0o700
     engines.stop_servers(servers)
     assert not any(s.events_dir and os.path.exists(s.events_dir) for s in servers)
+
+
+def test_peer_servers_failing_to_start_leave_no_process_or_folder(monkeypatch, tmp_path):
+    """When the second server cannot be started, the first is stopped and neither event folder is left."""
+    import glob
+
+    from kvmesh.benchmarks.peers import engines, procs
+
+    started, stopped = [], []
+
+    def start(name, cmd, log_dir, env):
+        if started:
+            raise OSError("cannot start")
+        started.append(name)
+        return name
+
+    before = set(glob.glob("/tmp/kvmesh-peer-ev-*"))
+    monkeypatch.setattr(procs, "start", start)
+    monkeypatch.setattr(procs, "wait_ready", lambda *a, **k: None)
+    monkeypatch.setattr(procs, "stop_all", stopped.extend)
+    with pytest.raises(OSError, match="cannot start"):
+        engines.start_servers(2, engines.EngineSpec(model="m"), tmp_path)
+    assert stopped == ["vllm-0"]
+    assert set(glob.glob("/tmp/kvmesh-peer-ev-*")) == before
