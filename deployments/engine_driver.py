@@ -111,12 +111,26 @@ class _LoadCounter:
             await outputs.aclose()
 
 
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _delta_kind():
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.DELTA
+
+
 class EngineBroken(RuntimeError):
     """The engine can no longer serve (its step failed): the request should move to another replica."""
 
 
 class InprocDriver:
     """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues.
+    Each step's outputs reach an event loop in one wake-up, and a stream's deltas that pile up while
+    its consumer is busy are merged into one output (as AsyncLLM does), so a loaded replica forwards
+    fewer, larger chunks instead of falling further behind.
 
     A failed `step()` leaves vLLM's scheduler in an unknown state, so the driver stops stepping for
     good: every stream and every later request fails with `EngineBroken`, and `healthy()` turns false
@@ -168,8 +182,7 @@ class InprocDriver:
                     for rid in list(self._streams):
                         self._push(rid, EngineBroken(f"engine step failed: {exc!r}"))
                     continue
-                for out in outputs:
-                    self._push(out.request_id, out)
+                self._push_step(outputs)
 
     def _step(self):
         self._steps += 1
@@ -208,6 +221,17 @@ class InprocDriver:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _push_step(self, outputs) -> None:
+        """Hand one step's outputs to their streams with one wake-up per event loop, not one per
+        request: a step of a full batch has an output for every running request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     # -- asyncio side ----------------------------------------------------------------------------
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
         return self.load.track(
@@ -220,11 +244,22 @@ class InprocDriver:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
         self._ops.put(("add", request_id, prompt, params))
+        merge = getattr(params, "output_kind", None) == _delta_kind()
+        held = None
         try:
             while True:
-                item = await q.get()
+                item, held = (held, None) if held is not None else (await q.get(), None)
                 if isinstance(item, Exception):
                     raise item
+                # deltas the consumer has not taken yet are merged into one output, as AsyncLLM's
+                # per-request collector does: a consumer that falls behind (a busy replica) then
+                # forwards one message per turn of its loop instead of one per engine step
+                while merge and not item.finished and not q.empty():
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, Exception):
+                        held = nxt
+                        break
+                    item.add(nxt, aggregate=True)
                 yield item
                 if item.finished:
                     return

@@ -165,3 +165,73 @@ def test_inproc_driver_call_returns_and_raises():
     finally:
         d._ops.put(("stop",))
         d._thread.join(timeout=5)
+
+
+def _delta(rid: str, text: str, ids: list[int], finished: bool = False):
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    comp = CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None)
+    comp.finish_reason = "length" if finished else None
+    return RequestOutput(rid, None, [1, 2, 3], None, [comp], finished, num_cached_tokens=2)
+
+
+def _bare_driver():
+    """An InprocDriver without its engine or stepping thread: only the stream hand-off."""
+    from kvmesh.deployments.engine_driver import InprocDriver
+
+    d = object.__new__(InprocDriver)
+    d._streams, d._ops = {}, queue.SimpleQueue()
+    return d
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+def test_deltas_the_consumer_has_not_taken_are_merged_into_one_output(kind):
+    """Three steps' outputs waiting for a consumer that fell behind reach it as one delta holding all three
+    (AsyncLLM's collector does the same); outputs of another kind are passed one by one."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(output_kind=getattr(RequestOutputKind, kind))
+
+    async def go():
+        d = _bare_driver()
+        stream = d._outputs({"prompt_token_ids": [1, 2, 3]}, params, "r1")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the stream is registered and waits
+        d._push_step([_delta("r1", "a", [5])])
+        got = [await first]
+        d._push_step([_delta("r1", "b", [6]), _delta("other", "x", [9])])  # "other": no stream, dropped
+        d._push_step([_delta("r1", "c", [7])])
+        d._push_step([_delta("r1", "d", [8], finished=True)])
+        await asyncio.sleep(0)  # the consumer was busy: three steps arrived before it asked again
+        got += [out async for out in stream]
+        return got
+
+    got = asyncio.run(go())
+    texts = [o.outputs[0].text for o in got]
+    if kind == "DELTA":
+        assert texts == ["a", "bcd"] and list(got[1].outputs[0].token_ids) == [6, 7, 8]
+        assert got[1].finished and got[1].outputs[0].finish_reason == "length"
+    else:
+        assert texts == ["a", "b", "c", "d"] and got[-1].finished
+
+
+def test_an_error_behind_waiting_deltas_is_raised_after_they_are_delivered():
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    async def go():
+        d = _bare_driver()
+        stream = d._outputs({"prompt_token_ids": [1]}, SamplingParams(output_kind=RequestOutputKind.DELTA), "r1")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        d._push_step([_delta("r1", "a", [5])])
+        d._push_step([_delta("r1", "b", [6])])
+        d._push("r1", RuntimeError("engine step failed"))
+        await asyncio.sleep(0)
+        out = await first
+        with pytest.raises(RuntimeError, match="step failed"):
+            await stream.__anext__()
+        return out
+
+    assert asyncio.run(go()).outputs[0].text == "ab"
