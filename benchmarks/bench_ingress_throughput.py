@@ -308,6 +308,18 @@ def offline_costs(forms: tuple[str, ...]) -> dict[str, dict]:
     return out
 
 
+def sync_traffic(before: dict[str, dict], after: dict[str, dict]) -> dict | None:
+    """Placement-stream messages and frames the ingress replicas published in the phase, summed (None when
+    none was sent: one ingress replica, or sync off). A frame carries a loop turn's messages."""
+    messages = frames = 0
+    for key, st in after.items():
+        now = (st.get("router") or {}).get("sync") or {}
+        then = (before.get(key, {}).get("router") or {}).get("sync") or {}
+        messages += now.get("published", 0) - then.get("published", 0)
+        frames += now.get("frames", 0) - then.get("frames", 0)
+    return {"messages": messages, "frames": frames} if frames > 0 else None
+
+
 def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Callable) -> dict:
     """`n` requests at `concurrency`, with the stage timers and CPU read around them."""
     before = ingress_states(url, key, ingress)
@@ -323,6 +335,7 @@ def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Call
         "load": load,
         "stages_ms": stages,
         "per_ingress_requests": per_ingress_requests(before, after),
+        "sync": sync_traffic(before, after),
         "cores": cpu_shares(cpu0, cpu1, load["wall_s"]),
         "loadavg_after": os.getloadavg(),
     }
@@ -370,6 +383,7 @@ def _line(label: str, ratio: float | None, ph: dict) -> str:
         f"{ld['errors']:>4}  {_f(st['tokenize']):>5} {_f(st['pre_call']):>5} {_f(st['engine_call']):>6} "
         f"{_f(st['decision']):>6} {_f(st['engine_first_output']):>6} {_f(st['hop']):>6} {_f(st['post_call']):>5} "
         f"{_f(st['handler']):>7} {_f(st['outside_handler'], '.1f'):>7}  {cores}  {ph['per_ingress_requests']}"
+        + (f"  sync {sy['messages'] / sy['frames']:.2f} msg/frame" if (sy := ph.get("sync")) else "")
     )
 
 

@@ -38,6 +38,7 @@ ROUTER_FIGURES = (
     "router",
     "peers",
     "published",
+    "frames",
     "applied",
     "peer_inflight",
     "lag_ms_mean",

@@ -277,6 +277,9 @@ class RouterSync:
         self.poll_s = poll_s
         self.peers: dict[str, str] = {}  # router id -> endpoint
         self.published = 0
+        self.frames = 0  # frames sent: a frame carries every message published in one turn of the loop
+        self._outbox: list[list] = []
+        self._batch_loop: asyncio.AbstractEventLoop | None = None
         self.started_at = time.monotonic()
         self.first_peer_s: float | None = None  # start -> first peer placement applied
         self.first_connect_s: float | None = None  # start -> subscribed to a peer's stream
@@ -292,6 +295,7 @@ class RouterSync:
     def start(self) -> None:
         """Open the stream (`open`) and start finding peers and reading their placements."""
         self.open()
+        self.batch_on(asyncio.get_running_loop())
         self._tasks = [asyncio.create_task(self._discover())]
         self.read_when_ready(asyncio.get_running_loop())
         log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
@@ -341,6 +345,7 @@ class RouterSync:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.publish(["bye", self.router_id, "", ""])
+            self.flush()
         if self._reader_loop is not None:
             with contextlib.suppress(Exception):
                 self._reader_loop.remove_reader(self._reader_fd)
@@ -358,16 +363,40 @@ class RouterSync:
                 self._registry.leave.remote(self.router_id)
 
     # ------------------------------------------------------------------ publish
+    def batch_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Publish from `loop` (the router's) in batches: what is published during one turn of the loop
+        leaves as one frame at the start of the next. Why: a frame, not its size, is what the stream
+        costs (about 0.25 ms of CPU per frame across sender and receiver, from the send to the woken
+        reader), and a router publishes three messages per request (`routed`, `started`, `done`).
+        Without a loop each message is sent at once."""
+        self._batch_loop = loop
+
     def publish(self, msg: list) -> None:
-        """Send without waiting: a full queue drops the message (peers then see a little less load)."""
+        """Queue `msg` for this turn's frame (sent at once without `batch_on`). Never waits: a full send
+        queue drops the frame (peers then see a little less load)."""
         if self._pub is None:
+            return
+        self._outbox.append(msg)
+        if len(self._outbox) == 1:
+            if self._batch_loop is not None and not self._batch_loop.is_closed():
+                self._batch_loop.call_soon(self.flush)
+            else:
+                self.flush()
+
+    def flush(self) -> None:
+        """Send the queued messages as one frame: the message itself when there is one, else
+        ["batch", router, "", "", [messages...]]."""
+        batch, self._outbox = self._outbox, []
+        if not batch or self._pub is None:
             return
         import msgpack
         import zmq
 
+        frame = batch[0] if len(batch) == 1 else ["batch", self.router_id, "", "", batch]
         try:
-            self._pub.send(msgpack.packb(msg), flags=zmq.NOBLOCK)
-            self.published += 1
+            self._pub.send(msgpack.packb(frame), flags=zmq.NOBLOCK)
+            self.published += len(batch)
+            self.frames += 1
         except zmq.Again:
             pass
 
@@ -403,7 +432,8 @@ class RouterSync:
             await asyncio.sleep(self.poll_s)
 
     def drain(self) -> int:
-        """Apply every peer message already received, in order, without waiting; returns how many.
+        """Apply every peer message already received, in order, without waiting; returns how many (a batch
+        counts its messages).
 
         The router calls this before it ranks a request: a loop busy routing (a burst of requests, a slow
         first call) would otherwise rank on a view without placements already sitting in the socket.
@@ -419,8 +449,7 @@ class RouterSync:
                 raw = sub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            n += 1
-            self._apply(raw)
+            n += self._apply(raw)
         return n
 
     def read_when_ready(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -439,18 +468,23 @@ class RouterSync:
         except Exception:  # never let the stream's reader end
             log.exception("router sync: receive failed")
 
-    def _apply(self, raw: bytes) -> None:
+    def _apply(self, raw: bytes) -> int:
+        """Apply one frame (a message or a batch of them, in order); returns how many messages it held."""
         import msgpack
 
         try:
             msg = msgpack.unpackb(raw)
             if msg[1] == self.router_id:
-                return
-            self.placements.apply(msg)
+                return 0
+            msgs = msg[4] if msg[0] == "batch" else [msg]
+            for m in msgs:
+                self.placements.apply(m)
             if self.first_peer_s is None:
                 self.first_peer_s = time.monotonic() - self.started_at
-        except Exception:  # a malformed message is dropped, the stream goes on
+            return len(msgs)
+        except Exception:  # a malformed frame is dropped, the stream goes on
             log.exception("router sync: bad message dropped")
+            return 1
 
     def stats(self) -> dict:
         unseen = self.placements.unseen
@@ -459,6 +493,7 @@ class RouterSync:
             "endpoint": getattr(self, "endpoint", None),
             "peers": sorted(self.peers),
             "published": self.published,
+            "frames": self.frames,
             "applied": self.placements.applied,
             "peer_inflight": len(self.placements.placements),
             "unseen_placements": round(self.placements.unseen_placements()[0], 3),

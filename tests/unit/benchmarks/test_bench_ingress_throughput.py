@@ -18,6 +18,7 @@ from kvmesh.benchmarks.bench_ingress_throughput import (
     process_kind,
     prompt_maker,
     ratios,
+    sync_traffic,
 )
 
 
@@ -200,3 +201,14 @@ def test_plot_writes_a_png(tmp_path):
     ]
     plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_sync_traffic_sums_messages_and_frames_over_ingress_replicas():
+    def st(published, frames):
+        return {"router": {"sync": {"router": "x", "published": published, "frames": frames}}}
+
+    before = {"a": st(10, 4), "b": st(0, 0)}
+    after = {"a": st(40, 14), "b": st(30, 12)}
+    assert sync_traffic(before, after) == {"messages": 60, "frames": 22}
+    assert sync_traffic(after, after) is None  # nothing sent in the phase
+    assert sync_traffic({"a": {}}, {"a": {"router": {}}}) is None  # no sync at all

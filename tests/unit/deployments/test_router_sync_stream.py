@@ -99,3 +99,29 @@ def test_the_loop_applies_messages_as_they_arrive():
             a.close()
 
     asyncio.run(run())
+
+
+def test_what_one_turn_of_the_loop_publishes_leaves_as_one_frame_applied_in_order():
+    async def run():
+        a, b = _pair()
+        try:
+            _wait_until_subscribed(a, b)
+            a.batch_on(asyncio.get_running_loop())
+            frames = a.frames
+            for n in range(4):
+                a.publish(routed_message(a.router_id, _placement(n), "r0", (0, 0, 0)))
+            a.publish(["done", a.router_id, "q1", "r0"])
+            assert a.frames == frames  # nothing sent before the loop turns
+            await asyncio.sleep(0)
+            assert a.frames == frames + 1 and a.published >= 5
+            a.publish(["started", a.router_id, "q0", "r0"])  # a later turn: a frame of its own
+            await asyncio.sleep(0)
+            assert a.frames == frames + 2
+            time.sleep(0.1)
+            assert b.drain() == 6  # the batch's five messages and the single one
+            # q1 routed then done within the batch: applied in order, it no longer counts
+            assert b.placements.pending() == {"r0": [3, 1, 2 * 64]}
+        finally:
+            _close(a, b)
+
+    asyncio.run(run())
