@@ -11,9 +11,10 @@ meets it); one other miss is a MISS and a non-zero exit. Each miss the floor doe
 solver (ROBUST_EXACT_S seconds per attempt, default 10; 0 skips it): "reachable" there means an offline
 placement meets the target, so the miss is the policy's. Writes
 <BENCH_OUT>/robust/robust.json and robust.png (BENCH_OUT default out).
-`BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N eval
-seeds are also replayed live (kvmesh and round robin on fresh local apps) and compared with the
-simulator in the same send order (`benchmarks/robust_live.py`; about 2 minutes per draw here).
+`BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N
+eval seeds (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh and round robin on
+fresh local apps) and compared with the simulator in the same send order (`benchmarks/robust_live.py`;
+about 2 minutes per draw here).
 """
 
 from __future__ import annotations
@@ -186,13 +187,18 @@ def main() -> dict:
 
 
 def run_live_part(out_dir: str) -> bool:
-    """ROBUST_LIVE=N: the first N eval draws live; prints each draw's checks; True when one missed."""
+    """ROBUST_LIVE=N: N eval draws live, from the first (or from index ROBUST_LIVE_FROM, so that a later slice
+    of the evaluation draws can be run live too); prints each draw's checks; True when one missed."""
     n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
     if n <= 0:
         return False
+    start = int(os.environ.get("ROBUST_LIVE_FROM", "0") or 0)
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
-    rows = live_sweep(load_seed_set("eval")[:n])
+    seeds = load_seed_set("eval")[start : start + n]
+    if not seeds:
+        raise ValueError(f"ROBUST_LIVE_FROM={start} is past the {len(load_seed_set('eval'))} eval draws")
+    rows = live_sweep(seeds)
     print(format_live(rows))
     missed = False
     for r in rows:
