@@ -137,3 +137,23 @@ def test_every_live_run_of_a_draw_is_sent_alike():
     assert (k.concurrency, k.tokens_per_block, k.max_tokens, k.progress) == (13, d.tokens_per_block, 16, False)
     assert (k.api_key, k.model, p.api_key, p.model) == ("key", None, None, "tiny")
     assert replay_config("http://x", draw(2000)).concurrency == TIMED_CONCURRENCY  # a timed draw
+
+
+def test_the_peer_target_is_settled_by_the_solver_and_printed():
+    """Eval draw 2007 live (4 replicas): vllm-router cache_aware reached 0.730 at max/mean 2.71; no placement
+    within max/mean 1.25 reaches 0.700, so missing the peer check there would be the workload's arithmetic.
+    A lower peer hit rate is reachable, with the placement that shows it."""
+    from kvmesh.benchmarks.robust_live import peer_target
+    from kvmesh.cluster.workload_family import draw, records
+
+    d = draw(2007)
+    recs = records(d)
+    out = peer_target(recs, d, d.live_replicas, 0.730, exact_s=60)
+    assert out["verdict"] == "out of reach" and out["placement"] is None
+    low = peer_target(recs, d, d.live_replicas, 0.60, exact_s=60)
+    assert low["verdict"] == "reachable"
+    hit, imbalance = low["placement"]
+    assert hit >= 0.57 and imbalance <= 1.25
+    row = _row(0.77, 0.79)
+    row["bounds"] = {**row["bounds"], "peer_target": out}
+    assert "2000: the peer's hit less 0.03 (0.700) within max/mean 1.25 is out of reach" in format_live([row])
