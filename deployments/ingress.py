@@ -334,21 +334,28 @@ class Ingress:
             return response
 
         async def events() -> AsyncIterator[bytes]:
+            # the last chunk, the usage chunk and [DONE] are all at hand together: one write, not three
+            # (each body write passes Serve's and Starlette's send wrappers and is a socket write)
             ntok = 0
             cached = first["num_cached_tokens"]
             completed = False
+            tail = b""
             try:
                 is_first = True
                 chunk = first
                 while True:
                     ntok += len(chunk["token_ids"])
+                    event = b""
                     if chunk["text"] or chunk["finish_reason"] or is_first:
-                        yield proto.sse(
+                        event = proto.sse(
                             proto.stream_chunk(req, oid, chunk["text"], chunk["finish_reason"], first=is_first)
                         )
                     is_first = False
                     if chunk["finish_reason"] is not None:
+                        tail = event
                         break
+                    if event:
+                        yield event
                     try:
                         chunk = await stream.__anext__()
                     except StopAsyncIteration:
@@ -356,8 +363,8 @@ class Ingress:
                 u = finish(ntok, cached)
                 completed = True
                 if req.include_usage:
-                    yield proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
-                yield proto.sse("[DONE]")
+                    tail += proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
+                yield tail + proto.sse("[DONE]")
             except asyncio.CancelledError:  # client went away
                 stream.cancel()
                 raise
@@ -366,7 +373,7 @@ class Ingress:
                 err = exc if isinstance(exc, OpenAIError) else None  # 503: migrations exhausted
                 self.serving_metrics.record_error(err.status if err else 500)
                 body = err.body() if err else proto.openai_error(500, "engine failed", "internal_error", "server_error")
-                yield proto.sse({"error": body["error"]})
+                yield tail + proto.sse({"error": body["error"]})  # the last chunk, if it came, goes first
             finally:
                 if not completed:
                     stream.cancel()
