@@ -136,15 +136,22 @@ def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 
     makes a live miss the policy's, "out of reach" the workload's."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     bb = balance_bounded_bound(trace.requests, ENGINE_BLOCK, replicas)
-    exact = decide_target(trace.requests, ENGINE_BLOCK, replicas, 0.95 * bb["hit_rate"], 1.25, exact_s)
-    got = exact["replayed"]
+    verdict, placement = _decided(trace, replicas, 0.95 * bb["hit_rate"], exact_s)
     return {
         "infinite": infinite_hit_rate(trace.requests, ENGINE_BLOCK),
         "balance": bb["hit_rate"],
         "balance_imbalance": bb["imbalance"],
-        "target_verdict": exact["verdict"],
-        "target_placement": [got["hit_rate"], got["imbalance"]] if got else None,
+        "target_verdict": verdict,
+        "target_placement": placement,
     }
+
+
+def _decided(trace, replicas: int, hit: float, exact_s: float) -> tuple[str, list[float] | None]:
+    """Does any placement of `trace` on `replicas` reach `hit` with prefill max/mean <= 1.25
+    (`exact_placement.decide_target`)? (verdict, [hit, max/mean] of the placement found, or None)."""
+    exact = decide_target(trace.requests, ENGINE_BLOCK, replicas, hit, 1.25, exact_s)
+    got = exact["replayed"]
+    return exact["verdict"], [got["hit_rate"], got["imbalance"]] if got else None
 
 
 @contextmanager
@@ -202,13 +209,8 @@ def peer_target(recs: list[dict], d: FamilyDraw, replicas: int, peer_hit: float,
     piling up, so where no balanced placement reaches it, the peer check's miss is the workload's
     arithmetic, not the policy's."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
-    exact = decide_target(trace.requests, ENGINE_BLOCK, replicas, peer_hit - 0.03, 1.25, exact_s)
-    got = exact["replayed"]
-    return {
-        "hit": peer_hit - 0.03,
-        "verdict": exact["verdict"],
-        "placement": [got["hit_rate"], got["imbalance"]] if got else None,
-    }
+    verdict, placement = _decided(trace, replicas, peer_hit - 0.03, exact_s)
+    return {"hit": peer_hit - 0.03, "verdict": verdict, "placement": placement}
 
 
 def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
@@ -342,12 +344,10 @@ def format_live(rows: Sequence[dict]) -> str:
     for r in rows:
         b = r["bounds"]
         if "target_verdict" in b:  # rows saved before the solver was added have none
-            found = b["target_placement"]
-            at = f": a placement found offline reaches {found[0]:.3f} at max/mean {found[1]:.2f}" if found else ""
+            at = _found_at(b["target_placement"])
             lines.append(f"  {r['seed']}: the live target is {b['target_verdict']}{at}")
         if (pt := b.get("peer_target")) is not None:  # rows saved before it was added have none
-            found = pt["placement"]
-            at = f": a placement found offline reaches {found[0]:.3f} at max/mean {found[1]:.2f}" if found else ""
+            at = _found_at(pt["placement"])
             lines.append(
                 f"  {r['seed']}: the peer's hit less 0.03 ({pt['hit']:.3f}) within max/mean 1.25 is {pt['verdict']}{at}"
             )
@@ -358,3 +358,8 @@ def format_live(rows: Sequence[dict]) -> str:
                 f"{r['sim']['ttft_p50_s'] * 1e3:.1f} ms, round robin {r['sim_round_robin']['ttft_p50_s'] * 1e3:.1f} ms"
             )
     return "\n".join(lines)
+
+
+def _found_at(placement: list[float] | None) -> str:
+    """The placement the solver found, as `format_live` prints it after a verdict ("" when none)."""
+    return f": a placement found offline reaches {placement[0]:.3f} at max/mean {placement[1]:.2f}" if placement else ""
