@@ -248,7 +248,10 @@ class InprocDriver:
         held = None
         try:
             while True:
-                item, held = (held, None) if held is not None else (await q.get(), None)
+                if held is not None:  # an error found behind merged deltas, raised after them
+                    item, held = held, None
+                else:
+                    item = await q.get()
                 if isinstance(item, Exception):
                     raise item
                 # deltas the consumer has not taken yet are merged into one output, as AsyncLLM's
