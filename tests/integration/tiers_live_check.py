@@ -48,6 +48,14 @@ def main() -> int:
         url = start_local(cfg, num_cpus=2, timeout_s=900)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=180) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
+            # the router learns each replica's tiers from its routing stats (every 0.5 s here); a prefill it
+            # serves before then is not recorded as a host-tier entry, so wait until both replicas reported
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                stats = ((c.get("/kvmesh/state").json().get("router") or {}).get("routing_stats")) or {}
+                if len(stats) >= 2 and all(s.get("tiers") for s in stats.values()):
+                    break
+                time.sleep(0.25)
             prompt = [(i * 7919) % 1000 + 10 for i in range(600)]
             cached = []
             for _ in range(2):
