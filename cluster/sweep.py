@@ -40,6 +40,7 @@ class SweepOptions:
     target_ratio: float = 0.97  # the target: hit >= target_ratio x merged-LRU bound ...
     target_imbalance: float = 1.25  # ... with prefill max/mean <= target_imbalance
     cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
+    shared_tier: bool = True  # also run every policy with an unbounded shared tier (`evaluate_draw`)
 
 
 def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, dict]:
@@ -82,12 +83,14 @@ def evaluate_draw(
         ] <= opts.target_imbalance * (1 + 1e-9)
 
     cfg = SimConfig(d.replicas, capacity, cost=opts.cost, seed=d.seed)
-    hits, work = {}, {}
+    hits, work, ttft = {}, {}, {}
     for name in policies:
         params = {"cost": opts.cost} if name == "kvmesh" else {}
         m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
         hits[name] = m["hit_rate_tokens"]
         work[name] = prefill_max_over_mean(m["per_replica"])
+        ttft[name] = m["ttft_p50_s"]
+    with_tier = shared_tier_figures(d, trace, sending, capacity, bounds["merged_lru"], policies, opts)
     return {
         "seed": d.seed,
         "shape": d.describe(),
@@ -110,8 +113,45 @@ def evaluate_draw(
             "computed_floor": proof["computed_floor"],
             "computed_allowed": proof["computed_allowed"],
         },
-        "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"]),
+        "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"], ttft),
+        "shared_tier": with_tier,
     }
+
+
+def shared_tier_figures(
+    d: FamilyDraw,
+    trace: Trace,
+    sending: dict,
+    capacity: int,
+    merged: float,
+    policies: Sequence[str],
+    opts: SweepOptions,
+) -> dict:
+    """Per policy, the same draw with an unbounded shared tier behind every replica (LMCache's shared store:
+    a block any replica computed loads on any other, and counts as cached, as vLLM reports it): hit /
+    merged-LRU bound, prefill max/mean, p50 TTFT (s), and whether it meets the target. Empty when
+    `opts.shared_tier` is off.
+
+    Why: without a tier, hit rate and balance pull against each other (a conversation that leaves its
+    history's replica recomputes it); with the tier a replica that lacks a prefix loads it instead, so
+    placement is judged by balance and load time. The target is the placement target; this says what the
+    tiered store adds to it."""
+    if not opts.shared_tier:
+        return {}
+    cfg = SimConfig(d.replicas, capacity, shared=True, cost=opts.cost, seed=d.seed)
+    out = {}
+    for name in policies:
+        params = {"cost": opts.cost} if name == "kvmesh" else {}
+        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
+        ratio = m["hit_rate_tokens"] / merged if merged else 1.0
+        imbalance = prefill_max_over_mean(m["per_replica"])
+        out[name] = {
+            "hit_over_merged": ratio,
+            "prefill_max_over_mean": imbalance,
+            "ttft_p50_s": m["ttft_p50_s"],
+            "meets_target": ratio >= opts.target_ratio and imbalance <= opts.target_imbalance * (1 + 1e-9),
+        }
+    return out
 
 
 def decide_exactly(row: dict, opts: SweepOptions = SweepOptions(), time_limit_s: float = 10.0) -> dict:
@@ -134,8 +174,11 @@ def decide_exactly(row: dict, opts: SweepOptions = SweepOptions(), time_limit_s:
     return row
 
 
-def policy_figures(hits: dict[str, float], work: dict[str, float], merged: float, balance: float) -> dict:
-    """Per policy: hit, the ratios to both bounds, the margin over the best other policy, prefill max/mean."""
+def policy_figures(
+    hits: dict[str, float], work: dict[str, float], merged: float, balance: float, ttft: dict[str, float] | None = None
+) -> dict:
+    """Per policy: hit, the ratios to both bounds, the margin over the best other policy, prefill max/mean,
+    and p50 TTFT in s where given."""
     out = {}
     for name, hit in hits.items():
         others = [h for n, h in hits.items() if n != name]
@@ -146,6 +189,8 @@ def policy_figures(hits: dict[str, float], work: dict[str, float], merged: float
             "hit_minus_best_other": hit - max(others) if others else 0.0,
             "prefill_max_over_mean": work[name],
         }
+        if ttft is not None:
+            out[name]["ttft_p50_s"] = ttft[name]
     return out
 
 
@@ -189,6 +234,45 @@ def target_misses(
         if r["policies"][policy]["hit_over_merged"] < min_ratio
         or r["policies"][policy]["prefill_max_over_mean"] > max_imbalance
     ]
+
+
+def shared_tier_summary(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per policy over the draws with the shared tier: how many meet the target, the distribution of
+    hit / merged-LRU bound and of prefill max/mean, and the median ratio of p50 TTFT with the tier to
+    p50 TTFT without it (below 1: loading beats recomputing)."""
+    rows = [r for r in rows if r.get("shared_tier")]
+    if not rows:
+        return {}
+    out = {}
+    for name in rows[0]["shared_tier"]:
+        ttft = [
+            r["shared_tier"][name]["ttft_p50_s"] / r["policies"][name]["ttft_p50_s"]
+            for r in rows
+            if r["policies"][name].get("ttft_p50_s")
+        ]
+        out[name] = {
+            "meets": sum(1 for r in rows if r["shared_tier"][name]["meets_target"]),
+            "draws": len(rows),
+            "hit_over_merged": distribution(r["shared_tier"][name]["hit_over_merged"] for r in rows),
+            "prefill_max_over_mean": distribution(r["shared_tier"][name]["prefill_max_over_mean"] for r in rows),
+            "ttft_with_over_without": nearest_rank(sorted(ttft), 0.50) if ttft else None,
+        }
+    return out
+
+
+def format_shared_tier(summary: dict) -> str:
+    lines = [
+        f"{'policy':<20} {'meets':>7} {'hit/merged min':>15} {'median':>7} {'max/mean median':>16} {'p90':>6} "
+        f"{'TTFT p50 with/without tier':>27}"
+    ]
+    for name, f in summary.items():
+        ratio = f"{f['ttft_with_over_without']:.2f}" if f["ttft_with_over_without"] is not None else "-"
+        lines.append(
+            f"{name:<20} {f['meets']:>3}/{f['draws']:<3} {f['hit_over_merged']['min']:>15.3f} "
+            f"{f['hit_over_merged']['median']:>7.3f} {f['prefill_max_over_mean']['median']:>16.2f} "
+            f"{f['prefill_max_over_mean']['p90']:>6.2f} {ratio:>27}"
+        )
+    return "\n".join(lines)
 
 
 def format_summary(summary: dict) -> str:
@@ -244,7 +328,23 @@ def plot(rows: Sequence[dict], path: str) -> None:
     ax.set_ylabel("hit / merged-LRU bound")
     ax.set_title("per draw (target: above and left of the red lines)", fontsize=10)
     ax.legend(fontsize=7)
-    axes.flat[5].axis("off")
+    ax = axes.flat[5]
+    tiered = [r for r in rows if r.get("shared_tier")]
+    if tiered:
+        low = min(r["shared_tier"][n]["hit_over_merged"] for r in tiered for n in names)
+        met = {n: sum(1 for r in tiered if r["shared_tier"][n]["meets_target"]) for n in names}
+        ax.boxplot([[r["shared_tier"][n]["prefill_max_over_mean"] for r in tiered] for n in names], whis=(0, 100))
+        ax.set_xticks(
+            range(1, len(names) + 1), [f"{n}\n{met[n]}/{len(tiered)} meet" for n in names], rotation=30, fontsize=8
+        )
+        ax.axhline(1.25, color="tab:red", linestyle="--", linewidth=1)
+        ax.set_title(
+            "with an unbounded shared tier (LMCache): prefill max/mean\n"
+            f"(hit / merged-LRU bound >= {low:.3f} on every draw)",
+            fontsize=10,
+        )
+    else:
+        ax.axis("off")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -14,6 +14,7 @@ from kvmesh.cluster.sweep import (
     distribution,
     evaluate_draw,
     policy_figures,
+    shared_tier_summary,
     summarize,
     target_misses,
 )
@@ -86,6 +87,46 @@ def test_one_draw_end_to_end():
         assert 0 < p["hit"] <= b["infinite"] + 1e-12, name
         assert p["prefill_max_over_mean"] >= 1.0
     assert row["policies"]["kvmesh"]["hit"] > row["policies"]["round_robin"]["hit"]
+
+
+def test_with_a_shared_tier_a_replica_lacking_a_prefix_loads_it_instead_of_recomputing():
+    from kvmesh.cluster.workload_family import draw
+
+    row = evaluate_draw(draw(2011), ("kvmesh", "round_robin"))
+    tier = row["shared_tier"]
+    # round robin spreads every conversation: without a tier it recomputes histories, with one it loads them
+    assert row["policies"]["round_robin"]["hit_over_merged"] < 0.8
+    for name in ("kvmesh", "round_robin"):
+        assert tier[name]["hit_over_merged"] >= 0.99, name
+        assert tier[name]["ttft_p50_s"] > 0
+        met = tier[name]["hit_over_merged"] >= 0.97 and tier[name]["prefill_max_over_mean"] <= 1.25
+        assert tier[name]["meets_target"] == met, name
+    assert tier["kvmesh"]["meets_target"]
+    assert evaluate_draw(draw(2011), ("kvmesh",), SweepOptions(shared_tier=False))["shared_tier"] == {}
+
+
+def test_shared_tier_summary_counts_draws_meeting_the_target_and_the_ttft_ratio():
+    def row(hit, imbalance, meets, ttft_with, ttft_without):
+        return {
+            "policies": {"kvmesh": {"ttft_p50_s": ttft_without}},
+            "shared_tier": {
+                "kvmesh": {
+                    "hit_over_merged": hit,
+                    "prefill_max_over_mean": imbalance,
+                    "ttft_p50_s": ttft_with,
+                    "meets_target": meets,
+                }
+            },
+        }
+
+    s = shared_tier_summary(
+        [row(1.0, 1.1, True, 0.5, 1.0), row(0.99, 1.4, False, 0.9, 1.0), row(1.0, 1.2, True, 2.0, 1.0)]
+    )
+    k = s["kvmesh"]
+    assert (k["meets"], k["draws"]) == (2, 3)
+    assert k["hit_over_merged"]["min"] == 0.99 and k["prefill_max_over_mean"]["max"] == 1.4
+    assert k["ttft_with_over_without"] == pytest.approx(0.9)  # the median of 0.5, 0.9, 2.0
+    assert shared_tier_summary([{"policies": {}, "shared_tier": {}}]) == {}
 
 
 def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
