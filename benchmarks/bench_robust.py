@@ -14,7 +14,8 @@ placement meets the target, so the miss is the policy's. Writes
 `BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N
 eval seeds (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh and round robin on
 fresh local apps) and compared with the simulator in the same send order (`benchmarks/robust_live.py`;
-about 2 minutes per draw here).
+about 2 minutes per draw here); ROBUST_LIVE_TIER=1 adds kvmesh with LMCache tiers (and a redis-server) on
+each live draw, beside the simulator's shared-tier prediction.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def run_live_part(out_dir: str) -> bool:
     seeds = load_seed_set("eval")[start : start + n]
     if not seeds:
         raise ValueError(f"ROBUST_LIVE_FROM={start} is past the {len(load_seed_set('eval'))} eval draws")
-    rows = live_sweep(seeds)
+    rows = live_sweep(seeds, tier=os.environ.get("ROBUST_LIVE_TIER", "") not in ("", "0"))
     print(format_live(rows))
     missed = False
     for r in rows:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from itertools import permutations
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,9 @@ def replay_config(url: str, d: FamilyDraw, api_key: str | None = None, model: st
     )
 
 
-def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str) -> dict:
-    """The simulator on the records, sent as the replay client sends them."""
+def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, shared: bool = False) -> dict:
+    """The simulator on the records, sent as the replay client sends them (with an unbounded shared tier
+    behind every replica when `shared`)."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
@@ -79,7 +80,7 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     chosen.on_routed = record  # type: ignore[method-assign]
     res = simulate_policy(
         trace,
-        SimConfig(replicas=replicas, capacity_blocks=blocks),
+        SimConfig(replicas=replicas, capacity_blocks=blocks, shared=shared),
         chosen,
         client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]),
     )
@@ -155,26 +156,29 @@ def _decided(trace, replicas: int, hit: float, exact_s: float) -> tuple[str, lis
 
 
 @contextmanager
-def live_app(replicas: int, policy: str, log=print) -> Iterator[tuple[str, str]]:
+def live_app(replicas: int, policy: str, log=print, tier: bool = False) -> Iterator[tuple[str, str]]:
     """A fresh local kvmesh app (the robustness settings: tiny model, block size 32, context 4096) with
-    `policy`; yields (url, api key) and stops the app on leaving."""
+    `policy`; yields (url, api key) and stops the app on leaving. With `tier`, the engines run with
+    LMCache (its host tier, shared by every replica on the node, and a fresh redis-server behind it as
+    the shared tier; chunks of one engine block, so a tier hit is as fine-grained as the engine's own)."""
     from kvmesh.deployments.app import start_local, stop_local
 
     key = "kvm-robust-" + secrets.token_hex(6)
-    config = {
-        "replicas": replicas,
-        "policy": policy,
-        "port": 0,
-        "api_keys": [key],
-        "engine": {"block_size": ENGINE_BLOCK, "max_model_len": 4096},
-    }
-    t0 = time.perf_counter()
-    url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
-    try:
-        log(f"    {policy}: {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
+    engine: dict[str, Any] = {"block_size": ENGINE_BLOCK, "max_model_len": 4096}
+    config = {"replicas": replicas, "policy": policy, "port": 0, "api_keys": [key], "engine": engine}
+    with ExitStack() as stack:
+        if tier:
+            from kvmesh.kvstore.redis_process import RedisServer
+
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmesh-robust-redis-"))
+            redis = RedisServer(work).start()
+            stack.callback(redis.stop)
+            engine["lmcache"] = {"l1_size_gb": 0.2, "chunk_size": ENGINE_BLOCK, "l2": redis.url, "start_timeout_s": 300}
+        t0 = time.perf_counter()
+        url = start_local(config, num_cpus=max(os.cpu_count() or 2, replicas))
+        stack.callback(stop_local)
+        log(f"    {policy}{' with LMCache' if tier else ''}: {replicas} replicas up in {time.perf_counter() - t0:.0f}s")
         yield url, key
-    finally:
-        stop_local()
 
 
 @contextmanager
@@ -213,11 +217,12 @@ def peer_target(recs: list[dict], d: FamilyDraw, replicas: int, peer_hit: float,
     return {"hit": peer_hit - 0.03, "verdict": verdict, "placement": placement}
 
 
-def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print) -> dict:
-    """One fresh local app with `policy`, the replay, and the replay's per-replica figures."""
+def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print, tier: bool = False) -> dict:
+    """One fresh local app with `policy` (with LMCache tiers when `tier`: `live_app`), the replay, and the
+    replay's per-replica figures."""
     from kvmesh.deployments.replay import replay
 
-    with live_app(replicas, policy, log) as (url, key):
+    with live_app(replicas, policy, log, tier) as (url, key):
         report = replay(recs, replay_config(url, d, api_key=key))
     s = report.summary()
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
@@ -277,7 +282,9 @@ def compare(live: dict, sim: dict) -> dict:
     return out
 
 
-def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
+def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict]:
+    """Per draw: bounds, kvmesh, round robin and the peer router live, the simulator in the same send
+    order; with `tier` also kvmesh with LMCache tiers (`live_app`) and its simulation with a shared tier."""
     rows = []
     for seed in seeds:
         d = draw(seed)
@@ -295,6 +302,9 @@ def live_sweep(seeds: Sequence[int], log=print) -> list[dict]:
             "sim": simulate_in_send_order(recs, d, n, "kvmesh"),
             "sim_round_robin": simulate_in_send_order(recs, d, n, "round_robin"),
         }
+        if tier:
+            row["kvmesh_tier"] = run_live(recs, d, n, "kvmesh", log, tier=True)
+            row["sim_tier"] = simulate_in_send_order(recs, d, n, "kvmesh", shared=True)
         row["bounds"]["peer_target"] = peer_target(recs, d, n, row["peer"]["hit"])
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
         rows.append(row)
@@ -350,6 +360,16 @@ def format_live(rows: Sequence[dict]) -> str:
             at = _found_at(pt["placement"])
             lines.append(
                 f"  {r['seed']}: the peer's hit less 0.03 ({pt['hit']:.3f}) within max/mean 1.25 is {pt['verdict']}{at}"
+            )
+    for r in rows:
+        if "kvmesh_tier" in r:
+            t, st, inf = r["kvmesh_tier"], r["sim_tier"], r["bounds"]["infinite"]
+            lines.append(
+                f"  {r['seed']}: kvmesh with LMCache (host tier shared on the node, Redis behind it): "
+                f"hit {t['hit']:.3f} ({t['hit'] / inf:.3f} of the infinite-cache bound), "
+                f"prefill max/mean {t['prefill_max_over_mean']:.2f}, TTFT p50 {t['ttft_p50_s'] * 1e3:.0f} ms, "
+                f"{t['errors']} errors; simulated with a shared tier: hit {st['hit']:.3f}, "
+                f"max/mean {st['prefill_max_over_mean']:.2f}"
             )
     for r in rows:
         if "sim_round_robin" in r:
