@@ -85,8 +85,7 @@ def evaluate_draw(
     cfg = SimConfig(d.replicas, capacity, cost=opts.cost, seed=d.seed)
     hits, work, ttft = {}, {}, {}
     for name in policies:
-        params = {"cost": opts.cost} if name == "kvmesh" else {}
-        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
+        m = _simulate(name, d, trace, cfg, sending, opts)
         hits[name] = m["hit_rate_tokens"]
         work[name] = prefill_max_over_mean(m["per_replica"])
         ttft[name] = m["ttft_p50_s"]
@@ -118,6 +117,12 @@ def evaluate_draw(
     }
 
 
+def _simulate(name: str, d: FamilyDraw, trace: Trace, cfg: SimConfig, sending: dict, opts: SweepOptions) -> dict:
+    """Policy `name` (kvmesh with the sweep's cost model) over the draw's trace, sent as `draw_trace` says."""
+    params = {"cost": opts.cost} if name == "kvmesh" else {}
+    return simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
+
+
 def shared_tier_figures(
     d: FamilyDraw,
     trace: Trace,
@@ -141,8 +146,7 @@ def shared_tier_figures(
     cfg = SimConfig(d.replicas, capacity, shared=True, cost=opts.cost, seed=d.seed)
     out = {}
     for name in policies:
-        params = {"cost": opts.cost} if name == "kvmesh" else {}
-        m = simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
+        m = _simulate(name, d, trace, cfg, sending, opts)
         ratio = m["hit_rate_tokens"] / merged if merged else 1.0
         imbalance = prefill_max_over_mean(m["per_replica"])
         out[name] = {
