@@ -71,7 +71,6 @@ def build_app(config: dict | None = None, **kwargs: Any):
                     "block_size": eng["block_size"],
                     "speculative_ttl_s": cfg["speculative_ttl_s"],
                     "router_sync": cfg["router_sync"],
-                    "router_sync_window_ms": cfg["router_sync_window_ms"],
                     "mismatch_alarm_after": cfg["mismatch_alarm_after"],
                     "seed": eng["seed"],
                 },

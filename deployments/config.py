@@ -94,8 +94,6 @@ APP_DEFAULTS: dict[str, Any] = {
     "speculative_ttl_s": 2.0,
     # several ingress replicas: each router publishes its placements to the others (router_sync.py)
     "router_sync": True,
-    # messages a router publishes within this many ms of a batch's first leave as one frame (0: per loop turn)
-    "router_sync_window_ms": 5.0,
     "mismatch_alarm_after": 3,
     "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
@@ -255,9 +253,6 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for key in ("router_sync", "allow_cache_reset"):
         if not isinstance(cfg[key], bool):
             raise ConfigError(f"config.{key} must be true or false")
-    window = cfg["router_sync_window_ms"]
-    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 1000:
-        raise ConfigError("config.router_sync_window_ms must be a number of milliseconds from 0 to 1000")
     _check_autoscaling(cfg["autoscaling"])
     if cfg["address"] is not None and (not isinstance(cfg["address"], str) or not cfg["address"].strip()):
         raise ConfigError("config.address must be a Ray cluster address (host:port) or null")

@@ -125,7 +125,6 @@ class KvmeshRouter(RequestRouter):
         seed: int = 0,
         subscribe_events: bool = True,
         router_sync: bool = True,
-        router_sync_window_ms: float = 0.0,
         **_ignored: Any,
     ):
         check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
@@ -159,7 +158,6 @@ class KvmeshRouter(RequestRouter):
         # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
         self.peers = PeerPlacements(self.index, lambda: self._policies.values())
         self.router_sync = router_sync
-        self.router_sync_window_s = router_sync_window_ms / 1000.0
         self.sync: RouterSync | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's router loop, seen in our own hooks
         self._watched: set[asyncio.Future] = set()  # PendingRequest futures whose outcome is awaited
@@ -184,7 +182,7 @@ class KvmeshRouter(RequestRouter):
             app = serve.get_replica_context().app_name
         except Exception:  # not in a Serve replica (tests): one registry per process is enough
             app = "local"
-        self.sync = RouterSync(app, self.peers, window_s=self.router_sync_window_s)
+        self.sync = RouterSync(app, self.peers)
         try:
             self.sync.start()
         except Exception:

@@ -270,15 +270,14 @@ class RouterSync:
     """The placement stream of one router: a PUB socket for its own placements, one SUB socket for its
     peers', and a registry heartbeat that finds them. Runs on the router's event loop."""
 
-    def __init__(self, app_name: str, placements: PeerPlacements, poll_s: float = 1.0, window_s: float = 0.0) -> None:
+    def __init__(self, app_name: str, placements: PeerPlacements, poll_s: float = 1.0) -> None:
         self.app_name = app_name
-        self.window_s = window_s  # `batch_on`: 0 sends each loop turn's messages at the next turn
         self.router_id = uuid.uuid4().hex[:12]
         self.placements = placements
         self.poll_s = poll_s
         self.peers: dict[str, str] = {}  # router id -> endpoint
         self.published = 0
-        self.frames = 0  # frames sent: a frame carries every message published in one batch (`batch_on`)
+        self.frames = 0  # frames sent: a frame carries every message published in one turn of the loop
         self._outbox: list[list] = []
         self._batch_loop: asyncio.AbstractEventLoop | None = None
         self.started_at = time.monotonic()
@@ -365,13 +364,11 @@ class RouterSync:
 
     # ------------------------------------------------------------------ publish
     def batch_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Publish from `loop` (the router's) in batches: what is published within `window_s` of a batch's
-        first message (with `window_s` 0: during one turn of the loop) leaves as one frame. Why: a frame,
-        not its size, is what the stream costs (about 0.25 ms of CPU per frame across sender and
-        receiver, from the send to the woken reader), and a router publishes three messages per request
-        (`routed`, `started`, `done`); a window of a few milliseconds carries several requests' messages
-        in one frame, and peers hear of a placement at most that much later (they count placements they
-        have not heard of yet: `UnseenPlacements`). Without a loop each message is sent at once."""
+        """Publish from `loop` (the router's) in batches: what is published during one turn of the loop
+        leaves as one frame at the start of the next. Why: a frame, not its size, is what the stream
+        costs (about 0.25 ms of CPU per frame across sender and receiver, from the send to the woken
+        reader), and a router publishes three messages per request (`routed`, `started`, `done`).
+        Without a loop each message is sent at once."""
         self._batch_loop = loop
 
     def publish(self, msg: list) -> None:
@@ -381,12 +378,10 @@ class RouterSync:
             return
         self._outbox.append(msg)
         if len(self._outbox) == 1:
-            if self._batch_loop is None or self._batch_loop.is_closed():
-                self.flush()
-            elif self.window_s > 0:
-                self._batch_loop.call_later(self.window_s, self.flush)
-            else:
+            if self._batch_loop is not None and not self._batch_loop.is_closed():
                 self._batch_loop.call_soon(self.flush)
+            else:
+                self.flush()
 
     def flush(self) -> None:
         """Send the queued messages as one frame: the message itself when there is one, else

@@ -34,12 +34,6 @@ def test_config_defaults_and_strict_keys():
     assert cfg["allow_cache_reset"] is False and app_config({"allow_cache_reset": True})["allow_cache_reset"]
     with pytest.raises(ConfigError, match="allow_cache_reset must be true or false"):
         app_config({"allow_cache_reset": "yes"})
-    assert (
-        cfg["router_sync_window_ms"] == 5.0 and app_config({"router_sync_window_ms": 0})["router_sync_window_ms"] == 0
-    )
-    for bad in (-1, 2000, "5", True, float("nan")):
-        with pytest.raises(ConfigError, match="router_sync_window_ms"):
-            app_config({"router_sync_window_ms": bad})
 
 
 def test_each_local_haproxy_run_gets_its_own_files_and_ports():

@@ -101,32 +101,6 @@ def test_the_loop_applies_messages_as_they_arrive():
     asyncio.run(run())
 
 
-def test_with_a_window_what_several_turns_publish_within_it_leaves_as_one_frame():
-    async def run():
-        a, b = _pair()
-        try:
-            _wait_until_subscribed(a, b)
-            a.window_s = 0.05
-            a.batch_on(asyncio.get_running_loop())
-            frames = a.frames
-            for n in range(3):  # three turns of the loop, all within the window
-                a.publish(routed_message(a.router_id, _placement(n), "r0", (0, 0, 0)))
-                await asyncio.sleep(0)
-            assert a.frames == frames  # held until the window ends
-            await asyncio.sleep(0.1)
-            assert a.frames == frames + 1 and a.published >= 3
-            a.publish(["done", a.router_id, "q0", "r0"])  # after the window: a batch of its own
-            await asyncio.sleep(0.1)
-            assert a.frames == frames + 2
-            time.sleep(0.1)
-            assert b.drain() == 4
-            assert b.placements.pending() == {"r0": [2, 0, 2 * 64]}
-        finally:
-            _close(a, b)
-
-    asyncio.run(run())
-
-
 def test_what_one_turn_of_the_loop_publishes_leaves_as_one_frame_applied_in_order():
     async def run():
         a, b = _pair()
