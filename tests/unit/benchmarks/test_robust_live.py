@@ -3,6 +3,8 @@ prints rows with and without one."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvmesh.benchmarks.robust_live import format_live, live_checks
 
 
@@ -157,3 +159,59 @@ def test_the_peer_target_is_settled_by_the_solver_and_printed():
     row = _row(0.77, 0.79)
     row["bounds"] = {**row["bounds"], "peer_target": out}
     assert "2000: the peer's hit less 0.03 (0.700) within max/mean 1.25 is out of reach" in format_live([row])
+
+
+def test_the_tier_leg_starts_redis_behind_lmcache_and_stops_it_after_the_app(monkeypatch, tmp_path):
+    from kvmesh.benchmarks import robust_live
+    from kvmesh.deployments import app
+    from kvmesh.kvstore import redis_process
+
+    events: list = []
+    fail = []
+
+    class FakeRedis:
+        def __init__(self, workdir):
+            self.url = "redis://:pw@127.0.0.1:6999"
+
+        def start(self):
+            events.append("redis up")
+            return self
+
+        def stop(self):
+            events.append("redis down")
+
+    def start_local(config, num_cpus):
+        events.append(("app up", config["engine"].get("lmcache")))
+        if fail:
+            raise RuntimeError("no app")
+        return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(redis_process, "RedisServer", FakeRedis)
+    monkeypatch.setattr(app, "start_local", start_local)
+    monkeypatch.setattr(app, "stop_local", lambda: events.append("app down"))
+    with robust_live.live_app(3, "kvmesh", log=lambda *_: None, tier=True) as (url, key):
+        assert url == "http://127.0.0.1:1" and key.startswith("kvm-robust-")
+    lmcache = events[1][1]
+    assert lmcache["l2"] == "redis://:pw@127.0.0.1:6999" and lmcache["chunk_size"] == robust_live.ENGINE_BLOCK
+    assert events[0] == "redis up" and events[2:] == ["app down", "redis down"]  # the app goes before its tier
+
+    events.clear()
+    with robust_live.live_app(3, "kvmesh", log=lambda *_: None):  # no tier: no redis, no lmcache
+        pass
+    assert events == [("app up", None), "app down"]
+
+    events.clear()
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="no app"):  # an app that fails to start leaves no redis behind
+        with robust_live.live_app(3, "kvmesh", log=lambda *_: None, tier=True):
+            pass
+    assert events[0] == "redis up" and events[-1] == "redis down" and "app down" not in events
+
+
+def test_the_table_prints_the_tier_leg_beside_its_simulation():
+    row = _row(0.77, 0.79)
+    row["kvmesh_tier"] = dict(row["kvmesh"], hit=0.8, prefill_max_over_mean=1.04)
+    row["sim_tier"] = dict(row["sim"], hit=0.8)
+    text = format_live([row])
+    line = next(x for x in text.splitlines() if "with LMCache" in x)
+    assert "hit 0.800 (1.000 of the infinite-cache bound)" in line and "max/mean 1.04" in line
