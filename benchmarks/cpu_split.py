@@ -24,6 +24,8 @@ from collections.abc import Callable
 import psutil
 
 ROLES = (  # first match wins: vLLM's own "EngineCore" before kvmesh's "Engine" deployment
+    ("kvmesh.kvstore.lmcache_main", "LMCache server"),
+    ("redis-server", "Redis"),
     ("EngineCore", "bare vLLM servers"),
     ("api_server", "bare vLLM servers"),
     ("Engine", "engine replicas"),
@@ -84,11 +86,13 @@ def _measured(send: Callable[[], dict]) -> dict:
     return {"summary": summary, "wall_s": wall, "cpu_s": cpu_between(before, after)}
 
 
-def run_kvmesh(recs: list[dict], d, replicas: int) -> dict:
+def run_kvmesh(recs: list[dict], d, replicas: int, tier: bool = False) -> dict:
+    """kvmesh on a fresh local app; with `tier`, its engines run with LMCache and a redis-server behind it
+    (`robust_live.live_app`)."""
     from kvmesh.benchmarks.robust_live import live_app, replay_config
     from kvmesh.deployments.replay import replay
 
-    with live_app(replicas, "kvmesh") as (url, key):
+    with live_app(replicas, "kvmesh", tier=tier) as (url, key):
         time.sleep(3)  # start-up work settles
         cfg = replay_config(url, d, api_key=key)
         return _measured(lambda: replay(recs, cfg).summary())
@@ -113,6 +117,13 @@ def run_peer(recs: list[dict], d, replicas: int) -> dict:
     return {**got, "setup": PEER}
 
 
+SETUPS: dict[str, Callable[..., dict]] = {
+    "kvmesh": run_kvmesh,
+    "peer": run_peer,
+    "kvmesh_tier": lambda recs, d, replicas: run_kvmesh(recs, d, replicas, tier=True),
+}
+
+
 def format_run(name: str, res: dict, requests: int) -> str:
     s, cpu = res["summary"], res["cpu_s"]
     total = sum(cpu.values())
@@ -132,17 +143,19 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=2005, help="workload-family draw (default: eval draw 2005)")
-    ap.add_argument("--setups", default="kvmesh,peer", help="comma-separated: kvmesh, peer")
+    ap.add_argument(
+        "--setups", default="kvmesh,peer", help="comma-separated: kvmesh, peer, kvmesh_tier (kvmesh with LMCache)"
+    )
     a = ap.parse_args(argv)
     names = [x for x in a.setups.split(",") if x]
-    bad = [x for x in names if x not in ("kvmesh", "peer")]
+    bad = [x for x in names if x not in SETUPS]
     if bad or not names:
-        ap.error(f"--setups takes kvmesh and/or peer, not {','.join(bad) or 'nothing'}")
+        ap.error(f"--setups takes {', '.join(SETUPS)}, not {','.join(bad) or 'nothing'}")
     d = draw(a.seed)
     recs = records(d)
     for name in names:
-        res = (run_kvmesh if name == "kvmesh" else run_peer)(recs, d, d.live_replicas)
-        print(format_run(name if name == "kvmesh" else res["setup"], res, len(recs)), flush=True)
+        res = SETUPS[name](recs, d, d.live_replicas)
+        print(format_run(res.get("setup", name), res, len(recs)), flush=True)
     return 0
 
 

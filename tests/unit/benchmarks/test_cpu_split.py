@@ -19,6 +19,8 @@ from kvmesh.benchmarks import cpu_split
         ("ray::RouterRegistry", "", "other Ray workers"),  # kvmesh's own router registry is not a peer
         ("raylet", "/x/raylet --node", "Ray daemons"),
         ("ray::IDLE", "", "other Ray workers"),
+        ("python", "python -m kvmesh.kvstore.lmcache_main --port 5", "LMCache server"),
+        ("redis-server", "/usr/bin/redis-server --port 6999", "Redis"),
         ("sleep", "sleep 5", "sleep"),
     ],
 )
