@@ -66,7 +66,7 @@ def replay_config(url: str, d: FamilyDraw, api_key: str | None = None, model: st
 
 def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, shared: bool = False) -> dict:
     """The simulator on the records, sent as the replay client sends them (with an unbounded shared tier
-    behind every replica when `shared`)."""
+    behind every replica when `shared`, a block loadable from it once its prefill has ended)."""
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
@@ -80,7 +80,7 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     chosen.on_routed = record  # type: ignore[method-assign]
     res = simulate_policy(
         trace,
-        SimConfig(replicas=replicas, capacity_blocks=blocks, shared=shared),
+        SimConfig(replicas=replicas, capacity_blocks=blocks, shared=shared, tier_store_at="computed"),
         chosen,
         client=ClosedLoop(live_concurrency(d), [r.get("user") for r in recs]),
     )

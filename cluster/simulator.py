@@ -3,7 +3,9 @@
 Model (docs/simulator.md has the long form):
 - Each replica is one accelerator with a finite HBM block cache (`BlockLRU`, LRU, parents outlive
   children); optionally a host tier per node (LMCache L1, write-through: every computed or loaded
-  block is stored there) and one shared tier for the fleet (LMCache L2, write-through).
+  block is stored there) and one shared tier for the fleet (LMCache L2, write-through). A block reaches
+  the tiers when the request computing it is routed, or with `tier_store_at="computed"` when its prefill
+  ends (`SimConfig.tier_store_at`).
 - The simulated caches report every store and eviction to a real `kvmesh.cluster.index.PrefixIndex`, the
   same index the live router feeds from KV events; policies see `ReplicaView`s built from its
   `match` plus the replica's load, exactly like the live router.
@@ -14,7 +16,8 @@ Model (docs/simulator.md has the long form):
   decode_s_per_token). TTFT = end of prefill - arrival.
 - Because each replica's prefill queue is FIFO, a request's cache hits can be decided when it is
   routed: everything routed earlier to that replica is prefilled before it starts. Tier copies
-  become visible when the computing request is routed (optimistic by at most one prefill).
+  become visible when the computing request is routed (optimistic by at most one prefill), or when its
+  prefill ends (`tier_store_at="computed"`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class SimConfig:
     replicas_per_node: int = 1
     load: float | None = None  # None = trace timestamps as they are
     cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
+    # when a computed block becomes loadable from the host and shared tiers: "routed" (when the request
+    # computing it is placed: optimistic by up to one prefill) or "computed" (when its prefill ends, as
+    # LMCache stores it; a request arriving meanwhile on another replica computes it too)
+    tier_store_at: str = "routed"
     uncached_rate: float = 3.00  # $ per 1M uncached prompt tokens
     cached_rate: float = 0.30  # $ per 1M cached prompt tokens
     seed: int = 0
@@ -64,6 +71,8 @@ class SimConfig:
             raise ValueError("load must be a positive number")
         if self.uncached_rate < 0 or self.cached_rate < 0:
             raise ValueError("cost rates must be >= 0")
+        if self.tier_store_at not in ("routed", "computed"):
+            raise ValueError("tier_store_at must be 'routed' or 'computed'")
 
 
 @dataclass
@@ -228,6 +237,23 @@ def simulate_policy(
     last_end = 0.0
     t_wall = time.perf_counter()
 
+    def store_in_tiers(j: int, keep) -> None:
+        """Write-through of one request's full blocks into its node's host tier and the shared tier."""
+        if host:
+            new, evicted = host[nodes[j]].admit(keep)
+            if evicted:
+                index.remove_host(nodes[j], evicted)
+            if new:
+                index.store_host(nodes[j], new)
+        if shared is not None:
+            new, evicted = shared.admit(keep)
+            if evicted:
+                index.remove_shared(evicted)
+            if new:
+                index.store_shared(new)
+
+    store_when_computed = cfg.tier_store_at == "computed" and not tierless
+    tier_writes: list[tuple[float, int, int, list]] = []  # (prefill end, request, replica, blocks)
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
         r = requests[i]
@@ -245,6 +271,9 @@ def simulate_policy(
                 running[k] = running_l[k] = running_l[k] - 1
                 a = active_l[k] = active_l[k] - val
                 kv_usage[k] = kv_l[k] = min(a * inv_cap, 1.0)
+        while tier_writes and tier_writes[0][0] <= t:
+            _, _, k, blocks = pop(tier_writes)
+            store_in_tiers(k, blocks)
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
             m0 = match_hbm(ids, N)  # column = slot = replica number
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
@@ -279,18 +308,8 @@ def simulate_policy(
             index.remove(rid, evicted)
         if new:
             index.store(rid, new)
-        if host:
-            new, evicted = host[nodes[j]].admit(keep)
-            if evicted:
-                index.remove_host(nodes[j], evicted)
-            if new:
-                index.store_host(nodes[j], new)
-        if shared is not None:
-            new, evicted = shared.admit(keep)
-            if evicted:
-                index.remove_shared(evicted)
-            if new:
-                index.store_shared(new)
+        if not tierless and not store_when_computed:
+            store_in_tiers(j, keep)
         # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         s = t if t > server_free[j] else server_free[j]
@@ -302,6 +321,8 @@ def simulate_policy(
             s = e if e > s else s
         done = s + service
         server_free[j] = done
+        if store_when_computed:
+            push(tier_writes, (done, i, j, keep))
         end = done + out_len * tpot
         push(sh, end)
         if sender is not None:

@@ -133,7 +133,8 @@ def shared_tier_figures(
     opts: SweepOptions,
 ) -> dict:
     """Per policy, the same draw with an unbounded shared tier behind every replica (LMCache's shared store:
-    a block any replica computed loads on any other, and counts as cached, as vLLM reports it): hit /
+    a block any replica computed loads on any other once its prefill has ended, and counts as cached, as
+    vLLM reports it): hit /
     merged-LRU bound, prefill max/mean, p50 TTFT (s), and whether it meets the target. Empty when
     `opts.shared_tier` is off.
 
@@ -143,7 +144,7 @@ def shared_tier_figures(
     tiered store adds to it."""
     if not opts.shared_tier:
         return {}
-    cfg = SimConfig(d.replicas, capacity, shared=True, cost=opts.cost, seed=d.seed)
+    cfg = SimConfig(d.replicas, capacity, shared=True, tier_store_at="computed", cost=opts.cost, seed=d.seed)
     out = {}
     for name in policies:
         m = _simulate(name, d, trace, cfg, sending, opts)

@@ -177,6 +177,21 @@ def test_host_and_shared_tiers_serve_what_hbm_lost():
     assert m2["hit_tokens_by_tier"] == {"hbm": 0, "host": 0, "shared": 12}
 
 
+def test_with_tier_store_at_computed_a_block_reaches_the_tiers_when_its_prefill_ends():
+    # r0 computes blocks 1-3 from t=0 (0.1 + 12 x 0.01 = 0.22 s); round robin sends the next request to r1
+    for at_ms, routed_hit, computed_hit in ((100, 12, 0), (1000, 12, 12)):
+        t = tiny_trace((0, 12, 0, [1, 2, 3]), (at_ms, 13, 0, [1, 2, 3, 4]))
+        got = {
+            when: simulate_policy(
+                t, SimConfig(2, 10, shared=True, tier_store_at=when, cost=COST), make_policy("round_robin")
+            )["hit_tokens_by_tier"]["shared"]
+            for when in ("routed", "computed")
+        }
+        assert got == {"routed": routed_hit, "computed": computed_hit}, at_ms
+    with pytest.raises(ValueError, match="tier_store_at"):
+        simulate_policy(t, SimConfig(2, 10, shared=True, tier_store_at="later"), make_policy("round_robin"))
+
+
 def test_host_tier_is_shared_by_the_replicas_of_one_node():
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (1000, 13, 0, [1, 2, 3, 4]))
     same_node = simulate_policy(
