@@ -457,6 +457,7 @@ def simulate(
             "shared": cfg.shared,
             "shared_blocks": cfg.shared_blocks,
             "replicas_per_node": cfg.replicas_per_node,
+            "tier_store_at": cfg.tier_store_at,
             "load": offered,
             "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
             "span_s": arrivals[-1] - arrivals[0],

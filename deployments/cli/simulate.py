@@ -28,6 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-blocks", type=positive_int, default=None, help="shared-tier capacity (default unbounded)")
     p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
     p.add_argument(
+        "--tier-store-at",
+        choices=("routed", "computed"),
+        default="routed",
+        help="when a computed block becomes loadable from the host and shared tiers: when its request is "
+        "placed (default; optimistic by up to one prefill) or when its prefill ends, as LMCache stores it",
+    )
+    p.add_argument(
         "--block-size",
         type=positive_int,
         default=None,
@@ -165,6 +172,7 @@ def run(args) -> int:
         shared=args.shared,
         shared_blocks=args.shared_blocks,
         replicas_per_node=args.replicas_per_node,
+        tier_store_at=args.tier_store_at,
         load=args.load,
         cost=cost,
         uncached_rate=args.uncached_rate,

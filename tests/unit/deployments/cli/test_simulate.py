@@ -87,6 +87,8 @@ def test_tiers_load_and_cost_model_options(tmp_path):
             "--host-blocks",
             "400",
             "--shared",
+            "--tier-store-at",
+            "computed",
             "--load",
             "0.9",
             "--limit",
@@ -104,6 +106,7 @@ def test_tiers_load_and_cost_model_options(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["config"]["load"] == pytest.approx(0.9)
     assert doc["config"]["cost_model"]["prefill_s_per_token"] == 0.0002
+    assert doc["config"]["tier_store_at"] == "computed"
     assert "merged_lru_with_host" in doc["bounds"]
     tiers = doc["policies"]["kvmesh"]["hit_tokens_by_tier"]
     assert tiers["host"] + tiers["shared"] > 0
