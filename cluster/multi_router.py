@@ -149,9 +149,15 @@ def simulate_routers(
     arrivals: list[float] | None = None,
 ) -> dict:
     """Replay `trace` through `setup.routers` routers (each with its own policy from `make_policy`);
-    returns `simulate_policy`'s metrics dict plus `routers` (the setup and churn counts)."""
+    returns `simulate_policy`'s metrics dict plus `routers` (the setup and churn counts). Tier copies are
+    stored when their request is routed (`SimConfig.tier_store_at` "routed"); "computed" is refused."""
     cfg.check()
     setup.check()
+    if cfg.tier_store_at != "routed":
+        raise ValueError(
+            "tier_store_at 'computed' is modelled by the one-router simulator only: drop --routers, "
+            "--event-delay-ms and --churn-every-s, or use --tier-store-at routed"
+        )
     if arrivals is None:
         arrivals, _ = arrivals_for(trace, cfg)
     c = cfg.cost

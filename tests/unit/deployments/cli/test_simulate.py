@@ -129,6 +129,28 @@ def test_tiers_load_and_cost_model_options(tmp_path):
             "unknown keys",
         ),
         (["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--plot", "x.jpg"], ".png"),
+        (
+            ["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--tier-store-at", "later"],
+            "--tier-store-at",
+        ),
+        (
+            [
+                "--trace",
+                "conversation",
+                "--replicas",
+                "2",
+                "--capacity-blocks",
+                "10",
+                "--shared",
+                "--tier-store-at",
+                "computed",
+                "--routers",
+                "2",
+                "--limit",
+                "50",
+            ],
+            "one-router simulator only",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2(args, needle):
