@@ -134,21 +134,8 @@ def test_tiers_load_and_cost_model_options(tmp_path):
             "--tier-store-at",
         ),
         (
-            [
-                "--trace",
-                "conversation",
-                "--replicas",
-                "2",
-                "--capacity-blocks",
-                "10",
-                "--shared",
-                "--tier-store-at",
-                "computed",
-                "--routers",
-                "2",
-                "--limit",
-                "50",
-            ],
+            "--trace conversation --replicas 2 --capacity-blocks 10 --shared --tier-store-at computed "
+            "--routers 2 --limit 50".split(),
             "one-router simulator only",
         ),
     ],
