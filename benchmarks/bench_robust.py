@@ -130,7 +130,7 @@ def main() -> dict:
     if tiered:
         print(
             "with an unbounded shared tier behind every replica (LMCache's shared store, as deployed; a block any "
-            "replica computed loads on the others and counts as cached): the same target"
+            "replica computed loads on the others once its prefill has ended, and counts as cached): the same target"
         )
         print(format_shared_tier(tiered))
     os.makedirs(out_dir, exist_ok=True)

@@ -134,9 +134,8 @@ def shared_tier_figures(
 ) -> dict:
     """Per policy, the same draw with an unbounded shared tier behind every replica (LMCache's shared store:
     a block any replica computed loads on any other once its prefill has ended, and counts as cached, as
-    vLLM reports it): hit /
-    merged-LRU bound, prefill max/mean, p50 TTFT (s), and whether it meets the target. Empty when
-    `opts.shared_tier` is off.
+    vLLM reports it): hit / merged-LRU bound, prefill max/mean, p50 TTFT (s), and whether it meets the
+    target. Empty when `opts.shared_tier` is off.
 
     Why: without a tier, hit rate and balance pull against each other (a conversation that leaves its
     history's replica recomputes it); with the tier a replica that lacks a prefix loads it instead, so
