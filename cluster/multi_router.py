@@ -333,6 +333,7 @@ def simulate_routers(
         routers[0].index,
         time.perf_counter() - t_wall,
     )
+    out["held_for_tier"] = 0  # tier copies are stored when routed here, so nothing waits for one
     out["routers"] = {
         "routers": R,
         "event_delay_s": delay,

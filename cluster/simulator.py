@@ -18,6 +18,10 @@ Model (docs/simulator.md has the long form):
   routed: everything routed earlier to that replica is prefilled before it starts. Tier copies
   become visible when the computing request is routed (optimistic by at most one prefill), or when its
   prefill ends (`tier_store_at="computed"`).
+- With stores at prefill end and a shared tier, a request whose prefix is still being computed elsewhere
+  can be held until it is stored (`Policy.hold_worth`): it then starts on the replica chosen at arrival
+  no earlier than the store, and loads that prefix. A prefix stored before the request's own prefill
+  starts loads without holding, as vLLM looks a waiting request up when it schedules it.
 """
 
 from __future__ import annotations
@@ -254,6 +258,8 @@ def simulate_policy(
 
     store_when_computed = cfg.tier_store_at == "computed" and not tierless
     tier_writes: list[tuple[float, int, int, list]] = []  # (prefill end, request, replica, blocks)
+    pending_store: dict = {}  # block -> when its earliest pending tier write lands (shared tier only)
+    holds = 0  # requests held for a prefix being computed elsewhere
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
         r = requests[i]
@@ -272,8 +278,11 @@ def simulate_policy(
                 a = active_l[k] = active_l[k] - val
                 kv_usage[k] = kv_l[k] = min(a * inv_cap, 1.0)
         while tier_writes and tier_writes[0][0] <= t:
-            _, _, k, blocks = pop(tier_writes)
+            done_at, _, k, blocks = pop(tier_writes)
             store_in_tiers(k, blocks)
+            for h in blocks:
+                if pending_store.get(h) == done_at:
+                    del pending_store[h]
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
             m0 = match_hbm(ids, N)  # column = slot = replica number
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
@@ -290,6 +299,21 @@ def simulate_policy(
             hbm_b = host_b = shared_b = int(m0[j])
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
+        ready_at = 0.0
+        if pending_store and not tierless:
+            top = int(m[2].max())
+            missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs)
+            # its longest prefix is on another replica, being computed: loadable from the shared tier once
+            # stored (worth waiting for, or stored by the time its own prefill would start here anyway)
+            when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else [None]
+            if None not in when:
+                ready_at = max(w for w in when if w is not None)
+                start = t if t > server_free[j] else server_free[j]
+                if ready_at <= start or policy.hold_worth(missing, ready_at - start):
+                    shared_b = top
+                    holds += ready_at > start
+                else:
+                    ready_at = 0.0
         # the replica as the policy saw it (`FleetView.view(j)`, from the Python copies)
         on_routed(
             req,
@@ -313,6 +337,8 @@ def simulate_policy(
         # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         s = t if t > server_free[j] else server_free[j]
+        if ready_at > s:  # held until its prefix is stored
+            s = ready_at
         sh = slot_heap[j]
         while sh and sh[0] <= s:
             pop(sh)
@@ -323,6 +349,10 @@ def simulate_policy(
         server_free[j] = done
         if store_when_computed:
             push(tier_writes, (done, i, j, keep))
+            if shared is not None:
+                for h in keep:
+                    if pending_store.get(h, math.inf) > done:
+                        pending_store[h] = done
         end = done + out_len * tpot
         push(sh, end)
         if sender is not None:
@@ -352,7 +382,7 @@ def simulate_policy(
             progress.update(1)
 
     tier_tokens = {"hbm": hbm_tokens, "host": host_tokens, "shared": shared_tokens}
-    return summarize(
+    res = summarize(
         cfg,
         rids,
         arrivals,
@@ -361,6 +391,8 @@ def simulate_policy(
         index,
         time.perf_counter() - t_wall,
     )
+    res["held_for_tier"] = holds
+    return res
 
 
 @dataclass

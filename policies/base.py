@@ -217,6 +217,13 @@ class Policy:
                 best, best_key = k, key
         return best
 
+    def hold_worth(self, missing_tokens: int, extra_wait_s: float) -> bool:
+        """Should a request wait `extra_wait_s` longer for a prefix another replica is computing now, and
+        then load its `missing_tokens` from the shared tier, instead of computing them on the replica it
+        ranked first? Asked by the simulator and the live router only where a shared tier will hold that
+        prefix once its prefill ends. Default: never (a policy places at once)."""
+        return False
+
     def on_routed(self, request: RequestInfo, replica_id: str, view: ReplicaView | None = None) -> None:
         """The request was sent to `replica_id`; `view` is that replica as ranking saw it (prefix per
         tier, load), when the caller has it. Subclasses that override this call it too."""

@@ -192,6 +192,75 @@ def test_with_tier_store_at_computed_a_block_reaches_the_tiers_when_its_prefill_
         simulate_policy(t, SimConfig(2, 10, shared=True, tier_store_at="later"), make_policy("round_robin"))
 
 
+class _RoundRobinHolding:
+    """Round robin that holds for an in-flight prefix when told to (the simulator asks `hold_worth`)."""
+
+    def __init__(self, hold: bool):
+        self.inner, self.hold, self.asked = make_policy("round_robin"), hold, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def hold_worth(self, missing_tokens, extra_wait_s):
+        self.asked.append((missing_tokens, round(extra_wait_s, 9)))
+        return self.hold
+
+
+def test_a_request_held_for_a_prefix_being_computed_loads_it_from_the_shared_tier():
+    # r0 computes blocks 1-3 from t=0 until 0.22 s; at 0.1 s round robin sends the next request to idle r1
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 13, 0, [1, 2, 3, 4]))
+    cfg = SimConfig(2, 10, shared=True, tier_store_at="computed", cost=COST)
+    got = {}
+    for hold in (False, True):
+        policy = _RoundRobinHolding(hold)
+        got[hold] = simulate_policy(t, cfg, policy)
+        assert policy.asked == [(12, 0.12)]  # 12 tokens in flight on r0, stored 0.12 s after r1 could start
+    assert got[False]["hit_tokens_by_tier"]["shared"] == 0 and got[False]["held_for_tier"] == 0
+    # without holding: 0.1 + 13 x 0.01 = 0.23 s; held to 0.22 s, then 0.1 + 1 x 0.01 + 12 x 0.005 load
+    assert got[False]["ttft_p99_s"] == pytest.approx(0.23)
+    assert got[True]["hit_tokens_by_tier"]["shared"] == 12 and got[True]["held_for_tier"] == 1
+    assert got[True]["ttft_p99_s"] == pytest.approx(0.22 - 0.1 + 0.17)
+    assert got[True]["per_replica"]["r1"]["prefill_tokens"] == 1
+
+
+def test_a_prefix_stored_before_the_request_starts_loads_without_holding():
+    # r1 is busy until 0.3 s with another prompt; r0's prefix is stored at 0.22 s, before r1 starts the
+    # third request, which then loads it (vLLM looks a waiting request up when it schedules it)
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (0, 20, 0, [7, 8, 9, 10, 11]), (100, 13, 0, [1, 2, 3, 4]))
+    cfg = SimConfig(2, 10, shared=True, tier_store_at="computed", cost=COST)
+    m = simulate_policy(t, cfg, _FixedPlacement([0, 1, 1], hold=False))
+    assert m["hit_tokens_by_tier"]["shared"] == 12 and m["held_for_tier"] == 0
+
+
+class _FixedPlacement:
+    """Places request i on replica `order[i]`; never holds unless told to."""
+
+    name = "fixed"
+    uses_index = True
+
+    def __init__(self, order, hold: bool):
+        self.order, self.hold = order, hold
+
+    def on_replica_added(self, rid):
+        pass
+
+    def best(self, request, fleet):
+        return self.order[int(request.request_id)]
+
+    def on_routed(self, *a, **k):
+        pass
+
+    def hold_worth(self, missing_tokens, extra_wait_s):
+        return self.hold
+
+
+def test_kvmesh_holds_while_waiting_costs_less_than_recomputing():
+    p = make_policy("kvmesh", cost=COST)  # recompute weight 30: 12 tokens are worth 30 x 0.12 s of waiting
+    assert p.hold_worth(12, 3.5) and not p.hold_worth(12, 3.7) and not p.hold_worth(0, 0.0)
+    assert not make_policy("kvmesh", cost=COST, hold_for_tier=False).hold_worth(12, 0.01)
+    assert not make_policy("round_robin").hold_worth(12, 0.01)
+
+
 def test_host_tier_is_shared_by_the_replicas_of_one_node():
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (1000, 13, 0, [1, 2, 3, 4]))
     same_node = simulate_policy(
