@@ -70,9 +70,7 @@ def simulate_in_send_order(recs: list[dict], d: FamilyDraw, replicas: int, polic
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
-    # the live router places at once, so the prediction does too (the simulator's kvmesh would hold a
-    # request for a prefix in flight elsewhere, `KvmeshPolicy.hold_worth`)
-    chosen = make_policy(policy, hold_for_tier=False) if policy == "kvmesh" else make_policy(policy)
+    chosen = make_policy(policy)
     routed = chosen.on_routed
 
     def record(request, replica_id, view=None):

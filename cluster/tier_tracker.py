@@ -110,6 +110,18 @@ class TierTracker:
             self.counters["shared_marked"] += n
         return n
 
+    def stored_prefix(self, src_replica: str, dst_replica: str, n_blocks: int) -> int:
+        """Blocks of a prompt of `n_blocks` full blocks that a prefill on `src_replica` leaves loadable on
+        `dst_replica`: its whole LMCache chunks when both are on one node with an LMCache server, or when
+        both nodes write to and read from the shared tier and it is up; else 0."""
+        src, dst = self.index.node_of(src_replica), self.index.node_of(dst_replica)
+        if src not in self._host or dst not in self._host:
+            return 0
+        if src != dst and not (self.shared_up and src in self._shared_nodes and dst in self._shared_nodes):
+            return 0
+        k = self._chunk_blocks.get(src, self.chunk_blocks)
+        return n_blocks // k * k
+
     def set_shared_up(self, up: bool) -> None:
         """Shared tier reachable or not; losing it forgets all shared entries (they are gone or stale)."""
         if self.shared_up and not up:

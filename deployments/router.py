@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
+from kvmesh.deployments.tier_hold import loadable_source
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -91,13 +93,20 @@ class _Routing:
 
 
 class _Inflight:
-    __slots__ = ("replica", "uncached", "first_token", "routing")
+    __slots__ = ("replica", "uncached", "first_token", "routing", "ready_by", "started")
 
-    def __init__(self, replica: str, uncached: int, routing: _Routing):
+    def __init__(self, replica: str, uncached: int, routing: _Routing, ready_by: float = 0.0):
         self.replica = replica
         self.uncached = uncached
         self.first_token = False
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
+        self.ready_by = ready_by  # when its prefill is predicted to end (time.monotonic(); 0: unknown)
+        self.started: asyncio.Event | None = None  # made when a request waits for its first token
+
+    def release(self) -> None:
+        """Its first token is back, or it will never come here: requests waiting for it go on."""
+        if self.started is not None:
+            self.started.set()
 
     @property
     def info(self) -> RequestInfo:
@@ -152,6 +161,11 @@ class KvmeshRouter(RequestRouter):
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
         self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
+        # requests held for a prefix another replica was computing (`_hold_for_inflight`), and holds that
+        # ran out before its first token came back
+        self.held_for_tier = 0
+        self.hold_timeouts = 0
+        self.hold_limit_s = 10.0
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
@@ -403,10 +417,13 @@ class KvmeshRouter(RequestRouter):
         # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
+        by_view = {v.replica_id: v for v in views}
+        if ranked:
+            await self._hold_for_inflight(info, matches, by_view, ranked[0], policy)
         # Commit to the first choice now: Serve may still await a queue-length probe before it places
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
         # cold requests all pick the same idle replica.
-        routing = _Routing(info, matches, policy, {v.replica_id: v for v in views})
+        routing = _Routing(info, matches, policy, by_view)
         self._commit(routing, ranked[0])
         self._routing[internal] = routing
         self._watch(pending_request)
@@ -416,6 +433,42 @@ class KvmeshRouter(RequestRouter):
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
         return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    async def _hold_for_inflight(self, info: RequestInfo, matches: dict, views: dict, top: str, policy) -> None:
+        """When another replica is computing a longer prefix of this request than `top` (the replica ranked
+        first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): if its
+        first token is back the prefix is stored already; else wait for that first token when the policy
+        finds the wait worth it (`Policy.hold_worth`). Either way `top`'s match and view then count the
+        prefix as tier-resident, so the policy's credit and the predicted cached tokens include it."""
+        have = matches.get(top, (0, 0, 0))
+        if not self._inflight or max((m[2] for m in matches.values()), default=0) <= have[2]:
+            return
+        found = loadable_source(info.block_hashes, info.request_id, top, have[2], self._inflight.values(), self.tiers)
+        if found is None:
+            return
+        src, blocks = found
+        if not src.first_token:
+            n, bs = info.num_tokens, info.block_size
+            missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
+            wait_s = max(src.ready_by - time.monotonic(), 0.0) if src.ready_by else 0.0
+            if not policy.hold_worth(missing, wait_s):
+                return
+            if src.started is None:
+                src.started = asyncio.Event()
+            self.held_for_tier += 1
+            try:  # bounded: a prediction that was wrong, or a source that failed, must not strand the request
+                await asyncio.wait_for(src.started.wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
+            except TimeoutError:
+                self.hold_timeouts += 1
+                return
+            if not src.first_token:  # released because it failed or went elsewhere
+                return
+        same_node = self.index.node_of(src.replica) == self.index.node_of(top)
+        host = max(have[1], blocks) if same_node else have[1]
+        matches[top] = (have[0], host, max(have[2], blocks))
+        view = views.get(top)
+        if view is not None:
+            views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
 
     def _commit(self, routing: _Routing, rid: str) -> None:
         """Count the request as routed to `rid` (policy work, speculative prefix)."""
@@ -467,6 +520,7 @@ class KvmeshRouter(RequestRouter):
         credit and speculative blocks are taken back before it is ranked anew."""
         earlier = self._inflight.pop(pending_request.metadata.internal_request_id, None)
         if earlier is not None:
+            earlier.release()
             if earlier.info.request_id:
                 self._by_request_id.pop(earlier.info.request_id, None)
             self._withdraw(earlier.routing)
@@ -509,7 +563,10 @@ class KvmeshRouter(RequestRouter):
         miss_attribution.ATTRIBUTION.placed(
             info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views
         )
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
+        view = routed.views.get(rid)
+        predict = getattr(routed.policy, "predict", None)  # when its prefill should end, for `hold_worth`
+        ready_by = time.monotonic() + predict(info, view)[0] if predict is not None and view is not None else 0.0
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed, ready_by)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
@@ -520,6 +577,7 @@ class KvmeshRouter(RequestRouter):
         st = self._inflight.pop(internal_request_id, None)
         if st is None:
             return
+        st.release()
         self._publish("done", st.info.request_id, st.replica)
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
@@ -540,6 +598,7 @@ class KvmeshRouter(RequestRouter):
         st = self._inflight.get(internal) if internal else None
         if st is not None:
             st.first_token = True
+            st.release()
             self._publish("started", request_id, st.replica)
             return
         done = self._unconfirmed.pop(request_id, None)
@@ -560,6 +619,8 @@ class KvmeshRouter(RequestRouter):
             "fallbacks": self.fallbacks,
             "forgotten": self.forgotten,
             "held_back": self.held_back,
+            "held_for_tier": self.held_for_tier,
+            "hold_timeouts": self.hold_timeouts,
             "tier_nodes": self.tiers.nodes(),
             "recent_decisions": list(self.recent),
             "inflight": len(self._inflight),

@@ -25,6 +25,13 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     found = json.loads(lines[-1])
     assert "error" not in found, found["error"]
     assert found["cached"][0] == 0 and found["cached"][1] > 0
+    # a request placed on the other replica while its prompt was still being computed waited for that
+    # prefill and loaded the prompt from LMCache (without the hold it computes it again: 0 cached)
+    held = found["held"]
+    (first_replica, first_cached), (second_replica, second_cached) = held["placed"]
+    assert first_cached == 0 and second_replica != first_replica
+    assert second_cached >= 1280
+    assert held["held_for_tier"] >= 1 and held["hold_timeouts"] == 0
     # one LMCache server for the node, found by both engines; it answered lookups for the prompt
     report = found["tier_report"]
     assert report["nodes"] == 1 and report["healthy_nodes"] == 1

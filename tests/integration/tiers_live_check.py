@@ -12,6 +12,30 @@ import tempfile
 import time
 
 
+def held_for_inflight(c, model: str) -> dict:
+    """A request whose prompt another replica is computing right now waits for that prefill, then loads
+    the prompt from the node's LMCache server instead of computing it again: `second`, sent 30 ms after
+    `first` with the same new 1,280-token prompt, is placed on the other replica by the balance guard
+    (strict in this app: `policy_params`). Returns each request's replica and cached tokens, and the
+    router's hold counters."""
+    import concurrent.futures
+
+    base = [(i * 104729) % 1000 + 10 for i in range(1280)]
+
+    def send(tail: int, delay_s: float = 0.0) -> tuple[str, int]:
+        time.sleep(delay_s)
+        r = c.post("/v1/completions", json={"model": model, "prompt": base + [tail] * 8, "max_tokens": 4})
+        r.raise_for_status()
+        return r.headers["x-kvmesh-replica"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(send, 1)
+        second = pool.submit(send, 2, 0.03)
+        got = [first.result(), second.result()]
+    router = (c.get("/kvmesh/state").json().get("router")) or {}
+    return {"placed": got, "held_for_tier": router.get("held_for_tier"), "hold_timeouts": router.get("hold_timeouts")}
+
+
 def main() -> int:
     root = sys.argv[1]
     ray_tmp = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
@@ -26,6 +50,8 @@ def main() -> int:
     cfg = {
         "replicas": 2,
         "policy": "kvmesh",
+        # a strict balance guard: a request that shares a prompt another replica is computing goes elsewhere
+        "policy_params": {"guard_weight": 1000, "balance_slack": 0.0},
         "port": free_port(),
         "api_keys": [key],
         "routing_stats_period_s": 0.5,
@@ -63,6 +89,7 @@ def main() -> int:
                 r.raise_for_status()
                 cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             found["cached"] = cached
+            found["held"] = held_for_inflight(c, model)
             time.sleep(2.0)
             r = c.get("/kvmesh/state")
             if r.status_code != 200:

@@ -1,0 +1,50 @@
+"""Which in-flight request a new request could load its prefix from, once that request's prefill ends.
+
+Why: LMCache stores a prompt in the node's host tier and the shared tier when its prefill ends. A request
+sharing a new prompt that the router ranks onto another replica before then would compute the prompt
+again; the router can instead hold it until the computing request's first token is back and let it load
+the prompt (`KvmeshRouter._hold_for_inflight`, `Policy.hold_worth` decides whether the wait is worth it).
+Only this router's own in-flight requests are candidates: it knows when their first token arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+
+class _Stored(Protocol):
+    def stored_prefix(self, src_replica: str, dst_replica: str, n_blocks: int) -> int: ...
+
+
+def common_blocks(a: Sequence, b: Sequence) -> int:
+    """Leading blocks two prompts share. vLLM's block hashes are chained (each names its whole prefix),
+    so equality at one position implies it at every earlier one: a binary search finds the boundary."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def loadable_source(
+    hashes: Sequence, request_id: str | None, target: str, have: int, inflight: Iterable[Any], tiers: _Stored
+) -> tuple[Any, int] | None:
+    """(the in-flight request, blocks of `hashes` it leaves loadable on `target`) for the one that leaves
+    the most beyond the `have` blocks `target` can already serve, or None. `inflight` holds objects with
+    `replica` and `info` (a RequestInfo); one on `target` itself is skipped (that prefix is in its hbm)."""
+    best, best_blocks = None, have
+    for st in inflight:
+        if st.replica == target or (request_id and st.info.request_id == request_id):
+            continue
+        other = st.info.block_hashes
+        if len(other) <= best_blocks or len(hashes) <= best_blocks or other[best_blocks] != hashes[best_blocks]:
+            continue  # cannot beat the best so far (chained hashes: equal there means equal before)
+        shared = common_blocks(hashes, other)
+        blocks = min(shared, tiers.stored_prefix(st.replica, target, len(other)))
+        if blocks > best_blocks:
+            best, best_blocks = st, blocks
+    return (best, best_blocks) if best is not None else None

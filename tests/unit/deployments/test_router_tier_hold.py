@@ -1,0 +1,199 @@
+"""Holding a request for a prefix another replica is computing, so that it loads it from LMCache instead of
+computing it again: which in-flight request it can load from, what the tiers leave loadable, and the
+router's wait (released by the first token, bounded by a timeout, skipped when not worth it)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.tier_tracker import TierTracker
+from kvmesh.deployments import local_state
+from kvmesh.deployments.prediction import PredictionLedger
+from kvmesh.deployments.tier_hold import common_blocks, loadable_source
+from kvmesh.kvstore.hashing import block_hashes
+
+
+def fake_replica(rid: str, node_id: str):
+    return SimpleNamespace(
+        replica_id=SimpleNamespace(unique_id=rid),
+        routing_stats={"node_id": node_id},
+        node_id=node_id,
+        max_ongoing_requests=64,
+    )
+
+
+def fake_request(ids, request_id):
+    req = {"request_id": request_id, "prompt_token_ids": ids, "params": {"max_tokens": 4}}
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
+
+
+def make_router(**kw):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from kvmesh.deployments.router import KvmeshRouter
+
+    r = KvmeshRouter(
+        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    r.initialize_state(subscribe_events=False, **kw)
+    return r
+
+
+def chain(*blocks):
+    """Chained ids the way vLLM's block hashes are: each names its whole prefix."""
+    return [tuple(blocks[: k + 1]) for k in range(len(blocks))]
+
+
+def test_common_blocks_of_chained_hashes():
+    assert common_blocks(chain(1, 2, 3, 4), chain(1, 2, 3, 9, 9)) == 3
+    assert common_blocks(chain(1, 2), chain(1, 2, 3)) == 2
+    assert common_blocks(chain(5), chain(1, 2)) == 0
+    assert common_blocks([], chain(1)) == 0
+
+
+def tracker(chunk_blocks=1):
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("A", "n0")
+    index.add_replica("A2", "n0")
+    index.add_replica("B", "n1")
+    index.add_replica("C", "n2")
+    t = TierTracker(index)
+    t.set_node("n0", has_shared_tier=True, host_capacity_blocks=100, chunk_blocks=chunk_blocks)
+    t.set_node("n1", has_shared_tier=True, host_capacity_blocks=100, chunk_blocks=chunk_blocks)
+    return t
+
+
+def test_what_a_prefill_leaves_loadable_where():
+    t = tracker(chunk_blocks=2)
+    assert t.stored_prefix("A", "A2", 7) == 6  # one node's host tier, whole chunks only
+    assert t.stored_prefix("A", "B", 7) == 6  # through the shared tier
+    assert t.stored_prefix("A", "C", 7) == 0  # n2 runs no LMCache server
+    t.set_shared_up(False)
+    assert t.stored_prefix("A", "B", 7) == 0 and t.stored_prefix("A", "A2", 7) == 6
+
+
+def test_the_in_flight_request_leaving_the_most_loadable_is_chosen():
+    t = tracker()
+    me = chain(1, 2, 3, 4, 5, 6)
+    flights = [
+        SimpleNamespace(replica="A", info=SimpleNamespace(block_hashes=chain(1, 2, 3), request_id="x")),
+        SimpleNamespace(replica="A2", info=SimpleNamespace(block_hashes=chain(1, 2, 3, 4, 5, 9), request_id="y")),
+        SimpleNamespace(replica="B", info=SimpleNamespace(block_hashes=chain(1, 2, 3, 4, 5, 6), request_id="z")),
+        SimpleNamespace(replica="C", info=SimpleNamespace(block_hashes=chain(1, 2, 3, 4, 5, 6), request_id="w")),
+    ]
+    assert loadable_source(me, "me", "C", 0, flights, t) is None  # C's node runs no LMCache: nothing loads
+    src, blocks = loadable_source(me, "me", "B", 0, flights, t)  # B's own flight is in its hbm already
+    assert src.info.request_id == "y" and blocks == 5
+    assert loadable_source(me, "me", "B", 5, flights, t) is None  # B already serves 5 blocks
+    assert loadable_source(me, "y", "B", 0, flights[1:2], t) is None  # never the request itself
+
+
+class _Stub:
+    """Places p1 on A and everything else on B first; the wait is worth it when `worth`."""
+
+    name = "stub"
+    uses_index = True
+
+    def __init__(self, worth: bool):
+        self.worth, self.asked = worth, []
+
+    def place(self, request, fleet):
+        first = fleet.ids.index("A" if request.request_id == "p1" else "B")
+        return [first] + [k for k in range(len(fleet.ids)) if k != first]
+
+    def predict(self, request, view):
+        return 0.05, request.num_tokens
+
+    def hold_worth(self, missing_tokens, extra_wait_s):
+        self.asked.append(missing_tokens)
+        return self.worth
+
+    def on_routed(self, *a, **k):
+        pass
+
+    def on_unrouted(self, *a, **k):
+        pass
+
+    def on_replica_added(self, rid):
+        pass
+
+    def on_replica_removed(self, rid):
+        pass
+
+
+def hold_scenario(monkeypatch, worth: bool, first_token: bool, limit_s: float = 10.0):
+    """p1 is computing a 320-token prompt on A (node n0); p2 shares it and is ranked onto B (node n1), both
+    nodes on the shared tier. Returns (p2 still waiting after 0.2 s, the ranking, p2's prediction, router)."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.policy = stub = _Stub(worth)
+        router._policies = {"kvmesh": stub}
+        router.hold_limit_s = limit_s
+        a = fake_replica("A", node_id="n0")
+        b = fake_replica("B", node_id="n1")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        for node in ("n0", "n1"):
+            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        p1 = fake_request(prompt, "p1")
+        assert (await router.choose_replicas([a, b], p1))[0][0] is a
+        router._routed(p1, a.replica_id)
+        p2 = fake_request(prompt + [11, 12, 13], "p2")
+        task = asyncio.create_task(router.choose_replicas([a, b], p2))
+        await asyncio.sleep(0.2)
+        waiting = not task.done()
+        if first_token:
+            router.first_token("p1")
+        ranked = await asyncio.wait_for(task, 5)
+        router._routed(p2, ranked[0][0].replica_id)
+        return waiting, ranked, local_state.LEDGER.prediction("p2"), router
+
+    return asyncio.run(scenario())
+
+
+def test_a_request_waits_for_the_computing_requests_first_token_then_loads_the_prefix(monkeypatch):
+    waiting, ranked, predicted, router = hold_scenario(monkeypatch, worth=True, first_token=True)
+    assert waiting  # held until p1's first token
+    assert ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 320  # the 10 blocks p1 stored, as LMCache reports them (all but the last token)
+    assert router.held_for_tier == 1 and router.hold_timeouts == 0
+    assert router.policy.asked == [320]
+    assert router.snapshot()["held_for_tier"] == 1
+
+
+def test_no_wait_when_the_policy_finds_it_not_worth_it(monkeypatch):
+    waiting, ranked, predicted, router = hold_scenario(monkeypatch, worth=False, first_token=False)
+    assert not waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 0 and router.held_for_tier == 0
+
+
+def test_a_hold_runs_out_when_the_first_token_never_comes(monkeypatch):
+    waiting, ranked, predicted, router = hold_scenario(monkeypatch, worth=True, first_token=False, limit_s=0.5)
+    assert waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 0  # not stored: computed again
+    assert router.held_for_tier == 1 and router.hold_timeouts == 1
+
+
+def test_no_hold_without_lmcache_on_the_nodes(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.policy = _Stub(True)
+        router._policies = {"kvmesh": router.policy}
+        a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        prompt = list(range(100, 420))
+        p1 = fake_request(prompt, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], fake_request(prompt + [1], "p2")), 1)
+        return ranked, router
+
+    ranked, router = asyncio.run(scenario())
+    assert ranked[0][0].replica_id.unique_id == "B" and router.held_for_tier == 0
+    assert router.index.match(block_hashes(list(range(100, 420)), 32))["A"][0] == 10  # p1's prefix is on A
