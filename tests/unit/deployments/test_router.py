@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from router_fakes import make_router
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
@@ -22,18 +23,6 @@ def fake_replica(rid: str, **stats):
 def fake_request(ids, request_id, salt=None):
     req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": salt, "params": {"max_tokens": 4}}
     return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
-
-
-def make_router(**kw):
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
-    from kvmesh.deployments.router import KvmeshRouter
-
-    r = KvmeshRouter(
-        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
-    )
-    r.initialize_state(subscribe_events=False, **kw)
-    return r
 
 
 def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeypatch):

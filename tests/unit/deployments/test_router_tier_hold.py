@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from router_fakes import make_router
+
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
@@ -27,18 +29,6 @@ def fake_replica(rid: str, node_id: str):
 def fake_request(ids, request_id):
     req = {"request_id": request_id, "prompt_token_ids": ids, "params": {"max_tokens": 4}}
     return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
-
-
-def make_router(**kw):
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-
-    from kvmesh.deployments.router import KvmeshRouter
-
-    r = KvmeshRouter(
-        deployment_id=DeploymentID(name="EngineReplica", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN
-    )
-    r.initialize_state(subscribe_events=False, **kw)
-    return r
 
 
 def chain(*blocks):
