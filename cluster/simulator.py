@@ -300,20 +300,18 @@ def simulate_policy(
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
         ready_at = 0.0
-        if pending_store and not tierless:
-            top = int(m[2].max())
-            missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs)
+        top = int(m[2].max()) if pending_store and not tierless else 0
+        missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
+        when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else []
+        if when and None not in when:
             # its longest prefix is on another replica, being computed: loadable from the shared tier once
             # stored (worth waiting for, or stored by the time its own prefill would start here anyway)
-            when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else [None]
-            if None not in when:
-                ready_at = max(w for w in when if w is not None)
-                start = t if t > server_free[j] else server_free[j]
-                if ready_at <= start or policy.hold_worth(missing, ready_at - start):
-                    shared_b = top
-                    holds += ready_at > start
-                else:
-                    ready_at = 0.0
+            stored_at = max(w for w in when if w is not None)
+            start = t if t > server_free[j] else server_free[j]
+            if stored_at <= start or policy.hold_worth(missing, stored_at - start):
+                shared_b = top
+                ready_at = stored_at
+                holds += stored_at > start
         # the replica as the policy saw it (`FleetView.view(j)`, from the Python copies)
         on_routed(
             req,

@@ -93,15 +93,24 @@ class _Routing:
 
 
 class _Inflight:
-    __slots__ = ("replica", "uncached", "first_token", "routing", "ready_by", "started")
+    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "started")
 
-    def __init__(self, replica: str, uncached: int, routing: _Routing, ready_by: float = 0.0):
+    def __init__(self, replica: str, uncached: int, routing: _Routing):
         self.replica = replica
         self.uncached = uncached
         self.first_token = False
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
-        self.ready_by = ready_by  # when its prefill is predicted to end (time.monotonic(); 0: unknown)
+        self.routed_at = time.monotonic()
         self.started: asyncio.Event | None = None  # made when a request waits for its first token
+
+    def prefill_left_s(self) -> float:
+        """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
+        the policy predicts nothing). Computed only when a request considers waiting for it."""
+        predict = getattr(self.policy, "predict", None)
+        view = self.routing.views.get(self.replica)
+        if predict is None or view is None:
+            return 0.0
+        return max(self.routed_at + predict(self.info, view)[0] - time.monotonic(), 0.0)
 
     def release(self) -> None:
         """Its first token is back, or it will never come here: requests waiting for it go on."""
@@ -121,6 +130,7 @@ class KvmeshRouter(RequestRouter):
     """Prefix- and load-aware placement with a pluggable `policies` ranking."""
 
     dead_fleet_wait_s = 0.25  # how long a request waits before asking again while every listed replica is dead
+    hold_limit_s = 10.0  # the longest a request waits for a prefix another replica is computing
 
     def initialize_state(
         self,
@@ -165,7 +175,6 @@ class KvmeshRouter(RequestRouter):
         # ran out before its first token came back
         self.held_for_tier = 0
         self.hold_timeouts = 0
-        self.hold_limit_s = 10.0
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
@@ -450,7 +459,7 @@ class KvmeshRouter(RequestRouter):
         if not src.first_token:
             n, bs = info.num_tokens, info.block_size
             missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
-            wait_s = max(src.ready_by - time.monotonic(), 0.0) if src.ready_by else 0.0
+            wait_s = src.prefill_left_s()
             if not policy.hold_worth(missing, wait_s):
                 return
             if src.started is None:
@@ -563,10 +572,7 @@ class KvmeshRouter(RequestRouter):
         miss_attribution.ATTRIBUTION.placed(
             info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views
         )
-        view = routed.views.get(rid)
-        predict = getattr(routed.policy, "predict", None)  # when its prefill should end, for `hold_worth`
-        ready_by = time.monotonic() + predict(info, view)[0] if predict is not None and view is not None else 0.0
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed, ready_by)
+        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
