@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,7 @@ class _Routing:
 
 
 class _Inflight:
-    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "started")
+    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "_released")
 
     def __init__(self, replica: str, uncached: int, routing: _Routing):
         self.replica = replica
@@ -101,7 +102,7 @@ class _Inflight:
         self.first_token = False
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
-        self.started: asyncio.Event | None = None  # made when a request waits for its first token
+        self._released: asyncio.Event | None = None  # made when a request waits for its first token
 
     def prefill_left_s(self) -> float:
         """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
@@ -112,10 +113,16 @@ class _Inflight:
             return 0.0
         return max(self.routed_at + predict(self.info, view)[0] - time.monotonic(), 0.0)
 
+    def released(self) -> asyncio.Event:
+        """Set when its first token is back, or it will never come here."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        return self._released
+
     def release(self) -> None:
         """Its first token is back, or it will never come here: requests waiting for it go on."""
-        if self.started is not None:
-            self.started.set()
+        if self._released is not None:
+            self._released.set()
 
     @property
     def info(self) -> RequestInfo:
@@ -179,7 +186,7 @@ class KvmeshRouter(RequestRouter):
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
-        self.peers = PeerPlacements(self.index, lambda: self._policies.values())
+        self.peers = PeerPlacements(self.index, lambda: self._policies.values(), tiers=self.tiers)
         self.router_sync = router_sync
         self.sync: RouterSync | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's router loop, seen in our own hooks
@@ -276,7 +283,7 @@ class KvmeshRouter(RequestRouter):
         for p in self._policies.values():
             p.on_replica_removed(rid)
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
-            del self._unconfirmed[request_id]
+            self._unconfirmed.pop(request_id).release()
         self.forgotten += 1
         log.info("forgot replica %s", rid)
 
@@ -450,9 +457,10 @@ class KvmeshRouter(RequestRouter):
         finds the wait worth it (`Policy.hold_worth`). Either way `top`'s match and view then count the
         prefix as tier-resident, so the policy's credit and the predicted cached tokens include it."""
         have = matches.get(top, (0, 0, 0))
-        if not self._inflight or max((m[2] for m in matches.values()), default=0) <= have[2]:
+        if not (self._inflight or self.peers.placements) or max((m[2] for m in matches.values()), default=0) <= have[2]:
             return
-        found = loadable_source(info.block_hashes, info.request_id, top, have[2], self._inflight.values(), self.tiers)
+        sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
+        found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
         if found is None:
             return
         src, blocks = found
@@ -462,11 +470,9 @@ class KvmeshRouter(RequestRouter):
             wait_s = src.prefill_left_s()
             if not policy.hold_worth(missing, wait_s):
                 return
-            if src.started is None:
-                src.started = asyncio.Event()
             self.held_for_tier += 1
             try:  # bounded: a prediction that was wrong, or a source that failed, must not strand the request
-                await asyncio.wait_for(src.started.wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
+                await asyncio.wait_for(src.released().wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
             except TimeoutError:
                 self.hold_timeouts += 1
                 return
@@ -580,10 +586,12 @@ class KvmeshRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Serve calls this for every request, failed and cancelled ones included, and says nothing of the
         # outcome: only a request whose first token came back has a prefill that LMCache stored.
+        # A unary request's first token reaches the router after its completion (the ingress learns of it
+        # from the whole response), so requests waiting for its prefix are released by the confirmation (or
+        # their timeout), not here: released now, they would not count the prefix it stored.
         st = self._inflight.pop(internal_request_id, None)
         if st is None:
             return
-        st.release()
         self._publish("done", st.info.request_id, st.replica)
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
@@ -592,7 +600,9 @@ class KvmeshRouter(RequestRouter):
         elif st.info.request_id:  # its first token may still be on its way from the ingress
             self._unconfirmed[st.info.request_id] = st
             while len(self._unconfirmed) > 1024:  # failed or cancelled before a token: never confirmed
-                self._unconfirmed.popitem(last=False)
+                self._unconfirmed.popitem(last=False)[1].release()
+        else:
+            st.release()
 
     def _record_prefill(self, st: _Inflight) -> None:
         if st.replica in self.index.replicas():  # its prompt's full chunks are now in L1 (and L2)
@@ -609,6 +619,9 @@ class KvmeshRouter(RequestRouter):
             return
         done = self._unconfirmed.pop(request_id, None)
         if done is not None:  # the request completed before the ingress's word arrived
+            done.first_token = True
+            done.release()
+            self._publish("started", request_id, done.replica)  # after its "done": peers handle either order
             self._record_prefill(done)
 
     # ------------------------------------------------------------------ observability

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,12 @@ UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured
 
 @dataclass
 class PeerPlacement:
-    """One request another router placed: what this router credited for it, to take back later."""
+    """One request another router placed: what this router credited for it, to take back later.
+
+    It is also a source a request of this router may wait for (`KvmeshRouter._hold_for_inflight`), with
+    the same interface as the router's own in-flight requests: `first_token`, `prefill_left_s()`,
+    `released()`. Its prefill is predicted from the replica as the peer ranked it (`view`), by `predict`
+    (a policy's), only when a request considers waiting for it."""
 
     replica: str
     info: RequestInfo
@@ -57,6 +62,30 @@ class PeerPlacement:
     fresh: list[int] = field(default_factory=list)  # blocks speculated here for it
     started: bool = False
     at: float = field(default_factory=time.monotonic)
+    view: ReplicaView | None = None
+    predict: Any = None
+    _released: asyncio.Event | None = field(default=None, repr=False)
+
+    @property
+    def first_token(self) -> bool:
+        return self.started
+
+    def prefill_left_s(self) -> float:
+        """Predicted time until its prefill ends, counted from when this router heard of it (0 when nothing
+        predicts it)."""
+        if self.predict is None or self.view is None:
+            return 0.0
+        return max(self.at + self.predict(self.info, self.view)[0] - time.monotonic(), 0.0)
+
+    def released(self) -> asyncio.Event:
+        """Set when its first token is back, or it will never come (done, moved, its router gone)."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        return self._released
+
+    def release(self) -> None:
+        if self._released is not None:
+            self._released.set()
 
 
 def is_free_choice(shared_blocks) -> bool:
@@ -131,10 +160,16 @@ class PeerPlacements:
     """Other routers' in-flight placements, applied to this router's index and policies.
 
     `policies` is a callable returning the router's live policy objects (tenants may add some later).
-    `clock` is the wall clock peers stamp their placements with (`routed_message`)."""
+    `clock` is the wall clock peers stamp their placements with (`routed_message`). With `tiers` (the
+    router's TierTracker), a peer's request that completed after its first token counts in its node's
+    LMCache tiers, as the router's own do: LMCache stored its prompt whichever router placed it."""
 
-    def __init__(self, index, policies, clock=time.time) -> None:
+    def __init__(self, index, policies, clock=time.time, tiers=None) -> None:
         self.index = index
+        self.tiers = tiers  # a TierTracker: a peer's completed prefill is in its node's LMCache tiers
+        # placements whose `done` came before their `started` (a unary request's first token reaches its
+        # router after the completion): the `started` still records the prefill and releases waiters
+        self.ended: OrderedDict[tuple[str, str], PeerPlacement] = OrderedDict()
         self.policies = policies
         self.placements: dict[tuple[str, str], PeerPlacement] = {}
         self.applied = 0
@@ -163,7 +198,9 @@ class PeerPlacements:
             )
             hbm, host, shared = (int(x) for x in matched)
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
-            placed = PeerPlacement(replica, info, uncached=info.num_tokens - shared * info.block_size)
+            placed = PeerPlacement(
+                replica, info, uncached=info.num_tokens - shared * info.block_size, view=view, predict=self._predict()
+            )
             if len(msg) > 10:  # stamped by the peer when it placed the request
                 free = bool(msg[11]) if len(msg) > 11 else True
                 self.unseen.heard(float(msg[10]), self.clock(), placed.uncached, free)
@@ -173,7 +210,7 @@ class PeerPlacements:
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
             self.placements[key] = placed
         elif kind == "unrouted":
-            moved = self.placements.pop(key, None)
+            moved = self._close(key)
             if moved is not None and moved.replica == replica:
                 for policy in self.policies():
                     policy.on_unrouted(moved.info, replica)
@@ -183,27 +220,60 @@ class PeerPlacements:
             started = self.placements.get(key)
             if started is not None:
                 started.started = True
+                started.release()
+            else:
+                ended = self.ended.pop(key, None)
+                if ended is not None:
+                    ended.started = True
+                    ended.release()
+                    self._record_prefill(ended)
         elif kind == "done":
-            self.placements.pop(key, None)
+            done = self.placements.pop(key, None)
+            if done is not None and done.started:
+                self._record_prefill(done)
+            elif done is not None:  # its `started` may follow: waiters wait for it (or their timeout)
+                self.ended[key] = done
+                while len(self.ended) > 1024:  # failed before a token: never started
+                    self.ended.popitem(last=False)[1].release()
         elif kind == "bye":
             self.drop_router(router)
 
-    def _close(self, key: tuple[str, str]) -> None:
-        self.placements.pop(key, None)
+    def _predict(self):
+        """A policy's `predict` (the same cost model serves every kvmesh policy), or None."""
+        for policy in self.policies():
+            predict = getattr(policy, "predict", None)
+            if predict is not None:
+                return predict
+        return None
+
+    def _record_prefill(self, placed: PeerPlacement) -> None:
+        if self.tiers is not None and placed.replica in self.index.replicas():
+            self.tiers.record_prefill(placed.replica, placed.info.block_hashes)
+
+    def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
+        """Stop tracking a placement; requests waiting for its first token go on."""
+        placed = self.placements.pop(key, None)
+        if placed is not None:
+            placed.release()
+        return placed
 
     def drop_router(self, router: str) -> None:
         """A peer left: its requests no longer count as load here (their prefixes stay until evicted)."""
         for key in [k for k in self.placements if k[0] == router]:
-            del self.placements[key]
+            self._close(key)
+        for key in [k for k in self.ended if k[0] == router]:
+            self.ended.pop(key).release()
 
     def forget_replica(self, replica: str) -> None:
         for key in [k for k, p in self.placements.items() if p.replica == replica]:
-            del self.placements[key]
+            self._close(key)
+        for key in [k for k, p in self.ended.items() if p.replica == replica]:
+            self.ended.pop(key).release()
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for key in [k for k, p in self.placements.items() if now - p.at > PLACEMENT_TTL_S]:
-            del self.placements[key]
+            self._close(key)
 
     def pending(self) -> dict[str, list[int]]:
         """Per replica: [in flight, started, pending prefill tokens] of other routers' requests."""

@@ -26,12 +26,26 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     assert "error" not in found, found["error"]
     assert found["cached"][0] == 0 and found["cached"][1] > 0
     # a request placed on the other replica while its prompt was still being computed waited for that
-    # prefill and loaded the prompt from LMCache (without the hold it computes it again: 0 cached)
+    # prefill and loaded the prompt from LMCache (without the hold it computes it again: 0 cached), whether
+    # its own router or the other ingress replica's placed the request computing it
     held = found["held"]
-    (first_replica, first_cached), (second_replica, second_cached) = held["placed"]
-    assert first_cached == 0 and second_replica != first_replica
-    assert second_cached >= 1280
-    assert held["held_for_tier"] >= 1 and held["hold_timeouts"] == 0
+    assert len(held["routers"]) == 2, held
+    # (when the guard finds the replicas even, the second joins the first and hits its hbm instead)
+    split = crossed = 0
+    for first, second in held["pairs"]:
+        (first_replica, first_cached, first_router, first_predicted) = first
+        (second_replica, second_cached, second_router, second_predicted) = second
+        assert first_cached == 0 and second_cached >= 1280, held
+        # the router that held it counted the prefix it waited for: predicted = delivered
+        assert first_predicted == 0 and second_predicted == second_cached, held
+        assert first_router and second_router, held
+        split += second_replica != first_replica
+        crossed += second_replica != first_replica and first_router != second_router
+    assert split >= 1 and crossed >= 1, held  # a pair split over both fronts and both replicas: held across routers
+    assert sum(r["held_for_tier"] for r in held["routers"].values()) >= split, held
+    assert all(r["hold_timeouts"] == 0 for r in held["routers"].values()), held
+    # each router counts every completed prefill in the tiers, the other router's too
+    assert all(t["prefills_recorded"] >= 2 * len(held["pairs"]) for t in held["tiers"].values()), held
     # one LMCache server for the node, found by both engines; it answered lookups for the prompt
     report = found["tier_report"]
     assert report["nodes"] == 1 and report["healthy_nodes"] == 1

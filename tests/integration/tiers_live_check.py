@@ -12,28 +12,64 @@ import tempfile
 import time
 
 
-def held_for_inflight(c, model: str) -> dict:
+def router_states(url: str, headers: dict, want: int = 2, tries: int = 40) -> dict[str, dict]:
+    """/kvmesh/state's router section from each ingress replica (HAProxy picks one per connection), keyed by
+    router id."""
+    import httpx
+
+    seen: dict[str, dict] = {}
+    for _ in range(tries):
+        with httpx.Client(timeout=30, headers=headers) as fresh:
+            router = (fresh.get(url + "/kvmesh/state").json().get("router")) or {}
+        rid = (router.get("sync") or {}).get("router")
+        if rid:
+            seen[rid] = router
+        if len(seen) >= want:
+            break
+        time.sleep(0.25)
+    return seen
+
+
+def held_for_inflight(url: str, headers: dict, model: str, pairs: int = 4) -> dict:
     """A request whose prompt another replica is computing right now waits for that prefill, then loads
-    the prompt from the node's LMCache server instead of computing it again: `second`, sent 30 ms after
-    `first` with the same new 1,280-token prompt, is placed on the other replica by the balance guard
-    (strict in this app: `policy_params`). Returns each request's replica and cached tokens, and the
+    the prompt from the node's LMCache server instead of computing it again: in each pair, `second`, sent
+    30 ms after `first` with the same new 1,280-token prompt, is placed on the other replica by the balance
+    guard (strict in this app: `policy_params`) unless the replicas are even. Each request has a connection
+    of its own, so HAProxy spreads them over the two ingress replicas: a pair whose requests two routers
+    placed shows the hold across routers (the first's router publishes its first token). Returns, per
+    pair, each request's replica, cached tokens, router and the router's predicted cached tokens, and each
     router's hold counters."""
     import concurrent.futures
 
-    base = [(i * 104729) % 1000 + 10 for i in range(1280)]
+    import httpx
 
-    def send(tail: int, delay_s: float = 0.0) -> tuple[str, int]:
+    def send(prompt: list[int], delay_s: float = 0.0) -> tuple[str, int, str, int]:
         time.sleep(delay_s)
-        r = c.post("/v1/completions", json={"model": model, "prompt": base + [tail] * 8, "max_tokens": 4})
+        with httpx.Client(timeout=180, headers=headers) as fresh:
+            r = fresh.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4})
         r.raise_for_status()
-        return r.headers["x-kvmesh-replica"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = int(r.headers.get("x-kvmesh-predicted-cached-tokens", -1))
+        return r.headers["x-kvmesh-replica"], cached, r.headers["x-kvmesh-request-id"], predicted
 
+    placed = []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first = pool.submit(send, 1)
-        second = pool.submit(send, 2, 0.03)
-        got = [first.result(), second.result()]
-    router = (c.get("/kvmesh/state").json().get("router")) or {}
-    return {"placed": got, "held_for_tier": router.get("held_for_tier"), "hold_timeouts": router.get("hold_timeouts")}
+        for k in range(pairs):
+            base = [(i * 104729 + k * 31) % 1000 + 10 for i in range(1280)]
+            first = pool.submit(send, base + [1] * 8)
+            second = pool.submit(send, base + [2] * 8, 0.03)
+            placed.append([first.result(), second.result()])
+    time.sleep(1.0)  # the last requests' `done` and `started` reach the other router
+    routers = router_states(url, headers)
+    by_request = {d.get("request_id"): rid for rid, st in routers.items() for d in st.get("recent_decisions", []) if d}
+    return {
+        "pairs": [[[rep, cached, by_request.get(req), pred] for rep, cached, req, pred in pair] for pair in placed],
+        "routers": {
+            rid: {"held_for_tier": st.get("held_for_tier"), "hold_timeouts": st.get("hold_timeouts")}
+            for rid, st in routers.items()
+        },
+        "tiers": {rid: st.get("tiers") for rid, st in routers.items()},
+    }
 
 
 def main() -> int:
@@ -49,6 +85,7 @@ def main() -> int:
     key = "kvm-tiers-live-key-0123456789"
     cfg = {
         "replicas": 2,
+        "ingress_replicas": 2,  # two routers: the hold below works across them
         "policy": "kvmesh",
         # a strict balance guard: a request that shares a prompt another replica is computing goes elsewhere
         "policy_params": {"guard_weight": 1000, "balance_slack": 0.0},
@@ -89,7 +126,7 @@ def main() -> int:
                 r.raise_for_status()
                 cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             found["cached"] = cached
-            found["held"] = held_for_inflight(c, model)
+            found["held"] = held_for_inflight(url, {"Authorization": f"Bearer {key}"}, model)
             time.sleep(2.0)
             r = c.get("/kvmesh/state")
             if r.status_code != 200:

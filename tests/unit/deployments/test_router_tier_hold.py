@@ -187,3 +187,114 @@ def test_no_hold_without_lmcache_on_the_nodes(monkeypatch):
     ranked, router = asyncio.run(scenario())
     assert ranked[0][0].replica_id.unique_id == "B" and router.held_for_tier == 0
     assert router.index.match(block_hashes(list(range(100, 420)), 32))["A"][0] == 10  # p1's prefix is on A
+
+
+def peer_hold_scenario(monkeypatch, messages: tuple[str, ...], limit_s: float = 10.0):
+    """As `hold_scenario`, but p1 was placed on A by another ingress replica's router: this router knows it
+    only from the placement stream, which then brings `messages` about p1. Returns (p2 still waiting after
+    0.2 s, the ranking, p2's prediction, router)."""
+    from kvmesh.deployments.router_sync import routed_message
+    from kvmesh.policies.base import RequestInfo
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.policy = stub = _Stub(True)
+        router._policies = {"kvmesh": stub}
+        router.hold_limit_s = limit_s
+        a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        for node in ("n0", "n1"):
+            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        p1 = RequestInfo(block_hashes=block_hashes(prompt, 32), num_tokens=320, block_size=32, request_id="p1")
+        router.peers.apply(routed_message("peer", p1, "A", (0, 0, 0)))
+        task = asyncio.create_task(router.choose_replicas([a, b], fake_request(prompt + [11, 12, 13], "p2")))
+        await asyncio.sleep(0.2)
+        waiting = not task.done()
+        for kind in messages:
+            router.peers.apply([kind, "peer", "p1", "A"])
+        ranked = await asyncio.wait_for(task, 5)
+        router._routed(fake_request(prompt + [11, 12, 13], "p2"), ranked[0][0].replica_id)
+        return waiting, ranked, local_state.LEDGER.prediction("p2"), router
+
+    return asyncio.run(scenario())
+
+
+def test_a_request_waits_for_a_prefix_another_ingress_replica_is_computing(monkeypatch):
+    waiting, ranked, predicted, router = peer_hold_scenario(monkeypatch, ("started",))
+    assert waiting  # held until the peer router's word that p1's first token is back
+    assert ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 320
+    assert router.held_for_tier == 1 and router.hold_timeouts == 0
+
+
+def test_a_unary_peer_request_confirmed_after_its_completion_still_counts(monkeypatch):
+    # a unary request's router learns of its first token from the whole response, after Serve's completion
+    waiting, ranked, predicted, router = peer_hold_scenario(monkeypatch, ("done", "started"))
+    assert waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 320 and router.hold_timeouts == 0
+
+
+def test_a_peer_that_leaves_releases_its_waiters_without_credit(monkeypatch):
+    waiting, ranked, predicted, router = peer_hold_scenario(monkeypatch, ("done", "bye"))
+    assert waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 0 and router.hold_timeouts == 0  # released at once by "bye", not by the timeout
+
+
+def test_a_peer_request_that_never_starts_holds_its_waiters_only_until_the_timeout(monkeypatch):
+    waiting, ranked, predicted, router = peer_hold_scenario(monkeypatch, ("done",), limit_s=0.5)
+    assert waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert predicted == 0 and router.hold_timeouts == 1
+
+
+def test_an_own_unary_request_confirmed_after_its_completion_still_counts(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.policy = stub = _Stub(True)
+        router._policies = {"kvmesh": stub}
+        a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        for node in ("n0", "n1"):
+            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        p1 = fake_request(prompt, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        task = asyncio.create_task(router.choose_replicas([a, b], fake_request(prompt + [11], "p2")))
+        await asyncio.sleep(0.2)
+        router.on_request_completed(a.replica_id, "i-p1")  # Serve's completion first
+        await asyncio.sleep(0.1)
+        still_waiting = not task.done()
+        router.first_token("p1")  # then the ingress's word
+        ranked = await asyncio.wait_for(task, 5)
+        router._routed(fake_request(prompt + [11], "p2"), ranked[0][0].replica_id)
+        return still_waiting, local_state.LEDGER.prediction("p2"), router
+
+    still_waiting, predicted, router = asyncio.run(scenario())
+    assert still_waiting  # the completion alone does not release it: its prefill is not known to have run
+    assert predicted == 320 and router.hold_timeouts == 0
+    assert router.tiers.counters["prefills_recorded"] == 1
+
+
+def test_a_peer_request_completed_after_its_first_token_counts_in_the_lmcache_tiers():
+    from kvmesh.deployments.router_sync import PeerPlacements, routed_message
+    from kvmesh.policies.base import RequestInfo
+
+    t = tracker()
+    peers = PeerPlacements(t.index, lambda: [], tiers=t)
+    hashes = block_hashes(list(range(200, 520)), 32)
+    for q, kinds in (("q1", ("started", "done")), ("q2", ("done",))):
+        info = RequestInfo(
+            block_hashes=hashes if q == "q1" else hashes[:1] + [7, 8], num_tokens=320, block_size=32, request_id=q
+        )
+        peers.apply(routed_message("peer", info, "A", (0, 0, 0)))
+        for kind in kinds:
+            peers.apply([kind, "peer", q, "A"])
+    match = t.index.match(hashes)
+    assert match["A2"][1] == 10  # q1: on A's node's host tier
+    assert match["B"][2] == 10  # and in the shared tier, which B's node reads
+    assert t.index.match(hashes[:1] + [7, 8])["B"][2] == 1  # q2 never started: only q1's block 1 is stored
