@@ -150,6 +150,10 @@ class TierTracker:
         self._shared_nodes.discard(node_id)
         self.counters["nodes_dropped"] += 1
 
+    def any_node(self) -> bool:
+        """Does any node run an LMCache server the router models?"""
+        return bool(self._host)
+
     def nodes(self) -> dict[str, dict]:
         """node id -> {"host_blocks", "shared"}: the nodes whose tiers the router models now."""
         return {n: {"host_blocks": len(lru), "shared": n in self._shared_nodes} for n, lru in self._host.items()}

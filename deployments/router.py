@@ -621,7 +621,8 @@ class KvmeshRouter(RequestRouter):
         if done is not None:  # the request completed before the ingress's word arrived
             done.first_token = True
             done.release()
-            self._publish("started", request_id, done.replica)  # after its "done": peers handle either order
+            if self.tiers.any_node():  # after its "done": with LMCache, peers record its prefill in the tiers
+                self._publish("started", request_id, done.replica)
             self._record_prefill(done)
 
     # ------------------------------------------------------------------ observability
