@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.cluster.ports import free_port
@@ -196,22 +197,46 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     return env
 
 
+ROUTER_READY_WAIT_S = 30.0  # after /health answers, how long to wait for the router to see every engine
+
+
 def _wait_ready(cfg: dict, timeout_s: float) -> None:
-    """serve.run(blocking=False) returns once replicas are up; wait until the HTTP proxy answers too."""
+    """serve.run(blocking=False) returns once replicas are up; wait until the HTTP proxy answers too, and
+    then until the router routes to every engine replica the app starts with (`engines` in /health):
+    a replica's routing stats reach the router up to a stats period after it runs, and requests sent
+    before then all go to the replicas seen first. That second wait is bounded: past it the app serves
+    anyway, and the router adds the rest as their stats arrive."""
+    import json
     import time
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     url = f"http://{cfg['host']}:{cfg['port']}/health"
+    want = initial_engine_replicas(cfg)
+    healthy_at = None
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status == 200:
-                    return
-        except OSError:
+                    healthy_at = healthy_at or time.monotonic()
+                    engines = (json.loads(r.read() or b"{}") or {}).get("engines") or {}
+                    if engines.get("ready", 0) >= want or time.monotonic() - healthy_at > ROUTER_READY_WAIT_S:
+                        return
+        except (OSError, ValueError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.5 if healthy_at is None else 0.05)
+    if healthy_at is not None:
+        return
     raise TimeoutError(f"kvmesh app not healthy at {url} after {timeout_s:.0f}s")
+
+
+def initial_engine_replicas(cfg: Mapping[str, Any]) -> int:
+    """Engine replicas the app starts with: `replicas`, or with autoscaling its initial (else minimum) count."""
+    auto = cfg.get("autoscaling") or {}
+    if not auto:
+        return int(cfg["replicas"])
+    start = auto.get("initial_replicas")
+    return int(start if start is not None else auto.get("min_replicas", 1))
 
 
 def stop_serving() -> None:

@@ -410,7 +410,24 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def health(self):
-        return {"status": "ok", "model": self.served_model, "routers": len(active_routers())}
+        """Liveness (always 200 while it answers) and, in `engines`, how many engine replicas this replica's
+        router lists and can route to with a full view (`KvmeshRouter.readiness`): counts only."""
+        return {
+            "status": "ok",
+            "model": self.served_model,
+            "routers": len(active_routers()),
+            "engines": await asyncio.to_thread(self._router_readiness),
+        }
+
+    def _router_readiness(self) -> dict | None:
+        routers = active_routers()
+        if not routers:
+            return None
+        try:
+            return routers[0].call_on_loop(routers[0].readiness)
+        except Exception:
+            log.exception("router readiness failed")
+            return None
 
     def _router_snapshot(self) -> dict | None:
         routers = active_routers()

@@ -166,6 +166,9 @@ class KvmeshRouter(RequestRouter):
         self.subscribe_events = subscribe_events
         self.events: KVEventSubscriber | None = None  # created with the first source
         self._subscribed: set[str] = set()
+        self._subscribing: set[str] = set()
+        self._syncing: asyncio.Task | None = None  # `update_replicas`' background subscription, if running
+        self._sync_wanted: list[RunningReplica] | None = None  # the replica list it is to sync next
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
@@ -244,8 +247,17 @@ class KvmeshRouter(RequestRouter):
                     from kvmesh.kvstore.node_server import watch_tier_health
 
                     self._tier_watch = asyncio.create_task(watch_tier_health(self.tiers))
-            if self.subscribe_events and rid not in self._subscribed and stats.get("kv_events_endpoint"):
-                await self._subscribe(rid, stats)
+            if (
+                self.subscribe_events
+                and rid not in self._subscribed
+                and rid not in self._subscribing
+                and stats.get("kv_events_endpoint")
+            ):
+                self._subscribing.add(rid)  # a request ranked meanwhile must not subscribe it a second time
+                try:
+                    await self._subscribe(rid, stats)
+                finally:
+                    self._subscribing.discard(rid)
 
     async def _subscribe(self, rid: str, stats: dict) -> None:
         if self.events is None:
@@ -321,6 +333,32 @@ class KvmeshRouter(RequestRouter):
         for r in replicas:
             if r.replica_id.unique_id not in known | self._dead:
                 self._add_replica(r)
+        self._subscribe_soon([r for r in replicas if r.replica_id.unique_id not in self._dead])
+
+    def _subscribe_soon(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to the KV events (and learn the LMCache tiers) of replicas that name their endpoint, in
+        the background, so that a replica is ready (`_ready`) before the first request rather than during
+        it. Otherwise the first requests after start-up, or after a scale-up, all go to the replicas that
+        happened to be subscribed first (seen live: a fresh 2-replica app sent its first 15 requests, a
+        whole burst of new conversations, to one replica)."""
+        if self._loop is None or not self.subscribe_events:
+            return
+        if all(
+            r.replica_id.unique_id in self._subscribed or not (r.routing_stats or {}).get("kv_events_endpoint")
+            for r in replicas
+        ):
+            return
+        self._sync_wanted = replicas  # the latest list: a task already running takes it up when done
+        if self._syncing is None or self._syncing.done():
+            self._syncing = self._loop.create_task(self._sync_in_background())
+
+    async def _sync_in_background(self) -> None:
+        while self._sync_wanted is not None:
+            replicas, self._sync_wanted = self._sync_wanted, None
+            try:
+                await self._sync_replicas(replicas)
+            except Exception:  # the next request syncs again: this only failed to get ahead of it
+                log.exception("background replica sync failed")
 
     def _live(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         """Candidates minus replicas known dead; a replica whose engine reports itself broken joins them."""
@@ -338,16 +376,24 @@ class KvmeshRouter(RequestRouter):
         """Candidates the router can see into: a replica added by Serve (autoscaling, restart) gets no
         traffic until its first routing stats arrived and its KV-event stream is subscribed, so what
         it caches is indexed from its first request on. Only when no replica is ready do all count."""
-        ready = []
-        for r in candidates:
-            stats = r.routing_stats or {}
-            rid = r.replica_id.unique_id
-            unsubscribed = self.subscribe_events and stats.get("kv_events_endpoint") and rid not in self._subscribed
-            if stats and not unsubscribed:
-                ready.append(r)
+        ready = [r for r in candidates if self._is_ready(r)]
         if len(ready) < len(candidates):
             self.held_back += len(candidates) - len(ready)
         return ready or candidates
+
+    def _is_ready(self, r: RunningReplica) -> bool:
+        stats = r.routing_stats or {}
+        unsubscribed = (
+            self.subscribe_events and stats.get("kv_events_endpoint") and r.replica_id.unique_id not in self._subscribed
+        )
+        return bool(stats) and not unsubscribed
+
+    def readiness(self) -> dict[str, int]:
+        """Engine replicas Serve lists, and how many of them this router routes to with a full view
+        (`_ready`): a replica's routing stats arrive up to one stats period after it runs, so an app that
+        answers /health may still send its first requests to the replicas seen first."""
+        listed = list(self.curr_replicas.values())
+        return {"listed": len(listed), "ready": sum(1 for r in listed if self._is_ready(r))}
 
     # ------------------------------------------------------------------ routing
     def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:

@@ -89,3 +89,53 @@ def test_predicted_cached_tokens_follow_vllm_for_hbm_and_lmcache_for_tiers():
     assert predicted_cached_tokens(4, 10, 320, 32) == 319
     assert predicted_cached_tokens(0, 4, 320, 32) == 128  # a prefix of the prompt: its whole blocks
     assert predicted_cached_tokens(0, 0, 320, 32) == 0
+
+
+def test_replicas_are_subscribed_when_serve_lists_them_not_at_the_first_request():
+    """A replica's KV events are subscribed as soon as Serve's replica update names its endpoint, in the
+    background: an app that answers is then ready for a whole burst, instead of sending the first requests
+    to the replica subscribed first."""
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.subscribe_events = True
+        subscribed = []
+
+        async def subscribe(rid, stats):
+            await asyncio.sleep(0.01)  # a subscription yields; a second update meanwhile must not be lost
+            subscribed.append(rid)
+            router._subscribed.add(rid)
+
+        router._subscribe = subscribe
+        a = fake_replica("A", node_id="n0", kv_events_endpoint="tcp://127.0.0.1:1")
+        b = fake_replica("B")  # its routing stats have not come yet
+        router.update_replicas([a, b])
+        b2 = fake_replica("B", node_id="n1", kv_events_endpoint="tcp://127.0.0.1:2")
+        router.update_replicas([a, b2])  # while A's subscription is under way
+        await asyncio.sleep(0.1)
+        return subscribed, router.readiness(), router.held_back
+
+    subscribed, readiness, held_back = asyncio.run(scenario())
+    assert subscribed == ["A", "B"]  # each once, with no request routed yet
+    assert readiness == {"listed": 2, "ready": 2} and held_back == 0
+
+
+def test_readiness_counts_only_replicas_the_router_can_see_into():
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        router.subscribe_events = True
+        router._subscribe = lambda rid, stats: asyncio.sleep(3600)  # never completes in this test
+        router.update_replicas([fake_replica("A", kv_events_endpoint="tcp://127.0.0.1:1"), fake_replica("B")])
+        await asyncio.sleep(0.01)
+        return router.readiness()
+
+    assert asyncio.run(scenario()) == {"listed": 2, "ready": 0}  # A unsubscribed, B without stats
+
+
+def test_the_app_waits_for_the_engines_it_starts_with():
+    from kvmesh.deployments.app import initial_engine_replicas
+
+    assert initial_engine_replicas({"replicas": 3, "autoscaling": None}) == 3
+    assert initial_engine_replicas({"replicas": 3, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}) == 1
+    auto = {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4}
+    assert initial_engine_replicas({"replicas": 3, "autoscaling": auto}) == 2
