@@ -42,7 +42,7 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import loadable_source
+from kvmesh.deployments.tier_hold import HoldSource, loadable_source
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -93,7 +93,7 @@ class _Routing:
         self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
 
 
-class _Inflight:
+class _Inflight(HoldSource):
     __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "_released")
 
     def __init__(self, replica: str, uncached: int, routing: _Routing):
@@ -112,17 +112,6 @@ class _Inflight:
         if predict is None or view is None:
             return 0.0
         return max(self.routed_at + predict(self.info, view)[0] - time.monotonic(), 0.0)
-
-    def released(self) -> asyncio.Event:
-        """Set when its first token is back, or it will never come here."""
-        if self._released is None:
-            self._released = asyncio.Event()
-        return self._released
-
-    def release(self) -> None:
-        """Its first token is back, or it will never come here: requests waiting for it go on."""
-        if self._released is not None:
-            self._released.set()
 
     @property
     def info(self) -> RequestInfo:

@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.deployments.tier_hold import HoldSource
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
 log = logging.getLogger("ray.serve.kvmesh")
@@ -48,7 +49,7 @@ UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured
 
 
 @dataclass
-class PeerPlacement:
+class PeerPlacement(HoldSource):
     """One request another router placed: what this router credited for it, to take back later.
 
     It is also a source a request of this router may wait for (`KvmeshRouter._hold_for_inflight`), with
@@ -76,16 +77,6 @@ class PeerPlacement:
         if self.predict is None or self.view is None:
             return 0.0
         return max(self.at + self.predict(self.info, self.view)[0] - time.monotonic(), 0.0)
-
-    def released(self) -> asyncio.Event:
-        """Set when its first token is back, or it will never come (done, moved, its router gone)."""
-        if self._released is None:
-            self._released = asyncio.Event()
-        return self._released
-
-    def release(self) -> None:
-        if self._released is not None:
-            self._released.set()
 
 
 def is_free_choice(shared_blocks) -> bool:

@@ -11,8 +11,28 @@ request behind another ingress replica is computing is waited for too.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
+
+
+class HoldSource:
+    """An in-flight request other requests may wait for: the router's own (`router._Inflight`) or another
+    ingress replica's (`router_sync.PeerPlacement`). `released()` is set once its first token is back, or
+    once it will never come (moved, failed, its router gone)."""
+
+    __slots__ = ()
+    _released: asyncio.Event | None
+
+    def released(self) -> asyncio.Event:
+        if self._released is None:
+            self._released = asyncio.Event()
+        return self._released
+
+    def release(self) -> None:
+        """Requests waiting for it go on."""
+        if self._released is not None:
+            self._released.set()
 
 
 class _Stored(Protocol):

@@ -113,22 +113,31 @@ class _Stub:
         pass
 
 
+PROMPT = [(i * 7919) % 1000 + 10 for i in range(320)]  # 10 blocks of 32
+
+
+async def lmcache_router(worth: bool = True, limit_s: float = 10.0):
+    """A router over replica A (node n0) and B (node n1), both nodes on LMCache with the shared tier, ranking
+    with `_Stub(worth)`. Returns (router, a, b)."""
+    router = make_router(policy="kvmesh", block_size=32)
+    router.policy = stub = _Stub(worth)
+    router._policies = {"kvmesh": stub}
+    router.hold_limit_s = limit_s
+    a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
+    await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+    for node in ("n0", "n1"):
+        router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+    return router, a, b
+
+
 def hold_scenario(monkeypatch, worth: bool, first_token: bool, limit_s: float = 10.0):
     """p1 is computing a 320-token prompt on A (node n0); p2 shares it and is ranked onto B (node n1), both
     nodes on the shared tier. Returns (p2 still waiting after 0.2 s, the ranking, p2's prediction, router)."""
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        router.policy = stub = _Stub(worth)
-        router._policies = {"kvmesh": stub}
-        router.hold_limit_s = limit_s
-        a = fake_replica("A", node_id="n0")
-        b = fake_replica("B", node_id="n1")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
-        for node in ("n0", "n1"):
-            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
-        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        router, a, b = await lmcache_router(worth, limit_s)
+        prompt = PROMPT
         p1 = fake_request(prompt, "p1")
         assert (await router.choose_replicas([a, b], p1))[0][0] is a
         router._routed(p1, a.replica_id)
@@ -199,15 +208,8 @@ def peer_hold_scenario(monkeypatch, messages: tuple[str, ...], limit_s: float = 
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        router.policy = stub = _Stub(True)
-        router._policies = {"kvmesh": stub}
-        router.hold_limit_s = limit_s
-        a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
-        for node in ("n0", "n1"):
-            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
-        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        router, a, b = await lmcache_router(True, limit_s)
+        prompt = PROMPT
         p1 = RequestInfo(block_hashes=block_hashes(prompt, 32), num_tokens=320, block_size=32, request_id="p1")
         router.peers.apply(routed_message("peer", p1, "A", (0, 0, 0)))
         task = asyncio.create_task(router.choose_replicas([a, b], fake_request(prompt + [11, 12, 13], "p2")))
@@ -253,14 +255,8 @@ def test_an_own_unary_request_confirmed_after_its_completion_still_counts(monkey
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        router.policy = stub = _Stub(True)
-        router._policies = {"kvmesh": stub}
-        a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
-        for node in ("n0", "n1"):
-            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
-        prompt = [(i * 7919) % 1000 + 10 for i in range(320)]
+        router, a, b = await lmcache_router()
+        prompt = PROMPT
         p1 = fake_request(prompt, "p1")
         await router.choose_replicas([a, b], p1)
         router._routed(p1, a.replica_id)
