@@ -94,15 +94,15 @@ class _Routing:
 
 
 class _Inflight(HoldSource):
-    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "_released")
+    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at")
 
     def __init__(self, replica: str, uncached: int, routing: _Routing):
+        super().__init__()
         self.replica = replica
         self.uncached = uncached
         self.first_token = False
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
-        self._released: asyncio.Event | None = None  # made when a request waits for its first token
 
     def prefill_left_s(self) -> float:
         """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when

@@ -65,7 +65,9 @@ class PeerPlacement(HoldSource):
     at: float = field(default_factory=time.monotonic)
     view: ReplicaView | None = None
     predict: Any = None
-    _released: asyncio.Event | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        HoldSource.__init__(self)
 
     @property
     def first_token(self) -> bool:

@@ -21,8 +21,10 @@ class HoldSource:
     ingress replica's (`router_sync.PeerPlacement`). `released()` is set once its first token is back, or
     once it will never come (moved, failed, its router gone)."""
 
-    __slots__ = ()
-    _released: asyncio.Event | None
+    __slots__ = ("_released",)
+
+    def __init__(self) -> None:
+        self._released: asyncio.Event | None = None  # made when a request first waits for it
 
     def released(self) -> asyncio.Event:
         if self._released is None:
