@@ -14,10 +14,12 @@ import httpx
 @contextlib.contextmanager
 def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: float = 300.0) -> Iterator[str]:
     """Deploy `config` (plus the session app's port and tenants) as app `name` under `route_prefix`;
-    yields its URL once the HTTP front answers /health there."""
+    yields its URL once the HTTP front answers /health there and its router can route to every engine
+    replica the app starts with (as `start_local` waits)."""
     from ray import serve
 
-    from kvmesh.deployments.app import build_app
+    from kvmesh.deployments.app import build_app, initial_engine_replicas
+    from kvmesh.deployments.config import app_config
 
     full = {
         "name": name,
@@ -32,9 +34,13 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
     try:
         with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
             deadline = time.monotonic() + timeout_s
-            while c.get("/health").status_code != 200:  # the HTTP front learns the route a moment later
-                assert time.monotonic() < deadline, f"{name} never became healthy"
-                time.sleep(0.5)
+            want = initial_engine_replicas(app_config(full))
+            while True:  # the HTTP front learns the route a moment later; the router, each engine's stats
+                r = c.get("/health")
+                if r.status_code == 200 and ((r.json().get("engines") or {}).get("ready") or 0) >= want:
+                    break
+                assert time.monotonic() < deadline, f"{name} never became ready: {r.status_code} {r.text[:200]}"
+                time.sleep(0.2)
         yield url
     finally:
         serve.delete(name)
