@@ -9,7 +9,11 @@ alarm (log + metric) within a few requests.
 
 A single disagreement is not an alarm: two concurrent requests with one prefix, an eviction racing a
 lookup, or a speculative entry that expired legitimately differ by a block or so. The alarm needs
-`alarm_after` consecutive requests that each differ by at least one block.
+`alarm_after` consecutive requests that each differ by at least one block, in the same direction. A
+broken contract errs one way every time (the router predicts hits the engine does not deliver, or misses
+it does), while two concurrent requests sharing a new prefix that the engine schedules in the other order
+err both ways (one delivers what the other was predicted to): seen live under concurrency, two such swaps
+in a row would otherwise raise the alarm with predicted and delivered totals equal.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class PredictionLedger:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self.compared = 0
         self.mismatches = 0
-        self.consecutive = 0
+        self.consecutive = 0  # mismatches in a row, all erring the same way (`direction`)
+        self.direction = 0  # +1: delivered more than predicted, -1: less
         self.alarms = 0
         self.alarm = False
         self.predicted_tokens = 0
@@ -72,10 +77,13 @@ class PredictionLedger:
             rep[1] += delivered_tokens
             if mismatch:
                 self.mismatches += 1
-                self.consecutive += 1
+                direction = 1 if delivered_tokens > p.predicted else -1
+                self.consecutive = self.consecutive + 1 if direction == self.direction else 1
+                self.direction = direction
                 rep[2] += 1
             else:
                 self.consecutive = 0
+                self.direction = 0
                 self.alarm = False
             raise_alarm = mismatch and self.consecutive >= self.alarm_after and not self.alarm
             if raise_alarm:

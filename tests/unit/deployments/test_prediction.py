@@ -22,3 +22,22 @@ def test_ledger_alarms_after_consecutive_mismatches_only():
     assert snap["alarm"] and snap["alarms"] == 1 and snap["mismatches"] == 5 and snap["compared"] == 6
     assert snap["per_replica"]["r2"] == [0, 288, 3]
     assert led.deliver("unknown", 5) is None
+
+
+def test_concurrent_requests_served_in_the_other_order_raise_no_alarm():
+    # two pairs of concurrent requests sharing a new prefix, each pair scheduled by the engine in the order
+    # opposite to the router's: one delivers what the other was predicted to, four mismatches in a row
+    led = PredictionLedger(alarm_after=3)
+    for pair in range(2):
+        led.predict(f"p{pair}a", "r1", 256, 32)
+        led.predict(f"p{pair}b", "r1", 0, 32)
+        assert led.deliver(f"p{pair}a", 0) == (256, True)
+        assert led.deliver(f"p{pair}b", 256) == (0, True)
+    snap = led.snapshot()
+    assert snap["mismatches"] == 4 and not snap["alarm"] and snap["alarms"] == 0
+    assert snap["predicted_tokens"] == snap["delivered_tokens"] == 512
+    # a broken contract errs one way every time, interleaved or not: the alarm fires at the third
+    for i in range(3):
+        led.predict(f"x{i}", "r1", 128, 32)
+        led.deliver(f"x{i}", 0)
+    assert led.snapshot()["alarms"] == 1
