@@ -349,7 +349,10 @@ class KVEventSubscriber(KVEventApplier):
         fetched: dict[int, bytes] = {}
         try:
             sock.connect(src.replay_endpoint)
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            try:  # a DEALER's send waits while it has no pipe (an endpoint refusing its handshake): bounded
+                await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s)
+            except TimeoutError:
+                return fetched  # nothing fetched: the caller treats the gap as unrecoverable
             while await sock.poll(int(self.replay_timeout_s * 1000)):
                 msg = await sock.recv_multipart()
                 if len(msg) != 4:
