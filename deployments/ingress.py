@@ -420,25 +420,26 @@ class Ingress:
         }
 
     def _router_readiness(self) -> dict | None:
-        routers = active_routers()
-        if not routers:
-            return None
-        try:
-            return routers[0].call_on_loop(routers[0].readiness)
-        except Exception:
-            log.exception("router readiness failed")
-            return None
+        return self._on_router("readiness", lambda r: r.readiness())
 
     def _router_snapshot(self) -> dict | None:
+        if not active_routers():
+            log.info("no kvmesh router in this process yet (created on the first engine request)")
+            return None
+        return self._on_router("snapshot", lambda r: {**r.snapshot(), "held_blocks": r.held_blocks()})
+
+    @staticmethod
+    def _on_router(what: str, fn) -> dict | None:
+        """fn(router) on this process's router's own loop (its state is not thread-safe); None when there is
+        no router yet or it failed (logged)."""
         routers = active_routers()
         if not routers:
-            log.info("no kvmesh router in this process yet (created on the first engine request)")
             return None
         r = routers[0]
         try:
-            return r.call_on_loop(lambda: {**r.snapshot(), "held_blocks": r.held_blocks()})
+            return r.call_on_loop(lambda: fn(r))
         except Exception:
-            log.exception("router snapshot failed")
+            log.exception("router %s failed", what)
             return None
 
     @fastapi_app.get("/metrics")

@@ -42,7 +42,7 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import HoldSource, loadable_source
+from kvmesh.deployments.tier_hold import HoldSource, loadable_source, prefill_left_s
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -107,11 +107,9 @@ class _Inflight(HoldSource):
     def prefill_left_s(self) -> float:
         """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
         the policy predicts nothing). Computed only when a request considers waiting for it."""
-        predict = getattr(self.policy, "predict", None)
-        view = self.routing.views.get(self.replica)
-        if predict is None or view is None:
-            return 0.0
-        return max(self.routed_at + predict(self.info, view)[0] - time.monotonic(), 0.0)
+        return prefill_left_s(
+            self.routed_at, getattr(self.policy, "predict", None), self.info, self.routing.views.get(self.replica)
+        )
 
     @property
     def info(self) -> RequestInfo:
@@ -236,12 +234,7 @@ class KvmeshRouter(RequestRouter):
                     from kvmesh.kvstore.node_server import watch_tier_health
 
                     self._tier_watch = asyncio.create_task(watch_tier_health(self.tiers))
-            if (
-                self.subscribe_events
-                and rid not in self._subscribed
-                and rid not in self._subscribing
-                and stats.get("kv_events_endpoint")
-            ):
+            if self._unsubscribed(r) and rid not in self._subscribing:
                 self._subscribing.add(rid)  # a request ranked meanwhile must not subscribe it a second time
                 try:
                     await self._subscribe(rid, stats)
@@ -332,10 +325,7 @@ class KvmeshRouter(RequestRouter):
         whole burst of new conversations, to one replica)."""
         if self._loop is None or not self.subscribe_events:
             return
-        if all(
-            r.replica_id.unique_id in self._subscribed or not (r.routing_stats or {}).get("kv_events_endpoint")
-            for r in replicas
-        ):
+        if not any(self._unsubscribed(r) for r in replicas):
             return
         self._sync_wanted = replicas  # the latest list: a task already running takes it up when done
         if self._syncing is None or self._syncing.done():
@@ -371,11 +361,15 @@ class KvmeshRouter(RequestRouter):
         return ready or candidates
 
     def _is_ready(self, r: RunningReplica) -> bool:
-        stats = r.routing_stats or {}
-        unsubscribed = (
-            self.subscribe_events and stats.get("kv_events_endpoint") and r.replica_id.unique_id not in self._subscribed
+        return bool(r.routing_stats) and not self._unsubscribed(r)
+
+    def _unsubscribed(self, r: RunningReplica) -> bool:
+        """Does the replica name a KV-event stream this router should, and does not yet, subscribe to?"""
+        return bool(
+            self.subscribe_events
+            and (r.routing_stats or {}).get("kv_events_endpoint")
+            and r.replica_id.unique_id not in self._subscribed
         )
-        return bool(stats) and not unsubscribed
 
     def readiness(self) -> dict[str, int]:
         """Engine replicas Serve lists, and how many of them this router routes to with a full view

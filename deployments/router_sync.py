@@ -37,7 +37,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.deployments.tier_hold import HoldSource
+from kvmesh.deployments.tier_hold import HoldSource, prefill_left_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
 log = logging.getLogger("ray.serve.kvmesh")
@@ -76,9 +76,7 @@ class PeerPlacement(HoldSource):
     def prefill_left_s(self) -> float:
         """Predicted time until its prefill ends, counted from when this router heard of it (0 when nothing
         predicts it)."""
-        if self.predict is None or self.view is None:
-            return 0.0
-        return max(self.at + self.predict(self.info, self.view)[0] - time.monotonic(), 0.0)
+        return prefill_left_s(self.at, self.predict, self.info, self.view)
 
 
 def is_free_choice(shared_blocks) -> bool:
@@ -244,24 +242,28 @@ class PeerPlacements:
             self.tiers.record_prefill(placed.replica, placed.info.block_hashes)
 
     def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
-        """Stop tracking a placement; requests waiting for its first token go on."""
+        """Stop tracking a placement in flight; requests waiting for its first token go on."""
         placed = self.placements.pop(key, None)
         if placed is not None:
             placed.release()
         return placed
 
+    def _discard(self, key: tuple[str, str]) -> None:
+        """Stop tracking a placement in flight or ended awaiting its `started`; its waiters go on."""
+        self._close(key)
+        ended = self.ended.pop(key, None)
+        if ended is not None:
+            ended.release()
+
     def drop_router(self, router: str) -> None:
         """A peer left: its requests no longer count as load here (their prefixes stay until evicted)."""
-        for key in [k for k in self.placements if k[0] == router]:
-            self._close(key)
-        for key in [k for k in self.ended if k[0] == router]:
-            self.ended.pop(key).release()
+        for key in [k for k in (*self.placements, *self.ended) if k[0] == router]:
+            self._discard(key)
 
     def forget_replica(self, replica: str) -> None:
-        for key in [k for k, p in self.placements.items() if p.replica == replica]:
-            self._close(key)
-        for key in [k for k, p in self.ended.items() if p.replica == replica]:
-            self.ended.pop(key).release()
+        tracked = (*self.placements.items(), *self.ended.items())
+        for key in [k for k, p in tracked if p.replica == replica]:
+            self._discard(key)
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

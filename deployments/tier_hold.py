@@ -12,6 +12,7 @@ request behind another ingress replica is computing is waited for too.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -35,6 +36,14 @@ class HoldSource:
         """Requests waiting for it go on."""
         if self._released is not None:
             self._released.set()
+
+
+def prefill_left_s(since: float, predict, info, view) -> float:
+    """Predicted seconds until the prefill of `info`, placed at `since` (time.monotonic()) on a replica ranked
+    as `view`, ends: `predict` is a policy's (TTFT first); 0 when nothing predicts it."""
+    if predict is None or view is None:
+        return 0.0
+    return max(since + predict(info, view)[0] - time.monotonic(), 0.0)
 
 
 class _Stored(Protocol):
