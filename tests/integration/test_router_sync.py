@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 import yaml
+from ingress_routers import router_states
 from serve_process import Serve, serves_on_loopback, stop_and_check, taken_port_refused
 
 pytestmark = pytest.mark.integration
@@ -29,19 +30,9 @@ CONFIG = {
 }
 
 
-def _states(url: str, headers: dict, want: int = 2, tries: int = 40) -> dict[str, dict]:
-    """/kvmesh/state from each ingress replica (HAProxy picks one per connection), keyed by router id."""
-    seen: dict[str, dict] = {}
-    for _ in range(tries):
-        with httpx.Client(timeout=30, headers=headers) as c:  # a new connection each time
-            doc = c.get(url + "/kvmesh/state").json()
-        sync = (doc.get("router") or {}).get("sync") or {}
-        if sync.get("router"):
-            seen[sync["router"]] = sync
-        if len(seen) >= want:
-            break
-        time.sleep(0.25)
-    return seen
+def _states(url: str, headers: dict) -> dict[str, dict]:
+    """Each ingress replica's router sync section, keyed by router id."""
+    return {rid: st["sync"] for rid, st in router_states(url, headers).items()}
 
 
 def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):

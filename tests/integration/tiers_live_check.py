@@ -10,24 +10,10 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-
-def router_states(url: str, headers: dict, want: int = 2, tries: int = 40) -> dict[str, dict]:
-    """/kvmesh/state's router section from each ingress replica (HAProxy picks one per connection), keyed by
-    router id."""
-    import httpx
-
-    seen: dict[str, dict] = {}
-    for _ in range(tries):
-        with httpx.Client(timeout=30, headers=headers) as fresh:
-            router = (fresh.get(url + "/kvmesh/state").json().get("router")) or {}
-        rid = (router.get("sync") or {}).get("router")
-        if rid:
-            seen[rid] = router
-        if len(seen) >= want:
-            break
-        time.sleep(0.25)
-    return seen
+sys.path.insert(0, str(Path(__file__).parent.parent / "support"))  # run as a script, outside pytest's conftest
+from ingress_routers import router_states  # noqa: E402
 
 
 def held_for_inflight(url: str, headers: dict, model: str, pairs: int = 4) -> dict:
