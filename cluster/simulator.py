@@ -291,6 +291,10 @@ def simulate_policy(
             fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         # the router hashes full blocks only: a policy sees what it would see live
         req = RequestInfo(ids[: n // bs], n, bs, out_len, r.tenant, str(i))
+        fleet.inflight_blocks = None
+        if pending_store and not tierless:
+            fleet.inflight_blocks, ready = inflight_prefix(ids, m[2], pending_store)
+            fleet.inflight_ready_s = ready - t
         j = best(req, fleet)
         if j is None:
             raise RuntimeError(f"{policy.name} placed request {i} nowhere")
@@ -391,6 +395,24 @@ def simulate_policy(
     )
     res["held_for_tier"] = holds
     return res
+
+
+def inflight_prefix(ids, held: np.ndarray, pending_store: dict) -> tuple[np.ndarray | None, float]:
+    """(per replica, the longest prefix of `ids` it could load from the shared tier once the prefills in
+    flight are stored, or None when that adds nothing anywhere; when the last of those blocks is stored).
+    `held` is each replica's longest prefix now (any tier); `pending_store` maps a block being computed to
+    when its tier write lands."""
+    lo, top = int(held.min()), int(held.max())
+    k, ready = lo, 0.0
+    while k < top:
+        when = pending_store.get(ids[k])
+        if when is None:
+            break
+        ready = when if when > ready else ready
+        k += 1
+    if k == lo:
+        return None, 0.0
+    return np.maximum(held, k), ready
 
 
 @dataclass

@@ -34,6 +34,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvmesh.cluster.index import PrefixIndex
@@ -42,7 +43,7 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import HoldSource, loadable_source, prefill_left_s
+from kvmesh.deployments.tier_hold import HoldSource, loadable_prefixes, loadable_source, prefill_left_s
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -461,6 +462,8 @@ class KvmeshRouter(RequestRouter):
         fleet = FleetView.from_views(views)
         # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
+        if (self._inflight or self.peers.placements) and self.tiers.any_node():
+            self._add_inflight(info, fleet)
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         by_view = {v.replica_id: v for v in views}
         if ranked:
@@ -478,6 +481,17 @@ class KvmeshRouter(RequestRouter):
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
         return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> None:
+        """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
+        a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
+        not only keep a new prompt's later requests on the replica computing it."""
+        sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
+        have = fleet.shared_blocks.tolist()
+        blocks, ready_s = loadable_prefixes(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
+        if blocks is not None:
+            fleet.inflight_blocks = np.asarray(blocks, dtype=np.int64)
+            fleet.inflight_ready_s = ready_s
 
     async def _hold_for_inflight(self, info: RequestInfo, matches: dict, views: dict, top: str, policy) -> None:
         """When another replica is computing a longer prefix of this request than `top` (the replica ranked

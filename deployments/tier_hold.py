@@ -81,3 +81,37 @@ def loadable_source(
         if blocks > best_blocks:
             best, best_blocks = st, blocks
     return (best, best_blocks) if best is not None else None
+
+
+def loadable_prefixes(
+    hashes: Sequence, request_id: str | None, replicas: Sequence[str], have: Sequence[int], inflight, tiers: _Stored
+) -> tuple[list[int] | None, float]:
+    """(per replica in `replicas`, the longest prefix of `hashes` it could load once a request in `inflight`
+    has stored its prefill, never less than its `have`; the predicted seconds until the prefill leaving the
+    longest such prefix ends, 0 once its first token is back), or (None, 0.0) when no replica gains.
+    `loadable_source` for every replica at once: what the policy scores a hold by
+    (`FleetView.inflight_blocks`) before it ranks."""
+    lo = min(have, default=0)
+    found = []  # (source, blocks it shares with the request)
+    for st in inflight:
+        if request_id and st.info.request_id == request_id:
+            continue
+        other = st.info.block_hashes
+        if len(other) <= lo or len(hashes) <= lo or other[lo] != hashes[lo]:
+            continue
+        found.append((st, common_blocks(hashes, other)))
+    if not found:
+        return None, 0.0
+    out, best, most = list(have), None, 0
+    for k, rid in enumerate(replicas):
+        for st, shared in found:
+            if st.replica == rid or shared <= out[k]:
+                continue
+            blocks = min(shared, tiers.stored_prefix(st.replica, rid, len(st.info.block_hashes)))
+            if blocks > out[k]:
+                out[k] = blocks
+                if blocks > most:
+                    best, most = st, blocks
+    if best is None:
+        return None, 0.0
+    return out, 0.0 if best.first_token else best.prefill_left_s()

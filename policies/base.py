@@ -88,7 +88,13 @@ class FleetView:
     replica holding their history) other routers (ingress replicas sharing the fleet) have made that this
     view does not include yet, because their placement stream arrives late
     (`kvmesh.deployments.router_sync.UnseenPlacements`), and `unseen_tokens` the mean prefill work of a
-    peer's placement. 0 for a lone router, or peers heard without lag."""
+    peer's placement. 0 for a lone router, or peers heard without lag.
+
+    `inflight_blocks` (per replica, or None) is the longest prefix of the request each replica could load
+    from a tier once a prefill in flight on another replica ends and is stored, and `inflight_ready_s`
+    how many seconds from now that is: a replica lacking a new prompt that another replica is computing
+    can take the request and hold it until then (`Policy.hold_worth`) instead of computing the prompt
+    again. None where no tier will hold such a prefix."""
 
     ids: list
     hbm_blocks: np.ndarray
@@ -102,6 +108,8 @@ class FleetView:
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     unseen_placements: float = 0.0
     unseen_tokens: float = 0.0  # their mean prefill work (prompt tokens to compute)
+    inflight_blocks: np.ndarray | None = None
+    inflight_ready_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -208,9 +208,10 @@ class KvmeshPolicy(Policy):
         sw = np.array([self._s[k] if k is not None else s_mean for k in slots])
         return w, sw, self._total + new * mean, self._s_total + new * s_mean, live + new
 
-    def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending):
+    def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending, ready_s=0.0):
         """Arrays (predicted TTFT in s, prompt tokens that would be computed, the wait before its
-        prefill starts) per replica. Pure.
+        prefill starts) per replica; `ready_s`, when given, is the earliest the prefill may start (a
+        request held for a prefix being stored). Pure.
 
         Why the shortcuts: at hundreds of replicas each array operation costs about as much as the
         rest of the decision, so terms that are exactly zero are not computed (adding 0.0 changes no
@@ -227,6 +228,8 @@ class KvmeshPolicy(Policy):
         if len(busy) and busy.max() > c.max_batch - 1:
             over = busy + (1 - c.max_batch)
             wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
+        if ready_s:
+            wait = np.maximum(wait, ready_s)
         uncached = n - shared
         ttft = wait + c.prefill_base_s + uncached * c.prefill_s_per_token
         if host is not shared:
@@ -241,13 +244,42 @@ class KvmeshPolicy(Policy):
         most = max(0, (request.num_tokens - 1) // request.block_size)
         return request.num_tokens - min(shared_blocks, most) * request.block_size
 
-    def _keys(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending):
+    def _keys(
+        self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending, inflight=None, ready_s=0.0
+    ):
         """Sort keys per replica: (the balance guard's bound, score, recent work); replicas whose work is
         over the bound rank after those within it (the bound is infinite for the soft guard). The fourth
         value is what `_unseen_pick` needs to count placements the view lacks: (the wait per replica, the
         guard's bound, short-window work or None when the spread term is off, its bound, the short
-        window's decay)."""
-        ttft, uncached, wait = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending)
+        window's decay).
+
+        With `inflight` (`FleetView.inflight_blocks`), a replica that could load a longer prefix once a
+        prefill in flight elsewhere is stored (`ready_s` from now) is scored the better of two ways: now,
+        with what it holds, or held until then with that prefix loaded, where `hold_worth` finds the wait
+        worth it. Why: scored only as it is now, every replica but the one computing a new prompt looks
+        like it must compute the prompt again, so a group's members arriving together pile onto that one
+        (and the replicas that took one of them) while the rest of the fleet idles."""
+        keys = self._keys_now(request, ids, hbm_b, host_b, shared_b, queued, running, pending)
+        if inflight is None or not self.hold_for_tier:
+            return keys
+        gain = inflight > shared_b
+        if not gain.any():
+            return keys
+        limit, score, work, extra = keys
+        later = np.maximum(shared_b, inflight)
+        _, score_h, _, extra_h = self._keys_now(request, ids, hbm_b, host_b, later, queued, running, pending, ready_s)
+        most = max(0, (request.num_tokens - 1) // request.block_size)
+        missing = (np.minimum(later, most) - np.minimum(shared_b, most)) * request.block_size
+        extra_wait = np.maximum(ready_s - extra[0], 0.0)
+        use = gain & self._worth_holding(missing, extra_wait) & (score_h < score)
+        if not use.any():
+            return keys
+        wait = np.where(use, extra_h[0], extra[0])
+        return limit, np.where(use, score_h, score), work, (wait, *extra[1:])
+
+    def _keys_now(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending, ready_s=0.0):
+        """`_keys` for the replicas as given (`ready_s`: `_predict`'s)."""
+        ttft, uncached, wait = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending, ready_s)
         work, recent, total, recent_total, live = self._work(ids)
         d = self._age(live)  # the short window as on_routed will see it: aged by this request
         cost = self.recompute_weight * uncached
@@ -443,9 +475,13 @@ class KvmeshPolicy(Policy):
         """Wait for an in-flight prefix when the extra wait costs less than computing it again, at the rate
         the score charges a recomputed token (`recompute_weight` x its prefill time): the same exchange of
         wait for compute as every other placement. Off with `hold_for_tier=False`."""
-        if not self.hold_for_tier or missing_tokens <= 0:
-            return False
-        return extra_wait_s < self.recompute_weight * missing_tokens * self.cost.prefill_s_per_token
+        return self.hold_for_tier and bool(self._worth_holding(missing_tokens, extra_wait_s))
+
+    def _worth_holding(self, missing_tokens, extra_wait_s):
+        """`hold_worth`'s exchange, elementwise over arrays (the hold option in `_keys`) or for one pair."""
+        return (missing_tokens > 0) & (
+            extra_wait_s < self.recompute_weight * missing_tokens * self.cost.prefill_s_per_token
+        )
 
     def predict(self, request: RequestInfo, v: ReplicaView) -> tuple[float, int]:
         """(predicted TTFT in seconds, prompt tokens that would be computed) for `request` on `v`."""
@@ -464,7 +500,9 @@ class KvmeshPolicy(Policy):
         if not len(fleet):
             return []
         args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
-        limit, score, work, extra = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        limit, score, work, extra = self._keys(
+            request, fleet.ids, *args, fleet.pending_prefill_tokens, fleet.inflight_blocks, fleet.inflight_ready_s
+        )
         order = np.lexsort((np.arange(len(score)), work, score, work > limit)).tolist()
         first = self._first_in_order(request, fleet, order[0], limit, score, work)
         if first != order[0]:
@@ -482,7 +520,9 @@ class KvmeshPolicy(Policy):
         if not len(fleet):
             return None
         args = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
-        limit, score, work, extra = self._keys(request, fleet.ids, *args, fleet.pending_prefill_tokens)
+        limit, score, work, extra = self._keys(
+            request, fleet.ids, *args, fleet.pending_prefill_tokens, fleet.inflight_blocks, fleet.inflight_ready_s
+        )
         if fleet.unseen_placements > 0:
             pick = self._unseen_pick(request, fleet, limit, score, work, extra)
             if pick is not None:

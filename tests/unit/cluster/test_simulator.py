@@ -254,6 +254,33 @@ class _FixedPlacement:
         return self.hold
 
 
+class _Recording(_FixedPlacement):
+    """`_FixedPlacement` that records what each request's fleet said was in flight."""
+
+    def __init__(self, order):
+        super().__init__(order, hold=True)
+        self.seen = []
+
+    def best(self, request, fleet):
+        got = fleet.inflight_blocks
+        self.seen.append((None if got is None else got.tolist(), round(fleet.inflight_ready_s, 9)))
+        return super().best(request, fleet)
+
+
+def test_the_policy_is_told_what_each_replica_could_load_once_a_prefill_in_flight_is_stored():
+    # r0 computes blocks 1-3 from t=0 until 0.22 s; at 0.1 s r1 lacks them but could load all three at 0.22 s
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 13, 0, [1, 2, 3, 4]), (1000, 13, 0, [1, 2, 3, 5]))
+    policy = _Recording([0, 1, 1])
+    simulate_policy(t, SimConfig(2, 10, shared=True, tier_store_at="computed", cost=COST), policy)
+    assert policy.seen[0][0] is None  # nothing in flight
+    assert policy.seen[1] == ([3, 3], 0.12)
+    assert policy.seen[2][0] is None  # stored by 1 s: every replica serves it from a tier now
+    # without a tier nothing is ever in flight for the policy to consider
+    policy = _Recording([0, 1, 1])
+    simulate_policy(t, SimConfig(2, 10, cost=COST), policy)
+    assert [s[0] for s in policy.seen] == [None, None, None]
+
+
 def test_kvmesh_holds_while_waiting_costs_less_than_recomputing():
     p = make_policy("kvmesh", cost=COST)  # recompute weight 30: 12 tokens are worth 30 x 0.12 s of waiting
     assert p.hold_worth(12, 3.5) and not p.hold_worth(12, 3.7) and not p.hold_worth(0, 0.0)

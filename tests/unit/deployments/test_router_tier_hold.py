@@ -13,7 +13,7 @@ from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
-from kvmesh.deployments.tier_hold import common_blocks, loadable_source
+from kvmesh.deployments.tier_hold import common_blocks, loadable_prefixes, loadable_source
 from kvmesh.kvstore.hashing import block_hashes
 
 
@@ -80,6 +80,25 @@ def test_the_in_flight_request_leaving_the_most_loadable_is_chosen():
     assert loadable_source(me, "y", "B", 0, flights[1:2], t) is None  # never the request itself
 
 
+def test_what_every_replica_could_load_once_the_prefills_in_flight_are_stored():
+    t = tracker()
+    me = chain(1, 2, 3, 4, 5, 6)
+
+    def flight(replica, blocks, rid, first_token=False):
+        info = SimpleNamespace(block_hashes=chain(*blocks), request_id=rid)
+        return SimpleNamespace(replica=replica, info=info, first_token=first_token, prefill_left_s=lambda: 0.25)
+
+    flights = [flight("A2", (1, 2, 3, 4, 5, 9), "y"), flight("B", (1, 2, 3, 4, 5, 6), "z")]
+    replicas = ["A", "A2", "B", "C"]
+    got = loadable_prefixes(me, "me", replicas, [0, 5, 6, 0], flights, t)
+    # A: z's six blocks through the shared tier; A2: z's too; B holds its own; C's node runs no LMCache
+    assert got == ([6, 6, 6, 0], 0.25)
+    assert loadable_prefixes(me, "me", replicas, [6, 6, 6, 0], flights, t) == (None, 0.0)  # nobody gains
+    assert loadable_prefixes(me, "z", replicas, [0, 0, 0, 0], flights[1:], t) == (None, 0.0)  # not itself
+    flights[1].first_token = True  # its prefill is over: loadable now
+    assert loadable_prefixes(me, "me", replicas, [0, 0, 6, 0], flights, t) == ([6, 6, 6, 0], 0.0)
+
+
 class _Stub:
     """Places p1 on A and everything else on B first; the wait is worth it when `worth`."""
 
@@ -87,9 +106,14 @@ class _Stub:
     uses_index = True
 
     def __init__(self, worth: bool):
-        self.worth, self.asked = worth, []
+        self.worth, self.asked, self.inflight = worth, [], {}
 
     def place(self, request, fleet):
+        got = fleet.inflight_blocks
+        self.inflight[request.request_id] = (
+            None if got is None else dict(zip(fleet.ids, got.tolist())),
+            fleet.inflight_ready_s,
+        )
         first = fleet.ids.index("A" if request.request_id == "p1" else "B")
         return [first] + [k for k in range(len(fleet.ids)) if k != first]
 
@@ -162,6 +186,10 @@ def test_a_request_waits_for_the_computing_requests_first_token_then_loads_the_p
     assert router.held_for_tier == 1 and router.hold_timeouts == 0
     assert router.policy.asked == [320]
     assert router.snapshot()["held_for_tier"] == 1
+    # ranked knowing B could load p1's 10 blocks once p1's prefill (predicted 0.05 s) is stored
+    blocks, ready_s = router.policy.inflight["p2"]
+    assert blocks == {"A": 10, "B": 10} and 0.0 < ready_s <= 0.05
+    assert router.policy.inflight["p1"] == (None, 0.0)  # nothing in flight when p1 was ranked
 
 
 def test_no_wait_when_the_policy_finds_it_not_worth_it(monkeypatch):

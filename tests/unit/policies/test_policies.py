@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.policies.base import ReplicaView, RequestInfo
+from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import CostModel, cacheable_blocks, cached_tokens
 from kvmesh.policies.registry import BASELINES, PEERS, POLICY_NAMES, make_policy, parse_policy_list
 
@@ -564,3 +564,34 @@ def test_kvmesh_copies_a_group_prompt_only_as_far_as_its_traffic_fills_replicas(
     vs = views(7, hbm_blocks=shared, host_blocks=shared, shared_blocks=shared, pending_prefill_tokens={0: 20 * 2048})
     assert p._is_hot(fresh, np.array(list(shared.values())))
     assert p.rank(fresh, vs)[0] == "r0"
+
+
+def test_kvmesh_holds_a_prompt_being_computed_on_an_idle_replica_rather_than_queue_behind_it():
+    """A group's second member arrives while the first still computes their 8-block prompt on r0. Seen only as
+    it is now, every other replica must compute the prompt again, so it would queue on r0; told that the
+    prompt will be loadable everywhere once r0's prefill is stored (`FleetView.inflight_blocks`), it takes
+    an idle replica and waits for that store, unless the wait costs more than recomputing."""
+    p = make_policy("kvmesh")
+    first = req(range(9), rid="a")
+    route(p, first, views(4), rid="r0")
+    second = req([*range(8), 99], rid="b")
+    busy = {0: 8}
+    vs = views(
+        4, hbm_blocks=busy, host_blocks=busy, shared_blocks=busy, queued={0: 1}, pending_prefill_tokens={0: 9 * BS}
+    )
+    fleet = FleetView.from_views(vs)
+    assert fleet.ids[p.place(second, fleet)[0]] == "r0"  # nothing in flight: stays with the prompt
+    prefill_s = p.predict(first, views(1)[0])[0]
+    fleet.inflight_blocks, fleet.inflight_ready_s = np.array([8, 8, 8, 8]), prefill_s
+    ranked = [fleet.ids[k] for k in p.place(second, fleet)]
+    assert ranked[0] != "r0" and p.best(second, fleet) == fleet.ids.index(ranked[0])
+    assert p.hold_worth(8 * BS, prefill_s)
+    # a wait longer than recomputing the prompt is worth: not held, back to r0
+    fleet.inflight_ready_s = 31 * 8 * BS * p.cost.prefill_s_per_token
+    assert not p.hold_worth(8 * BS, fleet.inflight_ready_s)
+    assert fleet.ids[p.place(second, fleet)[0]] == "r0"
+    # never holding: the fleet's in-flight prefix changes nothing
+    q = make_policy("kvmesh", hold_for_tier=False)
+    route(q, first, views(4), rid="r0")
+    fleet.inflight_ready_s = prefill_s
+    assert fleet.ids[q.place(second, fleet)[0]] == "r0"
