@@ -29,6 +29,7 @@ from kvmesh.cluster.sweep import (
     DEFAULT_POLICIES,
     SweepOptions,
     decide_exactly,
+    decide_with_tier,
     format_shared_tier,
     format_summary,
     plot,
@@ -133,6 +134,19 @@ def main() -> dict:
             "replica computed loads on the others once its prefill has ended, and counts as cached): the same target"
         )
         print(format_shared_tier(tiered))
+        tier_missed = [r for r in rows if not r["shared_tier"][POLICY]["meets_target"]]
+        for r in tier_missed:
+            decide_with_tier(r, POLICY, opts, exact_s or 10.0)
+        tier_proven = [r["seed"] for r in tier_missed if r["shared_tier"][POLICY]["tier_verdict"] == "out of reach"]
+        print(
+            f"  with the tier {POLICY} misses the target on {len(tier_missed)}/{len(rows)} draws: "
+            + ", ".join(
+                f"{r['seed']} (max/mean {r['shared_tier'][POLICY]['prefill_max_over_mean']:.2f}, "
+                f"{r['shared_tier'][POLICY]['tier_verdict']})"
+                for r in tier_missed
+            )
+            + f"; proven out of reach for any placement with the tier: {len(tier_proven)} {tier_proven}"
+        )
     os.makedirs(out_dir, exist_ok=True)
     json_path, png_path = os.path.join(out_dir, "robust.json"), os.path.join(out_dir, "robust.png")
     with open(json_path, "w", encoding="utf-8") as fh:

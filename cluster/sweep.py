@@ -22,6 +22,7 @@ from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.out_of_reach import target_out_of_reach
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.stats import nearest_rank
+from kvmesh.cluster.tier_reach import tier_target_out_of_reach
 from kvmesh.cluster.trace import Trace, scale_to_load
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
 from kvmesh.cluster.workloads import engine_trace
@@ -175,6 +176,28 @@ def decide_exactly(row: dict, opts: SweepOptions = SweepOptions(), time_limit_s:
     got = res["replayed"]
     b["exact_hit_over_merged"] = got["hit_rate"] / merged if got and merged else None
     b["exact_imbalance"] = got["imbalance"] if got else None
+    return row
+
+
+def decide_with_tier(
+    row: dict, policy: str = "kvmesh", opts: SweepOptions = SweepOptions(), time_limit_s: float = 10.0
+):
+    """Settle whether any placement could meet the target on `row`'s draw with the shared tier
+    (`tier_reach.tier_target_out_of_reach`) and record the verdict as `tier_verdict` in the row's
+    `shared_tier` figures for `policy`. Run where the policy missed the target with the tier."""
+    d = draw(row["seed"])
+    trace, sending = draw_trace(d, opts)
+    client = sending.get("client")
+    res = tier_target_out_of_reach(
+        trace.requests,
+        trace.block_size,
+        d.replicas,
+        opts.target_ratio * row["bounds"]["merged_lru"],
+        opts.target_imbalance,
+        time_limit_s,
+        client.users if client is not None else None,
+    )
+    row["shared_tier"][policy]["tier_verdict"] = res["verdict"]
     return row
 
 
