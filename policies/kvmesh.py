@@ -63,9 +63,12 @@ Why a request may wait for a prefix being computed elsewhere (`hold_worth`, with
 stores a prefix in the shared tier when its prefill ends. Requests sharing a new prompt that arrive before
 then (a group's members, a flood) and are placed on other replicas for balance compute it again, each on
 its own replica; placed on the replica computing it, they pile up there. Held until the store and then
-sent to their replica, they load it instead: the wait is at most the rest of that one prefill. Simulated
-with the shared tier on the robustness draws, kvmesh then meets the target on 90 of 100 eval draws and
-43 of 50 tune draws, against 76 and 38 without holding, at the same p50 TTFT within 2% (docs/policies.md).
+sent to their replica, they load it instead: the wait is at most the rest of that one prefill. The hold
+is weighed while ranking, on every replica the caller says could load the prefix once it is stored
+(`FleetView.inflight_blocks`): each is scored as it is and as held, whichever is lower. Simulated with the
+shared tier on the robustness draws, kvmesh meets the target on 97 of 100 eval draws and 44 of 50 tune
+draws, against 76 and 38 without holding and 90 and 43 holding only on the replica ranked first, at the
+same p50 TTFT within 2% (docs/policies.md).
 
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """
