@@ -151,12 +151,18 @@ def start_local(
             _children_before[:] = _child_pids()
             start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
         _started_ray = True
-    # one HTTP proxy, on the head node (as the KubeRay serveConfigV2 asks): nodes sharing a host would
-    # otherwise each start a proxy on the same port
-    serve.start(proxy_location="HeadOnly", http_options={"host": cfg["host"], "port": cfg["port"]})
-    _app_name = cfg["name"]
-    deploy_or_explain(build_app(cfg), cfg)
-    _wait_ready(cfg, timeout_s)
+    try:
+        # one HTTP proxy, on the head node (as the KubeRay serveConfigV2 asks): nodes sharing a host would
+        # otherwise each start a proxy on the same port
+        serve.start(proxy_location="HeadOnly", http_options={"host": cfg["host"], "port": cfg["port"]})
+        _app_name = cfg["name"]
+        deploy_or_explain(build_app(cfg), cfg)
+        _wait_ready(cfg, timeout_s)
+    except BaseException:
+        # a start that failed half-way (a proxy Serve killed, a deploy error) leaves nothing running: the
+        # Ray cluster it started, its processes and its HAProxy folder go, as on a normal stop
+        stop_local(drain=False)
+        raise
     return f"http://{cfg['host']}:{cfg['port']}"
 
 
@@ -291,7 +297,7 @@ def stop_local(drain: bool = True) -> None:
         left = end_descendants(exclude=_children_before)
         if left:
             log.info("ended %d process(es) Ray left behind: %s", len(left), ", ".join(left))
-    if _started_ray and _haproxy_dir:
+    if _haproxy_dir:  # made for this process's own Ray cluster, whether or not that cluster came up
         import shutil
 
         shutil.rmtree(_haproxy_dir, ignore_errors=True)

@@ -148,3 +148,48 @@ def test_still_running_names_what_a_stop_left_behind_and_not_what_ended():
         left.kill()
         left.wait()
         ended.wait()
+
+
+def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, tmp_path):
+    """Serve can kill its own proxy during start-up (a health check missed on a busy machine); the failed
+    start must not leave its Ray cluster running, nor its HAProxy folder behind."""
+    import ray
+    from ray import serve
+
+    from kvmesh.deployments import app as app_module
+    from kvmesh.deployments import local_ray, process_tree
+
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    calls = []
+    up = [False]
+
+    def fake_start_local_ray(**kw):
+        up[0] = True
+        calls.append("ray up")
+
+    def fake_shutdown():
+        up[0] = False
+        calls.append("ray down")
+
+    def proxy_killed(**kw):
+        raise RuntimeError("The actor died unexpectedly before finishing this task")
+
+    monkeypatch.setattr(local_ray, "start_local_ray", fake_start_local_ray)
+    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
+    monkeypatch.setattr(ray, "shutdown", fake_shutdown)
+    monkeypatch.setattr(serve, "start", proxy_killed)
+    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: calls.append("descendants ended") or [])
+    made = []
+    real_proxy_env = app_module._proxy_env
+    monkeypatch.setattr(app_module, "_proxy_env", lambda proxy: made.append(real_proxy_env(proxy)) or made[-1])
+    saved = dict(os.environ)  # start_local exports its secrets' and proxy's settings for Ray's processes
+    try:
+        with pytest.raises(RuntimeError, match="actor died"):
+            app_module.start_local({"replicas": 1, "port": 0})
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert calls == ["ray up", "ray down", "descendants ended"]
+    run = os.path.dirname(made[0]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
+    assert os.path.basename(run).startswith("kvmesh-haproxy-") and not os.path.exists(run)
+    assert not app_module._started_ray and app_module._haproxy_dir is None
