@@ -180,7 +180,8 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     if os.path.basename(os.path.dirname(os.environ.get(HAPROXY_BINARY_ENV, ""))).startswith(_HAPROXY_DIR_PREFIX):
         del os.environ[HAPROXY_BINARY_ENV]  # an earlier local run's launcher, not an operator's choice
     if proxy == "haproxy":
-        run = _haproxy_dir = tempfile.mkdtemp(prefix=_HAPROXY_DIR_PREFIX)
+        _remove_orphaned_haproxy_dirs(tempfile.gettempdir())
+        run = _haproxy_dir = tempfile.mkdtemp(prefix=f"{_HAPROXY_DIR_PREFIX}{os.getpid()}-")
         env.update(
             {
                 "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
@@ -201,6 +202,33 @@ def _proxy_env(proxy: str) -> dict[str, str]:
         # these logs locally, so HAProxy gets a unix path nobody listens on (one alert line, no socket)
         env["RAY_SERVE_HAPROXY_LOG_TARGET"] = os.path.join(run, "syslog.sock")
     return env
+
+
+def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
+    """Remove the HAProxy folders of local runs whose process is gone (one killed with SIGKILL cannot remove
+    its own; its HAProxy and Ray processes end with it, its files do not). A folder is named with its
+    run's pid; a folder of a live process, or one not named that way, is kept. Returns what was removed."""
+    import shutil
+
+    gone = []
+    for name in os.listdir(parent):
+        pid = name[len(_HAPROXY_DIR_PREFIX) :].split("-", 1)[0] if name.startswith(_HAPROXY_DIR_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 ROUTER_READY_WAIT_S = 30.0  # after /health answers, how long to wait for the router to see every engine

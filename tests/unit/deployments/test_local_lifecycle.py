@@ -193,3 +193,19 @@ def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, t
     run = os.path.dirname(made[0]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
     assert os.path.basename(run).startswith("kvmesh-haproxy-") and not os.path.exists(run)
     assert not app_module._started_ray and app_module._haproxy_dir is None
+
+
+def test_haproxy_folders_of_runs_whose_process_is_gone_are_removed(tmp_path):
+    from kvmesh.deployments.app import _remove_orphaned_haproxy_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = tmp_path / f"kvmesh-haproxy-{os.getpid()}-abc"
+    orphan = tmp_path / f"kvmesh-haproxy-{dead.pid}-def"
+    unnamed = tmp_path / "kvmesh-haproxy-xyz"  # an older run's name, without a pid: not ours to judge
+    other = tmp_path / "something-else"
+    for d in (mine, orphan, unnamed, other):
+        d.mkdir()
+        (d / "admin.sock.1.stderr.log").write_text("x")
+    assert _remove_orphaned_haproxy_dirs(str(tmp_path)) == [str(orphan)]
+    assert mine.exists() and unnamed.exists() and other.exists() and not orphan.exists()
