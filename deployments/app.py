@@ -90,6 +90,7 @@ _started_ray = False
 _app_name: str | None = None
 _haproxy_dir: str | None = None  # this run's HAProxy config/socket folder, removed by stop_local
 _HAPROXY_DIR_PREFIX = "kvmesh-haproxy-"
+_OWNER_FILE = "owner.pid"  # in a run's HAProxy folder: the pid of the process that made it
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 
 
@@ -181,7 +182,11 @@ def _proxy_env(proxy: str) -> dict[str, str]:
         del os.environ[HAPROXY_BINARY_ENV]  # an earlier local run's launcher, not an operator's choice
     if proxy == "haproxy":
         _remove_orphaned_haproxy_dirs(tempfile.gettempdir())
-        run = _haproxy_dir = tempfile.mkdtemp(prefix=f"{_HAPROXY_DIR_PREFIX}{os.getpid()}-")
+        # the name stays short: Serve puts the admin socket at <run>/<56-character node id>/admin.sock, and
+        # HAProxy refuses a socket path much over 96 characters (a run's pid in the name made it 102)
+        run = _haproxy_dir = tempfile.mkdtemp(prefix=_HAPROXY_DIR_PREFIX)
+        with open(os.path.join(run, _OWNER_FILE), "w", encoding="utf-8") as fh:
+            fh.write(str(os.getpid()))
         env.update(
             {
                 "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run, "haproxy.cfg"),
@@ -206,16 +211,22 @@ def _proxy_env(proxy: str) -> dict[str, str]:
 
 def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
     """Remove the HAProxy folders of local runs whose process is gone (one killed with SIGKILL cannot remove
-    its own; its HAProxy and Ray processes end with it, its files do not). A folder is named with its
-    run's pid; a folder of a live process, or one not named that way, is kept. Returns what was removed."""
+    its own; its HAProxy and Ray processes end with it, its files do not). Each folder names its run's pid
+    in a file; a folder of a live process, or one without that file, is kept. Returns what was removed."""
     import shutil
 
     gone = []
     for name in os.listdir(parent):
-        pid = name[len(_HAPROXY_DIR_PREFIX) :].split("-", 1)[0] if name.startswith(_HAPROXY_DIR_PREFIX) else ""
+        path = os.path.join(parent, name)
+        if not name.startswith(_HAPROXY_DIR_PREFIX):
+            continue
+        try:
+            with open(os.path.join(path, _OWNER_FILE), encoding="utf-8") as fh:
+                pid = fh.read().strip()
+        except OSError:
+            continue
         if not pid.isdigit() or _alive(int(pid)):
             continue
-        path = os.path.join(parent, name)
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
     return gone

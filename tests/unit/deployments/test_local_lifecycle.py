@@ -192,6 +192,10 @@ def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, t
     assert calls == ["ray up", "ray down", "descendants ended"]
     run = os.path.dirname(made[0]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
     assert os.path.basename(run).startswith("kvmesh-haproxy-") and not os.path.exists(run)
+    # Serve puts the admin socket under a 56-character node id; HAProxy refused a 102-character socket path
+    # (the length every run had used before was 96)
+    node_socket = os.path.join(run, "0" * 56, os.path.basename(made[0]["RAY_SERVE_HAPROXY_SOCKET_PATH"]))
+    assert len(node_socket) <= 96, node_socket
     assert not app_module._started_ray and app_module._haproxy_dir is None
 
 
@@ -200,12 +204,12 @@ def test_haproxy_folders_of_runs_whose_process_is_gone_are_removed(tmp_path):
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    mine = tmp_path / f"kvmesh-haproxy-{os.getpid()}-abc"
-    orphan = tmp_path / f"kvmesh-haproxy-{dead.pid}-def"
-    unnamed = tmp_path / "kvmesh-haproxy-xyz"  # an older run's name, without a pid: not ours to judge
+    mine, orphan = tmp_path / "kvmesh-haproxy-abc", tmp_path / "kvmesh-haproxy-def"
+    unowned = tmp_path / "kvmesh-haproxy-xyz"  # an older run's, without an owner file: not ours to judge
     other = tmp_path / "something-else"
-    for d in (mine, orphan, unnamed, other):
+    for d, pid in ((mine, os.getpid()), (orphan, dead.pid), (unowned, None), (other, dead.pid)):
         d.mkdir()
-        (d / "admin.sock.1.stderr.log").write_text("x")
+        if pid is not None:
+            (d / "owner.pid").write_text(str(pid))
     assert _remove_orphaned_haproxy_dirs(str(tmp_path)) == [str(orphan)]
-    assert mine.exists() and unnamed.exists() and other.exists() and not orphan.exists()
+    assert mine.exists() and unowned.exists() and other.exists() and not orphan.exists()
