@@ -209,6 +209,16 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     return env
 
 
+def remove_haproxy_dir() -> None:
+    """Remove this process's HAProxy folder (made for its own Ray cluster, whether or not that came up)."""
+    global _haproxy_dir
+    if _haproxy_dir:
+        import shutil
+
+        shutil.rmtree(_haproxy_dir, ignore_errors=True)
+        _haproxy_dir = None
+
+
 def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
     """Remove the HAProxy folders of local runs whose process is gone (one killed with SIGKILL cannot remove
     its own; its HAProxy and Ray processes end with it, its files do not). Each folder names its run's pid
@@ -318,7 +328,7 @@ def stop_local(drain: bool = True) -> None:
     `drain`: first wait until the app's requests in flight finished (deployments/drain.py). Without it (the
     process must go now), a Ray cluster this process started is shut down at once.
     """
-    global _started_ray, _app_name, _haproxy_dir
+    global _started_ray, _app_name
     import ray
 
     if ray.is_initialized():
@@ -336,11 +346,7 @@ def stop_local(drain: bool = True) -> None:
         left = end_descendants(exclude=_children_before)
         if left:
             log.info("ended %d process(es) Ray left behind: %s", len(left), ", ".join(left))
-    if _haproxy_dir:  # made for this process's own Ray cluster, whether or not that cluster came up
-        import shutil
-
-        shutil.rmtree(_haproxy_dir, ignore_errors=True)
-        _haproxy_dir = None
+    remove_haproxy_dir()
     _started_ray = False
     _joined[0] = False
     _app_name = None

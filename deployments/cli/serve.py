@@ -142,7 +142,7 @@ def _flags(args) -> list[str]:
 
 def _drive(args, cfg: dict) -> int:
     """The Ray driver: start the app, wait for a stop signal, stop the app."""
-    from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.app import remove_haproxy_dir, start_local, stop_local
     from kvmesh.deployments.process_tree import become_subreaper
 
     become_subreaper()  # leftovers of Ray's workers stay below this process, so stop_local can end them
@@ -187,6 +187,7 @@ def _drive(args, cfg: dict) -> int:
             from kvmesh.deployments.process_tree import end_descendants
 
             end_descendants(grace_s=2.0)
+            remove_haproxy_dir()
             os._exit(1)
         stop_local()
     return 0

@@ -187,10 +187,23 @@ def stream(url: str, key: str | None, results: list, started: threading.Event) -
         started.set()
 
 
+def haproxy_folders(pids: set[int]) -> list[Path]:
+    """The local runs' HAProxy folders (deployments/app.py) whose owner is one of `pids`."""
+    out = []
+    for folder in Path(tempfile.gettempdir()).glob("kvmesh-haproxy-*"):
+        try:
+            owner = int((folder / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner in pids:
+            out.append(folder)
+    return out
+
+
 def stop_and_check(serve: Serve, how: str, drained: int = 0) -> None:
     """Stop `serve` by `how` (one of STOP_WAYS) and check that every process it started is gone within
-    GONE_WITHIN_S of its exit, its output shows no crash, it exited 0 (unless SIGKILLed) and its port no
-    longer answers; with `drained` > 0, that many streams are in flight when it is stopped and each must
+    GONE_WITHIN_S of its exit, its output shows no crash, it exited 0 (unless SIGKILLed), its port no
+    longer answers and its HAProxy folder is gone; with `drained` > 0, that many streams are in flight when it is stopped and each must
     finish whole."""
     assert how in STOP_WAYS, how
     results: list = []
@@ -203,6 +216,8 @@ def stop_and_check(serve: Serve, how: str, drained: int = 0) -> None:
         ev.wait(120)
     procs = serve.tree()
     assert len(procs) > 5, [p.name() for p in procs]  # the relay, the driver, Ray's processes, HAProxy, ...
+    folders = haproxy_folders({p.pid for p in procs})
+    assert folders, "no HAProxy folder names one of the app's processes as its owner"
     if how == "sigint":
         serve.proc.send_signal(signal.SIGINT)
     elif how == "sigterm":
@@ -224,3 +239,4 @@ def stop_and_check(serve: Serve, how: str, drained: int = 0) -> None:
     assert [r[:2] for r in results] == [(200, "length")] * drained, f"{how}: requests in flight were cut: {results}"
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{serve.url}/health", timeout=5)
+    assert not [f for f in folders if f.exists()], f"{how}: the run's HAProxy folder was left behind: {folders}"
