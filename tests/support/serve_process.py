@@ -203,8 +203,8 @@ def haproxy_folders(pids: set[int]) -> list[Path]:
 def stop_and_check(serve: Serve, how: str, drained: int = 0) -> None:
     """Stop `serve` by `how` (one of STOP_WAYS) and check that every process it started is gone within
     GONE_WITHIN_S of its exit, its output shows no crash, it exited 0 (unless SIGKILLed), its port no
-    longer answers and its HAProxy folder is gone; with `drained` > 0, that many streams are in flight when it is stopped and each must
-    finish whole."""
+    longer answers and its HAProxy folder is gone; with `drained` > 0, that many streams are in flight
+    when it is stopped and each must finish whole."""
     assert how in STOP_WAYS, how
     results: list = []
     threads, started = [], []
