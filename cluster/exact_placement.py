@@ -24,15 +24,14 @@ more than a placement computes, so the solver's bound stays a bound.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.mip_rows import MipRows
 from kvmesh.cluster.out_of_reach import balanced_hosts
+from kvmesh.cluster.prefix_tree import merged_chains
 from kvmesh.cluster.trace import TraceRequest
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 
@@ -41,38 +40,9 @@ def _tree(requests: Sequence[TraceRequest], block_size: int):
     """(node weights in tokens, parent index per node (-1: root), end node per request (-1: no full
     block), partial tail tokens per request, node per block), with unbranching chains merged into one
     node."""
-    parent: dict[int, int | None] = {}
-    children: dict[int | None, set[int]] = {}
-    ends: dict[int, int] = {}
-    paths = []
-    for r in requests:
-        path = r.hash_ids[: r.input_length // block_size]
-        above = None
-        for h in path:
-            if h not in parent:
-                parent[h] = above
-                children.setdefault(above, set()).add(h)
-            above = h
-        if above is not None:
-            ends[above] = ends.get(above, 0) + 1
-        paths.append(above)
-    head: dict[int, int] = {}  # block -> index of the merged node it belongs to
-    weight: list[int] = []
-    up: list[int] = []
-    stack = [(h, -1) for h in children.get(None, ())]
-    while stack:  # top-down: a block starts a node unless it is its parent's only child and no request ends there
-        h, above_node = stack.pop()
-        p = parent[h]
-        if p is not None and len(children.get(p, ())) == 1 and not ends.get(p):
-            node = head[p]
-        else:
-            node = len(weight)
-            weight.append(0)
-            up.append(above_node)
-        head[h] = node
-        weight[node] += block_size
-        stack.extend((c, node) for c in children.get(h, ()))
-    end = [head[a] if a is not None else -1 for a in paths]
+    paths = [r.hash_ids[: r.input_length // block_size] for r in requests]
+    weight, up, head = merged_chains(paths, block_size)
+    end = [head[p[-1]] if len(p) else -1 for p in paths]
     tails = [r.input_length % block_size for r in requests]
     return weight, up, end, tails, head
 
@@ -105,27 +75,14 @@ def best_balanced_placement(
     loads in decreasing order (load[0] >= load[1] >= ...); "first use" numbers replicas in the order
     requests first reach them (request r runs on one of replicas 0..r). Either is valid alone; which
     solves faster depends on the workload (`decide_target` tries both)."""
-    import highspy
-
     if replicas < 1 or block_size < 1:
         raise ValueError("replicas and block_size must be >= 1")
     weight, up, end, tails, head_of = _tree(requests, block_size)
     V, n, R = len(weight), len(requests), replicas
     # columns: y[v, m] = v * R + m, then x[r, m] = Y + r * R + m, then load[m] = Y + X + m
     Y, X = V * R, n * R
-    cols = Y + X + R
-    rows_i: list[np.ndarray] = []
-    rows_v: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
-    inf = highspy.kHighsInf
-
-    def add(idx, val, lo, hi):
-        rows_i.append(np.asarray(idx, dtype=np.int32))
-        rows_v.append(np.asarray(val, dtype=np.float64))
-        lower.append(lo)
-        upper.append(hi)
-
+    rows = MipRows()
+    add, inf = rows.add, rows.inf
     ms = np.arange(R)
     for r in range(n):  # each request on one replica
         add(Y + r * R + ms, np.ones(R), 1.0, 1.0)
@@ -184,31 +141,17 @@ def best_balanced_placement(
     elif symmetry != "first use":
         raise ValueError(f"symmetry must be 'loads' or 'first use', got {symmetry!r}")
 
-    lp = highspy.HighsLp()
-    lp.num_col_ = cols
-    lp.num_row_ = len(lower)
-    lp.col_cost_ = np.concatenate([np.zeros(Y + X), np.ones(R)])
-    lp.col_lower_ = np.zeros(cols)
     x_upper = np.ones((n, R))
     if symmetry == "first use":
         x_upper[np.arange(R)[None, :] > np.arange(n)[:, None]] = 0.0
-    lp.col_upper_ = np.concatenate([np.ones(Y), x_upper.ravel(), np.full(R, inf)])
-    lp.row_lower_ = np.asarray(lower)
-    lp.row_upper_ = np.asarray(upper)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum([len(i) for i in rows_i])]).astype(np.int32)
-    lp.a_matrix_.index_ = np.concatenate(rows_i)
-    lp.a_matrix_.value_ = np.concatenate(rows_v)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * (Y + X) + [highspy.HighsVarType.kContinuous] * R
-    with _stdout_muted():  # HiGHS prints its banner from C++ when the first solver is made
-        solver = highspy.Highs()
-    solver.setOptionValue("output_flag", False)
-    solver.setOptionValue("time_limit", float(time_limit_s))
-    solver.setOptionValue("threads", 1)
-    if max_computed is not None:
-        solver.setOptionValue("mip_max_improving_sols", 1)  # any placement within the limit answers the question
-    solver.passModel(lp)
-    solver.run()
+    solver = rows.solve(
+        np.concatenate([np.zeros(Y + X), np.ones(R)]),
+        np.zeros(Y + X + R),
+        np.concatenate([np.ones(Y), x_upper.ravel(), np.full(R, inf)]),
+        Y + X,
+        time_limit_s,
+        first_solution=max_computed is not None,  # any placement within the limit answers the question
+    )
     info = solver.getInfo()
     status = solver.modelStatusToString(solver.getModelStatus())
     placement = None
@@ -227,21 +170,6 @@ def best_balanced_placement(
         "status": status,
         "nodes": V,
     }
-
-
-@contextlib.contextmanager
-def _stdout_muted():
-    """Send file descriptor 1 to /dev/null for the block: output written by C code goes nowhere, not
-    only Python's (`sys.stdout` is flushed first so nothing already printed is lost)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def replay_placement(

@@ -34,50 +34,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.cluster.exact_placement import _stdout_muted
+from kvmesh.cluster.mip_rows import MipRows
+from kvmesh.cluster.prefix_tree import merged_chains
 from kvmesh.cluster.trace import TraceRequest
 
 
 def _tier_tree(requests: Sequence[TraceRequest], block_size: int):
     """(node weights in tokens, requests through each node, nodes a boundary prompt's tail may compute,
     tail tokens per request), chains merged into one node."""
-    parent: dict = {}
-    children: dict = {}
-    ends: set = set()
-    paths = []
-    boundary_last: set = set()
-    for r in requests:
-        n = r.input_length
-        most = max(0, (n - 1) // block_size)
-        path = list(r.hash_ids[:most])
-        if n % block_size == 0 and len(r.hash_ids) >= n // block_size:
-            boundary_last.add(r.hash_ids[n // block_size - 1])
-        above = None
-        for h in path:
-            if h not in parent:
-                parent[h] = above
-                children.setdefault(above, []).append(h)
-            above = h
-        if above is not None:
-            ends.add(above)
-        paths.append(path)
-    head: dict = {}
-    weight: list[int] = []
-    covered: list[bool] = []
-    stack = list(children.get(None, ()))
-    while stack:  # top-down: a block joins its parent's node when it is the only child and no path ends there
-        h = stack.pop()
-        p = parent[h]
-        if p is not None and len(children.get(p, ())) == 1 and p not in ends:
-            node = head[p]
-        else:
-            node = len(weight)
-            weight.append(0)
-            covered.append(False)
-        head[h] = node
-        weight[node] += block_size
-        covered[node] = covered[node] or h in boundary_last
-        stack.extend(children.get(h, ()))
+    paths = [list(r.hash_ids[: max(0, (r.input_length - 1) // block_size)]) for r in requests]
+    boundary_last = {
+        r.hash_ids[r.input_length // block_size - 1]
+        for r in requests
+        if r.input_length % block_size == 0 and len(r.hash_ids) >= r.input_length // block_size > 0
+    }
+    weight, _, head = merged_chains(paths, block_size)
+    covered = [False] * len(weight)
+    for h in boundary_last:
+        if h in head:
+            covered[head[h]] = True
     through: list[set[int]] = [set() for _ in weight]
     for k, path in enumerate(paths):
         for h in path:
@@ -125,8 +100,6 @@ def tier_target_out_of_reach(
     compute on its own replica: its tail and the nodes only it passes through). `users` (one per request,
     None for a request without one) says the requests are sent by the closed-loop client; without it they
     arrive in trace order."""
-    import highspy
-
     if replicas < 1 or block_size < 1:
         raise ValueError("replicas and block_size must be >= 1")
     prompt = sum(r.input_length for r in requests)
@@ -143,18 +116,8 @@ def tier_target_out_of_reach(
         return {**out, "verdict": "out of reach", "by": "one request"}
     V, n, R = len(weight), len(requests), replicas
     Y, X = V * R, n * R  # columns: y[v, m] = v * R + m, x[r, m] = Y + r * R + m, load[m] = Y + X + m
-    rows_i: list[np.ndarray] = []
-    rows_v: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
-    inf = highspy.kHighsInf
-
-    def add(idx, val, lo, hi):
-        rows_i.append(np.asarray(idx, dtype=np.int32))
-        rows_v.append(np.asarray(val, dtype=np.float64))
-        lower.append(lo)
-        upper.append(hi)
-
+    rows = MipRows()
+    add, inf = rows.add, rows.inf
     ms = np.arange(R)
     for r in range(n):
         add(Y + r * R + ms, np.ones(R), 1.0, 1.0)
@@ -177,27 +140,9 @@ def tier_target_out_of_reach(
     add(Y + X + ms, np.ones(R), -inf, allowed)
     for m in range(R - 1):  # replicas are interchangeable: loads in decreasing order
         add([Y + X + m, Y + X + m + 1], [1.0, -1.0], 0.0, inf)
-    lp = highspy.HighsLp()
-    lp.num_col_ = Y + X + R
-    lp.num_row_ = len(lower)
-    lp.col_cost_ = np.concatenate([np.zeros(Y + X), np.ones(R)])
-    lp.col_lower_ = np.zeros(Y + X + R)
-    lp.col_upper_ = np.concatenate([np.ones(Y + X), np.full(R, max_load)])
-    lp.row_lower_ = np.asarray(lower)
-    lp.row_upper_ = np.asarray(upper)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum([len(i) for i in rows_i])]).astype(np.int32)
-    lp.a_matrix_.index_ = np.concatenate(rows_i)
-    lp.a_matrix_.value_ = np.concatenate(rows_v)
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * (Y + X) + [highspy.HighsVarType.kContinuous] * R
-    with _stdout_muted():
-        solver = highspy.Highs()
-    solver.setOptionValue("output_flag", False)
-    solver.setOptionValue("time_limit", float(time_limit_s))
-    solver.setOptionValue("threads", 1)
-    solver.setOptionValue("mip_max_improving_sols", 1)
-    solver.passModel(lp)
-    solver.run()
+    cost = np.concatenate([np.zeros(Y + X), np.ones(R)])
+    upper = np.concatenate([np.ones(Y + X), np.full(R, max_load)])
+    solver = rows.solve(cost, np.zeros(Y + X + R), upper, Y + X, time_limit_s, first_solution=True)
     status = solver.modelStatusToString(solver.getModelStatus())
     if status == "Infeasible":
         verdict = "out of reach"

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from paths import FIXTURES
+from sim_fakes import COST, FixedPlacement
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.bounds import compute_bounds, infinite_hit_rate, lru_hit_rate
@@ -15,15 +16,6 @@ from kvmesh.cluster.simulator import SimConfig, simulate, simulate_policy
 from kvmesh.cluster.trace import Trace, TraceError, TraceRequest, load_trace, scale_to_load, tile
 from kvmesh.policies.cost_model import CostModel
 from kvmesh.policies.registry import PEERS, POLICY_NAMES, make_policy
-
-COST = CostModel(
-    prefill_s_per_token=0.01,
-    prefill_base_s=0.1,
-    decode_s_per_token=0.001,
-    host_load_s_per_token=0.001,
-    shared_load_s_per_token=0.005,
-    max_batch=64,
-)
 
 
 def tiny_trace(*reqs, block_size=4):
@@ -228,34 +220,12 @@ def test_a_prefix_stored_before_the_request_starts_loads_without_holding():
     # third request, which then loads it (vLLM looks a waiting request up when it schedules it)
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (0, 20, 0, [7, 8, 9, 10, 11]), (100, 13, 0, [1, 2, 3, 4]))
     cfg = SimConfig(2, 10, shared=True, tier_store_at="computed", cost=COST)
-    m = simulate_policy(t, cfg, _FixedPlacement([0, 1, 1], hold=False))
+    m = simulate_policy(t, cfg, FixedPlacement([0, 1, 1], hold=False))
     assert m["hit_tokens_by_tier"]["shared"] == 12 and m["held_for_tier"] == 0
 
 
-class _FixedPlacement:
-    """Places request i on replica `order[i]`; never holds unless told to."""
-
-    name = "fixed"
-    uses_index = True
-
-    def __init__(self, order, hold: bool):
-        self.order, self.hold = order, hold
-
-    def on_replica_added(self, rid):
-        pass
-
-    def best(self, request, fleet):
-        return self.order[int(request.request_id)]
-
-    def on_routed(self, *a, **k):
-        pass
-
-    def hold_worth(self, missing_tokens, extra_wait_s):
-        return self.hold
-
-
-class _Recording(_FixedPlacement):
-    """`_FixedPlacement` that records what each request's fleet said was in flight."""
+class _Recording(FixedPlacement):
+    """`FixedPlacement` that records what each request's fleet said was in flight."""
 
     def __init__(self, order):
         super().__init__(order, hold=True)

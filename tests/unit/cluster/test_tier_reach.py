@@ -9,44 +9,14 @@ import random
 
 import pytest
 from prefix_workloads import branching_requests
+from sim_fakes import COST, FixedPlacement
 
 from kvmesh.cluster.simulator import SimConfig, simulate_policy
 from kvmesh.cluster.sweep import prefill_max_over_mean
 from kvmesh.cluster.tier_reach import tier_target_out_of_reach
 from kvmesh.cluster.trace import Trace, TraceRequest
-from kvmesh.policies.cost_model import CostModel
 
 BS = 4
-COST = CostModel(
-    prefill_s_per_token=0.01,
-    prefill_base_s=0.1,
-    decode_s_per_token=0.001,
-    host_load_s_per_token=0.001,
-    shared_load_s_per_token=0.005,
-    max_batch=64,
-)
-
-
-class _Fixed:
-    """Places request i on `order[i]`; holds for a prefix in flight when `hold`."""
-
-    name = "fixed"
-    uses_index = True
-
-    def __init__(self, order, hold):
-        self.order, self.hold = order, hold
-
-    def on_replica_added(self, rid):
-        pass
-
-    def best(self, request, fleet):
-        return self.order[int(request.request_id)]
-
-    def on_routed(self, *a, **k):
-        pass
-
-    def hold_worth(self, missing_tokens, extra_wait_s):
-        return self.hold
 
 
 def pareto(points):
@@ -64,7 +34,7 @@ def test_no_simulated_placement_meets_a_target_the_proof_rules_out(seed):
     got = set()
     for order in itertools.product(range(replicas), repeat=len(requests)):
         for hold in (False, True):
-            m = simulate_policy(trace, cfg, _Fixed(order, hold))
+            m = simulate_policy(trace, cfg, FixedPlacement(order, hold))
             got.add((round(m["hit_rate_tokens"], 9), round(prefill_max_over_mean(m["per_replica"]), 9)))
     for hit, imbalance in pareto(got):
         res = tier_target_out_of_reach(requests, BS, replicas, hit * (1 - 1e-9), imbalance * (1 + 1e-9))
