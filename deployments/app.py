@@ -227,9 +227,9 @@ def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
 
     gone = []
     for name in os.listdir(parent):
-        path = os.path.join(parent, name)
         if not name.startswith(_HAPROXY_DIR_PREFIX):
             continue
+        path = os.path.join(parent, name)
         try:
             with open(os.path.join(path, _OWNER_FILE), encoding="utf-8") as fh:
                 pid = fh.read().strip()

@@ -43,7 +43,7 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import HoldSource, loadable_prefixes, loadable_source, prefill_left_s
+from kvmesh.deployments.tier_hold import HoldSource, loadable_source, loadable_sources, prefill_left_s, prefixes_from
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -462,12 +462,13 @@ class KvmeshRouter(RequestRouter):
         fleet = FleetView.from_views(views)
         # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
+        known = None
         if (self._inflight or self.peers.placements) and self.tiers.any_node():
-            self._add_inflight(info, fleet)
+            known = self._add_inflight(info, fleet)
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         by_view = {v.replica_id: v for v in views}
         if ranked:
-            await self._hold_for_inflight(info, matches, by_view, ranked[0], policy)
+            await self._hold_for_inflight(info, matches, by_view, ranked[0], policy, known)
         # Commit to the first choice now: Serve may still await a queue-length probe before it places
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
         # cold requests all pick the same idle replica.
@@ -482,28 +483,38 @@ class KvmeshRouter(RequestRouter):
         self.decision_s += time.perf_counter() - t0
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
-    def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> None:
+    def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> dict:
         """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
         a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
-        not only keep a new prompt's later requests on the replica computing it."""
+        not only keep a new prompt's later requests on the replica computing it. Returns replica -> the
+        source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking."""
         sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
         have = fleet.shared_blocks.tolist()
-        blocks, ready_s = loadable_prefixes(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
+        found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
+        blocks, ready_s = prefixes_from(found, have)
         if blocks is not None:
             fleet.inflight_blocks = np.asarray(blocks, dtype=np.int64)
             fleet.inflight_ready_s = ready_s
+        return dict(zip(fleet.ids, found))
 
-    async def _hold_for_inflight(self, info: RequestInfo, matches: dict, views: dict, top: str, policy) -> None:
+    async def _hold_for_inflight(
+        self, info: RequestInfo, matches: dict, views: dict, top: str, policy, known: dict | None = None
+    ) -> None:
         """When another replica is computing a longer prefix of this request than `top` (the replica ranked
         first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): if its
         first token is back the prefix is stored already; else wait for that first token when the policy
         finds the wait worth it (`Policy.hold_worth`). Either way `top`'s match and view then count the
-        prefix as tier-resident, so the policy's credit and the predicted cached tokens include it."""
+        prefix as tier-resident, so the policy's credit and the predicted cached tokens include it. `known`:
+        the sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed
+        since), so the in-flight requests are not scanned again."""
         have = matches.get(top, (0, 0, 0))
         if not (self._inflight or self.peers.placements) or max((m[2] for m in matches.values()), default=0) <= have[2]:
             return
-        sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
-        found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
+        if known is not None and top in known:
+            found = known[top]
+        else:
+            sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
+            found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
         if found is None:
             return
         src, blocks = found

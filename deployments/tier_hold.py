@@ -63,55 +63,66 @@ def common_blocks(a: Sequence, b: Sequence) -> int:
     return lo
 
 
-def loadable_source(
-    hashes: Sequence, request_id: str | None, target: str, have: int, inflight: Iterable[Any], tiers: _Stored
-) -> tuple[Any, int] | None:
-    """(the in-flight request, blocks of `hashes` it leaves loadable on `target`) for the one that leaves
-    the most beyond the `have` blocks `target` can already serve, or None. `inflight` holds objects with
-    `replica` and `info` (a RequestInfo); one on `target` itself is skipped (that prefix is in its hbm)."""
-    best, best_blocks = None, have
-    for st in inflight:
-        if st.replica == target or (request_id and st.info.request_id == request_id):
-            continue
-        other = st.info.block_hashes
-        if len(other) <= best_blocks or len(hashes) <= best_blocks or other[best_blocks] != hashes[best_blocks]:
-            continue  # cannot beat the best so far (chained hashes: equal there means equal before)
-        shared = common_blocks(hashes, other)
-        blocks = min(shared, tiers.stored_prefix(st.replica, target, len(other)))
-        if blocks > best_blocks:
-            best, best_blocks = st, blocks
-    return (best, best_blocks) if best is not None else None
-
-
-def loadable_prefixes(
-    hashes: Sequence, request_id: str | None, replicas: Sequence[str], have: Sequence[int], inflight, tiers: _Stored
-) -> tuple[list[int] | None, float]:
-    """(per replica in `replicas`, the longest prefix of `hashes` it could load once a request in `inflight`
-    has stored its prefill, never less than its `have`; the predicted seconds until the prefill leaving the
-    longest such prefix ends, 0 once its first token is back), or (None, 0.0) when no replica gains.
-    `loadable_source` for every replica at once: what the policy scores a hold by
-    (`FleetView.inflight_blocks`) before it ranks."""
+def loadable_sources(
+    hashes: Sequence,
+    request_id: str | None,
+    replicas: Sequence[str],
+    have: Sequence[int],
+    inflight: Iterable[Any],
+    tiers: _Stored,
+) -> list[tuple[Any, int] | None]:
+    """Per replica in `replicas`: (the in-flight request leaving the most of `hashes` loadable there beyond
+    the replica's `have` blocks, those blocks), or None. `inflight` holds objects with `replica` and `info`
+    (a RequestInfo); one on the replica itself is skipped (that prefix is in its hbm), and so is the request
+    itself. One pass over `inflight` serves every replica."""
     lo = min(have, default=0)
-    found = []  # (source, blocks it shares with the request)
+    found = []  # (source, blocks it shares with the request), for sources sharing more than `lo` blocks
     for st in inflight:
         if request_id and st.info.request_id == request_id:
             continue
         other = st.info.block_hashes
         if len(other) <= lo or len(hashes) <= lo or other[lo] != hashes[lo]:
-            continue
+            continue  # shares no more than `lo` (chained hashes: equal there means equal before)
         found.append((st, common_blocks(hashes, other)))
-    if not found:
-        return None, 0.0
-    out, best, most = list(have), None, 0
-    for k, rid in enumerate(replicas):
+    out: list[tuple[Any, int] | None] = []
+    for rid, own in zip(replicas, have):
+        best, most = None, own
         for st, shared in found:
-            if st.replica == rid or shared <= out[k]:
+            if st.replica == rid or shared <= most:
                 continue
             blocks = min(shared, tiers.stored_prefix(st.replica, rid, len(st.info.block_hashes)))
-            if blocks > out[k]:
-                out[k] = blocks
-                if blocks > most:
-                    best, most = st, blocks
+            if blocks > most:
+                best, most = st, blocks
+        out.append((best, most) if best is not None else None)
+    return out
+
+
+def loadable_source(
+    hashes: Sequence, request_id: str | None, target: str, have: int, inflight: Iterable[Any], tiers: _Stored
+) -> tuple[Any, int] | None:
+    """`loadable_sources` for one replica, `target`."""
+    return loadable_sources(hashes, request_id, [target], [have], inflight, tiers)[0]
+
+
+def loadable_prefixes(
+    hashes: Sequence, request_id: str | None, replicas: Sequence[str], have: Sequence[int], inflight, tiers: _Stored
+) -> tuple[list[int] | None, float]:
+    """`prefixes_from` the `loadable_sources` of every replica."""
+    return prefixes_from(loadable_sources(hashes, request_id, replicas, have, inflight, tiers), have)
+
+
+def prefixes_from(found: Sequence[tuple[Any, int] | None], have: Sequence[int]) -> tuple[list[int] | None, float]:
+    """(per replica, the longest prefix it could load once a request in flight has stored its prefill,
+    never less than its `have`; the predicted seconds until the prefill leaving the longest such prefix
+    ends, 0 once its first token is back), or (None, 0.0) when no replica gains: what the policy scores a
+    hold by (`FleetView.inflight_blocks`) before it ranks. `found` is `loadable_sources`'s answer."""
+    out, best = list(have), None
+    for k, f in enumerate(found):
+        if f is not None:
+            out[k] = f[1]
+            if best is None or f[1] > best[1]:
+                best = f
     if best is None:
         return None, 0.0
-    return out, 0.0 if best.first_token else best.prefill_left_s()
+    src = best[0]
+    return out, 0.0 if src.first_token else src.prefill_left_s()
