@@ -28,6 +28,17 @@ the least recent work, which is what spreads a shared prompt over the fleet; rep
 (nothing sent there yet) are drawn by the prompt's hash, so routers that start together do not all
 send their first requests to the first replica.
 
+Why an overshoot charge beside the guard: the guard charges only work already sent, so a replica just
+within its bound takes a whole request at no charge and may end far past it (simulated with the shared
+tier, eval draw 2034: a conversation's last turn took its replica from 1.10 to 1.29 x the mean while a
+third replica had half the mean). The part of the request's own prefill that would carry a replica past
+`overshoot_cap` (1.25) x the mean is charged at `overshoot_weight` (3) per token, a tenth of the guard's
+weight: enough to move a request whose history another replica can load (a shared tier) or that is
+small beside the overshoot, too little to move conversations that would recompute their history. The
+cap is the fleet's imbalance target; 3 was chosen on the tune draws (1, 3, 10, 30 at caps 1.1-1.3) as
+the weight that met the target on 48/50 while keeping p50 TTFT at or below round robin's on the most
+draws.
+
 Why a second, short window (hot-prefix spread): the guard's memory is long (the simulator's hit rate
 needs it), so it balances totals since start-up. At low load, after a change of workload, it keeps
 "paying back" old imbalance: live, a flood of requests sharing one system prompt that followed other
@@ -103,6 +114,8 @@ class KvmeshPolicy(Policy):
         hot_fanout: int = 8,
         hot_recompute_weight: float = 10.0,
         guard_weight: float | None = 30.0,
+        overshoot_cap: float = 1.25,
+        overshoot_weight: float = 3.0,
         hold_for_tier: bool = True,
         **params,
     ):
@@ -117,6 +130,8 @@ class KvmeshPolicy(Policy):
             hot_fanout=hot_fanout,
             hot_recompute_weight=hot_recompute_weight,
             guard_weight=guard_weight,
+            overshoot_cap=overshoot_cap,
+            overshoot_weight=overshoot_weight,
             hold_for_tier=hold_for_tier,
             **params,
         )
@@ -128,14 +143,19 @@ class KvmeshPolicy(Policy):
             or hot_fanout < 2
             or hot_recompute_weight < 0
             or (guard_weight is not None and guard_weight < 0)
+            or not overshoot_cap >= 1
+            or not overshoot_weight >= 0
         ):
             raise ValueError(
                 "kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
-                "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0"
+                "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0, "
+                "overshoot_cap >= 1, overshoot_weight >= 0"
             )
         self.hot_fanout = hot_fanout
         self.hot_recompute_weight = hot_recompute_weight
         self.guard_weight = guard_weight
+        self.overshoot_cap = overshoot_cap
+        self.overshoot_weight = overshoot_weight
         self.hold_for_tier = bool(hold_for_tier)
         # block hash -> its continuations seen so far: one (bare), several (a set), or True once
         # hot_fanout distinct ones were seen (a fork: a shared prompt many requests branch from)
@@ -306,6 +326,10 @@ class KvmeshPolicy(Policy):
         bound = limit = (1.0 + self.balance_slack) * (total / live)
         if self.guard_weight is not None:  # soft: every token over the bound is charged
             cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
+            if self.overshoot_weight:  # and this request's own tokens past the cap
+                cap = self.overshoot_cap * (total / live)
+                over = np.maximum(work + uncached - cap, 0.0) - np.maximum(work - cap, 0.0)
+                cost = cost + self.overshoot_weight * over
             limit = np.inf
         else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
             limit = limit + request.num_tokens

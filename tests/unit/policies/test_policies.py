@@ -595,3 +595,27 @@ def test_kvmesh_holds_a_prompt_being_computed_on_an_idle_replica_rather_than_que
     route(q, first, views(4), rid="r0")
     fleet.inflight_ready_s = prefill_s
     assert fleet.ids[q.place(second, fleet)[0]] == "r0"
+
+
+def test_kvmesh_charges_a_request_whose_own_prefill_would_carry_its_replica_past_the_cap():
+    """r1 holds a conversation's history and sits just within the guard's bound (1.10 x the mean), so the
+    guard charges nothing there; the next turn's own 2 blocks would still carry r1 to 1.64 x the mean. With
+    the history in the shared tier, the turn goes to the least-worked replica and loads it there; without
+    the charge (`overshoot_weight=0`) it stays on r1, as the guard alone lets it."""
+
+    def placed(**kw):
+        p = make_policy("kvmesh", **kw)
+        route(p, req(range(100, 104)), views(3), rid="r0")
+        route(p, req(range(200, 204)), views(3), rid="r1")  # the conversation's first turn
+        route(p, req(range(300, 303)), views(3), rid="r2")
+        work = p.recent_work()
+        mean = sum(work.values()) / 3
+        assert work["r1"] <= (1 + p.balance_slack) * mean < work["r1"] + 2 * BS
+        history = {0: 0, 1: 4, 2: 0}
+        vs = views(3, hbm_blocks=history, host_blocks=history, shared_blocks={0: 4, 1: 4, 2: 4})
+        return p.rank(req([*range(200, 204), 204, 205]), vs)[0]
+
+    assert placed() == "r2"
+    assert placed(overshoot_weight=0.0) == "r1"
+    with pytest.raises(ValueError):
+        make_policy("kvmesh", overshoot_cap=0.9)
