@@ -14,8 +14,9 @@ placement meets the target, so the miss is the policy's. Writes
 `BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N
 eval seeds (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh and round robin on
 fresh local apps) and compared with the simulator in the same send order (`benchmarks/robust_live.py`;
-about 2 minutes per draw here); ROBUST_LIVE_TIER=1 adds kvmesh with LMCache tiers (and a redis-server) on
-each live draw, beside the simulator's shared-tier prediction.
+about 2 minutes per draw here); ROBUST_LIVE_TIER=1 adds kvmesh and round robin with LMCache tiers (and a
+redis-server) on each live draw, beside the simulator's shared-tier prediction, and judges kvmesh with
+LMCache by the same live targets, its TTFT against round robin's on the same LMCache engines.
 """
 
 from __future__ import annotations

@@ -284,7 +284,8 @@ def compare(live: dict, sim: dict) -> dict:
 
 def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict]:
     """Per draw: bounds, kvmesh, round robin and the peer router live, the simulator in the same send
-    order; with `tier` also kvmesh with LMCache tiers (`live_app`) and its simulation with a shared tier."""
+    order; with `tier` also kvmesh and round robin with LMCache tiers (`live_app`: the deployed configuration,
+    and the baseline on the same engines) and kvmesh's simulation with a shared tier."""
     rows = []
     for seed in seeds:
         d = draw(seed)
@@ -304,6 +305,7 @@ def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict
         }
         if tier:
             row["kvmesh_tier"] = run_live(recs, d, n, "kvmesh", log, tier=True)
+            row["round_robin_tier"] = run_live(recs, d, n, "round_robin", log, tier=True)
             row["sim_tier"] = simulate_in_send_order(recs, d, n, "kvmesh", shared=True)
         row["bounds"]["peer_target"] = peer_target(recs, d, n, row["peer"]["hit"])
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
@@ -327,6 +329,12 @@ def live_checks(row: dict) -> dict[str, bool]:
         checks[f"hit >= {row['peer']['setup']} - 0.03"] = k["hit"] >= row["peer"]["hit"] - 0.03
     if "sim_round_robin" in row:  # nor the simulated round robin
         checks["simulated TTFT p50 <= round robin's"] = row["sim"]["ttft_p50_s"] <= row["sim_round_robin"]["ttft_p50_s"]
+    if "round_robin_tier" in row:  # the deployed configuration, against round robin on the same LMCache engines
+        t, rt = row["kvmesh_tier"], row["round_robin_tier"]
+        checks["with LMCache: hit >= 0.95 x balance-bounded"] = t["hit"] >= 0.95 * b["balance"]
+        checks["with LMCache: prefill max/mean <= 1.25"] = t["prefill_max_over_mean"] <= 1.25
+        checks["with LMCache: TTFT p50 <= round robin's with LMCache"] = t["ttft_p50_s"] <= rt["ttft_p50_s"]
+        checks["with LMCache: zero errors"] = t["errors"] == 0
     return checks
 
 
@@ -371,6 +379,12 @@ def format_live(rows: Sequence[dict]) -> str:
                 f"{t['errors']} errors; simulated with a shared tier: hit {st['hit']:.3f}, "
                 f"max/mean {st['prefill_max_over_mean']:.2f}"
             )
+            if (rt := r.get("round_robin_tier")) is not None:  # rows saved before it was added have none
+                lines.append(
+                    f"  {r['seed']}: round robin with LMCache: hit {rt['hit']:.3f}, prefill max/mean "
+                    f"{rt['prefill_max_over_mean']:.2f}, TTFT p50 {rt['ttft_p50_s'] * 1e3:.0f} ms, "
+                    f"{rt['errors']} errors"
+                )
     for r in rows:
         if "sim_round_robin" in r:
             lines.append(
