@@ -60,7 +60,9 @@ class VllmServer:
     kv_endpoint: str  # where a subscriber connects: ipc://DIR/kv, or tcp://127.0.0.1:ZPORT
     topic: str
     proc: procs.Proc = field(repr=False)
-    events_dir: str | None = None  # the 0700 folder of an ipc endpoint, removed with the server
+    # the server's 0700 folder, removed with it: its KV-event socket (unless on TCP) and vLLM's own IPC
+    # sockets (VLLM_RPC_BASE_PATH), which vLLM leaves behind in /tmp otherwise
+    private_dir: str | None = None
 
 
 def server_command(spec: EngineSpec, port: int, kv_bind: str, topic: str) -> list[str]:
@@ -111,34 +113,35 @@ def start_servers(
     `kv_events_tcp`: publish KV events on TCP (every interface) for a peer that subscribes over TCP;
     otherwise on a private unix socket."""
     servers: list[VllmServer] = []
-    events_dir = None
+    private_dir = None
     try:
         for i in range(n):
             port = free_port()
-            events_dir = None
+            # mkdtemp is 0700; /tmp keeps the socket paths within ipc's ~107 bytes
+            private_dir = tempfile.mkdtemp(prefix="kvmesh-peer-", dir="/tmp")
             if kv_events_tcp:
                 kv_port = free_port()
                 kv_bind, kv_endpoint = f"tcp://*:{kv_port}", f"tcp://127.0.0.1:{kv_port}"
-            else:  # mkdtemp is 0700; /tmp keeps the path within ipc's ~107 bytes
-                events_dir = tempfile.mkdtemp(prefix="kvmesh-peer-ev-", dir="/tmp")
-                kv_bind = kv_endpoint = f"ipc://{events_dir}/kv"
+            else:
+                kv_bind = kv_endpoint = f"ipc://{private_dir}/kv"
             topic = spec.kv_topic
             env = {
                 "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gb),
                 "VLLM_CACHE_ROOT": str(work_dir / f"vllm-cache-{i}"),
                 "OMP_NUM_THREADS": str(spec.omp_threads),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.in_process_engine else "1",
+                "VLLM_RPC_BASE_PATH": private_dir,
             }
             proc = procs.start(f"vllm-{i}", server_command(spec, port, kv_bind, topic), work_dir / "logs", env)
-            servers.append(VllmServer(f"http://127.0.0.1:{port}", kv_endpoint, topic, proc, events_dir))
-            events_dir = None  # the server owns it now
+            servers.append(VllmServer(f"http://127.0.0.1:{port}", kv_endpoint, topic, proc, private_dir))
+            private_dir = None  # the server owns it now
         procs.wait_ready([s.proc for s in servers], [s.url + "/health" for s in servers], deadline_s)
         # /health can answer a moment before the model endpoint does
         procs.wait_ready([s.proc for s in servers], [s.url + "/v1/models" for s in servers], 60)
     except BaseException:  # a failed start, a server that never answers, or an interrupt: none left behind
         stop_servers(servers)
-        if events_dir:
-            shutil.rmtree(events_dir, ignore_errors=True)
+        if private_dir:
+            shutil.rmtree(private_dir, ignore_errors=True)
         raise
     return servers
 
@@ -146,5 +149,5 @@ def start_servers(
 def stop_servers(servers: list[VllmServer]) -> None:
     procs.stop_all([s.proc for s in servers])
     for s in servers:
-        if s.events_dir:
-            shutil.rmtree(s.events_dir, ignore_errors=True)
+        if s.private_dir:
+            shutil.rmtree(s.private_dir, ignore_errors=True)

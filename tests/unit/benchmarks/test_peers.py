@@ -245,7 +245,8 @@ def test_engine_trace_gives_one_id_per_engine_block_and_keeps_tenants_apart():
 @pytest.mark.parametrize("tcp", [False, True])
 def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_tcp(tcp, monkeypatch, tmp_path):
     """By default each bare vLLM server's KV events (token ids included) go to a unix socket in a 0700
-    folder, removed with the server; only a run with a TCP-subscribing peer binds them on TCP."""
+    folder, removed with the server; only a run with a TCP-subscribing peer binds them on TCP. vLLM's own
+    IPC sockets go to the same folder either way (`VLLM_RPC_BASE_PATH`), so none is left in /tmp."""
     import json
     import os
     import stat
@@ -255,28 +256,32 @@ def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_
     started = []
 
     class FakeProc:
-        def __init__(self, cmd):
-            self.cmd = cmd
+        def __init__(self, cmd, env):
+            self.cmd, self.env = cmd, env
 
-    monkeypatch.setattr(procs, "start", lambda name, cmd, log_dir, env: started.append(FakeProc(cmd)) or started[-1])
+    monkeypatch.setattr(
+        procs, "start", lambda name, cmd, log_dir, env: started.append(FakeProc(cmd, env)) or started[-1]
+    )
     monkeypatch.setattr(procs, "wait_ready", lambda *a, **k: None)
     monkeypatch.setattr(procs, "stop_all", lambda ps: None)
     servers = engines.start_servers(2, engines.EngineSpec(model="m"), tmp_path, kv_events_tcp=tcp)
     binds = [json.loads(p.cmd[p.cmd.index("--kv-events-config") + 1])["endpoint"] for p in started]
     assert len(set(binds)) == 2
-    for s, bind in zip(servers, binds):
+    for s, bind, p in zip(servers, binds, started):
+        assert s.private_dir and stat.S_IMODE(os.stat(s.private_dir).st_mode) == 0o700
+        assert p.env["VLLM_RPC_BASE_PATH"] == s.private_dir
         if tcp:
             port = bind.removeprefix("tcp://*:")
-            assert port.isdigit() and s.kv_endpoint == f"tcp://127.0.0.1:{port}" and s.events_dir is None
+            assert port.isdigit() and s.kv_endpoint == f"tcp://127.0.0.1:{port}"
         else:
-            assert bind == s.kv_endpoint == f"ipc://{s.events_dir}/kv"
-            assert stat.S_IMODE(os.stat(s.events_dir).st_mode) == 0o700
+            assert bind == s.kv_endpoint == f"ipc://{s.private_dir}/kv"
+    assert len({s.private_dir for s in servers}) == 2
     engines.stop_servers(servers)
-    assert not any(s.events_dir and os.path.exists(s.events_dir) for s in servers)
+    assert not any(os.path.exists(s.private_dir or "") for s in servers)
 
 
 def test_peer_servers_failing_to_start_leave_no_process_or_folder(monkeypatch, tmp_path):
-    """When the second server cannot be started, the first is stopped and neither event folder is left."""
+    """When the second server cannot be started, the first is stopped and neither private folder is left."""
     import glob
 
     from kvmesh.benchmarks.peers import engines, procs
@@ -289,11 +294,11 @@ def test_peer_servers_failing_to_start_leave_no_process_or_folder(monkeypatch, t
         started.append(name)
         return name
 
-    before = set(glob.glob("/tmp/kvmesh-peer-ev-*"))
+    before = set(glob.glob("/tmp/kvmesh-peer-*"))
     monkeypatch.setattr(procs, "start", start)
     monkeypatch.setattr(procs, "wait_ready", lambda *a, **k: None)
     monkeypatch.setattr(procs, "stop_all", stopped.extend)
     with pytest.raises(OSError, match="cannot start"):
         engines.start_servers(2, engines.EngineSpec(model="m"), tmp_path)
     assert stopped == ["vllm-0"]
-    assert set(glob.glob("/tmp/kvmesh-peer-ev-*")) == before
+    assert set(glob.glob("/tmp/kvmesh-peer-*")) == before
