@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -192,12 +193,17 @@ def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
     spec = engines.EngineSpec(model=resolve_model("tiny"), block_size=ENGINE_BLOCK, max_model_len=4096)
     work = Path(tempfile.mkdtemp(prefix="kvmesh-robust-peer-"))
     t0 = time.perf_counter()
-    servers = engines.start_servers(replicas, spec, work)
+    try:
+        servers = engines.start_servers(replicas, spec, work)
+    except BaseException:
+        log(f"    the vLLM servers did not start; their logs: {work / 'logs'}")
+        raise
     try:
         log(f"    {replicas} vLLM servers up in {time.perf_counter() - t0:.0f}s")
         yield servers, spec, work
     finally:
         engines.stop_servers(servers)
+    shutil.rmtree(work, ignore_errors=True)  # kept (above) only when the leg failed
 
 
 def peer_setup(name: str):

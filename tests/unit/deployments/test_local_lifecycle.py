@@ -105,7 +105,7 @@ def test_a_replica_waiting_for_resources_becomes_a_one_line_reason():
     assert unschedulable_reason(ServeStatus(applications={"kvmesh": app}), "kvmesh") is None
 
 
-def test_a_stopped_run_ends_what_its_children_orphaned():
+def test_a_stopped_run_ends_what_its_children_orphaned(tmp_path):
     """A subreaper inherits a grandchild whose parent exited (as HAProxy outlives a killed Ray worker) and
     end_descendants ends it; without the subreaper, the orphan would belong to init, out of reach."""
     script = textwrap.dedent(
@@ -123,15 +123,9 @@ def test_a_stopped_run_ends_what_its_children_orphaned():
         print(ended, orphan.is_running())
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=_tmp())
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "sleep (" in out.stdout and out.stdout.strip().endswith("False"), out.stdout
-
-
-def _tmp() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="kvmesh-reaper-")
 
 
 def test_still_running_names_what_a_stop_left_behind_and_not_what_ended():
