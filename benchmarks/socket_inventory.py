@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -149,9 +150,10 @@ def measure_engine() -> list[dict]:
                     "loopback": ip.startswith(LOOPBACK),
                 }
             )
-        folder = replica._events_dir or ""
+        folder = replica._private_dir or ""
         mode = oct(os.stat(folder).st_mode & 0o777) if folder else "-"
-        for name in sorted(os.listdir(folder)) if folder else []:
+        sockets = [e.name for e in os.scandir(folder) if stat.S_ISSOCK(e.stat().st_mode)] if folder else []
+        for name in sorted(sockets):
             rows.append(
                 {
                     "pid": os.getpid(),
@@ -166,7 +168,7 @@ def measure_engine() -> list[dict]:
         return rows
     finally:
         replica.driver.shutdown()
-        replica._stop_event_relay()
+        replica._release()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,16 +64,16 @@ def lmcache_kv_transfer(cfg: dict) -> dict | None:
     return None
 
 
-EVENTS_DIR_PREFIX = "kvmesh-events-"
+PRIVATE_DIR_PREFIX = "kvmesh-engine-"
 
 
-def remove_dead_event_dirs(root: str = "/tmp") -> int:
-    """Remove private KV-event folders (kvmesh-events-<pid>-*) whose replica process is gone: a replica
-    killed by Serve or SIGKILL never runs __del__. Returns how many were removed."""
+def remove_dead_private_dirs(root: str = "/tmp") -> int:
+    """Remove replicas' private folders (kvmesh-engine-<pid>-*) whose process is gone: a replica killed by
+    Serve or SIGKILL never runs __del__. Returns how many were removed."""
     removed = 0
     for entry in os.scandir(root):
-        pid = entry.name.removeprefix(EVENTS_DIR_PREFIX).split("-", 1)[0]
-        if not entry.name.startswith(EVENTS_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir():
+        pid = entry.name.removeprefix(PRIVATE_DIR_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(PRIVATE_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir():
             continue
         try:
             os.kill(int(pid), 0)
@@ -84,6 +84,20 @@ def remove_dead_event_dirs(root: str = "/tmp") -> int:
         except PermissionError:
             continue
     return removed
+
+
+@contextlib.contextmanager
+def vllm_files_in(folder: str):
+    """vLLM leaves files behind in the temp folder: each engine's torch.distributed file store
+    (`vllm_dist_<hex>`) and, with a separate engine-core process, its IPC sockets. While the engine
+    starts, both go to `folder` (the replica's private folder, removed with it) instead of /tmp."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = folder
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 class EngineReplica:
@@ -112,13 +126,16 @@ class EngineReplica:
         self.model_path = resolve_model(self.cfg["model"])
         self.kv_events_endpoint = self.replay_endpoint = None
         self.events_relay: Any = None
-        self._events_dir: str | None = None
-        kv_events = self._start_event_relay(node_ip) if self.cfg["kv_events"] else None
+        remove_dead_private_dirs()
+        # mkdtemp is 0700: no other user can open what is in it; /tmp keeps socket paths within ipc's ~107 bytes
+        self._private_dir: str | None = tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir="/tmp")
         from kvmesh.deployments.engine_driver import build_engine_args, make_driver
 
-        with self._relay_closed_on_error():
+        with self._released_on_error():
+            kv_events = self._start_event_relay(node_ip) if self.cfg["kv_events"] else None
             args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
-            self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
+            with vllm_files_in(self._private_dir):
+                self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
@@ -143,29 +160,27 @@ class EngineReplica:
         from kvmesh.cluster.secure_channel import channel_keys
 
         keys = channel_keys()  # fail before the engine loads when the deployment has no channel secret
-        remove_dead_event_dirs()
-        # mkdtemp is 0700: no other user can open the sockets; /tmp keeps the path within ipc's ~107 bytes
-        self._events_dir = tempfile.mkdtemp(prefix=f"{EVENTS_DIR_PREFIX}{os.getpid()}-", dir="/tmp")
-        raw, raw_replay = f"ipc://{self._events_dir}/pub", f"ipc://{self._events_dir}/replay"
+        raw, raw_replay = f"ipc://{self._private_dir}/pub", f"ipc://{self._private_dir}/replay"
         self.events_relay = EventRelay(raw, raw_replay, bind_host=node_ip, keys=keys, topic=EVENTS_TOPIC)
         self.kv_events_endpoint = self.events_relay.endpoint
         self.replay_endpoint = self.events_relay.replay_endpoint
         return {"endpoint": raw, "replay_endpoint": raw_replay, "topic": EVENTS_TOPIC}
 
-    def _stop_event_relay(self) -> None:
+    def _release(self) -> None:
+        """Close the event relay and remove the private folder (vLLM's sockets and files in it)."""
         relay, self.events_relay = getattr(self, "events_relay", None), None
         if relay is not None:
             relay.close()
-        events_dir, self._events_dir = getattr(self, "_events_dir", None), None
-        if events_dir:
-            shutil.rmtree(events_dir, ignore_errors=True)
+        private_dir, self._private_dir = getattr(self, "_private_dir", None), None
+        if private_dir:
+            shutil.rmtree(private_dir, ignore_errors=True)
 
     @contextlib.contextmanager
-    def _relay_closed_on_error(self):
+    def _released_on_error(self):
         try:
             yield
         except BaseException:
-            self._stop_event_relay()
+            self._release()
             raise
 
     def _sampling_params(self, params: dict):
@@ -274,4 +289,4 @@ class EngineReplica:
                 drv.shutdown()
             except Exception:
                 pass
-        self._stop_event_relay()
+        self._release()

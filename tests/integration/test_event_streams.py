@@ -194,4 +194,4 @@ def test_a_real_engine_replica_publishes_only_through_its_relay(tiny_model_dir, 
     finally:
         ctx.destroy(linger=0)
         replica.driver.shutdown()
-        replica._stop_event_relay()
+        replica._release()

@@ -36,6 +36,7 @@ def _replica(monkeypatch, tmp_path, on_build=None) -> EngineReplica:
     """A replica whose driver is fake; `on_build(kv_events)` runs where vLLM would bind its publisher."""
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
         monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(tmp_path / "run")))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)  # the replica sets it: unset again after the test
 
     def build_engine_args(cfg, model_path, kv_events, kv_transfer):
         return kv_events
@@ -65,7 +66,7 @@ def test_vllm_publishes_privately_and_routers_are_told_the_relay(monkeypatch, tm
         assert stats["replay_endpoint"] == r.events_relay.replay_endpoint
         assert stats["kv_events_endpoint"].startswith("tcp://127.0.0.1:")  # outside Ray: the loopback node
     finally:
-        r._stop_event_relay()
+        r._release()
     assert not os.path.exists(folder)
 
 
@@ -97,14 +98,38 @@ def test_event_folders_of_dead_replicas_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from kvmesh.deployments.engine import EVENTS_DIR_PREFIX, remove_dead_event_dirs
+    from kvmesh.deployments.engine import PRIVATE_DIR_PREFIX, remove_dead_private_dirs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f"{EVENTS_DIR_PREFIX}{int(dead.stdout)}-abc"
-    alive = tmp_path / f"{EVENTS_DIR_PREFIX}{os.getpid()}-abc"
+    gone = tmp_path / f"{PRIVATE_DIR_PREFIX}{int(dead.stdout)}-abc"
+    alive = tmp_path / f"{PRIVATE_DIR_PREFIX}{os.getpid()}-abc"
     other = tmp_path / "kvmesh-events-notapid"
     for d in (gone, alive, other):
         d.mkdir()
     (gone / "pub").write_text("")
-    assert remove_dead_event_dirs(str(tmp_path)) == 1
+    assert remove_dead_private_dirs(str(tmp_path)) == 1
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+def test_what_vllm_leaves_in_the_temp_folder_goes_to_the_replica_folder_and_with_it(monkeypatch, tmp_path):
+    """vLLM's engine start creates a torch.distributed file store (`vllm_dist_<hex>`) in the temp folder,
+    and a separate engine-core process binds its IPC sockets under VLLM_RPC_BASE_PATH; neither is
+    removed by vLLM. Both land in the replica's private folder, which goes when the replica does, and
+    the process's temp folder is /tmp's again once the engine has started."""
+    import tempfile
+
+    before = tempfile.gettempdir()
+    seen = {}
+
+    def build(kv_events):
+        store = os.path.join(tempfile.gettempdir(), "vllm_dist_0123")
+        open(store, "w").close()
+        seen.update(store=store, rpc=os.environ.get("VLLM_RPC_BASE_PATH"), events=kv_events["endpoint"])
+
+    r = _replica(monkeypatch, tmp_path, build)
+    folder = r._private_dir
+    assert folder and os.path.dirname(seen["store"]) == folder == seen["rpc"]
+    assert seen["events"] == f"ipc://{folder}/pub"
+    assert tempfile.gettempdir() == before
+    r._release()
+    assert not os.path.exists(seen["store"]) and not os.path.exists(folder)
