@@ -113,6 +113,7 @@ class LMCacheServer:
         log_path: str | os.PathLike | None = None,
         env: dict | None = None,
         preexec_fn=die_with_parent,
+        inherit_output: bool = False,
     ):
         config.validate()
         self.preexec_fn = preexec_fn
@@ -120,6 +121,9 @@ class LMCacheServer:
         self.port = config.port
         self.prometheus_port = config.prometheus_port
         self.log_path = Path(log_path) if log_path else None
+        # Without a log file: the server's output goes to this process's stderr (for a Ray actor, the
+        # worker log Ray keeps with its session) when inherit_output, else nowhere.
+        self.inherit_output = inherit_output
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -162,7 +166,7 @@ class LMCacheServer:
         try:
             self.proc = subprocess.Popen(
                 self.command(),
-                stdout=log or subprocess.DEVNULL,
+                stdout=log or (None if self.inherit_output else subprocess.DEVNULL),
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -180,15 +184,21 @@ class LMCacheServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise LMCacheServerError(
-                    f"LMCache server exited with code {self.proc.returncode} during start-up (log: {self.log_path})"
+                    f"LMCache server exited with code {self.proc.returncode} during start-up ({self.output_where()})"
                 )
             if port_open(self.config.host, self.port) and self._scrape(timeout=2.0) is not None:
                 return self.endpoint
             time.sleep(0.25)
         self.stop()
         raise LMCacheServerError(
-            f"LMCache server not ready after {self.config.start_timeout_s:.0f} s (log: {self.log_path})"
+            f"LMCache server not ready after {self.config.start_timeout_s:.0f} s ({self.output_where()})"
         )
+
+    def output_where(self) -> str:
+        """Where the server's output went, for an error message."""
+        if self.log_path:
+            return f"log: {self.log_path}"
+        return "output: the owning process's stderr" if self.inherit_output else "output discarded"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,9 +44,14 @@ class NodeServerCore:
     def __init__(self, config: dict, log_dir: str | None = None):
         self.config = TierConfig.from_dict(config)
         self.config_dict = dict(config)
-        logs = Path(log_dir or os.environ.get("KVMESH_LOG_DIR") or tempfile.gettempdir())
-        logs.mkdir(parents=True, exist_ok=True)
-        self.server = LMCacheServer(self.config, logs / f"lmcache-server-{os.getpid()}.log")
+        # A log folder if one is configured; otherwise the server writes to the actor's stderr, which
+        # Ray keeps in its session's worker log, so nothing of ours is left in the temp folder.
+        folder = log_dir or os.environ.get("KVMESH_LOG_DIR")
+        log_path = None
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            log_path = Path(folder) / f"lmcache-server-{os.getpid()}.log"
+        self.server = LMCacheServer(self.config, log_path, inherit_output=True)
         self.server.start()
         self.last_supervise = "ok"
         self._stop = threading.Event()

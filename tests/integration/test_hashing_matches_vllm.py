@@ -186,7 +186,11 @@ def engine_with_events(tmp_path_factory):
             enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic="kv"
         ),
     )
-    engine = LLMEngine.from_engine_args(args)
+    files = tmp_path_factory.mktemp("vllm-files")  # vLLM's torch.distributed file store, not in /tmp
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "tempdir", str(files))
+        mp.setenv("VLLM_RPC_BASE_PATH", str(files))
+        engine = LLMEngine.from_engine_args(args)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)

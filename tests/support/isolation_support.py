@@ -14,8 +14,11 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 ENGINE_ENV = {
     "PYTHONHASHSEED": "0",
@@ -95,7 +98,11 @@ class EngineRunner:
             seed=0,
             kv_transfer_config=KVTransferConfig(**kv_transfer_config) if kv_transfer_config else None,
         )
-        self.engine = LLMEngine.from_engine_args(args)
+        # vLLM leaves its torch.distributed file store in the temp folder; keep it beside the model.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tempfile, "tempdir", str(model.parent))
+            mp.setenv("VLLM_RPC_BASE_PATH", str(model.parent))
+            self.engine = LLMEngine.from_engine_args(args)
         self._ids = itertools.count()
         from transformers import AutoTokenizer
 

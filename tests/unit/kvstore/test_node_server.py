@@ -4,6 +4,7 @@ whose LMCache server is dead, unreachable or gone leaves the router's tier view 
 from __future__ import annotations
 
 import asyncio
+import sys
 from types import SimpleNamespace
 
 from kvmesh.cluster.index import PrefixIndex
@@ -59,3 +60,54 @@ def test_dead_unreachable_and_vanished_node_servers_leave_the_tier_view(monkeypa
     # the dropped nodes' host copies no longer count for their replicas; the shared copies still do
     assert index.match([hash("dead") + k for k in range(4)]) == {r: (0, 0, 4) for r in index.replicas()}
     assert index.match([hash("up") + k for k in range(4)])["r-up"] == (0, 4, 4)
+
+
+class _RecordingServer:
+    """Stands in for LMCacheServer in NodeServerCore: records where its output was to go."""
+
+    made: list[dict] = []
+
+    def __init__(self, config, log_path=None, inherit_output=False):
+        _RecordingServer.made.append({"log_path": log_path, "inherit_output": inherit_output})
+
+    def start(self):
+        return ("127.0.0.1", 1)
+
+
+def test_without_a_log_folder_the_node_server_writes_nothing_to_the_temp_folder(monkeypatch, tmp_path):
+    import tempfile
+
+    monkeypatch.setattr(node_server, "LMCacheServer", _RecordingServer)
+    monkeypatch.delenv("KVMESH_LOG_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    _RecordingServer.made.clear()
+    cfg = {"l1_size_gb": 0.05, "chunk_size": 64, "watch_interval_s": 0}
+    node_server.NodeServerCore(cfg)
+    assert _RecordingServer.made[-1] == {"log_path": None, "inherit_output": True}
+    assert list((tmp_path / "temp").iterdir()) == []
+    monkeypatch.setenv("KVMESH_LOG_DIR", str(tmp_path / "logs"))
+    node_server.NodeServerCore(cfg)
+    path = _RecordingServer.made[-1]["log_path"]
+    assert path is not None and path.parent == tmp_path / "logs" and path.name.startswith("lmcache-server-")
+
+
+def test_an_inheriting_server_writes_to_its_owners_stderr(capfd, monkeypatch):
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+
+    config = TierConfig.from_dict({"l1_size_gb": 0.05, "chunk_size": 64})
+    script = "import sys; print('served-out'); print('served-err', file=sys.stderr)"
+    for inherit in (True, False):
+        server = LMCacheServer(config, inherit_output=inherit, preexec_fn=None)
+        monkeypatch.setattr(server, "command", lambda: [sys.executable, "-c", script])
+        server.launch()
+        assert server.proc is not None and server.proc.wait(timeout=30) == 0
+        out, err = capfd.readouterr()
+        seen = out + err
+        if inherit:
+            assert "served-out" in seen and "served-err" in seen
+            assert "stderr" in server.output_where()
+        else:
+            assert "served-out" not in seen and "served-err" not in seen
+            assert server.output_where() == "output discarded"
