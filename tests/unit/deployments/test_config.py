@@ -57,6 +57,18 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     }
     assert SERVE_PATH_ENV.items() <= a.items()
+    # every file Serve's HAProxy manager would put under the machine-wide /tmp/haproxy-serve goes to the
+    # run's own folder (one left out leaves a folder per node behind there)
+    import ray.serve._private.constants as serve_constants
+
+    run = a["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+    machine_wide = [
+        name
+        for name, value in vars(serve_constants).items()
+        if name.startswith("RAY_SERVE_HAPROXY_") and isinstance(value, str) and value.startswith("/tmp/haproxy-serve")
+    ]
+    assert "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH" in machine_wide
+    assert {name: a.get(name, "").startswith(run) for name in machine_wide} == dict.fromkeys(machine_wide, True)
     for env in (a, b):
         shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
 
