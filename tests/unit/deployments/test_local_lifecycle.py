@@ -188,8 +188,9 @@ def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, t
     assert os.path.basename(run).startswith("kvmesh-haproxy-") and not os.path.exists(run)
     # Serve puts the admin socket under a 56-character node id; HAProxy refused a 102-character socket path
     # (the length every run had used before was 96)
-    node_socket = os.path.join(run, "0" * 56, os.path.basename(made[0]["RAY_SERVE_HAPROXY_SOCKET_PATH"]))
-    assert len(node_socket) <= 96, node_socket
+    for key in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+        node_socket = os.path.join(run, "0" * 56, os.path.basename(made[0][key]))
+        assert len(node_socket) <= 96, node_socket
     assert not app_module._started_ray and app_module._haproxy_dir is None
 
 
