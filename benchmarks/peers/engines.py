@@ -61,7 +61,7 @@ class VllmServer:
     topic: str
     proc: procs.Proc = field(repr=False)
     # the server's 0700 folder, removed with it: its KV-event socket (unless on TCP) and vLLM's own IPC
-    # sockets (VLLM_RPC_BASE_PATH), which vLLM leaves behind in /tmp otherwise
+    # sockets (VLLM_RPC_BASE_PATH) and file store (TMPDIR), which vLLM leaves behind in /tmp otherwise
     private_dir: str | None = None
 
 
@@ -131,6 +131,7 @@ def start_servers(
                 "OMP_NUM_THREADS": str(spec.omp_threads),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.in_process_engine else "1",
                 "VLLM_RPC_BASE_PATH": private_dir,
+                "TMPDIR": private_dir,  # and its torch.distributed file store (vllm_dist_*), made in the temp folder
             }
             proc = procs.start(f"vllm-{i}", server_command(spec, port, kv_bind, topic), work_dir / "logs", env)
             servers.append(VllmServer(f"http://127.0.0.1:{port}", kv_endpoint, topic, proc, private_dir))

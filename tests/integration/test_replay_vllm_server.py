@@ -58,8 +58,9 @@ def vllm_server(tiny_model, tmp_path_factory):
     process group so teardown kills all of it."""
     port = free_port()
     cache = tmp_path_factory.mktemp("vllm-cache")
-    # VLLM_RPC_BASE_PATH: vLLM's own IPC sockets go to the test's folder, not /tmp, where it leaves them
-    env = {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(cache), "VLLM_RPC_BASE_PATH": str(cache)}
+    # VLLM_RPC_BASE_PATH, TMPDIR: vLLM's own IPC sockets and file store go to the test's folder, not /tmp,
+    # where it leaves them
+    env = {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(cache), "VLLM_RPC_BASE_PATH": str(cache), "TMPDIR": str(cache)}
     log = open(cache / "server.log", "w")
     proc = subprocess.Popen(
         [

@@ -246,7 +246,8 @@ def test_engine_trace_gives_one_id_per_engine_block_and_keeps_tenants_apart():
 def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_tcp(tcp, monkeypatch, tmp_path):
     """By default each bare vLLM server's KV events (token ids included) go to a unix socket in a 0700
     folder, removed with the server; only a run with a TCP-subscribing peer binds them on TCP. vLLM's own
-    IPC sockets go to the same folder either way (`VLLM_RPC_BASE_PATH`), so none is left in /tmp."""
+    IPC sockets and its torch.distributed file store go to the same folder either way (`VLLM_RPC_BASE_PATH`,
+    `TMPDIR`), so none is left in /tmp."""
     import json
     import os
     import stat
@@ -269,7 +270,7 @@ def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_
     assert len(set(binds)) == 2
     for s, bind, p in zip(servers, binds, started):
         assert s.private_dir and stat.S_IMODE(os.stat(s.private_dir).st_mode) == 0o700
-        assert p.env["VLLM_RPC_BASE_PATH"] == s.private_dir
+        assert p.env["VLLM_RPC_BASE_PATH"] == p.env["TMPDIR"] == s.private_dir
         if tcp:
             port = bind.removeprefix("tcp://*:")
             assert port.isdigit() and s.kv_endpoint == f"tcp://127.0.0.1:{port}"
