@@ -349,6 +349,11 @@ def stop_local(drain: bool = True) -> None:
         left = end_descendants(exclude=_children_before)
         if left:
             log.info("ended %d process(es) Ray left behind: %s", len(left), ", ".join(left))
+        # replicas that never stopped cleanly (a failed start, drain=False) could not remove their private
+        # folders; their processes are gone now
+        from kvmesh.deployments.engine import remove_dead_private_dirs
+
+        remove_dead_private_dirs()
     remove_haproxy_dir()
     _started_ray = False
     _joined[0] = False

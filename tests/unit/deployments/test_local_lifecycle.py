@@ -4,10 +4,12 @@ an unschedulable deployment explained in one line, and no process left below a s
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -156,6 +158,10 @@ def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, t
     monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
     calls = []
     up = [False]
+    # an engine replica the failed start had begun: killed with its cluster, it never removed its folder
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    left_folder = tempfile.mkdtemp(prefix=f"kvmesh-engine-{gone.pid}-", dir="/tmp")
 
     def fake_start_local_ray(**kw):
         up[0] = True
@@ -183,6 +189,9 @@ def test_a_start_that_fails_after_ray_is_up_stops_what_it_started(monkeypatch, t
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        exists = os.path.exists(left_folder)
+        shutil.rmtree(left_folder, ignore_errors=True)
+    assert not exists, "a dead replica's private folder outlived the failed start"
     assert calls == ["ray up", "ray down", "descendants ended"]
     run = os.path.dirname(made[0]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"])
     assert os.path.basename(run).startswith("kvmesh-haproxy-") and not os.path.exists(run)
