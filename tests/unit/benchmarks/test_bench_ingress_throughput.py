@@ -14,6 +14,7 @@ from kvmesh.benchmarks.bench_ingress_throughput import (
     checks,
     cpu_shares,
     load_summary,
+    median_phase,
     per_ingress_requests,
     process_kind,
     prompt_maker,
@@ -99,6 +100,31 @@ def test_two_ingress_replicas_must_keep_nine_tenths_of_one():
     assert not verdict["text: rps(2 ingress) >= 0.9 x rps(1 ingress)"]  # 70/80 = 0.875; the contrast's 75 not used
     assert not any("rps(4" in name for name in verdict)  # reported, not judged
     assert verdict["ingress=2 nosync tokens: no failed request"]
+
+
+def test_with_rounds_each_ratio_is_taken_within_a_round_and_the_median_judged():
+    rounds = [
+        # the machine slows down between rounds: across rounds 2 ingress over 1 would read 60/100 or 90/50
+        [_row(1, 100.0), _row(2, 92.0)],
+        [_row(2, 60.0), _row(1, 50.0)],
+        [_row(1, 80.0), _row(2, 64.0)],
+    ]
+    rows = [{**r, "round": i} for i, rs in enumerate(rounds) for r in rs]
+    assert ratios(rows)["tokens"]["2"] == pytest.approx(0.92)  # the median of 0.92, 1.2 and 0.8
+    assert dict(checks(rows))["tokens: rps(2 ingress) >= 0.9 x rps(1 ingress)"]
+    rows[0]["forms"]["tokens"]["load"]["errors"] = 1  # a failure in any round misses
+    assert not dict(checks(rows))["ingress=1 tokens: no failed request"]
+
+
+def test_the_median_phase_is_the_figure_and_every_phase_errors_count():
+    runs = [
+        {"load": {"rps": rps, "errors": err}, "stages_ms": {"decision": rps / 100}}
+        for rps, err in ((150.0, 0), (120.0, 1), (170.0, 0))
+    ]
+    got = median_phase(runs)
+    assert got["load"]["rps"] == 150.0 and got["stages_ms"]["decision"] == 1.5  # the median phase's own figures
+    assert got["load"]["errors"] == 1 and got["phases_rps"] == [150.0, 120.0, 170.0]
+    assert median_phase(runs[:2])["load"]["rps"] == 120.0  # the lower middle of an even count
 
 
 def test_failed_requests_and_missing_runs_miss():
@@ -201,6 +227,10 @@ def test_plot_writes_a_png(tmp_path):
     ]
     plot(rows, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # with rounds: one line per round, the breakdown of the first
+    again = [{**r, "round": 1} for r in rows]
+    plot([{**r, "round": 0} for r in rows] + again, str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").stat().st_size > 1000
 
 
 def test_sync_traffic_sums_messages_and_frames_over_ingress_replicas():
