@@ -22,6 +22,9 @@ is the handler less the rest; what the client sees beyond the handler is the HTT
 ASGI path. Block hashing has no timer of its own in the router, so it is timed here on the same token
 ids with the router's function (kvstore/hashing.py `block_hashes`, fresh memo). CPU seconds per process
 kind (ingress, engines, front, the rest of Ray, this client) come from psutil over each measured phase.
+Requests per engine step (each replica's step count from its routing stats, before and after a phase)
+says how much the engines batched: with several engines on shared cores a step has a fixed cost, so the
+same requests spread more evenly cost more CPU.
 
 A fourth setup, 2 ingress replicas with router sync off, is the contrast: what the placement stream
 between routers costs (reported, not judged).
@@ -64,6 +67,7 @@ PROMPT_TOKENS = 16
 TEXT_WORDS = 24
 RATIO_MIN = 0.9
 BLOCK_SIZE = 32  # the config's default engine block size
+STATS_PERIOD_S = 0.6  # a little over the config's routing_stats_period_s (0.5)
 WORDS = (
     "alpha beta gamma delta kernel cache block token prefix router engine replica query answer model serve "
     "river stone cloud paper window garden orange silver winter summer"
@@ -340,12 +344,33 @@ def sync_traffic(before: dict[str, dict], after: dict[str, dict]) -> dict | None
     return {"messages": messages, "frames": frames} if frames > 0 else None
 
 
+def engine_steps(states: dict[str, dict]) -> dict[str, int]:
+    """Each engine replica's step count, as the freshest of the ingress replicas' routing stats reports it."""
+    out: dict[str, int] = {}
+    for st in states.values():
+        for rid, s in ((st.get("router") or {}).get("routing_stats") or {}).items():
+            if s.get("steps") is not None:
+                out[rid] = max(out.get(rid, 0), int(s["steps"]))
+    return out
+
+
+def requests_per_step(before: dict[str, int], after: dict[str, int], requests: int) -> float | None:
+    """Requests over the engine steps run between two readings: how much each step batched (None when no
+    step was counted)."""
+    steps = sum(n - before[rid] for rid, n in after.items() if rid in before)
+    return requests / steps if steps > 0 else None
+
+
 def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Callable) -> dict:
-    """`n` requests at `concurrency`, with the stage timers and CPU read around them."""
+    """`n` requests at `concurrency`, with the stage timers and CPU read around them, and the engines'
+    steps (their routing stats are up to one stats period old: read once the fleet has been idle that
+    long, before and after)."""
+    time.sleep(STATS_PERIOD_S)
     before = ingress_states(url, key, ingress)
     cpu0 = cpu_sample()
     load = drive(url, key, concurrency, n, make)
     cpu1 = cpu_sample()
+    time.sleep(STATS_PERIOD_S)
     after = ingress_states(url, key, ingress)
     stages = breakdown(before, after)
     # what the client waits beyond the ingress handler: HAProxy, uvicorn and Serve's ASGI path, the client
@@ -356,6 +381,7 @@ def phase(url: str, key: str, ingress: int, concurrency: int, n: int, make: Call
         "stages_ms": stages,
         "per_ingress_requests": per_ingress_requests(before, after),
         "sync": sync_traffic(before, after),
+        "requests_per_step": requests_per_step(engine_steps(before), engine_steps(after), n),
         "cores": cpu_shares(cpu0, cpu1, load["wall_s"]),
         "loadavg_after": os.getloadavg(),
     }
@@ -415,6 +441,7 @@ def _line(label: str, ratio: float | None, ph: dict) -> str:
         f"{ld['errors']:>4}  {_f(st['tokenize']):>5} {_f(st['pre_call']):>5} {_f(st['engine_call']):>6} "
         f"{_f(st['decision']):>6} {_f(st['engine_first_output']):>6} {_f(st['hop']):>6} {_f(st['post_call']):>5} "
         f"{_f(st['handler']):>7} {_f(st['outside_handler'], '.1f'):>7}  {cores}  {ph['per_ingress_requests']}"
+        + (f"  {rps:.2f} req/step" if (rps := ph.get("requests_per_step")) else "")
         + (f"  sync {sy['messages'] / sy['frames']:.2f} msg/frame" if (sy := ph.get("sync")) else "")
         + (f"  phases {'/'.join(f'{x:.0f}' for x in ph['phases_rps'])} req/s" if ph.get("phases_rps") else "")
     )

@@ -239,6 +239,7 @@ class EngineReplica:
             "queued": load.queued,
             "running": load.running,
             "aborted": load.aborted,
+            "steps": self.driver.steps,  # requests over steps: how much each engine step batched
             "kv_usage": self._kv_usage(),
             "stats_errors": self.stats_errors,
             "healthy": self.driver.healthy(),  # a broken engine: routers stop choosing this replica

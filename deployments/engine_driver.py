@@ -285,6 +285,11 @@ class InprocDriver:
     def num_blocks(self) -> int:
         return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
 
+    @property
+    def steps(self) -> int:
+        """Engine steps so far: requests served over steps is how much each step batched."""
+        return self._steps
+
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call(lambda e: e.reset_prefix_cache()))
 
@@ -309,14 +314,16 @@ class AsyncDriver:
 
         driver = self
         self._kv_usage = 0.0
+        self._steps = 0
 
         class _UsageLogger(StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0):
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-                if scheduler_stats is not None:
+                if scheduler_stats is not None:  # one per engine step
                     driver._kv_usage = float(scheduler_stats.kv_cache_usage)
+                    driver._steps += 1
 
             def log_engine_initialized(self):
                 pass
@@ -338,6 +345,11 @@ class AsyncDriver:
 
     def kv_usage(self) -> float:
         return self._kv_usage
+
+    @property
+    def steps(self) -> int:
+        """Engine iterations so far (one stats record per EngineCore step)."""
+        return self._steps
 
     def num_blocks(self) -> int:
         return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)

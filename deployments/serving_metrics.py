@@ -218,4 +218,13 @@ class ServingMetrics:
                 "time spent deciding",
                 [({}, router.get("decision_s_total", 0.0))],
             )
+            stats = router.get("routing_stats") or {}
+            steps = [({"replica": rid}, s["steps"]) for rid, s in sorted(stats.items()) if s.get("steps") is not None]
+            if steps:  # requests per step (rate over rate) is how much the engines batch
+                metric(
+                    "kvmesh_replica_engine_steps_total",
+                    "counter",
+                    "engine steps each replica has run, as of its last routing stats",
+                    steps,
+                )
         return "\n".join(out) + "\n"

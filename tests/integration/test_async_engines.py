@@ -105,11 +105,19 @@ def test_the_replica_runs_vllms_async_engine(async_app):
 
 
 def test_completion_answers_with_usage(async_app):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
+    before = handle.info.remote().result(timeout_s=60)["steps"]
     with async_app.client() as c:
         r = complete(c, fresh_tokens(40), max_tokens=6, ignore_eos=True)
     body = r.json()
     assert body["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 40
+    # AsyncLLM's engine steps in its own process; the driver counts the steps it reports: one prefill and
+    # five decodes at least (one replica in this app)
+    after = handle.info.remote().result(timeout_s=60)["steps"]
+    assert after - before >= 6
 
 
 def test_repeated_prefix_reports_cached_tokens_and_the_prediction_matches(async_app):

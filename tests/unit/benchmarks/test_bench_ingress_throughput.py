@@ -13,12 +13,14 @@ from kvmesh.benchmarks.bench_ingress_throughput import (
     breakdown,
     checks,
     cpu_shares,
+    engine_steps,
     load_summary,
     median_phase,
     per_ingress_requests,
     process_kind,
     prompt_maker,
     ratios,
+    requests_per_step,
     sync_traffic,
 )
 
@@ -65,6 +67,20 @@ def test_breakdown_sums_replicas_and_derives_the_hop():
 def test_no_engine_time_means_no_hop():
     after = {"1": _state(5, 5, 0.01, engine_call=(0.1, 5))}
     assert breakdown({}, after)["hop"] is None
+
+
+def test_requests_per_engine_step_from_the_freshest_routing_stats():
+    def states(*per_ingress):
+        return {f"i{k}": {"router": {"routing_stats": stats}} for k, stats in enumerate(per_ingress)}
+
+    # two ingress replicas see the same engines' stats, one of them a period older: the larger count is newer
+    before = engine_steps(states({"a": {"steps": 10}, "b": {"steps": 5}}, {"a": {"steps": 8}, "b": {"steps": 5}}))
+    after = engine_steps(states({"a": {"steps": 60}, "b": {"steps": 55}, "c": {"steps": 9}}, {"a": {"steps": 70}}))
+    assert before == {"a": 10, "b": 5} and after == {"a": 70, "b": 55, "c": 9}
+    # 110 steps on the replicas known at both readings (c joined in between); 165 requests
+    assert requests_per_step(before, after, 165) == pytest.approx(1.5)
+    assert requests_per_step(before, before, 10) is None  # nothing stepped: no figure
+    assert engine_steps(states({"a": {"queued": 0}})) == {}  # a replica that reports no steps
 
 
 def test_cpu_shares_are_cores_per_kind_over_the_phase():

@@ -87,7 +87,7 @@ class _FakeLLMEngine:
     """Just enough of vLLM's LLMEngine for InprocDriver's thread: each request yields `steps` outputs."""
 
     def __init__(self, steps: int):
-        self.steps, self.left, self.aborted = steps, {}, []
+        self.steps, self.left, self.aborted, self.calls = steps, {}, [], 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)
@@ -103,6 +103,7 @@ class _FakeLLMEngine:
             self.left.pop(rid, None)
 
     def step(self):
+        self.calls += 1
         outs = []
         for rid in list(self.left):
             self.left[rid] -= 1
@@ -143,6 +144,8 @@ def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
                 break
             time.sleep(0.01)
         assert engine.aborted == ["b"] and _state(d.load) == (0, 0, 1) and d._streams == {}
+        # every step the engine ran is counted ("a" took 3, "b" at least 1 before its abort)
+        assert d.steps == engine.calls >= 4
     finally:
         d._ops.put(("stop",))
         d._thread.join(timeout=5)

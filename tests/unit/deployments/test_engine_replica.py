@@ -19,6 +19,7 @@ class _FakeDriver:
     def __init__(self):
         self.load = SimpleNamespace(queued=0, running=0, aborted=0)
         self.broken_internals = False
+        self.steps = 12
 
     def num_blocks(self) -> int:
         return 64
@@ -62,6 +63,7 @@ def test_vllm_publishes_privately_and_routers_are_told_the_relay(monkeypatch, tm
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
         stats = r.record_routing_stats()
         assert stats["events_auth"] == "curve"
+        assert stats["steps"] == 12  # the driver's step count, for requests per step
         assert stats["kv_events_endpoint"] == r.events_relay.endpoint
         assert stats["replay_endpoint"] == r.events_relay.replay_endpoint
         assert stats["kv_events_endpoint"].startswith("tcp://127.0.0.1:")  # outside Ray: the loopback node

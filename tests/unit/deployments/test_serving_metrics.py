@@ -25,6 +25,21 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     assert "kvmesh_hash_contract_alarm 0" in text and 'kvmesh_router_index_events_total{counter="lookups"} 3' in text
 
 
+def test_each_replicas_engine_steps_are_a_counter_and_a_replica_without_them_is_left_out():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router = {"routing_stats": {"a": {"steps": 40, "queued": 0}, "b": {"steps": 7}, "c": {"queued": 1}}}
+    text = ServingMetrics().prometheus_text(PredictionLedger().snapshot(), router)
+    steps = {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvmesh_replica_engine_steps"
+        for s in family.samples
+    }
+    assert steps == {"a": 40, "b": 7}  # c reports no step count (an older replica): no sample, not a 0
+    assert "kvmesh_replica_engine_steps_total" not in ServingMetrics().prometheus_text(None, {"routing_stats": {}})
+
+
 # ---------------------------------------------------------------------------- stage timers
 def test_stage_timers_accumulate_per_stage_in_snapshot_and_text():
     from prometheus_client.parser import text_string_to_metric_families
