@@ -90,14 +90,20 @@ def remove_dead_private_dirs(root: str = "/tmp") -> int:
 def vllm_files_in(folder: str):
     """vLLM leaves files behind in the temp folder: each engine's torch.distributed file store
     (`vllm_dist_<hex>`) and, with a separate engine-core process, its IPC sockets. While the engine
-    starts, both go to `folder` (the replica's private folder, removed with it) instead of /tmp."""
-    saved = tempfile.tempdir
+    starts, both go to `folder` (the replica's private folder, removed with it) instead of /tmp: this
+    process's temp folder, and TMPDIR for an engine-core process (AsyncLLM's), which makes its own."""
+    saved, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = folder
     os.environ["VLLM_RPC_BASE_PATH"] = folder
+    os.environ["TMPDIR"] = folder
     try:
         yield
     finally:
         tempfile.tempdir = saved
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
 
 
 class EngineReplica:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -126,12 +128,19 @@ def test_what_vllm_leaves_in_the_temp_folder_goes_to_the_replica_folder_and_with
     def build(kv_events):
         store = os.path.join(tempfile.gettempdir(), "vllm_dist_0123")
         open(store, "w").close()
-        seen.update(store=store, rpc=os.environ.get("VLLM_RPC_BASE_PATH"), events=kv_events["endpoint"])
+        # an engine-core child process (AsyncLLM) finds its temp folder through TMPDIR
+        child = subprocess.run(
+            [sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], capture_output=True, text=True
+        )
+        seen.update(
+            store=store, rpc=os.environ.get("VLLM_RPC_BASE_PATH"), events=kv_events["endpoint"], child=child.stdout
+        )
 
+    monkeypatch.delenv("TMPDIR", raising=False)
     r = _replica(monkeypatch, tmp_path, build)
     folder = r._private_dir
-    assert folder and os.path.dirname(seen["store"]) == folder == seen["rpc"]
+    assert folder and os.path.dirname(seen["store"]) == folder == seen["rpc"] == seen["child"].strip()
     assert seen["events"] == f"ipc://{folder}/pub"
-    assert tempfile.gettempdir() == before
+    assert tempfile.gettempdir() == before and "TMPDIR" not in os.environ
     r._release()
     assert not os.path.exists(seen["store"]) and not os.path.exists(folder)
