@@ -51,6 +51,7 @@ from kvmesh.benchmarks.output import out_dir as bench_out
 from kvmesh.benchmarks.output import save_plot
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.stats import nearest_rank
+from kvmesh.deployments.config import APP_DEFAULTS
 
 # (ingress replicas, router sync); 2 without sync is the contrast (what the placement stream costs), not judged
 SETUPS: tuple[tuple[int, bool], ...] = ((1, True), (2, True), (4, True), (2, False))
@@ -67,7 +68,8 @@ PROMPT_TOKENS = 16
 TEXT_WORDS = 24
 RATIO_MIN = 0.9
 BLOCK_SIZE = 32  # the config's default engine block size
-STATS_PERIOD_S = 0.6  # a little over the config's routing_stats_period_s (0.5)
+# routing stats are up to one period old: a reading waits a little longer than that after the fleet goes idle
+STATS_PERIOD_S = APP_DEFAULTS["routing_stats_period_s"] + 0.1
 WORDS = (
     "alpha beta gamma delta kernel cache block token prefix router engine replica query answer model serve "
     "river stone cloud paper window garden orange silver winter summer"
