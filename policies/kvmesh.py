@@ -88,13 +88,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import chain, islice
 
 import numpy as np
 
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo, two_longest
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
+from kvmesh.policies.score_kernel import SCORE_ROUNDING, lowest, replica_scores
 
 _NONE = object()
+_NO_ARRAY = np.zeros(0)  # for a term that is off: the kernel never reads it
 
 
 class KvmeshPolicy(Policy):
@@ -234,32 +237,70 @@ class KvmeshPolicy(Policy):
     def _predict(self, request: RequestInfo, hbm_b, host_b, shared_b, queued, running, pending, ready_s=0.0):
         """Arrays (predicted TTFT in s, prompt tokens that would be computed, the wait before its
         prefill starts) per replica; `ready_s`, when given, is the earliest the prefill may start (a
-        request held for a prefix being stored). Pure.
-
-        Why the shortcuts: at hundreds of replicas each array operation costs about as much as the
-        rest of the decision, so terms that are exactly zero are not computed (adding 0.0 changes no
-        bit): tiers passed as the same array object (a fleet without host or shared tier) and the
-        slot wait while no replica's batch is full."""
-        c = self.cost
-        n, bs = request.num_tokens, request.block_size
-        most = max(0, (n - 1) // bs)  # vLLM: whole blocks only, last token always computed
-        shared = np.minimum(shared_b, most) * bs
-        host = shared if host_b is shared_b else np.minimum(host_b, most) * bs
-        hbm = host if hbm_b is host_b else np.minimum(hbm_b, most) * bs
-        wait = pending * c.prefill_s_per_token + queued * c.prefill_base_s
-        busy = queued + running
-        if len(busy) and busy.max() > c.max_batch - 1:
-            over = busy + (1 - c.max_batch)
-            wait = wait + np.maximum(over, 0) * (self.mean_output_tokens * c.decode_s_per_token / c.max_batch)
-        if ready_s:
-            wait = np.maximum(wait, ready_s)
-        uncached = n - shared
-        ttft = wait + c.prefill_base_s + uncached * c.prefill_s_per_token
-        if host is not shared:
-            ttft = ttft + (shared - host) * c.shared_load_s_per_token
-        if hbm is not host:
-            ttft = ttft + (host - hbm) * c.host_load_s_per_token
+        request held for a prefix being stored). Pure."""
+        _, uncached, wait, ttft = self._evaluate(request, hbm_b, host_b, shared_b, queued, running, pending, ready_s)
         return ttft, uncached, wait
+
+    def _evaluate(
+        self,
+        request: RequestInfo,
+        hbm_b,
+        host_b,
+        shared_b,
+        queued,
+        running,
+        pending,
+        ready_s=0.0,
+        hot: int = 0,
+        hot_discount: float = -1.0,
+        recent=None,
+        recent_bound: float = 0.0,
+        d: float = 1.0,
+        work=None,
+        bound: float = 0.0,
+        cap: float = 0.0,
+    ):
+        """`replica_scores` for these replicas: (score, uncached, wait, ttft) arrays. Without `work` the
+        guard's and overshoot's terms are off; without `recent` the short window's; `hot` 0: no fork.
+        A tier passed as the same array object as the one above it (a fleet without host or shared tier)
+        adds no term, as a tier equal to it adds 0."""
+        c = self.cost
+        guard = work is not None and self.guard_weight is not None
+        spread = recent is not None
+        return replica_scores(
+            shared_b,
+            host_b,
+            hbm_b,
+            host_b is not shared_b,
+            hbm_b is not host_b,
+            queued,
+            running,
+            pending,
+            int(request.num_tokens),
+            int(request.block_size),
+            float(c.prefill_s_per_token),
+            float(c.prefill_base_s),
+            float(c.shared_load_s_per_token),
+            float(c.host_load_s_per_token),
+            int(c.max_batch),
+            float(self.mean_output_tokens * c.decode_s_per_token / c.max_batch),
+            float(ready_s),
+            float(self.recompute_weight),
+            int(hot),
+            float(hot_discount),
+            spread,
+            float(self.spread_weight),
+            recent if spread else _NO_ARRAY,
+            float(recent_bound),
+            float(d),
+            guard,
+            float(self.guard_weight or 0.0),
+            float(bound),
+            work if work is not None else _NO_ARRAY,
+            float(self.overshoot_weight),
+            float(cap),
+            SCORE_ROUNDING,
+        )
 
     def _uncached(self, request: RequestInfo, shared_blocks: int) -> int:
         """Prompt tokens that would be computed on a replica holding `shared_blocks` (`_predict`'s
@@ -301,39 +342,45 @@ class KvmeshPolicy(Policy):
         return limit, np.where(use, score_h, score), work, (wait, *extra[1:])
 
     def _keys_now(self, request: RequestInfo, ids, hbm_b, host_b, shared_b, queued, running, pending, ready_s=0.0):
-        """`_keys` for the replicas as given (`ready_s`: `_predict`'s)."""
-        ttft, uncached, wait = self._predict(request, hbm_b, host_b, shared_b, queued, running, pending, ready_s)
+        """`_keys` for the replicas as given (`ready_s`: `_predict`'s). The score per replica is
+        `policies.score_kernel.replica_scores`, the formula in this module's docstring, in one pass."""
         work, recent, total, recent_total, live = self._work(ids)
         d = self._age(live)  # the short window as on_routed will see it: aged by this request
-        cost = self.recompute_weight * uncached
-        score = ttft
         hot = self._hot_blocks(request, shared_b)
         spread = None
         recent_bound = 0.0
+        discount = -1.0  # the hot prefix's one-time recompute weighs as much as any other
         if hot:
             # the shared prompt is paid once per replica and then serves the whole flood: its one-time
             # recompute weighs hot_recompute_weight, so load, recent work and the rest of the prompt decide
-            missing = (hot - np.minimum(shared_b, hot)) * request.block_size
-            missing = np.minimum(missing, uncached)
             if self._fork_needs_copy(request.block_hashes[hot - 1], int(np.count_nonzero(shared_b >= hot)), live):
-                cost = cost - max(self.recompute_weight - self.hot_recompute_weight, 0.0) * missing
-            score = score - missing * self.cost.prefill_s_per_token
+                discount = max(self.recompute_weight - self.hot_recompute_weight, 0.0)
             if self.spread_weight:
                 recent_bound = (1.0 + self.balance_slack) * (recent_total / live)
-                excess = d * np.maximum(recent - recent_bound, 0.0)
-                cost = cost + self.spread_weight * excess
                 spread = recent
         bound = limit = (1.0 + self.balance_slack) * (total / live)
-        if self.guard_weight is not None:  # soft: every token over the bound is charged
-            cost = cost + self.guard_weight * np.maximum(work - limit, 0.0)
-            if self.overshoot_weight:  # and this request's own tokens past the cap
-                cap = self.overshoot_cap * (total / live)
-                over = np.maximum(work + uncached - cap, 0.0) - np.maximum(work - cap, 0.0)
-                cost = cost + self.overshoot_weight * over
-            limit = np.inf
-        else:  # hard: over the bound (plus one request's worth) ranks after every replica within it
-            limit = limit + request.num_tokens
-        score = np.round(score + self.cost.prefill_s_per_token * cost, 9)
+        cap = self.overshoot_cap * (total / live)
+        score, _, wait, _ = self._evaluate(
+            request,
+            hbm_b,
+            host_b,
+            shared_b,
+            queued,
+            running,
+            pending,
+            ready_s,
+            hot,
+            discount,
+            spread,
+            recent_bound,
+            d,
+            work,
+            bound,
+            cap,
+        )
+        # the soft guard charges every token over the bound (in the score); the hard one ranks replicas
+        # over the bound (plus one request's worth) after every replica within it
+        limit = np.inf if self.guard_weight is not None else limit + request.num_tokens
         return limit, score, work, (wait, bound, spread, recent_bound, d)
 
     def _unseen_pick(self, request: RequestInfo, fleet: FleetView, limit, score, work, extra) -> int | None:
@@ -466,22 +513,24 @@ class KvmeshPolicy(Policy):
         same request routed again (Serve ranks it again while it backs off, and the router commits each
         time) adds no new continuation: otherwise a few re-ranks would turn a conversation's last block
         into a hot fork."""
+        if not hashes:
+            return None
+        end: tuple[str, str | int]
+        if request_id is not None:
+            end = ("end", request_id)
+        else:
+            self._ends += 1
+            end = ("end", self._ends)
         fan = self._fanout
-        last = len(hashes) - 1
+        get = fan.get
         fork = None
-        for k, h in enumerate(hashes):
-            seen = fan.get(h, _NONE)
+        for h, nxt in zip(hashes, chain(islice(hashes, 1, None), (end,))):
+            seen = get(h, _NONE)
             if seen is True:
                 fork = h
+            elif seen == nxt:  # the common case: a block inside one conversation, seen with this continuation
                 continue
-            if k < last:
-                nxt = hashes[k + 1]
-            elif request_id is not None:
-                nxt = ("end", request_id)
-            else:
-                self._ends += 1
-                nxt = ("end", self._ends)
-            if seen is _NONE:
+            elif seen is _NONE:
                 if len(fan) >= self.fanout_memory:
                     fan.popitem(last=False)  # bounded: forget the oldest block
                 fan[h] = nxt
@@ -490,12 +539,11 @@ class KvmeshPolicy(Policy):
                 if len(seen) >= self.hot_fanout:
                     fan[h] = True
                     fork = h
-            elif seen != nxt:
-                if self.hot_fanout <= 2:
-                    fan[h] = True
-                    fork = h
-                else:
-                    fan[h] = {seen, nxt}
+            elif self.hot_fanout <= 2:
+                fan[h] = True
+                fork = h
+            else:
+                fan[h] = {seen, nxt}
         return fork
 
     def hold_worth(self, missing_tokens: int, extra_wait_s: float) -> bool:
@@ -554,14 +602,13 @@ class KvmeshPolicy(Policy):
             pick = self._unseen_pick(request, fleet, limit, score, work, extra)
             if pick is not None:
                 return pick
-        low = score.min()
-        if limit != np.inf or low != low:  # hard guard, or a NaN score: the full order decides
+        first, count = lowest(score) if limit == np.inf else (-1, 0)
+        if first < 0:  # hard guard, or a NaN score: the full order decides
             top = int(np.lexsort((np.arange(len(score)), work, score, work > limit))[0])
             return self._first_in_order(request, fleet, top, limit, score, work)
-        ties = np.flatnonzero(score == low)
-        if len(ties) == 1:
-            return int(ties[0])
-        return self._tie_break(request, fleet, ties, work)
+        if count == 1:
+            return int(first)
+        return self._tie_break(request, fleet, (score == score[first]).nonzero()[0], work)
 
     def _first_in_order(self, request: RequestInfo, fleet: FleetView, top: int, limit, score, work) -> int:
         """The replica to rank first when `top` heads the full order: `top`, or `_tie_break`'s pick among
