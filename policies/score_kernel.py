@@ -17,16 +17,27 @@ from __future__ import annotations
 import numpy as np
 from numba import njit  # type: ignore[import-untyped]
 
+
+def _compiled(fn):
+    """`fn` compiled by numba, cached on disk where numba finds a writable place for it (beside this file,
+    or its user-wide cache); where it finds none (a read-only install without a writable home) numba
+    refuses `cache=True` outright, so each process compiles it for itself instead."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:
+        return njit(nogil=True)(fn)
+
+
 SCORE_ROUNDING = 1e9  # scores are rounded to 1e-9 s, so sums that differ in the last bit tie
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _pos(x):
     """np.maximum(x, 0.0) for one float: NaN stays NaN."""
     return x if (x >= 0.0 or x != x) else 0.0
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def replica_scores(
     shared_b,
     host_b,
@@ -121,7 +132,7 @@ def replica_scores(
     return score, uncached, wait_out, ttft_out
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def lowest(score):
     """(index of the first lowest score, how many scores equal it), or (-1, 0) when a score is NaN: what
     `np.flatnonzero(score == score.min())` tells, in one pass."""

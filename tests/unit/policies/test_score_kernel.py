@@ -82,7 +82,11 @@ def _case(rng, m):
 
 
 def _kernel(c):
-    return replica_scores(
+    return replica_scores(*_kernel_args(c))
+
+
+def _kernel_args(c):
+    return (
         c["sb"], c["hb"], c["mb"], c["has_host"], c["has_hbm"], c["queued"], c["running"], c["pending"],
         c["n"], c["bs"], *c["cost"], c["ready_s"], c["rw"], c["hot"], c["disc"], c["spread"], c["sw"],
         c["recent"], c["recent_bound"], c["d"], c["guard"], c["gw"], c["bound"], c["work"], c["ow"], c["cap"],
@@ -127,3 +131,29 @@ def test_lowest_finds_the_first_minimum_and_how_many_tie(seed):
     assert (first, count) == (ties[0], len(ties))
     score[int(rng.integers(len(score)))] = np.nan
     assert lowest(score) == (-1, 0)
+
+
+def test_where_numba_can_cache_nowhere_the_kernel_compiles_per_process(monkeypatch):
+    """A read-only install without a writable home: numba refuses `cache=True` at import; the module must
+    still load (compiling in the process) and score the same."""
+    import importlib.util
+
+    import numba
+
+    import kvmesh.policies.score_kernel as installed
+
+    real = numba.njit
+
+    def refusing(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", refusing)
+    spec = importlib.util.spec_from_file_location("score_kernel_uncached", installed.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    c = _case(np.random.default_rng(3), 16)
+    got = fresh.replica_scores(*_kernel_args(c))
+    want = installed.replica_scores(*_kernel_args(c))
+    assert all(_same_bits(g, w) for g, w in zip(got, want))
