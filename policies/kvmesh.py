@@ -94,7 +94,7 @@ import numpy as np
 
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo, two_longest
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
-from kvmesh.policies.score_kernel import SCORE_ROUNDING, lowest, replica_scores
+from kvmesh.policies.score_kernel import SCORE_ROUNDING, lowest, replica_scores, warm_up
 
 _NONE = object()
 _NO_ARRAY = np.zeros(0)  # for a term that is off: the kernel never reads it
@@ -160,6 +160,7 @@ class KvmeshPolicy(Policy):
         self.overshoot_cap = overshoot_cap
         self.overshoot_weight = overshoot_weight
         self.hold_for_tier = bool(hold_for_tier)
+        warm_up()  # the score's compiled kernels, before the first request rather than during it
         # block hash -> its continuations seen so far: one (bare), several (a set), or True once
         # hot_fanout distinct ones were seen (a fork: a shared prompt many requests branch from)
         self._fanout: OrderedDict = OrderedDict()
