@@ -26,6 +26,7 @@ async def _tokens(replica, request: dict) -> list[int]:
 
 
 def test_an_engine_whose_step_fails_turns_unhealthy_and_names_itself(tiny_model_dir):
+    import kvmesh.policies.score_kernel  # noqa: F401  numba loaded first, as in a process that also routes
     from kvmesh.deployments.engine import EngineReplica
     from kvmesh.deployments.engine_driver import EngineBroken
 

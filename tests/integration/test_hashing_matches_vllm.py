@@ -187,7 +187,10 @@ def engine_with_events(tmp_path_factory):
         ),
     )
     files = tmp_path_factory.mktemp("vllm-files")  # vLLM's torch.distributed file store, not in /tmp
-    with pytest.MonkeyPatch.context() as mp:
+    import kvmesh.policies.score_kernel  # noqa: F401  numba's llvmlite in this process, as a router's would be
+    from kvmesh.deployments.engine_driver import vllm_module_scan_safe
+
+    with pytest.MonkeyPatch.context() as mp, vllm_module_scan_safe():
         mp.setattr(tempfile, "tempdir", str(files))
         mp.setenv("VLLM_RPC_BASE_PATH", str(files))
         engine = LLMEngine.from_engine_args(args)
