@@ -6,8 +6,14 @@ cap on requests in flight (queued here or running), and a prompt-size cap. When 
 bound is configured, requests beyond it wait in per-tenant queues served round robin, so a tenant with
 1000 waiting requests and one with 1 alternate; a wait longer than `queue_timeout_s` becomes a 429.
 
-Limits are per ingress replica (each keeps its own buckets): with R ingress replicas a tenant may get
-up to R x its limit. Size limits accordingly, or run one ingress replica per limit domain.
+With several ingress replicas a tenant's limits hold across the fleet: each replica keeps its own
+buckets and count, and adds what the other replicas admitted for the same tenant, as their routers'
+placement stream tells it (`peers`: `tenant_usage.PeerTenantUsage`): their requests in flight count
+against `max_concurrent`, and the requests and prompt tokens they placed are taken from this replica's
+buckets at the time they were heard. The stream is milliseconds behind, so requests admitted on two
+replicas within that lag may pass a limit together, by at most one request per other replica. Without
+peers (one ingress replica, or the stream off) the limits are this replica's alone. The global
+`max_concurrent` bound stays per replica: it is the capacity of this ingress process.
 
     ticket = await admission.acquire(tenant, prompt_tokens)   # AdmissionError: RateLimited / PromptTooLarge
     try: ...
@@ -23,6 +29,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant
 
@@ -74,6 +81,11 @@ class TokenBucket:
     def take(self, n: float) -> None:
         self.tokens -= n
 
+    def take_at(self, n: float, now: float) -> None:
+        """Take `n` spent elsewhere (other ingress replicas), refilled to `now` first; may go below zero."""
+        self._refill(now)
+        self.tokens -= n
+
     def give_back(self, n: float) -> None:
         self.tokens = min(self.capacity, self.tokens + n)
 
@@ -88,12 +100,23 @@ class Ticket:
     released: bool = False
 
 
+class PeerUsage(Protocol):
+    """What the other ingress replicas placed per tenant (`tenant_usage.PeerTenantUsage`)."""
+
+    window_s: float
+
+    def active(self, tenant: str) -> int: ...
+
+    def since(self, tenant: str, cursor: int) -> tuple[int, list[tuple[float, int]]]: ...
+
+
 @dataclass
 class _TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     active: int = 0  # admitted (in flight) + waiting in the fair queue
     waiters: deque = field(default_factory=deque)
+    peers_cursor: int = 0  # how far into the peers' log of this tenant's placements the buckets have taken
 
 
 class Admission:
@@ -104,12 +127,14 @@ class Admission:
         max_concurrent: int | None = None,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        peers: PeerUsage | None = None,
     ):
         if max_concurrent is not None and max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1 or None")
         self.max_concurrent = max_concurrent
         self.queue_timeout_s = float(queue_timeout_s)
         self._clock = clock
+        self.peers = peers  # the other ingress replicas' usage per tenant (None: this replica's limits alone)
         self._tenants: dict[str, _TenantState] = {}
         self._ready: OrderedDict[str, None] = OrderedDict()  # tenants with waiters, round-robin order
         self._in_flight = 0
@@ -144,13 +169,30 @@ class Admission:
         if state is None:
             lim, now = tenant.limits, self._clock()
             req = tok = None
+            # with peers, the buckets start full one log window ago, so replaying the peers' log (the
+            # fleet's recent use of them) brings them to where a single fleet-wide bucket would be now
+            start = now - self.peers.window_s if self.peers is not None else now
             if lim.requests_per_s:
                 burst = lim.burst_requests or max(1.0, lim.requests_per_s)
-                req = TokenBucket(burst, lim.requests_per_s, now)
+                req = TokenBucket(burst, lim.requests_per_s, start)
             if lim.tokens_per_min:
-                tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, now)
+                tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, start)
             state = self._tenants[tenant.id] = _TenantState(req, tok)
         return state
+
+    def _peers_active(self, tenant_id: str, state: _TenantState) -> int:
+        """The tenant's requests in flight on the other ingress replicas. What they placed since the last
+        look is taken from this replica's buckets at the time it was heard (the buckets may go below zero:
+        the wait then covers it)."""
+        if self.peers is None:
+            return 0
+        state.peers_cursor, placed = self.peers.since(tenant_id, state.peers_cursor)
+        for at, tokens in placed:
+            if state.requests is not None:
+                state.requests.take_at(1, at)
+            if state.tokens is not None:
+                state.tokens.take_at(tokens, at)
+        return self.peers.active(tenant_id)
 
     def _check_and_charge(self, tenant: Tenant, prompt_tokens: int) -> _TenantState:
         """Per-tenant checks; on success charges the buckets and counts the request as active."""
@@ -167,13 +209,14 @@ class Admission:
                 "tenant_prompt_limit_exceeded",
             )
         state = self._state(tenant)
-        if lim.max_concurrent is not None and state.active >= lim.max_concurrent:
+        now = self._clock()
+        peers_active = self._peers_active(tenant.id, state)
+        if lim.max_concurrent is not None and state.active + peers_active >= lim.max_concurrent:
             raise RateLimited(
                 CONCURRENCY_RETRY_S,
                 f"Too many concurrent requests for this API key (limit {lim.max_concurrent}).",
                 "concurrency_limit_exceeded",
             )
-        now = self._clock()
         wait = 0.0
         if state.requests is not None:
             wait = max(wait, state.requests.wait_s(1, now))

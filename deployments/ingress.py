@@ -37,9 +37,26 @@ from kvmesh.deployments.migration import MigratingStream, call_migrating
 from kvmesh.deployments.openai_protocol import OpenAIError
 from kvmesh.deployments.router import active_routers, notify_cache_reset, notify_first_token, notify_replica_failed
 from kvmesh.deployments.serving_metrics import ServingMetrics
+from kvmesh.deployments.tenant_usage import WINDOW_S
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+
+class _PeerTenantUsage:
+    """What the other ingress replicas placed per tenant, as this process's router hears it
+    (`PeerPlacements.tenants`, a `tenant_usage.PeerTenantUsage`); nothing before the router exists."""
+
+    window_s = WINDOW_S
+
+    def active(self, tenant: str) -> int:
+        routers = active_routers()
+        return routers[0].peers.tenants.active(tenant) if routers else 0
+
+    def since(self, tenant: str, cursor: int) -> tuple[int, list[tuple[float, int]]]:
+        routers = active_routers()
+        return routers[0].peers.tenants.since(tenant, cursor) if routers else (cursor, [])
+
 
 fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-compatible serving")
 
@@ -150,6 +167,7 @@ class Ingress:
         from kvmesh.deployments.tenant_metrics import TenantMetrics
 
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
+        self.admission.peers = _PeerTenantUsage()  # tenant limits across the ingress replicas (admission.py)
         self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
         self.tenant_metrics = TenantMetrics()
         self.failures = FailureCounters()

@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.deployments.tenant_usage import PeerTenantUsage
 from kvmesh.deployments.tier_hold import HoldSource, prefill_left_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
@@ -153,9 +154,11 @@ class PeerPlacements:
     `policies` is a callable returning the router's live policy objects (tenants may add some later).
     `clock` is the wall clock peers stamp their placements with (`routed_message`). With `tiers` (the
     router's TierTracker), a peer's request that completed after its first token counts in its node's
-    LMCache tiers, as the router's own do: LMCache stored its prompt whichever router placed it."""
+    LMCache tiers, as the router's own do: LMCache stored its prompt whichever router placed it. `tenants`
+    collects what peers placed per tenant, for fleet-wide tenant limits (default: a new log on the
+    monotonic clock)."""
 
-    def __init__(self, index, policies, clock=time.time, tiers=None) -> None:
+    def __init__(self, index, policies, clock=time.time, tiers=None, tenants: PeerTenantUsage | None = None) -> None:
         self.index = index
         self.tiers = tiers  # a TierTracker: a peer's completed prefill is in its node's LMCache tiers
         # placements whose `done` came before their `started` (a unary request's first token reaches its
@@ -163,9 +166,25 @@ class PeerPlacements:
         self.ended: OrderedDict[tuple[str, str], PeerPlacement] = OrderedDict()
         self.policies = policies
         self.placements: dict[tuple[str, str], PeerPlacement] = {}
+        # per tenant, what peers placed (`tenant_usage.PeerTenantUsage`): fleet-wide tenant limits read it
+        self.tenants = tenants if tenants is not None else PeerTenantUsage()
+        self._counted: OrderedDict[tuple[str, str], None] = OrderedDict()  # requests already logged there
         self.applied = 0
         self.clock = clock
         self.unseen = UnseenPlacements()
+
+    def _count_tenant(self, key: tuple[str, str], info: RequestInfo, delta: int) -> None:
+        """A peer placement of `info` starts (+1) or stops (-1) being in flight; its first start is also
+        logged as placed (a request routed again, moved between replicas, is one request)."""
+        tenant = info.tenant
+        if tenant is None:
+            return
+        self.tenants.in_flight(tenant, delta)
+        if delta > 0 and key not in self._counted:
+            self._counted[key] = None
+            if len(self._counted) > 65_536:  # far more than a request is routed again over
+                self._counted.popitem(last=False)
+            self.tenants.placed(tenant, info.num_tokens)
 
     def unseen_placements(self) -> tuple[float, float]:
         """(peers' placements this router cannot know of yet, their mean prefill tokens): `UnseenPlacements`."""
@@ -200,6 +219,7 @@ class PeerPlacements:
             if replica in self.index.replicas():
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
             self.placements[key] = placed
+            self._count_tenant(key, info, +1)
         elif kind == "unrouted":
             moved = self._close(key)
             if moved is not None and moved.replica == replica:
@@ -219,7 +239,7 @@ class PeerPlacements:
                     ended.release()
                     self._record_prefill(ended)
         elif kind == "done":
-            done = self.placements.pop(key, None)
+            done = self._pop(key)
             if done is not None and done.started:
                 self._record_prefill(done)
             elif done is not None:  # its `started` may follow: waiters wait for it (or their timeout)
@@ -241,9 +261,16 @@ class PeerPlacements:
         if self.tiers is not None and placed.replica in self.index.replicas():
             self.tiers.record_prefill(placed.replica, placed.info.block_hashes)
 
+    def _pop(self, key: tuple[str, str]) -> PeerPlacement | None:
+        """Take a placement out of those in flight (and out of its tenant's count)."""
+        placed = self.placements.pop(key, None)
+        if placed is not None:
+            self._count_tenant(key, placed.info, -1)
+        return placed
+
     def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
         """Stop tracking a placement in flight; requests waiting for its first token go on."""
-        placed = self.placements.pop(key, None)
+        placed = self._pop(key)
         if placed is not None:
             placed.release()
         return placed

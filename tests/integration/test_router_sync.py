@@ -1,14 +1,18 @@
 """Two ingress replicas, one placement view: a real `kvmesh serve` with `ingress_replicas: 2` (HAProxy spreads
 connections over both), two engines. Each ingress's router finds the other through the registry actor,
 their placement streams run over CURVE, a new prefix sent through both fronts at once lands on one
-engine replica, and each router's count of the other's in-flight requests returns to zero. The same app then
-has its sockets checked (loopback only) and is stopped by SIGTERM to the serve process, which must leave
-nothing running (tests/support/serve_process.py)."""
+engine replica, and each router's count of the other's in-flight requests returns to zero. A tenant's
+concurrency limit holds across both fronts (its requests in flight on the other ingress replica count). The
+same app then has its sockets checked (loopback only) and is stopped by SIGTERM to the serve process, which
+must leave nothing running (tests/support/serve_process.py)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import re
+import secrets
+import threading
 import time
 
 import httpx
@@ -35,12 +39,58 @@ def _states(url: str, headers: dict) -> dict[str, dict]:
     return {rid: st["sync"] for rid, st in router_states(url, headers).items()}
 
 
+LIMITED_CONCURRENCY = 2
+
+
+def _tenants_file(tmp_path) -> tuple[str, str, str]:
+    """A tenants file: `main` without limits (the placement checks) and `limited`, at most
+    LIMITED_CONCURRENCY requests in flight. Returns (its path, main's key, limited's key)."""
+    main, limited = (f"kvm-test-{secrets.token_hex(16)}" for _ in range(2))
+
+    def entry(tenant_id: str, key: str, limits: dict | None) -> dict:
+        return {"id": tenant_id, "keys": [{"sha256": hashlib.sha256(key.encode()).hexdigest()}], "limits": limits}
+
+    path = tmp_path / "tenants.yaml"
+    tenants = [entry("main", main, None), entry("limited", limited, {"max_concurrent": LIMITED_CONCURRENCY})]
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return str(path), main, limited
+
+
+def _concurrency_across_fronts(url: str, key: str, requests: int = 8) -> list[tuple[int, float, float]]:
+    """Open `requests` long streams one after another, 0.15 s apart, each on its own connection (HAProxy's
+    leastconn sends them to alternate ingress replicas), and read each to its end. Returns (HTTP status,
+    when it was answered, when its stream ended) per request, in the order sent."""
+    results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * requests
+    answered = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": [7, 8, 9, 10 + i], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(timeout=180) as c, c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            at = time.monotonic()
+            answered.release()
+            for _ in r.iter_bytes():
+                pass
+            results[i] = (r.status_code, at, time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(requests)]
+    for t in threads:
+        t.start()
+        assert answered.acquire(timeout=120)
+        time.sleep(0.15)  # the placement stream carries each admission to the other front in milliseconds
+    for t in threads:
+        t.join(180)
+    return results
+
+
 def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
-    serve = Serve(tmp_path, "sync", yaml.safe_dump(CONFIG), ("--num-cpus", "3"))
+    tenants, key, limited_key = _tenants_file(tmp_path)
+    serve = Serve(tmp_path, "sync", yaml.safe_dump({**CONFIG, "tenants_file": tenants}), ("--num-cpus", "3"))
     try:
         serve.wait_serving()
-        url, key = serve.url, serve.key
-        assert url and key
+        url = serve.url
+        assert url
+        serve.key = key  # the keys come from the tenants file: the checks below use main's
         headers = {"Authorization": f"Bearer {key}"}
 
         def send(ids: list[int]) -> str:
@@ -78,6 +128,21 @@ def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
         for s in states.values():
             assert s["published"] > 0 and s["applied"] > 0, states
             assert s["peer_inflight"] == 0, states  # every peer request that finished was taken back
+
+        # a tenant's concurrency limit is the fleet's, not each ingress replica's: with both fronts taking
+        # turns, at most LIMITED_CONCURRENCY of its long requests run at once (per replica it would be twice
+        # that), and requests sent while that many run are refused whichever front they reach
+        runs = _concurrency_across_fronts(url, limited_key)
+        served = [(a, b) for status, a, b in runs if status == 200]
+        assert all(status in (200, 429) for status, _, _ in runs), runs
+        overlap = max(sum(1 for a, b in served if a <= t < b) for t, _ in served)
+        assert overlap == LIMITED_CONCURRENCY, runs
+        refused_while_full = [
+            a
+            for status, a, _ in runs
+            if status == 429 and sum(1 for s, e in served if s <= a < e) == LIMITED_CONCURRENCY
+        ]
+        assert len(refused_while_full) >= 3, runs  # consecutive requests alternate between the two fronts
 
         # one scrape, whichever replica answers, holds both replicas' counters, each labelled with its
         # replica and each family once (a scrape reaching one replica would switch between their counters)

@@ -1,44 +1,175 @@
-"""How per-tenant limits combine across ingress replicas: each replica keeps its own buckets and counts,
-so R ingress replicas admit up to R x a tenant's limit fleet-wide (docs/scale.md)."""
+"""A tenant's limits hold across ingress replicas: each replica's admission adds what the others placed for
+the tenant, as their routers' placement stream reports it (`PeerPlacements.tenants`); without the
+stream each replica enforces the limits alone, so R replicas admit up to R x a limit (docs/scale.md)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvmesh.deployments.admission import Admission, RateLimited
+from kvmesh.deployments.router_sync import PeerPlacements, routed_message
+from kvmesh.deployments.tenant_usage import PeerTenantUsage
 from kvmesh.deployments.tenants import Limits, Tenant
+from kvmesh.policies.base import RequestInfo
 
 
-def _tenant(**limits) -> Tenant:
-    return Tenant(id="acme", group=None, salt="s" * 64, limits=Limits(**limits))
+class Index:
+    """The index calls peer placements make (kvmesh's own interface)."""
+
+    def replicas(self):
+        return ["e0"]
+
+    def speculate(self, replica, hashes, fresh):
+        pass
+
+    def withdraw(self, replica, fresh):
+        pass
+
+
+def _tenant(tenant_id: str = "acme", **limits) -> Tenant:
+    return Tenant(id=tenant_id, group=None, salt="s" * 64, limits=Limits(**limits))
+
+
+class Fleet:
+    """R ingress replicas, each an `Admission` fed by its own `PeerPlacements`; a replica that admits a
+    request routes it, and its router's `routed` message (and later `done`) reaches every other replica,
+    as the placement stream delivers it (here at once)."""
+
+    def __init__(self, replicas: int, synced: bool = True, clock=None):
+        clock = clock or (lambda: 0.0)
+        self.peers = [PeerPlacements(Index(), lambda: [], tenants=PeerTenantUsage(clock)) for _ in range(replicas)]
+        self.fronts = [Admission(clock=clock, peers=p.tenants if synced else None) for p in self.peers]
+        self.serial = 0
+
+    def send(self, k: int, tenant: Tenant, prompt_tokens: int = 10):
+        """Request to replica k: its ticket and the request id, or None when refused."""
+        try:
+            ticket = self.fronts[k].try_acquire(tenant, prompt_tokens)
+        except RateLimited:
+            return None
+        self.serial += 1
+        rid = f"q{self.serial}"
+        info = RequestInfo([1, 2], prompt_tokens, 32, tenant=tenant.id, request_id=rid)
+        self._publish(k, routed_message(f"router{k}", info, "e0", (0, 0, 0)))
+        return ticket, rid
+
+    def finish(self, k: int, sent) -> None:
+        ticket, rid = sent
+        self.fronts[k].release(ticket)
+        self._publish(k, ["done", f"router{k}", rid, "e0"])
+
+    def _publish(self, k: int, msg: list) -> None:
+        for j, peers in enumerate(self.peers):
+            if j != k:
+                peers.apply(msg)
 
 
 @pytest.mark.parametrize("ingress_replicas", [1, 2, 4])
-def test_concurrency_limits_add_up_over_ingress_replicas(ingress_replicas):
+def test_a_concurrency_limit_holds_across_ingress_replicas(ingress_replicas):
     tenant = _tenant(max_concurrent=3)
-    fronts = [Admission() for _ in range(ingress_replicas)]
-    admitted = 0
-    for adm in fronts:  # a front that spreads connections evenly: each replica sees its share
-        for _ in range(5):
-            try:
-                adm.try_acquire(tenant, 10)
-                admitted += 1
-            except RateLimited:
-                pass
-    assert admitted == 3 * ingress_replicas
+    fleet = Fleet(ingress_replicas)
+    # a front that spreads connections evenly: requests go to the replicas in turn
+    sent = [(k, fleet.send(k, tenant)) for _ in range(5) for k in range(ingress_replicas)]
+    admitted = [(k, s) for k, s in sent if s]
+    assert len(admitted) == 3  # 3 in all, wherever they landed
+    assert all(fleet.send(k, tenant) is None for k in range(ingress_replicas))
+    k, first = admitted[0]
+    fleet.finish(k, first)  # one ends on its replica: any replica may admit one more, and only one
+    other = (k + 1) % ingress_replicas
+    assert fleet.send(other, tenant) is not None
+    assert all(fleet.send(j, tenant) is None for j in range(ingress_replicas))
+
+
+def test_another_tenants_requests_do_not_count():
+    fleet = Fleet(2)
+    busy, calm = _tenant("busy", max_concurrent=2), _tenant("calm", max_concurrent=2)
+    assert fleet.send(0, busy) and fleet.send(1, busy)
+    assert fleet.send(0, busy) is None and fleet.send(1, busy) is None
+    assert fleet.send(0, calm) and fleet.send(1, calm)
 
 
 @pytest.mark.parametrize("ingress_replicas", [1, 3])
-def test_request_rate_limits_add_up_over_ingress_replicas(ingress_replicas):
+def test_a_request_rate_limit_holds_across_ingress_replicas(ingress_replicas):
     now = [0.0]
     tenant = _tenant(requests_per_s=2, burst_requests=2)
-    fronts = [Admission(clock=lambda: now[0]) for _ in range(ingress_replicas)]
-    admitted = 0
-    for adm in fronts:
-        for _ in range(10):
-            try:
-                adm.try_acquire(tenant, 10)
-                admitted += 1
-            except RateLimited:
-                pass
-    assert admitted == 2 * ingress_replicas
+    fleet = Fleet(ingress_replicas, clock=lambda: now[0])
+    admitted = sum(1 for _ in range(10) for k in range(ingress_replicas) if fleet.send(k, tenant))
+    assert admitted == 2
+    now[0] = 1.0  # a second later the fleet's bucket has refilled by the rate: 2 more in all
+    admitted = sum(1 for _ in range(10) for k in range(ingress_replicas) if fleet.send(k, tenant))
+    assert admitted == 2
+
+
+def test_a_prompt_token_budget_holds_across_ingress_replicas():
+    now = [0.0]
+    tenant = _tenant(tokens_per_min=1000)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(0, tenant, 600)
+    with pytest.raises(RateLimited) as refused:  # 600 spent on replica 0 leave 400 here too
+        fleet.fronts[1].try_acquire(tenant, 600)
+    assert 10 < refused.value.retry_after_s <= 12.5  # 200 tokens more at 1000 per minute
+    assert fleet.send(1, tenant, 400)
+
+
+def test_a_replica_that_meets_a_tenant_late_knows_what_the_fleet_spent_recently():
+    now = [0.0]
+    tenant = _tenant(requests_per_s=1, burst_requests=2)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(0, tenant) and fleet.send(0, tenant)
+    now[0] = 0.5  # replica 1 sees the tenant for the first time: the fleet's bucket is nearly empty
+    assert fleet.send(1, tenant) is None
+    now[0] = 100.0  # long after: everyone's bucket is full again, whatever the peers spent back then
+    assert fleet.send(1, tenant) and fleet.send(1, tenant)
+    assert fleet.send(1, tenant) is None
+
+
+def test_peers_usage_is_charged_when_it_was_heard_not_when_this_replica_looks():
+    now = [0.0]
+    tenant = _tenant(requests_per_s=1, burst_requests=3)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(1, tenant)  # replica 1 has the tenant's bucket (3, one taken)
+    assert fleet.send(0, tenant) and fleet.send(0, tenant)  # the peer takes 2 at t=0: 0 left fleet-wide
+    now[0] = 50.0  # replica 1 looks only now: refilled since, so it admits up to the burst again
+    assert sum(1 for _ in range(5) if fleet.send(1, tenant)) == 3
+
+
+@pytest.mark.parametrize("ingress_replicas", [1, 2, 4])
+def test_without_the_placement_stream_each_replica_enforces_the_limit_alone(ingress_replicas):
+    tenant = _tenant(max_concurrent=3)
+    fleet = Fleet(ingress_replicas, synced=False)
+    admitted = sum(1 for k in range(ingress_replicas) for _ in range(5) if fleet.send(k, tenant))
+    assert admitted == 3 * ingress_replicas
+
+
+def test_peer_placements_count_a_tenants_requests_in_flight_and_placed():
+    now = [5.0]
+    peers = PeerPlacements(Index(), lambda: [], tenants=PeerTenantUsage(lambda: now[0]))
+    usage = peers.tenants
+    info = RequestInfo([1, 2], 70, 32, tenant="acme", request_id="q1")
+    peers.apply(routed_message("a", info, "e0", (0, 0, 0)))
+    assert usage.active("acme") == 1 and usage.since("acme", 0) == (1, [(5.0, 70)])
+    peers.apply(["unrouted", "a", "q1", "e0"])
+    now[0] = 6.0
+    peers.apply(routed_message("a", info, "e0", (0, 0, 0)))  # moved: still one request
+    assert usage.active("acme") == 1 and usage.since("acme", 0) == (1, [(5.0, 70)])
+    peers.apply(["done", "a", "q1", "e0"])
+    assert usage.active("acme") == 0
+    peers.apply(routed_message("b", RequestInfo([3], 40, 32, tenant="acme", request_id="q1"), "e0", (0, 0, 0)))
+    assert usage.active("acme") == 1 and usage.since("acme", 1) == (2, [(6.0, 40)])
+    peers.apply(["bye", "b", "", ""])  # a peer that leaves takes its requests in flight with it
+    assert usage.active("acme") == 0
+    assert usage.active("other") == 0 and usage.since("other", 0) == (0, [])
+
+
+def test_the_usage_log_keeps_one_window_and_cursors_survive_its_trimming():
+    now = [0.0]
+    usage = PeerTenantUsage(lambda: now[0], window_s=10.0)
+    for t in range(100):
+        now[0] = float(t)
+        usage.placed("acme", t)
+    cursor, seen = usage.since("acme", 95)
+    assert cursor == 100 and [tokens for _, tokens in seen] == [95, 96, 97, 98, 99]
+    assert len(usage._log["acme"][1]) < 80  # trimmed as it grew
+    cursor, seen = usage.since("acme", 0)  # a cursor from before the trim: what is kept, in order
+    assert cursor == 100 and [tokens for _, tokens in seen] == list(range(seen[0][1], 100))
+    assert seen[0][1] <= 90  # every placement of the last window is kept
