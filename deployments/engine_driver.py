@@ -11,7 +11,6 @@ publisher and KV connector, so routing and caching behave identically. Nothing h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
@@ -21,35 +20,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from kvmesh.deployments.config import engine_dtype
+from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core_client import InprocClient
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def vllm_module_scan_safe():
-    """While a vLLM engine starts: llvmlite's `binding.ffi.lib` out of its module's namespace.
-
-    Why: vLLM's CPU platform, as an engine starts, walks every loaded module's attributes and reads
-    `vars(x).get(...)` on each (`triton_utils.dispatcher._rebind_kernels`). llvmlite's `ffi.lib`, loaded
-    with numba (kvmesh's placement score is compiled with it, `policies/score_kernel.py`), answers `vars()`
-    with a function wrapper, and the engine fails to start. An engine replica never loads numba, but a
-    process that places requests and then starts an engine does (a test, a benchmark). Nothing in that
-    process uses llvmlite while the engine starts (an AsyncLLM's core process, forked meanwhile, inherits
-    the namespace as it is)."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    namespace = getattr(ffi, "__dict__", None)
-    if namespace is None or "lib" not in namespace:
-        yield
-        return
-    lib = namespace.pop("lib")
-    try:
-        yield
-    finally:
-        namespace["lib"] = lib
 
 
 def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_transfer: dict | None):
@@ -170,8 +147,8 @@ class InprocDriver:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self._fail_after = fail_step_after
-        with vllm_module_scan_safe():
-            self.engine = LLMEngine.from_engine_args(engine_args)
+        patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
+        self.engine = LLMEngine.from_engine_args(engine_args)
         self.load = _LoadCounter()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -361,8 +338,8 @@ class AsyncDriver:
             from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
             loggers.append(RayPrometheusStatLogger)
-        with vllm_module_scan_safe():
-            self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+        patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
+        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         self.load = _LoadCounter()
 
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:

@@ -188,9 +188,10 @@ def engine_with_events(tmp_path_factory):
     )
     files = tmp_path_factory.mktemp("vllm-files")  # vLLM's torch.distributed file store, not in /tmp
     import kvmesh.policies.score_kernel  # noqa: F401  numba's llvmlite in this process, as a router's would be
-    from kvmesh.deployments.engine_driver import vllm_module_scan_safe
+    from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
-    with pytest.MonkeyPatch.context() as mp, vllm_module_scan_safe():
+    patch_llvmlite_dunder_lookup()  # what the engine driver does before it starts an engine
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tempfile, "tempdir", str(files))
         mp.setenv("VLLM_RPC_BASE_PATH", str(files))
         engine = LLMEngine.from_engine_args(args)

@@ -99,10 +99,11 @@ class EngineRunner:
             kv_transfer_config=KVTransferConfig(**kv_transfer_config) if kv_transfer_config else None,
         )
         # vLLM leaves its torch.distributed file store in the temp folder; keep it beside the model.
-        # and starts with numba's llvmlite in this process hidden from its module scan (engine_driver.py)
-        from kvmesh.deployments.engine_driver import vllm_module_scan_safe
+        # and starts whether or not numba's llvmlite is loaded in this process (kvstore/compat.py)
+        from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
-        with pytest.MonkeyPatch.context() as mp, vllm_module_scan_safe():
+        patch_llvmlite_dunder_lookup()
+        with pytest.MonkeyPatch.context() as mp:
             mp.setattr(tempfile, "tempdir", str(model.parent))
             mp.setenv("VLLM_RPC_BASE_PATH", str(model.parent))
             self.engine = LLMEngine.from_engine_args(args)
