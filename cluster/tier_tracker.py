@@ -111,9 +111,10 @@ class TierTracker:
         return n
 
     def stored_prefix(self, src_replica: str, dst_replica: str, n_blocks: int) -> int:
-        """Blocks of a prompt of `n_blocks` full blocks that a prefill on `src_replica` leaves loadable on
-        `dst_replica`: its whole LMCache chunks when both are on one node with an LMCache server, or when
-        both nodes write to and read from the shared tier and it is up; else 0."""
+        """Of the first `n_blocks` blocks of a prompt whose prefill ran on `src_replica` (the whole prompt, or
+        the part another prompt shares with it), those loadable on `dst_replica`: their whole LMCache chunks
+        when both are on one node with an LMCache server, or when both nodes write to and read from the
+        shared tier and it is up; else 0."""
         src, dst = self.index.node_of(src_replica), self.index.node_of(dst_replica)
         if src not in self._host or dst not in self._host:
             return 0
@@ -121,6 +122,32 @@ class TierTracker:
             return 0
         k = self._chunk_blocks.get(src, self.chunk_blocks)
         return n_blocks // k * k
+
+    def loadable(self, matches: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
+        """The index's per-replica match (hbm, host-or-hbm, any tier, in blocks) as the engine will be given
+        it. Why: the index holds tier residency per block, but LMCache keys a chunk by every token up to its
+        end, so a prompt that leaves a stored prompt inside a chunk loads only the chunks before that point
+        (seen live, 256-token chunks: a prompt sharing 11 blocks of 32 with one in the shared tier came back
+        with 256 cached tokens, not 352). vLLM takes the longer of its own prefix and LMCache's, so each tier
+        row is cut to whole chunks but never below the row above it. A replica whose node runs no LMCache
+        server the router models (none, or one that failed) reads neither tier of LMCache; one whose node
+        has no shared tier, or while the shared tier is down, reads no shared tier."""
+        if not self._host:
+            return matches
+        out = {}
+        for rid, (hbm, host, shared) in matches.items():
+            node = self.index.node_of(rid)
+            k = self._chunk_blocks.get(node)
+            if k is None:  # no LMCache server on its node: nothing beyond its own hbm
+                out[rid] = (hbm, hbm, hbm)
+                continue
+            host = max(hbm, host // k * k)
+            if self.shared_up and node in self._shared_nodes:
+                shared = max(host, shared // k * k)
+            else:
+                shared = host
+            out[rid] = (hbm, host, shared)
+        return out
 
     def set_shared_up(self, up: bool) -> None:
         """Shared tier reachable or not; losing it forgets all shared entries (they are gone or stale)."""

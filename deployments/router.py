@@ -456,7 +456,7 @@ class KvmeshRouter(RequestRouter):
             self._withdraw(earlier)
         if self.sync is not None:
             self.sync.drain()  # peers' placements already received count in this ranking
-        matches = self.index.match(hashes)
+        matches = self.tiers.loadable(self.index.match(hashes))  # tier rows in whole LMCache chunks
         policy = self._policy_for(req)
         views = self._views(candidate_replicas, matches)
         fleet = FleetView.from_views(views)

@@ -90,7 +90,8 @@ def loadable_sources(
         for st, shared in found:
             if st.replica == rid or shared <= most:
                 continue
-            blocks = min(shared, tiers.stored_prefix(st.replica, rid, len(st.info.block_hashes)))
+            # whole chunks of the shared part: a chunk past where the prompts part is keyed by other tokens
+            blocks = tiers.stored_prefix(st.replica, rid, shared)
             if blocks > most:
                 best, most = st, blocks
         out.append((best, most) if best is not None else None)

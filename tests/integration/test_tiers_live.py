@@ -46,6 +46,13 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     assert all(r["hold_timeouts"] == 0 for r in held["routers"].values()), held
     # each router counts every completed prefill in the tiers, the other router's too
     assert all(t["prefills_recorded"] >= 2 * len(held["pairs"]) for t in held["tiers"].values()), held
+    # a prompt that leaves a stored one inside an LMCache chunk loads the whole chunks before that point on
+    # the other replica, and the router predicted exactly that (counted block by block it would say 672)
+    parted = found["parted"]
+    for a_replica, b_replica, b_cached, b_predicted in parted:
+        assert b_predicted == b_cached, parted
+        assert b_cached == (640 if b_replica != a_replica else 672), parted
+    assert any(a != b for a, b, _, _ in parted), parted
     # one LMCache server for the node, found by both engines; it answered lookups for the prompt
     report = found["tier_report"]
     assert report["nodes"] == 1 and report["healthy_nodes"] == 1

@@ -154,3 +154,43 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
     assert t.shared_up is False
     assert idx.match([1, 2])["b"] == (0, 0, 0)  # shared entries dropped
     assert idx.match([1, 2])["a"] == (0, 0, 0)  # node n1 restarted: host entries dropped
+
+
+def test_a_prompt_that_leaves_a_stored_one_inside_a_chunk_loads_the_chunks_before():
+    # LMCache keys a chunk by every token up to its end: sharing 11 blocks of a stored 16-block prompt in
+    # chunks of 4 leaves 8 loadable (the engine's own hbm prefix counts whole, block by block)
+    idx, t = _setup(chunk_blocks=4)
+    stored = list(range(100, 116))
+    t.apply_events("a", [BlockStored(stored[:3], medium="GPU")])
+    t.record_prefill("a", stored)
+    asked = stored[:11] + [999, 998]
+    raw = idx.match(asked)
+    assert raw["b"] == (0, 0, 11) and raw["a2"] == (0, 11, 11)
+    m = t.loadable(raw)
+    assert m["b"] == (0, 0, 8)  # shared tier, whole chunks
+    assert m["a2"] == (0, 8, 8)  # host tier on the same node, whole chunks
+    assert m["a"] == (3, 8, 8)  # its hbm holds 3, LMCache gives 8
+    assert t.loadable(idx.match(stored))["b"] == (0, 0, 16)  # the whole stored prompt: every chunk
+    t.apply_events("a", [BlockStored(stored[3:10], medium="GPU")])
+    assert t.loadable(idx.match(asked))["a"] == (10, 10, 10)  # its hbm's 10 beat LMCache's 8
+
+
+def test_what_a_replica_reads_depends_on_its_node_and_the_shared_tier():
+    idx, t = _setup()
+    idx.add_replica("c", "n3")  # a node without an LMCache server
+    t.record_prefill("a", [1, 2, 3])
+    assert idx.match([1, 2, 3])["c"] == (0, 0, 3)  # the index's shared tier is global ...
+    assert t.loadable(idx.match([1, 2, 3]))["c"] == (0, 0, 0)  # ... but c's engine has no LMCache to load it
+    t.set_shared_up(False)
+    t.record_prefill("a", [1, 2, 3])  # only the host tier now
+    m = t.loadable(idx.match([1, 2, 3]))
+    assert m["b"] == (0, 0, 0) and m["a2"] == (0, 3, 3)
+
+
+def test_without_lmcache_the_match_is_the_index_own():
+    idx = PrefixIndex()
+    idx.add_replica("a", "n1")
+    t = TierTracker(idx)
+    idx.store("a", [1, 2], tier="host")  # an engine's own offload events, not LMCache's
+    m = idx.match([1, 2])
+    assert t.loadable(m) is m and m["a"] == (0, 2, 2)

@@ -80,6 +80,17 @@ def test_the_in_flight_request_leaving_the_most_loadable_is_chosen():
     assert loadable_source(me, "y", "B", 0, flights[1:2], t) is None  # never the request itself
 
 
+def test_a_prompt_in_flight_shared_up_to_inside_a_chunk_leaves_the_chunks_before_loadable():
+    # LMCache keys a chunk by every token up to its end: sharing 5 blocks of a 6-block prompt in chunks of
+    # 2 leaves 4 loadable, not 5
+    t = tracker(chunk_blocks=2)
+    me = chain(1, 2, 3, 4, 5, 7, 8)
+    flights = [SimpleNamespace(replica="A", info=SimpleNamespace(block_hashes=chain(1, 2, 3, 4, 5, 6), request_id="x"))]
+    src, blocks = loadable_source(me, "me", "B", 0, flights, t)
+    assert src.info.request_id == "x" and blocks == 4
+    assert loadable_source(me, "me", "B", 4, flights, t) is None  # B serves those 4 already
+
+
 def test_what_every_replica_could_load_once_the_prefills_in_flight_are_stored():
     t = tracker()
     me = chain(1, 2, 3, 4, 5, 6)
@@ -140,9 +151,9 @@ class _Stub:
 PROMPT = [(i * 7919) % 1000 + 10 for i in range(320)]  # 10 blocks of 32
 
 
-async def lmcache_router(worth: bool = True, limit_s: float = 10.0):
-    """A router over replica A (node n0) and B (node n1), both nodes on LMCache with the shared tier, ranking
-    with `_Stub(worth)`. Returns (router, a, b)."""
+async def lmcache_router(worth: bool = True, limit_s: float = 10.0, chunk_blocks: int = 1):
+    """A router over replica A (node n0) and B (node n1), both nodes on LMCache with the shared tier (chunks
+    of `chunk_blocks` engine blocks), ranking with `_Stub(worth)`. Returns (router, a, b)."""
     router = make_router(policy="kvmesh", block_size=32)
     router.policy = stub = _Stub(worth)
     router._policies = {"kvmesh": stub}
@@ -150,7 +161,7 @@ async def lmcache_router(worth: bool = True, limit_s: float = 10.0):
     a, b = fake_replica("A", node_id="n0"), fake_replica("B", node_id="n1")
     await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
     for node in ("n0", "n1"):
-        router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=chunk_blocks)
     return router, a, b
 
 
@@ -190,6 +201,31 @@ def test_a_request_waits_for_the_computing_requests_first_token_then_loads_the_p
     blocks, ready_s = router.policy.inflight["p2"]
     assert blocks == {"A": 10, "B": 10} and 0.0 < ready_s <= 0.05
     assert router.policy.inflight["p1"] == (None, 0.0)  # nothing in flight when p1 was ranked
+
+
+def test_the_prediction_counts_the_tier_in_whole_lmcache_chunks(monkeypatch):
+    """p1's prompt (10 blocks) was computed on A and stored in chunks of 2 blocks; p2 shares its first 5
+    blocks and goes to B, which can load only the 2 chunks before the point where the prompts part (a
+    chunk is keyed by every token up to its end): 128 cached tokens, not 160."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router(chunk_blocks=2)
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        router.first_token("p1")
+        router.on_request_completed(a.replica_id, "i-p1")  # its prefill is in the tiers now
+        p2 = fake_request(PROMPT[:160] + [7] * 100, "p2")
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], p2), 5)
+        router._routed(p2, ranked[0][0].replica_id)
+        return ranked, router
+
+    ranked, router = asyncio.run(scenario())
+    assert ranked[0][0].replica_id.unique_id == "B"
+    assert router.tiers.counters["prefills_recorded"] == 1
+    assert local_state.LEDGER.prediction("p2") == 128
+    assert router.recent[-1]["chosen_tiers"] == [0, 0, 4]
 
 
 def test_no_wait_when_the_policy_finds_it_not_worth_it(monkeypatch):
