@@ -41,7 +41,7 @@ import numpy as np
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
-from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, summarize
+from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, chunk_rows, summarize
 from kvmesh.cluster.trace import Trace
 from kvmesh.deployments.router_sync import UnseenPlacements, is_free_choice
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
@@ -178,6 +178,7 @@ def simulate_routers(
     shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
     tierless = not host and shared is None
     synced = R > 1 and setup.sync
+    chunk = cfg.tier_chunk_blocks
 
     # ground truth, as in simulate_policy; events carry the replica id so a replaced replica's are dropped
     events: list[tuple[float, int, int, int, str]] = []
@@ -257,6 +258,8 @@ def simulate_routers(
         if tierless:
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m[0]
         else:
+            if chunk > 1:
+                chunk_rows(m, chunk)
             fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         req = RequestInfo(ids[: n // bs], n, bs, r.output_length, r.tenant, str(i))
         if synced:
@@ -268,15 +271,17 @@ def simulate_routers(
         view = fleet.view(j)
         rt.policy.on_routed(req, rid, view)
 
-        # ground truth: what the chosen replica and the tiers hold
+        # ground truth: what the chosen replica and the tiers hold (the tiers' part in whole chunks)
         j_hbm = hbm[j]
         hbm_t = cached_tokens(j_hbm.prefix_len(ids), n, bs)
         host_t = hbm_t
         if host:
-            host_t = max(hbm_t, cached_tokens(_either_prefix(ids, j_hbm, host[nodes[j]]), n, bs))
+            either = _either_prefix(ids, j_hbm, host[nodes[j]]) // chunk * chunk
+            host_t = max(hbm_t, cached_tokens(either, n, bs))
         shared_t = host_t
         if shared is not None:
-            shared_t = max(host_t, cached_tokens(_any_prefix(ids, j_hbm, host.get(nodes[j]), shared), n, bs))
+            anywhere = _any_prefix(ids, j_hbm, host.get(nodes[j]), shared) // chunk * chunk
+            shared_t = max(host_t, cached_tokens(anywhere, n, bs))
         uncached = n - shared_t
         keep = ids[: cacheable_blocks(n, len(ids), bs)]
         # this router speculates at once; with sync the others learn the decision `delay` later
@@ -286,11 +291,12 @@ def simulate_routers(
             stream.append((t, me, _ROUTE, req, rid, view, keep, is_free_choice(fleet.shared_blocks)))
         new, evicted = j_hbm.admit(keep)
         kv_message(t, 0, rid, new, evicted)
+        tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
         if host:
-            new, evicted = host[nodes[j]].admit(keep)
+            new, evicted = host[nodes[j]].admit(tier_keep)
             kv_message(t, 1, nodes[j], new, evicted)
         if shared is not None:
-            new, evicted = shared.admit(keep)
+            new, evicted = shared.admit(tier_keep)
             kv_message(t, 2, None, new, evicted)
         # time
         service = c.prefill_s(n, hbm_t, host_t, shared_t)

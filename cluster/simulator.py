@@ -56,6 +56,9 @@ class SimConfig:
     # computing it is placed: optimistic by up to one prefill) or "computed" (when its prefill ends, as
     # LMCache stores it; a request arriving meanwhile on another replica computes it too)
     tier_store_at: str = "routed"
+    # LMCache chunk / engine block: the host and shared tiers store whole chunks, and a prefix loads from them
+    # in whole chunks (a chunk is keyed by every token up to its end), as the live router counts them
+    tier_chunk_blocks: int = 1
     uncached_rate: float = 3.00  # $ per 1M uncached prompt tokens
     cached_rate: float = 0.30  # $ per 1M cached prompt tokens
     seed: int = 0
@@ -77,6 +80,8 @@ class SimConfig:
             raise ValueError("cost rates must be >= 0")
         if self.tier_store_at not in ("routed", "computed"):
             raise ValueError("tier_store_at must be 'routed' or 'computed'")
+        if self.tier_chunk_blocks < 1:
+            raise ValueError("tier_chunk_blocks must be >= 1")
 
 
 @dataclass
@@ -257,6 +262,7 @@ def simulate_policy(
                 index.store_shared(new)
 
     store_when_computed = cfg.tier_store_at == "computed" and not tierless
+    chunk = cfg.tier_chunk_blocks
     tier_writes: list[tuple[float, int, int, list]] = []  # (prefill end, request, replica, blocks)
     pending_store: dict = {}  # block -> when its earliest pending tier write lands (shared tier only)
     holds = 0  # requests held for a prefix being computed elsewhere
@@ -288,12 +294,14 @@ def simulate_policy(
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
         else:
             m = index.match_arrays(ids, N)  # rows hbm/host/shared, column = slot = replica number
+            if chunk > 1:
+                chunk_rows(m, chunk)
             fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks = m[0], m[1], m[2]
         # the router hashes full blocks only: a policy sees what it would see live
         req = RequestInfo(ids[: n // bs], n, bs, out_len, r.tenant, str(i))
         fleet.inflight_blocks = None
         if pending_store and not tierless:
-            fleet.inflight_blocks, ready = inflight_prefix(ids, m[2], pending_store)
+            fleet.inflight_blocks, ready = inflight_prefix(ids, m[2], pending_store, chunk)
             fleet.inflight_ready_s = ready - t
         j = best(req, fleet)
         if j is None:
@@ -304,7 +312,7 @@ def simulate_policy(
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
         ready_at = 0.0
-        top = int(m[2].max()) if pending_store and not tierless else 0
+        top = int(m[2].max()) // chunk * chunk if pending_store and not tierless else 0
         missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
         when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else []
         if when and None not in when:
@@ -334,8 +342,9 @@ def simulate_policy(
             index.remove(rid, evicted)
         if new:
             index.store(rid, new)
+        tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
         if not tierless and not store_when_computed:
-            store_in_tiers(j, keep)
+            store_in_tiers(j, tier_keep)
         # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         s = t if t > server_free[j] else server_free[j]
@@ -350,9 +359,9 @@ def simulate_policy(
         done = s + service
         server_free[j] = done
         if store_when_computed:
-            push(tier_writes, (done, i, j, keep))
+            push(tier_writes, (done, i, j, tier_keep))
             if shared is not None:
-                for h in keep:
+                for h in tier_keep:
                     if pending_store.get(h, math.inf) > done:
                         pending_store[h] = done
         end = done + out_len * tpot
@@ -397,22 +406,33 @@ def simulate_policy(
     return res
 
 
-def inflight_prefix(ids, held: np.ndarray, pending_store: dict) -> tuple[np.ndarray | None, float]:
+def chunk_rows(m: np.ndarray, chunk: int) -> None:
+    """Cut a match's tier rows (hbm, host-or-hbm, any tier) to whole chunks of `chunk` blocks, never below
+    the row above: what the engine loads from LMCache, in place (`TierTracker.loadable` for the live
+    router)."""
+    np.maximum(m[0], m[1] // chunk * chunk, out=m[1])
+    np.maximum(m[1], m[2] // chunk * chunk, out=m[2])
+
+
+def inflight_prefix(ids, held: np.ndarray, pending_store: dict, chunk: int = 1) -> tuple[np.ndarray | None, float]:
     """(per replica, the longest prefix of `ids` it could load from the shared tier once the prefills in
-    flight are stored, or None when that adds nothing anywhere; when the last of those blocks is stored).
-    `held` is each replica's longest prefix now (any tier); `pending_store` maps a block being computed to
-    when its tier write lands."""
+    flight are stored, in whole chunks of `chunk` blocks, or None when that adds nothing anywhere; when the
+    last of those blocks is stored). `held` is each replica's longest prefix now (any tier);
+    `pending_store` maps a block being computed to when its tier write lands."""
     lo, top = int(held.min()), int(held.max())
-    k, ready = lo, 0.0
+    k, ready, ready_at_chunk = lo, 0.0, 0.0
     while k < top:
         when = pending_store.get(ids[k])
         if when is None:
             break
         ready = when if when > ready else ready
         k += 1
-    if k == lo:
+        if k % chunk == 0:
+            ready_at_chunk = ready
+    k = k // chunk * chunk
+    if k <= lo:
         return None, 0.0
-    return np.maximum(held, k), ready
+    return np.maximum(held, k), ready_at_chunk
 
 
 @dataclass
@@ -510,6 +530,7 @@ def simulate(
             "shared_blocks": cfg.shared_blocks,
             "replicas_per_node": cfg.replicas_per_node,
             "tier_store_at": cfg.tier_store_at,
+            "tier_chunk_blocks": cfg.tier_chunk_blocks,
             "load": offered,
             "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
             "span_s": arrivals[-1] - arrivals[0],

@@ -30,6 +30,7 @@ from kvmesh.deployments.cli.args import positive_int
 # without vLLM.
 LIVE_BY_DEFAULT = True
 TIERS_SUFFIX = "+tiers"
+ENGINE_BLOCK = 32  # tokens per KV block of the CPU engines the live demo serves
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> list[str]:
-    if args.tokens_per_block % 32:
-        raise CliError("kvmesh demo: --tokens-per-block must be a multiple of 32 (the CPU engine block size)")
+    if args.tokens_per_block % ENGINE_BLOCK:
+        raise CliError(
+            f"kvmesh demo: --tokens-per-block must be a multiple of {ENGINE_BLOCK} (the CPU engine block size)"
+        )
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     from kvmesh.policies.registry import POLICY_NAMES
 
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     names = _check(args)
     records = workload(args)
-    bounds = record_bounds(records, args.tokens_per_block, 32, replicas=args.replicas)
+    bounds = record_bounds(records, args.tokens_per_block, ENGINE_BLOCK, replicas=args.replicas)
     print(
         f"workload: {len(records)} requests from {args.conversations} conversations of the Mooncake "
         f"conversation trace, {bounds['prompt_tokens']:,} prompt tokens ({args.tokens_per_block} tokens/block)"
@@ -141,7 +144,7 @@ def _cachetest_report(args, records: list[dict], replays: dict) -> str:
     from kvmesh.cluster.cachetest_html import write_outputs
     from kvmesh.deployments.cachetest import report_from_replays
 
-    report = report_from_replays(records, replays, args.tokens_per_block, 32)
+    report = report_from_replays(records, replays, args.tokens_per_block, ENGINE_BLOCK)
     out = os.path.join(os.path.dirname(args.json) if args.json else "out", "demo-cachetest")
     return str(write_outputs(report, out)["html"])
 
@@ -207,12 +210,14 @@ def _server_state(url: str, key: str) -> dict:
 
 
 def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dict]:
-    """The same requests through the trace simulator (cluster/simulator.py), one block = one hash id."""
+    """The same requests through the trace simulator (cluster/simulator.py), at the live engines' block size;
+    a `+tiers` run's tiers store and load whole chunks of the LMCache chunk size the live run uses."""
     from kvmesh.cluster.simulator import SimConfig, simulate
     from kvmesh.cluster.workloads import engine_trace
+    from kvmesh.kvstore.tiers import TierConfig
     from kvmesh.policies.registry import make_policy
 
-    trace = engine_trace(records, args.tokens_per_block, name="demo-conversations")
+    trace = engine_trace(records, args.tokens_per_block, ENGINE_BLOCK, name="demo-conversations")
     reqs = trace.requests
     runs = {}  # one simulation per tier set-up; a `+tiers` run gets a node-wide host tier and a shared tier
     plain = [n for n in names if not _with_tiers(args, n)]
@@ -227,6 +232,7 @@ def _run_simulated(args, names: list[str], records: list[dict]) -> dict[str, dic
                 host_blocks=100_000,
                 replicas_per_node=args.replicas,
                 shared=True,
+                tier_chunk_blocks=TierConfig().chunk_size // ENGINE_BLOCK,
             ),
         ),
     ):

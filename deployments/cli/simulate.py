@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "placed (default; optimistic by up to one prefill) or when its prefill ends, as LMCache stores it",
     )
     p.add_argument(
+        "--tier-chunk-blocks",
+        type=positive_int,
+        default=1,
+        help="LMCache chunk size in simulated blocks (chunk tokens / block size): the host and shared tiers "
+        "store, and a prefix loads from them, in whole chunks (default 1)",
+    )
+    p.add_argument(
         "--block-size",
         type=positive_int,
         default=None,
@@ -173,6 +180,7 @@ def run(args) -> int:
         shared_blocks=args.shared_blocks,
         replicas_per_node=args.replicas_per_node,
         tier_store_at=args.tier_store_at,
+        tier_chunk_blocks=args.tier_chunk_blocks,
         load=args.load,
         cost=cost,
         uncached_rate=args.uncached_rate,

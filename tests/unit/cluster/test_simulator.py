@@ -169,6 +169,28 @@ def test_host_and_shared_tiers_serve_what_hbm_lost():
     assert m2["hit_tokens_by_tier"] == {"hbm": 0, "host": 0, "shared": 12}
 
 
+def test_the_tiers_store_and_load_whole_lmcache_chunks():
+    # r0 computes a 6-block prompt; round robin sends the next, which shares its first 5 blocks, to r1. A chunk
+    # is keyed by every token up to its end (LMCache), so r1 loads the whole chunks before the prompts part
+    from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
+
+    t = tiny_trace((0, 24, 0, [1, 2, 3, 4, 5, 6]), (1000, 25, 0, [1, 2, 3, 4, 5, 9, 10]))
+    for chunk, loaded in ((1, 20), (2, 16), (3, 12), (4, 16), (6, 0), (7, 0)):
+        cfg = SimConfig(2, 10, shared=True, tier_chunk_blocks=chunk, cost=COST)
+        m = simulate_policy(t, cfg, make_policy("round_robin"))
+        assert m["hit_tokens_by_tier"] == {"hbm": 0, "host": 0, "shared": loaded}, chunk
+        assert m["per_replica"]["r1"]["prefill_tokens"] == 25 - loaded, chunk
+        # the routers' view and the fleet's ground truth agree on it with R routers too
+        r = simulate_routers(t, cfg, lambda: make_policy("round_robin"), RouterSetup(2, 0.0))
+        assert r["hit_tokens_by_tier"] == m["hit_tokens_by_tier"], chunk
+    # a prefix cached in the replica's own hbm counts block by block, whatever the chunk
+    t = tiny_trace((0, 24, 0, [1, 2, 3, 4, 5, 6]), (1000, 25, 0, [1, 2, 3, 4, 5, 9, 10]))
+    m = simulate_policy(t, SimConfig(1, 10, shared=True, tier_chunk_blocks=4, cost=COST), make_policy("round_robin"))
+    assert m["hit_tokens_by_tier"] == {"hbm": 20, "host": 0, "shared": 0}
+    with pytest.raises(ValueError, match="tier_chunk_blocks"):
+        simulate_policy(t, SimConfig(2, 10, shared=True, tier_chunk_blocks=0), make_policy("round_robin"))
+
+
 def test_with_tier_store_at_computed_a_block_reaches_the_tiers_when_its_prefill_ends():
     # r0 computes blocks 1-3 from t=0 (0.1 + 12 x 0.01 = 0.22 s); round robin sends the next request to r1
     for at_ms, routed_hit, computed_hit in ((100, 12, 0), (1000, 12, 12)):
@@ -245,6 +267,11 @@ def test_the_policy_is_told_what_each_replica_could_load_once_a_prefill_in_fligh
     assert policy.seen[0][0] is None  # nothing in flight
     assert policy.seen[1] == ([3, 3], 0.12)
     assert policy.seen[2][0] is None  # stored by 1 s: every replica serves it from a tier now
+    # in chunks of 2 blocks, r1 could load the one whole chunk of those three blocks
+    policy = _Recording([0, 1, 1])
+    cfg = SimConfig(2, 10, shared=True, tier_store_at="computed", tier_chunk_blocks=2, cost=COST)
+    simulate_policy(t, cfg, policy)
+    assert policy.seen[1] == ([3, 2], 0.12)
     # without a tier nothing is ever in flight for the policy to consider
     policy = _Recording([0, 1, 1])
     simulate_policy(t, SimConfig(2, 10, cost=COST), policy)

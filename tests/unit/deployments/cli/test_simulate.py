@@ -89,6 +89,8 @@ def test_tiers_load_and_cost_model_options(tmp_path):
             "--shared",
             "--tier-store-at",
             "computed",
+            "--tier-chunk-blocks",
+            "2",
             "--load",
             "0.9",
             "--limit",
@@ -106,7 +108,7 @@ def test_tiers_load_and_cost_model_options(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["config"]["load"] == pytest.approx(0.9)
     assert doc["config"]["cost_model"]["prefill_s_per_token"] == 0.0002
-    assert doc["config"]["tier_store_at"] == "computed"
+    assert doc["config"]["tier_store_at"] == "computed" and doc["config"]["tier_chunk_blocks"] == 2
     assert "merged_lru_with_host" in doc["bounds"]
     tiers = doc["policies"]["kvmesh"]["hit_tokens_by_tier"]
     assert tiers["host"] + tiers["shared"] > 0
@@ -132,6 +134,10 @@ def test_tiers_load_and_cost_model_options(tmp_path):
         (
             ["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--tier-store-at", "later"],
             "--tier-store-at",
+        ),
+        (
+            ["--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--tier-chunk-blocks", "0"],
+            "--tier-chunk-blocks",
         ),
         (
             "--trace conversation --replicas 2 --capacity-blocks 10 --shared --tier-store-at computed "
