@@ -174,7 +174,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     off = report.get("offline", {})
     cards = [
         ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct")),
-        ("hit-rate-requests", "hit rate (requests)", _fmt(s.get("hit_rate_requests"), "pct")),
+        ("hit-rate-requests", "requests with a hit", _fmt(s.get("hit_rate_requests"), "pct")),
         ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel")),
         ("ttft-change", "TTFT p50 vs cold", _fmt(s.get("ttft_change_vs_cold"), "rel")),
         ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd")),
@@ -187,9 +187,18 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>kvmesh cachetest report</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>kvmesh cachetest report</h1>",
-        f"<p>{html.escape(str(meta.get('url', '')))} &middot; model {html.escape(str(meta.get('model', '')))} "
-        f"&middot; block size {meta.get('block_size')} &middot; {html.escape(str(meta.get('generated_at', '')))}"
-        f" &middot; <span id='loaded'>static</span></p>",
+        "<p>"
+        + " &middot; ".join(
+            html.escape(x)
+            for x in (
+                str(meta.get("url") or ""),
+                f"model {meta['model']}" if meta.get("model") else "",
+                f"block size {meta.get('block_size')}",
+                str(meta.get("generated_at") or ""),
+            )
+            if x
+        )
+        + " &middot; <span id='loaded'>static</span></p>",
         "<h2 id='summary'>Summary</h2><div class='cards'>",
     ]
     for cid, title, value in cards:
@@ -235,7 +244,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
                 "prompt tok",
                 "cached tok",
                 "hit (tok)",
-                "hit (req)",
+                "req. with a hit",
                 "TTFT p50",
                 "p90",
                 "p99",
