@@ -17,6 +17,8 @@ fresh local apps) and compared with the simulator in the same send order (`bench
 about 2 minutes per draw here); ROBUST_LIVE_TIER=1 adds kvmesh and round robin with LMCache tiers (and a
 redis-server) on each live draw, beside the simulator's shared-tier prediction, and judges kvmesh with
 LMCache by the same live targets, its TTFT against round robin's on the same LMCache engines.
+ROBUST_TIER_CHUNK_BLOCKS=K (default 1, as the live runs configure LMCache) runs the simulated shared-tier
+arm with LMCache chunks of K engine blocks (the manifest's 256-token chunks: K = 8 at this block size).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main() -> dict:
     which = os.environ.get("ROBUST_SEEDS", "eval")
     seeds = load_seed_set(which)
     out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "robust")
-    opts = SweepOptions()
+    opts = SweepOptions(tier_chunk_blocks=int(os.environ.get("ROBUST_TIER_CHUNK_BLOCKS", "1")))
     t0 = time.perf_counter()
     rows = sweep(seeds, DEFAULT_POLICIES, opts)
     wall = time.perf_counter() - t0
@@ -132,7 +134,8 @@ def main() -> dict:
     if tiered:
         print(
             "with an unbounded shared tier behind every replica (LMCache's shared store, as deployed; a block any "
-            "replica computed loads on the others once its prefill has ended, and counts as cached): the same target"
+            "replica computed loads on the others once its prefill has ended, and counts as cached; LMCache chunks "
+            f"of {opts.tier_chunk_blocks} engine block(s)): the same target"
         )
         print(format_shared_tier(tiered))
         tier_missed = [r for r in rows if not r["shared_tier"][POLICY]["meets_target"]]

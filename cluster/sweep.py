@@ -42,6 +42,7 @@ class SweepOptions:
     target_imbalance: float = 1.25  # ... with prefill max/mean <= target_imbalance
     cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
     shared_tier: bool = True  # also run every policy with an unbounded shared tier (`evaluate_draw`)
+    tier_chunk_blocks: int = 1  # that tier's LMCache chunk in engine blocks (the live sweep's: one block)
 
 
 def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, dict]:
@@ -144,7 +145,15 @@ def shared_tier_figures(
     tiered store adds to it."""
     if not opts.shared_tier:
         return {}
-    cfg = SimConfig(d.replicas, capacity, shared=True, tier_store_at="computed", cost=opts.cost, seed=d.seed)
+    cfg = SimConfig(
+        d.replicas,
+        capacity,
+        shared=True,
+        tier_store_at="computed",
+        tier_chunk_blocks=opts.tier_chunk_blocks,
+        cost=opts.cost,
+        seed=d.seed,
+    )
     out = {}
     for name in policies:
         m = _simulate(name, d, trace, cfg, sending, opts)
