@@ -58,24 +58,39 @@ def held_for_inflight(url: str, headers: dict, model: str, pairs: int = 4) -> di
     }
 
 
-def parted_inside_a_chunk(c, model: str, rounds: int = 4) -> list[list]:
-    """Per round: `a`, a new 712-token prompt (22 full blocks of 32, 11 LMCache chunks of 64), then, once it
-    is done, `b`, which shares its first 21 blocks (672 tokens) and goes on differently. Placed on the other
-    replica (the strict guard sends it to the one with less work), `b` can load only the 10 chunks before
-    the point where the prompts part, since LMCache keys a chunk by every token up to its end: 640 cached
-    tokens, which the router must predict. Returns [a's replica, b's replica, b's cached tokens, b's
-    predicted cached tokens] per round."""
+def prefills_recorded(url: str, headers: dict) -> dict[str, int]:
+    """Per router (ingress replica): how many completed prefills it has recorded in its tier view."""
+    return {rid: (st.get("tiers") or {}).get("prefills_recorded", 0) for rid, st in router_states(url, headers).items()}
+
+
+def parted_inside_a_chunk(c, url: str, headers: dict, model: str, rounds: int = 4) -> list[list]:
+    """Per round: `a`, a new 712-token prompt (22 full blocks of 32, 11 LMCache chunks of 64), then `b`, which
+    shares its first 21 blocks (672 tokens) and goes on differently, once both routers have recorded `a`'s
+    prefill (the other ingress replica hears of it on the placement stream). Placed on the other replica
+    (the strict guard sends it to the one with less work), `b` can load only the 10 chunks before the point
+    where the prompts part, since LMCache keys a chunk by every token up to its end: 640 cached tokens,
+    which the router must predict. Returns [a's replica, b's replica, b's cached tokens, b's predicted
+    cached tokens] per round."""
+
+    def send(prompt: list[int]) -> tuple[str, int, int]:
+        r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+        r.raise_for_status()
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return r.headers["x-kvmesh-replica"], cached, int(r.headers.get("x-kvmesh-predicted-cached-tokens", -1))
+
     out = []
     for k in range(rounds):
         shared = [(i * 6151 + k * 17) % 1000 + 10 for i in range(672)]
-        got = []
-        for tail in ([3] * 40, [4] * 40):
-            r = c.post("/v1/completions", json={"model": model, "prompt": shared + tail, "max_tokens": 1})
-            r.raise_for_status()
-            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            predicted = int(r.headers.get("x-kvmesh-predicted-cached-tokens", -1))
-            got.append((r.headers["x-kvmesh-replica"], cached, predicted))
-        out.append([got[0][0], got[1][0], got[1][1], got[1][2]])
+        before = prefills_recorded(url, headers)
+        a = send(shared + [3] * 40)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = prefills_recorded(url, headers)
+            if len(now) >= 2 and all(now[rid] > before.get(rid, 0) for rid in now):
+                break
+            time.sleep(0.1)
+        b = send(shared + [4] * 40)
+        out.append([a[0], b[0], b[1], b[2]])
     return out
 
 
@@ -134,7 +149,7 @@ def main() -> int:
                 cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
             found["cached"] = cached
             found["held"] = held_for_inflight(url, {"Authorization": f"Bearer {key}"}, model)
-            found["parted"] = parted_inside_a_chunk(c, model)
+            found["parted"] = parted_inside_a_chunk(c, url, {"Authorization": f"Bearer {key}"}, model)
             time.sleep(2.0)
             r = c.get("/kvmesh/state")
             if r.status_code != 200:
