@@ -232,3 +232,20 @@ def test_the_lmcache_arm_is_judged_against_round_robin_on_the_same_lmcache_engin
     checks = live_checks(row)
     assert checks[name] and not checks["with LMCache: prefill max/mean <= 1.25"]
     assert "round robin with LMCache: hit 0.750, prefill max/mean 1.10, TTFT p50 130 ms" in format_live([row])
+
+
+def test_the_live_targets_simulated_on_every_draw_flag_the_pile_up_the_live_run_showed():
+    from kvmesh.benchmarks.robust_live import simulated_live_targets
+
+    seeds = list(range(2000, 2008))  # the first eval draws, all run live
+    plain = simulated_live_targets(seeds, shared=False)
+    # live without a tier, 2003 piled up (max/mean 1.61) and 2007 too (1.37): so does the simulation
+    assert 2003 not in plain["kvmesh"] and 2007 not in plain["kvmesh"]
+    assert {2000, 2002, 2004} <= set(plain["kvmesh"]) and len(plain["round_robin"]) < len(plain["kvmesh"])
+    tiered = simulated_live_targets(seeds, shared=True)
+    # with LMCache every one of these draws met the live targets live, and does here
+    assert tiered["kvmesh"] == seeds
+    assert set(tiered["round_robin"]) < set(seeds)  # round robin recomputes prompts still being computed
+    # in chunks of 8 blocks round robin loses the tier's short prefixes; kvmesh keeps them in hbm
+    chunked = simulated_live_targets(seeds, shared=True, chunk_blocks=8)
+    assert len(chunked["round_robin"]) < len(tiered["round_robin"]) and chunked["kvmesh"] == seeds
