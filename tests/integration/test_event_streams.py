@@ -46,6 +46,9 @@ def _drain(sock, wait_ms: int) -> list[list[bytes]]:
 def test_live_engine_streams_are_curve_only_and_carry_no_token_ids(live_app):
     keys = channel_keys()  # the secret start_local wrote for this run
     ctx = zmq.Context()
+    # every socket closes at once, one dropped mid-test too: a DEALER the server's CURVE refused keeps its
+    # unsent request, and with the default linger the context's end waited for it forever (a CI run hung here)
+    ctx.setsockopt(zmq.LINGER, 0)
     try:
         with live_app.client() as c:
             stats = _routing_stats(c)
@@ -169,6 +172,7 @@ def test_a_real_engine_replica_publishes_only_through_its_relay(tiny_model_dir, 
         {"model": "tiny", "num_gpu_blocks_override": 64, "max_model_len": 512, "engine_mode": "inproc"}
     )
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # as above: closing never waits for an unsent message
     try:
         stats = replica.record_routing_stats()
         assert stats["events_auth"] == "curve" and stats["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
