@@ -174,7 +174,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     off = report.get("offline", {})
     cards = [
         ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct")),
-        ("hit-rate-requests", "requests with a hit", _fmt(s.get("hit_rate_requests"), "pct")),
+        ("hit-rate-requests", "requests with a hit", _fmt(s.get("requests_with_hit"), "pct")),
         ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel")),
         ("ttft-change", "TTFT p50 vs cold", _fmt(s.get("ttft_change_vs_cold"), "rel")),
         ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd")),
@@ -225,7 +225,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
                 _fmt(p["prompt_tokens"]),
                 _fmt(p["cached_tokens"]),
                 _fmt(p["hit_rate_tokens"], "pct"),
-                _fmt(p["hit_rate_requests"], "pct"),
+                _fmt(p["requests_with_hit"], "pct"),
                 _fmt(p["ttft_p50_s"], "ms"),
                 _fmt(p["ttft_p90_s"], "ms"),
                 _fmt(p["ttft_p99_s"], "ms"),

@@ -92,7 +92,12 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate_tokens": cached / prompt if prompt else 0.0,
-        "hit_rate_requests": statistics.fmean((s.cached_tokens or 0) > 0 for s, _ in known) if known else 0.0,
+        "hit_rate_requests": statistics.fmean(
+            (s.cached_tokens or 0) / s.prompt_tokens if s.prompt_tokens else 0.0 for s, _ in known
+        )
+        if known
+        else 0.0,
+        "requests_with_hit": statistics.fmean((s.cached_tokens or 0) > 0 for s, _ in known) if known else 0.0,
         "ttft_p50_s": _pct(ttfts, 0.5),
         "ttft_p90_s": _pct(ttfts, 0.9),
         "ttft_p99_s": _pct(ttfts, 0.99),
@@ -203,6 +208,7 @@ def summary(report: dict) -> dict:
         "pass": main,
         "hit_rate_tokens": warm["hit_rate_tokens"],
         "hit_rate_requests": warm["hit_rate_requests"],
+        "requests_with_hit": warm["requests_with_hit"],
         "input_cost": warm["input_cost"],
         "input_cost_without_cache": warm["input_cost_without_cache"],
         "cost_change_vs_no_cache": _rel(warm["input_cost"], warm["input_cost_without_cache"]),

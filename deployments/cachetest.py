@@ -96,6 +96,12 @@ def server_counters(cfg: CachetestConfig) -> dict:
             state = c.get("/kvmesh/state").json()
     except Exception:
         return {}
+    return counters_from_state(state)
+
+
+def counters_from_state(state: dict) -> dict:
+    """The counters a pass diffs, from a `/kvmesh/state` document. A server without LMCache reports no tier
+    figures: its tier hits are zero, so every cached token it delivered came from the engines' own cache."""
     out = {"evictions": ((state.get("router") or {}).get("index") or {}).get("evictions", 0)}
     out.update({k: v for k, v in (state.get("tiers") or {}).items() if isinstance(v, (int, float))})
     return out
@@ -318,10 +324,17 @@ def offline_figures(prepared: Sequence[Prepared], block_size: int, replicas: Seq
 
 
 def report_from_replays(
-    records: Sequence[dict], replays: dict, tokens_per_block: int, block_size: int, rates: Rates | None = None
+    records: Sequence[dict],
+    replays: dict,
+    tokens_per_block: int,
+    block_size: int,
+    rates: Rates | None = None,
+    counters: dict[str, dict] | None = None,
 ) -> dict:
     """A cachetest report for runs already replayed (the demo): one fresh server per run (`replays`: run
-    name -> `ReplayReport` of `records`, Mooncake form, token prompts as `deployments/replay.py` builds them)."""
+    name -> `ReplayReport` of `records`, Mooncake form, token prompts as `deployments/replay.py` builds them).
+    `counters`: run name -> that server's counters when the run ended (`counters_from_state`); a fresh
+    server started from zero, so they are the run's own, and they split its hits by tier."""
     from kvmesh.deployments.replay import PromptBuilder
 
     builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=tokens_per_block))
@@ -339,6 +352,9 @@ def report_from_replays(
         clock += rep.wall_s + 1.0
         outputs = {prepared[r.index].req.id: r.output_text for r in rep.results if r.error is None}
         out_tokens = sum(r.output_tokens for r in rep.results if r.error is None)
-        runs.append(PassRun(name, sent, rep.wall_s, 0, out_tokens, outputs=outputs, fresh_fleet=True))
+        after = (counters or {}).get(name) or {}
+        runs.append(
+            PassRun(name, sent, rep.wall_s, 0, out_tokens, counters_after=after, outputs=outputs, fresh_fleet=True)
+        )
     offline = offline_pass([p.tok for p in prepared], block_size, (1, 2, 4))
     return build_report(runs, offline, rates or Rates(), block_size, meta={"source": "kvmesh demo"})

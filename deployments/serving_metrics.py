@@ -1,4 +1,5 @@
-"""Ingress-side serving metrics in Prometheus text form: hit rates (token- and request-weighted),
+"""Ingress-side serving metrics in Prometheus text form: hit rates (token-weighted, and the mean over
+requests of each one's cached share), the share of requests with any hit,
 cached tokens, TTFT, predicted vs delivered cached tokens -- globally and per replica -- and the
 time each request spends in the ingress's stages (sum of seconds and count per stage), so the
 per-request overhead can be split without a profiler.
@@ -21,6 +22,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 class _Counters:
     requests: int = 0
     hit_requests: int = 0  # requests with cached_tokens > 0
+    hit_ratio_sum: float = 0.0  # sum over requests of cached / prompt tokens
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -31,6 +33,7 @@ class _Counters:
     def add(self, prompt: int, cached: int, completion: int, ttft: float | None) -> None:
         self.requests += 1
         self.hit_requests += cached > 0
+        self.hit_ratio_sum += cached / prompt if prompt else 0.0
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         self.completion_tokens += completion
@@ -48,7 +51,8 @@ class _Counters:
             "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "hit_rate_tokens": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "hit_rate_requests": self.hit_requests / self.requests if self.requests else 0.0,
+            "hit_rate_requests": self.hit_ratio_sum / self.requests if self.requests else 0.0,
+            "requests_with_hit": self.hit_requests / self.requests if self.requests else 0.0,
             "ttft_mean_s": self.ttft_sum / self.ttft_count if self.ttft_count else None,
         }
 
@@ -137,8 +141,14 @@ class ServingMetrics:
             metric(
                 "kvmesh_hit_rate_requests",
                 "gauge",
-                "fraction of requests with any cached prompt token",
+                "mean over requests of cached / prompt tokens",
                 [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups],
+            )
+            metric(
+                "kvmesh_requests_with_hit",
+                "gauge",
+                "fraction of requests with any cached prompt token",
+                [(lab, c.as_dict()["requests_with_hit"]) for lab, c in groups],
             )
             out.append("# HELP kvmesh_ttft_seconds time to first token seen by the ingress")
             out.append("# TYPE kvmesh_ttft_seconds histogram")

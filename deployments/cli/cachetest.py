@@ -170,7 +170,8 @@ def _print_summary(report: dict) -> None:
     s = report.get("summary") or {}
     for name, p in report["passes"].items():
         print(
-            f"{name:18} hit {100 * p['hit_rate_tokens']:5.1f}% tokens {100 * p['hit_rate_requests']:5.1f}% requests  "
+            f"{name:18} hit {100 * p['hit_rate_tokens']:5.1f}% tokens, "
+            f"{100 * p['requests_with_hit']:5.1f}% of requests hit  "
             f"TTFT p50 {1000 * (p['ttft_p50_s'] or 0):7.1f} ms  errors {p['errors']}  "
             f"misses {p['miss_tokens']}",
             file=sys.stdout,

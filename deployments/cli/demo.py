@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     results = _run_live(args, names, records, replays) if live else _run_simulated(args, names, records)
     _report(args, names, results, bounds, live)
     if replays:
-        print(f"cachetest report: {_cachetest_report(args, records, replays)}")
+        print(f"cachetest report: {_cachetest_report(args, records, replays, results)}")
     if args.json:
         if os.path.dirname(args.json):
             os.makedirs(os.path.dirname(args.json), exist_ok=True)
@@ -139,12 +139,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.get("errors", 0) == 0 for r in results.values()) else 1
 
 
-def _cachetest_report(args, records: list[dict], replays: dict) -> str:
+def _cachetest_report(args, records: list[dict], replays: dict, results: dict[str, dict]) -> str:
     """This run as a `kvmesh cachetest` report (hit rates, costs, misses by reason, per policy)."""
     from kvmesh.cluster.cachetest_html import write_outputs
     from kvmesh.deployments.cachetest import report_from_replays
 
-    report = report_from_replays(records, replays, args.tokens_per_block, ENGINE_BLOCK)
+    counters = {name: r.get("server", {}).get("counters") or {} for name, r in results.items()}
+    report = report_from_replays(records, replays, args.tokens_per_block, ENGINE_BLOCK, counters=counters)
     out = os.path.join(os.path.dirname(args.json) if args.json else "out", "demo-cachetest")
     return str(write_outputs(report, out)["html"])
 
@@ -200,8 +201,11 @@ def _server_state(url: str, key: str) -> dict:
         state = httpx.get(url + "/kvmesh/state", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
     except (httpx.HTTPError, ValueError) as exc:
         return {"error": f"GET /kvmesh/state failed: {exc}"}
+    from kvmesh.deployments.cachetest import counters_from_state
+
     pred = state.get("prediction") or {}
     return {
+        "counters": counters_from_state(state),
         "prediction": {
             k: pred.get(k) for k in ("compared", "mismatches", "alarm", "predicted_tokens", "delivered_tokens")
         },

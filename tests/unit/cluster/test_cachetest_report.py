@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from cachetest_support import sample_report
 
 from kvmesh.cluster.cachetest_html import render_html, write_outputs
@@ -13,6 +14,7 @@ PASS_KEYS = {
     "cached_tokens",
     "hit_rate_tokens",
     "hit_rate_requests",
+    "requests_with_hit",
     "ttft_p50_s",
     "ttft_p90_s",
     "ttft_p99_s",
@@ -43,6 +45,13 @@ def test_every_request_and_pass_sums_exactly_and_has_the_schema_keys():
     assert cold["input_cost"] == cold["prompt_tokens"] * 3.0 / 1e6
     assert rep["passes"]["warm"]["input_cost"] < cold["input_cost"]
     assert rep["summary"]["cost_change_vs_no_cache"] < 0 and rep["correctness"]["ok"] is True
+    known = [r for r in rep["requests"] if r["pass"] == "warm" and r["cached_tokens"] is not None]
+    warm = rep["passes"]["warm"]
+    assert warm["hit_rate_requests"] == pytest.approx(
+        sum(r["cached_tokens"] / r["prompt_tokens"] for r in known) / len(known)
+    )
+    assert warm["requests_with_hit"] == sum(r["cached_tokens"] > 0 for r in known) / len(known)
+    assert warm["hit_rate_requests"] != warm["requests_with_hit"]  # a partial hit counts in part, not whole
     # a peer reports no tiers: the cached tokens are in an unknown tier, not guessed into hbm
     assert rep["passes"]["warm"]["hits_by_tier"]["unknown"] == rep["passes"]["warm"]["cached_tokens"]
     json.dumps(rep)  # serialisable

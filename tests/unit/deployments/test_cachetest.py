@@ -40,3 +40,28 @@ def test_the_demo_report_treats_each_run_as_a_fresh_server():
     assert first_rr["miss_tokens"] == {"cold": 64, "partial_block": 32}
     assert rep["summary"]["pass"] == "kvmesh" and rep["summary"]["cost_change_vs_round_robin"] < 0
     assert rep["correctness"]["ok"] is None  # no cold/warm pair in a demo
+
+
+def test_the_demo_report_splits_hits_by_tier_from_each_runs_counters():
+    from kvmesh.deployments.cachetest import counters_from_state
+
+    records = [
+        {"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2, 3 + i], "user": "u"}
+        for i in range(3)
+    ]
+    results = [
+        RequestResult(i, "u", None, 96, c, 4, 0.01, 0.02, "r0", None, float(i), "out")
+        for i, c in enumerate([0, 64, 64])
+    ]
+    replays = {"plain": ReplayReport(results, 1.0), "tiered": ReplayReport(results, 1.0)}
+    plain_state = {"router": {"index": {"evictions": 3}}, "tiers": None}  # no LMCache: tier figures absent
+    tiered_state = {"router": {"index": {}}, "tiers": {"host_hit_tokens": 32, "shared_hit_tokens": 64, "up": "x"}}
+    counters = {"plain": counters_from_state(plain_state), "tiered": counters_from_state(tiered_state)}
+    assert counters["tiered"] == {"evictions": 0, "host_hit_tokens": 32, "shared_hit_tokens": 64}
+    rep = report_from_replays(records, replays, 32, B, counters=counters)
+    plain, tiered = rep["passes"]["plain"], rep["passes"]["tiered"]
+    assert plain["hits_by_tier"] == {"hbm": 128, "host": 0.0, "shared": 0.0} and plain["evictions"] == 3
+    assert tiered["hits_by_tier"] == {"hbm": 32, "host": 32, "shared": 64}
+    # without counters the split is not known
+    bare = report_from_replays(records, {"plain": replays["plain"]}, 32, B)
+    assert bare["passes"]["plain"]["hits_by_tier"]["unknown"] == 128

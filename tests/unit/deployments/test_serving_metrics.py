@@ -17,9 +17,12 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     m.record_error(400)
     snap = m.snapshot()
     assert snap["total"]["hit_rate_tokens"] == pytest.approx(96 / 250)
-    assert snap["total"]["hit_rate_requests"] == pytest.approx(2 / 3)
+    assert snap["total"]["hit_rate_requests"] == pytest.approx((0.64 + 0 + 0.64) / 3)  # mean of cached/prompt
+    assert snap["total"]["requests_with_hit"] == pytest.approx(2 / 3)
     text = m.prometheus_text(PredictionLedger().snapshot(), {"index": {"lookups": 3}, "decisions": 3})
     assert 'kvmesh_hit_rate_tokens{replica="r1"} 0.32' in text
+    assert 'kvmesh_hit_rate_requests{replica="r1"} 0.32' in text  # (0.64 + 0) / 2
+    assert 'kvmesh_requests_with_hit{replica="r1"} 0.5' in text
     assert 'kvmesh_ttft_seconds_bucket{replica="r1",le="0.1"} 1' in text
     assert 'kvmesh_http_errors_total{status="400"} 1' in text
     assert "kvmesh_hash_contract_alarm 0" in text and 'kvmesh_router_index_events_total{counter="lookups"} 3' in text
