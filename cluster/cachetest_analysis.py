@@ -174,9 +174,10 @@ class MissAnalyzer:
         for other in (twin, s.prepared.origin):
             if other is not None:
                 partial_end = max(partial_end, _lcp(t.ids, other.tok.ids))
-        elsewhere = None
+        elsewhere, tier = None, 0
         if s.explain is not None:
             elsewhere = int(s.explain.get("elsewhere_blocks", 0))
+            tier = int(s.explain.get("tier_blocks", 0))
         reasons = attribute(
             n,
             s.cached_tokens or 0,
@@ -187,6 +188,7 @@ class MissAnalyzer:
             drift_end=drift_end,
             partial_end=partial_end,
             elsewhere_blocks=elsewhere,
+            tier_blocks=tier,
         )
         if reasons.get("drift") and twin is not None:
             self._record_drift(s, twin, partial_end, reasons["drift"], drift_end, twin_end)

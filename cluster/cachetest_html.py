@@ -20,6 +20,7 @@ _COLORS = {
     "cold": "#8da0cb",
     "evicted": "#e78ac3",
     "misrouted": "#fc8d62",
+    "partial_chunk": "#b15928",
     "isolated": "#66c2a5",
     "partial_block": "#a6d854",
     "drift": "#ffd92f",

@@ -7,7 +7,9 @@ Reasons, walked over the uncached positions [cached, n) of one prompt of n token
   computed, the tokens up to `partial_end` that do match an earlier prompt (a match shorter than a block);
 - in full blocks that this tenant and model computed before (`seen_blocks`, a leading-block count):
   `misrouted` up to the prefix another replica or tier held at placement (`elsewhere_blocks`, from the
-  router), `evicted` beyond it; `unknown` when no router told us (a peer endpoint);
+  router), then `partial_chunk` up to the prefix an LMCache tier held but could load only in part, as it
+  loads whole chunks (`tier_blocks`, from the router), `evicted` beyond; `unknown` when no router told us
+  (a peer endpoint);
 - in full blocks never computed for this tenant and model: `isolated` up to the prefix another tenant
   computed (same tokens, another salt) -- but `adapter` first, up to the prefix the same tenant computed
   under another model or adapter -- then `drift` up to the end of the prompt's leading messages (or lines)
@@ -22,7 +24,17 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 
-REASONS = ("cold", "evicted", "misrouted", "isolated", "partial_block", "drift", "adapter", "unknown")
+REASONS = (
+    "cold",
+    "evicted",
+    "misrouted",
+    "partial_chunk",
+    "isolated",
+    "partial_block",
+    "drift",
+    "adapter",
+    "unknown",
+)
 
 
 def attribute(
@@ -36,6 +48,7 @@ def attribute(
     drift_end: int = 0,
     partial_end: int = 0,
     elsewhere_blocks: int | None = None,
+    tier_blocks: int = 0,
 ) -> dict[str, int]:
     """Uncached tokens by reason (only non-zero reasons); the values sum to max(0, n - cached)."""
     cached = max(0, min(cached, n))
@@ -51,7 +64,9 @@ def attribute(
         else:
             elsewhere = min(seen_end, max(pos, elsewhere_blocks * block_size))
             _add(out, "misrouted", elsewhere - pos)
-            _add(out, "evicted", seen_end - elsewhere)
+            in_tier = min(seen_end, max(elsewhere, tier_blocks * block_size))
+            _add(out, "partial_chunk", in_tier - elsewhere)
+            _add(out, "evicted", seen_end - in_tier)
         pos = seen_end
     for reason, limit in (
         ("partial_block", partial_end),

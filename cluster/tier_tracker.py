@@ -123,7 +123,9 @@ class TierTracker:
         k = self._chunk_blocks.get(src, self.chunk_blocks)
         return n_blocks // k * k
 
-    def loadable(self, matches: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
+    def loadable(
+        self, matches: dict[str, tuple[int, int, int]], whole_chunks: bool = True
+    ) -> dict[str, tuple[int, int, int]]:
         """The index's per-replica match (hbm, host-or-hbm, any tier, in blocks) as the engine will be given
         it. Why: the index holds tier residency per block, but LMCache keys a chunk by every token up to its
         end, so a prompt that leaves a stored prompt inside a chunk loads only the chunks before that point
@@ -131,7 +133,8 @@ class TierTracker:
         with 256 cached tokens, not 352). vLLM takes the longer of its own prefix and LMCache's, so each tier
         row is cut to whole chunks but never below the row above it. A replica whose node runs no LMCache
         server the router models (none, or one that failed) reads neither tier of LMCache; one whose node
-        has no shared tier, or while the shared tier is down, reads no shared tier."""
+        has no shared tier, or while the shared tier is down, reads no shared tier. `whole_chunks=False`
+        keeps every block a reachable tier holds: what the chunk cut costs, for miss attribution."""
         if not self._host:
             return matches
         out = {}
@@ -141,6 +144,7 @@ class TierTracker:
             if k is None:  # no LMCache server on its node: nothing beyond its own hbm
                 out[rid] = (hbm, hbm, hbm)
                 continue
+            k = k if whole_chunks else 1
             host = max(hbm, host // k * k)
             if self.shared_up and node in self._shared_nodes:
                 shared = max(host, shared // k * k)

@@ -77,8 +77,11 @@ class MissAttribution:
         block_hashes_: Sequence[int],
         block_size: int,
         views: dict | None = None,
+        tier_blocks: int = 0,
     ) -> None:
-        """The router's record at placement: per replica the longest prefix held in any tier (blocks)."""
+        """The router's record at placement: per replica the longest prefix held in any tier (blocks), as
+        the engine can load it (whole LMCache chunks); `tier_blocks`: the longest prefix a reachable tier
+        held before that cut."""
         if not request_id:
             return
         best_len = {rid: int(m[2]) for rid, m in matches.items()}
@@ -92,6 +95,7 @@ class MissAttribution:
             "predicted_blocks": best_len.get(replica, 0),
             "elsewhere_blocks": elsewhere,
             "router_reason": placement_reason(replica, first_choice, best, views or {}) if elsewhere else "",
+            "tier_blocks": tier_blocks,
             "block_size": block_size,
             "hashes": list(block_hashes_),
         }
@@ -121,6 +125,7 @@ class MissAttribution:
                 seen_blocks=seen,
                 isolated_blocks=isolated,
                 elsewhere_blocks=rec["elsewhere_blocks"],
+                tier_blocks=rec["tier_blocks"],
             )
             computed.update(hashes)
             self._unsalted.setdefault(tenant, _Bounded(self._max_blocks)).update(unsalted)

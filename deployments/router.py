@@ -83,7 +83,7 @@ def request_fields(pending_request: PendingRequest | None) -> dict | None:
 class _Routing:
     """A request between ranking and placement: the router has committed to its first choice."""
 
-    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh")
+    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh", "tier_blocks")
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView]):
         self.info = info
@@ -92,6 +92,7 @@ class _Routing:
         self.views = views  # replica -> its view at ranking time
         self.replica = ""  # the replica the request is committed to
         self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
+        self.tier_blocks = 0  # the longest prefix any replica could reach in a tier, were chunks no cut
 
 
 class _Inflight(HoldSource):
@@ -456,7 +457,8 @@ class KvmeshRouter(RequestRouter):
             self._withdraw(earlier)
         if self.sync is not None:
             self.sync.drain()  # peers' placements already received count in this ranking
-        matches = self.tiers.loadable(self.index.match(hashes))  # tier rows in whole LMCache chunks
+        held = self.index.match(hashes)
+        matches = self.tiers.loadable(held)  # tier rows in whole LMCache chunks
         policy = self._policy_for(req)
         views = self._views(candidate_replicas, matches)
         fleet = FleetView.from_views(views)
@@ -473,6 +475,8 @@ class KvmeshRouter(RequestRouter):
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
         # cold requests all pick the same idle replica.
         routing = _Routing(info, matches, policy, by_view)
+        if self.tiers.any_node():  # the longest prefix a reachable tier holds, chunk cut or not
+            routing.tier_blocks = max((m[2] for m in self.tiers.loadable(held, whole_chunks=False).values()), default=0)
         self._commit(routing, ranked[0])
         self._routing[internal] = routing
         self._watch(pending_request)
@@ -630,7 +634,14 @@ class KvmeshRouter(RequestRouter):
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
         miss_attribution.ATTRIBUTION.placed(
-            info.request_id, rid, first, matches, info.block_hashes, info.block_size, routed.views
+            info.request_id,
+            rid,
+            first,
+            matches,
+            info.block_hashes,
+            info.block_size,
+            routed.views,
+            tier_blocks=routed.tier_blocks,
         )
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:

@@ -22,6 +22,7 @@ def test_reasons_sum_exactly_to_uncached_tokens_on_random_inputs():
             drift_end=rng.randint(0, 450),
             partial_end=rng.randint(0, 450),
             elsewhere_blocks=rng.choice([None, rng.randint(0, 14)]),
+            tier_blocks=rng.randint(0, 14),
         )
         out = attribute(n, cached, B, **kw)
         assert sum(out.values()) == n - cached, (n, cached, kw, out)
@@ -33,6 +34,12 @@ def test_each_reason_in_its_place():
     assert attribute(100, 0, B) == {"cold": 96, "partial_block": 4}
     assert attribute(100, 32, B, seen_blocks=3, elsewhere_blocks=2) == {
         "misrouted": 32,
+        "evicted": 32,
+        "partial_block": 4,
+    }
+    # a tier held 3 blocks but could load only 2 (whole chunks): the third is not an eviction
+    assert attribute(100, 32, B, seen_blocks=3, elsewhere_blocks=1, tier_blocks=2) == {
+        "partial_chunk": 32,
         "evicted": 32,
         "partial_block": 4,
     }

@@ -170,6 +170,8 @@ def test_a_prompt_that_leaves_a_stored_one_inside_a_chunk_loads_the_chunks_befor
     assert m["b"] == (0, 0, 8)  # shared tier, whole chunks
     assert m["a2"] == (0, 8, 8)  # host tier on the same node, whole chunks
     assert m["a"] == (3, 8, 8)  # its hbm holds 3, LMCache gives 8
+    whole = t.loadable(raw, whole_chunks=False)  # what the tiers hold before the cut: the 11 blocks
+    assert whole["b"] == (0, 0, 11) and whole["a2"] == (0, 11, 11) and whole["a"] == (3, 11, 11)
     assert t.loadable(idx.match(stored))["b"] == (0, 0, 16)  # the whole stored prompt: every chunk
     t.apply_events("a", [BlockStored(stored[3:10], medium="GPU")])
     assert t.loadable(idx.match(asked))["a"] == (10, 10, 10)  # its hbm's 10 beat LMCache's 8
@@ -181,6 +183,7 @@ def test_what_a_replica_reads_depends_on_its_node_and_the_shared_tier():
     t.record_prefill("a", [1, 2, 3])
     assert idx.match([1, 2, 3])["c"] == (0, 0, 3)  # the index's shared tier is global ...
     assert t.loadable(idx.match([1, 2, 3]))["c"] == (0, 0, 0)  # ... but c's engine has no LMCache to load it
+    assert t.loadable(idx.match([1, 2, 3]), whole_chunks=False)["c"] == (0, 0, 0)  # with or without chunks
     t.set_shared_up(False)
     t.record_prefill("a", [1, 2, 3])  # only the host tier now
     m = t.loadable(idx.match([1, 2, 3]))

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 from router_fakes import make_router
 
 from kvmesh.cluster.index import PrefixIndex
+from kvmesh.cluster.kv_events import AllBlocksCleared
 from kvmesh.cluster.tier_tracker import TierTracker
-from kvmesh.deployments import local_state
+from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.prediction import PredictionLedger
 from kvmesh.deployments.tier_hold import common_blocks, loadable_prefixes, loadable_source
 from kvmesh.kvstore.hashing import block_hashes
@@ -226,6 +227,34 @@ def test_the_prediction_counts_the_tier_in_whole_lmcache_chunks(monkeypatch):
     assert router.tiers.counters["prefills_recorded"] == 1
     assert local_state.LEDGER.prediction("p2") == 128
     assert router.recent[-1]["chosen_tiers"] == [0, 0, 4]
+
+
+def test_the_blocks_past_the_last_whole_chunk_miss_as_partial_chunk_not_evicted(monkeypatch):
+    """The same p2 once A's engine has dropped p1 from its own cache, delivered the 128 tokens predicted: of
+    the 5 blocks it shares with p1, the 5th was in the tiers but in a chunk p2 leaves midway. The miss
+    attribution says so (`partial_chunk`): it was neither evicted nor elsewhere."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+    monkeypatch.setattr(miss_attribution, "ATTRIBUTION", miss_attribution.MissAttribution())
+    p2_ids = PROMPT[:160] + [7] * 100
+
+    async def scenario():
+        router, a, b = await lmcache_router(chunk_blocks=2)
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        router.first_token("p1")
+        router.on_request_completed(a.replica_id, "i-p1")
+        router.tiers.apply_events("A", [AllBlocksCleared()])  # A's engine cache: empty again
+        p2 = fake_request(p2_ids, "p2")
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], p2), 5)
+        router._routed(p2, ranked[0][0].replica_id)
+
+    asyncio.run(scenario())
+    att = miss_attribution.ATTRIBUTION
+    att.delivered("p1", "t", PROMPT, 0)
+    reasons = att.delivered("p2", "t", p2_ids, 128)
+    assert att.explain("p2")["tier_blocks"] == 5 and att.explain("p2")["elsewhere_blocks"] == 4  # A's host tier
+    assert reasons == {"partial_chunk": 32, "cold": 96, "partial_block": 4}
 
 
 def test_no_wait_when_the_policy_finds_it_not_worth_it(monkeypatch):
