@@ -224,10 +224,10 @@ def simulated_live_part(which: str, chunk_blocks: int) -> dict:
     from kvmesh.benchmarks.robust_live import simulated_live_targets
 
     seeds = load_seed_set(which)
-    out = {}
-    for label, shared in (("no tier", False), (f"shared tier, chunks of {chunk_blocks} block(s)", True)):
-        met = simulated_live_targets(seeds, shared, chunk_blocks)
-        out[label] = met
+    labels = ("no tier", f"shared tier, chunks of {chunk_blocks} block(s)")
+    found = simulated_live_targets(seeds, ((False, 1), (True, chunk_blocks)))
+    out = dict(zip(labels, found))
+    for label, met in out.items():
         counts = ", ".join(f"{p} {len(v)}/{len(seeds)}" for p, v in met.items())
         missed = sorted(set(seeds) - set(met["kvmesh"]))
         print(

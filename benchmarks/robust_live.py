@@ -109,16 +109,19 @@ SIM_PEER = "sglang_cache_aware"  # the simulated stand-in for PEER (vllm-router'
 
 
 def simulated_live_targets(
-    seeds: Sequence[int], shared: bool, chunk_blocks: int = 1, policies: Sequence[str] = ("kvmesh", "round_robin")
-) -> dict[str, list[int]]:
-    """Per policy, the draws (of `seeds`) on which the simulator, sending as the live replay does at each draw's
-    live replica count, meets the live targets the live runs are judged by: hit >= 0.95 x the balance-bounded
-    bound, prefill max/mean <= 1.25, hit >= the cache-aware peer's (simulated, without a tier) - 0.03. Why:
-    a live run takes minutes per draw, so only a slice of the evaluation draws runs live; where the simulator
-    predicts the live runs (with the shared tier it gave the live hit rate of every live draw so far), this
-    judges the live targets on every draw. `shared`: an unbounded shared tier in LMCache chunks of
-    `chunk_blocks` engine blocks, the peer without one, as it runs live."""
-    met: dict[str, list[int]] = {p: [] for p in policies}
+    seeds: Sequence[int],
+    setups: Sequence[tuple[bool, int]] = ((False, 1),),
+    policies: Sequence[str] = ("kvmesh", "round_robin"),
+) -> list[dict[str, list[int]]]:
+    """Per tier set-up, per policy, the draws (of `seeds`) on which the simulator, sending as the live replay
+    does at each draw's live replica count, meets the live targets the live runs are judged by: hit >= 0.95 x
+    the balance-bounded bound, prefill max/mean <= 1.25, hit >= the cache-aware peer's (simulated, without a
+    tier) - 0.03. Why: a live run takes minutes per draw, so only a slice of the evaluation draws runs live;
+    where the simulator predicts the live runs (with the shared tier it gave the live hit rate of every live
+    draw so far), this judges the live targets on every draw. A set-up is (shared, chunk_blocks): with
+    `shared`, an unbounded shared tier in LMCache chunks of `chunk_blocks` engine blocks, the peer without
+    one, as it runs live. Each draw's bound and peer are computed once for all set-ups."""
+    met: list[dict[str, list[int]]] = [{p: [] for p in policies} for _ in setups]
     for seed in seeds:
         d = draw(seed)
         recs = records(d)
@@ -126,10 +129,11 @@ def simulated_live_targets(
         trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
         floor = 0.95 * balance_bounded_bound(trace.requests, ENGINE_BLOCK, n)["hit_rate"]
         peer = simulate_in_send_order(recs, d, n, SIM_PEER)["hit"] - 0.03
-        for p in policies:
-            m = simulate_in_send_order(recs, d, n, p, shared=shared, chunk_blocks=chunk_blocks)
-            if m["hit"] >= floor and m["prefill_max_over_mean"] <= 1.25 and m["hit"] >= peer:
-                met[p].append(seed)
+        for out, (shared, chunk_blocks) in zip(met, setups):
+            for p in policies:
+                m = simulate_in_send_order(recs, d, n, p, shared=shared, chunk_blocks=chunk_blocks)
+                if m["hit"] >= floor and m["prefill_max_over_mean"] <= 1.25 and m["hit"] >= peer:
+                    out[p].append(seed)
     return met
 
 

@@ -238,14 +238,12 @@ def test_the_live_targets_simulated_on_every_draw_flag_the_pile_up_the_live_run_
     from kvmesh.benchmarks.robust_live import simulated_live_targets
 
     seeds = list(range(2000, 2008))  # the first eval draws, all run live
-    plain = simulated_live_targets(seeds, shared=False)
+    plain, tiered, chunked = simulated_live_targets(seeds, ((False, 1), (True, 1), (True, 8)))
     # live without a tier, 2003 piled up (max/mean 1.61) and 2007 too (1.37): so does the simulation
     assert 2003 not in plain["kvmesh"] and 2007 not in plain["kvmesh"]
     assert {2000, 2002, 2004} <= set(plain["kvmesh"]) and len(plain["round_robin"]) < len(plain["kvmesh"])
-    tiered = simulated_live_targets(seeds, shared=True)
     # with LMCache every one of these draws met the live targets live, and does here
     assert tiered["kvmesh"] == seeds
     assert set(tiered["round_robin"]) < set(seeds)  # round robin recomputes prompts still being computed
     # in chunks of 8 blocks round robin loses the tier's short prefixes; kvmesh keeps them in hbm
-    chunked = simulated_live_targets(seeds, shared=True, chunk_blocks=8)
     assert len(chunked["round_robin"]) < len(tiered["round_robin"]) and chunked["kvmesh"] == seeds
