@@ -330,11 +330,14 @@ def report_from_replays(
     block_size: int,
     rates: Rates | None = None,
     counters: dict[str, dict] | None = None,
+    explained: dict[str, dict[str, dict]] | None = None,
 ) -> dict:
     """A cachetest report for runs already replayed (the demo): one fresh server per run (`replays`: run
     name -> `ReplayReport` of `records`, Mooncake form, token prompts as `deployments/replay.py` builds them).
     `counters`: run name -> that server's counters when the run ended (`counters_from_state`); a fresh
-    server started from zero, so they are the run's own, and they split its hits by tier."""
+    server started from zero, so they are the run's own, and they split its hits by tier. `explained`: run
+    name -> the router's record of each request (`fetch_explanations`, by the server's request id), which
+    splits the misses on blocks computed before into misrouted, partial_chunk and evicted."""
     from kvmesh.deployments.replay import PromptBuilder
 
     builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=tokens_per_block))
@@ -349,6 +352,9 @@ def report_from_replays(
     runs, clock = [], 0.0
     for name, rep in replays.items():
         sent = _sent(prepared, rep.results, name, clock)
+        records_ = (explained or {}).get(name) or {}
+        for s, r in zip(sent, sorted(rep.results, key=lambda r: r.index)):
+            s.explain = records_.get(r.request_id) if r.request_id else None
         clock += rep.wall_s + 1.0
         outputs = {prepared[r.index].req.id: r.output_text for r in rep.results if r.error is None}
         out_tokens = sum(r.output_tokens for r in rep.results if r.error is None)

@@ -127,10 +127,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"live serving unavailable ({exc}); running the simulator instead", file=sys.stderr)
             live = False
     replays: dict = {}  # run name -> ReplayReport (live runs), for the cachetest report
-    results = _run_live(args, names, records, replays) if live else _run_simulated(args, names, records)
+    explained: dict = {}  # run name -> request id -> the router's record of it, for the same report
+    results = _run_live(args, names, records, replays, explained) if live else _run_simulated(args, names, records)
     _report(args, names, results, bounds, live)
     if replays:
-        print(f"cachetest report: {_cachetest_report(args, records, replays, results)}")
+        print(f"cachetest report: {_cachetest_report(args, records, replays, results, explained)}")
     if args.json:
         if os.path.dirname(args.json):
             os.makedirs(os.path.dirname(args.json), exist_ok=True)
@@ -139,18 +140,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.get("errors", 0) == 0 for r in results.values()) else 1
 
 
-def _cachetest_report(args, records: list[dict], replays: dict, results: dict[str, dict]) -> str:
+def _cachetest_report(
+    args, records: list[dict], replays: dict, results: dict[str, dict], explained: dict[str, dict]
+) -> str:
     """This run as a `kvmesh cachetest` report (hit rates, costs, misses by reason, per policy)."""
     from kvmesh.cluster.cachetest_html import write_outputs
     from kvmesh.deployments.cachetest import report_from_replays
 
     counters = {name: r.get("server", {}).get("counters") or {} for name, r in results.items()}
-    report = report_from_replays(records, replays, args.tokens_per_block, ENGINE_BLOCK, counters=counters)
+    report = report_from_replays(
+        records, replays, args.tokens_per_block, ENGINE_BLOCK, counters=counters, explained=explained
+    )
     out = os.path.join(os.path.dirname(args.json) if args.json else "out", "demo-cachetest")
     return str(write_outputs(report, out)["html"])
 
 
-def _run_live(args, names: list[str], records: list[dict], replays: dict | None = None) -> dict[str, dict]:
+def _run_live(
+    args, names: list[str], records: list[dict], replays: dict | None = None, explained: dict | None = None
+) -> dict[str, dict]:
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
@@ -182,6 +189,8 @@ def _run_live(args, names: list[str], records: list[dict], replays: dict | None 
                 replays[name] = rep
             results[name] = rep.to_json(per_request=bool(args.json))
             results[name]["server"] = _server_state(url, key)
+            if explained is not None:  # the router's record of each request, for the cachetest report's misses
+                explained[name] = _explanations(url, key, rep)
         except ReplayError as exc:
             raise CliError(f"kvmesh demo: {exc}") from None
         except TimeoutError as exc:  # the app never became healthy
@@ -191,6 +200,18 @@ def _run_live(args, names: list[str], records: list[dict], replays: dict | None 
             if l2_dir:
                 shutil.rmtree(l2_dir, ignore_errors=True)
     return results
+
+
+def _explanations(url: str, key: str, rep) -> dict[str, dict]:
+    """`/kvmesh/explain` of every request of the run, by request id."""
+    from kvmesh.deployments.cachetest import CachetestConfig, fetch_explanations
+
+    ids = [r.request_id for r in rep.results if r.request_id]
+    try:
+        return fetch_explanations(CachetestConfig(url=url, api_key=key), ids)
+    except Exception as exc:  # the report then says `unknown` for what these would have split
+        print(f"GET /kvmesh/explain failed: {exc}", file=sys.stderr)
+        return {}
 
 
 def _server_state(url: str, key: str) -> dict:

@@ -65,3 +65,20 @@ def test_the_demo_report_splits_hits_by_tier_from_each_runs_counters():
     # without counters the split is not known
     bare = report_from_replays(records, {"plain": replays["plain"]}, 32, B)
     assert bare["passes"]["plain"]["hits_by_tier"]["unknown"] == 128
+
+
+def test_the_demo_report_splits_computed_before_misses_by_the_routers_records():
+    records = [
+        {"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2, 3 + i], "user": "u"}
+        for i in range(3)
+    ]
+    results = [
+        RequestResult(i, "u", None, 96, 0, 4, 0.01, 0.02, f"r{i}", None, float(i), "out", f"q{i}") for i in range(3)
+    ]
+    replays = {"rr": ReplayReport(results, 1.0)}
+    # the router placed q1 away from the replica holding the two shared blocks; it has no record of q2
+    explained = {"rr": {"q1": {"elsewhere_blocks": 2, "tier_blocks": 0}}}
+    rep = report_from_replays(records, replays, 32, B, explained=explained)
+    by_id = {r["id"]: r["miss_tokens"] for r in rep["requests"]}
+    assert by_id["req-1"] == {"misrouted": 64, "partial_block": 32}  # a prompt's last block is never served
+    assert by_id["req-2"] == {"unknown": 64, "partial_block": 32}  # no record: evicted or misrouted, unknown
