@@ -22,18 +22,24 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 
 from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest
 
 
 # --------------------------------------------------------------------------------------- records
-def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
-    """Write records one per line; returns the count. Creates parent folders."""
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike, progress: bool = False) -> int:
+    """Write records one per line; returns the count. Creates parent folders. `progress`: a progress bar on
+    standard error when it is a terminal (a million records take seconds)."""
     path = os.fspath(path)
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
+    if progress:
+        from tqdm import tqdm
+
+        total = len(records) if isinstance(records, Sized) else None
+        records = tqdm(records, total=total, unit="req", desc="writing", leave=False, disable=None, mininterval=0.5)
     n = 0
     with open(path, "w", encoding="utf-8") as fh:
         for rec in records:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
@@ -70,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
                 think_ms=args.think_ms,
                 seed=args.seed,
             )
-            n = workloads.write_jsonl(workloads.synth_chat(spec), args.out)
+            total = args.tenants * args.groups * args.users * args.turns
+            if total >= 100_000:
+                print(f"generating {total:,} requests ...", file=sys.stderr, flush=True)
+            n = workloads.write_jsonl(workloads.synth_chat(spec), args.out, progress=total >= 100_000)
             print(f"wrote {n} requests to {args.out}")
             return 0
         if args.trace_command == "flood":
