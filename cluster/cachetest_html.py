@@ -29,6 +29,31 @@ _COLORS = {
 }
 
 
+# What each miss reason means, and what would turn those tokens into hits: the report's legend.
+REASON_TEXT = {
+    "cold": "first time anywhere in the fleet: nothing to reuse yet.",
+    "evicted": "computed before, but in no tier when the request came: more HBM, a host or shared tier.",
+    "misrouted": "cached on another replica than the one used; /kvmesh/explain's router_reason says why "
+    "(load, balance_guard, serve_fallback): the price of balance, or of a full replica.",
+    "partial_chunk": "held in an LMCache tier, past the last whole chunk this prompt shares with the stored one: "
+    "a smaller chunk_size.",
+    "isolated": "the same tokens are cached under another tenant's salt: tenant isolation, by design.",
+    "partial_block": "the tail after the last full block (vLLM caches whole blocks and always computes the last "
+    "prompt token): a smaller block size, or longer shared prefixes.",
+    "drift": "the same words as an earlier prompt, tokenised differently (whitespace, template, tool order): "
+    "make the prompt text byte-stable.",
+    "adapter": "the same tenant computed these tokens under another model or LoRA adapter.",
+    "unknown": "computed before, but the endpoint does not say where it placed the request (not kvmesh).",
+}
+
+
+def _reason_legend(passes: dict) -> str:
+    """One line per reason any pass has tokens for: what it means and what would turn them into hits."""
+    seen = [r for r in REASONS if any(p["miss_tokens"].get(r) for p in passes.values())]
+    items = "".join(f"<dt>{r}</dt><dd>{html.escape(REASON_TEXT[r])}</dd>" for r in seen)
+    return f"<dl class='reasons'>{items}</dl>" if items else ""
+
+
 def _plt():
     import matplotlib
 
@@ -137,6 +162,8 @@ td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 th{background:#f4f4f4;cursor:pointer}td:first-child,th:first-child{text-align:left}
 pre{background:#f7f7f7;padding:.5em;white-space:pre-wrap;font-size:.85em}mark{background:#ffd92f}
 img{max-width:100%}
+dl.reasons{font-size:.9em}dl.reasons dt{font-weight:bold;float:left;clear:left;width:9em}
+dl.reasons dd{margin:0 0 .3em 9.5em}
 """
 
 _JS = """
@@ -303,6 +330,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
             ["pass", *REASONS], [[html.escape(n), *_miss_cells(p["miss_tokens"])] for n, p in passes.items()], "misses"
         )
     )
+    parts.append(_reason_legend(passes))
     main = passes.get("warm") or next(iter(passes.values()))
     for title, key in (("Per tenant", "per_tenant"), ("Per replica", "per_replica")):
         parts.append(f"<h2 id='{key}'>{title} ({'warm' if 'warm' in passes else 'first'} pass)</h2>")

@@ -74,3 +74,17 @@ def test_the_page_is_self_contained_with_every_section(tmp_path):
     assert page.count("data:image/png;base64,") == 2  # passes and miss reasons (no sweep was run)
     assert json.loads(paths["json"].read_text())["passes"]["warm"]["requests"] == 60
     assert f"{100 * rep['summary']['hit_rate_tokens']:.1f}%" in render_html(rep, {})
+
+
+def test_every_reason_with_missed_tokens_is_explained_and_no_other():
+    from kvmesh.cluster.cachetest_html import REASON_TEXT
+    from kvmesh.cluster.miss_reasons import REASONS
+
+    assert set(REASON_TEXT) == set(REASONS)
+    rep = _report()
+    page = render_html(rep, {})
+    legend = page.split("<dl class='reasons'>")[1].split("</dl>")[0]
+    present = {r for p in rep["passes"].values() for r, v in p["miss_tokens"].items() if v}
+    assert present  # the sample report has misses
+    for r in REASONS:
+        assert (f"<dt>{r}</dt>" in legend) == (r in present), r
