@@ -78,12 +78,21 @@ class MissAttribution:
         block_size: int,
         views: dict | None = None,
         tier_blocks: int = 0,
+        tenant: str | None = None,
     ) -> None:
         """The router's record at placement: per replica the longest prefix held in any tier (blocks), as
         the engine can load it (whole LMCache chunks); `tier_blocks`: the longest prefix a reachable tier
-        held before that cut."""
+        held before that cut. With `tenant`, also how much of the prefix the fleet had computed for that
+        tenant by now. Why then and not at delivery: two requests sent together that share a new prefix
+        both compute it, and the one whose first token comes second would otherwise find the prefix
+        computed (by the other, meanwhile) and count it `evicted`; at placement it was `cold`."""
         if not request_id:
             return
+        seen = None
+        if tenant is not None:
+            with self._lock:
+                computed = self._computed.get(tenant)
+                seen = leading_held(block_hashes_, computed) if computed is not None else 0
         best_len = {rid: int(m[2]) for rid, m in matches.items()}
         elsewhere = max((v for rid, v in best_len.items() if rid != replica), default=0)
         best = max(best_len, key=lambda r: (best_len[r], r == replica), default=None)
@@ -96,6 +105,7 @@ class MissAttribution:
             "elsewhere_blocks": elsewhere,
             "router_reason": placement_reason(replica, first_choice, best, views or {}) if elsewhere else "",
             "tier_blocks": tier_blocks,
+            "seen_at_placement": seen,
             "block_size": block_size,
             "hashes": list(block_hashes_),
         }
@@ -114,7 +124,9 @@ class MissAttribution:
         unsalted = block_hashes(token_ids, bs, memo=self._memo)
         with self._lock:
             computed = self._computed.setdefault(tenant, _Bounded(self._max_blocks))
-            seen = leading_held(hashes, computed)
+            seen = rec.get("seen_at_placement")
+            if seen is None:  # placed without its tenant: what the fleet has computed by now
+                seen = leading_held(hashes, computed)
             isolated = max(
                 (leading_held(unsalted, held) for t, held in self._unsalted.items() if t != tenant), default=0
             )

@@ -642,6 +642,7 @@ class KvmeshRouter(RequestRouter):
             info.block_size,
             routed.views,
             tier_blocks=routed.tier_blocks,
+            tenant=info.tenant,
         )
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:

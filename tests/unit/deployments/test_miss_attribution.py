@@ -8,9 +8,9 @@ from kvmesh.kvstore.hashing import block_hashes
 B = 32
 
 
-def _place(attr, rid, tenant_salt, ids, replica, matches, first=None, views=None):
+def _place(attr, rid, tenant_salt, ids, replica, matches, first=None, views=None, tenant=None):
     hashes = block_hashes(ids, B, cache_salt=tenant_salt)
-    attr.placed(rid, replica, first or replica, matches, hashes, B, views)
+    attr.placed(rid, replica, first or replica, matches, hashes, B, views, tenant=tenant)
 
 
 def test_cold_then_misrouted_then_evicted_then_isolated_and_the_sums_are_exact():
@@ -50,3 +50,19 @@ def test_records_are_bounded():
     for i in range(5):
         _place(attr, f"q{i}", "s", list(range(40)), "r1", {"r1": (0, 0, 0)})
     assert attr.explain("q0") is None and attr.explain("q4") is not None
+
+
+def test_two_requests_sent_together_on_a_new_prefix_are_both_cold_whichever_finishes_first():
+    """Both placed before either computed the prefix: the one whose first token comes second found it
+    computed at delivery, but at placement it was not, so it is cold, not evicted."""
+    attr = MissAttribution()
+    ids = list(range(10, 110))
+    empty = {"r1": (0, 0, 0), "r2": (0, 0, 0)}
+    _place(attr, "q1", "salt-a", ids, "r1", empty, tenant="a")
+    _place(attr, "q2", "salt-a", ids, "r2", empty, tenant="a")
+    assert attr.delivered("q1", "a", ids, 0) == {"cold": 96, "partial_block": 4}
+    assert attr.delivered("q2", "a", ids, 0) == {"cold": 96, "partial_block": 4}
+    assert attr.explain("q2")["seen_blocks"] == 0
+    # placed after q1 and q2 were computed, with nothing held anywhere: evicted
+    _place(attr, "q3", "salt-a", ids, "r1", empty, tenant="a")
+    assert attr.delivered("q3", "a", ids, 0) == {"evicted": 96, "partial_block": 4}

@@ -237,22 +237,26 @@ def test_the_blocks_past_the_last_whole_chunk_miss_as_partial_chunk_not_evicted(
     monkeypatch.setattr(miss_attribution, "ATTRIBUTION", miss_attribution.MissAttribution())
     p2_ids = PROMPT[:160] + [7] * 100
 
+    att = miss_attribution.ATTRIBUTION
+
     async def scenario():
         router, a, b = await lmcache_router(chunk_blocks=2)
         p1 = fake_request(PROMPT, "p1")
+        p1.args[0]["tenant"] = "t"
         await router.choose_replicas([a, b], p1)
         router._routed(p1, a.replica_id)
         router.first_token("p1")
+        att.delivered("p1", "t", PROMPT, 0)  # the ingress, at p1's first token
         router.on_request_completed(a.replica_id, "i-p1")
         router.tiers.apply_events("A", [AllBlocksCleared()])  # A's engine cache: empty again
         p2 = fake_request(p2_ids, "p2")
+        p2.args[0]["tenant"] = "t"
         ranked = await asyncio.wait_for(router.choose_replicas([a, b], p2), 5)
         router._routed(p2, ranked[0][0].replica_id)
 
     asyncio.run(scenario())
-    att = miss_attribution.ATTRIBUTION
-    att.delivered("p1", "t", PROMPT, 0)
     reasons = att.delivered("p2", "t", p2_ids, 128)
+    assert att.explain("p2")["seen_at_placement"] == 5  # p1's prompt, computed before p2 was placed
     assert att.explain("p2")["tier_blocks"] == 5 and att.explain("p2")["elsewhere_blocks"] == 4  # A's host tier
     assert reasons == {"partial_chunk": 32, "cold": 96, "partial_block": 4}
 
