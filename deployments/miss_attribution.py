@@ -153,6 +153,13 @@ class MissAttribution:
             )
         return reasons
 
+    def computed(self, tenant: str, hashes: Sequence[int]) -> None:
+        """Blocks another ingress replica's request computed for `tenant` (its first token came back, as its
+        router's placement stream says): seen fleet-wide, so a later miss on them here is `evicted` or
+        `misrouted`, not `cold`. Only the salted hashes travel, so `isolated` stays per ingress replica."""
+        with self._lock:
+            self._computed.setdefault(tenant, _Bounded(self._max_blocks)).update(hashes)
+
     def explain(self, request_id: str) -> dict | None:
         with self._lock:
             rec = self._records.get(request_id)

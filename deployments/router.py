@@ -65,6 +65,13 @@ def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: i
     return max(local, min(any_tier_blocks * block_size, num_tokens - 1))
 
 
+def _peer_computed(info: RequestInfo) -> None:
+    """A request another ingress replica placed has its first token: its prompt counts as computed in this
+    process's miss attribution (through the module: see above)."""
+    if info.tenant is not None:
+        miss_attribution.ATTRIBUTION.computed(info.tenant, info.block_hashes)
+
+
 def active_routers() -> list[KvmeshRouter]:
     """Routers living in this process (normally one per engine handle in the ingress)."""
     return list(local_state.ROUTERS)
@@ -178,7 +185,9 @@ class KvmeshRouter(RequestRouter):
         self._dead: set[str] = set()
         self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
         # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
-        self.peers = PeerPlacements(self.index, lambda: self._policies.values(), tiers=self.tiers)
+        self.peers = PeerPlacements(
+            self.index, lambda: self._policies.values(), tiers=self.tiers, on_computed=_peer_computed
+        )
         self.router_sync = router_sync
         self.sync: RouterSync | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # Serve's router loop, seen in our own hooks

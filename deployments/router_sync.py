@@ -156,10 +156,20 @@ class PeerPlacements:
     router's TierTracker), a peer's request that completed after its first token counts in its node's
     LMCache tiers, as the router's own do: LMCache stored its prompt whichever router placed it. `tenants`
     collects what peers placed per tenant, for fleet-wide tenant limits (default: a new log on the
-    monotonic clock)."""
+    monotonic clock). `on_computed(info)` is called once per peer request whose first token came back: its
+    prompt has been computed, wherever it was placed (the router's miss attribution counts it as seen)."""
 
-    def __init__(self, index, policies, clock=time.time, tiers=None, tenants: PeerTenantUsage | None = None) -> None:
+    def __init__(
+        self,
+        index,
+        policies,
+        clock=time.time,
+        tiers=None,
+        tenants: PeerTenantUsage | None = None,
+        on_computed=None,
+    ) -> None:
         self.index = index
+        self.on_computed = on_computed
         self.tiers = tiers  # a TierTracker: a peer's completed prefill is in its node's LMCache tiers
         # placements whose `done` came before their `started` (a unary request's first token reaches its
         # router after the completion): the `started` still records the prefill and releases waiters
@@ -232,12 +242,14 @@ class PeerPlacements:
             if started is not None:
                 started.started = True
                 started.release()
+                self._computed(started)
             else:
                 ended = self.ended.pop(key, None)
                 if ended is not None:
                     ended.started = True
                     ended.release()
                     self._record_prefill(ended)
+                    self._computed(ended)
         elif kind == "done":
             done = self._pop(key)
             if done is not None and done.started:
@@ -256,6 +268,10 @@ class PeerPlacements:
             if predict is not None:
                 return predict
         return None
+
+    def _computed(self, placed: PeerPlacement) -> None:
+        if self.on_computed is not None:
+            self.on_computed(placed.info)
 
     def _record_prefill(self, placed: PeerPlacement) -> None:
         if self.tiers is not None and placed.replica in self.index.replicas():

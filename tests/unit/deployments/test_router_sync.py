@@ -233,3 +233,38 @@ def test_a_peer_placement_says_whether_it_was_free():
     info2 = RequestInfo(block_hashes=[3, 4], num_tokens=64, block_size=32, request_id="q2")
     peers.apply(routed_message("A", info2, "r0", (0, 0, 0), sent_at=999.5))
     assert peers.unseen_placements()[0] == 0.5 / peers.unseen.window_s
+
+
+def test_a_prompt_another_router_placed_counts_as_computed_in_this_routers_miss_attribution(monkeypatch):
+    """Router A's request gets its first token; router B hears it on the stream. B's next request on the
+    same prompt then finds the prompt computed (a miss on it is evicted or misrouted, not cold), though
+    B's own ingress never delivered it."""
+    from kvmesh.deployments import miss_attribution
+
+    monkeypatch.setattr(miss_attribution, "ATTRIBUTION", miss_attribution.MissAttribution())
+    prompt = list(range(100, 356))  # 8 full blocks
+
+    async def scenario():
+        a, b = make_router("A"), make_router("B")
+        for r in (a, b):
+            await r.choose_replicas(REPLICAS, fake_request([1, 2, 3], f"reg-{id(r)}"))
+            r.sync.sent.clear()
+        q1 = fake_request(prompt, "q1")
+        q1.args[0]["tenant"] = "t"
+        where = _first(await a.choose_replicas(REPLICAS, q1))
+        a._routed(q1, SimpleNamespace(unique_id=where))
+        relay(a, b)
+        q2 = fake_request(prompt, "q2")
+        q2.args[0]["tenant"] = "t"
+        b._routed(q2, SimpleNamespace(unique_id=_first(await b.choose_replicas(REPLICAS, q2))))
+        before = miss_attribution.ATTRIBUTION.explain("q2")["seen_at_placement"]
+        a.first_token("q1")
+        relay(a, b)
+        q3 = fake_request(prompt, "q3")
+        q3.args[0]["tenant"] = "t"
+        b._routed(q3, SimpleNamespace(unique_id=_first(await b.choose_replicas(REPLICAS, q3))))
+        return before, miss_attribution.ATTRIBUTION.explain("q3")["seen_at_placement"]
+
+    before, after = asyncio.run(scenario())
+    assert before == 0  # q1 had been placed, not computed, when q2 was
+    assert after == 8
