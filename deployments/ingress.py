@@ -322,6 +322,7 @@ class Ingress:
         # hop and the engine's own time to its first output (reported by unary calls)
         self._record_call_stages(t0, t_call, first.get("ttft_s"))
         notify_first_token(request_id)
+        miss_attribution.ATTRIBUTION.started(request_id, tenant.id)
         replica = first["replica"]
         oid = proto.new_id(req.kind)
         # x-request-id is Serve's own (its middleware appends one to every response): ours has its own name

@@ -153,6 +153,18 @@ class MissAttribution:
             )
         return reasons
 
+    def started(self, request_id: str, tenant: str) -> None:
+        """The request's first token came back: its prompt is computed now, though a stream's usage (and so
+        `delivered`) comes only at its end. A request placed meanwhile on the same prefix finds it computed,
+        as other ingress replicas do from the placement stream's `started`. Only for a request whose seen
+        prefix was taken at placement: one without it takes it at delivery, which must not count its own
+        prompt."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            if rec is None or rec.get("seen_at_placement") is None or "hashes" not in rec:
+                return
+            self._computed.setdefault(tenant, _Bounded(self._max_blocks)).update(rec["hashes"])
+
     def computed(self, tenant: str, hashes: Sequence[int]) -> None:
         """Blocks another ingress replica's request computed for `tenant` (its first token came back, as its
         router's placement stream says): seen fleet-wide, so a later miss on them here is `evicted` or

@@ -66,3 +66,15 @@ def test_two_requests_sent_together_on_a_new_prefix_are_both_cold_whichever_fini
     # placed after q1 and q2 were computed, with nothing held anywhere: evicted
     _place(attr, "q3", "salt-a", ids, "r1", empty, tenant="a")
     assert attr.delivered("q3", "a", ids, 0) == {"evicted": 96, "partial_block": 4}
+
+
+def test_a_prompt_counts_as_computed_from_its_first_token_not_from_the_end_of_its_stream():
+    attr = MissAttribution()
+    ids = list(range(10, 110))
+    empty = {"r1": (0, 0, 0), "r2": (0, 0, 0)}
+    _place(attr, "q1", "salt-a", ids, "r1", empty, tenant="a")
+    attr.started("q1", "a")  # first token back; q1 is still streaming
+    _place(attr, "q2", "salt-a", ids, "r2", empty, tenant="a")  # placed while nothing held it: evicted
+    assert attr.delivered("q2", "a", ids, 0) == {"evicted": 96, "partial_block": 4}
+    assert attr.delivered("q1", "a", ids, 0) == {"cold": 96, "partial_block": 4}  # its own prompt stays cold
+    attr.started("nope", "a")  # no record: nothing to do
