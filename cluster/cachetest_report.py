@@ -46,8 +46,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return nearest_rank(values, q) if values else None
 
 
-def _diff(before: dict, after: dict, key: str) -> float:
-    return float(after.get(key) or 0) - float(before.get(key) or 0)
+def _diff(before: dict, after: dict, key: str) -> int:
+    """A counter's growth over the pass (tokens, bytes or evictions: whole numbers)."""
+    return round(float(after.get(key) or 0) - float(before.get(key) or 0))
 
 
 def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) -> dict:
@@ -69,9 +70,9 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
     cost = rates.cost(prompt, cached)
     before, after = run.counters_before, run.counters_after
     server = bool(after)
-    host = _diff(before, after, "host_hit_tokens") if server else 0.0
-    shared = _diff(before, after, "shared_hit_tokens") if server else 0.0
-    loaded = min(float(cached), host + shared)
+    host = _diff(before, after, "host_hit_tokens") if server else 0
+    shared = _diff(before, after, "shared_hit_tokens") if server else 0
+    loaded = min(cached, host + shared)
     tenants: dict[str, dict] = {}
     replicas: dict[str, dict] = {}
     for s, r in known:
@@ -106,7 +107,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "input_cost_without_cache": rates.cost(prompt, 0),
         "completed_interactions": completed,
         "cost_per_interaction": cost / completed if completed else None,
-        "hits_by_tier": {"hbm": cached - loaded, "host": min(host, float(cached)), "shared": max(0.0, loaded - host)}
+        "hits_by_tier": {"hbm": cached - loaded, "host": min(host, cached), "shared": max(0, loaded - host)}
         if server
         else {"hbm": None, "host": None, "shared": None, "unknown": cached},
         "evictions": _diff(before, after, "evictions") if server else None,
