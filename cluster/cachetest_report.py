@@ -73,6 +73,13 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
     host = _diff(before, after, "host_hit_tokens") if server else 0
     shared = _diff(before, after, "shared_hit_tokens") if server else 0
     loaded = min(cached, host + shared)
+    if "external_hit_tokens" in after:
+        # LMCache's lookups count tokens the engine also held; what the engines loaded through it is the
+        # part of the hits that came from the tiers. Tokens only the shared tier held were not in the
+        # engine's cache either (what it computes goes to its node's host tier too): loaded from there
+        loaded = min(cached, max(0, _diff(before, after, "external_hit_tokens")))
+        shared = min(loaded, shared)
+        host = loaded - shared
     tenants: dict[str, dict] = {}
     replicas: dict[str, dict] = {}
     for s, r in known:

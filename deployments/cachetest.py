@@ -99,11 +99,19 @@ def server_counters(cfg: CachetestConfig) -> dict:
     return counters_from_state(state)
 
 
+STATS_SETTLE_S = 1.0  # two periods of the engines' routing stats (`routing_stats_period_s`, 0.5 s by default)
+
+
 def counters_from_state(state: dict) -> dict:
     """The counters a pass diffs, from a `/kvmesh/state` document. A server without LMCache reports no tier
     figures: its tier hits are zero, so every cached token it delivered came from the engines' own cache."""
-    out = {"evictions": ((state.get("router") or {}).get("index") or {}).get("evictions", 0)}
+    router = state.get("router") or {}
+    out = {"evictions": (router.get("index") or {}).get("evictions", 0)}
     out.update({k: v for k, v in (state.get("tiers") or {}).items() if isinstance(v, (int, float))})
+    stats = (router.get("routing_stats") or {}).values()
+    loaded = [s["external_hit_tokens"] for s in stats if isinstance(s.get("external_hit_tokens"), int)]
+    if loaded:  # what the engines loaded through LMCache, from their routing stats (one period behind)
+        out["external_hit_tokens"] = sum(loaded)
     return out
 
 
@@ -227,6 +235,8 @@ class Runner:
             rep = replay(records, rcfg)
         except ReplayError as exc:
             raise CachetestError(f"--url {self.cfg.url}: {exc}") from None
+        if self.is_kvmesh:  # the engines' routing stats (their LMCache loads) come every 0.5 s by default
+            time.sleep(STATS_SETTLE_S)
         after = server_counters(self.cfg) if self.is_kvmesh else {}
         sent = _sent(items, rep.results, name, self.clock)
         self.clock += rep.wall_s + 1.0

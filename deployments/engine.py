@@ -258,6 +258,8 @@ class EngineReplica:
             "num_blocks": self.num_blocks,
             "hash_algo": self.cfg["hash_algo"],
             "tiers": self.tier_info,
+            # prompt tokens loaded through LMCache so far: the delivered hits that came from the tiers
+            "external_hit_tokens": self.driver.external_hit_tokens,
         }
 
     def _kv_usage(self) -> float:

@@ -127,6 +127,28 @@ class EngineBroken(RuntimeError):
     """The engine can no longer serve (its step failed): the request should move to another replica."""
 
 
+def connector_hits_logger(driver):
+    """A vLLM stat logger factory that adds each step's KV-connector prefix hits (prompt tokens the engine
+    loaded through LMCache rather than finding in its own cache) to `driver.external_hit_tokens`. Why:
+    LMCache's own lookup counters count every token it holds, including those the engine already had, so
+    they cannot say which hits came from the tiers; vLLM knows, per request, what it loaded."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _ConnectorHits(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            stats = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+            if stats is not None:
+                driver.external_hit_tokens += int(stats.hits)
+
+        def log_engine_initialized(self):
+            pass
+
+    return _ConnectorHits
+
+
 class InprocDriver:
     """LLMEngine (in-process EngineCore) stepped by one thread; asyncio callers get per-request queues.
     Each step's outputs reach an event loop in one wake-up, and a stream's deltas that pile up while
@@ -139,6 +161,7 @@ class InprocDriver:
     """
 
     _broken: BaseException | None = None  # the step failure that ended this engine
+    external_hit_tokens = 0  # prompt tokens loaded through the KV connector (LMCache), summed over requests
     _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
     _steps = 0
 
@@ -148,7 +171,7 @@ class InprocDriver:
 
         self._fail_after = fail_step_after
         patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
-        self.engine = LLMEngine.from_engine_args(engine_args)
+        self.engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[connector_hits_logger(self)])
         self.load = _LoadCounter()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -317,6 +340,7 @@ class AsyncDriver:
         driver = self
         self._kv_usage = 0.0
         self._steps = 0
+        self.external_hit_tokens = 0
 
         class _UsageLogger(StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0):
@@ -330,7 +354,7 @@ class AsyncDriver:
             def log_engine_initialized(self):
                 pass
 
-        loggers: list[Any] = [_UsageLogger]
+        loggers: list[Any] = [_UsageLogger, connector_hits_logger(self)]
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             # in a Ray worker: vLLM's own metrics leave through Ray's metrics port as ray_vllm_*

@@ -237,4 +237,16 @@ class ServingMetrics:
                     "engine steps each replica has run, as of its last routing stats",
                     steps,
                 )
+            loaded = [
+                ({"replica": rid}, s["external_hit_tokens"])
+                for rid, s in sorted(stats.items())
+                if s.get("external_hit_tokens") is not None
+            ]
+            if loaded:  # the delivered hits that came from the LMCache tiers (the rest: the engine's own cache)
+                metric(
+                    "kvmesh_replica_lmcache_loaded_tokens_total",
+                    "counter",
+                    "prompt tokens each replica loaded through LMCache, as of its last routing stats",
+                    loaded,
+                )
         return "\n".join(out) + "\n"

@@ -159,6 +159,7 @@ def _run_live(
     args, names: list[str], records: list[dict], replays: dict | None = None, explained: dict | None = None
 ) -> dict[str, dict]:
     from kvmesh.deployments.app import start_local, stop_local
+    from kvmesh.deployments.cachetest import STATS_SETTLE_S
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
     key = "kvm-demo-" + os.urandom(6).hex()
@@ -188,6 +189,7 @@ def _run_live(
             if replays is not None:
                 replays[name] = rep
             results[name] = rep.to_json(per_request=bool(args.json))
+            time.sleep(STATS_SETTLE_S)  # the engines' last LMCache loads reach the routers with their stats
             results[name]["server"] = _server_state(url, key)
             if explained is not None:  # the router's record of each request, for the cachetest report's misses
                 explained[name] = _explanations(url, key, rep)
@@ -324,8 +326,14 @@ def _report(args, names, results, bounds, live: bool) -> None:
         if by_tier:
             print(f"{name}: hits by tier: " + ", ".join(f"{t} {int(v):,} tokens" for t, v in by_tier.items()))
         elif tiers:  # LMCache counts its lookups node-wide over whole prompts, so they overlap engine-cache hits
+            loaded = (server.get("counters") or {}).get("external_hit_tokens")
+            split = (
+                f"hbm {cached - min(cached, int(loaded)):,}, loaded through LMCache {min(cached, int(loaded)):,}"
+                if loaded is not None
+                else "hbm + LMCache"
+            )
             print(
-                f"{name}: hits by tier: {cached:,} cached tokens delivered from hbm + LMCache; LMCache lookups "
+                f"{name}: hits by tier: {cached:,} cached tokens ({split}); LMCache lookups "
                 f"found host {int(tiers.get('host_hit_tokens') or 0):,} and shared "
                 f"{int(tiers.get('shared_hit_tokens') or 0):,} tokens"
             )

@@ -53,6 +53,11 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
         assert b_predicted == b_cached, parted
         assert b_cached == (640 if b_replica != a_replica else 672), parted
     assert any(a != b for a, b, _, _ in parted), parted
+    # each engine counts what it loaded through LMCache (vLLM's connector hits): at least every prompt above
+    # that came from the tier on the other replica
+    from_tier = sum(c for a, b, c, _ in parted if a != b)
+    from_tier += sum(second[1] for first, second in held["pairs"] if second[0] != first[0])
+    assert sum(found["loaded"].values()) >= from_tier > 0, (found["loaded"], from_tier)
     # one LMCache server for the node, found by both engines; it answered lookups for the prompt
     report = found["tier_report"]
     assert report["nodes"] == 1 and report["healthy_nodes"] == 1

@@ -159,6 +159,7 @@ def main() -> int:
             found["tier_report"] = state.get("tiers")
             routing_stats = (state.get("router") or {}).get("routing_stats", {})
             found["tier_stats"] = {rid: s.get("tiers") for rid, s in routing_stats.items()}
+            found["loaded"] = {rid: s.get("external_hit_tokens") for rid, s in routing_stats.items()}
             metrics = c.get("/metrics").text
             found["metrics_lines"] = [line for line in metrics.splitlines() if line.startswith("kvmesh_tier_")]
     except Exception as exc:

@@ -2,6 +2,7 @@
 
 import json
 
+import cachetest_support
 import pytest
 from cachetest_support import sample_report
 
@@ -88,3 +89,34 @@ def test_every_reason_with_missed_tokens_is_explained_and_no_other():
     assert present  # the sample report has misses
     for r in REASONS:
         assert (f"<dt>{r}</dt>" in legend) == (r in present), r
+
+
+def test_the_tier_split_counts_what_the_engines_loaded_not_what_lmcache_lookups_found():
+    """LMCache's lookups also count tokens the engine held in its own cache: 900 host and 100 shared lookup
+    hits, but the engines loaded only 300 tokens through LMCache. Of 1,000 cached tokens, 700 came from the
+    engines' own caches, 100 from the shared tier (held nowhere else) and 200 from the host tier."""
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, pass_figures
+
+    prepared, runs = cachetest_support.fake_runs(server=True)
+    run = runs[-1]
+    cached = sum(s.cached_tokens or 0 for s in run.sent if s.error is None)
+    scale = 1000 / cached  # the same proportions at any sample size
+    after = {
+        "evictions": 0,
+        "host_hit_tokens": round(900 / scale),
+        "shared_hit_tokens": round(100 / scale),
+        "external_hit_tokens": round(300 / scale),
+    }
+    fig = pass_figures(
+        PassRun(run.name, run.sent, 1.0, 4, counters_before={"evictions": 0}, counters_after=after),
+        [{} for _ in run.sent],
+        Rates(),
+    )
+    tiers = fig["hits_by_tier"]
+    assert tiers["shared"] == after["shared_hit_tokens"]
+    assert tiers["host"] == after["external_hit_tokens"] - after["shared_hit_tokens"]
+    assert tiers["hbm"] == cached - after["external_hit_tokens"]
+    # without the engines' figure (an older server) the lookups stand in, capped at the cached tokens
+    del after["external_hit_tokens"]
+    fig = pass_figures(PassRun(run.name, run.sent, 1.0, 4, counters_after=after), [{} for _ in run.sent], Rates())
+    assert fig["hits_by_tier"]["hbm"] == max(0, cached - after["host_hit_tokens"] - after["shared_hit_tokens"])

@@ -82,3 +82,18 @@ def test_the_demo_report_splits_computed_before_misses_by_the_routers_records():
     by_id = {r["id"]: r["miss_tokens"] for r in rep["requests"]}
     assert by_id["req-1"] == {"misrouted": 64, "partial_block": 32}  # a prompt's last block is never served
     assert by_id["req-2"] == {"unknown": 64, "partial_block": 32}  # no record: evicted or misrouted, unknown
+
+
+def test_the_counters_sum_what_every_engine_loaded_through_lmcache():
+    from kvmesh.deployments.cachetest import counters_from_state
+
+    state = {
+        "router": {
+            "index": {"evictions": 1},
+            "routing_stats": {"r0": {"external_hit_tokens": 640}, "r1": {"external_hit_tokens": 32}, "r2": {}},
+        },
+        "tiers": {"host_hit_tokens": 900},
+    }
+    assert counters_from_state(state) == {"evictions": 1, "host_hit_tokens": 900, "external_hit_tokens": 672}
+    del state["router"]["routing_stats"]  # engines that do not report it: no figure, not zero
+    assert "external_hit_tokens" not in counters_from_state(state)

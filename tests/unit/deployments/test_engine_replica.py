@@ -22,6 +22,7 @@ class _FakeDriver:
         self.load = SimpleNamespace(queued=0, running=0, aborted=0)
         self.broken_internals = False
         self.steps = 12
+        self.external_hit_tokens = 96
 
     def num_blocks(self) -> int:
         return 64
@@ -66,6 +67,7 @@ def test_vllm_publishes_privately_and_routers_are_told_the_relay(monkeypatch, tm
         stats = r.record_routing_stats()
         assert stats["events_auth"] == "curve"
         assert stats["steps"] == 12  # the driver's step count, for requests per step
+        assert stats["external_hit_tokens"] == 96  # what it loaded through LMCache
         assert stats["kv_events_endpoint"] == r.events_relay.endpoint
         assert stats["replay_endpoint"] == r.events_relay.replay_endpoint
         assert stats["kv_events_endpoint"].startswith("tcp://127.0.0.1:")  # outside Ray: the loopback node

@@ -78,3 +78,17 @@ def test_ingress_records_call_stages_and_the_engines_share_only_when_reported():
     assert stages["pre_call"] == {"seconds_total": pytest.approx(0.004), "count": 2}
     assert stages["engine_call"]["count"] == 2
     assert stages["engine_first_output"] == {"seconds_total": pytest.approx(0.004), "count": 1}
+
+
+def test_what_each_replica_loaded_through_lmcache_is_a_counter():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router = {"routing_stats": {"a": {"external_hit_tokens": 704}, "b": {"external_hit_tokens": 0}, "c": {}}}
+    text = ServingMetrics().prometheus_text(PredictionLedger().snapshot(), router)
+    loaded = {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvmesh_replica_lmcache_loaded_tokens"
+        for s in family.samples
+    }
+    assert loaded == {"a": 704, "b": 0}
