@@ -28,17 +28,22 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     assert "kvmesh_hash_contract_alarm 0" in text and 'kvmesh_router_index_events_total{counter="lookups"} 3' in text
 
 
-def test_each_replicas_engine_steps_are_a_counter_and_a_replica_without_them_is_left_out():
+def _per_replica(router: dict, family_name: str) -> dict:
+    """The samples of one counter family in the metrics text for these routing stats, by replica."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    router = {"routing_stats": {"a": {"steps": 40, "queued": 0}, "b": {"steps": 7}, "c": {"queued": 1}}}
     text = ServingMetrics().prometheus_text(PredictionLedger().snapshot(), router)
-    steps = {
+    return {
         s.labels["replica"]: s.value
         for family in text_string_to_metric_families(text)
-        if family.name == "kvmesh_replica_engine_steps"
+        if family.name == family_name
         for s in family.samples
     }
+
+
+def test_each_replicas_engine_steps_are_a_counter_and_a_replica_without_them_is_left_out():
+    router = {"routing_stats": {"a": {"steps": 40, "queued": 0}, "b": {"steps": 7}, "c": {"queued": 1}}}
+    steps = _per_replica(router, "kvmesh_replica_engine_steps")
     assert steps == {"a": 40, "b": 7}  # c reports no step count (an older replica): no sample, not a 0
     assert "kvmesh_replica_engine_steps_total" not in ServingMetrics().prometheus_text(None, {"routing_stats": {}})
 
@@ -81,14 +86,5 @@ def test_ingress_records_call_stages_and_the_engines_share_only_when_reported():
 
 
 def test_what_each_replica_loaded_through_lmcache_is_a_counter():
-    from prometheus_client.parser import text_string_to_metric_families
-
     router = {"routing_stats": {"a": {"external_hit_tokens": 704}, "b": {"external_hit_tokens": 0}, "c": {}}}
-    text = ServingMetrics().prometheus_text(PredictionLedger().snapshot(), router)
-    loaded = {
-        s.labels["replica"]: s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "kvmesh_replica_lmcache_loaded_tokens"
-        for s in family.samples
-    }
-    assert loaded == {"a": 704, "b": 0}
+    assert _per_replica(router, "kvmesh_replica_lmcache_loaded_tokens") == {"a": 704, "b": 0}
