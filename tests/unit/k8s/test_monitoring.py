@@ -38,7 +38,14 @@ def kvmesh_metric_names() -> set[str]:
     serving.record("replica-a", 64, 32, 8, 0.05)
     serving.record_error(429)
     ledger = PredictionLedger()
-    router = {"index": {"stored": 1}, "decisions": 1, "decision_s_total": 0.01, "fallbacks": 0, "forgotten": 0}
+    router = {
+        "index": {"stored": 1},
+        "decisions": 1,
+        "decision_s_total": 0.01,
+        "fallbacks": 0,
+        "forgotten": 0,
+        "routing_stats": {"replica-a": {"steps": 3, "external_hit_tokens": 0}},
+    }
     tenants = TenantMetrics()
     tenants.record("t1", 64, 32, 0.05)
     tenants.record_rejection("t1", "rate_limited")
@@ -111,6 +118,7 @@ def test_the_dashboard_covers_hit_rates_tiers_ttft_routing_and_the_alarm():
         "kvmesh_tenant_cached_tokens_total",
         "kvmesh_tenant_hit_rate_requests",
         "kvmesh_tier_hit_tokens_total",
+        "kvmesh_replica_lmcache_loaded_tokens_total",  # what the tiers served (the lookups over-count)
         "ray_vllm_prefix_cache_hits_total",
         "kvmesh_ttft_seconds_bucket",
         "kvmesh_router_fallbacks_total",
