@@ -150,6 +150,15 @@ def fetch_explanations(cfg: CachetestConfig, request_ids: Sequence[str]) -> dict
     return asyncio.run(main())
 
 
+def attach_explanations(sent: Sequence[Sent], results: Sequence[RequestResult], explained: dict[str, dict]) -> None:
+    """Give each sent request (in log order) the router's record of it (`explained`, by the server's request
+    id; None where there is none)."""
+    by_index = {r.index: r for r in results}
+    for i, s in enumerate(sent):
+        rid = by_index[i].request_id
+        s.explain = explained.get(rid) if rid else None
+
+
 # ---------------------------------------------------------------------------------- pass building
 def _record(p: Prepared, served: str, body: dict | None = None, endpoint: str | None = None) -> dict:
     r = p.req
@@ -242,11 +251,7 @@ class Runner:
         self.clock += rep.wall_s + 1.0
         if self.is_kvmesh:
             ids = [r.request_id for r in rep.results if r.request_id]
-            explained = fetch_explanations(self.cfg, ids)
-            by_index = {r.index: r for r in rep.results}
-            for i, s in enumerate(sent):
-                rid = by_index[i].request_id
-                s.explain = explained.get(rid) if rid else None
+            attach_explanations(sent, rep.results, fetch_explanations(self.cfg, ids))
         run = PassRun(
             name,
             sent,
@@ -362,9 +367,7 @@ def report_from_replays(
     runs, clock = [], 0.0
     for name, rep in replays.items():
         sent = _sent(prepared, rep.results, name, clock)
-        records_ = (explained or {}).get(name) or {}
-        for s, r in zip(sent, sorted(rep.results, key=lambda r: r.index)):
-            s.explain = records_.get(r.request_id) if r.request_id else None
+        attach_explanations(sent, rep.results, (explained or {}).get(name) or {})
         clock += rep.wall_s + 1.0
         outputs = {prepared[r.index].req.id: r.output_text for r in rep.results if r.error is None}
         out_tokens = sum(r.output_tokens for r in rep.results if r.error is None)

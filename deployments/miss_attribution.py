@@ -123,7 +123,7 @@ class MissAttribution:
         bs, hashes = rec["block_size"], rec["hashes"]
         unsalted = block_hashes(token_ids, bs, memo=self._memo)
         with self._lock:
-            computed = self._computed.setdefault(tenant, _Bounded(self._max_blocks))
+            computed = self._computed_for(tenant)
             seen = rec.get("seen_at_placement")
             if seen is None:  # placed without its tenant: what the fleet has computed by now
                 seen = leading_held(hashes, computed)
@@ -163,14 +163,18 @@ class MissAttribution:
             rec = self._records.get(request_id)
             if rec is None or rec.get("seen_at_placement") is None or "hashes" not in rec:
                 return
-            self._computed.setdefault(tenant, _Bounded(self._max_blocks)).update(rec["hashes"])
+            self._computed_for(tenant).update(rec["hashes"])
 
     def computed(self, tenant: str, hashes: Sequence[int]) -> None:
         """Blocks another ingress replica's request computed for `tenant` (its first token came back, as its
         router's placement stream says): seen fleet-wide, so a later miss on them here is `evicted` or
         `misrouted`, not `cold`. Only the salted hashes travel, so `isolated` stays per ingress replica."""
         with self._lock:
-            self._computed.setdefault(tenant, _Bounded(self._max_blocks)).update(hashes)
+            self._computed_for(tenant).update(hashes)
+
+    def _computed_for(self, tenant: str) -> _Bounded:
+        """The blocks the fleet has computed for `tenant` (the caller holds the lock)."""
+        return self._computed.setdefault(tenant, _Bounded(self._max_blocks))
 
     def explain(self, request_id: str) -> dict | None:
         with self._lock:

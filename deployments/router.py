@@ -90,16 +90,16 @@ def request_fields(pending_request: PendingRequest | None) -> dict | None:
 class _Routing:
     """A request between ranking and placement: the router has committed to its first choice."""
 
-    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh", "tier_blocks")
+    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh", "held")
 
-    def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView]):
+    def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
         self.info = info
+        self.held = held  # the index's match before the LMCache chunk cut (`matches` is after it)
         self.matches = matches  # replica -> (hbm, host, shared) blocks of the request's prefix
         self.policy = policy
         self.views = views  # replica -> its view at ranking time
         self.replica = ""  # the replica the request is committed to
         self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
-        self.tier_blocks = 0  # the longest prefix any replica could reach in a tier, were chunks no cut
 
 
 class _Inflight(HoldSource):
@@ -483,9 +483,7 @@ class KvmeshRouter(RequestRouter):
         # Commit to the first choice now: Serve may still await a queue-length probe before it places
         # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
         # cold requests all pick the same idle replica.
-        routing = _Routing(info, matches, policy, by_view)
-        if self.tiers.any_node():  # the longest prefix a reachable tier holds, chunk cut or not
-            routing.tier_blocks = max((m[2] for m in self.tiers.loadable(held, whole_chunks=False).values()), default=0)
+        routing = _Routing(info, matches, policy, by_view, held)
         self._commit(routing, ranked[0])
         self._routing[internal] = routing
         self._watch(pending_request)
@@ -650,13 +648,20 @@ class KvmeshRouter(RequestRouter):
             info.block_hashes,
             info.block_size,
             routed.views,
-            tier_blocks=routed.tier_blocks,
+            tier_blocks=self._tier_blocks(routed.held),
             tenant=info.tenant,
         )
         self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
+
+    def _tier_blocks(self, held: dict) -> int:
+        """The longest prefix any replica could reach in a tier, were there no chunk cut (0 without LMCache):
+        for miss attribution, once per placed request rather than at every ranking."""
+        if not self.tiers.any_node():
+            return 0
+        return max((m[2] for m in self.tiers.loadable(held, whole_chunks=False).values()), default=0)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Serve calls this for every request, failed and cancelled ones included, and says nothing of the

@@ -57,6 +57,12 @@ class _Counters:
         }
 
 
+def _per_replica(routing_stats: dict, key: str) -> list[tuple[dict, float]]:
+    """(labels, value) per replica that reports `key` in its routing stats; one that does not (an older
+    replica) gets no sample rather than a 0."""
+    return [({"replica": rid}, s[key]) for rid, s in sorted(routing_stats.items()) if s.get(key) is not None]
+
+
 def _esc(v: str) -> str:
     return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -229,7 +235,7 @@ class ServingMetrics:
                 [({}, router.get("decision_s_total", 0.0))],
             )
             stats = router.get("routing_stats") or {}
-            steps = [({"replica": rid}, s["steps"]) for rid, s in sorted(stats.items()) if s.get("steps") is not None]
+            steps = _per_replica(stats, "steps")
             if steps:  # requests per step (rate over rate) is how much the engines batch
                 metric(
                     "kvmesh_replica_engine_steps_total",
@@ -237,11 +243,7 @@ class ServingMetrics:
                     "engine steps each replica has run, as of its last routing stats",
                     steps,
                 )
-            loaded = [
-                ({"replica": rid}, s["external_hit_tokens"])
-                for rid, s in sorted(stats.items())
-                if s.get("external_hit_tokens") is not None
-            ]
+            loaded = _per_replica(stats, "external_hit_tokens")
             if loaded:  # the delivered hits that came from the LMCache tiers (the rest: the engine's own cache)
                 metric(
                     "kvmesh_replica_lmcache_loaded_tokens_total",
