@@ -265,7 +265,17 @@ def simulate_policy(
     chunk = cfg.tier_chunk_blocks
     tier_writes: list[tuple[float, int, int, list]] = []  # (prefill end, request, replica, blocks)
     pending_store: dict = {}  # block -> when its earliest pending tier write lands (shared tier only)
+
+    def mark_pending(blocks, done: float) -> None:
+        """`blocks` reach the shared tier at `done` (a prefill in flight: others may wait for it)."""
+        for h in blocks:
+            if pending_store.get(h, math.inf) > done:
+                pending_store[h] = done
+
     holds = 0  # requests held for a prefix being computed elsewhere
+    # a held request's own prefill, waited for by others only once its hold ends (the live router sends it,
+    # and counts it in flight, then): (hold end, prefill end, request, blocks)
+    held_writes: list[tuple[float, float, int, list]] = []
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
         r = requests[i]
@@ -289,6 +299,10 @@ def simulate_policy(
             for h in blocks:
                 if pending_store.get(h) == done_at:
                     del pending_store[h]
+        while held_writes and held_writes[0][0] <= t:
+            _, done_at, _, blocks = pop(held_writes)
+            if done_at > t:
+                mark_pending(blocks, done_at)
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
             m0 = match_hbm(ids, N)  # column = slot = replica number
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
@@ -311,7 +325,7 @@ def simulate_policy(
             hbm_b = host_b = shared_b = int(m0[j])
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
-        ready_at = 0.0
+        ready_at = held_until = 0.0
         top = int(m[2].max()) // chunk * chunk if pending_store and not tierless else 0
         missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
         when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else []
@@ -323,7 +337,9 @@ def simulate_policy(
             if stored_at <= start or policy.hold_worth(missing, stored_at - start):
                 shared_b = top
                 ready_at = stored_at
-                holds += stored_at > start
+                if stored_at > start:
+                    holds += 1
+                    held_until = stored_at
         # the replica as the policy saw it (`FleetView.view(j)`, from the Python copies)
         on_routed(
             req,
@@ -360,10 +376,10 @@ def simulate_policy(
         server_free[j] = done
         if store_when_computed:
             push(tier_writes, (done, i, j, tier_keep))
-            if shared is not None:
-                for h in tier_keep:
-                    if pending_store.get(h, math.inf) > done:
-                        pending_store[h] = done
+            if shared is not None and held_until:
+                push(held_writes, (held_until, done, i, tier_keep))
+            elif shared is not None:
+                mark_pending(tier_keep, done)
         end = done + out_len * tpot
         push(sh, end)
         if sender is not None:

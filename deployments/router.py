@@ -177,7 +177,7 @@ class KvmeshRouter(RequestRouter):
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
         self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
-        # requests held for a prefix another replica was computing (`_hold_for_inflight`), and holds that
+        # requests held for a prefix another replica was computing (`_hold`), and holds that
         # ran out before its first token came back
         self.held_for_tier = 0
         self.hold_timeouts = 0
@@ -478,11 +478,10 @@ class KvmeshRouter(RequestRouter):
             known = self._add_inflight(info, fleet)
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         by_view = {v.replica_id: v for v in views}
-        if ranked:
-            await self._hold_for_inflight(info, matches, by_view, ranked[0], policy, known)
-        # Commit to the first choice now: Serve may still await a queue-length probe before it places
-        # this request, and requests ranked meanwhile must see it (its work, its prefix), or a burst of
-        # cold requests all pick the same idle replica.
+        hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known) if ranked else None
+        # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
+        # it places this request, and requests ranked meanwhile must see it (its work, its prefix), or a
+        # burst of cold requests, or a group's members held for the same prefix, all pick the same replica.
         routing = _Routing(info, matches, policy, by_view, held)
         self._commit(routing, ranked[0])
         self._routing[internal] = routing
@@ -492,6 +491,8 @@ class KvmeshRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
+        if hold is not None:
+            await self._hold(routing, internal, *hold)
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
     def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> dict:
@@ -508,47 +509,64 @@ class KvmeshRouter(RequestRouter):
             fleet.inflight_ready_s = ready_s
         return dict(zip(fleet.ids, found))
 
-    async def _hold_for_inflight(
+    def _plan_hold(
         self, info: RequestInfo, matches: dict, views: dict, top: str, policy, known: dict | None = None
-    ) -> None:
+    ) -> tuple[Any, float, tuple] | None:
         """When another replica is computing a longer prefix of this request than `top` (the replica ranked
-        first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): if its
-        first token is back the prefix is stored already; else wait for that first token when the policy
-        finds the wait worth it (`Policy.hold_worth`). Either way `top`'s match and view then count the
-        prefix as tier-resident, so the policy's credit and the predicted cached tokens include it. `known`:
-        the sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed
-        since), so the in-flight requests are not scanned again."""
+        first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): count
+        that prefix in `top`'s match and view as tier-resident, so the policy's credit and the predicted cached
+        tokens include it. If the computing request's first token is back it is stored already (returns
+        None); else, when the policy finds the wait worth it (`Policy.hold_worth`), returns (the source, the
+        predicted wait, `top`'s match and view before) for `_hold`; otherwise changes nothing. `known`: the
+        sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed since),
+        so the in-flight requests are not scanned again."""
         have = matches.get(top, (0, 0, 0))
         if not (self._inflight or self.peers.placements) or max((m[2] for m in matches.values()), default=0) <= have[2]:
-            return
+            return None
         if known is not None and top in known:
             found = known[top]
         else:
             sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
             found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
         if found is None:
-            return
+            return None
         src, blocks = found
+        wait_s = 0.0
         if not src.first_token:
             n, bs = info.num_tokens, info.block_size
             missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
             wait_s = src.prefill_left_s()
             if not policy.hold_worth(missing, wait_s):
-                return
-            self.held_for_tier += 1
-            try:  # bounded: a prediction that was wrong, or a source that failed, must not strand the request
-                await asyncio.wait_for(src.released().wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
-            except TimeoutError:
-                self.hold_timeouts += 1
-                return
-            if not src.first_token:  # released because it failed or went elsewhere
-                return
+                return None
+        before = (have, views.get(top))
         same_node = self.index.node_of(src.replica) == self.index.node_of(top)
         host = max(have[1], blocks) if same_node else have[1]
         matches[top] = (have[0], host, max(have[2], blocks))
         view = views.get(top)
         if view is not None:
             views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
+        return None if src.first_token else (src, wait_s, before)
+
+    async def _hold(self, routing: _Routing, internal: str, src, wait_s: float, before: tuple) -> None:
+        """Wait, committed already (`_plan_hold`), until `src`'s first token is back and its prefill stored,
+        then let Serve send the request. Bounded: a prediction that was wrong, or a source that failed, must
+        not strand the request; it then goes without the prefix, and its commitment is made again without it."""
+        self.held_for_tier += 1
+        try:
+            await asyncio.wait_for(src.released().wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
+            stored = src.first_token  # False: released because it failed or went elsewhere
+        except TimeoutError:
+            self.hold_timeouts += 1
+            stored = False
+        if stored or self._routing.get(internal) is not routing:
+            return  # loaded as committed, or Serve already settled the request (cancelled, ranked again)
+        rid = routing.replica
+        self._withdraw(routing)
+        have, view = before
+        routing.matches[rid] = have
+        if view is not None:
+            routing.views[rid] = view
+        self._commit(routing, rid)
 
     def _commit(self, routing: _Routing, rid: str) -> None:
         """Count the request as routed to `rid` (policy work, speculative prefix)."""

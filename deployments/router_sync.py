@@ -53,7 +53,7 @@ UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured
 class PeerPlacement(HoldSource):
     """One request another router placed: what this router credited for it, to take back later.
 
-    It is also a source a request of this router may wait for (`KvmeshRouter._hold_for_inflight`), with
+    It is also a source a request of this router may wait for (`KvmeshRouter._plan_hold`), with
     the same interface as the router's own in-flight requests: `first_token`, `prefill_left_s()`,
     `released()`. Its prefill is predicted from the replica as the peer ranked it (`view`), by `predict`
     (a policy's), only when a request considers waiting for it."""

@@ -246,6 +246,18 @@ def test_a_prefix_stored_before_the_request_starts_loads_without_holding():
     assert m["hit_tokens_by_tier"]["shared"] == 12 and m["held_for_tier"] == 0
 
 
+def test_a_held_requests_own_prefill_is_waited_for_only_once_its_hold_ends():
+    # r0 computes blocks 1-3 until 0.22 s; the second request (blocks 1-5) is held on r1 until then; the
+    # third (blocks 1-6) arrives on r2 at 0.15 s, during that hold: the live router has not sent the second
+    # request yet and does not count it in flight, so nothing it will compute can be waited for
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 20, 0, [1, 2, 3, 4, 5]), (150, 24, 0, [1, 2, 3, 4, 5, 6]))
+    cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
+    m = simulate_policy(t, cfg, FixedPlacement([0, 1, 2], hold=True))
+    assert m["held_for_tier"] == 1
+    assert m["per_replica"]["r1"]["prefill_tokens"] == 8  # loaded r0's 12 tokens
+    assert m["per_replica"]["r2"]["prefill_tokens"] == 24  # computed alone from 0.15 s
+
+
 class _Recording(FixedPlacement):
     """`FixedPlacement` that records what each request's fleet said was in flight."""
 

@@ -204,6 +204,57 @@ def test_a_request_waits_for_the_computing_requests_first_token_then_loads_the_p
     assert router.policy.inflight["p1"] == (None, 0.0)  # nothing in flight when p1 was ranked
 
 
+def test_a_held_request_is_committed_while_it_waits(monkeypatch):
+    """Requests ranked while p2 waits for p1's prefill must see p2 where it will run: its work credited to
+    B and its prefix speculated there. Committed only once the hold ended, a group's members held for the
+    same new prompt all see the same idle replica and all go there."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router()
+        routed = []
+        router.policy.on_routed = lambda info, rid, view=None: routed.append((info.request_id, rid, view))
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        p2_ids = PROMPT + [11, 12, 13] + list(range(500, 529))
+        task = asyncio.create_task(router.choose_replicas([a, b], fake_request(p2_ids, "p2")))
+        await asyncio.sleep(0.2)
+        during = (not task.done(), list(routed), router.index.match(block_hashes(p2_ids, 32)).get("B"))
+        router.first_token("p1")
+        ranked = await asyncio.wait_for(task, 5)
+        return during, ranked, routed
+
+    (waiting, routed_during, on_b), ranked, routed = asyncio.run(scenario())
+    assert waiting and ranked[0][0].replica_id.unique_id == "B"
+    assert [(r, rid) for r, rid, _ in routed_during] == [("p1", "A"), ("p2", "B")]
+    assert routed_during[1][2].shared_blocks == 10  # credited as loading p1's 10 blocks, not computing them
+    assert on_b is not None and on_b[0] == 11  # p2's own 11 full blocks speculated on B's hbm
+    assert len(routed) == 2  # committed once: the hold ended as planned
+
+
+def test_a_hold_that_runs_out_commits_the_request_again_without_the_prefix(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router(limit_s=0.3)
+        routed, unrouted = [], []
+        router.policy.on_routed = lambda info, rid, view=None: routed.append((info.request_id, rid, view))
+        router.policy.on_unrouted = lambda info, rid: unrouted.append((info.request_id, rid))
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        p2 = fake_request(PROMPT + [11], "p2")
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], p2), 5)
+        router._routed(p2, ranked[0][0].replica_id)
+        return routed, unrouted, local_state.LEDGER.prediction("p2"), router
+
+    routed, unrouted, predicted, router = asyncio.run(scenario())
+    assert router.hold_timeouts == 1 and unrouted == [("p2", "B")]
+    assert [(r, rid, v.shared_blocks) for r, rid, v in routed[1:]] == [("p2", "B", 10), ("p2", "B", 0)]
+    assert predicted == 0  # computed on B after all
+
+
 def test_the_prediction_counts_the_tier_in_whole_lmcache_chunks(monkeypatch):
     """p1's prompt (10 blocks) was computed on A and stored in chunks of 2 blocks; p2 shares its first 5
     blocks and goes to B, which can load only the 2 chunks before the point where the prompts part (a
