@@ -326,13 +326,12 @@ def simulate_policy(
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
         ready_at = held_until = 0.0
-        top = int(m[2].max()) // chunk * chunk if pending_store and not tierless else 0
+        top = int(m[2].max()) if pending_store and not tierless else 0
+        top, stored_at = pending_prefix(ids, shared_b, top, pending_store, chunk) if top > shared_b else (0, 0.0)
         missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
-        when = [pending_store.get(h) for h in ids[shared_b:top]] if missing > 0 else []
-        if when and None not in when:
-            # its longest prefix is on another replica, being computed: loadable from the shared tier once
+        if missing > 0:
+            # a longer prefix of it is on another replica, being computed: loadable from the shared tier once
             # stored (worth waiting for, or stored by the time its own prefill would start here anyway)
-            stored_at = max(w for w in when if w is not None)
             start = t if t > server_free[j] else server_free[j]
             if stored_at <= start or policy.hold_worth(missing, stored_at - start):
                 shared_b = top
@@ -428,6 +427,24 @@ def chunk_rows(m: np.ndarray, chunk: int) -> None:
     router)."""
     np.maximum(m[0], m[1] // chunk * chunk, out=m[1])
     np.maximum(m[1], m[2] // chunk * chunk, out=m[2])
+
+
+def pending_prefix(ids, start: int, top: int, pending_store: dict, chunk: int = 1) -> tuple[int, float]:
+    """(where the longest run of `ids` from `start`, at most to `top`, whose blocks all have a tier write
+    pending ends, in whole chunks of `chunk` blocks; when the last of those writes lands). (0, 0.0) when it
+    covers no whole chunk past `start`. What a request placed on a replica holding `start` blocks could load
+    by waiting for the prefills in flight, as the live router finds it (`tier_hold.loadable_source`)."""
+    k, ready, ready_at_chunk = start, 0.0, 0.0
+    while k < top:
+        when = pending_store.get(ids[k])
+        if when is None:
+            break
+        ready = when if when > ready else ready
+        k += 1
+        if k % chunk == 0:
+            ready_at_chunk = ready
+    k = k // chunk * chunk
+    return (k, ready_at_chunk) if k > start else (0, 0.0)
 
 
 def inflight_prefix(ids, held: np.ndarray, pending_store: dict, chunk: int = 1) -> tuple[np.ndarray | None, float]:

@@ -249,13 +249,23 @@ def test_a_prefix_stored_before_the_request_starts_loads_without_holding():
 def test_a_held_requests_own_prefill_is_waited_for_only_once_its_hold_ends():
     # r0 computes blocks 1-3 until 0.22 s; the second request (blocks 1-5) is held on r1 until then; the
     # third (blocks 1-6) arrives on r2 at 0.15 s, during that hold: the live router has not sent the second
-    # request yet and does not count it in flight, so nothing it will compute can be waited for
+    # request yet and does not count it in flight, so the third waits for the first's blocks 1-3 only
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 20, 0, [1, 2, 3, 4, 5]), (150, 24, 0, [1, 2, 3, 4, 5, 6]))
     cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
     m = simulate_policy(t, cfg, FixedPlacement([0, 1, 2], hold=True))
-    assert m["held_for_tier"] == 1
-    assert m["per_replica"]["r1"]["prefill_tokens"] == 8  # loaded r0's 12 tokens
-    assert m["per_replica"]["r2"]["prefill_tokens"] == 24  # computed alone from 0.15 s
+    assert m["held_for_tier"] == 2
+    assert m["per_replica"]["r1"]["prefill_tokens"] == 8  # loaded the first's 12 tokens
+    assert m["per_replica"]["r2"]["prefill_tokens"] == 12  # loaded the same 12, computed blocks 4-6
+
+
+def test_a_request_holds_for_the_part_of_the_longest_prefix_that_is_being_computed():
+    # the second request (blocks 1-4) is held on r1 for the first's blocks 1-3; the third (blocks 1-5), on
+    # r2 at 0.15 s, sees blocks 1-4 on r1 (speculatively) but only 1-3 in flight: it waits for those, as
+    # the live router finds the in-flight request leaving the most loadable
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 16, 0, [1, 2, 3, 4]), (150, 20, 0, [1, 2, 3, 4, 5]))
+    cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
+    m = simulate_policy(t, cfg, FixedPlacement([0, 1, 2], hold=True))
+    assert m["held_for_tier"] == 2 and m["hit_tokens_by_tier"]["shared"] == 24
 
 
 class _Recording(FixedPlacement):
