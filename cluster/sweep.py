@@ -14,8 +14,9 @@ concurrency in flight, a user's next turn after its previous reply, as the live 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmesh.cluster.bounds import balance_bounded_bound, compute_bounds, online_bounded_greedy
 from kvmesh.cluster.exact_placement import decide_target
@@ -24,13 +25,33 @@ from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.tier_reach import tier_target_out_of_reach
 from kvmesh.cluster.trace import Trace, scale_to_load
-from kvmesh.cluster.workload_family import FamilyDraw, draw, records
+from kvmesh.cluster.workload_family import draw
 from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
 from kvmesh.policies.registry import PEERS, make_policy
 
 DEFAULT_POLICIES: tuple[str, ...] = ("kvmesh", "round_robin", *PEERS)
 METRICS = ("hit_over_merged", "hit_over_balance", "hit_minus_best_other", "prefill_max_over_mean")
+
+
+class Draw(Protocol):
+    """A workload shape drawn from a seed (`workload_family.FamilyDraw`, `workload_wide.WideDraw`)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def arrival(self) -> str: ...
+    @property
+    def concurrency(self) -> int: ...
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def load(self) -> float: ...
+    def records(self) -> list[dict]: ...
+    def describe(self) -> str: ...
+    def to_dict(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -45,11 +66,11 @@ class SweepOptions:
     tier_chunk_blocks: int = 1  # that tier's LMCache chunk in engine blocks (the live sweep's: one block)
 
 
-def draw_trace(d: FamilyDraw, opts: SweepOptions) -> tuple[Trace, dict]:
+def draw_trace(d: Draw, opts: SweepOptions) -> tuple[Trace, dict]:
     """The draw as a simulator trace at the engine block size, and how it is sent: `arrivals` (s) for
     the timed patterns, a closed-loop `client` (the draw's concurrency, a user's turns in order) for
     "all at once"."""
-    recs = records(d)
+    recs = d.records()
     trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
     if d.arrival != "all" and trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
         arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token, opts.cost.prefill_base_s)
@@ -64,9 +85,7 @@ def prefill_max_over_mean(per_replica: dict) -> float:
     return max(work) / mean if mean else 1.0
 
 
-def evaluate_draw(
-    d: FamilyDraw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()
-) -> dict:
+def evaluate_draw(d: Draw, policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions()) -> dict:
     """One row: the draw's shape, its bounds, and each policy's figures on it."""
     trace, sending = draw_trace(d, opts)
     bs = trace.block_size
@@ -85,12 +104,13 @@ def evaluate_draw(
         ] <= opts.target_imbalance * (1 + 1e-9)
 
     cfg = SimConfig(d.replicas, capacity, cost=opts.cost, seed=d.seed)
-    hits, work, ttft = {}, {}, {}
+    hits, work, ttft, tail = {}, {}, {}, {}
     for name in policies:
         m = _simulate(name, d, trace, cfg, sending, opts)
         hits[name] = m["hit_rate_tokens"]
         work[name] = prefill_max_over_mean(m["per_replica"])
         ttft[name] = m["ttft_p50_s"]
+        tail[name] = m["ttft_p90_s"]
     with_tier = shared_tier_figures(d, trace, sending, capacity, bounds["merged_lru"], policies, opts)
     return {
         "seed": d.seed,
@@ -114,19 +134,19 @@ def evaluate_draw(
             "computed_floor": proof["computed_floor"],
             "computed_allowed": proof["computed_allowed"],
         },
-        "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"], ttft),
+        "policies": policy_figures(hits, work, bounds["merged_lru"], balance["hit_rate"], ttft, tail),
         "shared_tier": with_tier,
     }
 
 
-def _simulate(name: str, d: FamilyDraw, trace: Trace, cfg: SimConfig, sending: dict, opts: SweepOptions) -> dict:
+def _simulate(name: str, d: Draw, trace: Trace, cfg: SimConfig, sending: dict, opts: SweepOptions) -> dict:
     """Policy `name` (kvmesh with the sweep's cost model) over the draw's trace, sent as `draw_trace` says."""
     params = {"cost": opts.cost} if name == "kvmesh" else {}
     return simulate_policy(trace, cfg, make_policy(name, seed=d.seed, **params), **sending)
 
 
 def shared_tier_figures(
-    d: FamilyDraw,
+    d: Draw,
     trace: Trace,
     sending: dict,
     capacity: int,
@@ -163,6 +183,7 @@ def shared_tier_figures(
             "hit_over_merged": ratio,
             "prefill_max_over_mean": imbalance,
             "ttft_p50_s": m["ttft_p50_s"],
+            "ttft_p90_s": m["ttft_p90_s"],
             "meets_target": ratio >= opts.target_ratio and imbalance <= opts.target_imbalance * (1 + 1e-9),
         }
     return out
@@ -211,10 +232,15 @@ def decide_with_tier(
 
 
 def policy_figures(
-    hits: dict[str, float], work: dict[str, float], merged: float, balance: float, ttft: dict[str, float] | None = None
+    hits: dict[str, float],
+    work: dict[str, float],
+    merged: float,
+    balance: float,
+    ttft: dict[str, float] | None = None,
+    tail: dict[str, float] | None = None,
 ) -> dict:
     """Per policy: hit, the ratios to both bounds, the margin over the best other policy, prefill max/mean,
-    and p50 TTFT in s where given."""
+    and p50 (`ttft`) and p90 (`tail`) TTFT in s where given."""
     out = {}
     for name, hit in hits.items():
         others = [h for n, h in hits.items() if n != name]
@@ -227,16 +253,23 @@ def policy_figures(
         }
         if ttft is not None:
             out[name]["ttft_p50_s"] = ttft[name]
+        if tail is not None:
+            out[name]["ttft_p90_s"] = tail[name]
     return out
 
 
 def sweep(
-    seeds: Iterable[int], policies: Sequence[str] = DEFAULT_POLICIES, opts: SweepOptions = SweepOptions(), on_row=None
+    seeds: Iterable[int],
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    opts: SweepOptions = SweepOptions(),
+    on_row=None,
+    family: Callable[[int], Draw] = draw,
 ) -> list[dict]:
-    """`evaluate_draw` for every seed, in order; `on_row(row)` after each (progress)."""
+    """`evaluate_draw` for every seed of `family` (the first workload family by default), in order;
+    `on_row(row)` after each (progress)."""
     rows = []
     for seed in seeds:
-        rows.append(evaluate_draw(draw(seed), policies, opts))
+        rows.append(evaluate_draw(family(seed), policies, opts))
         if on_row is not None:
             on_row(rows[-1])
     return rows
@@ -258,6 +291,21 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, float]]]:
     """policy -> metric -> {min, p10, median, p90, max} over the draws."""
     names = list(rows[0]["policies"])
     return {n: {m: distribution(r["policies"][n][m] for r in rows) for m in METRICS} for n in names}
+
+
+def ttft_against(rows: Sequence[dict], base: str = "round_robin", arm: str = "policies") -> dict[str, dict]:
+    """Per policy, the distribution over draws of its p50 and of its p90 TTFT divided by `base`'s on the same
+    draw, in `arm` ("policies": one cache per replica; "shared_tier"), and on how many draws each is over 1.1.
+    Why the p90 beside the p50: a rule that makes some requests wait (a hold, a queue behind a history's
+    replica) shows there first."""
+    out = {}
+    for name in rows[0][arm]:
+        got = {}
+        for q in ("ttft_p50_s", "ttft_p90_s"):
+            ratios = [r[arm][name][q] / r[arm][base][q] for r in rows if r[arm][base].get(q)]
+            got[q] = {**distribution(ratios), "over_1.1": sum(1 for x in ratios if x > 1.1)} if ratios else {}
+        out[name] = got
+    return out
 
 
 def target_misses(

@@ -73,6 +73,9 @@ class FamilyDraw:
         flood = self.flood_prompt_blocks + self.flood_unique_blocks + 1 if self.flood_requests else 0
         return max(chat, flood)
 
+    def records(self) -> list[dict]:
+        return records(self)
+
     def describe(self) -> str:
         """One line naming the shape (for reports)."""
         parts = [
