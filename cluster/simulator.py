@@ -273,9 +273,10 @@ def simulate_policy(
                 pending_store[h] = done
 
     holds = 0  # requests held for a prefix being computed elsewhere
-    # a held request's own prefill, waited for by others only once its hold ends (the live router sends it,
-    # and counts it in flight, then): (hold end, prefill end, request, blocks)
-    held_writes: list[tuple[float, float, int, list]] = []
+    # a held request is announced when its hold ends, as the live router announces it when it sends it: its
+    # blocks enter its replica's index entry, and others may wait for its own prefill, only then
+    # (hold end, request, replica, blocks new in its cache, prefill end, blocks it writes to the shared tier)
+    held: list[tuple[float, int, int, list, float, list | None]] = []
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
         r = requests[i]
@@ -299,10 +300,13 @@ def simulate_policy(
             for h in blocks:
                 if pending_store.get(h) == done_at:
                     del pending_store[h]
-        while held_writes and held_writes[0][0] <= t:
-            _, done_at, _, blocks = pop(held_writes)
-            if done_at > t:
-                mark_pending(blocks, done_at)
+        while held and held[0][0] <= t:
+            _, _, k, new, done_at, writes = pop(held)
+            cached = [h for h in new if h in hbm[k]]  # not evicted meanwhile
+            if cached:
+                index.store(rids[k], cached)
+            if writes is not None and done_at > t:
+                mark_pending(writes, done_at)
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
             m0 = match_hbm(ids, N)  # column = slot = replica number
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
@@ -355,7 +359,7 @@ def simulate_policy(
         new, evicted = lrus[j](keep)
         if evicted:
             index.remove(rid, evicted)
-        if new:
+        if new and not held_until:
             index.store(rid, new)
         tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
         if not tierless and not store_when_computed:
@@ -375,10 +379,10 @@ def simulate_policy(
         server_free[j] = done
         if store_when_computed:
             push(tier_writes, (done, i, j, tier_keep))
-            if shared is not None and held_until:
-                push(held_writes, (held_until, done, i, tier_keep))
-            elif shared is not None:
+            if shared is not None and not held_until:
                 mark_pending(tier_keep, done)
+        if held_until:
+            push(held, (held_until, i, j, new, done, tier_keep if store_when_computed and shared is not None else None))
         end = done + out_len * tpot
         push(sh, end)
         if sender is not None:

@@ -480,10 +480,11 @@ class KvmeshRouter(RequestRouter):
         by_view = {v.replica_id: v for v in views}
         hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known) if ranked else None
         # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
-        # it places this request, and requests ranked meanwhile must see it (its work, its prefix), or a
-        # burst of cold requests, or a group's members held for the same prefix, all pick the same replica.
+        # it places this request, and requests ranked meanwhile must see it (its work; its prefix once it is
+        # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
+        # replica.
         routing = _Routing(info, matches, policy, by_view, held)
-        self._commit(routing, ranked[0])
+        self._commit(routing, ranked[0], announce=hold is None)
         self._routing[internal] = routing
         self._watch(pending_request)
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
@@ -548,9 +549,10 @@ class KvmeshRouter(RequestRouter):
         return None if src.first_token else (src, wait_s, before)
 
     async def _hold(self, routing: _Routing, internal: str, src, wait_s: float, before: tuple) -> None:
-        """Wait, committed already (`_plan_hold`), until `src`'s first token is back and its prefill stored,
-        then let Serve send the request. Bounded: a prediction that was wrong, or a source that failed, must
-        not strand the request; it then goes without the prefix, and its commitment is made again without it."""
+        """Wait, committed already (`_plan_hold`) but not announced, until `src`'s first token is back and its
+        prefill stored, then announce the request and let Serve send it. Bounded: a prediction that was wrong,
+        or a source that failed, must not strand the request; it then goes without the prefix, and its
+        commitment is made again without it."""
         self.held_for_tier += 1
         try:
             await asyncio.wait_for(src.released().wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
@@ -558,8 +560,11 @@ class KvmeshRouter(RequestRouter):
         except TimeoutError:
             self.hold_timeouts += 1
             stored = False
-        if stored or self._routing.get(internal) is not routing:
-            return  # loaded as committed, or Serve already settled the request (cancelled, ranked again)
+        if self._routing.get(internal) is not routing:
+            return  # Serve already settled the request (cancelled, ranked again)
+        if stored:  # loaded as committed: it is sent now
+            self._announce(routing)
+            return
         rid = routing.replica
         self._withdraw(routing)
         have, view = before
@@ -568,11 +573,21 @@ class KvmeshRouter(RequestRouter):
             routing.views[rid] = view
         self._commit(routing, rid)
 
-    def _commit(self, routing: _Routing, rid: str) -> None:
-        """Count the request as routed to `rid` (policy work, speculative prefix)."""
+    def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:
+        """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its
+        speculative prefix and its placement message (`_announce`). A held request is announced only when its
+        hold ends: until it is sent, its replica does not have its prefix, and a request sent there
+        meanwhile on the strength of that prefix would compute it."""
         routing.replica = rid
         routing.policy.on_routed(routing.info, rid, routing.views.get(rid))
         routing.fresh = []
+        if announce:
+            self._announce(routing)
+
+    def _announce(self, routing: _Routing) -> None:
+        """The committed request's prefix goes into the index, speculatively, on its replica, and (with
+        several ingress replicas) its placement to the other routers."""
+        rid = routing.replica
         if rid in self.index.replicas():
             self.index.speculate(rid, routing.info.block_hashes, fresh=routing.fresh)
         if self.sync is not None and routing.info.request_id:

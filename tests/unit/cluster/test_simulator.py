@@ -258,6 +258,34 @@ def test_a_held_requests_own_prefill_is_waited_for_only_once_its_hold_ends():
     assert m["per_replica"]["r2"]["prefill_tokens"] == 12  # loaded the same 12, computed blocks 4-6
 
 
+class _SeeingFixed(FixedPlacement):
+    """`FixedPlacement` that records the longest prefix each replica held when each request was ranked."""
+
+    def __init__(self, order, hold: bool):
+        super().__init__(order, hold)
+        self.seen: list[list[int]] = []
+
+    def best(self, request, fleet):
+        self.seen.append(fleet.shared_blocks.tolist())
+        return super().best(request, fleet)
+
+
+def test_a_held_requests_prefix_is_in_its_replicas_index_only_once_its_hold_ends():
+    # the second request (blocks 1-5) is held on r1 until 0.22 s: the live router speculates its blocks there
+    # only when it sends it, so the third (at 0.15 s) sees r1 holding nothing and the fourth (at 0.3 s) all 5
+    t = tiny_trace(
+        (0, 12, 0, [1, 2, 3]),
+        (100, 20, 0, [1, 2, 3, 4, 5]),
+        (150, 24, 0, [1, 2, 3, 4, 5, 9]),
+        (300, 24, 0, [1, 2, 3, 4, 5, 6]),
+    )
+    cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
+    policy = _SeeingFixed([0, 1, 2, 0], hold=True)
+    simulate_policy(t, cfg, policy)
+    assert [s[1] for s in policy.seen] == [0, 0, 0, 5]
+    assert policy.seen[2][0] == 3  # the first request's prefix, in flight on r0, is seen at once
+
+
 def test_a_request_holds_for_the_part_of_the_longest_prefix_that_is_being_computed():
     # the second request (blocks 1-4) is held on r1 for the first's blocks 1-3; the third (blocks 1-5), on
     # r2 at 0.15 s, sees blocks 1-4 on r1 (speculatively) but only 1-3 in flight: it waits for those, as

@@ -204,10 +204,11 @@ def test_a_request_waits_for_the_computing_requests_first_token_then_loads_the_p
     assert router.policy.inflight["p1"] == (None, 0.0)  # nothing in flight when p1 was ranked
 
 
-def test_a_held_request_is_committed_while_it_waits(monkeypatch):
-    """Requests ranked while p2 waits for p1's prefill must see p2 where it will run: its work credited to
-    B and its prefix speculated there. Committed only once the hold ended, a group's members held for the
-    same new prompt all see the same idle replica and all go there."""
+def test_a_held_request_is_committed_while_it_waits_and_its_prefix_speculated_once_it_is_sent(monkeypatch):
+    """Requests ranked while p2 waits for p1's prefill must see p2's work credited to B: committed only once
+    the hold ended, a group's members held for the same new prompt all see the same idle replica and all go
+    there. Its prefix goes into the index only when the hold ends: B does not have it before p2 is sent, and
+    a request sent there meanwhile for that prefix would compute it."""
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
@@ -220,16 +221,17 @@ def test_a_held_request_is_committed_while_it_waits(monkeypatch):
         p2_ids = PROMPT + [11, 12, 13] + list(range(500, 529))
         task = asyncio.create_task(router.choose_replicas([a, b], fake_request(p2_ids, "p2")))
         await asyncio.sleep(0.2)
-        during = (not task.done(), list(routed), router.index.match(block_hashes(p2_ids, 32)).get("B"))
+        on_b = lambda: router.index.match(block_hashes(p2_ids, 32)).get("B", (0, 0, 0))[0]  # noqa: E731
+        during = (not task.done(), list(routed), on_b())
         router.first_token("p1")
         ranked = await asyncio.wait_for(task, 5)
-        return during, ranked, routed
+        return during, ranked, routed, on_b()
 
-    (waiting, routed_during, on_b), ranked, routed = asyncio.run(scenario())
+    (waiting, routed_during, on_b_during), ranked, routed, on_b_after = asyncio.run(scenario())
     assert waiting and ranked[0][0].replica_id.unique_id == "B"
     assert [(r, rid) for r, rid, _ in routed_during] == [("p1", "A"), ("p2", "B")]
     assert routed_during[1][2].shared_blocks == 10  # credited as loading p1's 10 blocks, not computing them
-    assert on_b is not None and on_b[0] == 11  # p2's own 11 full blocks speculated on B's hbm
+    assert on_b_during == 0 and on_b_after == 11  # p2's own 11 full blocks speculated on B once it is sent
     assert len(routed) == 2  # committed once: the hold ended as planned
 
 
