@@ -152,6 +152,9 @@ class PrefixIndex:
     def replicas(self) -> list[str]:
         return list(self._slot)
 
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._slot
+
     def node_of(self, replica_id: str) -> str:
         return self._node_of(replica_id)
 

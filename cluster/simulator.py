@@ -274,9 +274,9 @@ def simulate_policy(
 
     holds = 0  # requests held for a prefix being computed elsewhere
     # a held request is announced when its hold ends, as the live router announces it when it sends it: its
-    # blocks enter its replica's index entry, and others may wait for its own prefill, only then
-    # (hold end, request, replica, blocks new in its cache, prefill end, blocks it writes to the shared tier)
-    held: list[tuple[float, int, int, list, float, list | None]] = []
+    # blocks enter its replica's index entry only then (others may wait for its own prefill at once, as the
+    # router lets them): (hold end, request, replica, blocks new in its cache)
+    held: list[tuple[float, int, int, list]] = []
     order = sender if sender is not None else enumerate(arrivals)
     for i, t in order:
         r = requests[i]
@@ -301,12 +301,10 @@ def simulate_policy(
                 if pending_store.get(h) == done_at:
                     del pending_store[h]
         while held and held[0][0] <= t:
-            _, _, k, new, done_at, writes = pop(held)
+            _, _, k, new = pop(held)
             cached = [h for h in new if h in hbm[k]]  # not evicted meanwhile
             if cached:
                 index.store(rids[k], cached)
-            if writes is not None and done_at > t:
-                mark_pending(writes, done_at)
         if tierless:  # no host or shared tier: the three rows are equal; one array tells the policy so
             m0 = match_hbm(ids, N)  # column = slot = replica number
             fleet.hbm_blocks = fleet.host_blocks = fleet.shared_blocks = m0
@@ -330,7 +328,8 @@ def simulate_policy(
         else:
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
         ready_at = held_until = 0.0
-        top = int(m[2].max()) if pending_store and not tierless else 0
+        # its prefix in flight may run past what any replica's index shows (a held request's own blocks)
+        top = len(ids) if pending_store and not tierless else 0
         top, stored_at = pending_prefix(ids, shared_b, top, pending_store, chunk) if top > shared_b else (0, 0.0)
         missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
         if missing > 0:
@@ -379,10 +378,10 @@ def simulate_policy(
         server_free[j] = done
         if store_when_computed:
             push(tier_writes, (done, i, j, tier_keep))
-            if shared is not None and not held_until:
+            if shared is not None:
                 mark_pending(tier_keep, done)
         if held_until:
-            push(held, (held_until, i, j, new, done, tier_keep if store_when_computed and shared is not None else None))
+            push(held, (held_until, i, j, new))
         end = done + out_len * tpot
         push(sh, end)
         if sender is not None:
@@ -456,7 +455,7 @@ def inflight_prefix(ids, held: np.ndarray, pending_store: dict, chunk: int = 1) 
     flight are stored, in whole chunks of `chunk` blocks, or None when that adds nothing anywhere; when the
     last of those blocks is stored). `held` is each replica's longest prefix now (any tier);
     `pending_store` maps a block being computed to when its tier write lands."""
-    lo, top = int(held.min()), int(held.max())
+    lo, top = int(held.min()), len(ids)
     k, ready, ready_at_chunk = lo, 0.0, 0.0
     while k < top:
         when = pending_store.get(ids[k])

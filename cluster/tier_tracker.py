@@ -114,7 +114,10 @@ class TierTracker:
         """Of the first `n_blocks` blocks of a prompt whose prefill ran on `src_replica` (the whole prompt, or
         the part another prompt shares with it), those loadable on `dst_replica`: their whole LMCache chunks
         when both are on one node with an LMCache server, or when both nodes write to and read from the
-        shared tier and it is up; else 0."""
+        shared tier and it is up; else 0 (also when either replica has left the index: a request in flight
+        on a replica that died stores nothing)."""
+        if not (self.index.has_replica(src_replica) and self.index.has_replica(dst_replica)):
+            return 0
         src, dst = self.index.node_of(src_replica), self.index.node_of(dst_replica)
         if src not in self._host or dst not in self._host:
             return 0

@@ -167,6 +167,9 @@ class KvmeshRouter(RequestRouter):
         self._sync_wanted: list[RunningReplica] | None = None  # the replica list it is to sync next
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
+        # requests this router holds for a prefix in flight, not sent yet: others may wait for their own
+        # prefill too (moved to `_inflight` once Serve places them)
+        self._held: dict[str, _Inflight] = {}
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
@@ -289,6 +292,8 @@ class KvmeshRouter(RequestRouter):
             p.on_replica_removed(rid)
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
             self._unconfirmed.pop(request_id).release()
+        for internal in [k for k, st in self._held.items() if st.replica == rid]:
+            self._drop_held(internal)
         self.forgotten += 1
         log.info("forgot replica %s", rid)
 
@@ -464,6 +469,7 @@ class KvmeshRouter(RequestRouter):
         earlier = self._routing.pop(internal, None)
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
+            self._drop_held(internal)
         if self.sync is not None:
             self.sync.drain()  # peers' placements already received count in this ranking
         held = self.index.match(hashes)
@@ -474,7 +480,7 @@ class KvmeshRouter(RequestRouter):
         # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
         known = None
-        if (self._inflight or self.peers.placements) and self.tiers.any_node():
+        if (self._inflight or self._held or self.peers.placements) and self.tiers.any_node():
             known = self._add_inflight(info, fleet)
         ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
         by_view = {v.replica_id: v for v in views}
@@ -493,15 +499,31 @@ class KvmeshRouter(RequestRouter):
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0
         if hold is not None:
+            # its own prefill is a source too, from when it is predicted to be sent
+            hbm, _, shared = matches.get(ranked[0], (0, 0, 0))
+            uncached = info.num_tokens - predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
+            self._held[internal] = held_source = _Inflight(ranked[0], uncached, routing)
+            held_source.routed_at += hold[1]
             await self._hold(routing, internal, *hold)
         return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    def _hold_sources(self):
+        """Every request a new one may wait for: this router's in flight and held ones, and its peers'."""
+        return itertools.chain(self._inflight.values(), self._held.values(), self.peers.placements.values())
+
+    def _drop_held(self, internal: str) -> None:
+        """A held request that will not be sent as held (cancelled, ranked again, its replica gone): requests
+        waiting for its prefill go on without it."""
+        st = self._held.pop(internal, None)
+        if st is not None:
+            st.release()
 
     def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> dict:
         """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
         a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
         not only keep a new prompt's later requests on the replica computing it. Returns replica -> the
         source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking."""
-        sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
+        sources = self._hold_sources()
         have = fleet.shared_blocks.tolist()
         found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
         blocks, ready_s = prefixes_from(found, have)
@@ -522,12 +544,13 @@ class KvmeshRouter(RequestRouter):
         sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed since),
         so the in-flight requests are not scanned again."""
         have = matches.get(top, (0, 0, 0))
-        if not (self._inflight or self.peers.placements) or max((m[2] for m in matches.values()), default=0) <= have[2]:
+        if not (self._inflight or self._held or self.peers.placements) or not self.tiers.any_node():
+            return None
             return None
         if known is not None and top in known:
             found = known[top]
         else:
-            sources = itertools.chain(self._inflight.values(), self.peers.placements.values())
+            sources = self._hold_sources()
             found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
         if found is None:
             return None
@@ -625,6 +648,7 @@ class KvmeshRouter(RequestRouter):
             gone = self._routing.pop(pending_request.metadata.internal_request_id, None)
             if gone is not None:
                 self._withdraw(gone)
+            self._drop_held(pending_request.metadata.internal_request_id)
             return
         self._routed(pending_request, fut.result().replica_id)
 
@@ -684,7 +708,11 @@ class KvmeshRouter(RequestRouter):
             tier_blocks=self._tier_blocks(routed.held),
             tenant=info.tenant,
         )
-        self._inflight[internal] = _Inflight(rid, info.num_tokens - predicted, routed)
+        st = self._held.pop(internal, None)  # held first: requests may be waiting for it already
+        if st is None:
+            st = _Inflight(rid, info.num_tokens - predicted, routed)
+        st.replica, st.uncached, st.routed_at = rid, info.num_tokens - predicted, time.monotonic()
+        self._inflight[internal] = st
         if info.request_id:
             self._by_request_id[info.request_id] = internal
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)

@@ -246,16 +246,16 @@ def test_a_prefix_stored_before_the_request_starts_loads_without_holding():
     assert m["hit_tokens_by_tier"]["shared"] == 12 and m["held_for_tier"] == 0
 
 
-def test_a_held_requests_own_prefill_is_waited_for_only_once_its_hold_ends():
-    # r0 computes blocks 1-3 until 0.22 s; the second request (blocks 1-5) is held on r1 until then; the
-    # third (blocks 1-6) arrives on r2 at 0.15 s, during that hold: the live router has not sent the second
-    # request yet and does not count it in flight, so the third waits for the first's blocks 1-3 only
+def test_a_request_may_wait_for_the_prefill_of_a_request_that_is_itself_held():
+    # r0 computes blocks 1-3 until 0.22 s; the second request (blocks 1-5) is held on r1 until then and
+    # computes blocks 4-5 after; the third (blocks 1-6) arrives on r2 at 0.15 s, during that hold, and waits
+    # for the second's prefill (the live router counts a held request as a source): it loads blocks 1-5
     t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 20, 0, [1, 2, 3, 4, 5]), (150, 24, 0, [1, 2, 3, 4, 5, 6]))
     cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
     m = simulate_policy(t, cfg, FixedPlacement([0, 1, 2], hold=True))
     assert m["held_for_tier"] == 2
     assert m["per_replica"]["r1"]["prefill_tokens"] == 8  # loaded the first's 12 tokens
-    assert m["per_replica"]["r2"]["prefill_tokens"] == 12  # loaded the same 12, computed blocks 4-6
+    assert m["per_replica"]["r2"]["prefill_tokens"] == 4  # loaded the second's 20, computed block 6
 
 
 class _SeeingFixed(FixedPlacement):
@@ -286,14 +286,13 @@ def test_a_held_requests_prefix_is_in_its_replicas_index_only_once_its_hold_ends
     assert policy.seen[2][0] == 3  # the first request's prefix, in flight on r0, is seen at once
 
 
-def test_a_request_holds_for_the_part_of_the_longest_prefix_that_is_being_computed():
-    # the second request (blocks 1-4) is held on r1 for the first's blocks 1-3; the third (blocks 1-5), on
-    # r2 at 0.15 s, sees blocks 1-4 on r1 (speculatively) but only 1-3 in flight: it waits for those, as
-    # the live router finds the in-flight request leaving the most loadable
-    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 16, 0, [1, 2, 3, 4]), (150, 20, 0, [1, 2, 3, 4, 5]))
+def test_a_request_holds_for_the_part_of_its_prefix_that_is_being_computed():
+    # the first request computes blocks 1-3 on r0 until 0.22 s; the second (blocks 1-3, 8) on r2 at 0.1 s
+    # waits for those three, loads them, and computes block 8
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 16, 0, [1, 2, 3, 8]))
     cfg = SimConfig(3, 10, shared=True, tier_store_at="computed", cost=COST)
-    m = simulate_policy(t, cfg, FixedPlacement([0, 1, 2], hold=True))
-    assert m["held_for_tier"] == 2 and m["hit_tokens_by_tier"]["shared"] == 24
+    m = simulate_policy(t, cfg, FixedPlacement([0, 2], hold=True))
+    assert m["held_for_tier"] == 1 and m["hit_tokens_by_tier"]["shared"] == 12
 
 
 class _Recording(FixedPlacement):

@@ -235,6 +235,51 @@ def test_a_held_request_is_committed_while_it_waits_and_its_prefix_speculated_on
     assert len(routed) == 2  # committed once: the hold ended as planned
 
 
+def test_a_request_may_wait_for_the_prefill_of_a_request_that_is_itself_held(monkeypatch):
+    """p2 (p1's prompt and a document) is held on B for p1's prompt; p3, sharing prompt and document, is
+    ranked onto C meanwhile. p2 will compute the document itself: p3 waits for p2's first token, not only
+    for p1's, and loads both. Without p2 as a source p3 would load the prompt and compute the document again."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+    doc = [(i * 104729) % 997 + 3 for i in range(128)]  # 4 more blocks
+
+    async def scenario():
+        router, a, b = await lmcache_router()
+        c = fake_replica("C", node_id="n1")
+        await router.choose_replicas([a, b, c], fake_request([4, 5, 6], "reg2"))
+        where = {"p1": "A", "p2": "B", "p3": "C"}
+
+        def place(request, fleet):
+            first = fleet.ids.index(where[request.request_id])
+            return [first] + [k for k in range(len(fleet.ids)) if k != first]
+
+        router.policy.place = place
+        p1, p2, p3 = (
+            fake_request(ids, rid) for ids, rid in ((PROMPT, "p1"), (PROMPT + doc, "p2"), (PROMPT + doc + [9], "p3"))
+        )
+        await router.choose_replicas([a, b, c], p1)
+        router._routed(p1, a.replica_id)
+        t2 = asyncio.create_task(router.choose_replicas([a, b, c], p2))
+        await asyncio.sleep(0.1)
+        t3 = asyncio.create_task(router.choose_replicas([a, b, c], p3))
+        await asyncio.sleep(0.1)
+        held = sorted(st.info.request_id for st in router._held.values())
+        router.first_token("p1")
+        ranked2 = await asyncio.wait_for(t2, 5)
+        router._routed(p2, ranked2[0][0].replica_id)
+        await asyncio.sleep(0.1)
+        p3_waiting = not t3.done()
+        router.first_token("p2")
+        ranked3 = await asyncio.wait_for(t3, 5)
+        router._routed(p3, ranked3[0][0].replica_id)
+        return held, p3_waiting, router
+
+    held, p3_waiting, router = asyncio.run(scenario())
+    assert held == ["p2", "p3"]  # both held at once: p2 for p1, p3 for p2
+    assert p3_waiting  # p1's first token did not release p3: it waits for p2, which computes the document
+    assert local_state.LEDGER.prediction("p2") == 320 and local_state.LEDGER.prediction("p3") == 448
+    assert router.held_for_tier == 2 and router.hold_timeouts == 0 and not router._held
+
+
 def test_a_hold_that_runs_out_commits_the_request_again_without_the_prefix(monkeypatch):
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
