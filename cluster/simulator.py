@@ -455,20 +455,10 @@ def inflight_prefix(ids, held: np.ndarray, pending_store: dict, chunk: int = 1) 
     flight are stored, in whole chunks of `chunk` blocks, or None when that adds nothing anywhere; when the
     last of those blocks is stored). `held` is each replica's longest prefix now (any tier);
     `pending_store` maps a block being computed to when its tier write lands."""
-    lo, top = int(held.min()), len(ids)
-    k, ready, ready_at_chunk = lo, 0.0, 0.0
-    while k < top:
-        when = pending_store.get(ids[k])
-        if when is None:
-            break
-        ready = when if when > ready else ready
-        k += 1
-        if k % chunk == 0:
-            ready_at_chunk = ready
-    k = k // chunk * chunk
-    if k <= lo:
+    k, ready = pending_prefix(ids, int(held.min()), len(ids), pending_store, chunk)
+    if not k:
         return None, 0.0
-    return np.maximum(held, k), ready_at_chunk
+    return np.maximum(held, k), ready
 
 
 @dataclass

@@ -143,7 +143,8 @@ def _draw_once(seed: int, rng: random.Random) -> FamilyDraw:
     )
 
 
-def _prompt_record(prompt: list[int], tail: int, output: int, tenant: str, user: str) -> dict:
+def prompt_record(prompt: list[int], tail: int, output: int, tenant: str, user: str) -> dict:
+    """One request in the repository's Mooncake form (timestamp set later), its last block `tail` tokens."""
     return {
         "timestamp": 0,
         "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
@@ -170,7 +171,7 @@ def _conversations(d: FamilyDraw, rng: random.Random, ids: FreshIds) -> list[lis
                 prompt = history + ids.take(rng.randint(*d.question_blocks))
                 tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
                 answer = max(1, round(rng.uniform(*d.answer_blocks) * SOURCE_BLOCK_TOKENS))
-                turns.append(_prompt_record(prompt, tail, answer, tenant, user))
+                turns.append(prompt_record(prompt, tail, answer, tenant, user))
                 history = prompt + ids.take(math.ceil(answer / SOURCE_BLOCK_TOKENS))
             out.append(turns)
     return out
@@ -179,7 +180,7 @@ def _conversations(d: FamilyDraw, rng: random.Random, ids: FreshIds) -> list[lis
 def _flood(d: FamilyDraw, rng: random.Random, ids: FreshIds) -> list[dict]:
     hot = ids.take(d.flood_prompt_blocks)
     return [
-        _prompt_record(
+        prompt_record(
             hot + ids.take(d.flood_unique_blocks),
             rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS),
             SOURCE_BLOCK_TOKENS // 2,

@@ -23,7 +23,14 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from kvmesh.cluster.workload_family import ARRIVALS, BURST_GAP_MS, CONTEXT_TOKENS, SESSION_GAP_MS, THINK_MS
+from kvmesh.cluster.workload_family import (
+    ARRIVALS,
+    BURST_GAP_MS,
+    CONTEXT_TOKENS,
+    SESSION_GAP_MS,
+    THINK_MS,
+    prompt_record,
+)
 from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, FreshIds
 
 MAX_REQUESTS = 400
@@ -105,17 +112,6 @@ def _draw_once(seed: int, rng: random.Random) -> WideDraw:
     )
 
 
-def _record(prompt: list[int], tail: int, output: int, tenant: str, user: str) -> dict:
-    return {
-        "timestamp": 0,
-        "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
-        "output_length": output,
-        "hash_ids": prompt,
-        "tenant": tenant,
-        "user": user,
-    }
-
-
 def _fits(prompt_blocks: int, answer_tokens: int, tokens_per_block: int) -> bool:
     answer_blocks = math.ceil(answer_tokens / SOURCE_BLOCK_TOKENS)
     return (prompt_blocks + answer_blocks) * tokens_per_block <= CONTEXT_TOKENS
@@ -137,7 +133,7 @@ def _conversations(d: WideDraw, rng: random.Random, ids: FreshIds) -> list[list[
             if not _fits(len(prompt), answer, d.tokens_per_block):
                 break
             tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
-            conv.append(_record(prompt, tail, answer, tenant, f"{tenant}-g{g}-c{c}"))
+            conv.append(prompt_record(prompt, tail, answer, tenant, f"{tenant}-g{g}-c{c}"))
             history = prompt + ids.take(math.ceil(answer / SOURCE_BLOCK_TOKENS))
         if conv:
             out.append(conv)
@@ -148,7 +144,7 @@ def _conversations(d: WideDraw, rng: random.Random, ids: FreshIds) -> list[list[
         tenant = f"t{k % d.tenants}"
         prompt = ids.take(rng.randint(1, 6))
         tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
-        out.append([_record(prompt, tail, SOURCE_BLOCK_TOKENS // 2, tenant, f"one-{k}")])
+        out.append([prompt_record(prompt, tail, SOURCE_BLOCK_TOKENS // 2, tenant, f"one-{k}")])
     return out
 
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from family_checks import check_family_records
 from paths import REPO_ROOT
 
-from kvmesh.cluster.trace import check_record
 from kvmesh.cluster.workload_family import (
     ARRIVALS,
-    CONTEXT_TOKENS,
     MAX_REQUESTS,
     MIN_REQUESTS,
     draw,
-    prompt_and_answer_tokens,
     records,
 )
-from kvmesh.cluster.workloads import check_parent_rule
 
 SEEDS_FILE = str(REPO_ROOT / "benchmarks" / "robust_seeds.json")
 
@@ -74,18 +71,7 @@ def test_the_eval_family_covers_every_kind_of_shape():
 @pytest.mark.parametrize("seed", ALL_SEEDS)
 def test_records_keep_the_mooncake_rules_and_fit_the_context(seed):
     d = draw(seed)
-    recs = records(d)
-    assert len(recs) == d.requests
-    for i, r in enumerate(recs):
-        check_record(r, f"seed {seed} record {i}")
-        assert prompt_and_answer_tokens(r, d.tokens_per_block) <= CONTEXT_TOKENS
-    check_parent_rule(recs)
-    tenant_of = {}
-    for r in recs:  # salts keep tenants apart live, so no id may be shared across tenants
-        for h in r["hash_ids"]:
-            assert tenant_of.setdefault(h, r["tenant"]) == r["tenant"]
-    stamps = [r["timestamp"] for r in recs]
-    assert stamps == sorted(stamps) and (d.arrival != "all" or set(stamps) == {0})
+    check_family_records(d, records(d))
 
 
 @pytest.mark.parametrize("seed", _seed_sets()["eval"][:20])

@@ -9,14 +9,13 @@ import json
 from collections import Counter
 
 import pytest
+from family_checks import check_family_records
 from paths import REPO_ROOT
 
 from kvmesh.cluster import workload_family
 from kvmesh.cluster.sweep import SweepOptions, sweep, ttft_against
-from kvmesh.cluster.trace import check_record
-from kvmesh.cluster.workload_family import ARRIVALS, CONTEXT_TOKENS, prompt_and_answer_tokens
+from kvmesh.cluster.workload_family import ARRIVALS
 from kvmesh.cluster.workload_wide import MAX_REQUESTS, MAX_TURNS, MIN_REQUESTS_PER_REPLICA, draw, records
-from kvmesh.cluster.workloads import check_parent_rule
 
 with open(REPO_ROOT / "benchmarks" / "robust_seeds.json", encoding="utf-8") as fh:
     SETS = json.load(fh)
@@ -38,18 +37,8 @@ def test_same_seed_same_shape_and_records_other_seed_other_shape():
 def test_records_keep_the_mooncake_rules_the_limits_and_the_context(seed):
     d = draw(seed)
     recs = records(d)
-    assert len(recs) == d.requests
     assert MIN_REQUESTS_PER_REPLICA * d.replicas <= d.requests <= MAX_REQUESTS
-    for i, r in enumerate(recs):
-        check_record(r, f"seed {seed} record {i}")
-        assert prompt_and_answer_tokens(r, d.tokens_per_block) <= CONTEXT_TOKENS
-    check_parent_rule(recs)
-    tenant_of = {}
-    for r in recs:  # salts keep tenants apart live, so no id may be shared across tenants
-        for h in r["hash_ids"]:
-            assert tenant_of.setdefault(h, r["tenant"]) == r["tenant"]
-    stamps = [r["timestamp"] for r in recs]
-    assert stamps == sorted(stamps) and (d.arrival != "all" or set(stamps) == {0})
+    check_family_records(d, recs)
     last: dict[str, dict] = {}
     for r in recs:  # a conversation's turn carries every turn before it
         prev = last.get(r["user"])
