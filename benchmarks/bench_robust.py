@@ -21,7 +21,7 @@ ROBUST_TIER_CHUNK_BLOCKS=K (default 1, as the live runs configure LMCache) runs 
 arm with LMCache chunks of K engine blocks (the manifest's 256-token chunks: K = 8 at this block size).
 ROBUST_WIDE=N (default 200, 0 skips it) also runs the first N `wide_eval` seeds of the second family
 (`kvmesh.cluster.workload_wide`: shapes the first family never draws) and prints the same figures and the
-TTFT tails against round robin; printed, not judged.
+TTFT tails against round robin, with robust-wide.png; printed, not judged.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main() -> dict:
             + f"; proven out of reach for any placement with the tier: {len(tier_proven)} {tier_proven}"
         )
     live_sim = simulated_live_part(which, opts.tier_chunk_blocks)
-    wide = wide_part(opts)
+    wide = wide_part(opts, out_dir)
     os.makedirs(out_dir, exist_ok=True)
     json_path, png_path = os.path.join(out_dir, "robust.json"), os.path.join(out_dir, "robust.png")
     with open(json_path, "w", encoding="utf-8") as fh:
@@ -226,11 +226,12 @@ def main() -> dict:
 WIDE_POLICIES = ("kvmesh", "round_robin", "sglang_cache_aware", "dynamo_cost")
 
 
-def wide_part(opts: SweepOptions) -> dict:
+def wide_part(opts: SweepOptions, out_dir: str) -> dict:
     """ROBUST_WIDE=N draws of the second family (`workload_wide`) on its `wide_eval` seeds: the placement
     target's count and the draws the floor proves out of reach, the shared-tier table, and p50 / p90 TTFT
     against round robin's with the tier; printed, not judged. Why: the first family's shapes are the ones the
-    policy was developed on, even where its seeds were not."""
+    policy was developed on, even where its seeds were not. Plots the draws as `plot` does, to
+    <out_dir>/robust-wide.png."""
     from kvmesh.cluster import workload_wide
 
     n = int(os.environ.get("ROBUST_WIDE", "200") or 0)
@@ -248,6 +249,9 @@ def wide_part(opts: SweepOptions) -> dict:
     }
     tiered = shared_tier_summary(rows)
     tails = ttft_against(rows, "round_robin", "shared_tier")
+    os.makedirs(out_dir, exist_ok=True)
+    png_path = os.path.join(out_dir, "robust-wide.png")
+    plot(rows, png_path, "second workload family (cluster/workload_wide.py), wide_eval seeds")
     print(
         f"second family (cluster/workload_wide.py: Zipf-popular system prompts, conversations of 1-30 turns, "
         f"one-shot traffic, 2-16 replicas), {len(rows)} wide_eval draws, simulated in {wall:.1f} s; placement "
@@ -265,6 +269,7 @@ def wide_part(opts: SweepOptions) -> dict:
             f"{p50['p90']:.2f}, over 1.1 on {p50['over_1.1']}); p90 median {p90['median']:.2f} (p90 draw "
             f"{p90['p90']:.2f}, max {p90['max']:.2f}, over 1.1 on {p90['over_1.1']})"
         )
+    print(f"wrote {png_path}")
     return {
         "seeds": seeds,
         "placement_target_met": placed,

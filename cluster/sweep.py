@@ -369,9 +369,9 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[dict], path: str) -> None:
+def plot(rows: Sequence[dict], path: str, title: str | None = None) -> None:
     """Box plots over the draws, one box per policy, for each metric; and every draw's hit / merged-LRU
-    bound against prefill max/mean per policy, with the target region marked."""
+    bound against prefill max/mean per policy, with the target region marked. `title` names the set."""
     import os
 
     import matplotlib
@@ -429,6 +429,8 @@ def plot(rows: Sequence[dict], path: str) -> None:
         )
     else:
         ax.axis("off")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
