@@ -249,7 +249,6 @@ def wide_part(opts: SweepOptions, out_dir: str) -> dict:
     }
     tiered = shared_tier_summary(rows)
     tails = ttft_against(rows, "round_robin", "shared_tier")
-    os.makedirs(out_dir, exist_ok=True)
     png_path = os.path.join(out_dir, "robust-wide.png")
     plot(rows, png_path, "second workload family (cluster/workload_wide.py), wide_eval seeds")
     print(

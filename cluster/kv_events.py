@@ -302,7 +302,7 @@ class KVEventSubscriber(KVEventApplier):
 
     async def _receive(self, src: SourceState, frames: list[bytes]) -> None:
         _, seq, payload = decode_frames(frames)
-        if src.replica_id not in self.index.replicas():
+        if not self.index.has_replica(src.replica_id):
             return  # replica deregistered; the owner will remove the source
         kind = self.classify(src, seq)
         if kind == "duplicate":

@@ -329,8 +329,8 @@ def simulate_policy(
             hbm_b, host_b, shared_b = int(m[0, j]), int(m[1, j]), int(m[2, j])
         ready_at = held_until = 0.0
         # its prefix in flight may run past what any replica's index shows (a held request's own blocks)
-        top = len(ids) if pending_store and not tierless else 0
-        top, stored_at = pending_prefix(ids, shared_b, top, pending_store, chunk) if top > shared_b else (0, 0.0)
+        inflight = pending_store and not tierless
+        top, stored_at = pending_prefix(ids, shared_b, len(ids), pending_store, chunk) if inflight else (0, 0.0)
         missing = cached_tokens(top, n, bs) - cached_tokens(shared_b, n, bs) if top > shared_b else 0
         if missing > 0:
             # a longer prefix of it is on another replica, being computed: loadable from the shared tier once

@@ -138,8 +138,8 @@ def _conversations(d: WideDraw, rng: random.Random, ids: FreshIds) -> list[list[
         if conv:
             out.append(conv)
     chat = sum(len(c) for c in out)
-    share = d.oneshot_share
-    oneshots = round(chat * share / (1.0 - share)) if share < 1.0 else 0
+    share = d.oneshot_share  # below 1 (ONESHOT_SHARES)
+    oneshots = round(chat * share / (1.0 - share))
     for k in range(oneshots):
         tenant = f"t{k % d.tenants}"
         prompt = ids.take(rng.randint(1, 6))

@@ -236,7 +236,7 @@ class KvmeshRouter(RequestRouter):
             stats = r.routing_stats or {}
             if rid not in known:
                 self._add_replica(r)
-            if stats.get("tiers") and rid in self.index.replicas():  # engine runs on an LMCache node server
+            if stats.get("tiers") and self.index.has_replica(rid):  # engine runs on an LMCache node server
                 t = stats["tiers"]
                 self.tiers.set_node(
                     self.index.node_of(rid),
@@ -281,7 +281,7 @@ class KvmeshRouter(RequestRouter):
         if rid in self._subscribed and self.events is not None:
             self._subscribed.discard(rid)
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
-        if rid not in self.index.replicas():
+        if not self.index.has_replica(rid):
             return
         node = self.index.node_of(rid)
         self.index.remove_replica(rid)
@@ -546,7 +546,6 @@ class KvmeshRouter(RequestRouter):
         have = matches.get(top, (0, 0, 0))
         if not (self._inflight or self._held or self.peers.placements) or not self.tiers.any_node():
             return None
-            return None
         if known is not None and top in known:
             found = known[top]
         else:
@@ -611,7 +610,7 @@ class KvmeshRouter(RequestRouter):
         """The committed request's prefix goes into the index, speculatively, on its replica, and (with
         several ingress replicas) its placement to the other routers."""
         rid = routing.replica
-        if rid in self.index.replicas():
+        if self.index.has_replica(rid):
             self.index.speculate(rid, routing.info.block_hashes, fresh=routing.fresh)
         if self.sync is not None and routing.info.request_id:
             matched = routing.matches.get(rid, (0, 0, 0))
@@ -711,7 +710,8 @@ class KvmeshRouter(RequestRouter):
         st = self._held.pop(internal, None)  # held first: requests may be waiting for it already
         if st is None:
             st = _Inflight(rid, info.num_tokens - predicted, routed)
-        st.replica, st.uncached, st.routed_at = rid, info.num_tokens - predicted, time.monotonic()
+        else:  # sent now, perhaps elsewhere than Serve was asked first
+            st.replica, st.uncached, st.routed_at = rid, info.num_tokens - predicted, time.monotonic()
         self._inflight[internal] = st
         if info.request_id:
             self._by_request_id[info.request_id] = internal
@@ -746,7 +746,7 @@ class KvmeshRouter(RequestRouter):
             st.release()
 
     def _record_prefill(self, st: _Inflight) -> None:
-        if st.replica in self.index.replicas():  # its prompt's full chunks are now in L1 (and L2)
+        if self.index.has_replica(st.replica):  # its prompt's full chunks are now in L1 (and L2)
             self.tiers.record_prefill(st.replica, st.info.block_hashes)
 
     def first_token(self, request_id: str) -> None:
@@ -792,7 +792,7 @@ class KvmeshRouter(RequestRouter):
     def cache_reset(self, rid: str) -> None:
         """The replica's engine dropped its prefix cache: forget what it held now (its AllBlocksCleared
         event is published only with the engine's next step, after the next request was routed)."""
-        if rid in self.index.replicas():
+        if self.index.has_replica(rid):
             self.index.clear(rid, "hbm")
 
     def held_blocks(self) -> dict[str, int]:
