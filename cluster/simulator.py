@@ -89,33 +89,49 @@ class ClosedLoop:
     """A client that keeps `concurrency` requests in flight, a user's next request only after its
     previous reply ended; requests that are ready wait for a free slot first come, first served (ties
     in trace order). That is how the replay client (and a chat front end) sends, so the simulator sees
-    the live run's send order and overlap."""
+    the live run's send order and overlap.
+
+    With `arrivals` (s, one per request) a request is also not ready before its arrival: timed traffic
+    whose users still wait for their replies. Why: a chat turn's prompt holds the previous turn's answer,
+    so no user can send it before that answer has ended; timestamps scaled to a load can put it earlier
+    (a conversation's turns 20 ms apart while each prefill takes longer), and a replay that sends it
+    then makes every turn wait for, or recompute, a prefix nobody could have asked for yet."""
 
     concurrency: int
     users: list | None = None  # per request: the user it belongs to (None: independent)
+    arrivals: list[float] | None = None  # per request: the earliest it is sent (None: at once)
 
     def sender(self, n: int) -> _ClosedLoopSender:
         if self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if self.users is not None and len(self.users) != n:
             raise ValueError("users must name one user (or None) per request")
-        return _ClosedLoopSender(self.concurrency, self.users or [None] * n)
+        if self.arrivals is not None and len(self.arrivals) != n:
+            raise ValueError("arrivals must give one time per request")
+        return _ClosedLoopSender(self.concurrency, self.users or [None] * n, self.arrivals or [0.0] * n)
+
+    @classmethod
+    def timed(cls, arrivals: list[float], users: list | None) -> ClosedLoop:
+        """Open-loop timed traffic (no concurrency cap) in which a user's next request waits for its
+        previous reply."""
+        return cls(max(len(arrivals), 1), users, list(arrivals))
 
 
 class _ClosedLoopSender:
     """Yields (request index, send time) in send order; told each request's end through `ended`."""
 
-    def __init__(self, concurrency: int, users: list) -> None:
+    def __init__(self, concurrency: int, users: list, arrivals: list[float]) -> None:
         self.concurrency = concurrency
         self.ready: list[tuple[float, int]] = []  # (ready since, index): requests waiting for a slot
         self.after: dict[int, int] = {}  # index -> the same user's next request
         self.in_flight: list[float] = []  # stream ends of the requests in flight
+        self.arrivals = arrivals
         last: dict = {}
         for i, user in enumerate(users):
             if user is not None and user in last:
                 self.after[last[user]] = i
             else:
-                self.ready.append((0.0, i))
+                self.ready.append((arrivals[i], i))
             if user is not None:
                 last[user] = i
         heapq.heapify(self.ready)
@@ -132,7 +148,26 @@ class _ClosedLoopSender:
         heapq.heappush(self.in_flight, end)
         nxt = self.after.get(i)
         if nxt is not None:
-            heapq.heappush(self.ready, (end, nxt))
+            arrival = self.arrivals[nxt]
+            heapq.heappush(self.ready, (end if end > arrival else arrival, nxt))
+
+
+def fit_in_gap(
+    gaps: list[tuple[float, float]], earliest: float, service: float, now: float, ends: list[float], max_batch: int
+) -> float | None:
+    """The start of a prefill of `service` s, no earlier than `earliest`, inside one of a replica's idle
+    `gaps` (start, end) that it fits whole, with fewer than `max_batch` of the replica's requests (`ends`)
+    running then; None when none fits. Takes the span used out of its gap and drops gaps over by `now`.
+
+    Why whole: a prefill that would run past the gap's end would, on the engine, delay the held request
+    behind it; the simulator has already timed that request, so such a prefill waits its turn instead."""
+    gaps[:] = [g for g in gaps if g[1] > now]
+    for k, (a, b) in enumerate(gaps):
+        start = a if a > earliest else earliest
+        if start + service <= b and sum(1 for e in ends if e > start) < max_batch:
+            gaps[k : k + 1] = [g for g in ((a, start), (start + service, b)) if g[1] > g[0]]
+            return start
+    return None
 
 
 def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | None]:
@@ -218,6 +253,9 @@ def simulate_policy(
         np.full(N, capacity, dtype=np.int64),
     )
     server_free = [0.0] * N
+    # per replica, the spans (start, end) it idles before a held request's prefill: the engine runs what is
+    # sent to it meanwhile (the held request reaches it only when its hold ends)
+    idle: list[list[tuple[float, float]]] = [[] for _ in range(N)]
     # ends of admitted requests, for the max_batch constraint
     slot_heap: list[list[float]] = [[] for _ in range(N)]
     max_batch = c.max_batch
@@ -365,17 +403,23 @@ def simulate_policy(
             store_in_tiers(j, tier_keep)
         # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
-        s = t if t > server_free[j] else server_free[j]
-        if ready_at > s:  # held until its prefix is stored
-            s = ready_at
         sh = slot_heap[j]
-        while sh and sh[0] <= s:
-            pop(sh)
-        if len(sh) >= max_batch:
-            e = pop(sh)
-            s = e if e > s else s
+        early = fit_in_gap(idle[j], t if t > ready_at else ready_at, service, t, sh, max_batch) if idle[j] else None
+        if early is not None:  # runs while a held request waits, as the engine runs what it has
+            s = early
+            push(sh, s + service)
+        else:
+            s = t if t > server_free[j] else server_free[j]
+            if ready_at > s:  # held until its prefix is stored: the replica idles meanwhile unless sent more
+                idle[j].append((s, ready_at))
+                s = ready_at
+            while sh and sh[0] <= s:
+                pop(sh)
+            if len(sh) >= max_batch:
+                e = pop(sh)
+                s = e if e > s else s
+            server_free[j] = s + service
         done = s + service
-        server_free[j] = done
         if store_when_computed:
             push(tier_writes, (done, i, j, tier_keep))
             if shared is not None:

@@ -7,7 +7,8 @@ room for every block, that is the infinite-cache bound) and against the balance-
 a placement keeping prefill max/mean <= 1.10 reaches), its margin over the best other policy, and its
 per-replica prefill max/mean.
 
-Arrivals. "poisson"/"bursts" draws use their timestamps, scaled to the draw's offered load. "all"
+Arrivals. "poisson"/"bursts" draws use their timestamps, scaled to the draw's offered load, a user's next
+turn no earlier than its previous reply's end (its prompt holds that reply). "all"
 draws are sent by the simulator's closed-loop client (`kvmesh.cluster.simulator.ClosedLoop`): the draw's
 concurrency in flight, a user's next turn after its previous reply, as the live replay client sends.
 """
@@ -67,15 +68,17 @@ class SweepOptions:
 
 
 def draw_trace(d: Draw, opts: SweepOptions) -> tuple[Trace, dict]:
-    """The draw as a simulator trace at the engine block size, and how it is sent: `arrivals` (s) for
-    the timed patterns, a closed-loop `client` (the draw's concurrency, a user's turns in order) for
-    "all at once"."""
+    """The draw as a simulator trace at the engine block size, and how it is sent (the simulator's
+    `client`): for the timed patterns, at their timestamps scaled to the draw's load, a user's next turn
+    no earlier than its previous reply's end (`ClosedLoop.timed`); for "all at once", the draw's
+    concurrency in flight, a user's turns in order."""
     recs = d.records()
+    users = [r.get("user") for r in recs]
     trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
     if d.arrival != "all" and trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
         arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token, opts.cost.prefill_base_s)
-        return trace, {"arrivals": arrivals}
-    return trace, {"client": ClosedLoop(d.concurrency, [r.get("user") for r in recs])}
+        return trace, {"client": ClosedLoop.timed(arrivals, users)}
+    return trace, {"client": ClosedLoop(d.concurrency, users)}
 
 
 def prefill_max_over_mean(per_replica: dict) -> float:

@@ -77,9 +77,9 @@ its own replica; placed on the replica computing it, they pile up there. Held un
 sent to their replica, they load it instead: the wait is at most the rest of that one prefill. The hold
 is weighed while ranking, on every replica the caller says could load the prefix once it is stored
 (`FleetView.inflight_blocks`): each is scored as it is and as held, whichever is lower. Simulated with the
-shared tier on the robustness draws, kvmesh meets the target on 97 of 100 eval draws and 44 of 50 tune
-draws, against 76 and 38 without holding and 90 and 43 holding only on the replica ranked first, at the
-same p50 TTFT within 2% (docs/policies.md).
+shared tier on the robustness draws, kvmesh meets the target on 100 of 100 eval draws and 46 of 50 tune
+draws, against 76 and 41 without holding, at the same p50 TTFT; the price is in the tail (p90 TTFT over
+1.1 x round robin's on 32 eval draws against 21; docs/policies.md).
 
 The same object runs in the live router (deployments/) and in the simulator (cluster/simulator.py).
 """

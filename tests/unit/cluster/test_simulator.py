@@ -295,6 +295,35 @@ def test_a_request_holds_for_the_part_of_its_prefix_that_is_being_computed():
     assert m["held_for_tier"] == 1 and m["hit_tokens_by_tier"]["shared"] == 12
 
 
+def test_a_replica_runs_what_it_is_sent_while_a_held_request_waits():
+    # r0 computes blocks 1-3 until 0.22 s; on r1 the second request waits for them from 0.1 s, then takes
+    # 0.2 s (4 tokens computed, 12 loaded); a one-token request sent to r1 at 0.11 s takes 0.11 s and fits in
+    # that wait, so it answers at 0.22 s rather than after the held request, at 0.53 s
+    def run(third):
+        t = tiny_trace((0, 12, 0, [1, 2, 3]), (100, 16, 0, [1, 2, 3, 8]), third)
+        cfg = SimConfig(2, 10, shared=True, tier_store_at="computed", cost=COST)
+        return simulate_policy(t, cfg, FixedPlacement([0, 1, 1], hold=True))
+
+    m = run((110, 1, 0, [9]))
+    assert m["held_for_tier"] == 1
+    assert m["ttft_mean_s"] == pytest.approx((0.22 + 0.32 + 0.11) / 3)
+    # two tokens (0.12 s) do not fit before the held request's prefill starts: that request waits its turn
+    m = run((110, 2, 0, [9]))
+    assert m["ttft_p99_s"] == pytest.approx(0.43) and m["ttft_p50_s"] == pytest.approx(0.32)
+
+
+def test_fit_in_gap_takes_the_span_used_and_respects_the_batch_limit():
+    from kvmesh.cluster.simulator import fit_in_gap
+
+    gaps = [(0.0, 1.0), (2.0, 5.0)]
+    assert fit_in_gap(gaps, 0.5, 1.0, 0.5, [], 4) == 2.0  # does not fit in the first gap's rest
+    assert gaps == [(0.0, 1.0), (3.0, 5.0)]
+    assert fit_in_gap(gaps, 0.2, 0.3, 0.2, [], 4) == 0.2
+    assert gaps == [(0.0, 0.2), (0.5, 1.0), (3.0, 5.0)]
+    assert fit_in_gap(gaps, 3.5, 0.5, 3.5, [9.0, 9.0], 2) is None  # two running there already: no slot
+    assert gaps == [(3.0, 5.0)]  # gaps over by now are dropped
+
+
 class _Recording(FixedPlacement):
     """`FixedPlacement` that records what each request's fleet said was in flight."""
 
@@ -470,6 +499,22 @@ def test_closed_loop_client_keeps_concurrency_and_user_order():
     assert sorted(order) == list(range(6))
     with pytest.raises(ValueError):
         _sent(trace, ClosedLoop(0))
+
+
+def test_timed_client_sends_at_arrivals_and_a_users_next_turn_after_its_previous_reply():
+    from kvmesh.cluster.simulator import ClosedLoop
+
+    client = ClosedLoop.timed([0.0, 0.01, 0.02, 0.5], ["a", "a", None, "a"])
+    sender = client.sender(4)
+    sent = []
+    for i, t in sender:
+        sent.append((i, t))
+        sender.ended(i, t + 0.1)  # every reply ends 100 ms after it was sent
+    # 1 arrives at 10 ms but holds 0's reply, which ends at 100 ms; 2 (no user) goes at its arrival; 3 arrives
+    # at 500 ms, after 1's reply ended (200 ms), so its arrival decides
+    assert sent == [(0, 0.0), (2, 0.02), (1, 0.1), (3, 0.5)]
+    with pytest.raises(ValueError):
+        ClosedLoop(4, None, [0.0]).sender(2)
 
 
 def test_multi_turn_chat_sent_closed_loop_is_balanced_near_the_balance_bounded_bound():

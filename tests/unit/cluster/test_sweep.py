@@ -75,6 +75,20 @@ def test_all_at_once_draws_are_sent_by_the_closed_loop_client():
     assert client.users == [r.get("user") for r in records(d)] and len(trace) == len(client.users)
 
 
+def test_timed_draws_are_sent_at_their_times_a_users_turn_after_its_previous_reply():
+    from kvmesh.cluster.sweep import draw_trace
+    from kvmesh.cluster.workload_family import draw, records
+
+    seed = next(s for s in range(2000, 2100) if draw(s).arrival != "all" and draw(s).turns > 1)
+    d = draw(seed)
+    trace, sending = draw_trace(d, SweepOptions())
+    client = sending["client"]
+    assert client.users == [r.get("user") for r in records(d)]
+    assert client.arrivals is not None and len(client.arrivals) == len(trace)
+    assert client.arrivals == sorted(client.arrivals) and client.arrivals[-1] > 0
+    assert client.concurrency >= len(trace)  # open loop: no cap beyond the users' own order
+
+
 def test_one_draw_end_to_end():
     from kvmesh.cluster.workload_family import draw
 
