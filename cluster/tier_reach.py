@@ -74,10 +74,14 @@ def _opening_requests(users: Sequence) -> set[int]:
     return out
 
 
-def _first_through(rs: list[int], users: Sequence | None, opens: set[int]) -> int | None:
-    """The request, of `rs` (sorted), that arrives first whatever the timing; None when that depends on it."""
+def _first_through(rs: list[int], users: Sequence | None, opens: set[int], timed: bool = False) -> int | None:
+    """The request, of `rs` (sorted), that arrives first whatever the timing; None when that depends on it.
+    `timed`: requests are sent at their trace times, a user's next turn no earlier than its previous reply
+    (`ClosedLoop.timed`), so only an opening request is sure to be sent at its time."""
     if users is None:
         return rs[0]
+    if timed:
+        return rs[0] if rs[0] in opens or len({users[r] for r in rs}) == 1 else None
     opening = [r for r in rs if r in opens]
     if opening:
         return opening[0]
@@ -92,14 +96,16 @@ def tier_target_out_of_reach(
     max_imbalance: float,
     time_limit_s: float = 10.0,
     users: Sequence | None = None,
+    timed: bool = False,
 ) -> dict:
     """Can any placement with a shared tier reach token hit rate `hit_rate` with per-replica prefill
     max/mean <= `max_imbalance`? `verdict`: "out of reach" (proved: no placement can), "not excluded"
     (the relaxation has a solution: nothing is proved) or "undecided" (the solver ran out of time).
     Also `max_load` (the most one replica may compute) and `largest_request` (the most one request must
     compute on its own replica: its tail and the nodes only it passes through). `users` (one per request,
-    None for a request without one) says the requests are sent by the closed-loop client; without it they
-    arrive in trace order."""
+    None for a request without one) says the requests are sent by the closed-loop client, all at once under
+    its concurrency, or with `timed` at their trace times, a user's next turn after its previous reply;
+    without it they arrive in trace order."""
     if replicas < 1 or block_size < 1:
         raise ValueError("replicas and block_size must be >= 1")
     prompt = sum(r.input_length for r in requests)
@@ -128,7 +134,7 @@ def tier_target_out_of_reach(
         rs = sorted(through[v])
         for m in range(R):
             add([v * R + m] + [Y + r * R + m for r in rs], [1.0] + [-1.0] * len(rs), -inf, 0.0)
-        first = None if covered[v] else _first_through(rs, users, opens)
+        first = None if covered[v] else _first_through(rs, users, opens, timed)
         if first is not None:
             for m in range(R):
                 add([v * R + m, Y + first * R + m], [1.0, -1.0], 0.0, inf)

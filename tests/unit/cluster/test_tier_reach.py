@@ -70,6 +70,22 @@ def test_the_first_request_through_a_prompt_computes_it():
     )
 
 
+def test_sent_at_trace_times_a_later_turn_first_in_the_trace_may_be_sent_after_another_users_request():
+    # an unrelated opening request of user a, then the big request as a's second turn, then three small ones:
+    # first through P in the trace, the big request waits for a's first reply, so a small one may compute P
+    reqs = [TraceRequest(0.0, 5, 1, [90, 91]), *shared_prompt(True)]
+    reqs = [TraceRequest(float(k), r.input_length, 1, r.hash_ids) for k, r in enumerate(reqs)]
+    hit = (201 - 81) / 201  # the unrelated request's 5 tokens are computed too
+    users = ["a", "a", "b", "c", "d"]
+    assert tier_target_out_of_reach(reqs, BS, 2, hit * (1 - 1e-9), 1.25)["verdict"] == "out of reach"
+    timed = tier_target_out_of_reach(reqs, BS, 2, hit * (1 - 1e-9), 1.25, users=users, timed=True)
+    assert timed["verdict"] == "not excluded"
+    # as the opening request of its own user, it is sent at its time, first: out of reach again
+    users = ["a", "e", "b", "c", "d"]
+    timed = tier_target_out_of_reach(reqs, BS, 2, hit * (1 - 1e-9), 1.25, users=users, timed=True)
+    assert timed["verdict"] == "out of reach"
+
+
 def test_a_request_larger_than_any_replica_may_compute_is_out_of_reach():
     reqs = [TraceRequest(0.0, 1001, 1, list(range(1, 252)))] + [
         TraceRequest(float(k), 50, 1, list(range(1000 * k, 1000 * k + 13))) for k in range(1, 4)
