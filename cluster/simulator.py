@@ -407,7 +407,6 @@ def simulate_policy(
         early = fit_in_gap(idle[j], t if t > ready_at else ready_at, service, t, sh, max_batch) if idle[j] else None
         if early is not None:  # runs while a held request waits, as the engine runs what it has
             s = early
-            push(sh, s + service)
         else:
             s = t if t > server_free[j] else server_free[j]
             if ready_at > s:  # held until its prefix is stored: the replica idles meanwhile unless sent more

@@ -229,7 +229,7 @@ def decide_with_tier(
         opts.target_imbalance,
         time_limit_s,
         client.users if client is not None else None,
-        client is not None and client.arrivals is not None,
+        timed=client is not None and client.arrivals is not None,
     )
     row["shared_tier"][policy]["tier_verdict"] = res["verdict"]
     return row
