@@ -3,7 +3,8 @@ each other's decisions d late (cluster/multi_router.py).
 
 Grid: R in {1, 4, 16} x d in {0, 10 ms, 100 ms, 1 s} x router sync on/off, 256 replicas x 4000 HBM
 blocks, load 0.8, kvmesh, on the bundled traces (conversation, synthetic) and a generated multi-tenant
-chat slice (`kvmesh trace synth` shape: 20 tenants x 10 system prompts, 8 turns per user). Per cell:
+chat slice (`kvmesh trace synth` shape: 20 tenants x 10 system prompts, 8 turns per user; a user's
+next turn is sent no earlier than its previous reply's end, `ClosedLoop.timed`). Per cell:
 token hit rate, imbalance (per-replica prefill max/mean), p90 TTFT.
 Target: with sync, hit rate >= 0.98 x the single router's at the same d, for d = 100 ms (every R).
 Prints where it breaks (the first d at which a synced R misses 0.98). Writes the table as JSON and the
@@ -20,7 +21,7 @@ import time
 
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
-from kvmesh.cluster.simulator import SimConfig
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, arrivals_for
 from kvmesh.cluster.trace import Trace, TraceRequest, load_trace
 from kvmesh.cluster.workloads import ChatSpec, synth_chat
 from kvmesh.policies.registry import make_policy
@@ -37,17 +38,27 @@ TARGET_DELAY_S = 0.100
 def chat_slice(users: int) -> Trace:
     """The generated multi-tenant workload's shape at `users` users per system prompt."""
     spec = ChatSpec(tenants=20, groups=10, users=users, turns=8, start_spread_ms=users * 5760)
-    return Trace("chat", [TraceRequest.from_record(r) for r in synth_chat(spec)], 512)
+    records = synth_chat(spec)
+    meta = {"users": [r["user"] for r in records]}
+    return Trace("chat", [TraceRequest.from_record(r) for r in records], 512, meta)
+
+
+def client_for(trace: Trace, cfg: SimConfig) -> ClosedLoop | None:
+    """A chat trace's users send each turn at its (load-scaled) time but never before the previous
+    reply has ended, as a chat client can; traces without users are sent at their times."""
+    users = trace.meta.get("users")
+    return ClosedLoop.timed(arrivals_for(trace, cfg)[0], users) if users else None
 
 
 def grid(trace: Trace) -> list[dict]:
     cfg = SimConfig(REPLICAS, CAPACITY, load=LOAD)
+    client = client_for(trace, cfg)
     rows = []
     for d in DELAYS_S:
         for r in ROUTERS:
             for sync in (True, False) if r > 1 else (True,):
                 t0 = time.process_time()
-                m = simulate_routers(trace, cfg, lambda: make_policy("kvmesh"), RouterSetup(r, d, sync))
+                m = simulate_routers(trace, cfg, lambda: make_policy("kvmesh"), RouterSetup(r, d, sync), client=client)
                 rows.append(
                     {
                         "trace": trace.name,
@@ -136,7 +147,7 @@ def main() -> None:
     users = int(os.environ.get("BENCH_SCALE_CHAT_USERS", "12"))
     traces = [load_trace("conversation", limit=limit), load_trace("synthetic", limit=limit), chat_slice(users)]
     print(f"R routers x event delay d, {REPLICAS} replicas x {CAPACITY} blocks, load {LOAD}, kvmesh")
-    print("requests spread over routers round robin")
+    print("requests spread over routers round robin; the chat slice's turns each after the previous reply")
     rows = []
     for trace in traces:
         print(f" {trace.name}: {len(trace)} requests", flush=True)

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
-from kvmesh.cluster.simulator import SimConfig, Tally, arrivals_for, chunk_rows, summarize
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, Tally, arrivals_for, chunk_rows, summarize
 from kvmesh.cluster.trace import Trace
 from kvmesh.deployments.router_sync import UnseenPlacements, is_free_choice
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
@@ -147,10 +147,13 @@ def simulate_routers(
     make_policy: Callable[[], Policy],
     setup: RouterSetup,
     arrivals: list[float] | None = None,
+    client: ClosedLoop | None = None,
 ) -> dict:
     """Replay `trace` through `setup.routers` routers (each with its own policy from `make_policy`);
     returns `simulate_policy`'s metrics dict plus `routers` (the setup and churn counts). Tier copies are
-    stored when their request is routed (`SimConfig.tier_store_at` "routed"); "computed" is refused."""
+    stored when their request is routed (`SimConfig.tier_store_at` "routed"); "computed" is refused.
+    With `client` (`ClosedLoop`), it decides when each request is sent, as in `simulate_policy`: a
+    chat user's next turn goes no earlier than its previous reply's end."""
     cfg.check()
     setup.check()
     if cfg.tier_store_at != "routed":
@@ -158,7 +161,10 @@ def simulate_routers(
             "tier_store_at 'computed' is modelled by the one-router simulator only: drop --routers, "
             "--event-delay-ms and --churn-every-s, or use --tier-store-at routed"
         )
-    if arrivals is None:
+    sender = client.sender(len(trace.requests)) if client is not None else None
+    if sender is not None:
+        arrivals = [0.0] * len(trace.requests)  # filled in as the client sends
+    elif arrivals is None:
         arrivals, _ = arrivals_for(trace, cfg)
     c = cfg.cost
     bs = trace.block_size
@@ -189,7 +195,7 @@ def simulate_routers(
     push, pop = heapq.heappush, heapq.heappop
     next_churn = setup.churn_every_s if setup.churn_every_s is not None else float("inf")
     churned = 0
-    t0 = arrivals[0] if arrivals else 0.0
+    t0 = 0.0 if sender is not None else arrivals[0] if arrivals else 0.0
 
     prompt_r = [0] * N
     hit_r = [0] * N
@@ -207,8 +213,10 @@ def simulate_routers(
         if new or evicted:
             stream.append((when, _ENGINE, _KV, tier, holder, new, evicted, None))
 
-    for i, t in enumerate(arrivals):
+    order = sender if sender is not None else enumerate(arrivals)
+    for sent, (i, t) in enumerate(order):
         r = trace.requests[i]
+        arrivals[i] = t
         while events and events[0][0] <= t:
             when, kind, k, val, rid = pop(events)
             if rid != rids[k]:
@@ -235,7 +243,7 @@ def simulate_routers(
                 rt.load(k, -int(rt.queued[k]), -int(rt.running[k]), -int(rt.pending[k]), -int(rt.active[k]))
             churned += 1
             next_churn += setup.churn_every_s  # type: ignore[operator]
-        me = i % R
+        me = sent % R  # the HTTP front spreads requests over the routers in the order they come
         rt = routers[me]
         # deliver what happened at least `delay` ago
         horizon = t - delay
@@ -245,7 +253,7 @@ def simulate_routers(
             rt.apply(me, stream[pos])
             pos += 1
         rt.read = pos + base
-        if i % 4096 == 0 and stream:  # drop what every router has read
+        if sent % 4096 == 0 and stream:  # drop what every router has read
             low = min(x.read for x in routers) - base
             if low > 0:
                 del stream[:low]
@@ -311,6 +319,8 @@ def simulate_routers(
         server_free[j] = done
         end_t = done + r.output_length * c.decode_s_per_token
         push(sh, end_t)
+        if sender is not None:
+            sender.ended(i, end_t)
         kvb = -(-(n + r.output_length) // bs)
         push(events, (done, 0, j, uncached, rid))
         push(events, (end_t, 1, j, kvb, rid))

@@ -604,7 +604,12 @@ def simulate(
             "load_definition": "offered prefill work with no reuse / fleet prefill capacity",
             "span_s": arrivals[-1] - arrivals[0],
             "cost_model": cfg.cost.to_dict(),
-            "closed_loop_concurrency": client.concurrency if client is not None else None,
+            "closed_loop_concurrency": client.concurrency if client is not None and client.arrivals is None else None,
+            "send": "timestamps"
+            if client is None
+            else "closed loop"
+            if client.arrivals is None
+            else "timed, turns after replies",
             "uncached_rate_per_mtok": cfg.uncached_rate,
             "cached_rate_per_mtok": cfg.cached_rate,
             "seed": cfg.seed,
@@ -625,7 +630,7 @@ def simulate(
                 from kvmesh.cluster.multi_router import simulate_routers
 
                 fresh = functools.partial(copy.deepcopy, pol)
-                doc["policies"][name] = simulate_routers(trace, cfg, fresh, routers, arrivals)
+                doc["policies"][name] = simulate_routers(trace, cfg, fresh, routers, arrivals, client)
                 if bar is not None:
                     bar.update(len(trace))
                 continue

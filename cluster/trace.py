@@ -154,14 +154,16 @@ def read_records(
 
 def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
     """Load and validate a whole trace (bundled name or path) for the simulator: timestamps must not go
-    back. Raises TraceError; empty traces too."""
+    back. Raises TraceError; empty traces too. Where records name a `user`, `meta["users"]` lists them."""
     if block_size < 1:
         raise TraceError("block size must be >= 1")
     path = resolve(name_or_path)
     reqs: list[TraceRequest] = []
+    users: list = []
     last_ts = -math.inf
     for where, rec in _read(name_or_path, path, block_size, limit):
         req = TraceRequest.from_record(rec)
+        users.append(rec.get("user"))
         if req.timestamp_ms < last_ts:
             raise TraceError(f"{where}: timestamp {req.timestamp_ms:g} goes back in time (previous {last_ts:g})")
         last_ts = req.timestamp_ms
@@ -169,7 +171,10 @@ def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: 
     if not reqs:
         raise TraceError(f"trace {name_or_path!r}: no requests")
     name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)
-    return Trace(name, reqs, block_size, {"path": path})
+    meta: dict = {"path": path}
+    if any(u is not None for u in users):
+        meta["users"] = users  # per request: its record's user (a conversation's turns), for a client model
+    return Trace(name, reqs, block_size, meta)
 
 
 def tile(trace: Trace, copies: int) -> Trace:
@@ -191,7 +196,10 @@ def tile(trace: Trace, copies: int) -> Trace:
                     r.tenant,
                 )
             )
-    return Trace(f"{trace.name}x{copies}", out, trace.block_size, dict(trace.meta, tiled=copies))
+    meta = dict(trace.meta, tiled=copies)
+    if "users" in meta:  # each copy's conversations are new ones
+        meta["users"] = [None if u is None else f"{u}#{k}" for k in range(copies) for u in trace.meta["users"]]
+    return Trace(f"{trace.name}x{copies}", out, trace.block_size, meta)
 
 
 def scale_to_load(

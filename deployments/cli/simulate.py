@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="send closed-loop, as `kvmesh replay --concurrency` does: N in flight, a user's next "
         "turn after its previous reply (default: trace timestamps)",
     )
+    p.add_argument(
+        "--reply-wait",
+        choices=("on", "off"),
+        default="on",
+        help="without --concurrency, on a trace whose records name a `user`: send each request at its "
+        "timestamp but a user's next turn no earlier than its previous reply's end, as a chat client "
+        "can (default on); off: every request at its timestamp",
+    )
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
     p.add_argument(
         "--routers",
@@ -127,10 +135,9 @@ def _load(args):
     if args.tokens_per_block is None:
         try:
             trace = load_trace(args.trace, args.block_size or 512, args.limit)
-            records = read_records(args.trace, args.limit, args.block_size or 512) if args.concurrency else []
         except TraceError as exc:
             raise CliError(str(exc)) from None
-        return trace, [r.get("user") for r in records] or None
+        return trace, trace.meta.get("users")
     block = args.block_size or args.tokens_per_block
     if args.tokens_per_block % block:
         raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
@@ -141,7 +148,10 @@ def _load(args):
     if not records:
         raise CliError(f"{args.trace}: no requests")
     name = os.path.splitext(os.path.basename(args.trace))[0]
-    return engine_trace(records, args.tokens_per_block, block, name=name), [r.get("user") for r in records]
+    users = [r.get("user") for r in records]
+    return engine_trace(records, args.tokens_per_block, block, name=name), (
+        users if any(u is not None for u in users) else None
+    )
 
 
 def _router_setup(args):
@@ -152,10 +162,22 @@ def _router_setup(args):
     return None if setup == RouterSetup() else setup
 
 
+def _client(args, trace, cfg, users):
+    """How requests are sent: closed loop (`--concurrency`), timed with each user's turns after their
+    replies (a trace that names users), or None: every request at its timestamp."""
+    from kvmesh.cluster.simulator import ClosedLoop, arrivals_for
+
+    if args.concurrency:
+        return ClosedLoop(args.concurrency, users)
+    if users is not None and args.reply_wait == "on":
+        return ClosedLoop.timed(arrivals_for(trace, cfg)[0], users)
+    return None
+
+
 def run(args) -> int:
     from kvmesh.cluster.bounds import balance_bounded_bound
     from kvmesh.cluster.sim_report import format_table, plot
-    from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate
+    from kvmesh.cluster.simulator import SimConfig, simulate
     from kvmesh.policies.registry import make_policy, parse_policy_list
 
     try:
@@ -191,11 +213,8 @@ def run(args) -> int:
         cfg.check()
         policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
         progress = not args.no_progress and len(trace) * len(names) >= 20_000
-        client = ClosedLoop(args.concurrency, users) if args.concurrency else None
-        setup = _router_setup(args)
-        if setup is not None and client is not None:
-            raise CliError("--routers/--event-delay-ms/--churn-every-s replay timed arrivals: drop --concurrency")
-        doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=setup)
+        client = _client(args, trace, cfg, users)
+        doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=_router_setup(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # beside doc["bounds"] (whose keys other tools rely on): hit rate, imbalance reached, per-replica prefill

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
-from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, arrivals_for, simulate_policy
 from kvmesh.cluster.trace import load_trace
 from kvmesh.cluster.workloads import ChatSpec, engine_trace, synth_chat
 from kvmesh.policies.base import FleetView, RequestInfo
@@ -54,6 +54,26 @@ def test_synced_routers_without_delay_act_as_one(trace):
     four = simulate_routers(trace, cfg(), kvmesh, RouterSetup(4, 0.0, sync=True))
     # index_stats count each router's own lookups: a quarter each
     assert comparable(four, "index_stats") == comparable(plain, "index_stats")
+
+
+def test_routers_send_as_the_plain_simulators_client_does():
+    """With a client that sends a user's next turn only after its previous reply (here every turn is
+    stamped before the previous reply can end), one router is still the plain simulator field by field,
+    and so are four synced routers with no delay."""
+    records = synth_chat(ChatSpec(tenants=2, groups=2, users=4, turns=4, start_spread_ms=200, think_ms=20))
+    trace = engine_trace(records, 32, name="chat")
+    users = [r["user"] for r in records]
+    stamps = SimConfig(6, 60, cost=COST)  # the trace's own timestamps: turns 10-30 ms apart
+    arrivals, _ = arrivals_for(trace, stamps)
+    client = ClosedLoop.timed(arrivals, users)
+    plain = simulate_policy(trace, stamps, kvmesh(), client=client)
+    stamped = simulate_policy(trace, stamps, kvmesh())
+    # sent at their stamps, turns queue behind their own previous turn
+    assert plain["ttft_p90_s"] < 0.5 * stamped["ttft_p90_s"]
+    one = simulate_routers(trace, stamps, kvmesh, RouterSetup(1, 0.0), client=client)
+    four = simulate_routers(trace, stamps, kvmesh, RouterSetup(4, 0.0, sync=True), client=client)
+    assert comparable(one, "held_for_tier") == comparable(plain, "held_for_tier")
+    assert comparable(four, "index_stats", "held_for_tier") == comparable(plain, "index_stats", "held_for_tier")
 
 
 def test_routers_without_sync_split_a_prefix():

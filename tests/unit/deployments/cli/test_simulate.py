@@ -245,3 +245,29 @@ def test_live_block_size_and_closed_loop_sending(tmp_path):
 def test_live_shape_options_reject_bad_combinations(args, message):
     r = _cli("--trace", FIXTURE, "--replicas", "3", "--capacity-blocks", "100", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_users_turns_wait_for_their_replies_unless_told_not_to(tmp_path):
+    """A chat trace whose turns are stamped 1 ms apart: by default each turn is sent after the previous
+    reply ends, as a chat client can, so none queues behind its own previous turn; `--reply-wait off`
+    sends each at its stamp. The multi-router model sends the same way, and takes --concurrency too."""
+    trace = tmp_path / "chat.jsonl"
+    history: list[int] = []
+    lines = []
+    for turn in range(4):
+        history = history + [10 * turn + k for k in range(4)]
+        rec = {"timestamp": turn, "input_length": 512 * len(history), "output_length": 64, "hash_ids": history}
+        lines.append(json.dumps(dict(rec, user="u0")))
+    trace.write_text("\n".join(lines) + "\n")
+    base = ["simulate", "--trace", str(trace), "--replicas", "1", "--capacity-blocks", "1000", "--no-progress"]
+    docs = {}
+    for extra in ([], ["--reply-wait", "off"], ["--routers", "2"], ["--routers", "2", "--concurrency", "2"]):
+        out = tmp_path / f"{len(docs)}.json"
+        assert main([*base, "--policies", "kvmesh", *extra, "--json", str(out)]) == 0
+        docs[" ".join(extra)] = json.loads(out.read_text())
+    waits, stamps = docs[""], docs["--reply-wait off"]
+    assert waits["config"]["send"] == "timed, turns after replies" and stamps["config"]["send"] == "timestamps"
+    assert waits["policies"]["kvmesh"]["ttft_p90_s"] < 0.5 * stamps["policies"]["kvmesh"]["ttft_p90_s"]
+    routed = docs["--routers 2"]["policies"]["kvmesh"]
+    assert routed["ttft_p90_s"] == pytest.approx(waits["policies"]["kvmesh"]["ttft_p90_s"])
+    assert docs["--routers 2 --concurrency 2"]["config"]["closed_loop_concurrency"] == 2
