@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="send closed-loop, as `kvmesh replay --concurrency` does: N in flight, a user's next "
-        "turn after its previous reply (default: trace timestamps)",
+        "turn after its previous reply (default: trace timestamps, see --reply-wait)",
     )
     p.add_argument(
         "--reply-wait",
