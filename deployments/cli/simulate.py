@@ -190,6 +190,8 @@ def run(args) -> int:
         raise CliError(f"--plot: expected a .png path, got {args.plot!r}")
     if args.concurrency is not None and args.load is not None:
         raise CliError("give either --load (timed arrivals) or --concurrency (closed loop), not both")
+    if args.concurrency is not None and args.reply_wait == "off":
+        raise CliError("--concurrency always sends a user's next turn after its reply: drop --reply-wait off")
     cost = _cost_model(args.cost_model)
     trace, users = _load(args)
     if len(trace) < 2 and args.load is not None:

@@ -239,6 +239,7 @@ def test_live_block_size_and_closed_loop_sending(tmp_path):
     [
         (["--tokens-per-block", "48", "--block-size", "32"], "must be a multiple of --block-size"),
         (["--concurrency", "4", "--load", "0.5"], "not both"),
+        (["--concurrency", "4", "--reply-wait", "off"], "drop --reply-wait off"),
         (["--block-size", "64"], "does not fit"),
     ],
 )
