@@ -21,8 +21,8 @@ import time
 
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
-from kvmesh.cluster.simulator import ClosedLoop, SimConfig, arrivals_for
-from kvmesh.cluster.trace import Trace, TraceRequest, load_trace
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig
+from kvmesh.cluster.trace import Trace, TraceRequest, load_trace, users_meta
 from kvmesh.cluster.workloads import ChatSpec, synth_chat
 from kvmesh.policies.registry import make_policy
 
@@ -39,20 +39,12 @@ def chat_slice(users: int) -> Trace:
     """The generated multi-tenant workload's shape at `users` users per system prompt."""
     spec = ChatSpec(tenants=20, groups=10, users=users, turns=8, start_spread_ms=users * 5760)
     records = synth_chat(spec)
-    meta = {"users": [r["user"] for r in records]}
-    return Trace("chat", [TraceRequest.from_record(r) for r in records], 512, meta)
-
-
-def client_for(trace: Trace, cfg: SimConfig) -> ClosedLoop | None:
-    """A chat trace's users send each turn at its (load-scaled) time but never before the previous
-    reply has ended, as a chat client can; traces without users are sent at their times."""
-    users = trace.meta.get("users")
-    return ClosedLoop.timed(arrivals_for(trace, cfg)[0], users) if users else None
+    return Trace("chat", [TraceRequest.from_record(r) for r in records], 512, users_meta([r["user"] for r in records]))
 
 
 def grid(trace: Trace) -> list[dict]:
     cfg = SimConfig(REPLICAS, CAPACITY, load=LOAD)
-    client = client_for(trace, cfg)
+    client = ClosedLoop.replying(trace, cfg)  # the chat slice's turns after their replies
     rows = []
     for d in DELAYS_S:
         for r in ROUTERS:

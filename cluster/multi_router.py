@@ -195,7 +195,7 @@ def simulate_routers(
     push, pop = heapq.heappush, heapq.heappop
     next_churn = setup.churn_every_s if setup.churn_every_s is not None else float("inf")
     churned = 0
-    t0 = 0.0 if sender is not None else arrivals[0] if arrivals else 0.0
+    t0 = arrivals[0] if arrivals else 0.0
 
     prompt_r = [0] * N
     hit_r = [0] * N

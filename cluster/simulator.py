@@ -116,6 +116,13 @@ class ClosedLoop:
         previous reply."""
         return cls(max(len(arrivals), 1), users, list(arrivals))
 
+    @classmethod
+    def replying(cls, trace: Trace, cfg: SimConfig) -> ClosedLoop | None:
+        """`timed` at `cfg`'s arrivals for a trace whose requests name users (`trace.meta["users"]`); None
+        for one that names none: its requests go at their times, with no reply to wait for."""
+        users = trace.meta.get("users")
+        return cls.timed(arrivals_for(trace, cfg)[0], users) if users else None
+
 
 class _ClosedLoopSender:
     """Yields (request index, send time) in send order; told each request's end through `ended`."""

@@ -152,6 +152,12 @@ def read_records(
     return [rec for _, rec in _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)]
 
 
+def users_meta(users: list) -> dict:
+    """`Trace.meta`'s "users" entry (per request: its record's user, a conversation's turns, for a client
+    model such as `ClosedLoop.replying`), or nothing when no request names a user."""
+    return {"users": users} if any(u is not None for u in users) else {}
+
+
 def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
     """Load and validate a whole trace (bundled name or path) for the simulator: timestamps must not go
     back. Raises TraceError; empty traces too. Where records name a `user`, `meta["users"]` lists them."""
@@ -171,10 +177,7 @@ def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: 
     if not reqs:
         raise TraceError(f"trace {name_or_path!r}: no requests")
     name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)
-    meta: dict = {"path": path}
-    if any(u is not None for u in users):
-        meta["users"] = users  # per request: its record's user (a conversation's turns), for a client model
-    return Trace(name, reqs, block_size, meta)
+    return Trace(name, reqs, block_size, {"path": path, **users_meta(users)})
 
 
 def tile(trace: Trace, copies: int) -> Trace:

@@ -25,7 +25,7 @@ import random
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 
-from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest
+from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest, users_meta
 
 
 # --------------------------------------------------------------------------------------- records
@@ -230,7 +230,7 @@ def engine_trace(
                 }
             )
         )
-    return Trace(name, out, block_size=block_size)
+    return Trace(name, out, block_size=block_size, meta=users_meta([r.get("user") for r in records]))
 
 
 def fit_context(

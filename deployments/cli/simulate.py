@@ -128,7 +128,7 @@ def _cost_model(text: str | None):
 
 
 def _load(args):
-    """The trace as the simulator takes it, and each request's user (for the closed-loop client)."""
+    """The trace as the simulator takes it (its requests' users, if any, in `meta["users"]`)."""
     from kvmesh.cluster.trace import TraceError, load_trace, read_records
     from kvmesh.cluster.workloads import engine_trace
 
@@ -137,7 +137,7 @@ def _load(args):
             trace = load_trace(args.trace, args.block_size or 512, args.limit)
         except TraceError as exc:
             raise CliError(str(exc)) from None
-        return trace, trace.meta.get("users")
+        return trace
     block = args.block_size or args.tokens_per_block
     if args.tokens_per_block % block:
         raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
@@ -148,10 +148,7 @@ def _load(args):
     if not records:
         raise CliError(f"{args.trace}: no requests")
     name = os.path.splitext(os.path.basename(args.trace))[0]
-    users = [r.get("user") for r in records]
-    return engine_trace(records, args.tokens_per_block, block, name=name), (
-        users if any(u is not None for u in users) else None
-    )
+    return engine_trace(records, args.tokens_per_block, block, name=name)
 
 
 def _router_setup(args):
@@ -162,16 +159,14 @@ def _router_setup(args):
     return None if setup == RouterSetup() else setup
 
 
-def _client(args, trace, cfg, users):
+def _client(args, trace, cfg):
     """How requests are sent: closed loop (`--concurrency`), timed with each user's turns after their
     replies (a trace that names users), or None: every request at its timestamp."""
-    from kvmesh.cluster.simulator import ClosedLoop, arrivals_for
+    from kvmesh.cluster.simulator import ClosedLoop
 
     if args.concurrency:
-        return ClosedLoop(args.concurrency, users)
-    if users is not None and args.reply_wait == "on":
-        return ClosedLoop.timed(arrivals_for(trace, cfg)[0], users)
-    return None
+        return ClosedLoop(args.concurrency, trace.meta.get("users"))
+    return ClosedLoop.replying(trace, cfg) if args.reply_wait == "on" else None
 
 
 def run(args) -> int:
@@ -193,7 +188,7 @@ def run(args) -> int:
     if args.concurrency is not None and args.reply_wait == "off":
         raise CliError("--concurrency always sends a user's next turn after its reply: drop --reply-wait off")
     cost = _cost_model(args.cost_model)
-    trace, users = _load(args)
+    trace = _load(args)
     if len(trace) < 2 and args.load is not None:
         raise CliError("--load needs a trace with at least two requests at different times")
     cfg = SimConfig(
@@ -215,7 +210,7 @@ def run(args) -> int:
         cfg.check()
         policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
         progress = not args.no_progress and len(trace) * len(names) >= 20_000
-        client = _client(args, trace, cfg, users)
+        client = _client(args, trace, cfg)
         doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=_router_setup(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
