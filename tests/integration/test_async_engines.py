@@ -131,24 +131,40 @@ def test_repeated_prefix_reports_cached_tokens_and_the_prediction_matches(async_
 
 
 def test_streaming_chat_sends_chunks_then_usage_then_done(async_app):
+    """The reply streams as the engine makes it: a role chunk first, the text over several chunks, the
+    finish reason on the last one, then the usage chunk and [DONE]. A replica that falls behind gets
+    AsyncLLM's deltas merged (vLLM's per-request collector does that), so the reply is long enough
+    (ignore_eos) that it cannot all be merged into one chunk unless the replica stalls for the whole
+    generation."""
+    n = 128
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hello from the async engine " + str(_rng.random())}],
-        "max_tokens": 8,
+        "max_tokens": n,
         "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
     }
     events = []
-    with async_app.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    with async_app.client() as c:
+        with c.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        ) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        whole = c.post("/v1/chat/completions", json=body)
+    assert whole.status_code == 200, whole.text
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
-    usage = [ch["usage"] for ch in chunks if ch.get("usage")]
-    assert text and len(chunks) > 2
-    assert usage and usage[-1]["completion_tokens"] <= 8 and usage[-1]["prompt_tokens"] > 0
+    *replies, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == n and last["usage"]["prompt_tokens"] > 0
+    assert all(ch["choices"] and ch["usage"] is None for ch in replies)
+    assert replies[0]["choices"][0]["delta"].get("role") == "assistant"
+    finishes = [ch["choices"][0]["finish_reason"] for ch in replies]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    pieces = [ch["choices"][0]["delta"].get("content") or "" for ch in replies]
+    assert sum(1 for p in pieces if p) > 2
+    # the streamed text is the text of the same greedy request asked for whole
+    assert "".join(pieces) == whole.json()["choices"][0]["message"]["content"]
 
 
 def test_kv_events_from_the_engine_core_process_reach_the_router(async_app):
