@@ -1,12 +1,13 @@
 """Simulator speed at full size, measured, not extrapolated: 1,000,000 requests x 256 replicas.
 
 The trace is a generated multi-tenant multi-turn chat workload written by `kvmesh trace synth` (20
-tenants x 10 system prompts x 625 users x 8 turns = 1,000,000 requests; cached as BENCH_OUT/chat1m.jsonl,
-default out/). It is replayed under kvmesh through 256 replicas x 4000 HBM blocks at load 0.8 (index
-match, policy, caches and time model per request). Target: <= 120 s. CPU time of the simulation is the
-verdict (the machine is shared; wall time and the load average are printed beside it); loading the
-trace is timed separately. Opt-in (BENCH=sim_speed): it writes a ~300 MB trace and runs for minutes.
-Exit 1 on a miss.
+tenants x 10 system prompts x 625 users x 8 turns = 1,000,000 requests; cached as
+BENCH_OUT/chat1m.jsonl, default out/). It is replayed under kvmesh through 256 replicas x 4000 HBM
+blocks at load 0.8 (index match, policy, caches and time model per request), sent as `kvmesh simulate`
+sends a trace that names users: each request at its time, a user's next turn no earlier than the end of
+its previous reply. Target: <= 120 s. CPU time of the simulation is the verdict (the machine is shared;
+wall time and the load average are printed beside it); loading the trace is timed separately. Opt-in
+(BENCH=sim_speed): it writes a ~300 MB trace and runs for minutes. Exit 1 on a miss.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import time
 
 from kvmesh.benchmarks.targets import Targets
-from kvmesh.cluster.simulator import SimConfig, simulate_policy
+from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.trace import load_trace
 from kvmesh.policies.registry import make_policy
 
@@ -43,7 +44,8 @@ def main() -> None:
     )
     gc.freeze()  # the trace's million request objects never change: keep the collector off them
     c0, w0 = time.process_time(), time.perf_counter()
-    m = simulate_policy(trace, SimConfig(256, 4000, load=0.8), make_policy("kvmesh"))
+    cfg = SimConfig(256, 4000, load=0.8)
+    m = simulate_policy(trace, cfg, make_policy("kvmesh"), client=ClosedLoop.replying(trace, cfg))
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     gc.unfreeze()
     print(
