@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from typing import NoReturn
 
 from kvmesh.cluster.sweep import (
     DEFAULT_POLICIES,
@@ -104,6 +105,7 @@ def format_misses(misses: list[dict], opts: SweepOptions) -> str:
 def main() -> dict:
     which = os.environ.get("ROBUST_SEEDS", "eval")
     seeds = load_seed_set(which)
+    live_seed_slice()  # checked before the sweep: a live slice that cannot run fails at once
     out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "robust")
     opts = SweepOptions(tier_chunk_blocks=int(os.environ.get("ROBUST_TIER_CHUNK_BLOCKS", "1")))
     t0 = time.perf_counter()
@@ -313,18 +315,43 @@ def simulated_live_part(which: str, chunk_blocks: int) -> dict:
     return out
 
 
+def live_seed_slice() -> list[int]:
+    """The eval draws ROBUST_LIVE (how many) and ROBUST_LIVE_FROM (from which index) ask to run live; [] when
+    none. Exits 2 with a one-line message when the slice is empty or the peer router the live runs compare
+    with is not installed: found before the sweep and the live runs start, not minutes into them."""
+    try:
+        n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
+        start = int(os.environ.get("ROBUST_LIVE_FROM", "0") or 0)
+    except ValueError as exc:
+        _refuse(f"ROBUST_LIVE and ROBUST_LIVE_FROM must be integers ({exc})")
+    if n <= 0:
+        return []
+    every = load_seed_set("eval")
+    seeds = every[start : start + n] if start >= 0 else []
+    if not seeds:
+        _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} eval draws")
+    from kvmesh.benchmarks.robust_live import require_peer_router
+
+    try:
+        require_peer_router()
+    except FileNotFoundError as exc:
+        _refuse(f"the live runs need {exc}")
+    return seeds
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"bench_robust: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_live_part(out_dir: str) -> bool:
     """ROBUST_LIVE=N: N eval draws live, from the first (or from index ROBUST_LIVE_FROM, so that a later slice
     of the evaluation draws can be run live too); prints each draw's checks; True when one missed."""
-    n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
-    if n <= 0:
+    seeds = live_seed_slice()
+    if not seeds:
         return False
-    start = int(os.environ.get("ROBUST_LIVE_FROM", "0") or 0)
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
-    seeds = load_seed_set("eval")[start : start + n]
-    if not seeds:
-        raise ValueError(f"ROBUST_LIVE_FROM={start} is past the {len(load_seed_set('eval'))} eval draws")
     rows = live_sweep(seeds, tier=os.environ.get("ROBUST_LIVE_TIER", "") not in ("", "0"))
     print(format_live(rows))
     missed = False

@@ -247,6 +247,13 @@ def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
     shutil.rmtree(work, ignore_errors=True)  # kept (above) only when the leg failed
 
 
+def require_peer_router() -> None:
+    """Raise FileNotFoundError (naming how to install it) when the peer router's program is missing."""
+    from kvmesh.benchmarks.peers import setups
+
+    setups.router_binary(peer_setup(PEER).router)
+
+
 def peer_setup(name: str):
     """The peer bench's setup called `name` (a router and its policy)."""
     from kvmesh.benchmarks.peers import setups

@@ -36,7 +36,7 @@ PEER_SETUPS = [
 SETUP_NAMES = [s.name for s in PEER_SETUPS] + [KVMESH]
 
 
-def _bin(name: str) -> str:
+def router_binary(name: str) -> str:
     """The console script next to this interpreter (the venv), else on PATH."""
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
@@ -51,7 +51,7 @@ def router_command(
     urls = [s.url for s in servers]
     if setup.router == "vllm-router":
         cmd = [
-            _bin("vllm-router"),
+            router_binary("vllm-router"),
             "--worker-urls",
             *urls,
             "--policy",
@@ -74,7 +74,7 @@ def router_command(
         return cmd
     if setup.router == "sglang-router":
         return [
-            _bin("sglang-router"),
+            router_binary("sglang-router"),
             "launch",
             "--worker-urls",
             *urls,

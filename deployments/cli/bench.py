@@ -99,7 +99,7 @@ def _require_peers(routers: set[str]) -> None:
 
     for name in sorted(routers):
         try:
-            setups._bin(name)
+            setups.router_binary(name)
         except FileNotFoundError:
             raise CliError(f"kvmesh bench: {name} is not installed (pip install -e '.[bench]')") from None
 

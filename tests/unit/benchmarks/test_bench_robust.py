@@ -22,3 +22,36 @@ def test_tail_lines_compare_each_policy_with_round_robin_and_count_draws_over_1_
     # p50 ratios 0.9, 1.0, 1.2 (one over 1.1); p90 ratios 1.0, 1.5, 0.9 (one over 1.1, max 1.5)
     assert "p50 median 1.00" in lines[0] and "over 1.1 on 1);" in lines[0]
     assert "max 1.50, over 1.1 on 1)" in lines[0]
+
+
+def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
+    """Checked before the sweep: an empty slice, a bad number, or a missing peer router is one line and exit 2,
+    not a traceback minutes into the live runs."""
+    import pytest
+
+    from kvmesh.benchmarks import bench_robust
+    from kvmesh.benchmarks.peers import setups
+
+    monkeypatch.delenv("ROBUST_LIVE", raising=False)
+    assert bench_robust.live_seed_slice() == []
+    monkeypatch.setenv("ROBUST_LIVE", "2")
+    monkeypatch.setenv("ROBUST_LIVE_FROM", "4")
+    monkeypatch.setattr(setups, "router_binary", lambda name: f"/bin/{name}")
+    eval_seeds = bench_robust.load_seed_set("eval")
+    assert bench_robust.live_seed_slice() == eval_seeds[4:6]
+
+    def missing(name):
+        raise FileNotFoundError(f"{name} not installed (pip install -e '.[bench]')")
+
+    cases = [({"ROBUST_LIVE_FROM": str(len(eval_seeds))}, "outside the"), ({"ROBUST_LIVE": "two"}, "integers")]
+    cases.append(({}, "need vllm-router not installed"))
+    monkeypatch.setattr(setups, "router_binary", missing)
+    for env, said in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with pytest.raises(SystemExit) as exc:
+                bench_robust.live_seed_slice()
+        message = capsys.readouterr().err
+        assert exc.value.code == 2 and said in message and message.startswith("bench_robust: ")
+        assert message.count("\n") == 1 and message.endswith("\n")

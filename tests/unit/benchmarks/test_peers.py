@@ -167,7 +167,7 @@ def test_cli_missing_peer_is_one_line(monkeypatch, capsys, tmp_path):
     def missing(name):
         raise FileNotFoundError(name)
 
-    monkeypatch.setattr(setups, "_bin", missing)
+    monkeypatch.setattr(setups, "router_binary", missing)
     assert cli.main(["bench", "peers", "--setups", "sglang-router/cache_aware", "--work-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "sglang-router is not installed" in err and "\n" not in err
