@@ -317,8 +317,9 @@ def simulated_live_part(which: str, chunk_blocks: int) -> dict:
 
 def live_seed_slice() -> list[int]:
     """The eval draws ROBUST_LIVE (how many) and ROBUST_LIVE_FROM (from which index) ask to run live; [] when
-    none. Exits 2 with a one-line message when the slice is empty or the peer router the live runs compare
-    with is not installed: found before the sweep and the live runs start, not minutes into them."""
+    none. Exits 2 with a one-line message when the slice is empty or a program the live runs start is not
+    installed (the peer router they compare with; redis-server with ROBUST_LIVE_TIER): found before the sweep
+    and the live runs start, not minutes into them."""
     try:
         n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
         start = int(os.environ.get("ROBUST_LIVE_FROM", "0") or 0)
@@ -330,13 +331,18 @@ def live_seed_slice() -> list[int]:
     seeds = every[start : start + n] if start >= 0 else []
     if not seeds:
         _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} eval draws")
-    from kvmesh.benchmarks.robust_live import require_peer_router
+    from kvmesh.benchmarks.robust_live import require_live_tools
 
     try:
-        require_peer_router()
+        require_live_tools(tier=live_tier())
     except FileNotFoundError as exc:
         _refuse(f"the live runs need {exc}")
     return seeds
+
+
+def live_tier() -> bool:
+    """ROBUST_LIVE_TIER: the live draws also run with LMCache tiers (a shared Redis tier included)."""
+    return os.environ.get("ROBUST_LIVE_TIER", "") not in ("", "0")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -352,7 +358,7 @@ def run_live_part(out_dir: str) -> bool:
         return False
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
-    rows = live_sweep(seeds, tier=os.environ.get("ROBUST_LIVE_TIER", "") not in ("", "0"))
+    rows = live_sweep(seeds, tier=live_tier())
     print(format_live(rows))
     missed = False
     for r in rows:

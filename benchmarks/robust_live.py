@@ -247,11 +247,14 @@ def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
     shutil.rmtree(work, ignore_errors=True)  # kept (above) only when the leg failed
 
 
-def require_peer_router() -> None:
-    """Raise FileNotFoundError (naming how to install it) when the peer router's program is missing."""
+def require_live_tools(tier: bool) -> None:
+    """Raise FileNotFoundError, naming how to install it, when a program the live runs start is missing: the
+    peer router, and with `tier` redis-server (the shared tier behind LMCache)."""
     from kvmesh.benchmarks.peers import setups
 
     setups.router_binary(peer_setup(PEER).router)
+    if tier and not shutil.which("redis-server"):
+        raise FileNotFoundError("redis-server not installed (make services)")
 
 
 def peer_setup(name: str):

@@ -25,33 +25,42 @@ def test_tail_lines_compare_each_policy_with_round_robin_and_count_draws_over_1_
 
 
 def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
-    """Checked before the sweep: an empty slice, a bad number, or a missing peer router is one line and exit 2,
-    not a traceback minutes into the live runs."""
+    """Checked before the sweep: an empty slice, a bad number, or a missing program the live runs start is one
+    line and exit 2, not a traceback minutes into the live runs."""
+    import shutil
+
     import pytest
 
     from kvmesh.benchmarks import bench_robust
     from kvmesh.benchmarks.peers import setups
 
-    monkeypatch.delenv("ROBUST_LIVE", raising=False)
+    for name in ("ROBUST_LIVE", "ROBUST_LIVE_TIER"):
+        monkeypatch.delenv(name, raising=False)
     assert bench_robust.live_seed_slice() == []
     monkeypatch.setenv("ROBUST_LIVE", "2")
     monkeypatch.setenv("ROBUST_LIVE_FROM", "4")
     monkeypatch.setattr(setups, "router_binary", lambda name: f"/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no redis-server: needed with the tier only
     eval_seeds = bench_robust.load_seed_set("eval")
     assert bench_robust.live_seed_slice() == eval_seeds[4:6]
 
     def missing(name):
         raise FileNotFoundError(f"{name} not installed (pip install -e '.[bench]')")
 
-    cases = [({"ROBUST_LIVE_FROM": str(len(eval_seeds))}, "outside the"), ({"ROBUST_LIVE": "two"}, "integers")]
-    cases.append(({}, "need vllm-router not installed"))
-    monkeypatch.setattr(setups, "router_binary", missing)
-    for env, said in cases:
+    cases = [
+        ({"ROBUST_LIVE_TIER": "1"}, None, "need redis-server not installed"),
+        ({"ROBUST_LIVE_FROM": str(len(eval_seeds))}, None, f"outside the {len(eval_seeds)} eval draws"),
+        ({"ROBUST_LIVE": "two"}, None, "must be integers"),
+        ({}, missing, "need vllm-router not installed"),
+    ]
+    for env, router, said in cases:
         with monkeypatch.context() as m:
             for k, v in env.items():
                 m.setenv(k, v)
+            if router is not None:
+                m.setattr(setups, "router_binary", router)
             with pytest.raises(SystemExit) as exc:
                 bench_robust.live_seed_slice()
         message = capsys.readouterr().err
-        assert exc.value.code == 2 and said in message and message.startswith("bench_robust: ")
+        assert exc.value.code == 2 and said in message and message.startswith("bench_robust: "), message
         assert message.count("\n") == 1 and message.endswith("\n")
