@@ -105,7 +105,7 @@ def format_misses(misses: list[dict], opts: SweepOptions) -> str:
 def main() -> dict:
     which = os.environ.get("ROBUST_SEEDS", "eval")
     seeds = load_seed_set(which)
-    live_seed_slice()  # checked before the sweep: a live slice that cannot run fails at once
+    live_seeds = live_seed_slice()  # before the sweep: a live slice that cannot run fails at once
     out_dir = os.path.join(os.environ.get("BENCH_OUT", "out"), "robust")
     opts = SweepOptions(tier_chunk_blocks=int(os.environ.get("ROBUST_TIER_CHUNK_BLOCKS", "1")))
     t0 = time.perf_counter()
@@ -215,7 +215,7 @@ def main() -> dict:
             f"{len(policy_misses)} (the policy's misses) {policy_misses}; {len(undecided)} undecided within "
             f"{exact_s:.0f} s {undecided}"
         )
-    live_missed = run_live_part(out_dir)
+    live_missed = run_live_part(out_dir, live_seeds)
     verdict = "PASS" if not misses else "MISS"
     met = len(rows) - len(missed)
     print(
@@ -332,11 +332,12 @@ def live_seed_slice() -> list[int]:
     if not seeds:
         _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} eval draws")
     from kvmesh.benchmarks.robust_live import require_live_tools
+    from kvmesh.kvstore.redis_process import RedisNotInstalled
 
     try:
         require_live_tools(tier=live_tier())
-    except FileNotFoundError as exc:
-        _refuse(f"the live runs need {exc}")
+    except (FileNotFoundError, RedisNotInstalled) as exc:
+        _refuse(f"the live runs cannot start: {exc}")
     return seeds
 
 
@@ -350,10 +351,10 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def run_live_part(out_dir: str) -> bool:
-    """ROBUST_LIVE=N: N eval draws live, from the first (or from index ROBUST_LIVE_FROM, so that a later slice
-    of the evaluation draws can be run live too); prints each draw's checks; True when one missed."""
-    seeds = live_seed_slice()
+def run_live_part(out_dir: str, seeds: list[int]) -> bool:
+    """`seeds` (`live_seed_slice`: ROBUST_LIVE=N eval draws, from the first or from index ROBUST_LIVE_FROM, so
+    that a later slice of the evaluation draws can be run live too) live; prints each draw's checks; True
+    when one missed."""
     if not seeds:
         return False
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep

@@ -248,13 +248,14 @@ def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
 
 
 def require_live_tools(tier: bool) -> None:
-    """Raise FileNotFoundError, naming how to install it, when a program the live runs start is missing: the
-    peer router, and with `tier` redis-server (the shared tier behind LMCache)."""
+    """Raise, naming how to install it, when a program the live runs start is missing: the peer router
+    (FileNotFoundError), and with `tier` redis-server, the shared tier behind LMCache (`RedisNotInstalled`)."""
     from kvmesh.benchmarks.peers import setups
+    from kvmesh.kvstore.redis_process import redis_server_binary
 
     setups.router_binary(peer_setup(PEER).router)
-    if tier and not shutil.which("redis-server"):
-        raise FileNotFoundError("redis-server not installed (make services)")
+    if tier:
+        redis_server_binary()
 
 
 def peer_setup(name: str):

@@ -26,14 +26,23 @@ def _ping(port: int, password: str | None) -> bool:
     return redis_ping("127.0.0.1", port, timeout=0.5, password=password)
 
 
+class RedisNotInstalled(RuntimeError):
+    """No `redis-server` on PATH."""
+
+
+def redis_server_binary() -> str:
+    """The `redis-server` program's path; RedisNotInstalled, saying how to install it, when there is none."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise RedisNotInstalled("redis-server is not installed: run `make services` (apt-get install redis-server)")
+    return binary
+
+
 class RedisServer:
     """One redis-server process; `stop()` then `start()` reuses the same port (tier loss and return)."""
 
     def __init__(self, workdir: str | os.PathLike, port: int | None = None, require_password: bool = True):
-        binary = shutil.which("redis-server")
-        if not binary:
-            raise RuntimeError("redis-server is not installed: run `make services` (apt-get install redis-server)")
-        self.binary = binary
+        self.binary = redis_server_binary()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()

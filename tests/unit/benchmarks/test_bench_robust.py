@@ -48,10 +48,10 @@ def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
         raise FileNotFoundError(f"{name} not installed (pip install -e '.[bench]')")
 
     cases = [
-        ({"ROBUST_LIVE_TIER": "1"}, None, "need redis-server not installed"),
+        ({"ROBUST_LIVE_TIER": "1"}, None, "cannot start: redis-server is not installed: run `make services`"),
         ({"ROBUST_LIVE_FROM": str(len(eval_seeds))}, None, f"outside the {len(eval_seeds)} eval draws"),
         ({"ROBUST_LIVE": "two"}, None, "must be integers"),
-        ({}, missing, "need vllm-router not installed"),
+        ({}, missing, "cannot start: vllm-router not installed"),
     ]
     for env, router, said in cases:
         with monkeypatch.context() as m:
