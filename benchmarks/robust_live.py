@@ -137,6 +137,23 @@ def simulated_live_targets(
     return met
 
 
+def simulated_live_target_verdict(seed: int, exact_s: float = 10.0) -> str:
+    """Can any placement of the draw meet the live targets as `simulated_live_targets` judges them (hit >=
+    the larger of 0.95 x the balance-bounded bound and the simulated cache-aware peer's less 0.03, prefill
+    max/mean <= 1.25)? `exact_placement.decide_target`'s verdict: "reachable", "out of reach" or
+    "undecided". Why: the peer reaches its hit rate by piling up, and on some draws no balanced placement
+    reaches it; a simulated miss there is the workload's arithmetic, not the policy's. The untimed model
+    is exact here: without a tier the simulator counts a prefix cached from the moment it is routed, and
+    every replica has room for every block."""
+    d = draw(seed)
+    recs = records(d)
+    n = d.live_replicas
+    trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
+    floor = 0.95 * balance_bounded_bound(trace.requests, ENGINE_BLOCK, n)["hit_rate"]
+    peer = simulate_in_send_order(recs, d, n, SIM_PEER)["hit"] - 0.03
+    return _decided(trace, n, max(floor, peer), exact_s)[0]
+
+
 def first_use_names(sent: Sequence[tuple[int, str]], n: int) -> list[str]:
     """Each request's replica (by record index; "" where none is known), renamed r0, r1, ... in the order
     the replicas were first used, taking `sent` (record index, replica) in send order. Why: replica names

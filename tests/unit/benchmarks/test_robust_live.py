@@ -247,3 +247,18 @@ def test_the_live_targets_simulated_on_every_draw_flag_the_pile_up_the_live_run_
     assert set(tiered["round_robin"]) < set(seeds)  # round robin recomputes prompts still being computed
     # in chunks of 8 blocks round robin loses the tier's short prefixes; kvmesh keeps them in hbm
     assert len(chunked["round_robin"]) < len(tiered["round_robin"]) and chunked["kvmesh"] == seeds
+
+
+def test_a_simulated_live_miss_is_decided_for_any_placement():
+    from kvmesh.benchmarks.bench_robust import format_verdicts
+    from kvmesh.benchmarks.robust_live import simulated_live_target_verdict, simulated_live_targets
+
+    seeds = [2003, 2007]  # both piled up live without a tier (max/mean 1.61 and 1.37), and in the simulator
+    (plain,) = simulated_live_targets(seeds)
+    assert plain["kvmesh"] == []
+    verdicts = {s: simulated_live_target_verdict(s) for s in seeds}
+    # 2007: the peer's pile-up reaches a hit rate no placement within max/mean 1.25 does; 2003: one does
+    assert verdicts == {2003: "reachable", 2007: "out of reach"}
+    line = format_verdicts(verdicts)
+    assert "no placement meets the live targets on 1 [2007]" in line
+    assert "a placement found offline meets them on 1 (the policy's) [2003]" in line
