@@ -123,12 +123,8 @@ def simulated_live_targets(
     one, as it runs live. Each draw's bound and peer are computed once for all set-ups."""
     met: list[dict[str, list[int]]] = [{p: [] for p in policies} for _ in setups]
     for seed in seeds:
-        d = draw(seed)
-        recs = records(d)
+        d, recs, trace, floor, peer = _live_target_floors(seed)
         n = d.live_replicas
-        trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
-        floor = 0.95 * balance_bounded_bound(trace.requests, ENGINE_BLOCK, n)["hit_rate"]
-        peer = simulate_in_send_order(recs, d, n, SIM_PEER)["hit"] - 0.03
         for out, (shared, chunk_blocks) in zip(met, setups):
             for p in policies:
                 m = simulate_in_send_order(recs, d, n, p, shared=shared, chunk_blocks=chunk_blocks)
@@ -145,13 +141,20 @@ def simulated_live_target_verdict(seed: int, exact_s: float = 10.0) -> str:
     reaches it; a simulated miss there is the workload's arithmetic, not the policy's. The untimed model
     is exact here: without a tier the simulator counts a prefix cached from the moment it is routed, and
     every replica has room for every block."""
+    d, _, trace, floor, peer = _live_target_floors(seed)
+    return _decided(trace, d.live_replicas, max(floor, peer), exact_s)[0]
+
+
+def _live_target_floors(seed: int) -> tuple[FamilyDraw, list[dict], Any, float, float]:
+    """The draw, its records and engine trace, and the two hit rates the simulated live targets ask at its
+    live replica count: 0.95 x the balance-bounded bound, and the simulated cache-aware peer's less 0.03."""
     d = draw(seed)
     recs = records(d)
     n = d.live_replicas
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     floor = 0.95 * balance_bounded_bound(trace.requests, ENGINE_BLOCK, n)["hit_rate"]
     peer = simulate_in_send_order(recs, d, n, SIM_PEER)["hit"] - 0.03
-    return _decided(trace, n, max(floor, peer), exact_s)[0]
+    return d, recs, trace, floor, peer
 
 
 def first_use_names(sent: Sequence[tuple[int, str]], n: int) -> list[str]:
