@@ -36,6 +36,7 @@ from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
+from kvmesh.cluster.trace import Trace
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
 from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.registry import make_policy
@@ -145,7 +146,7 @@ def simulated_live_target_verdict(seed: int, exact_s: float = 10.0) -> str:
     return _decided(trace, d.live_replicas, max(floor, peer), exact_s)[0]
 
 
-def _live_target_floors(seed: int) -> tuple[FamilyDraw, list[dict], Any, float, float]:
+def _live_target_floors(seed: int) -> tuple[FamilyDraw, list[dict], Trace, float, float]:
     """The draw, its records and engine trace, and the two hit rates the simulated live targets ask at its
     live replica count: 0.95 x the balance-bounded bound, and the simulated cache-aware peer's less 0.03."""
     d = draw(seed)
