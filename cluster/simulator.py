@@ -37,7 +37,7 @@ import numpy as np
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.stats import nearest_rank
-from kvmesh.cluster.trace import Trace, scale_to_load
+from kvmesh.cluster.trace import Trace, offered_work_s, scale_to_load
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel, cacheable_blocks, cached_tokens
 
@@ -181,11 +181,13 @@ def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | Non
     """Arrival times in seconds from the trace start, and the offered load (None for a zero-length span)."""
     c = cfg.cost
     if cfg.load is not None:
-        arr, _ = scale_to_load(trace, cfg.replicas, cfg.load, c.prefill_s_per_token, c.prefill_base_s)
+        arr, _ = scale_to_load(
+            trace, cfg.replicas, cfg.load, c.prefill_s_per_token, c.prefill_base_s, c.attention_s_per_token_pair
+        )
         return arr, cfg.load
     t0 = trace.requests[0].timestamp_ms
     arr = [(r.timestamp_ms - t0) / 1000.0 for r in trace.requests]
-    work = sum(r.input_length for r in trace.requests) * c.prefill_s_per_token + len(arr) * c.prefill_base_s
+    work = offered_work_s(trace.requests, c.prefill_s_per_token, c.prefill_base_s, c.attention_s_per_token_pair)
     span = arr[-1]
     return arr, (work / (cfg.replicas * span) if span > 0 else None)  # None: no time span, no rate
 
@@ -271,7 +273,12 @@ def simulate_policy(
     per_token_s = c.prefill_s_per_token
     inv_cap = 1.0 / capacity
     # 0 tier tokens x a finite load cost is 0.0 (an infinite one would make it NaN, as prefill_s does)
-    plain_service = tierless and math.isfinite(c.host_load_s_per_token) and math.isfinite(c.shared_load_s_per_token)
+    plain_service = (
+        tierless
+        and math.isfinite(c.host_load_s_per_token)
+        and math.isfinite(c.shared_load_s_per_token)
+        and not c.attention_s_per_token_pair
+    )
     push, pop = heapq.heappush, heapq.heappop
     best, on_routed = policy.best, policy.on_routed
     requests = trace.requests
@@ -408,7 +415,8 @@ def simulate_policy(
         tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
         if not tierless and not store_when_computed:
             store_in_tiers(j, tier_keep)
-        # time (without tiers `CostModel.prefill_s`'s two load terms are 0.0, and adding 0.0 changes no bit)
+        # time (without tiers or attention term `CostModel.prefill_s`'s load and attention terms are 0.0, and
+        # adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         sh = slot_heap[j]
         early = fit_in_gap(idle[j], t if t > ready_at else ready_at, service, t, sh, max_batch) if idle[j] else None

@@ -76,7 +76,10 @@ def draw_trace(d: Draw, opts: SweepOptions) -> tuple[Trace, dict]:
     users = [r.get("user") for r in recs]
     trace = engine_trace(recs, d.tokens_per_block, opts.engine_block_size, name=f"family-{d.seed}")
     if d.arrival != "all" and trace.requests[-1].timestamp_ms > trace.requests[0].timestamp_ms:
-        arrivals, _ = scale_to_load(trace, d.replicas, d.load, opts.cost.prefill_s_per_token, opts.cost.prefill_base_s)
+        c = opts.cost
+        arrivals, _ = scale_to_load(
+            trace, d.replicas, d.load, c.prefill_s_per_token, c.prefill_base_s, c.attention_s_per_token_pair
+        )
         return trace, {"client": ClosedLoop.timed(arrivals, users)}
     return trace, {"client": ClosedLoop(d.concurrency, users)}
 

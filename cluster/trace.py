@@ -206,7 +206,12 @@ def tile(trace: Trace, copies: int) -> Trace:
 
 
 def scale_to_load(
-    trace: Trace, replicas: int, load: float, prefill_s_per_token: float, prefill_base_s: float = 0.0
+    trace: Trace,
+    replicas: int,
+    load: float,
+    prefill_s_per_token: float,
+    prefill_base_s: float = 0.0,
+    attention_s_per_token_pair: float = 0.0,
 ) -> tuple[list[float], float]:
     """Arrival times (s) stretched or squeezed so that the offered prefill work equals `load` x the
     fleet's prefill capacity over the trace's span:
@@ -218,7 +223,7 @@ def scale_to_load(
         raise ValueError("load must be > 0")
     t0 = trace.requests[0].timestamp_ms
     base = [(r.timestamp_ms - t0) / 1000.0 for r in trace.requests]
-    work = offered_work_s(trace.requests, prefill_s_per_token, prefill_base_s)
+    work = offered_work_s(trace.requests, prefill_s_per_token, prefill_base_s, attention_s_per_token_pair)
     span = base[-1]
     if span <= 0:
         raise ValueError("trace has no time span (all timestamps equal); cannot scale to a load")
@@ -226,5 +231,14 @@ def scale_to_load(
     return [t * factor for t in base], factor
 
 
-def offered_work_s(requests: Sequence[TraceRequest], prefill_s_per_token: float, prefill_base_s: float = 0.0) -> float:
-    return sum(r.input_length for r in requests) * prefill_s_per_token + len(requests) * prefill_base_s
+def offered_work_s(
+    requests: Sequence[TraceRequest],
+    prefill_s_per_token: float,
+    prefill_base_s: float = 0.0,
+    attention_s_per_token_pair: float = 0.0,
+) -> float:
+    """Seconds of prefill the requests ask for with nothing cached (`CostModel.prefill_s` of each)."""
+    work = sum(r.input_length for r in requests) * prefill_s_per_token + len(requests) * prefill_base_s
+    if attention_s_per_token_pair:
+        work += sum(float(r.input_length) ** 2 for r in requests) * 0.5 * attention_s_per_token_pair
+    return work

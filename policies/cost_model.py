@@ -14,6 +14,11 @@ Defaults describe one accelerator per replica serving an ~8B model (one H100-cla
 - a KV block in the shared tier (LMCache L2 over the network) ~5 GB/s => 2.5e-5 s/token (1/4).
 - `max_batch` = 64 sequences in flight per replica (vLLM's max_num_seqs is 256; long Mooncake
   prompts fill the KV space well before that).
+- `attention_s_per_token_pair` = 0: each computed prompt token also attends to every token before it,
+  cached or not, so a prefill costs that much more per (computed token, earlier token) pair. 0 keeps the
+  model linear in computed tokens. Measured on an H200 for an 8B shape it is ~0.95 ns
+  (`benchmarks/calibrate_accelerator.py`): a 32k-token prefill then costs 1.4 x what the per-token rate of
+  short prompts predicts, and the bundled Mooncake traces' prefill work 1.4-1.5 x (docs/calibration.md).
 All are plain seconds; see docs/simulator.md.
 """
 
@@ -30,6 +35,7 @@ class CostModel:
     host_load_s_per_token: float = 5e-6
     shared_load_s_per_token: float = 2.5e-5
     max_batch: int = 64
+    attention_s_per_token_pair: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -47,7 +53,16 @@ class CostModel:
             + (num_tokens - shared_tokens) * self.prefill_s_per_token
             + (shared_tokens - host_tokens) * self.shared_load_s_per_token
             + (host_tokens - hbm_tokens) * self.host_load_s_per_token
+            + self.attention_s(num_tokens, shared_tokens)
         )
+
+    def attention_s(self, num_tokens: int, cached_tokens: int = 0) -> float:
+        """The attention part of a prefill: tokens cached_tokens..num_tokens-1 each attend to every token
+        before them, about (num_tokens^2 - cached_tokens^2) / 2 pairs. 0.0 when the model is linear."""
+        if not self.attention_s_per_token_pair:
+            return 0.0
+        pairs = (float(num_tokens) * num_tokens - float(cached_tokens) * cached_tokens) * 0.5
+        return pairs * self.attention_s_per_token_pair
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -6,6 +6,7 @@ Predicted TTFT on replica r (all terms from `kvmesh.policies.cost_model.CostMode
                 (+ a slot wait when queued + running already fill max_batch)
     prefill_r = prefill_base_s + (n - shared_r) * prefill_s_per_token
                 + (shared_r - host_r) * shared_load_s_per_token + (host_r - hbm_r) * host_load_s_per_token
+                + (n^2 - shared_r^2) / 2 * attention_s_per_token_pair
 
 where hbm_r <= host_r <= shared_r are the request's cached prompt tokens per tier on r (from the
 prefix index). Tier credits fall out of the formula: a token in host DRAM costs 1/20 of recomputing
@@ -283,6 +284,7 @@ class KvmeshPolicy(Policy):
             float(c.prefill_base_s),
             float(c.shared_load_s_per_token),
             float(c.host_load_s_per_token),
+            float(c.attention_s_per_token_pair),
             int(c.max_batch),
             float(self.mean_output_tokens * c.decode_s_per_token / c.max_batch),
             float(ready_s),

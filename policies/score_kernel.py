@@ -53,6 +53,7 @@ def replica_scores(
     base,
     shared_load,
     host_load,
+    attn,
     max_batch,
     slot_wait,
     ready_s,
@@ -74,7 +75,8 @@ def replica_scores(
 ):
     """(score, uncached tokens, wait, ttft) per replica, as `KvmeshPolicy` defines them.
 
-    `p`, `base`, `shared_load`, `host_load`, `max_batch`: the cost model's (`CostModel`); `slot_wait`: the
+    `p`, `base`, `shared_load`, `host_load`, `attn`, `max_batch`: the cost model's (`CostModel`; `attn` its
+    attention_s_per_token_pair, 0: no attention term); `slot_wait`: the
     wait per request over a full batch. `rw`: recompute_weight; `spread_w`, `recent_bound`, `d`: the
     short window's weight, bound and decay; `gw`, `bound`: the guard's weight and bound; `ow`, `cap`:
     overshoot_weight and overshoot_cap x the mean; `rounding`: 10^decimals the score is rounded to (0:
@@ -85,6 +87,7 @@ def replica_scores(
     starts no earlier."""
     m = shared_b.shape[0]
     most = max(0, (n - 1) // bs)  # vLLM: whole blocks only, last token always computed
+    nn = float(n) * float(n)
     full = False
     for k in range(m):
         if queued[k] + running[k] > max_batch - 1:
@@ -110,6 +113,8 @@ def replica_scores(
             ttft = ttft + (shared - host) * shared_load
         if has_hbm:
             ttft = ttft + (host - hbm) * host_load
+        if attn != 0.0:
+            ttft = ttft + (nn - float(shared) * float(shared)) * 0.5 * attn
         cost = rw * unc
         s = ttft
         if hot > 0:
@@ -164,7 +169,7 @@ def warm_up() -> None:
     counts = np.zeros(1, dtype=np.int64)
     floats = np.zeros(1)
     replica_scores(
-        counts, counts, counts, False, False, counts, counts, counts, 2, 1, 1.0, 1.0, 1.0, 1.0, 1, 1.0, 0.0,
+        counts, counts, counts, False, False, counts, counts, counts, 2, 1, 1.0, 1.0, 1.0, 1.0, 0.0, 1, 1.0, 0.0,
         1.0, 0, -1.0, False, 1.0, floats, 0.0, 1.0, False, 1.0, 0.0, floats, 0.0, 0.0, SCORE_ROUNDING,
     )  # fmt: skip
     lowest(floats)

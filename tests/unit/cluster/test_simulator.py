@@ -93,6 +93,10 @@ def test_scale_to_load_definition():
     assert work / (4 * arr[-1]) == pytest.approx(0.8)
     with pytest.raises(ValueError):
         scale_to_load(t, 4, 0, 1e-4)
+    # with the attention term the offered work counts each prompt's n^2 / 2 token pairs too
+    arr, _ = scale_to_load(t, 4, 0.8, 1e-4, 0.01, 1e-9)
+    work += sum(r.input_length**2 for r in t.requests) / 2 * 1e-9
+    assert work / (4 * arr[-1]) == pytest.approx(0.8)
 
 
 # ------------------------------------------------------------------------------- cache and bounds
@@ -140,6 +144,15 @@ def test_two_requests_on_one_replica_hand_computed():
     assert m["throughput_tokens_s"] == pytest.approx(35 / 0.33)
     assert m["blended_cost"] == pytest.approx((13 * 3.0 + 12 * 0.3) / 1e6)
     assert m["imbalance"] == pytest.approx(1.0)
+
+
+def test_the_attention_term_charges_each_computed_token_for_the_tokens_before_it():
+    t = tiny_trace((0, 12, 10, [1, 2, 3]), (0, 13, 0, [1, 2, 3, 4]))
+    cost = CostModel.from_dict(dict(COST.to_dict(), attention_s_per_token_pair=0.001))
+    m = simulate_policy(t, SimConfig(1, 10, cost=cost), make_policy("round_robin"))
+    # A: 0.22 s as above + 12^2/2 pairs x 1 ms = 0.292. B (12 cached, 1 computed): 0.292 + 0.11 + (13^2 - 12^2)/2 ms
+    assert m["ttft_p50_s"] == pytest.approx(0.292)
+    assert m["ttft_p99_s"] == pytest.approx(0.292 + 0.11 + 0.0125)
 
 
 def test_batch_limit_delays_prefill_until_a_slot_frees():

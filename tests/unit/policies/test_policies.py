@@ -91,6 +91,10 @@ def test_cost_model_formula_and_validation():
     # 1000 tokens: 100 in hbm, 200 more in host, 300 more in shared, 400 recomputed
     assert c.prefill_s(1000, 100, 300, 600) == pytest.approx(0.5 + 400e-3 + 300 * 5e-4 + 200 * 1e-4)
     assert CostModel.from_dict({"prefill_s_per_token": 2e-4}).prefill_s_per_token == 2e-4
+    # the attention term: the 400 computed tokens (600..999) each attend to the tokens before them
+    quad = CostModel.from_dict(dict(c.to_dict(), attention_s_per_token_pair=1e-6))
+    pairs = (1000**2 - 600**2) / 2
+    assert quad.prefill_s(1000, 100, 300, 600) == pytest.approx(c.prefill_s(1000, 100, 300, 600) + pairs * 1e-6)
     with pytest.raises(ValueError, match="unknown keys"):
         CostModel.from_dict({"prefil_s_per_token": 1})
     with pytest.raises(ValueError):
@@ -111,6 +115,18 @@ def test_kvmesh_prefers_the_replica_holding_the_prefix():
     p = make_policy("kvmesh")
     vs = views(4, hbm_blocks={2: 8}, host_blocks={2: 8}, shared_blocks={2: 8})
     assert p.rank(req(range(10)), vs)[0] == "r2"
+
+
+def test_kvmesh_predicts_the_attention_a_held_prefix_saves():
+    cost = CostModel(prefill_s_per_token=1e-4, prefill_base_s=0.0, attention_s_per_token_pair=1e-8)
+    p = make_policy("kvmesh", cost=cost)
+    vs = views(2, hbm_blocks={1: 8}, host_blocks={1: 8}, shared_blocks={1: 8})
+    r = req(range(10))
+    n, held = r.num_tokens, 8 * r.block_size
+    cold, _ = p.predict(r, vs[0])
+    warm, _ = p.predict(r, vs[1])
+    assert cold == pytest.approx(n * 1e-4 + n * n / 2 * 1e-8)
+    assert warm == pytest.approx((n - held) * 1e-4 + (n * n - held * held) / 2 * 1e-8)
 
 
 def test_kvmesh_leaves_a_holder_whose_queue_costs_more_than_the_hit_saves():

@@ -12,7 +12,7 @@ from kvmesh.policies.score_kernel import lowest, replica_scores
 def numpy_scores(sb, hb, mb, has_host, has_hbm, queued, running, pending, n, bs, cost, ready_s, rw, hot, disc,
                  spread, sw, recent, recent_bound, d, guard, gw, bound, work, ow, cap, rounding):  # fmt: skip
     """kvmesh's score as numpy operations, in the order the policy's docstring gives them."""
-    p, base, shared_load, host_load, max_batch, slot_wait = cost
+    p, base, shared_load, host_load, attn, max_batch, slot_wait = cost
     most = max(0, (n - 1) // bs)
     shared = np.minimum(sb, most) * bs
     host = np.minimum(hb, most) * bs if has_host else shared
@@ -29,6 +29,8 @@ def numpy_scores(sb, hb, mb, has_host, has_hbm, queued, running, pending, n, bs,
         ttft = ttft + (shared - host) * shared_load
     if has_hbm:
         ttft = ttft + (host - hbm) * host_load
+    if attn:
+        ttft = ttft + (float(n) * float(n) - shared.astype(np.float64) * shared.astype(np.float64)) * 0.5 * attn
     cost_ = rw * uncached
     score = ttft
     if hot:
@@ -61,6 +63,7 @@ def _case(rng, m):
         float(rng.uniform(1e-3, 3e-2)),
         float(rng.uniform(0, 1e-4)),
         float(rng.uniform(0, 1e-5)),
+        float(rng.choice([0.0, rng.uniform(0, 2e-9)])),
         int(rng.integers(1, 9)),
         float(rng.uniform(0, 0.05)),
     )

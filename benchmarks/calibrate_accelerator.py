@@ -1,0 +1,402 @@
+"""Measure the time model's accelerator constants (policies/cost_model.py) on a CUDA device with PyTorch.
+
+    python -m kvmesh.benchmarks.calibrate_accelerator [--shape llama-8b] [--json out/accelerator.json]
+
+Why: `CostModel`'s defaults describe one accelerator per replica serving an ~8B model, and the
+simulator's TTFT and every tier credit in the kvmesh policy follow from them: prefill seconds per
+token, the decode step, and above all the ratio of loading a token's KV from host memory to
+recomputing it (the policy scores a host-tier token at that fraction of a recomputed one). The
+defaults were estimates. This measures them on the accelerator at hand without a vLLM build for it:
+the same arithmetic vLLM's engine does for the model's shape (bf16 GEMMs, causal attention with
+grouped KV heads, a CUDA-graph decode step), with random weights, since timing does not depend on
+their values.
+
+Method, each case timed `rounds` times after a warm-up, keeping the minimum (the least-disturbed run):
+- prefill: one prompt of each length, every layer's projections, attention and MLP plus the logits of
+  the last token; a least-squares fit time = prefill_base_s + n * prefill_s_per_token
+  + n^2 / 2 * attention_s_per_token_pair (causal attention: each token attends to those before it).
+  With two lengths only the line is fitted. Then the same 512-token suffix behind cached prefixes of
+  several lengths, the case of a cache hit (its kernel takes an explicit mask, so its attention is an
+  upper bound on what the causal kernel does).
+- decode: one step of `batch` sequences over a `context`-token KV cache, captured as a CUDA graph (as
+  vLLM runs decode); the step time is `decode_s_per_token` (each sequence gets one token per step).
+- host load: the KV of `tokens` prompt tokens (layers x 2 x kv_heads x head_dim bf16 values each) copied
+  from pinned host memory to the device, as LMCache's host tier loads a hit; pageable memory beside it.
+  The shared tier's network transfer is not measured here.
+What it leaves out: vLLM's fused kernels and scheduler (its prefill is at least this fast), rotary
+embeddings and sampling (small next to the GEMMs). On a CPU (`--device cpu`, a small shape) it runs
+the same code, for tests only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvmesh.benchmarks.calibrate import _fit
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * element_bytes
+
+
+SHAPES = {
+    # Llama-3-8B's published configuration
+    "llama-8b": Shape(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    # for tests on a CPU
+    "small": Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512),
+}
+
+
+def _timer(torch, device: str) -> Callable[[Callable[[], object]], float]:
+    """Wall seconds of one call, the device drained before and after it."""
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return timed
+
+
+class _Model:
+    """The model's weights and its forward pass: enough of a decoder to cost what one costs."""
+
+    def __init__(self, torch, shape: Shape, device: str, dtype):
+        self.t, self.s = torch, shape
+        h, hd = shape.hidden, shape.head_dim
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def w(*dims):
+            return (torch.randn(*dims, device=device, dtype=dtype, generator=gen) * 0.02).contiguous()
+
+        self.layers = [
+            (
+                w(h, (shape.heads + 2 * shape.kv_heads) * hd),  # q, k, v
+                w(shape.heads * hd, h),  # attention output
+                w(h, 2 * shape.intermediate),  # gate and up
+                w(shape.intermediate, h),  # down
+            )
+            for _ in range(shape.layers)
+        ]
+        self.head = w(h, shape.vocab)
+
+    def _norm(self, x):
+        return x * self.t.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def forward(self, x, caches=None):
+        """x: [batch, tokens, hidden]. Without `caches` the tokens attend to each other, causally (a
+        prefill). With `caches` (per layer (k, v), [batch, kv_heads, context, head_dim]) a single token
+        attends to the cache (a decode step: its own K and V left out, one of thousands), and several
+        tokens to the cache and, causally, to each other (the prefill of a prompt whose first `context`
+        tokens are cached). Returns the last token's logits."""
+        t, s = self.t, self.s
+        F = t.nn.functional
+        from torch.nn.attention.bias import causal_lower_right
+
+        b, n, _ = x.shape
+        hd = s.head_dim
+        for i, (wqkv, wo, w13, w2) in enumerate(self.layers):
+            q, k, v = (self._norm(x) @ wqkv).split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
+            q = q.view(b, n, s.heads, hd).transpose(1, 2)
+            k = k.view(b, n, s.kv_heads, hd).transpose(1, 2)
+            v = v.view(b, n, s.kv_heads, hd).transpose(1, 2)
+            mask = None
+            if caches is not None and n == 1:
+                k, v = caches[i]
+            elif caches is not None:
+                k, v = t.cat([caches[i][0], k], dim=2), t.cat([caches[i][1], v], dim=2)
+                mask = causal_lower_right(n, k.shape[2])
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=caches is None, enable_gqa=True)
+            x = x + a.transpose(1, 2).reshape(b, n, s.heads * hd) @ wo
+            gate, up = (self._norm(x) @ w13).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w2
+        return self._norm(x[:, -1]) @ self.head
+
+
+def _prefill(torch, model: _Model, lengths, rounds: int, device: str, dtype, timed) -> dict[int, float]:
+    times: dict[int, float] = {}
+    with torch.inference_mode():
+        for n in lengths:
+            x = torch.randn(1, n, model.s.hidden, device=device, dtype=dtype)
+            model.forward(x)  # warm-up: kernels chosen and cached for this shape
+            times[n] = min(timed(lambda x=x: model.forward(x)) for _ in range(rounds))
+    return times
+
+
+def _caches(torch, s: Shape, batch: int, context: int, device: str, dtype) -> list:
+    """A KV cache of `context` tokens per sequence, per layer (random: timing does not read values)."""
+    return [
+        (
+            torch.randn(batch, s.kv_heads, context, s.head_dim, device=device, dtype=dtype),
+            torch.randn(batch, s.kv_heads, context, s.head_dim, device=device, dtype=dtype),
+        )
+        for _ in range(s.layers)
+    ]
+
+
+def _prefill_after_prefix(torch, model: _Model, suffix: int, prefixes, rounds: int, device: str, dtype, timed) -> dict:
+    """Seconds to prefill `suffix` new tokens behind each cached prefix length (0: nothing cached). The
+    cost model charges only the new tokens; their attention also reads the cached prefix."""
+    times = {}
+    with torch.inference_mode():
+        x = torch.randn(1, suffix, model.s.hidden, device=device, dtype=dtype)
+        for p in prefixes:
+            caches = _caches(torch, model.s, 1, p, device, dtype) if p else None
+            model.forward(x, caches)
+            times[p] = min(timed(lambda caches=caches: model.forward(x, caches)) for _ in range(rounds))
+            del caches
+    return times
+
+
+def _decode(torch, model: _Model, batch: int, context: int, rounds: int, device: str, dtype, timed) -> float:
+    caches = _caches(torch, model.s, batch, context, device, dtype)
+    x = torch.randn(batch, 1, model.s.hidden, device=device, dtype=dtype)
+    with torch.inference_mode():
+        step: Callable[[], object] = lambda: model.forward(x, caches)  # noqa: E731
+        step()
+        if device.startswith("cuda"):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model.forward(x, caches)
+            step = graph.replay
+            step()
+        return min(timed(step) for _ in range(rounds))
+
+
+LOAD_CHUNK_TOKENS = 256  # LMCache's default chunk: a host-tier hit loads chunk by chunk
+
+
+def _host_load(torch, shape: Shape, tokens: int, rounds: int, device: str, timed) -> dict[str, float]:
+    """Seconds per token to bring KV from host memory to the device: pinned in one copy, pinned in
+    chunks of `LOAD_CHUNK_TOKENS` and of 16 tokens (one copy per chunk, as a per-chunk store loads), and
+    pageable in one copy."""
+    per_token = shape.kv_bytes_per_token()
+    size = tokens * per_token
+    target = torch.empty(size, dtype=torch.uint8, device=device)
+    cuda = device.startswith("cuda")
+
+    def copy(src, chunk_tokens: int, pin: bool):
+        step = chunk_tokens * per_token
+        for i in range(0, size, step):
+            target[i : i + step].copy_(src[i : i + step], non_blocking=pin)
+
+    out = {}
+    cases = [
+        ("pinned", tokens, True),
+        (f"pinned_chunks_{LOAD_CHUNK_TOKENS}", LOAD_CHUNK_TOKENS, True),
+        ("pinned_chunks_16", 16, True),
+        ("pageable", tokens, False),
+    ]
+    pinned = torch.ones(size, dtype=torch.uint8, pin_memory=cuda)
+    for kind, chunk, pin in cases:
+        src = pinned if pin else torch.ones(size, dtype=torch.uint8)
+        pin = pin and cuda
+        copy(src, chunk, pin)  # warm-up
+        out[kind] = (
+            min(timed(lambda src=src, chunk=chunk, pin=pin: copy(src, chunk, pin)) for _ in range(rounds)) / tokens
+        )
+    return out
+
+
+def fit_prefill(lengths, times) -> tuple[float, float, float]:
+    """(prefill_base_s, prefill_s_per_token, attention_s_per_token_pair) by least squares over
+    time = base + n * per_token + n^2 / 2 * pair; with fewer than three lengths a line (pair 0). Each
+    constant is kept >= 0: a negative one (noise on a short range) is set to 0 and the rest refitted."""
+    xs = np.asarray(lengths, dtype=np.float64)
+    ys = np.asarray(times, dtype=np.float64)
+    columns = [np.ones_like(xs), xs, xs * xs / 2] if len(set(lengths)) >= 3 else [np.ones_like(xs), xs]
+    keep = list(range(len(columns)))
+    while True:
+        coef, *_ = np.linalg.lstsq(np.stack([columns[k] for k in keep], axis=1), ys, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = [0.0, 0.0, 0.0]
+    for k, c in zip(keep, coef):
+        out[k] = max(float(c), 0.0)
+    return out[0], out[1], out[2]
+
+
+def calibrate(
+    shape_name: str = "llama-8b",
+    device: str = "cuda",
+    lengths=(512, 1024, 2048, 4096, 8192, 16384, 32768),
+    batch: int = 64,
+    context: int = 2048,
+    load_tokens: int = 16384,
+    rounds: int = 5,
+    suffix: int = 512,
+    prefixes=(0, 2048, 8192, 32768),
+) -> dict:
+    import torch
+
+    shape = SHAPES[shape_name]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    timed = _timer(torch, device)
+    model = _Model(torch, shape, device, dtype)
+    prefill = _prefill(torch, model, lengths, rounds, device, dtype, timed)
+    base, per_token, pair = fit_prefill(list(prefill), list(prefill.values()))
+    line_base, line_per_token = _fit(list(prefill), list(prefill.values()))
+    behind = _prefill_after_prefix(torch, model, suffix, prefixes, rounds, device, dtype, timed)
+    decode = _decode(torch, model, batch, context, rounds, device, dtype, timed)
+    load = _host_load(torch, shape, load_tokens, rounds, device, timed)
+    cost = {
+        "prefill_s_per_token": per_token,
+        "prefill_base_s": base,
+        "attention_s_per_token_pair": pair,
+        "decode_s_per_token": decode,
+        "host_load_s_per_token": load[f"pinned_chunks_{LOAD_CHUNK_TOKENS}"],
+    }
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    return {
+        "cost_model": cost,
+        "measured": {
+            "device": name,
+            "shape": shape_name,
+            **{f"shape_{k}": v for k, v in asdict(shape).items()},
+            "kv_bytes_per_token": shape.kv_bytes_per_token(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "prefill_s_by_length": {str(n): t for n, t in prefill.items()},
+            "prefill_s_per_token_by_length": {str(n): t / n for n, t in prefill.items()},
+            "prefill_line": {"prefill_base_s": line_base, "prefill_s_per_token": line_per_token},
+            "suffix_tokens": suffix,
+            "suffix_prefill_s_by_cached_prefix": {str(p): t for p, t in behind.items()},
+            # the suffix's extra time per (suffix token, cached token) pair over the suffix alone
+            "suffix_attention_s_per_token_pair": {
+                str(p): (t - behind[0]) / (suffix * p) for p, t in behind.items() if p and 0 in behind
+            },
+            "decode_batch": batch,
+            "decode_context": context,
+            "host_load_s_per_token": load,
+            "host_load_over_recompute": cost["host_load_s_per_token"] / per_token if per_token > 0 else math.inf,
+            "time_basis": f"minimum wall time over {rounds} rounds after a warm-up",
+        },
+        "defaults": DEFAULT_COST_MODEL.to_dict(),
+    }
+
+
+def _report(result: dict) -> str:
+    cm, m, d = result["cost_model"], result["measured"], result["defaults"]
+    lines = [f"{m['device']}, {m['shape']} shape, {m['dtype']}:"]
+    for n, t in m["prefill_s_by_length"].items():
+        lines.append(
+            f"  prefill {n:>5} tokens  {1000 * t:8.2f} ms  ({1e6 * m['prefill_s_per_token_by_length'][n]:.2f} us/token)"
+        )
+    line = m["prefill_line"]
+    lines.append(
+        f"  a line through them: {1000 * line['prefill_base_s']:.2f} ms"
+        f" + {1e6 * line['prefill_s_per_token']:.2f} us/token"
+    )
+    behind = m["suffix_prefill_s_by_cached_prefix"]
+    alone = behind.get("0")
+    pairs = m["suffix_attention_s_per_token_pair"]
+    for p, t in behind.items():
+        vs = f"  ({t / alone:.2f} x with nothing cached)" if alone else ""
+        per_pair = f", {1e9 * pairs[p]:.2f} ns per (new, cached) token pair" if p in pairs else ""
+        lines.append(
+            f"  prefill {m['suffix_tokens']} new tokens behind {p:>5} cached: {1000 * t:8.2f} ms{vs}{per_pair}"
+        )
+    lines.append(
+        f"  decode step, {m['decode_batch']} sequences x {m['decode_context']} context: "
+        f"{1000 * cm['decode_s_per_token']:.2f} ms"
+    )
+    b = m["kv_bytes_per_token"]
+    lines.append(f"  host -> device KV ({b} B/token):")
+    for kind, t in m["host_load_s_per_token"].items():
+        lines.append(f"    {kind:<20} {1e6 * t:8.3f} us/token  ({b / t / 1e9:6.1f} GB/s)")
+    lines.append("constant                      measured      default   measured/default")
+    for k, v in cm.items():
+        lines.append(f"  {k:<27} {v:11.3e}  {d[k]:11.3e}   {f'{v / d[k]:.2f}' if d[k] else '-'}")
+    ratio = m["host_load_over_recompute"]
+    default_ratio = d["host_load_s_per_token"] / d["prefill_s_per_token"]
+    lines.append(f"  host load / recompute: measured {ratio:.4f}, default {default_ratio:.4f}")
+    lines.append("for `kvmesh simulate --cost-model`: " + json.dumps(cm))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lengths", default=None, help="prefill prompt lengths, comma-separated")
+    parser.add_argument("--batch", type=int, default=None, help="sequences in the decode step")
+    parser.add_argument("--context", type=int, default=None, help="KV cache tokens per sequence in the decode step")
+    parser.add_argument("--json", default="out/accelerator.json")
+    args = parser.parse_args(argv)
+    small = args.shape == "small"
+    try:
+        lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
+    except ValueError:
+        lengths = ()
+    if lengths is not None and (len(set(lengths)) < 2 or min(lengths) < 1):
+        parser.exit(
+            2, "calibrate_accelerator: --lengths takes two or more distinct positive integers, comma-separated\n"
+        )
+    if (
+        args.rounds < 1
+        or (args.batch is not None and args.batch < 1)
+        or (args.context is not None and args.context < 1)
+    ):
+        parser.exit(2, "calibrate_accelerator: --rounds, --batch and --context must be >= 1\n")
+    try:
+        import torch
+    except ImportError:
+        parser.exit(2, "calibrate_accelerator: PyTorch is not installed\n")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.exit(2, "calibrate_accelerator: no CUDA device (use --device cpu --shape small to try it)\n")
+    result = calibrate(
+        args.shape,
+        args.device,
+        lengths=lengths or ((16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384, 32768)),
+        batch=args.batch or (4 if small else 64),
+        context=args.context or (64 if small else 2048),
+        load_tokens=256 if small else 16384,
+        rounds=args.rounds,
+        suffix=8 if small else 512,
+        prefixes=(0, 16, 64) if small else (0, 2048, 8192, 32768),
+    )
+    print(_report(result))
+    if args.json:
+        if os.path.dirname(args.json):
+            os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
