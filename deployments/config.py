@@ -248,6 +248,7 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()
     ):
         raise ConfigError("config.tenant_policies must map tenant ids to policy names")
+    _check_policies(cfg)
     if not isinstance(cfg["api_keys"], list) or not all(isinstance(k, str) for k in cfg["api_keys"]):
         raise ConfigError("config.api_keys must be a list of strings")
     for key in ("router_sync", "allow_cache_reset"):
@@ -260,6 +261,27 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     _check_hash_risk(cfg)
     return cfg
+
+
+def _check_policies(cfg: Mapping[str, Any]) -> None:
+    """The policy, its parameters and the per-tenant policies name things that exist: the policy is built
+    once here, so a misspelt name or parameter, or a value it refuses, stops the config, not the router
+    replicas after deployment."""
+    from kvmesh.policies.registry import POLICY_NAMES, make_policy
+
+    known = ", ".join(POLICY_NAMES)
+    if cfg["policy"] not in POLICY_NAMES:
+        raise ConfigError(f"config.policy {cfg['policy']!r}: unknown; known: {known}")
+    bad = sorted(v for v in cfg["tenant_policies"].values() if v not in POLICY_NAMES)
+    if bad:
+        raise ConfigError(f"config.tenant_policies: unknown policy {', '.join(map(repr, bad))}; known: {known}")
+    params = cfg["policy_params"]
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise ConfigError("config.policy_params must map parameter names to values")
+    try:
+        make_policy(cfg["policy"], **params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config.policy_params: {exc}") from None
 
 
 def _check_hash_risk(cfg: Mapping[str, Any]) -> None:

@@ -36,6 +36,27 @@ def test_config_defaults_and_strict_keys():
         app_config({"allow_cache_reset": "yes"})
 
 
+def test_policy_names_and_parameters_are_checked_by_building_the_policy():
+    cfg = app_config({"policy_params": {"guard_weight": 45, "cost": {"attention_s_per_token_pair": 1e-9}}})
+    assert cfg["policy_params"]["guard_weight"] == 45
+    with pytest.raises(ConfigError, match="config.policy 'kvmsh': unknown"):
+        app_config({"policy": "kvmsh"})
+    with pytest.raises(ConfigError, match="unknown parameter.*guard_wieght"):
+        app_config({"policy_params": {"guard_wieght": 45}})
+    with pytest.raises(ConfigError, match="cost model: unknown keys"):
+        app_config({"policy_params": {"cost": {"prefil_s_per_token": 1e-4}}})
+    with pytest.raises(ConfigError, match="balance_slack"):
+        app_config({"policy_params": {"balance_slack": -1}})
+    with pytest.raises(ConfigError, match="policy_params must map"):
+        app_config({"policy_params": [1]})
+    # round robin takes no parameters: kvmesh's are refused for it rather than ignored
+    with pytest.raises(ConfigError, match="round_robin: unknown parameter"):
+        app_config({"policy": "round_robin", "policy_params": {"guard_weight": 45}})
+    with pytest.raises(ConfigError, match="tenant_policies: unknown policy 'nope'"):
+        app_config({"tenant_policies": {"acme": "nope"}})
+    assert app_config({"tenant_policies": {"acme": "round_robin"}})["tenant_policies"] == {"acme": "round_robin"}
+
+
 def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     """Serve's HAProxy defaults are per machine (/tmp/haproxy-serve, stats 8404, metrics 9101): two
     local clusters (the test app and a `kvmesh serve` subprocess) failed to start side by side."""

@@ -84,6 +84,15 @@ def test_every_policy_ranks_a_permutation_and_is_deterministic(name):
     assert len(set(a)) > 1  # nobody sends 60 varied requests to one replica
 
 
+def test_unknown_policy_parameters_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="kvmesh: unknown parameter.*recompute_wieght.*known:.*recompute_weight"):
+        make_policy("kvmesh", recompute_wieght=31)
+    with pytest.raises(ValueError, match="round_robin: unknown parameter.*known: none"):
+        make_policy("round_robin", vnodes=3)
+    # a parameter a subclass passes on to its base's constructor is known too
+    assert make_policy("consistent_hash", vnodes=3).vnodes == 3
+
+
 def test_cost_model_formula_and_validation():
     c = CostModel(
         prefill_s_per_token=1e-3, prefill_base_s=0.5, host_load_s_per_token=1e-4, shared_load_s_per_token=5e-4

@@ -25,8 +25,12 @@ def test_serve_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     (tmp_path / "bad.yaml").write_text("engine: {block_size: 33}\n")
     assert main(["serve", "--config", str(tmp_path / "bad.yaml")]) == 2
+    # a misspelt policy parameter stops the config before anything starts
+    (tmp_path / "typo.yaml").write_text("policy_params: {guard_wieght: 45}\n")
+    assert main(["serve", "--config", str(tmp_path / "typo.yaml")]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
+    assert len(lines) == 4 and all(line.startswith("error: ") for line in lines)
+    assert "guard_wieght" in lines[-1] and "guard_weight" in lines[-1]
 
 
 # ---------------------------------------------------------------------------- router with fake replicas
