@@ -75,7 +75,7 @@ def _rounds(llm, cases: dict, rounds: int, rng: random.Random) -> dict:
     return {name: sorted(ts) for name, ts in times.items()}
 
 
-def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares intercept and slope."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -99,7 +99,7 @@ def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int
     xs = list(LENGTHS)
     ys = [t[f"prefill{n}"][0] for n in xs]
     medians = [statistics.median(t[f"prefill{n}"]) for n in xs]
-    base, per_token = _fit(xs, ys)
+    base, per_token = fit_line(xs, ys)
     per_token = max(0.0, per_token)
     decode = {b: max(0.0, (t[f"many{b}"][0] - t[f"one{b}"][0]) / DECODE_STEPS) for b in (1, BATCH)}
     decode_median = {

@@ -21,8 +21,9 @@ Method, each case timed `rounds` times after a warm-up, keeping the minimum (the
 - decode: one step of `batch` sequences over a `context`-token KV cache, captured as a CUDA graph (as
   vLLM runs decode); the step time is `decode_s_per_token` (each sequence gets one token per step).
 - host load: the KV of `tokens` prompt tokens (layers x 2 x kv_heads x head_dim bf16 values each) copied
-  from pinned host memory to the device, as LMCache's host tier loads a hit; pageable memory beside it.
-  The shared tier's network transfer is not measured here.
+  from pinned host memory to the device, as LMCache's host tier loads a hit: in one copy, in 256-token
+  chunks (LMCache's default chunk: the `host_load_s_per_token` reported) and in 16-token ones; pageable
+  memory beside them. The shared tier's network transfer is not measured here.
 What it leaves out: vLLM's fused kernels and scheduler (its prefill is at least this fast), rotary
 embeddings and sampling (small next to the GEMMs). On a CPU (`--device cpu`, a small shape) it runs
 the same code, for tests only.
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvmesh.benchmarks.calibrate import _fit
+from kvmesh.benchmarks.calibrate import fit_line
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL
 
 
@@ -269,7 +270,7 @@ def calibrate(
     model = _Model(torch, shape, device, dtype)
     prefill = _prefill(torch, model, lengths, rounds, device, dtype, timed)
     base, per_token, pair = fit_prefill(list(prefill), list(prefill.values()))
-    line_base, line_per_token = _fit(list(prefill), list(prefill.values()))
+    line_base, line_per_token = fit_line(list(prefill), list(prefill.values()))
     behind = _prefill_after_prefix(torch, model, suffix, prefixes, rounds, device, dtype, timed)
     decode = _decode(torch, model, batch, context, rounds, device, dtype, timed)
     load = _host_load(torch, shape, load_tokens, rounds, device, timed)
