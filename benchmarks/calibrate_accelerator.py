@@ -348,6 +348,41 @@ def _report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Prefill time against prompt length (measured, the fit, the line through prompts up to 8k, the default
+    model) and the suffix behind cached prefixes, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cm, m, d = result["cost_model"], result["measured"], result["defaults"]
+    n = np.array([int(k) for k in m["prefill_s_by_length"]], dtype=np.float64)
+    t = np.array(list(m["prefill_s_by_length"].values()))
+    grid = np.linspace(0, n.max(), 200)
+    fit = cm["prefill_base_s"] + grid * cm["prefill_s_per_token"] + grid * grid / 2 * cm["attention_s_per_token_pair"]
+    short = n <= 8192
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a.plot(n, t, "o", color="black", label="measured")
+    a.plot(grid, fit, "-", label="fit: per token + per (token, earlier token) pair")
+    if short.sum() >= 2:
+        base, per_token = fit_line(list(n[short]), list(t[short]))
+        a.plot(grid, base + grid * per_token, "--", label="a line through prompts up to 8k tokens")
+    a.plot(grid, d["prefill_base_s"] + grid * d["prefill_s_per_token"], ":", label="the default cost model")
+    a.set(xlabel="prompt tokens (nothing cached)", ylabel="prefill s", title=f"{m['device']}, {m['shape']} shape")
+    a.legend(fontsize=8)
+    behind = m["suffix_prefill_s_by_cached_prefix"]
+    b.bar([str(k) for k in behind], [1000 * v for v in behind.values()], color="tab:blue")
+    b.set(
+        xlabel="cached prefix tokens",
+        ylabel="ms",
+        title=f"prefill of {m['suffix_tokens']} new tokens behind a cached prefix",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
@@ -357,7 +392,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="sequences in the decode step")
     parser.add_argument("--context", type=int, default=None, help="KV cache tokens per sequence in the decode step")
     parser.add_argument("--json", default="out/accelerator.json")
+    parser.add_argument("--plot", default=None, help="also draw the prefill figures to this .png")
     args = parser.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        parser.exit(2, f"calibrate_accelerator: --plot expects a .png path, got {args.plot!r}\n")
     small = args.shape == "small"
     try:
         lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
@@ -396,6 +434,10 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(args.json), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
+    if args.plot:
+        if os.path.dirname(args.plot):
+            os.makedirs(os.path.dirname(args.plot), exist_ok=True)
+        plot(result, args.plot)
     return 0
 
 

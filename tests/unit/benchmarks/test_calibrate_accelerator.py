@@ -92,6 +92,7 @@ def test_prefill_attends_across_the_prompt_and_reads_a_cached_prefix():
         (["--lengths", "512,512"], "--lengths takes two or more distinct positive integers"),
         (["--rounds", "0"], "--rounds, --batch and --context must be >= 1"),
         (["--batch", "0"], "--rounds, --batch and --context must be >= 1"),
+        (["--plot", "x.jpg"], "--plot expects a .png path"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -112,9 +113,11 @@ def test_without_cuda_it_says_so_and_exits_2(monkeypatch, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_the_cli_on_a_cpu_writes_its_json(tmp_path, capsys):
-    out = tmp_path / "acc.json"
-    assert ca.main(["--device", "cpu", "--shape", "small", "--rounds", "1", "--json", str(out)]) == 0
+def test_the_cli_on_a_cpu_writes_its_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "acc.json", tmp_path / "acc.png"
+    argv = ["--device", "cpu", "--shape", "small", "--rounds", "1", "--json", str(out), "--plot", str(png)]
+    assert ca.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["measured"]["device"] == "cpu"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "for `kvmesh simulate --cost-model`" in capsys.readouterr().out
