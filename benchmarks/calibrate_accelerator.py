@@ -26,7 +26,8 @@ Method, each case timed `rounds` times after a warm-up, keeping the minimum (the
   memory beside them. The shared tier's network transfer is not measured here.
 What it leaves out: vLLM's fused kernels and scheduler (its prefill is at least this fast), rotary
 embeddings and sampling (small next to the GEMMs). On a CPU (`--device cpu`, a small shape) it runs
-the same code, for tests only.
+the same code at small sizes, for tests only. `--model-config` takes the shape from a Hugging Face
+`config.json`, to calibrate the model actually served.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ class Shape:
     kv_heads: int
     intermediate: int
     vocab: int
+    head_size: int = 0  # 0: hidden // heads (a config may name another, as some models do)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * element_bytes
@@ -68,6 +70,31 @@ SHAPES = {
     # for tests on a CPU
     "small": Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512),
 }
+
+
+def shape_from_hf_config(path: str) -> Shape:
+    """The decoder shape in a Hugging Face `config.json` (or a model directory holding one), for
+    calibrating the model actually served. ValueError when it lacks a field a decoder needs."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return Shape(
+            layers=int(cfg["num_hidden_layers"]),
+            hidden=int(cfg["hidden_size"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            head_size=int(cfg.get("head_dim") or 0),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{file}: not a decoder config ({exc!r} missing or not a number)") from None
 
 
 def _timer(torch, device: str) -> Callable[[Callable[[], object]], float]:
@@ -252,7 +279,7 @@ def fit_prefill(lengths, times) -> tuple[float, float, float]:
 
 
 def calibrate(
-    shape_name: str = "llama-8b",
+    shape_name: str | Shape = "llama-8b",
     device: str = "cuda",
     lengths=(512, 1024, 2048, 4096, 8192, 16384, 32768),
     batch: int = 64,
@@ -264,7 +291,8 @@ def calibrate(
 ) -> dict:
     import torch
 
-    shape = SHAPES[shape_name]
+    shape = shape_name if isinstance(shape_name, Shape) else SHAPES[shape_name]
+    shape_name = "custom" if isinstance(shape_name, Shape) else shape_name
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     timed = _timer(torch, device)
     model = _Model(torch, shape, device, dtype)
@@ -386,6 +414,9 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    parser.add_argument(
+        "--model-config", default=None, help="a Hugging Face config.json (or model dir): its shape, not --shape's"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lengths", default=None, help="prefill prompt lengths, comma-separated")
@@ -396,7 +427,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.plot and not args.plot.lower().endswith(".png"):
         parser.exit(2, f"calibrate_accelerator: --plot expects a .png path, got {args.plot!r}\n")
-    small = args.shape == "small"
+    small = not args.device.startswith("cuda")  # a CPU run is a test of the code: small sizes throughout
+    shape: str | Shape = args.shape
+    if args.model_config:
+        try:
+            shape = shape_from_hf_config(args.model_config)
+        except ValueError as exc:
+            parser.exit(2, f"calibrate_accelerator: --model-config {exc}\n")
     try:
         lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
     except ValueError:
@@ -418,7 +455,7 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.exit(2, "calibrate_accelerator: no CUDA device (use --device cpu --shape small to try it)\n")
     result = calibrate(
-        args.shape,
+        shape,
         args.device,
         lengths=lengths or ((16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384, 32768)),
         batch=args.batch or (4 if small else 64),

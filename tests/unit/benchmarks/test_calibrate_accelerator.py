@@ -35,6 +35,27 @@ def test_the_prefill_fit_recovers_a_quadratic_and_keeps_constants_non_negative()
     assert base == 0.0 and per_token > 0.0 and pair >= 0.0
 
 
+def test_a_model_config_gives_the_shape_it_names(tiny_model_dir, tmp_path):
+    shape = ca.shape_from_hf_config(str(tiny_model_dir))
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.intermediate, shape.vocab) == (
+        2,
+        128,
+        4,
+        2,
+        256,
+        1024,
+    )
+    assert shape.head_dim == 32
+    # a config naming a head size other than hidden / heads keeps it
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 64}))
+    assert ca.shape_from_hf_config(str(tmp_path)).head_dim == 64
+    assert ca.shape_from_hf_config(str(tmp_path)).kv_bytes_per_token() == 2 * 2 * 2 * 64 * 2
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="not a decoder config"):
+        ca.shape_from_hf_config(str(tmp_path))
+
+
 def test_a_cpu_run_gives_a_cost_model_the_simulator_accepts():
     result = ca.calibrate(
         "small", "cpu", lengths=(8, 16, 32), batch=2, context=16, load_tokens=32, rounds=1, suffix=4, prefixes=(0, 8)
@@ -93,6 +114,7 @@ def test_prefill_attends_across_the_prompt_and_reads_a_cached_prefix():
         (["--rounds", "0"], "--rounds, --batch and --context must be >= 1"),
         (["--batch", "0"], "--rounds, --batch and --context must be >= 1"),
         (["--plot", "x.jpg"], "--plot expects a .png path"),
+        (["--model-config", "/nonexistent/config.json"], "--model-config /nonexistent/config.json"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -121,3 +143,11 @@ def test_the_cli_on_a_cpu_writes_its_json_and_plot(tmp_path, capsys):
     assert doc["measured"]["device"] == "cpu"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "for `kvmesh simulate --cost-model`" in capsys.readouterr().out
+
+
+def test_the_cli_calibrates_the_shape_of_a_model_config(tiny_model_dir, tmp_path):
+    out = tmp_path / "acc.json"
+    argv = ["--device", "cpu", "--model-config", str(tiny_model_dir), "--rounds", "1", "--json", str(out)]
+    assert ca.main(argv) == 0
+    m = json.loads(out.read_text())["measured"]
+    assert (m["shape_layers"], m["shape_vocab"], m["kv_bytes_per_token"]) == (2, 1024, 2 * 2 * 2 * 32 * 2)
