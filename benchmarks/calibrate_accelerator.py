@@ -288,11 +288,12 @@ def calibrate(
     rounds: int = 5,
     suffix: int = 512,
     prefixes=(0, 2048, 8192, 32768),
+    label: str | None = None,
 ) -> dict:
     import torch
 
     shape = shape_name if isinstance(shape_name, Shape) else SHAPES[shape_name]
-    shape_name = "custom" if isinstance(shape_name, Shape) else shape_name
+    shape_name = label or ("custom" if isinstance(shape_name, Shape) else shape_name)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     timed = _timer(torch, device)
     model = _Model(torch, shape, device, dtype)
@@ -464,6 +465,7 @@ def main(argv=None) -> int:
         rounds=args.rounds,
         suffix=8 if small else 512,
         prefixes=(0, 16, 64) if small else (0, 2048, 8192, 32768),
+        label=args.model_config,
     )
     print(_report(result))
     if args.json:

@@ -151,3 +151,4 @@ def test_the_cli_calibrates_the_shape_of_a_model_config(tiny_model_dir, tmp_path
     assert ca.main(argv) == 0
     m = json.loads(out.read_text())["measured"]
     assert (m["shape_layers"], m["shape_vocab"], m["kv_bytes_per_token"]) == (2, 1024, 2 * 2 * 2 * 32 * 2)
+    assert m["shape"] == str(tiny_model_dir)
