@@ -5,7 +5,10 @@ both are later calibrated from the live engines (`CostModel.from_dict` takes mea
 the two drifted apart the simulator would flatter or punish the policy for reasons unrelated to
 placement.
 
-Defaults describe one accelerator per replica serving an ~8B model (one H100-class GPU):
+Defaults describe one accelerator per replica serving an ~8B model (one H100-class GPU), as estimates;
+an H200 measured for an 8B shape (`benchmarks/calibrated/h200_llama8b.json`, docs/calibration.md)
+prefills ~3.9x faster, decodes a 64-sequence step in 10 ms and loads a host-tier token at 1/11 of
+recomputing it, and kvmesh places about as well under either set:
 - prefill ~10k tokens/s => `prefill_s_per_token` = 1e-4 s, plus `prefill_base_s` = 10 ms per
   request (scheduling, first sampling step);
 - decode: `decode_s_per_token` = 25 ms per output token per sequence (TPOT at a typical batch);
@@ -16,7 +19,7 @@ Defaults describe one accelerator per replica serving an ~8B model (one H100-cla
   prompts fill the KV space well before that).
 - `attention_s_per_token_pair` = 0: each computed prompt token also attends to every token before it,
   cached or not, so a prefill costs that much more per (computed token, earlier token) pair. 0 keeps the
-  model linear in computed tokens. Measured on an H200 for an 8B shape it is ~0.95 ns
+  model linear in computed tokens. Measured on an H200 for an 8B shape it is ~0.9 ns
   (`benchmarks/calibrate_accelerator.py`): a 32k-token prefill then costs 1.4 x what the per-token rate of
   short prompts predicts, and the bundled Mooncake traces' prefill work 1.4-1.5 x (docs/calibration.md).
 All are plain seconds; see docs/simulator.md.
