@@ -93,11 +93,7 @@ def _build_config(args) -> dict:
 
         if not Path(cfg["engine"]["model"]).is_dir():
             raise ConfigError(f"--model {cfg['engine']['model']}: not a local model directory (or 'tiny')")
-    from kvmesh.policies.registry import POLICY_NAMES
-
-    if cfg["policy"] not in POLICY_NAMES:
-        raise ConfigError(f"--policy {cfg['policy']}: unknown; known: {', '.join(POLICY_NAMES)}")
-    return app_config(cfg)
+    return app_config(cfg)  # checks the policy, its parameters and the tenants' policies too
 
 
 def run(args) -> int:
