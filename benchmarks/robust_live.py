@@ -34,6 +34,7 @@ from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
+from kvmesh.cluster.decision_trace import decision, first_divergence, format_divergence, replica_cells
 from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.trace import Trace
@@ -75,13 +76,23 @@ def simulate_in_send_order(
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
+    decisions: list[dict] = []  # what ranking saw, per placement (`decision_trace`)
     chosen = make_policy(policy)
-    routed = chosen.on_routed
+    routed, best = chosen.on_routed, chosen.best
+    recent_work = getattr(chosen, "recent_work", None)
+
+    def rank(request, fleet):
+        work = recent_work() if recent_work is not None else None
+        j = best(request, fleet)
+        if j is not None:
+            decisions.append(simulated_decision(request, fleet, j, work))
+        return j
 
     def record(request, replica_id, view=None):
         placed.append((int(request.request_id), replica_id))
         routed(request, replica_id, view)
 
+    chosen.best = rank  # type: ignore[method-assign]
     chosen.on_routed = record  # type: ignore[method-assign]
     res = simulate_policy(
         trace,
@@ -103,7 +114,16 @@ def simulate_in_send_order(
         "prefill_max_over_mean": max_over_mean([p["prefill_tokens"] for p in per]) or 1.0,
         "ttft_p50_s": res["ttft_p50_s"],
         "placement": first_use_names(placed, len(recs)),
+        "decisions": decisions,
     }
+
+
+def simulated_decision(request, fleet, j: int, work: dict[str, float] | None) -> dict:
+    """The simulator's placement of `request` on replica `j` of `fleet` as a `decision_trace.decision`
+    (the fleet's arrays are reused for the next request: read now)."""
+    cols = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
+    views = {rid: [int(c[k]) for c in cols] + [int(fleet.pending_prefill_tokens[k])] for k, rid in enumerate(fleet.ids)}
+    return decision(int(request.request_id), fleet.ids[j], replica_cells(views, work))
 
 
 SIM_PEER = "sglang_cache_aware"  # the simulated stand-in for PEER (vllm-router's cache_aware is a port of it)
@@ -303,6 +323,7 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
 
     with live_app(replicas, policy, log, tier) as (url, key):
         report = replay(recs, replay_config(url, d, api_key=key))
+        traced = router_decisions(url, key)
     s = report.summary()
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
         replicas - len(s["per_replica"])
@@ -311,7 +332,27 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     return {
         **_figures(s, [p["requests"] for p in per], [p["uncached_prompt_tokens"] for p in per]),
         "placement": first_use_names([(r.index, r.replica) for r in sent if r.error is None], len(recs)),
+        "decisions": by_record_index(traced, {r.request_id: r.index for r in report.results if r.request_id}),
     }
+
+
+def router_decisions(url: str, key: str) -> list[dict]:
+    """The live router's decision trace (`/kvmesh/state` `recent_decisions`); [] when the state cannot be
+    read (the replay's figures stand without it)."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/kvmesh/state", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r.raise_for_status()
+        return list((r.json().get("router") or {}).get("recent_decisions") or [])
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
+def by_record_index(decisions: list[dict], index_of: dict[str, int]) -> list[dict]:
+    """The decisions of the replay's requests, keyed by record index instead of the server's request id
+    (the simulator's key), in the order the router made them."""
+    return [{**d, "request_id": index_of[d["request_id"]]} for d in decisions if d.get("request_id") in index_of]
 
 
 def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
@@ -388,6 +429,9 @@ def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict
             row["sim_tier"] = simulate_in_send_order(recs, d, n, "kvmesh", shared=True)
         row["bounds"]["peer_target"] = peer_target(recs, d, n, row["peer"]["hit"])
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
+        row["sim_vs_live"]["first_divergence"] = first_divergence(
+            row["kvmesh"]["decisions"], row["sim"]["decisions"], [d["request_id"] for d in row["sim"]["decisions"]]
+        )
         rows.append(row)
     return rows
 
@@ -464,6 +508,9 @@ def format_live(rows: Sequence[dict]) -> str:
                     f"{rt['prefill_max_over_mean']:.2f}, TTFT p50 {rt['ttft_p50_s'] * 1e3:.0f} ms, "
                     f"{rt['errors']} errors"
                 )
+    for r in rows:
+        if (div := r["sim_vs_live"].get("first_divergence")) is not None:
+            lines += format_divergence(div, head=f"  {r['seed']}: ")
     for r in rows:
         if "sim_round_robin" in r:
             lines.append(

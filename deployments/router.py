@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvmesh.cluster.decision_trace import decision, replica_cells
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from kvmesh.cluster.kv_events import KVEventSubscriber
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+# placements /kvmesh/state keeps: a robustness draw's whole replay (up to ~200 requests) and then some
+DECISIONS_KEPT = 512
 
 
 def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
@@ -90,7 +93,20 @@ def request_fields(pending_request: PendingRequest | None) -> dict | None:
 class _Routing:
     """A request between ranking and placement: the router has committed to its first choice."""
 
-    __slots__ = ("info", "matches", "policy", "views", "replica", "fresh", "held")
+    __slots__ = (
+        "info",
+        "matches",
+        "policy",
+        "views",
+        "replica",
+        "fresh",
+        "held",
+        "work",
+        "rankings",
+        "ranked_at",
+        "first_choice",
+        "was_held",
+    )
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
         self.info = info
@@ -100,6 +116,14 @@ class _Routing:
         self.views = views  # replica -> its view at ranking time
         self.replica = ""  # the replica the request is committed to
         self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
+        # for the decision trace: the policy's balance-guard work per replica before this ranking (None when
+        # the policy keeps none), how often the request was ranked, and when (router clock) it last was
+        recent_work = getattr(policy, "recent_work", None)
+        self.work: dict[str, float] | None = recent_work() if recent_work is not None else None
+        self.rankings = 1
+        self.ranked_at = time.monotonic()
+        self.first_choice = ""  # the policy's first choice (Serve may have placed it elsewhere)
+        self.was_held = False  # held for a prefix another replica was computing before it was sent
 
 
 class _Inflight(HoldSource):
@@ -186,7 +210,9 @@ class KvmeshRouter(RequestRouter):
         self.hold_timeouts = 0
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
-        self.recent: collections.deque[dict] = collections.deque(maxlen=256)  # last decisions, for /kvmesh/state
+        # the last placements, for /kvmesh/state's decision trace (`decision_record` formats them there)
+        self.recent: collections.deque[_Routing] = collections.deque(maxlen=DECISIONS_KEPT)
+        self._started = time.monotonic()
         # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
         self.peers = PeerPlacements(
             self.index, lambda: self._policies.values(), tiers=self.tiers, on_computed=_peer_computed
@@ -490,6 +516,8 @@ class KvmeshRouter(RequestRouter):
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
         # replica.
         routing = _Routing(info, matches, policy, by_view, held)
+        if earlier is not None:
+            routing.rankings += earlier.rankings
         self._commit(routing, ranked[0], announce=hold is None)
         self._routing[internal] = routing
         self._watch(pending_request)
@@ -684,16 +712,9 @@ class KvmeshRouter(RequestRouter):
             self.fallbacks += 1
             self._withdraw(routed)
             self._commit(routed, rid)
-        self.recent.append(
-            {
-                "request_id": info.request_id,
-                "tokens": info.num_tokens,
-                "chosen": rid,
-                "first_choice": first,
-                "cached_blocks": {r: m[2] for r, m in matches.items() if m[2]},
-                "chosen_tiers": list(matches.get(rid, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
-            }
-        )
+        routed.first_choice = first
+        routed.was_held = internal in self._held
+        self.recent.append(routed)
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
         miss_attribution.ATTRIBUTION.placed(
@@ -783,11 +804,36 @@ class KvmeshRouter(RequestRouter):
             "held_for_tier": self.held_for_tier,
             "hold_timeouts": self.hold_timeouts,
             "tier_nodes": self.tiers.nodes(),
-            "recent_decisions": list(self.recent),
+            "recent_decisions": self.recent_decisions(),
             "inflight": len(self._inflight),
             "sync": self.sync.stats() if self.sync is not None else None,
             "routing_stats": {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self.curr_replicas.values()},
         }
+
+    def recent_decisions(self) -> list[dict]:
+        """The last placements, oldest first, as `decision_trace.decision` records (what ranking saw per
+        replica, the policy's guard work, re-rankings, holds), for comparing with the simulator's."""
+        out = []
+        for r in self.recent:
+            cells = {
+                rid: [v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens]
+                for rid, v in r.views.items()
+            }
+            out.append(
+                decision(
+                    r.info.request_id,
+                    r.replica,
+                    replica_cells(cells, r.work),
+                    t_s=r.ranked_at - self._started,
+                    first_choice=r.first_choice,
+                    rankings=r.rankings,
+                    held=r.was_held,
+                    tokens=r.info.num_tokens,
+                    cached_blocks={rid: m[2] for rid, m in r.matches.items() if m[2]},
+                    chosen_tiers=list(r.matches.get(r.replica, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
+                )
+            )
+        return out
 
     def cache_reset(self, rid: str) -> None:
         """The replica's engine dropped its prefix cache: forget what it held now (its AllBlocksCleared

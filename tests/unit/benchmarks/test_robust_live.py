@@ -262,3 +262,39 @@ def test_a_simulated_live_miss_is_decided_for_any_placement():
     line = format_verdicts(verdicts)
     assert "no placement meets the live targets on 1 [2007]" in line
     assert "a placement found offline meets them on 1 (the policy's) [2003]" in line
+
+
+def test_the_simulated_decisions_show_what_the_policy_saw_and_find_the_first_difference():
+    from kvmesh.benchmarks.robust_live import simulate_in_send_order
+    from kvmesh.cluster.decision_trace import CELLS, first_divergence
+    from kvmesh.cluster.workload_family import draw, records
+
+    d = draw(2000)
+    sim = simulate_in_send_order(records(d), d, d.live_replicas, "kvmesh")
+    trace = sim["decisions"]
+    assert sorted(x["request_id"] for x in trace) == list(range(len(records(d))))
+    assert all(len(x["replicas"]) == d.live_replicas for x in trace)
+    first = trace[0]["replicas"]
+    assert all(c[: CELLS.index("work")] == [0] * 6 for c in first.values())  # an empty fleet
+    later = [max(c[CELLS.index("work")] for c in x["replicas"].values()) for x in trace[1:]]
+    assert max(later) > 0  # the guard's work is recorded
+    assert any(max(c[0] for c in x["replicas"].values()) > 0 for x in trace)  # and prefixes held
+    order = [x["request_id"] for x in trace]
+    assert first_divergence(trace, trace, order) is None
+    k = next(i for i, x in enumerate(trace) if i > 0 and len({y["chosen"] for y in trace[:i]}) == d.live_replicas)
+    moved = [dict(x) for x in trace]
+    moved[k]["chosen"] = next(r for r in moved[k]["replicas"] if r != trace[k]["chosen"])
+    assert first_divergence(moved, trace, order)["position"] == k
+
+
+def test_live_decisions_are_keyed_by_record_index_and_printed_where_they_part():
+    from kvmesh.benchmarks.robust_live import by_record_index
+    from kvmesh.cluster.decision_trace import decision, first_divergence
+
+    live = [decision("cmpl-a", "A", {"A": [0] * 7}), decision("other", "A", {}), decision("cmpl-b", "A", {})]
+    keyed = by_record_index(live, {"cmpl-a": 0, "cmpl-b": 1})
+    assert [x["request_id"] for x in keyed] == [0, 1]  # requests not of the replay are left out
+    sim = [decision(0, "s0", {"s0": [0] * 7}), decision(1, "s1", {})]
+    row = _row(0.77, 0.79)
+    row["sim_vs_live"]["first_divergence"] = first_divergence(keyed, sim, [0, 1])
+    assert "2000: first placement that differs: request 1" in format_live([row])

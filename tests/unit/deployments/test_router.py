@@ -232,3 +232,42 @@ def test_router_learns_placement_and_cancellation_from_the_requests_future(monke
         assert all(router.index.held_blocks(r) == 0 for r in ("A", "B"))
 
     asyncio.run(scenario())
+
+
+def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
+    """Each placement in `/kvmesh/state`'s trace carries every replica's view as ranking saw it (prefix
+    blocks per tier, queue, pending prefill, the guard's work before this request), how often Serve had
+    it ranked, and the policy's first choice where Serve placed it elsewhere."""
+    from kvmesh.cluster.decision_trace import CELLS
+    from kvmesh.kvstore.hashing import block_hashes
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A", queued=2), fake_replica("B", queued=0)
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))  # registers both replicas
+        ids = list(range(10, 10 + 200))
+        router.index.store("B", block_hashes(ids[:160], 32))
+        first = fake_request(ids, "t1")
+        assert (await router.choose_replicas([a, b], first))[0][0] is b
+        router._routed(first, b.replica_id)
+        work = router.policy.recent_work()
+        second = fake_request(list(range(5000, 5300)), "t2")
+        top = (await router.choose_replicas([a, b], second))[0][0]
+        await router.choose_replicas([a, b], second)  # ranked again before Serve places it
+        other = b if top is a else a
+        router._routed(second, other.replica_id)
+        d1, d2 = router.recent_decisions()[-2:]
+        assert (d1["request_id"], d1["chosen"], d1["rankings"]) == ("t1", "B", 1)
+        assert len(d1["replicas"]["A"]) == len(CELLS)
+        cells = dict(zip(CELLS, d1["replicas"]["B"]))
+        assert (cells["hbm"], cells["shared"], cells["pending"]) == (5, 5, 0)
+        assert dict(zip(CELLS, d1["replicas"]["A"]))["queued"] == 2  # the replica's own report
+        assert d2["chosen"] == other.replica_id.unique_id and d2["first_choice"] == top.replica_id.unique_id
+        assert d2["rankings"] == 2
+        # the guard's work as it was before the request was ranked: t1's credit on B, nothing yet for t2
+        assert {r: c[CELLS.index("work")] for r, c in d2["replicas"].items()} == pytest.approx(work, abs=0.1)
+        assert dict(zip(CELLS, d2["replicas"]["B"]))["pending"] == 200 - 160
+
+    asyncio.run(scenario())

@@ -324,7 +324,7 @@ def test_the_prediction_counts_the_tier_in_whole_lmcache_chunks(monkeypatch):
     assert ranked[0][0].replica_id.unique_id == "B"
     assert router.tiers.counters["prefills_recorded"] == 1
     assert local_state.LEDGER.prediction("p2") == 128
-    assert router.recent[-1]["chosen_tiers"] == [0, 0, 4]
+    assert router.recent_decisions()[-1]["chosen_tiers"] == [0, 0, 4]
 
 
 def test_the_blocks_past_the_last_whole_chunk_miss_as_partial_chunk_not_evicted(monkeypatch):
