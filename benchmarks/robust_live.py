@@ -85,7 +85,8 @@ def simulate_in_send_order(
         work = recent_work() if recent_work is not None else None
         j = best(request, fleet)
         if j is not None:
-            decisions.append(simulated_decision(request, fleet, j, work))
+            scores = getattr(chosen, "last_scores", None)
+            decisions.append(simulated_decision(request, fleet, j, work, scores))
         return j
 
     def record(request, replica_id, view=None):
@@ -118,12 +119,13 @@ def simulate_in_send_order(
     }
 
 
-def simulated_decision(request, fleet, j: int, work: dict[str, float] | None) -> dict:
+def simulated_decision(request, fleet, j: int, work: dict[str, float] | None, scores=None) -> dict:
     """The simulator's placement of `request` on replica `j` of `fleet` as a `decision_trace.decision`
     (the fleet's arrays are reused for the next request: read now)."""
     cols = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
     views = {rid: [int(c[k]) for c in cols] + [int(fleet.pending_prefill_tokens[k])] for k, rid in enumerate(fleet.ids)}
-    return decision(int(request.request_id), fleet.ids[j], replica_cells(views, work))
+    by_id = dict(zip(fleet.ids, scores.tolist())) if scores is not None else None
+    return decision(int(request.request_id), fleet.ids[j], replica_cells(views, work, by_id))
 
 
 SIM_PEER = "sglang_cache_aware"  # the simulated stand-in for PEER (vllm-router's cache_aware is a port of it)

@@ -13,16 +13,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # per replica, in this order: prefix blocks in hbm, hbm or host, any tier; requests waiting for a first token;
-# requests decoding; prefill tokens sent and not yet computed; the policy's balance-guard work (None: none kept)
-CELLS = ("hbm", "host", "shared", "queued", "running", "pending", "work")
+# requests decoding; prefill tokens sent and not yet computed; the policy's balance-guard work; the policy's
+# score (lower ranks first). The last two are None for a policy that keeps none.
+CELLS = ("hbm", "host", "shared", "queued", "running", "pending", "work", "score")
 
 
-def replica_cells(views: Mapping[str, Sequence[int]], work: Mapping[str, float] | None) -> dict[str, list]:
-    """replica -> `CELLS` from the view fields (the first six) and the guard's work per replica."""
-    return {
-        rid: [*(int(x) for x in v), (round(float(work.get(rid, 0.0)), 1) if work is not None else None)]
-        for rid, v in views.items()
-    }
+def replica_cells(
+    views: Mapping[str, Sequence[int]],
+    work: Mapping[str, float] | None,
+    scores: Mapping[str, float] | None = None,
+) -> dict[str, list]:
+    """replica -> `CELLS` from the view fields (the first six), the guard's work and the score per replica."""
+    return {rid: [*(int(x) for x in v), _rounded(work, rid, 1), _rounded(scores, rid, 5)] for rid, v in views.items()}
+
+
+def _rounded(values: Mapping[str, float] | None, rid: str, digits: int) -> float | None:
+    if values is None:
+        return None
+    x = float(values.get(rid, 0.0))
+    return round(x, digits) if x == x else None  # NaN (no score): none
 
 
 def decision(request_id: Any, chosen: str, replicas: dict[str, list], **more: Any) -> dict:

@@ -106,6 +106,7 @@ class _Routing:
         "ranked_at",
         "first_choice",
         "was_held",
+        "scores",
     )
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
@@ -124,6 +125,7 @@ class _Routing:
         self.ranked_at = time.monotonic()
         self.first_choice = ""  # the policy's first choice (Serve may have placed it elsewhere)
         self.was_held = False  # held for a prefix another replica was computing before it was sent
+        self.scores: tuple[list[str], Any] | None = None  # (replica ids, the policy's score per replica)
 
 
 class _Inflight(HoldSource):
@@ -516,6 +518,9 @@ class KvmeshRouter(RequestRouter):
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
         # replica.
         routing = _Routing(info, matches, policy, by_view, held)
+        scores = getattr(policy, "last_scores", None)
+        if scores is not None:
+            routing.scores = (fleet.ids, scores)
         if earlier is not None:
             routing.rankings += earlier.rankings
         self._commit(routing, ranked[0], announce=hold is None)
@@ -823,7 +828,7 @@ class KvmeshRouter(RequestRouter):
                 decision(
                     r.info.request_id,
                     r.replica,
-                    replica_cells(cells, r.work),
+                    replica_cells(cells, r.work, dict(zip(*r.scores)) if r.scores is not None else None),
                     t_s=r.ranked_at - self._started,
                     first_choice=r.first_choice,
                     rankings=r.rankings,

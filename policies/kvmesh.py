@@ -194,6 +194,10 @@ class KvmeshPolicy(Policy):
         self._withdrawn_ids: OrderedDict[str, None] = OrderedDict()  # requests withdrawn once: aged already
 
     # ------------------------------------------------------------------ scoring
+    # the scores of the last `place` or `best` call, per replica of its fleet (lower ranks first): for decision
+    # traces, which show how close the choice was
+    last_scores: np.ndarray | None = None
+
     def on_replica_added(self, replica_id: str) -> None:
         """A new replica starts at the fleet's current mean work, so the guard neither floods it nor
         holds it back."""
@@ -581,6 +585,7 @@ class KvmeshPolicy(Policy):
         limit, score, work, extra = self._keys(
             request, fleet.ids, *args, fleet.pending_prefill_tokens, fleet.inflight_blocks, fleet.inflight_ready_s
         )
+        self.last_scores = score
         order = np.lexsort((np.arange(len(score)), work, score, work > limit)).tolist()
         first = self._first_in_order(request, fleet, order[0], limit, score, work)
         if first != order[0]:
@@ -601,6 +606,7 @@ class KvmeshPolicy(Policy):
         limit, score, work, extra = self._keys(
             request, fleet.ids, *args, fleet.pending_prefill_tokens, fleet.inflight_blocks, fleet.inflight_ready_s
         )
+        self.last_scores = score
         if fleet.unseen_placements > 0:
             pick = self._unseen_pick(request, fleet, limit, score, work, extra)
             if pick is not None:

@@ -279,6 +279,8 @@ def test_the_simulated_decisions_show_what_the_policy_saw_and_find_the_first_dif
     later = [max(c[CELLS.index("work")] for c in x["replicas"].values()) for x in trace[1:]]
     assert max(later) > 0  # the guard's work is recorded
     assert any(max(c[0] for c in x["replicas"].values()) > 0 for x in trace)  # and prefixes held
+    scores = [{r: c[CELLS.index("score")] for r, c in x["replicas"].items()} for x in trace]
+    assert all(min(s.values()) == s[x["chosen"]] for s, x in zip(scores, trace))  # the chosen scored lowest
     order = [x["request_id"] for x in trace]
     assert first_divergence(trace, trace, order) is None
     k = next(i for i, x in enumerate(trace) if i > 0 and len({y["chosen"] for y in trace[:i]}) == d.live_replicas)

@@ -55,8 +55,10 @@ def test_requests_one_side_did_not_record_are_skipped_and_order_decides():
 
 def test_a_policy_without_guard_work_leaves_the_cell_empty():
     cells = replica_cells({"x": [1, 1, 2, 0, 3, 5]}, None)
-    assert cells == {"x": [1, 1, 2, 0, 3, 5, None]}
+    assert cells == {"x": [1, 1, 2, 0, 3, 5, None, None]}
     div = first_divergence(
         [decision(0, "x", cells), decision(1, "x", cells)], [decision(0, "p", {}), decision(1, "q", {})], [0, 1]
     )
     assert "work" not in "\n".join(format_divergence(div))
+    scored = replica_cells({"x": [0] * 6, "y": [0] * 6}, {"x": 1.0}, {"x": 0.123456789, "y": float("nan")})
+    assert scored["x"][-1] == 0.12346 and scored["y"][-1] is None  # a replica the policy scored NaN

@@ -266,6 +266,8 @@ def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
         assert dict(zip(CELLS, d1["replicas"]["A"]))["queued"] == 2  # the replica's own report
         assert d2["chosen"] == other.replica_id.unique_id and d2["first_choice"] == top.replica_id.unique_id
         assert d2["rankings"] == 2
+        score = {r: c[CELLS.index("score")] for r, c in d2["replicas"].items()}
+        assert min(score, key=score.__getitem__) == d2["first_choice"]  # the policy's scores, lowest first
         # the guard's work as it was before the request was ranked: t1's credit on B, nothing yet for t2
         assert {r: c[CELLS.index("work")] for r, c in d2["replicas"].items()} == pytest.approx(work, abs=0.1)
         assert dict(zip(CELLS, d2["replicas"]["B"]))["pending"] == 200 - 160

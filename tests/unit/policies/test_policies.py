@@ -543,8 +543,9 @@ def test_kvmesh_a_request_routed_again_does_not_make_its_last_block_a_fork():
     assert not p._is_hot(req(turn1 + [10, 11], rid="conv-1-turn-2"), np.array([3, 0, 0, 0]))
 
 
-# Memoised lookups that ranking may fill: caches of pure functions of the state, not state.
-_CACHES = {"_ids_key", "_ids_idx", "_members", "_points", "_owners"}
+# Memoised lookups that ranking may fill: caches of pure functions of the state, not state; and the last
+# ranking's scores, kept for decision traces (an output: nothing reads it back to rank).
+_CACHES = {"_ids_key", "_ids_idx", "_members", "_points", "_owners", "last_scores"}
 
 
 def _state(p) -> bytes:
