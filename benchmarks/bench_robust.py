@@ -385,9 +385,22 @@ def run_live_part(out_dir: str, seeds: list[int]) -> bool:
         failed = [name for name, ok in checks.items() if not ok]
         missed = missed or bool(failed)
         print(f"  live draw {r['seed']}: {'PASS' if not failed else 'MISS ' + ', '.join(failed)}")
+    traces = split_traces(rows)
     with open(os.path.join(out_dir, "robust-live.json"), "w", encoding="utf-8") as fh:
         json.dump(rows, fh, indent=1)
+    with open(os.path.join(out_dir, "robust-live-traces.json"), "w", encoding="utf-8") as fh:
+        json.dump(traces, fh)
     return missed
+
+
+def split_traces(rows: list[dict]) -> dict[str, dict]:
+    """Take every arm's decision trace out of the rows (they stay small enough to read and keep), returning
+    kvmesh's, live and simulated without a tier, by seed: the pair `first_divergence` compared."""
+    traces = {}
+    for r in rows:
+        arms = {name: arm.pop("decisions", None) for name, arm in r.items() if isinstance(arm, dict)}
+        traces[str(r["seed"])] = {"live": arms.get("kvmesh"), "sim": arms.get("sim")}
+    return traces
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
-from kvmesh.cluster.decision_trace import decision, first_divergence, format_divergence, replica_cells
+from kvmesh.cluster.decision_trace import decision, first_divergence, format_divergence, ranking_cells
 from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.trace import Trace
@@ -79,14 +79,11 @@ def simulate_in_send_order(
     decisions: list[dict] = []  # what ranking saw, per placement (`decision_trace`)
     chosen = make_policy(policy)
     routed, best = chosen.on_routed, chosen.best
-    recent_work = getattr(chosen, "recent_work", None)
 
     def rank(request, fleet):
-        work = recent_work() if recent_work is not None else None
         j = best(request, fleet)
-        if j is not None:
-            scores = getattr(chosen, "last_scores", None)
-            decisions.append(simulated_decision(request, fleet, j, work, scores))
+        if j is not None:  # read before `on_routed` credits it, as the live router does
+            decisions.append(decision(int(request.request_id), fleet.ids[j], ranking_cells(chosen, fleet, j)))
         return j
 
     def record(request, replica_id, view=None):
@@ -117,15 +114,6 @@ def simulate_in_send_order(
         "placement": first_use_names(placed, len(recs)),
         "decisions": decisions,
     }
-
-
-def simulated_decision(request, fleet, j: int, work: dict[str, float] | None, scores=None) -> dict:
-    """The simulator's placement of `request` on replica `j` of `fleet` as a `decision_trace.decision`
-    (the fleet's arrays are reused for the next request: read now)."""
-    cols = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
-    views = {rid: [int(c[k]) for c in cols] + [int(fleet.pending_prefill_tokens[k])] for k, rid in enumerate(fleet.ids)}
-    by_id = dict(zip(fleet.ids, scores.tolist())) if scores is not None else None
-    return decision(int(request.request_id), fleet.ids[j], replica_cells(views, work, by_id))
 
 
 SIM_PEER = "sglang_cache_aware"  # the simulated stand-in for PEER (vllm-router's cache_aware is a port of it)

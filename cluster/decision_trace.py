@@ -12,10 +12,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 # per replica, in this order: prefix blocks in hbm, hbm or host, any tier; requests waiting for a first token;
 # requests decoding; prefill tokens sent and not yet computed; the policy's balance-guard work; the policy's
 # score (lower ranks first). The last two are None for a policy that keeps none.
 CELLS = ("hbm", "host", "shared", "queued", "running", "pending", "work", "score")
+# replicas a decision keeps beyond the chosen one: the best scored (a trace of a large fleet stays small)
+TRACED_REPLICAS = 8
+
+
+def ranking_cells(policy, fleet, top: int, limit: int = TRACED_REPLICAS) -> dict[str, list]:
+    """What `policy` saw of `fleet` (a `FleetView`) when it ranked replica `top` first, as `replica_cells`:
+    every replica up to `limit`, else `top` and the `limit` best scored (the longest prefixes when the policy
+    keeps no scores). Call it after ranking and before the placement is credited: the guard's work is read
+    as ranking used it."""
+    scores = getattr(policy, "last_scores", None)
+    if scores is not None and len(scores) != len(fleet.ids):
+        scores = None
+    n = len(fleet.ids)
+    if n <= limit:
+        keep = list(range(n))
+    else:
+        key = np.nan_to_num(scores, nan=np.inf) if scores is not None else -np.asarray(fleet.shared_blocks)
+        keep = sorted({*np.argsort(key, kind="stable")[:limit].tolist(), top})
+    ids = [fleet.ids[k] for k in keep]
+    cols = (fleet.hbm_blocks, fleet.host_blocks, fleet.shared_blocks, fleet.queued, fleet.running)
+    views = {rid: [*(int(c[k]) for c in cols), int(fleet.pending_prefill_tokens[k])] for rid, k in zip(ids, keep)}
+    recent_work = getattr(policy, "recent_work", None)
+    work = recent_work(ids) if recent_work is not None else None
+    by_id = {rid: float(scores[k]) for rid, k in zip(ids, keep)} if scores is not None else None
+    return replica_cells(views, work, by_id)
 
 
 def replica_cells(
@@ -58,9 +85,20 @@ def first_divergence(a: Sequence[dict], b: Sequence[dict], order: Sequence[Any])
         x, y = da["chosen"], db["chosen"]
         # agree: both sides use a replica new to them, or replicas of the same name
         if (x in names_a) != (y in names_b) or (x in names_a and names_a[x] != names_b[y]):
-            return {"request": key, "position": position, "a": _renamed(da, names_a), "b": _renamed(db, names_b)}
+            div = {"request": key, "position": position, "a": _renamed(da, names_a), "b": _renamed(db, names_b)}
+            return {**div, "sent_apart": _sent_apart(a, b)}
         if x not in names_a:  # both sides' counts of used replicas are equal up to here
             names_a[x] = names_b[y] = f"r{len(names_a)}"
+    return None
+
+
+def _sent_apart(a: Sequence[dict], b: Sequence[dict]) -> list | None:
+    """[position, a's request, b's request] where the two sides' own routing orders first differ (None: the
+    same order throughout the shorter): placed alike up to a request ranked at another moment, with other
+    requests in flight, the two need not have seen the same fleet."""
+    for position, (da, db) in enumerate(zip(a, b)):
+        if da["request_id"] != db["request_id"]:
+            return [position, da["request_id"], db["request_id"]]
     return None
 
 
@@ -79,6 +117,8 @@ def format_divergence(div: dict, a_name: str = "live", b_name: str = "sim", head
     """A few lines (the first starting with `head`): the request, and per side the replica chosen and each
     replica's `CELLS`."""
     lines = [f"{head}first placement that differs: request {div['request']} (#{div['position']} in order)"]
+    if (apart := div.get("sent_apart")) is not None and apart[0] <= div["position"]:
+        lines.append(f"    routed in another order from #{apart[0]}: {a_name} {apart[1]}, {b_name} {apart[2]}")
     for name, d in ((a_name, div["a"]), (b_name, div["b"])):
         extra = "".join(
             f", {k} {d[k]}" for k in ("rankings", "held", "first_choice") if d.get(k) not in (None, False, "", 1)

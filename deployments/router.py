@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvmesh.cluster.decision_trace import decision, replica_cells
+from kvmesh.cluster.decision_trace import decision, ranking_cells
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
@@ -101,12 +101,9 @@ class _Routing:
         "replica",
         "fresh",
         "held",
-        "work",
+        "cells",
         "rankings",
         "ranked_at",
-        "first_choice",
-        "was_held",
-        "scores",
     )
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
@@ -117,15 +114,11 @@ class _Routing:
         self.views = views  # replica -> its view at ranking time
         self.replica = ""  # the replica the request is committed to
         self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
-        # for the decision trace: the policy's balance-guard work per replica before this ranking (None when
-        # the policy keeps none), how often the request was ranked, and when (router clock) it last was
-        recent_work = getattr(policy, "recent_work", None)
-        self.work: dict[str, float] | None = recent_work() if recent_work is not None else None
+        # for the decision trace: what ranking saw on the replicas it keeps (`decision_trace.replica_cells`),
+        # how often the request was ranked, and when (router clock) it last was
+        self.cells: dict[str, list] = {}
         self.rankings = 1
         self.ranked_at = time.monotonic()
-        self.first_choice = ""  # the policy's first choice (Serve may have placed it elsewhere)
-        self.was_held = False  # held for a prefix another replica was computing before it was sent
-        self.scores: tuple[list[str], Any] | None = None  # (replica ids, the policy's score per replica)
 
 
 class _Inflight(HoldSource):
@@ -212,8 +205,8 @@ class KvmeshRouter(RequestRouter):
         self.hold_timeouts = 0
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
-        # the last placements, for /kvmesh/state's decision trace (`decision_record` formats them there)
-        self.recent: collections.deque[_Routing] = collections.deque(maxlen=DECISIONS_KEPT)
+        # the last placements, for /kvmesh/state's decision trace
+        self.recent: collections.deque[dict] = collections.deque(maxlen=DECISIONS_KEPT)
         self._started = time.monotonic()
         # other ingress replicas' placements (router_sync.py): their load and speculative prefixes count here
         self.peers = PeerPlacements(
@@ -510,7 +503,8 @@ class KvmeshRouter(RequestRouter):
         known = None
         if (self._inflight or self._held or self.peers.placements) and self.tiers.any_node():
             known = self._add_inflight(info, fleet)
-        ranked = [fleet.ids[k] for k in policy.place(info, fleet)]
+        order = policy.place(info, fleet)
+        ranked = [fleet.ids[k] for k in order]
         by_view = {v.replica_id: v for v in views}
         hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known) if ranked else None
         # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
@@ -518,9 +512,7 @@ class KvmeshRouter(RequestRouter):
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
         # replica.
         routing = _Routing(info, matches, policy, by_view, held)
-        scores = getattr(policy, "last_scores", None)
-        if scores is not None:
-            routing.scores = (fleet.ids, scores)
+        routing.cells = ranking_cells(policy, fleet, order[0])
         if earlier is not None:
             routing.rankings += earlier.rankings
         self._commit(routing, ranked[0], announce=hold is None)
@@ -717,9 +709,20 @@ class KvmeshRouter(RequestRouter):
             self.fallbacks += 1
             self._withdraw(routed)
             self._commit(routed, rid)
-        routed.first_choice = first
-        routed.was_held = internal in self._held
-        self.recent.append(routed)
+        self.recent.append(
+            decision(
+                info.request_id,
+                rid,
+                routed.cells,
+                t_s=round(routed.ranked_at - self._started, 4),
+                first_choice=first,
+                rankings=routed.rankings,
+                held=internal in self._held,  # held for a prefix another replica was computing
+                tokens=info.num_tokens,
+                cached_blocks={r: m[2] for r, m in matches.items() if m[2]},
+                chosen_tiers=list(matches.get(rid, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
+            )
+        )
         hbm, host, shared = matches.get(rid, (0, 0, 0))
         predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
         miss_attribution.ATTRIBUTION.placed(
@@ -817,28 +820,8 @@ class KvmeshRouter(RequestRouter):
 
     def recent_decisions(self) -> list[dict]:
         """The last placements, oldest first, as `decision_trace.decision` records (what ranking saw per
-        replica, the policy's guard work, re-rankings, holds), for comparing with the simulator's."""
-        out = []
-        for r in self.recent:
-            cells = {
-                rid: [v.hbm_blocks, v.host_blocks, v.shared_blocks, v.queued, v.running, v.pending_prefill_tokens]
-                for rid, v in r.views.items()
-            }
-            out.append(
-                decision(
-                    r.info.request_id,
-                    r.replica,
-                    replica_cells(cells, r.work, dict(zip(*r.scores)) if r.scores is not None else None),
-                    t_s=r.ranked_at - self._started,
-                    first_choice=r.first_choice,
-                    rankings=r.rankings,
-                    held=r.was_held,
-                    tokens=r.info.num_tokens,
-                    cached_blocks={rid: m[2] for rid, m in r.matches.items() if m[2]},
-                    chosen_tiers=list(r.matches.get(r.replica, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
-                )
-            )
-        return out
+        replica, re-rankings, holds), for comparing with the simulator's."""
+        return list(self.recent)
 
     def cache_reset(self, rid: str) -> None:
         """The replica's engine dropped its prefix cache: forget what it held now (its AllBlocksCleared

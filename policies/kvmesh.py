@@ -701,5 +701,8 @@ class KvmeshPolicy(Policy):
         self._free.append(slot)
         self._ids_key = ()  # rebuild positions on the next call
 
-    def recent_work(self) -> dict[str, float]:
-        return {rid: float(self._w[s]) for rid, s in self._slot.items()}
+    def recent_work(self, ids: Sequence[str] | None = None) -> dict[str, float]:
+        """The balance guard's work per replica (of `ids`, those it knows, when given)."""
+        if ids is None:
+            return {rid: float(self._w[s]) for rid, s in self._slot.items()}
+        return {rid: float(self._w[self._slot[rid]]) for rid in ids if rid in self._slot}

@@ -1,4 +1,5 @@
-"""The robustness bench's TTFT tail lines: one per policy but the baseline, from `sweep.ttft_against`."""
+"""The robustness bench: its TTFT tail lines (one per policy but the baseline, from `sweep.ttft_against`) and the
+live rows saved apart from their decision traces."""
 
 from __future__ import annotations
 
@@ -64,3 +65,21 @@ def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
         message = capsys.readouterr().err
         assert exc.value.code == 2 and said in message and message.startswith("bench_robust: "), message
         assert message.count("\n") == 1 and message.endswith("\n")
+
+
+def test_the_saved_rows_leave_the_decision_traces_to_a_file_of_their_own():
+    from kvmesh.benchmarks.bench_robust import split_traces
+
+    trace = [{"request_id": 0, "chosen": "a", "replicas": {}}]
+    rows = [
+        {
+            "seed": 2001,
+            "kvmesh": {"hit": 0.7, "decisions": trace},
+            "round_robin": {"hit": 0.5, "decisions": list(trace)},
+            "sim": {"hit": 0.7, "decisions": list(trace)},
+            "sim_vs_live": {"first_divergence": None},
+        }
+    ]
+    traces = split_traces(rows)
+    assert traces == {"2001": {"live": trace, "sim": trace}}
+    assert "decisions" not in str(rows) and rows[0]["kvmesh"] == {"hit": 0.7}
