@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,11 +96,19 @@ class ClosedLoop:
     whose users still wait for their replies. Why: a chat turn's prompt holds the previous turn's answer,
     so no user can send it before that answer has ended; timestamps scaled to a load can put it earlier
     (a conversation's turns 20 ms apart while each prefill takes longer), and a replay that sends it
-    then makes every turn wait for, or recompute, a prefix nobody could have asked for yet."""
+    then makes every turn wait for, or recompute, a prefix nobody could have asked for yet.
+
+    With `jitter_s`, each request is sent a further uniform draw in [0, jitter_s) after it is ready (seeded
+    by `seed`). Why: live, requests ready together (an all-at-once start, replies ending in the same decode
+    step) reach the router in an order the network and the event loops set, not the trace's, and which
+    of two near-equal replicas a request gets can turn on it; runs with a few milliseconds of jitter show the
+    spread of placements that timing alone produces (`robust_live.simulated_spread`)."""
 
     concurrency: int
     users: list | None = None  # per request: the user it belongs to (None: independent)
     arrivals: list[float] | None = None  # per request: the earliest it is sent (None: at once)
+    jitter_s: float = 0.0
+    seed: int = 0
 
     def sender(self, n: int) -> _ClosedLoopSender:
         if self.concurrency < 1:
@@ -108,7 +117,13 @@ class ClosedLoop:
             raise ValueError("users must name one user (or None) per request")
         if self.arrivals is not None and len(self.arrivals) != n:
             raise ValueError("arrivals must give one time per request")
-        return _ClosedLoopSender(self.concurrency, self.users or [None] * n, self.arrivals or [0.0] * n)
+        if not (self.jitter_s >= 0 and math.isfinite(self.jitter_s)):
+            raise ValueError("jitter_s must be a finite number >= 0")
+        delays = None
+        if self.jitter_s > 0:
+            rng = random.Random(self.seed)
+            delays = [rng.uniform(0.0, self.jitter_s) for _ in range(n)]
+        return _ClosedLoopSender(self.concurrency, self.users or [None] * n, self.arrivals or [0.0] * n, delays)
 
     @classmethod
     def timed(cls, arrivals: list[float], users: list | None) -> ClosedLoop:
@@ -127,18 +142,19 @@ class ClosedLoop:
 class _ClosedLoopSender:
     """Yields (request index, send time) in send order; told each request's end through `ended`."""
 
-    def __init__(self, concurrency: int, users: list, arrivals: list[float]) -> None:
+    def __init__(self, concurrency: int, users: list, arrivals: list[float], delays: list[float] | None = None):
         self.concurrency = concurrency
         self.ready: list[tuple[float, int]] = []  # (ready since, index): requests waiting for a slot
         self.after: dict[int, int] = {}  # index -> the same user's next request
         self.in_flight: list[float] = []  # stream ends of the requests in flight
         self.arrivals = arrivals
+        self.delays = delays  # per request: sent this long after it is ready (None: at once)
         last: dict = {}
         for i, user in enumerate(users):
             if user is not None and user in last:
                 self.after[last[user]] = i
             else:
-                self.ready.append((arrivals[i], i))
+                self.ready.append((arrivals[i] + delays[i] if delays else arrivals[i], i))
             if user is not None:
                 last[user] = i
         heapq.heapify(self.ready)
@@ -156,7 +172,8 @@ class _ClosedLoopSender:
         nxt = self.after.get(i)
         if nxt is not None:
             arrival = self.arrivals[nxt]
-            heapq.heappush(self.ready, (end if end > arrival else arrival, nxt))
+            ready = end if end > arrival else arrival
+            heapq.heappush(self.ready, (ready + self.delays[nxt] if self.delays else ready, nxt))
 
 
 def fit_in_gap(

@@ -300,3 +300,24 @@ def test_live_decisions_are_keyed_by_record_index_and_printed_where_they_part():
     row = _row(0.77, 0.79)
     row["sim_vs_live"]["first_divergence"] = first_divergence(keyed, sim, [0, 1])
     assert "2000: first placement that differs: request 1" in format_live([row])
+
+
+def test_the_jittered_simulations_spread_where_placement_turns_on_timing_and_are_counted_against_live():
+    from kvmesh.benchmarks.robust_live import simulate_in_send_order, simulated_spread, spread_match
+    from kvmesh.cluster.workload_family import draw, records
+
+    d = draw(2063)  # all at once, concurrency 5: its placement turns on which request the router sees first
+    recs = records(d)
+    spread = simulated_spread(recs, d, d.live_replicas, runs=8)
+    assert len(spread) == 8 and set(spread[0]) == {"hit", "prefill_max_over_mean", "requests"}
+    assert len({round(s["prefill_max_over_mean"], 6) for s in spread}) > 1
+    plain = simulate_in_send_order(recs, d, d.live_replicas, "kvmesh")
+    m = spread_match(plain, spread)
+    assert m["runs"] == 8 and 0 <= m["within"] <= 8
+    assert m["prefill_max_over_mean"][0] <= m["prefill_max_over_mean"][1]
+    far = dict(plain, hit=plain["hit"] + 0.5)
+    assert spread_match(far, spread)["within"] == 0
+    row = dict(_row(0.77, 0.79), sim_spread=m)
+    assert f"2000: live within every tolerance of {m['within']}/8 simulated runs with sends jittered" in format_live(
+        [row]
+    )

@@ -530,6 +530,33 @@ def test_timed_client_sends_at_arrivals_and_a_users_next_turn_after_its_previous
         ClosedLoop(4, None, [0.0]).sender(2)
 
 
+def test_jittered_sends_reorder_requests_ready_together_and_repeat_by_seed():
+    from kvmesh.cluster.simulator import ClosedLoop
+
+    def sent(client, n=8):
+        sender = client.sender(n)
+        out = []
+        for i, t in sender:
+            out.append((i, t))
+            sender.ended(i, t + 0.1)
+        return out
+
+    users = ["a", "b", "c", "d", "a", "b", "c", "d"]
+    plain = sent(ClosedLoop(4, users))
+    assert [i for i, _ in plain] == list(range(8))  # ready together: trace order
+    assert sent(ClosedLoop(4, users, jitter_s=0.0, seed=5)) == plain  # no jitter: the seed changes nothing
+    runs = [sent(ClosedLoop(4, users, jitter_s=0.005, seed=k)) for k in range(1, 9)]
+    assert any([i for i, _ in r[:4]] != [0, 1, 2, 3] for r in runs)  # some seed sends the first four otherwise
+    for r in runs:
+        late = [t - p[1] for (_, t), p in zip(sorted(r), plain)]
+        assert min(late) >= 0 and max(late[:4]) < 0.005  # a first turn at most 5 ms late, later ones add up
+        assert [i for i, _ in r].index(4) > [i for i, _ in r].index(0)  # still after its user's previous reply
+    assert sent(ClosedLoop(4, users, jitter_s=0.005, seed=3)) == runs[2]
+    for bad in (-0.001, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="jitter_s"):
+            ClosedLoop(4, users, jitter_s=bad).sender(8)
+
+
 def test_multi_turn_chat_sent_closed_loop_is_balanced_near_the_balance_bounded_bound():
     """Four groups x four users x six turns on three replicas (64-token blocks), sent as the replay
     client sends it (6 in flight, a user's turns in order): kvmesh keeps per-replica prefill max/mean
