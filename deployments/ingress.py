@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -505,7 +506,7 @@ class Ingress:
         except KvmeshHTTPError as exc:
             return _error_response(exc)
         snap = await asyncio.to_thread(self._router_snapshot)
-        return {
+        state = {
             "router": snap,
             "prediction": local_state.LEDGER.snapshot(),
             "serving": {**self.serving_metrics.snapshot(), "engine_transport": self.engine_transport},
@@ -513,6 +514,9 @@ class Ingress:
             "pid": os.getpid(),
             "tiers": await asyncio.to_thread(_tier_report),
         }
+        # encoded off the event loop that serves requests: with the router's decision trace the document is
+        # ~100 KB, tens of milliseconds through FastAPI's encoder (a JSONResponse renders when it is made)
+        return await asyncio.to_thread(lambda: JSONResponse(jsonable_encoder(state)))
 
     @fastapi_app.get("/kvmesh/explain/{request_id}")
     async def explain(self, request_id: str, request: Request):

@@ -54,8 +54,9 @@ if TYPE_CHECKING:
     from kvmesh.cluster.kv_events import KVEventSubscriber
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
-# placements /kvmesh/state keeps: a robustness draw's whole replay (up to ~200 requests) and then some
-DECISIONS_KEPT = 512
+# placements /kvmesh/state keeps: a robustness draw's whole replay (at most 200 requests), and no more (the
+# document grows ~0.5 KB per decision at 4 replicas)
+DECISIONS_KEPT = 256
 
 
 def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
