@@ -435,7 +435,9 @@ def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: 
 def compare(live: dict, sim: dict) -> dict:
     """Sim-vs-live differences: hit rate, prefill max/mean, and per-replica request counts (sorted,
     as a share of the mean count: replica names differ between the two runs); and the share of requests
-    the two placed on the same replica (`placed_alike`), where both runs recorded their placements."""
+    the two placed on the same replica (`placed_alike`), where both runs recorded their placements; and the
+    first request they placed differently (`first_divergence`, in the simulator's routing order), where
+    both recorded their decisions."""
     mean = sum(live["requests"]) / len(live["requests"]) if live["requests"] else 1.0
     counts = max(abs(a - b) for a, b in zip(live["requests"], sim["requests"])) / mean if mean else 0.0
     out = {
@@ -445,6 +447,9 @@ def compare(live: dict, sim: dict) -> dict:
     }
     if live.get("placement") and sim.get("placement"):
         out["placed_alike"] = placed_alike(live["placement"], sim["placement"])
+    if "decisions" in live and "decisions" in sim:
+        order = [x["request_id"] for x in sim["decisions"]]
+        out["first_divergence"] = first_divergence(live["decisions"], sim["decisions"], order)
     return out
 
 
@@ -476,9 +481,6 @@ def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict
         row["bounds"]["peer_target"] = peer_target(recs, d, n, row["peer"]["hit"])
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
         row["sim_spread"] = spread_match(row["kvmesh"], simulated_spread(recs, d, n))
-        row["sim_vs_live"]["first_divergence"] = first_divergence(
-            row["kvmesh"]["decisions"], row["sim"]["decisions"], [d["request_id"] for d in row["sim"]["decisions"]]
-        )
         rows.append(row)
     return rows
 

@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 
-from kvmesh.cluster.decision_trace import first_divergence, format_divergence
+from kvmesh.cluster.decision_trace import format_divergence
 
 
 def trace_draw(seed: int, tier: bool = False, log=print) -> dict:
     """The draw's live run and its simulation (`robust_live.run_live`, `simulate_in_send_order`), their
-    comparison, and the first placement they make differently (None when none)."""
+    comparison, with the first placement they make differently (`first_divergence`, None when none)."""
     from kvmesh.benchmarks.robust_live import compare, run_live, simulate_in_send_order
     from kvmesh.cluster.workload_family import draw, records
 
@@ -31,15 +31,7 @@ def trace_draw(seed: int, tier: bool = False, log=print) -> dict:
     log(f"draw {seed}: {len(recs)} requests, {n} replicas")
     live = run_live(recs, d, n, "kvmesh", log, tier=tier)
     sim = simulate_in_send_order(recs, d, n, "kvmesh", shared=tier)
-    order = [x["request_id"] for x in sim["decisions"]]
-    return {
-        "seed": seed,
-        "tier": tier,
-        "live": live,
-        "sim": sim,
-        "sim_vs_live": compare(live, sim),
-        "first_divergence": first_divergence(live["decisions"], sim["decisions"], order),
-    }
+    return {"seed": seed, "tier": tier, "live": live, "sim": sim, "sim_vs_live": compare(live, sim)}
 
 
 def report(result: dict) -> str:
@@ -52,7 +44,7 @@ def report(result: dict) -> str:
         f"apart by: hit {c['hit']:.3f}, max/mean {c['prefill_max_over_mean']:.2f}, requests {c['requests']:.2f}; "
         f"placed alike {c.get('placed_alike', 0.0):.0%}",
     ]
-    div = result["first_divergence"]
+    div = c["first_divergence"]
     return "\n".join(lines + (format_divergence(div) if div else ["every request placed alike"]))
 
 

@@ -106,8 +106,8 @@ def _renamed(d: dict, names: dict[str, str]) -> dict:
     """`d` with replica ids replaced by first-use names (unused replicas named u0, u1, ... in sorted order)."""
     unused = [rid for rid in sorted(d["replicas"]) if rid not in names]
     full = {**names, **{rid: f"u{k}" for k, rid in enumerate(unused)}}
-    out = {**d, "chosen": full.get(d["chosen"], d["chosen"]), "replicas": {}}
-    out["replicas"] = {full[rid]: cells for rid, cells in sorted(d["replicas"].items(), key=lambda kv: full[kv[0]])}
+    replicas = {full[rid]: cells for rid, cells in sorted(d["replicas"].items(), key=lambda kv: full[kv[0]])}
+    out = {**d, "chosen": full.get(d["chosen"], d["chosen"]), "replicas": replicas}
     if out.get("first_choice"):
         out["first_choice"] = full.get(out["first_choice"], out["first_choice"])
     return out
@@ -120,9 +120,10 @@ def format_divergence(div: dict, a_name: str = "live", b_name: str = "sim", head
     if (apart := div.get("sent_apart")) is not None and apart[0] <= div["position"]:
         lines.append(f"    routed in another order from #{apart[0]}: {a_name} {apart[1]}, {b_name} {apart[2]}")
     for name, d in ((a_name, div["a"]), (b_name, div["b"])):
-        extra = "".join(
-            f", {k} {d[k]}" for k in ("rankings", "held", "first_choice") if d.get(k) not in (None, False, "", 1)
-        )
+        shown = {k: d.get(k) for k in ("rankings", "held")}
+        if d.get("first_choice") != d["chosen"]:  # Serve placed it elsewhere than the policy's first choice
+            shown["first_choice"] = d.get("first_choice")
+        extra = "".join(f", {k} {v}" for k, v in shown.items() if v not in (None, False, "", 1))
         t = f" at {d['t_s']:.3f}s" if d.get("t_s") is not None else ""
         lines.append(f"    {name}{t}: to {d['chosen']}{extra}")
         for rid, cells in d["replicas"].items():

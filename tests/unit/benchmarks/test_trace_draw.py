@@ -38,6 +38,6 @@ def test_the_report_shows_the_first_request_placed_differently(monkeypatch, tmp_
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     k = saved["live"]["moved"]
-    assert saved["first_divergence"]["position"] == k
+    assert saved["sim_vs_live"]["first_divergence"]["position"] == k
     assert f"first placement that differs: request {saved['sim']['decisions'][k]['request_id']} (#{k} in order)" in text
     assert "placed alike 100%" in text  # only the trace was moved, not the placements the figures count
