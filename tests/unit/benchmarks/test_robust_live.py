@@ -234,6 +234,21 @@ def test_the_lmcache_arm_is_judged_against_round_robin_on_the_same_lmcache_engin
     assert "round robin with LMCache: hit 0.750, prefill max/mean 1.10, TTFT p50 130 ms" in format_live([row])
 
 
+def test_the_tier_arm_ttft_is_also_judged_in_the_simulator_against_round_robin_with_the_same_tier():
+    row = _row(0.77, None)
+    row["sim_round_robin"] = dict(row["sim"], ttft_p50_s=0.15)
+    row["kvmesh_tier"] = dict(row["kvmesh"], hit=0.78)
+    row["round_robin_tier"] = dict(row["round_robin"], hit=0.75)
+    row["sim_tier"] = dict(row["sim"], ttft_p50_s=0.04)
+    name = "simulated with a shared tier: TTFT p50 <= round robin's"
+    assert name not in live_checks(row)  # rows saved before round robin was simulated with the tier
+    row["sim_round_robin_tier"] = dict(row["sim"], ttft_p50_s=0.03)
+    assert not live_checks(row)[name]  # kvmesh simulated at 40 ms against 30
+    row["sim_round_robin_tier"]["ttft_p50_s"] = 0.05
+    assert live_checks(row)[name]
+    assert "with a shared tier kvmesh 40.0 ms, round robin 50.0 ms" in format_live([row])
+
+
 def test_the_live_targets_simulated_on_every_draw_flag_the_pile_up_the_live_run_showed():
     from kvmesh.benchmarks.robust_live import simulated_live_targets
 
