@@ -1,0 +1,56 @@
+import json
+
+import pytest
+
+from kvmesh.benchmarks.live_tally import format_tally, load_rows, main, tally
+
+
+def _row(seed: int, hit: float, max_over_mean: float, tier_hit: float | None = None) -> dict:
+    side = {"hit": hit, "prefill_max_over_mean": max_over_mean, "ttft_p50_s": 0.1, "errors": 0, "requests": [5, 5]}
+    row = {
+        "seed": seed,
+        "replicas": 2,
+        "requests": 10,
+        "bounds": {"infinite": 0.8, "balance": 0.78},
+        "kvmesh": side,
+        "round_robin": dict(side, hit=0.5, ttft_p50_s=0.2),
+        "sim": dict(side),
+        "sim_vs_live": {"hit": 0.0, "prefill_max_over_mean": 0.0, "requests": 0.0},
+    }
+    if tier_hit is not None:
+        row["kvmesh_tier"] = dict(side, hit=tier_hit, ttft_p50_s=0.3)
+        row["round_robin_tier"] = dict(side, hit=0.7, ttft_p50_s=0.2)
+        row["sim_tier"] = dict(side)
+    return row
+
+
+def _write(tmp_path, name: str, rows: list[dict]) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_a_later_file_replaces_an_earlier_row_and_each_check_lists_the_draws_it_missed(tmp_path):
+    a = _write(tmp_path, "a.json", [_row(1, 0.77, 1.1, tier_hit=0.8), _row(2, 0.77, 1.4, tier_hit=0.79)])
+    b = _write(tmp_path, "b.json", [_row(2, 0.77, 1.1, tier_hit=0.79), _row(3, 0.5, 1.1)])
+    t = tally(load_rows([a, b]))
+    assert t["draws"] == [1, 2, 3]
+    assert t["every_no_tier_target"] == [1, 2]  # 2's pile-up was replaced by the later run; 3 is under the bound
+    assert t["checks"]["hit >= 0.95 x balance-bounded"]["missed"] == [3]
+    assert t["with_lmcache"] == [1, 2] and t["at_infinite_bound_with_lmcache"] == [1]
+    assert t["checks"]["with LMCache: TTFT p50 <= round robin's with LMCache"]["missed"] == [1, 2]
+    assert t["ttft_ratio_median"] == {"no tier": pytest.approx(0.5), "with LMCache": pytest.approx(1.5)}
+    text = format_tally(t)
+    assert "every live target without a tier: 2/3" in text
+    assert "with LMCache at the infinite-cache bound: 1/2 (below: [2])" in text
+
+
+def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "none.json")])
+    assert exc.value.code == 2 and "live_tally:" in capsys.readouterr().err
+    bad = _write(tmp_path, "bad.json", [{"seed": 1}])
+    with pytest.raises(SystemExit) as exc:
+        main([bad])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "not a list of live robustness rows" in err and len(err.strip().splitlines()) == 1
