@@ -1,27 +1,13 @@
 import json
 
 import pytest
+from live_rows import live_row
 
 from kvmesh.benchmarks.live_tally import format_tally, load_rows, main, tally
 
 
 def _row(seed: int, hit: float, max_over_mean: float, tier_hit: float | None = None) -> dict:
-    side = {"hit": hit, "prefill_max_over_mean": max_over_mean, "ttft_p50_s": 0.1, "errors": 0, "requests": [5, 5]}
-    row = {
-        "seed": seed,
-        "replicas": 2,
-        "requests": 10,
-        "bounds": {"infinite": 0.8, "balance": 0.78},
-        "kvmesh": side,
-        "round_robin": dict(side, hit=0.5, ttft_p50_s=0.2),
-        "sim": dict(side),
-        "sim_vs_live": {"hit": 0.0, "prefill_max_over_mean": 0.0, "requests": 0.0},
-    }
-    if tier_hit is not None:
-        row["kvmesh_tier"] = dict(side, hit=tier_hit, ttft_p50_s=0.3)
-        row["round_robin_tier"] = dict(side, hit=0.7, ttft_p50_s=0.2)
-        row["sim_tier"] = dict(side)
-    return row
+    return live_row(hit, seed=seed, max_over_mean=max_over_mean, tier_hit=tier_hit)
 
 
 def _write(tmp_path, name: str, rows: list[dict]) -> str:

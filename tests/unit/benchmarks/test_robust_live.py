@@ -4,25 +4,13 @@ prints rows with and without one."""
 from __future__ import annotations
 
 import pytest
+from live_rows import live_row
 
 from kvmesh.benchmarks.robust_live import format_live, live_checks
 
 
 def _row(kvmesh_hit: float, peer_hit: float | None) -> dict:
-    side = {"hit": kvmesh_hit, "prefill_max_over_mean": 1.1, "ttft_p50_s": 0.1, "errors": 0, "requests": [5, 5]}
-    row = {
-        "seed": 2000,
-        "replicas": 2,
-        "requests": 10,
-        "bounds": {"infinite": 0.8, "balance": 0.78},
-        "kvmesh": side,
-        "round_robin": dict(side, hit=0.5, ttft_p50_s=0.2),
-        "sim": dict(side),
-        "sim_vs_live": {"hit": 0.0, "prefill_max_over_mean": 0.0, "requests": 0.0},
-    }
-    if peer_hit is not None:
-        row["peer"] = dict(side, hit=peer_hit, setup="vllm-router/cache_aware")
-    return row
+    return live_row(kvmesh_hit, peer_hit)
 
 
 def test_the_peer_check_fails_more_than_003_below_the_peer_and_passes_within():
