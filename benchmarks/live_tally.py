@@ -18,16 +18,8 @@ import json
 import statistics
 from collections.abc import Iterable, Sequence
 
-from kvmesh.benchmarks.robust_live import live_checks
+from kvmesh.benchmarks.robust_live import live_checks, meets_no_tier_targets, within_tolerances
 
-# the live targets of the arm without a tier, besides the peer check (the sim-vs-live and simulated TTFT
-# checks are judged apart)
-NO_TIER_TARGETS = (
-    "hit >= 0.95 x balance-bounded",
-    "prefill max/mean <= 1.25",
-    "TTFT p50 <= round robin's",
-    "zero errors",
-)
 ROW_FIELDS = ("seed", "bounds", "kvmesh", "round_robin", "sim", "sim_vs_live")  # what every saved row has
 
 
@@ -48,12 +40,6 @@ def load_rows(paths: Iterable[str]) -> dict[int, dict]:
     return rows
 
 
-def no_tier_targets(checks: dict[str, bool]) -> bool:
-    """Every live target of the arm without a tier held (the peer check where the row has one)."""
-    names = [*NO_TIER_TARGETS, *(k for k in checks if k.startswith("hit >= ") and k.endswith(" - 0.03"))]
-    return all(checks[k] for k in names if k in checks)
-
-
 def tally(rows: dict[int, dict]) -> dict:
     """Per check: the seeds it held on and missed; the seeds meeting every no-tier target; with LMCache,
     the seeds at the infinite-cache bound; and the median TTFT p50 ratio to round robin per arm."""
@@ -64,9 +50,9 @@ def tally(rows: dict[int, dict]) -> dict:
         checks = live_checks(row)
         for name, ok in checks.items():
             per.setdefault(name, {"held": [], "missed": []})["held" if ok else "missed"].append(seed)
-        if no_tier_targets(checks):
+        if meets_no_tier_targets(row, checks):
             every.append(seed)
-        if all(ok for name, ok in checks.items() if name.startswith("sim ")):
+        if within_tolerances(row["sim_vs_live"]):
             sim_within.append(seed)
         ratios["no tier"].append(row["kvmesh"]["ttft_p50_s"] / row["round_robin"]["ttft_p50_s"])
         if "kvmesh_tier" in row:

@@ -20,6 +20,16 @@ def test_the_peer_check_fails_more_than_003_below_the_peer_and_passes_within():
     assert name not in live_checks(_row(0.75, None))
 
 
+def test_the_no_tier_targets_include_the_peer_check_where_the_row_has_a_peer_leg():
+    from kvmesh.benchmarks.robust_live import meets_no_tier_targets
+
+    for row, met in ((_row(0.77, 0.79), True), (_row(0.75, 0.79), False), (_row(0.75, None), True)):
+        assert meets_no_tier_targets(row, live_checks(row)) is met
+    piled = _row(0.77, 0.79)
+    piled["kvmesh"] = dict(piled["kvmesh"], prefill_max_over_mean=1.3)
+    assert not meets_no_tier_targets(piled, live_checks(piled))
+
+
 def test_the_table_has_a_line_per_row_with_or_without_a_peer_leg():
     text = format_live([_row(0.77, 0.79), _row(0.77, None)])
     lines = text.splitlines()
