@@ -367,7 +367,7 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
 
     with live_app(replicas, policy, log, tier) as (url, key):
         report = replay(recs, replay_config(url, d, api_key=key))
-        traced = router_decisions(url, key)
+        state = router_state(url, key)
     s = report.summary()
     per = list(s["per_replica"].values()) + [{"requests": 0, "uncached_prompt_tokens": 0}] * (
         replicas - len(s["per_replica"])
@@ -376,21 +376,39 @@ def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=pr
     return {
         **_figures(s, [p["requests"] for p in per], [p["uncached_prompt_tokens"] for p in per]),
         "placement": first_use_names([(r.index, r.replica) for r in sent if r.error is None], len(recs)),
-        "decisions": by_record_index(traced, {r.request_id: r.index for r in report.results if r.request_id}),
+        "decisions": by_record_index(
+            list((state.get("router") or {}).get("recent_decisions") or []),
+            {r.request_id: r.index for r in report.results if r.request_id},
+        ),
+        **({"router": accounting} if (accounting := router_accounting(state)) else {}),
     }
 
 
-def router_decisions(url: str, key: str) -> list[dict]:
-    """The live router's decision trace (`/kvmesh/state` `recent_decisions`); [] when the state cannot be
-    read (the replay's figures stand without it)."""
+def router_state(url: str, key: str) -> dict:
+    """The app's `/kvmesh/state` after a replay; {} when it cannot be read (the replay's figures stand
+    without it)."""
     import httpx
 
     try:
         r = httpx.get(url.rstrip("/") + "/kvmesh/state", headers={"Authorization": f"Bearer {key}"}, timeout=30)
         r.raise_for_status()
-        return list((r.json().get("router") or {}).get("recent_decisions") or [])
+        state = r.json()
     except (httpx.HTTPError, ValueError):
-        return []
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def router_accounting(state: dict) -> dict:
+    """What a live run's router says of its own placements (from `router_state`): requests held for a prefix
+    being stored in the tiers and how many of those holds ran out, and the cached prompt tokens it predicted
+    against those the engines delivered (`deployments/prediction.py`). Why kept per run: a run below the
+    infinite-cache bound then says whether the router placed for less (predicted = delivered), the engines
+    delivered less than it placed for (a tier lookup that missed), or holds ran out (the wait outlasted
+    its limit). {} when the state had none of it."""
+    router, ledger = state.get("router") or {}, state.get("prediction") or {}
+    out = {k: int(router[k]) for k in ("held_for_tier", "hold_timeouts") if k in router}
+    out.update({k: int(ledger[k]) for k in ("predicted_tokens", "delivered_tokens", "mismatches") if k in ledger})
+    return out
 
 
 def by_record_index(decisions: list[dict], index_of: dict[str, int]) -> list[dict]:
@@ -577,6 +595,7 @@ def format_live(rows: Sequence[dict]) -> str:
                 f"prefill max/mean {t['prefill_max_over_mean']:.2f}, TTFT p50 {t['ttft_p50_s'] * 1e3:.0f} ms, "
                 f"{t['errors']} errors; simulated with a shared tier: hit {st['hit']:.3f}, "
                 f"max/mean {st['prefill_max_over_mean']:.2f}"
+                + (f"; {format_accounting(acc)}" if (acc := t.get("router")) else "")
             )
             if (rt := r.get("round_robin_tier")) is not None:  # rows saved before it was added have none
                 lines.append(
@@ -607,6 +626,19 @@ def format_live(rows: Sequence[dict]) -> str:
                 )
             )
     return "\n".join(lines)
+
+
+def format_accounting(acc: dict) -> str:
+    """`router_accounting`'s figures in a line (rows saved before it was kept have none)."""
+    parts = []
+    if "held_for_tier" in acc:
+        parts.append(f"{acc['held_for_tier']} held for the tier, {acc.get('hold_timeouts', 0)} ran out")
+    if "predicted_tokens" in acc:
+        parts.append(
+            f"cached tokens predicted {acc['predicted_tokens']}, delivered {acc.get('delivered_tokens', 0)} "
+            f"({acc.get('mismatches', 0)} requests differ)"
+        )
+    return "router: " + ", ".join(parts)
 
 
 def _found_at(placement: list[float] | None) -> str:

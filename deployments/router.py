@@ -44,7 +44,14 @@ from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import HoldSource, loadable_source, loadable_sources, prefill_left_s, prefixes_from
+from kvmesh.deployments.tier_hold import (
+    HoldSource,
+    PrefillPace,
+    loadable_source,
+    loadable_sources,
+    predicted_ttft_s,
+    prefixes_from,
+)
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 from kvmesh.policies.cost_model import cached_tokens
@@ -133,12 +140,19 @@ class _Inflight(HoldSource):
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
 
-    def prefill_left_s(self) -> float:
-        """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
-        the policy predicts nothing). Computed only when a request considers waiting for it."""
-        return prefill_left_s(
-            self.routed_at, getattr(self.policy, "predict", None), self.info, self.routing.views.get(self.replica)
-        )
+    def prefill_left_s(self, pace: float = 1.0) -> float:
+        """Predicted time until its prefill ends, from its policy's prediction when it was placed, at `pace`
+        (`tier_hold.PrefillPace`); 0 when the policy predicts nothing. Computed only when a request considers
+        waiting for it."""
+        return max(self.prefill_end_s(pace) - time.monotonic(), 0.0)
+
+    def prefill_end_s(self, pace: float = 1.0) -> float:
+        """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""
+        return self.routed_at + pace * self.predicted_ttft_s()
+
+    def predicted_ttft_s(self) -> float:
+        """Its policy's predicted TTFT when it was placed (0 when the policy predicts nothing)."""
+        return predicted_ttft_s(getattr(self.policy, "predict", None), self.info, self.routing.views.get(self.replica))
 
     @property
     def info(self) -> RequestInfo:
@@ -204,6 +218,7 @@ class KvmeshRouter(RequestRouter):
         # ran out before its first token came back
         self.held_for_tier = 0
         self.hold_timeouts = 0
+        self.prefill_pace = PrefillPace()  # how much slower than predicted first tokens come (hold limits)
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         # the last placements, for /kvmesh/state's decision trace
@@ -529,8 +544,9 @@ class KvmeshRouter(RequestRouter):
             hbm, _, shared = matches.get(ranked[0], (0, 0, 0))
             uncached = info.num_tokens - predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
             self._held[internal] = held_source = _Inflight(ranked[0], uncached, routing)
-            held_source.routed_at += hold[1]
-            await self._hold(routing, internal, *hold)
+            src, wait_s, before = hold
+            held_source.routed_at += wait_s
+            await self._hold(routing, internal, src, before)
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
     def _hold_sources(self):
@@ -596,18 +612,13 @@ class KvmeshRouter(RequestRouter):
             views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
         return None if src.first_token else (src, wait_s, before)
 
-    async def _hold(self, routing: _Routing, internal: str, src, wait_s: float, before: tuple) -> None:
+    async def _hold(self, routing: _Routing, internal: str, src, before: tuple) -> None:
         """Wait, committed already (`_plan_hold`) but not announced, until `src`'s first token is back and its
-        prefill stored, then announce the request and let Serve send it. Bounded: a prediction that was wrong,
-        or a source that failed, must not strand the request; it then goes without the prefix, and its
-        commitment is made again without it."""
+        prefill stored, then announce the request and let Serve send it. Bounded (twice the rest of the source's
+        prefill at the measured pace, plus 0.5 s): a prediction that was wrong, or a source that failed, must
+        not strand the request; it then goes without the prefix, and its commitment is made again without it."""
         self.held_for_tier += 1
-        try:
-            await asyncio.wait_for(src.released().wait(), timeout=min(2.0 * wait_s + 0.5, self.hold_limit_s))
-            stored = src.first_token  # False: released because it failed or went elsewhere
-        except TimeoutError:
-            self.hold_timeouts += 1
-            stored = False
+        stored = await self._wait_for_source(src)
         if self._routing.get(internal) is not routing:
             return  # Serve already settled the request (cancelled, ranked again)
         if stored:  # loaded as committed: it is sent now
@@ -620,6 +631,27 @@ class KvmeshRouter(RequestRouter):
         if view is not None:
             routing.views[rid] = view
         self._commit(routing, rid)
+
+    async def _wait_for_source(self, src) -> bool:
+        """Wait for `src`'s first token until twice the rest of its predicted prefill, from the start of the
+        wait, plus 0.5 s (never over `hold_limit_s`), the prediction taken at the pace first tokens have been
+        coming (`PrefillPace`). When that time comes and the pace has grown meanwhile (first tokens came back
+        slower than the deadline assumed), the deadline moves with it: the first holds of a run start before
+        any first token has measured the machine. True when its prefill was stored; False when it failed, went
+        elsewhere, or the wait ran out."""
+        start = time.monotonic()
+        released = src.released()
+        while not released.is_set():
+            pace = self.prefill_pace.value
+            limit = min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
+            try:
+                await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
+                return bool(src.first_token)  # False: released because it failed or went elsewhere
+            except TimeoutError:
+                if not released.is_set() and (self.prefill_pace.value <= pace or limit >= self.hold_limit_s):
+                    self.hold_timeouts += 1
+                    return False
+        return bool(src.first_token)
 
     def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:
         """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its
@@ -787,6 +819,8 @@ class KvmeshRouter(RequestRouter):
             st.first_token = True
             st.release()
             self._publish("started", request_id, st.replica)
+            if self.tiers.any_node():  # only holds read the pace
+                self.prefill_pace.observe(time.monotonic() - st.routed_at, st.predicted_ttft_s())
             return
         done = self._unconfirmed.pop(request_id, None)
         if done is not None:  # the request completed before the ingress's word arrived
@@ -812,6 +846,7 @@ class KvmeshRouter(RequestRouter):
             "held_back": self.held_back,
             "held_for_tier": self.held_for_tier,
             "hold_timeouts": self.hold_timeouts,
+            "prefill_pace": self.prefill_pace.value,
             "tier_nodes": self.tiers.nodes(),
             "recent_decisions": self.recent_decisions(),
             "inflight": len(self._inflight),

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.deployments.tenant_usage import PeerTenantUsage
-from kvmesh.deployments.tier_hold import HoldSource, prefill_left_s
+from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s, prefill_left_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
 log = logging.getLogger("ray.serve.kvmesh")
@@ -54,7 +54,7 @@ class PeerPlacement(HoldSource):
     """One request another router placed: what this router credited for it, to take back later.
 
     It is also a source a request of this router may wait for (`KvmeshRouter._plan_hold`), with
-    the same interface as the router's own in-flight requests: `first_token`, `prefill_left_s()`,
+    the same interface as the router's own in-flight requests: `first_token`, `prefill_left_s()`, `prefill_end_s()`,
     `released()`. Its prefill is predicted from the replica as the peer ranked it (`view`), by `predict`
     (a policy's), only when a request considers waiting for it."""
 
@@ -74,10 +74,14 @@ class PeerPlacement(HoldSource):
     def first_token(self) -> bool:
         return self.started
 
-    def prefill_left_s(self) -> float:
-        """Predicted time until its prefill ends, counted from when this router heard of it (0 when nothing
-        predicts it)."""
-        return prefill_left_s(self.at, self.predict, self.info, self.view)
+    def prefill_left_s(self, pace: float = 1.0) -> float:
+        """Predicted time until its prefill ends, counted from when this router heard of it, at `pace`
+        (`tier_hold.PrefillPace`); 0 when nothing predicts it."""
+        return prefill_left_s(self.at, self.predict, self.info, self.view, pace)
+
+    def prefill_end_s(self, pace: float = 1.0) -> float:
+        """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""
+        return prefill_end_s(self.at, self.predict, self.info, self.view, pace)
 
 
 def is_free_choice(shared_blocks) -> bool:

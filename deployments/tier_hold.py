@@ -38,12 +38,49 @@ class HoldSource:
             self._released.set()
 
 
-def prefill_left_s(since: float, predict, info, view) -> float:
+def prefill_left_s(since: float, predict, info, view, pace: float = 1.0) -> float:
     """Predicted seconds until the prefill of `info`, placed at `since` (time.monotonic()) on a replica ranked
-    as `view`, ends: `predict` is a policy's (TTFT first); 0 when nothing predicts it."""
-    if predict is None or view is None:
-        return 0.0
-    return max(since + predict(info, view)[0] - time.monotonic(), 0.0)
+    as `view`, ends (`prefill_end_s`); 0 when nothing predicts it or that time has passed."""
+    return max(prefill_end_s(since, predict, info, view, pace) - time.monotonic(), 0.0)
+
+
+def prefill_end_s(since: float, predict, info, view, pace: float = 1.0) -> float:
+    """When (time.monotonic()) the prefill of `info`, placed at `since` on a replica ranked as `view`, is
+    predicted to end: `predict` is a policy's (TTFT first), its time taken `pace` times as long."""
+    return since + pace * predicted_ttft_s(predict, info, view)
+
+
+def predicted_ttft_s(predict, info, view) -> float:
+    """`predict`'s (a policy's) TTFT for `info` on a replica ranked as `view`; 0 when nothing predicts it."""
+    return 0.0 if predict is None or view is None else float(predict(info, view)[0])
+
+
+class PrefillPace:
+    """How many times as long as its policy predicts the router's requests take to their first token: a
+    running mean of (seconds from placement to first token) / (predicted TTFT), never below 1.
+
+    Why: a hold waits for the computing request's first token at most twice the rest of its predicted prefill
+    plus 0.5 s, so that a wrong prediction cannot strand the held request. The prediction is the policy's
+    cost model, one accelerator per replica; engines slower than that (CPU engines sharing cores, a loaded or
+    slower accelerator) outlast the limit, and the held request then computes the prefix again while its
+    source is about to store it (live, eval draw 2084 with LMCache and one core busy elsewhere: one of six
+    holds ran out, hit 0.265 against the bound's 0.290). Scaled by the pace the router measures on its own
+    requests, the limit bounds a wrong prediction, not a slow machine."""
+
+    weight = 0.1  # of the newest request in the running mean
+
+    def __init__(self) -> None:
+        self._mean: float | None = None
+
+    @property
+    def value(self) -> float:
+        return 1.0 if self._mean is None else max(1.0, self._mean)
+
+    def observe(self, actual_s: float, predicted_s: float) -> None:
+        if not (predicted_s > 0.0 and actual_s >= 0.0):
+            return
+        ratio = actual_s / predicted_s
+        self._mean = ratio if self._mean is None else self._mean + self.weight * (ratio - self._mean)
 
 
 class _Stored(Protocol):

@@ -215,6 +215,33 @@ def test_the_table_prints_the_tier_leg_beside_its_simulation():
     assert "hit 0.800 (1.000 of the infinite-cache bound)" in line and "max/mean 1.04" in line
 
 
+def test_a_live_run_keeps_its_routers_holds_and_predicted_cached_tokens_and_prints_them():
+    from kvmesh.benchmarks.robust_live import router_accounting
+
+    state = {
+        "router": {"held_for_tier": 7, "hold_timeouts": 2, "recent_decisions": []},
+        "prediction": {"compared": 40, "mismatches": 3, "predicted_tokens": 9000, "delivered_tokens": 8500},
+    }
+    acc = router_accounting(state)
+    assert acc == {
+        "held_for_tier": 7,
+        "hold_timeouts": 2,
+        "predicted_tokens": 9000,
+        "delivered_tokens": 8500,
+        "mismatches": 3,
+    }
+    assert router_accounting({}) == {} and router_accounting({"router": {"held_for_tier": 1}}) == {"held_for_tier": 1}
+    row = _row(0.77, None)
+    row["kvmesh_tier"] = dict(row["kvmesh"], hit=0.7, router=acc)
+    row["sim_tier"] = dict(row["sim"], hit=0.8)
+    line = next(x for x in format_live([row]).splitlines() if "kvmesh with LMCache" in x)
+    assert line.endswith(
+        "router: 7 held for the tier, 2 ran out, cached tokens predicted 9000, delivered 8500 (3 requests differ)"
+    )
+    del row["kvmesh_tier"]["router"]  # rows saved before it was kept
+    assert "router:" not in format_live([row])
+
+
 def test_the_lmcache_arm_is_judged_against_round_robin_on_the_same_lmcache_engines():
     row = _row(0.77, None)
     row["kvmesh_tier"] = dict(row["kvmesh"], hit=0.78, ttft_p50_s=0.12)

@@ -14,7 +14,7 @@ from kvmesh.cluster.kv_events import AllBlocksCleared
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.prediction import PredictionLedger
-from kvmesh.deployments.tier_hold import common_blocks, loadable_prefixes, loadable_source
+from kvmesh.deployments.tier_hold import PrefillPace, common_blocks, loadable_prefixes, loadable_source
 from kvmesh.kvstore.hashing import block_hashes
 
 
@@ -370,6 +370,62 @@ def test_a_hold_runs_out_when_the_first_token_never_comes(monkeypatch):
     assert waiting and ranked[0][0].replica_id.unique_id == "B"
     assert predicted == 0  # not stored: computed again
     assert router.held_for_tier == 1 and router.hold_timeouts == 1
+
+
+def test_the_prefill_pace_is_a_running_mean_of_actual_over_predicted_never_below_one():
+    pace = PrefillPace()
+    assert pace.value == 1.0
+    pace.observe(0.5, 0.05)  # ten times as long as predicted
+    assert pace.value == 10.0
+    pace.observe(0.05, 0.05)
+    assert abs(pace.value - (10.0 + 0.1 * (1.0 - 10.0))) < 1e-12
+    pace.observe(1.0, 0.0)  # nothing predicted: no ratio
+    assert abs(pace.value - 9.1) < 1e-12
+    faster = PrefillPace()
+    faster.observe(0.01, 0.05)
+    assert faster.value == 1.0  # faster than predicted never shortens the limit
+
+
+def test_a_hold_lasts_as_long_as_first_tokens_have_been_coming_slower_than_predicted(monkeypatch):
+    """p1's first token comes 0.8 s after p2's hold began; p1's prefill is predicted at 0.05 s, so the hold's
+    limit is 0.6 s at the predicted pace (it runs out, and p2 computes the prefix again), about 1.5 s once the
+    router has seen first tokens come ten times as late as predicted, and it moves out when a first token
+    that comes back during the hold (p0's, 0.3 s after its placement) shows the machine is that slow."""
+
+    def scenario(pace: float = 1.0, slow_first_token_during_hold: bool = False):
+        monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+        async def run():
+            router, a, b = await lmcache_router()
+            if pace > 1.0:
+                router.prefill_pace.observe(pace * 0.05, 0.05)
+            p0 = fake_request([5] * 64, "p0")  # another prompt, in flight on B
+            await router.choose_replicas([a, b], p0)
+            router._routed(p0, b.replica_id)
+            p1 = fake_request(PROMPT, "p1")
+            await router.choose_replicas([a, b], p1)
+            router._routed(p1, a.replica_id)
+            p2 = fake_request(PROMPT + [11], "p2")
+            task = asyncio.create_task(router.choose_replicas([a, b], p2))
+            await asyncio.sleep(0.3)
+            if slow_first_token_during_hold:
+                router.first_token("p0")
+            await asyncio.sleep(0.5)
+            router.first_token("p1")
+            ranked = await asyncio.wait_for(task, 5)
+            router._routed(p2, ranked[0][0].replica_id)
+            return router, local_state.LEDGER.prediction("p2")
+
+        return asyncio.run(run())
+
+    router, predicted = scenario()
+    assert router.hold_timeouts == 1 and predicted == 0  # ran out at 0.6 s: computed again
+    router, predicted = scenario(pace=10.0)
+    assert router.held_for_tier == 1 and router.hold_timeouts == 0 and predicted == 320  # loaded
+    # p1's own first token, 0.8 s after its placement against 0.05 s predicted, moved the pace further up
+    assert router.prefill_pace.value > 10.0 and router.snapshot()["prefill_pace"] == router.prefill_pace.value
+    router, predicted = scenario(slow_first_token_during_hold=True)
+    assert router.held_for_tier == 1 and router.hold_timeouts == 0 and predicted == 320
 
 
 def test_no_hold_without_lmcache_on_the_nodes(monkeypatch):
