@@ -49,6 +49,7 @@ from kvmesh.deployments.tier_hold import (
     PrefillPace,
     loadable_source,
     loadable_sources,
+    pace_of_waiting,
     predicted_ttft_s,
     prefixes_from,
 )
@@ -635,23 +636,35 @@ class KvmeshRouter(RequestRouter):
     async def _wait_for_source(self, src) -> bool:
         """Wait for `src`'s first token until twice the rest of its predicted prefill, from the start of the
         wait, plus 0.5 s (never over `hold_limit_s`), the prediction taken at the pace first tokens have been
-        coming (`PrefillPace`). When that time comes and the pace has grown meanwhile (first tokens came back
-        slower than the deadline assumed), the deadline moves with it: the first holds of a run start before
-        any first token has measured the machine. True when its prefill was stored; False when it failed, went
-        elsewhere, or the wait ran out."""
+        coming (`_pace`). When that time comes and the pace has grown meanwhile, the deadline moves with it:
+        the first holds of a run start before any first token has measured the machine. True when its prefill
+        was stored; False when it failed, went elsewhere, or the wait ran out."""
         start = time.monotonic()
         released = src.released()
         while not released.is_set():
-            pace = self.prefill_pace.value
+            pace = self._pace(src)
             limit = min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
             try:
                 await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
-                return bool(src.first_token)  # False: released because it failed or went elsewhere
             except TimeoutError:
-                if not released.is_set() and (self.prefill_pace.value <= pace or limit >= self.hold_limit_s):
+                if not released.is_set() and (limit >= self.hold_limit_s or self._pace(src) <= pace):
                     self.hold_timeouts += 1
                     return False
-        return bool(src.first_token)
+        return bool(src.first_token)  # False: released because it failed or went elsewhere
+
+    def _pace(self, src) -> float:
+        """How many times as long as predicted first tokens take now: the pace measured on those that came
+        back (`PrefillPace`), or, when more, the median of how late this router's other requests still waiting
+        for theirs already are (`tier_hold.pace_of_waiting`). Why the second: at the start of a run, or when
+        the machine slows down, no first token may come back for longer than a hold's limit, while every
+        request in flight is already late; a source late alone (stuck) adds nothing to it."""
+        now = time.monotonic()
+        waiting = (
+            (now - st.routed_at, st.predicted_ttft_s())
+            for st in self._inflight.values()
+            if not st.first_token and st is not src
+        )
+        return max(self.prefill_pace.value, pace_of_waiting(waiting))
 
     def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:
         """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its

@@ -55,6 +55,14 @@ def predicted_ttft_s(predict, info, view) -> float:
     return 0.0 if predict is None or view is None else float(predict(info, view)[0])
 
 
+def pace_of_waiting(waiting: Iterable[tuple[float, float]]) -> float:
+    """The median of (seconds since placement) / (predicted TTFT) over requests still waiting for their first
+    token, given as (elapsed, predicted) pairs: each one's pace is at least that (the lower median of an even
+    count). 0 when there are none (or none is predicted)."""
+    ratios = sorted(elapsed / predicted for elapsed, predicted in waiting if predicted > 0.0)
+    return ratios[(len(ratios) - 1) // 2] if ratios else 0.0
+
+
 class PrefillPace:
     """How many times as long as its policy predicts the router's requests take to their first token: a
     running mean of (seconds from placement to first token) / (predicted TTFT), never below 1.

@@ -388,11 +388,13 @@ def test_the_prefill_pace_is_a_running_mean_of_actual_over_predicted_never_below
 
 def test_a_hold_lasts_as_long_as_first_tokens_have_been_coming_slower_than_predicted(monkeypatch):
     """p1's first token comes 0.8 s after p2's hold began; p1's prefill is predicted at 0.05 s, so the hold's
-    limit is 0.6 s at the predicted pace (it runs out, and p2 computes the prefix again), about 1.5 s once the
-    router has seen first tokens come ten times as late as predicted, and it moves out when a first token
-    that comes back during the hold (p0's, 0.3 s after its placement) shows the machine is that slow."""
+    limit is 0.6 s at the predicted pace. p0, another request in flight, shows how slow the machine is: its
+    first token on time leaves the limit there (the hold runs out, p2 computes the prefix again); the router
+    having seen first tokens come ten times as late as predicted puts it at about 1.5 s; p0's first token
+    coming back late during the hold (0.3 s against 0.05 predicted) moves it out, and so does p0 still waiting
+    for its first token when the limit passes (late already, with nothing back yet)."""
 
-    def scenario(pace: float = 1.0, slow_first_token_during_hold: bool = False):
+    def scenario(pace: float = 1.0, p0_first_token_at: float | None = 0.05):
         monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
         async def run():
@@ -407,10 +409,10 @@ def test_a_hold_lasts_as_long_as_first_tokens_have_been_coming_slower_than_predi
             router._routed(p1, a.replica_id)
             p2 = fake_request(PROMPT + [11], "p2")
             task = asyncio.create_task(router.choose_replicas([a, b], p2))
-            await asyncio.sleep(0.3)
-            if slow_first_token_during_hold:
+            if p0_first_token_at is not None:
+                await asyncio.sleep(p0_first_token_at)
                 router.first_token("p0")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.8 - (p0_first_token_at or 0.0))
             router.first_token("p1")
             ranked = await asyncio.wait_for(task, 5)
             router._routed(p2, ranked[0][0].replica_id)
@@ -422,10 +424,20 @@ def test_a_hold_lasts_as_long_as_first_tokens_have_been_coming_slower_than_predi
     assert router.hold_timeouts == 1 and predicted == 0  # ran out at 0.6 s: computed again
     router, predicted = scenario(pace=10.0)
     assert router.held_for_tier == 1 and router.hold_timeouts == 0 and predicted == 320  # loaded
-    # p1's own first token, 0.8 s after its placement against 0.05 s predicted, moved the pace further up
-    assert router.prefill_pace.value > 10.0 and router.snapshot()["prefill_pace"] == router.prefill_pace.value
-    router, predicted = scenario(slow_first_token_during_hold=True)
-    assert router.held_for_tier == 1 and router.hold_timeouts == 0 and predicted == 320
+    # the running mean: p0's first token on time took it to about 9.1, p1's, 0.8 s after its placement against
+    # 0.05 s predicted, back up to about 9.8
+    assert 9.5 < router.prefill_pace.value < 10.0 and router.snapshot()["prefill_pace"] == router.prefill_pace.value
+    for late in (0.3, None):
+        router, predicted = scenario(p0_first_token_at=late)
+        assert router.held_for_tier == 1 and router.hold_timeouts == 0 and predicted == 320, late
+
+
+def test_the_pace_of_requests_still_waiting_is_the_lower_median_of_how_late_each_already_is():
+    from kvmesh.deployments.tier_hold import pace_of_waiting
+
+    assert pace_of_waiting([]) == 0.0 and pace_of_waiting([(1.0, 0.0)]) == 0.0
+    assert pace_of_waiting([(0.6, 0.5), (0.1, 0.5), (30.0, 0.5)]) == 1.2  # one stuck request moves nothing
+    assert pace_of_waiting([(0.1, 0.5), (30.0, 0.5)]) == 0.2
 
 
 def test_no_hold_without_lmcache_on_the_nodes(monkeypatch):
