@@ -141,11 +141,10 @@ class _Inflight(HoldSource):
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
 
-    def prefill_left_s(self, pace: float = 1.0) -> float:
-        """Predicted time until its prefill ends, from its policy's prediction when it was placed, at `pace`
-        (`tier_hold.PrefillPace`); 0 when the policy predicts nothing. Computed only when a request considers
-        waiting for it."""
-        return max(self.prefill_end_s(pace) - time.monotonic(), 0.0)
+    def prefill_left_s(self) -> float:
+        """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
+        the policy predicts nothing). Computed only when a request considers waiting for it."""
+        return max(self.prefill_end_s() - time.monotonic(), 0.0)
 
     def prefill_end_s(self, pace: float = 1.0) -> float:
         """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""

@@ -74,10 +74,10 @@ class PeerPlacement(HoldSource):
     def first_token(self) -> bool:
         return self.started
 
-    def prefill_left_s(self, pace: float = 1.0) -> float:
-        """Predicted time until its prefill ends, counted from when this router heard of it, at `pace`
-        (`tier_hold.PrefillPace`); 0 when nothing predicts it."""
-        return prefill_left_s(self.at, self.predict, self.info, self.view, pace)
+    def prefill_left_s(self) -> float:
+        """Predicted time until its prefill ends, counted from when this router heard of it (0 when nothing
+        predicts it)."""
+        return prefill_left_s(self.at, self.predict, self.info, self.view)
 
     def prefill_end_s(self, pace: float = 1.0) -> float:
         """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""

@@ -38,10 +38,10 @@ class HoldSource:
             self._released.set()
 
 
-def prefill_left_s(since: float, predict, info, view, pace: float = 1.0) -> float:
+def prefill_left_s(since: float, predict, info, view) -> float:
     """Predicted seconds until the prefill of `info`, placed at `since` (time.monotonic()) on a replica ranked
     as `view`, ends (`prefill_end_s`); 0 when nothing predicts it or that time has passed."""
-    return max(prefill_end_s(since, predict, info, view, pace) - time.monotonic(), 0.0)
+    return max(prefill_end_s(since, predict, info, view) - time.monotonic(), 0.0)
 
 
 def prefill_end_s(since: float, predict, info, view, pace: float = 1.0) -> float:
