@@ -141,13 +141,9 @@ class _Inflight(HoldSource):
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
 
-    def prefill_left_s(self) -> float:
-        """Predicted time until its prefill ends, from its policy's prediction when it was placed (0 when
-        the policy predicts nothing). Computed only when a request considers waiting for it."""
-        return max(self.prefill_end_s() - time.monotonic(), 0.0)
-
     def prefill_end_s(self, pace: float = 1.0) -> float:
-        """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""
+        """When its prefill is predicted to end, from its policy's prediction when it was placed, at `pace`
+        (`tier_hold.prefill_end_s`)."""
         return self.routed_at + pace * self.predicted_ttft_s()
 
     def predicted_ttft_s(self) -> float:
@@ -640,15 +636,19 @@ class KvmeshRouter(RequestRouter):
         was stored; False when it failed, went elsewhere, or the wait ran out."""
         start = time.monotonic()
         released = src.released()
+        pace = self._pace(src)
         while not released.is_set():
-            pace = self._pace(src)
             limit = min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
             try:
                 await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
             except TimeoutError:
-                if not released.is_set() and (limit >= self.hold_limit_s or self._pace(src) <= pace):
+                if released.is_set():
+                    break
+                grown = self._pace(src)
+                if limit >= self.hold_limit_s or grown <= pace:
                     self.hold_timeouts += 1
                     return False
+                pace = grown
         return bool(src.first_token)  # False: released because it failed or went elsewhere
 
     def _pace(self, src) -> float:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.deployments.tenant_usage import PeerTenantUsage
-from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s, prefill_left_s
+from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 
 log = logging.getLogger("ray.serve.kvmesh")
@@ -74,13 +74,9 @@ class PeerPlacement(HoldSource):
     def first_token(self) -> bool:
         return self.started
 
-    def prefill_left_s(self) -> float:
-        """Predicted time until its prefill ends, counted from when this router heard of it (0 when nothing
-        predicts it)."""
-        return prefill_left_s(self.at, self.predict, self.info, self.view)
-
     def prefill_end_s(self, pace: float = 1.0) -> float:
-        """When its prefill is predicted to end, at `pace` (`tier_hold.prefill_end_s`)."""
+        """When its prefill is predicted to end, counted from when this router heard of it, at `pace`
+        (`tier_hold.prefill_end_s`)."""
         return prefill_end_s(self.at, self.predict, self.info, self.view, pace)
 
 

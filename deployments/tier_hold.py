@@ -37,11 +37,15 @@ class HoldSource:
         if self._released is not None:
             self._released.set()
 
+    def prefill_end_s(self, pace: float = 1.0) -> float:
+        """When (time.monotonic()) its prefill is predicted to end, its predicted time taken `pace` times as
+        long (each kind of source says from when and by which prediction: `prefill_end_s` below)."""
+        raise NotImplementedError
 
-def prefill_left_s(since: float, predict, info, view) -> float:
-    """Predicted seconds until the prefill of `info`, placed at `since` (time.monotonic()) on a replica ranked
-    as `view`, ends (`prefill_end_s`); 0 when nothing predicts it or that time has passed."""
-    return max(prefill_end_s(since, predict, info, view) - time.monotonic(), 0.0)
+    def prefill_left_s(self) -> float:
+        """Predicted seconds until its prefill ends; 0 when nothing predicts it or that time has passed.
+        Computed only when a request considers waiting for it."""
+        return max(self.prefill_end_s() - time.monotonic(), 0.0)
 
 
 def prefill_end_s(since: float, predict, info, view, pace: float = 1.0) -> float:
