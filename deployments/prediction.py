@@ -23,7 +23,19 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvmesh.policies.cost_model import cached_tokens
+
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
+
+
+def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
+    """Prompt tokens the engine will report cached: vLLM's own prefix cache always recomputes the last
+    block, but LMCache (host or shared tier) may deliver every prompt token but the last one (seen live: a
+    320-token prompt held whole in Redis came back with 319 cached tokens, not 288)."""
+    local = cached_tokens(hbm_blocks, num_tokens, block_size)
+    if any_tier_blocks <= hbm_blocks:
+        return local
+    return max(local, min(any_tier_blocks * block_size, num_tokens - 1))
 
 
 @dataclass

@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvmesh.cluster.decision_trace import decision, ranking_cells
@@ -42,20 +39,13 @@ from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
+from kvmesh.deployments.prediction import predicted_cached_tokens
+from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
-from kvmesh.deployments.tier_hold import (
-    HoldSource,
-    PrefillPace,
-    loadable_source,
-    loadable_sources,
-    pace_of_waiting,
-    predicted_ttft_s,
-    prefixes_from,
-)
+from kvmesh.deployments.tier_hold import HoldSource, predicted_ttft_s
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
-from kvmesh.policies.cost_model import cached_tokens
 from kvmesh.policies.registry import make_policy
 
 if TYPE_CHECKING:
@@ -65,16 +55,6 @@ log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to 
 # placements /kvmesh/state keeps: a robustness draw's whole replay (at most 200 requests), and no more (the
 # document grows ~0.5 KB per decision at 4 replicas)
 DECISIONS_KEPT = 256
-
-
-def predicted_cached_tokens(hbm_blocks: int, any_tier_blocks: int, num_tokens: int, block_size: int) -> int:
-    """Prompt tokens the engine will report cached: vLLM's own prefix cache always recomputes the last
-    block, but LMCache (host or shared tier) may deliver every prompt token but the last one (seen live: a
-    320-token prompt held whole in Redis came back with 319 cached tokens, not 288)."""
-    local = cached_tokens(hbm_blocks, num_tokens, block_size)
-    if any_tier_blocks <= hbm_blocks:
-        return local
-    return max(local, min(any_tier_blocks * block_size, num_tokens - 1))
 
 
 def _peer_computed(info: RequestInfo) -> None:
@@ -159,11 +139,10 @@ class _Inflight(HoldSource):
         return self.routing.policy
 
 
-class KvmeshRouter(RequestRouter):
+class KvmeshRouter(TierHolding, RequestRouter):
     """Prefix- and load-aware placement with a pluggable `policies` ranking."""
 
     dead_fleet_wait_s = 0.25  # how long a request waits before asking again while every listed replica is dead
-    hold_limit_s = 10.0  # the longest a request waits for a prefix another replica is computing
 
     def initialize_state(
         self,
@@ -197,9 +176,7 @@ class KvmeshRouter(RequestRouter):
         self._sync_wanted: list[RunningReplica] | None = None  # the replica list it is to sync next
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
-        # requests this router holds for a prefix in flight, not sent yet: others may wait for their own
-        # prefill too (moved to `_inflight` once Serve places them)
-        self._held: dict[str, _Inflight] = {}
+        self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
@@ -210,11 +187,6 @@ class KvmeshRouter(RequestRouter):
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
         self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
-        # requests held for a prefix another replica was computing (`_hold`), and holds that
-        # ran out before its first token came back
-        self.held_for_tier = 0
-        self.hold_timeouts = 0
-        self.prefill_pace = PrefillPace()  # how much slower than predicted first tokens come (hold limits)
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         # the last placements, for /kvmesh/state's decision trace
@@ -544,126 +516,6 @@ class KvmeshRouter(RequestRouter):
             held_source.routed_at += wait_s
             await self._hold(routing, internal, src, before)
         return [[by_id[rid]] for rid in ranked if rid in by_id]
-
-    def _hold_sources(self):
-        """Every request a new one may wait for: this router's in flight and held ones, and its peers'."""
-        return itertools.chain(self._inflight.values(), self._held.values(), self.peers.placements.values())
-
-    def _drop_held(self, internal: str) -> None:
-        """A held request that will not be sent as held (cancelled, ranked again, its replica gone): requests
-        waiting for its prefill go on without it."""
-        st = self._held.pop(internal, None)
-        if st is not None:
-            st.release()
-
-    def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> dict:
-        """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
-        a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
-        not only keep a new prompt's later requests on the replica computing it. Returns replica -> the
-        source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking."""
-        sources = self._hold_sources()
-        have = fleet.shared_blocks.tolist()
-        found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
-        blocks, ready_s = prefixes_from(found, have)
-        if blocks is not None:
-            fleet.inflight_blocks = np.asarray(blocks, dtype=np.int64)
-            fleet.inflight_ready_s = ready_s
-        return dict(zip(fleet.ids, found))
-
-    def _plan_hold(
-        self, info: RequestInfo, matches: dict, views: dict, top: str, policy, known: dict | None = None
-    ) -> tuple[Any, float, tuple] | None:
-        """When another replica is computing a longer prefix of this request than `top` (the replica ranked
-        first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): count
-        that prefix in `top`'s match and view as tier-resident, so the policy's credit and the predicted cached
-        tokens include it. If the computing request's first token is back it is stored already (returns
-        None); else, when the policy finds the wait worth it (`Policy.hold_worth`), returns (the source, the
-        predicted wait, `top`'s match and view before) for `_hold`; otherwise changes nothing. `known`: the
-        sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed since),
-        so the in-flight requests are not scanned again."""
-        have = matches.get(top, (0, 0, 0))
-        if not (self._inflight or self._held or self.peers.placements) or not self.tiers.any_node():
-            return None
-        if known is not None and top in known:
-            found = known[top]
-        else:
-            sources = self._hold_sources()
-            found = loadable_source(info.block_hashes, info.request_id, top, have[2], sources, self.tiers)
-        if found is None:
-            return None
-        src, blocks = found
-        wait_s = 0.0
-        if not src.first_token:
-            n, bs = info.num_tokens, info.block_size
-            missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
-            wait_s = src.prefill_left_s()
-            if not policy.hold_worth(missing, wait_s):
-                return None
-        before = (have, views.get(top))
-        same_node = self.index.node_of(src.replica) == self.index.node_of(top)
-        host = max(have[1], blocks) if same_node else have[1]
-        matches[top] = (have[0], host, max(have[2], blocks))
-        view = views.get(top)
-        if view is not None:
-            views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
-        return None if src.first_token else (src, wait_s, before)
-
-    async def _hold(self, routing: _Routing, internal: str, src, before: tuple) -> None:
-        """Wait, committed already (`_plan_hold`) but not announced, until `src`'s first token is back and its
-        prefill stored, then announce the request and let Serve send it. Bounded (twice the rest of the source's
-        prefill at the measured pace, plus 0.5 s): a prediction that was wrong, or a source that failed, must
-        not strand the request; it then goes without the prefix, and its commitment is made again without it."""
-        self.held_for_tier += 1
-        stored = await self._wait_for_source(src)
-        if self._routing.get(internal) is not routing:
-            return  # Serve already settled the request (cancelled, ranked again)
-        if stored:  # loaded as committed: it is sent now
-            self._announce(routing)
-            return
-        rid = routing.replica
-        self._withdraw(routing)
-        have, view = before
-        routing.matches[rid] = have
-        if view is not None:
-            routing.views[rid] = view
-        self._commit(routing, rid)
-
-    async def _wait_for_source(self, src) -> bool:
-        """Wait for `src`'s first token until twice the rest of its predicted prefill, from the start of the
-        wait, plus 0.5 s (never over `hold_limit_s`), the prediction taken at the pace first tokens have been
-        coming (`_pace`). When that time comes and the pace has grown meanwhile, the deadline moves with it:
-        the first holds of a run start before any first token has measured the machine. True when its prefill
-        was stored; False when it failed, went elsewhere, or the wait ran out."""
-        start = time.monotonic()
-        released = src.released()
-        pace = self._pace(src)
-        while not released.is_set():
-            limit = min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
-            try:
-                await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
-            except TimeoutError:
-                if released.is_set():
-                    break
-                grown = self._pace(src)
-                if limit >= self.hold_limit_s or grown <= pace:
-                    self.hold_timeouts += 1
-                    return False
-                pace = grown
-        return bool(src.first_token)  # False: released because it failed or went elsewhere
-
-    def _pace(self, src) -> float:
-        """How many times as long as predicted first tokens take now: the pace measured on those that came
-        back (`PrefillPace`), or, when more, the median of how late this router's other requests still waiting
-        for theirs already are (`tier_hold.pace_of_waiting`). Why the second: at the start of a run, or when
-        the machine slows down, no first token may come back for longer than a hold's limit, while every
-        request in flight is already late; a source late alone (stuck) adds nothing to it."""
-        now = time.monotonic()
-        waiting = (
-            (now - st.routed_at, st.predicted_ttft_s())
-            for st in self._inflight.values()
-            if not st.first_token and st is not src
-        )
-        return max(self.prefill_pace.value, pace_of_waiting(waiting))
 
     def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:
         """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its

@@ -3,7 +3,8 @@
 Why: LMCache stores a prompt in the node's host tier and the shared tier when its prefill ends. A request
 sharing a new prompt that the router ranks onto another replica before then would compute the prompt
 again; the router can instead hold it until the computing request's first token is back and let it load
-the prompt (`KvmeshRouter._plan_hold` and `_hold`; `Policy.hold_worth` decides whether the wait is worth it).
+the prompt (`router_hold.TierHolding`, mixed into `KvmeshRouter`: `_plan_hold` and `_hold`;
+`Policy.hold_worth` decides whether the wait is worth it).
 Candidates are this router's own in-flight requests (it sees their first token) and the other ingress
 replicas' (`router_sync.PeerPlacement`: their routers publish the first token as `started`), so a prompt a
 request behind another ingress replica is computing is waited for too.

@@ -82,7 +82,7 @@ def test_a_removed_replica_is_drained_from_index_policy_and_tier_view():
 
 
 def test_predicted_cached_tokens_follow_vllm_for_hbm_and_lmcache_for_tiers():
-    from kvmesh.deployments.router import predicted_cached_tokens
+    from kvmesh.deployments.prediction import predicted_cached_tokens
 
     assert predicted_cached_tokens(10, 10, 320, 32) == 288  # own cache: the last block is recomputed
     assert predicted_cached_tokens(0, 10, 320, 32) == 319  # LMCache: all but the last token
