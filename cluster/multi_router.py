@@ -41,7 +41,16 @@ import numpy as np
 
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.index import PrefixIndex
-from kvmesh.cluster.simulator import ClosedLoop, SimConfig, Tally, arrivals_for, chunk_rows, summarize
+from kvmesh.cluster.simulator import (
+    ClosedLoop,
+    SimConfig,
+    Tally,
+    chunk_rows,
+    fleet_caches,
+    fleet_layout,
+    send_plan,
+    summarize,
+)
 from kvmesh.cluster.trace import Trace
 from kvmesh.deployments.router_sync import UnseenPlacements, is_free_choice
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
@@ -161,27 +170,15 @@ def simulate_routers(
             "tier_store_at 'computed' is modelled by the one-router simulator only: drop --routers, "
             "--event-delay-ms and --churn-every-s, or use --tier-store-at routed"
         )
-    sender = client.sender(len(trace.requests)) if client is not None else None
-    if sender is not None:
-        arrivals = [0.0] * len(trace.requests)  # filled in as the client sends
-    elif arrivals is None:
-        arrivals, _ = arrivals_for(trace, cfg)
+    sender, arrivals = send_plan(trace, cfg, arrivals, client)
     c = cfg.cost
     bs = trace.block_size
     N = cfg.replicas
     R = setup.routers
     delay = setup.delay_s
-    rids = [f"r{i}" for i in range(N)]
-    nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
-    n_nodes = len(set(nodes))
-    unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
-    index_blocks = (
-        N * cfg.capacity_blocks + n_nodes * cfg.host_blocks + (cfg.shared_blocks or 0) + 1_000_000 + unbounded_shared
-    )
+    rids, nodes, index_blocks = fleet_layout(cfg)
     routers = [_Router(N, rids, nodes, index_blocks, make_policy(), cfg.capacity_blocks, delay) for _ in range(R)]
-    hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
-    host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
-    shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
+    hbm, host, shared = fleet_caches(cfg, nodes)
     tierless = not host and shared is None
     synced = R > 1 and setup.sync
     chunk = cfg.tier_chunk_blocks

@@ -209,6 +209,37 @@ def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | Non
     return arr, (work / (cfg.replicas * span) if span > 0 else None)  # None: no time span, no rate
 
 
+def send_plan(
+    trace: Trace, cfg: SimConfig, arrivals: list[float] | None, client: ClosedLoop | None
+) -> tuple[_ClosedLoopSender | None, list[float]]:
+    """When requests are sent: by the closed-loop `client` (its sender; arrivals filled in as it sends), else
+    at `arrivals` (the trace's own, scaled by `cfg`, when None)."""
+    sender = client.sender(len(trace.requests)) if client is not None else None
+    if sender is not None:
+        return sender, [0.0] * len(trace.requests)
+    if arrivals is None:
+        arrivals, _ = arrivals_for(trace, cfg)
+    return None, arrivals
+
+
+def fleet_layout(cfg: SimConfig) -> tuple[list[str], list[str], int]:
+    """The simulated fleet's replica ids, each one's node, and a prefix-index size with room for every block
+    any tier of the fleet can hold (an unbounded shared tier counted as 10M)."""
+    rids = [f"r{i}" for i in range(cfg.replicas)]
+    nodes = [f"node{i // cfg.replicas_per_node}" for i in range(cfg.replicas)]
+    unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
+    tiers = len(set(nodes)) * cfg.host_blocks + (cfg.shared_blocks or 0) + unbounded_shared
+    return rids, nodes, cfg.replicas * cfg.capacity_blocks + tiers + 1_000_000
+
+
+def fleet_caches(cfg: SimConfig, nodes: list[str]) -> tuple[list[BlockLRU], dict[str, BlockLRU], BlockLRU | None]:
+    """What the fleet really holds: each replica's own cache, each node's host tier (none without host
+    blocks), the shared tier (None without one)."""
+    hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(cfg.replicas)]
+    host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
+    return hbm, host, BlockLRU(cfg.shared_blocks) if cfg.shared else None
+
+
 def simulate_policy(
     trace: Trace,
     cfg: SimConfig,
@@ -220,31 +251,15 @@ def simulate_policy(
     """Replay `trace` under `policy`; returns the per-policy metrics dict. With `client`, a closed-loop
     client (`ClosedLoop`) decides when, and so in which order, requests are sent, instead of `arrivals`."""
     cfg.check()
-    sender = client.sender(len(trace.requests)) if client is not None else None
-    if sender is not None:
-        arrivals = [0.0] * len(trace.requests)  # filled in as the client sends
-    elif arrivals is None:
-        arrivals, _ = arrivals_for(trace, cfg)
+    sender, arrivals = send_plan(trace, cfg, arrivals, client)
     c = cfg.cost
     bs = trace.block_size
     N = cfg.replicas
-    rids = [f"r{i}" for i in range(N)]
-    nodes = [f"node{i // cfg.replicas_per_node}" for i in range(N)]
-    n_nodes = len(set(nodes))
-    unbounded_shared = 10_000_000 if cfg.shared and cfg.shared_blocks is None else 0
-    index = PrefixIndex(
-        max_blocks=N * cfg.capacity_blocks
-        + n_nodes * cfg.host_blocks
-        + (cfg.shared_blocks or 0)
-        + 1_000_000
-        + unbounded_shared,
-        speculative_ttl_s=0.0,
-    )
+    rids, nodes, index_blocks = fleet_layout(cfg)
+    index = PrefixIndex(max_blocks=index_blocks, speculative_ttl_s=0.0)
     for rid, node in zip(rids, nodes):
         index.add_replica(rid, node)
-    hbm = [BlockLRU(cfg.capacity_blocks) for _ in range(N)]
-    host = {nd: BlockLRU(cfg.host_blocks) for nd in set(nodes)} if cfg.host_blocks else {}
-    shared = BlockLRU(cfg.shared_blocks) if cfg.shared else None
+    hbm, host, shared = fleet_caches(cfg, nodes)
     for rid in rids:  # the same lifecycle as the live router: replicas join, then requests are placed
         policy.on_replica_added(rid)
     if [index.slot_of(r) for r in rids] != list(range(N)):
