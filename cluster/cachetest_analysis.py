@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvmesh.cluster.miss_reasons import attribute, drift_kind, leading_held, text_units
+from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.miss_reasons import attribute, drift_kind, text_units
 from kvmesh.cluster.prefix_share import TokenizedRequest, _lcp, hash_requests
 from kvmesh.cluster.request_log import ChatRenderer, LoggedRequest, prompt_text
 

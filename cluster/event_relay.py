@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from kvmesh.cluster.kv_events import _ARRAY_FIELDS, END_SEQ, DecodeError, decode_frames
+from kvmesh.cluster.kv_events import _ARRAY_FIELDS, END_SEQ, DecodeError, decode_frames, unpack_batch
 from kvmesh.cluster.secure_channel import ChannelKeys, ChannelServer
 
 log = logging.getLogger("ray.serve.kvmesh")
@@ -50,14 +50,8 @@ def _routing_event(raw: Any) -> dict | None:
 
 def routing_payload(payload: bytes) -> bytes:
     """vLLM's msgpack `[ts, [events], dp_rank]` -> the same batch with only the routing fields."""
-    try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several types
-        raise DecodeError(f"undecodable KV-event payload: {exc}") from None
-    if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], list):
-        raise DecodeError("KV-event payload is not [ts, [events], dp_rank]")
-    events = [e for e in map(_routing_event, obj[1]) if e is not None]
-    return msgpack.packb([obj[0], events, obj[2] if len(obj) > 2 else None])
+    ts, raw, dp_rank = unpack_batch(payload)
+    return msgpack.packb([ts, [e for e in map(_routing_event, raw) if e is not None], dp_rank])
 
 
 def _tcp(host: str) -> str:

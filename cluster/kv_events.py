@@ -116,16 +116,21 @@ def _decode_event(raw: Any):
     raise DecodeError(f"malformed KV event: {raw!r:.80}")
 
 
-def decode_payload(payload: bytes) -> EventBatch:
-    """msgpack payload -> EventBatch of decoded events (unknown event types are dropped)."""
+def unpack_batch(payload: bytes) -> tuple[Any, list, Any]:
+    """vLLM's msgpack payload `[ts, [events], dp_rank]` -> (ts, the raw events, dp_rank or None), checked."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several types
         raise DecodeError(f"undecodable KV-event payload: {exc}") from None
     if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], list):
         raise DecodeError("KV-event payload is not [ts, [events], dp_rank]")
-    events = [e for e in map(_decode_event, obj[1]) if e is not None]
-    return EventBatch(obj[0], events, obj[2] if len(obj) > 2 else None)
+    return obj[0], obj[1], obj[2] if len(obj) > 2 else None
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """msgpack payload -> EventBatch of decoded events (unknown event types are dropped)."""
+    ts, raw, dp_rank = unpack_batch(payload)
+    return EventBatch(ts, [e for e in map(_decode_event, raw) if e is not None], dp_rank)
 
 
 def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:

@@ -86,15 +86,6 @@ def _add(out: dict[str, int], reason: str, tokens: int) -> None:
         out[reason] = out.get(reason, 0) + tokens
 
 
-def leading_held(hashes: Sequence[int], held) -> int:
-    i = 0
-    for h in hashes:
-        if h not in held:
-            break
-        i += 1
-    return i
-
-
 # ----------------------------------------------------------------------------------- text units
 _WORD = re.compile(r"\w+")
 _MARKUP = re.compile(r"<\|[^|>]*\|>|</?s>")  # chat-template special tokens: markup, not words

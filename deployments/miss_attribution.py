@@ -19,7 +19,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmesh.cluster.miss_reasons import attribute, leading_held
+from kvmesh.cluster.block_cache import leading_held
+from kvmesh.cluster.miss_reasons import attribute
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
 
 
