@@ -1,6 +1,7 @@
 """The saved live robustness runs, tallied: per live check, on how many draws it held.
 
     python -m kvmesh.benchmarks.live_tally docs/results/robust-live-tier*.json
+    python -m kvmesh.benchmarks.live_tally --simulate docs/results/robust-live-tier*.json
 
 Why: the evaluation draws run live a slice at a time (`ROBUST_LIVE_FROM`), each slice saved as its own
 file, so no single bench run prints the whole picture. This reads the saved rows (a later file's row for
@@ -8,7 +9,9 @@ a seed replaces an earlier one's), re-judges each with `robust_live.live_checks`
 check existed are judged by what they hold), and prints per check the draws it held on and the ones it
 missed, the draws that meet every live target without a tier, those where the simulator is within every
 sim-vs-live tolerance, the LMCache arm's hit rate against the infinite-cache bound, and the median TTFT
-p50 ratio to round robin per arm.
+p50 ratio to round robin per arm. With `--simulate`, every row's shared-tier arms are simulated again with
+the code now (kvmesh and round robin in the row's send order, `simulate_in_send_order`), so the simulated
+TTFT check with a shared tier covers every draw, not only those whose runs saved it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import json
 import statistics
 from collections.abc import Iterable, Sequence
 
-from kvmesh.benchmarks.robust_live import live_checks, meets_no_tier_targets, within_tolerances
+from kvmesh.benchmarks.robust_live import live_checks, meets_no_tier_targets, simulate_in_send_order, within_tolerances
+from kvmesh.cluster.workload_family import draw, records
 
-ROW_FIELDS = ("seed", "bounds", "kvmesh", "round_robin", "sim", "sim_vs_live")  # what every saved row has
+ROW_FIELDS = ("seed", "replicas", "bounds", "kvmesh", "round_robin", "sim", "sim_vs_live")  # what every saved row has
 
 
 def load_rows(paths: Iterable[str]) -> dict[int, dict]:
@@ -38,6 +42,17 @@ def load_rows(paths: Iterable[str]) -> dict[int, dict]:
         for r in data:
             rows[int(r["seed"])] = r
     return rows
+
+
+def simulate_tier_arms(rows: dict[int, dict]) -> None:
+    """Simulate every row's shared-tier arms again with the code now: kvmesh and round robin, in the send
+    order of the row's draw at its replica count (`sim_tier`, `sim_round_robin_tier`; about 1 s for 100
+    draws). Why: runs saved before those arms existed lack them, and saved ones came from the code then."""
+    for seed, row in rows.items():
+        d = draw(seed)
+        recs = records(d)
+        row["sim_tier"] = simulate_in_send_order(recs, d, row["replicas"], "kvmesh", shared=True)
+        row["sim_round_robin_tier"] = simulate_in_send_order(recs, d, row["replicas"], "round_robin", shared=True)
 
 
 def tally(rows: dict[int, dict]) -> dict:
@@ -94,11 +109,16 @@ def format_tally(t: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="saved robust-live JSON files (BENCH_OUT/robust/robust-live.json)")
+    parser.add_argument(
+        "--simulate", action="store_true", help="simulate every row's shared-tier arms again with the code now"
+    )
     args = parser.parse_args(argv)
     try:
         rows = load_rows(args.files)
     except ValueError as exc:
         parser.exit(2, f"live_tally: {exc}\n")
+    if args.simulate:
+        simulate_tier_arms(rows)
     print(format_tally(tally(rows)))
     return 0
 

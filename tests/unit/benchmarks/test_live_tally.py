@@ -40,3 +40,24 @@ def test_a_missing_or_malformed_file_is_one_line_and_exit_2(tmp_path, capsys):
         main([bad])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "not a list of live robustness rows" in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_judges_every_draw_with_the_shared_tier_arms_simulated_again(tmp_path, capsys):
+    from kvmesh.benchmarks.robust_live import simulate_in_send_order
+    from kvmesh.cluster.workload_family import draw, records
+
+    rows = [_row(seed, 0.77, 1.1, tier_hit=0.8) for seed in (2000, 2001, 2002)]
+    path = _write(tmp_path, "a.json", rows)
+    name = "simulated with a shared tier: TTFT p50 <= round robin's"
+    assert name not in tally(load_rows([path]))["checks"]  # the saved rows have no simulated tier arms
+
+    held = []
+    for seed in (2000, 2001, 2002):
+        d = draw(seed)
+        k, rr = (simulate_in_send_order(records(d), d, 2, p, shared=True) for p in ("kvmesh", "round_robin"))
+        if k["ttft_p50_s"] <= rr["ttft_p50_s"]:
+            held.append(seed)
+    assert main(["--simulate", path]) == 0
+    out = capsys.readouterr().out
+    missed = sorted({2000, 2001, 2002} - set(held))
+    assert f"{name}: {len(held)}/3" + (f", missed {missed}" if missed else "") in out
