@@ -14,7 +14,8 @@ placement meets the target, so the miss is the policy's. Writes
 `BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N
 eval seeds (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh and round robin on
 fresh local apps) and compared with the simulator in the same send order (`benchmarks/robust_live.py`;
-about 2 minutes per draw here); ROBUST_LIVE_TIER=1 adds kvmesh and round robin with LMCache tiers (and a
+about 2 minutes per draw here; ROBUST_LIVE_FAMILY=wide takes them from the wide_eval draws whose fleet is 3
+or 4 replicas instead); ROBUST_LIVE_TIER=1 adds kvmesh and round robin with LMCache tiers (and a
 redis-server) on each live draw, beside the simulator's shared-tier prediction, and judges kvmesh with
 LMCache by the same live targets, its TTFT against round robin's on the same LMCache engines.
 ROBUST_TIER_CHUNK_BLOCKS=K (default 1, as the live runs configure LMCache) runs the simulated shared-tier
@@ -60,6 +61,12 @@ def load_seed_set(which: str) -> list[int]:
     if which not in ("tune", "eval"):
         raise ValueError(f"ROBUST_SEEDS must be 'tune' or 'eval', got {which!r}")
     return list(sets[which])
+
+
+def wide_eval_seeds() -> list[int]:
+    """The second family's seeds stored in robust_seeds.json (`workload_wide` draws, for reporting only)."""
+    with open(SEEDS_FILE, encoding="utf-8") as fh:
+        return list(json.load(fh)["wide_eval"])
 
 
 def proven_out_of_reach(row: dict) -> bool:
@@ -243,8 +250,7 @@ def wide_part(opts: SweepOptions, out_dir: str) -> dict:
     from kvmesh.cluster import workload_wide
 
     n = int(os.environ.get("ROBUST_WIDE", "200") or 0)
-    with open(SEEDS_FILE, encoding="utf-8") as fh:
-        seeds = list(json.load(fh)["wide_eval"])[:n]
+    seeds = wide_eval_seeds()[:n]
     if not seeds:
         return {}
     t0 = time.perf_counter()
@@ -344,10 +350,15 @@ def live_seed_slice() -> list[int]:
         _refuse(f"ROBUST_LIVE and ROBUST_LIVE_FROM must be integers ({exc})")
     if n <= 0:
         return []
-    every = load_seed_set("eval")
+    if live_family() == "wide":
+        from kvmesh.benchmarks.robust_live import wide_live_seeds
+
+        every, named = wide_live_seeds(wide_eval_seeds()), "wide_eval draws of 3-4 replicas"
+    else:
+        every, named = load_seed_set("eval"), "eval draws"
     seeds = every[start : start + n] if start >= 0 else []
     if not seeds:
-        _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} eval draws")
+        _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} {named}")
     from kvmesh.benchmarks.robust_live import require_live_tools
     from kvmesh.kvstore.redis_process import RedisNotInstalled
 
@@ -356,6 +367,15 @@ def live_seed_slice() -> list[int]:
     except (FileNotFoundError, RedisNotInstalled) as exc:
         _refuse(f"the live runs cannot start: {exc}")
     return seeds
+
+
+def live_family() -> str:
+    """ROBUST_LIVE_FAMILY: which draws run live, "family" (the eval draws, the default) or "wide" (the
+    wide_eval draws whose fleet is 3 or 4 replicas, `robust_live.wide_live_seeds`). Exits 2 on another."""
+    family = os.environ.get("ROBUST_LIVE_FAMILY", "") or "family"
+    if family not in ("family", "wide"):
+        _refuse(f"ROBUST_LIVE_FAMILY must be 'family' or 'wide', got {family!r}")
+    return family
 
 
 def live_tier() -> bool:
@@ -376,7 +396,7 @@ def run_live_part(out_dir: str, seeds: list[int]) -> bool:
         return False
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
-    rows = live_sweep(seeds, tier=live_tier())
+    rows = live_sweep(seeds, tier=live_tier(), family=live_family())
     print(format_live(rows))
     missed = False
     for r in rows:

@@ -21,8 +21,13 @@ import json
 import statistics
 from collections.abc import Iterable, Sequence
 
-from kvmesh.benchmarks.robust_live import live_checks, meets_no_tier_targets, simulate_in_send_order, within_tolerances
-from kvmesh.cluster.workload_family import draw, records
+from kvmesh.benchmarks.robust_live import (
+    FAMILIES,
+    live_checks,
+    meets_no_tier_targets,
+    simulate_in_send_order,
+    within_tolerances,
+)
 
 ROW_FIELDS = ("seed", "replicas", "bounds", "kvmesh", "round_robin", "sim", "sim_vs_live")  # what every saved row has
 
@@ -46,11 +51,12 @@ def load_rows(paths: Iterable[str]) -> dict[int, dict]:
 
 def simulate_tier_arms(rows: dict[int, dict]) -> None:
     """Simulate every row's shared-tier arms again with the code now: kvmesh and round robin, in the send
-    order of the row's draw at its replica count (`sim_tier`, `sim_round_robin_tier`; about 1 s for 100
-    draws). Why: runs saved before those arms existed lack them, and saved ones came from the code then."""
+    order of the row's draw (of its `family`, the first family when it names none) at its replica count
+    (`sim_tier`, `sim_round_robin_tier`; about 1 s for 100 draws). Why: runs saved before those arms existed
+    lack them, and saved ones came from the code then."""
     for seed, row in rows.items():
-        d = draw(seed)
-        recs = records(d)
+        d = FAMILIES[row.get("family", "family")].draw(seed)
+        recs = d.records()
         row["sim_tier"] = simulate_in_send_order(recs, d, row["replicas"], "kvmesh", shared=True)
         row["sim_round_robin_tier"] = simulate_in_send_order(recs, d, row["replicas"], "round_robin", shared=True)
 

@@ -34,25 +34,43 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.benchmarks.peers.results import max_over_mean
+from kvmesh.cluster import workload_family, workload_wide
 from kvmesh.cluster.bounds import balance_bounded_bound, infinite_hit_rate
 from kvmesh.cluster.decision_trace import decision, first_divergence, format_divergence, ranking_cells
 from kvmesh.cluster.exact_placement import decide_target
 from kvmesh.cluster.simulator import ClosedLoop, SimConfig, simulate_policy
 from kvmesh.cluster.trace import Trace
 from kvmesh.cluster.workload_family import FamilyDraw, draw, records
+from kvmesh.cluster.workload_wide import WideDraw
 from kvmesh.cluster.workloads import engine_trace
 from kvmesh.policies.registry import make_policy
 
 ENGINE_BLOCK = 32
 TIMED_CONCURRENCY = 4  # live draws are all sent under a concurrency cap; timed patterns use this one
 PEER = "vllm-router/cache_aware"  # the peer the live target compares with (it piles up to reach its hit rate)
+# the workload families a live row's seed can be a draw of: the first family (`workload_family`, its tune and
+# eval seeds) and the one with shapes it never draws (`workload_wide`, its wide_eval seeds)
+FAMILIES = {"family": workload_family, "wide": workload_wide}
+Draw = FamilyDraw | WideDraw
 
 
-def live_concurrency(d: FamilyDraw) -> int:
+def live_replicas(d: Draw) -> int:
+    """How many engine replicas a draw runs on live: the first family draws 3-4 for that; a wide draw runs on
+    its own fleet (only those of 3-4 replicas are run live, `wide_live_seeds`)."""
+    return d.live_replicas if isinstance(d, FamilyDraw) else d.replicas
+
+
+def wide_live_seeds(seeds: Sequence[int]) -> list[int]:
+    """The wide draws of `seeds` that can run live as drawn: a fleet of 3 or 4 replicas, as the live runs of
+    the first family have (the selection depends on the draw's shape only, never on a result)."""
+    return [s for s in seeds if workload_wide.draw(s).replicas in (3, 4)]
+
+
+def live_concurrency(d: Draw) -> int:
     return d.concurrency if d.arrival == "all" else TIMED_CONCURRENCY
 
 
-def replay_config(url: str, d: FamilyDraw, api_key: str | None = None, model: str | None = None):
+def replay_config(url: str, d: Draw, api_key: str | None = None, model: str | None = None):
     """How every live run of a draw is sent (kvmesh, round robin, a peer router): the draw's tokens per
     block and concurrency cap, 16 output tokens, no progress bar."""
     from kvmesh.deployments.replay import ReplayConfig
@@ -70,7 +88,7 @@ def replay_config(url: str, d: FamilyDraw, api_key: str | None = None, model: st
 
 def simulate_in_send_order(
     recs: list[dict],
-    d: FamilyDraw,
+    d: Draw,
     replicas: int,
     policy: str,
     shared: bool = False,
@@ -143,7 +161,7 @@ def within_tolerances(diff: dict) -> bool:
 
 
 def simulated_spread(
-    recs: list[dict], d: FamilyDraw, replicas: int, runs: int = SPREAD_RUNS, jitter_s: float = SPREAD_JITTER_S
+    recs: list[dict], d: Draw, replicas: int, runs: int = SPREAD_RUNS, jitter_s: float = SPREAD_JITTER_S
 ) -> list[dict]:
     """kvmesh simulated `runs` times in the live send order, each send up to `jitter_s` late (seeds 1 to
     `runs`): the outcomes send timing alone produces. Why: a live run is one draw of that timing, so one
@@ -258,7 +276,7 @@ def placed_alike(live: Sequence[str], sim: Sequence[str]) -> float:
     return best / sum(pairs.values())
 
 
-def bounds_for(recs: list[dict], d: FamilyDraw, replicas: int, exact_s: float = 30.0) -> dict:
+def bounds_for(recs: list[dict], d: Draw, replicas: int, exact_s: float = 30.0) -> dict:
     """The draw's bounds at the live block size, and whether any placement meets the live target
     (hit >= 0.95 x balance-bounded with max/mean <= 1.25; `exact_placement.decide_target`): "reachable"
     makes a live miss the policy's, "out of reach" the workload's."""
@@ -350,7 +368,7 @@ def peer_setup(name: str):
     return next(x for x in setups.PEER_SETUPS if x.name == name)
 
 
-def peer_target(recs: list[dict], d: FamilyDraw, replicas: int, peer_hit: float, exact_s: float = 30.0) -> dict:
+def peer_target(recs: list[dict], d: Draw, replicas: int, peer_hit: float, exact_s: float = 30.0) -> dict:
     """Can any placement reach the peer's hit rate less 0.03 while keeping prefill max/mean <= 1.25
     (`exact_placement.decide_target`, the untimed model `bounds_for` uses)? The peer reaches its hit rate by
     piling up, so where no balanced placement reaches it, the peer check's miss is the workload's
@@ -360,7 +378,7 @@ def peer_target(recs: list[dict], d: FamilyDraw, replicas: int, peer_hit: float,
     return {"hit": peer_hit - 0.03, "verdict": verdict, "placement": placement}
 
 
-def run_live(recs: list[dict], d: FamilyDraw, replicas: int, policy: str, log=print, tier: bool = False) -> dict:
+def run_live(recs: list[dict], d: Draw, replicas: int, policy: str, log=print, tier: bool = False) -> dict:
     """One fresh local app with `policy` (with LMCache tiers when `tier`: `live_app`), the replay, and the
     replay's per-replica figures."""
     from kvmesh.deployments.replay import replay
@@ -430,7 +448,7 @@ def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
     }
 
 
-def run_peer_router(recs: list[dict], d: FamilyDraw, replicas: int, setup_name: str, log=print) -> dict:
+def run_peer_router(recs: list[dict], d: Draw, replicas: int, setup_name: str, log=print) -> dict:
     """The same replay through a peer router (vllm-router cache_aware by default) over `replicas` bare
     vLLM servers with the kvmesh app's engine settings (`bare_servers`): identical servers, so the hit
     rates compare. Per-worker figures come from the servers' /metrics."""
@@ -469,18 +487,19 @@ def compare(live: dict, sim: dict) -> dict:
     return out
 
 
-def live_sweep(seeds: Sequence[int], log=print, tier: bool = False) -> list[dict]:
-    """Per draw: bounds, kvmesh, round robin and the peer router live, the simulator in the same send
-    order; with `tier` also kvmesh and round robin with LMCache tiers (`live_app`: the deployed configuration,
-    and the baseline on the same engines) and both simulated with a shared tier."""
+def live_sweep(seeds: Sequence[int], log=print, tier: bool = False, family: str = "family") -> list[dict]:
+    """Per draw (of `family`, a key of `FAMILIES`): bounds, kvmesh, round robin and the peer router live, the
+    simulator in the same send order; with `tier` also kvmesh and round robin with LMCache tiers (`live_app`:
+    the deployed configuration, and the baseline on the same engines) and both simulated with a shared tier."""
     rows = []
     for seed in seeds:
-        d = draw(seed)
-        recs = records(d)
-        n = d.live_replicas
+        d = FAMILIES[family].draw(seed)
+        recs = d.records()
+        n = live_replicas(d)
         log(f"  draw {seed}: {len(recs)} requests, {n} replicas, concurrency {live_concurrency(d)}")
         row: dict[str, Any] = {
             "seed": seed,
+            **({"family": family} if family != "family" else {}),
             "replicas": n,
             "requests": len(recs),
             "bounds": bounds_for(recs, d, n),

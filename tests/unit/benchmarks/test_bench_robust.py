@@ -44,6 +44,14 @@ def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
     monkeypatch.setattr(shutil, "which", lambda name: None)  # no redis-server: needed with the tier only
     eval_seeds = bench_robust.load_seed_set("eval")
     assert bench_robust.live_seed_slice() == eval_seeds[4:6]
+    with monkeypatch.context() as m:  # the wide draws that run live: a fleet of 3-4 replicas, in seed order
+        from kvmesh.cluster.workload_wide import draw as wide_draw
+
+        m.setenv("ROBUST_LIVE_FAMILY", "wide")
+        wide = bench_robust.wide_eval_seeds()
+        fleets = [s for s in wide if wide_draw(s).replicas in (3, 4)]
+        assert 6 <= len(fleets) < len(wide)
+        assert bench_robust.live_seed_slice() == fleets[4:6]
 
     def missing(name):
         raise FileNotFoundError(f"{name} not installed (pip install -e '.[bench]')")
@@ -52,6 +60,8 @@ def test_a_live_slice_that_cannot_run_exits_2_at_once(monkeypatch, capsys):
         ({"ROBUST_LIVE_TIER": "1"}, None, "cannot start: redis-server is not installed: run `make services`"),
         ({"ROBUST_LIVE_FROM": str(len(eval_seeds))}, None, f"outside the {len(eval_seeds)} eval draws"),
         ({"ROBUST_LIVE": "two"}, None, "must be integers"),
+        ({"ROBUST_LIVE_FAMILY": "wide", "ROBUST_LIVE_FROM": "999"}, None, "wide_eval draws of 3-4 replicas"),
+        ({"ROBUST_LIVE_FAMILY": "other"}, None, "ROBUST_LIVE_FAMILY must be 'family' or 'wide'"),
         ({}, missing, "cannot start: vllm-router not installed"),
     ]
     for env, router, said in cases:

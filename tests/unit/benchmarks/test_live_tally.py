@@ -61,3 +61,16 @@ def test_simulate_judges_every_draw_with_the_shared_tier_arms_simulated_again(tm
     out = capsys.readouterr().out
     missed = sorted({2000, 2001, 2002} - set(held))
     assert f"{name}: {len(held)}/3" + (f", missed {missed}" if missed else "") in out
+
+
+def test_simulate_draws_a_wide_row_from_the_wide_family(tmp_path):
+    from kvmesh.benchmarks.live_tally import simulate_tier_arms
+    from kvmesh.benchmarks.robust_live import simulate_in_send_order
+    from kvmesh.cluster.workload_wide import draw as wide_draw
+
+    row = {**_row(11001, 0.77, 1.1, tier_hit=0.8), "family": "wide", "replicas": 4}
+    rows = load_rows([_write(tmp_path, "w.json", [row])])
+    simulate_tier_arms(rows)
+    d = wide_draw(11001)
+    want = simulate_in_send_order(d.records(), d, 4, "kvmesh", shared=True)
+    assert rows[11001]["sim_tier"]["hit"] == want["hit"] and rows[11001]["sim_tier"]["requests"] == want["requests"]
