@@ -1,5 +1,6 @@
-"""Live half of the robustness sweep: family draws replayed on real engines, each compared with the
-simulator's prediction for the same send order.
+"""Live half of the robustness sweep: family draws (the first family's eval draws, or the second family's
+wide_eval draws of 3-4 replicas) replayed on real engines, each compared with the simulator's prediction for
+the same send order.
 
 Why: the simulator is how a policy change is judged before a live run, so it must predict what the
 live router does. Per draw, kvmesh and round robin each get a fresh local app (vLLM engines at block

@@ -37,6 +37,8 @@ _QUIET_ENV = {
 # server never had, and each waits out the whole message-queue timeout. Three heartbeats plus slack
 # make every restart visible to every connector.
 RESTART_DARK_S = 3 * HEARTBEAT_S + 2.0
+# How long the second probe of a shared tier that failed one gives it to answer (`shared_tier_up`).
+SLOW_PROBE_S = 3.0
 
 
 def die_with_parent() -> None:
@@ -87,17 +89,18 @@ def redis_ping(
         return False
 
 
-def shared_tier_reachable(l2: dict | None) -> bool | None:
-    """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe)."""
+def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
+    """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe); a RESP
+    server must answer within `timeout` seconds."""
     if not l2:
         return None
     kind = l2.get("type")
     if kind == "resp":  # the password as the LMCache server gets it: in the L2 or from the environment
         password = l2.get("password") or os.environ.get("LMCACHE_RESP_PASSWORD")
-        return redis_ping(l2["host"], l2["port"], password=password, username=l2.get("username"))
+        return redis_ping(l2["host"], l2["port"], timeout, password=password, username=l2.get("username"))
     if kind == "valkey":
         host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
-        return redis_ping(host, int(port)) if port.isdigit() else None
+        return redis_ping(host, int(port), timeout) if port.isdigit() else None
     if kind == "fs":
         path = Path(l2["base_path"])
         return path.is_dir() and os.access(path, os.W_OK)
@@ -242,7 +245,7 @@ class LMCacheServer:
         if self.proc is not None and not self.alive():
             self.start_again(wait)
             return "restarted-dead"
-        up = shared_tier_reachable(self.config.l2)
+        up = self.shared_tier_up()
         if up is False:
             self.shared_seen_down = True
             return "shared-down"
@@ -251,6 +254,16 @@ class LMCacheServer:
             self.start_again(wait)
             return "restarted-shared-back"
         return "ok"
+
+    def shared_tier_up(self) -> bool | None:
+        """Is the shared tier reachable (`shared_tier_reachable`)? A probe that fails is repeated once with
+        `SLOW_PROBE_S` to answer before it counts. Why: a shared tier seen down and then up restarts this
+        server (`supervise`), and a Redis PING slower than a second on a machine busy starting engines is not
+        an outage: seen live, that restart lost the node's host tier, and an engine that had registered
+        before it, its connector's heartbeat not yet running, never registered again and failed its
+        requests. A refused connection fails both probes at once, so a real outage counts as before."""
+        up = shared_tier_reachable(self.config.l2)
+        return shared_tier_reachable(self.config.l2, timeout=SLOW_PROBE_S) if up is False else up
 
     def start_again(self, wait: bool = True) -> None:
         # a server found dead may have died just now: keep the port dark from here, too
@@ -290,7 +303,7 @@ class LMCacheServer:
             "endpoint": f"{self.config.host}:{self.port}",
             "restarts": self.restarts,
             "shared_tier": self.config.shared_tier,
-            "shared_tier_up": shared_tier_reachable(self.config.l2),
+            "shared_tier_up": self.shared_tier_up(),
             "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
             "healthy": serving and bool(samples),
         }

@@ -229,3 +229,28 @@ def test_redis_credentials_come_from_the_url_and_stay_off_the_servers_command_li
     assert json.loads(args[args.index("--l2-adapter") + 1]) == {"type": "resp", "host": "10.0.0.5", "port": 6379}
     assert l2_credentials_env(cfg.l2) == {"LMCACHE_RESP_PASSWORD": "s3cr@t"}
     assert l2_credentials_env(normalise_l2("redis://h:1")) == {} and l2_credentials_env(None) == {}
+
+
+def test_a_shared_tier_probe_that_fails_once_is_asked_again_with_time_to_answer_before_it_counts(monkeypatch, tmp_path):
+    """A slow PING on a busy machine is no outage: counted as one, the watchdog restarted the LMCache server
+    under engines still starting. A refused connection fails both probes, and counts as before."""
+    from kvmesh.kvstore import lmcache_server
+    from kvmesh.kvstore.lmcache_server import SLOW_PROBE_S, LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+
+    srv = LMCacheServer(TierConfig.from_dict({"l2": "redis://127.0.0.1:6399"}), tmp_path / "log")
+    probes: list[float] = []
+    answers: list[bool] = []
+
+    def probe(l2, timeout=1.0):
+        probes.append(timeout)
+        return answers.pop(0)
+
+    monkeypatch.setattr(lmcache_server, "shared_tier_reachable", probe)
+    answers[:] = [False, True]  # too slow once, then answered
+    assert srv.supervise() == "ok" and not srv.shared_seen_down and probes == [1.0, SLOW_PROBE_S]
+    answers[:] = [False, False]  # down: both probes fail
+    assert srv.supervise() == "shared-down" and srv.shared_seen_down
+    probes.clear()
+    answers[:] = [True]  # up at the first probe: asked once
+    assert srv.health()["shared_tier_up"] is True and probes == [1.0]
