@@ -256,12 +256,14 @@ class LMCacheServer:
         return "ok"
 
     def shared_tier_up(self) -> bool | None:
-        """Is the shared tier reachable (`shared_tier_reachable`)? A probe that fails is repeated once with
-        `SLOW_PROBE_S` to answer before it counts. Why: a shared tier seen down and then up restarts this
-        server (`supervise`), and a Redis PING slower than a second on a machine busy starting engines is not
-        an outage: seen live, that restart lost the node's host tier, and an engine that had registered
-        before it, its connector's heartbeat not yet running, never registered again and failed its
-        requests. A refused connection fails both probes at once, so a real outage counts as before."""
+        """Is the shared tier reachable, as the watchdog judges it before a restart (`supervise`)? A probe
+        that fails is repeated once with `SLOW_PROBE_S` to answer before it counts. Why: a shared tier seen
+        down and then up restarts this server, and a Redis PING slower than a second on a machine busy
+        starting engines is not an outage: seen live, that restart lost the node's host tier, and an engine
+        that had registered before it, its connector's heartbeat not yet running, never registered again and
+        failed its requests. A refused connection fails both probes at once, so a real outage counts as
+        before. `health()` keeps one quick probe: the node actor answers its callers one at a time, and a
+        second, slower probe there would hold up every router's health call during an outage."""
         up = shared_tier_reachable(self.config.l2)
         return shared_tier_reachable(self.config.l2, timeout=SLOW_PROBE_S) if up is False else up
 
@@ -303,7 +305,7 @@ class LMCacheServer:
             "endpoint": f"{self.config.host}:{self.port}",
             "restarts": self.restarts,
             "shared_tier": self.config.shared_tier,
-            "shared_tier_up": self.shared_tier_up(),
+            "shared_tier_up": shared_tier_reachable(self.config.l2),
             "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
             "healthy": serving and bool(samples),
         }

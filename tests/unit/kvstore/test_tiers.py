@@ -254,3 +254,6 @@ def test_a_shared_tier_probe_that_fails_once_is_asked_again_with_time_to_answer_
     probes.clear()
     answers[:] = [True]  # up at the first probe: asked once
     assert srv.health()["shared_tier_up"] is True and probes == [1.0]
+    probes.clear()
+    answers[:] = [False]  # health() reports one quick probe: the node actor answers its callers one at a time
+    assert srv.health()["shared_tier_up"] is False and probes == [1.0]
