@@ -123,6 +123,25 @@ def _delta_kind():
     return RequestOutputKind.DELTA
 
 
+# The request an engine with a KV connector runs once, as soon as it is built: LMCache's connector starts
+# its heartbeat with its engine's first step (its first event poll), and only a running heartbeat sees
+# its server restart and registers the engine's KV caches with the new one. One token fills no block,
+# so it stores nothing, publishes no KV event and leaves nothing in the prefix cache.
+WARM_UP_REQUEST_ID = "kvmesh-connector-warm-up"
+DRAIN_POLL_S = 0.005  # how often an engine with no request left polls its KV connector's transfers
+WARM_UP_PROMPT: dict[str, Any] = {"prompt_token_ids": [0]}
+
+
+def warm_up_params():
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1)
+
+
+def has_kv_connector(engine_args) -> bool:
+    return getattr(engine_args, "kv_transfer_config", None) is not None
+
+
 class EngineBroken(RuntimeError):
     """The engine can no longer serve (its step failed): the request should move to another replica."""
 
@@ -164,6 +183,7 @@ class InprocDriver:
     external_hit_tokens = 0  # prompt tokens loaded through the KV connector (LMCache), summed over requests
     _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
     _steps = 0
+    _sched: Any = None  # vLLM's scheduler, read only with a KV connector (see _connector_pending)
 
     def __init__(self, engine_args, fail_step_after: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -172,6 +192,12 @@ class InprocDriver:
         self._fail_after = fail_step_after
         patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
         self.engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[connector_hits_logger(self)])
+        if has_kv_connector(engine_args):
+            try:
+                self._sched = self._scheduler()
+            except Exception:
+                log.exception("cannot read vLLM's scheduler: an idle engine frees a connector's stored blocks late")
+            self._warm_up()
         self.load = _LoadCounter()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -179,28 +205,32 @@ class InprocDriver:
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine-step", daemon=True)
         self._thread.start()
 
+    def _warm_up(self) -> None:
+        """Step the warm-up request to its end before the step thread starts (see WARM_UP_REQUEST_ID)."""
+        self.engine.add_request(WARM_UP_REQUEST_ID, WARM_UP_PROMPT, warm_up_params())
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            busy = self._broken is None and self.engine.has_unfinished_requests()
-            if busy:
-                try:
-                    op = self._ops.get_nowait()
-                except queue.Empty:
-                    op = None
+            live = self._broken is None and self.engine.has_unfinished_requests()
+            draining = not live and self._broken is None and self._connector_pending()
+            if live:
+                op = self._next_op(block=False)
+            elif draining:  # only a KV connector's transfers left: poll them, without spinning a core
+                op = self._next_op(block=True, timeout=DRAIN_POLL_S)
             else:
                 op = self._ops.get()  # idle: sleep until a request (or stop) arrives
             while op is not None:
                 self._apply(op)
-                try:
-                    op = self._ops.get_nowait()
-                except queue.Empty:
-                    op = None
+                op = self._next_op(block=False)
             if self._stop:
                 break
-            if self._broken is None and self.engine.has_unfinished_requests():
+            live = self._broken is None and self.engine.has_unfinished_requests()
+            if live or (self._broken is None and self._connector_pending()):
                 try:
-                    outputs = self._step()
+                    outputs = self._step(counted=live)
                 except Exception as exc:  # the engine is broken: fail every stream, report unhealthy
                     log.exception("engine step failed: this replica stops serving and fails its health check")
                     self._broken = exc
@@ -209,8 +239,29 @@ class InprocDriver:
                     continue
                 self._push_step(outputs)
 
-    def _step(self):
-        self._steps += 1
+    def _next_op(self, block: bool, timeout: float | None = None):
+        try:
+            return self._ops.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _connector_pending(self) -> bool:
+        """Whether vLLM's scheduler still holds finished requests, as it does while a KV connector
+        (LMCache) stores their blocks: only later steps collect the finished stores and free the blocks.
+        vLLM's own engine loop keeps stepping for them; so does this one. False if the scheduler cannot
+        be read (the engine then goes idle as before, and the next request's steps free the blocks)."""
+        if self._sched is None:
+            return False
+        try:
+            return bool(self._sched.has_requests())
+        except Exception:
+            log.exception("cannot ask vLLM's scheduler for finished requests; not waiting for them")
+            self._sched = None
+            return False
+
+    def _step(self, counted: bool = True):
+        if counted:  # a step that only collects a connector's finished transfers serves no request
+            self._steps += 1
         if self._fail_after is not None and self._steps > self._fail_after:
             raise RuntimeError(f"injected step failure after {self._fail_after} steps (engine.fail_step_after)")
         return self.engine.step()
@@ -301,11 +352,14 @@ class InprocDriver:
         self._ops.put(("call", fn, loop, fut))
         return await fut
 
+    def _scheduler(self) -> Scheduler:
+        """vLLM's own scheduler, from its internals (raises if their shape changed)."""
+        client = cast("InprocClient", self.engine.engine_core)  # in-process: __init__ turned multiprocessing off
+        return cast("Scheduler", client.engine_core.scheduler)
+
     def kv_usage(self) -> float:
         """Read from vLLM's internals; raises if their shape changed (the replica counts and logs it)."""
-        client = cast("InprocClient", self.engine.engine_core)  # in-process: __init__ turned multiprocessing off
-        sched = cast("Scheduler", client.engine_core.scheduler)  # vLLM's own scheduler: it has the KV manager
-        return float(sched.kv_cache_manager.usage)
+        return float(self._scheduler().kv_cache_manager.usage)  # the scheduler has the KV manager
 
     def num_blocks(self) -> int:
         return int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
@@ -365,6 +419,25 @@ class AsyncDriver:
         patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         self.load = _LoadCounter()
+        # the warm-up request (see WARM_UP_REQUEST_ID) runs on the loop that builds the driver: a Serve
+        # replica's constructor runs on its event loop, and AsyncLLM serves from the loop that calls it first
+        self.warm_up: asyncio.Task | None = None
+        if has_kv_connector(engine_args):
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                log.warning(
+                    "AsyncDriver built outside an event loop: its KV connector heartbeat starts with its first request"
+                )
+            else:
+                self.warm_up = loop.create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            async for _ in self.engine.generate(WARM_UP_PROMPT, warm_up_params(), WARM_UP_REQUEST_ID):
+                pass
+        except Exception:  # the engine's own failure shows in its health check and its first request
+            log.exception("the KV connector warm-up request failed")
 
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
         # AsyncLLM aborts the request itself when its generator is closed (track closes it)
