@@ -413,9 +413,9 @@ class AsyncDriver:
         if ray is not None and ray.is_initialized():
             # in a Ray worker: vLLM's own metrics leave through Ray's metrics port as ray_vllm_*
             # (the k8s/monitoring dashboard's vLLM panels); its default Prometheus registry is served by nobody here
-            from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+            from kvmesh.deployments.vllm_ray_metrics import ray_stat_logger
 
-            loggers.append(RayPrometheusStatLogger)
+            loggers.append(ray_stat_logger())
         patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         self.load = _LoadCounter()

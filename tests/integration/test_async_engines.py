@@ -229,6 +229,34 @@ def test_vllm_metrics_leave_through_rays_metrics_port_under_the_dashboards_names
     assert "ray_vllm_time_to_first_token_seconds_bucket" in text and "ray_vllm_kv_cache_usage_perc" in text
 
 
+def test_an_async_engine_with_lmcache_starts_in_serve_and_loads_a_prefix_from_the_host_tier(live_app):
+    """The production engine (AsyncLLM in a Serve replica, so vLLM's metrics go through Ray's stat
+    logger) with an LMCache connector: the connector's own histogram has no buckets, which Ray's
+    Histogram refuses, and the engine failed to start. It starts, and a prefix pushed out of the engine's
+    small cache comes back from LMCache's host tier, as the router predicted."""
+    config = {
+        "replicas": 1,
+        "engine": {
+            "model": "tiny",
+            "block_size": BLOCK,
+            "max_model_len": 512,
+            "num_gpu_blocks_override": 24,  # three 8-block prompts fill it
+            **live_engine_overrides(),
+            "engine_mode": "async",
+            "lmcache": {"l1_size_gb": 0.05, "chunk_size": BLOCK},
+        },
+    }
+    prompt = fresh_tokens(8 * BLOCK)
+    with side_app(live_app, "kvmesh-async-lmcache", "/async-lmcache", config) as url:
+        with httpx.Client(base_url=url, headers=live_app.headers, timeout=120) as c:
+            assert complete(c, prompt, max_tokens=1).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            for _ in range(3):  # 24 blocks of other prompts: the first one's blocks are evicted first
+                complete(c, fresh_tokens(8 * BLOCK), max_tokens=1)
+            again = complete(c, prompt + fresh_tokens(5), max_tokens=1)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+    assert int(again.headers["x-kvmesh-predicted-cached-tokens"]) == 8 * BLOCK
+
+
 def _stream_text(r: httpx.Response, on_text=None) -> tuple[str, dict | None]:
     """The streamed text and the usage event of an SSE completion; `on_text()` after each text event."""
     parts, usage = [], None
