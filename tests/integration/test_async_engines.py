@@ -241,6 +241,7 @@ def test_an_async_engine_with_lmcache_starts_in_serve_and_loads_a_prefix_from_th
             "block_size": BLOCK,
             "max_model_len": 512,
             "num_gpu_blocks_override": 24,  # three 8-block prompts fill it
+            "num_cpus": 0.1,  # beside the session's app and this module's async app on the 2-CPU test cluster
             **live_engine_overrides(),
             "engine_mode": "async",
             "lmcache": {"l1_size_gb": 0.05, "chunk_size": BLOCK},
