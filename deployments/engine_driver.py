@@ -128,8 +128,15 @@ def _delta_kind():
 # its server restart and registers the engine's KV caches with the new one. One token fills no block,
 # so it stores nothing, publishes no KV event and leaves nothing in the prefix cache.
 WARM_UP_REQUEST_ID = "kvmesh-connector-warm-up"
-DRAIN_POLL_S = 0.005  # how often an engine with no request left polls its KV connector's transfers
 WARM_UP_PROMPT: dict[str, Any] = {"prompt_token_ids": [0]}
+
+# How often an engine whose requests all wait on its KV connector polls it. Finished requests held for
+# their stores are polled every DRAIN_POLL_S. Requests waiting for a lookup or a load are polled at once,
+# then at waits doubling from STALL_FIRST_WAIT_S up to DRAIN_POLL_S: a lookup answers in milliseconds,
+# while stepping without pause spins a core (and the GIL the connector's own threads need to receive
+# the answer) for as long as the server takes, the whole message-queue timeout if it hangs.
+DRAIN_POLL_S = 0.005
+STALL_FIRST_WAIT_S = 0.0002
 
 
 def warm_up_params():
@@ -183,7 +190,7 @@ class InprocDriver:
     external_hit_tokens = 0  # prompt tokens loaded through the KV connector (LMCache), summed over requests
     _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
     _steps = 0
-    _sched: Any = None  # vLLM's scheduler, read only with a KV connector (see _connector_pending)
+    _sched: Any = None  # vLLM's scheduler, read only with a KV connector (see _connector_pending, _awaiting_connector)
 
     def __init__(self, engine_args, fail_step_after: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -213,11 +220,12 @@ class InprocDriver:
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        stall_wait = 0.0  # how long to wait for an op before the next step while the connector is awaited
         while not self._stop:
             live = self._broken is None and self.engine.has_unfinished_requests()
             draining = not live and self._broken is None and self._connector_pending()
             if live:
-                op = self._next_op(block=False)
+                op = self._next_op(block=stall_wait > 0, timeout=stall_wait or None)
             elif draining:  # only a KV connector's transfers left: poll them, without spinning a core
                 op = self._next_op(block=True, timeout=DRAIN_POLL_S)
             else:
@@ -238,6 +246,10 @@ class InprocDriver:
                         self._push(rid, EngineBroken(f"engine step failed: {exc!r}"))
                     continue
                 self._push_step(outputs)
+                stalled = live and not outputs and self._awaiting_connector()
+                if stalled:
+                    self._steps -= 1  # it ran nothing: requests over steps counts the steps that served
+                stall_wait = min(DRAIN_POLL_S, max(STALL_FIRST_WAIT_S, 2 * stall_wait)) if stalled else 0.0
 
     def _next_op(self, block: bool, timeout: float | None = None):
         try:
@@ -256,6 +268,19 @@ class InprocDriver:
             return bool(self._sched.has_requests())
         except Exception:
             log.exception("cannot ask vLLM's scheduler for finished requests; not waiting for them")
+            self._sched = None
+            return False
+
+    def _awaiting_connector(self) -> bool:
+        """Whether nothing is running while requests are unfinished: each waits on the KV connector (a
+        lookup it has not answered, or a load between steps), so stepping again at once would compute
+        nothing. False without a connector, or if the scheduler cannot be read."""
+        if self._sched is None:
+            return False
+        try:
+            return not self._sched.running
+        except Exception:
+            log.exception("cannot read vLLM's running requests; stepping without pause")
             self._sched = None
             return False
 

@@ -123,13 +123,18 @@ def main() -> int:
     from kvmesh.kvstore.tiers import kv_transfer_config
 
     patch_llvmlite_dunder_lookup()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvmesh.deployments.engine_driver import InprocDriver
 
     kw: dict[str, Any] = {}
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
-    llm = LLM(
+    engine_args = EngineArgs(
         model=a.model,
         block_size=a.block_size,
         max_model_len=a.max_model_len,
@@ -137,33 +142,45 @@ def main() -> int:
         dtype="float32",
         enable_prefix_caching=True,
         seed=0,
-        kv_transfer_config=kv_transfer_config(a.host, a.port),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(a.host, a.port)),
         **kw,
     )
+    # the serving path's driver: it warms the connector up, polls a pending lookup without spinning
+    # a core, and keeps collecting stores after a request ends, so what is timed here is what it serves
+    driver = InprocDriver(engine_args)
+    loop = asyncio.new_event_loop()
     sp = SamplingParams(max_tokens=1, temperature=0)
+
+    async def generate(prompt: dict, rid: str):
+        last = None
+        async for o in driver.generate(prompt, sp, rid):
+            last = o
+        return last
+
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
-    for line in sys.stdin:
+    for n, line in enumerate(sys.stdin):
         req = json.loads(line)
         if req.get("cmd") == "quit":
             break
         if req.get("cmd") == "reset":  # drop the engine's own prefix cache (LMCache keeps its copy)
-            out.write(json.dumps({"reset": bool(llm.reset_prefix_cache())}) + "\n")
+            out.write(json.dumps({"reset": loop.run_until_complete(driver.reset_prefix_cache())}) + "\n")
             out.flush()
             continue
-        prompt = TokensPrompt(prompt_token_ids=req["prompt_token_ids"])
+        prompt: dict[str, Any] = {"prompt_token_ids": req["prompt_token_ids"]}
         if req.get("cache_salt"):
             prompt["cache_salt"] = req["cache_salt"]
         t0 = time.perf_counter()
         reply: dict[str, Any]
         try:
-            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+            o = loop.run_until_complete(generate(prompt, f"probe-{n}"))
             reply = {"num_cached_tokens": o.num_cached_tokens or 0, "prefill_s": time.perf_counter() - t0}
         except Exception as exc:  # report, keep serving: tier-loss tests need to see failures
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(reply) + "\n")
         out.flush()
-    llm.llm_engine.engine_core.shutdown()
+    driver.shutdown()
+    loop.close()
     return 0
 
 

@@ -151,6 +151,49 @@ def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
         d._thread.join(timeout=5)
 
 
+class _LookupWaitEngine(_FakeLLMEngine):
+    """A request that waits `lookup_s` for its KV connector's lookup: until then a step runs nothing
+    (no output, nothing running), as vLLM's scheduler does while LMCache has not answered."""
+
+    def __init__(self, lookup_s: float):
+        super().__init__(steps=1)
+        self.lookup_s, self.added_at = lookup_s, {}
+        self.running: list = []  # read through the driver's `_sched`, like vLLM's scheduler's
+
+    def add_request(self, rid, prompt, params):
+        super().add_request(rid, prompt, params)
+        self.added_at[rid] = time.monotonic()
+
+    def step(self):
+        self.calls += 1
+        ready = [rid for rid in self.left if time.monotonic() - self.added_at[rid] >= self.lookup_s]
+        for rid in ready:
+            del self.left[rid]
+        return [SimpleNamespace(request_id=rid, finished=True) for rid in ready]
+
+
+def test_a_request_waiting_on_its_connector_is_polled_not_spun():
+    """While a request's lookup is unanswered the engine steps at a bounded rate (a step per wait doubling
+    up to DRAIN_POLL_S), and only the step that served it is counted; stepping without pause ran ~10^5
+    empty steps in the same 0.3 s and held the GIL the connector needs to receive its answer."""
+    from kvmesh.deployments.engine_driver import DRAIN_POLL_S
+
+    engine = _LookupWaitEngine(lookup_s=0.3)
+    d = _inproc(engine)
+    d._sched = engine
+
+    async def go():
+        return [out.finished async for out in d.generate({}, None, "a")]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 5)) == [True]
+        assert engine.calls <= 2 * 0.3 / DRAIN_POLL_S + 20, engine.calls
+        assert d.steps == 1
+    finally:
+        d._ops.put(("stop",))
+        d._thread.join(timeout=5)
+
+
 def test_inproc_driver_call_returns_and_raises():
     # call(fn) runs fn on the engine thread; its result, or the exception it raised, reaches the caller
     d = _inproc(_FakeLLMEngine(steps=1))
