@@ -1,8 +1,10 @@
 """A probe engine: one in-process vLLM engine on an LMCache MP server, driven over stdin/stdout JSON.
 
 Used by the tier tests and by the calibration benchmark (benchmarks/bench_tiers.py), which need
-engines they can start, time and stop without Ray. Why a child process per engine: two `LLM`
-objects in one Python process cannot both use LMCacheMPConnector (the second engine's connector
+engines they can start, time and stop without Ray. The engine runs on the serving path's in-process
+driver (deployments/engine_driver.py), so it warms its connector up, polls pending lookups and
+collects stores after a request as a replica does. Why a child process per engine: two vLLM engines
+in one Python process cannot both use LMCacheMPConnector (the second engine's connector
 never reaches its server: process-global state), and the tests need two engines behind two servers.
 Each line in: {"prompt_token_ids": [...], "cache_salt": optional}; each line out: {"num_cached_tokens",
 "prefill_s"}. Also
