@@ -132,11 +132,13 @@ WARM_UP_PROMPT: dict[str, Any] = {"prompt_token_ids": [0]}
 
 # How often an engine whose requests all wait on its KV connector polls it. Finished requests held for
 # their stores are polled every DRAIN_POLL_S. Requests waiting for a lookup or a load are polled at once,
-# then at waits doubling from STALL_FIRST_WAIT_S up to DRAIN_POLL_S: a lookup answers in milliseconds,
+# then at waits doubling from STALL_FIRST_WAIT_S up to STALL_MAX_WAIT_S (vLLM's own engine loop sleeps
+# 1 ms there): a lookup answers in milliseconds and a request's TTFT waits for the poll that sees it,
 # while stepping without pause spins a core (and the GIL the connector's own threads need to receive
 # the answer) for as long as the server takes, the whole message-queue timeout if it hangs.
 DRAIN_POLL_S = 0.005
 STALL_FIRST_WAIT_S = 0.0002
+STALL_MAX_WAIT_S = 0.001
 
 
 def warm_up_params():
@@ -249,7 +251,7 @@ class InprocDriver:
                 stalled = live and not outputs and self._awaiting_connector()
                 if stalled:
                     self._steps -= 1  # it ran nothing: requests over steps counts the steps that served
-                stall_wait = min(DRAIN_POLL_S, max(STALL_FIRST_WAIT_S, 2 * stall_wait)) if stalled else 0.0
+                stall_wait = min(STALL_MAX_WAIT_S, max(STALL_FIRST_WAIT_S, 2 * stall_wait)) if stalled else 0.0
 
     def _next_op(self, block: bool, timeout: float | None = None):
         try:

@@ -20,6 +20,7 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
 
     from kvmesh.deployments.app import build_app, initial_engine_replicas
     from kvmesh.deployments.config import app_config
+    from kvmesh.deployments.deploy_watch import deploy_or_explain
 
     full = {
         "name": name,
@@ -29,9 +30,11 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
         "routing_stats_period_s": 0.5,
         **config,
     }
-    serve.run(build_app(full), name=name, route_prefix=route_prefix, blocking=False)
+    # as `kvmesh serve` deploys: a replica the test cluster has no room for fails the test within a
+    # minute, naming what it needs, instead of serve.run waiting until the test's timeout
     url = live_app.url + route_prefix
     try:
+        deploy_or_explain(build_app(full), full)
         with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
             deadline = time.monotonic() + timeout_s
             want = initial_engine_replicas(app_config(full))

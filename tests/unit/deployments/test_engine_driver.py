@@ -174,9 +174,9 @@ class _LookupWaitEngine(_FakeLLMEngine):
 
 def test_a_request_waiting_on_its_connector_is_polled_not_spun():
     """While a request's lookup is unanswered the engine steps at a bounded rate (a step per wait doubling
-    up to DRAIN_POLL_S), and only the step that served it is counted; stepping without pause ran ~10^5
-    empty steps in the same 0.3 s and held the GIL the connector needs to receive its answer."""
-    from kvmesh.deployments.engine_driver import DRAIN_POLL_S
+    up to STALL_MAX_WAIT_S), and only the step that served it is counted; stepping without pause ran
+    ~10^5 empty steps in the same 0.3 s and held the GIL the connector needs to receive its answer."""
+    from kvmesh.deployments.engine_driver import STALL_MAX_WAIT_S
 
     engine = _LookupWaitEngine(lookup_s=0.3)
     d = _inproc(engine)
@@ -187,7 +187,7 @@ def test_a_request_waiting_on_its_connector_is_polled_not_spun():
 
     try:
         assert asyncio.run(asyncio.wait_for(go(), 5)) == [True]
-        assert engine.calls <= 2 * 0.3 / DRAIN_POLL_S + 20, engine.calls
+        assert engine.calls <= 2 * 0.3 / STALL_MAX_WAIT_S + 20, engine.calls
         assert d.steps == 1
     finally:
         d._ops.put(("stop",))
