@@ -30,10 +30,10 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
         "routing_stats_period_s": 0.5,
         **config,
     }
-    # as `kvmesh serve` deploys: a replica the test cluster has no room for fails the test within a
-    # minute, naming what it needs, instead of serve.run waiting until the test's timeout
     url = live_app.url + route_prefix
     try:
+        # as `kvmesh serve` deploys: a replica the test cluster has no room for fails the test within a
+        # minute, naming what it needs, instead of serve.run waiting until the test's timeout
         deploy_or_explain(build_app(full), full)
         with httpx.Client(base_url=url, headers=live_app.headers, timeout=60) as c:
             deadline = time.monotonic() + timeout_s
