@@ -192,7 +192,7 @@ class InprocDriver:
     external_hit_tokens = 0  # prompt tokens loaded through the KV connector (LMCache), summed over requests
     _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
     _steps = 0
-    _sched: Any = None  # vLLM's scheduler, read only with a KV connector (see _connector_pending, _awaiting_connector)
+    _sched: Any = None  # vLLM's scheduler, read only with a KV connector (see _ask_scheduler)
 
     def __init__(self, engine_args, fail_step_after: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -264,25 +264,23 @@ class InprocDriver:
         (LMCache) stores their blocks: only later steps collect the finished stores and free the blocks.
         vLLM's own engine loop keeps stepping for them; so does this one. False if the scheduler cannot
         be read (the engine then goes idle as before, and the next request's steps free the blocks)."""
-        if self._sched is None:
-            return False
-        try:
-            return bool(self._sched.has_requests())
-        except Exception:
-            log.exception("cannot ask vLLM's scheduler for finished requests; not waiting for them")
-            self._sched = None
-            return False
+        return self._ask_scheduler(lambda sched: sched.has_requests(), "finished requests; not waiting for them")
 
     def _awaiting_connector(self) -> bool:
         """Whether nothing is running while requests are unfinished: each waits on the KV connector (a
         lookup it has not answered, or a load between steps), so stepping again at once would compute
         nothing. False without a connector, or if the scheduler cannot be read."""
+        return self._ask_scheduler(lambda sched: not sched.running, "running requests; stepping without pause")
+
+    def _ask_scheduler(self, question: Callable[[Any], Any], failing: str) -> bool:
+        """`question(vLLM's scheduler)`, or False without a KV connector. The scheduler is vLLM's internals:
+        if reading it fails, this is logged once and every later question answers False."""
         if self._sched is None:
             return False
         try:
-            return not self._sched.running
+            return bool(question(self._sched))
         except Exception:
-            log.exception("cannot read vLLM's running requests; stepping without pause")
+            log.exception("cannot ask vLLM's scheduler for %s", failing)
             self._sched = None
             return False
 
