@@ -7,7 +7,8 @@ spends. This replays one workload-family draw (the live robustness sweep's setti
 32, the draw's concurrency, token prompts, streaming, 16 output tokens) through each setup and sums the
 CPU time of this process and every descendant between the first request and the last answer, grouped by
 role (engine replicas, ingress replicas, Serve's controller and proxy, HAProxy, Ray's daemons; the bare
-servers and the peer router). Run it with nothing else on the machine:
+servers and the peer router); the engine and ingress replicas also by thread (kvmesh-step: vLLM's own
+work in an engine replica). Run it with nothing else on the machine:
 
     .venv/bin/python -m kvmesh.benchmarks.cpu_split [--seed 2005] [--setups kvmesh,peer]
 
@@ -20,6 +21,7 @@ import argparse
 import collections
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -69,6 +71,39 @@ def cpu_by_pid(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return out
 
 
+# roles whose CPU is also split by thread: kvmesh names its own threads in the OS (`cluster/thread_names.py`:
+# kvmesh-step is vLLM's work in an engine replica); a Ray worker's other Python threads, Serve's event loop
+# among them, show as `ray::IDLE`. A bare vLLM server's engine core names its main thread (VLLM::EngineCor),
+# the API server process runs as `python`.
+THREAD_SPLIT_ROLES = ("engine replicas", "ingress replicas", "bare vLLM servers")
+
+
+def thread_cpu(pid: int, label: str) -> dict[tuple[int, int], tuple[str, float]]:
+    """("`label`: OS thread name", user + system CPU seconds so far) per thread of process `pid`, keyed by
+    (pid, thread id); {} once the process is gone."""
+    try:
+        threads = psutil.Process(pid).threads()
+    except psutil.Error:
+        return {}
+    out = {}
+    for t in threads:
+        try:
+            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:  # the thread ended, or no /proc here
+            continue
+        out[(pid, t.id)] = (f"{label}: {name}", t.user_time + t.system_time)
+    return out
+
+
+def threads_of(snapshot: dict[int, tuple[str, float]]) -> dict:
+    """`thread_cpu` of every process in a `cpu_by_pid` snapshot whose role is split by thread."""
+    out: dict = {}
+    for pid, (label, _) in snapshot.items():
+        if label in THREAD_SPLIT_ROLES:
+            out.update(thread_cpu(pid, label))
+    return out
+
+
 def cpu_between(before: dict, after: dict) -> dict[str, float]:
     """CPU seconds per role spent between two `cpu_by_pid` snapshots (a process started in between counts
     from zero)."""
@@ -80,10 +115,12 @@ def cpu_between(before: dict, after: dict) -> dict[str, float]:
 
 def _measured(send: Callable[[], dict]) -> dict:
     me = psutil.Process()
-    before, t0 = cpu_by_pid(me), time.perf_counter()
+    before = cpu_by_pid(me)
+    threads_before, t0 = threads_of(before), time.perf_counter()
     summary = send()
     after, wall = cpu_by_pid(me), time.perf_counter() - t0
-    return {"summary": summary, "wall_s": wall, "cpu_s": cpu_between(before, after)}
+    threads = cpu_between(threads_before, threads_of(after))
+    return {"summary": summary, "wall_s": wall, "cpu_s": cpu_between(before, after), "thread_cpu_s": threads}
 
 
 def run_kvmesh(recs: list[dict], d, replicas: int, tier: bool = False) -> dict:
@@ -132,10 +169,23 @@ def format_run(name: str, res: dict, requests: int) -> str:
         f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; CPU {total:.1f} s ({total / res['wall_s']:.2f} cores), "
         f"{1e3 * total / requests:.0f} ms per request"
     ]
+    threads = res.get("thread_cpu_s", {})
     for label, t in sorted(cpu.items(), key=lambda kv: -kv[1]):
         if t >= 0.005 * total:
             lines.append(f"  {t:6.2f} s  {100 * t / total:5.1f}%  {1e3 * t / requests:5.1f} ms/request  {label}")
+            split = by_thread(threads, label)
+            if split:
+                shares = ", ".join(f"{n} {1e3 * v / requests:.1f}" for n, v in split)
+                lines.append(f"      by thread, ms/request: {shares}")
     return "\n".join(lines)
+
+
+def by_thread(threads: dict[str, float], role: str, share: float = 0.02) -> list[tuple[str, float]]:
+    """The threads of `role` (`thread_cpu_s` keys "role: name") that spent at least `share` of the role's
+    thread CPU, largest first, as (thread name, seconds)."""
+    mine = {k.split(": ", 1)[1]: v for k, v in threads.items() if k.startswith(role + ": ")}
+    total = sum(mine.values())
+    return sorted(((n, v) for n, v in mine.items() if v >= share * total and v > 0), key=lambda kv: -kv[1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import msgpack
 
 from kvmesh.cluster.kv_events import _ARRAY_FIELDS, END_SEQ, DecodeError, decode_frames, unpack_batch
 from kvmesh.cluster.secure_channel import ChannelKeys, ChannelServer
+from kvmesh.cluster.thread_names import name_this_thread
 
 log = logging.getLogger("ray.serve.kvmesh")
 
@@ -103,6 +104,7 @@ class EventRelay:
     def _run(self) -> None:
         import zmq
 
+        name_this_thread("kvmesh-relay")
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._replay, zmq.POLLIN)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.deployments.config import engine_dtype
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
@@ -222,6 +223,7 @@ class InprocDriver:
 
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        name_this_thread("kvmesh-step")
         stall_wait = 0.0  # how long to wait for an op before the next step while the connector is awaited
         while not self._stop:
             live = self._broken is None and self.engine.has_unfinished_requests()

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 from kvmesh.kvstore.lmcache_server import LMCacheServer
 from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config
@@ -60,6 +61,7 @@ class NodeServerCore:
 
     def _watch(self) -> None:
         """Restart the server when it died or when its shared tier came back (see LMCacheServer.supervise)."""
+        name_this_thread("kvmesh-lmc-watch")
         while not self._stop.wait(self.config.watch_interval_s):
             try:
                 self.last_supervise = self.server.supervise()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 
@@ -45,3 +47,41 @@ def test_unknown_setups_are_one_line_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         cpu_split.main(["--setups", "kvmesh,sglang"])
     assert e.value.code == 2 and "sglang" in capsys.readouterr().err
+
+
+def test_a_thread_kvmesh_names_is_split_out_of_its_role():
+    """The thread naming and the split together: a named thread's CPU shows under its own name."""
+    import threading
+
+    from kvmesh.cluster.thread_names import name_this_thread
+
+    me = psutil.Process().pid
+    stop = threading.Event()
+    named = threading.Event()
+
+    def spin() -> None:
+        assert name_this_thread("kvmesh-test-spin-long-name")  # longer than the OS keeps
+        named.set()
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        named.wait(5)
+        before = cpu_split.thread_cpu(me, "engine replicas")
+        time.sleep(0.3)
+        after = cpu_split.thread_cpu(me, "engine replicas")
+    finally:
+        stop.set()
+        t.join()
+    split = dict(cpu_split.by_thread(cpu_split.cpu_between(before, after), "engine replicas"))
+    assert "kvmesh-test-spi" in split  # the first 15 bytes
+    assert split["kvmesh-test-spi"] >= 0.5 * max(split.values())
+
+
+def test_the_thread_split_keeps_a_roles_own_threads_and_drops_small_ones():
+    threads = {"engine replicas: kvmesh-step": 8.0, "engine replicas: ray::IDLE": 1.0, "engine replicas: tiny": 0.1}
+    threads["ingress replicas: ray::IDLE"] = 5.0
+    assert cpu_split.by_thread(threads, "engine replicas") == [("kvmesh-step", 8.0), ("ray::IDLE", 1.0)]
+    assert cpu_split.by_thread(threads, "Serve controller") == []

@@ -164,6 +164,9 @@ class _LookupWaitEngine(_FakeLLMEngine):
         super().add_request(rid, prompt, params)
         self.added_at[rid] = time.monotonic()
 
+    def has_requests(self) -> bool:  # the scheduler's: what the driver asks an idle engine
+        return bool(self.left)
+
     def step(self):
         self.calls += 1
         ready = [rid for rid in self.left if time.monotonic() - self.added_at[rid] >= self.lookup_s]
@@ -189,6 +192,20 @@ def test_a_request_waiting_on_its_connector_is_polled_not_spun():
         assert asyncio.run(asyncio.wait_for(go(), 5)) == [True]
         assert engine.calls <= 2 * 0.3 / STALL_MAX_WAIT_S + 20, engine.calls
         assert d.steps == 1
+    finally:
+        d._ops.put(("stop",))
+        d._thread.join(timeout=5)
+
+
+def test_the_step_thread_is_named_in_the_os():
+    """`top -H` and the CPU split tell vLLM's work in a replica by this name, not the Ray worker's title."""
+    from pathlib import Path
+
+    d = _inproc(_FakeLLMEngine(steps=1))
+    try:
+        assert asyncio.run(asyncio.wait_for(d.call(lambda engine: 1), 5)) == 1  # the thread is running
+        comm = Path(f"/proc/self/task/{d._thread.native_id}/comm").read_text().strip()
+        assert comm == "kvmesh-step"
     finally:
         d._ops.put(("stop",))
         d._thread.join(timeout=5)

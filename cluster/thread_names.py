@@ -1,0 +1,23 @@
+"""OS-level names for the threads kvmesh starts, so per-thread CPU can be told apart from outside.
+
+Why: Python 3.11 names a thread for Python only. Inside a Ray worker every Python thread carries the
+name its process had when the thread began (`ray::IDLE`), so `top -H`, `/proc/<pid>/task/*/comm` and
+`benchmarks/cpu_split.py` cannot tell an engine replica's vLLM step thread from Serve's event loop.
+Linux keeps the first 15 bytes of a name; elsewhere naming is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_PR_SET_NAME = 15
+OS_NAME_BYTES = 15
+
+
+def name_this_thread(name: str) -> bool:
+    """Name the calling thread `name` (cut to 15 bytes) in the OS; False where that is not possible."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
