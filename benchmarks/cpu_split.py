@@ -7,8 +7,8 @@ spends. This replays one workload-family draw (the live robustness sweep's setti
 32, the draw's concurrency, token prompts, streaming, 16 output tokens) through each setup and sums the
 CPU time of this process and every descendant between the first request and the last answer, grouped by
 role (engine replicas, ingress replicas, Serve's controller and proxy, HAProxy, Ray's daemons; the bare
-servers and the peer router); the engine and ingress replicas also by thread (kvmesh-step: vLLM's own
-work in an engine replica). Run it with nothing else on the machine:
+servers and the peer router); the engine replicas, the ingress replicas and the bare servers also by
+thread (kvmesh-step: vLLM's own work in an engine replica). Run it with nothing else on the machine:
 
     .venv/bin/python -m kvmesh.benchmarks.cpu_split [--seed 2005] [--setups kvmesh,peer]
 

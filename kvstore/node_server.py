@@ -61,7 +61,7 @@ class NodeServerCore:
 
     def _watch(self) -> None:
         """Restart the server when it died or when its shared tier came back (see LMCacheServer.supervise)."""
-        name_this_thread("kvmesh-lmc-watch")
+        name_this_thread("kvmesh-watchdog")
         while not self._stop.wait(self.config.watch_interval_s):
             try:
                 self.last_supervise = self.server.supervise()

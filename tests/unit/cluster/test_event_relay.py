@@ -206,3 +206,11 @@ def test_subscriber_catches_up_through_the_relays_replay_and_clears_on_a_batch_i
             await sub.close()
 
     asyncio.run(scenario())
+
+
+def test_the_relays_thread_is_named_in_the_os(relay):
+    """`top -H` on an engine replica tells the relay's CPU from vLLM's step thread and Serve's loop."""
+    from pathlib import Path
+
+    _, r = relay
+    assert Path(f"/proc/self/task/{r._thread.native_id}/comm").read_text().strip() == "kvmesh-relay"
