@@ -72,9 +72,9 @@ def cpu_by_pid(root: psutil.Process) -> dict[int, tuple[str, float]]:
 
 
 # roles whose CPU is also split by thread: kvmesh names its own threads in the OS (`cluster/thread_names.py`:
-# kvmesh-step is vLLM's work in an engine replica); a Ray worker's other Python threads, Serve's event loop
-# among them, show as `ray::IDLE`. A bare vLLM server's engine core names its main thread (VLLM::EngineCor),
-# the API server process runs as `python`.
+# kvmesh-step is vLLM's work in an engine replica, kvmesh-loop the replica's event loop running kvmesh's
+# handlers); a Ray worker's other Python threads (Ray's, a KV connector's) show as `ray::IDLE`. A bare vLLM
+# server's engine core names its main thread (VLLM::EngineCor), the API server process runs as `python`.
 THREAD_SPLIT_ROLES = ("engine replicas", "ingress replicas", "bare vLLM servers")
 
 

@@ -9,6 +9,7 @@ Linux keeps the first 15 bytes of a name; elsewhere naming is a no-op.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 _PR_SET_NAME = 15
 OS_NAME_BYTES = 15
@@ -21,3 +22,16 @@ def name_this_thread(name: str) -> bool:
         return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+LOOP_THREAD = "kvmesh-loop"
+_named_loop_threads: set[int] = set()
+
+
+def name_loop_thread() -> None:
+    """Name the calling thread `kvmesh-loop`, once per thread. Called from request handlers: the thread
+    is a Serve replica's event loop, which Serve starts and kvmesh can only name from inside it."""
+    tid = threading.get_native_id()
+    if tid not in _named_loop_threads:
+        _named_loop_threads.add(tid)
+        name_this_thread(LOOP_THREAD)

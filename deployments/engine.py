@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
 from kvmesh.deployments.engine_driver import EngineBroken
 
@@ -197,6 +198,7 @@ class EngineReplica:
         return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
+        name_loop_thread()
         prompt: dict[str, Any] = {"prompt_token_ids": list(request["prompt_token_ids"])}
         if request.get("cache_salt"):
             prompt["cache_salt"] = request["cache_salt"]

@@ -29,6 +29,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
+from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
@@ -259,6 +260,7 @@ class Ingress:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
+        name_loop_thread()
         try:
             tenant = self._auth(request)
             body = proto.parse_json(await request.body())
