@@ -21,9 +21,10 @@ import argparse
 import collections
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import psutil
+
+from kvmesh.cluster.thread_names import os_thread_name
 
 ROLES = (  # first match wins: vLLM's own "EngineCore" before kvmesh's "Engine" deployment
     ("kvmesh.kvstore.lmcache_main", "LMCache server"),
@@ -87,11 +88,9 @@ def thread_cpu(pid: int, label: str) -> dict[tuple[int, int], tuple[str, float]]
         return {}
     out = {}
     for t in threads:
-        try:
-            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
-        except OSError:  # the thread ended, or no /proc here
-            continue
-        out[(pid, t.id)] = (f"{label}: {name}", t.user_time + t.system_time)
+        name = os_thread_name(t.id, pid)
+        if name is not None:  # None: the thread ended, or no /proc here
+            out[(pid, t.id)] = (f"{label}: {name}", t.user_time + t.system_time)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from pathlib import Path
 
 _PR_SET_NAME = 15
 OS_NAME_BYTES = 15
@@ -22,6 +23,15 @@ def name_this_thread(name: str) -> bool:
         return libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:OS_NAME_BYTES]), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def os_thread_name(thread_id: int, pid: int | str = "self") -> str | None:
+    """The OS name of thread `thread_id` (a native id) of process `pid`; None once it has ended, or
+    without /proc."""
+    try:
+        return Path(f"/proc/{pid}/task/{thread_id}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 LOOP_THREAD = "kvmesh-loop"

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 from kvmesh.cluster import thread_names
-
-
-def _os_name(native_id: int) -> str:
-    return Path(f"/proc/self/task/{native_id}/comm").read_text().strip()
 
 
 def test_a_name_is_cut_to_what_linux_keeps():
@@ -17,7 +12,7 @@ def test_a_name_is_cut_to_what_linux_keeps():
 
     def run() -> None:
         got["ok"] = thread_names.name_this_thread("kvmesh-a-very-long-thread-name")
-        got["name"] = _os_name(threading.get_native_id())
+        got["name"] = thread_names.os_thread_name(threading.get_native_id())
 
     t = threading.Thread(target=run)
     t.start()
@@ -32,12 +27,17 @@ def test_a_handlers_thread_is_named_once_and_keeps_a_later_name():
 
     def run() -> None:
         thread_names.name_loop_thread()
-        got["first"] = _os_name(threading.get_native_id())
+        got["first"] = thread_names.os_thread_name(threading.get_native_id())
         thread_names.name_this_thread("renamed")
         thread_names.name_loop_thread()
-        got["later"] = _os_name(threading.get_native_id())
+        got["later"] = thread_names.os_thread_name(threading.get_native_id())
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
     assert got == {"first": "kvmesh-loop", "later": "renamed"}
+
+
+def test_a_thread_that_is_not_there_has_no_name():
+    assert thread_names.os_thread_name(threading.get_native_id()) is not None
+    assert thread_names.os_thread_name(2**31 - 1) is None  # above any pid_max

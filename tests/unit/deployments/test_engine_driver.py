@@ -199,13 +199,12 @@ def test_a_request_waiting_on_its_connector_is_polled_not_spun():
 
 def test_the_step_thread_is_named_in_the_os():
     """`top -H` and the CPU split tell vLLM's work in a replica by this name, not the Ray worker's title."""
-    from pathlib import Path
+    from kvmesh.cluster.thread_names import os_thread_name
 
     d = _inproc(_FakeLLMEngine(steps=1))
     try:
         assert asyncio.run(asyncio.wait_for(d.call(lambda engine: 1), 5)) == 1  # the thread is running
-        comm = Path(f"/proc/self/task/{d._thread.native_id}/comm").read_text().strip()
-        assert comm == "kvmesh-step"
+        assert os_thread_name(d._thread.native_id) == "kvmesh-step"
     finally:
         d._ops.put(("stop",))
         d._thread.join(timeout=5)
