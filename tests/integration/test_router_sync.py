@@ -59,7 +59,7 @@ def _tenants_file(tmp_path) -> tuple[str, str, str]:
 def _concurrency_across_fronts(url: str, key: str, requests: int = 8) -> list[tuple[int, float, float]]:
     """Open `requests` long streams one after another, 0.15 s apart, each on its own connection (HAProxy's
     leastconn sends them to alternate ingress replicas), and read each to its end. Returns (HTTP status,
-    when it was answered, when its stream ended) per request, in the order sent."""
+    when it was answered, when its [DONE] arrived) per request, in the order sent."""
     results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * requests
     answered = threading.Semaphore(0)
 
@@ -69,9 +69,14 @@ def _concurrency_across_fronts(url: str, key: str, requests: int = 8) -> list[tu
         with httpx.Client(timeout=180) as c, c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             at = time.monotonic()
             answered.release()
-            for _ in r.iter_bytes():
-                pass
-            results[i] = (r.status_code, at, time.monotonic())
+            done = None
+            for chunk in r.iter_bytes():
+                if done is None and b"[DONE]" in chunk:
+                    # the ingress frees the request's slot right after writing [DONE], before it closes
+                    # the stream: the connection's end reaches this client milliseconds after the slot
+                    # may already be another request's
+                    done = time.monotonic()
+            results[i] = (r.status_code, at, done or time.monotonic())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(requests)]
     for t in threads:
