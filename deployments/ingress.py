@@ -19,12 +19,14 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -135,6 +137,22 @@ def _tier_report() -> dict | None:
     return tier_report(status) if status else None
 
 
+class _ClosingStream(StreamingResponse):
+    """A streamed answer that runs `on_close` however it ends. The body generator's own `finally` runs only
+    once the body has started; Serve cancels a request whose client went away at any point, sending the
+    response headers included, and the tenant's admission slot must come back then too."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(fastapi_app)
 class Ingress:
@@ -199,7 +217,10 @@ class Ingress:
                 )
             return req.prompt_ids
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+            except (TemplateError, ValueError) as exc:  # the template's raise_exception, or a model without one
+                raise proto.bad(f"The model's chat template refused these messages: {exc}"[:500], "messages") from None
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -297,6 +318,7 @@ class Ingress:
                 self.admission.release(ticket)
 
         t_call = time.perf_counter()
+        stream: MigratingStream | None = None
         try:
             if req.stream:  # survives replica deaths: routed again, or continued elsewhere mid-stream
                 stream = self._migrating_stream(engine_req)
@@ -313,6 +335,7 @@ class Ingress:
                 ttft = (t_call - t0) + (first.get("ttft_s") or 0.0)
         except StopAsyncIteration:
             release()
+            self.serving_metrics.record_error(500)
             return _error_response(RuntimeError("engine returned nothing"))
         except Exception as exc:
             release()
@@ -321,6 +344,11 @@ class Ingress:
                 log.exception("engine call failed")
             self.serving_metrics.record_error(err.status if err else 500)
             return _error_response(err or exc)
+        except BaseException:  # cancelled: Serve cancels the handler when the client goes away or times out
+            if stream is not None:
+                stream.cancel()
+            release()
+            raise
         # where a request's time goes (GET /metrics): the engine call holds the routing decision, the handle
         # hop and the engine's own time to its first output (reported by unary calls)
         self._record_call_stages(t0, t_call, first.get("ttft_s"))
@@ -355,12 +383,22 @@ class Ingress:
             self.serving_metrics.record_stage("handler", time.perf_counter() - t0)
             return response
 
+        assert stream is not None  # a streaming request's first chunk came from it
+        live = stream
+        answered = False  # the whole answer went out: nothing left to cancel
+
+        def close() -> None:
+            """Cancel the engine stream unless answered whole, and free the tenant's slot; idempotent."""
+            if not answered:
+                live.cancel()
+            release()
+
         async def events() -> AsyncIterator[bytes]:
             # the last chunk, the usage chunk and [DONE] are all at hand together: one write, not three
             # (each body write passes Serve's and Starlette's send wrappers and is a socket write)
             ntok = 0
             cached = first["num_cached_tokens"]
-            completed = False
+            nonlocal answered
             tail = b""
             try:
                 is_first = True
@@ -379,16 +417,16 @@ class Ingress:
                     if event:
                         yield event
                     try:
-                        chunk = await stream.__anext__()
+                        chunk = await live.__anext__()
                     except StopAsyncIteration:
                         break
                 u = finish(ntok, cached)
-                completed = True
+                answered = True
                 if req.include_usage:
                     tail += proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
                 yield tail + proto.sse("[DONE]")
             except asyncio.CancelledError:  # client went away
-                stream.cancel()
+                live.cancel()
                 raise
             except Exception as exc:
                 log.exception("engine stream failed mid-response")
@@ -397,11 +435,9 @@ class Ingress:
                 body = err.body() if err else proto.openai_error(500, "engine failed", "internal_error", "server_error")
                 yield tail + proto.sse({"error": body["error"]})  # the last chunk, if it came, goes first
             finally:
-                if not completed:
-                    stream.cancel()
-                release()
+                close()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return _ClosingStream(events(), close, media_type="text/event-stream", headers=headers)
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):

@@ -9,6 +9,7 @@ ones that would let a client choose its cache salt (rejected by `kvmesh.deployme
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False, 
     v = body.get(name, default)
     if v is None:
         return default
+    if isinstance(v, float) and not math.isfinite(v):  # JSON's 1e400, and Python's NaN/Infinity extension
+        raise bad(f"'{name}' must be a finite number, got {v}.", name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and int(v) != v):
         raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}.", name, "invalid_type")
     if not lo <= v <= hi:
