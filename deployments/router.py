@@ -287,6 +287,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._subscribed.discard(rid)
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
         if not self.index.has_replica(rid):
+            for p in self._policies.values():  # nothing is credited to a forgotten replica; this makes sure
+                p.on_replica_removed(rid)
             return
         node = self.index.node_of(rid)
         self.index.remove_replica(rid)
@@ -523,7 +525,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         hold ends: until it is sent, its replica does not have its prefix, and a request sent there
         meanwhile on the strength of that prefix would compute it."""
         routing.replica = rid
-        routing.policy.on_routed(routing.info, rid, routing.views.get(rid))
+        if self.index.has_replica(rid):  # not one forgotten since it was ranked: the policy would keep it for good
+            routing.policy.on_routed(routing.info, rid, routing.views.get(rid))
         routing.fresh = []
         if announce:
             self._announce(routing)

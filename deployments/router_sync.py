@@ -224,9 +224,9 @@ class PeerPlacements:
             if len(msg) > 10:  # stamped by the peer when it placed the request
                 free = bool(msg[11]) if len(msg) > 11 else True
                 self.unseen.heard(float(msg[10]), self.clock(), placed.uncached, free)
-            for policy in self.policies():
-                policy.on_routed(info, replica, view)
-            if replica in self.index.replicas():
+            if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
+                for policy in self.policies():
+                    policy.on_routed(info, replica, view)
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
             self.placements[key] = placed
             self._count_tenant(key, info, +1)

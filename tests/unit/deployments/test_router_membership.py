@@ -139,3 +139,22 @@ def test_the_app_waits_for_the_engines_it_starts_with():
     assert initial_engine_replicas({"replicas": 3, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}) == 1
     auto = {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4}
     assert initial_engine_replicas({"replicas": 3, "autoscaling": auto}) == 2
+
+
+def test_a_request_placed_on_a_replica_forgotten_since_it_was_ranked_leaves_it_forgotten():
+    """Serve may still send a request to a replica the router forgot after ranking it (the ingress saw it
+    fail; autoscaling removed it during a hold): the policy must not get its slot back, since nothing
+    would remove it again."""
+
+    async def run():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "warm"))
+        p = fake_request(list(range(500, 800)), "p")
+        second = (await router.choose_replicas([a, b], p))[1][0]
+        router.replica_failed(second.replica_id.unique_id)
+        router._routed(p, second.replica_id)  # Serve's placement, the first choice being full
+        assert sorted(router.policy.recent_work()) == sorted(router.index.replicas())
+        assert second.replica_id.unique_id not in router.policy.recent_work()
+
+    asyncio.run(run())

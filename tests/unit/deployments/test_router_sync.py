@@ -268,3 +268,23 @@ def test_a_prompt_another_router_placed_counts_as_computed_in_this_routers_miss_
     before, after = asyncio.run(scenario())
     assert before == 0  # q1 had been placed, not computed, when q2 was
     assert after == 8
+
+
+def test_a_late_peer_placement_on_a_replica_this_router_forgot_does_not_bring_it_back():
+    """Routers hear of a removed replica at different moments: a peer's placement on it that arrives after
+    this router forgot it must not give the policy a slot no later removal would clear (a slot that counts
+    in the guard's fleet mean for the life of the process)."""
+
+    async def run():
+        a, b = make_router("A"), make_router("B")
+        for r in (a, b):
+            await r.choose_replicas(REPLICAS, fake_request([1, 2, 3], f"warm-{r.sync.router_id}"))
+            r.sync.sent.clear()
+        target = _first(await a.choose_replicas(REPLICAS, fake_request(list(range(5000, 5320)), "late")))
+        b._forget(target)
+        assert target not in b.policy.recent_work()
+        relay(a, b)  # A had not heard yet
+        assert target not in b.policy.recent_work()
+        assert sorted(b.policy.recent_work()) == sorted(b.index.replicas())
+
+    asyncio.run(run())
