@@ -180,6 +180,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
+        # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
+        # as the cancelled call's completion before the retry is ranked
+        self._completed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.decisions = 0
         self.decision_s = 0.0
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
@@ -473,6 +476,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._loop = asyncio.get_running_loop()
         if internal in self._inflight:  # Serve routes it again: the replica it was placed on rejected it
             self._retried(pending_request)
+        elif internal in self._completed:  # the same, the rejected call's completion having come first
+            self._retried_after_completion(internal)
         earlier = self._routing.pop(internal, None)
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
@@ -586,6 +591,15 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 self._by_request_id.pop(earlier.info.request_id, None)
             self._withdraw(earlier.routing)
 
+    def _retried_after_completion(self, internal: str) -> None:
+        """`_retried` for a request whose rejected call Serve reported complete first: it waits among the
+        unconfirmed, and its placement's credit and speculative blocks are taken back from there."""
+        request_id = self._completed.pop(internal)
+        earlier = self._unconfirmed.pop(request_id, None)
+        if earlier is not None:
+            earlier.release()
+            self._withdraw(earlier.routing)
+
     def _policy_for(self, req: dict):
         """The request's policy: the default, or the one the ingress set for its tenant (`policy`)."""
         name = req.get("policy")
@@ -659,9 +673,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
         # A unary request's first token reaches the router after its completion (the ingress learns of it
         # from the whole response), so requests waiting for its prefix are released by the confirmation (or
         # their timeout), not here: released now, they would not count the prefix it stored.
-        st = self._inflight.pop(internal_request_id, None)
-        if st is None:
-            return
+        st = self._inflight.get(internal_request_id)
+        if st is None or st.replica != replica_id.unique_id:  # not an earlier attempt's, rejected by its replica
+            return  # (Serve cancels that call and may say so after the retry was placed elsewhere)
+        del self._inflight[internal_request_id]
         self._publish("done", st.info.request_id, st.replica)
         if st.info.request_id:
             self._by_request_id.pop(st.info.request_id, None)
@@ -669,8 +684,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._record_prefill(st)
         elif st.info.request_id:  # its first token may still be on its way from the ingress
             self._unconfirmed[st.info.request_id] = st
+            self._completed[internal_request_id] = st.info.request_id
             while len(self._unconfirmed) > 1024:  # failed or cancelled before a token: never confirmed
                 self._unconfirmed.popitem(last=False)[1].release()
+            while len(self._completed) > 1024:
+                self._completed.popitem(last=False)
         else:
             st.release()
 

@@ -197,6 +197,56 @@ def test_router_takes_back_a_placement_the_replica_rejected(monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_rejected_calls_completion_that_comes_before_the_retry_still_takes_the_placement_back(monkeypatch):
+    """Serve cancels the call a replica rejected and reports its completion on the router's loop, where it may
+    land before the retry is ranked: the rejected placement's credit and speculative blocks go all the same."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        idle = dict(router.policy.recent_work())
+        pending = fake_request(list(range(500, 800)), "q")
+        first = (await router.choose_replicas([a, b], pending))[0][0]
+        router._routed(pending, first.replica_id)
+        router.on_request_completed(first.replica_id, "i-q")  # the rejected call, cancelled by Serve
+        await router.choose_replicas([a, b], pending)  # the retry
+        second = b if first is a else a  # the rejecting replica is full: Serve sends the retry to the other
+        router._routed(pending, second.replica_id)
+        added = {r: router.policy.recent_work()[r] - idle[r] for r in idle}
+        assert added[first.replica_id.unique_id] == pytest.approx(0.0)
+        assert added[second.replica_id.unique_id] > 0
+        assert router.index.held_blocks(first.replica_id.unique_id) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_rejected_calls_completion_that_comes_after_the_retry_leaves_the_retry_counted(monkeypatch):
+    """The same completion landing after the retry was placed elsewhere belongs to the earlier attempt: the
+    request still runs on its new replica, which must keep counting it (queued, pending prefill)."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        pending = fake_request(list(range(500, 800)), "q")
+        first = (await router.choose_replicas([a, b], pending))[0][0]
+        router._routed(pending, first.replica_id)
+        await router.choose_replicas([a, b], pending)  # the retry, after the replica rejected it
+        second = b if first is a else a
+        router._routed(pending, second.replica_id)
+        router.on_request_completed(first.replica_id, "i-q")  # the rejected call's completion, late
+        assert router._inflight["i-q"].replica == second.replica_id.unique_id
+        views = {v.replica_id: v for v in router._views([a, b], {})}
+        assert views[second.replica_id.unique_id].pending_prefill_tokens > 0
+        router.on_request_completed(second.replica_id, "i-q")
+        assert "i-q" not in router._inflight
+
+    asyncio.run(scenario())
+
+
 def test_router_learns_placement_and_cancellation_from_the_requests_future(monkeypatch):
     """Serve resolves PendingRequest.future with the replica it chose, or cancels it when the caller
     goes away: the router books the placement from it, or takes its commitment back; a retried request
