@@ -187,7 +187,10 @@ class Admission:
         if self.peers is None:
             return 0
         state.peers_cursor, placed = self.peers.since(tenant_id, state.peers_cursor)
+        horizon = self._clock() - self.peers.window_s  # the log keeps older entries until it is trimmed
         for at, tokens in placed:
+            if at < horizon:  # before a new bucket's start: charged there at its start, it would refill nothing
+                continue
             if state.requests is not None:
                 state.requests.take_at(1, at)
             if state.tokens is not None:

@@ -123,6 +123,19 @@ def test_a_replica_that_meets_a_tenant_late_knows_what_the_fleet_spent_recently(
     assert fleet.send(1, tenant) is None
 
 
+def test_a_replica_that_meets_a_tenant_late_does_not_charge_what_the_fleet_spent_before_the_window():
+    """The peers' usage log keeps entries older than its window until it is trimmed: replayed into a new
+    bucket (which starts one window ago), an hour of light use would be charged at once."""
+    now = [0.0]
+    tenant = _tenant(requests_per_s=0.1, tokens_per_min=60_000)
+    fleet = Fleet(2, clock=lambda: now[0])
+    for minute in range(60):  # one 2000-token request a minute through replica 0: a tenth of its limits
+        now[0] = minute * 60.0
+        assert fleet.send(0, tenant, prompt_tokens=2000)
+    now[0] = 3600.0 + 30  # replica 1 meets the tenant; a fleet-wide bucket is full again
+    assert fleet.send(1, tenant, prompt_tokens=2000)
+
+
 def test_peers_usage_is_charged_when_it_was_heard_not_when_this_replica_looks():
     now = [0.0]
     tenant = _tenant(requests_per_s=1, burst_requests=3)
