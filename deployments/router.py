@@ -225,6 +225,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         except Exception:  # not in a Serve replica (tests): one registry per process is enough
             app = "local"
         self.sync = RouterSync(app, self.peers)
+        self.sync.own_requests = lambda: [st.info.request_id for st in self._inflight.values() if st.info.request_id]
         try:
             self.sync.start()
         except Exception:

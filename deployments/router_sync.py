@@ -34,6 +34,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,8 @@ log = logging.getLogger("ray.serve.kvmesh")
 
 REGISTRY_NAMESPACE = "kvmesh"
 PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this long ago is gone
-PLACEMENT_TTL_S = 120.0  # a peer placement never closed (lost message, peer died) stops counting after this
+PLACEMENT_TTL_S = 120.0  # a peer placement not heard of for this long (lost `done`, peer died) stops counting
+LIVE_EVERY_S = PLACEMENT_TTL_S / 4  # how often a router names its requests still in flight (`live`)
 UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured over this much recent time
 
 
@@ -64,6 +66,7 @@ class PeerPlacement(HoldSource):
     fresh: list[int] = field(default_factory=list)  # blocks speculated here for it
     started: bool = False
     at: float = field(default_factory=time.monotonic)
+    seen: float = field(default_factory=time.monotonic)  # last heard of as in flight (`expire`)
     view: ReplicaView | None = None
     predict: Any = None
 
@@ -181,6 +184,7 @@ class PeerPlacements:
         self._counted: OrderedDict[tuple[str, str], None] = OrderedDict()  # requests already logged there
         self.applied = 0
         self.clock = clock
+        self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
         self.unseen = UnseenPlacements()
 
     def _count_tenant(self, key: tuple[str, str], info: RequestInfo, delta: int) -> None:
@@ -219,7 +223,12 @@ class PeerPlacements:
             hbm, host, shared = (int(x) for x in matched)
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
             placed = PeerPlacement(
-                replica, info, uncached=info.num_tokens - shared * info.block_size, view=view, predict=self._predict()
+                replica,
+                info,
+                uncached=info.num_tokens - shared * info.block_size,
+                view=view,
+                predict=self._predict(),
+                seen=self.monotonic(),
             )
             if len(msg) > 10:  # stamped by the peer when it placed the request
                 free = bool(msg[11]) if len(msg) > 11 else True
@@ -258,6 +267,12 @@ class PeerPlacements:
                 self.ended[key] = done
                 while len(self.ended) > 1024:  # failed before a token: never started
                     self.ended.popitem(last=False)[1].release()
+        elif kind == "live":  # the peer's requests still in flight: they go on counting however long they run
+            now = self.monotonic()
+            for request_id in msg[4]:
+                alive = self.placements.get((router, request_id))
+                if alive is not None:
+                    alive.seen = now
         elif kind == "bye":
             self.drop_router(router)
 
@@ -309,8 +324,8 @@ class PeerPlacements:
             self._discard(key)
 
     def expire(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        for key in [k for k, p in self.placements.items() if now - p.at > PLACEMENT_TTL_S]:
+        now = self.monotonic() if now is None else now
+        for key in [k for k, p in self.placements.items() if now - p.seen > PLACEMENT_TTL_S]:
             self._close(key)
 
     def pending(self) -> dict[str, list[int]]:
@@ -398,6 +413,9 @@ class RouterSync:
         self._server: Any = None
         self._reader_loop: asyncio.AbstractEventLoop | None = None
         self._reader_fd = -1
+        # this router's requests in flight (the router sets it): named to the peers every LIVE_EVERY_S
+        self.own_requests: Callable[[], list[str]] | None = None
+        self._live_at = time.monotonic()
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
@@ -530,14 +548,31 @@ class RouterSync:
                         self._sub.disconnect(self.peers[router])
                     del self.peers[router]
                     self.placements.drop_router(router)
-                self.placements.expire()
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.RayActorError:
                 self._registry = None  # the registry died with its node: make it again
             except Exception:  # never let discovery end the router
                 log.exception("router sync: discovery failed; retrying")
+            self.placements.expire()  # also while the registry cannot be reached
+            self.publish_live()
             await asyncio.sleep(self.poll_s)
+
+    def publish_live(self, now: float | None = None) -> None:
+        """Every LIVE_EVERY_S, name this router's requests in flight to the peers (`live`): a request
+        running longer than PLACEMENT_TTL_S (a long generation) keeps counting there as load and towards
+        its tenant's fleet-wide concurrency, while one whose `done` was lost still expires."""
+        now = time.monotonic() if now is None else now
+        if self.own_requests is None or now - self._live_at < LIVE_EVERY_S:
+            return
+        self._live_at = now
+        try:
+            ids = self.own_requests()
+        except Exception:  # never let discovery end the router
+            log.exception("router sync: requests in flight not named")
+            return
+        if ids:
+            self.publish(["live", self.router_id, "", "", ids])
 
     def drain(self) -> int:
         """Apply every peer message already received, in order, without waiting; returns how many (a batch

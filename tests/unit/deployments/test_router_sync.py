@@ -288,3 +288,37 @@ def test_a_late_peer_placement_on_a_replica_this_router_forgot_does_not_bring_it
         assert sorted(b.policy.recent_work()) == sorted(b.index.replicas())
 
     asyncio.run(run())
+
+
+def test_a_peer_request_running_past_the_ttl_counts_while_its_router_names_it_live():
+    """A peer placement whose `done` never comes expires after PLACEMENT_TTL_S; one its router names in a
+    `live` message (a long generation) keeps counting as load and towards its tenant's fleet-wide
+    concurrency for as long as it runs."""
+    from kvmesh.cluster.index import PrefixIndex
+    from kvmesh.deployments.router_sync import LIVE_EVERY_S, PLACEMENT_TTL_S, RouterSync
+
+    now = [1000.0]
+    index = PrefixIndex(max_blocks=10_000)
+    index.add_replica("r0")
+    peers = PeerPlacements(index, lambda: [])
+    peers.monotonic = lambda: now[0]
+    for rid in ("long", "lost"):
+        info = RequestInfo(block_hashes=[1, 2], num_tokens=70, block_size=32, request_id=rid, tenant="acme")
+        peers.apply(routed_message("A", info, "r0", (0, 0, 0)))
+    assert peers.tenants.active("acme") == 2
+
+    peer = RouterSync("t", PeerPlacements(index, lambda: []))
+    peer.router_id = "A"
+    sent: list[list] = []
+    peer.publish = sent.append  # type: ignore[method-assign]
+    peer.own_requests = lambda: ["long"]
+    start, peer_start = now[0], peer._live_at
+    while now[0] - start <= PLACEMENT_TTL_S + LIVE_EVERY_S:  # the peer's discovery loop, once a second
+        now[0] += 1.0
+        peer.publish_live(peer_start + now[0] - start)
+        for msg in sent:
+            peers.apply(msg)
+        sent.clear()
+        peers.expire()
+    assert [key[1] for key in peers.placements] == ["long"]
+    assert peers.tenants.active("acme") == 1 and peers.pending() == {"r0": [1, 0, 70]}
