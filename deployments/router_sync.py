@@ -435,34 +435,23 @@ class RouterSync:
         log.info("router sync: peer %s at %s", router, endpoint)
 
     def open(self) -> None:
-        """Bind this router's PUB socket and make its SUB socket (CURVE with the deployment's channel keys;
-        without them, loopback only)."""
+        """Bind this router's PUB socket and make its SUB socket, both CURVE with the deployment's channel
+        keys; without them there is no stream (ChannelError): in the clear, any local process could read the
+        tenants' placements or inject its own (and throttle a tenant fleet-wide with them)."""
         import zmq
-        import zmq.asyncio
 
-        from kvmesh.cluster.secure_channel import ChannelError, ChannelServer, channel_keys, secure_client
+        from kvmesh.cluster.secure_channel import ChannelServer, channel_keys, secure_client
 
         host = _node_host()
-        try:
-            keys = channel_keys()
-        except ChannelError:
-            keys = None
-        if keys is None and host != "127.0.0.1":
-            host = "127.0.0.1"  # no channel keys: never in the clear on a network; peers on other nodes miss it
-            log.warning("router sync: no channel secret, placement stream bound to loopback only")
-        ctx = zmq.asyncio.Context.instance()
-        if keys is not None:
-            self._server = ChannelServer(keys)
-            pub = self._server.socket(zmq.PUB)
-        else:
-            pub = ctx.socket(zmq.PUB)
+        keys = channel_keys()
+        self._server = ChannelServer(keys)
+        pub = self._server.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
         port = pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         sub: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)  # plain: read by `drain`, no future per message
-        if keys is not None:
-            secure_client(sub, keys)
+        secure_client(sub, keys)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt_string(zmq.SUBSCRIBE, "")

@@ -7,8 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV, ChannelError, write_channel_secret
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
 from kvmesh.policies.base import RequestInfo
+
+
+@pytest.fixture(autouse=True)
+def _channel_secret(tmp_path, monkeypatch):
+    """The deployment's channel secret, as every Ray process of a kvmesh app has it."""
+    monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(tmp_path)))
 
 
 class Index:
@@ -125,3 +134,12 @@ def test_what_one_turn_of_the_loop_publishes_leaves_as_one_frame_applied_in_orde
             _close(a, b)
 
     asyncio.run(run())
+
+
+def test_without_the_channel_secret_there_is_no_placement_stream(monkeypatch):
+    """In the clear, any local process could read the tenants' placements or inject its own."""
+    monkeypatch.delenv(CHANNEL_SECRET_FILE_ENV)
+    sync = RouterSync("t", PeerPlacements(Index(), lambda: []))
+    with pytest.raises(ChannelError):
+        sync.open()
+    assert sync._pub is None and sync._sub is None
