@@ -79,7 +79,8 @@ def discover(cfg: CachetestConfig) -> tuple[list[str], bool]:
             if resp.status_code != 200:
                 raise CachetestError(f"--url {cfg.url}: GET /v1/models answered HTTP {resp.status_code}")
             models = [m["id"] for m in resp.json().get("data") or []]
-            is_kvmesh = c.get("/kvmesh/state").status_code == 200
+            state = c.get("/kvmesh/state")  # kvmesh answers 403 operator_only to a tenant that is not one
+            is_kvmesh = state.status_code == 200 or _error_code(state) == "operator_only"
     except CachetestError:
         raise
     except Exception as exc:
@@ -89,11 +90,22 @@ def discover(cfg: CachetestConfig) -> tuple[list[str], bool]:
     return models, is_kvmesh
 
 
+def _error_code(resp) -> str | None:
+    try:
+        return resp.json()["error"]["code"]
+    except Exception:
+        return None
+
+
 def server_counters(cfg: CachetestConfig) -> dict:
-    """kvmesh's cumulative counters that a pass diffs: index evictions, tier hits and bytes moved."""
+    """kvmesh's cumulative counters that a pass diffs: index evictions, tier hits and bytes moved (none
+    unless the key is an operator's: they span tenants)."""
     try:
         with _http(cfg) as c:
-            state = c.get("/kvmesh/state").json()
+            resp = c.get("/kvmesh/state")
+            if resp.status_code != 200:
+                return {}
+            state = resp.json()
     except Exception:
         return {}
     return counters_from_state(state)
@@ -127,22 +139,33 @@ def reset_cache(cfg: CachetestConfig) -> str | None:
     return None
 
 
-def fetch_explanations(cfg: CachetestConfig, request_ids: Sequence[str]) -> dict[str, dict]:
-    """The router's record of each request (kvmesh only), fetched 16 at a time."""
+def fetch_explanations(
+    cfg: CachetestConfig, request_ids: Sequence[str], tenant_of: dict[str, str | None] | None = None
+) -> dict[str, dict]:
+    """The router's record of each request (kvmesh only), fetched 16 at a time: with `--api-key` (an
+    operator's key reads every record whole), else, or where that key may not read it, with the key of the
+    tenant that sent it (`tenant_of`: a tenant reads its own records, `isolated` counted as `cold`)."""
     import httpx
+
+    tenant_of = tenant_of or {}
+    first = cfg.api_key or next(iter(cfg.tenant_keys.values()), None)
+
+    def auth(key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def main() -> dict[str, dict]:
         out: dict[str, dict] = {}
         gate = asyncio.Semaphore(16)
-        key = cfg.api_key or next(iter(cfg.tenant_keys.values()), None)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), headers=headers, timeout=30.0) as c:
+        async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), timeout=30.0) as c:
 
             async def one(rid: str) -> None:
+                own = cfg.tenant_keys.get(tenant_of.get(rid) or "")
                 async with gate:
-                    resp = await c.get(f"/kvmesh/explain/{rid}")
-                    if resp.status_code == 200:
-                        out[rid] = resp.json()
+                    for key in dict.fromkeys((first, own)):
+                        resp = await c.get(f"/kvmesh/explain/{rid}", headers=auth(key))
+                        if resp.status_code == 200:
+                            out[rid] = resp.json()
+                            return
 
             await asyncio.gather(*(one(r) for r in request_ids))
         return out
@@ -251,7 +274,8 @@ class Runner:
         self.clock += rep.wall_s + 1.0
         if self.is_kvmesh:
             ids = [r.request_id for r in rep.results if r.request_id]
-            attach_explanations(sent, rep.results, fetch_explanations(self.cfg, ids))
+            tenant_of = {r.request_id: records[r.index].get("tenant") for r in rep.results if r.request_id}
+            attach_explanations(sent, rep.results, fetch_explanations(self.cfg, ids, tenant_of))
         run = PassRun(
             name,
             sent,

@@ -44,6 +44,8 @@ from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_usage import WINDOW_S
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
+MAX_LOOKUP_HASHES = 10_000  # about 30 ms of the router's loop at 4 replicas
+
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
 
@@ -182,7 +184,7 @@ class Ingress:
             log.warning("no API keys configured: the ingress is OPEN (every request is tenant 'anonymous')")
             from kvmesh.deployments.tenants import resolve_secret
 
-            self._anonymous = Tenant("anonymous", None, derive_salt(resolve_secret(), "anonymous"))
+            self._anonymous = Tenant("anonymous", None, derive_salt(resolve_secret(), "anonymous"), operator=True)
         from kvmesh.deployments.admission import Admission
         from kvmesh.deployments.tenant_metrics import TenantMetrics
 
@@ -205,6 +207,16 @@ class Ingress:
         except KvmeshHTTPError as exc:
             self.tenant_metrics.record_rejection("unauthenticated", exc.code)
             raise
+
+    def _operator(self, request: Request) -> Tenant:
+        """`_auth`, and 403 unless the tenant is an operator: these views span tenants (their request ids,
+        sizes and placements, which prefixes any tenant holds)."""
+        tenant = self._auth(request)
+        if not tenant.operator:
+            raise OpenAIError(
+                403, "This endpoint is for operators (a tenant with operator: true).", "operator_only", None
+            )
+        return tenant
 
     def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
         if req.prompt_ids is not None:
@@ -540,8 +552,8 @@ class Ingress:
     async def state(self, request: Request):
         """Router index, prediction ledger and serving counters as JSON (for tests, demo and operators)."""
         try:
-            self._auth(request)
-        except KvmeshHTTPError as exc:
+            self._operator(request)
+        except (OpenAIError, KvmeshHTTPError) as exc:
             return _error_response(exc)
         snap = await asyncio.to_thread(self._router_snapshot)
         state = {
@@ -558,15 +570,17 @@ class Ingress:
 
     @fastapi_app.get("/kvmesh/explain/{request_id}")
     async def explain(self, request_id: str, request: Request):
-        """Why this request's uncached prompt tokens missed, with what the router knew at placement."""
+        """Why this request's uncached prompt tokens missed, with what the router knew at placement. A tenant
+        reads its own requests only, and sees another tenant's copy of a prefix (`isolated`) as `cold`: it
+        would otherwise learn which prompts other tenants sent. Operators read every record whole."""
         try:
-            self._auth(request)
+            tenant = self._auth(request)
         except KvmeshHTTPError as exc:
             return _error_response(exc)
         rec = miss_attribution.ATTRIBUTION.explain(request_id)
-        if rec is None:
+        if rec is None or not (tenant.operator or rec.get("tenant") == tenant.id):
             return _error_response(OpenAIError(404, f"No record of request {request_id!r}.", "not_found"))
-        return rec
+        return rec if tenant.operator else miss_attribution.tenant_view(rec)
 
     @fastapi_app.post("/kvmesh/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request):
@@ -605,11 +619,13 @@ class Ingress:
 
         Each hash is looked up on its own (not as a chain), so the answer is plain membership."""
         try:
-            self._auth(request)
+            self._operator(request)
             body = proto.parse_json(await request.body())
             hashes = body.get("hashes")
             if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
                 raise proto.bad("'hashes' must be a list of integers.", "hashes", "invalid_type")
+            if len(hashes) > MAX_LOOKUP_HASHES:  # looked up on the loop that routes every request
+                raise proto.bad(f"At most {MAX_LOOKUP_HASHES} hashes per lookup.", "hashes", "too_many_hashes")
         except (OpenAIError, KvmeshHTTPError) as exc:
             return _error_response(exc)
         routers = active_routers()

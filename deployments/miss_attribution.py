@@ -195,5 +195,16 @@ class MissAttribution:
         return "\n".join(lines) + "\n"
 
 
+def tenant_view(rec: dict) -> dict:
+    """A request's record as its own tenant may read it: tokens another tenant's copy of the prefix would have
+    served (`isolated`) count as `cold`, since telling them apart says which prompts other tenants sent."""
+    reasons = rec.get("miss_tokens")
+    if not reasons or "isolated" not in reasons:
+        return rec
+    merged = {k: v for k, v in reasons.items() if k != "isolated"}
+    merged["cold"] = merged.get("cold", 0) + reasons["isolated"]
+    return {**rec, "miss_tokens": merged}
+
+
 # One per process: the router (in the ingress process) and the ingress share it, as they share the ledger.
 ATTRIBUTION = MissAttribution()

@@ -163,6 +163,8 @@ class Tenant:
     group: str | None
     salt: str = field(repr=False)
     limits: Limits = Limits()
+    # may read what spans tenants (`/kvmesh/state`, any request's `/kvmesh/explain`, index lookups)
+    operator: bool = False
 
 
 def hash_api_key(api_key: str) -> str:
@@ -273,11 +275,16 @@ class TenantRegistry:
     def single_key(
         cls, api_key: str, secret: bytes | str | None = None, tenant_id: str = "default", limits: Limits | None = None
     ) -> TenantRegistry:
-        """One tenant with one key: what `kvmesh serve --api-key KEY` runs with."""
+        """One tenant with one key: what `kvmesh serve --api-key KEY` runs with (the operator: there is no
+        one else)."""
         if not isinstance(api_key, str) or not _TOKEN.match(api_key):
             raise ConfigError("API key must be 8-256 characters of [A-Za-z0-9._~+/=-]")
         return cls.from_dict(
-            {"tenants": [{"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}], "limits": None}]},
+            {
+                "tenants": [
+                    {"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}], "limits": None, "operator": True}
+                ]
+            },
             secret=secret,
             default_limits=limits,
         )
@@ -336,7 +343,7 @@ class TenantRegistry:
             where = f"tenants[{i}]"
             if not isinstance(item, Mapping):
                 raise ConfigError(f"{where}: expected a mapping")
-            unknown = set(item) - {"id", "group", "keys", "limits"}
+            unknown = set(item) - {"id", "group", "keys", "limits", "operator"}
             if unknown:
                 raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
             tid, group = item.get("id"), item.get("group")
@@ -348,7 +355,11 @@ class TenantRegistry:
             if group is not None and (not isinstance(group, str) or not _TENANT_ID.match(group)):
                 raise ConfigError(f"{where}.group: expected 1-64 chars of [A-Za-z0-9._-], got {group!r}")
             limits = Limits.from_dict(item.get("limits"), base, f"{where}.limits")
-            tenant = Tenant(id=tid, group=group, salt=derive_salt(secret_bytes, tid, group), limits=limits)
+            operator = item.get("operator", False)
+            if not isinstance(operator, bool):
+                raise ConfigError(f"{where}.operator: expected true or false")
+            salt = derive_salt(secret_bytes, tid, group)
+            tenant = Tenant(id=tid, group=group, salt=salt, limits=limits, operator=operator)
             keys = item.get("keys")
             if not isinstance(keys, list) or not keys:
                 raise ConfigError(f"{where}.keys: expected a non-empty list of {{sha256: <hex>}}")

@@ -50,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--requests", help="request log, JSONL of OpenAI bodies (default: the bundled example)")
     src.add_argument("--trace", help="a Mooncake trace (path or bundled name) instead of a request log")
     parser.add_argument("--out", required=True, help="output folder (report.json, *.png, report.html)")
-    parser.add_argument("--api-key", help="bearer key for every request")
+    parser.add_argument(
+        "--api-key",
+        help="bearer key for every request without a --tenant-key; against kvmesh, an operator's key also reads "
+        "the server's counters and every request's record whole",
+    )
     parser.add_argument("--tenant-key", type=_tenant_key, action="append", default=[], metavar="TENANT=KEY")
     parser.add_argument("--passes", default="cold,warm,partial", help="comma-separated: cold, warm, partial")
     conc = parser.add_mutually_exclusive_group()

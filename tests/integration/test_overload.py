@@ -70,7 +70,7 @@ TENANTS = {
             "limits": {"requests_per_s": 1.0, "burst_requests": 2},
         },
         # no limits of their own: the global bound holds them (fair queue, then server_busy)
-        {"id": "bulk-a", "keys": [{"sha256": hash_api_key(KEYS["bulk-a"])}]},
+        {"id": "bulk-a", "keys": [{"sha256": hash_api_key(KEYS["bulk-a"])}], "operator": True},  # reads /kvmesh/state
         {"id": "bulk-b", "keys": [{"sha256": hash_api_key(KEYS["bulk-b"])}]},
     ],
 }

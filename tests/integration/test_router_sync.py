@@ -43,15 +43,17 @@ LIMITED_CONCURRENCY = 2
 
 
 def _tenants_file(tmp_path) -> tuple[str, str, str]:
-    """A tenants file: `main` without limits (the placement checks) and `limited`, at most
+    """A tenants file: `main` without limits, an operator (the placement checks) and `limited`, at most
     LIMITED_CONCURRENCY requests in flight. Returns (its path, main's key, limited's key)."""
     main, limited = (f"kvm-test-{secrets.token_hex(16)}" for _ in range(2))
 
-    def entry(tenant_id: str, key: str, limits: dict | None) -> dict:
-        return {"id": tenant_id, "keys": [{"sha256": hashlib.sha256(key.encode()).hexdigest()}], "limits": limits}
+    def entry(tenant_id: str, key: str, limits: dict | None, operator: bool = False) -> dict:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return {"id": tenant_id, "keys": [{"sha256": digest}], "limits": limits, "operator": operator}
 
     path = tmp_path / "tenants.yaml"
-    tenants = [entry("main", main, None), entry("limited", limited, {"max_concurrent": LIMITED_CONCURRENCY})]
+    limited_entry = entry("limited", limited, {"max_concurrent": LIMITED_CONCURRENCY})
+    tenants = [entry("main", main, None, operator=True), limited_entry]  # main reads the routers' state
     path.write_text(yaml.safe_dump({"tenants": tenants}))
     return str(path), main, limited
 

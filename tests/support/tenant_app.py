@@ -31,9 +31,10 @@ def all_keys(default_key: str) -> list[str]:
 
 
 def write_live_tenants(path: Path, default_key: str) -> Path:
-    """Write the tenants file: tenant `default` (the key the other live tests use, no limits) plus ours."""
+    """Write the tenants file: tenant `default` (the key the other live tests use, no limits, an operator:
+    they read the router's state) plus ours."""
     tenants = [
-        {"id": "default", "keys": [{"sha256": hash_api_key(default_key)}]},
+        {"id": "default", "keys": [{"sha256": hash_api_key(default_key)}], "operator": True},
         {
             "id": "acme",
             "keys": [{"sha256": hash_api_key(KEYS["acme"])}, {"sha256": hash_api_key(REVOKED_KEY), "revoked": True}],

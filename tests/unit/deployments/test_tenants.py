@@ -142,6 +142,17 @@ def test_single_key_registry():
         TenantRegistry.single_key("short", secret=SECRET)
 
 
+def test_only_a_tenant_marked_operator_is_one_and_the_single_key_tenant_is():
+    cfg = config()
+    cfg["tenants"][1]["operator"] = True
+    reg = TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert reg.tenants["globex"].operator and not reg.tenants["acme"].operator
+    assert TenantRegistry.single_key("kvm-local-dev-key-123", secret=SECRET).tenants["default"].operator
+    cfg["tenants"][1]["operator"] = "yes"
+    with pytest.raises(ConfigError, match="operator"):
+        TenantRegistry.from_dict(cfg, secret=SECRET)
+
+
 def test_new_api_key_is_accepted_and_unique():
     keys = {new_api_key() for _ in range(50)}
     assert len(keys) == 50

@@ -1,23 +1,25 @@
-"""The ingress's request handler against a fake engine (no Ray): a tenant's admission slot comes back however
-a request ends, the client going away included (Serve cancels the handler's task then, at any point), and
-bad input is a 400, never a 500."""
+"""The ingress's handlers against a fake engine (no Ray): a tenant's admission slot comes back however a
+request ends, the client going away included (Serve cancels the handler's task then, at any point); bad
+input is a 400, never a 500; what spans tenants is for operators only."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import json
+from types import SimpleNamespace
 
 import pytest
 from jinja2 import TemplateError
 from starlette.requests import Request
 
 from kvmesh.deployments import ingress as ingress_module
+from kvmesh.deployments import miss_attribution
 from kvmesh.deployments.admission import Admission
 from kvmesh.deployments.failure_metrics import FailureCounters
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_metrics import TenantMetrics
-from kvmesh.deployments.tenants import Limits, Tenant, derive_salt
+from kvmesh.deployments.tenants import Limits, Tenant, TenantRegistry, derive_salt, hash_api_key
 
 
 def _chunk(text: str, token_ids: list[int], finish: str | None = None) -> dict:
@@ -115,7 +117,9 @@ def _ingress(hang: bool = False, tokenizer=None):
     return ing
 
 
-def _request(body: dict | bytes, path: str = "/v1/completions") -> tuple[Request, dict, object]:
+def _request(
+    body: dict | bytes, path: str = "/v1/completions", key: str | None = None, method: str = "POST"
+) -> tuple[Request, dict, object]:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent = False
 
@@ -126,13 +130,10 @@ def _request(body: dict | bytes, path: str = "/v1/completions") -> tuple[Request
             return {"type": "http.request", "body": raw, "more_body": False}
         await asyncio.Event().wait()
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(b"content-type", b"application/json")],
-        "query_string": b"",
-    }
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
+    scope = {"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""}
     return Request(scope, receive), scope, receive
 
 
@@ -230,5 +231,70 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(error):
         answer = await ing._generate(req, "chat")
         assert answer.status_code == 400, answer.body
         assert json.loads(answer.body)["error"]["param"] == "messages"
+
+    asyncio.run(run())
+
+
+OPS_KEY, ACME_KEY, GLOBEX_KEY = (f"kvm-unit-{t}-key-0123456789" for t in ("ops", "acme", "globex"))
+
+
+def _tenanted():
+    """The ingress with three tenants, one of them an operator."""
+    ing = _ingress()
+    ing.registry = TenantRegistry.from_dict(
+        {
+            "tenants": [
+                {"id": "ops", "keys": [{"sha256": hash_api_key(OPS_KEY)}], "operator": True},
+                {"id": "acme", "keys": [{"sha256": hash_api_key(ACME_KEY)}]},
+                {"id": "globex", "keys": [{"sha256": hash_api_key(GLOBEX_KEY)}]},
+            ]
+        },
+        secret=b"unit-test-secret-0123456789abcdef",
+    )
+    return ing
+
+
+def _code(response) -> str:
+    return json.loads(response.body)["error"]["code"]
+
+
+def test_the_router_state_and_index_lookups_are_for_operators_only():
+    async def run():
+        ing = _tenanted()
+        req, _, _ = _request(b"", "/kvmesh/state", ACME_KEY, "GET")
+        answer = await ing.state(req)
+        assert answer.status_code == 403 and _code(answer) == "operator_only"
+        req, _, _ = _request({"hashes": [1, 2]}, "/kvmesh/index/lookup", ACME_KEY)
+        answer = await ing.index_lookup(req)
+        assert answer.status_code == 403 and _code(answer) == "operator_only"
+        many = {"hashes": list(range(ingress_module.MAX_LOOKUP_HASHES + 1))}
+        req, _, _ = _request(many, "/kvmesh/index/lookup", OPS_KEY)
+        answer = await ing.index_lookup(req)
+        assert answer.status_code == 400 and _code(answer) == "too_many_hashes"
+
+    asyncio.run(run())
+
+
+def test_a_tenant_reads_its_own_requests_record_without_what_other_tenants_cached(monkeypatch):
+    """`isolated` (another tenant's copy of the prefix would have served these tokens) tells a tenant which
+    prompts other tenants sent: a tenant sees those tokens as `cold`, and no other tenant's records."""
+    records = {
+        "q-acme": {"request_id": "q-acme", "tenant": "acme", "miss_tokens": {"cold": 32, "isolated": 96}},
+        "q-globex": {"request_id": "q-globex", "tenant": "globex", "miss_tokens": {"cold": 64}},
+    }
+    monkeypatch.setattr(miss_attribution, "ATTRIBUTION", SimpleNamespace(explain=records.get))
+
+    async def run():
+        ing = _tenanted()
+
+        async def explain(rid: str, key: str):
+            req, _, _ = _request(b"", f"/kvmesh/explain/{rid}", key, "GET")
+            return await ing.explain(rid, req)
+
+        own = await explain("q-acme", ACME_KEY)
+        assert own["miss_tokens"] == {"cold": 128}
+        other = await explain("q-globex", ACME_KEY)
+        assert other.status_code == 404 and _code(other) == "not_found"
+        assert (await explain("q-acme", OPS_KEY))["miss_tokens"] == {"cold": 32, "isolated": 96}
 
     asyncio.run(run())
