@@ -10,6 +10,13 @@ the dead replica's detokenizer: a DecodeStream primed with the original prompt, 
 tokens already sent (their text is what the client has), then stepped through each new token. That
 is the same library and the same algorithm vLLM runs (`FastIncrementalDetokenizer`), so the client
 gets the text an untouched run would have sent.
+
+Stop strings too: vLLM holds back the last (longest stop string - 1) characters of a stream that has stop
+strings, and cuts the text where one completes. The new replica sees only its own tokens' text, so it
+could neither send what the dead replica held back nor find a stop string that spans the move. So the
+ingress keeps the whole output text (the tokens sent plus the new ones), searches it as vLLM does
+(`first_stop`, after `min_tokens` output tokens) and sends from what the client already has up to the
+held-back tail, or to the stop string, where the stream ends (`stopped`).
 """
 
 from __future__ import annotations
@@ -23,15 +30,43 @@ from tokenizers.decoders import DecodeStream
 INVALID_PREFIX = "Invalid prefix encountered"
 
 
-class ContinuationText:
-    """Incremental text for the new tokens of a continuation (`step(token_id) -> text`)."""
+def first_stop(text: str, new_chars: int, stops: Sequence[str]) -> tuple[str, int] | None:
+    """(stop string, where it starts) for the stop string completing earliest in `text`, searched as far
+    back as one that ends within its last `new_chars` characters could start; ties to the first listed.
+    vLLM's rule for stop strings (its `check_stop_strings`, without include_stop_str_in_output)."""
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if at != -1 and (best is None or at + len(stop) < best[1] + len(best[0])):
+            best = (stop, at)
+    return best
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], sent_ids: Sequence[int], skip_special_tokens=True):
+
+class ContinuationText:
+    """Incremental text for the new tokens of a continuation (`text(token_ids, finished) -> text`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        sent_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        delivered_chars: int | None = None,
+    ):
         self._tokenizer = tokenizer  # a `tokenizers.Tokenizer` (a fast HF tokenizer's `_tokenizer`)
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
-        for token in sent_ids:  # the text of these reached the client from the dead replica
-            self.step(token)
+        self._stops = [x for x in stop if x]
+        self._hold = max((len(x) for x in self._stops), default=1) - 1  # vLLM's stop buffer
+        self._min_tokens = min_tokens
+        self._tokens = len(sent_ids)
+        # the whole output text so far: the dead replica's for the tokens it sent (no stop string had
+        # completed in it, or it would have finished), of which the client has `delivered_chars`
+        self.output = "".join(self.step(token) for token in sent_ids)
+        self._delivered = len(self.output) if delivered_chars is None else min(delivered_chars, len(self.output))
+        self.stopped: str | None = None  # the stop string the output ended at
 
     def step(self, token_id: int) -> str:
         """The text `token_id` adds ("" while the detokenizer holds it back), as vLLM's step does."""
@@ -46,8 +81,23 @@ class ContinuationText:
             text = self._stream.step(self._tokenizer, token_id)
         return text or ""
 
-    def text(self, token_ids: Sequence[int]) -> str:
-        return "".join(self.step(t) for t in token_ids)
+    def text(self, token_ids: Sequence[int], finished: bool = False) -> str:
+        """The text to send for these new tokens: what the client lacks, less the held-back tail unless
+        `finished` (the engine ended the request) or a stop string completed."""
+        for token in token_ids:
+            if self.stopped is not None:
+                break
+            new = self.step(token)
+            self.output += new
+            self._tokens += 1
+            if self._stops and new and self._tokens > self._min_tokens:
+                found = first_stop(self.output, len(new), self._stops)
+                if found is not None:
+                    self.stopped, self.output = found[0], self.output[: found[1]]
+        end = len(self.output) if finished or self.stopped is not None else len(self.output) - self._hold
+        out = self.output[self._delivered : end] if end > self._delivered else ""
+        self._delivered = max(self._delivered, end)
+        return out
 
 
 def rust_tokenizer(tokenizer: Any) -> Any:

@@ -272,15 +272,25 @@ class Ingress:
             text_for=self._continuation_text,
         )
 
-    def _continuation_text(self, request: dict, sent_token_ids: list[int]) -> ContinuationText | None:
+    def _continuation_text(
+        self, request: dict, sent_token_ids: list[int], delivered_chars: int
+    ) -> ContinuationText | None:
         """The ingress's detokenizer for a continuation; None (the new replica's text is used) for a model
         without a fast tokenizer, whose engine does not detokenize with DecodeStream either."""
         try:
             backend = rust_tokenizer(self.tokenizer)
         except TypeError:
             return None
-        skip = (request.get("params") or {}).get("skip_special_tokens", True)
-        return ContinuationText(backend, request["prompt_token_ids"], sent_token_ids, skip)
+        params = request.get("params") or {}
+        return ContinuationText(
+            backend,
+            request["prompt_token_ids"],
+            sent_token_ids,
+            params.get("skip_special_tokens", True),
+            stop=params.get("stop") or (),
+            min_tokens=int(params.get("min_tokens") or 0),
+            delivered_chars=delivered_chars,
+        )
 
     def _record_call_stages(self, t0: float, t_call: float, engine_s: float | None) -> None:
         """Stage timers for a request whose engine call answered: what the ingress did before the call, the

@@ -8,10 +8,13 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
 - mid-stream, a continuation is sent: a new engine request whose prompt is the original prompt plus
   the token ids already sent to the client, with `max_tokens`/`min_tokens` reduced by that many and
   the same tenant salt (so its prefix still hits the caches). Greedy decoding therefore yields exactly
-  the tokens the dead replica would have produced. Their text is detokenized here, by replaying the
-  dead replica's detokenizer (`continuation_text`), not taken from the new replica: vLLM primes its
-  detokenizer with the prompt, and a prompt tail with incomplete UTF-8 makes it emit held-back
-  prompt text with the first new token. The client sees one uninterrupted stream;
+  the tokens the dead replica would have produced, unless the request has a frequency or presence
+  penalty: vLLM applies those to output tokens only, and the tokens sent are prompt tokens now. Their
+  text is detokenized here, by replaying the dead replica's detokenizer (`continuation_text`), not
+  taken from the new replica: vLLM primes its detokenizer with the prompt, and a prompt tail with
+  incomplete UTF-8 makes it emit held-back prompt text with the first new token; stop strings are
+  searched over the whole output, one spanning the move included. The client sees one uninterrupted
+  stream;
 - unary requests are sent again whole (nothing reached the client yet).
 
 Each move counts in /metrics (`kvmesh_migrations_total`); after `max_migrations` moves the request
@@ -89,8 +92,9 @@ class MigratingStream:
     `open(engine_request)` starts a stream on the engine deployment (Serve's router places it);
     `replica_failed(replica_id)` tells the routers in this process that a replica is dead;
     `first_token(request_id)` tells them a continuation has started (its prefill is done);
-    `text_for(request, sent_token_ids)` gives the detokenizer of a continuation's new tokens
-    (`.text(token_ids) -> str`), as the dead replica's would have been, or None to keep the engine's text.
+    `text_for(request, sent_token_ids, delivered_chars)` gives the detokenizer of a continuation's new
+    tokens (`.text(token_ids, finished) -> str`, `.stopped`: the stop string the text ended at), as the
+    dead replica's would have been, or None to keep the engine's text.
     """
 
     def __init__(
@@ -102,7 +106,7 @@ class MigratingStream:
         counters: FailureCounters,
         replica_failed: Callable[[str], None],
         first_token: Callable[[str], None],
-        text_for: Callable[[dict, list[int]], Any],
+        text_for: Callable[[dict, list[int], int], Any],
     ):
         self.request = request
         self._open = open
@@ -112,6 +116,8 @@ class MigratingStream:
         self._first_token = first_token
         self._text_for = text_for
         self.sent: list[int] = []  # token ids already handed to the client
+        self.delivered_chars = 0  # and the characters of text
+        self._ended = False  # a continuation's text reached a stop string: the stream ends there
         self._text: Any = None  # a continuation's detokenizer (None: the engine's text is the text)
         self.moves = 0
         self.replica: str | None = None  # the replica streaming now (from its chunks)
@@ -124,6 +130,8 @@ class MigratingStream:
 
     async def __anext__(self) -> dict:
         while True:
+            if self._ended:
+                raise StopAsyncIteration
             try:
                 chunk = await self._stream.__anext__()
             except StopAsyncIteration:
@@ -140,8 +148,14 @@ class MigratingStream:
                     self._first_token(self._current["request_id"])
             self.replica = chunk.get("replica", self.replica)
             if self._text is not None:
-                chunk = {**chunk, "text": self._text.text(chunk["token_ids"])}
+                chunk = {**chunk, "text": self._text.text(chunk["token_ids"], chunk["finish_reason"] is not None)}
+                if self._text.stopped is not None:  # a stop string, perhaps one spanning the move
+                    self._ended = True
+                    if chunk["finish_reason"] is None:
+                        self._stream.cancel()
+                    chunk["finish_reason"] = "stop"
             self.sent.extend(chunk["token_ids"])
+            self.delivered_chars += len(chunk["text"])
             return chunk
 
     def _move(self, dead_replica: str | None, exc: BaseException) -> None:
@@ -169,7 +183,7 @@ class MigratingStream:
             len(self.sent),
         )
         self._current = continuation(self.request, self.sent, self.moves)
-        self._text = self._text_for(self.request, list(self.sent)) if self.sent else None
+        self._text = self._text_for(self.request, list(self.sent), self.delivered_chars) if self.sent else None
         self._started = False
         self.replica = None
         self._stream = self._open(self._current)

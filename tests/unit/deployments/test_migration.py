@@ -81,11 +81,13 @@ async def _drain(stream) -> list[int]:
 class _Text:
     """The ingress's detokenizer, faked like `_Replica`'s: a held token's text comes with the next one."""
 
+    stopped = None
+
     def __init__(self, held, sent):
         self.held, self.pending = set(held), []
         self.text(sent)  # replays what the dead replica streamed
 
-    def text(self, token_ids) -> str:
+    def text(self, token_ids, finished=False) -> str:
         out = ""
         for t in token_ids:
             self.pending.append(t)
@@ -97,7 +99,7 @@ class _Text:
 def _stream(open_, counters, failed, started, max_migrations=2, held=()):
     texts: list[list[int]] = []
 
-    def text_for(request, sent):
+    def text_for(request, sent, delivered_chars):
         assert request == REQUEST
         texts.append(sent)
         return _Text(held, sent)
@@ -146,6 +148,27 @@ def test_a_continuation_takes_its_text_from_the_ingress_not_from_the_new_replica
     assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11, 12] and b.requests[0]["params"]["max_tokens"] == 4
     assert [t for c in chunks for t in c["token_ids"]] == ANSWER  # each id once
     assert "".join(c["text"] for c in chunks) == "".join(f"<{t}>" for t in ANSWER)  # each text once
+
+
+def test_a_stop_string_the_ingress_finds_after_a_move_ends_the_stream_there():
+    """A stop string in the continuation's text (one spanning the move, which the new replica cannot see)
+    ends the stitched stream with finish_reason stop, and the new replica's request is cancelled."""
+
+    class _Stops(_Text):
+        def text(self, token_ids, finished=False) -> str:
+            out = super().text(token_ids, finished)
+            if 14 in token_ids:
+                self.stopped = "<14>"
+                return out.replace("<14>", "")
+            return out
+
+    a, b = _Replica("A", die_after=2), _Replica("B")
+    stream = _stream(_fleet(a, b), FailureCounters(), [], [])
+    stream._text_for = lambda request, sent, delivered: _Stops((), sent)
+    chunks = asyncio.run(_chunks(stream))
+    assert [t for c in chunks for t in c["token_ids"]] == [11, 12, 13, 14]
+    assert chunks[-1]["finish_reason"] == "stop" and b.cancelled == 1
+    assert "".join(c["text"] for c in chunks) == "<11><12><13>"
 
 
 class _Garbled:
