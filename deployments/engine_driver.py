@@ -345,6 +345,8 @@ class InprocDriver:
         """The engine thread's outputs for one request, up to the finished one; an error it reports is raised."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:  # outputs go by id: the second would take the first's, and its abort both
+            raise ValueError(f"request {request_id!r} is already in flight on this replica")
         self._streams[request_id] = (loop, q)
         self._ops.put(("add", request_id, prompt, params))
         merge = getattr(params, "output_kind", None) == _delta_kind()

@@ -197,6 +197,30 @@ def test_a_request_waiting_on_its_connector_is_polled_not_spun():
         d._thread.join(timeout=5)
 
 
+def test_a_second_request_under_an_id_in_flight_is_refused_and_the_first_goes_on():
+    """vLLM and the driver key a request's outputs by its id: a second one under the same id would take
+    the first's outputs, and leaving either would abort both (the first's consumer then waits forever)."""
+    engine = _FakeLLMEngine(steps=4)
+    d = _inproc(engine)
+
+    async def go():
+        first = d.generate({}, None, "r")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already in flight"):
+            await d.generate({}, None, "r").__anext__()
+        rest = [out.finished async for out in first]
+        assert rest and rest[-1]
+        assert d.load.aborted == 0
+        again = [out.finished async for out in d.generate({}, None, "r")]  # the id is free again
+        assert again[-1]
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 10))
+    finally:
+        d._ops.put(("stop",))
+        d._thread.join(timeout=5)
+
+
 def test_the_step_thread_is_named_in_the_os():
     """`top -H` and the CPU split tell vLLM's work in a replica by this name, not the Ray worker's title."""
     from kvmesh.cluster.thread_names import os_thread_name
