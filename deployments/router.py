@@ -511,7 +511,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._routing[internal] = routing
         self._watch(pending_request)
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
-            self._withdraw(self._routing.pop(next(iter(self._routing))))
+            oldest = next(iter(self._routing))
+            self._withdraw(self._routing.pop(oldest))
+            self._drop_held(oldest)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.decisions += 1
         self.decision_s += time.perf_counter() - t0

@@ -381,7 +381,9 @@ def _registry_class():
         def heartbeat(self, router: str, endpoint: str) -> dict[str, str]:
             now = time.time()
             self.entries[router] = (endpoint, now)
-            return {r: e for r, (e, t) in self.entries.items() if r != router and now - t < PEER_TTL_S}
+            for gone in [r for r, (_, t) in self.entries.items() if now - t >= PEER_TTL_S]:
+                del self.entries[gone]  # a router that died without `leave`
+            return {r: e for r, (e, t) in self.entries.items() if r != router}
 
         def leave(self, router: str) -> None:
             self.entries.pop(router, None)
@@ -399,6 +401,7 @@ class RouterSync:
         self.placements = placements
         self.poll_s = poll_s
         self.peers: dict[str, str] = {}  # router id -> endpoint
+        self._endpoints: set[str] = set()  # endpoints the SUB socket is connected to
         self.published = 0
         self.frames = 0  # frames sent: a frame carries every message published in one turn of the loop
         self._outbox: list[list] = []
@@ -427,12 +430,20 @@ class RouterSync:
         log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
 
     def connect(self, router: str, endpoint: str) -> None:
-        """Subscribe to a peer's stream (discovery calls this for every peer the registry names)."""
-        self._sub.connect(endpoint)
+        """Subscribe to a peer's stream (discovery calls this for every peer the registry names), once per
+        endpoint: a second connection to one would deliver each of its messages twice."""
+        if endpoint not in self._endpoints:
+            self._sub.connect(endpoint)
+            self._endpoints.add(endpoint)
         self.peers[router] = endpoint
         if self.first_connect_s is None:
             self.first_connect_s = time.monotonic() - self.started_at
         log.info("router sync: peer %s at %s", router, endpoint)
+
+    def _disconnect(self, endpoint: str) -> None:
+        self._endpoints.discard(endpoint)
+        with contextlib.suppress(Exception):
+            self._sub.disconnect(endpoint)
 
     def open(self) -> None:
         """Bind this router's PUB socket and make its SUB socket, both CURVE with the deployment's channel
@@ -529,14 +540,16 @@ class RouterSync:
                         .remote()
                     )
                 peers = await self._registry.heartbeat.remote(self.router_id, self.endpoint)
+                # the departed first: a router restarted on a freed port has the endpoint a departed one had,
+                # and disconnecting that endpoint after connecting the new router would drop the new one
+                for router in set(self.peers) - set(peers):
+                    endpoint = self.peers.pop(router)
+                    if endpoint not in peers.values():
+                        self._disconnect(endpoint)
+                    self.placements.drop_router(router)
                 for router, endpoint in peers.items():
                     if self.peers.get(router) != endpoint:
                         self.connect(router, endpoint)
-                for router in set(self.peers) - set(peers):
-                    with contextlib.suppress(Exception):
-                        self._sub.disconnect(self.peers[router])
-                    del self.peers[router]
-                    self.placements.drop_router(router)
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.RayActorError:

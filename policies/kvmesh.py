@@ -101,6 +101,10 @@ _NONE = object()
 _NO_ARRAY = np.zeros(0)  # for a term that is off: the kernel never reads it
 
 
+def _credit_key(request: RequestInfo, replica_id: str) -> tuple:
+    return (request.request_id or id(request), replica_id)
+
+
 class KvmeshPolicy(Policy):
     name = "kvmesh"
     uses_index = True
@@ -185,7 +189,10 @@ class KvmeshPolicy(Policy):
         # a cache, not state: the slots of the last candidate list whose replicas are all known
         self._ids_key: tuple = ()
         self._ids_idx: np.ndarray | None = np.zeros(0, dtype=np.int64)  # None: every slot, in order
-        self._credited: OrderedDict[int, tuple] = OrderedDict()  # id(request) -> (request, replica, work)
+        # (request id, replica) -> (the request where it has no id, else None; work): what `on_unrouted` takes
+        # back. Keyed by id, not by the object: a withdrawal may come after thousands of other commits (the
+        # live router keeps up to 10,000 requests unsettled), and objects would hold every prompt's hashes.
+        self._credited: OrderedDict[tuple, tuple] = OrderedDict()
         # recent requests per fork (decayed per routed request), each stored divided by _fork_k
         self._fork_count: dict = {}
         self._fork_k = 1.0
@@ -655,8 +662,8 @@ class KvmeshPolicy(Policy):
         if self._total > self.window_tokens_per_replica * len(self._slot):
             self._w *= 0.5
             self._total *= 0.5
-        self._credited[id(request)] = (request, replica_id, u)
-        if len(self._credited) > 256:
+        self._credited[_credit_key(request, replica_id)] = (None if request.request_id else request, u)
+        if len(self._credited) > 16_384:
             self._credited.popitem(last=False)
         fork = self._learn_fanout(request.block_hashes, request.request_id)
         if first:
@@ -677,11 +684,12 @@ class KvmeshPolicy(Policy):
             self._withdrawn_ids[request.request_id] = None
             if len(self._withdrawn_ids) > 65_536:  # far more than can wait for a replica at once
                 self._withdrawn_ids.popitem(last=False)
-        seen = self._credited.get(id(request))
-        if seen is not None and seen[0] is request and seen[1] == replica_id:
-            del self._credited[id(request)]
+        key = _credit_key(request, replica_id)
+        seen = self._credited.get(key)
+        if seen is not None and (seen[0] is None or seen[0] is request):
+            del self._credited[key]
             if replica_id in self._slot:
-                self._credit(replica_id, -seen[2])
+                self._credit(replica_id, -seen[1])
 
     def _credit(self, replica_id: str, u: float) -> None:
         k = self._slot[replica_id]

@@ -143,3 +143,58 @@ def test_without_the_channel_secret_there_is_no_placement_stream(monkeypatch):
     with pytest.raises(ChannelError):
         sync.open()
     assert sync._pub is None and sync._sub is None
+
+
+class _Sub:
+    """The SUB socket's connections (kvmesh's use of it), recorded."""
+
+    def __init__(self):
+        self.connected: list[str] = []
+
+    def connect(self, endpoint: str) -> None:
+        self.connected.append(endpoint)
+
+    def disconnect(self, endpoint: str) -> None:  # as ZMQ does: every connection to the endpoint goes
+        self.connected = [e for e in self.connected if e != endpoint]
+
+
+class _Registry:
+    """The router registry's heartbeat, answering the peers set by the test."""
+
+    def __init__(self):
+        self.peers: dict[str, str] = {}
+        outer = self
+
+        class _Heartbeat:
+            async def remote(self, router: str, endpoint: str) -> dict[str, str]:
+                return dict(outer.peers)
+
+        self.heartbeat = _Heartbeat()
+
+
+def test_a_router_restarted_on_a_departed_routers_port_stays_connected_once():
+    """Discovery may learn at once that router A left and that router B, restarted on the port A freed,
+    joined: B must end up subscribed, exactly once (two connections would deliver each message twice)."""
+
+    async def run():
+        sync = RouterSync("t", PeerPlacements(Index(), lambda: []), poll_s=0.01)
+        sync._sub, sync._registry, sync.endpoint = _Sub(), _Registry(), "tcp://127.0.0.1:1"
+        endpoint = "tcp://127.0.0.1:5000"
+        sync.connect("A", endpoint)
+
+        async def discover_until(check) -> None:
+            task = asyncio.create_task(sync._discover())
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if check():
+                    break
+            task.cancel()
+
+        sync._registry.peers = {"B": endpoint}
+        await discover_until(lambda: "B" in sync.peers)
+        assert sync.peers == {"B": endpoint} and sync._sub.connected == [endpoint]
+        sync._registry.peers = {}
+        await discover_until(lambda: not sync.peers)
+        assert sync._sub.connected == []
+
+    asyncio.run(run())

@@ -72,3 +72,18 @@ def test_a_request_committed_again_ages_the_short_window_and_counts_its_fork_onc
     assert p._fork_total == pytest.approx(once._fork_total)
     fork = shared[-1]
     assert p._fork_count[fork] * p._fork_k == pytest.approx(once._fork_count[fork] * once._fork_k)
+
+
+def test_a_commit_withdrawn_after_thousands_of_others_is_taken_back():
+    """The live router may withdraw a commit (the request went elsewhere, or was cancelled) after thousands
+    of other commits: it keeps up to 10,000 requests unsettled, and peers' placements count here too."""
+    p = make_policy("kvmesh")
+    for rid in ("r0", "r1"):
+        p.on_replica_added(rid)
+    waiting = RequestInfo([1, 2], 2 * BS, BS, 10, None, "waits")
+    p.on_routed(waiting, "r0")
+    assert p.recent_work()["r0"] > 0
+    for i in range(2000):
+        p.on_routed(RequestInfo([10_000 + i, 20_000 + i], 2 * BS, BS, 10, None, f"o{i}"), "r1")
+    p.on_unrouted(waiting, "r0")
+    assert p.recent_work()["r0"] == 0
