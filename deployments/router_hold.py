@@ -154,7 +154,10 @@ class TierHolding:
                 if released.is_set():
                     break
                 grown = self._pace(src)
-                if limit >= self.hold_limit_s or grown <= pace:
+                later = min(2.0 * max(src.prefill_end_s(grown) - start, 0.0) + 0.5, self.hold_limit_s)
+                # only a deadline still ahead is one to wait for: the waiting requests' pace grows with the
+                # clock itself, and a deadline it moves less than the clock would be retried here at once
+                if limit >= self.hold_limit_s or grown <= pace or start + later <= time.monotonic():
                     self.hold_timeouts += 1
                     return False
                 pace = grown

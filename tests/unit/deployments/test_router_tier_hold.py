@@ -557,3 +557,54 @@ def test_a_peer_request_completed_after_its_first_token_counts_in_the_lmcache_ti
     assert match["A2"][1] == 10  # q1: on A's node's host tier
     assert match["B"][2] == 10  # and in the shared tier, which B's node reads
     assert t.index.match(hashes[:1] + [7, 8])["B"][2] == 1  # q2 never started: only q1's block 1 is stored
+
+
+def test_a_hold_gives_up_when_the_pace_grows_slower_than_the_clock_instead_of_spinning():
+    """The pace of requests still waiting grows with the clock itself (each is later by the second): a
+    deadline it moves by less than the clock passes is one the wait must give up at, not retry at once
+    on the router's loop until the source comes back."""
+    import time
+
+    from kvmesh.deployments.router_hold import TierHolding
+
+    class Source:
+        first_token = False
+
+        def __init__(self):
+            self.routed_at = time.monotonic()
+            self.event = asyncio.Event()
+
+        def released(self):
+            return self.event
+
+        def prefill_end_s(self, pace: float = 1.0) -> float:
+            return self.routed_at + pace * 0.02  # 20 ms of prefill predicted
+
+    class Holding(TierHolding):
+        def __init__(self):
+            self._init_holds()
+            self.started = time.monotonic()
+            self.paces = 0
+
+        def _pace(self, src) -> float:  # three requests predicted at 1 s, 2 s late when the hold began
+            self.paces += 1
+            return max(1.0, (2.0 + time.monotonic() - self.started) / 1.0)
+
+    async def run():
+        holding, src = Holding(), Source()
+
+        async def release_later():
+            await asyncio.sleep(0.9)
+            src.first_token = True
+            src.event.set()
+
+        releaser = asyncio.create_task(release_later())
+        t0 = time.monotonic()
+        stored = await holding._wait_for_source(src)
+        waited = time.monotonic() - t0
+        releaser.cancel()
+        return stored, waited, holding
+
+    stored, waited, holding = asyncio.run(run())
+    assert not stored and holding.hold_timeouts == 1
+    assert waited < 0.85 and holding.paces < 20
