@@ -129,6 +129,7 @@ class LMCacheServer:
         self.inherit_output = inherit_output
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self.wanted = False  # started by its owner and not stopped by it: the watchdog keeps it running
         self.restarts = 0
         self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
@@ -153,6 +154,7 @@ class LMCacheServer:
 
     def launch(self) -> None:
         """Start the process without waiting (start several servers, then `wait_ready` each)."""
+        self.wanted = True
         if self.alive():
             return
         stops = self.stops
@@ -192,7 +194,7 @@ class LMCacheServer:
             if port_open(self.config.host, self.port) and self._scrape(timeout=2.0) is not None:
                 return self.endpoint
             time.sleep(0.25)
-        self.stop()
+        self._halt()  # still wanted: the watchdog tries again
         raise LMCacheServerError(
             f"LMCache server not ready after {self.config.start_timeout_s:.0f} s ({self.output_where()})"
         )
@@ -207,7 +209,13 @@ class LMCacheServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 20.0) -> None:
+        """The owner's stop: the process ends and stays ended."""
         self.stops += 1
+        self.wanted = False
+        self._halt(timeout)
+
+    def _halt(self, timeout: float = 20.0) -> None:
+        """End the process (its whole group); the port stays dark for RESTART_DARK_S."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -226,7 +234,7 @@ class LMCacheServer:
         """Same ports again, so engines configured with this endpoint reconnect to the new process.
 
         The port stays dark for RESTART_DARK_S first, so connectors notice and re-register."""
-        self.stop()
+        self._halt()
         self.restarts += 1
         self.shared_seen_down = False
         return self.start()
@@ -242,7 +250,7 @@ class LMCacheServer:
         "restarted-shared-back". With wait=False a restart only launches the process after the dark
         period (call `wait_ready` later).
         """
-        if self.proc is not None and not self.alive():
+        if self.wanted and not self.alive():  # died, or a restart that failed to launch or to serve
             self.start_again(wait)
             return "restarted-dead"
         up = self.shared_tier_up()
@@ -250,7 +258,7 @@ class LMCacheServer:
             self.shared_seen_down = True
             return "shared-down"
         if up and self.shared_seen_down:
-            self.stop()
+            self._halt()
             self.start_again(wait)
             return "restarted-shared-back"
         return "ok"

@@ -257,3 +257,38 @@ def test_a_shared_tier_probe_that_fails_once_is_asked_again_with_time_to_answer_
     probes.clear()
     answers[:] = [False]  # health() reports one quick probe: the node actor answers its callers one at a time
     assert srv.health()["shared_tier_up"] is False and probes == [1.0]
+
+
+def test_the_watchdog_keeps_restarting_a_server_whose_relaunch_failed_until_its_owner_stops_it(tmp_path):
+    """A relaunch that fails (Popen raising, or a server not serving in time) left no process, and the
+    watchdog only restarted a process it had: the server stayed down for good while reporting ok."""
+    import subprocess
+
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+
+    srv = LMCacheServer(TierConfig.from_dict({}), tmp_path / "log")
+    launches: list[int] = []
+
+    def launch() -> None:
+        launches.append(1)
+        srv.wanted = True
+        if len(launches) == 2:  # the first relaunch fails
+            raise OSError(24, "Too many open files")
+        srv.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    srv.launch = launch  # type: ignore[method-assign]
+    srv.wait_ready = lambda: srv.endpoint  # type: ignore[method-assign]
+    srv.start()
+    try:
+        srv.proc.kill()
+        srv.proc.wait()
+        with pytest.raises(OSError):
+            srv.supervise()
+        assert srv.proc is None
+        assert srv.supervise() == "restarted-dead" and srv.alive() and len(launches) == 3
+        srv.stop()
+        assert srv.supervise() == "ok" and not srv.alive() and len(launches) == 3
+    finally:
+        if srv.proc is not None:
+            srv.proc.kill()
