@@ -85,6 +85,9 @@ class EventRelay:
         self._pub = self._server.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._replay = self._server.socket(zmq.ROUTER)
+        # a ROUTER drops what is past a peer's high-water mark without a word (the end marker included):
+        # room for a whole reply, the buffer and its end
+        self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
         if ":" in bind_host:
             for s in (self._pub, self._replay):
                 s.setsockopt(zmq.IPV6, 1)

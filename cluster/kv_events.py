@@ -341,7 +341,12 @@ class KVEventSubscriber(KVEventApplier):
             src.replays_failed += 1
         if src.last_seq is not None:
             self.resync_fresh(src)
-        for s in sorted(fetched):  # the buffer's history is contiguous and newer than `exp`
+        # only the unbroken run of batches ending just before `upto`: a batch before a hole (a reply cut
+        # short, a batch the relay never got) may store a block a batch in the hole removed
+        first = upto
+        while first - 1 in fetched and first - 1 >= exp:
+            first -= 1
+        for s in range(first, upto):
             self.apply(src, s, fetched[s])
         if self.expected(src) < upto:
             src.last_seq = upto - 1
@@ -351,6 +356,7 @@ class KVEventSubscriber(KVEventApplier):
         zmq = self._zmq
         sock = self._secure(self._ctx.socket(zmq.DEALER), src.auth)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # a whole reply (up to the relay's buffer), not the first 1000 batches
         fetched: dict[int, bytes] = {}
         try:
             sock.connect(src.replay_endpoint)

@@ -242,6 +242,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._forget(rid)
         for r in candidates:
             rid = r.replica_id.unique_id
+            if rid in self._dead:  # a list from before it died (a background sync's)
+                continue
             stats = r.routing_stats or {}
             if rid not in known:
                 self._add_replica(r)
@@ -353,6 +355,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if self._loop is None or not self.subscribe_events:
             return
         if not any(self._unsubscribed(r) for r in replicas):
+            self._sync_wanted = None  # an older list still waiting may name replicas that have left since
             return
         self._sync_wanted = replicas  # the latest list: a task already running takes it up when done
         if self._syncing is None or self._syncing.done():

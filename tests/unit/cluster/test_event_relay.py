@@ -214,3 +214,68 @@ def test_the_relays_thread_is_named_in_the_os(relay):
 
     _, r = relay
     assert os_thread_name(r._thread.native_id) == "kvmesh-relay"
+
+
+def removed(hashes):
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+@pytest.mark.parametrize(
+    "replayed",
+    [{2: [stored([7])], 4: [stored([9])]}, {1: [stored([8])], 2: [stored([7])]}],
+    ids=["a_hole_in_the_reply", "a_reply_cut_short"],
+)
+def test_a_replay_with_a_hole_applies_nothing_from_before_the_hole(replayed):
+    """Batch 3 removed block 7, and the reply lacks it (the relay never got it, or the reply was cut short
+    before it): applying batch 2 would index block 7 the engine no longer holds, a hit predicted that the
+    engine cannot deliver. Only the unbroken run of batches up to the live one may be applied."""
+    from kvmesh.cluster.kv_events import SourceState
+
+    async def scenario():
+        index = PrefixIndex()
+        index.add_replica("e0")
+        sub = KVEventSubscriber(index, keys=KEYS)
+        try:
+            src = SourceState("e0", "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2")
+            sub.sources["e0"] = src
+            await sub._receive(src, [b"kvmesh", (0).to_bytes(8, "big"), batch(stored([1]))])
+
+            async def fetch(source, start):
+                return {s: batch(*events) for s, events in replayed.items()}
+
+            sub._fetch_replay = fetch  # type: ignore[method-assign]
+            await sub._receive(src, [b"kvmesh", (4).to_bytes(8, "big"), batch(stored([9]))])
+            assert src.replays_failed == 1 and src.last_seq == 4
+            assert index.match([7])["e0"][0] == 0 and index.match([9])["e0"][0] == 1
+        finally:
+            sub.sources.clear()  # made by hand, without a socket or a task
+            await sub.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_router_replays_the_relays_whole_buffer_of_large_batches(tmp_path):
+    """A ROUTER drops what is past a peer's high-water mark without a word, the end marker included: a
+    late router asking for a buffer of 8,000 batches of a few KB each got the first few thousand."""
+    up = Upstream(tmp_path / "pub")
+    r = EventRelay(up.endpoint, None, bind_host="127.0.0.1", keys=KEYS, topic="kvmesh")
+    big = list(range(10_000, 10_400))  # 400 block hashes a batch: a long prefill's BlockStored
+    try:
+        assert wait_for(lambda: (up.send(0, batch(stored([1]))), r.last_seq == 0)[1])
+        for seq in range(1, 8000):
+            up.send(seq, batch(stored([seq * 1000 + h for h in big[:400]])))
+        assert wait_for(lambda: r.last_seq == 7999)
+
+        async def scenario():
+            sub = KVEventSubscriber(PrefixIndex(), keys=KEYS, replay_timeout_s=5.0)
+            try:
+                await sub.add_source("e0", r.endpoint, topic="kvmesh", replay_endpoint=r.replay_endpoint, auth="curve")
+                return await sub._fetch_replay(sub.sources["e0"], 0)
+            finally:
+                await sub.close()
+
+        fetched = asyncio.run(scenario())
+        assert sorted(fetched) == list(range(8000))
+    finally:
+        r.close()
+        up.close()

@@ -158,3 +158,18 @@ def test_a_request_placed_on_a_replica_forgotten_since_it_was_ranked_leaves_it_f
         assert second.replica_id.unique_id not in router.policy.recent_work()
 
     asyncio.run(run())
+
+
+def test_a_replica_known_dead_is_not_added_back_by_a_list_from_before_it_died():
+    """A background sync may run with the replica list of an earlier request: a replica that died since
+    stays out of the index (peers' placements would speculate onto it)."""
+
+    async def run():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "warm"))
+        router.replica_failed("B")
+        await router._sync_replicas([a, b])
+        assert router.index.replicas() == ["A"] and "B" not in router.policy.recent_work()
+
+    asyncio.run(run())
