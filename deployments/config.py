@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -160,10 +161,44 @@ def _check_keys(raw: Mapping[str, Any], allowed: Mapping[str, Any], where: str) 
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
 
 
+def _number(value: Any, where: str, low: float = 0.0, high: float = math.inf, low_ok: bool = True) -> None:
+    """A finite number in [low, high] (low excluded unless `low_ok`), not a bool."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value >= low if low_ok else value > low) or value > high:
+        bounds = f"{'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        raise ConfigError(f"{where} must be a number {bounds}, got {value!r}")
+
+
+def _whole(value: Any, where: str, low: int = 1, none_ok: bool = True) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{where} must be an integer >= {low}{' or null' if none_ok else ''}, got {value!r}")
+
+
+def _text(value: Any, where: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+
+
 def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"engine must be a mapping of engine settings, got {type(raw).__name__}")
     raw = dict(raw or {})
     _check_keys(raw, ENGINE_DEFAULTS, "engine")
     cfg = {**copy.deepcopy(ENGINE_DEFAULTS), **raw}
+    _text(cfg["model"], "engine.model")
+    _text(cfg["dtype"], "engine.dtype")
+    _number(cfg["num_cpus"], "engine.num_cpus")
+    _number(cfg["num_gpus"], "engine.num_gpus")
+    _whole(cfg["num_gpu_blocks_override"], "engine.num_gpu_blocks_override")
+    _whole(cfg["max_num_seqs"], "engine.max_num_seqs")
+    _whole(cfg["max_num_batched_tokens"], "engine.max_num_batched_tokens")
+    _whole(cfg["seed"], "engine.seed", low=0, none_ok=False)
+    if cfg["gpu_memory_utilization"] is not None:
+        _number(cfg["gpu_memory_utilization"], "engine.gpu_memory_utilization", high=1.0, low_ok=False)
+    if not isinstance(cfg["kv_events"], bool):
+        raise ConfigError("engine.kv_events must be true or false")
     bs = cfg["block_size"]
     if not isinstance(bs, int) or bs <= 0:
         raise ConfigError("engine.block_size must be a positive integer")
@@ -205,6 +240,15 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(
             "engine.resources must map custom Ray resource names to positive amounts (CPU/GPU: num_cpus/num_gpus)"
         )
+    if cfg["lmcache"] is not None:  # checked where every replica would: stop the config, not the replicas
+        from kvmesh.kvstore.tiers import TierConfig, TierConfigError
+
+        if not isinstance(cfg["lmcache"], Mapping):
+            raise ConfigError("engine.lmcache must be a mapping of LMCache tier settings")
+        try:
+            TierConfig.from_dict(dict(cfg["lmcache"])).check_block_size(bs)
+        except (TierConfigError, TypeError, ValueError) as exc:
+            raise ConfigError(f"engine.lmcache: {exc}".splitlines()[0]) from None
     on_cpu = not cfg["num_gpus"]
     for key, cpu_value in CPU_ONLY_DEFAULTS.items():
         if cfg[key] is None and on_cpu:
@@ -241,9 +285,23 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         or cfg["max_migrations"] < 0
     ):
         raise ConfigError("config.max_migrations must be an integer >= 0")
-    for key in ("replicas", "ingress_replicas", "max_ongoing_requests", "port"):
-        if not isinstance(cfg[key], int) or cfg[key] < (0 if key == "port" else 1):
+    for key in ("replicas", "ingress_replicas", "max_ongoing_requests"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
             raise ConfigError(f"config.{key} must be a positive integer")
+    port = cfg["port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"config.port must be an integer 0-65535 (0: any free port), got {port!r}")
+    for key in ("name", "host", "route_prefix"):
+        _text(cfg[key], f"config.{key}")
+    _number(cfg["routing_stats_period_s"], "config.routing_stats_period_s", low_ok=False)
+    _number(cfg["speculative_ttl_s"], "config.speculative_ttl_s")
+    _whole(cfg["mismatch_alarm_after"], "config.mismatch_alarm_after", none_ok=False)
+    if cfg["served_model_name"] is not None:
+        _text(cfg["served_model_name"], "config.served_model_name")
+    if cfg["tenants_file"] is not None:
+        _text(cfg["tenants_file"], "config.tenants_file")
+        if cfg["api_keys"]:
+            raise ConfigError("config.tenants_file and config.api_keys exclude each other: keys go in the tenants file")
     if not isinstance(cfg["tenant_policies"], dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in cfg["tenant_policies"].items()
     ):
@@ -255,9 +313,12 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if not isinstance(cfg[key], bool):
             raise ConfigError(f"config.{key} must be true or false")
     _check_autoscaling(cfg["autoscaling"])
-    if cfg["address"] is not None and (not isinstance(cfg["address"], str) or not cfg["address"].strip()):
-        raise ConfigError("config.address must be a Ray cluster address (host:port) or null")
-    if cfg["proxy"] not in PROXY_ENV:
+    address = cfg["address"]
+    if address is not None and (
+        not isinstance(address, str) or not address.rpartition(":")[0] or not address.rpartition(":")[2].isdigit()
+    ):
+        raise ConfigError(f"config.address must be a Ray cluster address host:port or null, got {address!r}")
+    if not isinstance(cfg["proxy"], str) or cfg["proxy"] not in PROXY_ENV:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     _check_hash_risk(cfg)
     return cfg

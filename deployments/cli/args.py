@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _whole(text: str) -> int:
@@ -46,9 +48,25 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     value = _number(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file this command may write, checked before its work starts (a live run's results must not be lost
+    to a path that cannot be written at its end)."""
+    path = Path(text).absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    folder = path.parent  # the nearest folder that exists: the command makes the rest
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written here")
+    return text
 
 
 def int_range(text: str) -> tuple[int, int]:

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import positive_int
+from kvmesh.deployments.cli.args import output_file, positive_int
 
 # Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` is for machines
 # without vLLM.
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="live: give each node an LMCache server (host tier + fs shared tier) and report hits by tier",
     )
-    parser.add_argument("--json", default=None, help="write all results here")
+    parser.add_argument("--json", default=None, type=output_file, help="write all results here")
 
 
 def _check(args) -> list[str]:

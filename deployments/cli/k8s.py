@@ -36,8 +36,8 @@ def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tup
         manifest = Path(manifest_path).read_text()
     except OSError as exc:
         raise CliError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CliError(f"{config_path} is not valid YAML: {exc}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CliError(f"{config_path} is not valid YAML: {exc}".splitlines()[0]) from None
     if not isinstance(raw, dict):
         raise CliError(f"{config_path} must be a mapping of kvmesh config keys")
     try:

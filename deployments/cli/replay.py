@@ -13,7 +13,7 @@ import json
 import os
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_float, positive_int
+from kvmesh.deployments.cli.args import non_negative_float, output_file, positive_int
 
 
 def _tenant_key(text: str) -> tuple[str, str]:
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=non_negative_float, default=300.0, help="per-request timeout, s")
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", required=True, help="write the summary JSON here")
+    parser.add_argument("--json", required=True, type=output_file, help="write the summary JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import threading
 
 from kvmesh.deployments.cli import CliError
 
+DRIVER_KEY_ENV = "KVMESH_SERVE_API_KEY"  # `--api-key` as the relay hands it to the driver
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", help="serving config YAML (deployments/config.py); flags override it")
@@ -81,11 +83,13 @@ def _build_config(args) -> dict:
     if args.autoscaling is not None:
         lo, hi = (int(n) for n in args.autoscaling.split(":"))
         cfg["autoscaling"] = {**(cfg.get("autoscaling") or {}), "min_replicas": lo, "max_replicas": hi}
+    api_key = args.api_key or os.environ.pop(DRIVER_KEY_ENV, None)  # the driver gets it from the relay
     if args.tenants:
         cfg["tenants_file"] = args.tenants
         cfg["api_keys"] = []
-    elif args.api_key:
-        cfg["api_keys"] = [args.api_key]
+    elif api_key:  # one tenant, this key: a tenants file from the config would make the key printed useless
+        cfg["api_keys"] = [api_key]
+        cfg["tenants_file"] = None
     elif not cfg["api_keys"] and not cfg["tenants_file"]:
         cfg["api_keys"] = [new_api_key()]
     if cfg["engine"]["model"] != "tiny":
@@ -101,8 +105,8 @@ def run(args) -> int:
 
     try:
         cfg = _build_config(args)
-    except (ConfigError, ValueError) as exc:
-        raise CliError(str(exc)) from None
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     if cfg["api_keys"]:
         from kvmesh.deployments.tenants import TenantRegistry
 
@@ -118,11 +122,13 @@ def run(args) -> int:
         from kvmesh.deployments.port_check import check_port_free
 
         try:
-            check_port_free(cfg["host"], cfg["port"])
-            if not cfg["address"]:
+            if not cfg["address"]:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does
+                check_port_free(cfg["host"], cfg["port"])
                 local_num_cpus(cfg, args.num_cpus)
         except (OSError, NotEnoughResources) as exc:
             raise CliError(getattr(exc, "strerror", None) or str(exc)) from None
+        if args.api_key:  # to the driver through its environment, not its command line (`ps` shows that)
+            os.environ[DRIVER_KEY_ENV] = args.api_key
         return supervise(["serve", *_flags(args)])
     return _drive(args, cfg)
 
@@ -131,7 +137,7 @@ def _flags(args) -> list[str]:
     """The command line that reproduces `args` (for the driver process)."""
     out = []
     for dest, value in vars(args).items():
-        if value is not None and dest != "command" and not dest.startswith("_"):
+        if value is not None and dest not in ("command", "api_key") and not dest.startswith("_"):
             out += [f"--{dest.replace('_', '-')}", str(value)]
     return out
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_float, non_negative_int, positive_float, positive_int
+from kvmesh.deployments.cli.args import non_negative_float, non_negative_int, output_file, positive_float, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,7 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uncached-rate", type=float, default=3.00, help="$ per 1M uncached prompt tokens")
     p.add_argument("--cached-rate", type=float, default=0.30, help="$ per 1M cached prompt tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result document here")
+    p.add_argument(
+        "--json", dest="json_out", default=None, metavar="OUT", type=output_file, help="write the result document here"
+    )
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of hit rate and p90 TTFT per policy")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import BUNDLED, read_records
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import int_range, positive_int
+from kvmesh.deployments.cli.args import int_range, output_file, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--replicas", type=positive_int, default=4)
     b.add_argument("--limit", type=positive_int, default=None)
     b.add_argument("--warmup", type=int, default=0, help="first N records fill the caches uncounted")
-    b.add_argument("--json", default=None, help="also write the result here")
+    b.add_argument("--json", default=None, type=output_file, help="also write the result here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         f"hit rate {result['round_robin_infinite']['hit_rate']:.3f}"
     )
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
     return 0

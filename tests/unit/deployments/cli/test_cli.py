@@ -111,6 +111,10 @@ def test_shared_argument_types_accept(check, text, value):
         (args.positive_float, "inf", "must be a positive number"),
         (args.positive_float, "nan", "must be a positive number"),
         (args.non_negative_float, "-0.5", "must be >= 0"),
+        (args.non_negative_float, "inf", "must be a finite number"),
+        (args.non_negative_float, "nan", "must be a finite number"),
+        (args.output_file, "/", "is a directory, not a file"),
+        (args.output_file, "/proc/1/x/out.json", "cannot be written here"),
         (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
         (args.choices_csv(("a", "b")), "c", "choose from a, b"),
         (args.choices_csv(("a", "b")), ",", "choose from a, b"),
@@ -137,3 +141,50 @@ def test_subcommands_share_the_checks(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("engine: 5", "engine must be a mapping"),
+        ("proxy: []", "config.proxy must be one of"),
+        ("engine: {model: 5}", "engine.model must be a non-empty string"),
+        ("host: 5", "config.host must be a non-empty string"),
+        ("port: 70000", "config.port must be an integer 0-65535"),
+        ("engine: {num_cpus: abc}", "engine.num_cpus must be a number"),
+        ("engine: {num_gpus: -1}", "engine.num_gpus must be a number >= 0"),
+        ("engine: {lmcache: {l1_size_gbb: 4}}", "engine.lmcache: unknown lmcache key"),
+        ("speculative_ttl_s: x", "config.speculative_ttl_s must be a number"),
+        ("mismatch_alarm_after: x", "config.mismatch_alarm_after must be an integer"),
+        ("address: 127.0.0.1", "config.address must be a Ray cluster address host:port"),
+        ("{tenants_file: t.yaml, api_keys: [kvm-abcdefgh12345]}", "exclude each other"),
+    ],
+)
+def test_a_serving_config_that_would_fail_later_is_refused_in_one_line(tmp_path, capsys, text, message):
+    """Wrong types and values stop the config with one line and exit 2, before anything starts: not a
+    traceback, and not replicas failing after deployment."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_api_key_on_the_command_line_replaces_a_tenants_file_from_the_config(tmp_path):
+    """The key serve prints must be the one that works: a tenants file from the config would refuse it."""
+    from kvmesh.deployments.cli import build_parser
+    from kvmesh.deployments.cli.serve import _build_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("tenants_file: t.yaml\n")
+    parsed = build_parser("serve").parse_args(["serve", "--config", str(config), "--api-key", "kvm-abcdefgh12345"])
+    cfg = _build_config(parsed)
+    assert cfg["api_keys"] == ["kvm-abcdefgh12345"] and cfg["tenants_file"] is None
+
+
+def test_the_api_key_reaches_the_serve_driver_through_its_environment_not_its_command_line():
+    from kvmesh.deployments.cli import build_parser
+    from kvmesh.deployments.cli.serve import _flags
+
+    parsed = build_parser("serve").parse_args(["serve", "--port", "8123", "--api-key", "kvm-supersecret123"])
+    assert "kvm-supersecret123" not in _flags(parsed) and "--port" in _flags(parsed)
