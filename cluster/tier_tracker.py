@@ -13,8 +13,8 @@ salt), not vLLM block hashes, so they can never match a request in the index; th
 them (`apply_events`) instead of filling the index with keys nothing looks up.
 
 What is modelled rather than observed: L1 capacity (an LRU per node of `host_capacity_blocks`,
-parents outliving children as in vLLM's own pool), optional L2 capacity (`shared_capacity_blocks`,
-None = a Redis without maxmemory), loss of the shared tier (`set_shared_up(False)` forgets every
+parents outliving children as in vLLM's own pool), optional L2 capacity (`shared_capacity_blocks`; when
+either is unknown, the index's own size bounds it), loss of the shared tier (`set_shared_up(False)` forgets every
 shared entry: a restarted Redis is empty) and a restarted node server (`node_restarted`: L1 lost).
 Only whole LMCache chunks are stored, so a prompt counts up to its last full chunk
 (`chunk_blocks` = LMCache chunk size / engine block size).
@@ -40,7 +40,10 @@ class TierTracker:
         self._host: dict[str, BlockLRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
         self._chunk_blocks: dict[str, int] = {}  # node id -> LMCache chunk / engine block
         self._shared_nodes: set[str] = set()
-        self._shared = BlockLRU(shared_capacity_blocks)
+        # a tier of unknown size is modelled no larger than the index (a Redis with maxmemory evicts without a
+        # word to the router): the marks it drops are an under-estimate, and the router's memory stays bounded
+        self._unknown_capacity = getattr(index, "max_blocks", None)
+        self._shared = BlockLRU(shared_capacity_blocks or self._unknown_capacity)
         self.shared_up = True
         self.counters = dict.fromkeys(
             (
@@ -73,11 +76,12 @@ class TierTracker:
 
         Idempotent (routers call it whenever routing stats arrive)."""
         self._chunk_blocks[node_id] = max(1, int(chunk_blocks or self.chunk_blocks))
+        capacity = host_capacity_blocks if host_capacity_blocks is not None else self._unknown_capacity
         lru = self._host.get(node_id)
         if lru is None:
-            self._host[node_id] = BlockLRU(host_capacity_blocks)
+            self._host[node_id] = BlockLRU(capacity)
         else:
-            lru.capacity = host_capacity_blocks
+            lru.capacity = capacity
         (self._shared_nodes.add if has_shared_tier else self._shared_nodes.discard)(node_id)
 
     def record_prefill(self, replica_id: str, block_hashes: Sequence[int]) -> int:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 from kvmesh.kvstore.lmcache_server import LMCacheServer
-from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config
+from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config, redacted
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -132,9 +132,10 @@ def ensure_node_server(
     )
     shape, endpoint = ray.get([actor.shape.remote(), actor.endpoint.remote()], timeout=timeout_s)
     if shape != {"chunk_size": cfg.chunk_size, "l2": cfg.l2}:
+        theirs = {**shape, "l2": redacted(shape.get("l2"))}
         raise TierConfigError(
-            f"node {node_id[:12]} already runs an LMCache server with {shape}; "
-            f"this engine asked for chunk_size={cfg.chunk_size} l2={cfg.l2}"
+            f"node {node_id[:12]} already runs an LMCache server with {theirs}; "
+            f"this engine asked for chunk_size={cfg.chunk_size} l2={redacted(cfg.l2)}"
         )
     return tuple(endpoint)
 

@@ -112,6 +112,19 @@ class TierConfig:
         return self.l2["type"] if self.l2 else None
 
 
+def redacted(l2) -> object:
+    """An L2 setting fit for an error message or a log: its credentials replaced by '***'."""
+    if isinstance(l2, str):
+        url = urlparse(l2)
+        if url.password or url.username:
+            host = url.hostname or ""
+            return url._replace(netloc=f"***@{host}" + (f":{url.port}" if url.port else "")).geturl()
+        return l2
+    if isinstance(l2, dict):
+        return {k: ("***" if k in ("password", "username") else v) for k, v in l2.items()}
+    return l2
+
+
 def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
     """Turn the accepted spellings of an L2 into the JSON object LMCache's `--l2-adapter` takes."""
     if l2 is None or l2 == "none":
@@ -123,7 +136,7 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
         url = urlparse(l2)
         if url.scheme in ("redis", "resp", "valkey"):
             if not url.hostname or not url.port:
-                raise TierConfigError(f"l2 URL {l2!r} needs a host and a port, e.g. redis://127.0.0.1:6379")
+                raise TierConfigError(f"l2 URL {redacted(l2)!r} needs a host and a port, e.g. redis://127.0.0.1:6379")
             if url.scheme == "valkey":
                 return {"type": "valkey", "startup_nodes": f"{url.hostname}:{url.port}"}
             out = {"type": "resp", "host": url.hostname, "port": url.port}
@@ -132,7 +145,9 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
             if url.username:
                 out["username"] = unquote(url.username)
             return out
-        raise TierConfigError(f"l2 {l2!r} not understood; use none, fs, redis://H:P, valkey://H:P or an adapter dict")
+        raise TierConfigError(
+            f"l2 {redacted(l2)!r} not understood; use none, fs, redis://H:P, valkey://H:P or an adapter dict"
+        )
     if isinstance(l2, dict):
         if not isinstance(l2.get("type"), str):
             raise TierConfigError("an l2 adapter dict needs a string 'type' (fs, resp, valkey, mooncake_store, ...)")

@@ -197,3 +197,20 @@ def test_without_lmcache_the_match_is_the_index_own():
     idx.store("a", [1, 2], tier="host")  # an engine's own offload events, not LMCache's
     m = idx.match([1, 2])
     assert t.loadable(m) is m and m["a"] == (0, 2, 2)
+
+
+def test_tiers_of_unknown_size_are_modelled_no_larger_than_the_index():
+    """Nothing says how much a Redis (maxmemory, LRU) or a host tier of unknown size holds: modelled without a
+    bound, the router's shadow of them grew with every prefix ever stored, and kept predicting hits for
+    blocks the tier had long evicted. The index's own size bounds them; what they drop is an under-estimate."""
+    idx = PrefixIndex(max_blocks=50)
+    idx.add_replica("a", "n1")
+    idx.add_replica("b", "n2")
+    t = TierTracker(idx)
+    t.set_node("n1", has_shared_tier=True)
+    t.set_node("n2", has_shared_tier=True)
+    for i in range(40):
+        t.record_prefill("a", [1000 * i + k for k in range(4)])
+    assert len(t._shared) <= 50 and len(t._host["n1"]) <= 50
+    assert t.match([0, 1, 2, 3])["b"] == (0, 0, 0)  # the first prompt's marks went with them
+    assert t.match([39_000, 39_001, 39_002, 39_003])["b"] == (0, 0, 4)

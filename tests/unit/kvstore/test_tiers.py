@@ -292,3 +292,16 @@ def test_the_watchdog_keeps_restarting_a_server_whose_relaunch_failed_until_its_
     finally:
         if srv.proc is not None:
             srv.proc.kill()
+
+
+def test_a_shared_tier_password_never_reaches_an_error_message():
+    """The messages about an l2 setting name it (an engine's start-up error lands in Serve's logs), with its
+    credentials masked."""
+    from kvmesh.kvstore.tiers import TierConfigError, normalise_l2, redacted
+
+    for bad in ("redis://:s3cret@myredis", "rediss://user:s3cret@myredis:6380"):
+        with pytest.raises(TierConfigError) as err:
+            normalise_l2(bad)
+        assert "s3cret" not in str(err.value) and "myredis" in str(err.value)
+    assert "s3cret" not in str(redacted({"type": "resp", "host": "h", "port": 1, "password": "s3cret"}))
+    assert redacted("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
