@@ -40,6 +40,7 @@ class TierTracker:
         self._host: dict[str, BlockLRU] = {}  # node id -> its L1 model (only nodes that run LMCache)
         self._chunk_blocks: dict[str, int] = {}  # node id -> LMCache chunk / engine block
         self._shared_nodes: set[str] = set()
+        self._down: set[str] = set()  # nodes whose server is not serving: their engines' stats do not bring them back
         # a tier of unknown size is modelled no larger than the index (a Redis with maxmemory evicts without a
         # word to the router): the marks it drops are an under-estimate, and the router's memory stays bounded
         self._unknown_capacity = getattr(index, "max_blocks", None)
@@ -74,7 +75,10 @@ class TierTracker:
     ) -> None:
         """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not).
 
-        Idempotent (routers call it whenever routing stats arrive)."""
+        Idempotent (routers call it whenever routing stats arrive). Not while the node is down (`drop_node`):
+        the stats say the engine was configured with a server, not that the server serves."""
+        if node_id in self._down:
+            return
         self._chunk_blocks[node_id] = max(1, int(chunk_blocks or self.chunk_blocks))
         capacity = host_capacity_blocks if host_capacity_blocks is not None else self._unknown_capacity
         lru = self._host.get(node_id)
@@ -176,10 +180,12 @@ class TierTracker:
             self.index.remove_host(node_id, gone)
             self.counters["host_dropped_on_restart"] += len(gone)
 
-    def drop_node(self, node_id: str) -> None:
-        """The node left the cluster (or its LMCache server is gone for good): forget its host tier and
+    def drop_node(self, node_id: str, down: bool = False) -> None:
+        """The node left the cluster, or (`down`) its LMCache server does not serve: forget its host tier and
         stop counting it as a writer to the shared tier. A node that comes back is declared anew by
-        `set_node` when its engines' routing stats arrive."""
+        `set_node` when its engines' routing stats arrive; one that was down, only once `node_serving`."""
+        if down:
+            self._down.add(node_id)
         if node_id not in self._host:
             return
         self.node_restarted(node_id)
@@ -187,6 +193,10 @@ class TierTracker:
         self._chunk_blocks.pop(node_id, None)
         self._shared_nodes.discard(node_id)
         self.counters["nodes_dropped"] += 1
+
+    def node_serving(self, node_id: str) -> None:
+        """The node's server serves again: its engines' routing stats may declare it (`set_node`)."""
+        self._down.discard(node_id)
 
     def any_node(self) -> bool:
         """Does any node run an LMCache server the router models?"""

@@ -132,6 +132,7 @@ class LMCacheServer:
         self.wanted = False  # started by its owner and not stopped by it: the watchdog keeps it running
         self.restarts = 0
         self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
+        self.shared_losses = 0  # times the watchdog found the shared tier unreachable (it may be back empty)
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
         self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
 
@@ -255,6 +256,8 @@ class LMCacheServer:
             return "restarted-dead"
         up = self.shared_tier_up()
         if up is False:
+            if not self.shared_seen_down:
+                self.shared_losses += 1
             self.shared_seen_down = True
             return "shared-down"
         if up and self.shared_seen_down:
@@ -315,5 +318,6 @@ class LMCacheServer:
             "shared_tier": self.config.shared_tier,
             "shared_tier_up": shared_tier_reachable(self.config.l2),
             "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
+            "shared_tier_losses": self.shared_losses,
             "healthy": serving and bool(samples),
         }

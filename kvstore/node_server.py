@@ -214,6 +214,7 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
     import asyncio
 
     restarts: dict[str, int] = {}
+    losses: dict[str, int] = {}
     while stop is None or not stop.is_set():
         try:
             actors = await asyncio.to_thread(node_servers)
@@ -222,16 +223,27 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
                 try:
                     health[node] = await asyncio.wait_for(actor.health.remote(), timeout=5.0)
                 except Exception:
-                    tracker.drop_node(node)  # the actor (or its node) does not answer
+                    tracker.drop_node(node, down=True)  # the actor (or its node) does not answer
                     continue
                 if not health[node].get("serving", True):
-                    tracker.drop_node(node)  # the server process is dead; the watchdog restarts it empty
+                    tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
+                else:
+                    tracker.node_serving(node)
             for node in list(tracker.nodes()):
                 if node not in actors:
                     tracker.drop_node(node)
+            # a shared tier a node's watchdog found down since this watch last looked may be back empty (a Redis
+            # restarted between two looks): what the router marked there is gone
+            lost = False
+            for node, h in health.items():
+                seen = h.get("shared_tier_losses", 0)
+                lost |= node in losses and seen > losses[node]
+                losses[node] = seen
             ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
+            if lost:
+                tracker.set_shared_up(False)
             if ups:
-                tracker.set_shared_up(all(ups))
+                tracker.set_shared_up(all(ups) and not any(h.get("shared_tier_was_down") for h in health.values()))
             for node, h in health.items():
                 seen = h.get("restarts", 0)
                 if node in restarts and seen > restarts[node]:

@@ -62,6 +62,63 @@ def test_dead_unreachable_and_vanished_node_servers_leave_the_tier_view(monkeypa
     assert index.match([hash("up") + k for k in range(4)])["r-up"] == (0, 4, 4)
 
 
+def _watch_rounds(tracker, rounds) -> None:
+    """Run the watch over a sequence of rounds: each a (node -> health reply) map, and what happens between
+    two looks (a callable: a request's routing stats, a prefill)."""
+    stop = asyncio.Event()
+    actors: dict = {}
+
+    async def run():
+        watch = asyncio.create_task(node_server.watch_tier_health(tracker, interval_s=0.02, stop=stop))
+        for replies, between in rounds:
+            actors.clear()
+            actors.update({node: _actor(reply) for node, reply in replies.items()})
+            await asyncio.sleep(0.1)
+            between()
+        stop.set()
+        await watch
+
+    node_server_nodes = node_server.node_servers
+    node_server.node_servers = lambda: dict(actors)
+    try:
+        asyncio.run(run())
+    finally:
+        node_server.node_servers = node_server_nodes
+
+
+def test_a_node_whose_server_is_down_stays_out_of_the_tier_view_until_it_serves():
+    """Every request's routing stats declare the engine's node again (`set_node`): that must not bring back
+    a node whose server is down, or prefills meanwhile count as stored in a tier that is not there."""
+    index = PrefixIndex()
+    tracker = TierTracker(index)
+    index.add_replica("r", node_id="n")
+
+    def declare():  # what the router does on every request
+        tracker.set_node("n", has_shared_tier=True, host_capacity_blocks=100)
+
+    declare()
+    _watch_rounds(tracker, [({"n": _healthy(serving=False)}, declare)])
+    assert "n" not in tracker.nodes() and tracker.record_prefill("r", [1, 2, 3]) == 0
+    _watch_rounds(tracker, [({"n": _healthy()}, declare)])
+    assert "n" in tracker.nodes() and tracker.record_prefill("r", [1, 2, 3]) == 3
+
+
+def test_a_shared_tier_that_went_down_and_came_back_between_two_looks_is_forgotten():
+    """A Redis restarted empty between two of the watch's looks: the node's watchdog counted the loss, and
+    what the router marked in the shared tier is gone."""
+    index = PrefixIndex()
+    tracker = TierTracker(index)
+    for node in ("a", "b"):
+        index.add_replica(f"r-{node}", node_id=node)
+        tracker.set_node(node, has_shared_tier=True, host_capacity_blocks=100)
+    tracker.record_prefill("r-a", [1, 2, 3])
+    assert index.match([1, 2, 3])["r-b"] == (0, 0, 3)
+    before = {**_healthy(), "shared_tier_losses": 0}
+    after = {**_healthy(), "shared_tier_losses": 1}  # seen down by the node's watchdog, up again now
+    _watch_rounds(tracker, [({"a": before, "b": before}, lambda: None), ({"a": after, "b": before}, lambda: None)])
+    assert index.match([1, 2, 3])["r-b"] == (0, 0, 0) and tracker.shared_up
+
+
 class _RecordingServer:
     """Stands in for LMCacheServer in NodeServerCore: records where its output was to go."""
 
