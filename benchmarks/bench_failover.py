@@ -38,7 +38,8 @@ def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunRepor
     from kvmesh.deployments.tenants import hash_api_key
 
     keys = {run: f"kvm-bench-{run}-" + os.urandom(6).hex() for run in ("untouched", "killed")}
-    tenants = [{"id": run, "keys": [{"sha256": hash_api_key(key)}]} for run, key in keys.items()]
+    # both operators: the bench reads the router's state (which replica runs where) with either key
+    tenants = [{"id": run, "keys": [{"sha256": hash_api_key(key)}], "operator": True} for run, key in keys.items()]
     tenants_file = os.path.join(tempfile.mkdtemp(prefix="kvmesh-bench-failover-"), "tenants.yaml")
     with open(tenants_file, "w", encoding="utf-8") as fh:
         yaml.safe_dump({"tenants": tenants}, fh)

@@ -13,18 +13,24 @@ from pathlib import Path
 from kvmesh.cluster.cachetest_analysis import Prepared
 from kvmesh.deployments.cachetest import CachetestConfig, CachetestError, Runner, offline_figures
 
+OPERATOR = "cachetest-operator"  # the test's own tenant: reads the server's counters and every record whole
 
-def tenants_file(folder: Path, tenants: Sequence[str]) -> tuple[Path, dict[str, str]]:
-    """A tenants file with one fresh key per tenant (no limits); (path, tenant -> key)."""
+
+def tenants_file(folder: Path, tenants: Sequence[str]) -> tuple[Path, dict[str, str], str]:
+    """A tenants file with one fresh key per tenant (no limits) and one for the test itself, an operator;
+    (path, tenant -> key, the operator's key)."""
     import yaml
 
     from kvmesh.deployments.tenants import hash_api_key, new_api_key
 
     keys = {t: new_api_key() for t in tenants}
-    doc = {"tenants": [{"id": t, "keys": [{"sha256": hash_api_key(k)}]} for t, k in keys.items()]}
+    operator_key = new_api_key()
+    entries: list[dict] = [{"id": t, "keys": [{"sha256": hash_api_key(k)}]} for t, k in keys.items()]
+    entries.append({"id": OPERATOR, "keys": [{"sha256": hash_api_key(operator_key)}], "operator": True})
+    doc = {"tenants": entries}
     path = folder / "tenants.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path, keys
+    return path, keys, operator_key
 
 
 def app_config_for(tenants_path: Path, replicas: int, block_size: int, gpu_blocks: int = 1024) -> dict:
@@ -62,8 +68,8 @@ def serve_and_test(
             p.req.tenant = "default"
             p.tok.tenant = "default"
     folder = Path(tempfile.mkdtemp(prefix="kvmesh-cachetest-"))
-    path, keys = tenants_file(folder, tenants)
-    cfg = replace(cfg, tenant_keys=keys, api_key=None)
+    path, keys, operator_key = tenants_file(folder, tenants)
+    cfg = replace(cfg, tenant_keys=keys, api_key=operator_key)  # every request has its tenant's key
     offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
     main_runner: Runner | None = None
     counts = [replicas, *[n for n in (sweep or []) if n != replicas]]

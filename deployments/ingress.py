@@ -95,9 +95,9 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
     if keys:
         from kvmesh.deployments.tenants import hash_api_key
 
-        return TenantRegistry.from_dict(
-            {"tenants": [{"id": "default", "keys": [{"sha256": hash_api_key(k)} for k in keys]}]}
-        )
+        # one tenant, so its operator too (there is no one else): as `kvmesh serve --api-key`
+        keyed = [{"sha256": hash_api_key(k)} for k in keys]
+        return TenantRegistry.from_dict({"tenants": [{"id": "default", "keys": keyed, "operator": True}]})
     return None
 
 
