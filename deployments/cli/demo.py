@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> list[str]:
+    if args.model != "tiny" and not os.path.isdir(args.model):  # before Ray starts, not as its deploy failing
+        raise CliError(f"kvmesh demo: --model {args.model}: not a local model directory (or 'tiny')")
     if args.tokens_per_block % ENGINE_BLOCK:
         raise CliError(
             f"kvmesh demo: --tokens-per-block must be a multiple of {ENGINE_BLOCK} (the CPU engine block size)"

@@ -188,3 +188,8 @@ def test_the_api_key_reaches_the_serve_driver_through_its_environment_not_its_co
 
     parsed = build_parser("serve").parse_args(["serve", "--port", "8123", "--api-key", "kvm-supersecret123"])
     assert "kvm-supersecret123" not in _flags(parsed) and "--port" in _flags(parsed)
+
+
+def test_the_demo_refuses_a_model_that_is_not_there_before_anything_starts(capsys):
+    assert main(["demo", "--model", "/nonexistent-model-dir"]) == 2
+    assert "not a local model directory" in capsys.readouterr().err
