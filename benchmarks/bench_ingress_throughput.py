@@ -528,6 +528,8 @@ def main() -> None:
     wanted = os.environ.get("BENCH_INGRESS_SETUPS")
     setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
     rounds = int(os.environ.get("BENCH_INGRESS_ROUNDS", "1"))
+    if not setups or rounds < 1:  # nothing measured would judge nothing, and pass
+        raise SystemExit(f"BENCH_INGRESS_SETUPS={wanted!r}, BENCH_INGRESS_ROUNDS={rounds}: no setup to measure")
     forms = ("tokens", "text")
     offline = offline_costs(forms)
     rows = []

@@ -38,12 +38,9 @@ SYSTEM_TOKENS, HISTORY_TOKENS, NEW_TOKENS = 2048, 4096, 2048
 
 
 def _policy():
-    try:
-        from kvmesh.policies.registry import make_policy
+    from kvmesh.policies.registry import make_policy
 
-        return make_policy("kvmesh"), "kvmesh policy"
-    except Exception as exc:  # policies not present in this build
-        return None, f"no kvmesh policy ({exc}); hash + lookup only"
+    return make_policy("kvmesh"), "kvmesh policy"
 
 
 def _build_index(rng: random.Random):

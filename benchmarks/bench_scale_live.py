@@ -217,6 +217,8 @@ def main() -> None:
     out_dir = bench_out("scale_live")
     wanted_setups = os.environ.get("BENCH_SCALE_LIVE_SETUPS")
     setups = [s for s in SETUPS if not wanted_setups or str(s[0]) in wanted_setups.split(",")]
+    if not setups:  # nothing measured would judge nothing, and pass
+        raise SystemExit(f"BENCH_SCALE_LIVE_SETUPS={wanted_setups!r}: no setup to measure")
     names = (os.environ.get("BENCH_SCALE_LIVE_WORKLOADS") or "chat,mooncake").split(",")
     repeats = int(os.environ.get("BENCH_SCALE_LIVE_REPEATS", REPEATS))
     loads = workloads(names)

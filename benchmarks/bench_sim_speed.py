@@ -31,11 +31,13 @@ def main() -> None:
     targets = Targets()
     out_dir = os.environ.get("BENCH_OUT", "out")
     path = os.path.join(out_dir, "chat1m.jsonl")
-    if not os.path.exists(path):
+    if not os.path.exists(path):  # written aside, then moved: an interrupted run leaves no short trace here
         os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "trace", "synth", "--out", path, *SYNTH]
+        part = path + ".part"
+        cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "trace", "synth", "--out", part, *SYNTH]
         print("$ kvmesh trace synth --out", path, " ".join(SYNTH), flush=True)
         subprocess.run(cmd, check=True)
+        os.replace(part, path)
     c0, w0 = time.process_time(), time.perf_counter()
     trace = load_trace(path)
     print(
@@ -53,7 +55,7 @@ def main() -> None:
         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); "
         f"hit rate {m['hit_rate_tokens']:.4f}, imbalance {m['imbalance']:.3f}, p90 TTFT {m['ttft_p90_s']:.3f} s"
     )
-    ok = cpu <= TARGET_S
+    ok = cpu <= TARGET_S and len(trace) >= 1_000_000  # a trace kept from other settings is no measurement
     print(f"  1M x 256 replicas <= {TARGET_S:.0f} s CPU, measured: {targets.verdict('simulator 1M x 256 speed', ok)}")
     targets.exit_if_missed()
 

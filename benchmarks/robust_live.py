@@ -550,9 +550,12 @@ def live_checks(row: dict) -> dict[str, bool]:
         "sim max/mean within 0.15": row["sim_vs_live"]["prefill_max_over_mean"]
         <= SIM_TOLERANCES["prefill_max_over_mean"],
         "sim requests/replica within 0.15": row["sim_vs_live"]["requests"] <= SIM_TOLERANCES["requests"],
+        # a baseline's figures come from its requests that succeeded: one that failed some is no comparison
+        "round robin zero errors": rr.get("errors", 0) == 0,
     }
     if "peer" in row:  # rows saved before the peer leg was added have none
         checks[peer_check(row["peer"]["setup"])] = k["hit"] >= row["peer"]["hit"] - 0.03
+        checks["peer zero errors"] = row["peer"].get("errors", 0) == 0
     if "sim_round_robin" in row:  # nor the simulated round robin
         checks["simulated TTFT p50 <= round robin's"] = row["sim"]["ttft_p50_s"] <= row["sim_round_robin"]["ttft_p50_s"]
     if "round_robin_tier" in row:  # the deployed configuration, against round robin on the same LMCache engines
@@ -561,6 +564,7 @@ def live_checks(row: dict) -> dict[str, bool]:
         checks["with LMCache: prefill max/mean <= 1.25"] = t["prefill_max_over_mean"] <= 1.25
         checks["with LMCache: TTFT p50 <= round robin's with LMCache"] = t["ttft_p50_s"] <= rt["ttft_p50_s"]
         checks["with LMCache: zero errors"] = t["errors"] == 0
+        checks["with LMCache: round robin zero errors"] = rt.get("errors", 0) == 0
     if "sim_round_robin_tier" in row:  # nor round robin simulated with the shared tier
         checks["simulated with a shared tier: TTFT p50 <= round robin's"] = (
             row["sim_tier"]["ttft_p50_s"] <= row["sim_round_robin_tier"]["ttft_p50_s"]

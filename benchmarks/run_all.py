@@ -22,6 +22,17 @@ GROUPS = {"scale": {"bench_ingress_throughput", "bench_overhead"}}
 def main(argv=None) -> int:
     wanted = set((argv if argv is not None else sys.argv[1:]) or os.environ.get("BENCH", "").split(",")) - {""}
     names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
+    shorts = {n.removeprefix("bench_") for n in names}
+    unknown = sorted(
+        w
+        for w in wanted
+        if w not in names and w not in GROUPS and not any(s == w or s.startswith(w + "_") for s in shorts)
+    )
+    if unknown:  # a misspelt name would run nothing and pass
+        print(
+            f"BENCH: no benchmark named {', '.join(unknown)} (benchmarks: {', '.join(sorted(shorts))})", file=sys.stderr
+        )
+        return 2
     crashed, failed = [], []
     for name in names:
         short = name.removeprefix("bench_")

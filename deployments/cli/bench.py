@@ -144,7 +144,7 @@ def _run_peers(args) -> int:
     results.write_json(out / "peers.json", meta, rows, verdicts, extra)
     results.write_png(out / "peers.png", rows)
     print(f"\nwrote {out / 'peers.json'} and {out / 'peers.png'} (logs in {work_dir / 'logs'})")
-    return 0
+    return 0 if verdicts and all(v["pass"] for v in verdicts) else 1  # a miss, or nothing judged
 
 
 def _run_overhead(args) -> int:

@@ -30,6 +30,17 @@ def test_the_no_tier_targets_include_the_peer_check_where_the_row_has_a_peer_leg
     assert not meets_no_tier_targets(piled, live_checks(piled))
 
 
+def test_a_baseline_that_failed_requests_is_no_comparison():
+    """A baseline's hit rate and TTFT come from its requests that succeeded: one that failed some must show
+    as a failed check, not as a figure kvmesh beat."""
+    row = _row(0.77, 0.79)
+    assert live_checks(row)["round robin zero errors"] and live_checks(row)["peer zero errors"]
+    row["round_robin"] = dict(row["round_robin"], errors=3)
+    row["peer"] = dict(row["peer"], errors=1)
+    checks = live_checks(row)
+    assert not checks["round robin zero errors"] and not checks["peer zero errors"]
+
+
 def test_the_table_has_a_line_per_row_with_or_without_a_peer_leg():
     text = format_live([_row(0.77, 0.79), _row(0.77, None)])
     lines = text.splitlines()

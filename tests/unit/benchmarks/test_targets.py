@@ -136,3 +136,10 @@ def test_bench_tiers_exits_non_zero_when_a_tier_loads_slower_than_recompute(monk
     out = capsys.readouterr().out
     assert exc.value.code == 1 and "host: load" in out and "-> PASS" in out and "shared: load" in out
     assert "MISS: 1 target(s) missed: shared tier load < recompute" in out
+
+
+def test_a_bench_name_that_matches_nothing_fails_instead_of_running_nothing(capsys):
+    """BENCH=robsut ran no benchmark and exited 0: a typo passed CI having measured nothing."""
+    assert run_all.main(["robsut"]) == 2
+    assert "no benchmark named robsut" in capsys.readouterr().err
+    assert run_all.main(["robust", "typo"]) == 2
