@@ -190,7 +190,10 @@ class ChatRenderer:
             if fast != slow:
                 self.template = None
             return slow
-        return fast if fast is not None else self.__call__(messages)
+        if fast is None:  # the bare template failed where the tokenizer's may not: use the tokenizer's from now on
+            self.template = None
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return fast
 
 
 def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:

@@ -86,7 +86,7 @@ def resolve(name_or_path: str | os.PathLike) -> str:
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> float:
     """The checked field: a number >= minimum, whole except the timestamp (an int or an integral float)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < minimum:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
         raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {v!r}")
     if isinstance(v, float) and key != "timestamp" and not v.is_integer():
         raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")

@@ -304,7 +304,10 @@ async def replay_async(
     concurrency = cfg.concurrency if cfg.time_scale is None else None
     if cfg.time_scale is None and concurrency is None:
         concurrency = 4
-    limits = httpx.Limits(max_connections=(concurrency or 256) + 4, max_keepalive_connections=(concurrency or 256) + 4)
+    # at the trace's timestamps nothing caps the requests in flight: neither may the pool, or a request would
+    # wait for a connection inside its measured TTFT (and time out as a server error)
+    pool = None if concurrency is None else concurrency + 4
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=(concurrency or 256) + 4)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
     results: list[RequestResult | None] = [None] * len(records)
     bar = _progress(len(records)) if cfg.progress else None

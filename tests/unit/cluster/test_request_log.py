@@ -77,3 +77,21 @@ def test_the_bundled_example_log_is_the_generator_output_and_has_the_promised_sh
     assert {r.extra["variant"] for r in reqs} >= {"plain", "template", "whitespace", "tool_order"}
     assert any(r.endpoint == COMPLETIONS for r in reqs) and any(len(r.body.get("messages", [])) >= 4 for r in reqs)
     assert any("Tools" in r.body["messages"][0]["content"] for r in reqs if r.is_chat)
+
+
+def test_a_chat_template_that_fails_bare_after_its_checks_falls_back_to_the_tokenizers():
+    """After its first renders were checked against the tokenizer's, the compiled template renders alone; one
+    that then fails (a message shape the first ones lacked) used to call itself until RecursionError."""
+    from kvmesh.cluster.request_log import ChatRenderer
+
+    class Tokenizer:
+        chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | no_such_filter if m['role'] == 'tool' else m['content'] }}\n{% endfor %}"  # noqa: E501
+        special_tokens_map = {"bos_token": "<s>"}
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+    render = ChatRenderer(Tokenizer())
+    for i in range(6):
+        assert render([{"role": "user", "content": f"hi {i}"}]) == f"user: hi {i}\n"
+    assert render([{"role": "tool", "content": "x"}]) == "tool: x\n"

@@ -124,6 +124,13 @@ def test_bundled_conversation_matches_published_bound():
     assert 0.39 <= b["infinite"]["hit_rate"] <= 0.398
 
 
+def test_a_timestamp_that_is_not_finite_is_refused():
+    """JSON as Python reads it accepts Infinity; a replay at the trace's timestamps then sleeps forever."""
+    for bad in (float("inf"), float("nan"), 1e400):
+        with pytest.raises(TraceError, match="timestamp"):
+            check_record({"timestamp": bad, "input_length": 1, "output_length": 1, "hash_ids": [1]}, "line 1")
+
+
 def test_check_record_errors():
     with pytest.raises(TraceError, match=r"line 3: missing field\(s\) hash_ids"):
         check_record({"timestamp": 0, "input_length": 1, "output_length": 1}, "line 3")
