@@ -56,6 +56,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
     ok = [(s, r) for s, r in zip(run.sent, reasons) if s.error is None]
     known = [(s, r) for s, r in ok if s.cached_tokens is not None]
     prompt = sum(s.prompt_tokens for s, _ in ok)
+    counted = sum(s.prompt_tokens for s, _ in known)  # the hit rate's own: requests whose cached tokens came back
     cached = sum(s.cached_tokens or 0 for s, _ in known)
     ttfts = sorted(s.ready_s - s.start_s for s, _ in ok if s.ready_s is not None)
     miss: dict[str, int] = {}
@@ -99,7 +100,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "error_samples": sorted({s.error for s in run.sent if s.error})[:5],
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "hit_rate_tokens": cached / prompt if prompt else 0.0,
+        "hit_rate_tokens": cached / counted if counted else 0.0,
         "hit_rate_requests": statistics.fmean(
             (s.cached_tokens or 0) / s.prompt_tokens if s.prompt_tokens else 0.0 for s, _ in known
         )

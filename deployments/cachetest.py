@@ -270,6 +270,12 @@ class Runner:
         if self.is_kvmesh:  # the engines' routing stats (their LMCache loads) come every 0.5 s by default
             time.sleep(STATS_SETTLE_S)
         after = server_counters(self.cfg) if self.is_kvmesh else {}
+        answered = [r for r in rep.results if r.error is None]
+        if answered and all(r.cached_tokens is None for r in answered):  # a 0% hit rate would be made up
+            raise CachetestError(
+                f"--url {self.cfg.url}: the server reports no cached tokens (usage.prompt_tokens_details."
+                "cached_tokens); start vLLM with --enable-prompt-tokens-details"
+            )
         sent = _sent(items, rep.results, name, self.clock)
         self.clock += rep.wall_s + 1.0
         if self.is_kvmesh:

@@ -407,8 +407,9 @@ class ReplayReport:
         for r in ok:
             row = per_replica.setdefault(r.replica, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
             row["requests"] += 1
-            row["prompt_tokens"] += r.prompt_tokens
-            row["cached_tokens"] += r.cached_tokens or 0
+            if r.cached_tokens is not None:  # as the totals: a request without the count says nothing of its hits
+                row["prompt_tokens"] += r.prompt_tokens
+                row["cached_tokens"] += r.cached_tokens
         for row in per_replica.values():
             row["uncached_prompt_tokens"] = row["prompt_tokens"] - row["cached_tokens"]
             row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0

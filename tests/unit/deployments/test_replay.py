@@ -123,6 +123,14 @@ def test_summary_without_cached_counts_reports_none():
     assert s["per_replica_known"] is False
 
 
+def test_a_replicas_row_counts_only_requests_whose_cached_tokens_came_back():
+    """As the totals do: a request without the count says nothing of its hits; counted as 0 cached, it
+    made that replica look colder than it was (a fleet where some servers do not report the field)."""
+    s = ReplayReport([_res(0, 100, 80, 0.1, "a"), _res(1, 100, None, 0.1, "a")], wall_s=1.0).summary()
+    assert s["hit_rate_tokens"] == pytest.approx(0.8)
+    assert s["per_replica"]["a"]["hit_rate_tokens"] == pytest.approx(0.8) and s["per_replica"]["a"]["requests"] == 2
+
+
 def test_cli_unreachable_url_is_one_line_exit_2(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     wl.write_jsonl([_rec([1, 2])], trace)
