@@ -25,6 +25,14 @@ def fake_request(ids, request_id, salt=None):
     return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
+async def _two_replicas():
+    """A kvmesh router over replicas A and B, both registered by a first request."""
+    router = make_router(policy="kvmesh", block_size=32)
+    a, b = fake_replica("A"), fake_replica("B")
+    await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+    return router, a, b
+
+
 def test_router_ranks_the_prefix_holder_first_and_records_its_prediction(monkeypatch):
     from kvmesh.kvstore.hashing import block_hashes
 
@@ -203,9 +211,7 @@ def test_a_rejected_calls_completion_that_comes_before_the_retry_still_takes_the
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        a, b = fake_replica("A"), fake_replica("B")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        router, a, b = await _two_replicas()
         idle = dict(router.policy.recent_work())
         pending = fake_request(list(range(500, 800)), "q")
         first = (await router.choose_replicas([a, b], pending))[0][0]
@@ -228,9 +234,7 @@ def test_a_rejected_calls_completion_that_comes_after_the_retry_leaves_the_retry
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        a, b = fake_replica("A"), fake_replica("B")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        router, a, b = await _two_replicas()
         pending = fake_request(list(range(500, 800)), "q")
         first = (await router.choose_replicas([a, b], pending))[0][0]
         router._routed(pending, first.replica_id)
@@ -254,9 +258,7 @@ def test_router_learns_placement_and_cancellation_from_the_requests_future(monke
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32)
-        a, b = fake_replica("A"), fake_replica("B")
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        router, a, b = await _two_replicas()
         idle = dict(router.policy.recent_work())
 
         placed = fake_request(list(range(500, 800)), "placed")
