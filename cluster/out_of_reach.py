@@ -105,7 +105,7 @@ def target_out_of_reach(
     balance then allows, and the floor on computed tokens under that load (None: nothing fits)."""
     prompt = sum(r.input_length for r in requests)
     allowed = prompt * (1.0 - hit_rate)
-    max_load = max_imbalance * allowed / replicas
+    max_load = max_imbalance * allowed / replicas * (1 + 1e-9)  # a placement exactly at the limit meets it
     floor = balanced_compute_floor(requests, block_size, replicas, max_load) if allowed > 0 else None
     return {
         "out_of_reach": floor is None or floor > allowed * (1 + 1e-9),

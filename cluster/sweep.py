@@ -120,6 +120,7 @@ def evaluate_draw(d: Draw, policies: Sequence[str] = DEFAULT_POLICIES, opts: Swe
     with_tier = shared_tier_figures(d, trace, sending, capacity, bounds["merged_lru"], policies, opts)
     return {
         "seed": d.seed,
+        "family": type(d).__module__.rsplit(".", 1)[-1],  # the module whose `draw(seed)` made it
         "shape": d.describe(),
         "draw": d.to_dict(),
         "requests": len(trace),
@@ -195,13 +196,21 @@ def shared_tier_figures(
     return out
 
 
+def _redraw(row: dict) -> Draw:
+    """The draw `row` was made from, by its workload family (rows saved without one: the first family)."""
+    import importlib
+
+    family = row.get("family", "workload_family")
+    return importlib.import_module(f"kvmesh.cluster.{family}").draw(row["seed"])
+
+
 def decide_exactly(row: dict, opts: SweepOptions = SweepOptions(), time_limit_s: float = 10.0) -> dict:
     """Settle whether any placement meets the target on `row`'s draw (`exact_placement.decide_target`), and
     record it in the row's bounds: `exact_verdict` ("reachable", "out of reach", "undecided") and, when
     reachable, the hit / merged-LRU bound and max/mean of the placement found. Why not in every row: it
     solves an integer program (up to twice `time_limit_s`), so the bench runs it where the floor left a
     miss undecided."""
-    d = draw(row["seed"])
+    d = _redraw(row)
     trace, _ = draw_trace(d, opts)
     merged = row["bounds"]["merged_lru"]
     res = decide_target(
@@ -221,7 +230,7 @@ def decide_with_tier(
     """Settle whether any placement could meet the target on `row`'s draw with the shared tier
     (`tier_reach.tier_target_out_of_reach`) and record the verdict as `tier_verdict` in the row's
     `shared_tier` figures for `policy`. Run where the policy missed the target with the tier."""
-    d = draw(row["seed"])
+    d = _redraw(row)
     trace, sending = draw_trace(d, opts)
     client = sending.get("client")
     res = tier_target_out_of_reach(

@@ -56,6 +56,9 @@ class NodeServerCore:
         self.server.start()
         self.last_supervise = "ok"
         self._stop = threading.Event()
+        # the watchdog's thread and the actor's restart both stop and start the server: one at a time, or two
+        # launches could race for its ports and leave one process untracked
+        self._lock = threading.Lock()
         if self.config.watch_interval_s > 0:
             threading.Thread(target=self._watch, name="kvmesh-lmcache-watchdog", daemon=True).start()
 
@@ -64,7 +67,10 @@ class NodeServerCore:
         name_this_thread("kvmesh-watchdog")
         while not self._stop.wait(self.config.watch_interval_s):
             try:
-                self.last_supervise = self.server.supervise()
+                with self._lock:
+                    if self._stop.is_set():
+                        break
+                    self.last_supervise = self.server.supervise()
             except Exception as exc:  # keep watching; health() reports the state
                 self.last_supervise = f"error: {exc}"[:200]
                 log.warning("LMCache watchdog: %s", exc)
@@ -83,10 +89,11 @@ class NodeServerCore:
         return self.server.tier_metrics()
 
     def restart(self) -> tuple[str, int]:
-        return self.server.restart()
+        with self._lock:
+            return self.server.restart()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop.set()  # not under the lock: a relaunch in progress gives up on it (`LMCacheServer.stops`)
         self.server.stop()
 
 

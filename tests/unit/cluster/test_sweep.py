@@ -161,3 +161,15 @@ def test_run_all_exits_non_zero_when_a_bench_exits_non_zero(monkeypatch):
     assert run_all.main(["fake"]) == 1
     monkeypatch.setitem(sys.modules, "kvmesh.benchmarks.bench_fake", bench(0))
     assert run_all.main(["fake"]) == 0
+
+
+def test_a_rows_exact_steps_redraw_its_own_family():
+    """The exact solvers redraw a row's workload from its seed: from the family that made it, not always the
+    first one (a wide row would have been settled on another workload under the same seed)."""
+    from kvmesh.cluster import sweep as sweep_module
+    from kvmesh.cluster import workload_wide
+
+    d = workload_wide.draw(11001)
+    row = sweep_module.evaluate_draw(d, ["round_robin"], sweep_module.SweepOptions(shared_tier=False))
+    assert row["family"] == "workload_wide"
+    assert sweep_module._redraw(row).describe() == d.describe()
