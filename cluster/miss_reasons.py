@@ -68,8 +68,11 @@ def attribute(
             _add(out, "partial_chunk", in_tier - elsewhere)
             _add(out, "evicted", seen_end - in_tier)
         pos = seen_end
+    # a match that ends inside the next block (shorter than a block, so never cacheable); one running on past it
+    # (the same prompt under another model, say) is no partial block: the reasons after this one say why
+    partial_limit = partial_end if partial_end < (pos // block_size + 1) * block_size else 0
     for reason, limit in (
-        ("partial_block", partial_end),
+        ("partial_block", partial_limit),
         ("adapter", adapter_blocks * block_size),
         ("isolated", isolated_blocks * block_size),
         ("drift", drift_end),

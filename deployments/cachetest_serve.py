@@ -5,6 +5,7 @@ and a warm pass (`replicas_N_cold`, `replicas_N`), so every count starts from an
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
@@ -68,33 +69,36 @@ def serve_and_test(
             p.req.tenant = "default"
             p.tok.tenant = "default"
     folder = Path(tempfile.mkdtemp(prefix="kvmesh-cachetest-"))
-    path, keys, operator_key = tenants_file(folder, tenants)
-    cfg = replace(cfg, tenant_keys=keys, api_key=operator_key)  # every request has its tenant's key
-    offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
-    main_runner: Runner | None = None
-    counts = [replicas, *[n for n in (sweep or []) if n != replicas]]
-    for k, n in enumerate(counts):
-        try:
-            url = start_local(app_config_for(path, n, cfg.block_size), timeout_s=600)
-        except Exception as exc:
-            stop_local()
-            raise CachetestError(f"--serve: could not start kvmesh with {n} replicas: {exc}") from None
-        try:
-            run_cfg = replace(cfg, url=url)
-            runner = Runner(run_cfg, prepared, tokenizer, progress=progress)
-            if k == 0:
-                runner.run_all()
-                main_runner = runner
-            else:
-                assert main_runner is not None
-                runner.clock = main_runner.clock
-                runner.runs = main_runner.runs  # one history: later apps are fresh, their passes append
-                runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0]).fresh_fleet = True
-                runner.send(f"replicas_{n}", prepared, cfg.concurrency[0])
-                main_runner.clock = runner.clock
-        finally:
-            stop_local()
-    assert main_runner is not None
-    report = main_runner.report(offline, meta={"served_by_cachetest": True, "replicas": counts})
-    report["meta"]["url"] = "kvmesh started by cachetest --serve"
-    return report
+    try:  # the tenants file (key digests) goes with the test
+        path, keys, operator_key = tenants_file(folder, tenants)
+        cfg = replace(cfg, tenant_keys=keys, api_key=operator_key)  # every request has its tenant's key
+        offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
+        main_runner: Runner | None = None
+        counts = [replicas, *[n for n in (sweep or []) if n != replicas]]
+        for k, n in enumerate(counts):
+            try:
+                url = start_local(app_config_for(path, n, cfg.block_size), timeout_s=600)
+            except Exception as exc:
+                stop_local()
+                raise CachetestError(f"--serve: could not start kvmesh with {n} replicas: {exc}") from None
+            try:
+                run_cfg = replace(cfg, url=url)
+                runner = Runner(run_cfg, prepared, tokenizer, progress=progress)
+                if k == 0:
+                    runner.run_all()
+                    main_runner = runner
+                else:
+                    assert main_runner is not None
+                    runner.clock = main_runner.clock
+                    runner.runs = main_runner.runs  # one history: later apps are fresh, their passes append
+                    runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0]).fresh_fleet = True
+                    runner.send(f"replicas_{n}", prepared, cfg.concurrency[0])
+                    main_runner.clock = runner.clock
+            finally:
+                stop_local()
+        assert main_runner is not None
+        report = main_runner.report(offline, meta={"served_by_cachetest": True, "replicas": counts})
+        report["meta"]["url"] = "kvmesh started by cachetest --serve"
+        return report
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

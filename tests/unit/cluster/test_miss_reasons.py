@@ -106,3 +106,22 @@ def test_concurrent_requests_with_one_prefix_are_both_cold():
     hash_requests([p.tok for p in ps], B)
     sent = [Sent(ps[0], "cold", 0.0, 1.0, 64, 0, "r"), Sent(ps[1], "cold", 0.5, 1.5, 64, 0, "r")]
     assert MissAnalyzer(B).run(sent) == [{"cold": 32, "partial_block": 32}, {"cold": 32, "partial_block": 32}]
+
+
+def test_a_twin_under_another_model_is_an_adapter_miss_not_a_partial_block():
+    """A chat's twin (same words) sent under another model shares every token: the match runs past the next
+    block, so it is not a match shorter than a block (`partial_block`) but the other model's cache."""
+    from kvmesh.cluster.miss_reasons import unit_key
+
+    base = list(range(10, 140))
+    units = [(unit_key("user", "hello world"), 130)]
+
+    def prep(i: int, model: str) -> Prepared:
+        tok = TokenizedRequest(i, f"r{i}", "a", model, list(base))
+        body = {"model": model, "messages": [{"role": "user", "content": "hello world"}]}
+        return Prepared(LoggedRequest(tok.id, body, "/v1/chat/completions", "a"), tok, units)
+
+    prepared = [prep(0, "m"), prep(1, "lora2")]
+    hash_requests([p.tok for p in prepared], 32)
+    sent = [Sent(p, "warm", float(i), float(i) + 0.5, 130, 0, "r0") for i, p in enumerate(prepared)]
+    assert MissAnalyzer(32).run(sent)[1] == {"partial_block": 2, "adapter": 128}
