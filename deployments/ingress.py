@@ -92,13 +92,7 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
     if cfg.get("tenants_file"):
         return TenantRegistry.from_file(cfg["tenants_file"])
     keys = cfg.get("api_keys") or []
-    if keys:
-        from kvmesh.deployments.tenants import hash_api_key
-
-        # one tenant, so its operator too (there is no one else): as `kvmesh serve --api-key`
-        keyed = [{"sha256": hash_api_key(k)} for k in keys]
-        return TenantRegistry.from_dict({"tenants": [{"id": "default", "keys": keyed, "operator": True}]})
-    return None
+    return TenantRegistry.one_tenant(keys) if keys else None
 
 
 def _engine_error(exc: BaseException) -> OpenAIError | None:

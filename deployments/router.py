@@ -292,17 +292,15 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if rid in self._subscribed and self.events is not None:
             self._subscribed.discard(rid)
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
+        for p in self._policies.values():  # also when the index forgot it first: no policy keeps its slot
+            p.on_replica_removed(rid)
         if not self.index.has_replica(rid):
-            for p in self._policies.values():  # nothing is credited to a forgotten replica; this makes sure
-                p.on_replica_removed(rid)
             return
         node = self.index.node_of(rid)
         self.index.remove_replica(rid)
         if all(self.index.node_of(r) != node for r in self.index.replicas()):
             self.tiers.drop_node(node)  # no engine left on it: the node (or its last replica) is gone
         self.peers.forget_replica(rid)
-        for p in self._policies.values():
-            p.on_replica_removed(rid)
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
             self._unconfirmed.pop(request_id).release()
         for internal in [k for k, st in self._held.items() if st.replica == rid]:

@@ -145,22 +145,26 @@ class TierHolding:
         was stored; False when it failed, went elsewhere, or the wait ran out."""
         start = time.monotonic()
         released = src.released()
+
+        def limit_at(pace: float) -> float:
+            return min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
+
         pace = self._pace(src)
+        limit = limit_at(pace)
         while not released.is_set():
-            limit = min(2.0 * max(src.prefill_end_s(pace) - start, 0.0) + 0.5, self.hold_limit_s)
             try:
                 await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
             except TimeoutError:
                 if released.is_set():
                     break
                 grown = self._pace(src)
-                later = min(2.0 * max(src.prefill_end_s(grown) - start, 0.0) + 0.5, self.hold_limit_s)
+                later = limit_at(grown)
                 # only a deadline still ahead is one to wait for: the waiting requests' pace grows with the
                 # clock itself, and a deadline it moves less than the clock would be retried here at once
                 if limit >= self.hold_limit_s or grown <= pace or start + later <= time.monotonic():
                     self.hold_timeouts += 1
                     return False
-                pace = grown
+                pace, limit = grown, later
         return bool(src.first_token)  # False: released because it failed or went elsewhere
 
     def _pace(self, src) -> float:

@@ -56,7 +56,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -279,12 +279,20 @@ class TenantRegistry:
         one else)."""
         if not isinstance(api_key, str) or not _TOKEN.match(api_key):
             raise ConfigError("API key must be 8-256 characters of [A-Za-z0-9._~+/=-]")
+        return cls.one_tenant([api_key], secret=secret, tenant_id=tenant_id, limits=limits)
+
+    @classmethod
+    def one_tenant(
+        cls,
+        api_keys: Sequence[str],
+        secret: bytes | str | None = None,
+        tenant_id: str = "default",
+        limits: Limits | None = None,
+    ) -> TenantRegistry:
+        """One tenant holding every key (config `api_keys`), its operator too: there is no one else."""
+        keys = [{"sha256": hash_api_key(k)} for k in api_keys]
         return cls.from_dict(
-            {
-                "tenants": [
-                    {"id": tenant_id, "keys": [{"sha256": hash_api_key(api_key)}], "limits": None, "operator": True}
-                ]
-            },
+            {"tenants": [{"id": tenant_id, "keys": keys, "limits": None, "operator": True}]},
             secret=secret,
             default_limits=limits,
         )

@@ -208,6 +208,13 @@ def stop_node_servers() -> int:
     return len(actors)
 
 
+def _grew(last: dict[str, int], node: str, seen: int) -> bool:
+    """Has a node's counter grown since the watch last read it (not on the first read)? Records `seen`."""
+    grew = node in last and seen > last[node]
+    last[node] = seen
+    return grew
+
+
 async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None:
     """Router background task: keep a `kvmesh.cluster.tier_tracker.TierTracker` in step with the node servers.
 
@@ -215,8 +222,8 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
     (`set_shared_up`), a node whose server was restarted (watchdog) loses its host tier in the
     tracker (`node_restarted`), and a node whose server is down (dead process, unreachable actor) or
     gone (the node left the cluster) is dropped from the tracker (`drop_node`) until its engines
-    declare it again. Actor calls are awaited, never blocking the router's loop; errors skip a round.
-    `stop` is an optional asyncio.Event.
+    declare it again (a down one, once it serves again). Actor calls are awaited, never blocking the
+    router's loop; errors skip a round. `stop` is an optional asyncio.Event.
     """
     import asyncio
 
@@ -243,19 +250,14 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
             # restarted between two looks): what the router marked there is gone
             lost = False
             for node, h in health.items():
-                seen = h.get("shared_tier_losses", 0)
-                lost |= node in losses and seen > losses[node]
-                losses[node] = seen
+                if _grew(restarts, node, h.get("restarts", 0)):
+                    tracker.node_restarted(node)
+                lost |= _grew(losses, node, h.get("shared_tier_losses", 0))
             ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
             if lost:
                 tracker.set_shared_up(False)
             if ups:
                 tracker.set_shared_up(all(ups) and not any(h.get("shared_tier_was_down") for h in health.values()))
-            for node, h in health.items():
-                seen = h.get("restarts", 0)
-                if node in restarts and seen > restarts[node]:
-                    tracker.node_restarted(node)
-                restarts[node] = seen
         except Exception as exc:  # never let monitoring kill the router
             log.warning("tier health watch: %s", exc)
         await asyncio.sleep(interval_s)
