@@ -21,6 +21,7 @@ import time
 import httpx
 
 from kvmesh.benchmarks.failover_run import RunReport, conversations, metric, run
+from kvmesh.benchmarks.output import out_dir
 from kvmesh.benchmarks.targets import Targets
 
 MAX_TOKENS = 24
@@ -118,8 +119,8 @@ def main() -> None:
     ]
     for name, value, need, ok in rows:
         print(f"{targets.verdict(name, ok)}  {name}: {value:.3f} (target {need})")
-    os.makedirs("out", exist_ok=True)
-    with open("out/bench_failover.json", "w", encoding="utf-8") as fh:
+    path = os.path.join(out_dir("failover"), "bench_failover.json")
+    with open(path, "w", encoding="utf-8") as fh:
         json.dump(
             {
                 "untouched": base.to_json(),
@@ -131,7 +132,7 @@ def main() -> None:
             fh,
             indent=2,
         )
-    print("wrote out/bench_failover.json")
+    print(f"wrote {path}")
     targets.exit_if_missed()
 
 

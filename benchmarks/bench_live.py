@@ -7,7 +7,7 @@ Prints token-weighted hit rate, uncached prompt tokens and p50/p90 TTFT of each,
 bound, and PASS/MISS against the targets (exit status 1 when one is missed):
   kvmesh uncached prompt tokens <= 0.6x round robin's; kvmesh hit rate >= 0.9x the infinite bound;
   kvmesh p50 TTFT <= 0.8x round robin's; zero errors.
-Writes out/bench_live.json and out/bench_live.png.
+Writes BENCH_OUT/live/bench_live.json and bench_live.png (BENCH_OUT default out).
 
 On a 2-core machine the 4 engines share the cores, so TTFT includes CPU contention, which hits
 both policies alike. Environment: BENCH_LIVE_REPLICAS, BENCH_LIVE_USERS, BENCH_LIVE_TURNS override
@@ -20,6 +20,7 @@ import json
 import os
 import time
 
+from kvmesh.benchmarks.output import out_dir
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.workloads import ChatSpec, synth_chat
@@ -174,8 +175,8 @@ def main() -> None:
     for name, value, need, ok in rows:
         shown = "n/a" if value is None else f"{value:.3f}"
         print(f"{targets.verdict(name, ok)}  {name}: {shown} (target {need})")
-    os.makedirs("out", exist_ok=True)
-    with open("out/bench_live.json", "w", encoding="utf-8") as fh:
+    folder = out_dir("live")
+    with open(os.path.join(folder, "bench_live.json"), "w", encoding="utf-8") as fh:
         json.dump(
             {
                 "bounds": bounds,
@@ -185,8 +186,8 @@ def main() -> None:
             fh,
             indent=2,
         )
-    plot(results, bounds, "out/bench_live.png")
-    print("wrote out/bench_live.json, out/bench_live.png")
+    plot(results, bounds, os.path.join(folder, "bench_live.png"))
+    print(f"wrote {folder}/bench_live.json, bench_live.png")
     targets.exit_if_missed()
 
 

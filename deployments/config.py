@@ -199,15 +199,15 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         _number(cfg["gpu_memory_utilization"], "engine.gpu_memory_utilization", high=1.0, low_ok=False)
     if not isinstance(cfg["kv_events"], bool):
         raise ConfigError("engine.kv_events must be true or false")
+    _whole(cfg["block_size"], "engine.block_size", none_ok=False)
     bs = cfg["block_size"]
-    if not isinstance(bs, int) or bs <= 0:
-        raise ConfigError("engine.block_size must be a positive integer")
     if cfg["num_gpus"] == 0 and bs % 32:
         raise ConfigError(f"engine.block_size {bs} must be a multiple of 32 on CPU engines")
-    if not isinstance(cfg["max_model_len"], int) or cfg["max_model_len"] < bs:
-        raise ConfigError("engine.max_model_len must be an integer >= block_size")
+    _whole(cfg["max_model_len"], "engine.max_model_len", low=bs, none_ok=False)
     if cfg["kv_cache_space_gb"] is not None and (
-        not isinstance(cfg["kv_cache_space_gb"], int) or cfg["kv_cache_space_gb"] < 1
+        not isinstance(cfg["kv_cache_space_gb"], int)
+        or isinstance(cfg["kv_cache_space_gb"], bool)
+        or cfg["kv_cache_space_gb"] < 1
     ):
         raise ConfigError(
             "engine.kv_cache_space_gb must be a whole number of GiB >= 1 "
@@ -215,20 +215,12 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         )
     if cfg["hash_algo"] not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
         raise ConfigError(f"engine.hash_algo {cfg['hash_algo']!r} is not one vLLM supports")
-    if not isinstance(cfg["stream_interval"], int) or cfg["stream_interval"] < 1:
-        raise ConfigError("engine.stream_interval must be an integer >= 1")
-    hc = cfg["health_check_period_s"]
-    if not isinstance(hc, (int, float)) or isinstance(hc, bool) or hc <= 0:
-        raise ConfigError("engine.health_check_period_s must be a positive number of seconds")
-    ct = cfg["cpu_threads"]
-    if ct is not None and (not isinstance(ct, int) or isinstance(ct, bool) or ct < 1):
-        raise ConfigError("engine.cpu_threads must be an integer >= 1 or null (the engine's CPU share)")
+    _whole(cfg["stream_interval"], "engine.stream_interval", none_ok=False)
+    _number(cfg["health_check_period_s"], "engine.health_check_period_s", low_ok=False)
+    _whole(cfg["cpu_threads"], "engine.cpu_threads")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
-    if cfg["fail_step_after"] is not None and (
-        not isinstance(cfg["fail_step_after"], int) or cfg["fail_step_after"] < 0
-    ):
-        raise ConfigError("engine.fail_step_after (test-only) must be an integer >= 0 or null")
+    _whole(cfg["fail_step_after"], "engine.fail_step_after (test-only)", low=0)
     res = cfg["resources"]
     if res is not None and (
         not isinstance(res, dict)
@@ -279,15 +271,9 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _check_keys(raw, APP_DEFAULTS, "config")
     cfg = {**copy.deepcopy(APP_DEFAULTS), **raw}
     cfg["engine"] = engine_config(cfg["engine"])
-    if (
-        not isinstance(cfg["max_migrations"], int)
-        or isinstance(cfg["max_migrations"], bool)
-        or cfg["max_migrations"] < 0
-    ):
-        raise ConfigError("config.max_migrations must be an integer >= 0")
+    _whole(cfg["max_migrations"], "config.max_migrations", low=0, none_ok=False)
     for key in ("replicas", "ingress_replicas", "max_ongoing_requests"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ConfigError(f"config.{key} must be a positive integer")
+        _whole(cfg[key], f"config.{key}", none_ok=False)
     port = cfg["port"]
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"config.port must be an integer 0-65535 (0: any free port), got {port!r}")

@@ -441,10 +441,7 @@ class Ingress:
                 if req.include_usage:
                     tail += proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
                 yield tail + proto.sse("[DONE]")
-            except asyncio.CancelledError:  # client went away
-                live.cancel()
-                raise
-            except Exception as exc:
+            except Exception as exc:  # a client that went away (CancelledError) is `close`'s to handle
                 log.exception("engine stream failed mid-response")
                 err = exc if isinstance(exc, OpenAIError) else None  # 503: migrations exhausted
                 self.serving_metrics.record_error(err.status if err else 500)

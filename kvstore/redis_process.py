@@ -57,6 +57,7 @@ class RedisServer:
     def start(self, timeout: float = 20.0) -> RedisServer:
         cmd = [
             self.binary,
+            "-",  # the rest of the configuration (the password) comes on stdin, never in argv
             "--port",
             str(self.port),
             "--bind",
@@ -72,13 +73,19 @@ class RedisServer:
             "--daemonize",
             "no",
         ]
-        if self.password:  # on the command line: this server's own, local, throw-away password
-            cmd += ["--requirepass", self.password]
         log = open(self.workdir / "redis.log", "ab")
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         log.close()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"requirepass {self.password}\n".encode() if self.password else b"")
+        self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

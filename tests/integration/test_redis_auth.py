@@ -49,3 +49,26 @@ def test_redis_requires_the_password_and_kvmesh_sends_it(tmp_path, monkeypatch):
             assert not {"errorstat_WRONGPASS", "errorstat_NOAUTH"} & set(admin.info("errorstats"))
         finally:
             server.stop()
+
+
+def test_the_test_redis_password_is_never_on_its_command_line(tmp_path, monkeypatch):
+    """Any local user reads argv (ps, /proc/PID/cmdline) before redis-server retitles itself."""
+    import subprocess
+
+    import redis as redis_py
+
+    from kvmesh.kvstore import redis_process
+
+    launched: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(cmd, *args, **kwargs):
+        launched.append(list(cmd))
+        return real_popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(redis_process.subprocess, "Popen", recording_popen)
+    with RedisServer(tmp_path / "redis") as redis:
+        assert launched and all(redis.password not in " ".join(cmd) for cmd in launched)
+        with pytest.raises(redis_py.exceptions.AuthenticationError):
+            redis_py.Redis(host="127.0.0.1", port=redis.port, socket_timeout=5).set("k", "v")
+        assert redis_py.Redis.from_url(redis.url, socket_timeout=5).set("k", "v")

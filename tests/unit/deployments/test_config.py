@@ -167,3 +167,23 @@ def test_xxhash_with_several_tenants_needs_the_operators_explicit_acceptance():
         assert accepted["engine"]["hash_algo"] == "xxhash"
     assert app_config({"engine": {"hash_algo": "xxhash"}, "api_keys": ["kvm-a" * 8]})["engine"]["hash_algo"] == "xxhash"
     assert app_config({"tenants_file": "tenants.yaml"})["engine"]["hash_algo"] == "sha256"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("engine", "block_size", True),  # YAML `yes`: a bool is not a size
+        ("engine", "max_model_len", True),
+        ("engine", "kv_cache_space_gb", True),
+        ("engine", "stream_interval", True),
+        ("engine", "cpu_threads", True),
+        ("engine", "health_check_period_s", float("nan")),
+        ("engine", "health_check_period_s", float("inf")),
+        ("engine", "fail_step_after", False),
+        ("config", "max_migrations", True),
+    ],
+)
+def test_a_bool_or_non_finite_value_is_not_a_number_setting(section, key, value):
+    raw = {"engine": {"num_gpus": 1, key: value}} if section == "engine" else {key: value}
+    with pytest.raises(ConfigError, match=key):
+        app_config(raw)

@@ -198,3 +198,32 @@ def test_a_router_restarted_on_a_departed_routers_port_stays_connected_once():
         assert sync._sub.connected == []
 
     asyncio.run(run())
+
+
+def test_a_router_that_closes_tells_its_peers_it_left_at_once():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("r0")
+    a = RouterSync("t", PeerPlacements(index, lambda: []))
+    b = RouterSync("t", PeerPlacements(index, lambda: []))
+    a.open()
+    b.open()
+    b.connect(a.router_id, a.endpoint)
+    try:
+        _wait_until_subscribed(a, b)
+        a.publish(routed_message(a.router_id, _placement(1), "r0", (0, 0, 0)))
+        deadline = time.monotonic() + 5
+        while not b.placements.pending() and time.monotonic() < deadline:
+            b.drain()
+            time.sleep(0.01)
+        assert b.placements.pending()["r0"][0] == 1
+        a.close()  # its `bye` leaves before the socket closes: the peer stops counting its load now,
+        deadline = time.monotonic() + 2  # not a placement's time to live later
+        while b.placements.pending() and time.monotonic() < deadline:
+            b.drain()
+            time.sleep(0.01)
+        assert b.placements.pending() == {}
+    finally:
+        a.close()
+        b.close()
