@@ -115,6 +115,9 @@ def main() -> None:
         # the stream whose token triggered the kill was generating there; other streams the client still
         # read from that replica may have finished in the engine already, and need no move
         ("migrations counted in /metrics", migrations, ">= 1", migrations >= 1),
+        # the gap says the killed run kept its cache as well as the untouched one; two runs that never hit
+        # the cache would meet it with 0 = 0, so the untouched run must reuse prefixes at all
+        ("untouched last-third hit rate", base.last_third_hit_rate(), "> 0", base.last_third_hit_rate() > 0),
         ("last-third hit rate gap", gap, f"<= {HIT_RATE_TOLERANCE}", gap <= HIT_RATE_TOLERANCE),
     ]
     for name, value, need, ok in rows:

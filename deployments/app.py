@@ -46,7 +46,7 @@ def runtime_env_vars() -> dict[str, str]:
     return env
 
 
-def build_app(config: dict | None = None, **kwargs: Any):
+def build_app(config: dict | None = None):
     """The Serve application: Ingress -> (KvmeshRouter) -> EngineReplica x N."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -55,7 +55,7 @@ def build_app(config: dict | None = None, **kwargs: Any):
     from kvmesh.deployments.ingress import Ingress
 
     check_serve_contract()  # an unsupported Ray Serve fails the deploy here, naming what differs
-    cfg = app_config({**(config or {}), **kwargs})
+    cfg = app_config(config or {})
     eng = cfg["engine"]
     env = runtime_env_vars()
     engine = (

@@ -125,8 +125,11 @@ def test_serve_config_overrides_no_deployment_options(service):
 
 
 def test_the_built_app_keeps_the_codes_resources_and_runtime_env(service):
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
     args = _app(service)["args"]
-    ingress = build_app(args)._bound_deployment
+    # the way Serve's controller calls the import path's builder with serveConfigV2's args
+    ingress = call_user_app_builder_with_args_if_necessary(build_app, args)._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
     assert engine.name == ENGINE and ingress.name == INGRESS
     opts = engine.ray_actor_options
