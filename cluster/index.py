@@ -106,11 +106,18 @@ class PrefixIndex:
         self._held: dict[int, dict[int, None]] = {}
         # nodes
         self._node_slot: dict[str, int] = {}
+        self._node_name: dict[int, str] = {}  # node slot -> node id
         self._node_members: dict[int, int] = {}  # node slot -> replica bitmask
         self._node_held: dict[int, dict[int, None]] = {}  # node slot -> {hash: None} in its host tier
         self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
         # speculation
         self._spec: dict[int, dict[int, float]] = {}  # replica slot -> hash -> expiry
+        # replica slot -> hash -> (mark, claims): the requests placed there that count on the speculative
+        # mark (`speculate`), so one request's `withdraw` leaves a mark another still counts on. `mark`
+        # numbers each mark: a claim on an earlier mark of the same block (confirmed, removed, marked anew
+        # since) takes nothing back.
+        self._claims: dict[int, dict[int, tuple[int, int]]] = {}
+        self._marks = 0
         self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
         self._stale: set[str] = set()
         self._c = dict.fromkeys(_COUNTERS, 0)
@@ -130,6 +137,7 @@ class PrefixIndex:
         self._slot_rid[slot] = replica_id
         self._held[slot] = {}
         self._spec[slot] = {}
+        self._claims[slot] = {}
         nslot = self._ensure_node(node_id)
         self._replica_node[replica_id] = nslot
         self._node_members[nslot] |= 1 << slot
@@ -142,12 +150,26 @@ class PrefixIndex:
         if slot is None:
             return
         self._clear_slot(slot)
-        del self._slot_rid[slot], self._held[slot], self._spec[slot]
+        del self._slot_rid[slot], self._held[slot], self._spec[slot], self._claims[slot]
         nslot = self._replica_node.pop(replica_id)
         self._node_members[nslot] &= ~(1 << slot)
         self._all &= ~(1 << slot)
         self._stale.discard(replica_id)
         self._widen.clear()
+
+    def remove_node(self, node_id: str) -> None:
+        """Forget a node no replica is on any more: its host tier and its slot. Why: node ids are new on every
+        machine an autoscaler brings, and kept they would widen every host mask for good; and blocks vLLM
+        offloaded to the node's host memory lived in its engines' processes, gone with them."""
+        nslot = self._node_slot.get(node_id)
+        if nslot is None or self._node_members[nslot]:
+            return
+        self._remove_node(nslot, list(self._node_held[nslot]))
+        del self._node_slot[node_id], self._node_name[nslot], self._node_members[nslot], self._node_held[nslot]
+        self._widen.clear()
+
+    def nodes(self) -> list[str]:
+        return list(self._node_slot)
 
     def replicas(self) -> list[str]:
         return list(self._slot)
@@ -214,24 +236,31 @@ class PrefixIndex:
             if h in entries:
                 self._andnot(h, 2, 1)
 
-    def speculate(self, replica_id: str, hashes: Sequence[int], fresh: list | None = None) -> int:
+    def speculate(self, replica_id: str, hashes: Sequence[int], fresh: list[tuple[int, int]] | None = None) -> int:
         """Mark blocks as (about to be) in a replica's hbm, expiring unless a BlockStored confirms.
 
-        Returns how many blocks were newly marked. Blocks already confirmed there are left alone.
-        `fresh`, if given, receives the blocks the replica did not hold at all before (what
-        `withdraw` may take back).
+        Returns how many blocks were marked (or marked again). Blocks already confirmed there are left
+        alone. `fresh`, if given, receives the request's claims on its marks, new or shared with other
+        requests placed there: what `withdraw` gives back. Without it the marks stay until they expire.
+        Expired marks are dropped first, so a router that only hears placements (its peers') keeps
+        no more than a time to live's worth of them.
         """
+        if self._spec_queue:
+            self.expire()
         slot = self._require(replica_id)
         bit = 1 << slot
         expiry = self._clock() + self.speculative_ttl_s
         spec = self._spec[slot]
         held = self._held[slot]
+        claims = self._claims[slot]
         written = []
         for h in hashes:
             if self._or(h, 0, bit) and h not in spec:
                 continue  # confirmed by a real event already
-            if fresh is not None and h not in held:
-                fresh.append(h)
+            mark, n = claims.get(h) or self._new_mark()
+            claims[h] = (mark, n + 1)
+            if fresh is not None:
+                fresh.append((h, mark))
             held[h] = None
             spec[h] = expiry
             written.append(h)
@@ -240,14 +269,23 @@ class PrefixIndex:
             self._c["speculative_writes"] += len(written)
         return len(written)
 
-    def withdraw(self, replica_id: str, hashes: Iterable[int]) -> int:
-        """Drop speculative marks (never confirmed by an event) of `hashes` on a replica: the router
-        speculated on a replica the request did not go to. Returns how many were dropped."""
+    def withdraw(self, replica_id: str, fresh: Iterable[tuple[int, int]]) -> int:
+        """Give back a request's claims (`speculate`'s `fresh`) on a replica it did not go to, or no longer
+        counts on: a speculative mark (never confirmed by an event) goes when no request claims it any
+        more. Returns how many marks were dropped."""
         slot = self._slot.get(replica_id)
         if slot is None:
             return 0
-        spec = self._spec[slot]
-        gone = [h for h in hashes if h in spec]
+        claims = self._claims[slot]
+        gone = []
+        for h, mark in fresh:
+            claim = claims.get(h)
+            if claim is None or claim[0] != mark:
+                continue  # confirmed, removed or expired since (and perhaps marked anew: another's mark)
+            if claim[1] > 1:
+                claims[h] = (mark, claim[1] - 1)
+            else:
+                gone.append(h)
         self._remove_hbm(slot, gone)
         self._c["speculative_withdrawn"] += len(gone)
         return len(gone)
@@ -449,10 +487,12 @@ class PrefixIndex:
                 continue  # replica removed
             bit = 1 << slot
             held = self._held[slot]
+            claims = self._claims[slot]
             for h in hashes:
                 if spec.get(h) != expiry:
                     continue  # confirmed, removed or re-speculated later
                 del spec[h]
+                claims.pop(h, None)
                 held.pop(h, None)
                 if h in self._entries:
                     self._andnot(h, 0, bit)
@@ -476,19 +516,23 @@ class PrefixIndex:
             slot += 1
         return slot
 
+    def _new_mark(self) -> tuple[int, int]:
+        """A new speculative mark's (number, claims)."""
+        self._marks += 1
+        return self._marks, 0
+
     def _ensure_node(self, node_id: str) -> int:
         nslot = self._node_slot.get(node_id)
         if nslot is None:
-            used = {s: n for n, s in self._node_slot.items()}
-            nslot = self._free_slot(used)
+            nslot = self._free_slot(self._node_name)
             self._node_slot[node_id] = nslot
+            self._node_name[nslot] = node_id
             self._node_members[nslot] = 0
             self._node_held[nslot] = {}
         return nslot
 
     def _node_of(self, replica_id: str) -> str:
-        nslot = self._replica_node[replica_id]
-        return next(n for n, s in self._node_slot.items() if s == nslot)
+        return self._node_name[self._replica_node[replica_id]]
 
     def _require(self, replica_id: str) -> int:
         slot = self._slot.get(replica_id)
@@ -552,6 +596,7 @@ class PrefixIndex:
         for s in _bits(hb):
             self._held[s].pop(h, None)
             self._spec[s].pop(h, None)
+            self._claims[s].pop(h, None)
         for ns in _bits(hn):
             self._node_held[ns].pop(h, None)
         self._c["evictions"] += 1
@@ -561,6 +606,7 @@ class PrefixIndex:
         bit = 1 << slot
         held = self._held[slot]
         spec = self._spec[slot]
+        claims = self._claims[slot]
         entries = self._entries
         get = entries.get
         touch = entries.move_to_end
@@ -580,6 +626,7 @@ class PrefixIndex:
                     entries[h] = (hb | bit, e[1], e[2])
             held[h] = None
             if spec and spec.pop(h, None) is not None:
+                claims.pop(h, None)
                 c["speculative_confirmed"] += 1
 
     def _remove_hbm(self, slot: int, hashes: Iterable[int]) -> None:
@@ -587,12 +634,14 @@ class PrefixIndex:
         bit = 1 << slot
         held = self._held[slot]
         spec = self._spec[slot]
+        claims = self._claims[slot]
         entries = self._entries
         get = entries.get
         for h in hashes:
             held.pop(h, None)
             if spec:
                 spec.pop(h, None)
+                claims.pop(h, None)
             e = get(h)
             if e is not None:
                 hb = e[0] & ~bit
@@ -606,6 +655,7 @@ class PrefixIndex:
         self._remove_hbm(slot, list(held))
         held.clear()
         self._spec[slot].clear()
+        self._claims[slot].clear()
 
     def _store_node(self, nslot: int, hashes: Iterable[int]) -> None:
         self._tiered = True

@@ -194,6 +194,16 @@ class TierTracker:
         self._shared_nodes.discard(node_id)
         self.counters["nodes_dropped"] += 1
 
+    def forget_node(self, node_id: str) -> None:
+        """The node left the cluster: `drop_node`, and nothing kept about it (down or not): node ids are new
+        on every machine, and kept they would pile up for good."""
+        self.drop_node(node_id)
+        self._down.discard(node_id)
+
+    def watched_nodes(self) -> set[str]:
+        """Every node this tracker keeps something about: those it models and those it holds down."""
+        return set(self._host) | self._down
+
     def node_serving(self, node_id: str) -> None:
         """The node's server serves again: its engines' routing stats may declare it (`set_node`)."""
         self._down.discard(node_id)

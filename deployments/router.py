@@ -102,7 +102,7 @@ class _Routing:
         self.policy = policy
         self.views = views  # replica -> its view at ranking time
         self.replica = ""  # the replica the request is committed to
-        self.fresh: list[int] = []  # blocks newly speculated there (withdrawn if the commitment moves)
+        self.fresh: list[tuple[int, int]] = []  # its claims on speculative marks there (given back if it moves)
         # for the decision trace: what ranking saw on the replicas it keeps (`decision_trace.replica_cells`),
         # how often the request was ranked, and when (router clock) it last was
         self.cells: dict[str, list] = {}
@@ -300,6 +300,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.index.remove_replica(rid)
         if all(self.index.node_of(r) != node for r in self.index.replicas()):
             self.tiers.drop_node(node)  # no engine left on it: the node (or its last replica) is gone
+            self.index.remove_node(node)
         self.peers.forget_replica(rid)
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
             self._unconfirmed.pop(request_id).release()

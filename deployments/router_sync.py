@@ -63,7 +63,7 @@ class PeerPlacement(HoldSource):
     replica: str
     info: RequestInfo
     uncached: int
-    fresh: list[int] = field(default_factory=list)  # blocks speculated here for it
+    fresh: list[tuple[int, int]] = field(default_factory=list)  # its claims on speculative marks (index.speculate)
     started: bool = False
     at: float = field(default_factory=time.monotonic)
     seen: float = field(default_factory=time.monotonic)  # last heard of as in flight (`expire`)

@@ -692,19 +692,23 @@ class KvmeshPolicy(Policy):
                 self._credit(replica_id, -seen[1])
 
     def _credit(self, replica_id: str, u: float) -> None:
+        """Add `u` tokens of work to the replica, never below zero, and to the fleet totals by what the
+        replica's entries actually changed: a withdrawal after its work decayed takes back more than is
+        left, and the totals must stay the sums of the entries they stand for."""
         k = self._slot[replica_id]
-        self._w[k] = max(self._w[k] + u, 0.0)
-        self._total = max(self._total + u, 0.0)
-        self._s[k] = max(self._s[k] + u, 0.0)
-        self._s_total = max(self._s_total + u, 0.0)
+        w, s = self._w[k] + u, self._s[k] + u
+        self._total = max(self._total + (u if w >= 0.0 else -self._w[k]), 0.0)
+        self._s_total = max(self._s_total + (u if s >= 0.0 else -self._s[k]), 0.0)
+        self._w[k] = max(w, 0.0)
+        self._s[k] = max(s, 0.0)
 
     def on_replica_removed(self, replica_id: str) -> None:
         slot = self._slot.pop(replica_id, None)
         if slot is None:
             return
-        self._total -= self._w[slot]
+        self._total = max(self._total - self._w[slot], 0.0)
         self._w[slot] = 0.0
-        self._s_total -= self._s[slot]
+        self._s_total = max(self._s_total - self._s[slot], 0.0)
         self._s[slot] = 0.0
         self._free.append(slot)
         self._ids_key = ()  # rebuild positions on the next call

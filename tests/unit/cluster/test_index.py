@@ -133,7 +133,7 @@ def test_withdraw_takes_back_only_unconfirmed_fresh_speculation():
     idx.speculate("a", [1, 2, 3])  # another request's speculation of block 2 and 3 ...
     fresh: list = []
     idx.speculate("a", [1, 2, 3, 4, 5], fresh=fresh)
-    assert fresh == [4, 5]  # ... is not this request's to take back
+    assert [h for h, _ in fresh] == [2, 3, 4, 5]  # it counts on 2 and 3 too, but they are not its to take back
     idx.store("a", [4])  # block 4 confirmed by an event meanwhile
     assert idx.withdraw("a", fresh) == 1
     assert idx.match([1, 2, 3, 4, 5])["a"] == (4, 4, 4)
@@ -301,3 +301,62 @@ def test_index_contents_are_invisible_to_the_gc():
     assert not any(gc.is_tracked(e) for e in idx._entries.values())
     assert not any(gc.is_tracked(d) for d in idx._held.values())
     assert not any(gc.is_tracked(d) for d in idx._node_held.values())
+
+
+def test_one_requests_withdraw_leaves_the_marks_another_request_placed_there_counts_on():
+    """Two requests with one prefix go to one replica; the first is cancelled (or moved, or ranked again):
+    the second still computes the prefix there, so its speculative marks must stay."""
+    idx = make()
+    first: list = []
+    second: list = []
+    idx.speculate("a", [1, 2, 3, 4], fresh=first)
+    idx.speculate("a", [1, 2, 3, 4, 5, 6], fresh=second)
+    assert idx.withdraw("a", first) == 0
+    assert idx.match([1, 2, 3, 4, 5, 6])["a"][0] == 6
+    assert idx.withdraw("a", second) == 6
+    assert idx.match([1, 2, 3, 4, 5, 6])["a"][0] == 0
+
+
+def test_a_claim_on_an_earlier_mark_of_a_block_does_not_take_back_a_later_one():
+    """Block 1 marked for a request, confirmed, evicted, marked again for another: the first request's
+    late withdraw concerns a mark that is gone, not the new one."""
+    idx = make()
+    early: list = []
+    late: list = []
+    idx.speculate("a", [1, 2], fresh=early)
+    idx.store("a", [1, 2])
+    idx.remove("a", [1, 2])
+    idx.speculate("a", [1, 2], fresh=late)
+    assert idx.withdraw("a", early) == 0
+    assert idx.match([1, 2])["a"][0] == 2
+
+
+def test_marks_expire_as_new_ones_come_even_when_nothing_is_looked_up():
+    """A router that only hears its peers' placements never looks anything up: its expired marks must not
+    pile up (nor push confirmed blocks out of the index) until the next lookup pays for all of them."""
+    clock = FakeClock()
+    idx = make(clock=clock)
+    for i in range(1000):
+        clock.t = i  # far past the time to live of the marks before
+        idx.speculate("a", [10 * i, 10 * i + 1])
+    assert len(idx._spec_queue) <= 2 and idx.held_blocks("a") <= 4
+
+
+def test_a_node_that_no_replica_is_on_is_forgotten_with_its_host_tier():
+    idx = make()
+    for i in range(500):  # an autoscaler's machines: a new node id each
+        node = f"node-{i}"
+        idx.add_replica(f"r{i}", node)
+        idx.store(f"r{i}", [i], tier="host")
+        idx.remove_replica(f"r{i}")
+        idx.remove_node(node)
+    assert set(idx.nodes()) == {n for r in idx.replicas() for n in [idx.node_of(r)]}
+    idx.add_replica("new", "node-0")  # a new replica where an old one was: vLLM's offloaded blocks died with it
+    assert idx.match([0])["new"] == (0, 0, 0)
+    keeps = make()
+    keeps.add_replica("x", "n1")
+    keeps.add_replica("y", "n1")
+    keeps.store("x", [7], tier="host")
+    keeps.remove_replica("x")
+    keeps.remove_node("n1")  # a replica is still on it: nothing is forgotten
+    assert keeps.match([7])["y"] == (0, 1, 1)

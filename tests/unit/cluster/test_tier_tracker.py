@@ -214,3 +214,18 @@ def test_tiers_of_unknown_size_are_modelled_no_larger_than_the_index():
     assert len(t._shared) <= 50 and len(t._host["n1"]) <= 50
     assert t.match([0, 1, 2, 3])["b"] == (0, 0, 0)  # the first prompt's marks went with them
     assert t.match([39_000, 39_001, 39_002, 39_003])["b"] == (0, 0, 4)
+
+
+def test_a_node_that_left_while_down_is_not_kept_as_down_for_good():
+    """Node ids are new on every machine: one that was down when it left must not stay in the tracker."""
+    from kvmesh.cluster.index import PrefixIndex
+    from kvmesh.cluster.tier_tracker import TierTracker
+
+    tracker = TierTracker(PrefixIndex(max_blocks=100))
+    for i in range(100):
+        node = f"node-{i}"
+        tracker.set_node(node, has_shared_tier=True, host_capacity_blocks=10)
+        tracker.drop_node(node, down=True)  # its server stopped answering ...
+        assert node in tracker.watched_nodes()
+        tracker.forget_node(node)  # ... then the node left the cluster
+    assert tracker.watched_nodes() == set()

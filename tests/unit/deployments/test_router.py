@@ -286,6 +286,32 @@ def test_router_learns_placement_and_cancellation_from_the_requests_future(monke
     asyncio.run(scenario())
 
 
+def test_a_cancelled_request_leaves_the_prefix_another_request_computes_on_its_replica(monkeypatch):
+    """Two requests with one prompt prefix are placed on one replica; the first one's caller leaves: the
+    second still computes the prefix there, so the next request with that prefix is ranked there."""
+    from kvmesh.kvstore.hashing import block_hashes
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await _two_replicas()
+        system = list(range(1000, 1000 + 16 * 32))
+        first = fake_request([*system, *[1] * 40], "first")
+        second = fake_request([*system, *[2] * 40], "second")
+        for pending in (first, second):
+            pending.future = asyncio.get_running_loop().create_future()
+        there = (await router.choose_replicas([a, b], first))[0][0]
+        await router.choose_replicas([a, b], second)
+        second.future.set_result(there)  # Serve sends the second where the first was ranked
+        await asyncio.sleep(0)
+        first.future.cancel()  # the first one's client went away before Serve placed it
+        await asyncio.sleep(0)
+        prefix = block_hashes(system, 32, algo=router.hash_algo)
+        assert router.index.match(prefix)[there.replica_id.unique_id][0] == 16
+
+    asyncio.run(scenario())
+
+
 def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
     """Each placement in `/kvmesh/state`'s trace carries every replica's view as ranking saw it (prefix
     blocks per tier, queue, pending prefill, the guard's work before this request), how often Serve had

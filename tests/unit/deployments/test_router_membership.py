@@ -72,6 +72,7 @@ def test_a_removed_replica_is_drained_from_index_policy_and_tier_view():
         assert router.index.replicas() == ["A"]
         assert set(router.policy.recent_work()) == {"A"}
         assert set(router.tiers.nodes()) == {"n0"} and router.tiers.nodes()["n0"]["host_blocks"] == 8
+        assert router.index.nodes() == ["n0"]  # a node no replica is on is forgotten, slot and all
         # what C computed is still in the shared tier (Redis outlives the node), not on any host
         assert router.index.match(list(range(1, 9))) == {"A": (0, 0, 8)}
         for k in range(4):  # nothing new goes to a removed replica, even if a stale candidate list names it

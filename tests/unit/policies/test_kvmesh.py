@@ -87,3 +87,28 @@ def test_a_commit_withdrawn_after_thousands_of_others_is_taken_back():
         p.on_routed(RequestInfo([10_000 + i, 20_000 + i], 2 * BS, BS, 10, None, f"o{i}"), "r1")
     p.on_unrouted(waiting, "r0")
     assert p.recent_work()["r0"] == 0
+
+
+def test_the_fleet_totals_stay_the_sums_of_the_replicas_work_through_late_withdrawals_and_churn():
+    """A withdrawal after the replica's work decayed takes back more than is left there: the replica stops
+    at zero, and the totals the balance guard divides must lose only what the replica lost. Else they drift
+    below the sums, go negative once the fleet empties, and a new replica starts at a negative mean."""
+    p = make_policy("kvmesh", window_tokens_per_replica=50_000)
+    for rid in ("r0", "r1"):
+        p.on_replica_added(rid)
+    for cycle in range(6):
+        late = RequestInfo([1, 2], 4096, BS, 16, None, f"late{cycle}")
+        p.on_routed(late, "r0")
+        for k in range(40):  # traffic on the other replica meanwhile: ages the windows, halves the guard's
+            p.on_routed(RequestInfo([10_000 + k, cycle], 4096, BS, 16, None, f"o{cycle}-{k}"), "r1")
+        p.on_unrouted(late, "r0")
+        assert p._total == pytest.approx(sum(p.recent_work().values()))
+        assert p._s_total == pytest.approx(float(p._s[list(p._slot.values())].sum()))
+        p.on_replica_removed("r0")
+        p.on_replica_added("r0")
+    p.on_replica_removed("r0")
+    p.on_replica_removed("r1")
+    assert p._total >= 0 and p._s_total >= 0
+    p.on_replica_added("n0")
+    p.on_replica_added("n1")
+    assert min(p.recent_work().values()) >= 0
