@@ -28,12 +28,16 @@ from typing import Any
 
 CHANNEL_SECRET_FILE_ENV = "KVMESH_CHANNEL_SECRET_FILE"
 MIN_SECRET_BYTES = 16
+# How the example secrets (k8s/secrets.example.yaml) start: a deployment running on one shares its keys with
+# everyone who has read the example.
+PLACEHOLDER_PREFIX = b"REPLACE-"
 ZAP_DOMAIN = "kvmesh"
 _KEY_DOMAIN = b"kvmesh-channel-key\0"
 
 
 class ChannelError(RuntimeError):
-    """No usable channel secret (missing, unreadable or too short file), or no CURVE in libzmq."""
+    """No usable channel secret (missing, unreadable, too short or the example's placeholder), or no CURVE in
+    libzmq."""
 
 
 def _keypair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
@@ -56,6 +60,11 @@ class ChannelKeys:
 
     @classmethod
     def from_secret(cls, secret: bytes) -> ChannelKeys:
+        if secret.startswith(PLACEHOLDER_PREFIX):
+            raise ChannelError(
+                "channel secret is the example's placeholder (REPLACE-...): create it from random bytes, "
+                "e.g. `openssl rand -hex 32` (docs/kubernetes.md)"
+            )
         if len(secret) < MIN_SECRET_BYTES:
             raise ChannelError(f"channel secret is too short: need at least {MIN_SECRET_BYTES} bytes")
         return cls(*_keypair(secret, b"server"), *_keypair(secret, b"client"))

@@ -5,13 +5,17 @@ Why one module: `build_app` (every `kvmesh serve`, test and demo app), the KubeR
 resources, the files it reads and the Serve config that deploys it cannot drift apart. The Serve config
 carries the kvmesh config as the app builder's args and no per-deployment overrides: Serve replaces a
 deployment's whole `ray_actor_options` with the config file's, which would drop the CPUs and the
-runtime env the code sets. Nothing here talks to Ray.
+runtime env the code sets. `kuberay_problems` checks a config against a RayService manifest's pods (what
+`kvmesh k8s render` refuses, and what the manifest tests assert). Nothing here talks to Ray.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 from kvmesh.deployments.config import app_config
 
@@ -158,3 +162,146 @@ def replace_block(manifest: str, key: str, text: str) -> str:
             body = "".join(" " * indent + row + "\n" if row else "\n" for row in text.rstrip("\n").split("\n"))
             return "".join(lines[: i + 1]) + body + "".join(lines[end:])
     raise ValueError(f"no literal block '{key}: |' in the manifest")
+
+
+# --- the config against a KubeRay RayService manifest ----------------------------------------------------
+
+# Config keys that only `kvmesh serve` reads (it starts Ray and Serve itself); on KubeRay something else sets
+# what they choose, so a value there would mislead its reader.
+SET_ELSEWHERE_ON_KUBERAY = {
+    "host": "serveConfigV2's http_options (rendered as 0.0.0.0)",
+    "port": "serveConfigV2's http_options and the head container's serve port (8000)",
+    "proxy": "RAY_SERVE_ENABLE_HA_PROXY in the pods' env",
+    "address": "KubeRay itself (the RayService's own Ray cluster)",
+}
+L2_CREDENTIAL_KEYS = ("password", "username")
+
+
+def pod_groups(service: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A RayService manifest's pod groups: name -> {"pod": pod spec, "params": rayStartParams, "max_pods"}."""
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    groups = {"head": {"pod": head["template"]["spec"], "params": head.get("rayStartParams") or {}, "max_pods": 1}}
+    for group in cluster.get("workerGroupSpecs") or []:
+        groups[group["groupName"]] = {
+            "pod": group["template"]["spec"],
+            "params": group.get("rayStartParams") or {},
+            "max_pods": group.get("maxReplicas", group.get("replicas", 1)),
+        }
+    return groups
+
+
+def _quantity(value: Any) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _custom_resources(params: Mapping[str, Any]) -> dict[str, float]:
+    """rayStartParams' `resources`: KubeRay takes it as a quoted JSON string, '"{\\"Custom\\": 1}"'."""
+    value: Any = params.get("resources")
+    try:
+        while isinstance(value, str):
+            value = json.loads(value)
+    except ValueError:
+        return {}
+    return {str(k): float(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def ray_resources(group: Mapping[str, Any]) -> dict[str, float]:
+    """What KubeRay hands the pod's raylet: num-cpus/num-gpus start params, else the container limits."""
+    container = group["pod"]["containers"][0]
+    spec = container.get("resources") or {}
+    limits = {**(spec.get("requests") or {}), **(spec.get("limits") or {})}
+    params = group["params"]
+    cpus = _quantity(params["num-cpus"]) if "num-cpus" in params else math.floor(_quantity(limits.get("cpu", 0)))
+    gpus = _quantity(params["num-gpus"]) if "num-gpus" in params else _quantity(limits.get("nvidia.com/gpu", 0))
+    return {**_custom_resources(params), "CPU": cpus, "GPU": gpus}
+
+
+def fits(need: Mapping[str, float], have: Mapping[str, float]) -> bool:
+    return all(have.get(k, 0.0) >= v for k, v in need.items())
+
+
+def landing_groups(config: Mapping[str, Any], service: Mapping[str, Any]) -> dict[str, list[str]]:
+    """deployment -> the manifest's pod groups one of its replicas fits on."""
+    groups = pod_groups(service)
+    return {
+        dep: [name for name, group in groups.items() if fits(need, ray_resources(group))]
+        for dep, need in actor_resources(config).items()
+    }
+
+
+def _mount_dirs(pod: Mapping[str, Any]) -> list[str]:
+    container = pod["containers"][0]
+    volumes = {v["name"] for v in pod.get("volumes") or []}
+    return [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or [] if m["name"] in volumes]
+
+
+def missing_files(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
+    """'deployment on group: what (path)' for every file a deployment would not find where it can land."""
+    groups = pod_groups(service)
+    problems = []
+    for dep, names in landing_groups(config, service).items():
+        for name in names:
+            pod = groups[name]["pod"]
+            env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env") or []}
+            mounts = _mount_dirs(pod)
+            for what, path in files_read(config, env)[dep].items():
+                if path is None or not any((path.rstrip("/") + "/").startswith(m) for m in mounts):
+                    problems.append(f"{dep} on {name}: {what} ({path})")
+    return problems
+
+
+def engine_capacity(config: Mapping[str, Any], service: Mapping[str, Any]) -> float:
+    """How many engine replicas the pod groups hold at their maximum size (inf: a replica asks for nothing)."""
+    need = {k: v for k, v in actor_resources(config)[ENGINE].items() if v}
+    if not need:
+        return math.inf
+    groups = pod_groups(service)
+    capacity = 0
+    for name in landing_groups(config, service)[ENGINE]:
+        have = ray_resources(groups[name])
+        capacity += min(math.floor(have[k] / v) for k, v in need.items()) * groups[name]["max_pods"]
+    return capacity
+
+
+def l2_credentials(l2: Any) -> list[str]:
+    """Where an LMCache L2 spelling carries credentials: URL user info, or password/username keys."""
+    if isinstance(l2, str) and "@" in urlparse(l2).netloc:
+        return ["the URL's user info"]
+    if isinstance(l2, Mapping):
+        return [f"key {key!r}" for key in L2_CREDENTIAL_KEYS if key in l2]
+    return []
+
+
+def kuberay_config_problems(config: Mapping[str, Any]) -> list[str]:
+    """What a kvmesh config must not carry into a RayService's serveConfigV2 (it holds the config verbatim)."""
+    problems = [
+        f"config.{key} has no effect on KubeRay, where {what} sets it: remove it"
+        for key, what in SET_ELSEWHERE_ON_KUBERAY.items()
+        if key in config
+    ]
+    lmcache = (config.get("engine") or {}).get("lmcache") or {}
+    where = l2_credentials(lmcache.get("l2"))
+    if where:
+        problems.append(
+            f"engine.lmcache.l2 carries credentials ({', '.join(where)}), which serveConfigV2 and Serve's logs of "
+            "the app's args would show: remove them and give the GPU workers LMCACHE_RESP_PASSWORD "
+            "(and LMCACHE_RESP_USERNAME) from a Secret"
+        )
+    return problems
+
+
+def kuberay_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
+    """Why the RayService manifest could not run this config: keys it ignores, credentials it would publish,
+    deployments no pod fits, files a pod lacks, autoscaling beyond the worker groups. Empty when it can."""
+    problems = kuberay_config_problems(config)
+    for dep, names in landing_groups(config, service).items():
+        if not names:
+            problems.append(f"{dep} fits on no pod group (a replica needs {actor_resources(config)[dep]})")
+    problems += [f"not mounted: {missing}" for missing in missing_files(config, service)]
+    most = max_engine_replicas(app_config(config))
+    capacity = engine_capacity(config, service)
+    if most > capacity:
+        problems.append(f"up to {most} engine replicas, but the worker groups hold at most {capacity}")
+    return problems

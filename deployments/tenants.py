@@ -73,6 +73,20 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,256}$")
 # Versioned domain separation: a group named like a tenant must not get that tenant's salt.
 _SALT_DOMAIN = b"kvmesh-cache-salt-v1"
+# SHA-256 digests of the API keys kvmesh's examples publish (k8s/tenants-secret.example.yaml and
+# deployments/tenants.example.yaml, kvm-example-*): anyone who has read them can present these keys.
+PUBLISHED_KEY_DIGESTS = frozenset(
+    {
+        "6658ae1b231e6321a4d67218210f1ba37cb3535b7185d0b538370043aa7ccf5d",
+        "0b397c928f8a189f4b32877dd55a69df470cd29e2450b34cb28d1332d30a8d3b",
+        "e0a9dab3bb6adee77a53fcdbb4afb1b1fd166612d894afe223d044af7250c9a1",
+        "64783d661d7853c834917c87ec9af62b985d99ae11a76b69d29bcbb473ef5f0b",
+        "f4091b84bf8c41aa7371b5b88e2c2f18a7c86ccc4706a6455d59f3f5fc12a81f",
+    }
+)
+# The one file allowed to hold them: the local example itself (`kvmesh serve --tenants` it to try tenants on
+# this machine). A copy of it, or of the Kubernetes example Secret, is a deployment's own file.
+SHIPPED_EXAMPLE = Path(__file__).with_name("tenants.example.yaml")
 
 
 def openai_error(status: int, message: str, code: str, err_type: str | None = None, param: str | None = None) -> dict:
@@ -318,7 +332,20 @@ class TenantRegistry:
                 raw = yaml.safe_load(text)
         except Exception as exc:  # parser errors differ per format; report one line
             raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
-        return cls.from_dict(raw, secret=secret, base_dir=path.parent)
+        registry = cls.from_dict(raw, secret=secret, base_dir=path.parent)
+        if path.resolve() != SHIPPED_EXAMPLE.resolve():
+            registry._refuse_published_keys(path)
+        return registry
+
+    def _refuse_published_keys(self, path: Path) -> None:
+        """ConfigError naming the first tenant that holds a key kvmesh's examples publish."""
+        for entry in self._entries:
+            if entry.digest.hex() in PUBLISHED_KEY_DIGESTS:
+                raise ConfigError(
+                    f"tenants file {path}: tenant {entry.tenant.id!r} has a key published in kvmesh's examples "
+                    "(k8s/tenants-secret.example.yaml): anyone can use it; make keys with "
+                    "`python -m kvmesh.deployments.tenants new-key`"
+                )
 
     @classmethod
     def from_dict(

@@ -1,14 +1,17 @@
 """`kvmesh k8s render`: write the kvmesh serving config into the RayService's serveConfigV2.
 
 The manifest's Serve config is generated, never edited by hand: `deploy_plan.serve_deploy_config` is the
-builder, the same validation as `kvmesh serve --config`. `--check` changes nothing and exits 1 when the
-manifest is out of date (for CI and review).
+builder, the same validation as `kvmesh serve --config`. Render also refuses a config the manifest could not
+run (`deploy_plan.kuberay_problems`): keys KubeRay sets elsewhere, credentials that serveConfigV2 would
+publish, deployments that fit no pod, files a pod does not mount. `--check` changes nothing and exits 1 when
+the manifest is out of date (for CI and review).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvmesh.deployments.cli import CliError
 
@@ -24,26 +27,58 @@ def add_arguments(parser) -> None:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the manifest is out of date")
 
 
-def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tuple[str, str]:
-    """(the manifest as it is, the manifest with its serveConfigV2 rendered from the config)."""
+def _read_text(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def _yaml_documents(path: str | Path, text: str) -> list[Any]:
     import yaml
 
-    from kvmesh.deployments.config import ConfigError
-    from kvmesh.deployments.deploy_plan import render_serve_config, replace_block
+    try:
+        return list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path} is not valid YAML: {exc}".splitlines()[0]) from None
 
+
+def _config(path: str | Path) -> dict:
+    docs = _yaml_documents(path, _read_text(path))
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise CliError(f"{path} must be one mapping of kvmesh config keys")
+    return docs[0]
+
+
+def _rayservice(path: str | Path, text: str) -> dict:
+    services = [d for d in _yaml_documents(path, text) if isinstance(d, dict) and d.get("kind") == "RayService"]
+    if len(services) != 1:
+        raise CliError(f"{path} must hold one RayService, found {len(services)}")
+    return services[0]
+
+
+def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tuple[str, str]:
+    """(the manifest as it is, the manifest with its serveConfigV2 rendered from the config)."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.deploy_plan import kuberay_problems, render_serve_config, replace_block
+
+    raw = _config(config_path)
+    manifest = _read_text(manifest_path)
+    service = _rayservice(manifest_path, manifest)
     try:
-        raw = yaml.safe_load(Path(config_path).read_text())
-        manifest = Path(manifest_path).read_text()
-    except OSError as exc:
-        raise CliError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise CliError(f"{config_path} is not valid YAML: {exc}".splitlines()[0]) from None
-    if not isinstance(raw, dict):
-        raise CliError(f"{config_path} must be a mapping of kvmesh config keys")
-    try:
-        return manifest, replace_block(manifest, "serveConfigV2", render_serve_config(raw))
+        serve_config = render_serve_config(raw)
     except ConfigError as exc:
         raise CliError(f"{config_path}: {exc}") from None
+    try:
+        problems = kuberay_problems(raw, service)
+    except (KeyError, TypeError, ValueError) as exc:  # a manifest without the pod fields KubeRay requires
+        raise CliError(f"{manifest_path}: not a RayService kvmesh can check ({type(exc).__name__}: {exc})") from None
+    if problems:
+        raise CliError(f"{config_path} cannot run on {manifest_path}: {'; '.join(problems)}")
+    try:
+        return manifest, replace_block(manifest, "serveConfigV2", serve_config)
     except ValueError as exc:
         raise CliError(f"{manifest_path}: {exc}") from None
 

@@ -156,3 +156,23 @@ def test_every_pod_reads_the_salt_secret_from_a_file():
         vols = {v["name"]: v for v in pod["volumes"]}
         assert path.startswith(mounts["salt"] + "/")
         assert vols["salt"]["secret"]["secretName"] == "kvmesh-salt-secret"
+
+
+# RayService fields that KubeRay v1.7.0's CRD still accepts but its operator no longer reads
+# (ray-operator/apis/ray/v1/rayservice_types.go: "Deprecated: This field is not used anymore").
+UNUSED_RAYSERVICE_FIELDS = {"serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold"}
+INITIALIZING_TIMEOUT = "ray.io/initializing-timeout"
+
+
+def test_the_rayservice_sets_no_field_kuberay_ignores():
+    """A field the operator ignores promises a reader a timeout that never applies."""
+    for svc in _docs("RayService"):
+        assert not UNUSED_RAYSERVICE_FIELDS & set(svc["spec"])
+
+
+def test_a_slow_gpu_start_is_not_cut_short():
+    """KubeRay v1.7.0 bounds a RayService's initialization only through the ray.io/initializing-timeout
+    annotation, and a start that exceeds it fails for good (the RayService must be recreated). Without it
+    KubeRay waits as long as GPU pods and model loads take."""
+    for svc in _docs("RayService"):
+        assert INITIALIZING_TIMEOUT not in (svc["metadata"].get("annotations") or {})

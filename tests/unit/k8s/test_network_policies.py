@@ -5,7 +5,8 @@ reference; an unknown key is an error, as `kubectl --validate=strict` would say)
 labels are read from the manifests (the pod templates plus the labels KubeRay adds to every Ray pod:
 ray.io/is-ray-node, ray.io/node-type, ray.io/group), and who may connect to whom on which port is
 worked out with NetworkPolicy's own rules (a pod selected by some policy accepts only what one of
-them allows; `from` peers are ORed, the labels inside one selector ANDed).
+them allows; `from` peers are ORed, the labels inside one selector ANDed; a peer without a
+namespaceSelector means the policy's own namespace, kvmesh's).
 """
 
 from __future__ import annotations
@@ -131,7 +132,35 @@ def pod_labels() -> dict[str, dict[str, str]]:
     pods["http-front"] = {"kvmesh.io/http-front": "true", "app": "gateway"}
     pods["prometheus"] = {"app.kubernetes.io/name": "prometheus"}
     pods["other-workload"] = {"app": "someone-elses-job"}
+    # KubeRay v1.7.0's operator pod as its Helm chart and as its kustomize config (ray-operator/config) label it
+    pods["kuberay-operator"] = {
+        "app.kubernetes.io/name": "kuberay-operator",
+        "app.kubernetes.io/instance": "kuberay-operator",
+        "app.kubernetes.io/component": "kuberay-operator",
+    }
+    pods["kuberay-operator-kustomize"] = {
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/component": "kuberay-operator",
+    }
+    pods["operator-lookalike"] = dict(pods["kuberay-operator"])  # the same labels, in another namespace
     return pods
+
+
+KVMESH_NAMESPACE = "kvmesh"
+# the namespace of each pod kvmesh does not create (kvmesh's own pods live in KVMESH_NAMESPACE)
+NAMESPACES = {
+    "http-front": "ingress-nginx",
+    "prometheus": "monitoring",
+    "other-workload": "someone-else",
+    "kuberay-operator": "default",  # where KubeRay's Helm chart and kustomize config install it
+    "kuberay-operator-kustomize": "default",
+    "operator-lookalike": "someone-else",
+}
+
+
+def namespace_labels(pod: str) -> dict[str, str]:
+    """The labels Kubernetes gives every namespace: its name."""
+    return {"kubernetes.io/metadata.name": NAMESPACES.get(pod, KVMESH_NAMESPACE)}
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -139,10 +168,16 @@ def _matches(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
 
 
-def _peer_allows(peer: dict, labels: dict) -> bool:
-    # one namespace (kvmesh's): a peer without namespaceSelector means "pods of this namespace"; with
-    # `namespaceSelector: {}` any namespace. Both include ours, so only the pod selector decides here.
-    return "ipBlock" not in peer and _matches(peer.get("podSelector", {}), labels)
+def _peer_allows(peer: dict, src: str) -> bool:
+    # a peer without namespaceSelector means "pods of the policy's namespace" (kvmesh's); with
+    # `namespaceSelector: {}` any namespace
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        in_namespace = _matches(peer["namespaceSelector"], namespace_labels(src))
+    else:
+        in_namespace = namespace_labels(src) == namespace_labels("head")
+    return in_namespace and _matches(peer.get("podSelector", {}), pod_labels()[src])
 
 
 def allowed(src: str, dst: str, port: int) -> bool:
@@ -155,7 +190,7 @@ def allowed(src: str, dst: str, port: int) -> bool:
             ports = rule.get("ports")
             if ports and not any(q.get("port") == port for q in ports):
                 continue
-            if any(_peer_allows(peer, pods[src]) for peer in rule.get("from", [{}])):
+            if any(_peer_allows(peer, src) for peer in rule.get("from", [{}])):
                 return True
     return False
 
@@ -199,6 +234,18 @@ ENGINE_EVENT_PORT = 41234  # the relay binds a random port: any port on a GPU wo
         ("prometheus", "gpu-engines", ENGINE_EVENT_PORT, False),
         ("prometheus", "head", 8000, True),
         ("prometheus", "valkey", 6379, False),
+        # the KubeRay operator deploys serveConfigV2 through the dashboard and checks the head's Serve proxy
+        ("kuberay-operator", "head", 8265, True),
+        ("kuberay-operator", "head", 8000, True),
+        ("kuberay-operator-kustomize", "head", 8265, True),
+        ("kuberay-operator-kustomize", "head", 8000, True),
+        ("kuberay-operator", "head", 6379, False),
+        ("kuberay-operator", "head", 10001, False),  # the Ray client port
+        ("kuberay-operator", "gpu-engines", ENGINE_EVENT_PORT, False),
+        ("kuberay-operator", "valkey", 6379, False),
+        # the operator's labels from another namespace: the dashboard would run anything it is sent
+        ("operator-lookalike", "head", 8265, False),
+        ("operator-lookalike", "head", 8000, False),
     ],
 )
 def test_who_may_connect_where(src, dst, port, ok):
@@ -216,7 +263,11 @@ def test_every_ray_pod_reads_the_channel_secret_from_a_file():
         vols = {v["name"]: v for v in pod["volumes"]}
         assert path.startswith(mounts["channel"] + "/")
         assert vols["channel"]["secret"]["secretName"] == "kvmesh-channel-secret"
-        assert vols["channel"]["secret"]["defaultMode"] == 0o400
+        mode = vols["channel"]["secret"]["defaultMode"]
+        # the Ray processes (uid 1000, group 100 of the rayproject/ray image) read it through the pod's
+        # fsGroup; no one else in the container may
+        assert mode & 0o040 and not mode & 0o007, oct(mode)
+        assert pod["securityContext"]["fsGroup"] == 100
 
 
 def test_valkey_requires_the_password_the_engines_send():

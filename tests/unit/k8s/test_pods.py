@@ -4,27 +4,28 @@ and would it find there every file it reads?
 A pod offers Ray what KubeRay tells its raylet (rayStartParams, else the container's limits); a
 deployment replica asks for what `deploy_plan.actor_resources` says `build_app` asks for; it "can land"
 on every pod group whose pod offers that much. On each such pod, every path from
-`deploy_plan.files_read` must lie under a volume mount. The Serve config itself must be what
-`kvmesh k8s render` makes from k8s/config/kvmesh.yaml, with no per-deployment overrides (Serve would
-replace the code's whole ray_actor_options with them).
+`deploy_plan.files_read` must lie under a volume mount. These checks are `deploy_plan`'s, the ones
+`kvmesh k8s render` refuses a config with. The Serve config itself must be what `kvmesh k8s render` makes
+from k8s/config/kvmesh.yaml, with no per-deployment overrides (Serve would replace the code's whole
+ray_actor_options with them).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import yaml
 from paths import REPO_ROOT
 
+from kvmesh.deployments import deploy_plan
 from kvmesh.deployments.app import build_app
 from kvmesh.deployments.config import app_config
 from kvmesh.deployments.deploy_plan import (
     ENGINE,
     INGRESS,
-    actor_resources,
-    files_read,
+    engine_capacity,
+    kuberay_problems,
     max_engine_replicas,
     render_serve_config,
     replace_block,
@@ -53,63 +54,17 @@ def _app(service: dict) -> dict:
 
 
 def _groups(service: dict) -> dict[str, dict]:
-    """group name -> {"pod": pod spec, "params": rayStartParams, "max_pods": int}."""
-    cluster = service["spec"]["rayClusterConfig"]
-    head = cluster["headGroupSpec"]
-    out = {"head": {"pod": head["template"]["spec"], "params": head.get("rayStartParams") or {}, "max_pods": 1}}
-    for g in cluster["workerGroupSpecs"]:
-        out[g["groupName"]] = {
-            "pod": g["template"]["spec"],
-            "params": g.get("rayStartParams") or {},
-            "max_pods": g.get("maxReplicas", g.get("replicas", 1)),
-        }
-    return out
-
-
-def _quantity(value) -> float:
-    text = str(value)
-    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-
-
-def ray_resources(group: dict) -> dict[str, float]:
-    """What KubeRay hands the pod's raylet: num-cpus/num-gpus start params, else the container limits."""
-    container = group["pod"]["containers"][0]
-    limits = {**container.get("resources", {}).get("requests", {}), **container.get("resources", {}).get("limits", {})}
-    params = group["params"]
-    cpus = _quantity(params["num-cpus"]) if "num-cpus" in params else math.floor(_quantity(limits.get("cpu", 0)))
-    gpus = _quantity(params["num-gpus"]) if "num-gpus" in params else _quantity(limits.get("nvidia.com/gpu", 0))
-    return {"CPU": cpus, "GPU": gpus}
-
-
-def fits(need: dict[str, float], have: dict[str, float]) -> bool:
-    return all(have.get(k, 0.0) >= v for k, v in need.items())
+    return deploy_plan.pod_groups(service)
 
 
 def landing_groups(service: dict) -> dict[str, list[str]]:
-    """deployment -> the pod groups one of its replicas fits on."""
-    need = actor_resources(_app(service)["args"])
-    groups = _groups(service)
-    return {dep: [name for name, g in groups.items() if fits(res, ray_resources(g))] for dep, res in need.items()}
+    """deployment -> the pod groups one of its replicas fits on (for the manifest's own Serve config)."""
+    return deploy_plan.landing_groups(_app(service)["args"], service)
 
 
 def missing_files(service: dict) -> list[str]:
     """'deployment on group: what (path)' for every file a deployment would not find where it can land."""
-    args = _app(service)["args"]
-    groups = _groups(service)
-    problems = []
-    for dep, names in landing_groups(service).items():
-        for name in names:
-            pod = groups[name]["pod"]
-            container = pod["containers"][0]
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            volumes = {v["name"] for v in pod.get("volumes", [])}
-            mounts = [
-                m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts", []) if m["name"] in volumes
-            ]
-            for what, path in files_read(args, env)[dep].items():
-                if path is None or not any((path.rstrip("/") + "/").startswith(m) for m in mounts):
-                    problems.append(f"{dep} on {name}: {what} ({path})")
-    return problems
+    return deploy_plan.missing_files(_app(service)["args"], service)
 
 
 def test_serve_config_is_rendered_from_the_kvmesh_config():
@@ -149,14 +104,8 @@ def test_every_deployment_fits_some_pod_group(service):
 
 def test_engine_autoscaling_fits_the_worker_groups(service):
     args = _app(service)["args"]
-    need = actor_resources(args)[ENGINE]
-    groups = _groups(service)
-    capacity = 0
-    for name in landing_groups(service)[ENGINE]:
-        have = ray_resources(groups[name])
-        per_pod = min(math.floor(have[k] / v) for k, v in need.items() if v)
-        capacity += per_pod * groups[name]["max_pods"]
-    assert max_engine_replicas(app_config(args)) <= capacity
+    assert max_engine_replicas(app_config(args)) <= engine_capacity(args, service) == 16
+    assert kuberay_problems(args, service) == []  # what `kvmesh k8s render` checks before it writes
 
 
 def test_every_file_a_deployment_reads_is_mounted_where_it_can_land(service):

@@ -1,0 +1,126 @@
+"""`kvmesh k8s render` on copies of k8s/config/kvmesh.yaml and k8s/rayservice.yaml: it writes only a config
+the manifest can run, and refuses the rest with one line and exit status 2, leaving the manifest as it was."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from paths import REPO_ROOT
+
+from kvmesh.deployments.cli import main
+
+K8S = REPO_ROOT / "k8s"
+
+
+@pytest.fixture
+def files(tmp_path):
+    """(config path, manifest path): the repository's own pair, in a scratch folder."""
+    config = tmp_path / "kvmesh.yaml"
+    manifest = tmp_path / "rayservice.yaml"
+    config.write_text((K8S / "config" / "kvmesh.yaml").read_text())
+    manifest.write_text((K8S / "rayservice.yaml").read_text())
+    return config, manifest
+
+
+def _with(config_path, **changes) -> None:
+    """Rewrite the config with top-level keys changed (engine given whole)."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw.update(changes)
+    config_path.write_text(yaml.safe_dump(raw))
+
+
+def _lmcache_l2(config_path, l2) -> None:
+    raw = yaml.safe_load(config_path.read_text())
+    raw["engine"]["lmcache"]["l2"] = l2
+    config_path.write_text(yaml.safe_dump(raw))
+
+
+def render(files, capsys, *extra: str) -> tuple[int, str]:
+    config, manifest = files
+    rc = main(["k8s", "render", "--config", str(config), "--manifest", str(manifest), *extra])
+    return rc, capsys.readouterr().err
+
+
+def refused(files, capsys) -> str:
+    """Render must refuse: exit 2, one line on stderr, the manifest untouched. Returns that line."""
+    before = files[1].read_text()
+    rc, err = render(files, capsys)
+    assert rc == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert files[1].read_text() == before
+    return err
+
+
+def test_the_repositorys_config_renders_and_checks_up_to_date(files, capsys):
+    assert render(files, capsys) == (0, "")
+    assert render(files, capsys, "--check") == (0, "")
+
+
+@pytest.mark.parametrize(
+    "l2",
+    ["redis://:s3cret-pw@kvmesh-valkey:6379", "redis://kvmesh:s3cret-pw@kvmesh-valkey:6379"],
+    ids=["password", "user-and-password"],
+)
+def test_render_refuses_a_password_in_the_l2_url(files, capsys, l2):
+    """serveConfigV2 holds the config verbatim and Serve logs the app's args: a password there is published."""
+    _lmcache_l2(files[0], l2)
+    err = refused(files, capsys)
+    assert "engine.lmcache.l2" in err and "LMCACHE_RESP_PASSWORD" in err and "Secret" in err
+    assert "s3cret-pw" not in err
+
+
+def test_render_refuses_credentials_in_an_l2_adapter_dict(files, capsys):
+    _lmcache_l2(files[0], {"type": "resp", "host": "kvmesh-valkey", "port": 6379, "password": "s3cret-pw"})
+    err = refused(files, capsys)
+    assert "key 'password'" in err and "LMCACHE_RESP_PASSWORD" in err and "s3cret-pw" not in err
+
+
+def test_render_takes_an_l2_url_without_credentials(files, capsys):
+    _lmcache_l2(files[0], "redis://kvmesh-valkey:6379")
+    assert render(files, capsys) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "set_by"),
+    [
+        ("host", "0.0.0.0", "http_options"),
+        ("port", 8000, "http_options"),
+        ("proxy", "serve", "RAY_SERVE_ENABLE_HA_PROXY"),
+        ("address", "kvmesh-head-svc:6379", "KubeRay"),
+    ],
+)
+def test_render_refuses_keys_that_kuberay_sets_elsewhere(files, capsys, key, value, set_by):
+    _with(files[0], **{key: value})
+    err = refused(files, capsys)
+    assert f"config.{key} has no effect on KubeRay" in err and set_by in err
+
+
+def test_render_refuses_an_engine_that_fits_no_pod(files, capsys):
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["num_gpus"] = 2  # the GPU workers have one GPU each
+    files[0].write_text(yaml.safe_dump(raw))
+    assert "EngineReplica fits on no pod group" in refused(files, capsys)
+
+
+def test_render_refuses_a_file_the_pods_do_not_mount(files, capsys):
+    _with(files[0], tenants_file="/etc/elsewhere/tenants.yaml")
+    err = refused(files, capsys)
+    assert "not mounted: Ingress on head: tenants file (/etc/elsewhere/tenants.yaml)" in err
+
+
+def test_render_refuses_more_engines_than_the_worker_groups_hold(files, capsys):
+    raw = yaml.safe_load(files[0].read_text())
+    raw["autoscaling"]["max_replicas"] = 17  # maxReplicas 16 GPU pods, one engine each
+    files[0].write_text(yaml.safe_dump(raw))
+    assert "up to 17 engine replicas, but the worker groups hold at most 16" in refused(files, capsys)
+
+
+@pytest.mark.parametrize("broken", ["config", "manifest"])
+def test_a_file_that_is_not_utf8_is_named_as_itself(files, capsys, broken):
+    config, manifest = files
+    path = config if broken == "config" else manifest
+    path.write_bytes(path.read_bytes() + b"# caf\xe9\n")  # Latin-1, not UTF-8
+    other = manifest if broken == "config" else config
+    rc, err = render(files, capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"{path} is not UTF-8 text" in err and str(other) not in err
