@@ -45,8 +45,21 @@ SAMPLING_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_p",
+    "skip_special_tokens",
 )
 EVENTS_TOPIC = "kvmesh"
+
+
+def model_sampling_defaults(driver) -> dict:
+    """The model's recommended sampling settings (its generation_config.json: temperature, top_p, ...), for
+    what a request leaves out: vLLM's own server does the same, and an instruct model sampled at vLLM's
+    neutral defaults answers differently from how it was tuned to."""
+    try:
+        diff = driver.engine.vllm_config.model_config.get_diff_sampling_param()
+    except Exception:  # a driver without a vLLM engine's config (tests): vLLM's neutral defaults
+        return {}
+    return {k: v for k, v in diff.items() if k in SAMPLING_KEYS and k != "max_tokens"}
 
 
 def lmcache_kv_transfer(cfg: dict) -> dict | None:
@@ -144,6 +157,7 @@ class EngineReplica:
             with vllm_files_in(self._private_dir):
                 self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
+        self.sampling_defaults = model_sampling_defaults(self.driver)
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
         if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
@@ -194,7 +208,8 @@ class EngineReplica:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        kwargs = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
+        kwargs = {**getattr(self, "sampling_defaults", {})}
+        kwargs.update({k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None})
         return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:

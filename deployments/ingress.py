@@ -44,7 +44,13 @@ from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_usage import WINDOW_S
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
 
+# vLLM's finish reasons for a generation that did not finish: never a client's answer
+ENGINE_FAILED = frozenset({"error", "abort"})
 MAX_LOOKUP_HASHES = 10_000  # about 30 ms of the router's loop at 4 replicas
+# a text prompt longer than this is tokenised in a thread: at this length about 9 ms of the loop with the tiny
+# model's tokenizer on this 2-core machine, against about 0.14 ms for the hand-off; most prompts are far shorter
+# and stay on the loop
+LONG_PROMPT_CHARS = 32_768
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -65,6 +71,10 @@ class _PeerTenantUsage:
 
 
 fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-compatible serving")
+
+
+class EngineFailedMidStream(RuntimeError):
+    """The engine ended a streamed generation with `error` or `abort` (ENGINE_FAILED)."""
 
 
 def _error_response(exc: Exception) -> JSONResponse:
@@ -212,7 +222,11 @@ class Ingress:
             )
         return tenant
 
-    def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
+    async def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
+        """The prompt's token ids, as vLLM's own server makes them (a completion's text with the model's
+        special tokens, a chat's through its template). A long text is encoded off the event loop: megabytes
+        of prompt take seconds, and every other request of this replica would wait. Text the tokenizer
+        refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
         if req.prompt_ids is not None:
             bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -229,9 +243,17 @@ class Ingress:
                 raise proto.bad(f"The model's chat template refused these messages: {exc}"[:500], "messages") from None
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        special = req.kind == "completion"  # a chat template writes its own special tokens
+        try:
+            if len(text) > LONG_PROMPT_CHARS:
+                return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special))
+            return list(self.tokenizer.encode(text, add_special_tokens=special))
+        except (TypeError, ValueError, UnicodeError) as exc:
+            param = "prompt" if req.kind == "completion" else "messages"
+            raise proto.bad(f"The prompt cannot be tokenized: {exc}"[:300], param, "invalid_prompt") from None
 
-    def _check_model_and_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
+    def _check_model(self, req: proto.GenerationRequest) -> None:
+        """Before tokenising: a request for another model is answered without the work."""
         if req.model not in self.model_aliases:
             raise OpenAIError(
                 404,
@@ -239,17 +261,23 @@ class Ingress:
                 "model_not_found",
                 "model",
             )
+
+    def _check_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
+        """The prompt fits the context with its max_tokens; a chat without one gets the rest of the context,
+        as on vLLM's own server."""
         if not ids:
             raise proto.bad(
                 "The prompt is empty after tokenization.",
                 "prompt" if req.kind == "completion" else "messages",
                 "empty_prompt",
             )
+        if req.params.get("max_tokens") is None and len(ids) < self.max_model_len:
+            req.params["max_tokens"] = self.max_model_len - len(ids)
         need = len(ids) + req.params.get("max_tokens", proto.DEFAULT_MAX_TOKENS)
         if need > self.max_model_len:
             raise proto.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {len(ids)} prompt tokens plus max_tokens={req.params.get('max_tokens')}.",
+                f"has {len(ids)} prompt tokens plus max_tokens={need - len(ids)}.",
                 "prompt" if req.kind == "completion" else "messages",
                 "context_length_exceeded",
             )
@@ -303,10 +331,11 @@ class Ingress:
             body = proto.parse_json(await request.body())
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            self._check_model(req)
             t_tok = time.perf_counter()
-            ids = self._tokenize(req)
+            ids = await self._tokenize(req)
             self.serving_metrics.record_stage("tokenize", time.perf_counter() - t_tok)
-            self._check_model_and_length(req, ids)
+            self._check_length(req, ids)
             t_queue = time.perf_counter()
             ticket = await self.admission.acquire(tenant, len(ids))
             queue_wait_s = time.perf_counter() - t_queue  # in admission's fair queue (0 when a slot was free)
@@ -392,6 +421,8 @@ class Ingress:
 
         if not req.stream:
             release()
+            if first["finish_reason"] in ENGINE_FAILED:
+                return self._engine_failed(first["finish_reason"])
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
             response = JSONResponse(
                 proto.full_response(req, oid, first["text"], first["finish_reason"], u), headers=headers
@@ -421,12 +452,15 @@ class Ingress:
                 chunk = first
                 while True:
                     ntok += len(chunk["token_ids"])
+                    failed = chunk["finish_reason"] in ENGINE_FAILED  # its text goes out, then the error
+                    finish_reason = None if failed else chunk["finish_reason"]
                     event = b""
-                    if chunk["text"] or chunk["finish_reason"] or is_first:
-                        event = proto.sse(
-                            proto.stream_chunk(req, oid, chunk["text"], chunk["finish_reason"], first=is_first)
-                        )
+                    if chunk["text"] or finish_reason or is_first:
+                        event = proto.sse(proto.stream_chunk(req, oid, chunk["text"], finish_reason, first=is_first))
                     is_first = False
+                    if failed:
+                        tail = event
+                        raise EngineFailedMidStream(chunk["finish_reason"])
                     if chunk["finish_reason"] is not None:
                         tail = event
                         break
@@ -446,11 +480,22 @@ class Ingress:
                 err = exc if isinstance(exc, OpenAIError) else None  # 503: migrations exhausted
                 self.serving_metrics.record_error(err.status if err else 500)
                 body = err.body() if err else proto.openai_error(500, "engine failed", "internal_error", "server_error")
-                yield tail + proto.sse({"error": body["error"]})  # the last chunk, if it came, goes first
+                # the last chunk, if it came, goes first; [DONE] ends every stream, as on vLLM's own server
+                yield tail + proto.sse({"error": body["error"]}) + proto.sse("[DONE]")
             finally:
                 close()
 
         return _ClosingStream(events(), close, media_type="text/event-stream", headers=headers)
+
+    def _engine_failed(self, finish_reason: str) -> Response:
+        """A generation the engine ended with `error` (e.g. a KV load from LMCache that failed) or `abort`: a
+        500, as vLLM's own server answers, not a 200 whose text stops short."""
+        self.serving_metrics.record_error(500)
+        log.warning("engine ended a request with finish_reason %s", finish_reason)
+        body = proto.openai_error(
+            500, f"the engine ended the generation ({finish_reason})", "internal_error", "server_error"
+        )
+        return JSONResponse(body, status_code=500)
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):

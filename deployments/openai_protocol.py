@@ -17,16 +17,32 @@ from typing import Any
 
 from kvmesh.deployments.tenants import openai_error
 
+# a completion's default output length (OpenAI's and vLLM's); a chat's runs to the end of the context
 DEFAULT_MAX_TOKENS = 16
-# parameters this server does not implement -> values that mean "off" (accepted silently)
+# parameters this server does not implement -> values that mean "off" (accepted silently). Any other value
+# is a 400: ignored, it would change the output the client asked for (free text for a JSON schema, no
+# logprobs where it wants them, a stop string cut from the text it wants kept).
 _UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (False, 0),
+    "logprobs": (False,),  # on completions 0 asks for the chosen tokens' logprobs
     "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
     "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "include_stop_str_in_output": (False,),
 }
 
 
@@ -111,21 +127,40 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(iu, bool):
             raise bad("'stream_options.include_usage' must be a boolean.", "stream_options", "invalid_type")
         include_usage = iu
+        if not stream:  # as vLLM: usage in a stream that is not one means the client expects something else
+            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     n = _number(body, "n", 1, 1, integer=True, default=1)
     del n  # only n == 1 is served
     max_tokens_name = (
         "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     )
+    # a chat without max_tokens runs to the end of the context: the ingress sets it once the prompt is tokenised
+    default_max = DEFAULT_MAX_TOKENS if kind == "completion" else None
+    # sampling settings the client leaves out are the engine's: the model's generation_config, as vLLM's own server
     params: dict[str, Any] = {
-        "max_tokens": _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=DEFAULT_MAX_TOKENS),
-        "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
+        "max_tokens": _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max),
+        "temperature": _number(body, "temperature", 0.0, 2.0),
         "top_p": _number(body, "top_p", 0.0, 1.0),
         "seed": _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
         "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+        # vLLM's own sampling extensions, which its OpenAI server takes too
+        "top_k": _number(body, "top_k", -1, 1 << 20, integer=True),
+        "min_p": _number(body, "min_p", 0.0, 1.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0),
+        "min_tokens": _number(body, "min_tokens", 0, 1 << 20, integer=True),
     }
     if params["top_p"] == 0.0:
         raise bad("'top_p' must be greater than 0.", "top_p")
+    if params["repetition_penalty"] == 0.0:
+        raise bad("'repetition_penalty' must be greater than 0.", "repetition_penalty")
+    if params["min_tokens"] and params["max_tokens"] is not None and params["min_tokens"] > params["max_tokens"]:
+        raise bad("'min_tokens' must not exceed 'max_tokens'.", "min_tokens")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise bad("'stop_token_ids' must be a list of token ids (integers).", "stop_token_ids", "invalid_type")
+        params["stop_token_ids"] = stop_ids or None
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -133,11 +168,12 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise bad("'ignore_eos' must be a boolean.", "ignore_eos", "invalid_type")
-        params["ignore_eos"] = ignore_eos
+    for flag in ("ignore_eos", "skip_special_tokens"):
+        value = body.get(flag)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
+            params[flag] = value
     for name, harmless in _UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and not any(v == h and type(v) is type(h) for h in harmless):
@@ -190,7 +226,7 @@ def _content_text(content: Any, i: int) -> str:
                     f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
                 )
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins a message's text parts
     raise bad(
         f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"
     )
@@ -211,8 +247,14 @@ def parse_chat(body: dict) -> GenerationRequest:
             raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if role not in ("system", "user", "assistant", "developer"):
-            raise bad(f"messages[{i}].role must be one of system, user, assistant.", f"messages[{i}].role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)})
+            raise bad(f"messages[{i}].role must be one of system, developer, user, assistant.", f"messages[{i}].role")
+        message = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
+        name = m.get("name")
+        if name is not None:  # chat templates may use it: dropped, the model would see another conversation
+            if not isinstance(name, str):
+                raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
+            message["name"] = name
+        out.append(message)
     req.messages = out
     return req
 

@@ -50,7 +50,9 @@ COMPLETION = {
 }
 CHAT = {
     "type": "object",
-    "required": ["model", "messages"],
+    # a chat without max_tokens answers to the end of the context: on the tiny model that is up to 2,000
+    # tokens of CPU decode per case (the default's own test is tests/unit/deployments/test_ingress_handlers.py)
+    "required": ["model", "messages", "max_tokens"],
     "properties": {
         "model": {"type": "string", "enum": ["tiny"]},
         "messages": {

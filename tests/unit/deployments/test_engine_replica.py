@@ -146,3 +146,18 @@ def test_what_vllm_leaves_in_the_temp_folder_goes_to_the_replica_folder_and_with
     assert tempfile.gettempdir() == before and "TMPDIR" not in os.environ
     r._release()
     assert not os.path.exists(seen["store"]) and not os.path.exists(folder)
+
+
+def test_a_requests_unset_sampling_settings_are_the_models_own():
+    """The model's generation_config fills what the request leaves out, as on vLLM's own server; what the
+    request sets wins."""
+    from kvmesh.deployments.engine import EngineReplica, model_sampling_defaults
+
+    model_config = SimpleNamespace(get_diff_sampling_param=lambda: {"temperature": 0.6, "top_p": 0.9, "max_tokens": 9})
+    driver = SimpleNamespace(engine=SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config)))
+    replica = object.__new__(EngineReplica)
+    replica.sampling_defaults = model_sampling_defaults(driver)
+    unset = replica._sampling_params({"max_tokens": 4})
+    assert (unset.temperature, unset.top_p, unset.max_tokens) == (0.6, 0.9, 4)
+    assert replica._sampling_params({"max_tokens": 4, "temperature": 0.0}).temperature == 0.0
+    assert model_sampling_defaults(SimpleNamespace()) == {}

@@ -298,3 +298,142 @@ def test_a_tenant_reads_its_own_requests_record_without_what_other_tenants_cache
         assert (await explain("q-acme", OPS_KEY))["miss_tokens"] == {"cold": 32, "isolated": 96}
 
     asyncio.run(run())
+
+
+class _RecordingEngine(_Engine):
+    """The fake engine, remembering the requests it was given and answering with `finish`."""
+
+    def __init__(self, finish: str = "length"):
+        super().__init__(hang=False)
+        self.requests: list[dict] = []
+
+        async def generate_full(request: dict) -> dict:
+            self.requests.append(request)
+            return {**_chunk("ab", [5, 6], finish), "ttft_s": 0.0}
+
+        def generate(request: dict) -> _Stream:
+            self.requests.append(request)
+            stream = _Stream(False)
+            stream.chunks = [_chunk("a", [5]), _chunk("b", [6], finish)]
+            self.streams.append(stream)
+            return stream
+
+        self.generate_full = _Method(generate_full)
+        self.generate = _Method(generate)
+
+
+class _TextTokenizer:
+    """Encodes each character as its code point (and a BOS when asked); the chat template writes the turns."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")  # a lone surrogate cannot be encoded, as in a real tokenizer
+        self.calls.append({"text": text, "add_special_tokens": add_special_tokens})
+        return ([0] if add_special_tokens else []) + [ord(c) % 900 + 10 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        self.calls.append({"messages": messages})
+        return "".join(f"<{m['role']}{':' + m['name'] if 'name' in m else ''}>{m['content']}" for m in messages)
+
+
+def _answer(ing, body: dict, kind: str = "completion"):
+    async def run():
+        req, scope, receive = _request(body, "/v1/completions" if kind == "completion" else "/v1/chat/completions")
+        response = await ing._generate(req, kind)
+        if not body.get("stream"):
+            return response.status_code, json.loads(response.body)
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        await response(scope, receive, send)
+        return response.status_code, b"".join(m.get("body", b"") for m in sent).decode()
+
+    return asyncio.run(run())
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
+    """OpenAI's and vLLM's chat default: not 16 tokens, which cut every SDK client's answer short."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    ing.max_model_len = 64
+    status, _ = _answer(ing, CHAT, "chat")
+    assert status == 200
+    prompt = ing.engine.requests[0]["prompt_token_ids"]
+    assert ing.engine.requests[0]["params"]["max_tokens"] == 64 - len(prompt)
+    status, _ = _answer(ing, {**CHAT, "messages": [{"role": "user", "content": "x" * 70}]}, "chat")
+    assert status == 400  # a prompt that fills the context leaves nothing to answer with
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]),
+        ("guided_json", {"type": "object"}),
+        ("structured_outputs", {"json": {}}),
+        ("logprobs", 0),
+        ("include_stop_str_in_output", True),
+    ],
+)
+def test_a_setting_that_would_shape_the_output_and_is_not_served_is_a_400_not_ignored(field, value):
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, body = _answer(ing, {**CHAT, field: value}, "chat")
+    assert status == 400 and body["error"]["param"] == field and not ing.engine.requests
+
+
+def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_models():
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    extras = {"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.5, "min_tokens": 2, "stop_token_ids": [7]}
+    status, _ = _answer(ing, {**BODY, **extras, "skip_special_tokens": False})
+    assert status == 200
+    params = ing.engine.requests[0]["params"]
+    assert {k: params[k] for k in extras} == extras and params["skip_special_tokens"] is False
+    assert "temperature" not in params and "top_p" not in params  # the engine's (the model's) defaults
+
+
+@pytest.mark.parametrize("finish", ["error", "abort"])
+def test_a_generation_the_engine_did_not_finish_is_a_500_not_a_short_answer(finish):
+    ing = _ingress()
+    ing.engine = _RecordingEngine(finish)
+    status, body = _answer(ing, BODY)
+    assert status == 500 and body["error"]["code"] == "internal_error"
+    assert ing.admission.in_flight == 0
+    status, text = _answer(ing, {**BODY, "stream": True})
+    events = [line for line in text.splitlines() if line]
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"  # the error, then the end as always
+    assert all(finish not in e for e in events[:-2])
+    assert ing.admission.in_flight == 0
+
+
+def test_text_the_tokenizer_refuses_is_a_400_and_another_model_is_refused_before_tokenising():
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, body = _answer(ing, {"model": "tiny", "prompt": "a\ud800b"})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    calls = len(ing.tokenizer.calls)
+    status, body = _answer(ing, {"model": "other", "prompt": "x" * 1000})
+    assert status == 404 and len(ing.tokenizer.calls) == calls
+
+
+def test_prompts_are_tokenised_as_vllms_server_does():
+    """A completion's text gets the model's special tokens (its BOS); a chat's come from its template, and a
+    message keeps its name; stream options ask for a stream."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    assert _answer(ing, {"model": "tiny", "prompt": "hi"})[0] == 200
+    assert ing.engine.requests[-1]["prompt_token_ids"][0] == 0
+    assert _answer(ing, {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "chat")[0] == 200
+    assert ing.engine.requests[-1]["prompt_token_ids"][0] != 0
+    assert {"role": "user", "content": "hi", "name": "ann"} in ing.tokenizer.calls[-2]["messages"]
+    status, body = _answer(ing, {**BODY, "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options"

@@ -72,7 +72,8 @@ def test_chat_validation():
             ],
         }
     )
-    assert r.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]
+    # a message's text parts joined as vLLM joins them
+    assert r.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"}]
     assert err(proto.parse_chat, {"model": "m"}).code == "missing_required_parameter"
     assert err(proto.parse_chat, {"model": "m", "messages": []}).code == "empty_prompt"
     assert err(proto.parse_chat, {"model": "m", "messages": "hi"}).code == "invalid_type"
