@@ -176,6 +176,95 @@ class _ClosedLoopSender:
             heapq.heappush(self.ready, (ready + self.delays[nxt] if self.delays else ready, nxt))
 
 
+def reads(policy: Policy, signals: tuple[str, ...]) -> bool:
+    """Whether `policy` names any of `signals` in its `load_signals` (the `FleetView.extra` entries it reads).
+    Why ask: keeping them costs every request some work, which the policies that never read them are spared."""
+    return any(name in getattr(policy, "load_signals", ()) for name in signals)
+
+
+class EngineLoad:
+    """Per replica, the load a vLLM engine reports about itself, which peers' routers read from its metrics:
+    requests waiting to be scheduled (`vllm:num_requests_waiting`: from arrival until the prefill starts) and
+    the fraction of KV blocks allocated (`vllm:kv_cache_usage_perc`: a request's blocks from the start of its
+    prefill to the end of its decode). Why beside `queued` and `kv_usage`: those count a request from the
+    moment it is routed (the router's own view, which kvmesh's policy reads). Policies get them as
+    `FleetView.extra["waiting"]` and `extra["kv_cache_usage"]`. Approximations: a request's output blocks
+    are allocated with its prompt's, and a prompt block two running requests share counts twice."""
+
+    SIGNALS = ("waiting", "kv_cache_usage")
+
+    def __init__(self, replicas: int):
+        self.waiting = np.zeros(replicas, dtype=np.int64)
+        self.kv_cache_usage = np.zeros(replicas)
+        self.extra = {"waiting": self.waiting, "kv_cache_usage": self.kv_cache_usage}
+        self._waiting = [0] * replicas  # Python copies: numpy scalar arithmetic costs several times a list's
+        self._blocks = [0] * replicas
+        self._usage = [0.0] * replicas
+
+    def wait(self, k: int) -> None:
+        """A request reached replica `k` and waits for its prefill."""
+        self.waiting[k] = self._waiting[k] = self._waiting[k] + 1
+
+    def start(self, k: int, blocks: int, inv_capacity: float, waited: bool = True) -> None:
+        """A request's prefill starts on replica `k`: its `blocks` are allocated."""
+        if waited:
+            self.waiting[k] = self._waiting[k] = self._waiting[k] - 1
+        self._allocate(k, blocks, inv_capacity)
+
+    def free(self, k: int, blocks: int, inv_capacity: float) -> None:
+        """A request's decode ended on replica `k`: its `blocks` are freed."""
+        self._allocate(k, -blocks, inv_capacity)
+
+    def view(self, k: int) -> dict:
+        """Replica `k`'s figures, as `FleetView.view(k).extra` holds them."""
+        return {"waiting": self._waiting[k], "kv_cache_usage": self._usage[k]}
+
+    def _allocate(self, k: int, blocks: int, inv_capacity: float) -> None:
+        b = self._blocks[k] = self._blocks[k] + blocks
+        self.kv_cache_usage[k] = self._usage[k] = min(b * inv_capacity, 1.0)
+
+
+class ActivePromptBlocks:
+    """Per replica, the prompt blocks of the requests routed there and not finished, each block once however
+    many of them hold it (block hash -> how many): the active blocks NVIDIA Dynamo's KV router books when it
+    routes a request and frees when the request ends (ai-dynamo/dynamo `KvRouterConfig::default`:
+    router_track_active_blocks and router_assume_kv_reuse true, router_track_output_blocks false, so output
+    blocks are not booked). Policies get each replica's as `FleetView.extra["active_prompt_blocks"]`."""
+
+    SIGNALS = ("active_prompt_blocks",)
+
+    def __init__(self, replicas: int):
+        self.blocks: list[dict] = [{} for _ in range(replicas)]
+        column = np.empty(replicas, dtype=object)
+        column[:] = self.blocks
+        self.extra = {"active_prompt_blocks": column}
+        self._ends: list[tuple[float, int, int, Any]] = []  # (end, request, replica, its blocks)
+
+    def add(self, k: int, hashes, end: float, request: int) -> None:
+        """Book a request's full prompt blocks on replica `k` until `end`."""
+        held = self.blocks[k]
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+        heapq.heappush(self._ends, (end, request, k, hashes))
+
+    def finish(self, now: float) -> None:
+        """Free the blocks of every request that has ended by `now`."""
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            _, _, k, hashes = heapq.heappop(ends)
+            held = self.blocks[k]
+            for h in hashes:
+                left = held[h] - 1
+                if left:
+                    held[h] = left
+                else:
+                    del held[h]
+
+    def view(self, k: int) -> dict:
+        """Replica `k`'s blocks, as `FleetView.view(k).extra` holds them."""
+        return {"active_prompt_blocks": self.blocks[k]}
+
+
 def fit_in_gap(
     gaps: list[tuple[float, float]], earliest: float, service: float, now: float, ends: list[float], max_batch: int
 ) -> float | None:
@@ -266,7 +355,8 @@ def simulate_policy(
         raise RuntimeError("prefix index did not give replicas slots 0..N-1")
 
     # load state, per replica, updated by a heap of (time, kind, replica, value) events:
-    # kind 0 = prefill done (queued -> running), kind 1 = decode done (running -> gone)
+    # kind 0 = prefill done (queued -> running), kind 1 = decode done (running -> gone), kind 2 = prefill starts
+    # (waiting -> prefilling: the request's KV blocks are allocated)
     # Each is kept twice: as Python numbers (what the loop reads and updates) and as the numpy arrays the
     # policy reads (written from them), since numpy scalar arithmetic costs several times a list's.
     queued = np.zeros(N, dtype=np.int64)
@@ -278,6 +368,10 @@ def simulate_policy(
     pending_l = [0] * N
     active_l = [0] * N  # KV blocks of unfinished requests
     kv_l = [0.0] * N
+    # the load signals a peer's policy reads beside the router's own counts (None where the policy reads none):
+    # what the engine reports (requests waiting, KV blocks allocated), what Dynamo's router books per request
+    engine = EngineLoad(N) if reads(policy, EngineLoad.SIGNALS) else None
+    booked = ActivePromptBlocks(N) if reads(policy, ActivePromptBlocks.SIGNALS) else None
     events: list[tuple[float, int, int, int]] = []
     unset = np.zeros(N, dtype=np.int64)  # hbm/host/shared blocks: set per request below
     tierless = not host and shared is None
@@ -292,6 +386,7 @@ def simulate_policy(
         kv_usage,
         pending,
         np.full(N, capacity, dtype=np.int64),
+        {**(engine.extra if engine else {}), **(booked.extra if booked else {})},
     )
     server_free = [0.0] * N
     # per replica, the spans (start, end) it idles before a held request's prefill: the engine runs what is
@@ -329,6 +424,10 @@ def simulate_policy(
     out_tokens = 0
     last_end = 0.0
     t_wall = time.perf_counter()
+
+    def extra_view(j: int) -> dict:
+        """Replica `j`'s `extra`, as `fleet.view(j)` holds it (from the Python copies)."""
+        return {**(engine.view(j) if engine else {}), **(booked.view(j) if booked else {})}
 
     def store_in_tiers(j: int, keep) -> None:
         """Write-through of one request's full blocks into its node's host tier and the shared tier."""
@@ -374,10 +473,16 @@ def simulate_policy(
                 queued[k] = queued_l[k] = queued_l[k] - 1
                 running[k] = running_l[k] = running_l[k] + 1
                 pending[k] = pending_l[k] = pending_l[k] - val
-            else:
+            elif kind == 1:
                 running[k] = running_l[k] = running_l[k] - 1
                 a = active_l[k] = active_l[k] - val
                 kv_usage[k] = kv_l[k] = min(a * inv_cap, 1.0)
+                if engine:
+                    engine.free(k, val, inv_cap)
+            elif engine:  # kind 2: pushed only with an engine
+                engine.start(k, val, inv_cap)
+        if booked:
+            booked.finish(t)
         while tier_writes and tier_writes[0][0] <= t:
             done_at, _, k, blocks = pop(tier_writes)
             store_in_tiers(k, blocks)
@@ -430,7 +535,9 @@ def simulate_policy(
         on_routed(
             req,
             rid,
-            ReplicaView(rid, hbm_b, host_b, shared_b, queued_l[j], running_l[j], kv_l[j], pending_l[j], capacity, {}),
+            ReplicaView(
+                rid, hbm_b, host_b, shared_b, queued_l[j], running_l[j], kv_l[j], pending_l[j], capacity, extra_view(j)
+            ),
         )
 
         hbm_t = cached_tokens(hbm_b, n, bs)
@@ -479,6 +586,14 @@ def simulate_policy(
         kvb = -(-(n + out_len) // bs)
         push(events, (done, 0, j, uncached))
         push(events, (end, 1, j, kvb))
+        if engine:
+            if s > t:
+                engine.wait(j)
+                push(events, (s, 2, j, kvb))
+            else:
+                engine.start(j, kvb, inv_cap, waited=False)
+        if booked:
+            booked.add(j, req.block_hashes, end, i)
         queued[j] = queued_l[j] = queued_l[j] + 1
         pending[j] = pending_l[j] = pending_l[j] + uncached
         a = active_l[j] = active_l[j] + kvb

@@ -14,12 +14,18 @@ from collections.abc import Sequence
 
 
 class ApproxTree:
-    """Per replica: an LRU of block hashes (with their token counts), capped at `max_tokens`."""
+    """Per replica: an LRU of block hashes (with their token counts). A replica's tree over `max_tokens` is
+    trimmed, least recently used first, to `target_tokens` (default `max_tokens`); `max_tokens=None` never
+    trims. Why a target below the threshold: Ray Serve's eviction loop cuts a tenant over its threshold down
+    to a lower target, not to just under the threshold."""
 
-    def __init__(self, max_tokens: int):
-        if max_tokens <= 0:
+    def __init__(self, max_tokens: int | None, target_tokens: int | None = None):
+        if max_tokens is not None and max_tokens <= 0:
             raise ValueError("approximate tree: max_tokens must be positive")
+        if target_tokens is not None and (max_tokens is None or not 0 <= target_tokens <= max_tokens):
+            raise ValueError("approximate tree: target_tokens must be within 0..max_tokens")
         self.max_tokens = max_tokens
+        self.target_tokens = (max_tokens or 0) if target_tokens is None else target_tokens  # unused when unbounded
         self._owners: dict[int, set[str]] = {}  # hash -> replicas whose tree holds it
         self._lru: dict[str, OrderedDict[int, int]] = {}
         self._size: dict[str, int] = {}
@@ -64,7 +70,14 @@ class ApproxTree:
                 lru[h] = tokens_per_block
                 size += tokens_per_block
                 owners.setdefault(h, set()).add(replica_id)
-        while size > self.max_tokens and lru:
+        if self.max_tokens is not None and size > self.max_tokens:
+            size = self._trim(replica_id, lru, size)
+        self._size[replica_id] = size
+
+    def _trim(self, replica_id: str, lru: OrderedDict[int, int], size: int) -> int:
+        """Evict `replica_id`'s least recently used blocks until its tree holds at most `target_tokens`."""
+        owners = self._owners
+        while size > self.target_tokens and lru:
             h, t = lru.popitem(last=False)
             size -= t
             s = owners.get(h)
@@ -72,7 +85,7 @@ class ApproxTree:
                 s.discard(replica_id)
                 if not s:
                     del owners[h]
-        self._size[replica_id] = size
+        return size
 
     def remove_replica(self, replica_id: str) -> None:
         for h in self._lru.pop(replica_id, {}):

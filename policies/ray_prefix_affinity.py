@@ -1,14 +1,16 @@
 """Ray Serve's `PrefixCacheAffinityRouter`, re-implemented from its source for comparison.
 
-Source: ray 2.60.0 `ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_aware_router.py`
-(read in the installed wheel) and doc/source/serve/advanced-guides/prefix-aware-request-router.md.
+Source: ray 2.60.0 (commit b7f4259) `ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_aware_router.py`
+and `prefix_tree.py` (read in the installed wheel), and doc/source/serve/advanced-guides/prefix-aware-request-router.md.
 Taken: (1) if max - min replica queue length > imbalanced_threshold (default: infinity, i.e. never),
 fall back to power of two choices; (2) else match the prompt in a prefix tree fed at routing time
 (`on_request_routed` inserts the prompt); if match rate >= match_rate_threshold (0.1) the candidates
 are the replicas with the longest match, else the replicas with the smallest tree ("smallest
-tenants"); (3) Serve sends to the least-queued candidate. The tree evicts per replica beyond
-eviction_threshold_chars=400,000 characters; here 4 characters per token turn that into tokens.
-Differences: the tree is over block hashes, not characters; eviction is immediate, not periodic.
+tenants"); (3) Serve sends to the least-queued candidate. Eviction is off by default (`do_eviction=False`):
+the tree keeps every prompt routed. With `do_eviction=True` a replica's tree over eviction_threshold_chars
+(400,000) is cut, least recently used first, to eviction_target_chars (360,000); here 4 characters per token
+turn those into tokens. Differences: the tree is over block hashes, not characters; the eviction check runs
+at each insertion instead of every eviction_interval_secs (10 s), since a policy has no clock.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 
 
+def prompt_tree(do_eviction: bool, threshold_chars: int, target_chars: int, chars_per_token: int) -> ApproxTree:
+    """The router's prefix tree: unbounded unless eviction is on, then cut from the threshold to the target."""
+    if not do_eviction:
+        return ApproxTree(None)
+    threshold = max(1, threshold_chars // chars_per_token)
+    return ApproxTree(threshold, min(max(0, target_chars // chars_per_token), threshold))
+
+
 class RayPrefixAffinity(Policy):
     name = "ray_prefix_affinity"
 
@@ -28,7 +38,9 @@ class RayPrefixAffinity(Policy):
         seed: int = 0,
         imbalanced_threshold: float = float("inf"),
         match_rate_threshold: float = 0.1,
+        do_eviction: bool = False,
         eviction_threshold_chars: int = 400_000,
+        eviction_target_chars: int = 360_000,
         chars_per_token: int = 4,
         **params,
     ):
@@ -36,12 +48,14 @@ class RayPrefixAffinity(Policy):
             seed,
             imbalanced_threshold=imbalanced_threshold,
             match_rate_threshold=match_rate_threshold,
+            do_eviction=do_eviction,
             eviction_threshold_chars=eviction_threshold_chars,
+            eviction_target_chars=eviction_target_chars,
             **params,
         )
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
-        self.tree = ApproxTree(max(1, eviction_threshold_chars // chars_per_token))
+        self.tree = prompt_tree(do_eviction, eviction_threshold_chars, eviction_target_chars, chars_per_token)
 
     def _pow2(self, replicas, rng):
         n = len(replicas)

@@ -1,14 +1,19 @@
-"""SGLang router's `cache_aware` policy, re-implemented from its published description for comparison.
+"""SGLang router's `cache_aware` policy, re-implemented for comparison at the version the live bench runs.
 
-Source: sgl-project/sglang `sgl-router` README / docs/router/router.md ("Cache-Aware Load-Balancing
-Router") and the defaults of the `sglang-router==0.3.2` wheel (`sglang_router/router_args.py`:
-cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5, max_tree_size=2**26).
+Sources: sgl-project/sglang `sgl-model-gateway/src/policies/cache_aware.rs` (`select_worker`,
+`select_worker_min_load`) as changed by PR #14650 (merged 2025-12-08, "cache-aware router should pick min
+load instead of min tenant size", shipped in sglang-router 0.3.x), and the defaults of the
+`sglang-router==0.3.2` wheel (`sglang_router/router_args.py`: cache_threshold=0.3, balance_abs_threshold=64,
+balance_rel_threshold=1.5, max_tree_size=2**26). The 0.3.2 binary was checked with two stub workers: distinct
+cold prompts all went to one idle worker while its tree grew, and to the other while the first had a request
+in flight (min load, not the smallest tree).
 Taken: the two-mode decision. The system is imbalanced when BOTH (max_load - min_load) >
 balance_abs_threshold AND max_load > balance_rel_threshold * min_load, where load is the router's
 count of outstanding requests per worker; then the least-loaded worker wins. Otherwise the worker
 with the longest prefix match in the router's approximate tree (fed with each routed request, LRU
-trimmed) wins if match/len > cache_threshold, else the worker with the smallest tree. Differences:
-the tree is over block hashes, not characters, and `max_tree_tokens` bounds it in tokens.
+trimmed) wins if match/len > cache_threshold, else the least-loaded worker (ties: the first in worker
+order, as `min_by_key` keeps). Differences: the tree is over block hashes, not characters, and
+`max_tree_tokens` bounds it in tokens.
 """
 
 from __future__ import annotations
@@ -57,10 +62,7 @@ class SglangCacheAware(Policy):
         match = self.tree.match(request.block_hashes, ids)
         best = max(ids, key=lambda r: match[r])  # first of equals in replica order
         total = max(len(request.block_hashes), 1)
-        if match[best] / total > self.cache_threshold:
-            first = best
-        else:
-            first = min(ids, key=lambda r: self.tree.size(r))
+        first = best if match[best] / total > self.cache_threshold else by_load[0]
         return [first] + [r for r in by_load if r != first]
 
     def on_routed(self, request, replica_id, view=None):

@@ -369,6 +369,80 @@ def test_the_policy_is_told_what_each_replica_could_load_once_a_prefill_in_fligh
     assert [s[0] for s in policy.seen] == [None, None, None]
 
 
+class _EngineLoadSeen(FixedPlacement):
+    """`FixedPlacement` that records, per request, replica 0's load as the router and as the engine see it."""
+
+    load_signals = ("waiting", "kv_cache_usage")
+
+    def __init__(self, order):
+        super().__init__(order, hold=False)
+        self.seen = []
+
+    def best(self, request, fleet):
+        engine = fleet.view(0).extra
+        self.seen.append((int(fleet.queued[0]), engine["waiting"], fleet.kv_usage[0], engine["kv_cache_usage"]))
+        return super().best(request, fleet)
+
+
+def test_policies_see_the_engines_waiting_queue_and_allocated_kv_apart_from_the_routers_counts():
+    # three 3-block prompts at once on one replica of 10 blocks, a fourth once all are done: the second waits
+    # for the first's prefill; vLLM counts it in num_requests_waiting and allocates its blocks only when it
+    # starts, while the router counts it as queued with its blocks from the moment it is routed
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (0, 12, 0, [4, 5, 6]), (0, 12, 0, [7, 8, 9]), (5000, 12, 0, [1, 2, 3]))
+    policy = _EngineLoadSeen([0, 0, 0, 0])
+    simulate_policy(t, SimConfig(1, 10, cost=COST), policy)
+    queued, waiting, kv_usage, kv_cache_usage = zip(*policy.seen)
+    assert queued == (0, 1, 2, 0)
+    assert waiting == (0, 0, 1, 0)  # the first prefills at once: running, not waiting
+    assert kv_usage == pytest.approx((0.0, 0.3, 0.6, 0.0))
+    assert kv_cache_usage == pytest.approx((0.0, 0.3, 0.3, 0.0))
+
+
+class _BookedSeen(FixedPlacement):
+    """`FixedPlacement` that records, per request, the prompt blocks booked on replica 0."""
+
+    load_signals = ("active_prompt_blocks",)
+
+    def __init__(self, order):
+        super().__init__(order, hold=False)
+        self.seen = []
+
+    def best(self, request, fleet):
+        self.seen.append(dict(fleet.view(0).extra["active_prompt_blocks"]))
+        return super().best(request, fleet)
+
+
+def test_policies_see_the_prompt_blocks_of_requests_in_flight_each_block_once():
+    # what Dynamo's router books: full prompt blocks from routing to the end of the decode, shared ones once
+    t = tiny_trace((0, 12, 10, [1, 2, 3]), (0, 14, 0, [1, 2, 3, 4]), (0, 4, 0, [5]), (5000, 4, 0, [6]))
+    policy = _BookedSeen([0, 0, 0, 0])
+    simulate_policy(t, SimConfig(1, 10, cost=COST), policy)
+    assert policy.seen == [{}, {1: 1, 2: 1, 3: 1}, {1: 2, 2: 2, 3: 2}, {}]  # the 2nd's partial 4th block: not booked
+
+
+class _ExtraSeen(FixedPlacement):
+    """`FixedPlacement` that records which `extra` signals each request's fleet carried."""
+
+    def __init__(self, order):
+        super().__init__(order, hold=False)
+        self.seen = []
+
+    def best(self, request, fleet):
+        self.seen.append(sorted(fleet.extra))
+        return super().best(request, fleet)
+
+
+def test_the_peer_signals_are_kept_only_for_a_policy_that_reads_them():
+    t = tiny_trace((0, 12, 0, [1, 2, 3]), (0, 12, 0, [4, 5, 6]))
+    policy = _ExtraSeen([0, 0])
+    simulate_policy(t, SimConfig(1, 10, cost=COST), policy)
+    assert policy.seen == [[], []]
+    policy = _ExtraSeen([0, 0])
+    policy.load_signals = ("waiting",)
+    simulate_policy(t, SimConfig(1, 10, cost=COST), policy)
+    assert policy.seen == [["kv_cache_usage", "waiting"]] * 2
+
+
 def test_kvmesh_holds_while_waiting_costs_less_than_recomputing():
     p = make_policy("kvmesh", cost=COST)  # recompute weight 30: 12 tokens are worth 30 x 0.12 s of waiting
     assert p.hold_worth(12, 3.5) and not p.hold_worth(12, 3.7) and not p.hold_worth(0, 0.0)

@@ -254,12 +254,13 @@ def test_consistent_hash_keys_on_the_first_block():
 # ------------------------------------------------------------------------------------------ peers
 def test_sglang_cache_aware_modes():
     p = make_policy("sglang_cache_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
-    first = p.rank(req([1, 2, 3, 4]), views(3))[0]  # empty trees: the smallest tree (first)
+    first = p.rank(req([1, 2, 3, 4]), views(3))[0]  # no match, equal loads: the first worker
     p.on_routed(req([1, 2, 3, 4]), first)
-    # 3 of 4 blocks match (> 0.3): the same worker
-    assert p.rank(req([1, 2, 3, 9]), views(3))[0] == first
-    # 1 of 4 matches (0.25 <= 0.3): smallest tree, i.e. not `first`
-    assert p.rank(req([1, 7, 8, 9]), views(3))[0] != first
+    # 3 of 4 blocks match (> 0.3): the same worker, even when busier
+    busy = views(3, queued={int(first[1:]): 2})
+    assert p.rank(req([1, 2, 3, 9]), busy)[0] == first
+    # 1 of 4 matches (0.25 <= 0.3): the least loaded worker
+    assert p.rank(req([1, 7, 8, 9]), busy)[0] != first
     # imbalanced (10 - 0 > 4 and 10 > 1.5 * 0): shortest queue wins over the match
     vs = views(3, queued={int(first[1:]): 10})
     other = {"r0", "r1", "r2"} - {first}
@@ -276,22 +277,22 @@ def test_ray_prefix_affinity_match_threshold_and_smallest_tenant():
 
 def test_llmd_precise_weighs_prefix_queue_and_kv_usage():
     p = make_policy("llmd_precise")
-    # prefix on r0 (score 3) vs idle r1 (queue 2 + kv 2 vs r0's kv 0): r0 has prefix 3 + queue 0 + kv 0
+    # 5 of 6 blocks on r0 (2 x 5/6), its queue the longest (0) and its KV full (0) vs idle r1 (queue 1 + kv 1)
     vs = views(2, hbm_blocks={0: 5}, queued={0: 4}, kv_usage={0: 1.0})
-    assert p.rank(req(range(6)), vs)[0] == "r1"  # 3.0 < 2 + 2
+    assert p.rank(req(range(6)), vs)[0] == "r1"  # 1.67 < 1 + 1
     vs = views(2, hbm_blocks={0: 5}, queued={0: 4})
-    assert p.rank(req(range(6)), vs)[0] == "r0"  # 3 + 2 > 2 + 2
+    assert p.rank(req(range(6)), vs)[0] == "r0"  # 1.67 + 1 > 1 + 1
 
 
 def test_dynamo_cost_is_prefill_blocks_plus_active_blocks():
     p = make_policy("dynamo_cost")
-    # r0: 6 of 8 blocks cached but 4 blocks of prefill queued + 10 active; r1: cold, idle
+    # r0: 6 of 8 blocks cached but 4 blocks of prefill queued + 3 active; r1: cold, idle
     vs = views(2, hbm_blocks={0: 6}, pending_prefill_tokens={0: 4 * BS})
-    vs[0].extra["active_blocks"] = 10
+    vs[0].extra["active_blocks"] = 3
     vs[1].extra["active_blocks"] = 0
-    # r0: (4*512 + 2*512)/512 + 10 + 2 = 18 ; r1: 8 + 0 + 8 = 16
+    # r0: (4*512 + 2*512)/512 + 3 + 8 = 17 ; r1: 8 + 0 + 8 = 16
     assert p.rank(req(range(8)), vs)[0] == "r1"
-    vs[0].extra["active_blocks"] = 5  # r0: 6 + 5 + 2 = 13 < 16
+    vs[0].extra["active_blocks"] = 1  # r0: 6 + 1 + 8 = 15 < 16
     assert p.rank(req(range(8)), vs)[0] == "r0"
 
 
