@@ -4,7 +4,13 @@ Each node is its own `ray start --block` process (own raylet, object store and w
 process group, on 127.0.0.1, with its own CPU count and custom resources, so Ray schedules across
 nodes exactly as on a real cluster. `stop_node(i)` kills one node's whole process group (raylet
 included, SIGKILL): the node leaves as a crashed machine would. `stop()` ends every process the
-cluster started, found by pid, never by name (`ray stop` would end every Ray on the machine).
+cluster started, found by pid, never by name (`ray stop` would end every Ray on the machine). A node
+also ends by itself when the process that started it is gone, even one killed outright
+(`end_with_starter`): its own process group kept its GCS server and raylet running otherwise.
+
+Token authentication is on: each cluster has a random token in an owner-only file in its own 0700
+folder, named by RAY_AUTH_TOKEN_PATH in the environment of every node (`env()`) and of the process that
+starts it (its first driver), so no other local user can attach to it.
 
     with LocalRayCluster(workdir, [NodeSpec(1, {"kvmesh_engine": 1}), NodeSpec(0, {"kvmesh_engine": 1})]) as c:
         start_local(cfg, address=c.address)
@@ -20,22 +26,30 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvmesh.cluster.ports import free_ports
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, SERVE_PATH_ENV
+from kvmesh.deployments.local_ray import (
+    AUTH_MODE_ENV,
+    AUTH_TOKEN_ENV,
+    AUTH_TOKEN_PATH_ENV,
+    forget_cached_auth_token,
+    write_private_token,
+)
 
 LOOPBACK = "127.0.0.1"
 # Every node's environment, as an operator's cluster would set it (k8s/rayservice.yaml): Serve's
-# request-path settings; token authentication off (Ray 2.60 turns it on for clusters it starts, and every
-# node and driver must agree); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
+# request-path settings; token authentication on (every node and driver must agree; each cluster's token is
+# its own, LocalRayCluster.env()); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
 # every node here is on this one)
 CLUSTER_ENV = {
     **INPROC_ENGINE_ENV,
     **SERVE_PATH_ENV,
-    "RAY_AUTH_MODE": "disabled",
+    AUTH_MODE_ENV: "token",
     "RAY_raylet_start_wait_time_s": "150",
     "RAY_SERVE_ENABLE_HA_PROXY": "0",
 }
@@ -45,7 +59,8 @@ CLUSTER_ENV = {
 # Ray gives a new raylet 30 s to appear in the GCS, which a machine busy with engines can miss
 RAY_START = """
 import sys
-from kvmesh.benchmarks.local_cluster import patient_node_start
+from kvmesh.benchmarks.local_cluster import end_with_starter, patient_node_start
+end_with_starter()
 from kvmesh.deployments.ray_join import keep_loopback
 from ray.scripts.scripts import main
 
@@ -54,6 +69,41 @@ with keep_loopback():
     sys.argv[0] = "ray"
     main()
 """
+
+
+# The pid of the process that started a node, as the node's `ray start` sees it (end_with_starter)
+STARTER_PID_ENV = "KVMESH_NODE_STARTER_PID"
+STARTER_POLL_S = 0.5
+
+
+def end_with_starter(poll_s: float = STARTER_POLL_S) -> threading.Thread | None:
+    """Watch, from a daemon thread, that this node's starter (STARTER_PID_ENV) is still this process's
+    parent, and SIGKILL this process's group (the node's GCS and raylet are in it) once it is not.
+
+    Why: a node runs in a process group of its own, so nothing ends it when the process that started it is
+    killed outright; its GCS server and raylet then ran on and ignored SIGTERM. The parent is compared with
+    the pid the starter passed down, not with the parent seen at start: a starter that died before this
+    thread ran is noticed on the first look. Returns the thread, or None without a starter pid."""
+    starter = os.environ.get(STARTER_PID_ENV, "")
+    if not starter.isdigit():
+        return None
+
+    def watch() -> None:
+        while os.getppid() == int(starter):
+            time.sleep(poll_s)
+        end_own_group()
+
+    thread = threading.Thread(target=watch, name="end-with-starter", daemon=True)
+    thread.start()
+    return thread
+
+
+def end_own_group() -> None:
+    """SIGKILL this process's group when this process leads it (a node's `ray start`), else this process only:
+    never a group it merely belongs to (a caller's shell or test runner)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def patient_node_start(wait_s: float = 150.0) -> None:
@@ -99,6 +149,8 @@ class LocalRayCluster:
         self.start_timeout_s = start_timeout_s
         # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
         self.temp_dir = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
+        # the cluster's own Ray auth token, in an owner-only file in its owner-only folder (env())
+        self.auth_token_path = write_private_token(self.temp_dir)
         self.address = ""
         self.procs: list[subprocess.Popen | None] = []
         self._seen: dict[int, float] = {}  # pid -> start time of every process seen below a node, for stop()
@@ -106,9 +158,23 @@ class LocalRayCluster:
     def env(self) -> dict[str, str]:
         """The environment of every node, and the one a driver joining the cluster needs."""
         # a local run's Serve settings (HAProxy files and ports) would be shared by every node here
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_SERVE_")}
+        drop = ("RAY_ADDRESS", AUTH_TOKEN_ENV)  # a token value in the environment would win over the cluster's file
+        env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("RAY_SERVE_")}
         env.update(CLUSTER_ENV)
+        env[AUTH_TOKEN_PATH_ENV] = self.auth_token_path
         return env
+
+    def _export_auth_token(self) -> None:
+        """The process that starts the cluster is its first driver (start_local(address=...) in it): it
+        authenticates with the cluster's token from now on."""
+        os.environ.pop(AUTH_TOKEN_ENV, None)
+        os.environ[AUTH_MODE_ENV] = "token"
+        os.environ[AUTH_TOKEN_PATH_ENV] = self.auth_token_path
+        forget_cached_auth_token()
+
+    def _unexport_auth_token(self) -> None:
+        if os.environ.get(AUTH_TOKEN_PATH_ENV) == self.auth_token_path:
+            del os.environ[AUTH_TOKEN_PATH_ENV]
 
     def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
         ports = free_ports(9)
@@ -126,11 +192,13 @@ class LocalRayCluster:
             self.address = f"{LOOPBACK}:{gcs}"
         else:
             cmd += ["--address", self.address]
+        env = {**self.env(), STARTER_PID_ENV: str(os.getpid())}  # the node ends with this process (end_with_starter)
         with open(self.workdir / f"ray-node-{len(self.procs)}.log", "wb") as log:
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def start(self) -> LocalRayCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._export_auth_token()
         try:
             for i, spec in enumerate(self.nodes):
                 for attempt in range(3):  # a node that still failed to start (see RAY_START) gets another try
@@ -265,6 +333,7 @@ class LocalRayCluster:
             except psutil.NoSuchProcess:
                 continue
         self.procs = []
+        self._unexport_auth_token()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:

@@ -126,15 +126,7 @@ def start_local(
         cfg["port"] = free_port()
     if not os.environ.get("KVMESH_RAY_LOGS"):  # Serve's progress notes stay in Ray's log files
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    if not os.environ.get("KVMESH_CHANNEL_SECRET_FILE"):  # this run's KV-event streams (cluster/secure_channel.py)
-        from kvmesh.cluster.secure_channel import write_channel_secret
-
-        home = os.environ.get("KVMESH_HOME") or os.path.join(os.path.expanduser("~"), ".kvmesh")
-        os.environ["KVMESH_CHANNEL_SECRET_FILE"] = str(write_channel_secret(os.path.join(home, "run")))
-    if not os.environ.get("KVMESH_SALT_SECRET_FILE"):
-        from kvmesh.deployments.salt_secret import persistent_secret_file
-
-        os.environ["KVMESH_SALT_SECRET_FILE"] = str(persistent_secret_file(os.environ.pop("KVMESH_SALT_SECRET", None)))
+    _use_run_secrets()
     address = address or cfg["address"]
     check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
     if not ray.is_initialized():
@@ -165,6 +157,65 @@ def start_local(
         stop_local(drain=False)
         raise
     return f"http://{cfg['host']}:{cfg['port']}"
+
+
+# Secret files this run wrote for itself (path -> the environment variable naming it), removed when it stops,
+# and the environment to put back then (the salt secret a per-run file was made from)
+_run_secret_files: dict[str, str] = {}
+_env_to_restore: dict[str, str] = {}
+
+
+def _use_run_secrets() -> None:
+    """Point this run's processes at its secrets through files (runtime_env values end up in Ray's logs):
+    a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
+    the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, or the one kept under
+    KVMESH_HOME. The per-run files are remembered, so the stop removes them (remove_run_secret_files)."""
+    from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV, write_channel_secret
+    from kvmesh.deployments.salt_secret import check_configured_secret, kvmesh_home, persistent_secret_file
+    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
+
+    check_configured_secret(os.environ)
+    try:
+        if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
+            _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
+        if not os.environ.get(SECRET_FILE_ENV):
+            explicit = os.environ.pop(SECRET_ENV, None)
+            if explicit:  # a per-run copy: the value goes back into the environment once the file is gone
+                _env_to_restore[SECRET_ENV] = explicit
+            path = str(persistent_secret_file(explicit))
+            if explicit:
+                _export_run_secret(SECRET_FILE_ENV, path)
+            else:  # the kept secret stays for later runs
+                os.environ[SECRET_FILE_ENV] = path
+    except BaseException:  # a refused secret: nothing of this run is left behind
+        remove_run_secret_files()
+        raise
+
+
+def _export_run_secret(env_name: str, path: str) -> None:
+    os.environ[env_name] = path
+    _run_secret_files[path] = env_name
+
+
+def remove_run_secret_files() -> None:
+    """Remove the secret files this run wrote (its channel secret, its per-run salt secret file, the Ray token
+    of a cluster it started) and unset the variables naming them; a later run in this process writes new
+    ones. Why: once the run's processes are gone the files serve no one, and left behind they pile up
+    under KVMESH_HOME, each a secret for whoever reads that folder later."""
+    from kvmesh.deployments.local_ray import remove_auth_token_file
+
+    for path, env_name in list(_run_secret_files.items()):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        if os.environ.get(env_name) == path:
+            del os.environ[env_name]
+        del _run_secret_files[path]
+    for name, value in _env_to_restore.items():
+        os.environ.setdefault(name, value)
+    _env_to_restore.clear()
+    remove_auth_token_file()
 
 
 def _proxy_env(proxy: str) -> dict[str, str]:
@@ -299,8 +350,9 @@ def initial_engine_replicas(cfg: Mapping[str, Any]) -> int:
 
 def stop_serving() -> None:
     """Delete the app (on someone else's cluster) or shut Serve down (on this process's own), then the
-    per-node LMCache servers; Ray itself stays up. stop_local does this before ending Ray; a process that
-    goes on using its Ray (a test session) may call it alone."""
+    per-node LMCache servers and the routers' registry (detached actors all); Ray itself stays up.
+    stop_local does this before ending Ray; a process that goes on using its Ray (a test session) may
+    call it alone."""
     global _app_name
     import ray
     from ray import serve
@@ -321,7 +373,28 @@ def stop_serving() -> None:
         stop_node_servers()
     except Exception:
         log.exception("stopping LMCache node servers failed")
+    if _app_name:
+        try:
+            kill_router_registry(_app_name)
+        except Exception:
+            log.exception("killing the router registry failed")
     _app_name = None  # nothing left to drain
+
+
+def kill_router_registry(app_name: str) -> bool:
+    """Kill the app's router registry, if there is one; True if there was. Why: it is a detached actor
+    that the app's routers make on first use, so nothing ends it with the app, and on a cluster kvmesh
+    joined (`kvmesh serve --address`) it would outlive kvmesh."""
+    import ray
+
+    from kvmesh.deployments.router_sync import REGISTRY_NAME, REGISTRY_NAMESPACE
+
+    try:
+        registry = ray.get_actor(REGISTRY_NAME.format(app=app_name), namespace=REGISTRY_NAMESPACE)
+    except ValueError:  # never made (router_sync off) or already gone
+        return False
+    ray.kill(registry, no_restart=True)
+    return True
 
 
 def stop_local(drain: bool = True) -> None:
@@ -355,6 +428,7 @@ def stop_local(drain: bool = True) -> None:
 
         remove_dead_private_dirs()
     remove_haproxy_dir()
+    remove_run_secret_files()
     _started_ray = False
     _joined[0] = False
     _app_name = None

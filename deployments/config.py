@@ -156,6 +156,11 @@ class ConfigError(ValueError):
 
 
 def _check_keys(raw: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
+    """Every key of `raw` is a name in `allowed`. YAML makes `1: 2` an int key: named as a bad key here,
+    before the names are sorted and joined (which a non-string key would break with a TypeError)."""
+    not_names = [key for key in raw if not isinstance(key, str)]
+    if not_names:
+        raise ConfigError(f"{where}: keys must be names (strings), got {', '.join(map(repr, not_names))}")
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
@@ -256,7 +261,10 @@ def _check_autoscaling(value: Any) -> None:
         return
     if not isinstance(value, dict):
         raise ConfigError("config.autoscaling must be a mapping of Serve autoscaling keys")
-    from ray.serve.config import AutoscalingConfig
+    try:
+        from ray.serve.config import AutoscalingConfig
+    except ImportError:  # the key names and their rules are Serve's own: without Ray they cannot be checked
+        raise ConfigError("config.autoscaling needs Ray Serve to check it: install ray[serve]") from None
 
     _check_keys(value, AutoscalingConfig.model_fields, "config.autoscaling")
     try:

@@ -7,7 +7,9 @@ a Ray worker, so when Ray kills that worker the HAProxy processes were orphaned,
 answered every request with HTTP 500. Serve runs whatever `RAY_SERVE_HAPROXY_BINARY_PATH` names, so a
 local run points it at a small script that runs this module: it rewrites those two binds to 127.0.0.1 in
 a copy of the config, asks the kernel for SIGTERM when its parent dies, and execs the real binary (same
-pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose.
+pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose. The
+script passes on the pid of the process that ran it (PARENT_PID_ENV): a parent that died before the
+kernel was asked is noticed then, and the launcher ends instead of leaving an orphaned HAProxy.
 
     python -m kvmesh.deployments.loopback_haproxy REAL_HAPROXY STATS_PORT METRICS_PORT [haproxy args...]
 """
@@ -21,6 +23,7 @@ import stat
 import sys
 
 LOOPBACK = "127.0.0.1"
+PARENT_PID_ENV = "KVMESH_HAPROXY_PARENT_PID"  # the launcher's parent as the script saw it ($PPID)
 
 
 def loopback_config(text: str, ports: set[int]) -> str:
@@ -53,17 +56,21 @@ def write_launcher(folder: str, real_binary: str, stats_port: int, metrics_port:
     path = os.path.join(folder, "haproxy")
     cmd = [sys.executable, "-m", __name__, real_binary, str(stats_port), str(metrics_port)]
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(f'#!/bin/sh\nexec {" ".join(shlex.quote(c) for c in cmd)} "$@"\n')
+        fh.write(f"#!/bin/sh\n{PARENT_PID_ENV}=$PPID\nexport {PARENT_PID_ENV}\n")
+        fh.write(f'exec {" ".join(shlex.quote(c) for c in cmd)} "$@"\n')
     os.chmod(path, stat.S_IRWXU)
     return path
 
 
 def main(argv: list[str]) -> None:
-    from kvmesh.deployments.process_tree import set_parent_death_signal
+    from kvmesh.deployments.process_tree import end_if_parent_gone, set_parent_death_signal
 
     real, stats_port, metrics_port, *args = argv
     args = rewrite_args(args, {int(stats_port), int(metrics_port)})
+    parent = os.environ.pop(PARENT_PID_ENV, "")
     set_parent_death_signal()
+    if parent.isdigit():
+        end_if_parent_gone(int(parent))
     os.execv(real, [real, *args])
 
 

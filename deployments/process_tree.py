@@ -39,13 +39,25 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
     return _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A `preexec_fn` for subprocess.Popen: the child gets `sig` when its parent thread dies."""
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> Callable[[], None]:
+    """A `preexec_fn` for subprocess.Popen: the child gets `sig` when its parent thread dies. `parent`: the
+    pid of the process that starts the child (default: this one, as it makes the preexec_fn)."""
+    starter = os.getpid() if parent is None else parent
 
     def preexec() -> None:
         set_parent_death_signal(sig)
+        end_if_parent_gone(starter)
 
     return preexec
+
+
+def end_if_parent_gone(parent: int) -> None:
+    """Call right after set_parent_death_signal: SIGKILL this process if its parent is no longer `parent`.
+    Why: the kernel only signals a parent's death that comes after the prctl call; a parent that died
+    between the fork and that call left an orphan that nothing would end (an orphaned HAProxy kept the
+    HTTP port). The child has not started its program yet, so there is nothing to end gracefully."""
+    if os.getppid() != parent:
+        signal.raise_signal(signal.SIGKILL)
 
 
 def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:

@@ -45,6 +45,7 @@ from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
 log = logging.getLogger("ray.serve.kvmesh")
 
 REGISTRY_NAMESPACE = "kvmesh"
+REGISTRY_NAME = "router-registry-{app}"  # one detached registry actor per app (`kvmesh.deployments.app` ends it)
 PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this long ago is gone
 PLACEMENT_TTL_S = 120.0  # a peer placement not heard of for this long (lost `done`, peer died) stops counting
 LIVE_EVERY_S = PLACEMENT_TTL_S / 4  # how often a router names its requests still in flight (`live`)
@@ -530,7 +531,7 @@ class RouterSync:
     async def _discover(self) -> None:
         import ray
 
-        name = f"router-registry-{self.app_name}"
+        name = REGISTRY_NAME.format(app=self.app_name)
         while True:
             try:
                 if self._registry is None:

@@ -3,16 +3,54 @@ KVMESH_HOME, and reused by every later run.
 
 Why kept: tenant salts are derived from the secret, and LMCache keys carry the salt, so a new secret per
 run would make everything a persistent shared tier (Redis, fs) holds from earlier runs unreachable.
-Rotation stays an explicit operator action (docs/tenants.md): replace or delete the file.
+Rotation stays an explicit operator action (docs/tenants.md): replace or delete the file. A configured
+secret that is the published examples' placeholder (REPLACE-..., k8s/secrets.example.yaml) is refused.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 FILE_NAME = "salt-secret"
+# How the published example secrets begin (k8s/secrets.example.yaml): a value everyone can read, never a secret
+PLACEHOLDER_PREFIX = "REPLACE-"
+
+
+def check_not_placeholder(secret: str | bytes, where: str) -> None:
+    """Refuse a salt secret copied from a published example: salts derived from it are known to anyone, so
+    one tenant could compute another's salt (ConfigError naming `where`)."""
+    from kvmesh.deployments.config import ConfigError
+
+    text = secret.decode("utf-8", "replace") if isinstance(secret, bytes) else secret
+    if text.strip().startswith(PLACEHOLDER_PREFIX):
+        raise ConfigError(
+            f"salt secret ({where}) is the example's placeholder ({PLACEHOLDER_PREFIX}...): create it from random "
+            "bytes, e.g. `openssl rand -hex 32` (docs/kubernetes.md)"
+        )
+
+
+def check_secret_file(path: str | os.PathLike, where: str) -> None:
+    """check_not_placeholder for a secret file that this machine can read (one only the cluster's nodes
+    have is theirs to check)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return
+    check_not_placeholder(data, where)
+
+
+def check_configured_secret(env: Mapping[str, str]) -> None:
+    """check_not_placeholder for the salt secret `env` configures (KVMESH_SALT_SECRET or the file
+    KVMESH_SALT_SECRET_FILE names), before anything starts."""
+    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
+
+    if env.get(SECRET_ENV):
+        check_not_placeholder(env[SECRET_ENV], SECRET_ENV)
+    if env.get(SECRET_FILE_ENV):
+        check_secret_file(env[SECRET_FILE_ENV], SECRET_FILE_ENV)
 
 
 def kvmesh_home() -> Path:
@@ -29,6 +67,7 @@ def persistent_secret_file(explicit: str | None = None) -> Path:
 
     home = kvmesh_home()
     if explicit:
+        check_not_placeholder(explicit, "KVMESH_SALT_SECRET")
         return write_secret_file(explicit, home / "run")
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = home / FILE_NAME

@@ -222,6 +222,9 @@ def resolve_secret(
         return secrets.token_bytes(32)
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
+    from kvmesh.deployments.salt_secret import check_not_placeholder
+
+    check_not_placeholder(secret, source)  # a pod's secret file too: salts from a published value are anyone's
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(f"salt secret from {source} is too short: need at least {MIN_SECRET_BYTES} bytes")
     return secret

@@ -3,8 +3,10 @@ size, KV space, prefix-cache hash algorithm, seed and KV-event publisher setting
 differ. Each server publishes KV events (which carry the prompts' token ids). By default the publisher
 binds a unix socket in a 0700 folder: nothing reads the events but a subscriber of this user. A peer
 that subscribes itself (vllm-router's kv_aware) accepts only a `tcp://HOST:PORT` source, and vLLM's
-publisher binds only for `*`/`::` (it connects otherwise), so `kv_events_tcp=True` binds `tcp://*:P`:
-on every interface, for the runs that need it."""
+publisher binds only for an endpoint with `*` or `::` in it (it connects otherwise), so `kv_events_tcp=True`
+binds `tcp://[::ffff:127.0.0.1]:P`: the IPv4-mapped form of loopback, which has the `::` vLLM looks for and
+which ZeroMQ binds as 127.0.0.1 (`tcp_kv_endpoints`). The events stay in plaintext, on loopback only,
+where the peers (on this machine) subscribe."""
 
 from __future__ import annotations
 
@@ -65,6 +67,13 @@ class VllmServer:
     private_dir: str | None = None
 
 
+def tcp_kv_endpoints(port: int) -> tuple[str, str]:
+    """(where a server's KV-event publisher binds, where a subscriber connects) for TCP `port`, on loopback.
+    Why the mapped form: with plain `tcp://127.0.0.1:P` vLLM's publisher would connect instead of binding,
+    and `tcp://*:P` binds every interface."""
+    return f"tcp://[::ffff:127.0.0.1]:{port}", f"tcp://127.0.0.1:{port}"
+
+
 def server_command(spec: EngineSpec, port: int, kv_bind: str, topic: str) -> list[str]:
     kv_events = {
         "enable_kv_cache_events": True,
@@ -110,7 +119,7 @@ def start_servers(
     n: int, spec: EngineSpec, work_dir: Path, deadline_s: float = 600.0, kv_events_tcp: bool = False
 ) -> list[VllmServer]:
     """Cold-start `n` servers and wait until all answer /health. Stops them all if any fails.
-    `kv_events_tcp`: publish KV events on TCP (every interface) for a peer that subscribes over TCP;
+    `kv_events_tcp`: publish KV events on TCP (loopback) for a peer that subscribes over TCP;
     otherwise on a private unix socket."""
     servers: list[VllmServer] = []
     private_dir = None
@@ -121,7 +130,7 @@ def start_servers(
             private_dir = tempfile.mkdtemp(prefix="kvmesh-peer-", dir="/tmp")
             if kv_events_tcp:
                 kv_port = free_port()
-                kv_bind, kv_endpoint = f"tcp://*:{kv_port}", f"tcp://127.0.0.1:{kv_port}"
+                kv_bind, kv_endpoint = tcp_kv_endpoints(kv_port)
             else:
                 kv_bind = kv_endpoint = f"ipc://{private_dir}/kv"
             topic = spec.kv_topic

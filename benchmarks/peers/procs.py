@@ -1,6 +1,8 @@
 """Child processes for the peer benchmark: each in its own process group (so a server and the workers
 it spawns die together), stdout/stderr to a log file, and a readiness wait with a deadline. Why: the
-machine is shared; every process we start must be stoppable by its own id, never by name."""
+machine is shared; every process we start must be stoppable by its own id, never by name. Each child also
+gets SIGTERM from the kernel when the thread that started it ends (deployments/process_tree.py): a
+benchmark killed outright leaves no vLLM server or peer router running in its own process group."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.deployments.config import OFFLINE_ENV
+from kvmesh.deployments.process_tree import die_with_parent
 
 # vLLM OpenAI servers run their engine core in a child process (as shipped): no in-process override.
 BENCH_ENV = {**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -60,7 +63,14 @@ def start(name: str, cmd: list[str], log_dir: Path, env: dict | None = None) -> 
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, **BENCH_ENV, **(env or {})}
     log = open(log_path, "wb")
-    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    popen = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent(signal.SIGTERM),
+    )
     log.close()
     return Proc(name, popen, log_path)
 

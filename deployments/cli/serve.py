@@ -13,7 +13,8 @@ import threading
 
 from kvmesh.deployments.cli import CliError
 
-DRIVER_KEY_ENV = "KVMESH_SERVE_API_KEY"  # `--api-key` as the relay hands it to the driver
+DRIVER_KEY_ENV = "KVMESH_SERVE_API_KEY"  # the supplied API key as the relay hands it to the driver
+API_KEY_ENV = "KVMESH_API_KEY"  # an operator's API key, kept off the command line (`ps` shows that to everyone)
 
 
 def add_arguments(parser) -> None:
@@ -23,7 +24,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--policy", help="placement policy (kvmesh.policies.registry; default kvmesh)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 = pick a free one)")
-    parser.add_argument("--api-key", help="the API key clients must send (default: a generated one)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help=f"file holding the API key clients must send (or set {API_KEY_ENV}; default: a generated one)",
+    )
+    keys.add_argument(
+        "--api-key",
+        help=f"the API key itself: every local user sees it in `ps` while kvmesh runs; prefer --api-key-file or "
+        f"{API_KEY_ENV}",
+    )
     parser.add_argument("--tenants", help="tenants file (YAML/TOML/JSON, deployments/tenants.py) instead of --api-key")
     parser.add_argument("--block-size", type=int, help="engine KV block size (multiple of 32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="engine context length")
@@ -83,21 +94,58 @@ def _build_config(args) -> dict:
     if args.autoscaling is not None:
         lo, hi = (int(n) for n in args.autoscaling.split(":"))
         cfg["autoscaling"] = {**(cfg.get("autoscaling") or {}), "min_replicas": lo, "max_replicas": hi}
-    api_key = args.api_key or os.environ.pop(DRIVER_KEY_ENV, None)  # the driver gets it from the relay
+    api_key = supplied_api_key(args)
     if args.tenants:
         cfg["tenants_file"] = args.tenants
         cfg["api_keys"] = []
     elif api_key:  # one tenant, this key: a tenants file from the config would make the key printed useless
         cfg["api_keys"] = [api_key]
         cfg["tenants_file"] = None
+        args._supplied_api_key = api_key  # the relay hands it to the driver (run)
     elif not cfg["api_keys"] and not cfg["tenants_file"]:
         cfg["api_keys"] = [new_api_key()]
+        args._generated_api_key = cfg["api_keys"][0]  # new to everyone: the banner prints it once
     if cfg["engine"]["model"] != "tiny":
         from pathlib import Path
 
         if not Path(cfg["engine"]["model"]).is_dir():
             raise ConfigError(f"--model {cfg['engine']['model']}: not a local model directory (or 'tiny')")
     return app_config(cfg)  # checks the policy, its parameters and the tenants' policies too
+
+
+def supplied_api_key(args) -> str | None:
+    """The API key the operator supplied: --api-key, else the file --api-key-file names, else (in the driver)
+    the one the relay handed over, else $KVMESH_API_KEY; None when none was. Both variables leave this
+    process's environment here, so Ray's processes, started from it, never carry the key."""
+    handed = os.environ.pop(DRIVER_KEY_ENV, None)
+    from_env = os.environ.pop(API_KEY_ENV, None)
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        return read_api_key_file(args.api_key_file)
+    return handed or from_env or None
+
+
+def read_api_key_file(path: str) -> str:
+    """The key in `path`: its first line, surrounding blanks dropped (a trailing newline is usual)."""
+    from kvmesh.deployments.config import ConfigError
+
+    with open(path, encoding="utf-8") as fh:
+        first = fh.readline().strip()
+    if not first:
+        raise ConfigError(f"--api-key-file {path}: the file is empty, expected the API key on its first line")
+    return first
+
+
+def api_key_banner(key: str, generated: bool) -> str:
+    """The banner's line about the key: a key kvmesh generated is printed once (no one else has it); a
+    supplied one only as a short fingerprint, enough to tell which key a server runs with, since stdout
+    ends up in logs and terminals the key should not."""
+    if generated:
+        return f"API key: {key}"
+    from kvmesh.deployments.tenants import hash_api_key
+
+    return f"API key fingerprint: sha256:{hash_api_key(key)[:12]} (the key supplied; not printed)"
 
 
 def run(args) -> int:
@@ -120,15 +168,18 @@ def run(args) -> int:
     if not is_driver():
         from kvmesh.deployments.local_ray import NotEnoughResources, local_num_cpus
         from kvmesh.deployments.port_check import check_port_free
+        from kvmesh.deployments.salt_secret import check_configured_secret
 
         try:
+            check_configured_secret(os.environ)  # a published placeholder stops here, before Ray starts
             if not cfg["address"]:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does
                 check_port_free(cfg["host"], cfg["port"])
                 local_num_cpus(cfg, args.num_cpus)
-        except (OSError, NotEnoughResources) as exc:
+        except (OSError, NotEnoughResources, ConfigError) as exc:
             raise CliError(getattr(exc, "strerror", None) or str(exc)) from None
-        if args.api_key:  # to the driver through its environment, not its command line (`ps` shows that)
-            os.environ[DRIVER_KEY_ENV] = args.api_key
+        supplied = getattr(args, "_supplied_api_key", None)
+        if supplied:  # to the driver through its environment, not its command line (`ps` shows that)
+            os.environ[DRIVER_KEY_ENV] = supplied
         return supervise(["serve", *_flags(args)])
     return _drive(args, cfg)
 
@@ -137,14 +188,14 @@ def _flags(args) -> list[str]:
     """The command line that reproduces `args` (for the driver process)."""
     out = []
     for dest, value in vars(args).items():
-        if value is not None and dest not in ("command", "api_key") and not dest.startswith("_"):
+        if value is not None and dest not in ("command", "api_key", "api_key_file") and not dest.startswith("_"):
             out += [f"--{dest.replace('_', '-')}", str(value)]
     return out
 
 
 def _drive(args, cfg: dict) -> int:
     """The Ray driver: start the app, wait for a stop signal, stop the app."""
-    from kvmesh.deployments.app import remove_haproxy_dir, start_local, stop_local
+    from kvmesh.deployments.app import remove_haproxy_dir, remove_run_secret_files, start_local, stop_local
     from kvmesh.deployments.process_tree import become_subreaper
 
     become_subreaper()  # leftovers of Ray's workers stay below this process, so stop_local can end them
@@ -173,7 +224,8 @@ def _drive(args, cfg: dict) -> int:
         signal.signal(sig, _on_signal)
     print(f"kvmesh serving at {url}/v1  (model: {cfg['engine']['model']})")
     if cfg["api_keys"]:
-        print(f"API key: {cfg['api_keys'][0]}")
+        key = cfg["api_keys"][0]
+        print(api_key_banner(key, generated=key == getattr(args, "_generated_api_key", None)))
     else:
         print(f"API keys: from {cfg['tenants_file']}")
     print(f"salt secret: {os.environ.get('KVMESH_SALT_SECRET_FILE')} (kept across restarts; see docs/tenants.md)")
@@ -190,6 +242,7 @@ def _drive(args, cfg: dict) -> int:
 
             end_descendants(grace_s=2.0)
             remove_haproxy_dir()
+            remove_run_secret_files()
             os._exit(1)
         stop_local()
     return 0

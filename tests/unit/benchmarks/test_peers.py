@@ -272,7 +272,7 @@ def test_peer_servers_publish_kv_events_privately_unless_a_peer_subscribes_over_
         assert s.private_dir and stat.S_IMODE(os.stat(s.private_dir).st_mode) == 0o700
         assert p.env["VLLM_RPC_BASE_PATH"] == p.env["TMPDIR"] == s.private_dir
         if tcp:
-            port = bind.removeprefix("tcp://*:")
+            port = bind.removeprefix("tcp://[::ffff:127.0.0.1]:")
             assert port.isdigit() and s.kv_endpoint == f"tcp://127.0.0.1:{port}"
         else:
             assert bind == s.kv_endpoint == f"ipc://{s.private_dir}/kv"

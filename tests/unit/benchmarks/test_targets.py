@@ -112,7 +112,7 @@ def test_bench_live_exits_non_zero_on_a_miss(monkeypatch, tmp_path, kvmesh_uncac
     monkeypatch.chdir(tmp_path)
     _only(monkeypatch, "bench_live")
     assert run_all.main(["live"]) == status
-    assert (tmp_path / "out" / "bench_live.json").is_file()  # the report is written before the exit
+    assert (tmp_path / "out" / "live" / "bench_live.json").is_file()  # the report is written before the exit
 
 
 def test_bench_tiers_exits_non_zero_when_a_tier_loads_slower_than_recompute(monkeypatch, capsys):

@@ -108,3 +108,16 @@ def test_the_quick_start_creates_every_secret_the_pods_read_from_random_bytes():
         line = next(line for line in text.splitlines() if f"kubectl create secret generic {name}" in line)
         assert "$(openssl rand -hex 32)" in line, line
     assert "python -m kvmesh.deployments.tenants new-key" in text  # the tenants file gets fresh keys
+
+
+def test_a_pods_salt_secret_file_holding_the_examples_placeholder_stops_the_ingress(tmp_path):
+    """On KubeRay the secret file exists only in the pods, where the ingress reads it."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.tenants import resolve_secret
+
+    path = tmp_path / "secret"
+    path.write_text("REPLACE-WITH-32-RANDOM-BYTES-HEX\n")
+    with pytest.raises(ConfigError, match="placeholder"):
+        resolve_secret(env={"KVMESH_SALT_SECRET_FILE": str(path)})
+    path.write_text("a" * 64)
+    assert resolve_secret(env={"KVMESH_SALT_SECRET_FILE": str(path)}) == b"a" * 64

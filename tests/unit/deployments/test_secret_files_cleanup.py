@@ -1,0 +1,163 @@
+"""The secret files a local run writes for itself (its KV-event channel secret, a per-run copy of
+KVMESH_SALT_SECRET) are removed when it stops, whichever way it stops: an orderly stop, a start that failed
+half-way, or `kvmesh serve`'s fast stop after its relay died. The salt secret kept under KVMESH_HOME stays
+(later runs reuse it), and a salt secret that is the published examples' placeholder is refused. Ray and
+Serve are faked: nothing starts."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvmesh.deployments.config import ConfigError
+
+EXPLICIT = "an-operator-salt-secret-0123456789"
+PLACEHOLDER = "REPLACE-WITH-32-RANDOM-BYTES-HEX"  # k8s/secrets.example.yaml
+SECRET_VARS = ("KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE", "KVMESH_CHANNEL_SECRET_FILE")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private KVMESH_HOME, no secret configured, and the process's environment put back afterwards
+    (a start exports its secrets' and proxy's settings for Ray's processes)."""
+    saved = dict(os.environ)
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
+    for name in SECRET_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path / "home"
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """Ray and Serve as a start and stop see them, minus every process: `serve_start` decides whether
+    the start gets through Serve's start."""
+    import ray
+    from ray import serve
+
+    from kvmesh.deployments import app, deploy_watch, local_ray, process_tree
+    from kvmesh.kvstore import node_server
+
+    up = [False]
+    fake = {"serve_start": lambda **kw: None}
+    monkeypatch.setattr(local_ray, "start_local_ray", lambda **kw: up.__setitem__(0, True))
+    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
+    monkeypatch.setattr(ray, "shutdown", lambda: up.__setitem__(0, False))
+    monkeypatch.setattr(serve, "start", lambda **kw: fake["serve_start"](**kw))
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    monkeypatch.setattr(node_server, "stop_node_servers", lambda: 0)
+    monkeypatch.setattr(deploy_watch, "deploy_or_explain", lambda built, cfg: None)
+    monkeypatch.setattr(app, "build_app", lambda cfg: None)
+    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: None)
+    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
+    return fake
+
+
+def _secret_files(home) -> list[str]:
+    run = home / "run"
+    return sorted(p.name for p in run.iterdir()) if run.exists() else []
+
+
+def _start(config: dict | None = None) -> str:
+    from kvmesh.deployments.app import start_local
+
+    return start_local({"replicas": 1, "port": 0, "proxy": "serve", **(config or {})})
+
+
+def test_an_orderly_stop_removes_the_runs_secret_files_and_keeps_the_kept_salt(home, fake_ray):
+    from kvmesh.deployments.app import stop_local
+
+    _start()
+    channel = os.environ["KVMESH_CHANNEL_SECRET_FILE"]
+    assert os.path.exists(channel) and stat.S_IMODE(os.stat(channel).st_mode) == 0o600
+    kept = home / "salt-secret"
+    assert os.environ["KVMESH_SALT_SECRET_FILE"] == str(kept)
+    stop_local(drain=False)
+    assert _secret_files(home) == [], "the run's channel secret outlived it"
+    assert "KVMESH_CHANNEL_SECRET_FILE" not in os.environ
+    assert kept.exists()  # the kept salt secret is for later runs
+
+
+def test_a_per_run_salt_secret_file_is_removed_and_its_value_handed_back(home, fake_ray, monkeypatch):
+    from kvmesh.deployments.app import stop_local
+
+    monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    _start()
+    per_run = os.environ["KVMESH_SALT_SECRET_FILE"]
+    assert open(per_run).read() == EXPLICIT and "KVMESH_SALT_SECRET" not in os.environ  # not seen by Ray
+    stop_local(drain=False)
+    assert _secret_files(home) == [] and not (home / "salt-secret").exists()
+    # a later start in this process derives the same salts again
+    assert os.environ.get("KVMESH_SALT_SECRET") == EXPLICIT and "KVMESH_SALT_SECRET_FILE" not in os.environ
+
+
+def test_a_start_that_failed_half_way_leaves_no_secret_file(home, fake_ray, monkeypatch):
+    def proxy_killed(**kw):
+        raise RuntimeError("The actor died unexpectedly before finishing this task")
+
+    fake_ray["serve_start"] = proxy_killed
+    monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    with pytest.raises(RuntimeError, match="actor died"):
+        _start()
+    assert _secret_files(home) == []
+
+
+def test_the_fast_stop_after_the_relay_died_removes_the_secret_files(home, fake_ray, monkeypatch):
+    """`kvmesh serve`'s driver on SIGHUP (its relay was killed): it ends its processes and exits at once."""
+    import argparse
+    import signal
+    import threading
+
+    from kvmesh.deployments.cli import serve as serve_cmd
+
+    class SignalledAtOnce(threading.Event):
+        def wait(self, timeout=None) -> bool:
+            return True
+
+        def is_set(self) -> bool:
+            return True
+
+    def exit_now(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(serve_cmd.threading, "Event", SignalledAtOnce)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    args = parser.parse_args(["--port", "0", "--proxy", "serve"])
+    with pytest.raises(SystemExit):
+        serve_cmd._drive(args, serve_cmd._build_config(args))
+    assert _secret_files(home) == []
+
+
+def test_the_published_placeholder_is_refused_as_a_salt_secret(home, fake_ray, monkeypatch, tmp_path):
+    from kvmesh.deployments.salt_secret import persistent_secret_file
+
+    with pytest.raises(ConfigError, match=r"salt secret \(KVMESH_SALT_SECRET\) is the example's placeholder"):
+        persistent_secret_file(PLACEHOLDER)
+    monkeypatch.setenv("KVMESH_SALT_SECRET", PLACEHOLDER)
+    with pytest.raises(ConfigError, match="placeholder"):
+        _start()
+    assert _secret_files(home) == []  # refused before anything was written
+    monkeypatch.delenv("KVMESH_SALT_SECRET")
+    mounted = tmp_path / "mounted-secret"
+    mounted.write_text(PLACEHOLDER + "\n")  # as a Kubernetes Secret made from the example holds it
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(mounted))
+    with pytest.raises(ConfigError, match=r"KVMESH_SALT_SECRET_FILE\) is the example's placeholder"):
+        _start()
+
+
+def test_kvmesh_serve_refuses_the_placeholder_in_one_line_before_starting(home, monkeypatch, capsys):
+    from kvmesh.deployments import supervisor
+    from kvmesh.deployments.cli import main
+
+    monkeypatch.setattr(supervisor, "supervise", lambda argv: pytest.fail("the driver was started"))
+    monkeypatch.setenv("KVMESH_SALT_SECRET", PLACEHOLDER)
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "placeholder" in err and PLACEHOLDER not in err, err
