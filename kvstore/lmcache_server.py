@@ -2,26 +2,44 @@
 
 Why a process and not a library call: the MP server is the only LMCache mode that works with vLLM on
 CPU, and it is meant to outlive engines (several engines on a node share its host-memory tier). The
-manager picks free ports, waits until both the ZMQ request port and the Prometheus port answer,
-reports health (process, ports, shared tier reachable), scrapes metrics, and stops the whole process
-group. Stop engines before their server: a vLLM connector whose server vanished waits out its
+manager makes the server's private folder, waits until both its ZMQ request socket and its metrics socket
+answer, reports health (process, sockets, shared tier reachable), scrapes metrics, and stops the whole
+process group. Stop engines before their server: a vLLM connector whose server vanished waits out its
 message-queue timeout (`kvmesh.kvstore.tiers.MQ_TIMEOUT_S`) on shutdown.
+
+Why no TCP port: LMCache's request server has no authentication, and its engine-driven transfer path
+unpickles what a client sends; any local user who could connect could run code as kvmesh's user and read
+or clear every tenant's KV. Both sockets are unix sockets in a 0700 folder of the server's owner
+(`new_channel_dir`), which only processes of that user (the node's engines) can open.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
-from kvmesh.cluster.ports import free_port
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvmesh.kvstore.tiers import HEARTBEAT_S, TierConfig, l2_credentials_env, server_args
+from kvmesh.kvstore.private_dir import PrivateDirError, private_dir
+from kvmesh.kvstore.tiers import (
+    HEARTBEAT_S,
+    SOCKET_PORT,
+    TierConfig,
+    ipc_socket_path,
+    l2_credentials_env,
+    metrics_socket_path,
+    request_host,
+    server_args,
+)
 
 _QUIET_ENV = {
     "LMCACHE_TRACK_USAGE": "false",
@@ -41,15 +59,58 @@ RESTART_DARK_S = 3 * HEARTBEAT_S + 2.0
 SLOW_PROBE_S = 3.0
 
 
-def die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the thread that started it dies (Linux prctl), so a killed
-    test, benchmark or actor never leaves servers behind in their own sessions."""
-    try:
-        import ctypes
+# Where servers' private folders go: /tmp keeps their socket paths within ipc's ~107 bytes.
+CHANNEL_ROOT = "/tmp"
+CHANNEL_PREFIX = "kvmesh-lmcache-"
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+
+def die_with_parent() -> Callable[[], None]:
+    """A preexec_fn, made in the parent just before it starts the child: SIGTERM the child when the thread
+    that started it dies (Linux prctl), so a killed test, benchmark or actor never leaves servers behind in
+    their own sessions.
+
+    The parent's pid is taken here, before the fork: a parent that dies between the fork and the prctl
+    sends no signal (the child was already reparented), so the child compares its parent with that pid
+    after the prctl and kills itself when they differ."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # not exec'd yet: nothing to clean up
+
+    return preexec
+
+
+def remove_dead_channel_dirs(root: str | None = None) -> int:
+    """Remove servers' private folders (kvmesh-lmcache-<owner pid>-*) whose owner is gone: an owner killed
+    outright never removes its own. Returns how many were removed."""
+    removed = 0
+    for entry in os.scandir(root or CHANNEL_ROOT):
+        pid = entry.name.removeprefix(CHANNEL_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(CHANNEL_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue  # not ours to judge
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
+            continue
+    return removed
+
+
+def new_channel_dir() -> str:
+    """A fresh 0700 folder (mkdtemp) for one server's sockets, named after this (owning) process."""
+    remove_dead_channel_dirs()
+    return tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-", dir=CHANNEL_ROOT)
 
 
 class LMCacheServerError(RuntimeError):
@@ -57,11 +118,51 @@ class LMCacheServerError(RuntimeError):
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Does something accept connections at host:port? An ipc:// host is the unix socket LMCache's connector
+    opens (`ipc_socket_path`), any other a TCP host."""
+    path = ipc_socket_path(host, port)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
+        if path is None:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
             return True
     except OSError:
         return False
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket: how kvmesh reads the server's metrics."""
+
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def unix_http_get(socket_path: str, url_path: str, timeout: float = 5.0) -> str | None:
+    """The body of a 200 answer to GET url_path over a unix socket; None when nothing answers so."""
+    conn = _UnixHTTPConnection(socket_path, timeout)
+    try:
+        conn.request("GET", url_path)
+        reply = conn.getresponse()
+        body = reply.read().decode()
+        return body if reply.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
 
 
 def _resp_command(*parts: str) -> bytes:
@@ -115,14 +216,16 @@ class LMCacheServer:
         config: TierConfig,
         log_path: str | os.PathLike | None = None,
         env: dict | None = None,
-        preexec_fn=die_with_parent,
+        preexec_fn: Callable[[], None] | None = None,
         inherit_output: bool = False,
     ):
         config.validate()
-        self.preexec_fn = preexec_fn
+        self.preexec_fn = preexec_fn  # None: the server dies with the thread that launches it (die_with_parent)
         self.config = config
-        self.port = config.port
-        self.prometheus_port = config.prometheus_port
+        # the server's private folder, kept for the object's life so that a restart keeps the endpoint
+        self.channel_dir = new_channel_dir()
+        self._remove_channel_dir = weakref.finalize(self, shutil.rmtree, self.channel_dir, ignore_errors=True)
+        self.port = SOCKET_PORT
         self.log_path = Path(log_path) if log_path else None
         # Without a log file: the server's output goes to this process's stderr (for a Ray actor, the
         # worker log Ray keeps with its session) when inherit_output, else nowhere.
@@ -138,14 +241,19 @@ class LMCacheServer:
 
     @property
     def endpoint(self) -> tuple[str, int]:
-        return self.config.host, self.port
+        """What engines give their connector (`tiers.kv_transfer_config`): the ipc:// host and its port."""
+        return request_host(self.channel_dir), self.port
+
+    @property
+    def metrics_socket(self) -> str:
+        return metrics_socket_path(self.endpoint[0])
 
     def command(self) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "kvmesh.kvstore.lmcache_main",  # LMCache's server, metrics port on --host too
-            *server_args(self.config, self.port, self.prometheus_port),
+            "kvmesh.kvstore.lmcache_main",  # LMCache's server on ipc sockets only, metrics beside them
+            *server_args(self.config, *self.endpoint),
         ]
 
     def start(self) -> tuple[str, int]:
@@ -163,10 +271,7 @@ class LMCacheServer:
             time.sleep(min(0.25, max(0.0, self.dark_until - time.monotonic())))
             if self.stops != stops:  # stopped meanwhile (node shutting down): start nothing
                 return
-        self.port = self.port or free_port(self.config.host)
-        self.prometheus_port = self.prometheus_port or free_port(self.config.host)
-        if self.config.l2 and self.config.l2.get("type") == "fs":
-            Path(self.config.l2["base_path"]).mkdir(parents=True, exist_ok=True)
+        self.prepare_folders()
         env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.config.l2), **(self.env or {})}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
@@ -177,11 +282,21 @@ class LMCacheServer:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
-                preexec_fn=self.preexec_fn,
+                preexec_fn=self.preexec_fn or die_with_parent(),
             )
         finally:
             if log is not None:
                 log.close()
+
+    def prepare_folders(self) -> None:
+        """The server's private folder (made again after a stop) and an fs shared tier's folder: 0700 and ours,
+        or the launch fails (LMCacheServerError) rather than serve through a folder others can enter."""
+        try:
+            private_dir(self.channel_dir)
+            if self.config.l2 and self.config.l2.get("type") == "fs":
+                private_dir(self.config.l2["base_path"])
+        except (PrivateDirError, OSError) as exc:
+            raise LMCacheServerError(f"LMCache server not started: {exc}") from None
 
     def wait_ready(self) -> tuple[str, int]:
         if self.proc is None:
@@ -192,7 +307,7 @@ class LMCacheServer:
                 raise LMCacheServerError(
                     f"LMCache server exited with code {self.proc.returncode} during start-up ({self.output_where()})"
                 )
-            if port_open(self.config.host, self.port) and self._scrape(timeout=2.0) is not None:
+            if port_open(*self.endpoint) and self._scrape(timeout=2.0) is not None:
                 return self.endpoint
             time.sleep(0.25)
         self._halt()  # still wanted: the watchdog tries again
@@ -210,10 +325,11 @@ class LMCacheServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 20.0) -> None:
-        """The owner's stop: the process ends and stays ended."""
+        """The owner's stop: the process ends and stays ended, and its private folder goes with it."""
         self.stops += 1
         self.wanted = False
         self._halt(timeout)
+        shutil.rmtree(self.channel_dir, ignore_errors=True)
 
     def _halt(self, timeout: float = 20.0) -> None:
         """End the process (its whole group); the port stays dark for RESTART_DARK_S."""
@@ -289,12 +405,7 @@ class LMCacheServer:
             self.wait_ready()
 
     def _scrape(self, timeout: float = 5.0) -> str | None:
-        try:
-            url = f"http://{self.config.host}:{self.prometheus_port}/metrics"
-            with urllib.request.urlopen(url, timeout=timeout) as r:
-                return r.read().decode()
-        except OSError:
-            return None
+        return unix_http_get(self.metrics_socket, "/metrics", timeout)
 
     def metrics(self) -> dict:
         """Parsed Prometheus samples ({} when the server does not answer)."""
@@ -307,13 +418,13 @@ class LMCacheServer:
     def health(self) -> dict:
         """What /health and /metrics report: is the host tier serving, is the shared tier reachable."""
         alive = self.alive()
-        serving = alive and port_open(self.config.host, self.port)
+        serving = alive and port_open(*self.endpoint)
         samples = self.metrics() if alive else {}
         return {
             "alive": alive,
             "serving": serving,
             "metrics_ok": bool(samples),
-            "endpoint": f"{self.config.host}:{self.port}",
+            "endpoint": "{}:{}".format(*self.endpoint),
             "restarts": self.restarts,
             "shared_tier": self.config.shared_tier,
             "shared_tier_up": shared_tier_reachable(self.config.l2),

@@ -13,6 +13,10 @@ Engine start-up (deployments/engine.py calls `engine_kv_transfer_config`, below)
 
     host, port = ensure_node_server(tier_config)          # get-or-create this node's server
     kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(host, port)
+
+The endpoint is an ipc:// socket in the actor's private folder (kvstore/lmcache_server.py), which only
+processes of kvmesh's user on this node open: the engine replicas are such processes, on this node by the
+same scheduling that finds this actor.
 """
 
 from __future__ import annotations
@@ -243,9 +247,9 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
                     tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
                 else:
                     tracker.node_serving(node)
-            for node in list(tracker.nodes()):
+            for node in tracker.watched_nodes():
                 if node not in actors:
-                    tracker.drop_node(node)
+                    tracker.forget_node(node)  # left the cluster: nothing kept about it, down or not
             # a shared tier a node's watchdog found down since this watch last looked may be back empty (a Redis
             # restarted between two looks): what the router marked there is gone
             lost = False

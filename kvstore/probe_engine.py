@@ -44,7 +44,7 @@ class EngineProcess:
             stderr=log,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         log.close()
 

@@ -80,7 +80,7 @@ class RedisServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         log.close()
         assert self.proc.stdin is not None

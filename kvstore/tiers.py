@@ -2,8 +2,8 @@
 
 Pure configuration: it starts nothing, reads no files and imports no other kvstore module (the server
 process is `lmcache_server`, the Ray actor that owns it and the engines' start-up call are `node_server`),
-so every side reads it without an import circle. The one outside value it uses is the temp folder's name
-(`tempfile.gettempdir()`) for the default fs L2.
+so every side reads it without an import circle. The one outside value it uses is kvmesh's home folder
+(`$KVMESH_HOME`, else ~/.cache/kvmesh) for the default fs L2.
 
 One `TierConfig` describes what every node runs: how much host DRAM the LMCache MP server keeps (L1)
 and which shared store it writes through to (L2). The same config yields the server's command line
@@ -13,20 +13,27 @@ chunk size and transfer mode — the two settings that otherwise hang or silentl
 
 L2 spellings accepted (`l2` key):
 - None / "none": host tier only.
-- "fs" (+ `l2_path`) or {"type": "fs", "base_path": DIR}: a local folder; the embedded default.
+- "fs" (+ `l2_path`, default `$KVMESH_HOME/lmcache-l2`) or {"type": "fs", "base_path": DIR}: a local folder
+  only kvmesh's user may enter (the server refuses one open to others); the embedded default.
 - "redis://HOST:PORT" or {"type": "resp", "host": H, "port": P}: Redis via LMCache's `resp` adapter;
   "redis://[USER]:PASSWORD@HOST:PORT" or "password"/"username" keys for a Redis that requires AUTH
   (they reach the server process as LMCACHE_RESP_PASSWORD/USERNAME, never on its command line).
 - "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter.
 - any other {"type": NAME, ...}: passed to LMCache unchanged (mooncake_store, s3, p2p, ...).
+Every adapter but `resp` reaches the server as JSON in its environment (`L2_ADAPTER_ENV`), never on its
+command line: their credential keys differ per adapter (password, aws_secret_access_key, ...).
+
+The server listens on no TCP port: engines reach it through an ipc socket in a 0700 folder of its owner
+(`request_host`), and its metrics through a unix socket beside it (`metrics_socket_path`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 CONNECTOR = "LMCacheMPConnector"
@@ -47,14 +54,19 @@ _KNOWN_KEYS = {
     "eviction_policy",
     "l2",
     "l2_path",
-    "host",
-    "port",
-    "prometheus_port",
     "max_workers",
     "extra_args",
     "start_timeout_s",
     "watch_interval_s",
 }
+# Settings of the TCP ports the server once listened on: refused, not ignored, so that a config meant to open
+# the server to other hosts says why it cannot.
+_RETIRED_KEYS = {"host", "port", "prometheus_port"}
+# LMCache's connector joins `lmcache.mp.host` and `lmcache.mp.port` with ':' into its ZMQ endpoint. Over ipc
+# the "port" is only the tail of the socket's file name: one fixed number.
+SOCKET_PORT = 1
+# The environment variable that carries a non-resp L2 adapter's JSON to the server (kvstore/lmcache_main.py).
+L2_ADAPTER_ENV = "KVMESH_LMCACHE_L2_ADAPTER"
 
 
 class TierConfigError(ValueError):
@@ -67,9 +79,6 @@ class TierConfig:
     chunk_size: int = 256  # tokens per LMCache chunk; must be a multiple of the engine's block size
     eviction_policy: str = "LRU"
     l2: dict | None = None  # normalised LMCache `--l2-adapter` JSON object, or None
-    host: str = "127.0.0.1"  # where the server binds; engines on the same node connect here
-    port: int = 0  # 0 = pick a free port at start
-    prometheus_port: int = 0  # 0 = pick a free port at start
     max_workers: int = 1
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 180.0
@@ -79,6 +88,12 @@ class TierConfig:
     def from_dict(cls, d: dict | None) -> TierConfig:
         """Build from the engine config's `lmcache` dict; unknown keys are errors, not ignored."""
         d = dict(d or {})
+        retired = sorted(set(d) & _RETIRED_KEYS)
+        if retired:
+            raise TierConfigError(
+                f"lmcache key(s) {retired} are no longer settings: the node's LMCache server listens only on a "
+                "unix socket in a private folder, reachable by its own node's engines (docs/security.md)"
+            )
         unknown = sorted(set(d) - _KNOWN_KEYS)
         if unknown:
             raise TierConfigError(f"unknown lmcache key(s) {unknown}; allowed: {sorted(_KNOWN_KEYS)}")
@@ -94,10 +109,6 @@ class TierConfig:
             raise TierConfigError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
         if self.eviction_policy not in _EVICTION_POLICIES:
             raise TierConfigError(f"eviction_policy must be one of {_EVICTION_POLICIES}, got {self.eviction_policy!r}")
-        for key in ("port", "prometheus_port"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or not 0 <= v < 65536:
-                raise TierConfigError(f"{key} must be an integer port (0 = pick one), got {v!r}")
 
     def check_block_size(self, block_size: int) -> None:
         """LMCache stores whole chunks of whole engine blocks; a mismatch means no hits at all."""
@@ -112,17 +123,50 @@ class TierConfig:
         return self.l2["type"] if self.l2 else None
 
 
+_SECRET_KEY = re.compile(r"pass|secret|token|cred|auth|user|key", re.IGNORECASE)
+
+
 def redacted(l2) -> object:
-    """An L2 setting fit for an error message or a log: its credentials replaced by '***'."""
+    """An L2 setting fit for an error message or a log: its credentials replaced by '***'.
+
+    A string loses everything between '://' and its last '@' as written, not as `urlparse` splits it: a
+    password holding '/', '?' or '#' ends `urlparse`'s netloc early, and its parts then read as no password
+    at all. A dict loses the values of keys that may name or hold a secret."""
     if isinstance(l2, str):
-        url = urlparse(l2)
-        if url.password or url.username:
-            host = url.hostname or ""
-            return url._replace(netloc=f"***@{host}" + (f":{url.port}" if url.port else "")).geturl()
-        return l2
+        scheme, sep, rest = l2.partition("://")
+        if not sep:
+            scheme, rest = "", l2
+        if "@" not in rest:
+            return l2
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
     if isinstance(l2, dict):
-        return {k: ("***" if k in ("password", "username") else v) for k, v in l2.items()}
+        return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in l2.items()}
     return l2
+
+
+def kvmesh_home() -> Path:
+    """kvmesh's own folder ($KVMESH_HOME, else ~/.cache/kvmesh; as deployments/config.py's tiny_model_dir)."""
+    return Path(os.environ.get("KVMESH_HOME") or Path.home() / ".cache" / "kvmesh")
+
+
+def default_fs_l2_path() -> str:
+    """Where `l2: fs` without `l2_path` keeps its chunks: under kvmesh's home, not a fixed name in the shared
+    temp folder, which another user could create first (and read what LMCache writes into it)."""
+    return str(kvmesh_home() / "lmcache-l2")
+
+
+def _parse_l2_url(l2: str):
+    """urlparse and its port, without the ValueErrors either raises: their messages quote the URL's parts (a
+    password holding '/' leaves its tail where the port goes), and callers echo what they catch."""
+    try:
+        url = urlparse(l2)
+    except ValueError:
+        raise TierConfigError(f"l2 {redacted(l2)!r} is not a URL kvmesh can read") from None
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    return url, port
 
 
 def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
@@ -131,15 +175,17 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
         return None
     if isinstance(l2, str):
         if l2 == "fs":
-            base = l2_path or os.path.join(tempfile.gettempdir(), "kvmesh-lmcache-l2")
-            return {"type": "fs", "base_path": base}
-        url = urlparse(l2)
+            return {"type": "fs", "base_path": l2_path or default_fs_l2_path()}
+        url, port = _parse_l2_url(l2)
         if url.scheme in ("redis", "resp", "valkey"):
-            if not url.hostname or not url.port:
-                raise TierConfigError(f"l2 URL {redacted(l2)!r} needs a host and a port, e.g. redis://127.0.0.1:6379")
+            if not url.hostname or not port:
+                raise TierConfigError(
+                    f"l2 URL {redacted(l2)!r} needs a host and a port, e.g. redis://127.0.0.1:6379 "
+                    "(percent-encode '/', '?' and '#' in a password)"
+                )
             if url.scheme == "valkey":
-                return {"type": "valkey", "startup_nodes": f"{url.hostname}:{url.port}"}
-            out = {"type": "resp", "host": url.hostname, "port": url.port}
+                return {"type": "valkey", "startup_nodes": f"{url.hostname}:{port}"}
+            out = {"type": "resp", "host": url.hostname, "port": port}
             if url.password:
                 out["password"] = unquote(url.password)
             if url.username:
@@ -163,21 +209,51 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
 _CREDENTIALS = {"password": "LMCACHE_RESP_PASSWORD", "username": "LMCACHE_RESP_USERNAME"}
 
 
-def l2_credentials_env(l2: dict | None) -> dict[str, str]:
-    """The resp adapter's credentials as the environment LMCache reads when its JSON names none.
+def _adapter_on_command_line(l2: dict) -> bool:
+    """Only resp's JSON goes on the command line: LMCache reads its credentials from variables of its own."""
+    return l2.get("type") == "resp"
 
-    Why: the `--l2-adapter` JSON is on the server's command line, which `ps` shows every local user.
+
+def l2_credentials_env(l2: dict | None) -> dict[str, str]:
+    """The environment that carries what of the L2 may be secret to the server process.
+
+    Why: the server's command line is what `ps` shows every local user; its environment only its own user
+    (and root) can read. resp: its credentials as the variables LMCache reads when its JSON names none.
+    Any other adapter: its whole JSON (credential keys differ per adapter), which kvstore/lmcache_main.py
+    hands to LMCache as `--l2-adapter` inside the server process.
     """
-    if not l2 or l2.get("type") != "resp":
+    if not l2:
         return {}
+    if not _adapter_on_command_line(l2):
+        return {L2_ADAPTER_ENV: json.dumps(l2, sort_keys=True)}
     return {env: str(l2[key]) for key, env in _CREDENTIALS.items() if l2.get(key)}
 
 
-def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
-    """Arguments for `python -m lmcache.v1.multiprocess.server` (without the interpreter)."""
+def request_host(channel_dir: str | os.PathLike) -> str:
+    """The `lmcache.mp.host` of a server whose sockets are in `channel_dir` (an ipc:// endpoint)."""
+    return f"ipc://{os.fspath(channel_dir)}/requests"
+
+
+def ipc_socket_path(host: str, port: int) -> str | None:
+    """The file of the ipc socket LMCache's connector opens for host and port (None for a tcp:// host)."""
+    if not host.startswith("ipc://"):
+        return None
+    return f"{host.removeprefix('ipc://')}:{port}"
+
+
+def metrics_socket_path(host: str) -> str:
+    """The unix socket, beside the request socket, on which the server serves its Prometheus metrics."""
+    if not host.startswith("ipc://"):
+        raise TierConfigError(f"the LMCache server's host must be an ipc:// endpoint, got {host!r}")
+    return os.path.join(os.path.dirname(host.removeprefix("ipc://")), "metrics")
+
+
+def server_args(cfg: TierConfig, host: str, port: int = SOCKET_PORT) -> list[str]:
+    """Arguments for kvmesh's LMCache server (`kvstore/lmcache_main.py`, without the interpreter); `host` is the
+    server's ipc:// endpoint (`request_host`)."""
     args = [
         "--host",
-        cfg.host,
+        host,
         "--port",
         str(port),
         "--l1-size-gb",
@@ -192,24 +268,24 @@ def server_args(cfg: TierConfig, port: int, prometheus_port: int) -> list[str]:
         "auto",
         "--max-workers",
         str(cfg.max_workers),
-        "--prometheus-port",
-        str(prometheus_port),
     ]
-    if cfg.l2:
-        public = {k: v for k, v in cfg.l2.items() if not (cfg.l2["type"] == "resp" and k in _CREDENTIALS)}
+    if cfg.l2 and _adapter_on_command_line(cfg.l2):
+        public = {k: v for k, v in cfg.l2.items() if k not in _CREDENTIALS}
         args += ["--l2-adapter", json.dumps(public, sort_keys=True)]
     return args + list(cfg.extra_args)
 
 
 def kv_transfer_config(host: str, port: int) -> dict:
-    """The vLLM `kv_transfer_config` that connects an engine to the LMCache MP server at host:port."""
+    """The vLLM `kv_transfer_config` that connects an engine to the LMCache MP server at host:port.
+
+    `host` is an endpoint with its scheme (kvmesh's servers: `ipc://DIR/requests`) or a bare TCP host."""
     if not host or not isinstance(port, int) or not 0 < port < 65536:
         raise TierConfigError(f"bad LMCache server endpoint {host!r}:{port!r}")
     return {
         "kv_connector": CONNECTOR,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "lmcache.mp.host": f"tcp://{host}",
+            "lmcache.mp.host": host if "://" in host else f"tcp://{host}",
             "lmcache.mp.port": port,
             "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
             "lmcache.mp.mq_timeout": MQ_TIMEOUT_S,

@@ -17,19 +17,27 @@ import threading
 import time
 
 from kvmesh.kvstore.lmcache_server import RESTART_DARK_S, LMCacheServer, port_open
-from kvmesh.kvstore.tiers import HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, kv_transfer_config
+from kvmesh.kvstore.tiers import HEARTBEAT_S, MQ_TIMEOUT_S, TierConfig, ipc_socket_path, kv_transfer_config
 
-# Listens on the request port and answers HTTP on the metrics port, like the server's two endpoints.
+# Listens on the request socket and answers HTTP on the metrics socket, like the server's two endpoints (unix
+# sockets in the server's private folder; a socket file left by a killed stand-in is replaced).
 _STAND_IN = r"""
-import http.server, socket, sys, threading
-host, port, prom = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, port)); s.listen()
+import http.server, os, socket, socketserver, sys, threading
+requests, metrics = sys.argv[1], sys.argv[2]
+for path in (requests, metrics):
+    if os.path.exists(path):
+        os.unlink(path)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind(requests); s.listen()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"# stand-in\n")
+    def address_string(self):
+        return "local"
     def log_message(self, *a):
         pass
-threading.Thread(target=lambda: http.server.HTTPServer((host, prom), H).serve_forever(), daemon=True).start()
+class Metrics(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+threading.Thread(target=Metrics(metrics, H).serve_forever, daemon=True).start()
 while True:
     s.accept()[0].close()
 """
@@ -37,11 +45,11 @@ while True:
 
 class StandInServer(LMCacheServer):
     def command(self) -> list[str]:
-        return [sys.executable, "-c", _STAND_IN, self.config.host, str(self.port), str(self.prometheus_port)]
+        return [sys.executable, "-c", _STAND_IN, ipc_socket_path(*self.endpoint), self.metrics_socket]
 
 
 class DarkMeter:
-    """Polls the request port as a connector would; records the longest time it was closed."""
+    """Polls the request socket as a connector would; records the longest time it was closed."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
@@ -80,7 +88,7 @@ def test_restart_keeps_the_port_dark_for_more_than_two_heartbeats(tmp_path):
         first = srv.endpoint
         meter = DarkMeter(*first)
         time.sleep(0.2)
-        assert srv.restart() == first  # same ports: engines keep their configured endpoint
+        assert srv.restart() == first  # same endpoint: engines keep their configured one
         dark = meter.stop()
         assert dark >= RESTART_DARK_S - 0.1
         assert RESTART_DARK_S > 2 * HEARTBEAT_S  # a PING sent during the outage must time out

@@ -168,3 +168,17 @@ def test_an_inheriting_server_writes_to_its_owners_stderr(capfd, monkeypatch):
         else:
             assert "served-out" not in seen and "served-err" not in seen
             assert server.output_where() == "output discarded"
+
+
+def test_a_node_that_leaves_while_its_server_is_down_is_not_kept_for_good():
+    """Node ids are new on every machine: one held down and then gone from the cluster leaves the tracker."""
+    tracker = TierTracker(PrefixIndex())
+    tracker.set_node("flaky", has_shared_tier=True, host_capacity_blocks=100)
+    _watch_rounds(
+        tracker,
+        [
+            ({"flaky": RuntimeError("no answer")}, lambda: None),  # held down
+            ({}, lambda: None),  # then its node left the cluster
+        ],
+    )
+    assert tracker.watched_nodes() == set()

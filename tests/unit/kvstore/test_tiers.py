@@ -67,14 +67,15 @@ def test_chunk_must_be_multiple_of_block():
 
 def test_server_args_carry_transfer_mode_chunk_and_l2():
     cfg = TierConfig.from_dict({"l1_size_gb": 0.5, "chunk_size": 64, "l2": "redis://127.0.0.1:7000"})
-    args = server_args(cfg, 5599, 9100)
+    args = server_args(cfg, "ipc:///run/s/requests", 5599)
     assert args[args.index("--supported-transfer-mode") + 1] == "auto"
     assert args[args.index("--chunk-size") + 1] == "64"
+    assert args[args.index("--host") + 1] == "ipc:///run/s/requests"
     assert args[args.index("--port") + 1] == "5599"
-    assert args[args.index("--prometheus-port") + 1] == "9100"
+    assert "--prometheus-port" not in args  # the metrics go to a unix socket beside the request socket
     assert json.loads(args[args.index("--l2-adapter") + 1]) == {"type": "resp", "host": "127.0.0.1", "port": 7000}
     assert "--no-l1-use-lazy" in args  # L1 allocated up front: its size is a real reservation
-    assert "--l2-adapter" not in server_args(TierConfig(), 1, 2)
+    assert "--l2-adapter" not in server_args(TierConfig(), "ipc:///run/s/requests")
 
 
 def test_kv_transfer_config_shape():
@@ -224,7 +225,7 @@ def test_redis_credentials_come_from_the_url_and_stay_off_the_servers_command_li
     assert l2 == {"type": "resp", "host": "10.0.0.5", "port": 6379, "password": "s3cr@t"}
     assert normalise_l2("redis://kvmesh:pw@h:1")["username"] == "kvmesh"
     cfg = TierConfig.from_dict({"l2": "redis://:s3cr%40t@10.0.0.5:6379"})
-    args = server_args(cfg, 1, 2)
+    args = server_args(cfg, "ipc:///run/s/requests")
     assert not any("s3cr" in a for a in args)
     assert json.loads(args[args.index("--l2-adapter") + 1]) == {"type": "resp", "host": "10.0.0.5", "port": 6379}
     assert l2_credentials_env(cfg.l2) == {"LMCACHE_RESP_PASSWORD": "s3cr@t"}
