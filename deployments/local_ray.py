@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -125,13 +124,9 @@ def use_private_auth_token(directory: str | os.PathLike | None = None) -> str | 
 
 def write_private_token(directory: str | os.PathLike) -> str:
     """A new random Ray auth token in a new 0600 file in `directory` (made 0700); returns its path."""
-    folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = folder / f"ray-auth-token-{secrets.token_hex(4)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
-    return str(path)
+    from kvmesh.cluster.secure_channel import write_secret_file
+
+    return str(write_secret_file(directory, "ray-auth-token"))
 
 
 def forget_cached_auth_token() -> None:
@@ -145,13 +140,17 @@ def forget_cached_auth_token() -> None:
 def remove_auth_token_file() -> None:
     """Remove the token file this process wrote for its cluster, and unset the variable naming it."""
     while _run_token_files:
-        path = _run_token_files.pop()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        if os.environ.get(AUTH_TOKEN_PATH_ENV) == path:
-            del os.environ[AUTH_TOKEN_PATH_ENV]
+        remove_secret_file(_run_token_files.pop(), AUTH_TOKEN_PATH_ENV)
+
+
+def remove_secret_file(path: str, env_name: str) -> None:
+    """Remove a secret file this run wrote, and unset `env_name` where it still names it."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if os.environ.get(env_name) == path:
+        del os.environ[env_name]
 
 
 def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:

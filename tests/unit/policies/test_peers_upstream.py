@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from replica_views import views
 
 from kvmesh.policies.approx_tree import ApproxTree
-from kvmesh.policies.base import ReplicaView, RequestInfo
+from kvmesh.policies.base import RequestInfo
 from kvmesh.policies.registry import make_policy
 
 BS = 512
@@ -13,15 +14,6 @@ BS = 512
 
 def req(hashes):
     return RequestInfo(list(hashes), len(hashes) * BS, BS, 100, None, None)
-
-
-def views(k, **per):
-    """k idle replicas; `per` maps field -> {index: value}."""
-    out = [ReplicaView(f"r{i}", capacity_blocks=1000) for i in range(k)]
-    for field, values in per.items():
-        for i, v in values.items():
-            setattr(out[i], field, v)
-    return out
 
 
 # ------------------------------------------------------------------------------- Ray Serve prefix-aware

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from replica_views import views
 
-from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
+from kvmesh.policies.base import FleetView, RequestInfo
 from kvmesh.policies.cost_model import CostModel, cacheable_blocks, cached_tokens
 from kvmesh.policies.registry import BASELINES, PEERS, POLICY_NAMES, make_policy, parse_policy_list
 
@@ -15,15 +16,6 @@ BS = 512
 def req(hashes, n=None, rid=None):
     n = n if n is not None else len(hashes) * BS
     return RequestInfo(list(hashes), n, BS, 100, None, rid)
-
-
-def views(k, **per):
-    """k idle replicas; `per` maps field -> {index: value}."""
-    out = [ReplicaView(f"r{i}", capacity_blocks=1000) for i in range(k)]
-    for field, values in per.items():
-        for i, v in values.items():
-            setattr(out[i], field, v)
-    return out
 
 
 def view(vs, rid):
