@@ -151,6 +151,7 @@ class LocalRayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
         # the cluster's own Ray auth token, in an owner-only file in its owner-only folder (env())
         self.auth_token_path = write_private_token(self.temp_dir)
+        self._saved_auth_env: dict[str, str | None] = {AUTH_TOKEN_PATH_ENV: None}  # the starter's, put back at stop
         self.address = ""
         self.procs: list[subprocess.Popen | None] = []
         self._seen: dict[int, float] = {}  # pid -> start time of every process seen below a node, for stop()
@@ -166,15 +167,23 @@ class LocalRayCluster:
 
     def _export_auth_token(self) -> None:
         """The process that starts the cluster is its first driver (start_local(address=...) in it): it
-        authenticates with the cluster's token from now on."""
+        authenticates with the cluster's token until the cluster stops, then with what it had before."""
+        names = (AUTH_TOKEN_ENV, AUTH_MODE_ENV, AUTH_TOKEN_PATH_ENV)
+        self._saved_auth_env = {name: os.environ.get(name) for name in names}
         os.environ.pop(AUTH_TOKEN_ENV, None)
         os.environ[AUTH_MODE_ENV] = "token"
         os.environ[AUTH_TOKEN_PATH_ENV] = self.auth_token_path
         forget_cached_auth_token()
 
     def _unexport_auth_token(self) -> None:
-        if os.environ.get(AUTH_TOKEN_PATH_ENV) == self.auth_token_path:
-            del os.environ[AUTH_TOKEN_PATH_ENV]
+        if os.environ.get(AUTH_TOKEN_PATH_ENV) != self.auth_token_path:
+            return  # someone set their own since: theirs stays
+        for name, value in self._saved_auth_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        forget_cached_auth_token()
 
     def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
         ports = free_ports(9)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvmesh.cluster.block_cache import leading_held
 from kvmesh.cluster.miss_reasons import attribute, drift_kind, text_units
 from kvmesh.cluster.prefix_share import TokenizedRequest, _lcp, hash_requests
-from kvmesh.cluster.request_log import ChatRenderer, LoggedRequest, prompt_text
+from kvmesh.cluster.request_log import ChatRenderer, LoggedRequest, content_text, prompt_text
 
 
 @dataclass
@@ -63,13 +63,14 @@ def prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: str
 
 
 def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: str) -> list[Prepared]:
-    """Tokenise every request as kvmesh's ingress does (chat template, no extra special tokens), hash it.
+    """Tokenise every request as kvmesh's ingress does (a chat's template text without extra special tokens, a
+    completion's text with them), hash it.
 
     Texts are encoded in one batch by the fast tokenizer's backend (with character offsets, which map
     messages to token positions for drift); a slow tokenizer encodes them one by one."""
     render = ChatRenderer(tokenizer)
     texts = [prompt_text(r, tokenizer, render) for r in reqs]
-    encoded = _encode(tokenizer, [t for t in texts if t is not None])
+    encoded = _encode(tokenizer, [(t, not r.is_chat) for r, t in zip(reqs, texts) if t is not None])
     out = []
     k = 0
     for i, (r, text) in enumerate(zip(reqs, texts)):
@@ -80,7 +81,7 @@ def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: st
             ids, offsets = encoded[k]
             k += 1
             if r.is_chat:
-                contents = [(m["role"], _content(m["content"])) for m in r.body["messages"]]
+                contents = [(m["role"], content_text(m["content"])) for m in r.body["messages"]]
             else:
                 contents = [("prompt", line) for line in text.split("\n") if line.strip()]
             units = text_units(text, contents, offsets)
@@ -89,21 +90,21 @@ def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: st
     return out
 
 
-def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list]]:
+def _encode(tokenizer, texts: list[tuple[str, bool]]) -> list[tuple[list[int], list]]:
+    """Each (text, with the model's special tokens?) as (ids, character offsets), in order."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-    if backend is not None:
-        return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
-    out = []
-    for t in texts:
-        enc = tokenizer(t, add_special_tokens=False, return_offsets_mapping=True)
-        out.append((list(enc["input_ids"]), enc["offset_mapping"]))
-    return out
-
-
-def _content(content) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return str(content)
+    if backend is not None:  # one batch per setting: a batch is far faster than one call per text
+        out: list = [None] * len(texts)
+        for special in (False, True):
+            at = [i for i, (_, s) in enumerate(texts) if s is special]
+            for i, e in zip(at, backend.encode_batch([texts[i][0] for i in at], add_special_tokens=special)):
+                out[i] = (e.ids, e.offsets)
+        return out
+    result = []
+    for t, special in texts:
+        enc = tokenizer(t, add_special_tokens=special, return_offsets_mapping=True)
+        result.append((list(enc["input_ids"]), enc["offset_mapping"]))
+    return result
 
 
 @dataclass

@@ -150,6 +150,21 @@ class _Router:
                 self.policy.on_routed(a, b, c)
 
 
+def check_modelled_signals(policy: Policy) -> None:
+    """ValueError for a policy that reads load signals this model does not keep (the engine's waiting queue
+    and allocated KV, Dynamo's booked blocks: `simulator.EngineLoad`, `ActivePromptBlocks`): it would
+    silently place on other inputs than in the one-router simulator."""
+    from kvmesh.cluster.simulator import ActivePromptBlocks, EngineLoad
+
+    missing = [s for s in getattr(policy, "load_signals", ()) if s in EngineLoad.SIGNALS + ActivePromptBlocks.SIGNALS]
+    if missing:
+        raise ValueError(
+            f"policy {getattr(policy, 'name', type(policy).__name__)} reads {', '.join(missing)}, which the "
+            "multi-router simulator does not model: simulate it without --routers, --event-delay-ms and "
+            "--churn-every-s, or name the other policies"
+        )
+
+
 def simulate_routers(
     trace: Trace,
     cfg: SimConfig,
@@ -178,6 +193,7 @@ def simulate_routers(
     delay = setup.delay_s
     rids, nodes, index_blocks = fleet_layout(cfg)
     routers = [_Router(N, rids, nodes, index_blocks, make_policy(), cfg.capacity_blocks, delay) for _ in range(R)]
+    check_modelled_signals(routers[0].policy)
     hbm, host, shared = fleet_caches(cfg, nodes)
     tierless = not host and shared is None
     synced = R > 1 and setup.sync

@@ -147,7 +147,7 @@ def prompt_text(req: LoggedRequest, tokenizer, render=None) -> str | None:
     """The prompt as the server's tokenizer sees it (chat template applied, generation prompt added);
     None for a token-id prompt. `render` (a `ChatRenderer`) renders faster than the tokenizer does."""
     if req.is_chat:
-        messages = [{"role": m["role"], "content": _content(m["content"])} for m in req.body["messages"]]
+        messages = [template_message(m) for m in req.body["messages"]]
         if render is not None:
             return render(messages)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -197,14 +197,27 @@ class ChatRenderer:
 
 
 def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
-    """Token ids as kvmesh's ingress computes them (template text encoded without extra special tokens)."""
+    """Token ids as kvmesh's ingress computes them (a completion's text with the model's special tokens, a
+    chat's template text without extra ones)."""
     text = prompt_text(req, tokenizer)
     if text is None:
         return list(req.body["prompt"])
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=not req.is_chat))
 
 
-def _content(content) -> str:
+def content_text(content) -> str:
+    """A message's content as one text: its text parts joined by newlines, as vLLM's server joins them."""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
+
+
+def template_message(message: dict) -> dict:
+    """A chat message as kvmesh's ingress hands it to the chat template: `developer` as `system`, the content
+    as one text, the `name` kept (templates may use it). The ingress validates first; logs are taken as
+    they are."""
+    role = message["role"]
+    out = {"role": "system" if role == "developer" else role, "content": content_text(message.get("content"))}
+    if message.get("name") is not None:
+        out["name"] = message["name"]
+    return out

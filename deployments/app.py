@@ -126,24 +126,28 @@ def start_local(
         cfg["port"] = free_port()
     if not os.environ.get("KVMESH_RAY_LOGS"):  # Serve's progress notes stay in Ray's log files
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    _use_run_secrets()
     address = address or cfg["address"]
-    check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
-    if not ray.is_initialized():
-        log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
-        if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
-            _children_before[:] = _child_pids()
-            from kvmesh.deployments.ray_join import join_cluster
+    try:  # a start that fails before Ray runs leaves no secret file of this run behind either
+        _use_run_secrets()
+        check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
+        if not ray.is_initialized():
+            log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
+            if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
+                _children_before[:] = _child_pids()
+                from kvmesh.deployments.ray_join import join_cluster
 
-            join_cluster(address, log_to_driver=log_to_driver)
-            _joined[0] = True
-        else:
-            cpus = local_num_cpus(cfg, num_cpus)
-            # the raylet, Serve's controller and proxies inherit this process's environment
-            os.environ.update(_proxy_env(cfg["proxy"]))
-            _children_before[:] = _child_pids()
-            start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
-        _started_ray = True
+                join_cluster(address, log_to_driver=log_to_driver)
+                _joined[0] = True
+            else:
+                cpus = local_num_cpus(cfg, num_cpus)
+                # the raylet, Serve's controller and proxies inherit this process's environment
+                os.environ.update(_proxy_env(cfg["proxy"]))
+                _children_before[:] = _child_pids()
+                start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
+            _started_ray = True
+    except BaseException:
+        remove_run_secret_files()
+        raise
     try:
         # one HTTP proxy, on the head node (as the KubeRay serveConfigV2 asks): nodes sharing a host would
         # otherwise each start a proxy on the same port

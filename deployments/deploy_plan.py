@@ -15,7 +15,6 @@ import json
 import math
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlparse
 
 from kvmesh.deployments.config import app_config
 
@@ -174,7 +173,6 @@ SET_ELSEWHERE_ON_KUBERAY = {
     "proxy": "RAY_SERVE_ENABLE_HA_PROXY in the pods' env",
     "address": "KubeRay itself (the RayService's own Ray cluster)",
 }
-L2_CREDENTIAL_KEYS = ("password", "username")
 
 
 def pod_groups(service: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -266,11 +264,14 @@ def engine_capacity(config: Mapping[str, Any], service: Mapping[str, Any]) -> fl
 
 
 def l2_credentials(l2: Any) -> list[str]:
-    """Where an LMCache L2 spelling carries credentials: URL user info, or password/username keys."""
-    if isinstance(l2, str) and "@" in urlparse(l2).netloc:
+    """Where an LMCache L2 spelling carries credentials: URL user info, or keys that may hold a secret (each
+    adapter names its own: password, aws_secret_access_key, ...; `kvstore.tiers.CREDENTIAL_KEY`)."""
+    from kvmesh.kvstore.tiers import CREDENTIAL_KEY, url_credentials
+
+    if isinstance(l2, str) and url_credentials(l2):
         return ["the URL's user info"]
     if isinstance(l2, Mapping):
-        return [f"key {key!r}" for key in L2_CREDENTIAL_KEYS if key in l2]
+        return [f"key {key!r}" for key in l2 if CREDENTIAL_KEY.search(str(key))]
     return []
 
 

@@ -271,15 +271,28 @@ class Ingress:
                 "prompt" if req.kind == "completion" else "messages",
                 "empty_prompt",
             )
-        if req.params.get("max_tokens") is None and len(ids) < self.max_model_len:
+        param = "prompt" if req.kind == "completion" else "messages"
+        if req.params.get("max_tokens") is None:  # a chat's: the rest of the context, if any is left
+            if len(ids) >= self.max_model_len:
+                raise proto.bad(
+                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{len(ids)}, which leaves no room for an answer.",
+                    param,
+                    "context_length_exceeded",
+                )
             req.params["max_tokens"] = self.max_model_len - len(ids)
-        need = len(ids) + req.params.get("max_tokens", proto.DEFAULT_MAX_TOKENS)
-        if need > self.max_model_len:
+        max_tokens = req.params["max_tokens"]
+        if len(ids) + max_tokens > self.max_model_len:
             raise proto.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {len(ids)} prompt tokens plus max_tokens={need - len(ids)}.",
-                "prompt" if req.kind == "completion" else "messages",
+                f"has {len(ids)} prompt tokens plus max_tokens={max_tokens}.",
+                param,
                 "context_length_exceeded",
+            )
+        if req.params.get("min_tokens", 0) > max_tokens:  # checked by the parser when the client set both
+            raise proto.bad(
+                f"'min_tokens' ({req.params['min_tokens']}) exceeds the {max_tokens} tokens the context leaves.",
+                "min_tokens",
             )
 
     # ------------------------------------------------------------------ generation

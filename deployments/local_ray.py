@@ -109,7 +109,7 @@ def use_private_auth_token(directory: str | os.PathLike | None = None) -> str | 
     write it readable by every local user (module docstring)."""
     if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
         return None
-    if os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV) or ray_default_token_path().exists():
+    if os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV) or _private_file(ray_default_token_path()):
         return None
     if directory is None:
         from kvmesh.deployments.salt_secret import kvmesh_home
@@ -120,6 +120,16 @@ def use_private_auth_token(directory: str | os.PathLike | None = None) -> str | 
     _run_token_files.append(path)
     forget_cached_auth_token()
     return path
+
+
+def _private_file(path: Path) -> bool:
+    """Is `path` a file of this user's that no one else may read? Ray's own default token file counts as the
+    operator's choice only then: the one Ray writes itself is readable by every local user."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def write_private_token(directory: str | os.PathLike) -> str:

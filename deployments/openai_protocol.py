@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.cluster.request_log import content_text, template_message
 from kvmesh.deployments.tenants import openai_error
 
 # a completion's default output length (OpenAI's and vLLM's); a chat's runs to the end of the context
@@ -225,8 +226,8 @@ def _content_text(content: Any, i: int) -> str:
                 raise bad(
                     f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
                 )
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM joins a message's text parts
+            parts.append(part)
+        return content_text(parts)
     raise bad(
         f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"
     )
@@ -248,13 +249,10 @@ def parse_chat(body: dict) -> GenerationRequest:
         role = m.get("role")
         if role not in ("system", "user", "assistant", "developer"):
             raise bad(f"messages[{i}].role must be one of system, developer, user, assistant.", f"messages[{i}].role")
-        message = {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
         name = m.get("name")
-        if name is not None:  # chat templates may use it: dropped, the model would see another conversation
-            if not isinstance(name, str):
-                raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
-            message["name"] = name
-        out.append(message)
+        if name is not None and not isinstance(name, str):  # templates may use it: it is kept
+            raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
+        out.append(template_message({"role": role, "content": _content_text(m.get("content"), i), "name": name}))
     req.messages = out
     return req
 

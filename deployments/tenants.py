@@ -261,7 +261,7 @@ def _parse_bearer(header: str | None) -> str:
     parts = header.strip().split(" ")
     if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
         raise AuthError("Malformed Authorization header: expected 'Bearer <key>'.", "invalid_api_key")
-    if not _TOKEN.match(parts[1]):
+    if not _TOKEN.fullmatch(parts[1]):
         raise AuthError("Malformed API key.", "invalid_api_key")
     return parts[1]
 
@@ -294,7 +294,7 @@ class TenantRegistry:
     ) -> TenantRegistry:
         """One tenant with one key: what `kvmesh serve --api-key KEY` runs with (the operator: there is no
         one else)."""
-        if not isinstance(api_key, str) or not _TOKEN.match(api_key):
+        if not isinstance(api_key, str) or not _TOKEN.fullmatch(api_key):
             raise ConfigError("API key must be 8-256 characters of [A-Za-z0-9._~+/=-]")
         return cls.one_tenant([api_key], secret=secret, tenant_id=tenant_id, limits=limits)
 

@@ -113,10 +113,10 @@ def remove_channel_if_orphaned(host: str, owner: int) -> None:
     if os.getppid() == owner:
         return
     folder = os.path.dirname(host.removeprefix("ipc://"))
-    for entry in os.scandir(folder):
-        if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-            os.unlink(entry.path)
-    try:
+    try:  # the owner's own exit may have removed them first
+        for entry in os.scandir(folder):
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                os.unlink(entry.path)
         os.rmdir(folder)  # only when nothing but the sockets was in it
     except OSError:
         pass

@@ -247,9 +247,14 @@ async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None
                     tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
                 else:
                     tracker.node_serving(node)
+            engine_nodes = set(tracker.index.nodes())
             for node in tracker.watched_nodes():
-                if node not in actors:
-                    tracker.forget_node(node)  # left the cluster: nothing kept about it, down or not
+                if node in actors:
+                    continue
+                if node in engine_nodes:  # its server's actor is gone, its engines are not: down until it serves
+                    tracker.drop_node(node, down=True)
+                else:  # left the cluster: nothing kept about it, down or not
+                    tracker.forget_node(node)
             # a shared tier a node's watchdog found down since this watch last looked may be back empty (a Redis
             # restarted between two looks): what the router marked there is gone
             lost = False

@@ -123,7 +123,13 @@ class TierConfig:
         return self.l2["type"] if self.l2 else None
 
 
-_SECRET_KEY = re.compile(r"pass|secret|token|cred|auth|user|key", re.IGNORECASE)
+# the names of L2 settings that may name or hold a secret (adapters spell credentials their own way)
+CREDENTIAL_KEY = re.compile(r"pass|secret|token|cred|auth|user|key", re.IGNORECASE)
+
+
+def url_credentials(url: str) -> bool:
+    """Does an L2 URL carry user info (anything before its last '@' after '://', as `redacted` reads it)?"""
+    return "@" in url.partition("://")[2 if "://" in url else 0]
 
 
 def redacted(l2) -> object:
@@ -136,11 +142,11 @@ def redacted(l2) -> object:
         scheme, sep, rest = l2.partition("://")
         if not sep:
             scheme, rest = "", l2
-        if "@" not in rest:
+        if not url_credentials(l2):
             return l2
         return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
     if isinstance(l2, dict):
-        return {k: ("***" if _SECRET_KEY.search(str(k)) else v) for k, v in l2.items()}
+        return {k: ("***" if CREDENTIAL_KEY.search(str(k)) else v) for k, v in l2.items()}
     return l2
 
 

@@ -123,7 +123,7 @@ def supplied_api_key(args) -> str | None:
         return args.api_key
     if args.api_key_file:
         return read_api_key_file(args.api_key_file)
-    return handed or from_env or None
+    return handed or (from_env.strip() if from_env else None) or None  # a trailing newline is not the key's
 
 
 def read_api_key_file(path: str) -> str:

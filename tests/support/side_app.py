@@ -18,7 +18,7 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
     replica the app starts with (as `start_local` waits)."""
     from ray import serve
 
-    from kvmesh.deployments.app import build_app, initial_engine_replicas
+    from kvmesh.deployments.app import build_app, initial_engine_replicas, kill_router_registry
     from kvmesh.deployments.config import app_config
     from kvmesh.deployments.deploy_watch import deploy_or_explain
 
@@ -47,3 +47,4 @@ def side_app(live_app, name: str, route_prefix: str, config: dict, timeout_s: fl
         yield url
     finally:
         serve.delete(name)
+        kill_router_registry(name)  # a detached actor: deleting the app leaves it for the session

@@ -102,14 +102,17 @@ def test_each_cluster_has_its_own_owner_only_token_for_nodes_and_its_first_drive
         assert stat.S_IMODE(os.stat(a.auth_token_path).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(a.temp_dir).st_mode) == 0o700
         assert open(a.auth_token_path).read() != open(b.auth_token_path).read()
-        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"):  # recorded, so the test's environment is put back
-            monkeypatch.setenv(name, "")
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the starter's own settings, put back at the stop
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/the/callers/token")
         a._export_auth_token()
         assert os.environ["RAY_AUTH_TOKEN_PATH"] == a.auth_token_path and "RAY_AUTH_TOKEN" not in os.environ
+        assert os.environ["RAY_AUTH_MODE"] == "token"
     finally:
         a.stop()
         b.stop()
-    assert not os.path.exists(a.auth_token_path) and "RAY_AUTH_TOKEN_PATH" not in os.environ
+    assert not os.path.exists(a.auth_token_path)
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/the/callers/token" and os.environ["RAY_AUTH_MODE"] == "disabled"
+    assert os.environ["RAY_AUTH_TOKEN"] == "a-token-of-the-callers"
 
 
 @pytest.mark.parametrize("starter", ["", "not-a-pid"])

@@ -95,3 +95,32 @@ def test_a_chat_template_that_fails_bare_after_its_checks_falls_back_to_the_toke
     for i in range(6):
         assert render([{"role": "user", "content": f"hi {i}"}]) == f"user: hi {i}\n"
     assert render([{"role": "tool", "content": "x"}]) == "tool: x\n"
+
+
+def test_a_logged_request_is_tokenised_as_the_ingress_tokenises_it():
+    """The cache test predicts from the ids the ingress will make: the same messages for the template (text
+    parts joined by newlines, developer as system, names kept), the same special tokens (a completion's BOS)."""
+    from kvmesh.cluster.request_log import LoggedRequest, prompt_ids
+    from kvmesh.deployments.openai_protocol import parse_chat
+
+    class Tokenizer:
+        def __init__(self):
+            self.seen: list = []
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            self.seen.append(messages)
+            return "|".join(f"{m['role']}:{m.get('name', '')}:{m['content']}" for m in messages)
+
+        def encode(self, text, add_special_tokens=True):
+            return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    tok = Tokenizer()
+    chat = LoggedRequest("c", {"model": "m", "messages": messages}, CHAT)
+    ids = prompt_ids(chat, tok)
+    assert tok.seen[-1] == parse_chat({"model": "m", "messages": messages}).messages and ids[0] != 0
+    completion = LoggedRequest("p", {"model": "m", "prompt": "hi"}, COMPLETIONS)
+    assert prompt_ids(completion, tok) == [0, ord("h"), ord("i")]

@@ -168,3 +168,16 @@ def test_best_is_the_first_of_place():
     hard = copy.deepcopy(p)
     hard.guard_weight = None
     assert hard.best(req, fleet) == hard.place(req, fleet)[0]
+
+
+@pytest.mark.parametrize("name", ["llmd_precise", "dynamo_cost"])
+def test_a_policy_reading_engine_signals_this_model_does_not_keep_is_refused(name):
+    """llm-d and Dynamo read the engine's waiting queue and allocated KV, or Dynamo's booked blocks, which only
+    the one-router simulator keeps: here they would place on other inputs without a word."""
+    from kvmesh.cluster.multi_router import RouterSetup, simulate_routers
+    from kvmesh.cluster.simulator import SimConfig
+    from kvmesh.cluster.trace import load_trace
+    from kvmesh.policies.registry import make_policy
+
+    with pytest.raises(ValueError, match="does not model"):
+        simulate_routers(load_trace("conversation"), SimConfig(2, 100), lambda: make_policy(name), RouterSetup(2))

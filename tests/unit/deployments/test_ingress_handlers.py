@@ -367,8 +367,11 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
     assert status == 200
     prompt = ing.engine.requests[0]["prompt_token_ids"]
     assert ing.engine.requests[0]["params"]["max_tokens"] == 64 - len(prompt)
-    status, _ = _answer(ing, {**CHAT, "messages": [{"role": "user", "content": "x" * 70}]}, "chat")
+    status, body = _answer(ing, {**CHAT, "messages": [{"role": "user", "content": "x" * 70}]}, "chat")
     assert status == 400  # a prompt that fills the context leaves nothing to answer with
+    assert "no room" in body["error"]["message"] and "max_tokens" not in body["error"]["message"]
+    status, body = _answer(ing, {**CHAT, "min_tokens": 60}, "chat")  # more than the context leaves
+    assert status == 400 and body["error"]["param"] == "min_tokens"
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,16 @@ def test_the_key_comes_from_kvmesh_api_key_and_leaves_the_environment(monkeypatc
     assert "KVMESH_API_KEY" not in os.environ  # Ray's processes, started from this one, must not inherit it
 
 
+def test_a_key_in_the_environment_loses_its_trailing_newline_and_a_key_with_one_is_malformed(monkeypatch):
+    """`export KVMESH_API_KEY="$(echo ...)"`-style values may end in a newline, which clients never send."""
+    from kvmesh.deployments.tenants import ConfigError, TenantRegistry
+
+    monkeypatch.setenv("KVMESH_API_KEY", KEY + "\n")
+    assert serve_cmd._build_config(_args([]))["api_keys"] == [KEY]
+    with pytest.raises(ConfigError, match="API key"):  # its hash would match no key a client sends
+        TenantRegistry.single_key(KEY + "\n")
+
+
 def test_the_relay_hands_a_file_key_to_the_driver_through_its_environment(monkeypatch, tmp_path):
     from kvmesh.deployments import supervisor
 

@@ -105,6 +105,20 @@ def test_a_start_that_failed_half_way_leaves_no_secret_file(home, fake_ray, monk
     assert _secret_files(home) == []
 
 
+def test_a_start_that_failed_before_ray_ran_leaves_no_secret_file_and_hands_the_salt_back(home, fake_ray, monkeypatch):
+    from kvmesh.deployments import local_ray
+
+    def no_ray(**kw):
+        raise RuntimeError("ray did not start")
+
+    monkeypatch.setattr(local_ray, "start_local_ray", no_ray)
+    monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    with pytest.raises(RuntimeError, match="did not start"):
+        _start()
+    assert _secret_files(home) == []
+    assert os.environ.get("KVMESH_SALT_SECRET") == EXPLICIT and "KVMESH_CHANNEL_SECRET_FILE" not in os.environ
+
+
 def test_the_fast_stop_after_the_relay_died_removes_the_secret_files(home, fake_ray, monkeypatch):
     """`kvmesh serve`'s driver on SIGHUP (its relay was killed): it ends its processes and exits at once."""
     import argparse

@@ -53,4 +53,17 @@ def test_a_token_the_user_already_has_is_left_alone(user):
     default = local_ray.ray_default_token_path()
     default.parent.mkdir(parents=True)
     default.write_text("the-users-own-token")
+    default.chmod(0o600)
     assert local_ray.use_private_auth_token() is None and "RAY_AUTH_TOKEN_PATH" not in os.environ
+
+
+def test_the_token_ray_left_readable_by_everyone_is_not_kept(user):
+    """Ray writes ~/.ray/auth_token 0644 when it makes one itself: a machine where Ray ran before would
+    otherwise keep a token every local user can read."""
+    default = local_ray.ray_default_token_path()
+    default.parent.mkdir(parents=True)
+    default.write_text("a-token-ray-wrote")
+    default.chmod(0o644)
+    path = local_ray.use_private_auth_token()
+    assert path and os.environ["RAY_AUTH_TOKEN_PATH"] == path
+    local_ray.remove_auth_token_file()

@@ -58,7 +58,10 @@ def test_the_repositorys_config_renders_and_checks_up_to_date(files, capsys):
 
 @pytest.mark.parametrize(
     "l2",
-    ["redis://:s3cret-pw@kvmesh-valkey:6379", "redis://kvmesh:s3cret-pw@kvmesh-valkey:6379"],
+    [
+        "redis://:s3cret-pw@kvmesh-valkey:6379",
+        "redis://kvmesh:s3cret-pw@kvmesh-valkey:6379",
+    ],
     ids=["password", "user-and-password"],
 )
 def test_render_refuses_a_password_in_the_l2_url(files, capsys, l2):
@@ -73,6 +76,12 @@ def test_render_refuses_credentials_in_an_l2_adapter_dict(files, capsys):
     _lmcache_l2(files[0], {"type": "resp", "host": "kvmesh-valkey", "port": 6379, "password": "s3cret-pw"})
     err = refused(files, capsys)
     assert "key 'password'" in err and "LMCACHE_RESP_PASSWORD" in err and "s3cret-pw" not in err
+
+
+def test_render_refuses_another_adapters_credentials_whatever_their_names(files, capsys):
+    _lmcache_l2(files[0], {"type": "s3", "bucket": "kv", "aws_secret_access_key": "s3cret-pw"})
+    err = refused(files, capsys)
+    assert "aws_secret_access_key" in err and "s3cret-pw" not in err
 
 
 def test_render_takes_an_l2_url_without_credentials(files, capsys):

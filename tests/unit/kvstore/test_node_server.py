@@ -182,3 +182,18 @@ def test_a_node_that_leaves_while_its_server_is_down_is_not_kept_for_good():
         ],
     )
     assert tracker.watched_nodes() == set()
+
+
+def test_a_node_whose_server_actor_is_gone_but_whose_engines_serve_stays_down():
+    """Its engines' routing stats declare the node again on every request: with no server there, the router
+    must not model a host tier it cannot read."""
+    index = PrefixIndex()
+    tracker = TierTracker(index)
+    index.add_replica("r1", node_id="n1")
+
+    def stats_arrive():
+        tracker.set_node("n1", has_shared_tier=True, host_capacity_blocks=100)
+
+    stats_arrive()
+    _watch_rounds(tracker, [({"n1": RuntimeError("no answer")}, stats_arrive), ({}, stats_arrive)])
+    assert "n1" not in tracker.nodes()
