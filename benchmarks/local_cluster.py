@@ -8,10 +8,6 @@ cluster started, found by pid, never by name (`ray stop` would end every Ray on 
 also ends by itself when the process that started it is gone, even one killed outright
 (`end_with_starter`): its own process group kept its GCS server and raylet running otherwise.
 
-Token authentication is on: each cluster has a random token in an owner-only file in its own 0700
-folder, named by RAY_AUTH_TOKEN_PATH in the environment of every node (`env()`) and of the process that
-starts it (its first driver), so no other local user can attach to it.
-
     with LocalRayCluster(workdir, [NodeSpec(1, {"kvmesh_engine": 1}), NodeSpec(0, {"kvmesh_engine": 1})]) as c:
         start_local(cfg, address=c.address)
 """
@@ -33,23 +29,16 @@ from pathlib import Path
 
 from kvmesh.cluster.ports import free_ports
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, SERVE_PATH_ENV
-from kvmesh.deployments.local_ray import (
-    AUTH_MODE_ENV,
-    AUTH_TOKEN_ENV,
-    AUTH_TOKEN_PATH_ENV,
-    forget_cached_auth_token,
-    write_private_token,
-)
 
 LOOPBACK = "127.0.0.1"
 # Every node's environment, as an operator's cluster would set it (k8s/rayservice.yaml): Serve's
-# request-path settings; token authentication on (every node and driver must agree; each cluster's token is
-# its own, LocalRayCluster.env()); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
+# request-path settings; token authentication off (Ray 2.60 turns it on for clusters it starts, and every
+# node and driver must agree); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
 # every node here is on this one)
 CLUSTER_ENV = {
     **INPROC_ENGINE_ENV,
     **SERVE_PATH_ENV,
-    AUTH_MODE_ENV: "token",
+    "RAY_AUTH_MODE": "disabled",
     "RAY_raylet_start_wait_time_s": "150",
     "RAY_SERVE_ENABLE_HA_PROXY": "0",
 }
@@ -149,9 +138,6 @@ class LocalRayCluster:
         self.start_timeout_s = start_timeout_s
         # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
         self.temp_dir = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
-        # the cluster's own Ray auth token, in an owner-only file in its owner-only folder (env())
-        self.auth_token_path = write_private_token(self.temp_dir)
-        self._saved_auth_env: dict[str, str | None] = {AUTH_TOKEN_PATH_ENV: None}  # the starter's, put back at stop
         self.address = ""
         self.procs: list[subprocess.Popen | None] = []
         self._seen: dict[int, float] = {}  # pid -> start time of every process seen below a node, for stop()
@@ -159,31 +145,9 @@ class LocalRayCluster:
     def env(self) -> dict[str, str]:
         """The environment of every node, and the one a driver joining the cluster needs."""
         # a local run's Serve settings (HAProxy files and ports) would be shared by every node here
-        drop = ("RAY_ADDRESS", AUTH_TOKEN_ENV)  # a token value in the environment would win over the cluster's file
-        env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("RAY_SERVE_")}
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_SERVE_")}
         env.update(CLUSTER_ENV)
-        env[AUTH_TOKEN_PATH_ENV] = self.auth_token_path
         return env
-
-    def _export_auth_token(self) -> None:
-        """The process that starts the cluster is its first driver (start_local(address=...) in it): it
-        authenticates with the cluster's token until the cluster stops, then with what it had before."""
-        names = (AUTH_TOKEN_ENV, AUTH_MODE_ENV, AUTH_TOKEN_PATH_ENV)
-        self._saved_auth_env = {name: os.environ.get(name) for name in names}
-        os.environ.pop(AUTH_TOKEN_ENV, None)
-        os.environ[AUTH_MODE_ENV] = "token"
-        os.environ[AUTH_TOKEN_PATH_ENV] = self.auth_token_path
-        forget_cached_auth_token()
-
-    def _unexport_auth_token(self) -> None:
-        if os.environ.get(AUTH_TOKEN_PATH_ENV) != self.auth_token_path:
-            return  # someone set their own since: theirs stays
-        for name, value in self._saved_auth_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        forget_cached_auth_token()
 
     def _start_node(self, spec: NodeSpec, head: bool) -> subprocess.Popen:
         ports = free_ports(9)
@@ -207,7 +171,6 @@ class LocalRayCluster:
 
     def start(self) -> LocalRayCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._export_auth_token()
         try:
             for i, spec in enumerate(self.nodes):
                 for attempt in range(3):  # a node that still failed to start (see RAY_START) gets another try
@@ -342,7 +305,6 @@ class LocalRayCluster:
             except psutil.NoSuchProcess:
                 continue
         self.procs = []
-        self._unexport_auth_token()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:

@@ -202,19 +202,21 @@ def _export_run_secret(env_name: str, path: str) -> None:
 
 
 def remove_run_secret_files() -> None:
-    """Remove the secret files this run wrote (its channel secret, its per-run salt secret file, the Ray token
-    of a cluster it started) and unset the variables naming them; a later run in this process writes new
-    ones. Why: once the run's processes are gone the files serve no one, and left behind they pile up
-    under KVMESH_HOME, each a secret for whoever reads that folder later."""
-    from kvmesh.deployments.local_ray import remove_auth_token_file, remove_secret_file
-
+    """Remove the secret files this run wrote (its channel secret, its per-run salt secret file) and unset the
+    variables naming them; a later run in this process writes new ones. Why: once the run's processes are
+    gone the files serve no one, and left behind they pile up under KVMESH_HOME, each a secret for whoever
+    reads that folder later."""
     for path, env_name in list(_run_secret_files.items()):
-        remove_secret_file(path, env_name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        if os.environ.get(env_name) == path:
+            del os.environ[env_name]
         del _run_secret_files[path]
     for name, value in _env_to_restore.items():
         os.environ.setdefault(name, value)
     _env_to_restore.clear()
-    remove_auth_token_file()
 
 
 def _proxy_env(proxy: str) -> dict[str, str]:

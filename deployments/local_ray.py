@@ -11,13 +11,6 @@ then binds its GCS, raylet, workers' and agents' servers to that address. Ray 2.
 127.0.0.1 to the host's routable address before it starts the node (`services.resolve_ip_for_localhost`),
 so that one function is bypassed for 127.0.0.1 during the call; this is the only private Ray use here,
 and a check after start-up fails the start loudly if the installed Ray behaves differently.
-
-Ray 2.60 turns token authentication on for a cluster `ray.init` starts, and when no token is configured it
-writes one to ~/.ray/auth_token with the process's umask (0644 here): any local user could read it and
-attach to the cluster. Unless the operator configured a token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or that
-file already exists) or turned authentication off (RAY_AUTH_MODE=disabled), kvmesh writes a token of its
-own for the run into an owner-only (0600) file under $KVMESH_HOME/run and hands Ray its path through
-RAY_AUTH_TOKEN_PATH (which every Ray process started from this one inherits); the run's stop removes it.
 """
 
 from __future__ import annotations
@@ -26,15 +19,9 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
-# Ray's token authentication settings (ray/_private/authentication)
-AUTH_MODE_ENV = "RAY_AUTH_MODE"
-AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
-AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
-_run_token_files: list[str] = []  # the token file this process wrote for its own cluster (use_private_auth_token)
 
 
 class NotEnoughResources(RuntimeError):
@@ -97,79 +84,12 @@ def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver
             end_descendants(grace_s=5.0, exclude=before)
 
 
-def ray_default_token_path() -> Path:
-    """Where Ray looks for a token when none is named in the environment (and writes one it generates)."""
-    return Path.home() / ".ray" / "auth_token"
-
-
-def use_private_auth_token(directory: str | os.PathLike | None = None) -> str | None:
-    """Before a local Ray starts: give it a new token in an owner-only file (`directory`, default
-    $KVMESH_HOME/run) named by RAY_AUTH_TOKEN_PATH, unless the operator configured one or turned token
-    authentication off. Returns the file written, or None. Why: Ray would generate the token itself and
-    write it readable by every local user (module docstring)."""
-    if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
-        return None
-    if os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV) or _private_file(ray_default_token_path()):
-        return None
-    if directory is None:
-        from kvmesh.deployments.salt_secret import kvmesh_home
-
-        directory = kvmesh_home() / "run"
-    path = write_private_token(directory)
-    os.environ[AUTH_TOKEN_PATH_ENV] = path
-    _run_token_files.append(path)
-    forget_cached_auth_token()
-    return path
-
-
-def _private_file(path: Path) -> bool:
-    """Is `path` a file of this user's that no one else may read? Ray's own default token file counts as the
-    operator's choice only then: the one Ray writes itself is readable by every local user."""
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & 0o077
-
-
-def write_private_token(directory: str | os.PathLike) -> str:
-    """A new random Ray auth token in a new 0600 file in `directory` (made 0700); returns its path."""
-    from kvmesh.cluster.secure_channel import write_secret_file
-
-    return str(write_secret_file(directory, "ray-auth-token"))
-
-
-def forget_cached_auth_token() -> None:
-    """Ray keeps the token it read once per process: drop it, so the next connection reads the token now
-    configured (a process that ran one cluster and then starts or joins another)."""
-    from kvmesh.deployments import ray_private
-
-    ray_private.reset_auth_token_cache()
-
-
-def remove_auth_token_file() -> None:
-    """Remove the token file this process wrote for its cluster, and unset the variable naming it."""
-    while _run_token_files:
-        remove_secret_file(_run_token_files.pop(), AUTH_TOKEN_PATH_ENV)
-
-
-def remove_secret_file(path: str, env_name: str) -> None:
-    """Remove a secret file this run wrote, and unset `env_name` where it still names it."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    if os.environ.get(env_name) == path:
-        del os.environ[env_name]
-
-
 def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
     import ray
 
     from kvmesh.deployments import ray_private
 
     os.environ.pop("RAY_ADDRESS", None)  # Ray's own processes and workers must not see it either
-    use_private_auth_token()
 
     def make(resolve):
         def keep_loopback(host: str) -> str:

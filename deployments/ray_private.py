@@ -13,10 +13,7 @@ Ray 2.60 has no public way to do these few things, and each is small:
   throughput preset; deployments/ingress.py);
 - count a Serve replica's requests in flight (its actor's name prefix,
   `ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX`, and `ReplicaActor.get_num_ongoing_requests`,
-  deployments/drain.py);
-- make a process read its Ray auth token again (`ray._raylet.AuthenticationTokenLoader`, which keeps the
-  first one it read: a process that ran one local cluster and then starts or joins another,
-  deployments/local_ray.py).
+  deployments/drain.py).
 
 No other kvmesh module imports a private Ray path (tests/unit/deployments/test_ray_private.py scans the
 source). `problems()` checks that the installed Ray still has each name, and the Ray Serve contract
@@ -59,7 +56,6 @@ PRIVATE_SYMBOLS = (
     PrivateSymbol("ray.serve._private.replica", f"ReplicaActor.{REPLICA_IN_FLIGHT_METHOD}", "drain"),
     PrivateSymbol("ray.serve._private.common", "REPLICA_ID_FULL_ID_STR_PREFIX", "drain: replica actor names"),
     PrivateSymbol("ray.serve._private.constants", "RAY_SERVE_USE_GRPC_BY_DEFAULT", "ingress: engine transport"),
-    PrivateSymbol("ray._raylet", "AuthenticationTokenLoader.instance", "local_ray: read the auth token again"),
 )
 
 
@@ -99,13 +95,6 @@ def problems() -> list[str]:
     if init_text and NODE_IP_INIT_KEYWORD not in init_text:
         out.append(f"ray.init has no keyword {NODE_IP_INIT_KEYWORD} (used by local_ray, ray_join)")
     return out
-
-
-def reset_auth_token_cache() -> None:
-    """Forget the Ray auth token this process read, so its next connection reads the one configured now."""
-    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # compiled, without stubs
-
-    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def node_ip_init_kwargs(node_ip: str) -> dict[str, Any]:

@@ -27,13 +27,15 @@ def _poll(fn, timeout_s: float, interval_s: float = 0.5):
 
 
 def _lmcache_pid(endpoint: str) -> int | None:
-    """The pid of the LMCache server listening on endpoint (host:port)."""
+    """The pid of the LMCache server serving `endpoint` (ipc://FOLDER/requests:PORT): the server started with
+    that ipc host (its sockets are unix sockets in a private folder, not a TCP port to look up)."""
     import psutil
 
-    port = int(endpoint.rsplit(":", 1)[1])
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return conn.pid
+    host = endpoint.rsplit(":", 1)[0]
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "kvmesh.kvstore.lmcache_main" in cmdline and host in cmdline:
+            return proc.info["pid"]
     return None
 
 

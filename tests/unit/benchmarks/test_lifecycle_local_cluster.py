@@ -1,12 +1,10 @@
 """benchmarks/local_cluster.py without starting Ray: a node process ends its whole process group once the
-process that started it is gone (also when that happened before the node looked), and each cluster has a
-Ray token of its own, in an owner-only file, that its nodes and its first driver use."""
+process that started it is gone (also when that happened before the node looked)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from kvmesh.benchmarks.local_cluster import STARTER_PID_ENV, LocalRayCluster, NodeSpec, end_with_starter
+from kvmesh.benchmarks.local_cluster import STARTER_PID_ENV, end_with_starter
 
 # A stand-in for a node's `ray start --block`: the watch, then a child in its group (as the GCS server and
 # raylet are), both printed, then a long wait
@@ -90,29 +88,6 @@ def test_a_node_whose_starter_died_before_it_looked_ends_at_once():
 def test_without_a_starter_pid_nothing_is_watched(monkeypatch):
     monkeypatch.delenv(STARTER_PID_ENV, raising=False)
     assert end_with_starter() is None
-
-
-def test_each_cluster_has_its_own_owner_only_token_for_nodes_and_its_first_driver(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "a-token-of-the-callers")  # must not override the cluster's
-    a, b = (LocalRayCluster(tmp_path / name, [NodeSpec(1)]) for name in "ab")
-    try:
-        env = a.env()
-        assert env["RAY_AUTH_MODE"] == "token" and "RAY_AUTH_TOKEN" not in env
-        assert env["RAY_AUTH_TOKEN_PATH"] == a.auth_token_path != b.auth_token_path
-        assert stat.S_IMODE(os.stat(a.auth_token_path).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(a.temp_dir).st_mode) == 0o700
-        assert open(a.auth_token_path).read() != open(b.auth_token_path).read()
-        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the starter's own settings, put back at the stop
-        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/the/callers/token")
-        a._export_auth_token()
-        assert os.environ["RAY_AUTH_TOKEN_PATH"] == a.auth_token_path and "RAY_AUTH_TOKEN" not in os.environ
-        assert os.environ["RAY_AUTH_MODE"] == "token"
-    finally:
-        a.stop()
-        b.stop()
-    assert not os.path.exists(a.auth_token_path)
-    assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/the/callers/token" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    assert os.environ["RAY_AUTH_TOKEN"] == "a-token-of-the-callers"
 
 
 @pytest.mark.parametrize("starter", ["", "not-a-pid"])
