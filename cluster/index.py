@@ -111,12 +111,11 @@ class PrefixIndex:
         self._node_held: dict[int, dict[int, None]] = {}  # node slot -> {hash: None} in its host tier
         self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
         # speculation
-        self._spec: dict[int, dict[int, float]] = {}  # replica slot -> hash -> expiry
-        # replica slot -> hash -> (mark, claims): the requests placed there that count on the speculative
-        # mark (`speculate`), so one request's `withdraw` leaves a mark another still counts on. `mark`
-        # numbers each mark: a claim on an earlier mark of the same block (confirmed, removed, marked anew
-        # since) takes nothing back.
-        self._claims: dict[int, dict[int, tuple[int, int]]] = {}
+        # replica slot -> hash -> (expiry, mark, claims) of each speculative mark: `claims` counts the requests
+        # placed there that count on it (`speculate`), so one request's `withdraw` leaves a mark another still
+        # counts on; `mark` numbers each mark, so a claim on an earlier mark of the same block (confirmed,
+        # removed, marked anew since) takes nothing back
+        self._spec: dict[int, dict[int, tuple[float, int, int]]] = {}
         self._marks = 0
         self._spec_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
         self._stale: set[str] = set()
@@ -137,7 +136,6 @@ class PrefixIndex:
         self._slot_rid[slot] = replica_id
         self._held[slot] = {}
         self._spec[slot] = {}
-        self._claims[slot] = {}
         nslot = self._ensure_node(node_id)
         self._replica_node[replica_id] = nslot
         self._node_members[nslot] |= 1 << slot
@@ -150,7 +148,7 @@ class PrefixIndex:
         if slot is None:
             return
         self._clear_slot(slot)
-        del self._slot_rid[slot], self._held[slot], self._spec[slot], self._claims[slot]
+        del self._slot_rid[slot], self._held[slot], self._spec[slot]
         nslot = self._replica_node.pop(replica_id)
         self._node_members[nslot] &= ~(1 << slot)
         self._all &= ~(1 << slot)
@@ -252,17 +250,16 @@ class PrefixIndex:
         expiry = self._clock() + self.speculative_ttl_s
         spec = self._spec[slot]
         held = self._held[slot]
-        claims = self._claims[slot]
         written = []
         for h in hashes:
             if self._or(h, 0, bit) and h not in spec:
                 continue  # confirmed by a real event already
-            mark, n = claims.get(h) or self._new_mark()
-            claims[h] = (mark, n + 1)
+            earlier = spec.get(h)
+            mark, n = (earlier[1], earlier[2]) if earlier else self._new_mark()
+            spec[h] = (expiry, mark, n + 1)
             if fresh is not None:
                 fresh.append((h, mark))
             held[h] = None
-            spec[h] = expiry
             written.append(h)
         if written:
             self._spec_queue.append((expiry, slot, tuple(written)))
@@ -276,14 +273,14 @@ class PrefixIndex:
         slot = self._slot.get(replica_id)
         if slot is None:
             return 0
-        claims = self._claims[slot]
+        spec = self._spec[slot]
         gone = []
         for h, mark in fresh:
-            claim = claims.get(h)
-            if claim is None or claim[0] != mark:
+            entry = spec.get(h)
+            if entry is None or entry[1] != mark:
                 continue  # confirmed, removed or expired since (and perhaps marked anew: another's mark)
-            if claim[1] > 1:
-                claims[h] = (mark, claim[1] - 1)
+            if entry[2] > 1:
+                spec[h] = (entry[0], mark, entry[2] - 1)
             else:
                 gone.append(h)
         self._remove_hbm(slot, gone)
@@ -487,12 +484,11 @@ class PrefixIndex:
                 continue  # replica removed
             bit = 1 << slot
             held = self._held[slot]
-            claims = self._claims[slot]
             for h in hashes:
-                if spec.get(h) != expiry:
+                entry = spec.get(h)
+                if entry is None or entry[0] != expiry:
                     continue  # confirmed, removed or re-speculated later
                 del spec[h]
-                claims.pop(h, None)
                 held.pop(h, None)
                 if h in self._entries:
                     self._andnot(h, 0, bit)
@@ -517,7 +513,7 @@ class PrefixIndex:
         return slot
 
     def _new_mark(self) -> tuple[int, int]:
-        """A new speculative mark's (number, claims)."""
+        """A new speculative mark's (number, claims so far)."""
         self._marks += 1
         return self._marks, 0
 
@@ -596,7 +592,6 @@ class PrefixIndex:
         for s in _bits(hb):
             self._held[s].pop(h, None)
             self._spec[s].pop(h, None)
-            self._claims[s].pop(h, None)
         for ns in _bits(hn):
             self._node_held[ns].pop(h, None)
         self._c["evictions"] += 1
@@ -606,7 +601,6 @@ class PrefixIndex:
         bit = 1 << slot
         held = self._held[slot]
         spec = self._spec[slot]
-        claims = self._claims[slot]
         entries = self._entries
         get = entries.get
         touch = entries.move_to_end
@@ -626,7 +620,6 @@ class PrefixIndex:
                     entries[h] = (hb | bit, e[1], e[2])
             held[h] = None
             if spec and spec.pop(h, None) is not None:
-                claims.pop(h, None)
                 c["speculative_confirmed"] += 1
 
     def _remove_hbm(self, slot: int, hashes: Iterable[int]) -> None:
@@ -634,14 +627,12 @@ class PrefixIndex:
         bit = 1 << slot
         held = self._held[slot]
         spec = self._spec[slot]
-        claims = self._claims[slot]
         entries = self._entries
         get = entries.get
         for h in hashes:
             held.pop(h, None)
             if spec:
                 spec.pop(h, None)
-                claims.pop(h, None)
             e = get(h)
             if e is not None:
                 hb = e[0] & ~bit
@@ -655,7 +646,6 @@ class PrefixIndex:
         self._remove_hbm(slot, list(held))
         held.clear()
         self._spec[slot].clear()
-        self._claims[slot].clear()
 
     def _store_node(self, nslot: int, hashes: Iterable[int]) -> None:
         self._tiered = True

@@ -30,7 +30,7 @@ CHANNEL_SECRET_FILE_ENV = "KVMESH_CHANNEL_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 # How the example secrets (k8s/secrets.example.yaml) start: a deployment running on one shares its keys with
 # everyone who has read the example.
-PLACEHOLDER_PREFIX = b"REPLACE-"
+PLACEHOLDER_PREFIX = b"REPLACE-"  # the salt secret's too (deployments/salt_secret.py)
 ZAP_DOMAIN = "kvmesh"
 _KEY_DOMAIN = b"kvmesh-channel-key\0"
 
@@ -89,21 +89,21 @@ def channel_keys(path: str | os.PathLike | None = None) -> ChannelKeys:
     return ChannelKeys.from_secret(secret)
 
 
-def write_secret_file(directory: str | os.PathLike, prefix: str) -> Path:
-    """A new random secret (32 bytes, hex) in a new owner-only (0600) file `prefix-XXXXXXXX` under `directory`
-    (made 0700); returns its path."""
+def write_secret_file(directory: str | os.PathLike, prefix: str, data: bytes) -> Path:
+    """`data` in a new owner-only (0600) file `prefix-XXXXXXXX` under `directory` (made 0700), never over an
+    existing one; returns its path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = directory / f"{prefix}-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     return path
 
 
 def write_channel_secret(directory: str | os.PathLike) -> Path:
     """A new random channel secret in an owner-only (0600) file under `directory`; returns its path."""
-    return write_secret_file(directory, "channel-secret")
+    return write_secret_file(directory, "channel-secret", secrets.token_hex(32).encode())
 
 
 class _OnlyKey:

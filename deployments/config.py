@@ -370,8 +370,9 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def tiny_model_dir() -> Path:
     """Where "model: tiny" is built: $KVMESH_HOME/models/tiny (default ~/.cache/kvmesh)."""
-    home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh"))
-    return home / "models" / "tiny"
+    from kvmesh.kvstore.tiers import kvmesh_home
+
+    return kvmesh_home() / "models" / "tiny"
 
 
 def resolve_model(model: str) -> str:

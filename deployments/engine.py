@@ -84,20 +84,9 @@ PRIVATE_DIR_PREFIX = "kvmesh-engine-"
 def remove_dead_private_dirs(root: str = "/tmp") -> int:
     """Remove replicas' private folders (kvmesh-engine-<pid>-*) whose process is gone: a replica killed by
     Serve or SIGKILL never runs __del__. Returns how many were removed."""
-    removed = 0
-    for entry in os.scandir(root):
-        pid = entry.name.removeprefix(PRIVATE_DIR_PREFIX).split("-", 1)[0]
-        if not entry.name.startswith(PRIVATE_DIR_PREFIX) or not pid.isdigit() or not entry.is_dir():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or not ours to signal): keep it
-        except ProcessLookupError:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed += 1
-        except PermissionError:
-            continue
-    return removed
+    from kvmesh.kvstore.private_dir import remove_dead_owners_dirs
+
+    return remove_dead_owners_dirs(PRIVATE_DIR_PREFIX, root)
 
 
 @contextlib.contextmanager

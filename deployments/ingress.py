@@ -249,8 +249,8 @@ class Ingress:
                 return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special))
             return list(self.tokenizer.encode(text, add_special_tokens=special))
         except (TypeError, ValueError, UnicodeError) as exc:
-            param = "prompt" if req.kind == "completion" else "messages"
-            raise proto.bad(f"The prompt cannot be tokenized: {exc}"[:300], param, "invalid_prompt") from None
+            message = f"The prompt cannot be tokenized: {exc}"[:300]
+            raise proto.bad(message, req.prompt_param, "invalid_prompt") from None
 
     def _check_model(self, req: proto.GenerationRequest) -> None:
         """Before tokenising: a request for another model is answered without the work."""
@@ -266,18 +266,13 @@ class Ingress:
         """The prompt fits the context with its max_tokens; a chat without one gets the rest of the context,
         as on vLLM's own server."""
         if not ids:
-            raise proto.bad(
-                "The prompt is empty after tokenization.",
-                "prompt" if req.kind == "completion" else "messages",
-                "empty_prompt",
-            )
-        param = "prompt" if req.kind == "completion" else "messages"
+            raise proto.bad("The prompt is empty after tokenization.", req.prompt_param, "empty_prompt")
         if req.params.get("max_tokens") is None:  # a chat's: the rest of the context, if any is left
             if len(ids) >= self.max_model_len:
                 raise proto.bad(
                     f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                     f"{len(ids)}, which leaves no room for an answer.",
-                    param,
+                    req.prompt_param,
                     "context_length_exceeded",
                 )
             req.params["max_tokens"] = self.max_model_len - len(ids)
@@ -286,14 +281,12 @@ class Ingress:
             raise proto.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
                 f"has {len(ids)} prompt tokens plus max_tokens={max_tokens}.",
-                param,
+                req.prompt_param,
                 "context_length_exceeded",
             )
-        if req.params.get("min_tokens", 0) > max_tokens:  # checked by the parser when the client set both
-            raise proto.bad(
-                f"'min_tokens' ({req.params['min_tokens']}) exceeds the {max_tokens} tokens the context leaves.",
-                "min_tokens",
-            )
+        if req.params.get("min_tokens", 0) > max_tokens:  # the client's max_tokens, or the rest of the context
+            message = f"'min_tokens' ({req.params['min_tokens']}) exceeds max_tokens ({max_tokens})."
+            raise proto.bad(message, "min_tokens")
 
     # ------------------------------------------------------------------ generation
     def _migrating_stream(self, engine_req: dict) -> MigratingStream:

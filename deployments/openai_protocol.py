@@ -82,6 +82,11 @@ class GenerationRequest:
     include_usage: bool = False
     params: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def prompt_param(self) -> str:
+        """The request field an error about its prompt names."""
+        return "prompt" if self.kind == "completion" else "messages"
+
 
 def parse_json(raw: bytes) -> dict:
     if not raw:
@@ -155,8 +160,6 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         raise bad("'top_p' must be greater than 0.", "top_p")
     if params["repetition_penalty"] == 0.0:
         raise bad("'repetition_penalty' must be greater than 0.", "repetition_penalty")
-    if params["min_tokens"] and params["max_tokens"] is not None and params["min_tokens"] > params["max_tokens"]:
-        raise bad("'min_tokens' must not exceed 'max_tokens'.", "min_tokens")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):

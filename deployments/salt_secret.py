@@ -15,20 +15,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 FILE_NAME = "salt-secret"
-# How the published example secrets begin (k8s/secrets.example.yaml): a value everyone can read, never a secret
-PLACEHOLDER_PREFIX = "REPLACE-"
 
 
 def check_not_placeholder(secret: str | bytes, where: str) -> None:
     """Refuse a salt secret copied from a published example: salts derived from it are known to anyone, so
     one tenant could compute another's salt (ConfigError naming `where`)."""
+    from kvmesh.cluster.secure_channel import PLACEHOLDER_PREFIX
     from kvmesh.deployments.config import ConfigError
 
-    text = secret.decode("utf-8", "replace") if isinstance(secret, bytes) else secret
-    if text.strip().startswith(PLACEHOLDER_PREFIX):
+    raw = secret.encode("utf-8") if isinstance(secret, str) else secret
+    if raw.strip().startswith(PLACEHOLDER_PREFIX):
         raise ConfigError(
-            f"salt secret ({where}) is the example's placeholder ({PLACEHOLDER_PREFIX}...): create it from random "
-            "bytes, e.g. `openssl rand -hex 32` (docs/kubernetes.md)"
+            f"salt secret ({where}) is the example's placeholder ({PLACEHOLDER_PREFIX.decode()}...): create it from "
+            "random bytes, e.g. `openssl rand -hex 32` (docs/kubernetes.md)"
         )
 
 

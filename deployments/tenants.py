@@ -236,16 +236,12 @@ def write_secret_file(secret: bytes | str, directory: str | os.PathLike) -> Path
     Why: a secret passed as an environment variable through Ray's runtime_env is written verbatim into
     Ray's runtime_env_agent.log; passing KVMESH_SALT_SECRET_FILE (a path) keeps it out of every log.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from kvmesh.cluster.secure_channel import write_secret_file as write_private
+
     data = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
     if len(data) < MIN_SECRET_BYTES:
         raise ConfigError(f"salt secret is too short: need at least {MIN_SECRET_BYTES} bytes")
-    path = directory / f"salt-secret-{secrets.token_hex(4)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    return path
+    return write_private(directory, "salt-secret", data)
 
 
 @dataclass(slots=True)

@@ -28,8 +28,9 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+from kvmesh.deployments.process_tree import die_with_parent
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvmesh.kvstore.private_dir import PrivateDirError, private_dir
+from kvmesh.kvstore.private_dir import PrivateDirError, private_dir, remove_dead_owners_dirs
 from kvmesh.kvstore.tiers import (
     HEARTBEAT_S,
     SOCKET_PORT,
@@ -64,47 +65,9 @@ CHANNEL_ROOT = "/tmp"
 CHANNEL_PREFIX = "kvmesh-lmcache-"
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A preexec_fn, made in the parent just before it starts the child: SIGTERM the child when the thread
-    that started it dies (Linux prctl), so a killed test, benchmark or actor never leaves servers behind in
-    their own sessions.
-
-    The parent's pid is taken here, before the fork: a parent that dies between the fork and the prctl
-    sends no signal (the child was already reparented), so the child compares its parent with that pid
-    after the prctl and kills itself when they differ."""
-    parent = os.getpid()
-
-    def preexec() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)  # not exec'd yet: nothing to clean up
-
-    return preexec
-
-
 def remove_dead_channel_dirs(root: str | None = None) -> int:
-    """Remove servers' private folders (kvmesh-lmcache-<owner pid>-*) whose owner is gone: an owner killed
-    outright never removes its own. Returns how many were removed."""
-    removed = 0
-    for entry in os.scandir(root or CHANNEL_ROOT):
-        pid = entry.name.removeprefix(CHANNEL_PREFIX).split("-", 1)[0]
-        if not entry.name.startswith(CHANNEL_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
-                continue  # not ours to judge
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed += 1
-        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
-            continue
-    return removed
+    """Remove servers' private folders (kvmesh-lmcache-<owner pid>-*) whose owner is gone."""
+    return remove_dead_owners_dirs(CHANNEL_PREFIX, root or CHANNEL_ROOT)
 
 
 def new_channel_dir() -> str:

@@ -9,6 +9,7 @@ group and others.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -41,3 +42,23 @@ def check_private_dir(path: str | os.PathLike) -> None:
         raise PrivateDirError(
             f"{path} is open to group or others (mode {stat.S_IMODE(st.st_mode):04o}); make it 0700 (chmod 700)"
         )
+
+
+def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
+    """Remove this user's folders `<prefix><owner pid>-*` under `root` whose owner process is gone: an owner
+    killed outright (SIGKILL, Serve ending a replica) never removes its own. Returns how many were removed."""
+    removed = 0
+    for entry in os.scandir(root):
+        pid = entry.name.removeprefix(prefix).split("-", 1)[0]
+        if not entry.name.startswith(prefix) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue  # not ours to judge
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
+            continue
+    return removed

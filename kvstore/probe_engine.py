@@ -35,7 +35,7 @@ class EngineProcess:
             cmd += ["--num-blocks", str(num_blocks)]
         self.log_path = log_path
         log = open(log_path, "ab")
-        from kvmesh.kvstore.lmcache_server import die_with_parent
+        from kvmesh.deployments.process_tree import die_with_parent
 
         self.proc = subprocess.Popen(
             cmd,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kvmesh.cluster.ports import free_port
-from kvmesh.kvstore.lmcache_server import die_with_parent
+from kvmesh.deployments.process_tree import die_with_parent
 
 
 def _ping(port: int, password: str | None) -> bool:

@@ -151,7 +151,7 @@ def redacted(l2) -> object:
 
 
 def kvmesh_home() -> Path:
-    """kvmesh's own folder ($KVMESH_HOME, else ~/.cache/kvmesh; as deployments/config.py's tiny_model_dir)."""
+    """kvmesh's own folder ($KVMESH_HOME, else ~/.cache/kvmesh): the embedded model, a default fs shared tier."""
     return Path(os.environ.get("KVMESH_HOME") or Path.home() / ".cache" / "kvmesh")
 
 

@@ -440,3 +440,10 @@ def test_prompts_are_tokenised_as_vllms_server_does():
     assert {"role": "user", "content": "hi", "name": "ann"} in ing.tokenizer.calls[-2]["messages"]
     status, body = _answer(ing, {**BODY, "stream_options": {"include_usage": True}})
     assert status == 400 and body["error"]["param"] == "stream_options"
+
+
+def test_min_tokens_beyond_the_clients_max_tokens_is_a_400():
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, body = _answer(ing, {**BODY, "max_tokens": 2, "min_tokens": 3})
+    assert status == 400 and body["error"]["param"] == "min_tokens" and not ing.engine.requests
