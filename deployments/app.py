@@ -179,21 +179,17 @@ def _use_run_secrets() -> None:
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
 
     check_configured_secret(os.environ)
-    try:
-        if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
-            _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
-        if not os.environ.get(SECRET_FILE_ENV):
-            explicit = os.environ.pop(SECRET_ENV, None)
-            if explicit:  # a per-run copy: the value goes back into the environment once the file is gone
-                _env_to_restore[SECRET_ENV] = explicit
-            path = str(persistent_secret_file(explicit))
-            if explicit:
-                _export_run_secret(SECRET_FILE_ENV, path)
-            else:  # the kept secret stays for later runs
-                os.environ[SECRET_FILE_ENV] = path
-    except BaseException:  # a refused secret: nothing of this run is left behind
-        remove_run_secret_files()
-        raise
+    if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
+        _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
+    if not os.environ.get(SECRET_FILE_ENV):
+        explicit = os.environ.pop(SECRET_ENV, None)
+        if explicit:  # a per-run copy: the value goes back into the environment once the file is gone
+            _env_to_restore[SECRET_ENV] = explicit
+        path = str(persistent_secret_file(explicit))
+        if explicit:
+            _export_run_secret(SECRET_FILE_ENV, path)
+        else:  # the kept secret stays for later runs
+            os.environ[SECRET_FILE_ENV] = path
 
 
 def _export_run_secret(env_name: str, path: str) -> None:
