@@ -158,7 +158,8 @@ def _mean(values: list) -> float | None:
 
 def checks(rows: list[dict]) -> list[tuple[str, bool]]:
     """(target, met) for every synced multi-ingress row against its workload's single-ingress row; a
-    workload without a baseline row, or a run with errors or without a hit rate, misses."""
+    workload without a baseline row or without a synced multi-ingress row (the targets unjudged), or a run
+    with errors or without a hit rate, misses."""
     out = []
     base = {r["workload"]: r for r in rows if r["ingress"] == 1}
     for r in rows:
@@ -172,6 +173,10 @@ def checks(rows: list[dict]) -> list[tuple[str, bool]]:
         hit_ok = bool(b and b["hit"] is not None and r["hit"] is not None and r["hit"] >= b["hit"] - HIT_SLACK)
         out.append((f"{name}: hit >= single-ingress hit - {HIT_SLACK}", hit_ok))
         out.append((f"{name}: prefill max/mean <= {MAX_OVER_MEAN}", r["prefill_max_over_mean"] <= MAX_OVER_MEAN))
+    for workload in sorted({r["workload"] for r in rows}):
+        synced = [r for r in rows if r["workload"] == workload and r["ingress"] > 1 and r["sync"]]
+        if not synced:
+            out.append((f"{workload}: a synced multi-ingress run measured", False))
     return out
 
 

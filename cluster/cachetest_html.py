@@ -63,6 +63,27 @@ def _plt():
     return plt
 
 
+def _pct_or_nan(v: float | None) -> float:
+    """A rate in percent for a plot; nothing drawn (NaN) where nothing was measured."""
+    return float("nan") if v is None else 100 * v
+
+
+SWEEP_AXES = {"concurrency": "requests in flight", "replicas": "engine replicas"}
+
+
+def sweeps(passes: dict) -> dict[str, list[tuple[int, str]]]:
+    """The passes of each sweep as (x, pass name), by x: the concurrency sweep's warm passes (`warm`,
+    `warm_cN`) by requests in flight, the replicas sweep's warm passes (`replicas_N`; their cold passes,
+    `replicas_N_cold`, only empty the cache) by replica count."""
+    out: dict[str, list[tuple[int, str]]] = {"concurrency": [], "replicas": []}
+    for n, p in passes.items():
+        if n == "warm" or n.startswith("warm_c"):
+            out["concurrency"].append((int(p["concurrency"]), n))
+        elif n.startswith("replicas_") and n.removeprefix("replicas_").isdigit():
+            out["replicas"].append((int(n.removeprefix("replicas_")), n))
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def plot_all(report: dict, out: Path) -> dict[str, Path]:
     """Write the PNGs; name -> path."""
     plt = _plt()
@@ -71,7 +92,7 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
     paths: dict[str, Path] = {}
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    axes[0].bar(names, [100 * passes[n]["hit_rate_tokens"] for n in names], color="#4c72b0")
+    axes[0].bar(names, [_pct_or_nan(passes[n]["hit_rate_tokens"]) for n in names], color="#4c72b0")
     axes[0].set_ylabel("hit rate, % of prompt tokens")
     axes[1].bar(names, [1000 * (passes[n]["ttft_p50_s"] or 0) for n in names], color="#55a868", label="p50")
     axes[1].plot(names, [1000 * (passes[n]["ttft_p90_s"] or 0) for n in names], "ko", label="p90")
@@ -99,19 +120,20 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
     fig.savefig(paths["miss_reasons"], dpi=90)
     plt.close(fig)
 
-    sweep = sorted(((p["concurrency"], n) for n, p in passes.items() if n == "warm" or n.startswith("warm_c")))
-    if len(sweep) > 1:
+    for kind, sweep in sweeps(passes).items():
+        if len(sweep) < 2:
+            continue
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        xs = [c for c, _ in sweep]
+        xs = [x for x, _ in sweep]
         ax.plot(xs, [1000 * (passes[n]["ttft_p50_s"] or 0) for _, n in sweep], "o-", label="TTFT p50, ms")
         ax2 = ax.twinx()
-        ax2.plot(xs, [100 * passes[n]["hit_rate_tokens"] for _, n in sweep], "s--", color="#c44e52")
+        ax2.plot(xs, [_pct_or_nan(passes[n]["hit_rate_tokens"]) for _, n in sweep], "s--", color="#c44e52")
         ax2.set_ylabel("hit rate, %")
-        ax.set_xlabel("requests in flight")
+        ax.set_xlabel(SWEEP_AXES[kind])
         ax.set_ylabel("TTFT p50, ms")
         fig.tight_layout()
-        paths["sweep"] = out / "sweep.png"
-        fig.savefig(paths["sweep"], dpi=90)
+        paths[f"sweep_{kind}"] = out / f"sweep_{kind}.png"
+        fig.savefig(paths[f"sweep_{kind}"], dpi=90)
         plt.close(fig)
     return paths
 
@@ -167,7 +189,8 @@ dl.reasons dd{margin:0 0 .3em 9.5em}
 """
 
 _JS = """
-document.querySelectorAll('table.sortable th').forEach(function (th, i) {
+document.querySelectorAll('table.sortable th').forEach(function (th) {
+  var i = th.cellIndex;  // the column within its own table (the page has several)
   th.addEventListener('click', function () {
     var tbody = th.closest('table').querySelector('tbody');
     var rows = Array.prototype.slice.call(tbody.rows);
@@ -251,6 +274,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
                 _fmt(p["requests"]),
                 _fmt(p["errors"]),
                 _fmt(p["prompt_tokens"]),
+                _fmt(p.get("counted_prompt_tokens")),
                 _fmt(p["cached_tokens"]),
                 _fmt(p["hit_rate_tokens"], "pct"),
                 _fmt(p["requests_with_hit"], "pct"),
@@ -270,6 +294,7 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
                 "requests",
                 "errors",
                 "prompt tok",
+                "counted tok",  # the hit rate's denominator: answers that reported their cached tokens
                 "cached tok",
                 "hit (tok)",
                 "req. with a hit",
@@ -286,26 +311,26 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         )
     )
     parts.append("<h2 id='sweeps'>Sweeps</h2>")
-    sweep = [n for n in passes if n == "warm" or n.startswith("warm_c") or n.startswith("replicas_")]
-    if len(sweep) > 1:
-        parts.append(_img(plots.get("sweep"), "concurrency sweep"))
+    ran = {kind: sweep for kind, sweep in sweeps(passes).items() if len(sweep) > 1}
+    for kind, sweep in ran.items():
+        parts.append(_img(plots.get(f"sweep_{kind}"), f"{kind} sweep"))
         parts.append(
             _table(
-                ["pass", "in flight", "hit (tok)", "TTFT p50", "TTFT p99", "tok/s"],
+                ["pass", SWEEP_AXES[kind], "hit (tok)", "TTFT p50", "TTFT p99", "tok/s"],
                 [
                     [
                         html.escape(n),
-                        _fmt(passes[n]["concurrency"]),
+                        _fmt(x),
                         _fmt(passes[n]["hit_rate_tokens"], "pct"),
                         _fmt(passes[n]["ttft_p50_s"], "ms"),
                         _fmt(passes[n]["ttft_p99_s"], "ms"),
                         _fmt(passes[n].get("throughput_tokens_s")),
                     ]
-                    for n in sweep
+                    for x, n in sweep
                 ],
             )
         )
-    else:
+    if not ran:
         parts.append("<p>No sweep was run (--concurrency-sweep, --replicas-sweep).</p>")
     parts.append("<h2 id='tiers'>Where the cache lived: hits by tier</h2>")
     parts.append(

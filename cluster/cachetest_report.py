@@ -99,14 +99,18 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "errors": len(run.sent) - len(ok),
         "error_samples": sorted({s.error for s in run.sent if s.error})[:5],
         "prompt_tokens": prompt,
+        # the hit rate's denominator: answers without a cached-token count are in prompt_tokens (they are
+        # billed) but not here, and the miss reasons sum to counted - cached
+        "counted_prompt_tokens": counted,
         "cached_tokens": cached,
-        "hit_rate_tokens": cached / counted if counted else 0.0,
+        # None, not 0, when no answer reported its cached tokens: nothing was measured
+        "hit_rate_tokens": cached / counted if counted else None,
         "hit_rate_requests": statistics.fmean(
             (s.cached_tokens or 0) / s.prompt_tokens if s.prompt_tokens else 0.0 for s, _ in known
         )
         if known
-        else 0.0,
-        "requests_with_hit": statistics.fmean((s.cached_tokens or 0) > 0 for s, _ in known) if known else 0.0,
+        else None,
+        "requests_with_hit": statistics.fmean((s.cached_tokens or 0) > 0 for s, _ in known) if known else None,
         "ttft_p50_s": _pct(ttfts, 0.5),
         "ttft_p90_s": _pct(ttfts, 0.9),
         "ttft_p99_s": _pct(ttfts, 0.99),
@@ -202,7 +206,9 @@ def _correctness(cold: PassRun | None, warm: PassRun | None) -> dict:
         return {"compared": 0, "equal": 0, "ok": None, "differing_ids": []}
     both = [i for i in warm.outputs if i in cold.outputs]
     differ = [i for i in both if warm.outputs[i] != cold.outputs[i]]
-    return {"compared": len(both), "equal": len(both) - len(differ), "ok": not differ, "differing_ids": differ[:20]}
+    # no request answered in both passes: nothing compared, so no verdict (not "correct")
+    ok = not differ if both else None
+    return {"compared": len(both), "equal": len(both) - len(differ), "ok": ok, "differing_ids": differ[:20]}
 
 
 def summary(report: dict) -> dict:
@@ -233,7 +239,7 @@ def summary(report: dict) -> dict:
     if rr is not None:
         out["cost_change_vs_round_robin"] = _rel(warm["input_cost"], rr["input_cost"])
         out["ttft_change_vs_round_robin"] = _rel(warm["ttft_p50_s"], rr["ttft_p50_s"])
-    if warm["hit_rate_tokens"] > 0.3 and (out["cost_change_vs_no_cache"] or 0) > -0.05:
+    if (warm["hit_rate_tokens"] or 0) > 0.3 and (out["cost_change_vs_no_cache"] or 0) > -0.05:
         out["warning"] = "high hit rate without a cost gain: the reused blocks are too small to matter"
     return out
 

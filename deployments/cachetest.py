@@ -50,6 +50,8 @@ class CachetestConfig:
     bound_replicas: Sequence[int] = (1, 2, 4)
 
     def check(self, reqs: Sequence[LoggedRequest]) -> None:
+        if not self.passes:
+            raise CachetestError(f"--passes: name at least one pass ({', '.join(PASSES)})")
         bad = [p for p in self.passes if p not in PASSES]
         if bad:
             raise CachetestError(f"--passes: unknown pass {bad[0]!r} (choose from {', '.join(PASSES)})")

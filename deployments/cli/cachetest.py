@@ -170,18 +170,22 @@ def _test_url(cfg, prepared, tok, progress: bool) -> dict:
     return runner.report(offline)
 
 
+def _pct(v: float | None) -> str:
+    return "  n/a" if v is None else f"{100 * v:5.1f}%"
+
+
 def _print_summary(report: dict) -> None:
     s = report.get("summary") or {}
     for name, p in report["passes"].items():
         print(
-            f"{name:18} hit {100 * p['hit_rate_tokens']:5.1f}% tokens, "
-            f"{100 * p['requests_with_hit']:5.1f}% of requests hit  "
+            f"{name:18} hit {_pct(p['hit_rate_tokens'])} tokens, "
+            f"{_pct(p['requests_with_hit'])} of requests hit  "
             f"TTFT p50 {1000 * (p['ttft_p50_s'] or 0):7.1f} ms  errors {p['errors']}  "
             f"misses {p['miss_tokens']}",
             file=sys.stdout,
         )
     if s:
         print(
-            f"warm hit rate {100 * s['hit_rate_tokens']:.1f}%, input cost vs no cache "
+            f"warm hit rate {_pct(s['hit_rate_tokens'])}, input cost vs no cache "
             f"{100 * (s['cost_change_vs_no_cache'] or 0):+.1f}%, correct {s['correct']}, isolated {s['isolated']}"
         )

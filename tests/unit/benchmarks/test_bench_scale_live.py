@@ -43,8 +43,16 @@ def test_synced_runs_are_judged_against_the_single_ingress_run():
 
 
 def test_a_run_with_failed_requests_misses():
-    verdict = dict(checks([_row("chat", 1, True, 0.8, 1.0, errors=2)]))
-    assert verdict == {"chat ingress=1 sync=on: no failed request": False}
+    verdict = dict(checks([_row("chat", 1, True, 0.8, 1.0, errors=2), _row("chat", 2, True, 0.8, 1.0)]))
+    assert verdict["chat ingress=1 sync=on: no failed request"] is False
+    assert verdict["chat ingress=2 sync=on: no failed request"] is True
+
+
+def test_a_workload_without_a_synced_multi_ingress_run_misses():
+    """Only the single-ingress baseline (or only the unsynced contrast) measured: the targets went unjudged."""
+    verdict = dict(checks([_row("chat", 1, True, 0.8, 1.0), _row("chat", 2, False, 0.8, 1.0)]))
+    assert verdict["chat: a synced multi-ingress run measured"] is False
+    assert verdict["chat ingress=1 sync=on: no failed request"] is True
 
 
 def _summary(hit, per):

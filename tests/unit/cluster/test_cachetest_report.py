@@ -35,7 +35,7 @@ def test_every_request_and_pass_sums_exactly_and_has_the_schema_keys():
     rep = _report()
     for name, p in rep["passes"].items():
         assert PASS_KEYS <= set(p), name
-        assert sum(p["miss_tokens"].values()) == p["prompt_tokens"] - p["cached_tokens"]
+        assert sum(p["miss_tokens"].values()) == p["counted_prompt_tokens"] - p["cached_tokens"]
     assert {r["pass"] for r in rep["requests"]} == {"cold", "warm"}
     for r in rep["requests"]:
         assert set(r) == REQUEST_KEYS
@@ -120,3 +120,82 @@ def test_the_tier_split_counts_what_the_engines_loaded_not_what_lmcache_lookups_
     del after["external_hit_tokens"]
     fig = pass_figures(PassRun(run.name, run.sent, 1.0, 4, counters_after=after), [{} for _ in run.sent], Rates())
     assert fig["hits_by_tier"]["hbm"] == max(0, cached - after["host_hit_tokens"] - after["shared_hit_tokens"])
+
+
+def _two_passes(warm_cached, warm_error=None):
+    """Four 100-token requests (96 cacheable), a cold pass and a warm pass whose k-th answer reports
+    `warm_cached(k)` cached tokens or fails with `warm_error`; outputs kept as the runner keeps them (answered)."""
+    from kvmesh.cluster.cachetest_analysis import Prepared, Sent
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
+    from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
+    from kvmesh.cluster.request_log import LoggedRequest
+
+    block = 32
+    prepared = []
+    for i in range(4):
+        ids = list(range(10, 107)) + [500 + i] * 3
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
+    hash_requests([p.tok for p in prepared], block)
+    runs, clock = [], 0.0
+    for name in ("cold", "warm"):
+        sent = []
+        for k, p in enumerate(prepared):
+            err = warm_error if name == "warm" else None
+            cached = None if err else (0 if name == "cold" else warm_cached(k))
+            sent.append(Sent(p, name, clock, None if err else clock + 0.01, p.tok.n, cached, "r0", err))
+            clock += 1
+        outputs = {s.prepared.req.id: "out" for s in sent if s.error is None}
+        runs.append(PassRun(name, sent, 1.0, 4, 0, {}, {}, outputs))
+    return build_report(runs, offline_pass([p.tok for p in prepared], block), Rates(), block)
+
+
+def test_a_warm_pass_with_no_answer_has_no_hit_rate_and_no_correctness_verdict():
+    rep = _two_passes(lambda k: 0, warm_error="HTTP 503: overloaded")
+    warm = rep["passes"]["warm"]
+    assert warm["errors"] == 4
+    assert warm["hit_rate_tokens"] is None and warm["requests_with_hit"] is None
+    assert rep["correctness"]["compared"] == 0 and rep["correctness"]["ok"] is None
+    page = render_html(rep, {})
+    assert "<b id='correct'>n/a</b>" in page and "<b id='hit-rate'>n/a</b>" in page
+
+
+def test_answers_without_a_cached_count_are_outside_the_hit_rates_denominator_and_shown():
+    rep = _two_passes(lambda k: 96 if k % 2 == 0 else None)  # two of four answers report no count
+    warm = rep["passes"]["warm"]
+    assert warm["prompt_tokens"] == 400 and warm["counted_prompt_tokens"] == 200
+    assert warm["hit_rate_tokens"] == pytest.approx(192 / 200)
+    assert sum(warm["miss_tokens"].values()) == warm["counted_prompt_tokens"] - warm["cached_tokens"]
+    row = render_html(rep, {}).split("<tr><td>warm</td>")[1].split("</tr>")[0]
+    assert row.startswith("<td>4</td><td>0</td><td>400</td><td>200</td><td>192</td><td>96.0%</td>"), row
+
+
+def test_a_replicas_sweep_gets_its_own_plot_and_table_by_replica_count(tmp_path):
+    """The replicas sweep's warm passes, by replica count, without the cold passes that only empty the cache."""
+    from kvmesh.cluster.cachetest_analysis import Prepared, Sent
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
+    from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
+    from kvmesh.cluster.request_log import LoggedRequest
+
+    block = 32
+    prepared = []
+    for i in range(4):
+        ids = list(range(10, 80)) + [100 + i] * 20
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
+    hash_requests([p.tok for p in prepared], block)
+    runs, clock = [], 0.0
+    for name in ("replicas_1_cold", "replicas_1", "replicas_4_cold", "replicas_4", "replicas_2_cold", "replicas_2"):
+        sent = []
+        for p in prepared:
+            sent.append(Sent(p, name, clock, clock + 0.01, p.tok.n, 0 if name.endswith("cold") else 64, "r0", None))
+            clock += 0.05
+        runs.append(PassRun(name, sent, 1.0, 4, 10, {}, {}, {}))
+    rep = build_report(runs, offline_pass([p.tok for p in prepared], block), Rates(), block)
+    paths = write_outputs(rep, tmp_path)
+    assert (tmp_path / "sweep_replicas.png").exists() and not (tmp_path / "sweep_concurrency.png").exists()
+    page = paths["html"].read_text()
+    table = page.split("<h2 id='sweeps'>")[1].split("<h2")[0]
+    assert "<th>engine replicas</th>" in table and "_cold" not in table
+    names = [cell.split("</td>")[0] for cell in table.split("<tr><td>")[1:]]
+    assert names == ["replicas_1", "replicas_2", "replicas_4"]

@@ -13,6 +13,7 @@ from kvmesh.deployments.cli import main
         (["--url", "http://127.0.0.1:9"], "--url http://127.0.0.1:9: unreachable"),
         (["--url", "http://x", "--tenant-key", "t1=k"], "line 2: tenant 't2' has no key"),
         (["--url", "http://x", "--passes", "cold,hot"], "--passes: unknown pass 'hot'"),
+        (["--url", "http://x", "--passes", ","], "--passes: name at least one pass"),
         (["--url", "http://x", "--replicas-sweep", "1,2"], "--replicas-sweep needs --serve"),
         (["--url", "http://x", "--concurrency-sweep", "1,x"], "expected comma-separated integers"),
     ],
