@@ -39,7 +39,13 @@ from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenize
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating
 from kvmesh.deployments.openai_protocol import OpenAIError
-from kvmesh.deployments.router import active_routers, notify_cache_reset, notify_first_token, notify_replica_failed
+from kvmesh.deployments.router import (
+    active_routers,
+    notify_cache_reset,
+    notify_first_token,
+    notify_replica_failed,
+    notify_request_ended,
+)
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_usage import WINDOW_S
 from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
@@ -367,6 +373,7 @@ class Ingress:
             if not released:
                 released = True
                 self.admission.release(ticket)
+                notify_request_ended(request_id)  # the router ends a placement Serve never reports complete
 
         t_call = time.perf_counter()
         stream: MigratingStream | None = None

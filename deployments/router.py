@@ -55,6 +55,10 @@ log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to 
 # placements /kvmesh/state keeps: a robustness draw's whole replay (at most 200 requests), and no more (the
 # document grows ~0.5 KB per decision at 4 replicas)
 DECISIONS_KEPT = 256
+# How long after the ingress is done with a request Serve has to report its call complete, before the router
+# ends the placement itself (`request_ended`): Serve's report is posted from another thread, and a call
+# cancelled with its client is reported once the cancel reaches it.
+REQUEST_END_GRACE_S = 10
 
 
 def _peer_computed(info: RequestInfo) -> None:
@@ -183,6 +187,14 @@ class KvmeshRouter(TierHolding, RequestRouter):
         # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
         # as the cancelled call's completion before the retry is ranked
         self._completed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Serve's internal id -> replica of a rejected call whose completion is still to come (`_retried`):
+        # that completion must not end the retry, which has the same internal id, on the same replica too
+        self._rejected: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.request_end_grace_s: float = REQUEST_END_GRACE_S
+        # placements Serve never reported complete, ended when the ingress was done with them (`request_ended`)
+        self.unreported_ends = 0
+        # replicas whose KV-event stream could not be subscribed: replica id -> (failures, next try, monotonic)
+        self._subscribe_failed: dict[str, tuple[int, float]] = {}
         self.decisions = 0
         self.decision_s = 0.0
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
@@ -259,7 +271,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
                     from kvmesh.kvstore.node_server import watch_tier_health
 
                     self._tier_watch = asyncio.create_task(watch_tier_health(self.tiers))
-            if self._unsubscribed(r) and rid not in self._subscribing:
+            if self._unsubscribed(r) and rid not in self._subscribing and self._may_subscribe(rid):
                 self._subscribing.add(rid)  # a request ranked meanwhile must not subscribe it a second time
                 try:
                     await self._subscribe(rid, stats)
@@ -283,8 +295,20 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._subscribed.add(rid)
             log.error("no KV events from %s (routing on load alone): %s", rid, exc)
             return
+        except Exception as exc:  # one replica's bad endpoint must not stop routing to the others
+            failures = self._subscribe_failed.get(rid, (0, 0.0))[0] + 1
+            wait_s = min(30.0, 0.5 * 2**failures)
+            self._subscribe_failed[rid] = (failures, time.monotonic() + wait_s)
+            log.error("cannot subscribe to the KV events of %s (not routed to; again in %.0f s): %r", rid, wait_s, exc)
+            return
+        self._subscribe_failed.pop(rid, None)
         self._subscribed.add(rid)
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
+
+    def _may_subscribe(self, rid: str) -> bool:
+        """Not while a failed subscription's back-off runs (each request would try again at once)."""
+        failed = self._subscribe_failed.get(rid)
+        return failed is None or time.monotonic() >= failed[1]
 
     def _forget(self, rid: str) -> None:
         """Drop everything routing keeps about a replica: its index slot (speculative entries included),
@@ -302,6 +326,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self.tiers.drop_node(node)  # no engine left on it: the node (or its last replica) is gone
             self.index.remove_node(node)
         self.peers.forget_replica(rid)
+        self._subscribe_failed.pop(rid, None)
+        for internal in [k for k, st in self._inflight.items() if st.replica == rid]:
+            self._complete(rid, internal)  # the replica is gone: what it was running ends with it
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
             self._unconfirmed.pop(request_id).release()
         for internal in [k for k, st in self._held.items() if st.replica == rid]:
@@ -589,8 +616,12 @@ class KvmeshRouter(TierHolding, RequestRouter):
     def _retried(self, pending_request: PendingRequest) -> None:
         """Serve routes a request again after its replica rejected it: the first placement's policy
         credit and speculative blocks are taken back before it is ranked anew."""
-        earlier = self._inflight.pop(pending_request.metadata.internal_request_id, None)
+        internal = pending_request.metadata.internal_request_id
+        earlier = self._inflight.pop(internal, None)
         if earlier is not None:
+            self._rejected[internal] = earlier.replica  # its completion comes later: not the retry's
+            while len(self._rejected) > 1024:
+                self._rejected.popitem(last=False)
             earlier.release()
             if earlier.info.request_id:
                 self._by_request_id.pop(earlier.info.request_id, None)
@@ -678,13 +709,23 @@ class KvmeshRouter(TierHolding, RequestRouter):
         # A unary request's first token reaches the router after its completion (the ingress learns of it
         # from the whole response), so requests waiting for its prefix are released by the confirmation (or
         # their timeout), not here: released now, they would not count the prefix it stored.
+        rid = replica_id.unique_id
+        if self._rejected.get(internal_request_id) == rid:  # a rejected call's: the retry may be on rid too
+            del self._rejected[internal_request_id]
+            return
+        self._complete(rid, internal_request_id)
+
+    def _complete(self, rid: str, internal_request_id: str) -> None:
         st = self._inflight.get(internal_request_id)
-        if st is None or st.replica != replica_id.unique_id:  # not an earlier attempt's, rejected by its replica
+        if st is None or st.replica != rid:  # not an earlier attempt's, rejected by its replica
             return  # (Serve cancels that call and may say so after the retry was placed elsewhere)
         del self._inflight[internal_request_id]
+        latest = bool(st.info.request_id) and self._by_request_id.get(st.info.request_id) == internal_request_id
+        if not latest:  # a migrated request's earlier call: its new call, under the same request id, goes on
+            st.release()
+            return
         self._publish("done", st.info.request_id, st.replica)
-        if st.info.request_id:
-            self._by_request_id.pop(st.info.request_id, None)
+        self._by_request_id.pop(st.info.request_id, None)
         if st.first_token:
             self._record_prefill(st)
         elif st.info.request_id:  # its first token may still be on its way from the ingress
@@ -696,6 +737,21 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 self._completed.popitem(last=False)
         else:
             st.release()
+
+    def request_ended(self, request_id: str) -> None:
+        """The ingress is done with the request (answered, failed, or its client gone). Serve reports every
+        call it sent complete, but not one whose caller was cancelled after Serve gave it a replica and
+        before it sent: that placement would count as its replica's load, and to the other routers as its
+        tenant's request in flight, for good. What Serve has not reported a grace period later ends here."""
+        if self._loop is not None:
+            self._loop.call_later(self.request_end_grace_s, self._end_unreported, request_id)
+
+    def _end_unreported(self, request_id: str) -> None:
+        internal = self._by_request_id.get(request_id)
+        st = self._inflight.get(internal) if internal else None
+        if internal is not None and st is not None:
+            self.unreported_ends += 1
+            self._complete(st.replica, internal)
 
     def _record_prefill(self, st: _Inflight) -> None:
         if self.index.has_replica(st.replica):  # its prompt's full chunks are now in L1 (and L2)
@@ -733,6 +789,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "decision_s_total": self.decision_s,
             "fallbacks": self.fallbacks,
             "forgotten": self.forgotten,
+            "unreported_ends": self.unreported_ends,
             "held_back": self.held_back,
             "held_for_tier": self.held_for_tier,
             "hold_timeouts": self.hold_timeouts,
@@ -799,3 +856,8 @@ def notify_cache_reset(replica_ids: list[str]) -> None:
 def notify_first_token(request_id: str) -> None:
     for r in active_routers():
         r.call_soon(r.first_token, request_id)
+
+
+def notify_request_ended(request_id: str) -> None:
+    for r in active_routers():
+        r.call_soon(r.request_ended, request_id)

@@ -242,6 +242,11 @@ class PeerPlacements:
             self._count_tenant(key, info, +1)
         elif kind == "unrouted":
             moved = self._close(key)
+            if moved is None and key in self.ended and self.ended[key].replica == replica:
+                # the rejected call's `done` came before this (its replica refused it, Serve reported that
+                # call complete, then routed the request again): the placement waits among the ended
+                moved = self.ended.pop(key)
+                moved.release()
             if moved is not None and moved.replica == replica:
                 for policy in self.policies():
                     policy.on_unrouted(moved.info, replica)

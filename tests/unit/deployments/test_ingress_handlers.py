@@ -162,6 +162,40 @@ def test_a_request_cancelled_while_the_engine_works_gives_its_slot_back(stream):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_the_router_hears_once_that_the_ingress_is_done_with_a_request_however_it_ended(stream, monkeypatch):
+    """Answered or cancelled: the router ends a placement Serve never reports complete (`request_ended`)."""
+    ended: list[str] = []
+    # the handlers' own globals: Serve's ingress decorator rebuilt the class around a copy of the module's
+    handler_globals = ingress_module.Ingress.func_or_class._generate.__globals__  # type: ignore[attr-defined]
+    monkeypatch.setitem(handler_globals, "notify_request_ended", ended.append)
+
+    async def run():
+        ing = _ingress(hang=True)
+        req, _, _ = _request({**BODY, "stream": stream})
+        task = asyncio.create_task(ing._generate(req, "completion"))
+        await asyncio.sleep(0.02)
+        assert ended == []  # still in flight
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(ended) == 1
+        ing.engine.hang = False
+        req, scope, receive = _request({**BODY, "stream": stream})
+        response = await ing._generate(req, "completion")
+        if stream:
+
+            async def send(message):
+                pass
+
+            await response(scope, receive, send)
+        assert response.status_code == 200
+        assert len(ended) == 2 and ended[0] != ended[1]
+        assert ended[1] == response.headers["x-kvmesh-request-id"]
+
+    asyncio.run(run())
+
+
 def test_a_stream_cancelled_before_its_body_started_gives_its_slot_back():
     async def run():
         ing = _ingress()

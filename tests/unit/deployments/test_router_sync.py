@@ -146,6 +146,28 @@ def test_a_withdrawn_peer_placement_is_taken_back_exactly():
     assert peers.pending() == {}
 
 
+def test_a_placement_withdrawn_after_its_rejected_calls_done_is_taken_back_exactly():
+    """A replica rejected the request and Serve reported that call complete before routing it again: the
+    peer hears routed, done, then unrouted, and takes the credit and speculative blocks back all the same."""
+    from kvmesh.cluster.index import PrefixIndex
+    from kvmesh.policies.registry import make_policy
+
+    index = PrefixIndex(max_blocks=10_000)
+    policy = make_policy("kvmesh")
+    for rid in ("r0", "r1"):
+        index.add_replica(rid)
+        policy.on_replica_added(rid)
+    peers = PeerPlacements(index, lambda: [policy])
+    before = (policy._w.copy(), index.held_blocks("r1"))
+    info = RequestInfo(block_hashes=[11, 12, 13, 14], num_tokens=130, block_size=32, request_id="q")
+    peers.apply(routed_message("A", info, "r1", (0, 0, 0)))
+    peers.apply(["done", "A", "q", "r1"])
+    peers.apply(["unrouted", "A", "q", "r1"])
+    assert index.held_blocks("r1") == before[1]
+    assert np.array_equal(policy._w, before[0])
+    assert peers.ended == {} and peers.pending() == {}
+
+
 def test_a_peer_that_says_bye_no_longer_counts():
     from kvmesh.cluster.index import PrefixIndex
 
