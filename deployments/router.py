@@ -720,23 +720,21 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if st is None or st.replica != rid:  # not an earlier attempt's, rejected by its replica
             return  # (Serve cancels that call and may say so after the retry was placed elsewhere)
         del self._inflight[internal_request_id]
-        latest = bool(st.info.request_id) and self._by_request_id.get(st.info.request_id) == internal_request_id
-        if not latest:  # a migrated request's earlier call: its new call, under the same request id, goes on
-            st.release()
+        request_id = st.info.request_id
+        if request_id is None or self._by_request_id.get(request_id) != internal_request_id:
+            st.release()  # a migrated request's earlier call: its new call, under the same request id, goes on
             return
-        self._publish("done", st.info.request_id, st.replica)
-        self._by_request_id.pop(st.info.request_id, None)
+        self._publish("done", request_id, st.replica)
+        del self._by_request_id[request_id]
         if st.first_token:
             self._record_prefill(st)
-        elif st.info.request_id:  # its first token may still be on its way from the ingress
-            self._unconfirmed[st.info.request_id] = st
-            self._completed[internal_request_id] = st.info.request_id
+        else:  # its first token may still be on its way from the ingress
+            self._unconfirmed[request_id] = st
+            self._completed[internal_request_id] = request_id
             while len(self._unconfirmed) > 1024:  # failed or cancelled before a token: never confirmed
                 self._unconfirmed.popitem(last=False)[1].release()
             while len(self._completed) > 1024:
                 self._completed.popitem(last=False)
-        else:
-            st.release()
 
     def request_ended(self, request_id: str) -> None:
         """The ingress is done with the request (answered, failed, or its client gone). Serve reports every
