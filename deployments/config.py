@@ -23,6 +23,8 @@ import copy
 import json
 import math
 import os
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -167,8 +169,9 @@ def _check_keys(raw: Mapping[str, Any], allowed: Mapping[str, Any], where: str) 
 
 
 def _number(value: Any, where: str, low: float = 0.0, high: float = math.inf, low_ok: bool = True) -> None:
-    """A finite number in [low, high] (low excluded unless `low_ok`), not a bool."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number in [low, high] (low excluded unless `low_ok`), not a bool (nor an int too large for
+    a float: math.isfinite would raise on it)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e308 and math.isfinite(value)
     if not ok or not (value >= low if low_ok else value > low) or value > high:
         bounds = f"{'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
         raise ConfigError(f"{where} must be a number {bounds}, got {value!r}")
@@ -255,8 +258,32 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return cfg
 
 
+MAX_AUTOSCALING_REPLICAS = 10_000  # far beyond any fleet here; 10**30 is a typo, not a plan
+
+
+def _autoscaling_field(field: Any) -> tuple[type | None, float, bool]:
+    """(int, float or None for other types, lower bound, bound included) of one AutoscalingConfig field,
+    read from its annotation (`int`, `float`, `Optional[Annotated[float, Gt(0)]]`) and constraints."""
+    kind, metadata = field.annotation, list(field.metadata)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = args[0] if len(args) == 1 else None
+    if typing.get_origin(kind) is typing.Annotated:
+        kind, *extra = typing.get_args(kind)
+        metadata += extra
+    low, low_ok = -math.inf, True
+    for rule in metadata:
+        if getattr(rule, "ge", None) is not None:
+            low, low_ok = rule.ge, True
+        if getattr(rule, "gt", None) is not None:
+            low, low_ok = rule.gt, False
+    return (kind if kind in (int, float) else None), low, low_ok
+
+
 def _check_autoscaling(value: Any) -> None:
-    """Serve's AutoscalingConfig silently drops unknown keys: a typo would pass, so check names here."""
+    """Serve's AutoscalingConfig silently drops unknown keys: a typo would pass, so check names here. Its
+    Pydantic model is lax, taking "2", true and 1.0 as replica counts and .inf as a target, so the numbers'
+    types are checked here too, before it sees them."""
     if value is None:
         return
     if not isinstance(value, dict):
@@ -267,10 +294,39 @@ def _check_autoscaling(value: Any) -> None:
         raise ConfigError("config.autoscaling needs Ray Serve to check it: install ray[serve]") from None
 
     _check_keys(value, AutoscalingConfig.model_fields, "config.autoscaling")
+    for key, given in value.items():
+        kind, low, low_ok = _autoscaling_field(AutoscalingConfig.model_fields[key])
+        if given is None or kind is None:  # null where Serve allows it, and the non-numbers: Serve's checks
+            continue
+        where = f"config.autoscaling.{key}"
+        if kind is int:  # replica counts
+            _whole(given, where, low=max(0, math.floor(low) + (0 if low_ok else 1)), none_ok=False)
+            if given > MAX_AUTOSCALING_REPLICAS:
+                raise ConfigError(f"{where} must be at most {MAX_AUTOSCALING_REPLICAS}, got {given!r}")
+        else:
+            _number(given, where, low=low, low_ok=low_ok)
     try:
         AutoscalingConfig(**value)
     except ValueError as exc:
-        raise ConfigError(f"config.autoscaling: {exc}".splitlines()[0]) from None
+        raise ConfigError(_pydantic_line(exc, "config.autoscaling")) from None
+    except (ImportError, AttributeError) as exc:  # Serve imports a custom policy's function to check it
+        raise ConfigError(f"config.autoscaling.policy: cannot load its policy_function ({exc})") from None
+
+
+def _pydantic_line(exc: ValueError, where: str) -> str:
+    """One line naming the key and the reason of Pydantic's first error (its str() starts with a line
+    that says only how many errors there were)."""
+    errors = getattr(exc, "errors", None)
+    try:
+        first = errors()[0] if callable(errors) else None
+    except Exception:
+        first = None
+    if not first:
+        return f"{where}: {exc}".splitlines()[0]
+    loc = ".".join(str(part) for part in first.get("loc", ()))
+    msg = str(first.get("msg", "")).removeprefix("Value error, ").rstrip("!")
+    got = f", got {first['input']!r}" if loc and "input" in first and repr(first["input"]) not in msg else ""
+    return f"{where}{'.' + loc if loc else ''}: {msg}{got}".splitlines()[0]
 
 
 def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -201,6 +201,7 @@ class Ingress:
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
         self.admission.peers = _PeerTenantUsage()  # tenant limits across the ingress replicas (admission.py)
         self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
+        local_state.SERVING_METRICS.add(self.serving_metrics)
         self.tenant_metrics = TenantMetrics()
         self.failures = FailureCounters()
         # Initialise the engine handle now, not at the first request: its router is built as soon as Serve

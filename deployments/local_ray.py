@@ -49,13 +49,20 @@ def local_num_cpus(cfg: Mapping[str, Any], requested: int | None) -> int:
 
 
 def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
+    """Refuse a cluster too small for the app, naming the terms of the sum and the flags that change them
+    (with autoscaling, every engine replica up to the maximum counts)."""
+    from kvmesh.deployments.deploy_plan import INGRESS_NUM_CPUS, max_engine_replicas
+
     need = cpus_needed(cfg)
     if need > cpus + 1e-9:
         eng = cfg["engine"]
+        auto = bool(cfg.get("autoscaling"))
+        engines = f"{max_engine_replicas(cfg)} engine replica(s){' (the autoscaling maximum)' if auto else ''}"
+        fewer = "--autoscaling MAX" if auto else "--replicas"
         raise NotEnoughResources(
-            f"the app needs {need:g} CPUs ({cfg['replicas']} engine replica(s) x {eng['num_cpus']:g} + ingress "
-            f"{cpus_needed({**cfg, 'replicas': 0}):g}) but {where} gives {cpus:g}: raise {where}, lower "
-            "--replicas or engine.num_cpus"
+            f"the app needs {need:g} CPUs ({engines} x {eng['num_cpus']:g} + ingress "
+            f"{cfg['ingress_replicas'] * INGRESS_NUM_CPUS:g}) but {where} gives {cpus:g}: raise {where}, lower "
+            f"{fewer} or engine.num_cpus"
         )
 
 

@@ -14,3 +14,5 @@ from kvmesh.deployments.prediction import PredictionLedger
 
 LEDGER = PredictionLedger()
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # KvmeshRouter instances living in this process
+# the ingress's ServingMetrics in this process: a router that forgets a replica drops its per-replica rows
+SERVING_METRICS: weakref.WeakSet = weakref.WeakSet()

@@ -43,6 +43,7 @@ class _Pending:
     replica: str
     predicted: int
     block_size: int
+    per_replica: bool = True  # False once its replica was forgotten: counted in the totals only
 
 
 class PredictionLedger:
@@ -84,7 +85,7 @@ class PredictionLedger:
             self.compared += 1
             self.predicted_tokens += p.predicted
             self.delivered_tokens += delivered_tokens
-            rep = self.per_replica.setdefault(p.replica, [0, 0, 0])
+            rep = self.per_replica.setdefault(p.replica, [0, 0, 0]) if p.per_replica else [0, 0, 0]
             rep[0] += p.predicted
             rep[1] += delivered_tokens
             if mismatch:
@@ -120,6 +121,16 @@ class PredictionLedger:
                 p.replica,
             )
         return p.predicted, mismatch
+
+    def forget_replica(self, rid: str) -> None:
+        """Drop a replica's per-replica counts once it left the fleet: with autoscaling every replica id ever
+        seen would otherwise stay in /metrics and /kvmesh/state. The totals keep what it served; its
+        requests still in flight are compared when they finish, without making it a new entry."""
+        with self._lock:
+            self.per_replica.pop(rid, None)
+            for p in self._pending.values():
+                if p.replica == rid:
+                    p.per_replica = False
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -327,6 +327,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self.index.remove_node(node)
         self.peers.forget_replica(rid)
         self._subscribe_failed.pop(rid, None)
+        local_state.LEDGER.forget_replica(rid)  # per-replica rows of /metrics and /kvmesh/state: not every id
+        for serving in list(local_state.SERVING_METRICS):  # ever seen under autoscaling
+            serving.forget_replica(rid)
         for internal in [k for k, st in self._inflight.items() if st.replica == rid]:
             self._complete(rid, internal)  # the replica is gone: what it was running ends with it
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass, field
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A replica Serve stops finishes its streams after the router forgot it (5 s graceful shutdown for
+# engines): for this long their requests count in the totals only, not in a new per-replica entry.
+FORGOTTEN_HOLD_S = 60.0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class ServingMetrics:
         self._lock = threading.Lock()
         self.total = _Counters()
         self.per_replica: dict[str, _Counters] = {}
+        self._forgotten: dict[str, float] = {}  # replica -> when it was forgotten (time.monotonic)
         self.errors: dict[int, int] = {}
         self.stages: dict[str, list] = {}  # stage -> [seconds total, count]
 
@@ -87,9 +92,21 @@ class ServingMetrics:
     ) -> None:
         with self._lock:
             self.total.add(prompt_tokens, cached_tokens, completion_tokens, ttft_s)
+            gone = self._forgotten.get(replica)
+            if gone is not None and time.monotonic() - gone < FORGOTTEN_HOLD_S:
+                return
             self.per_replica.setdefault(replica, _Counters()).add(
                 prompt_tokens, cached_tokens, completion_tokens, ttft_s
             )
+
+    def forget_replica(self, rid: str) -> None:
+        """Drop a replica's per-replica counters once it left the fleet: with autoscaling every replica id
+        ever seen would otherwise stay in /metrics. The totals keep what it served."""
+        now = time.monotonic()
+        with self._lock:
+            self.per_replica.pop(rid, None)
+            self._forgotten = {r: t for r, t in self._forgotten.items() if now - t < FORGOTTEN_HOLD_S}
+            self._forgotten[rid] = now
 
     def record_error(self, status: int) -> None:
         with self._lock:

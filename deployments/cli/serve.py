@@ -193,6 +193,20 @@ def _flags(args) -> list[str]:
     return out
 
 
+def engine_replicas_text(cfg: dict) -> str:
+    """The banner's engine count: under autoscaling `replicas` is not used, so the range is what runs
+    (Serve's own defaults fill the keys the config leaves out)."""
+    if not cfg.get("autoscaling"):
+        return f"{cfg['replicas']} engine replica(s)"
+    from ray.serve.config import AutoscalingConfig
+
+    from kvmesh.deployments.app import initial_engine_replicas
+
+    auto = AutoscalingConfig(**cfg["autoscaling"])
+    start = initial_engine_replicas(cfg)
+    return f"{auto.min_replicas}-{auto.max_replicas} engine replicas (autoscaling, {start} at start)"
+
+
 def _drive(args, cfg: dict) -> int:
     """The Ray driver: start the app, wait for a stop signal, stop the app."""
     from kvmesh.deployments.app import remove_haproxy_dir, remove_run_secret_files, start_local, stop_local
@@ -208,8 +222,7 @@ def _drive(args, cfg: dict) -> int:
         stop.set()
 
     print(
-        f"starting kvmesh: {cfg['replicas']} engine replica(s), policy {cfg['policy']}, model "
-        f"{cfg['engine']['model']} ...",
+        f"starting kvmesh: {engine_replicas_text(cfg)}, policy {cfg['policy']}, model {cfg['engine']['model']} ...",
         file=sys.stderr,
         flush=True,
     )

@@ -217,3 +217,20 @@ def test_haproxy_folders_of_runs_whose_process_is_gone_are_removed(tmp_path):
             (d / "owner.pid").write_text(str(pid))
     assert _remove_orphaned_haproxy_dirs(str(tmp_path)) == [str(orphan)]
     assert mine.exists() and unowned.exists() and other.exists() and not orphan.exists()
+
+
+def test_under_autoscaling_the_cpu_check_counts_the_maximum_and_names_its_flag():
+    cfg = app_config({"replicas": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 8}})
+    assert cpus_needed(cfg) == pytest.approx(8 * 0.5 + 0.1)
+    with pytest.raises(NotEnoughResources) as info:
+        local_num_cpus(cfg, 4)
+    assert str(info.value) == (
+        "the app needs 4.1 CPUs (8 engine replica(s) (the autoscaling maximum) x 0.5 + ingress 0.1) but "
+        "--num-cpus gives 4: raise --num-cpus, lower --autoscaling MAX or engine.num_cpus"
+    )
+    with pytest.raises(NotEnoughResources) as info:
+        local_num_cpus(app_config({"replicas": 8, "ingress_replicas": 2}), 4)
+    assert str(info.value) == (
+        "the app needs 4.2 CPUs (8 engine replica(s) x 0.5 + ingress 0.2) but --num-cpus gives 4: "
+        "raise --num-cpus, lower --replicas or engine.num_cpus"
+    )

@@ -41,3 +41,23 @@ def test_concurrent_requests_served_in_the_other_order_raise_no_alarm():
         led.predict(f"x{i}", "r1", 128, 32)
         led.deliver(f"x{i}", 0)
     assert led.snapshot()["alarms"] == 1
+
+
+def test_a_forgotten_replica_leaves_the_per_replica_counts_and_the_totals_keep_it():
+    """Autoscaling creates a new replica id for every replica it adds: a forgotten one must not stay."""
+    led = PredictionLedger()
+    for rid in ("r1", "r2"):
+        led.predict(f"{rid}-done", rid, 64, 32)
+        led.deliver(f"{rid}-done", 64)
+    led.predict("r1-in-flight", "r1", 32, 32)  # still streaming while Serve stops its replica
+    led.forget_replica("r1")
+    led.forget_replica("never-seen")  # nothing to drop: no error
+    assert set(led.snapshot()["per_replica"]) == {"r2"}
+    assert led.deliver("r1-in-flight", 96) == (32, True)  # still compared when it finishes ...
+    snap = led.snapshot()
+    assert set(snap["per_replica"]) == {"r2"}  # ... without making the replica an entry again
+    assert (snap["compared"], snap["mismatches"]) == (3, 1)
+    assert (snap["predicted_tokens"], snap["delivered_tokens"]) == (160, 224)
+    led.predict("r1-back", "r1", 64, 32)  # an id routed to again after it was forgotten counts afresh
+    led.deliver("r1-back", 64)
+    assert led.snapshot()["per_replica"]["r1"] == [64, 64, 0]

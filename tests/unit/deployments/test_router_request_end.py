@@ -196,3 +196,25 @@ def test_one_replica_whose_event_stream_cannot_be_opened_does_not_stop_routing()
         assert "B" not in router._subscribe_failed
 
     asyncio.run(run())
+
+
+def test_a_replica_that_leaves_leaves_the_per_replica_metrics():
+    """Under autoscaling every replica id ever seen would stay in /metrics and /kvmesh/state."""
+    from kvmesh.deployments.serving_metrics import ServingMetrics
+
+    async def run():
+        router, _ = _router()
+        serving = ServingMetrics()
+        local_state.SERVING_METRICS.add(serving)
+        a, b = _replica("A"), _replica("B")
+        router.update_replicas([a, b])
+        for rid in ("A", "B"):
+            serving.record(rid, 100, 50, 1, 0.1)
+            local_state.LEDGER.predict(f"q-{rid}", rid, 50, 32)
+            local_state.LEDGER.deliver(f"q-{rid}", 50)
+        router.update_replicas([b])
+        assert set(serving.per_replica) == {"B"} and set(local_state.LEDGER.per_replica) == {"B"}
+        assert serving.total.requests == 2  # the totals keep what A served
+        local_state.SERVING_METRICS.discard(serving)
+
+    asyncio.run(run())

@@ -88,3 +88,27 @@ def test_ingress_records_call_stages_and_the_engines_share_only_when_reported():
 def test_what_each_replica_loaded_through_lmcache_is_a_counter():
     router = {"routing_stats": {"a": {"external_hit_tokens": 704}, "b": {"external_hit_tokens": 0}, "c": {}}}
     assert _per_replica(router, "kvmesh_replica_lmcache_loaded_tokens") == {"a": 704, "b": 0}
+
+
+def test_a_forgotten_replica_leaves_the_metrics_and_the_totals_keep_it(monkeypatch):
+    """Autoscaling creates a new replica id for every replica it adds: a forgotten one's series must go."""
+    from kvmesh.deployments import serving_metrics
+
+    clock = [1000.0]
+    monkeypatch.setattr(serving_metrics.time, "monotonic", lambda: clock[0])
+    m = ServingMetrics()
+    for rid in ("r1", "r2", "r3"):
+        m.record(rid, 100, 32, 4, 0.05)
+    m.forget_replica("r1")
+    m.forget_replica("never-seen")  # nothing to drop: no error
+    m.record("r1", 100, 64, 4, 0.05)  # a stream that finished on the replica Serve was stopping
+    assert set(m.snapshot()["per_replica"]) == {"r2", "r3"}
+    assert m.snapshot()["total"]["requests"] == 4 and m.snapshot()["total"]["cached_tokens"] == 160
+    text = m.prometheus_text()
+    assert 'replica="r1"' not in text and 'kvmesh_requests_total{replica="r2"} 1' in text
+    assert "kvmesh_requests_total 4" in text
+    clock[0] += serving_metrics.FORGOTTEN_HOLD_S
+    m.forget_replica("r2")  # the hold on r1 has passed: an id routed to again counts afresh
+    m.record("r1", 100, 0, 4, None)
+    assert set(m.snapshot()["per_replica"]) == {"r1", "r3"} and m.snapshot()["per_replica"]["r1"]["requests"] == 1
+    assert set(m._forgotten) == {"r2"}  # what it remembers is bounded by the hold, not by the ids ever seen

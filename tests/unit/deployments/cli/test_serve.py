@@ -95,3 +95,32 @@ def test_serve_address_and_autoscaling_flags_reach_the_config(tmp_path, capsys):
         with pytest.raises(ConfigError):
             app_config(bad_cfg)
     assert all(line.startswith("error: ") for line in capsys.readouterr().err.splitlines() if line)
+
+
+def test_the_start_banner_gives_the_autoscaling_range(monkeypatch, capsys):
+    """Under autoscaling `replicas` (2 by default) is not what runs: the banner names the range."""
+    import argparse
+
+    from kvmesh.deployments import app, process_tree
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.cli import serve as serve_cmd
+    from kvmesh.deployments.config import app_config
+
+    def no_start(cfg, **kwargs):
+        raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(app, "start_local", no_start)
+    monkeypatch.setattr(app, "stop_local", lambda drain=True: None)
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: None)
+    args = argparse.Namespace(num_cpus=None, address=None)
+    banners = []
+    ranges = ({"min_replicas": 1, "max_replicas": 8}, {"min_replicas": 2, "max_replicas": 6, "initial_replicas": 3})
+    for auto in (None, *ranges):
+        with pytest.raises(CliError, match="not started in a unit test"):
+            serve_cmd._drive(args, app_config({"autoscaling": auto}))
+        banners.append(capsys.readouterr().err.splitlines()[0])
+    assert banners == [
+        "starting kvmesh: 2 engine replica(s), policy kvmesh, model tiny ...",
+        "starting kvmesh: 1-8 engine replicas (autoscaling, 1 at start), policy kvmesh, model tiny ...",
+        "starting kvmesh: 2-6 engine replicas (autoscaling, 3 at start), policy kvmesh, model tiny ...",
+    ]
