@@ -15,6 +15,7 @@ or clear every tenant's KV. Both sockets are unix sockets in a 0700 folder of th
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import os
 import shutil
@@ -153,6 +154,33 @@ def redis_ping(
         return False
 
 
+def redis_hung(host: str, port: int, timeout: float) -> bool:
+    """True when a RESP server takes the connection and does not answer PING within `timeout`: stopped or
+    wedged, not gone. LMCache's Redis client has no timeout, so every lookup the server sends it then waits
+    for good (a refused connection fails at once, and lookups with it)."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            s.recv(64)  # any answer, an error for a missing AUTH included: it is serving
+            return False
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
+    """`redis_hung` for the configured L2 (False for adapters kvmesh cannot probe so)."""
+    if not l2:
+        return False
+    if l2.get("type") == "resp":
+        return redis_hung(l2["host"], l2["port"], timeout)
+    if l2.get("type") == "valkey":
+        host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
+        return port.isdigit() and redis_hung(host, int(port), timeout)
+    return False
+
+
 def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
     """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe); a RESP
     server must answer within `timeout` seconds."""
@@ -199,6 +227,8 @@ class LMCacheServer:
         self.restarts = 0
         self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
         self.shared_losses = 0  # times the watchdog found the shared tier unreachable (it may be back empty)
+        # running without its shared tier, which hung (takes connections, never answers): see `supervise`
+        self.without_shared = False
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
         self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
 
@@ -211,12 +241,16 @@ class LMCacheServer:
     def metrics_socket(self) -> str:
         return metrics_socket_path(self.endpoint[0])
 
+    def launch_config(self) -> TierConfig:
+        """The configuration the process runs with: the owner's, less the shared tier while it hangs."""
+        return dataclasses.replace(self.config, l2=None) if self.without_shared else self.config
+
     def command(self) -> list[str]:
         return [
             sys.executable,
             "-m",
             "kvmesh.kvstore.lmcache_main",  # LMCache's server on ipc sockets only, metrics beside them
-            *server_args(self.config, *self.endpoint),
+            *server_args(self.launch_config(), *self.endpoint),
         ]
 
     def start(self) -> tuple[str, int]:
@@ -235,7 +269,7 @@ class LMCacheServer:
             if self.stops != stops:  # stopped meanwhile (node shutting down): start nothing
                 return
         self.prepare_folders()
-        env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.config.l2), **(self.env or {})}
+        env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.launch_config().l2), **(self.env or {})}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
             self.proc = subprocess.Popen(
@@ -326,9 +360,13 @@ class LMCacheServer:
         and lookup keeps failing (requests still succeed, by recomputing). Restarting the server on
         the same ports is the recovery; engines' connectors reconnect to it and re-register their KV
         caches (the port is kept dark for RESTART_DARK_S so that their heartbeats see the restart);
-        the node's L1 contents are lost. Returns what it did: "ok", "shared-down", "restarted-dead",
-        "restarted-shared-back". With wait=False a restart only launches the process after the dark
-        period (call `wait_ready` later).
+        the node's L1 contents are lost. A shared tier that hangs (takes connections, never answers) is
+        worse than one that is gone: LMCache's Redis client has no timeout, so every lookup waits on it and
+        every request whose prompt fills a chunk never returns. The server is then restarted without its
+        shared tier, which lets the engines' requests that waited on it fail over to recomputing (their
+        connectors' timeout), and with it again once it answers. Returns what it did: "ok", "shared-down",
+        "restarted-dead", "restarted-without-shared", "restarted-shared-back". With wait=False a restart only
+        launches the process after the dark period (call `wait_ready` later).
         """
         if self.wanted and not self.alive():  # died, or a restart that failed to launch or to serve
             self.start_again(wait)
@@ -338,8 +376,15 @@ class LMCacheServer:
             if not self.shared_seen_down:
                 self.shared_losses += 1
             self.shared_seen_down = True
+            if not self.without_shared and shared_tier_hung(self.config.l2, SLOW_PROBE_S):
+                self.without_shared = True
+                self._halt()
+                self.start_again(wait)
+                self.shared_seen_down = True  # restarted with it again once it answers
+                return "restarted-without-shared"
             return "shared-down"
-        if up and self.shared_seen_down:
+        if up and (self.shared_seen_down or self.without_shared):
+            self.without_shared = False
             self._halt()
             self.start_again(wait)
             return "restarted-shared-back"
@@ -392,6 +437,7 @@ class LMCacheServer:
             "shared_tier": self.config.shared_tier,
             "shared_tier_up": shared_tier_reachable(self.config.l2),
             "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
+            "running_without_shared_tier": self.without_shared,  # it hung: restarted without it
             "shared_tier_losses": self.shared_losses,
             "healthy": serving and bool(samples),
         }

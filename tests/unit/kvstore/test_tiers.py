@@ -306,3 +306,62 @@ def test_a_shared_tier_password_never_reaches_an_error_message():
         assert "s3cret" not in str(err.value) and "myredis" in str(err.value)
     assert "s3cret" not in str(redacted({"type": "resp", "host": "h", "port": 1, "password": "s3cret"}))
     assert redacted("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+
+
+def test_a_shared_tier_that_takes_connections_and_never_answers_is_run_without_until_it_answers(monkeypatch, tmp_path):
+    """A stopped Redis (SIGSTOP, a wedged host) accepts connections and never answers: LMCache's client has no
+    timeout, so every lookup, and every request whose prompt fills a chunk, waited for good. The watchdog
+    restarts the server without its shared tier, and with it again once it answers."""
+    import socket
+    import subprocess
+
+    from kvmesh.kvstore import lmcache_server
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+
+    monkeypatch.setattr(lmcache_server, "SLOW_PROBE_S", 0.2)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # the kernel takes connections; nothing ever reads or answers them
+    port = hung.getsockname()[1]
+    srv = LMCacheServer(TierConfig.from_dict({"l2": f"redis://127.0.0.1:{port}"}), tmp_path / "log")
+    commands: list[list[str]] = []
+
+    def launch() -> None:
+        commands.append(srv.command())
+        srv.wanted = True
+        srv.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    srv.launch = launch  # type: ignore[method-assign]
+    srv.wait_ready = lambda: srv.endpoint  # type: ignore[method-assign]
+    monkeypatch.setattr(lmcache_server, "RESTART_DARK_S", 0.0)
+    try:
+        srv.start()
+        assert "--l2-adapter" in commands[-1]
+        assert srv.supervise() == "restarted-without-shared" and "--l2-adapter" not in commands[-1]
+        assert srv.health()["running_without_shared_tier"] is True
+        assert srv.supervise() == "shared-down" and len(commands) == 2  # still hung: no more restarts
+        monkeypatch.setattr(lmcache_server, "shared_tier_reachable", lambda l2, timeout=1.0: True)
+        assert srv.supervise() == "restarted-shared-back" and "--l2-adapter" in commands[-1]
+        assert srv.supervise() == "ok" and len(commands) == 3
+    finally:
+        hung.close()
+        srv.stop()
+
+
+def test_a_refused_shared_tier_fails_lookups_at_once_and_the_server_keeps_it(monkeypatch, tmp_path):
+    """A Redis that is gone refuses connections: lookups fail fast, requests recompute, no restart is needed."""
+    import socket
+
+    from kvmesh.kvstore import lmcache_server
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tiers import TierConfig
+
+    monkeypatch.setattr(lmcache_server, "SLOW_PROBE_S", 0.2)
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there
+    srv = LMCacheServer(TierConfig.from_dict({"l2": f"redis://127.0.0.1:{port}"}), tmp_path / "log")
+    assert lmcache_server.shared_tier_hung(srv.config.l2, 0.2) is False
+    assert srv.supervise() == "shared-down" and not srv.without_shared
