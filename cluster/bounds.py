@@ -1,13 +1,16 @@
 """What was achievable, computed on the same trace and with the same block rules as the simulator.
 
 - `global_infinite` (`infinite` in `record_bounds`): one cache of unbounded size that sees every
-  request (no placement, no eviction): the most any fleet could hit.
+  request (no placement, no eviction): the most any fleet could hit, in any order of arrival
+  (`order_free_infinite_hits`: a simulator that waits for replies or caps concurrency sends requests in
+  an order of its own).
 - `round_robin_infinite` (`record_bounds`): N unbounded caches, request i going to cache i mod N:
   what placement blind to prefixes achieves even with unlimited memory.
 - `merged_lru`: one LRU cache with the whole fleet's capacity (replicas x capacity_blocks, plus the
   host tiers when given), seen by every request: what perfect placement could hit with LRU eviction
-  at this capacity. Not a strict upper bound (a partitioned cache can occasionally beat LRU), but
-  the reference a placement policy should reach.
+  at this capacity. Not a strict upper bound (a partitioned cache can occasionally beat LRU, and with
+  eviction it replays the trace's order), but the reference a placement policy should reach. With room
+  for every block it is the global infinite bound.
 - `balance_bounded_bound`: the hit rate a placement reaches with one unbounded cache per replica
   while keeping per-replica prefill (uncached prompt tokens computed) within max/mean 1.10: what
   "as many hits as possible without piling work onto one replica" allows. Found greedily, so a
@@ -57,9 +60,33 @@ def round_robin_infinite_hits(
     return hit, total
 
 
+def order_free_infinite_hits(requests: Sequence[TraceRequest], block_size: int) -> tuple[int, int]:
+    """(cached, prompt) tokens of one infinite cache, the most over every order the requests could arrive in.
+
+    Why not the trace's order: a prompt that ends on a block boundary computes its last block (vLLM hits at
+    most (tokens - 1) // block_size blocks) yet stores it, so whether a longer prompt through that block
+    hits it depends on which came first; a simulator that waits for replies or caps concurrency sends
+    requests in an order of its own. With one infinite cache a request hits a block exactly when an earlier
+    request stored it, so per block: every request that could hit it does, but the first to hold it,
+    unless that one can be a request that only stores it. An upper bound for any order; equal to the
+    trace-order figure when no prompt ending on a boundary follows one that hits its last block."""
+    hittable: dict[int, int] = {}  # block -> requests that could hit it
+    stored: dict[int, int] = {}  # block -> requests that store it
+    total = 0
+    for r in requests:
+        ids = r.hash_ids
+        total += r.input_length
+        for h in set(ids[: max(0, min(len(ids), (r.input_length - 1) // block_size))]):
+            hittable[h] = hittable.get(h, 0) + 1
+        for h in set(ids[: cacheable_blocks(r.input_length, len(ids), block_size)]):
+            stored[h] = stored.get(h, 0) + 1
+    hit = sum(n - (stored[h] == n) for h, n in hittable.items())
+    return hit * block_size, total
+
+
 def infinite_hit_rate(requests: Sequence[TraceRequest], block_size: int) -> float:
-    """Token-weighted hit rate of one infinite cache."""
-    hit, total = round_robin_infinite_hits(requests, block_size)
+    """Token-weighted hit rate of one infinite cache, in the best order of arrival (`order_free_infinite_hits`)."""
+    hit, total = order_free_infinite_hits(requests, block_size)
     return hit / total if total else 0.0
 
 
@@ -154,12 +181,16 @@ def _bounded_affinity(
 def compute_bounds(
     requests: Sequence[TraceRequest], block_size: int, replicas: int, capacity_blocks: int, host_blocks_total: int = 0
 ) -> dict[str, float]:
-    out = {
-        "global_infinite": infinite_hit_rate(requests, block_size),
-        "merged_lru": lru_hit_rate(requests, block_size, replicas * capacity_blocks),
-    }
+    infinite = infinite_hit_rate(requests, block_size)
+    stored = (r.hash_ids[: cacheable_blocks(r.input_length, len(r.hash_ids), block_size)] for r in requests)
+    blocks = len({h for ids in stored for h in ids})
+
+    def merged(capacity: int) -> float:  # with room for every block nothing is evicted: the infinite bound
+        return infinite if capacity >= blocks else lru_hit_rate(requests, block_size, capacity)
+
+    out = {"global_infinite": infinite, "merged_lru": merged(replicas * capacity_blocks)}
     if host_blocks_total:
-        out["merged_lru_with_host"] = lru_hit_rate(requests, block_size, replicas * capacity_blocks + host_blocks_total)
+        out["merged_lru_with_host"] = merged(replicas * capacity_blocks + host_blocks_total)
     return out
 
 

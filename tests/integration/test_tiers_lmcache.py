@@ -133,3 +133,33 @@ def test_shared_tier_loss_then_return(two_nodes):
         time.sleep(5)
     assert got > 0
     assert sb.tier_metrics()["shared_hit_tokens"] >= got
+
+
+def test_a_hung_shared_tier_does_not_hang_requests(two_nodes):
+    """A stopped Redis (SIGSTOP: it takes connections, never answers) held every lookup, and every request
+    whose prompt fills a chunk, for good: the watchdog restarts the server without it, the request waiting on
+    the old server recomputes, later ones are served; once Redis answers, the server takes it back."""
+    import os
+    import signal
+    import threading
+
+    A, sa, redis, rng = (two_nodes[k] for k in ("A", "sa", "redis", "rng"))
+    _ok(A.generate(_prompt(rng, 100)))  # the server's shared tier answers before the hang
+    waiting: dict = {}
+    os.kill(redis.proc.pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: waiting.update(_ok(A.generate(_prompt(rng, 600), timeout=300))))
+        t.start()
+        time.sleep(2.0)
+        assert not waiting  # the lookup waits on the hung Redis
+        assert sa.supervise() == "restarted-without-shared"
+        assert sa.health()["running_without_shared_tier"] is True
+        t.join(180)
+        assert waiting and waiting["num_cached_tokens"] == 0  # answered, recomputed
+        started = time.monotonic()
+        again = _ok(A.generate(_prompt(rng, 600), timeout=120))
+        assert again["num_cached_tokens"] == 0 and time.monotonic() - started < 60
+    finally:
+        os.kill(redis.proc.pid, signal.SIGCONT)
+    assert sa.supervise() == "restarted-shared-back"
+    assert sa.health()["running_without_shared_tier"] is False and sa.health()["shared_tier_up"] is True

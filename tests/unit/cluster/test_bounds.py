@@ -112,3 +112,44 @@ def test_online_greedy_needs_no_hindsight_and_loses_what_only_hindsight_keeps():
     assert [p["max_imbalance"] for p in online] == [1.10, 1.15, 1.20, 1.25]
     assert max(p["hit_rate"] for p in online) < hindsight["hit_rate"]
     assert hindsight["imbalance"] <= 1.25
+
+
+def test_the_infinite_cache_bound_holds_in_every_order_of_arrival():
+    """A prompt ending on a block boundary computes its last block but stores it: a longer prompt through that
+    block hits it only if it comes after. The bound holds whatever order a simulator sends requests in."""
+    import itertools
+    import random
+
+    rng = random.Random(5)
+    bs = 4
+    for _ in range(200):
+        reqs = []
+        for _ in range(rng.randint(2, 5)):
+            n_blocks = rng.randint(1, 3)
+            ids = [rng.randint(1, 2) * 10 + k for k in range(n_blocks)]  # two shared chains: 10,11,12 / 20,21,22
+            tokens = n_blocks * bs - rng.choice([0, 0, 1, 2])  # often on a boundary
+            reqs.append(TraceRequest(0.0, tokens, 1, ids))
+        bound = infinite_hit_rate(reqs, bs)
+        best = max(_round_robin_infinite(list(order), bs, 1) for order in itertools.permutations(reqs))
+        assert best <= bound + 1e-12
+
+
+def test_a_simulator_waiting_for_replies_does_not_beat_the_infinite_cache_bound(tmp_path, capsys):
+    """User a's next turn waits for a long reply, so user b's boundary prompt is sent first and stores the
+    block the turn then hits: in the trace's order nobody could hit it."""
+    trace = tmp_path / "order.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 100, "output_length": 1000, "hash_ids": [10], "user": "a"},
+        {"timestamp": 1, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3], "user": "a"},
+        {"timestamp": 2, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2], "user": "b"},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from kvmesh.deployments.cli import main
+
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--trace", str(trace), "--replicas", "1", "--capacity-blocks", "100"]
+    assert main([*args, "--policies", "round_robin,kvmesh", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for name, m in doc["policies"].items():
+        assert m["hit_rate_tokens"] <= doc["bounds"]["global_infinite"] + 1e-12, name
+        assert m["hit_rate_tokens"] <= doc["bounds"]["merged_lru"] + 1e-12, name
