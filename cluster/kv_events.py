@@ -182,15 +182,24 @@ class KVEventApplier:
         return "gap"
 
     def apply(self, src: SourceState, seq: int, payload: bytes) -> int:
-        """Decode and apply one batch; returns blocks touched (0 for an undecodable payload)."""
+        """Decode and apply one batch; returns blocks touched (0 for a batch that cannot be applied).
+
+        A batch that fails to decode or to apply (a malformed event: a missing field, a hash of the wrong
+        type) is a lost batch: counted, its sequence number passed, and the replica's view cleared to be
+        rebuilt from what follows (it may have removed blocks, and events before the bad one may be
+        applied already). Not passing it would make every later batch a gap whose replay fails on it
+        again, and freeze the replica's view for good."""
         try:
             batch = decode_payload(payload)
-        except DecodeError as exc:
+            self.index.apply_events(src.replica_id, batch.events)
+        except Exception as exc:
             src.decode_errors += 1
-            log.warning("replica %s: %s", src.replica_id, exc)
+            log.warning("replica %s: KV-event batch %d lost (%r): its view is rebuilt", src.replica_id, seq, exc)
             src.last_seq = seq
+            if self.index.has_replica(src.replica_id):
+                self.index.mark_stale(src.replica_id)
+                self.index.mark_fresh(src.replica_id)  # rebuilt from the next batch on, as after a gap
             return 0
-        self.index.apply_events(src.replica_id, batch.events)
         src.last_seq = seq
         src.batches += 1
         n = sum(len(e.block_hashes) for e in batch.events if not isinstance(e, AllBlocksCleared))

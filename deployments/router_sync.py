@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -125,6 +126,8 @@ class UnseenPlacements:
         clock; a negative lag, from clock skew between hosts, counts as none). `free`: the peer was free
         to choose its replica (`is_free_choice`); only free placements add to the unseen count."""
         lag = max(heard_at - sent_at, 0.0)
+        if not math.isfinite(lag) or not math.isfinite(tokens):  # a bad stamp would make every sum NaN for good
+            return
         self.count += 1
         self.lag_total += lag
         self.lag_max = max(self.lag_max, lag)
@@ -211,8 +214,9 @@ class PeerPlacements:
         key = (router, request)
         self.applied += 1
         if kind == "routed":
-            self._close(key)
             hashes, num_tokens, block_size, expected_out, tenant, matched = msg[4:10]
+            if tenant is not None and not isinstance(tenant, str):
+                raise TypeError(f"tenant must be a string, not {type(tenant).__name__}")
             info = RequestInfo(
                 block_hashes=[int(h) for h in hashes],
                 num_tokens=int(num_tokens),
@@ -222,6 +226,9 @@ class PeerPlacements:
                 request_id=f"peer:{router}:{request}",
             )
             hbm, host, shared = (int(x) for x in matched)
+            stamp = float(msg[10]) if len(msg) > 10 else None  # stamped by the peer when it placed the request
+            free = bool(msg[11]) if len(msg) > 11 else True
+            self._close(key)  # checked whole first: a bad message leaves nothing half-applied
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
             placed = PeerPlacement(
                 replica,
@@ -231,9 +238,8 @@ class PeerPlacements:
                 predict=self._predict(),
                 seen=self.monotonic(),
             )
-            if len(msg) > 10:  # stamped by the peer when it placed the request
-                free = bool(msg[11]) if len(msg) > 11 else True
-                self.unseen.heard(float(msg[10]), self.clock(), placed.uncached, free)
+            if stamp is not None:
+                self.unseen.heard(stamp, self.clock(), placed.uncached, free)
             if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
                 for policy in self.policies():
                     policy.on_routed(info, replica, view)
@@ -414,6 +420,7 @@ class RouterSync:
         self._batch_loop: asyncio.AbstractEventLoop | None = None
         self.started_at = time.monotonic()
         self.first_peer_s: float | None = None  # start -> first peer placement applied
+        self.bad_messages = 0  # peers' messages dropped as malformed
         self.first_connect_s: float | None = None  # start -> subscribed to a peer's stream
         self._pub: Any = None
         self._sub: Any = None
@@ -628,14 +635,18 @@ class RouterSync:
             if msg[1] == self.router_id:
                 return 0
             msgs = msg[4] if msg[0] == "batch" else [msg]
-            for m in msgs:
-                self.placements.apply(m)
-            if self.first_peer_s is None:
-                self.first_peer_s = time.monotonic() - self.started_at
-            return len(msgs)
         except Exception:  # a malformed frame is dropped, the stream goes on
-            log.exception("router sync: bad message dropped")
+            log.exception("router sync: bad frame dropped")
             return 1
+        for m in msgs:  # one bad message drops itself, not the peer's other messages of the frame
+            try:
+                self.placements.apply(m)
+            except Exception:
+                self.bad_messages += 1
+                log.exception("router sync: bad message dropped")
+        if self.first_peer_s is None:
+            self.first_peer_s = time.monotonic() - self.started_at
+        return len(msgs)
 
     def stats(self) -> dict:
         unseen = self.placements.unseen
@@ -646,6 +657,7 @@ class RouterSync:
             "published": self.published,
             "frames": self.frames,
             "applied": self.placements.applied,
+            "bad_messages": self.bad_messages,
             "peer_inflight": len(self.placements.placements),
             "unseen_placements": round(self.placements.unseen_placements()[0], 3),
             "lag_ms_mean": round(1000 * unseen.lag_total / unseen.count, 2) if unseen.count else None,

@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from kvmesh.deployments.router_sync import PeerPlacements, UnseenPlacements, routed_message
 from kvmesh.policies.base import RequestInfo
@@ -344,3 +345,49 @@ def test_a_peer_request_running_past_the_ttl_counts_while_its_router_names_it_li
         peers.expire()
     assert [key[1] for key in peers.placements] == ["long"]
     assert peers.tenants.active("acme") == 1 and peers.pending() == {"r0": [1, 0, 70]}
+
+
+def test_a_malformed_peer_message_drops_itself_not_the_rest_of_its_frame():
+    """A peer's `done`s after one bad message of the same frame still end its requests here."""
+    import msgpack
+
+    from kvmesh.cluster.index import PrefixIndex
+    from kvmesh.deployments.router_sync import RouterSync
+
+    index = PrefixIndex()
+    index.add_replica("r0")
+    peers = PeerPlacements(index, lambda: [])
+    sync = RouterSync("t", peers)  # no sockets: `_apply` is the drain's step per frame
+
+    def info(q, tenant="acme"):
+        return RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, tenant=tenant, request_id=q)
+
+    routed = [routed_message("A", info(q), "r0", (0, 0, 0)) for q in ("q1", "q2", "q3")]
+    sync._apply(msgpack.packb(["batch", "A", "", "", routed]))
+    assert peers.tenants.active("acme") == 3
+    dones = [["live", "A", "", ""]] + [["done", "A", q, "r0"] for q in ("q1", "q2", "q3")]  # `live` lacks its list
+    sync._apply(msgpack.packb(["batch", "A", "", "", dones]))
+    assert peers.pending() == {} and peers.tenants.active("acme") == 0
+    assert sync.stats()["bad_messages"] == 1
+
+
+def test_a_malformed_routed_message_leaves_nothing_behind_and_a_bad_stamp_no_nan():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex()
+    index.add_replica("r0")
+    peers = PeerPlacements(index, lambda: [])
+    bad = routed_message(
+        "A", RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, request_id="q"), "r0", (0, 0, 0)
+    )
+    bad[8] = ["not", "a", "tenant"]
+    with pytest.raises(TypeError):
+        peers.apply(bad)
+    assert index.match([1, 2])["r0"] == (0, 0, 0) and peers.placements == {}
+    stamped = routed_message(
+        "A", RequestInfo(block_hashes=[3], num_tokens=64, block_size=32, request_id="s"), "r0", (0, 0, 0)
+    )
+    stamped[10] = float("nan")
+    peers.apply(stamped)
+    count, tokens = peers.unseen_placements()
+    assert count == count and tokens == tokens  # not NaN
