@@ -113,8 +113,8 @@ APP_DEFAULTS: dict[str, Any] = {
     "proxy": "haproxy",
     # engine.hash_algo xxhash/xxhash_cbor with several tenants: refused unless set true (see _check_hash_risk)
     "accept_hash_collision_risk": False,
-    # POST /kvmesh/reset_prefix_cache (a cache test's cold pass): any authenticated caller could empty every
-    # engine's prefix cache, so it answers 403 unless set true (`kvmesh cachetest --serve` sets it)
+    # POST /kvmesh/reset_prefix_cache (a cache test's cold pass) empties every engine's prefix cache: it
+    # answers operators only, and 403 unless set true (`kvmesh cachetest --serve` sets it)
     "allow_cache_reset": False,
     # a running Ray cluster (host:port) to deploy onto instead of starting one (`kvmesh serve --address`);
     # kvmesh then sets no CPUs, GPUs or environment of that cluster's nodes

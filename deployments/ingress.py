@@ -15,6 +15,7 @@ missed) and POST /kvmesh/reset_prefix_cache (every engine's prefix cache, when t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -57,6 +58,12 @@ MAX_LOOKUP_HASHES = 10_000  # about 30 ms of the router's loop at 4 replicas
 # model's tokenizer on this 2-core machine, against about 0.14 ms for the hand-off; most prompts are far shorter
 # and stay on the loop
 LONG_PROMPT_CHARS = 32_768
+# A request body is read whole before it is parsed: at most this many bytes per token of context (a token id
+# in JSON takes at most 8, text about 4), and never less than MIN_BODY_BYTES; more is a 413 before parsing.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 4 << 20
+BODY_TIMEOUT_S = 30.0  # a body that has not arrived whole by then is a 408: its connection is not held for good
+TOKENIZE_THREADS = 2  # prompts long enough for a thread: their own pool, so /health and /metrics never wait on them
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -83,12 +90,23 @@ class EngineFailedMidStream(RuntimeError):
     """The engine ended a streamed generation with `error` or `abort` (ENGINE_FAILED)."""
 
 
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than {limit} bytes.", "request_too_large")
+
+
 def _error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, (OpenAIError, KvmeshHTTPError)):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
     return JSONResponse(
         proto.openai_error(500, "Internal server error.", "internal_error", "server_error"), status_code=500
     )
+
+
+@fastapi_app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception):
+    """What no handler answered is still an OpenAI-style 500 (Starlette's own is plain text); logged."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(exc)
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -229,12 +247,73 @@ class Ingress:
             )
         return tenant
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The whole body, within `max_body_bytes` (413) and BODY_TIMEOUT_S (408): a client can neither make
+        the replica hold megabytes it will refuse anyway nor hold a handler with a body that never ends."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise OpenAIError(
+                408, f"The request body did not arrive within {BODY_TIMEOUT_S:.0f} s.", "request_timeout"
+            ) from None
+        return b"".join(chunks)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * self.max_model_len)
+
+    def _max_prompt_chars(self) -> int:
+        """The longest text that can tokenise within the context: no token covers more characters than the
+        vocabulary's longest entry (a byte-level entry is one character per byte). Longer text is refused
+        before it is tokenised, which takes about a second per megabyte and its memory many times over."""
+        cap = getattr(self, "_prompt_chars_cap", None)
+        if cap is None:
+            try:
+                longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            except Exception:  # a tokenizer without a vocabulary to read: no bound from it
+                longest = 1 << 20
+            cap = self._prompt_chars_cap = self.max_model_len * max(1, longest)
+        return cap
+
+    def _too_long(self, req: proto.GenerationRequest, what: str) -> OpenAIError:
+        return proto.bad(
+            f"This model's maximum context length is {self.max_model_len} tokens; the request's {what} "
+            "cannot fit in it.",
+            req.prompt_param,
+            "context_length_exceeded",
+        )
+
+    async def _in_tokenize_thread(self, fn, *args, **kwargs):
+        pool = getattr(self, "_tokenize_pool", None)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvmesh-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
     async def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
         """The prompt's token ids, as vLLM's own server makes them (a completion's text with the model's
         special tokens, a chat's through its template). A long text is encoded off the event loop: megabytes
         of prompt take seconds, and every other request of this replica would wait. Text the tokenizer
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
         if req.prompt_ids is not None:
+            if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
+                raise self._too_long(req, f"{len(req.prompt_ids)} prompt tokens")
             bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise proto.bad(
@@ -244,16 +323,21 @@ class Ingress:
                 )
             return req.prompt_ids
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
+            chars = sum(len(str(m.get("content") or "")) for m in req.messages)
+            if len(req.messages) >= self.max_model_len or chars > self._max_prompt_chars():
+                raise self._too_long(req, f"{len(req.messages)} messages of {chars} characters")
             try:
                 text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
             except (TemplateError, ValueError) as exc:  # the template's raise_exception, or a model without one
                 raise proto.bad(f"The model's chat template refused these messages: {exc}"[:500], "messages") from None
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
+        if len(text) > self._max_prompt_chars():
+            raise self._too_long(req, f"{len(text)} characters of prompt")
         special = req.kind == "completion"  # a chat template writes its own special tokens
         try:
             if len(text) > LONG_PROMPT_CHARS:
-                return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special))
+                return list(await self._in_tokenize_thread(self.tokenizer.encode, text, add_special_tokens=special))
             return list(self.tokenizer.encode(text, add_special_tokens=special))
         except (TypeError, ValueError, UnicodeError) as exc:
             message = f"The prompt cannot be tokenized: {exc}"[:300]
@@ -341,7 +425,7 @@ class Ingress:
         name_loop_thread()
         try:
             tenant = self._auth(request)
-            body = proto.parse_json(await request.body())
+            body = proto.parse_json(await self._read_body(request))
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
@@ -651,8 +735,8 @@ class Ingress:
         blocks) or failed, and when LMCache tiers are configured: they keep what the engines computed, so
         the next pass would not be cold."""
         try:
-            self._auth(request)
-        except KvmeshHTTPError as exc:
+            self._operator(request)  # it empties every tenant's cache
+        except (OpenAIError, KvmeshHTTPError) as exc:
             return _error_response(exc)
         if not self.cfg["allow_cache_reset"]:
             msg = "Cache reset is off on this server (config allow_cache_reset)."
@@ -680,7 +764,7 @@ class Ingress:
         Each hash is looked up on its own (not as a chain), so the answer is plain membership."""
         try:
             self._operator(request)
-            body = proto.parse_json(await request.body())
+            body = proto.parse_json(await self._read_body(request))
             hashes = body.get("hashes")
             if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
                 raise proto.bad("'hashes' must be a list of integers.", "hashes", "invalid_type")

@@ -95,6 +95,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad(f"The request body is not valid JSON: {exc}".splitlines()[0], code="invalid_json") from None
+    except RecursionError:  # Python's parser gives up on deep nesting: a 2 KB body of brackets
+        raise bad("The request body is nested too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.", code="invalid_json")
     return body

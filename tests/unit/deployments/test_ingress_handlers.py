@@ -481,3 +481,127 @@ def test_min_tokens_beyond_the_clients_max_tokens_is_a_400():
     ing.engine = _RecordingEngine()
     status, body = _answer(ing, {**BODY, "max_tokens": 2, "min_tokens": 3})
     assert status == 400 and body["error"]["param"] == "min_tokens" and not ing.engine.requests
+
+
+class _CountingTokenizer:
+    """A tokenizer that must not be asked: an oversized prompt is refused before tokenising."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get_vocab(self):
+        return {"a": 0, "bb": 1, "ccc": 2}  # the longest entry covers 3 characters
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls += 1
+        return [0] * len(text)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return "x"
+
+
+def _client(ing):
+    """A FastAPI app with the ingress app's own exception handlers routing to `ing` (what a client sees)."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    app = FastAPI()
+    for kind, handler in ingress_module.fastapi_app.exception_handlers.items():
+        app.add_exception_handler(kind, handler)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await ing._generate(request, "completion")
+
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_deeply_nested_json_is_a_400_and_anything_unanswered_an_openai_500():
+    ing = _ingress()
+    with _client(ing) as c:
+        body = '{"model": "tiny", "prompt": [1], "user": ' + "[" * 5000 + "]" * 5000 + "}"
+        r = c.post("/v1/completions", content=body.encode())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        ing.admission = None  # any failure no handler answers
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read_or_parsed():
+    ing = _ingress()
+    ing.max_model_len = 16  # the limit is the floor: MIN_BODY_BYTES
+    limit = ingress_module.MIN_BODY_BYTES
+    with _client(ing) as c:
+        big = json.dumps({"model": "tiny", "prompt": "a" * (limit + 10), "max_tokens": 1}).encode()
+        r = c.post("/v1/completions", content=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    async def run():  # no Content-Length: counted while read
+        chunks = [b'{"model": "tiny", "prompt": "', b"a" * limit, b'"}']
+
+        async def receive():
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        answer = await ing._generate(Request(scope, receive), "completion")
+        assert answer.status_code == 413
+
+    asyncio.run(run())
+
+
+def test_a_body_that_never_ends_is_a_408_not_a_handler_held_for_good(monkeypatch):
+    handler_globals = ingress_module.Ingress.func_or_class._generate.__globals__  # type: ignore[attr-defined]
+    monkeypatch.setitem(handler_globals, "BODY_TIMEOUT_S", 0.2)
+
+    async def run():
+        ing = _ingress()
+        first = True
+
+        async def receive():
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": b'{"model": ', "more_body": True}
+            await asyncio.Event().wait()  # the rest never comes
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        answer = await asyncio.wait_for(ing._generate(Request(scope, receive), "completion"), 5)
+        assert answer.status_code == 408 and _code(answer) == "request_timeout"
+        assert ing.admission.in_flight == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny", "prompt": "abc" * 20, "max_tokens": 1},  # 60 characters > 16 tokens x 3
+        {"model": "tiny", "messages": [{"role": "user", "content": "abc" * 20}], "max_tokens": 1},
+        {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 16, "max_tokens": 1},
+        {"model": "tiny", "prompt": [1] * 16, "max_tokens": 1},  # ids: refused before each is checked
+    ],
+    ids=["text", "chat", "messages", "ids"],
+)
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_tokenised(body):
+    async def run():
+        tokenizer = _CountingTokenizer()
+        ing = _ingress(tokenizer=tokenizer)
+        ing.max_model_len = 16
+        req, _, _ = _request(body, "/v1/chat/completions" if "messages" in body else "/v1/completions")
+        answer = await ing._generate(req, "chat" if "messages" in body else "completion")
+        assert answer.status_code == 400 and _code(answer) == "context_length_exceeded", answer.body
+        assert tokenizer.calls == 0
+
+    asyncio.run(run())
+
+
+def test_emptying_every_tenants_cache_is_for_operators_only():
+    async def run():
+        ing = _tenanted()
+        ing.cfg = {**ing.cfg, "allow_cache_reset": True, "engine": {}}
+        req, _, _ = _request(b"", "/kvmesh/reset_prefix_cache", ACME_KEY)
+        answer = await ing.reset_prefix_cache(req)
+        assert answer.status_code == 403 and _code(answer) == "operator_only"
+
+    asyncio.run(run())
