@@ -77,8 +77,8 @@ class SimConfig:
             raise ValueError("shared_blocks must be >= 1")
         if self.load is not None and not (self.load > 0 and math.isfinite(self.load)):
             raise ValueError("load must be a positive number")
-        if self.uncached_rate < 0 or self.cached_rate < 0:
-            raise ValueError("cost rates must be >= 0")
+        if not all(r >= 0 and math.isfinite(r) for r in (self.uncached_rate, self.cached_rate)):
+            raise ValueError("cost rates must be finite numbers >= 0")  # NaN passed `< 0`: a NaN cost
         if self.tier_store_at not in ("routed", "computed"):
             raise ValueError("tier_store_at must be 'routed' or 'computed'")
         if self.tier_chunk_blocks < 1:

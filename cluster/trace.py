@@ -83,11 +83,26 @@ def resolve(name_or_path: str | os.PathLike) -> str:
     return name_or_path
 
 
+def _finite(v: int | float) -> bool:
+    """Whether a JSON number is finite as a float: an integer of more than 308 digits is not (it would
+    overflow every float sum it enters)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _brief(v) -> str:
+    """`repr(v)` for a one-line message, a number thousands of digits long cut to its first ones."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:24] + f"... ({len(text)} characters)"
+
+
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> float:
     """The checked field: a number >= minimum, whole except the timestamp (an int or an integral float)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
-        raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < minimum:
+        raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {_brief(v)}")
     if isinstance(v, float) and key != "timestamp" and not v.is_integer():
         raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
     return v
@@ -116,6 +131,12 @@ def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKE
         raise TraceError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
     if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
         raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
+    for key in ("tenant", "user"):  # dict keys and cache salts: a list or an object cannot be either
+        v = rec.get(key)
+        if not (
+            v is None or isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v))
+        ):
+            raise TraceError(f"{where}: field {key!r} must be a string, a finite number or null, got {_brief(v)}")
     return rec
 
 
@@ -134,6 +155,10 @@ def _iter_records(path: str, block_size: int, limit: int | None) -> Iterator[tup
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
+            except ValueError:  # an integer of more than 4300 digits (Python's limit on int parsing)
+                raise TraceError(f"{where}: not valid JSON (a number with too many digits)") from None
             count += 1
             yield where, check_record(rec, where, block_size)
 
@@ -145,11 +170,28 @@ def _read(name_or_path: str, path: str, block_size: int, limit: int | None) -> I
         raise TraceError(f"trace {name_or_path!r}: cannot read ({exc})") from None
 
 
+def _in_time_order(items: Iterator[tuple[str, dict]]) -> Iterator[tuple[str, dict]]:
+    """The records as they come; TraceError at the first whose timestamp is earlier than the one before.
+    Why: a simulation of such a trace has a negative span and no load, and nothing says so."""
+    last_ts = -math.inf
+    for where, rec in items:
+        ts = float(rec["timestamp"])
+        if ts < last_ts:
+            raise TraceError(f"{where}: timestamp {ts:g} goes back in time (previous {last_ts:g})")
+        last_ts = ts
+        yield where, rec
+
+
 def read_records(
-    name_or_path: str | os.PathLike, limit: int | None = None, block_size: int = SOURCE_BLOCK_TOKENS
+    name_or_path: str | os.PathLike,
+    limit: int | None = None,
+    block_size: int = SOURCE_BLOCK_TOKENS,
+    in_time_order: bool = False,
 ) -> list[dict]:
-    """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad."""
-    return [rec for _, rec in _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)]
+    """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad.
+    With `in_time_order`, a timestamp that goes back is bad too (as `load_trace` checks, for a simulation)."""
+    items = _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)
+    return [rec for _, rec in (_in_time_order(items) if in_time_order else items)]
 
 
 def users_meta(users: list) -> dict:
@@ -166,14 +208,9 @@ def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: 
     path = resolve(name_or_path)
     reqs: list[TraceRequest] = []
     users: list = []
-    last_ts = -math.inf
-    for where, rec in _read(name_or_path, path, block_size, limit):
-        req = TraceRequest.from_record(rec)
+    for _, rec in _in_time_order(_read(name_or_path, path, block_size, limit)):
+        reqs.append(TraceRequest.from_record(rec))
         users.append(rec.get("user"))
-        if req.timestamp_ms < last_ts:
-            raise TraceError(f"{where}: timestamp {req.timestamp_ms:g} goes back in time (previous {last_ts:g})")
-        last_ts = req.timestamp_ms
-        reqs.append(req)
     if not reqs:
         raise TraceError(f"trace {name_or_path!r}: no requests")
     name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)

@@ -212,7 +212,9 @@ def engine_trace(
     ids: dict[tuple, int] = {}
     out = []
     for rec in records:
-        salt = rec.get("tenant") if salt_by_tenant else None
+        tenant = rec.get("tenant")
+        # the tenant as a request carries it (`TraceRequest.tenant`, a string): tenants 1 and "1" are one
+        salt = None if tenant is None or not salt_by_tenant else str(tenant)
         lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
         hashes = [
             ids.setdefault((salt, hid, j), len(ids) + 1)

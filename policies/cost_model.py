@@ -27,7 +27,16 @@ All are plain seconds; see docs/simulator.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
+
+
+def _finite(v: int | float) -> bool:
+    """Whether `v` is finite as a float (an integer too large for one is not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +52,13 @@ class CostModel:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"cost model: {f.name} must be a non-negative number, got {v!r}")
+            # NaN passes `v < 0` and an infinity or a 400-digit integer overflows the sums: both placed
+            # requests by numbers that mean nothing
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+                text = repr(v) if len(repr(v)) <= 40 else repr(v)[:24] + "..."
+                raise ValueError(f"cost model: {f.name} must be a finite non-negative number, got {text}")
+        if not isinstance(self.max_batch, int):  # a count of sequences
+            raise ValueError(f"cost model: max_batch must be a whole number, got {self.max_batch!r}")
         if self.max_batch < 1:
             raise ValueError("cost model: max_batch must be >= 1")
 

@@ -10,19 +10,27 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+INT64_MAX = 2**63 - 1  # numpy's int64 holds block counts: beyond it they overflow
+
+
+def _brief(value) -> str:
+    """A value for a one-line message: a number thousands of digits long cut to its first ones."""
+    text = str(value)
+    return text if len(text) <= 40 else text[:24] + f"... ({len(text)} characters)"
+
 
 def _whole(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {_brief(repr(text))}") from None
 
 
 def _number(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {_brief(repr(text))}") from None
 
 
 def positive_int(text: str) -> int:
@@ -37,6 +45,34 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def int_up_to(maximum: int, minimum: int = 1) -> Callable[[str], int]:
+    """A whole number in [minimum, maximum]. Why an upper limit: a size far beyond any real one (a typo, an
+    extra digit) would otherwise overflow numpy or run for hours instead of failing at once."""
+
+    def parse(text: str) -> int:
+        value = _whole(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {_brief(value)}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:,}, got {_brief(value)}")
+        return value
+
+    return parse
+
+
+def float_up_to(maximum: float) -> Callable[[str], float]:
+    """A finite number in [0, maximum] (a time in ms, say): one too large to stay finite once multiplied
+    by a count of requests fails here, not as a float overflow in the middle of the work."""
+
+    def parse(text: str) -> float:
+        value = non_negative_float(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {_brief(text)}")
+        return value
+
+    return parse
 
 
 def positive_float(text: str) -> float:
@@ -75,10 +111,22 @@ def int_range(text: str) -> tuple[int, int]:
     try:
         pair = (int(lo), int(hi or lo))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {_brief(repr(text))}") from None
     if not 1 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {_brief(repr(text))}")
     return pair
+
+
+def int_range_up_to(maximum: int) -> Callable[[str], tuple[int, int]]:
+    """`int_range` with MAX <= `maximum` (why a limit: `int_up_to`)."""
+
+    def parse(text: str) -> tuple[int, int]:
+        pair = int_range(text)
+        if pair[1] > maximum:
+            raise argparse.ArgumentTypeError(f"MAX must be <= {maximum:,}, got {_brief(repr(text))}")
+        return pair
+
+    return parse
 
 
 def choices_csv(choices) -> Callable[[str], tuple]:

@@ -8,13 +8,31 @@ import os
 import sys
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_float, non_negative_int, output_file, positive_float, positive_int
+from kvmesh.deployments.cli.args import (
+    INT64_MAX,
+    int_up_to,
+    non_negative_float,
+    output_file,
+    positive_float,
+    positive_int,
+)
+
+# Why 10,000: the simulated fleet's set-up grows with the square of its replicas (10,000 take ~10 s per policy)
+MAX_REPLICAS = 10_000
+MAX_ROUTERS = 1_000  # each router keeps its own index and policy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake JSONL file, or a bundled trace: conversation, synthetic")
-    p.add_argument("--replicas", type=positive_int, required=True, help="number of engine replicas")
-    p.add_argument("--capacity-blocks", type=positive_int, required=True, help="HBM KV blocks per replica")
+    p.add_argument(
+        "--replicas",
+        type=int_up_to(MAX_REPLICAS),
+        required=True,
+        help=f"number of engine replicas (<= {MAX_REPLICAS:,})",
+    )
+    p.add_argument(
+        "--capacity-blocks", type=int_up_to(INT64_MAX), required=True, help="HBM KV blocks per replica (<= 2^63-1)"
+    )
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (default)")
     p.add_argument(
         "--load",
@@ -23,9 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
         "default: trace timestamps as recorded",
     )
-    p.add_argument("--host-blocks", type=non_negative_int, default=0, help="host-tier (LMCache L1) blocks per node")
+    p.add_argument(
+        "--host-blocks",
+        type=int_up_to(INT64_MAX, minimum=0),
+        default=0,
+        help="host-tier (LMCache L1) blocks per node (<= 2^63-1)",
+    )
     p.add_argument("--shared", action="store_true", help="add a shared tier (LMCache L2) reachable from every replica")
-    p.add_argument("--shared-blocks", type=positive_int, default=None, help="shared-tier capacity (default unbounded)")
+    p.add_argument(
+        "--shared-blocks",
+        type=int_up_to(INT64_MAX),
+        default=None,
+        help="shared-tier capacity (default unbounded; <= 2^63-1)",
+    )
     p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
     p.add_argument(
         "--tier-store-at",
@@ -73,9 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N requests")
     p.add_argument(
         "--routers",
-        type=positive_int,
+        type=int_up_to(MAX_ROUTERS),
         default=1,
-        help="routers (ingress replicas), each with its own index and policy; requests spread round robin",
+        help=f"routers (ingress replicas), each with its own index and policy; requests spread round robin "
+        f"(<= {MAX_ROUTERS:,})",
     )
     p.add_argument(
         "--event-delay-ms",
@@ -93,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--churn-every-s",
         type=positive_float,
         default=None,
-        help="replace one replica by a cold one (new id, empty HBM cache) every N simulated seconds",
+        help="replace one replica by a cold one (new id, empty HBM cache) every N simulated seconds; an "
+        "interval that would replace replicas more than replicas x requests times is refused",
     )
     p.add_argument(
         "--cost-model",
@@ -101,8 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)",
     )
-    p.add_argument("--uncached-rate", type=float, default=3.00, help="$ per 1M uncached prompt tokens")
-    p.add_argument("--cached-rate", type=float, default=0.30, help="$ per 1M cached prompt tokens")
+    p.add_argument("--uncached-rate", type=non_negative_float, default=3.00, help="$ per 1M uncached prompt tokens")
+    p.add_argument("--cached-rate", type=non_negative_float, default=0.30, help="$ per 1M cached prompt tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--json", dest="json_out", default=None, metavar="OUT", type=output_file, help="write the result document here"
@@ -127,6 +157,8 @@ def _cost_model(text: str | None):
         return CostModel.from_dict(values)
     except (ValueError, TypeError, OSError) as exc:
         raise CliError(f"--cost-model: {exc}") from None
+    except RecursionError:
+        raise CliError("--cost-model: not valid JSON (nested too deeply)") from None
 
 
 def _load(args):
@@ -144,7 +176,7 @@ def _load(args):
     if args.tokens_per_block % block:
         raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
     try:
-        records = read_records(args.trace, args.limit)
+        records = read_records(args.trace, args.limit, in_time_order=True)
     except TraceError as exc:
         raise CliError(str(exc)) from None
     if not records:
@@ -181,8 +213,6 @@ def run(args) -> int:
         names = parse_policy_list(args.policies)
     except ValueError as exc:
         raise CliError(f"--policies: {exc}") from None
-    if args.uncached_rate < 0 or args.cached_rate < 0:
-        raise CliError("--uncached-rate and --cached-rate must be >= 0")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise CliError(f"--plot: expected a .png path, got {args.plot!r}")
     if args.concurrency is not None and args.load is not None:

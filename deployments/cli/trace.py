@@ -16,7 +16,32 @@ from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import BUNDLED, read_records
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import int_range, output_file, positive_int
+from kvmesh.deployments.cli.args import (
+    float_up_to,
+    int_range_up_to,
+    int_up_to,
+    non_negative_int,
+    output_file,
+    positive_int,
+)
+
+# Limits on a generated trace, far above any real workload: past them a typo would write for hours (the
+# product of --tenants --groups --users --turns is the request count). A million-request trace is common.
+MAX_REQUESTS = 100_000_000
+MAX_BLOCKS = 100_000  # trace blocks of 512 tokens in one prompt part: 51M tokens
+MAX_HASH_IDS = 10_000_000_000  # hash ids written over the whole trace (a prompt lists its whole history)
+MAX_MS = 10**12  # about 31 years
+
+
+def _check_size(requests: int, hash_ids: int) -> None:
+    """Refuse a trace too large to write, before any of it is made."""
+    if requests > MAX_REQUESTS:
+        raise CliError(f"kvmesh trace: {requests:,} requests, more than {MAX_REQUESTS:,}: make the trace smaller")
+    if hash_ids > MAX_HASH_IDS:
+        raise CliError(
+            f"kvmesh trace: up to {hash_ids:,} hash ids, more than {MAX_HASH_IDS:,}: make the trace or its "
+            "prompts smaller"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,24 +49,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     s = sub.add_parser("synth", help="multi-tenant multi-turn chat workload")
     s.add_argument("--out", required=True, help="JSONL file to write")
+    s.epilog = (
+        f"tenants x groups x users x turns (the request count) must be <= {MAX_REQUESTS:,}, and the hash ids "
+        f"of all prompts <= {MAX_HASH_IDS:,}"
+    )
     s.add_argument("--tenants", type=positive_int, default=2)
     s.add_argument("--groups", type=positive_int, default=2, help="system prompts per tenant")
     s.add_argument("--users", type=positive_int, default=4, help="users per group")
     s.add_argument("--turns", type=positive_int, default=4, help="turns per user")
-    s.add_argument("--system-blocks", type=positive_int, default=8, help="system prompt length in 512-token blocks")
-    s.add_argument("--user-blocks", type=int_range, default=(1, 2), help="new message blocks per turn: N or MIN-MAX")
-    s.add_argument("--reply-blocks", type=int_range, default=(1, 2), help="reply blocks per turn: N or MIN-MAX")
-    s.add_argument("--start-spread-ms", type=int, default=20_000, help="users start uniformly within this window")
-    s.add_argument("--think-ms", type=int, default=10_000, help="mean pause between a user's turns")
+    s.add_argument(
+        "--system-blocks",
+        type=int_up_to(MAX_BLOCKS),
+        default=8,
+        help=f"system prompt length in 512-token blocks (<= {MAX_BLOCKS:,})",
+    )
+    s.add_argument(
+        "--user-blocks",
+        type=int_range_up_to(MAX_BLOCKS),
+        default=(1, 2),
+        help=f"new message blocks per turn: N or MIN-MAX (<= {MAX_BLOCKS:,})",
+    )
+    s.add_argument(
+        "--reply-blocks",
+        type=int_range_up_to(MAX_BLOCKS),
+        default=(1, 2),
+        help=f"reply blocks per turn: N or MIN-MAX (<= {MAX_BLOCKS:,})",
+    )
+    s.add_argument(
+        "--start-spread-ms",
+        type=int_up_to(MAX_MS, minimum=0),
+        default=20_000,
+        help="users start uniformly within this window (<= 10^12)",
+    )
+    s.add_argument(
+        "--think-ms",
+        type=int_up_to(MAX_MS, minimum=0),
+        default=10_000,
+        help="mean pause between a user's turns (<= 10^12)",
+    )
     s.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("flood", help="shared-system-prompt flood (hot-spot workload)")
     f.add_argument("--out", required=True)
-    f.add_argument("--requests", type=positive_int, default=64)
-    f.add_argument("--system-blocks", type=positive_int, default=8)
-    f.add_argument("--unique-blocks", type=positive_int, default=1)
-    f.add_argument("--output-blocks", type=positive_int, default=1)
-    f.add_argument("--interval-ms", type=float, default=50.0)
+    f.add_argument("--requests", type=int_up_to(MAX_REQUESTS), default=64, help=f"<= {MAX_REQUESTS:,}")
+    f.add_argument("--system-blocks", type=int_up_to(MAX_BLOCKS), default=8, help=f"<= {MAX_BLOCKS:,}")
+    f.add_argument("--unique-blocks", type=int_up_to(MAX_BLOCKS), default=1, help=f"<= {MAX_BLOCKS:,}")
+    f.add_argument("--output-blocks", type=int_up_to(MAX_BLOCKS), default=1, help=f"<= {MAX_BLOCKS:,}")
+    f.add_argument(
+        "--interval-ms", type=float_up_to(MAX_MS), default=50.0, help="between two requests (finite, <= 10^12)"
+    )
     f.add_argument("--tenant", default="t0")
     f.add_argument("--seed", type=int, default=0)
 
@@ -53,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--replicas", type=positive_int, default=4)
     b.add_argument("--limit", type=positive_int, default=None)
-    b.add_argument("--warmup", type=int, default=0, help="first N records fill the caches uncounted")
+    b.add_argument(
+        "--warmup", type=non_negative_int, default=0, help="first N (>= 0) records fill the caches uncounted"
+    )
     b.add_argument("--json", default=None, type=output_file, help="also write the result here")
 
 
@@ -73,12 +131,19 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
             )
             total = args.tenants * args.groups * args.users * args.turns
+            conversations = args.tenants * args.groups * args.users
+            # a turn's prompt lists the system prompt and every earlier message and reply
+            per_turn = args.user_blocks[1] + args.reply_blocks[1]
+            _check_size(
+                total, total * args.system_blocks + conversations * per_turn * args.turns * (args.turns + 1) // 2
+            )
             if total >= 100_000:
                 print(f"generating {total:,} requests ...", file=sys.stderr, flush=True)
             n = workloads.write_jsonl(workloads.synth_chat(spec), args.out, progress=total >= 100_000)
             print(f"wrote {n} requests to {args.out}")
             return 0
         if args.trace_command == "flood":
+            _check_size(args.requests, args.requests * (args.system_blocks + args.unique_blocks))
             records = workloads.synth_flood(
                 requests=args.requests,
                 system_blocks=args.system_blocks,
@@ -92,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {n} requests to {args.out}")
             return 0
         records = read_records(args.trace, limit=args.limit)
+        if not records:  # as `kvmesh simulate` refuses it: no bound of nothing
+            raise CliError(f"kvmesh trace: trace {args.trace!r}: no requests")
         result = record_bounds(records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup)
     except OSError as exc:
         raise CliError(f"kvmesh trace: {exc.strerror or exc}: {exc.filename}") from None

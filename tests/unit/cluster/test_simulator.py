@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 from paths import FIXTURES
@@ -13,7 +14,7 @@ from sim_fakes import COST, FixedPlacement
 from kvmesh.cluster.block_cache import BlockLRU
 from kvmesh.cluster.bounds import compute_bounds, infinite_hit_rate, lru_hit_rate
 from kvmesh.cluster.simulator import SimConfig, simulate, simulate_policy
-from kvmesh.cluster.trace import Trace, TraceError, TraceRequest, load_trace, scale_to_load, tile
+from kvmesh.cluster.trace import Trace, TraceError, TraceRequest, load_trace, read_records, scale_to_load, tile
 from kvmesh.policies.cost_model import CostModel
 from kvmesh.policies.registry import PEERS, POLICY_NAMES, make_policy
 
@@ -49,6 +50,15 @@ def test_bundled_traces_load():
         ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, "x"]}', "hash_ids"),
         ('{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}', "does not fit 1 hash ids"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 1.5, "hash_ids": [1]}', "whole number"),
+        # valid JSON a dict key or a float cannot take: one line, not a TypeError or an OverflowError
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "user": [1]}', "'user'"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "user": {"a": 1}}', "'user'"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": {"a": 1}}', "'tenant'"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": [1]}', "'tenant'"),
+        ('{"timestamp": %s, "input_length": 10, "output_length": 1, "hash_ids": [1]}' % ("9" * 400), "'timestamp'"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": %s, "hash_ids": [1]}' % ("9" * 400), "output_length"),
+        ("[" * 100_000, "nested too deeply"),
+        ('{"timestamp": %s}' % ("9" * 5000), "too many digits"),
     ],
 )
 def test_malformed_line_names_its_line(tmp_path, line, needle):
@@ -58,6 +68,20 @@ def test_malformed_line_names_its_line(tmp_path, line, needle):
         load_trace(path)
     msg = str(exc.value)
     assert "t.jsonl line 3" in msg and needle in msg and "\n" not in msg
+
+
+def test_records_read_for_a_simulation_must_not_go_back_in_time(tmp_path):
+    """`read_records` (the expanding path of `kvmesh simulate`) refuses what `load_trace` refuses."""
+    path = write(
+        tmp_path,
+        [
+            '{"timestamp": 100, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+            '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+        ],
+    )
+    with pytest.raises(TraceError, match="t.jsonl line 2: timestamp 0 goes back in time"):
+        read_records(path, in_time_order=True)
+    assert len(read_records(path)) == 2  # order matters only to a simulation
 
 
 def test_time_going_back_and_empty_and_missing_file(tmp_path):
@@ -488,6 +512,13 @@ def test_simulate_document_shape_and_config_errors():
     for bad in (SimConfig(0, 10), SimConfig(2, 0), SimConfig(2, 10, load=-1), SimConfig(2, 10, host_blocks=-1)):
         with pytest.raises(ValueError):
             bad.check()
+
+
+@pytest.mark.parametrize("rates", [(math.nan, 0.3), (3.0, math.nan), (math.inf, 0.3), (3.0, -math.inf)])
+def test_cost_rates_must_be_finite(rates):
+    """A NaN rate passed `< 0` and made every blended cost NaN (written as a bare NaN in the JSON)."""
+    with pytest.raises(ValueError, match="cost rates must be finite"):
+        SimConfig(2, 10, uncached_rate=rates[0], cached_rate=rates[1]).check()
 
 
 # ------------------------------------------------------- kvmesh against the bounds and the baselines

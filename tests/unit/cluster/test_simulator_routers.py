@@ -143,6 +143,16 @@ def test_replica_churn_keeps_per_replica_state_bounded(trace):
     assert len(out["per_replica"]) == cfg().replicas
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("closed_loop", [False, True])
+def test_a_churn_interval_too_short_for_the_trace_is_refused(trace, closed_loop):
+    """1e-300 s looped span / interval times (for ever); more churns than replicas x requests are refused,
+    before the run where the arrival times are known, at the first request past the limit in a closed loop."""
+    client = ClosedLoop(3, trace.meta["users"]) if closed_loop else None
+    with pytest.raises(ValueError, match=r"more than replicas x requests \(576\)"):
+        simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 0.01, churn_every_s=1e-300), client=client)
+
+
 def test_best_is_the_first_of_place():
     """The simulator asks only for the best replica; it must be `place`'s first choice."""
     rng = np.random.default_rng(0)

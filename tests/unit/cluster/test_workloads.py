@@ -112,6 +112,15 @@ def test_bounds_salt_by_tenant_and_warmup():
     assert warm["requests"] == 1 and warm["prompt_tokens"] == 96 and warm["infinite"]["cached_tokens"] == 64
 
 
+def test_tenant_salt_is_the_tenant_a_request_carries():
+    """Requests carry their tenant as a string (`TraceRequest.tenant`): tenants 1 and "1" are one tenant,
+    so they share one salt, and share their blocks."""
+    recs = [dict(_rec([1, 2]), tenant=1), dict(_rec([1, 2, 3]), tenant="1")]
+    trace = wl.engine_trace(recs, 32)
+    assert [r.tenant for r in trace.requests] == ["1", "1"]
+    assert trace.requests[1].hash_ids[:2] == trace.requests[0].hash_ids[:2]
+
+
 def test_bounds_reject_misaligned_blocks():
     with pytest.raises(ValueError, match="multiple"):
         record_bounds([_rec([1])], tokens_per_block=48, block_size=32)
@@ -202,9 +211,34 @@ def test_cli_synth_flood_bounds(tmp_path, capsys):
         (["trace", "bounds", "--trace", "/nonexistent/t.jsonl"], "no such file"),
         (["trace", "bounds", "--trace", "BAD", "--tokens-per-block", "48", "--block-size", "32"], None),
         (["trace"], "required"),
+        (["trace", "bounds", "--trace", "conversation", "--warmup", "-5"], "--warmup: must be >= 0, got -5"),
+        (["trace", "bounds", "--trace", "EMPTY"], "no requests"),
+        (["trace", "bounds", "--trace", "TENANT"], "field 'tenant' must be a string, a finite number or null"),
+        (["trace", "synth", "--out", "x.jsonl", "--think-ms", "9" * 330], "--think-ms: must be <= 1,000,000,000,000"),
+        (["trace", "synth", "--out", "x.jsonl", "--start-spread-ms", "-1"], "--start-spread-ms: must be >= 0"),
+        (
+            ["trace", "synth", "--out", "x.jsonl", "--system-blocks", "1000000000"],
+            "--system-blocks: must be <= 100,000",
+        ),
+        (["trace", "synth", "--out", "x.jsonl", "--user-blocks", "1-1000000000"], "MAX must be <= 100,000"),
+        (
+            "trace synth --out x.jsonl --tenants 100000 --groups 100000 --users 100000 --turns 100000".split(),
+            "100,000,000,000,000,000,000 requests, more than 100,000,000",
+        ),
+        (["trace", "synth", "--out", "x.jsonl", "--turns", "100000"], "hash ids, more than 10,000,000,000"),
+        (["trace", "flood", "--out", "x.jsonl", "--requests", "1000000000"], "--requests: must be <= 100,000,000"),
+        (["trace", "flood", "--out", "x.jsonl", "--system-blocks", "1000000000"], "--system-blocks: must be <="),
+        (["trace", "flood", "--out", "x.jsonl", "--interval-ms", "inf"], "--interval-ms: must be a finite number"),
+        (["trace", "flood", "--out", "x.jsonl", "--interval-ms", "1e307"], "--interval-ms: must be <= 1e+12"),
     ],
 )
-def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
+def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a trace that was wrongly written lands here
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "tenant.jsonl").write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2], "tenant": {"a": 1}}\n'
+    )
+    argv = [{"EMPTY": "empty.jsonl", "TENANT": "tenant.jsonl"}.get(a, a) for a in argv]
     if "BAD" in argv:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n')
@@ -213,6 +247,16 @@ def test_cli_errors_are_one_line_exit_2(argv, message, tmp_path, capsys):
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and message in err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_million_request_chat_trace_is_within_the_limits(tmp_path, monkeypatch):
+    """The limits leave the common large trace alone: checked without writing its million lines."""
+    written = []
+    monkeypatch.setattr(wl, "write_jsonl", lambda records, path, progress=False: written.append(path) or 0)
+    monkeypatch.setattr(wl, "synth_chat", lambda spec: [])
+    argv = "trace synth --tenants 20 --groups 10 --users 625 --turns 8 --out".split() + [str(tmp_path / "m.jsonl")]
+    assert cli(argv) == 0 and written == [str(tmp_path / "m.jsonl")]
 
 
 def test_conversation_slice_keeps_whole_conversations_in_context():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from replica_views import views
@@ -100,6 +102,22 @@ def test_cost_model_formula_and_validation():
         CostModel.from_dict({"prefil_s_per_token": 1})
     with pytest.raises(ValueError):
         CostModel(prefill_s_per_token=-1)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"prefill_s_per_token": math.nan}, "prefill_s_per_token must be a finite non-negative number"),
+        ({"decode_s_per_token": math.inf}, "decode_s_per_token must be a finite"),
+        ({"prefill_base_s": 10**400}, "prefill_base_s must be a finite"),
+        ({"max_batch": 1.5}, "max_batch must be a whole number"),
+        ({"max_batch": True}, "max_batch must be a finite"),
+    ],
+)
+def test_cost_model_values_must_be_finite_and_max_batch_whole(values, message):
+    """NaN passed `v < 0` and changed placements; an infinity or a 400-digit integer overflowed the sums."""
+    with pytest.raises(ValueError, match=message):
+        CostModel.from_dict(values)
 
 
 def test_cached_token_rules_follow_vllm():

@@ -96,6 +96,10 @@ def test_every_subcommand_lives_in_the_cli_package():
         (args.int_range, "2", (2, 2)),
         (args.int_range, "1-3", (1, 3)),
         (args.choices_csv(("a", "b")), "b, a", ("b", "a")),
+        (args.int_up_to(10), "10", 10),
+        (args.int_up_to(10, minimum=0), "0", 0),
+        (args.float_up_to(1e12), "1e12", 1e12),
+        (args.int_range_up_to(5), "1-5", (1, 5)),
     ],
 )
 def test_shared_argument_types_accept(check, text, value):
@@ -118,6 +122,12 @@ def test_shared_argument_types_accept(check, text, value):
         (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
         (args.choices_csv(("a", "b")), "c", "choose from a, b"),
         (args.choices_csv(("a", "b")), ",", "choose from a, b"),
+        (args.int_up_to(10), "11", "must be <= 10, got 11"),
+        (args.int_up_to(10), "0", "must be >= 1, got 0"),
+        (args.int_up_to(args.INT64_MAX), "9" * 400, "must be <= 9,223,372,036,854,775,807, got 9999"),
+        (args.float_up_to(1e12), "inf", "must be a finite number"),
+        (args.float_up_to(1e12), "1e307", "must be <= 1e+12"),
+        (args.int_range_up_to(5), "1-6", "MAX must be <= 5"),
     ],
 )
 def test_shared_argument_types_reject_with_one_message(check, text, message):

@@ -154,6 +154,72 @@ def test_bad_arguments_are_one_line_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+BASE = ["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--limit", "20"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--uncached-rate", "nan"], "--uncached-rate: must be a finite number"),
+        (["--cached-rate", "inf"], "--cached-rate: must be a finite number"),
+        (["--uncached-rate", "-1"], "--uncached-rate: must be >= 0"),
+        (["--cost-model", '{"prefill_s_per_token": NaN}'], "prefill_s_per_token must be a finite non-negative"),
+        (["--cost-model", '{"prefill_s_per_token": 1e400}'], "prefill_s_per_token must be a finite non-negative"),
+        (["--cost-model", '{"max_batch": 1.5}'], "max_batch must be a whole number"),
+        (["--cost-model", "[" * 100_000], "--cost-model: not valid JSON (nested too deeply)"),
+        (["--capacity-blocks", "99999999999999999999999"], "--capacity-blocks: must be <= 9,223,372,036,854,775,807"),
+        (["--host-blocks", "99999999999999999999999"], "--host-blocks: must be <="),
+        (["--shared", "--shared-blocks", "99999999999999999999999"], "--shared-blocks: must be <="),
+        (["--replicas", "100000000"], "--replicas: must be <= 10,000"),
+        (["--routers", "100000000"], "--routers: must be <= 1,000"),
+        (["--routers", "2", "--churn-every-s", "1e-300"], "more than replicas x requests (40)"),
+    ],
+)
+def test_values_that_crashed_or_hung_are_one_line_exit_2(extra, message, capsys):
+    """NaN passed the rate and cost checks (NaN costs, other placements); sizes past int64 overflowed numpy,
+    and a huge fleet, router count or churn rate ran for ever."""
+    assert main(BASE + extra + ["--policies", "round_robin", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
+TIME_GOES_BACK = (
+    '{"timestamp": 100, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]}\n'
+    '{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]}\n'
+)
+
+
+@pytest.mark.parametrize(
+    "text, extra, message",
+    [
+        (TIME_GOES_BACK, [], "back.jsonl line 2: timestamp 0 goes back in time (previous 100)"),
+        (TIME_GOES_BACK, ["--tokens-per-block", "512"], "back.jsonl line 2: timestamp 0 goes back in time"),
+        (TIME_GOES_BACK, ["--tokens-per-block", "512", "--load", "0.5"], "line 2: timestamp 0 goes back in time"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, 2], "user": [1]}\n', [], "'user'"),
+        (
+            '{"timestamp": 0, "input_length": 600, "output_length": 10, "hash_ids": [1, 2], "tenant": {"a": 1}}\n',
+            ["--tokens-per-block", "512"],
+            "'tenant' must be a string, a finite number or null",
+        ),
+        ("[" * 100_000 + "\n", [], "back.jsonl line 1: not valid JSON (nested too deeply)"),
+        (
+            '{"timestamp": %s, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]}\n' % ("9" * 400),
+            ["--tokens-per-block", "512"],
+            "back.jsonl line 1: field 'timestamp' must be a number >= 0",
+        ),
+    ],
+)
+def test_trace_lines_that_crashed_or_misled_are_one_line_exit_2(tmp_path, capsys, text, extra, message):
+    """Both ways of reading a trace (as it is, or expanded with --tokens-per-block) refuse the same lines: time
+    going back was a negative span (`load: null`, or "all timestamps equal" with --load) when expanded."""
+    path = tmp_path / "back.jsonl"
+    path.write_text(text)
+    argv = ["simulate", "--trace", str(path), "--replicas", "2", "--capacity-blocks", "100", *extra]
+    assert main(argv + ["--policies", "round_robin", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
 def test_malformed_trace_line_is_reported_with_its_number(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text(
