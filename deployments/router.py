@@ -97,6 +97,7 @@ class _Routing:
         "cells",
         "rankings",
         "ranked_at",
+        "uncached",
     )
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
@@ -112,6 +113,7 @@ class _Routing:
         self.cells: dict[str, list] = {}
         self.rankings = 1
         self.ranked_at = time.monotonic()
+        self.uncached = 0  # the prompt tokens it will compute on its replica (pending prefill there)
 
 
 class _Inflight(HoldSource):
@@ -440,8 +442,15 @@ class KvmeshRouter(TierHolding, RequestRouter):
     # ------------------------------------------------------------------ routing
     def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:
         pending: dict[str, list[int]] = {}
+        # committed and not yet placed (Serve still probing queue lengths, or held for a prefix): queued on
+        # its replica already, or a burst ranked during a probe sees every replica empty and piles onto the
+        # one holding the burst's shared prefix
+        for routing in self._routing.values():
+            p = pending.setdefault(routing.replica, [0, 0, 0])  # inflight, started, pending prefill tokens
+            p[0] += 1
+            p[2] += routing.uncached
         for st in self._inflight.values():
-            p = pending.setdefault(st.replica, [0, 0, 0])  # inflight, started, pending prefill tokens
+            p = pending.setdefault(st.replica, [0, 0, 0])
             p[0] += 1
             if st.first_token:
                 p[1] += 1
@@ -565,6 +574,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         hold ends: until it is sent, its replica does not have its prefix, and a request sent there
         meanwhile on the strength of that prefix would compute it."""
         routing.replica = rid
+        hbm, _, shared = routing.matches.get(rid, (0, 0, 0))
+        info = routing.info
+        routing.uncached = info.num_tokens - predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
         if self.index.has_replica(rid):  # not one forgotten since it was ranked: the policy would keep it for good
             routing.policy.on_routed(routing.info, rid, routing.views.get(rid))
         routing.fresh = []

@@ -324,7 +324,10 @@ def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
     async def scenario():
         router = make_router(policy="kvmesh", block_size=32)
         a, b = fake_replica("A", queued=2), fake_replica("B", queued=0)
-        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))  # registers both replicas
+        reg = fake_request([1, 2, 3], "reg")  # registers both replicas, and is over before the test
+        where = (await router.choose_replicas([a, b], reg))[0][0].replica_id
+        router._routed(reg, where)
+        router.on_request_completed(where, "i-reg")
         ids = list(range(10, 10 + 200))
         router.index.store("B", block_hashes(ids[:160], 32))
         first = fake_request(ids, "t1")
@@ -349,5 +352,27 @@ def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
         # the guard's work as it was before the request was ranked: t1's credit on B, nothing yet for t2
         assert {r: c[CELLS.index("work")] for r, c in d2["replicas"].items()} == pytest.approx(work, abs=0.1)
         assert dict(zip(CELLS, d2["replicas"]["B"]))["pending"] == 200 - 160
+
+    asyncio.run(scenario())
+
+
+def test_a_request_committed_and_not_yet_placed_is_queued_on_its_replica_for_the_next_ranking(monkeypatch):
+    """Serve probes an empty replica's queue length before it places the first requests, and ranks the rest
+    of a burst meanwhile: each must see the ones committed before it as queued, with their prefill pending,
+    as the simulator counts them, or the burst piles onto the replica holding its shared prefix."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A", queued=0), fake_replica("B", queued=0)
+        first = fake_request(list(range(1000, 1100)), "q1")
+        chosen = (await router.choose_replicas([a, b], first))[0][0].replica_id.unique_id
+        views = {v.replica_id: v for v in router._views([a, b], {})}
+        assert (views[chosen].queued, views[chosen].pending_prefill_tokens) == (1, 100)
+        other = "B" if chosen == "A" else "A"
+        assert (views[other].queued, views[other].pending_prefill_tokens) == (0, 0)
+        router._routed(first, SimpleNamespace(unique_id=chosen))  # placed: counted once, as in flight
+        views = {v.replica_id: v for v in router._views([a, b], {})}
+        assert (views[chosen].queued, views[chosen].pending_prefill_tokens) == (1, 100)
 
     asyncio.run(scenario())

@@ -96,8 +96,11 @@ def test_peer_load_counts_in_the_views_and_leaves_when_the_request_does():
     async def scenario():
         a, b = make_router("A"), make_router("B")
         for r in (a, b):
-            await r.choose_replicas(REPLICAS, fake_request([1, 2, 3], f"reg-{id(r)}"))
-            r.sync.sent.clear()  # the registering request stays unrouted: not part of what is counted
+            reg = fake_request([1, 2, 3], f"reg-{id(r)}")
+            where = _first(await r.choose_replicas(REPLICAS, reg))
+            r._routed(reg, SimpleNamespace(unique_id=where))
+            r.on_request_completed(SimpleNamespace(unique_id=where), f"i-reg-{id(r)}")  # over before the test
+            r.sync.sent.clear()
         placed = {}
         for k in range(6):
             pending = fake_request(list(range(5000 * (k + 1), 5000 * (k + 1) + 256)), f"a{k}")
