@@ -60,8 +60,9 @@ def round_robin_infinite_hits(
     return hit, total
 
 
-def order_free_infinite_hits(requests: Sequence[TraceRequest], block_size: int) -> tuple[int, int]:
-    """(cached, prompt) tokens of one infinite cache, the most over every order the requests could arrive in.
+def order_free_infinite_hits(requests: Sequence[TraceRequest], block_size: int, warmup: int = 0) -> tuple[int, int]:
+    """(cached, prompt) tokens of one infinite cache, the most over every order the requests could arrive in
+    (the first `warmup` requests come first, in any order, and fill the cache uncounted).
 
     Why not the trace's order: a prompt that ends on a block boundary computes its last block (vLLM hits at
     most (tokens - 1) // block_size blocks) yet stores it, so whether a longer prompt through that block
@@ -70,17 +71,22 @@ def order_free_infinite_hits(requests: Sequence[TraceRequest], block_size: int) 
     request stored it, so per block: every request that could hit it does, but the first to hold it,
     unless that one can be a request that only stores it. An upper bound for any order; equal to the
     trace-order figure when no prompt ending on a boundary follows one that hits its last block."""
-    hittable: dict[int, int] = {}  # block -> requests that could hit it
-    stored: dict[int, int] = {}  # block -> requests that store it
+    hittable: dict[int, int] = {}  # block -> counted requests that could hit it
+    stored: dict[int, int] = {}  # block -> counted requests that store it
+    warm: set[int] = set()  # blocks the warm-up requests store
     total = 0
-    for r in requests:
+    for i, r in enumerate(requests):
         ids = r.hash_ids
+        full = ids[: cacheable_blocks(r.input_length, len(ids), block_size)]
+        if i < warmup:
+            warm.update(full)
+            continue
         total += r.input_length
         for h in set(ids[: max(0, min(len(ids), (r.input_length - 1) // block_size))]):
             hittable[h] = hittable.get(h, 0) + 1
-        for h in set(ids[: cacheable_blocks(r.input_length, len(ids), block_size)]):
+        for h in set(full):
             stored[h] = stored.get(h, 0) + 1
-    hit = sum(n - (stored[h] == n) for h, n in hittable.items())
+    hit = sum(n - (h not in warm and stored[h] == n) for h, n in hittable.items())
     return hit * block_size, total
 
 
@@ -203,8 +209,9 @@ def record_bounds(
     salt_by_tenant: bool = True,
     warmup: int = 0,
 ) -> dict:
-    """Infinite-cache and round-robin-over-`replicas`-infinite-caches bounds of JSONL `records` replayed
-    at `tokens_per_block` tokens per trace block and engine blocks of `block_size` (`engine_trace`).
+    """Infinite-cache (in any order of arrival) and round-robin-over-`replicas`-infinite-caches (in the
+    records' order) bounds of JSONL `records` replayed at `tokens_per_block` tokens per trace block and
+    engine blocks of `block_size` (`engine_trace`).
 
     With `salt_by_tenant`, records of different `tenant`s share nothing (kvmesh salts per tenant).
     The first `warmup` records fill the caches without being counted (the published Mooncake figure,
@@ -219,7 +226,7 @@ def record_bounds(
     reqs = engine_trace(
         records, tokens_per_block, block_size, source_block_tokens, salt_by_tenant=salt_by_tenant
     ).requests
-    inf_hit, prompt = round_robin_infinite_hits(reqs, block_size, 1, warmup)
+    inf_hit, prompt = order_free_infinite_hits(reqs, block_size, warmup)
     rr_hit, _ = round_robin_infinite_hits(reqs, block_size, replicas, warmup)
     return {
         "requests": max(0, len(records) - warmup),

@@ -299,7 +299,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             return
         except Exception as exc:  # one replica's bad endpoint must not stop routing to the others
             failures = self._subscribe_failed.get(rid, (0, 0.0))[0] + 1
-            wait_s = min(30.0, 0.5 * 2**failures)
+            wait_s = 0.5 * 2 ** min(failures, 6)  # 1 s doubling to 32 s, then every 32 s
             self._subscribe_failed[rid] = (failures, time.monotonic() + wait_s)
             log.error("cannot subscribe to the KV events of %s (not routed to; again in %.0f s): %r", rid, wait_s, exc)
             return

@@ -635,6 +635,8 @@ class RouterSync:
             if msg[1] == self.router_id:
                 return 0
             msgs = msg[4] if msg[0] == "batch" else [msg]
+            if not isinstance(msgs, list):
+                raise TypeError(f"a batch holds a list of messages, not {type(msgs).__name__}")
         except Exception:  # a malformed frame is dropped, the stream goes on
             log.exception("router sync: bad frame dropped")
             return 1

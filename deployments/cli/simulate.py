@@ -122,8 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--churn-every-s",
         type=positive_float,
         default=None,
-        help="replace one replica by a cold one (new id, empty HBM cache) every N simulated seconds; an "
-        "interval that would replace replicas more than replicas x requests times is refused",
+        help="replace one replica by a cold one (new id, empty HBM cache) every N simulated seconds (between "
+        "two requests each replica is replaced at most once: the churns before its last leave no trace)",
     )
     p.add_argument(
         "--cost-model",

@@ -153,3 +153,26 @@ def test_a_simulator_waiting_for_replies_does_not_beat_the_infinite_cache_bound(
     for name, m in doc["policies"].items():
         assert m["hit_rate_tokens"] <= doc["bounds"]["global_infinite"] + 1e-12, name
         assert m["hit_rate_tokens"] <= doc["bounds"]["merged_lru"] + 1e-12, name
+
+
+def test_the_records_infinite_bound_is_the_simulators_in_any_order_warm_up_included():
+    """`kvmesh trace bounds` and the live benches judge replays (sent closed-loop, in an order of their own)
+    against `record_bounds`: the same order-free bound, the warm-up requests filling the cache first."""
+    import itertools
+
+    from kvmesh.cluster.bounds import record_bounds
+
+    rows = [
+        {"timestamp": 0, "input_length": 100, "output_length": 1000, "hash_ids": [10]},
+        {"timestamp": 1, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 2, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
+    ]
+    got = record_bounds(rows, 512)["infinite"]["hit_rate"]
+    reqs = engine_trace(rows, 512).requests
+    assert got == pytest.approx(infinite_hit_rate(reqs, 512))
+    best = max(_round_robin_infinite(list(order), 512, 1) for order in itertools.permutations(reqs))
+    assert got >= best - 1e-12 and got > _round_robin_infinite(reqs, 512, 1)  # beyond the trace's order
+    warm = record_bounds(rows, 512, warmup=1)["infinite"]
+    assert warm["cached_tokens"] == 1024  # the boundary prompt first stores both blocks the other then hits
+    rows[0].update(hash_ids=[1], input_length=600)  # now the warm-up stores block 1: both counted requests hit it
+    assert record_bounds(rows, 512, warmup=1)["infinite"]["cached_tokens"] == 1024 + 512

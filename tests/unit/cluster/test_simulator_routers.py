@@ -145,12 +145,16 @@ def test_replica_churn_keeps_per_replica_state_bounded(trace):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("closed_loop", [False, True])
-def test_a_churn_interval_too_short_for_the_trace_is_refused(trace, closed_loop):
-    """1e-300 s looped span / interval times (for ever); more churns than replicas x requests are refused,
-    before the run where the arrival times are known, at the first request past the limit in a closed loop."""
+def test_a_churn_interval_far_below_the_gaps_between_requests_replaces_each_replica_once_per_gap(trace, closed_loop):
+    """1e-300 s looped span / interval times (for ever): between two requests only the last churn of each
+    replica leaves a trace, so they are counted and the rest skipped; a quiet trace churning every minute runs."""
+    import time
+
     client = ClosedLoop(3, trace.meta["users"]) if closed_loop else None
-    with pytest.raises(ValueError, match=r"more than replicas x requests \(576\)"):
-        simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 0.01, churn_every_s=1e-300), client=client)
+    started = time.monotonic()
+    res = simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 0.01, churn_every_s=1e-300), client=client)
+    assert time.monotonic() - started < 60
+    assert res["routers"]["replicas_replaced"] > 10**250  # every churn due is counted
 
 
 def test_best_is_the_first_of_place():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from types import SimpleNamespace
 
 from router_fakes import make_router
@@ -192,6 +193,11 @@ def test_one_replica_whose_event_stream_cannot_be_opened_does_not_stop_routing()
             ranked = await router.choose_replicas([a, b], _request([k + 2] * 64, f"q{k}"))
             assert [g[0].replica_id.unique_id for g in ranked] == ["A"]  # B is not ready: not routed to
         assert router._subscribe_failed["B"][0] == 1  # tried once, then backing off
+        router._subscribe_failed["B"] = (5000, 0.0)  # hours of failures: the back-off stays bounded, routing goes on
+        ranked = await router.choose_replicas([a, b], _request([9] * 64, "late"))
+        assert [g[0].replica_id.unique_id for g in ranked] == ["A"]
+        failures, again_at = router._subscribe_failed["B"]
+        assert failures == 5001 and again_at - time.monotonic() <= 32.0
         router.update_replicas([a])
         assert "B" not in router._subscribe_failed
 

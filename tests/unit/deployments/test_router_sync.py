@@ -372,6 +372,8 @@ def test_a_malformed_peer_message_drops_itself_not_the_rest_of_its_frame():
     sync._apply(msgpack.packb(["batch", "A", "", "", dones]))
     assert peers.pending() == {} and peers.tenants.active("acme") == 0
     assert sync.stats()["bad_messages"] == 1
+    for payload in (7, None, "x"):  # a batch whose payload is no list: the frame is dropped, nothing raised
+        assert sync._apply(msgpack.packb(["batch", "A", "", "", payload])) == 1
 
 
 def test_a_malformed_routed_message_leaves_nothing_behind_and_a_bad_stamp_no_nan():
