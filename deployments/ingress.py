@@ -512,7 +512,10 @@ class Ingress:
         def finish(completion_tokens: int, cached: int) -> dict:
             self.serving_metrics.record(replica, len(ids), cached, completion_tokens, ttft)
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
-            local_state.LEDGER.deliver(request_id, cached)
+            if (stream.moves if stream is not None else first.get("migrations", 0)) > 0:
+                local_state.LEDGER.discard(request_id)  # its replica failed: what it stored was unknown to the router
+            else:
+                local_state.LEDGER.deliver(request_id, cached)
             # why the rest missed (/kvmesh/explain)
             miss_attribution.ATTRIBUTION.delivered(request_id, tenant.id, ids, cached)
             return proto.usage(len(ids), completion_tokens, cached)

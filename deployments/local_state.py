@@ -11,8 +11,11 @@ from __future__ import annotations
 import weakref
 
 from kvmesh.deployments.prediction import PredictionLedger
+from kvmesh.deployments.replica_loss import OpenCalls
 
 LEDGER = PredictionLedger()
 ROUTERS: weakref.WeakSet = weakref.WeakSet()  # KvmeshRouter instances living in this process
 # the ingress's ServingMetrics in this process: a router that forgets a replica drops its per-replica rows
 SERVING_METRICS: weakref.WeakSet = weakref.WeakSet()
+# the ingress's engine calls in flight: a router that forgets a replica abandons those still open on it later
+OPEN_CALLS = OpenCalls()

@@ -17,19 +17,25 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
   stream;
 - unary requests are sent again whole (nothing reached the client yet).
 
+A call whose replica left the fleet without failing it (a frozen or cut-off node) is abandoned by the
+router some seconds later (deployments/replica_loss.py) and moved the same way.
+
 Each move counts in /metrics (`kvmesh_migrations_total`); after `max_migrations` moves the request
 fails with an OpenAI-style 503 (`MigrationExhausted`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from kvmesh.deployments import local_state
 from kvmesh.deployments.engine_driver import EngineBroken
 from kvmesh.deployments.failure_metrics import FailureCounters
 from kvmesh.deployments.openai_protocol import OpenAIError
+from kvmesh.deployments.replica_loss import ReplicaGone
 
 log = logging.getLogger("ray.serve.kvmesh")
 
@@ -57,6 +63,8 @@ def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
 
     cause = getattr(exc, "cause", None)
     # the cause first: Ray's RayTaskError(EngineBroken) is an EngineBroken too, but its args are Ray's own
+    if isinstance(exc, ReplicaGone):
+        return True, None
     for e in (cause, exc):
         if isinstance(e, EngineBroken):
             return True, e.args[1] if len(e.args) > 1 else None
@@ -121,9 +129,36 @@ class MigratingStream:
         self._text: Any = None  # a continuation's detokenizer (None: the engine's text is the text)
         self.moves = 0
         self.replica: str | None = None  # the replica streaming now (from its chunks)
+        self._gone = False  # the router abandoned the current call (its replica left the fleet)
+        self._watched = False  # the current call is in OPEN_CALLS
+        self._waiting: asyncio.Task | None = None  # the task awaiting the current call's next chunk, if any
         self._current = request
-        self._stream: Any = open(request)
+        self._stream: Any = None
+        self._on_gone: Callable[[], None] = lambda: None
+        self._open_current()
         self._started = False  # the current engine request produced a chunk
+
+    def _open_current(self) -> None:
+        """Open the current engine request; it is watched for the router abandoning it (replica_loss.py)
+        from its first wait for a chunk, on the loop that waits."""
+        self._gone = False
+        self._watched = False
+        self._stream = self._open(self._current)
+        stream = self._stream
+        self._on_gone = lambda: self._abandoned(stream)  # this call's: a late word for an earlier one is ignored
+
+    def _abandoned(self, stream: Any) -> None:
+        if stream is not self._stream or not self._watched:
+            return
+        self._gone = True
+        self._stream.cancel()
+        if self._waiting is not None:  # waiting for a chunk that will not come: stop waiting now
+            self._waiting.cancel()
+
+    def _close_current(self) -> None:
+        if self._watched:
+            local_state.OPEN_CALLS.unwatch(self._current["request_id"], self._on_gone)
+            self._watched = False
 
     def __aiter__(self) -> MigratingStream:
         return self
@@ -131,17 +166,31 @@ class MigratingStream:
     async def __anext__(self) -> dict:
         while True:
             if self._ended:
+                self._close_current()
                 raise StopAsyncIteration
+            if not self._watched:
+                local_state.OPEN_CALLS.watch(self._current["request_id"], self._on_gone)
+                self._watched = True
+            self._waiting = asyncio.current_task()
             try:
                 chunk = await self._stream.__anext__()
             except StopAsyncIteration:
+                self._close_current()
                 raise
+            except asyncio.CancelledError:
+                if not self._gone or self._waiting is None or self._waiting.uncancel() > 0:
+                    raise  # the client went away (or both): the request ends
+                self._move(None, ReplicaGone(f"replica {self.replica or '?'} left the fleet mid-call"))
+                continue
             except Exception as exc:
-                dead, rid = replica_failure(exc)
+                dead, rid = replica_failure(ReplicaGone(str(exc)) if self._gone else exc)
                 if not dead:
+                    self._close_current()
                     raise
                 self._move(rid or self.replica, exc)
                 continue
+            finally:
+                self._waiting = None
             if not self._started:
                 self._started = True
                 if self._current["request_id"] != self.request["request_id"]:
@@ -156,12 +205,15 @@ class MigratingStream:
                     chunk["finish_reason"] = "stop"
             self.sent.extend(chunk["token_ids"])
             self.delivered_chars += len(chunk["text"])
+            if chunk["finish_reason"] is not None:  # the last chunk: nothing more to wait for
+                self._close_current()
             return chunk
 
     def _move(self, dead_replica: str | None, exc: BaseException) -> None:
         reason = "mid_stream" if self.sent else "before_first_token"
         if dead_replica:
             self._replica_failed(dead_replica)
+        self._close_current()
         self._stream.cancel()
         if self.moves >= self.max_migrations:
             self.counters.gave_up()
@@ -186,9 +238,10 @@ class MigratingStream:
         self._text = self._text_for(self.request, list(self.sent), self.delivered_chars) if self.sent else None
         self._started = False
         self.replica = None
-        self._stream = self._open(self._current)
+        self._open_current()
 
     def cancel(self) -> None:
+        self._close_current()
         self._stream.cancel()
 
 
@@ -200,12 +253,36 @@ async def call_migrating(
     counters: FailureCounters,
     replica_failed: Callable[[str], None],
 ) -> dict:
-    """A unary engine call, sent again whole to another replica when its replica dies."""
+    """A unary engine call, sent again whole to another replica when its replica dies (or leaves the fleet
+    with the call still open: the router abandons it, replica_loss.py). The answer says how often it moved
+    (`migrations`): its replica's cache was not what the router predicted for it."""
     moves = 0
     current = request
+    task = asyncio.current_task()
     while True:
+        gone = active = False
+
+        def abandoned() -> None:
+            nonlocal gone
+            if active and task is not None:
+                gone = True
+                task.cancel()
+
+        active = True
+        local_state.OPEN_CALLS.watch(current["request_id"], abandoned)
         try:
-            return await call(current)
+            try:
+                answer = await call(current)
+            except asyncio.CancelledError:
+                if not gone or task is None or task.uncancel() > 0:
+                    raise  # the client went away (or both): the request ends
+                raise ReplicaGone(f"request {current['request_id']}: its replica left the fleet mid-call") from None
+            finally:
+                active = False
+                local_state.OPEN_CALLS.unwatch(current["request_id"], abandoned)
+            if moves and isinstance(answer, dict):
+                answer["migrations"] = moves
+            return answer
         except Exception as exc:
             dead, rid = replica_failure(exc)
             if not dead:

@@ -63,6 +63,7 @@ class PredictionLedger:
         self.predicted_tokens = 0
         self.delivered_tokens = 0
         self.per_replica: dict[str, list[int]] = {}  # replica -> [predicted, delivered, mismatches]
+        self.discarded = 0  # predictions not compared: their request moved off a replica that failed
 
     def predict(self, request_id: str, replica: str, predicted_tokens: int, block_size: int) -> None:
         with self._lock:
@@ -122,6 +123,13 @@ class PredictionLedger:
             )
         return p.predicted, mismatch
 
+    def discard(self, request_id: str) -> None:
+        """No comparison for this request: it moved to another replica after its first one left (a dead
+        replica's prefill may have reached the shared tier, which the router could not know of)."""
+        with self._lock:
+            if self._pending.pop(request_id, None) is not None:
+                self.discarded += 1
+
     def forget_replica(self, rid: str) -> None:
         """Drop a replica's per-replica counts once it left the fleet: with autoscaling every replica id ever
         seen would otherwise stay in /metrics and /kvmesh/state. The totals keep what it served; its
@@ -142,5 +150,6 @@ class PredictionLedger:
                 "alarms": self.alarms,
                 "predicted_tokens": self.predicted_tokens,
                 "delivered_tokens": self.delivered_tokens,
+                "discarded": self.discarded,
                 "per_replica": {k: list(v) for k, v in self.per_replica.items()},
             }

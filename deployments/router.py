@@ -40,6 +40,7 @@ from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.prediction import predicted_cached_tokens
+from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
 from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, is_free_choice, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
@@ -329,6 +330,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self.index.remove_node(node)
         self.peers.forget_replica(rid)
         self._subscribe_failed.pop(rid, None)
+        gone_with_it = [st.info.request_id for st in self._inflight.values() if st.replica == rid]
+        if gone_with_it:  # calls to it still open once a stopped replica would have finished them never will
+            try:
+                ids = [request_id for request_id in gone_with_it if request_id]
+                asyncio.get_running_loop().call_later(ABANDON_AFTER_S, local_state.OPEN_CALLS.abandon, ids)
+            except RuntimeError:  # not on a loop (a test's direct call): nothing of it is waiting
+                pass
         local_state.LEDGER.forget_replica(rid)  # per-replica rows of /metrics and /kvmesh/state: not every id
         for serving in list(local_state.SERVING_METRICS):  # ever seen under autoscaling
             serving.forget_replica(rid)

@@ -605,3 +605,40 @@ def test_emptying_every_tenants_cache_is_for_operators_only():
         assert answer.status_code == 403 and _code(answer) == "operator_only"
 
     asyncio.run(run())
+
+
+def test_a_request_moved_off_a_failed_replica_is_not_judged_against_its_prediction(monkeypatch):
+    """The failed replica's prefill may have reached the shared tier, which the router could not know of:
+    comparing would raise the hash-contract alarm over a hashing bug that does not exist."""
+    from kvmesh.deployments import local_state
+    from kvmesh.deployments.engine_driver import EngineBroken
+
+    judged: list[tuple[str, str]] = []
+    ledger = SimpleNamespace(
+        prediction=lambda rid: None,
+        deliver=lambda rid, cached: judged.append(("deliver", rid)),
+        discard=lambda rid: judged.append(("discard", rid)),
+    )
+    monkeypatch.setattr(local_state, "LEDGER", ledger)
+
+    async def run():
+        ing = _ingress()
+        calls = 0
+
+        async def generate_full(request: dict) -> dict:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise EngineBroken("engine step failed", "r0")
+            return {**_chunk("ab", [5, 6], "length"), "ttft_s": 0.0}
+
+        ing.engine.generate_full = _Method(generate_full)
+        req, _, _ = _request(BODY)
+        moved = await ing._generate(req, "completion")
+        assert moved.status_code == 200 and judged == [("discard", moved.headers["x-kvmesh-request-id"])]
+        judged.clear()
+        req, _, _ = _request(BODY)
+        plain = await ing._generate(req, "completion")
+        assert judged == [("deliver", plain.headers["x-kvmesh-request-id"])]
+
+    asyncio.run(run())

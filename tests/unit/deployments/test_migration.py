@@ -249,3 +249,84 @@ def test_the_dead_replica_is_named_through_rays_wrapper_of_a_broken_engine():
     assert isinstance(wrapped, EngineBroken)
     assert replica_failure(wrapped) == (True, "rep-A")
     assert replica_failure(EngineBroken("engine step failed", "rep-B")) == (True, "rep-B")
+
+
+class _Frozen(_Replica):
+    """A replica on a frozen node: its calls never answer and never fail."""
+
+    def open(self, request: dict):
+        self.requests.append(request)
+        replica = self
+
+        class _Stream:
+            async def __anext__(self):
+                await asyncio.Event().wait()
+
+            def cancel(self):
+                replica.cancelled += 1
+
+        return _Stream()
+
+
+def test_a_stream_whose_replica_left_the_fleet_silently_is_finished_elsewhere_when_abandoned():
+    """A frozen node's calls neither answer nor fail; the router abandons what is still open on a replica it
+    forgot (replica_loss.py), and the stream goes on on another replica, invisibly."""
+    from kvmesh.deployments import local_state
+
+    async def run():
+        counters, failed, started = FailureCounters(), [], []
+        a, b = _Frozen("A"), _Replica("B")
+        stream = _stream(_fleet(a, b), counters, failed, started)
+        task = asyncio.create_task(_drain(stream))
+        await asyncio.sleep(0.05)
+        assert not task.done() and local_state.OPEN_CALLS.abandon(["r1"]) == 1
+        assert await asyncio.wait_for(task, 5) == ANSWER
+        assert a.cancelled >= 1 and b.requests[0]["prompt_token_ids"] == REQUEST["prompt_token_ids"]
+        assert counters.snapshot()["migrations"] == {"before_first_token": 1}
+        assert len(local_state.OPEN_CALLS) == 0  # nothing left watched once the stream ended
+
+    asyncio.run(run())
+
+
+def test_a_unary_call_whose_replica_left_the_fleet_silently_is_sent_again_when_abandoned():
+    from kvmesh.deployments import local_state
+
+    async def run():
+        counters, calls = FailureCounters(), []
+
+        async def call(request):
+            calls.append(request)
+            if len(calls) == 1:
+                await asyncio.Event().wait()  # the frozen node's replica
+            return {"token_ids": ANSWER, "replica": "B"}
+
+        task = asyncio.create_task(
+            call_migrating(dict(REQUEST), call, max_migrations=1, counters=counters, replica_failed=lambda r: None)
+        )
+        await asyncio.sleep(0.05)
+        assert local_state.OPEN_CALLS.abandon(["r1"]) == 1
+        out = await asyncio.wait_for(task, 5)
+        assert out["token_ids"] == ANSWER and out["migrations"] == 1  # the ledger does not judge its prediction
+        assert counters.snapshot()["migrations"] == {"unary": 1} and len(local_state.OPEN_CALLS) == 0
+
+    asyncio.run(run())
+
+
+def test_a_client_that_leaves_while_its_call_is_abandoned_still_ends_the_request():
+    from kvmesh.deployments import local_state
+
+    async def run():
+        async def call(request):
+            await asyncio.Event().wait()
+
+        task = asyncio.create_task(
+            call_migrating(dict(REQUEST), call, max_migrations=1, counters=FailureCounters(), replica_failed=print)
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client went away
+        local_state.OPEN_CALLS.abandon(["r1"])
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(local_state.OPEN_CALLS) == 0
+
+    asyncio.run(run())

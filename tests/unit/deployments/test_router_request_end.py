@@ -224,3 +224,30 @@ def test_a_replica_that_leaves_leaves_the_per_replica_metrics():
         local_state.SERVING_METRICS.discard(serving)
 
     asyncio.run(run())
+
+
+def test_calls_still_open_on_a_replica_that_left_are_abandoned_after_a_graceful_stop_would_have_ended_them(
+    monkeypatch,
+):
+    """A frozen node's replica leaves Serve's set while its calls stay open, neither answering nor failing;
+    those still open once a replica stopped on purpose would have finished are abandoned, to be moved."""
+    from kvmesh.deployments import router as router_module
+
+    monkeypatch.setattr(router_module, "ABANDON_AFTER_S", 0.05)
+
+    async def run():
+        router, _ = _router()
+        a, b = _replica("A"), _replica("B")
+        router.update_replicas([a, b])
+        p = _request(list(range(300)), "q")
+        await router.choose_replicas([a], p)
+        router._routed(p, a.replica_id)
+        abandoned: list[str] = []
+        local_state.OPEN_CALLS.watch("q", lambda: abandoned.append("q"))
+        router.update_replicas([b])  # A left Serve's set; its call is still open
+        await asyncio.sleep(0.01)
+        assert abandoned == []  # not before a stopped replica's graceful end
+        await asyncio.sleep(0.1)
+        assert abandoned == ["q"] and len(local_state.OPEN_CALLS) == 0
+
+    asyncio.run(run())
