@@ -122,9 +122,9 @@ def test_the_tier_split_counts_what_the_engines_loaded_not_what_lmcache_lookups_
     assert fig["hits_by_tier"]["hbm"] == max(0, cached - after["host_hit_tokens"] - after["shared_hit_tokens"])
 
 
-def _two_passes(warm_cached, warm_error=None):
-    """Four 100-token requests (96 cacheable), a cold pass and a warm pass whose k-th answer reports
-    `warm_cached(k)` cached tokens or fails with `warm_error`; outputs kept as the runner keeps them (answered)."""
+def _passes_report(passes, ids=lambda i: list(range(10, 107)) + [500 + i] * 3):
+    """The report of four requests (`ids(i)`) sent in each of `passes`: (name, the cached tokens its k-th answer
+    reports, or the error every answer of it fails with); outputs kept as the runner keeps them (answered)."""
     from kvmesh.cluster.cachetest_analysis import Prepared, Sent
     from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
     from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
@@ -133,21 +133,24 @@ def _two_passes(warm_cached, warm_error=None):
     block = 32
     prepared = []
     for i in range(4):
-        ids = list(range(10, 107)) + [500 + i] * 3
-        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
-        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
+        req = LoggedRequest(f"r{i}", {"prompt": ids(i)}, "/v1/completions", "a", f"c{i}")
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids(i))))
     hash_requests([p.tok for p in prepared], block)
     runs, clock = [], 0.0
-    for name in ("cold", "warm"):
+    for name, cached_of, err in passes:
         sent = []
         for k, p in enumerate(prepared):
-            err = warm_error if name == "warm" else None
-            cached = None if err else (0 if name == "cold" else warm_cached(k))
+            cached = None if err else cached_of(k)
             sent.append(Sent(p, name, clock, None if err else clock + 0.01, p.tok.n, cached, "r0", err))
             clock += 1
         outputs = {s.prepared.req.id: "out" for s in sent if s.error is None}
         runs.append(PassRun(name, sent, 1.0, 4, 0, {}, {}, outputs))
     return build_report(runs, offline_pass([p.tok for p in prepared], block), Rates(), block)
+
+
+def _two_passes(warm_cached, warm_error=None):
+    """Four 100-token requests (96 cacheable), cold then warm."""
+    return _passes_report([("cold", lambda k: 0, None), ("warm", warm_cached, warm_error)])
 
 
 def test_a_warm_pass_with_no_answer_has_no_hit_rate_and_no_correctness_verdict():
@@ -172,26 +175,9 @@ def test_answers_without_a_cached_count_are_outside_the_hit_rates_denominator_an
 
 def test_a_replicas_sweep_gets_its_own_plot_and_table_by_replica_count(tmp_path):
     """The replicas sweep's warm passes, by replica count, without the cold passes that only empty the cache."""
-    from kvmesh.cluster.cachetest_analysis import Prepared, Sent
-    from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
-    from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
-    from kvmesh.cluster.request_log import LoggedRequest
-
-    block = 32
-    prepared = []
-    for i in range(4):
-        ids = list(range(10, 80)) + [100 + i] * 20
-        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
-        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
-    hash_requests([p.tok for p in prepared], block)
-    runs, clock = [], 0.0
-    for name in ("replicas_1_cold", "replicas_1", "replicas_4_cold", "replicas_4", "replicas_2_cold", "replicas_2"):
-        sent = []
-        for p in prepared:
-            sent.append(Sent(p, name, clock, clock + 0.01, p.tok.n, 0 if name.endswith("cold") else 64, "r0", None))
-            clock += 0.05
-        runs.append(PassRun(name, sent, 1.0, 4, 10, {}, {}, {}))
-    rep = build_report(runs, offline_pass([p.tok for p in prepared], block), Rates(), block)
+    names = ("replicas_1_cold", "replicas_1", "replicas_4_cold", "replicas_4", "replicas_2_cold", "replicas_2")
+    passes = [(n, (lambda k: 0) if n.endswith("cold") else (lambda k: 64), None) for n in names]
+    rep = _passes_report(passes, ids=lambda i: list(range(10, 80)) + [100 + i] * 20)
     paths = write_outputs(rep, tmp_path)
     assert (tmp_path / "sweep_replicas.png").exists() and not (tmp_path / "sweep_concurrency.png").exists()
     page = paths["html"].read_text()

@@ -47,6 +47,20 @@ def _router():
     return router, sent
 
 
+async def _place(router, candidates, request, replica) -> None:
+    """Rank `request` over `candidates`, then have Serve place it on `replica`."""
+    await router.choose_replicas(candidates, request)
+    router._routed(request, replica.replica_id)
+
+
+async def _fleet_of_two():
+    """A router over replicas A and B, both in Serve's set, and what it publishes to its peers."""
+    router, sent = _router()
+    a, b = _replica("A"), _replica("B")
+    router.update_replicas([a, b])
+    return router, sent, a, b
+
+
 def _queued(router, replicas) -> dict[str, tuple[int, int]]:
     return {v.replica_id: (v.queued, v.pending_prefill_tokens) for v in router._views(replicas, {})}
 
@@ -147,16 +161,11 @@ def test_a_rejected_calls_late_completion_does_not_end_its_retry_on_the_same_rep
 
 def test_a_migrated_requests_earlier_call_completing_late_leaves_its_new_call_counted():
     async def run():
-        router, sent = _router()
-        a, b = _replica("A"), _replica("B")
-        router.update_replicas([a, b])
+        router, sent, a, b = await _fleet_of_two()
         ids = list(range(500, 800))
-        old = _request(ids, "q", internal="serve-1")
-        await router.choose_replicas([a, b], old)
-        router._routed(old, a.replica_id)
-        new = _request(ids, "q", internal="serve-2")  # re-sent under the same request id, a new Serve call
-        await router.choose_replicas([b], new)
-        router._routed(new, b.replica_id)
+        await _place(router, [a, b], _request(ids, "q", internal="serve-1"), a)
+        # re-sent under the same request id, a new Serve call
+        await _place(router, [b], _request(ids, "q", internal="serve-2"), b)
         router.on_request_completed(a.replica_id, "serve-1")  # the dead call's completion, after
         assert [m[0] for m in sent].count("done") == 0  # the peers keep counting the request on B
         router.first_token("q")
@@ -170,12 +179,8 @@ def test_a_migrated_requests_earlier_call_completing_late_leaves_its_new_call_co
 
 def test_a_replica_that_leaves_takes_its_requests_in_flight_with_it():
     async def run():
-        router, sent = _router()
-        a, b = _replica("A"), _replica("B")
-        router.update_replicas([a, b])
-        p = _request(list(range(300)), "q")
-        await router.choose_replicas([a], p)
-        router._routed(p, a.replica_id)
+        router, sent, a, b = await _fleet_of_two()
+        await _place(router, [a], _request(list(range(300)), "q"), a)
         router.update_replicas([b])  # A is gone (scaled down, or died) before Serve reported the call
         assert router._inflight == {} and sent[-1][:4] == ["done", "X", "q", "A"]
 
@@ -209,11 +214,9 @@ def test_a_replica_that_leaves_leaves_the_per_replica_metrics():
     from kvmesh.deployments.serving_metrics import ServingMetrics
 
     async def run():
-        router, _ = _router()
+        router, _, a, b = await _fleet_of_two()
         serving = ServingMetrics()
         local_state.SERVING_METRICS.add(serving)
-        a, b = _replica("A"), _replica("B")
-        router.update_replicas([a, b])
         for rid in ("A", "B"):
             serving.record(rid, 100, 50, 1, 0.1)
             local_state.LEDGER.predict(f"q-{rid}", rid, 50, 32)
@@ -236,12 +239,8 @@ def test_calls_still_open_on_a_replica_that_left_are_abandoned_after_a_graceful_
     monkeypatch.setattr(router_module, "ABANDON_AFTER_S", 0.05)
 
     async def run():
-        router, _ = _router()
-        a, b = _replica("A"), _replica("B")
-        router.update_replicas([a, b])
-        p = _request(list(range(300)), "q")
-        await router.choose_replicas([a], p)
-        router._routed(p, a.replica_id)
+        router, _, a, b = await _fleet_of_two()
+        await _place(router, [a], _request(list(range(300)), "q"), a)
         abandoned: list[str] = []
         local_state.OPEN_CALLS.watch("q", lambda: abandoned.append("q"))
         router.update_replicas([b])  # A left Serve's set; its call is still open

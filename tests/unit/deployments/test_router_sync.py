@@ -129,7 +129,9 @@ def test_peer_load_counts_in_the_views_and_leaves_when_the_request_does():
     asyncio.run(scenario())
 
 
-def test_a_withdrawn_peer_placement_is_taken_back_exactly():
+def _peer_view():
+    """A router's index and kvmesh policy over r0 and r1, the peer placements applied to them, what they held
+    before, and a 4-block request of router A's."""
     from kvmesh.cluster.index import PrefixIndex
     from kvmesh.policies.registry import make_policy
 
@@ -141,6 +143,11 @@ def test_a_withdrawn_peer_placement_is_taken_back_exactly():
     peers = PeerPlacements(index, lambda: [policy])
     before = (policy._w.copy(), index.held_blocks("r1"))
     info = RequestInfo(block_hashes=[11, 12, 13, 14], num_tokens=130, block_size=32, request_id="q")
+    return index, policy, peers, before, info
+
+
+def test_a_withdrawn_peer_placement_is_taken_back_exactly():
+    index, policy, peers, before, info = _peer_view()
     peers.apply(routed_message("A", info, "r1", (0, 0, 0)))
     assert index.held_blocks("r1") == 4
     assert policy._w.sum() > before[0].sum()
@@ -153,17 +160,7 @@ def test_a_withdrawn_peer_placement_is_taken_back_exactly():
 def test_a_placement_withdrawn_after_its_rejected_calls_done_is_taken_back_exactly():
     """A replica rejected the request and Serve reported that call complete before routing it again: the
     peer hears routed, done, then unrouted, and takes the credit and speculative blocks back all the same."""
-    from kvmesh.cluster.index import PrefixIndex
-    from kvmesh.policies.registry import make_policy
-
-    index = PrefixIndex(max_blocks=10_000)
-    policy = make_policy("kvmesh")
-    for rid in ("r0", "r1"):
-        index.add_replica(rid)
-        policy.on_replica_added(rid)
-    peers = PeerPlacements(index, lambda: [policy])
-    before = (policy._w.copy(), index.held_blocks("r1"))
-    info = RequestInfo(block_hashes=[11, 12, 13, 14], num_tokens=130, block_size=32, request_id="q")
+    index, policy, peers, before, info = _peer_view()
     peers.apply(routed_message("A", info, "r1", (0, 0, 0)))
     peers.apply(["done", "A", "q", "r1"])
     peers.apply(["unrouted", "A", "q", "r1"])
