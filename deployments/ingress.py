@@ -512,8 +512,11 @@ class Ingress:
         def finish(completion_tokens: int, cached: int) -> dict:
             self.serving_metrics.record(replica, len(ids), cached, completion_tokens, ttft)
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
-            if (stream.moves if stream is not None else first.get("migrations", 0)) > 0:
-                local_state.LEDGER.discard(request_id)  # its replica failed: what it stored was unknown to the router
+            moves = stream.moves if stream is not None else first.get("migrations", 0)
+            if moves > 0:  # its replica failed: what it stored was unknown to the router
+                continued = [f"{request_id}-m{k}" for k in range(1, moves + 1)] if stream is not None else []
+                for engine_request_id in [request_id, *continued]:  # a continuation's own prediction too
+                    local_state.LEDGER.discard(engine_request_id)
             else:
                 local_state.LEDGER.deliver(request_id, cached)
             # why the rest missed (/kvmesh/explain)

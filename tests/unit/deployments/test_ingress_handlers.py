@@ -640,5 +640,30 @@ def test_a_request_moved_off_a_failed_replica_is_not_judged_against_its_predicti
         req, _, _ = _request(BODY)
         plain = await ing._generate(req, "completion")
         assert judged == [("deliver", plain.headers["x-kvmesh-request-id"])]
+        judged.clear()
+
+        class _DiesAfterOne(_Stream):  # a stream whose replica fails after its first chunk
+            async def __anext__(self) -> dict:
+                if len(self.chunks) == 1:
+                    raise EngineBroken("engine step failed", "r0")
+                return await super().__anext__()
+
+        opened: list[dict] = []
+
+        def generate(request: dict) -> _Stream:
+            opened.append(request)
+            return _DiesAfterOne(False) if len(opened) == 1 else _Stream(False)
+
+        ing.engine.generate = _Method(generate)
+        req, scope, receive = _request({**BODY, "stream": True})
+        response = await ing._generate(req, "completion")
+
+        async def send(message):
+            pass
+
+        await response(scope, receive, send)
+        rid = response.headers["x-kvmesh-request-id"]
+        assert opened[1]["request_id"] == f"{rid}-m1"  # a continuation, predicted under its own id
+        assert judged == [("discard", rid), ("discard", f"{rid}-m1")]
 
     asyncio.run(run())
