@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
+from kvmesh.policies.cost_model import finite_number
+
 BUNDLED = {
     "conversation": "mooncake_conversation_trace.jsonl",
     "synthetic": "mooncake_synthetic_trace.jsonl",
@@ -83,26 +85,16 @@ def resolve(name_or_path: str | os.PathLike) -> str:
     return name_or_path
 
 
-def _finite(v: int | float) -> bool:
-    """Whether a JSON number is finite as a float: an integer of more than 308 digits is not (it would
-    overflow every float sum it enters)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
-def _brief(v) -> str:
-    """`repr(v)` for a one-line message, a number thousands of digits long cut to its first ones."""
-    text = repr(v)
+def brief(text: str) -> str:
+    """A value's text for a one-line message, a number thousands of digits long cut to its first ones."""
     return text if len(text) <= 40 else text[:24] + f"... ({len(text)} characters)"
 
 
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> float:
     """The checked field: a number >= minimum, whole except the timestamp (an int or an integral float)."""
     v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < minimum:
-        raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {_brief(v)}")
+    if not finite_number(v) or v < minimum:
+        raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {brief(repr(v))}")
     if isinstance(v, float) and key != "timestamp" and not v.is_integer():
         raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
     return v
@@ -133,10 +125,8 @@ def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKE
         raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
     for key in ("tenant", "user"):  # dict keys and cache salts: a list or an object cannot be either
         v = rec.get(key)
-        if not (
-            v is None or isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v))
-        ):
-            raise TraceError(f"{where}: field {key!r} must be a string, a finite number or null, got {_brief(v)}")
+        if not (v is None or isinstance(v, str) or finite_number(v)):
+            raise TraceError(f"{where}: field {key!r} must be a string, a finite number or null, got {brief(repr(v))}")
     return rec
 
 

@@ -38,7 +38,7 @@ from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
-from kvmesh.deployments.migration import MigratingStream, call_migrating
+from kvmesh.deployments.migration import MigratingStream, call_migrating, continuation_id
 from kvmesh.deployments.openai_protocol import OpenAIError
 from kvmesh.deployments.router import (
     active_routers,
@@ -290,13 +290,10 @@ class Ingress:
             cap = self._prompt_chars_cap = self.max_model_len * max(1, longest)
         return cap
 
-    def _too_long(self, req: proto.GenerationRequest, what: str) -> OpenAIError:
-        return proto.bad(
-            f"This model's maximum context length is {self.max_model_len} tokens; the request's {what} "
-            "cannot fit in it.",
-            req.prompt_param,
-            "context_length_exceeded",
-        )
+    def _too_long(self, req: proto.GenerationRequest, detail: str) -> OpenAIError:
+        """The 400 of a request that cannot fit the model's context, `detail` saying why."""
+        message = f"This model's maximum context length is {self.max_model_len} tokens; {detail}."
+        return proto.bad(message, req.prompt_param, "context_length_exceeded")
 
     async def _in_tokenize_thread(self, fn, *args, **kwargs):
         pool = getattr(self, "_tokenize_pool", None)
@@ -313,7 +310,7 @@ class Ingress:
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
         if req.prompt_ids is not None:
             if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
-                raise self._too_long(req, f"{len(req.prompt_ids)} prompt tokens")
+                raise self._too_long(req, f"the request's {len(req.prompt_ids)} prompt tokens cannot fit in it")
             bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise proto.bad(
@@ -325,7 +322,8 @@ class Ingress:
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
             chars = sum(len(str(m.get("content") or "")) for m in req.messages)
             if len(req.messages) >= self.max_model_len or chars > self._max_prompt_chars():
-                raise self._too_long(req, f"{len(req.messages)} messages of {chars} characters")
+                detail = f"the request's {len(req.messages)} messages of {chars} characters cannot fit in it"
+                raise self._too_long(req, detail)
             try:
                 text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
             except (TemplateError, ValueError) as exc:  # the template's raise_exception, or a model without one
@@ -333,7 +331,7 @@ class Ingress:
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
         if len(text) > self._max_prompt_chars():
-            raise self._too_long(req, f"{len(text)} characters of prompt")
+            raise self._too_long(req, f"the request's {len(text)} characters of prompt cannot fit in it")
         special = req.kind == "completion"  # a chat template writes its own special tokens
         try:
             if len(text) > LONG_PROMPT_CHARS:
@@ -360,21 +358,11 @@ class Ingress:
             raise proto.bad("The prompt is empty after tokenization.", req.prompt_param, "empty_prompt")
         if req.params.get("max_tokens") is None:  # a chat's: the rest of the context, if any is left
             if len(ids) >= self.max_model_len:
-                raise proto.bad(
-                    f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                    f"{len(ids)}, which leaves no room for an answer.",
-                    req.prompt_param,
-                    "context_length_exceeded",
-                )
+                raise self._too_long(req, f"the prompt has {len(ids)}, which leaves no room for an answer")
             req.params["max_tokens"] = self.max_model_len - len(ids)
         max_tokens = req.params["max_tokens"]
         if len(ids) + max_tokens > self.max_model_len:
-            raise proto.bad(
-                f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {len(ids)} prompt tokens plus max_tokens={max_tokens}.",
-                req.prompt_param,
-                "context_length_exceeded",
-            )
+            raise self._too_long(req, f"the request has {len(ids)} prompt tokens plus max_tokens={max_tokens}")
         if req.params.get("min_tokens", 0) > max_tokens:  # the client's max_tokens, or the rest of the context
             message = f"'min_tokens' ({req.params['min_tokens']}) exceeds max_tokens ({max_tokens})."
             raise proto.bad(message, "min_tokens")
@@ -514,7 +502,7 @@ class Ingress:
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
             moves = stream.moves if stream is not None else first.get("migrations", 0)
             if moves > 0:  # its replica failed: what it stored was unknown to the router
-                continued = [f"{request_id}-m{k}" for k in range(1, moves + 1)] if stream is not None else []
+                continued = [continuation_id(request_id, k) for k in range(1, moves + 1)] if stream is not None else []
                 for engine_request_id in [request_id, *continued]:  # a continuation's own prediction too
                     local_state.LEDGER.discard(engine_request_id)
             else:

@@ -73,6 +73,11 @@ def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
     return False, None
 
 
+def continuation_id(request_id: str, move: int) -> str:
+    """The engine request id of a request's continuation after its `move`-th move (its own prediction)."""
+    return f"{request_id}-m{move}"
+
+
 def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
     """The engine request that finishes `request` after `sent_token_ids` were sent to the client.
 
@@ -88,7 +93,7 @@ def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
         params["min_tokens"] = max(0, int(params["min_tokens"]) - n)
     return {
         **request,
-        "request_id": f"{request['request_id']}-m{move}",
+        "request_id": continuation_id(request["request_id"], move),
         "prompt_token_ids": list(request["prompt_token_ids"]) + list(sent_token_ids),
         "params": params,
     }

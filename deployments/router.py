@@ -330,17 +330,17 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self.index.remove_node(node)
         self.peers.forget_replica(rid)
         self._subscribe_failed.pop(rid, None)
-        gone_with_it = [st.info.request_id for st in self._inflight.values() if st.replica == rid]
-        if gone_with_it:  # calls to it still open once a stopped replica would have finished them never will
+        running = [(internal, st) for internal, st in self._inflight.items() if st.replica == rid]
+        if running:  # calls to it still open once a stopped replica would have finished them never will
+            ids = [st.info.request_id for _, st in running if st.info.request_id]
             try:
-                ids = [request_id for request_id in gone_with_it if request_id]
                 asyncio.get_running_loop().call_later(ABANDON_AFTER_S, local_state.OPEN_CALLS.abandon, ids)
             except RuntimeError:  # not on a loop (a test's direct call): nothing of it is waiting
                 pass
         local_state.LEDGER.forget_replica(rid)  # per-replica rows of /metrics and /kvmesh/state: not every id
         for serving in list(local_state.SERVING_METRICS):  # ever seen under autoscaling
             serving.forget_replica(rid)
-        for internal in [k for k, st in self._inflight.items() if st.replica == rid]:
+        for internal, _ in running:
             self._complete(rid, internal)  # the replica is gone: what it was running ends with it
         for request_id in [k for k, st in self._unconfirmed.items() if st.replica == rid]:
             self._unconfirmed.pop(request_id).release()
@@ -568,9 +568,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.decision_s += time.perf_counter() - t0
         if hold is not None:
             # its own prefill is a source too, from when it is predicted to be sent
-            hbm, _, shared = matches.get(ranked[0], (0, 0, 0))
-            uncached = info.num_tokens - predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
-            self._held[internal] = held_source = _Inflight(ranked[0], uncached, routing)
+            self._held[internal] = held_source = _Inflight(ranked[0], routing.uncached, routing)
             src, wait_s, before = hold
             held_source.routed_at += wait_s
             await self._hold(routing, internal, src, before)
@@ -696,8 +694,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 chosen_tiers=list(matches.get(rid, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
             )
         )
-        hbm, host, shared = matches.get(rid, (0, 0, 0))
-        predicted = predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)
+        predicted = info.num_tokens - routed.uncached  # committed to rid: `_commit` worked it out
         miss_attribution.ATTRIBUTION.placed(
             info.request_id,
             rid,
@@ -711,9 +708,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         )
         st = self._held.pop(internal, None)  # held first: requests may be waiting for it already
         if st is None:
-            st = _Inflight(rid, info.num_tokens - predicted, routed)
+            st = _Inflight(rid, routed.uncached, routed)
         else:  # sent now, perhaps elsewhere than Serve was asked first
-            st.replica, st.uncached, st.routed_at = rid, info.num_tokens - predicted, time.monotonic()
+            st.replica, st.uncached, st.routed_at = rid, routed.uncached, time.monotonic()
         self._inflight[internal] = st
         if info.request_id:
             self._by_request_id[info.request_id] = internal
@@ -767,9 +764,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if self._loop is not None:
             self._loop.call_later(self.request_end_grace_s, self._end_unreported, request_id)
 
-    def _end_unreported(self, request_id: str) -> None:
+    def _current_call(self, request_id: str) -> tuple[str | None, _Inflight | None]:
+        """(Serve's internal id, in-flight state) of the request's latest call, or Nones."""
         internal = self._by_request_id.get(request_id)
-        st = self._inflight.get(internal) if internal else None
+        return internal, (self._inflight.get(internal) if internal else None)
+
+    def _end_unreported(self, request_id: str) -> None:
+        internal, st = self._current_call(request_id)
         if internal is not None and st is not None:
             self.unreported_ends += 1
             self._complete(st.replica, internal)
@@ -780,8 +781,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
 
     def first_token(self, request_id: str) -> None:
         """The ingress saw the first token: the request's prefill is no longer pending work."""
-        internal = self._by_request_id.get(request_id)
-        st = self._inflight.get(internal) if internal else None
+        _, st = self._current_call(request_id)
         if st is not None:
             st.first_token = True
             st.release()

@@ -169,16 +169,22 @@ def redis_hung(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
-    """`redis_hung` for the configured L2 (False for adapters kvmesh cannot probe so)."""
+def _resp_address(l2: dict | None) -> tuple[str, int] | None:
+    """(host, port) of a RESP shared tier (resp, or valkey's first startup node); None for any other."""
     if not l2:
-        return False
+        return None
     if l2.get("type") == "resp":
-        return redis_hung(l2["host"], l2["port"], timeout)
+        return l2["host"], int(l2["port"])
     if l2.get("type") == "valkey":
         host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
-        return port.isdigit() and redis_hung(host, int(port), timeout)
-    return False
+        return (host, int(port)) if port.isdigit() else None
+    return None
+
+
+def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
+    """`redis_hung` for the configured L2 (False for adapters kvmesh cannot probe so)."""
+    address = _resp_address(l2)
+    return address is not None and redis_hung(*address, timeout)
 
 
 def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
@@ -187,12 +193,12 @@ def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
     if not l2:
         return None
     kind = l2.get("type")
-    if kind == "resp":  # the password as the LMCache server gets it: in the L2 or from the environment
+    address = _resp_address(l2)
+    if kind == "resp" and address:  # the password as the LMCache server gets it: in the L2 or the environment
         password = l2.get("password") or os.environ.get("LMCACHE_RESP_PASSWORD")
-        return redis_ping(l2["host"], l2["port"], timeout, password=password, username=l2.get("username"))
+        return redis_ping(*address, timeout, password=password, username=l2.get("username"))
     if kind == "valkey":
-        host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
-        return redis_ping(host, int(port), timeout) if port.isdigit() else None
+        return redis_ping(*address, timeout) if address else None
     if kind == "fs":
         path = Path(l2["base_path"])
         return path.is_dir() and os.access(path, os.W_OK)

@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TypeGuard
 
 
-def _finite(v: int | float) -> bool:
-    """Whether `v` is finite as a float (an integer too large for one is not)."""
+def finite_number(v: object) -> TypeGuard[int | float]:
+    """Whether `v` is a number (an int or a float, not a bool) that is finite as a float: NaN passes `v < 0`,
+    and an infinity or a 400-digit integer overflows every sum it enters."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
     try:
         return math.isfinite(v)
     except OverflowError:
@@ -52,9 +56,7 @@ class CostModel:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            # NaN passes `v < 0` and an infinity or a 400-digit integer overflows the sums: both placed
-            # requests by numbers that mean nothing
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+            if not finite_number(v) or v < 0:  # placed requests by numbers that mean nothing
                 text = repr(v) if len(repr(v)) <= 40 else repr(v)[:24] + "..."
                 raise ValueError(f"cost model: {f.name} must be a finite non-negative number, got {text}")
         if not isinstance(self.max_batch, int):  # a count of sequences

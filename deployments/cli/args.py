@@ -10,27 +10,23 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvmesh.cluster.trace import brief
+
 INT64_MAX = 2**63 - 1  # numpy's int64 holds block counts: beyond it they overflow
-
-
-def _brief(value) -> str:
-    """A value for a one-line message: a number thousands of digits long cut to its first ones."""
-    text = str(value)
-    return text if len(text) <= 40 else text[:24] + f"... ({len(text)} characters)"
 
 
 def _whole(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {_brief(repr(text))}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {brief(repr(text))}") from None
 
 
 def _number(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {_brief(repr(text))}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {brief(repr(text))}") from None
 
 
 def positive_int(text: str) -> int:
@@ -54,9 +50,9 @@ def int_up_to(maximum: int, minimum: int = 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = _whole(text)
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {_brief(value)}")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {brief(str(value))}")
         if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum:,}, got {_brief(value)}")
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:,}, got {brief(str(value))}")
         return value
 
     return parse
@@ -69,7 +65,7 @@ def float_up_to(maximum: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = non_negative_float(text)
         if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {_brief(text)}")
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {brief(text)}")
         return value
 
     return parse
@@ -111,9 +107,9 @@ def int_range(text: str) -> tuple[int, int]:
     try:
         pair = (int(lo), int(hi or lo))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {_brief(repr(text))}") from None
+        raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {brief(repr(text))}") from None
     if not 1 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {_brief(repr(text))}")
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {brief(repr(text))}")
     return pair
 
 
@@ -123,7 +119,7 @@ def int_range_up_to(maximum: int) -> Callable[[str], tuple[int, int]]:
     def parse(text: str) -> tuple[int, int]:
         pair = int_range(text)
         if pair[1] > maximum:
-            raise argparse.ArgumentTypeError(f"MAX must be <= {maximum:,}, got {_brief(repr(text))}")
+            raise argparse.ArgumentTypeError(f"MAX must be <= {maximum:,}, got {brief(repr(text))}")
         return pair
 
     return parse
