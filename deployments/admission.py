@@ -15,6 +15,7 @@ replicas within that lag may pass a limit together, by at most one request per o
 peers (one ingress replica, or the stream off) the limits are this replica's alone. The global
 `max_concurrent` bound stays per replica: it is the capacity of this ingress process.
 
+    admission.precheck(tenant, 1, exact=False)                # optional, before counting the prompt
     ticket = await admission.acquire(tenant, prompt_tokens)   # AdmissionError: RateLimited / PromptTooLarge
     try: ...
     finally: admission.release(ticket)
@@ -197,15 +198,16 @@ class Admission:
                 state.tokens.take_at(tokens, at)
         return self.peers.active(tenant_id)
 
-    def _check_and_charge(self, tenant: Tenant, prompt_tokens: int) -> _TenantState:
-        """Per-tenant checks; on success charges the buckets and counts the request as active."""
+    def _check(self, tenant: Tenant, prompt_tokens: int, exact: bool = True) -> _TenantState:
+        """Per-tenant checks, charging nothing. `exact=False`: the prompt has at least `prompt_tokens`
+        tokens, so the prompt-size checks (whose messages state the count) are left to the real count."""
         lim: Limits = tenant.limits
-        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+        if exact and lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
             raise PromptTooLarge(
                 f"Prompt has {prompt_tokens} tokens; this API key allows at most {lim.max_prompt_tokens}.",
                 "tenant_prompt_limit_exceeded",
             )
-        if lim.tokens_per_min is not None and prompt_tokens > lim.tokens_per_min:
+        if exact and lim.tokens_per_min is not None and prompt_tokens > lim.tokens_per_min:
             raise PromptTooLarge(
                 f"Prompt has {prompt_tokens} tokens, more than this API key's budget of "
                 f"{lim.tokens_per_min:g} tokens per minute.",
@@ -234,12 +236,25 @@ class Admission:
             raise RateLimited(
                 wait, f"Rate limit reached for this API key ({which}); retry after {max(1, math.ceil(wait))} s."
             )
+        return state
+
+    def _check_and_charge(self, tenant: Tenant, prompt_tokens: int) -> _TenantState:
+        """Per-tenant checks; on success charges the buckets and counts the request as active."""
+        state = self._check(tenant, prompt_tokens)
         if state.requests is not None:
             state.requests.take(1)
         if state.tokens is not None:
             state.tokens.take(prompt_tokens)
         state.active += 1
         return state
+
+    def precheck(self, tenant: Tenant, prompt_tokens: int, exact: bool = True) -> None:
+        """Raise now what `acquire` would raise now for this tenant's limits, charging nothing and never
+        for a full server (that waits in the fair queue). The ingress calls it before tokenising, so a
+        throttled tenant's requests get their 429 without holding the tokenizer from other tenants'.
+        `exact=False`: the prompt's count is not known yet, only that it has at least `prompt_tokens`;
+        a refusal's Retry-After is then the wait for that many (the real one may be longer)."""
+        self._check(tenant, int(prompt_tokens), exact)
 
     def _undo_charge(self, state: _TenantState, prompt_tokens: int) -> None:
         """A request that was charged but never ran gets its budget back."""

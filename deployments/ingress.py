@@ -417,6 +417,10 @@ class Ingress:
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
+            # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
+            # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
+            given = req.prompt_ids
+            self.admission.precheck(tenant, len(given) if given is not None else 1, exact=given is not None)
             t_tok = time.perf_counter()
             ids = await self._tokenize(req)
             self.serving_metrics.record_stage("tokenize", time.perf_counter() - t_tok)

@@ -186,3 +186,19 @@ def test_the_usage_log_keeps_one_window_and_cursors_survive_its_trimming():
     cursor, seen = usage.since("acme", 0)  # a cursor from before the trim: what is kept, in order
     assert cursor == 100 and [tokens for _, tokens in seen] == list(range(seen[0][1], 100))
     assert seen[0][1] <= 90  # every placement of the last window is kept
+
+
+def test_the_check_before_tokenising_counts_what_other_replicas_spent_once_and_charges_nothing():
+    now = [0.0]
+    tenant = _tenant(requests_per_s=1, burst_requests=2)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(0, tenant) and fleet.send(0, tenant)  # replica 0 spends the fleet's burst
+    with pytest.raises(RateLimited) as early:
+        fleet.fronts[1].precheck(tenant, 1, exact=False)
+    with pytest.raises(RateLimited) as counted:
+        fleet.fronts[1].try_acquire(tenant, 10)
+    assert early.value.body() == counted.value.body() and early.value.headers() == counted.value.headers()
+    now[0] = 1.0  # one request back fleet-wide
+    for _ in range(3):
+        fleet.fronts[1].precheck(tenant, 10)
+    assert fleet.send(1, tenant) and fleet.send(1, tenant) is None

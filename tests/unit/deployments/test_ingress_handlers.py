@@ -667,3 +667,112 @@ def test_a_request_moved_off_a_failed_replica_is_not_judged_against_its_predicti
         assert judged == [("discard", rid), ("discard", f"{rid}-m1")]
 
     asyncio.run(run())
+
+
+# --- a throttled tenant is refused before its prompt is tokenised --------------------------------------
+
+TEXT = {"model": "tiny", "prompt": "abcd", "max_tokens": 2}  # 4 tokens with the counting tokenizer
+
+
+def _limited(limits: Limits, now: list[float], **admission) -> ingress_module.Ingress:
+    """The ingress with its one tenant under `limits`, a counting tokenizer and admission on a clock that moves
+    only when the test moves it."""
+    ing = _ingress(tokenizer=_CountingTokenizer())
+    ing.engine = _RecordingEngine()
+    ing._anonymous = Tenant("anonymous", None, derive_salt(b"k" * 32, "anonymous"), limits)
+    ing.admission = Admission(clock=lambda: now[0], **admission)
+    return ing
+
+
+async def _send(ing, body: dict, kind: str = "completion"):
+    req, _, _ = _request(body, "/v1/completions" if kind == "completion" else "/v1/chat/completions")
+    return await ing._generate(req, kind)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_tenant_over_its_request_rate_gets_its_429_before_its_prompt_is_tokenised(kind):
+    """The tokenizer (and its thread pool) serves every tenant: a throttled tenant's flood must not keep it
+    busy. The 429 is the one admission gives once the prompt is counted, word for word, and charges nothing."""
+    from kvmesh.deployments.admission import RateLimited
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(requests_per_s=1, burst_requests=2), now)
+        body = TEXT if kind == "completion" else {**CHAT, "max_tokens": 2}
+        for _ in range(2):
+            assert (await _send(ing, body, kind)).status_code == 200
+        per = 1 if kind == "completion" else 2  # a chat's template is the tokenizer's too
+        assert ing.tokenizer.calls == 2 * per
+        answers = [await _send(ing, body, kind) for _ in range(5)]
+        assert ing.tokenizer.calls == 2 * per  # none of them tokenised
+        with pytest.raises(RateLimited) as counted:  # what admission answers for the counted prompt
+            ing.admission.try_acquire(ing._anonymous, len(ing.engine.requests[-1]["prompt_token_ids"]))
+        for answer in answers:
+            assert answer.status_code == 429 and json.loads(answer.body) == counted.value.body()
+            assert answer.headers["retry-after"] == counted.value.headers()["Retry-After"] == "1"
+        assert _code(answers[0]) == "rate_limit_exceeded" and "requests per second" in answers[0].body.decode()
+        assert ing.tenant_metrics.snapshot()["anonymous"]["rejections"] == {"rate_limit_exceeded": 5}
+        assert ing.serving_metrics.errors == {429: 5}
+        now[0] += 1.0  # one request refilled: the refusals took nothing, so exactly one is admitted
+        assert (await _send(ing, body, kind)).status_code == 200 and ing.tokenizer.calls == 3 * per
+        assert (await _send(ing, body, kind)).status_code == 429 and ing.tokenizer.calls == 3 * per
+        assert len(ing.engine.requests) == 3
+
+    asyncio.run(run())
+
+
+def test_a_tenant_out_of_prompt_tokens_is_refused_before_tokenising_and_given_token_ids_are_counted():
+    """Text's count is known only once tokenised: below 1 token left it is refused before, with the wait for
+    that 1 token (a lower bound); with more left it is tokenised and admission judges the count. Token ids
+    count as given, so their 429 is admission's own, Retry-After included."""
+    from kvmesh.deployments.admission import RateLimited
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(tokens_per_min=60), now)  # 1 token a second
+        assert (await _send(ing, {**TEXT, "prompt": "a" * 60})).status_code == 200  # the whole budget
+        early = await _send(ing, TEXT)
+        assert early.status_code == 429 and ing.tokenizer.calls == 1
+        assert "prompt tokens per minute" in early.body.decode() and early.headers["retry-after"] == "1"
+        now[0] += 1.0  # 1 token back: the 4-token prompt may fit as far as anyone can tell before counting it
+        late = await _send(ing, TEXT)
+        assert late.status_code == 429 and ing.tokenizer.calls == 2 and late.headers["retry-after"] == "3"
+        now[0] += 3.0
+        assert (await _send(ing, TEXT)).status_code == 200 and ing.tokenizer.calls == 3
+
+        ing = _limited(Limits(tokens_per_min=600), now)  # 10 tokens a second
+        assert (await _send(ing, {**BODY, "prompt": [1] * 500})).status_code == 200
+        refused = await _send(ing, {**BODY, "prompt": [1] * 200})
+        with pytest.raises(RateLimited) as counted:
+            ing.admission.try_acquire(ing._anonymous, 200)
+        assert refused.status_code == 429 and json.loads(refused.body) == counted.value.body()
+        assert refused.headers["retry-after"] == counted.value.headers()["Retry-After"] == "10"
+
+    asyncio.run(run())
+
+
+def test_a_tenant_at_its_concurrency_limit_is_refused_before_tokenising_and_a_full_server_still_queues():
+    """The tenant's own cap refuses at once; the server's global bound is a wait in the fair queue, not a
+    refusal, so that request is tokenised and waits as before."""
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(max_concurrent=2), now, max_concurrent=3, queue_timeout_s=5)
+        ing.engine = _Engine(hang=True)
+        held = [asyncio.create_task(_send(ing, TEXT)) for _ in range(2)]
+        await asyncio.sleep(0.02)
+        assert ing.admission.active("anonymous") == 2 and ing.tokenizer.calls == 2
+        refused = await _send(ing, TEXT)
+        assert refused.status_code == 429 and _code(refused) == "concurrency_limit_exceeded"
+        assert refused.headers["retry-after"] == "1" and ing.tokenizer.calls == 2
+        other = Tenant("other", None, derive_salt(b"k" * 32, "other"), Limits())
+        ing.admission.try_acquire(other, 1)  # the server is full now (3 of 3)
+        ing._anonymous = Tenant("anonymous", None, derive_salt(b"k" * 32, "anonymous"), Limits(max_concurrent=3))
+        queued = asyncio.create_task(_send(ing, TEXT))
+        await asyncio.sleep(0.02)
+        assert ing.tokenizer.calls == 3 and ing.admission.waiting("anonymous") == 1 and not queued.done()
+        for task in (*held, queued):
+            task.cancel()
+        await asyncio.gather(*held, queued, return_exceptions=True)
+
+    asyncio.run(run())

@@ -423,6 +423,67 @@ def test_rejected_request_does_not_consume_budget():
         adm.try_acquire(t, 1)
 
 
+def _refusal(check) -> tuple[int, dict, dict]:
+    with pytest.raises((RateLimited, PromptTooLarge)) as info:
+        check()
+    return info.value.status, info.value.body(), info.value.headers()
+
+
+def test_precheck_refuses_what_acquire_would_refuse_now_alike_and_charges_nothing():
+    """The ingress's check before tokenising: the same refusal as `acquire` for the same count, and a check
+    that passes or refuses takes nothing from the buckets and counts nothing in flight."""
+    clock = FakeClock()
+    adm = Admission(clock=clock)
+    t = tenant(requests_per_s=1, burst_requests=2, tokens_per_min=600, max_prompt_tokens=400, max_concurrent=3)
+    for _ in range(10):
+        adm.precheck(t, 300)
+        adm.precheck(t, 1, exact=False)
+    assert adm.active("t") == 0 and adm.in_flight == 0
+    held = [adm.try_acquire(t, 300), adm.try_acquire(t, 250)]  # all the checks above took nothing
+    clock.t += 0.5  # half a request and 5 tokens back: 55 tokens
+    for n, exact in [(1, False), (10, False), (10, True)]:  # the requests bucket is empty
+        assert _refusal(lambda: adm.precheck(t, n, exact)) == _refusal(lambda: adm.try_acquire(t, 10))
+    assert _refusal(lambda: adm.precheck(t, 401)) == _refusal(lambda: adm.try_acquire(t, 401))
+    assert _refusal(lambda: adm.precheck(t, 401))[0] == 400  # the prompt-size check comes first, as in acquire
+    clock.t += 0.5  # a request back; 60 tokens
+    adm.precheck(t, 60)
+    assert _refusal(lambda: adm.precheck(t, 61)) == _refusal(lambda: adm.try_acquire(t, 61))
+    held.append(adm.try_acquire(t, 55))
+    clock.t += 1.0  # a request and 10 tokens back (15); 3 in flight: the tenant's cap
+    status, body, headers = _refusal(lambda: adm.precheck(t, 1, exact=False))
+    assert body["error"]["code"] == "concurrency_limit_exceeded"
+    assert (status, body, headers) == _refusal(lambda: adm.try_acquire(t, 1))
+    for tk in held:
+        adm.release(tk)
+    adm.release(adm.try_acquire(t, 15))  # what the refused checks left: one request, 15 tokens
+    assert _refusal(lambda: adm.try_acquire(t, 1))[0] == 429
+    assert adm.in_flight == 0 and adm.active("t") == 0
+
+
+def test_precheck_of_an_uncounted_prompt_refuses_below_one_token_and_never_for_a_full_server():
+    """Text is counted only once tokenised; before, it has at least 1 token. Its size cap waits for the count
+    (the 400 states it), and a full server is a wait in the fair queue, never a refusal here."""
+    clock = FakeClock()
+    adm = Admission(max_concurrent=1, clock=clock)
+    t = tenant(tokens_per_min=60, max_prompt_tokens=40)  # a token a second
+    adm.precheck(t, 41, exact=False)  # at least 41: the 400 waits for the count
+    adm.release(adm.try_acquire(t, 40))
+    adm.release(adm.try_acquire(t, 19))
+    adm.precheck(t, 1, exact=False)  # 1 token left: the prompt may fit, so it is tokenised
+    with pytest.raises(RateLimited):
+        adm.try_acquire(t, 2)
+    adm.release(adm.try_acquire(t, 1))
+    clock.t += 0.25
+    status, body, headers = _refusal(lambda: adm.precheck(t, 1, exact=False))  # 0.25 left: certain to fail
+    assert status == 429 and "prompt tokens per minute" in body["error"]["message"]
+    assert headers == {"Retry-After": "1"}
+    clock.t += 60
+    held = adm.try_acquire(t, 1)  # the server's one slot
+    adm.precheck(t, 1, exact=False)  # acquire would wait for the slot, not refuse
+    adm.release(held)
+    assert adm.in_flight == 0 and adm.active("t") == 0
+
+
 def test_fair_queue_alternates_between_flooding_and_quiet_tenant():
     """Global bound 1: tenant F queues 6 requests, then Q queues 2; grants alternate F/Q, so Q's
     requests are served 2nd and 4th, not after all of F's."""
