@@ -21,7 +21,9 @@ choose the replica (`is_free_choice`): a peer's placements reach this router one
 placements of the last lag are unknown here. `UnseenPlacements` counts the free ones (rate times lag)
 for the policy, which spreads new prefixes over where they may have gone instead of ranking them onto the
 replica every router's stale view puts first (`KvmeshPolicy._unseen_pick`). The simulator
-(`kvmesh.cluster.multi_router`) counts them with the same class.
+(`kvmesh.cluster.multi_router`) counts them with the same class. The stamp is the peer's clock and the
+arrival this router's: on two hosts a few ms of skew would be taken for lag, so each peer's clock offset
+is estimated from the two one-way streams (`PeerClocks`, fed by `clock` messages) and taken off.
 
 `PeerPlacements` is the state and its rules (pure, tested without sockets); `RouterSync` is the I/O.
 """
@@ -51,6 +53,10 @@ PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this lo
 PLACEMENT_TTL_S = 120.0  # a peer placement not heard of for this long (lost `done`, peer died) stops counting
 LIVE_EVERY_S = PLACEMENT_TTL_S / 4  # how often a router names its requests still in flight (`live`)
 UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured over this much recent time
+CLOCK_WINDOW_S = 10.0  # a peer's clock offset is estimated from its fastest messages of this much recent time
+CLOCK_BUCKET_S = 1.0  # the fastest message is kept per this much time (a peer's clock message comes every poll)
+CLOCK_MAX_S = 60.0  # a one-way time or clock offset beyond this is not a skew to correct: ignored
+CLOCK_MAX_PEERS = 1024  # peers whose clocks are tracked at once (far more than ingress replicas)
 
 
 @dataclass
@@ -94,6 +100,82 @@ def is_free_choice(shared_blocks) -> bool:
     return longest <= common
 
 
+class PeerClocks:
+    """Each peer's wall-clock offset from this router's clock, from the two one-way streams (NTP's
+    symmetric estimate, without round trips).
+
+    Why: a placement's lag is this router's arrival time minus the peer's stamp, two hosts' clocks, so
+    their skew is taken for lag: +10 ms multiplies the unseen estimate, a clock behind clamps it to none.
+    What this router observes of a peer's messages (`observe`) is their delay plus (this clock - the
+    peer's); what the peer observes of this router's is its delay minus the same. Each router publishes
+    the least it observed from each peer over the last `window_s` (`PeerPlacements.clock_message`): the
+    least is the message that queued least (NTP's minimum-delay filter), so a burst does not bias it. So
+    offset = (least here - least there) / 2, exact when the two fastest delays are equal, and estimated
+    again at every report of the peer (each poll), which follows drift. Until a peer has reported (an
+    older version never does), its offset is unknown and its lags count as they are."""
+
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, bucket_s: float = CLOCK_BUCKET_S) -> None:
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self._least: dict[str, deque[list[float]]] = {}  # per peer: [bucket start, least observed] oldest first
+        self.offsets: dict[str, float] = {}  # per peer: this clock minus the peer's (s), once estimated
+
+    def observe(self, router: str, sent_at: float, heard_at: float) -> None:
+        """A message of `router` stamped `sent_at` (its clock) arrived at `heard_at` (this router's)."""
+        seen = heard_at - sent_at
+        if not (math.isfinite(seen) and math.isfinite(heard_at) and abs(seen) <= CLOCK_MAX_S):
+            return
+        least = self._least.get(router)
+        if least is None:
+            if len(self._least) >= CLOCK_MAX_PEERS:
+                return
+            least = self._least[router] = deque()
+        start = heard_at - heard_at % self.bucket_s
+        if least and start < least[-1][0]:
+            least.clear()  # this clock was set back: what it observed before is on a clock no longer used
+        if least and least[-1][0] == start:
+            least[-1][1] = min(least[-1][1], seen)
+        else:
+            least.append([start, seen])
+        self._drop(least, heard_at)
+
+    def least(self, router: str, now: float) -> float | None:
+        """The least this router observed of `router`'s messages (delay plus offset) lately, or None."""
+        least = self._least.get(router)
+        if least is None:
+            return None
+        self._drop(least, now)
+        return min(seen for _, seen in least) if least else None
+
+    def minimums(self, now: float) -> dict[str, float]:
+        """What this router tells its peers: per peer, the least it observed of its messages lately."""
+        out = {}
+        for router in list(self._least):
+            seen = self.least(router, now)
+            if seen is None:
+                del self._least[router]
+            else:
+                out[router] = seen
+        return out
+
+    def reported(self, router: str, theirs: float, now: float) -> None:
+        """`router` observed at least `theirs` of this router's messages: estimate its offset again."""
+        mine = self.least(router, now)
+        if mine is None or not (math.isfinite(theirs) and abs(theirs) <= CLOCK_MAX_S):
+            return
+        offset = (mine - theirs) / 2
+        if router in self.offsets or len(self.offsets) < CLOCK_MAX_PEERS:
+            self.offsets[router] = offset
+
+    def forget(self, router: str) -> None:
+        self._least.pop(router, None)
+        self.offsets.pop(router, None)
+
+    def _drop(self, least: deque[list[float]], now: float) -> None:
+        while least and least[0][0] <= now - self.window_s:
+            least.popleft()
+
+
 class UnseenPlacements:
     """How many placements other routers have made that this router has not heard of yet, and their
     mean prefill work.
@@ -110,7 +192,10 @@ class UnseenPlacements:
     new prefix may take. Counting every placement spread requests wider than the competition does
     (simulated, 256 replicas, 16 routers 100 ms apart, Mooncake synthetic trace, policy seeds 0-4:
     0.979 -> 0.982 of one router's hit rate; at 1 s on a generated chat workload 0.68 -> 0.75). The
-    mean work stays over every placement heard: each adds its prefill to some replica's queue."""
+    mean work stays over every placement heard: each adds its prefill to some replica's queue.
+
+    A placement heard with its `router` is measured on that peer's clock offset (`clocks`, once estimated):
+    the lag is the stream's, not the hosts' clock skew."""
 
     def __init__(self, window_s: float = UNSEEN_WINDOW_S) -> None:
         self.window_s = window_s
@@ -120,23 +205,47 @@ class UnseenPlacements:
         self.count = 0  # every placement heard, and their lag: the stream's latency as /kvmesh/state shows it
         self.lag_total = 0.0
         self.lag_max = 0.0
+        # the same over those whose peer's clock offset was known: what /kvmesh/state shows once there are any
+        # (a lag measured before the first exchange holds the hosts' skew, and would stay the maximum)
+        self.corrected = [0, 0.0, 0.0]  # count, lag total, lag max
+        self.clocks = PeerClocks()
 
-    def heard(self, sent_at: float, heard_at: float, tokens: float, free: bool = True) -> None:
-        """A peer's placement of `tokens` prefill work, made at `sent_at`, arrived at `heard_at` (same
-        clock; a negative lag, from clock skew between hosts, counts as none). `free`: the peer was free
-        to choose its replica (`is_free_choice`); only free placements add to the unseen count."""
-        lag = max(heard_at - sent_at, 0.0)
+    def heard(
+        self, sent_at: float, heard_at: float, tokens: float, free: bool = True, router: str | None = None
+    ) -> None:
+        """A peer's placement of `tokens` prefill work, made at `sent_at` (the peer's clock), arrived at
+        `heard_at` (this router's). With `router`, the lag is corrected by that peer's clock offset once
+        `clocks` has it; a negative lag (skew not, or not yet, corrected) counts as none. `free`: the peer
+        was free to choose its replica (`is_free_choice`); only free placements add to the unseen count."""
+        offset = None
+        if router is not None:
+            self.clocks.observe(router, sent_at, heard_at)
+            offset = self.clocks.offsets.get(router)
+        lag = max(heard_at - sent_at - (offset or 0.0), 0.0)
         if not math.isfinite(lag) or not math.isfinite(tokens):  # a bad stamp would make every sum NaN for good
             return
         self.count += 1
         self.lag_total += lag
         self.lag_max = max(self.lag_max, lag)
+        if offset is not None:
+            c = self.corrected
+            c[0] += 1
+            c[1] += lag
+            c[2] = max(c[2], lag)
         if not free:
             lag = 0.0
         self._heard.append((heard_at, lag, tokens))
         self._lag_sum += lag
         self._tokens_sum += tokens
         self._drop(heard_at)
+
+    def lag_stats(self) -> tuple[int, float, float]:
+        """(placements, lag total, lag max) the stream's latency is shown from: those measured on a known
+        clock offset where there are any, else all (peers of an older version, one host)."""
+        if self.corrected[0]:
+            count, total, most = self.corrected
+            return int(count), total, most
+        return self.count, self.lag_total, self.lag_max
 
     def estimate(self, now: float) -> tuple[float, float]:
         """(peers' placements made but not heard of here, their mean prefill tokens), expected at `now`."""
@@ -190,6 +299,13 @@ class PeerPlacements:
         self.clock = clock
         self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
         self.unseen = UnseenPlacements()
+        self.router_id: str | None = None  # this router's (`RouterSync.open`): its entry in a peer's `clock` message
+
+    def clock_message(self, router: str) -> list:
+        """What `router` (this one) publishes every poll for its peers' clock offsets (`PeerClocks`):
+        ["clock", router, "", "", sent_at, {peer: least one-way time observed from it lately (s)}]."""
+        now = self.clock()
+        return ["clock", router, "", "", now, self.unseen.clocks.minimums(now)]
 
     def _count_tenant(self, key: tuple[str, str], info: RequestInfo, delta: int) -> None:
         """A peer placement of `info` starts (+1) or stops (-1) being in flight; its first start is also
@@ -239,7 +355,7 @@ class PeerPlacements:
                 seen=self.monotonic(),
             )
             if stamp is not None:
-                self.unseen.heard(stamp, self.clock(), placed.uncached, free)
+                self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router)
             if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
                 for policy in self.policies():
                     policy.on_routed(info, replica, view)
@@ -285,6 +401,16 @@ class PeerPlacements:
                 alive = self.placements.get((router, request_id))
                 if alive is not None:
                     alive.seen = now
+        elif kind == "clock":  # the peer's stamp, and the least it observed of each router lately
+            sent_at, least = float(msg[4]), msg[5]
+            if not isinstance(least, dict):
+                raise TypeError(f"a clock message holds a mapping, not {type(least).__name__}")
+            theirs = least.get(self.router_id) if self.router_id is not None else None
+            theirs = float(theirs) if theirs is not None else None  # checked whole first, as `routed` is
+            now = self.clock()
+            self.unseen.clocks.observe(router, sent_at, now)
+            if theirs is not None:
+                self.unseen.clocks.reported(router, theirs, now)
         elif kind == "bye":
             self.drop_router(router)
 
@@ -329,6 +455,7 @@ class PeerPlacements:
         """A peer left: its requests no longer count as load here (their prefixes stay until evicted)."""
         for key in [k for k in (*self.placements, *self.ended) if k[0] == router]:
             self._discard(key)
+        self.unseen.clocks.forget(router)
 
     def forget_replica(self, replica: str) -> None:
         tracked = (*self.placements.items(), *self.ended.items())
@@ -480,6 +607,7 @@ class RouterSync:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt_string(zmq.SUBSCRIBE, "")
         self._pub, self._sub = pub, sub
+        self.placements.router_id = self.router_id  # its entry in the peers' `clock` messages
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -571,6 +699,7 @@ class RouterSync:
                 log.exception("router sync: discovery failed; retrying")
             self.placements.expire()  # also while the registry cannot be reached
             self.publish_live()
+            self.publish_clock()
             await asyncio.sleep(self.poll_s)
 
     def publish_live(self, now: float | None = None) -> None:
@@ -588,6 +717,16 @@ class RouterSync:
             return
         if ids:
             self.publish(["live", self.router_id, "", "", ids])
+
+    def publish_clock(self) -> None:
+        """Tell the peers, every poll, the least one-way time observed from each (`PeerClocks`): their
+        clock offsets need both directions, and an idle router sends nothing else."""
+        if not self.peers:
+            return
+        try:
+            self.publish(self.placements.clock_message(self.router_id))
+        except Exception:  # never let discovery end the router
+            log.exception("router sync: clock message not sent")
 
     def drain(self) -> int:
         """Apply every peer message already received, in order, without waiting; returns how many (a batch
@@ -646,12 +785,13 @@ class RouterSync:
             except Exception:
                 self.bad_messages += 1
                 log.exception("router sync: bad message dropped")
-        if self.first_peer_s is None:
-            self.first_peer_s = time.monotonic() - self.started_at
+        if self.first_peer_s is None and any(not (isinstance(m, list) and m and m[0] == "clock") for m in msgs):
+            self.first_peer_s = time.monotonic() - self.started_at  # a peer's traffic, not its idle clock message
         return len(msgs)
 
     def stats(self) -> dict:
         unseen = self.placements.unseen
+        count, lag_total, lag_max = unseen.lag_stats()
         return {
             "router": self.router_id,
             "endpoint": getattr(self, "endpoint", None),
@@ -662,8 +802,10 @@ class RouterSync:
             "bad_messages": self.bad_messages,
             "peer_inflight": len(self.placements.placements),
             "unseen_placements": round(self.placements.unseen_placements()[0], 3),
-            "lag_ms_mean": round(1000 * unseen.lag_total / unseen.count, 2) if unseen.count else None,
-            "lag_ms_max": round(1000 * unseen.lag_max, 2) if unseen.count else None,
+            "lag_ms_mean": round(1000 * lag_total / count, 2) if count else None,
+            "lag_ms_max": round(1000 * lag_max, 2) if count else None,
+            # per peer: this router's clock minus the peer's, as estimated (ms); taken off its lags
+            "clock_offset_ms": {r: round(1000 * o, 3) for r, o in sorted(unseen.clocks.offsets.items())},
             "first_peer_connect_s": self.first_connect_s,
             "first_peer_placement_s": self.first_peer_s,
         }

@@ -1,0 +1,186 @@
+"""Peers' clock offsets on the placement stream: two routers on hosts whose wall clocks differ measure the
+stream's lag, and so the placements they have not heard of yet, as routers on one clock do."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+import pytest
+
+from kvmesh.deployments import router_sync
+from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
+from kvmesh.policies.base import RequestInfo
+
+
+class Index:
+    """The index calls peer placements make (kvmesh's own interface)."""
+
+    def replicas(self):
+        return ["r0"]
+
+    def speculate(self, replica, hashes, fresh):
+        pass
+
+    def withdraw(self, replica, fresh):
+        pass
+
+
+class Hosts:
+    """Routers "A" and "B", each on a host whose clock is the true time plus its skew, joined by a stream
+    that delivers each message `delay` s later plus a random queueing wait (the same draws in every run)."""
+
+    def __init__(self, skew_a: float, skew_b: float, delay: float = 0.01, seed: int = 0) -> None:
+        self.now = 0.0
+        self.delay = delay
+        self.rng = random.Random(seed)
+        self.peers = {}
+        for name, skew in (("A", skew_a), ("B", skew_b)):
+            p = PeerPlacements(Index(), lambda: [], clock=lambda skew=skew: self.now + skew)
+            p.router_id = name
+            self.peers[name] = p
+        self.queue: list = []
+        self.n = 0
+
+    def send(self, sender: str, msg: list) -> None:
+        wait = self.rng.uniform(0.0, 0.0005) + (self.rng.expovariate(1 / 0.002) if self.rng.random() < 0.5 else 0.0)
+        self.n += 1
+        receiver = "B" if sender == "A" else "A"
+        heapq.heappush(self.queue, (self.now + self.delay + wait, self.n, receiver, msg))
+
+    def run(self, until: float, rate: float = 40.0, exchange: bool = True) -> None:
+        """Both routers place `rate` requests a second each (free choices); with `exchange`, each also
+        publishes its clock message every second, as `RouterSync.publish_clock` does."""
+        events = [(k / rate, "place") for k in range(int(until * rate))]
+        events += [(float(s) + 0.5, "clock") for s in range(int(until))] if exchange else []
+        for t, what in sorted(events):
+            self._deliver(t)
+            self.now = t
+            for name, p in self.peers.items():
+                if what == "clock":
+                    self.send(name, p.clock_message(name))
+                else:
+                    info = RequestInfo(block_hashes=[1], num_tokens=64, block_size=32, request_id=f"{name}{t}")
+                    self.send(name, routed_message(name, info, "r0", (0, 0, 0), sent_at=p.clock()))
+        self._deliver(until)
+        self.now = until
+
+    def _deliver(self, until: float) -> None:
+        while self.queue and self.queue[0][0] <= until:
+            t, _, receiver, msg = heapq.heappop(self.queue)
+            self.now = t
+            self.peers[receiver].apply(msg)
+
+    def unseen(self, name: str) -> float:
+        return self.peers[name].unseen_placements()[0]
+
+
+@pytest.mark.parametrize("skew_a, skew_b", [(0.010, 0.0), (-0.010, 0.0), (0.004, -0.006)])
+def test_skewed_clocks_give_the_unseen_estimate_of_one_clock_once_both_sides_exchanged(skew_a, skew_b):
+    same = Hosts(0.0, 0.0)
+    same.run(6.0)
+    skewed = Hosts(skew_a, skew_b)
+    skewed.run(6.0)
+    for name in "AB":
+        assert same.unseen(name) > 0.4  # 40 a second, heard 10 ms (and a little queueing) late
+        assert abs(skewed.unseen(name) - same.unseen(name)) < 0.02, (name, skewed.unseen(name), same.unseen(name))
+    offsets = skewed.peers["A"].unseen.clocks.offsets
+    assert abs(offsets["B"] - (skew_a - skew_b)) < 0.0005  # A's clock minus B's
+    assert abs(skewed.peers["B"].unseen.clocks.offsets["A"] + offsets["B"]) < 0.001
+
+
+def test_without_an_exchange_a_skewed_stream_is_measured_as_before():
+    """Before any clock message (or with peers of an older version) lags are taken as they are: the
+    skew counts as lag, and a clock behind its peer's sees none."""
+    same, ahead, behind = Hosts(0.0, 0.0), Hosts(0.010, 0.0), Hosts(-0.010, 0.0)
+    for hosts in (same, ahead, behind):
+        hosts.run(3.0, exchange=False)
+        assert hosts.peers["A"].unseen.clocks.offsets == {}
+    assert ahead.unseen("A") > same.unseen("A") + 0.3  # 40 a second x 10 ms of skew more
+    assert behind.unseen("A") < 0.1
+    old = router_sync.UnseenPlacements()  # the same placements heard without naming their router
+    for k in range(100):
+        old.heard(k / 40, k / 40 + 0.02, 32.0)
+    with_router = router_sync.UnseenPlacements()
+    for k in range(100):
+        with_router.heard(k / 40, k / 40 + 0.02, 32.0, router="B")
+    assert with_router.estimate(2.5) == old.estimate(2.5)
+    assert with_router.lag_stats() == old.lag_stats() == (100, old.lag_total, old.lag_max)
+
+
+def test_offsets_follow_a_drifting_clock():
+    hosts = Hosts(0.010, 0.0)
+    a = hosts.peers["A"]
+    a.clock = lambda: hosts.now * (1 + 100e-6) + 0.010  # 100 ppm fast: 16 ms ahead after 60 s
+    hosts.run(60.0, rate=5.0)
+    assert abs(a.unseen.clocks.offsets["B"] - 0.016) < 0.001
+
+
+def _established() -> PeerPlacements:
+    """A router "A" that measured peer "B" 10 ms behind its clock (B's messages take 15 ms, its take 5)."""
+    peers = PeerPlacements(Index(), lambda: [], clock=lambda: 100.0)
+    peers.router_id = "A"
+    peers.apply(["clock", "B", "", "", 99.985, {"A": -0.005}])
+    assert abs(peers.unseen.clocks.offsets["B"] - 0.010) < 1e-9
+    return peers
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1e9, -1e9])
+def test_a_bad_or_huge_clock_report_is_ignored(bad):
+    peers = _established()
+    peers.apply(["clock", "B", "", "", 99.985, {"A": bad}])
+    peers.apply(["clock", "B", "", "", bad, {"A": bad}])
+    assert abs(peers.unseen.clocks.offsets["B"] - 0.010) < 1e-9
+    fresh = PeerPlacements(Index(), lambda: [], clock=lambda: 100.0)
+    fresh.router_id = "A"
+    fresh.apply(["clock", "B", "", "", bad, {"A": -0.005}])  # nothing observed of B: no estimate from it
+    fresh.apply(["clock", "B", "", "", 99.985, {"A": bad}])
+    assert fresh.unseen.clocks.offsets == {}
+    info = RequestInfo(block_hashes=[1], num_tokens=64, block_size=32, request_id="q")
+    fresh.apply(routed_message("B", info, "r0", (0, 0, 0), sent_at=99.9))
+    assert fresh.unseen_placements()[0] == pytest.approx(0.1 / fresh.unseen.window_s)  # sums not poisoned
+
+
+@pytest.mark.parametrize("payload", [[99.985, [-0.005]], [99.985, "x"], ["soon", {"A": 0.0}], [99.985, {"A": "x"}]])
+def test_a_malformed_clock_message_is_refused_whole(payload):
+    peers = _established()
+    with pytest.raises((TypeError, ValueError)):  # RouterSync counts it in `bad_messages` and goes on
+        peers.apply(["clock", "B", "", "", *payload])
+    assert abs(peers.unseen.clocks.offsets["B"] - 0.010) < 1e-9
+
+
+def test_lags_are_corrected_in_the_stats_and_the_offset_is_shown():
+    peers = _established()
+    sync = RouterSync("t", peers)
+    info = RequestInfo(block_hashes=[1], num_tokens=64, block_size=32, request_id="q")
+    peers.apply(routed_message("B", info, "r0", (0, 0, 0), sent_at=99.985))  # 15 ms on the clocks, 5 ms real
+    stats = sync.stats()
+    assert stats["clock_offset_ms"] == {"B": 10.0}
+    assert stats["lag_ms_mean"] == stats["lag_ms_max"] == 5.0
+    assert peers.unseen_placements()[0] == pytest.approx(0.005 / peers.unseen.window_s)
+    peers.apply(["bye", "B", "", ""])  # a peer that left takes its clock with it
+    assert sync.stats()["clock_offset_ms"] == {}
+
+
+def test_a_router_publishes_its_clock_message_only_to_peers():
+    import msgpack
+
+    now = [100.0]
+    peers = PeerPlacements(Index(), lambda: [], clock=lambda: now[0])
+    sync = RouterSync("t", peers)
+    sent: list[list] = []
+    sync.publish = sent.append  # type: ignore[method-assign]
+    sync.publish_clock()
+    assert sent == []  # no peer to tell
+    sync.peers["B"] = "tcp://127.0.0.1:1"
+    peers.router_id = sync.router_id  # as `open` sets it
+    sync._apply(msgpack.packb(["clock", "B", "", "", 99.985, {}]))  # B: 10 ms behind, 5 ms away
+    assert sync.first_peer_s is None  # an idle peer's clock message is not its first placement
+    sync.publish_clock()
+    assert sent == [["clock", sync.router_id, "", "", 100.0, {"B": pytest.approx(0.015)}]]
+    now[0] = 100.5
+    sync._apply(msgpack.packb(["clock", "B", "", "", 100.485, {sync.router_id: -0.005}]))  # B's report, packed
+    assert sync.stats()["clock_offset_ms"] == {"B": 10.0} and sync.bad_messages == 0
+    sync._apply(msgpack.packb(["batch", "B", "", "", [["clock", "B", "", "", 1.0, {}], ["live", "B", "", "", []]]]))
+    assert sync.first_peer_s is not None
