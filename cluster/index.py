@@ -23,6 +23,7 @@ vLLM's block hashes (`kvmesh.kvstore.hashing.block_hashes`). Not thread-safe: on
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -85,6 +86,26 @@ def _scatter(row, mask: int, value: int, n_slots: int) -> None:
     row[np.unpackbits(raw, bitorder="little")[:n_slots].astype(bool)] = value
 
 
+class _Slots:
+    """Slot numbers, the lowest free one first, so bitmasks stay as narrow as the fleet. Why a heap of freed
+    slots below a counter, not a scan from 0: the scan made adding N replicas (or nodes) cost O(N^2)."""
+
+    __slots__ = ("_freed", "_next")
+
+    def __init__(self) -> None:
+        self._freed: list[int] = []  # min-heap of given-back slots, each below _next
+        self._next = 0  # every slot from here up is free
+
+    def take(self) -> int:
+        if self._freed:
+            return heapq.heappop(self._freed)
+        self._next += 1
+        return self._next - 1
+
+    def give(self, slot: int) -> None:
+        heapq.heappush(self._freed, slot)
+
+
 class PrefixIndex:
     """Block hash -> residency per tier; `match` returns per-replica cumulative prefix lengths."""
 
@@ -100,6 +121,7 @@ class PrefixIndex:
         # replicas
         self._slot: dict[str, int] = {}
         self._slot_rid: dict[int, str] = {}
+        self._slots = _Slots()
         self._replica_node: dict[str, int] = {}
         self._all = 0  # OR of every registered replica's bit
         # replica slot -> {hash: None} with its hbm bit set (dicts of ints, unlike sets, are not GC-tracked)
@@ -107,6 +129,7 @@ class PrefixIndex:
         # nodes
         self._node_slot: dict[str, int] = {}
         self._node_name: dict[int, str] = {}  # node slot -> node id
+        self._node_slots = _Slots()
         self._node_members: dict[int, int] = {}  # node slot -> replica bitmask
         self._node_held: dict[int, dict[int, None]] = {}  # node slot -> {hash: None} in its host tier
         self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
@@ -131,7 +154,7 @@ class PrefixIndex:
             if self._node_of(replica_id) == node_id:
                 return
             self.remove_replica(replica_id)
-        slot = self._free_slot(self._slot_rid)
+        slot = self._slots.take()
         self._slot[replica_id] = slot
         self._slot_rid[slot] = replica_id
         self._held[slot] = {}
@@ -149,6 +172,7 @@ class PrefixIndex:
             return
         self._clear_slot(slot)
         del self._slot_rid[slot], self._held[slot], self._spec[slot]
+        self._slots.give(slot)
         nslot = self._replica_node.pop(replica_id)
         self._node_members[nslot] &= ~(1 << slot)
         self._all &= ~(1 << slot)
@@ -164,6 +188,7 @@ class PrefixIndex:
             return
         self._remove_node(nslot, list(self._node_held[nslot]))
         del self._node_slot[node_id], self._node_name[nslot], self._node_members[nslot], self._node_held[nslot]
+        self._node_slots.give(nslot)
         self._widen.clear()
 
     def nodes(self) -> list[str]:
@@ -505,13 +530,6 @@ class PrefixIndex:
         return len(self._entries)
 
     # ---------------------------------------------------------------- internals
-    @staticmethod
-    def _free_slot(used: dict[int, str]) -> int:
-        slot = 0
-        while slot in used:
-            slot += 1
-        return slot
-
     def _new_mark(self) -> tuple[int, int]:
         """A new speculative mark's (number, claims so far)."""
         self._marks += 1
@@ -520,7 +538,7 @@ class PrefixIndex:
     def _ensure_node(self, node_id: str) -> int:
         nslot = self._node_slot.get(node_id)
         if nslot is None:
-            nslot = self._free_slot(self._node_name)
+            nslot = self._node_slots.take()
             self._node_slot[node_id] = nslot
             self._node_name[nslot] = node_id
             self._node_members[nslot] = 0

@@ -360,3 +360,83 @@ def test_a_node_that_no_replica_is_on_is_forgotten_with_its_host_tier():
     keeps.remove_replica("x")
     keeps.remove_node("n1")  # a replica is still on it: nothing is forgotten
     assert keeps.match([7])["y"] == (0, 1, 1)
+
+
+# ---------------------------------------------------------------- slot allocation
+slot_ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "move"]), st.integers(0, 9), st.integers(0, 5)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(slot_ops)
+def test_replicas_and_nodes_take_the_lowest_free_slot(operations):
+    """Against a model that scans from 0: a freed slot is reused lowest first, for replicas and nodes."""
+    idx = PrefixIndex()
+    replica_slot: dict[str, int] = {}
+    node_slot: dict[str, int] = {}
+    node_of: dict[str, str] = {}
+
+    def lowest_free(used):
+        return min(set(range(len(used) + 1)) - set(used.values()))
+
+    for op, r, n in operations:
+        rid, node = f"r{r}", f"n{n}"
+        if op in ("add", "move") and not (rid in node_of and node_of[rid] == node):
+            if rid in node_of:  # moved: it leaves its slot first, and takes the lowest free one
+                del replica_slot[rid]
+            if node not in node_slot:
+                node_slot[node] = lowest_free(node_slot)
+            replica_slot[rid] = lowest_free(replica_slot)
+            node_of[rid] = node
+            idx.add_replica(rid, node)
+        elif op == "remove" and rid in node_of:
+            old = node_of.pop(rid)
+            del replica_slot[rid]
+            idx.remove_replica(rid)
+            if old not in node_of.values():
+                del node_slot[old]
+                idx.remove_node(old)
+        assert {x: idx.slot_of(x) for x in idx.replicas()} == replica_slot
+        assert idx._node_slot == node_slot
+
+
+def test_slots_freed_in_any_order_are_reused_lowest_first():
+    idx = PrefixIndex()
+    for i in range(6):
+        idx.add_replica(f"r{i}", f"n{i}")
+    for i in (4, 1, 3):
+        idx.remove_replica(f"r{i}")
+        idx.remove_node(f"n{i}")
+    for i in (6, 7, 8, 9):
+        idx.add_replica(f"r{i}", f"n{i}")
+    assert [idx.slot_of(f"r{i}") for i in (6, 7, 8, 9)] == [1, 3, 4, 6]
+    assert [idx._node_slot[f"n{i}"] for i in (6, 7, 8, 9)] == [1, 3, 4, 6]
+
+
+class _Probes(dict):
+    """A slot table that counts key probes (`in`, [], get)."""
+
+    probes = 0
+
+    def __contains__(self, key):
+        _Probes.probes += 1
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        _Probes.probes += 1
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        _Probes.probes += 1
+        return super().get(key, default)
+
+
+def test_adding_replicas_and_nodes_does_not_scan_the_slots_taken():
+    """Taking a slot must not probe every slot below it: that made a fleet's set-up quadratic."""
+    idx = PrefixIndex()
+    idx._slot_rid, idx._node_name = _Probes(), _Probes()
+    _Probes.probes = 0
+    n = 2000
+    for i in range(n):
+        idx.add_replica(f"r{i}", f"n{i}")
+    assert [idx.slot_of(f"r{i}") for i in range(n)] == list(range(n))
+    assert _Probes.probes <= 4 * n

@@ -170,7 +170,7 @@ BASE = ["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-bl
         (["--capacity-blocks", "99999999999999999999999"], "--capacity-blocks: must be <= 9,223,372,036,854,775,807"),
         (["--host-blocks", "99999999999999999999999"], "--host-blocks: must be <="),
         (["--shared", "--shared-blocks", "99999999999999999999999"], "--shared-blocks: must be <="),
-        (["--replicas", "100000000"], "--replicas: must be <= 10,000"),
+        (["--replicas", "100000000"], "--replicas: must be <= 100,000"),
         (["--routers", "100000000"], "--routers: must be <= 1,000"),
     ],
 )
