@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.cluster.ports import free_port
-from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, SERVE_PATH_ENV, app_config
+from kvmesh.deployments.config import INPROC_ENGINE_ENV, PROXY_ENV, SERVE_PATH_ENV, app_config, serve_autoscaling
 from kvmesh.deployments.deploy_plan import ENGINE, engine_options, ingress_options
 from kvmesh.deployments.serve_contract import check_serve_contract
 
@@ -337,12 +337,14 @@ def _wait_ready(cfg: dict, timeout_s: float) -> None:
 
 
 def initial_engine_replicas(cfg: Mapping[str, Any]) -> int:
-    """Engine replicas the app starts with: `replicas`, or with autoscaling its initial (else minimum) count."""
+    """Engine replicas the app starts with: `replicas`, or with autoscaling its initial (else minimum) count
+    as Serve resolves them (`config.serve_autoscaling`)."""
     auto = cfg.get("autoscaling") or {}
     if not auto:
         return int(cfg["replicas"])
-    start = auto.get("initial_replicas")
-    return int(start if start is not None else auto.get("min_replicas", 1))
+    resolved = serve_autoscaling(auto)
+    start = resolved.initial_replicas
+    return int(start if start is not None else resolved.min_replicas)
 
 
 def stop_serving() -> None:

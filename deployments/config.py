@@ -306,11 +306,21 @@ def _check_autoscaling(value: Any) -> None:
         else:
             _number(given, where, low=low, low_ok=low_ok)
     try:
-        AutoscalingConfig(**value)
+        serve_autoscaling(value)
     except ValueError as exc:
         raise ConfigError(_pydantic_line(exc, "config.autoscaling")) from None
     except (ImportError, AttributeError) as exc:  # Serve imports a custom policy's function to check it
         raise ConfigError(f"config.autoscaling.policy: cannot load its policy_function ({exc})") from None
+
+
+def serve_autoscaling(value: Mapping[str, Any]) -> Any:
+    """The `AutoscalingConfig` Serve runs the engine deployment with: it deploys with num_replicas="auto",
+    so the keys the mapping leaves out come from `AutoscalingConfig.default()` (max_replicas 100, not the
+    model's plain default of 1), as Serve's own `handle_num_replicas_auto` (private) merges them. Checking the
+    mapping alone refused what Serve accepts (min_replicas 2 without max_replicas) and counted too few engines."""
+    from ray.serve.config import AutoscalingConfig
+
+    return AutoscalingConfig(**{**AutoscalingConfig.default().model_dump(exclude_unset=True), **value})
 
 
 def _pydantic_line(exc: ValueError, where: str) -> str:

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvmesh.deployments.config import app_config
+from kvmesh.deployments.config import app_config, serve_autoscaling
 
 IMPORT_PATH = "kvmesh.deployments.app:build_app"
 ENGINE = "EngineReplica"
@@ -66,8 +66,13 @@ def engine_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[
 
 
 def max_engine_replicas(cfg: Mapping[str, Any]) -> int:
-    auto = cfg.get("autoscaling") or {}
-    return int(auto.get("max_replicas") or cfg["replicas"])
+    """Engine replicas Serve may run at most: `replicas`, or with autoscaling the `max_replicas` Serve
+    resolves (`config.serve_autoscaling`: 100 where the mapping names none), which the CPU check, the
+    start-up line and the ingress's admission count."""
+    auto = cfg.get("autoscaling")
+    if not auto:
+        return int(cfg["replicas"])
+    return int(serve_autoscaling(auto).max_replicas)
 
 
 def ingress_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[str, Any]:

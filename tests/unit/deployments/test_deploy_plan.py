@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from kvmesh.deployments.app import initial_engine_replicas
 from kvmesh.deployments.config import ConfigError, app_config
 from kvmesh.deployments.deploy_plan import (
     ENGINE,
@@ -14,6 +15,7 @@ from kvmesh.deployments.deploy_plan import (
     engine_options,
     files_read,
     ingress_options,
+    max_engine_replicas,
     render_serve_config,
     replace_block,
 )
@@ -28,6 +30,33 @@ def test_autoscaling_replaces_the_fixed_replica_count_and_sizes_the_ingress():
     assert opts["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 1, "runtime_env": {"env_vars": {"A": "1"}}}
     assert ingress_options(cfg, {})["max_ongoing_requests"] == 64 * 16
     assert engine_options(app_config({}), {})["num_replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    "auto",
+    [
+        {"target_ongoing_requests": 3},
+        {"min_replicas": 0},
+        {"initial_replicas": 1, "upscale_delay_s": 1.0},
+        {"min_replicas": 2, "max_replicas": 5},
+        {"max_replicas": 7},
+        {"min_replicas": 2},  # accepted as Serve accepts it (the model's plain default max is 1)
+        {"initial_replicas": 4},
+    ],
+)
+def test_the_engine_maximum_is_what_serve_resolves_from_the_autoscaling_mapping(auto):
+    """Without max_replicas Serve's num_replicas="auto" defaults apply (max 100), not `replicas`."""
+    from ray import serve
+
+    cfg = app_config({"autoscaling": auto, "replicas": 3, "max_ongoing_requests": 8})
+    engine = serve.deployment(name=ENGINE)(object).options(**engine_options(cfg, {}))
+    most = engine._deployment_config.autoscaling_config.max_replicas
+    assert max_engine_replicas(cfg) == most == auto.get("max_replicas", 100)
+    assert ingress_options(cfg, {})["max_ongoing_requests"] == max(256, 8 * most)
+    assert max_engine_replicas(app_config({"replicas": 3})) == 3
+    resolved = engine._deployment_config.autoscaling_config
+    start = resolved.initial_replicas if resolved.initial_replicas is not None else resolved.min_replicas
+    assert initial_engine_replicas(cfg) == start == auto.get("initial_replicas", auto.get("min_replicas", 1))
 
 
 def test_the_engine_health_check_period_reaches_serve_and_must_be_positive():
