@@ -229,19 +229,30 @@ class EngineReplica:
 
     async def generate_full(self, request: dict) -> dict:
         """Non-streaming form of `generate`: one reply instead of a chunk per token (one Serve hop
-        fewer per token). `ttft_s` is measured here, from engine admission to the first output."""
+        fewer per token). `ttft_s` is measured here, from engine admission to the first output;
+        `after_first_output_s` from the first output to the reply: the ingress takes it from its own
+        end-to-end time to get the time to first token a stream would have shown (no clocks compared
+        across processes)."""
         t0 = time.perf_counter()
-        ttft = None
+        ttft = t_first = None
         text, token_ids, last = [], [], None
         async for chunk in self.generate(request):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
+            if t_first is None:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
             text.append(chunk["text"])
             token_ids.extend(chunk["token_ids"])
             last = chunk
-        if last is None:  # generate raises when the engine fails, so this is not expected
+        if last is None or t_first is None:  # generate raises when the engine fails, so this is not expected
             raise RuntimeError(f"engine returned no output for request {request.get('request_id')!r}")
-        return {**last, "text": "".join(text), "token_ids": token_ids, "ttft_s": ttft}
+        after_first = time.perf_counter() - t_first
+        return {
+            **last,
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "ttft_s": ttft,
+            "after_first_output_s": after_first,
+        }
 
     def record_routing_stats(self) -> dict:
         load = self.driver.load

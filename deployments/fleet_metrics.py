@@ -5,14 +5,36 @@ several, each scrape would return another replica's counters under the same seri
 would read every switch as a counter reset. So the replica that answers asks every ingress replica for
 its own page (Serve's `broadcast`, a control-plane call, once per scrape) and merges them: each sample
 gets an `ingress` label naming the replica it came from, and the samples of one metric family stay
-together under one HELP and TYPE, as the text format requires. With one replica the page is its own,
-unlabelled."""
+together under one HELP and TYPE, as the text format requires. The label is there whenever the app runs
+several ingress replicas, even on a scrape only one of them answered: a series keeps its identity.
+
+Fleet-wide families (`FLEET_WIDE`: what the engines and the LMCache nodes report, which every ingress
+replica reads alike) appear once, without the label: per ingress replica they would add up to a multiple
+of the truth. Each of their series takes its value from one page: for a counter the highest (the freshest
+view of a count that only grows), for a gauge the first page's, in replica order. With one ingress
+replica the page is its own, unlabelled."""
 
 from __future__ import annotations
 
 import re
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(.*)$")
+
+# Families (their names as TYPE lines give them) whose figures are the fleet's, not one ingress replica's:
+# the engine replicas' routing stats every router receives, and the LMCache nodes' tier figures.
+FLEET_WIDE = frozenset(
+    {
+        "kvmesh_replica_engine_steps_total",
+        "kvmesh_replica_lmcache_loaded_tokens_total",
+        "kvmesh_replica_stats_errors_total",
+        "kvmesh_tier_hit_tokens_total",
+        "kvmesh_tier_lookup_tokens_total",
+        "kvmesh_tier_bytes_total",
+        "kvmesh_tier_server_healthy",
+        "kvmesh_tier_shared_up",
+        "kvmesh_tier_host_usage_ratio",
+    }
+)
 
 
 def labelled(line: str, label: str, value: str) -> str:
@@ -51,11 +73,34 @@ def _families(text: str) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
+def _kind(head: list[str]) -> str:
+    return next((line.split()[3] for line in head if line.startswith("# TYPE ") and len(line.split()) > 3), "")
+
+
+def _value(line: str) -> float:
+    m = _SAMPLE.match(line)
+    try:
+        return float(m.group(3).split()[0]) if m else float("-inf")
+    except (ValueError, IndexError):
+        return float("-inf")
+
+
+def _once(kind: str, lines: list[str]) -> list[str]:
+    """One sample per series of a fleet-wide family seen on several pages: a counter's highest value, any
+    other kind's first, in page order."""
+    chosen: dict[str, str] = {}
+    for line in lines:
+        m = _SAMPLE.match(line)
+        series = f"{m.group(1)}{m.group(2) or ''}" if m else line
+        if series not in chosen or (kind == "counter" and _value(line) > _value(chosen[series])):
+            chosen[series] = line
+    return list(chosen.values())
+
+
 def merge(pages: dict[str, str], label: str = "ingress") -> str:
-    """Every replica's page as one: samples labelled with their replica, each family once, in the order
-    families first appear (replicas sorted, so the page is the same whichever replica answers)."""
-    if len(pages) == 1:
-        return next(iter(pages.values()))
+    """Every ingress replica's page as one, for an app with several (one page alone is labelled too):
+    samples labelled with their replica, fleet-wide families once and unlabelled, each family once, in the
+    order families first appear (replicas sorted, so the page is the same whichever replica answers)."""
     order: list[str] = []
     heads: dict[str, list[str]] = {}
     samples: dict[str, list[str]] = {}
@@ -65,9 +110,13 @@ def merge(pages: dict[str, str], label: str = "ingress") -> str:
                 order.append(family)
                 heads[family] = head
                 samples[family] = []
-            samples[family].extend(labelled(line, label, replica) for line in lines)
+            if family in FLEET_WIDE:
+                samples[family].extend(lines)
+            else:
+                samples[family].extend(labelled(line, label, replica) for line in lines)
     out: list[str] = []
     for family in order:
         out.extend(heads[family])
-        out.extend(samples[family])
+        lines = samples[family]
+        out.extend(_once(_kind(heads[family]), lines) if family in FLEET_WIDE else lines)
     return "\n".join(out) + "\n"

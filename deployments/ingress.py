@@ -167,6 +167,17 @@ def _tier_report() -> dict | None:
     return tier_report(status) if status else None
 
 
+def _unary_ttft(t0: float, t_call: float, t_answer: float, answer: dict) -> float:
+    """A unary request's time to first token, as a stream's is measured: from the handler's start to the
+    first output coming back (routing, Serve's queues, holds and failed replicas included), i.e. the whole
+    wait less what the engine spent after its first output. An engine that does not report that time:
+    the time before the call plus the engine's own time to its first output."""
+    after_first = answer.get("after_first_output_s")
+    if after_first is None:
+        return (t_call - t0) + (answer.get("ttft_s") or 0.0)
+    return max(0.0, (t_answer - t0) - after_first)
+
+
 class _ClosingStream(StreamingResponse):
     """A streamed answer that runs `on_close` however it ends. The body generator's own `finally` runs only
     once the body has started; Serve cancels a request whose client went away at any point, sending the
@@ -453,6 +464,7 @@ class Ingress:
                 notify_request_ended(request_id)  # the router ends a placement Serve never reports complete
 
         t_call = time.perf_counter()
+        sent = time.monotonic()  # ServingMetrics' clock: a replica forgotten after this gets no row for it
         stream: MigratingStream | None = None
         try:
             if req.stream:  # survives replica deaths: routed again, or continued elsewhere mid-stream
@@ -467,7 +479,7 @@ class Ingress:
                     counters=self.failures,
                     replica_failed=notify_replica_failed,
                 )
-                ttft = (t_call - t0) + (first.get("ttft_s") or 0.0)
+                ttft = _unary_ttft(t0, t_call, time.perf_counter(), first)
         except StopAsyncIteration:
             release()
             self.serving_metrics.record_error(500)
@@ -502,7 +514,9 @@ class Ingress:
             headers["x-kvmesh-predicted-cached-tokens"] = str(predicted)
 
         def finish(completion_tokens: int, cached: int) -> dict:
-            self.serving_metrics.record(replica, len(ids), cached, completion_tokens, ttft)
+            # a stream continued on another replica mid-answer was made by several: the totals only
+            whole = stream is None or stream.replica in (None, replica)
+            self.serving_metrics.record(replica if whole else None, len(ids), cached, completion_tokens, ttft, sent)
             self.tenant_metrics.record(tenant.id, len(ids), cached, ttft)
             moves = stream.moves if stream is not None else first.get("migrations", 0)
             if moves > 0:  # its replica failed: what it stored was unknown to the router
@@ -657,7 +671,8 @@ class Ingress:
     @fastapi_app.get("/metrics")
     async def metrics(self):
         """This replica's page, or with several ingress replicas every replica's, merged and labelled
-        `ingress` (deployments/fleet_metrics.py): a scrape reaches one replica, whichever it is."""
+        `ingress` (deployments/fleet_metrics.py; the fleet-wide families once, unlabelled): a scrape
+        reaches one replica, whichever it is."""
         if self.cfg["ingress_replicas"] > 1:
             text = await self._fleet_metrics_page()
         else:
@@ -676,7 +691,7 @@ class Ingress:
 
     async def _fleet_metrics_page(self) -> str:
         """Every ingress replica's page through Serve's broadcast (once per scrape, off the request path);
-        this replica's own alone if the others cannot be asked."""
+        this replica's own alone if the others cannot be asked, still labelled: its series keep their names."""
         try:
             ctx = serve.get_replica_context()
             peers = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)

@@ -190,7 +190,7 @@ class MissAttribution:
         with self._lock:
             items = sorted(self.counters.items())
         for (reason, tenant), tokens in items:
-            t = tenant.replace("\\", "\\\\").replace('"', '\\"')
+            t = tenant.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # the text format's escapes
             lines.append(f'kvmesh_miss_tokens_total{{reason="{reason}",tenant="{t}"}} {tokens}')
         return "\n".join(lines) + "\n"
 

@@ -1,7 +1,8 @@
 """Ingress-side serving metrics in Prometheus text form: hit rates (token-weighted, and the mean over
 requests of each one's cached share), the share of requests with any hit,
-cached tokens, TTFT, predicted vs delivered cached tokens -- globally and per replica -- and the
-time each request spends in the ingress's stages (sum of seconds and count per stage), so the
+cached tokens, TTFT, predicted vs delivered cached tokens -- for the fleet, and per engine replica in
+families of their own (`kvmesh_replica_*`, so a plain `sum()` of a family is never twice the truth) --
+and the time each request spends in the ingress's stages (sum of seconds and count per stage), so the
 per-request overhead can be split without a profiler.
 
 Why hand-rolled: a few counters and one histogram per replica; prometheus_client's global registry
@@ -17,9 +18,20 @@ import time
 from dataclasses import dataclass, field
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# A replica Serve stops finishes its streams after the router forgot it (5 s graceful shutdown for
-# engines): for this long their requests count in the totals only, not in a new per-replica entry.
-FORGOTTEN_HOLD_S = 60.0
+# Forgotten replica ids remembered, oldest dropped first: a request in flight on a replica when the router
+# forgot it counts in the totals only, however late it finishes (as in the prediction ledger). Bounded by
+# count, not time, so a long stream cannot outlive what is remembered of its replica.
+FORGOTTEN_MAX = 4096
+# The prefix index's stats that are levels, not counts (cluster/index.py `PrefixIndex.stats`): gauges of
+# their own, since a counter that goes down reads as a reset.
+INDEX_GAUGES = {
+    "blocks": ("kvmesh_router_index_blocks", "blocks the router's prefix index holds"),
+    "replicas": ("kvmesh_router_index_replicas", "engine replicas the router's prefix index tracks"),
+    "replicas_stale_now": (
+        "kvmesh_router_index_stale_replicas",
+        "replicas whose KV event stream had a gap, their cache view not rebuilt yet",
+    ),
+}
 
 
 @dataclass
@@ -76,7 +88,7 @@ class ServingMetrics:
         self._lock = threading.Lock()
         self.total = _Counters()
         self.per_replica: dict[str, _Counters] = {}
-        self._forgotten: dict[str, float] = {}  # replica -> when it was forgotten (time.monotonic)
+        self._forgotten: dict[str, float] = {}  # replica -> when it was forgotten (time.monotonic), oldest first
         self.errors: dict[int, int] = {}
         self.stages: dict[str, list] = {}  # stage -> [seconds total, count]
 
@@ -88,12 +100,24 @@ class ServingMetrics:
             total[1] += 1
 
     def record(
-        self, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, ttft_s: float | None
+        self,
+        replica: str | None,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        ttft_s: float | None,
+        started: float | None = None,
     ) -> None:
+        """One answered request. `replica` None counts it in the totals only (an answer no one replica made
+        alone). `started` is `time.monotonic()` when it was sent: a replica forgotten since then gets no
+        per-replica row back for it, however late it finishes; without `started`, a forgotten replica's
+        requests count in the totals only."""
         with self._lock:
             self.total.add(prompt_tokens, cached_tokens, completion_tokens, ttft_s)
+            if replica is None:
+                return
             gone = self._forgotten.get(replica)
-            if gone is not None and time.monotonic() - gone < FORGOTTEN_HOLD_S:
+            if gone is not None and (started is None or started <= gone):
                 return
             self.per_replica.setdefault(replica, _Counters()).add(
                 prompt_tokens, cached_tokens, completion_tokens, ttft_s
@@ -105,8 +129,10 @@ class ServingMetrics:
         now = time.monotonic()
         with self._lock:
             self.per_replica.pop(rid, None)
-            self._forgotten = {r: t for r, t in self._forgotten.items() if now - t < FORGOTTEN_HOLD_S}
+            self._forgotten.pop(rid, None)
             self._forgotten[rid] = now
+            while len(self._forgotten) > FORGOTTEN_MAX:
+                del self._forgotten[next(iter(self._forgotten))]
 
     def record_error(self, status: int) -> None:
         with self._lock:
@@ -131,58 +157,72 @@ class ServingMetrics:
                 lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
                 out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
 
-        with self._lock:
-            groups: list[tuple[dict, _Counters]] = [({}, self.total)]
-            groups += [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]
-            metric(
-                "kvmesh_requests_total",
-                "counter",
-                "completed generation requests",
-                [(lab, c.requests) for lab, c in groups],
-            )
-            metric(
-                "kvmesh_prompt_tokens_total", "counter", "prompt tokens", [(lab, c.prompt_tokens) for lab, c in groups]
-            )
-            metric(
-                "kvmesh_cached_prompt_tokens_total",
-                "counter",
-                "prompt tokens served from the KV cache",
-                [(lab, c.cached_tokens) for lab, c in groups],
-            )
-            metric(
-                "kvmesh_completion_tokens_total",
-                "counter",
-                "generated tokens",
-                [(lab, c.completion_tokens) for lab, c in groups],
-            )
-            metric(
-                "kvmesh_hit_rate_tokens",
-                "gauge",
-                "token-weighted KV hit rate = cached / prompt tokens",
-                [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups],
-            )
-            metric(
-                "kvmesh_hit_rate_requests",
-                "gauge",
-                "mean over requests of cached / prompt tokens",
-                [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups],
-            )
-            metric(
-                "kvmesh_requests_with_hit",
-                "gauge",
-                "fraction of requests with any cached prompt token",
-                [(lab, c.as_dict()["requests_with_hit"]) for lab, c in groups],
-            )
-            out.append("# HELP kvmesh_ttft_seconds time to first token seen by the ingress")
-            out.append("# TYPE kvmesh_ttft_seconds histogram")
+        def histogram(name: str, help_text: str, groups: list[tuple[dict, _Counters]]) -> None:
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} histogram")
             for labels, c in groups:
                 base = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
                 sep = "," if base else ""
                 for b, n in zip(TTFT_BUCKETS, c.ttft_buckets):
-                    out.append(f'kvmesh_ttft_seconds_bucket{{{base}{sep}le="{b}"}} {n}')
-                out.append(f'kvmesh_ttft_seconds_bucket{{{base}{sep}le="+Inf"}} {c.ttft_count}')
-                out.append(f"kvmesh_ttft_seconds_sum{{{base}}} {c.ttft_sum}")
-                out.append(f"kvmesh_ttft_seconds_count{{{base}}} {c.ttft_count}")
+                    out.append(f'{name}_bucket{{{base}{sep}le="{b}"}} {n}')
+                out.append(f'{name}_bucket{{{base}{sep}le="+Inf"}} {c.ttft_count}')
+                out.append(f"{name}_sum{{{base}}} {c.ttft_sum}")
+                out.append(f"{name}_count{{{base}}} {c.ttft_count}")
+
+        with self._lock:
+            # the fleet's figures, then each engine replica's in a family of its own (kvmesh_replica_*)
+            for prefix, groups in (
+                ("kvmesh", [({}, self.total)]),
+                ("kvmesh_replica", [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]),
+            ):
+                each = " (per engine replica)" if prefix == "kvmesh_replica" else ""
+                metric(
+                    f"{prefix}_requests_total",
+                    "counter",
+                    f"completed generation requests{each}",
+                    [(lab, c.requests) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_prompt_tokens_total",
+                    "counter",
+                    f"prompt tokens{each}",
+                    [(lab, c.prompt_tokens) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_cached_prompt_tokens_total",
+                    "counter",
+                    f"prompt tokens served from the KV cache{each}",
+                    [(lab, c.cached_tokens) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_completion_tokens_total",
+                    "counter",
+                    f"generated tokens{each}",
+                    [(lab, c.completion_tokens) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_hit_rate_tokens",
+                    "gauge",
+                    f"token-weighted KV hit rate = cached / prompt tokens{each}",
+                    [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_hit_rate_requests",
+                    "gauge",
+                    f"mean over requests of cached / prompt tokens{each}",
+                    [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups],
+                )
+                metric(
+                    f"{prefix}_requests_with_hit",
+                    "gauge",
+                    f"fraction of requests with any cached prompt token{each}",
+                    [(lab, c.as_dict()["requests_with_hit"]) for lab, c in groups],
+                )
+                histogram(
+                    f"{prefix}_ttft_seconds",
+                    f"time to first token: from the ingress's handler to the first output coming back{each}",
+                    groups,
+                )
             metric(
                 "kvmesh_http_errors_total",
                 "counter",
@@ -203,25 +243,29 @@ class ServingMetrics:
                 [({"stage": k}, v[1]) for k, v in stages],
             )
         if ledger is not None:
-            per_replica = ledger["per_replica"].items()
-            metric(
-                "kvmesh_predicted_cached_tokens_total",
-                "counter",
-                "cached tokens the router predicted",
-                [({}, ledger["predicted_tokens"])] + [({"replica": r}, v[0]) for r, v in per_replica],
-            )
-            metric(
-                "kvmesh_delivered_cached_tokens_total",
-                "counter",
-                "cached tokens the engines reported for requests with a prediction",
-                [({}, ledger["delivered_tokens"])] + [({"replica": r}, v[1]) for r, v in per_replica],
-            )
-            metric(
-                "kvmesh_prediction_mismatches_total",
-                "counter",
-                "requests where predicted and delivered cached tokens differ by a block or more",
-                [({}, ledger["mismatches"])] + [({"replica": r}, v[2]) for r, v in per_replica],
-            )
+            per_replica = sorted(ledger["per_replica"].items())
+            for column, (name, help_text, total) in enumerate(
+                (
+                    ("predicted_cached_tokens_total", "cached tokens the router predicted", "predicted_tokens"),
+                    (
+                        "delivered_cached_tokens_total",
+                        "cached tokens the engines reported for requests with a prediction",
+                        "delivered_tokens",
+                    ),
+                    (
+                        "prediction_mismatches_total",
+                        "requests where predicted and delivered cached tokens differ by a block or more",
+                        "mismatches",
+                    ),
+                )
+            ):
+                metric(f"kvmesh_{name}", "counter", help_text, [({}, ledger[total])])
+                metric(
+                    f"kvmesh_replica_{name}",
+                    "counter",
+                    f"{help_text} (per engine replica)",
+                    [({"replica": r}, v[column]) for r, v in per_replica],
+                )
             metric("kvmesh_prediction_compared_total", "counter", "requests compared", [({}, ledger["compared"])])
             metric(
                 "kvmesh_hash_contract_alarm",
@@ -236,8 +280,11 @@ class ServingMetrics:
                 "kvmesh_router_index_events_total",
                 "counter",
                 "prefix-index counters",
-                [({"counter": k}, v) for k, v in sorted(idx.items())],
+                [({"counter": k}, v) for k, v in sorted(idx.items()) if k not in INDEX_GAUGES],
             )
+            for key, (name, help_text) in INDEX_GAUGES.items():
+                if key in idx:
+                    metric(name, "gauge", help_text, [({}, idx[key])])
             metric("kvmesh_router_decisions_total", "counter", "routing decisions", [({}, router.get("decisions", 0))])
             metric(
                 "kvmesh_router_fallbacks_total",

@@ -54,55 +54,85 @@ def tier_report(status: dict | None = None) -> dict:
 
 
 def _esc(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _known(node: dict) -> dict | None:
+    """The node's tier figures, or None when this scrape could not read them (its server did not answer, or
+    answered without LMCache's metrics): a counter left out is a gap, one written as 0 reads as a reset."""
+    tiers = node.get("tiers") or {}
+    health = node.get("health") or {}
+    readable = health.get("metrics_ok", health.get("healthy"))
+    return tiers if tiers and readable is not False else None
 
 
 def tier_metrics_text(status: dict | None = None) -> str:
-    """Prometheus exposition lines (HELP/TYPE included) for kvmesh's tiers, one label set per node."""
+    """Prometheus exposition lines (HELP/TYPE included) for kvmesh's tiers, one label set per node; each
+    family's HELP and TYPE right before its own samples, as the text format requires."""
     status = _status(status)
-    lines = [
-        "# HELP kvmesh_tier_hit_tokens_total Prompt tokens LMCache could serve, by tier (host = node L1, shared = L2).",
-        "# TYPE kvmesh_tier_hit_tokens_total counter",
-    ]
-    for node, s in sorted(status.items()):
-        t = s.get("tiers", {})
-        for tier, key in (("host", "host_hit_tokens"), ("shared", "shared_hit_tokens")):
-            lines.append(f'kvmesh_tier_hit_tokens_total{{node="{_esc(node)}",tier="{tier}"}} {float(t.get(key) or 0)}')
-    lines += [
-        "# HELP kvmesh_tier_lookup_tokens_total Prompt tokens engines asked LMCache about.",
-        "# TYPE kvmesh_tier_lookup_tokens_total counter",
-    ]
-    for node, s in sorted(status.items()):
-        lines.append(
-            f'kvmesh_tier_lookup_tokens_total{{node="{_esc(node)}"}} '
-            f"{float(s.get('tiers', {}).get('lookup_requested_tokens') or 0)}"
-        )
-    lines += [
-        "# HELP kvmesh_tier_bytes_total KV bytes moved between engines and tiers.",
-        "# TYPE kvmesh_tier_bytes_total counter",
-    ]
-    for node, s in sorted(status.items()):
-        t = s.get("tiers", {})
-        for direction in ("to_host", "from_host", "to_shared", "from_shared"):
-            lines.append(
-                f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
-                f"{float(t.get('bytes_' + direction) or 0)}"
-            )
-    lines += [
-        "# HELP kvmesh_tier_server_healthy 1 when the node's LMCache server serves and exports metrics.",
-        "# TYPE kvmesh_tier_server_healthy gauge",
-        "# HELP kvmesh_tier_shared_up 1 when the node's shared tier answers, 0 when down (absent: none).",
-        "# TYPE kvmesh_tier_shared_up gauge",
-        "# HELP kvmesh_tier_host_usage_ratio Fraction of the node's L1 in use.",
-        "# TYPE kvmesh_tier_host_usage_ratio gauge",
-    ]
-    for node, s in sorted(status.items()):
-        h = s["health"]
-        lines.append(f'kvmesh_tier_server_healthy{{node="{_esc(node)}"}} {1 if h.get("healthy") else 0}')
-        if h.get("shared_tier_up") is not None:
-            lines.append(f'kvmesh_tier_shared_up{{node="{_esc(node)}"}} {1 if h["shared_tier_up"] else 0}')
-        lines.append(
-            f'kvmesh_tier_host_usage_ratio{{node="{_esc(node)}"}} '
-            f"{float(s.get('tiers', {}).get('l1_usage_ratio') or 0)}"
-        )
+    nodes = sorted(status.items())
+    known = [(node, t) for node, s in nodes if (t := _known(s)) is not None]
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+    family(
+        "kvmesh_tier_hit_tokens_total",
+        "counter",
+        "Prompt tokens LMCache could serve, by tier (host = node L1, shared = L2).",
+        [
+            f'kvmesh_tier_hit_tokens_total{{node="{_esc(node)}",tier="{tier}"}} {float(t.get(key) or 0)}'
+            for node, t in known
+            for tier, key in (("host", "host_hit_tokens"), ("shared", "shared_hit_tokens"))
+        ],
+    )
+    family(
+        "kvmesh_tier_lookup_tokens_total",
+        "counter",
+        "Prompt tokens engines asked LMCache about.",
+        [
+            f'kvmesh_tier_lookup_tokens_total{{node="{_esc(node)}"}} {float(t.get("lookup_requested_tokens") or 0)}'
+            for node, t in known
+        ],
+    )
+    family(
+        "kvmesh_tier_bytes_total",
+        "counter",
+        "KV bytes moved between engines and tiers.",
+        [
+            f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
+            f"{float(t.get('bytes_' + direction) or 0)}"
+            for node, t in known
+            for direction in ("to_host", "from_host", "to_shared", "from_shared")
+        ],
+    )
+    family(
+        "kvmesh_tier_server_healthy",
+        "gauge",
+        "1 when the node's LMCache server serves and exports metrics.",
+        [
+            f'kvmesh_tier_server_healthy{{node="{_esc(node)}"}} {1 if s["health"].get("healthy") else 0}'
+            for node, s in nodes
+        ],
+    )
+    family(
+        "kvmesh_tier_shared_up",
+        "gauge",
+        "1 when the node's shared tier answers, 0 when down (absent: none).",
+        [
+            f'kvmesh_tier_shared_up{{node="{_esc(node)}"}} {1 if s["health"]["shared_tier_up"] else 0}'
+            for node, s in nodes
+            if s["health"].get("shared_tier_up") is not None
+        ],
+    )
+    family(
+        "kvmesh_tier_host_usage_ratio",
+        "gauge",
+        "Fraction of the node's L1 in use.",
+        [
+            f'kvmesh_tier_host_usage_ratio{{node="{_esc(node)}"}} {float(t.get("l1_usage_ratio") or 0)}'
+            for node, t in known
+        ],
+    )
     return "\n".join(lines) + "\n"

@@ -306,7 +306,7 @@ def test_metrics_report_hit_rates_per_replica_and_predictions(live_app):
         r = complete(c, prefix + [9])
         text = c.get("/metrics").text
     replica = r.headers["x-kvmesh-replica"]
-    assert f'kvmesh_cached_prompt_tokens_total{{replica="{replica}"}}' in text
+    assert f'kvmesh_replica_cached_prompt_tokens_total{{replica="{replica}"}}' in text
     assert "kvmesh_hit_rate_tokens " in text and "kvmesh_ttft_seconds_bucket" in text
     assert "kvmesh_predicted_cached_tokens_total" in text and "kvmesh_hash_contract_alarm 0" in text
     total = next(

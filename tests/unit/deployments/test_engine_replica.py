@@ -161,3 +161,22 @@ def test_a_requests_unset_sampling_settings_are_the_models_own():
     assert (unset.temperature, unset.top_p, unset.max_tokens) == (0.6, 0.9, 4)
     assert replica._sampling_params({"max_tokens": 4, "temperature": 0.0}).temperature == 0.0
     assert model_sampling_defaults(SimpleNamespace()) == {}
+
+
+def test_a_unary_answer_says_how_long_the_engine_worked_after_its_first_output():
+    """What the ingress takes from its own end-to-end time to measure a unary request's time to first token
+    as a stream's (a duration: no clock is compared across processes)."""
+    import asyncio
+
+    replica = object.__new__(EngineReplica)
+
+    async def generate(request):
+        for delay, finish in ((0.05, None), (0.1, None), (0.1, "length")):
+            await asyncio.sleep(delay)
+            yield {"text": "x", "token_ids": [1], "finish_reason": finish, "num_cached_tokens": 0, "replica": "r"}
+
+    replica.generate = generate
+    answer = asyncio.run(replica.generate_full({"request_id": "q"}))
+    assert answer["text"] == "xxx" and answer["finish_reason"] == "length"
+    assert 0.04 <= answer["ttft_s"] < 0.1
+    assert 0.19 <= answer["after_first_output_s"] < 0.3

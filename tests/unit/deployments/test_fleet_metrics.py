@@ -1,5 +1,5 @@
-"""Merging every ingress replica's /metrics page: each sample labelled with its replica, each family once
-and together (the text format's rule), one replica's page unchanged."""
+"""Merging every ingress replica's /metrics page: each sample labelled with its replica (also when only
+one answered), each family once and together (the text format's rule), the fleet-wide families once."""
 
 from __future__ import annotations
 
@@ -38,8 +38,13 @@ def test_a_label_is_added_to_samples_with_and_without_labels():
     assert labelled("# TYPE m counter", "ingress", "x") == "# TYPE m counter"
 
 
-def test_one_replica_keeps_its_page():
-    assert merge({"a": PAGE_A}) == PAGE_A
+def test_a_page_alone_is_labelled_as_it_is_beside_the_others():
+    """A peer that missed one scrape must not turn `{ingress="a"}` into `{}` and back: series churn, and
+    every counter's increase lost at each switch."""
+    alone = merge({"a": PAGE_A}).splitlines()
+    both = merge({"a": PAGE_A, "b": PAGE_B}).splitlines()
+    assert 'kvmesh_requests_total{ingress="a",tenant="t1"} 3' in alone
+    assert [line for line in alone if not line.startswith("#")] == [line for line in both if 'ingress="a"' in line]
 
 
 def test_pages_merge_into_one_family_each_with_every_replica_labelled():
@@ -69,3 +74,133 @@ def test_pages_merge_into_one_family_each_with_every_replica_labelled():
     assert 'kvmesh_migrations_total{ingress="b"} 2' in lines
     # whichever replica answers, the page is the same
     assert merge({"a": PAGE_A, "b": PAGE_B}) == page
+
+
+def _fleet_page(ingress: int, steps: dict[str, int], host_hits: dict[str, float]) -> str:
+    """One ingress replica's page as the ingress writes it: its own counters, the engines' routing stats as
+    its router last heard them, and the LMCache nodes' tier figures."""
+    from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
+    from kvmesh.deployments.serving_metrics import ServingMetrics
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    serving = ServingMetrics()
+    for _ in range(ingress):
+        serving.record("engA", 100, 64, 10, 0.2)
+    stats = {rid: {"steps": n, "external_hit_tokens": n, "stats_errors": 1} for rid, n in steps.items()}
+    router = {"decisions": ingress, "routing_stats": stats}
+    status = {
+        node: {"health": {"healthy": True, "shared_tier_up": True}, "tiers": {"host_hit_tokens": h}}
+        for node, h in host_hits.items()
+    }
+    return (
+        serving.prometheus_text(None, router)
+        + failure_metrics_text(FailureCounters(), router)
+        + tier_metrics_text(status)
+    )
+
+
+def test_what_every_ingress_replica_reads_alike_is_on_the_merged_page_once():
+    """The engines' and the LMCache nodes' own counters: a sum over the merged page is theirs, not a
+    multiple of it per ingress replica; what each ingress replica counts itself keeps its label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = {"nodeA": 400.0, "nodeB": 200.0}
+    page = merge(
+        {
+            "ing-1": _fleet_page(1, {"engA": 100, "engB": 200}, hits),
+            "ing-2": _fleet_page(2, {"engA": 100, "engB": 200}, hits),
+        }
+    )
+    fams = {f.name: f for f in text_string_to_metric_families(page)}
+
+    def total(name: str, **labels) -> float:
+        return sum(s.value for s in fams[name].samples if labels.items() <= s.labels.items())
+
+    assert total("kvmesh_tier_hit_tokens", tier="host") == 600
+    assert total("kvmesh_replica_engine_steps") == 300
+    assert total("kvmesh_replica_lmcache_loaded_tokens") == 300
+    assert total("kvmesh_replica_stats_errors") == 2
+    assert total("kvmesh_tier_server_healthy") == 2
+    assert total("kvmesh_requests") == 3  # each ingress replica's own, summed over `ingress`
+    assert {s.labels["ingress"] for s in fams["kvmesh_requests"].samples} == {"ing-1", "ing-2"}
+    from kvmesh.deployments.fleet_metrics import FLEET_WIDE
+
+    for f in fams.values():
+        if f.name + ("_total" if f.type == "counter" else "") in FLEET_WIDE:
+            assert all("ingress" not in s.labels for s in f.samples), f.name
+    # every fleet-wide family is one the ingress writes (a renamed family would be counted per replica again)
+    written = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE ")}
+    assert FLEET_WIDE <= written
+
+
+def test_a_fleet_wide_counter_takes_the_freshest_view_and_a_gauge_the_first():
+    """Routers hear the engines' stats at slightly different times: the highest count is the latest (never
+    one that went back), and the merged page is the same whichever replica answers."""
+    a = _fleet_page(1, {"engA": 100}, {"nodeA": 10.0})
+    b = _fleet_page(1, {"engA": 104}, {"nodeA": 10.0}).replace(
+        'kvmesh_tier_server_healthy{node="nodeA"} 1', 'kvmesh_tier_server_healthy{node="nodeA"} 0'
+    )
+    page = merge({"a": a, "b": b})
+    assert 'kvmesh_replica_engine_steps_total{replica="engA"} 104' in page.splitlines()
+    assert 'kvmesh_replica_engine_steps_total{replica="engA"} 100' not in page.splitlines()
+    assert [line for line in page.splitlines() if line.startswith("kvmesh_tier_server_healthy")] == [
+        'kvmesh_tier_server_healthy{node="nodeA"} 1'
+    ]
+    assert merge({"b": b, "a": a}) == page
+
+
+def _whole_page(n: int = 0) -> str:
+    """Every part of an ingress replica's GET /metrics, as `Ingress.metrics_page` puts them together."""
+    from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
+    from kvmesh.deployments.miss_attribution import MissAttribution
+    from kvmesh.deployments.prediction import PredictionLedger
+    from kvmesh.deployments.serving_metrics import ServingMetrics
+    from kvmesh.deployments.tenant_metrics import TenantMetrics
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    serving, tenants, failures, misses, ledger = (
+        ServingMetrics(),
+        TenantMetrics(),
+        FailureCounters(),
+        MissAttribution(),
+        PredictionLedger(),
+    )
+    serving.record("engA", 100, 64, 10, 0.2)
+    serving.record("engB", 100, 0, 10, None)
+    serving.record_stage("tokenize", 0.001)
+    serving.record_error(429)
+    tenants.record("acme", 100, 64, 0.2)
+    tenants.record_rejection(None, "invalid_api_key")
+    failures.migrated("mid_stream")
+    misses.counters[("cold", "acme")] = 36
+    ledger.predict("q", "engA", 64, 16)
+    ledger.deliver("q", 64)
+    stats = {"engA": {"steps": 100 + n, "external_hit_tokens": 64, "stats_errors": 0}}
+    router = {"index": {"admissions": 5, "blocks": 3, "replicas": 1, "replicas_stale_now": 0}, "decisions": 10}
+    router |= {"fallbacks": 1, "decision_s_total": 0.01, "forgotten": 0, "routing_stats": stats}
+    status = {
+        "nodeA": {"health": {"healthy": True, "shared_tier_up": True}, "tiers": {"host_hit_tokens": 5.0}},
+        "nodeB": {"health": {"healthy": False}, "tiers": {}},
+    }
+    return (
+        serving.prometheus_text(ledger.snapshot(), router)
+        + tenants.prometheus_text()
+        + misses.prometheus_text()
+        + failure_metrics_text(failures, router)
+        + tier_metrics_text(status)
+    )
+
+
+def test_the_whole_page_parses_into_one_family_each_of_the_type_it_declares():
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for page in (_whole_page(), merge({"ing-1": _whole_page(0), "ing-2": _whole_page(1)})):
+        declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", page, re.M))
+        families = list(text_string_to_metric_families(page))
+        names = [f.name for f in families]
+        assert len(names) == len(set(names)) == len(declared), sorted(n for n in names if names.count(n) > 1)
+        for f in families:
+            assert f.type != "unknown", f.name
+            assert declared.get(f.name + "_total" if f.type == "counter" else f.name) == f.type, f.name

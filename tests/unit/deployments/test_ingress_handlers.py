@@ -776,3 +776,98 @@ def test_a_tenant_at_its_concurrency_limit_is_refused_before_tokenising_and_a_fu
         await asyncio.gather(*held, queued, return_exceptions=True)
 
     asyncio.run(run())
+
+
+# --- TTFT: unary and streamed requests measured alike ---------------------------------------------------
+
+
+def _ttft_sum(ing) -> float:
+    return ing.serving_metrics.total.ttft_sum
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_ttft_counts_what_the_request_waited_before_the_engine_as_a_stream_does(stream):
+    """Routing, Serve's queue, router holds and failed replicas all come before the engine's first output:
+    the client waits for them either way, and both kinds of request feed one histogram. The fake engine's
+    call takes 0.4 s, of which it spent 0.1 s after its first output (a unary answer waits for all of it)."""
+
+    async def run():
+        ing = _ingress()
+
+        async def generate_full(request: dict) -> dict:
+            await asyncio.sleep(0.4)
+            return {**_chunk("ab", [5, 6], "length"), "ttft_s": 0.01, "after_first_output_s": 0.1}
+
+        class _Late(_Stream):
+            async def __anext__(self) -> dict:
+                if len(self.chunks) == 2:
+                    await asyncio.sleep(0.3)
+                else:
+                    await asyncio.sleep(0.1)
+                return await super().__anext__()
+
+        ing.engine.generate_full = _Method(generate_full)
+        ing.engine.generate = _Method(lambda request: _Late(False))
+        req, scope, receive = _request({**BODY, "stream": stream})
+        response = await ing._generate(req, "completion")
+        if stream:
+
+            async def send(message):
+                pass
+
+            await response(scope, receive, send)
+        assert response.status_code == 200
+        assert ing.serving_metrics.total.ttft_count == 1
+        assert 0.29 <= _ttft_sum(ing) < 0.38, _ttft_sum(ing)
+        assert ing.tenant_metrics.snapshot()["anonymous"]["ttft_mean_s"] == pytest.approx(_ttft_sum(ing))
+
+    asyncio.run(run())
+
+
+def test_an_engine_that_does_not_say_its_time_after_the_first_output_keeps_the_older_measure():
+    unary_ttft = ingress_module.Ingress.func_or_class._generate.__globals__["_unary_ttft"]  # type: ignore[attr-defined]
+    assert unary_ttft(10.0, 10.5, 13.0, {"ttft_s": 0.25}) == pytest.approx(0.75)
+    assert unary_ttft(10.0, 10.5, 13.0, {"ttft_s": 0.25, "after_first_output_s": 1.0}) == pytest.approx(2.0)
+
+
+def test_a_stream_continued_on_another_replica_counts_in_the_totals_only():
+    """Its prompt was cached on one replica and its tokens generated on two: crediting either replica with
+    the whole answer is wrong, and the first one's row would come back after the router forgot it."""
+    from kvmesh.deployments.engine_driver import EngineBroken
+
+    async def run():
+        ing = _ingress()
+
+        class _DiesAfterOne(_Stream):
+            async def __anext__(self) -> dict:
+                if len(self.chunks) == 1:
+                    raise EngineBroken("engine step failed", "r0")
+                return await super().__anext__()
+
+        class _OnR1(_Stream):
+            def __init__(self, hang: bool):
+                super().__init__(hang)
+                self.chunks = [{**c, "replica": "r1"} for c in self.chunks]
+
+        opened: list[dict] = []
+
+        def generate(request: dict) -> _Stream:
+            opened.append(request)
+            return _DiesAfterOne(False) if len(opened) == 1 else _OnR1(False)
+
+        ing.engine.generate = _Method(generate)
+
+        async def send(message):
+            pass
+
+        req, scope, receive = _request({**BODY, "stream": True})
+        response = await ing._generate(req, "completion")
+        await response(scope, receive, send)
+        assert len(opened) == 2 and response.headers["x-kvmesh-replica"] == "r0"
+        assert ing.serving_metrics.total.requests == 1 and ing.serving_metrics.per_replica == {}
+        req, scope, receive = _request({**BODY, "stream": True})  # one replica, start to end: its own row
+        response = await ing._generate(req, "completion")
+        await response(scope, receive, send)
+        assert set(ing.serving_metrics.per_replica) == {"r1"}
+
+    asyncio.run(run())

@@ -78,3 +78,15 @@ def test_a_prompt_counts_as_computed_from_its_first_token_not_from_the_end_of_it
     assert attr.delivered("q2", "a", ids, 0) == {"evicted": 96, "partial_block": 4}
     assert attr.delivered("q1", "a", ids, 0) == {"cold": 96, "partial_block": 4}  # its own prompt stays cold
     attr.started("nope", "a")  # no record: nothing to do
+
+
+def test_a_tenant_id_with_any_character_round_trips_through_the_metrics_text():
+    """Label values escape backslash, quote and newline (the text format's three): a raw newline in a tenant
+    id breaks the whole page for the parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    attr = MissAttribution()
+    for tenant in ("a\nb", 'we"ird\\ten'):
+        attr.counters[("cold", tenant)] = 3
+    samples = [s for f in text_string_to_metric_families(attr.prometheus_text()) for s in f.samples]
+    assert {s.labels["tenant"] for s in samples} == {"a\nb", 'we"ird\\ten'}

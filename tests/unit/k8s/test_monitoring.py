@@ -113,8 +113,10 @@ def test_every_dashboard_metric_is_exported_by_kvmesh_or_vllm():
 def test_the_dashboard_covers_hit_rates_tiers_ttft_routing_and_the_alarm():
     used = {name for _, expr in dashboard_queries() for name in promql_metric_names(expr)}
     for name in (
-        "kvmesh_cached_prompt_tokens_total",  # token-weighted, per replica
-        "kvmesh_hit_rate_requests",  # request-weighted, per replica
+        "kvmesh_cached_prompt_tokens_total",  # token-weighted, the fleet
+        "kvmesh_replica_cached_prompt_tokens_total",  # token-weighted, per replica
+        "kvmesh_hit_rate_requests",  # request-weighted, the fleet
+        "kvmesh_replica_hit_rate_requests",  # request-weighted, per replica
         "kvmesh_tenant_cached_tokens_total",
         "kvmesh_tenant_hit_rate_requests",
         "kvmesh_tier_hit_tokens_total",
@@ -127,6 +129,15 @@ def test_the_dashboard_covers_hit_rates_tiers_ttft_routing_and_the_alarm():
         "kvmesh_hash_contract_alarm",
     ):
         assert name in used, name
+
+
+def test_the_dashboard_never_tells_fleet_totals_from_replica_rows_by_a_label():
+    """Per-replica figures are families of their own (kvmesh_replica_*): a query selecting `replica=""` would
+    find nothing, and a plain sum over a fleet family is the fleet's figure."""
+    for title, expr in dashboard_queries():
+        assert not re.search(r'replica\s*!?=\s*""', expr), f"{title}: {expr}"
+    text = " ".join(expr for _, expr in dashboard_queries())
+    assert "kvmesh_replica_cached_prompt_tokens_total" in text and "kvmesh_replica_prompt_tokens_total" in text
 
 
 def test_dashboard_panels_are_well_formed():

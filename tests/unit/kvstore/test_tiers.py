@@ -183,6 +183,51 @@ def test_tier_metrics_text_is_valid_prometheus():
     assert "node-c" not in {labels.get("node") for labels, _ in s["kvmesh_tier_shared_up"]}
 
 
+def _tier_families(status: dict) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    families = list(text_string_to_metric_families(tier_metrics_text(status)))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), names  # a family split in two: its samples came apart from its TYPE
+    return {f.name: f for f in families}
+
+
+def test_each_tier_family_is_typed_as_declared():
+    """HELP and TYPE right before the family's own samples: written apart, prometheus_client's parser (and
+    Prometheus) takes the samples for an untyped family of their own."""
+    fams = _tier_families(STATUS)
+    assert {name: f.type for name, f in fams.items()} == {
+        "kvmesh_tier_hit_tokens": "counter",
+        "kvmesh_tier_lookup_tokens": "counter",
+        "kvmesh_tier_bytes": "counter",
+        "kvmesh_tier_server_healthy": "gauge",
+        "kvmesh_tier_shared_up": "gauge",
+        "kvmesh_tier_host_usage_ratio": "gauge",
+    }
+    assert len(fams["kvmesh_tier_server_healthy"].samples) == 3
+
+
+def test_a_node_whose_figures_this_scrape_did_not_read_has_no_counters_rather_than_zeros():
+    """A node that did not answer one scrape: its counters at 0 then back read as a reset (increase() of
+    the whole count where nothing happened). Left out, they are a gap; its health gauge says 0."""
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    ok = {"health": {"healthy": True}, "tiers": {"host_hit_tokens": 50000.0, "lookup_requested_tokens": 9.0}}
+    for down in (
+        {"health": {"healthy": False, "error": "GetTimeoutError: ..."}, "tiers": {}},  # the actor did not answer
+        {"health": {"healthy": False, "metrics_ok": False}, "tiers": tier_summary({})},  # LMCache's /metrics did not
+    ):
+        fams = _tier_families({"nodeA": down, "nodeB": ok})
+        for name in ("kvmesh_tier_hit_tokens", "kvmesh_tier_lookup_tokens", "kvmesh_tier_bytes"):
+            assert {s.labels["node"] for s in fams[name].samples} == {"nodeB"}, name
+        assert {s.labels["node"] for s in fams["kvmesh_tier_host_usage_ratio"].samples} == {"nodeB"}
+        healthy = {s.labels["node"]: s.value for s in fams["kvmesh_tier_server_healthy"].samples}
+        assert healthy == {"nodeA": 0, "nodeB": 1}
+    assert 'kvmesh_tier_hit_tokens_total{node="nodeA",tier="host"} 50000.0' in tier_metrics_text({"nodeA": ok})
+
+
 def test_tier_routing_info_for_routers():
     from kvmesh.kvstore.tiers import tier_routing_info
 
