@@ -220,8 +220,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.unreported_ends = 0
         # replicas whose KV-event stream could not be subscribed: replica id -> (failures, next try, monotonic)
         self._subscribe_failed: dict[str, tuple[int, float]] = {}
+        # requests ranked, and rankings of a request again (Serve found no free replica, or one refused it):
+        # a saturated fleet is ranked many times per request, which per-request shares must not count
         self.decisions = 0
-        self.decision_s = 0.0
+        self.rerankings = 0
+        self.decision_s = 0.0  # every ranking's time
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
@@ -605,11 +608,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
         )
         internal = pending_request.metadata.internal_request_id
         self._loop = asyncio.get_running_loop()
+        again = internal in self._inflight or internal in self._completed
         if internal in self._inflight:  # Serve routes it again: the replica it was placed on rejected it
             self._retried(pending_request)
         elif internal in self._completed:  # the same, the rejected call's completion having come first
             self._retried_after_completion(internal)
         earlier = self._routing.pop(internal, None)
+        again = again or earlier is not None
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
             self._drop_held(internal)
@@ -645,7 +650,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._withdraw(self._routing.pop(oldest))
             self._drop_held(oldest)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        self.decisions += 1
+        if again:
+            self.rerankings += 1
+        else:
+            self.decisions += 1
         self.decision_s += time.perf_counter() - t0
         if hold is not None:
             # its own prefill is a source too, from when it is predicted to be sent
@@ -894,6 +902,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "subscribers": sorted(self._subscribed),
             "events": self.events.stats() if self.events is not None else {},
             "decisions": self.decisions,
+            "rerankings": self.rerankings,
             "decision_s_total": self.decision_s,
             "fallbacks": self.fallbacks,
             "forgotten": self.forgotten,

@@ -285,7 +285,18 @@ class ServingMetrics:
             for key, (name, help_text) in INDEX_GAUGES.items():
                 if key in idx:
                     metric(name, "gauge", help_text, [({}, idx[key])])
-            metric("kvmesh_router_decisions_total", "counter", "routing decisions", [({}, router.get("decisions", 0))])
+            metric(
+                "kvmesh_router_decisions_total",
+                "counter",
+                "requests ranked (once each, however often Serve asks again)",
+                [({}, router.get("decisions", 0))],
+            )
+            metric(
+                "kvmesh_router_rerankings_total",
+                "counter",
+                "rankings of a request again: Serve found no free replica, or the chosen one refused it",
+                [({}, router.get("rerankings", 0))],
+            )
             metric(
                 "kvmesh_router_fallbacks_total",
                 "counter",
@@ -295,7 +306,7 @@ class ServingMetrics:
             metric(
                 "kvmesh_router_decision_seconds_total",
                 "counter",
-                "time spent deciding",
+                "time spent ranking (every ranking, re-rankings included)",
                 [({}, router.get("decision_s_total", 0.0))],
             )
             stats = router.get("routing_stats") or {}

@@ -101,6 +101,8 @@ def test_router_moves_its_commitment_when_serve_places_elsewhere(monkeypatch):
         assert work[first.replica_id.unique_id] > work[other.replica_id.unique_id]
         await router.choose_replicas([a, b], p)  # ranked again (no replica free): not counted twice
         assert router.policy.recent_work() == work
+        # one request, ranked twice: a decision and a re-ranking (per-request shares count requests)
+        assert (router.decisions, router.rerankings) == (1, 1)
         router._routed(p, other.replica_id)  # Serve put it on the other replica
         moved = router.policy.recent_work()
         assert router.fallbacks == 1
@@ -268,8 +270,10 @@ def test_router_learns_placement_and_cancellation_from_the_requests_future(monke
         await asyncio.sleep(0)  # done callbacks run on the next loop turn
         assert router._inflight["i-placed"].replica == first.replica_id.unique_id
         placed.future = asyncio.get_running_loop().create_future()  # Serve's reset_future before a retry
+        decisions = router.decisions
         await router.choose_replicas([a, b], placed)
         assert "i-placed" not in router._inflight and "i-placed" in router._routing
+        assert (router.decisions, router.rerankings) == (decisions, 1)  # a retry is the same request
         placed.future.cancel()  # the client left while the retry waited for a replica
         await asyncio.sleep(0)
         assert "i-placed" not in router._routing

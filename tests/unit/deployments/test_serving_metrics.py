@@ -19,7 +19,8 @@ def test_metrics_text_has_token_and_request_weighted_hit_rates():
     assert snap["total"]["hit_rate_tokens"] == pytest.approx(96 / 250)
     assert snap["total"]["hit_rate_requests"] == pytest.approx((0.64 + 0 + 0.64) / 3)  # mean of cached/prompt
     assert snap["total"]["requests_with_hit"] == pytest.approx(2 / 3)
-    text = m.prometheus_text(PredictionLedger().snapshot(), {"index": {"lookups": 3}, "decisions": 3})
+    text = m.prometheus_text(PredictionLedger().snapshot(), {"index": {"lookups": 3}, "decisions": 3, "rerankings": 7})
+    assert "kvmesh_router_decisions_total 3" in text and "kvmesh_router_rerankings_total 7" in text
     assert 'kvmesh_replica_hit_rate_tokens{replica="r1"} 0.32' in text
     assert 'kvmesh_replica_hit_rate_requests{replica="r1"} 0.32' in text  # (0.64 + 0) / 2
     assert 'kvmesh_replica_requests_with_hit{replica="r1"} 0.5' in text
