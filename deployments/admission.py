@@ -36,6 +36,7 @@ from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant
 
 DEFAULT_QUEUE_TIMEOUT_S = 10.0
 CONCURRENCY_RETRY_S = 1.0
+FREED_KEPT = 1024  # slot releases remembered for the server_busy Retry-After (the rate they came at)
 
 
 class AdmissionError(KvmeshHTTPError):
@@ -140,6 +141,7 @@ class Admission:
         self._ready: OrderedDict[str, None] = OrderedDict()  # tenants with waiters, round-robin order
         self._in_flight = 0
         self._serial = itertools.count(1)
+        self._freed: deque[float] = deque(maxlen=FREED_KEPT)  # when global slots were released, oldest first
 
     @classmethod
     def from_registry(cls, registry, **overrides) -> Admission:
@@ -222,17 +224,12 @@ class Admission:
                 f"Too many concurrent requests for this API key (limit {lim.max_concurrent}).",
                 "concurrency_limit_exceeded",
             )
-        wait = 0.0
-        if state.requests is not None:
-            wait = max(wait, state.requests.wait_s(1, now))
-        if state.tokens is not None:
-            wait = max(wait, state.tokens.wait_s(prompt_tokens, now))
+        requests_wait = state.requests.wait_s(1, now) if state.requests is not None else 0.0
+        tokens_wait = state.tokens.wait_s(prompt_tokens, now) if state.tokens is not None else 0.0
+        wait = max(requests_wait, tokens_wait)
         if wait > 0:
-            which = (
-                "requests per second"
-                if state.requests is not None and state.requests.wait_s(1, now) > 0
-                else "prompt tokens per minute"
-            )
+            # the bucket named is the one whose wait is the Retry-After
+            which = "requests per second" if requests_wait >= tokens_wait else "prompt tokens per minute"
             raise RateLimited(
                 wait, f"Rate limit reached for this API key ({which}); retry after {max(1, math.ceil(wait))} s."
             )
@@ -272,7 +269,7 @@ class Admission:
         state = self._check_and_charge(tenant, int(prompt_tokens))
         if self.max_concurrent is not None and (self._in_flight >= self.max_concurrent or self._ready):
             self._undo_charge(state, int(prompt_tokens))
-            raise RateLimited(CONCURRENCY_RETRY_S, "The server is at capacity; retry shortly.", "server_busy")
+            raise RateLimited(self._busy_retry_s(), "The server is at capacity; retry shortly.", "server_busy")
         self._in_flight += 1
         return self._ticket(tenant, prompt_tokens)
 
@@ -302,10 +299,27 @@ class Admission:
         self._forget_waiters(tenant.id, state)
         self._undo_charge(state, prompt_tokens)
         raise RateLimited(
-            CONCURRENCY_RETRY_S,
+            self._busy_retry_s(),
             f"The server is at capacity (waited {self.queue_timeout_s:g} s); retry shortly.",
             "server_busy",
         )
+
+    def _busy_retry_s(self) -> float:
+        """Retry-After of a `server_busy`: how long the requests queued now, and one more, take to get a slot
+        at the rate slots were released over the last queue_timeout_s, between 1 s and queue_timeout_s
+        (queue_timeout_s when none was released in that time: a retry sooner would find the same queue).
+        A fixed 1 s sent a client that had just waited the whole timeout straight back into a full queue."""
+        now = self._clock()
+        while self._freed and self._freed[0] < now - self.queue_timeout_s:
+            self._freed.popleft()
+        if not self._freed:
+            return max(CONCURRENCY_RETRY_S, self.queue_timeout_s)
+        # more releases than are kept: their rate over the time the kept ones span
+        span = self.queue_timeout_s if len(self._freed) < FREED_KEPT else now - self._freed[0]
+        if span <= 0:
+            return CONCURRENCY_RETRY_S
+        drain_s = (self.waiting() + 1) * span / len(self._freed)
+        return max(CONCURRENCY_RETRY_S, min(self.queue_timeout_s, drain_s))
 
     def _forget_waiters(self, tenant_id: str, state: _TenantState) -> None:
         """Drop finished waiters so a tenant with none left is no longer in the round robin."""
@@ -321,6 +335,8 @@ class Admission:
         if state is not None:
             state.active -= 1
         self._in_flight -= 1
+        if self.max_concurrent is not None:
+            self._freed.append(self._clock())
         self._dispatch()
 
     def _dispatch(self) -> None:

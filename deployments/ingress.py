@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
+from kvmesh.deployments.admission import AdmissionError
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
@@ -441,7 +442,7 @@ class Ingress:
             queue_wait_s = time.perf_counter() - t_queue  # in admission's fair queue (0 when a slot was free)
         except (OpenAIError, KvmeshHTTPError) as exc:
             self.serving_metrics.record_error(exc.status)
-            if exc.status == 429:
+            if isinstance(exc, AdmissionError):  # the tenant's limits (429s, the prompt-limit 400) or a full server
                 self.tenant_metrics.record_rejection(tenant.id, exc.code)
             return _error_response(exc)
         request_id = uuid.uuid4().hex

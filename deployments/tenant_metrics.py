@@ -66,6 +66,7 @@ class TenantMetrics:
                     c.ttft_buckets[i] += 1
 
     def record_rejection(self, tenant_id: str | None, reason: str) -> None:
+        """One refused request: an API key refused (tenant None) or admission's refusal, `reason` its code."""
         with self._lock:
             c = self._get(tenant_id or UNAUTHENTICATED)
             c.rejections[reason] = c.rejections.get(reason, 0) + 1
@@ -147,7 +148,9 @@ class TenantMetrics:
             emit(
                 "rejections_total",
                 "counter",
-                "Requests refused (auth, limits, bad input) per tenant and reason.",
+                'Requests refused per tenant and reason (the error code): 401s (tenant "unauthenticated"), '
+                "admission's 429s (the tenant's limits, or server_busy) and 400 tenant_prompt_limit_exceeded; "
+                "no other 4xx.",
                 [
                     f'{p}_rejections_total{{tenant="{_label(t)}",reason="{_label(r)}"}} {n}'
                     for t, c in everyone

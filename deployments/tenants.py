@@ -61,6 +61,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvmesh.cluster.trace import brief
+from kvmesh.policies.cost_model import finite_number
+
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "KVMESH_SALT_SECRET"
@@ -140,8 +143,8 @@ class Limits:
     tokens_per_min: float | None = None
     max_prompt_tokens: int | None = None
     max_concurrent: int | None = None
-    # Token-bucket burst for requests_per_s (default: max(1, requests_per_s)).
-    burst_requests: float | None = None
+    # Token-bucket burst for requests_per_s (default: max(1, requests_per_s)); needs requests_per_s.
+    burst_requests: int | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None, base: Limits | None = None, where: str = "limits") -> Limits:
@@ -154,19 +157,41 @@ class Limits:
         unknown = set(raw) - names
         if unknown:  # a typo must not silently lift a limit
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(names)}")
-        values: dict[str, Any] = {}  # field -> float, int (the two count fields) or None
+        values: dict[str, Any] = {}  # field -> float, int (the count fields) or None
         for name, value in raw.items():
             if value is None:
                 values[name] = None
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{where}.{name}: expected a positive number or null, got {value!r}")
-            if name in ("max_prompt_tokens", "max_concurrent"):
-                if int(value) != value:
-                    raise ConfigError(f"{where}.{name}: expected an integer, got {value!r}")
-                value = int(value)
-            values[name] = value
-        return replace(base, **values)
+            elif name in _COUNT_LIMITS:
+                values[name] = _count(value, f"{where}.{name}")
+            else:
+                values[name] = _positive(value, f"{where}.{name}")
+        limits = replace(base, **values)
+        # a burst of a bucket that is not there would be silently ignored
+        if limits.burst_requests is not None and limits.requests_per_s is None:
+            raise ConfigError(f"{where}.burst_requests: needs requests_per_s (the rate that refills the burst)")
+        return limits
+
+
+# Limits that count whole things (requests, tokens): integers. A request-bucket burst below 1 could never
+# admit a request (each takes 1), so the tenant would be refused for good while told to retry in 1 s.
+_COUNT_LIMITS = ("max_prompt_tokens", "max_concurrent", "burst_requests")
+
+
+def _positive(value: Any, where: str, nullable: bool = True) -> float:
+    """A positive finite number, else ConfigError: NaN compares false with every bound, so it would pass a
+    `<= 0` check and lift the limit it stands for; infinity (or an int past float's range) is no limit
+    either, and null is how a config says that."""
+    if not finite_number(value) or value <= 0:
+        expected = "a positive finite number or null" if nullable else "a positive finite number"
+        raise ConfigError(f"{where}: expected {expected}, got {brief(repr(value))}")
+    return value
+
+
+def _count(value: Any, where: str) -> int:
+    """A positive integer (a float with no fraction counts), else ConfigError."""
+    if not finite_number(value) or value < 1 or int(value) != value:
+        raise ConfigError(f"{where}: expected a positive integer or null, got {brief(repr(value))}")
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +440,11 @@ class TenantRegistry:
         admission = raw.get("admission") or {}
         if not isinstance(admission, Mapping) or set(admission) - {"max_concurrent", "queue_timeout_s"}:
             raise ConfigError("admission: expected a mapping with max_concurrent, queue_timeout_s")
+        admission = dict(admission)
+        if admission.get("max_concurrent") is not None:
+            admission["max_concurrent"] = _count(admission["max_concurrent"], "admission.max_concurrent")
+        if "queue_timeout_s" in admission:  # null is not "no timeout": the queue's wait must be bounded
+            admission["queue_timeout_s"] = _positive(admission["queue_timeout_s"], "admission.queue_timeout_s", False)
         return cls(secret_bytes, entries, admission)
 
     def authenticate(self, authorization: str | None) -> Tenant:

@@ -191,6 +191,18 @@ def _whole_page(n: int = 0) -> str:
     )
 
 
+def test_no_family_on_the_whole_page_mixes_a_total_with_labelled_rows():
+    """A family whose samples are a total and its breakdown doubles under a plain sum(): each breakdown is a
+    family of its own (kvmesh_replica_*, kvmesh_migrations_by_reason_total)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(_whole_page()):
+        shapes: dict[str, set] = {}
+        for sample in family.samples:
+            shapes.setdefault(sample.name, set()).add(frozenset(sample.labels) - {"le", "quantile"})
+        assert all(len(keys) == 1 for keys in shapes.values()), (family.name, shapes)
+
+
 def test_the_whole_page_parses_into_one_family_each_of_the_type_it_declares():
     import re
 

@@ -751,6 +751,31 @@ def test_a_tenant_out_of_prompt_tokens_is_refused_before_tokenising_and_given_to
     asyncio.run(run())
 
 
+def test_every_refusal_by_the_tenants_limits_counts_in_its_rejections_and_other_bad_input_does_not():
+    """kvmesh_tenant_rejections_total says it counts the tenant's limits: a prompt over max_prompt_tokens (a 400)
+    is one as much as a 429; a malformed request is not."""
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(max_prompt_tokens=2, requests_per_s=1, burst_requests=1), now)
+        over = await _send(ing, {**BODY, "prompt": [1, 2, 3]})  # over max_prompt_tokens, token ids: before tokenising
+        assert over.status_code == 400 and _code(over) == "tenant_prompt_limit_exceeded"
+        text_over = await _send(ing, {**TEXT, "prompt": "abc"})  # text: judged once counted
+        assert text_over.status_code == 400 and _code(text_over) == "tenant_prompt_limit_exceeded"
+        assert (await _send(ing, {**BODY, "prompt": [1]})).status_code == 200
+        assert (await _send(ing, {**BODY, "prompt": [1]})).status_code == 429
+        salted = await _send(ing, {**BODY, "prompt": [1], "cache_salt": "x"})
+        assert salted.status_code == 400 and _code(salted) == "client_cache_salt_not_allowed"
+        rejections = ing.tenant_metrics.snapshot()["anonymous"]["rejections"]
+        assert rejections == {"tenant_prompt_limit_exceeded": 2, "rate_limit_exceeded": 1}
+        text = ing.tenant_metrics.prometheus_text()
+        assert 'kvmesh_tenant_rejections_total{tenant="anonymous",reason="tenant_prompt_limit_exceeded"} 2' in text
+        help_line = next(line for line in text.splitlines() if line.startswith("# HELP kvmesh_tenant_rejections"))
+        assert "tenant_prompt_limit_exceeded" in help_line
+
+    asyncio.run(run())
+
+
 def test_a_tenant_at_its_concurrency_limit_is_refused_before_tokenising_and_a_full_server_still_queues():
     """The tenant's own cap refuses at once; the server's global bound is a wait in the fair queue, not a
     refusal, so that request is tokenised and waits as before."""

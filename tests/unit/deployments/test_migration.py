@@ -132,7 +132,22 @@ def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
     assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11, 12] and b.requests[0]["params"]["max_tokens"] == 4
     assert failed == ["A"] and started == ["r1-m1"] and a.cancelled == 1
     assert counters.snapshot() == {"migrations": {"mid_stream": 1}, "exhausted": 0}
-    assert 'kvmesh_migrations_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
+    assert 'kvmesh_migrations_by_reason_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
+
+
+def test_a_sum_over_the_migrations_family_is_the_migrations_not_twice_them():
+    """The total and its split by reason are families of their own: in one, `sum(kvmesh_migrations_total)`
+    counted every migration twice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = FailureCounters()
+    for reason in ("mid_stream", "before_first_token", "mid_stream"):
+        counters.migrated(reason)
+    families = {f.name: f for f in text_string_to_metric_families(failure_metrics_text(counters, None))}
+    assert [(s.labels, s.value) for s in families["kvmesh_migrations"].samples] == [({}, 3)]
+    by_reason = {s.labels["reason"]: s.value for s in families["kvmesh_migrations_by_reason"].samples}
+    assert by_reason == {"before_first_token": 1, "mid_stream": 2}
+    assert families["kvmesh_migrations_by_reason"].type == "counter"
 
 
 def test_a_continuation_takes_its_text_from_the_ingress_not_from_the_new_replica():

@@ -243,6 +243,86 @@ def test_bad_config_is_rejected_with_a_pointer(mutate, match):
         TenantRegistry.from_dict(cfg, secret=SECRET)
 
 
+@pytest.mark.parametrize(
+    "limits, key, match",
+    [
+        ({"requests_per_s": 1, "burst_requests": 0.5}, "burst_requests", "positive integer"),  # no request passes
+        ({"requests_per_s": 1, "burst_requests": 1.5}, "burst_requests", "positive integer"),
+        ({"requests_per_s": 1, "burst_requests": 0}, "burst_requests", "positive integer"),
+        ({"burst_requests": 5}, "burst_requests", "needs requests_per_s"),  # a burst of no bucket
+        ({"tokens_per_min": float("nan")}, "tokens_per_min", "finite"),  # NaN passed `<= 0` and lifted it
+        ({"requests_per_s": float("nan")}, "requests_per_s", "finite"),
+        ({"requests_per_s": float("inf")}, "requests_per_s", "finite"),
+        ({"max_concurrent": float("inf")}, "max_concurrent", "positive integer"),  # was an OverflowError
+        ({"max_prompt_tokens": float("nan")}, "max_prompt_tokens", "positive integer"),
+        ({"tokens_per_min": 10**400}, "tokens_per_min", "finite"),  # past float's range
+    ],
+)
+def test_a_limit_that_would_lift_itself_or_lock_a_tenant_out_is_a_config_error_naming_its_key(limits, key, match):
+    cfg = config()
+    cfg["tenants"][1]["limits"] = limits
+    with pytest.raises(ConfigError, match=match) as info:
+        TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert str(info.value).startswith(f"tenants[1].limits.{key}: ") and "\n" not in str(info.value)
+    assert len(str(info.value)) < 200
+
+
+def test_a_burst_inherits_its_rate_from_the_defaults_and_a_tenant_lifting_the_rate_must_lift_the_burst():
+    cfg = config(defaults={"limits": {"requests_per_s": 2, "burst_requests": 4}})
+    cfg["tenants"][1]["limits"] = {"burst_requests": 8}
+    reg = TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert reg.tenants["globex"].limits == Limits(requests_per_s=2, burst_requests=8)
+    assert isinstance(reg.tenants["globex"].limits.burst_requests, int)
+    cfg["tenants"][1]["limits"] = {"requests_per_s": None}
+    with pytest.raises(ConfigError, match=r"^tenants\[1\]\.limits\.burst_requests: needs requests_per_s"):
+        TenantRegistry.from_dict(cfg, secret=SECRET)
+    cfg["tenants"][1]["limits"] = {"requests_per_s": None, "burst_requests": None}
+    assert TenantRegistry.from_dict(cfg, secret=SECRET).tenants["globex"].limits.requests_per_s is None
+
+
+@pytest.mark.parametrize(
+    "admission, match",
+    [
+        ({"max_concurrent": 0}, r"^admission\.max_concurrent: .*positive integer"),
+        ({"max_concurrent": 2.5}, r"^admission\.max_concurrent: .*positive integer"),
+        ({"max_concurrent": float("inf")}, r"^admission\.max_concurrent: .*positive integer"),
+        ({"queue_timeout_s": float("nan")}, r"^admission\.queue_timeout_s: .*finite"),
+        ({"queue_timeout_s": None}, r"^admission\.queue_timeout_s: .*finite"),
+        ({"queue_timeout_s": 0}, r"^admission\.queue_timeout_s: .*positive"),
+    ],
+)
+def test_bad_admission_settings_are_config_errors_not_failures_at_start(admission, match):
+    with pytest.raises(ConfigError, match=match):
+        TenantRegistry.from_dict(config(admission=admission), secret=SECRET)
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("t.json", '{"tenants": [{"id": "acme", "keys": [{"sha256": "%s"}], "limits": {"tokens_per_min": NaN}}]}'),
+        ("t.yaml", 'tenants: [{id: acme, keys: [{sha256: "%s"}], limits: {tokens_per_min: .nan}}]'),
+        ("u.yaml", 'tenants: [{id: acme, keys: [{sha256: "%s"}], limits: {max_concurrent: .inf}}]'),
+        ("t.toml", '[[tenants]]\nid = "acme"\nkeys = [{sha256 = "%s"}]\nlimits = {requests_per_s = nan}\n'),
+    ],
+)
+def test_a_tenants_file_with_nan_or_inf_limits_is_refused_as_a_dict_is(tmp_path, name, text):
+    """JSON's NaN, YAML's .nan/.inf and TOML's nan all parse to floats: the file path must refuse them too."""
+    (tmp_path / name).write_text(text % hash_api_key(KEY_A))
+    with pytest.raises(ConfigError, match=r"^tenants\[0\]\.limits\.\w+: expected a positive"):
+        TenantRegistry.from_file(tmp_path / name, secret=SECRET)
+
+
+def test_the_smallest_burst_the_config_accepts_admits_a_request_once_its_retry_after_passed():
+    clock = FakeClock()
+    adm = Admission(clock=clock)
+    t = Tenant("t", None, "s" * 64, Limits.from_dict({"requests_per_s": 0.5, "burst_requests": 1}))
+    adm.release(adm.try_acquire(t, 1))
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    clock.t += int(info.value.headers()["Retry-After"])
+    adm.release(adm.try_acquire(t, 1))
+
+
 def test_limits_inherit_defaults_field_by_field(registry):
     assert registry.tenants["acme"].limits == Limits(requests_per_s=5, max_prompt_tokens=1000)
     assert registry.tenants["globex"].limits == Limits(max_prompt_tokens=1000)
@@ -382,6 +462,23 @@ def test_tokens_per_minute_limit():
     adm.release(adm.try_acquire(t, 200))
     with pytest.raises(PromptTooLarge):  # can never fit the per-minute budget
         adm.try_acquire(t, 601)
+
+
+def test_a_429_names_the_bucket_whose_wait_is_its_retry_after():
+    """Both buckets short: the message names the one that sets Retry-After, not the requests bucket whenever
+    it is short at all."""
+    clock = FakeClock()
+    adm = Admission(clock=clock)
+    t = tenant(requests_per_s=1, tokens_per_min=6000)  # 100 tokens a second
+    adm.release(adm.try_acquire(t, 6000))  # the whole minute's tokens and the 1-request burst
+    clock.t += 0.5
+    with pytest.raises(RateLimited) as info:  # requests: 0.5 s more; tokens: 10 s
+        adm.try_acquire(t, 1000)
+    assert info.value.headers()["Retry-After"] == "10"
+    assert "prompt tokens per minute" in info.value.message and "requests per second" not in info.value.message
+    with pytest.raises(RateLimited) as info:  # requests: 0.5 s; tokens for 1: 0.01 s
+        adm.try_acquire(t, 1)
+    assert info.value.retry_after_s == pytest.approx(0.5) and "requests per second" in info.value.message
 
 
 def test_max_prompt_tokens_is_400_not_429():
@@ -548,6 +645,50 @@ def test_queue_timeout_gives_429_and_refunds():
 
     adm = asyncio.run(scenario())
     assert adm.in_flight == 0
+
+
+def test_a_server_busy_retry_after_follows_how_fast_slots_free_bounded_by_the_queue_timeout():
+    """A fixed 1 s sent a client that had waited the whole queue_timeout_s back into the same full queue."""
+    clock = FakeClock()
+    adm = Admission(max_concurrent=1, queue_timeout_s=30, clock=clock)
+    t = tenant("t")
+    held = adm.try_acquire(t, 1)
+    with pytest.raises(RateLimited) as info:  # no slot released in the last 30 s: come back in 30
+        adm.try_acquire(t, 1)
+    assert info.value.code == "server_busy" and info.value.headers()["Retry-After"] == "30"
+    for _ in range(6):  # a slot released every 4 s: the next one is about 5 s away (6 in the last 30 s)
+        clock.t += 4
+        adm.release(held)
+        held = adm.try_acquire(t, 1)
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    assert info.value.retry_after_s == pytest.approx(5.0)
+    clock.t += 31  # those releases are older than the queue timeout now
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    assert info.value.retry_after_s == pytest.approx(30.0)
+    for _ in range(3000):  # fast releases: never under 1 s
+        adm.release(held)
+        held = adm.try_acquire(t, 1)
+        clock.t += 0.001
+    with pytest.raises(RateLimited) as info:
+        adm.try_acquire(t, 1)
+    assert info.value.headers()["Retry-After"] == "1"
+    adm.release(held)
+    assert adm.in_flight == 0
+
+
+def test_a_request_that_waited_out_the_queue_is_told_to_come_back_after_the_timeout_not_in_1_s():
+    async def scenario():
+        adm = Admission(max_concurrent=1, queue_timeout_s=1.2)
+        held = await adm.acquire(tenant("a"), 1)
+        with pytest.raises(RateLimited) as info:
+            await adm.acquire(tenant("b"), 1)
+        adm.release(held)
+        return info.value
+
+    refused = asyncio.run(scenario())
+    assert refused.code == "server_busy" and refused.headers()["Retry-After"] == "2"
 
 
 def test_cancelled_waiter_frees_its_place():
