@@ -78,6 +78,14 @@ def continuation_id(request_id: str, move: int) -> str:
     return f"{request_id}-m{move}"
 
 
+def origin_id(request_id: str) -> str:
+    """The id of the request a continuation id (`continuation_id`) finishes; any other id is its own.
+    Why: peers hear a continuation as a placement of its own, but for its tenant it is the same request
+    (admitted and charged once), however often it moves."""
+    head, sep, move = request_id.rpartition("-m")
+    return head if sep and head and move.isdigit() and move.isascii() else request_id
+
+
 def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
     """The engine request that finishes `request` after `sent_token_ids` were sent to the client.
 

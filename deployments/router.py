@@ -42,7 +42,14 @@ from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
 from kvmesh.deployments.router_hold import TierHolding
-from kvmesh.deployments.router_sync import PeerPlacement, PeerPlacements, RouterSync, is_free_choice, routed_message
+from kvmesh.deployments.router_sync import (
+    PeerPlacement,
+    PeerPlacements,
+    RouterSync,
+    held_message,
+    is_free_choice,
+    routed_message,
+)
 from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.deployments.tier_hold import HoldSource, predicted_ttft_s
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
@@ -667,7 +674,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its
         speculative prefix and its placement message (`_announce`). A held request is announced only when its
         hold ends: until it is sent, its replica does not have its prefix, and a request sent there
-        meanwhile on the strength of that prefix would compute it."""
+        meanwhile on the strength of that prefix would compute it. Its tenant's peers hear of it at once
+        (`held`): admitted, it counts towards the tenant's fleet-wide limits while it waits."""
         routing.replica = rid
         hbm, _, shared = routing.matches.get(rid, (0, 0, 0))
         info = routing.info
@@ -677,6 +685,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         routing.fresh = []
         if announce:
             self._announce(routing)
+        elif self.sync is not None and info.request_id and info.tenant is not None:
+            self.sync.publish(held_message(self.sync.router_id, info))
 
     def _announce(self, routing: _Routing) -> None:
         """The committed request's prefix goes into the index, speculatively, on its replica, and (with
@@ -689,13 +699,16 @@ class KvmeshRouter(TierHolding, RequestRouter):
             free = is_free_choice([v.shared_blocks for v in routing.views.values()])
             self.sync.publish(routed_message(self.sync.router_id, routing.info, rid, matched, free=free))
 
-    def _withdraw(self, routing: _Routing) -> None:
-        """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled."""
+    def _withdraw(self, routing: _Routing, publish: bool = True) -> None:
+        """Undo `_commit` for a request that went elsewhere, is ranked again, or was cancelled. Without
+        `publish`, the peers are not told: a held request committed again at once, whose `routed` replaces
+        its `held` there (an `unrouted` first would let its tenant's count dip meanwhile)."""
         routing.policy.on_unrouted(routing.info, routing.replica)
         if routing.fresh:
             self.index.withdraw(routing.replica, routing.fresh)
         routing.fresh = []
-        self._publish("unrouted", routing.info.request_id, routing.replica)
+        if publish:
+            self._publish("unrouted", routing.info.request_id, routing.replica)
 
     def _publish(self, kind: str, request_id: str | None, replica: str = "") -> None:
         if self.sync is not None and request_id:

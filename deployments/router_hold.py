@@ -42,7 +42,7 @@ class TierHolding:
 
         def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None: ...
         def _announce(self, routing: _Routing) -> None: ...
-        def _withdraw(self, routing: _Routing) -> None: ...
+        def _withdraw(self, routing: _Routing, publish: bool = True) -> None: ...
 
     def _init_holds(self) -> None:
         # requests this router holds for a prefix in flight, not sent yet: others may wait for their own
@@ -118,10 +118,11 @@ class TierHolding:
         return None if src.first_token else (src, wait_s, before)
 
     async def _hold(self, routing: _Routing, internal: str, src, before: tuple) -> None:
-        """Wait, committed already (`_plan_hold`) but not announced, until `src`'s first token is back and its
-        prefill stored, then announce the request and let Serve send it. Bounded (twice the rest of the source's
-        prefill at the measured pace, plus 0.5 s): a prediction that was wrong, or a source that failed, must
-        not strand the request; it then goes without the prefix, and its commitment is made again without it."""
+        """Wait, committed already (`_plan_hold`) but not announced (its peers count it for its tenant only:
+        `held`), until `src`'s first token is back and its prefill stored, then announce the request and let
+        Serve send it. Bounded (twice the rest of the source's prefill at the measured pace, plus 0.5 s): a
+        prediction that was wrong, or a source that failed, must not strand the request; it then goes without
+        the prefix, and its commitment is made again without it."""
         self.held_for_tier += 1
         stored = await self._wait_for_source(src)
         if self._routing.get(internal) is not routing:
@@ -130,7 +131,7 @@ class TierHolding:
             self._announce(routing)
             return
         rid = routing.replica
-        self._withdraw(routing)
+        self._withdraw(routing, publish=False)  # never announced: the `routed` below replaces its `held`
         have, view = before
         routing.matches[rid] = have
         if view is not None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.deployments.migration import origin_id
 from kvmesh.deployments.tenant_usage import PeerTenantUsage
 from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
@@ -89,6 +90,16 @@ class PeerPlacement(HoldSource):
         """When its prefill is predicted to end, counted from when this router heard of it, at `pace`
         (`tier_hold.prefill_end_s`)."""
         return prefill_end_s(self.at, self.predict, self.info, self.view, pace)
+
+
+@dataclass
+class HeldRequest:
+    """A request a peer committed and holds for a prefix another replica is computing (`held`), not sent yet:
+    admitted, so it counts for its tenant, but it credits no replica and no prefix until its `routed`."""
+
+    tenant: str
+    num_tokens: int
+    seen: float  # last heard of (`expire`, `live`)
 
 
 def is_free_choice(shared_blocks) -> bool:
@@ -295,6 +306,11 @@ class PeerPlacements:
         # per tenant, what peers placed (`tenant_usage.PeerTenantUsage`): fleet-wide tenant limits read it
         self.tenants = tenants if tenants is not None else PeerTenantUsage()
         self._counted: OrderedDict[tuple[str, str], None] = OrderedDict()  # requests already logged there
+        # per request, (router, request id it continues: `migration.origin_id`) -> [tenant, its placements and
+        # held claims tracked here]: one request in flight for its tenant however many calls it is heard as
+        self._requests: dict[tuple[str, str], list] = {}
+        # peers' requests held for a prefix in flight (`held`): counted for their tenant only, until `routed`
+        self.held: dict[tuple[str, str], HeldRequest] = {}
         self.applied = 0
         self.clock = clock
         self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
@@ -307,18 +323,37 @@ class PeerPlacements:
         now = self.clock()
         return ["clock", router, "", "", now, self.unseen.clocks.minimums(now)]
 
-    def _count_tenant(self, key: tuple[str, str], info: RequestInfo, delta: int) -> None:
-        """A peer placement of `info` starts (+1) or stops (-1) being in flight; its first start is also
-        logged as placed (a request routed again, moved between replicas, is one request)."""
-        tenant = info.tenant
+    def _count_tenant(self, key: tuple[str, str], tenant: str | None, num_tokens: int, delta: int) -> None:
+        """A peer's placement or held claim `key` of `tenant` starts (+1) or stops (-1) being tracked. Its request
+        is in flight for the tenant while any of its calls is (a continuation of a migrated stream is the same
+        request: `migration.origin_id`), and logged as placed once, at its first call: a request routed again,
+        held then sent, moved between replicas or continued on another is one request."""
         if tenant is None:
             return
-        self.tenants.in_flight(tenant, delta)
-        if delta > 0 and key not in self._counted:
-            self._counted[key] = None
-            if len(self._counted) > 65_536:  # far more than a request is routed again over
-                self._counted.popitem(last=False)
-            self.tenants.placed(tenant, info.num_tokens)
+        request = (key[0], origin_id(key[1]))
+        entry = self._requests.get(request)
+        if delta > 0:
+            if entry is None:
+                self._requests[request] = [tenant, 1]
+                self.tenants.in_flight(tenant, +1)
+            else:
+                entry[1] += 1
+            if request == key and key not in self._counted:  # a continuation was admitted as its original
+                self._counted[key] = None
+                if len(self._counted) > 65_536:  # far more than a request is routed again over
+                    self._counted.popitem(last=False)
+                self.tenants.placed(tenant, num_tokens)
+        elif entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._requests[request]
+                self.tenants.in_flight(entry[0], -1)
+
+    def _unhold(self, key: tuple[str, str]) -> None:
+        """A held request was sent (its `routed` counts it now), cancelled, or ended: its claim goes."""
+        claim = self.held.pop(key, None)
+        if claim is not None:
+            self._count_tenant(key, claim.tenant, claim.num_tokens, -1)
 
     def unseen_placements(self) -> tuple[float, float]:
         """(peers' placements this router cannot know of yet, their mean prefill tokens): `UnseenPlacements`."""
@@ -344,7 +379,6 @@ class PeerPlacements:
             hbm, host, shared = (int(x) for x in matched)
             stamp = float(msg[10]) if len(msg) > 10 else None  # stamped by the peer when it placed the request
             free = bool(msg[11]) if len(msg) > 11 else True
-            self._close(key)  # checked whole first: a bad message leaves nothing half-applied
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
             placed = PeerPlacement(
                 replica,
@@ -354,15 +388,27 @@ class PeerPlacements:
                 predict=self._predict(),
                 seen=self.monotonic(),
             )
+            # checked whole first: a bad message leaves nothing half-applied; counted before an earlier call of it
+            # or its held claim is let go, so its tenant's count does not dip meanwhile
+            self._count_tenant(key, tenant, info.num_tokens, +1)
+            self._close(key)
+            self._unhold(key)
+            self.placements[key] = placed
             if stamp is not None:
                 self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router)
             if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
                 for policy in self.policies():
                     policy.on_routed(info, replica, view)
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
-            self.placements[key] = placed
-            self._count_tenant(key, info, +1)
+        elif kind == "held":  # committed, held for a prefix in flight: its tenant's request, nothing more yet
+            tenant, num_tokens = msg[4], int(msg[5])
+            if tenant is not None and not isinstance(tenant, str):
+                raise TypeError(f"tenant must be a string, not {type(tenant).__name__}")
+            if tenant is not None and key not in self.placements and key not in self.held:
+                self.held[key] = HeldRequest(tenant, num_tokens, self.monotonic())
+                self._count_tenant(key, tenant, num_tokens, +1)
         elif kind == "unrouted":
+            self._unhold(key)
             moved = self._close(key)
             if moved is None and key in self.ended and self.ended[key].replica == replica:
                 # the rejected call's `done` came before this (its replica refused it, Serve reported that
@@ -388,6 +434,7 @@ class PeerPlacements:
                     self._record_prefill(ended)
                     self._computed(ended)
         elif kind == "done":
+            self._unhold(key)  # sent while its `routed` was lost: its `done` still ends its claim
             done = self._pop(key)
             if done is not None and done.started:
                 self._record_prefill(done)
@@ -398,7 +445,9 @@ class PeerPlacements:
         elif kind == "live":  # the peer's requests still in flight: they go on counting however long they run
             now = self.monotonic()
             for request_id in msg[4]:
-                alive = self.placements.get((router, request_id))
+                alive: PeerPlacement | HeldRequest | None = self.placements.get((router, request_id))
+                if alive is None:
+                    alive = self.held.get((router, request_id))  # held, its `routed` lost: sent and running
                 if alive is not None:
                     alive.seen = now
         elif kind == "clock":  # the peer's stamp, and the least it observed of each router lately
@@ -434,7 +483,7 @@ class PeerPlacements:
         """Take a placement out of those in flight (and out of its tenant's count)."""
         placed = self.placements.pop(key, None)
         if placed is not None:
-            self._count_tenant(key, placed.info, -1)
+            self._count_tenant(key, placed.info.tenant, placed.info.num_tokens, -1)
         return placed
 
     def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
@@ -445,15 +494,16 @@ class PeerPlacements:
         return placed
 
     def _discard(self, key: tuple[str, str]) -> None:
-        """Stop tracking a placement in flight or ended awaiting its `started`; its waiters go on."""
+        """Stop tracking a placement in flight, held, or ended awaiting its `started`; its waiters go on."""
         self._close(key)
+        self._unhold(key)
         ended = self.ended.pop(key, None)
         if ended is not None:
             ended.release()
 
     def drop_router(self, router: str) -> None:
         """A peer left: its requests no longer count as load here (their prefixes stay until evicted)."""
-        for key in [k for k in (*self.placements, *self.ended) if k[0] == router]:
+        for key in [k for k in (*self.placements, *self.ended, *self.held) if k[0] == router]:
             self._discard(key)
         self.unseen.clocks.forget(router)
 
@@ -466,6 +516,8 @@ class PeerPlacements:
         now = self.monotonic() if now is None else now
         for key in [k for k, p in self.placements.items() if now - p.seen > PLACEMENT_TTL_S]:
             self._close(key)
+        for key in [k for k, h in self.held.items() if now - h.seen > PLACEMENT_TTL_S]:
+            self._unhold(key)
 
     def pending(self) -> dict[str, list[int]]:
         """Per replica: [in flight, started, pending prefill tokens] of other routers' requests."""
@@ -505,6 +557,14 @@ def routed_message(
         time.time() if sent_at is None else sent_at,
         bool(free),
     ]
+
+
+def held_message(router: str, info: RequestInfo) -> list:
+    """What a router publishes when it commits `info` but holds it for a prefix another replica is computing:
+    ["held", router, request, "", tenant, prompt tokens]. Why: the request is admitted and counts towards its
+    tenant's fleet-wide limits from now, though its `routed` (replica, prefix) waits for the hold to end; it
+    names no replica, which does not have its prefix yet. A peer of an older version ignores the kind."""
+    return ["held", router, info.request_id, "", info.tenant, info.num_tokens]
 
 
 def _registry_class():

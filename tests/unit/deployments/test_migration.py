@@ -345,3 +345,11 @@ def test_a_client_that_leaves_while_its_call_is_abandoned_still_ends_the_request
         assert len(local_state.OPEN_CALLS) == 0
 
     asyncio.run(run())
+
+
+def test_the_origin_of_a_continuation_id_is_the_request_it_finishes():
+    from kvmesh.deployments.migration import continuation_id, origin_id
+
+    assert origin_id(continuation_id("0f3a", 1)) == "0f3a" and origin_id(continuation_id("q", 12)) == "q"
+    for own in ("0f3a", "a-m", "a-mx", "-m1", "a-m１"):  # not a continuation's: its own
+        assert origin_id(own) == own

@@ -393,3 +393,117 @@ def test_a_malformed_routed_message_leaves_nothing_behind_and_a_bad_stamp_no_nan
     peers.apply(stamped)
     count, tokens = peers.unseen_placements()
     assert count == count and tokens == tokens  # not NaN
+
+
+def _tenant_peers():
+    from kvmesh.cluster.index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=10_000)
+    index.add_replica("r0")
+    index.add_replica("r1")
+    now = [1000.0]
+    peers = PeerPlacements(index, lambda: [])
+    peers.monotonic = lambda: now[0]
+    return peers, index, now
+
+
+def _logged(peers, tenant="acme") -> list[int]:
+    return [tokens for _, tokens in peers.tenants.since(tenant, 0)[1]]
+
+
+def test_a_held_request_counts_for_its_tenant_once_from_its_commit_until_whatever_ends_it():
+    """A peer's request held for a prefix in flight (`held`) counts towards its tenant's fleet-wide limits from
+    its commit, without crediting a replica or a prefix; its `routed` takes the claim over (one request in
+    flight, logged once), and its `unrouted`, `done`, the peer's `bye` or the TTL end it, once."""
+    from kvmesh.deployments.router_sync import PLACEMENT_TTL_S, held_message
+
+    def info(q, n=64):
+        return RequestInfo(block_hashes=[1, 2], num_tokens=n, block_size=32, tenant="acme", request_id=q)
+
+    peers, index, now = _tenant_peers()
+    peers.apply(held_message("A", info("q", 96)))
+    peers.apply(held_message("A", info("q", 96)))  # said twice: still one request
+    assert peers.tenants.active("acme") == 1 and _logged(peers) == [96]
+    assert peers.pending() == {} and index.match([1, 2])["r0"] == (0, 0, 0)  # no replica, no prefix
+    peers.apply(routed_message("A", info("q", 96), "r0", (0, 0, 0)))  # the hold ended: sent
+    assert peers.tenants.active("acme") == 1 and _logged(peers) == [96] and not peers.held
+    assert peers.pending() == {"r0": [1, 0, 96]}
+    peers.apply(held_message("A", info("q", 96)))  # late or repeated: the placement already counts it
+    assert peers.tenants.active("acme") == 1 and not peers.held
+    peers.apply(["done", "A", "q", "r0"])
+    assert peers.tenants.active("acme") == 0 and _logged(peers) == [96]
+
+    ends = {
+        "unrouted": lambda: peers.apply(["unrouted", "A", "h", ""]),  # cancelled while held
+        "done": lambda: peers.apply(["done", "A", "h", "r0"]),  # sent, its `routed` lost
+        "bye": lambda: peers.apply(["bye", "A", "", ""]),
+        "forgotten": lambda: peers.drop_router("A"),  # its heartbeat stopped
+        "ttl": lambda: (now.__setitem__(0, now[0] + PLACEMENT_TTL_S + 1), peers.expire()),
+    }
+    for name, end in ends.items():
+        peers.apply(held_message("A", info("h")))
+        assert peers.tenants.active("acme") == 1, name
+        end()
+        assert peers.tenants.active("acme") == 0 and not peers.held, name
+        end()  # said again: nothing more to release
+        assert peers.tenants.active("acme") == 0, name
+    # named live by its router (its `routed` lost, the request running long) it outlives the TTL
+    peers.apply(held_message("A", info("l")))
+    for _ in range(3):
+        now[0] += PLACEMENT_TTL_S / 2
+        peers.apply(["live", "A", "", "", ["l"]])
+        peers.expire()
+    assert peers.tenants.active("acme") == 1
+
+
+def test_a_held_message_without_a_tenant_string_is_dropped_whole_and_an_unknown_kind_ignored():
+    peers, _, _ = _tenant_peers()
+    with pytest.raises(TypeError):
+        peers.apply(["held", "A", "q", "", ["acme"], 64])
+    assert not peers.held and peers.tenants.active("acme") == 0
+    peers.apply(["a-later-kind", "A", "q", "r0", "acme", 64])  # what an older peer does with `held`
+    assert not peers.held and not peers.placements and peers.tenants.active("acme") == 0
+
+
+def test_a_migrated_streams_continuation_is_the_same_request_for_its_tenant_on_peers():
+    """A stream continued on another replica has an engine request id of its own and a longer prompt (the
+    tokens already sent). The owning ingress charged the request once; its peers must not log it again (it
+    would take 6000 more prompt tokens from the tenant's budget there), while its in-flight count and load
+    follow it to its new replica, counted once even while its first call's `done` is still on its way."""
+    from kvmesh.deployments.admission import Admission
+    from kvmesh.deployments.migration import continuation
+    from kvmesh.deployments.tenants import Limits, Tenant
+
+    def info_of(req):  # as the router builds it from the engine request
+        return RequestInfo(
+            block_hashes=[1],
+            num_tokens=len(req["prompt_token_ids"]),
+            block_size=32,
+            expected_output_tokens=int(req["params"]["max_tokens"]),
+            tenant=req["tenant"],
+            request_id=req["request_id"],
+        )
+
+    req = {"request_id": "q", "prompt_token_ids": list(range(4000)), "tenant": "acme", "params": {"max_tokens": 3000}}
+    cont = continuation(req, list(range(2000)), 1)
+    assert cont["request_id"] != "q"
+    for done_first in (True, False):
+        peers, _, _ = _tenant_peers()
+        peers.apply(routed_message("A", info_of(req), "r0", (0, 0, 0)))
+        peers.apply(["started", "A", "q", "r0"])
+        if done_first:
+            peers.apply(["done", "A", "q", "r0"])  # r0 died after 2000 tokens streamed
+        peers.apply(routed_message("A", info_of(cont), "r1", (0, 0, 0)))
+        assert peers.tenants.active("acme") == 1 and _logged(peers) == [4000]
+        assert peers.pending()["r1"] == [1, 0, 6000]  # its load is on its new replica
+        if not done_first:
+            peers.apply(["done", "A", "q", "r0"])
+            assert peers.tenants.active("acme") == 1
+        peers.apply(["started", "A", cont["request_id"], "r1"])
+        peers.apply(["done", "A", cont["request_id"], "r1"])
+        assert peers.tenants.active("acme") == 0 and _logged(peers) == [4000] and peers.pending() == {}
+    # what that leaves this ingress replica: a 2000-token request of the tenant fits its 10,000 a minute
+    clock = peers.tenants.clock
+    admission = Admission(clock=clock, peers=peers.tenants)
+    tenant = Tenant("acme", None, "s", Limits(tokens_per_min=10_000))
+    admission.release(admission.try_acquire(tenant, 2000))

@@ -608,3 +608,128 @@ def test_a_hold_gives_up_when_the_pace_grows_slower_than_the_clock_instead_of_sp
     stored, waited, holding = asyncio.run(run())
     assert not stored and holding.hold_timeouts == 1
     assert waited < 0.85 and holding.paces < 20
+
+
+class _Wire:
+    """Stands in for RouterSync: collects what the router publishes."""
+
+    router_id = "A"
+
+    def __init__(self):
+        self.sent: list[list] = []
+
+    def publish(self, msg):
+        self.sent.append(msg)
+
+    def drain(self):
+        return 0
+
+    def stats(self):
+        return {}
+
+
+def _tenant_request(ids, request_id):
+    pending = fake_request(ids, request_id)
+    pending.args[0]["tenant"] = "acme"
+    return pending
+
+
+def _peer_hearing(router):
+    """Another ingress replica's view of `router`'s placement stream: (its PeerPlacements, relay)."""
+    from kvmesh.deployments.router_sync import PeerPlacements
+
+    index = PrefixIndex(max_blocks=1000)
+    index.add_replica("A", "n0")
+    index.add_replica("B", "n1")
+    peers = PeerPlacements(index, lambda: [])
+
+    def relay():
+        for msg in router.sync.sent:
+            peers.apply(msg)
+        router.sync.sent.clear()
+
+    return peers, relay
+
+
+def test_requests_held_for_a_prefix_count_for_their_tenant_on_peers_from_their_commit(monkeypatch):
+    """A tenant's requests its router holds for a prefix in flight (up to hold_limit_s) are admitted: the other
+    ingress replicas count them towards the tenant's fleet-wide max_concurrent from the commit, not from the
+    hold's end, or the tenant runs past its limit meanwhile (4 allowed, 7 ran). Held, they credit no replica
+    and no prefix there; sent, they count once in flight and once in the log of placed requests."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router()
+        router.sync = _Wire()
+        peers, relay = _peer_hearing(router)
+        p1 = _tenant_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        held = {f"p{k}": _tenant_request(PROMPT + [11, 12, k], f"p{k}") for k in (2, 3, 4)}
+        tasks = {rid: asyncio.create_task(router.choose_replicas([a, b], p)) for rid, p in held.items()}
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks.values())
+        relay()
+        during = (peers.tenants.active("acme"), len(peers.tenants.since("acme", 0)[1]), peers.pending())
+        on_b = peers.index.match(block_hashes(PROMPT, 32))["B"]
+        router.first_token("p1")
+        for rid, task in tasks.items():
+            router._routed(held[rid], (await asyncio.wait_for(task, 5))[0][0].replica_id)
+        relay()
+        sent = (peers.tenants.active("acme"), len(peers.tenants.since("acme", 0)[1]), set(peers.placements))
+        for rid, where in (("p1", a), ("p2", b), ("p3", b), ("p4", b)):
+            router.on_request_completed(where.replica_id, "i-" + rid)
+        relay()
+        return during, on_b, sent, peers.tenants.active("acme")
+
+    during, on_b, sent, after = asyncio.run(scenario())
+    assert during == (4, 4, {"A": [1, 0, 320]})  # p1 on A; the 3 held count for acme, on no replica
+    assert on_b == (0, 0, 0)  # no prefix speculated for the held requests
+    assert sent == (4, 4, {("A", f"p{k}") for k in (1, 2, 3, 4)})
+    assert after == 0
+
+
+def test_a_held_request_cancelled_or_run_out_or_whose_router_left_is_released_on_peers_once(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router(limit_s=0.3)
+        router.sync = _Wire()
+        peers, relay = _peer_hearing(router)
+        p1 = _tenant_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        counts = []
+        # cancelled while held: Serve cancels the request's future (its client left) and the ranking
+        gone = _tenant_request(PROMPT + [11], "gone")
+        gone.future = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(router.choose_replicas([a, b], gone))
+        await asyncio.sleep(0.1)
+        relay()
+        counts.append(peers.tenants.active("acme"))
+        gone.future.cancel()
+        task.cancel()
+        await asyncio.sleep(0)
+        relay()
+        counts.append(peers.tenants.active("acme"))
+        # the hold runs out (p1's first token never comes): committed again and sent, the claim taken over
+        late = _tenant_request(PROMPT + [12], "late")
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], late), 5)
+        kinds = [m[0] for m in router.sync.sent if m[2] == "late"]
+        relay()
+        router._routed(late, ranked[0][0].replica_id)
+        counts.append(peers.tenants.active("acme"))
+        # a request still held when its router leaves
+        task = asyncio.create_task(router.choose_replicas([a, b], _tenant_request(PROMPT + [13], "left")))
+        await asyncio.sleep(0.05)
+        relay()
+        counts.append(peers.tenants.active("acme"))
+        peers.apply(["bye", "A", "", ""])
+        counts.append(peers.tenants.active("acme"))
+        await asyncio.wait_for(task, 5)
+        return counts, kinds, router.hold_timeouts, len(peers.tenants.since("acme", 0)[1])
+
+    counts, kinds, timeouts, logged = asyncio.run(scenario())
+    assert counts == [2, 1, 2, 3, 0]
+    assert kinds == ["held", "routed"] and timeouts == 1  # no `unrouted` between: the count never dips
+    assert logged == 4  # p1, gone, late, left: once each
