@@ -10,8 +10,7 @@ several ingress replicas, even on a scrape only one of them answered: a series k
 
 Fleet-wide families (`FLEET_WIDE`: what the engines and the LMCache nodes report, which every ingress
 replica reads alike) appear once, without the label: per ingress replica they would add up to a multiple
-of the truth. Each of their series takes its value from one page: for a counter the highest (the freshest
-view of a count that only grows), for a gauge the first page's, in replica order. With one ingress
+of the truth. Each of their series takes the highest value any page gives it (`_once`). With one ingress
 replica the page is its own, unlabelled."""
 
 from __future__ import annotations
@@ -73,10 +72,6 @@ def _families(text: str) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
-def _kind(head: list[str]) -> str:
-    return next((line.split()[3] for line in head if line.startswith("# TYPE ") and len(line.split()) > 3), "")
-
-
 def _value(line: str) -> float:
     m = _SAMPLE.match(line)
     try:
@@ -85,14 +80,15 @@ def _value(line: str) -> float:
         return float("-inf")
 
 
-def _once(kind: str, lines: list[str]) -> list[str]:
-    """One sample per series of a fleet-wide family seen on several pages: a counter's highest value, any
-    other kind's first, in page order."""
+def _once(lines: list[str]) -> list[str]:
+    """One sample per series of a fleet-wide family seen on several pages: its highest value. A counter's is
+    the freshest view of a count that only grows; a gauge's too, since a page that could not read a node
+    writes it as down (or not at all), so the first page's could show a node down beside its counters."""
     chosen: dict[str, str] = {}
     for line in lines:
         m = _SAMPLE.match(line)
         series = f"{m.group(1)}{m.group(2) or ''}" if m else line
-        if series not in chosen or (kind == "counter" and _value(line) > _value(chosen[series])):
+        if series not in chosen or _value(line) > _value(chosen[series]):
             chosen[series] = line
     return list(chosen.values())
 
@@ -118,5 +114,5 @@ def merge(pages: dict[str, str], label: str = "ingress") -> str:
     for family in order:
         out.extend(heads[family])
         lines = samples[family]
-        out.extend(_once(_kind(heads[family]), lines) if family in FLEET_WIDE else lines)
+        out.extend(_once(lines) if family in FLEET_WIDE else lines)
     return "\n".join(out) + "\n"

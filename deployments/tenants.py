@@ -144,7 +144,7 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_concurrent: int | None = None
     # Token-bucket burst for requests_per_s (default: max(1, requests_per_s)); needs requests_per_s.
-    burst_requests: int | None = None
+    burst_requests: float | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None, base: Limits | None = None, where: str = "limits") -> Limits:
@@ -163,28 +163,38 @@ class Limits:
                 values[name] = None
             elif name in _COUNT_LIMITS:
                 values[name] = _count(value, f"{where}.{name}")
+            elif name == "burst_requests":
+                values[name] = _at_least_one(value, f"{where}.{name}")
             else:
                 values[name] = _positive(value, f"{where}.{name}")
         limits = replace(base, **values)
-        # a burst of a bucket that is not there would be silently ignored
         if limits.burst_requests is not None and limits.requests_per_s is None:
-            raise ConfigError(f"{where}.burst_requests: needs requests_per_s (the rate that refills the burst)")
+            if values.get("burst_requests") is not None:  # written here: a burst without a bucket would be ignored
+                raise ConfigError(f"{where}.burst_requests: needs requests_per_s (the rate that refills the burst)")
+            limits = replace(limits, burst_requests=None)  # inherited, its rate lifted here: no bucket, no burst
         return limits
 
 
-# Limits that count whole things (requests, tokens): integers. A request-bucket burst below 1 could never
-# admit a request (each takes 1), so the tenant would be refused for good while told to retry in 1 s.
-_COUNT_LIMITS = ("max_prompt_tokens", "max_concurrent", "burst_requests")
+# Limits that count whole things (prompt tokens, requests at once): integers.
+_COUNT_LIMITS = ("max_prompt_tokens", "max_concurrent")
 
 
-def _positive(value: Any, where: str, nullable: bool = True) -> float:
+def _positive(value: Any, where: str) -> float:
     """A positive finite number, else ConfigError: NaN compares false with every bound, so it would pass a
     `<= 0` check and lift the limit it stands for; infinity (or an int past float's range) is no limit
     either, and null is how a config says that."""
     if not finite_number(value) or value <= 0:
-        expected = "a positive finite number or null" if nullable else "a positive finite number"
-        raise ConfigError(f"{where}: expected {expected}, got {brief(repr(value))}")
+        raise ConfigError(f"{where}: expected a positive finite number or null, got {brief(repr(value))}")
     return value
+
+
+def _at_least_one(value: Any, where: str) -> float:
+    """A request bucket's burst: finite and at least 1. Below 1 it could never admit a request (each takes 1),
+    so the tenant would be refused for good while told to retry in 1 s; a fraction above 1 is a bucket size
+    like any other (the default burst, max(1, requests_per_s), may be one)."""
+    if not finite_number(value) or value < 1:
+        raise ConfigError(f"{where}: expected a finite number >= 1 or null, got {brief(repr(value))}")
+    return float(value)
 
 
 def _count(value: Any, where: str) -> int:
@@ -444,7 +454,10 @@ class TenantRegistry:
         if admission.get("max_concurrent") is not None:
             admission["max_concurrent"] = _count(admission["max_concurrent"], "admission.max_concurrent")
         if "queue_timeout_s" in admission:  # null is not "no timeout": the queue's wait must be bounded
-            admission["queue_timeout_s"] = _positive(admission["queue_timeout_s"], "admission.queue_timeout_s", False)
+            timeout = admission["queue_timeout_s"]  # 0: never queue, a full server answers at once
+            if not finite_number(timeout) or timeout < 0:
+                got = brief(repr(timeout))
+                raise ConfigError(f"admission.queue_timeout_s: expected a finite number >= 0, got {got}")
         return cls(secret_bytes, entries, admission)
 
     def authenticate(self, authorization: str | None) -> Tenant:

@@ -427,7 +427,9 @@ class LMCacheServer:
         return parse_prometheus(text) if text else {}
 
     def tier_metrics(self, chunk_bytes: int | None = None) -> dict:
-        return tier_summary(self.metrics(), chunk_bytes)
+        """The tier figures, or {} when the server does not answer: zeros would read as a counter reset."""
+        samples = self.metrics()
+        return tier_summary(samples, chunk_bytes) if samples else {}
 
     def health(self) -> dict:
         """What /health and /metrics report: is the host tier serving, is the shared tier reachable."""

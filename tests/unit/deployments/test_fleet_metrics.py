@@ -133,9 +133,10 @@ def test_what_every_ingress_replica_reads_alike_is_on_the_merged_page_once():
     assert FLEET_WIDE <= written
 
 
-def test_a_fleet_wide_counter_takes_the_freshest_view_and_a_gauge_the_first():
+def test_a_fleet_wide_series_takes_the_highest_value_any_page_gives():
     """Routers hear the engines' stats at slightly different times: the highest count is the latest (never
-    one that went back), and the merged page is the same whichever replica answers."""
+    one that went back), and the merged page is the same whichever replica answers. A gauge too: a page that
+    could not read a node writes it down, and the first page's could show a node down beside its counters."""
     a = _fleet_page(1, {"engA": 100}, {"nodeA": 10.0})
     b = _fleet_page(1, {"engA": 104}, {"nodeA": 10.0}).replace(
         'kvmesh_tier_server_healthy{node="nodeA"} 1', 'kvmesh_tier_server_healthy{node="nodeA"} 0'
@@ -147,6 +148,10 @@ def test_a_fleet_wide_counter_takes_the_freshest_view_and_a_gauge_the_first():
         'kvmesh_tier_server_healthy{node="nodeA"} 1'
     ]
     assert merge({"b": b, "a": a}) == page
+    first_down = merge({"a": b, "b": a})  # the page that could not read the node sorts first
+    assert [line for line in first_down.splitlines() if line.startswith("kvmesh_tier_server_healthy")] == [
+        'kvmesh_tier_server_healthy{node="nodeA"} 1'
+    ]
 
 
 def _whole_page(n: int = 0) -> str:

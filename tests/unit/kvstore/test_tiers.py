@@ -127,6 +127,21 @@ def test_tier_summary_bytes_from_resident_chunks():
     assert tier_summary(parse_prometheus(SAMPLE), chunk_bytes=10)["bytes_to_host"] == 490
 
 
+def test_a_server_whose_metrics_do_not_answer_gives_no_tier_figures_not_zeros(monkeypatch):
+    """Health and the tier figures are two scrapes: one may answer and the next not. Zeros for every counter
+    would read as a reset on the next good scrape; no figures leave the node's counters out (`tier_metrics`)."""
+    from kvmesh.kvstore.lmcache_server import LMCacheServer
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    srv = LMCacheServer.__new__(LMCacheServer)  # nothing launched: only its scrape is asked for
+    monkeypatch.setattr(srv, "_scrape", lambda timeout=5.0: None)
+    assert srv.tier_metrics() == {}
+    monkeypatch.setattr(srv, "_scrape", lambda timeout=5.0: SAMPLE)
+    assert srv.tier_metrics() == tier_summary(parse_prometheus(SAMPLE))
+    page = tier_metrics_text({"n1": {"health": {"healthy": True, "metrics_ok": True}, "tiers": {}}})
+    assert "kvmesh_tier_lookup_tokens_total{" not in page and 'kvmesh_tier_server_healthy{node="n1"} 1' in page
+
+
 def test_shared_tier_probe_reports_down_for_closed_port(tmp_path):
     from kvmesh.cluster.ports import free_port
 
