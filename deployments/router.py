@@ -43,7 +43,6 @@ from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
 from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import (
-    PeerPlacement,
     PeerPlacements,
     RouterSync,
     held_message,
@@ -153,27 +152,6 @@ class _Inflight(HoldSource):
         return self.routing.policy
 
 
-class _SinceReport:
-    """A replica's current engine load report (Serve polls `record_routing_stats` every
-    `routing_stats_period_s`) and what this router saw leave that engine's queue or running batch since
-    the report arrived: the report still counts those requests, so they come off it in `_views`.
-
-    Requests are keyed as they are tracked: this router's by Serve's internal id, peers' by
-    (router, request). A report is new when its content differs: Serve hands every router a fresh copy of
-    every replica's stats whenever any of them changes, so the dict's identity says nothing, while an
-    engine at work changes its `steps` between polls."""
-
-    __slots__ = ("replica", "report", "queued", "running", "left_queued", "left_running")
-
-    def __init__(self, replica: RunningReplica, report: dict, queued: set, running: set):
-        self.replica = replica  # where later reports are read (`KvmeshRouter._report`)
-        self.report = report  # a copy: a dict changed in place is a new report too
-        self.queued = queued  # requests on the replica without their first token when the report arrived
-        self.running = running  # and those with it
-        self.left_queued = 0
-        self.left_running = 0
-
-
 class KvmeshRouter(TierHolding, RequestRouter):
     """Prefix- and load-aware placement with a pluggable `policies` ranking."""
 
@@ -211,7 +189,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._sync_wanted: list[RunningReplica] | None = None  # the replica list it is to sync next
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
-        self._since: dict[str, _SinceReport] = {}  # replica -> its engine load report, and what left since
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
@@ -353,7 +330,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
         for p in self._policies.values():  # also when the index forgot it first: no policy keeps its slot
             p.on_replica_removed(rid)
-        self._since.pop(rid, None)
         if not self.index.has_replica(rid):
             return
         node = self.index.node_of(rid)
@@ -416,9 +392,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         for r in replicas:
             if r.replica_id.unique_id not in known | self._dead:
                 self._add_replica(r)
-        for r in replicas:  # Serve calls this when a report arrives: what leaves from now on counts against it
-            if r.replica_id.unique_id not in self._dead:
-                self._report(r)
         self._subscribe_soon([r for r in replicas if r.replica_id.unique_id not in self._dead])
 
     def _subscribe_soon(self, replicas: list[RunningReplica]) -> None:
@@ -483,59 +456,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         listed = list(self.curr_replicas.values())
         return {"listed": len(listed), "ready": sum(1 for r in listed if self._is_ready(r))}
 
-    # ------------------------------------------------------------------ engine load reports
-    def _report(self, r: RunningReplica) -> _SinceReport:
-        """The replica's engine report and what left it since; a new report starts from what is in flight
-        there now."""
-        rid = r.replica_id.unique_id
-        stats = r.routing_stats or {}
-        since = self._since.get(rid)
-        if since is None or since.report != stats:
-            queued, running = self._in_flight_on(rid)
-            since = self._since[rid] = _SinceReport(r, dict(stats), queued, running)
-        else:
-            since.replica = r
-        return since
-
-    def _in_flight_on(self, rid: str) -> tuple[set, set]:
-        """Keys of the requests known in flight on `rid`, this router's and its peers': (queued, started)."""
-        queued: set = set()
-        running: set = set()
-        for internal, st in self._inflight.items():
-            if st.replica == rid:
-                (running if st.first_token else queued).add(internal)
-        for key, placed in self.peers.placements.items():
-            if placed.replica == rid:
-                (running if placed.started else queued).add(key)
-        return queued, running
-
-    def _before_change(self, rid: str) -> None:
-        """A request on `rid` is about to start or end: a report that arrived unseen (no ranking, no
-        `update_replicas` since) takes its snapshot first, so that this change comes off it."""
-        since = self._since.get(rid)
-        if since is not None:
-            self._report(since.replica)
-
-    def _left_since_report(self, since: _SinceReport, rid: str) -> tuple[int, int]:
-        """(Requests that left the engine's queue, its running batch) since its report arrived: started or
-        ended, as this router and its peers saw it."""
-        for key in [k for k in since.queued if self._started_on(k, rid) is not False]:
-            since.queued.discard(key)
-            since.left_queued += 1
-        for key in [k for k in since.running if self._started_on(k, rid) is None]:
-            since.running.discard(key)
-            since.left_running += 1
-        return since.left_queued, since.left_running
-
-    def _started_on(self, key: Any, rid: str) -> bool | None:
-        """Whether the request is in flight on `rid` and has its first token (None: not in flight there)."""
-        req: _Inflight | PeerPlacement | None = (
-            self._inflight.get(key) if isinstance(key, str) else self.peers.placements.get(key)
-        )
-        if req is None or req.replica != rid:
-            return None
-        return req.first_token
-
     # ------------------------------------------------------------------ routing
     def _views(self, candidates: list[RunningReplica], matches: dict) -> list[ReplicaView]:
         pending: dict[str, list[int]] = {}
@@ -563,7 +483,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
             rid = r.replica_id.unique_id
             stats = r.routing_stats or {}
             inflight, started, prefill = pending.get(rid, (0, 0, 0))
-            left_queued, left_running = self._left_since_report(self._report(r), rid)
             hbm, host, shared = matches.get(rid, (0, 0, 0))
             views.append(
                 ReplicaView(
@@ -571,10 +490,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
                     hbm_blocks=hbm,
                     host_blocks=host,
                     shared_blocks=shared,
-                    # what this router and its peers sent is exact and fresh; the replica's own report, less
-                    # what they saw leave since it arrived (it still counts those), covers work none knows of
-                    queued=max(inflight - started, int(stats.get("queued", 0)) - left_queued),
-                    running=max(started, int(stats.get("running", 0)) - left_running),
+                    # what this router sent is exact and fresh; the replica's own report covers other routers
+                    queued=max(inflight - started, int(stats.get("queued", 0))),
+                    running=max(started, int(stats.get("running", 0))),
                     kv_usage=float(stats.get("kv_usage", 0.0)),
                     pending_prefill_tokens=prefill,
                     capacity_blocks=int(stats.get("num_blocks", 0)),
@@ -742,10 +660,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         internal = pending_request.metadata.internal_request_id
         earlier = self._inflight.pop(internal, None)
         if earlier is not None:
-            since = self._since.get(earlier.replica)
-            if since is not None:  # its replica refused it: never in that engine's report
-                since.queued.discard(internal)
-                since.running.discard(internal)
             self._rejected[internal] = earlier.replica  # its completion comes later: not the retry's
             while len(self._rejected) > 1024:
                 self._rejected.popitem(last=False)
@@ -845,7 +759,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         st = self._inflight.get(internal_request_id)
         if st is None or st.replica != rid:  # not an earlier attempt's, rejected by its replica
             return  # (Serve cancels that call and may say so after the retry was placed elsewhere)
-        self._before_change(rid)
         del self._inflight[internal_request_id]
         request_id = st.info.request_id
         if request_id is None or self._by_request_id.get(request_id) != internal_request_id:
@@ -890,7 +803,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
         """The ingress saw the first token: the request's prefill is no longer pending work."""
         _, st = self._current_call(request_id)
         if st is not None:
-            self._before_change(st.replica)
             st.first_token = True
             st.release()
             self._publish("started", request_id, st.replica)
