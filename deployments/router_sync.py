@@ -362,6 +362,8 @@ class PeerPlacements:
     def apply(self, msg: list) -> None:
         """One message from a peer: [kind, router, request, replica, *payload]."""
         kind, router, request, replica = msg[0], msg[1], msg[2], msg[3]
+        if not isinstance(router, str) or not isinstance(request, str):  # keys of what is kept: checked first
+            raise TypeError(f"router and request must be strings, not {type(router).__name__}/{type(request).__name__}")
         key = (router, request)
         self.applied += 1
         if kind == "routed":
@@ -757,9 +759,12 @@ class RouterSync:
                 self._registry = None  # the registry died with its node: make it again
             except Exception:  # never let discovery end the router
                 log.exception("router sync: discovery failed; retrying")
-            self.placements.expire()  # also while the registry cannot be reached
-            self.publish_live()
-            self.publish_clock()
+            try:  # also while the registry cannot be reached; never let upkeep end discovery either
+                self.placements.expire()
+                self.publish_live()
+                self.publish_clock()
+            except Exception:
+                log.exception("router sync: upkeep failed; retrying")
             await asyncio.sleep(self.poll_s)
 
     def publish_live(self, now: float | None = None) -> None:

@@ -463,6 +463,11 @@ def test_a_held_message_without_a_tenant_string_is_dropped_whole_and_an_unknown_
     assert not peers.held and peers.tenants.active("acme") == 0
     peers.apply(["a-later-kind", "A", "q", "r0", "acme", 64])  # what an older peer does with `held`
     assert not peers.held and not peers.placements and peers.tenants.active("acme") == 0
+    for bad in (["held", "A", 7, "", "acme", 64], ["held", None, "q", "", "acme", 64]):  # keys of what is kept
+        with pytest.raises(TypeError):
+            peers.apply(bad)
+        assert not peers.held and peers.tenants.active("acme") == 0
+    peers.expire(now=10**9)  # nothing half-kept for the expiry to trip on later
 
 
 def test_a_migrated_streams_continuation_is_the_same_request_for_its_tenant_on_peers():
