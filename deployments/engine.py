@@ -49,6 +49,8 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
 )
 EVENTS_TOPIC = "kvmesh"
+# request ids a load report names at most per state (ids are ~32 bytes; Serve hands every router every report)
+REPORTED_IDS = 512
 
 
 def model_sampling_defaults(driver) -> dict:
@@ -261,6 +263,10 @@ class EngineReplica:
             "pid": os.getpid(),  # the replica's process, for operators and fault tests (kill -9)
             "queued": load.queued,
             "running": load.running,
+            # which requests those are (up to REPORTED_IDS each; beyond, none: routers then take the counts as
+            # they are): a router takes off what it knows has started or ended since this report was made
+            "queued_ids": list(load.queued_ids) if len(load.queued_ids) <= REPORTED_IDS else None,
+            "running_ids": list(load.running_ids) if len(load.running_ids) <= REPORTED_IDS else None,
             "aborted": load.aborted,
             "steps": self.driver.steps,  # requests over steps: how much each engine step batched
             "kv_usage": self._kv_usage(),

@@ -80,15 +80,24 @@ class _LoadCounter:
         self.queued = 0
         self.running = 0
         self.aborted = 0  # requests given up before finishing (client went away)
+        # the request ids behind the two counts: routers tell the requests they know of from work they do not,
+        # and which of theirs have started (`EngineReplica.record_routing_stats`)
+        self.queued_ids: dict[str, None] = {}
+        self.running_ids: dict[str, None] = {}
 
     async def track(
-        self, outputs: AsyncGenerator[Any, None], on_abandon: Callable[[], None] | None = None
+        self,
+        outputs: AsyncGenerator[Any, None],
+        on_abandon: Callable[[], None] | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[Any]:
         """Pass one request's engine outputs through, keeping queued/running/aborted: the one wrapper
         both drivers' `generate` use. A stream left before its finished output (the caller closed it
         or was cancelled) counts as aborted and `on_abandon` tells the engine; one the engine failed
         (it raised) does not. The engine's stream is closed here, not left to the garbage collector."""
         self.queued += 1
+        if request_id is not None:
+            self.queued_ids[request_id] = None
         started = finished = False
         try:
             async for out in outputs:
@@ -96,12 +105,18 @@ class _LoadCounter:
                     started = True
                     self.queued -= 1
                     self.running += 1
+                    if request_id is not None:
+                        self.queued_ids.pop(request_id, None)
+                        self.running_ids[request_id] = None
                 finished = out.finished
                 yield out
         except Exception:
             finished = True  # the engine gave the request up itself: nothing to abort
             raise
         finally:
+            if request_id is not None:
+                self.queued_ids.pop(request_id, None)
+                self.running_ids.pop(request_id, None)
             if started:
                 self.running -= 1
             else:
@@ -338,7 +353,9 @@ class InprocDriver:
     # -- asyncio side ----------------------------------------------------------------------------
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
         return self.load.track(
-            self._outputs(prompt, params, request_id), on_abandon=lambda: self._ops.put(("abort", request_id))
+            self._outputs(prompt, params, request_id),
+            on_abandon=lambda: self._ops.put(("abort", request_id)),
+            request_id=request_id,
         )
 
     async def _outputs(self, prompt: dict, params, request_id: str) -> AsyncGenerator[Any, None]:
@@ -470,7 +487,7 @@ class AsyncDriver:
 
     def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
         # AsyncLLM aborts the request itself when its generator is closed (track closes it)
-        return self.load.track(self.engine.generate(prompt, params, request_id))
+        return self.load.track(self.engine.generate(prompt, params, request_id), request_id=request_id)
 
     def kv_usage(self) -> float:
         return self._kv_usage

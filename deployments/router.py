@@ -62,6 +62,9 @@ log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to 
 # placements /kvmesh/state keeps: a robustness draw's whole replay (at most 200 requests), and no more (the
 # document grows ~0.5 KB per decision at 4 replicas)
 DECISIONS_KEPT = 256
+# request ids of ended requests kept to tell them in engines' load reports, which are a stats period old at
+# most: far more than end in one
+ENDED_IDS_KEPT = 4096
 # How long after the ingress is done with a request Serve has to report its call complete, before the router
 # ends the placement itself (`request_ended`): Serve's report is posted from another thread, and a call
 # cancelled with its client is reported once the cancel reaches it.
@@ -191,6 +194,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
+        self._ended_ids: collections.OrderedDict[str, None] = collections.OrderedDict()  # ended lately (`_load`)
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
         # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
@@ -466,6 +470,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             p = pending.setdefault(routing.replica, [0, 0, 0])  # inflight, started, pending prefill tokens
             p[0] += 1
             p[2] += routing.uncached
+        waiting: dict[str, set[str]] = {}  # replica -> this router's requests sent there, no first token seen
         for st in self._inflight.values():
             p = pending.setdefault(st.replica, [0, 0, 0])
             p[0] += 1
@@ -473,6 +478,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 p[1] += 1
             else:
                 p[2] += st.uncached
+                if st.info.request_id:
+                    waiting.setdefault(st.replica, set()).add(st.info.request_id)
         for rid, (n, started, prefill) in self.peers.pending().items():
             p = pending.setdefault(rid, [0, 0, 0])
             p[0] += n
@@ -483,6 +490,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             rid = r.replica_id.unique_id
             stats = r.routing_stats or {}
             inflight, started, prefill = pending.get(rid, (0, 0, 0))
+            queued, running = self._load(stats, inflight - started, started, waiting.get(rid, set()))
             hbm, host, shared = matches.get(rid, (0, 0, 0))
             views.append(
                 ReplicaView(
@@ -490,15 +498,44 @@ class KvmeshRouter(TierHolding, RequestRouter):
                     hbm_blocks=hbm,
                     host_blocks=host,
                     shared_blocks=shared,
-                    # what this router sent is exact and fresh; the replica's own report covers other routers
-                    queued=max(inflight - started, int(stats.get("queued", 0))),
-                    running=max(started, int(stats.get("running", 0))),
+                    queued=queued,
+                    running=running,
                     kv_usage=float(stats.get("kv_usage", 0.0)),
                     pending_prefill_tokens=prefill,
                     capacity_blocks=int(stats.get("num_blocks", 0)),
                 )
             )
         return views
+
+    def _load(self, stats: dict, queued: int, running: int, waiting: set[str]) -> tuple[int, int]:
+        """A replica's (queued, running): what this router and its peers sent there (`queued`, `running`:
+        exact and fresh) and the engine's report, up to `routing_stats_period_s` old, for the rest.
+
+        The report names its requests (`queued_ids`, `running_ids`). Those this router or a peer knows of,
+        in flight or ended lately, are counted as they know them, so a request that ended since the report
+        is not counted again; the others are work no router here knows of (an ingress replica restarted,
+        the peers' stream lag) and are added. One of this router's requests the engine names as running
+        has started though its first token is not back yet (a unary call hears of it only at its end): it
+        counts as running, not also as queued. A report without the names (too many, an older engine):
+        each count is the larger of the two, which counts a request that ended since the report again."""
+        queued_ids, running_ids = stats.get("queued_ids"), stats.get("running_ids")
+        if not isinstance(queued_ids, list) or not isinstance(running_ids, list):
+            return max(queued, int(stats.get("queued", 0))), max(running, int(stats.get("running", 0)))
+        known = self._known_request
+        started = sum(1 for i in running_ids if i in waiting)
+        unknown_queued = sum(1 for i in queued_ids if not known(i))
+        unknown_running = sum(1 for i in running_ids if not known(i))
+        return queued - started + unknown_queued, running + started + unknown_running
+
+    def _known_request(self, request_id) -> bool:
+        """Whether a request an engine reports is one this router or a peer placed (in flight or ended
+        lately), whose state they know better than a report up to a stats period old."""
+        return (
+            request_id in self._by_request_id
+            or request_id in self._ended_ids
+            or request_id in self._unconfirmed
+            or self.peers.knows(request_id)
+        )
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -766,6 +803,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
             return
         self._publish("done", request_id, st.replica)
         del self._by_request_id[request_id]
+        self._ended_ids[request_id] = None  # a load report made before it ended still names it
+        while len(self._ended_ids) > ENDED_IDS_KEPT:
+            self._ended_ids.popitem(last=False)
         if st.first_token:
             self._record_prefill(st)
         else:  # its first token may still be on its way from the ingress

@@ -52,6 +52,7 @@ REGISTRY_NAMESPACE = "kvmesh"
 REGISTRY_NAME = "router-registry-{app}"  # one detached registry actor per app (`kvmesh.deployments.app` ends it)
 PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this long ago is gone
 PLACEMENT_TTL_S = 120.0  # a peer placement not heard of for this long (lost `done`, peer died) stops counting
+LEFT_IDS_KEPT = 4096  # request ids of peer placements that left lately, told apart in engines' load reports
 LIVE_EVERY_S = PLACEMENT_TTL_S / 4  # how often a router names its requests still in flight (`live`)
 UNSEEN_WINDOW_S = 2.0  # peers' placement rate and the stream's lag are measured over this much recent time
 CLOCK_WINDOW_S = 10.0  # a peer's clock offset is estimated from its fastest messages of this much recent time
@@ -311,6 +312,9 @@ class PeerPlacements:
         self._requests: dict[tuple[str, str], list] = {}
         # peers' requests held for a prefix in flight (`held`): counted for their tenant only, until `routed`
         self.held: dict[tuple[str, str], HeldRequest] = {}
+        # request ids of the placements in flight (how many under each), and of those that left lately
+        self._in_flight_ids: dict[str, int] = {}
+        self._left_ids: OrderedDict[str, None] = OrderedDict()
         self.applied = 0
         self.clock = clock
         self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
@@ -396,6 +400,7 @@ class PeerPlacements:
             self._close(key)
             self._unhold(key)
             self.placements[key] = placed
+            self._in_flight_ids[key[1]] = self._in_flight_ids.get(key[1], 0) + 1
             if stamp is not None:
                 self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router)
             if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
@@ -486,7 +491,18 @@ class PeerPlacements:
         placed = self.placements.pop(key, None)
         if placed is not None:
             self._count_tenant(key, placed.info.tenant, placed.info.num_tokens, -1)
+            left = self._in_flight_ids.pop(key[1], 1) - 1
+            if left > 0:  # two routers' requests under one id: not expected (uuids), kept exact anyway
+                self._in_flight_ids[key[1]] = left
+            self._left_ids[key[1]] = None
+            while len(self._left_ids) > LEFT_IDS_KEPT:
+                self._left_ids.popitem(last=False)
         return placed
+
+    def knows(self, request_id: str) -> bool:
+        """Whether `request_id` is a peer's request in flight here, or one that left lately: an engine's load
+        report, a stats period old at most, may still name it (`KvmeshRouter._load`)."""
+        return request_id in self._in_flight_ids or request_id in self._left_ids
 
     def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
         """Stop tracking a placement in flight; requests waiting for its first token go on."""

@@ -321,3 +321,27 @@ def test_an_error_behind_waiting_deltas_is_raised_after_they_are_delivered():
         return out
 
     assert asyncio.run(go()).outputs[0].text == "ab"
+
+
+def test_the_counts_name_their_requests_while_queued_and_running_and_none_once_ended():
+    """Routers tell the requests they know of from work they do not by these names (`KvmeshRouter._load`)."""
+
+    async def go():
+        load, gate, seen = _LoadCounter(), asyncio.Event(), []
+        waiting = load.track(_engine(2, [], gate=gate), request_id="q1")
+        first = asyncio.ensure_future(waiting.__anext__())
+        await asyncio.sleep(0)
+        seen.append((dict(load.queued_ids), dict(load.running_ids)))
+        gate.set()
+        await first
+        seen.append((dict(load.queued_ids), dict(load.running_ids)))
+        async for _ in waiting:
+            pass
+        seen.append((dict(load.queued_ids), dict(load.running_ids)))
+        left = load.track(_engine(3, []), request_id="q2")
+        await left.__anext__()
+        await left.aclose()  # a client gone: its name goes with it
+        seen.append((dict(load.queued_ids), dict(load.running_ids)))
+        return seen
+
+    assert asyncio.run(go()) == [({"q1": None}, {}), ({}, {"q1": None}), ({}, {}), ({}, {})]
