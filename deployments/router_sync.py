@@ -366,8 +366,9 @@ class PeerPlacements:
     def apply(self, msg: list) -> None:
         """One message from a peer: [kind, router, request, replica, *payload]."""
         kind, router, request, replica = msg[0], msg[1], msg[2], msg[3]
-        if not isinstance(router, str) or not isinstance(request, str):  # keys of what is kept: checked first
-            raise TypeError(f"router and request must be strings, not {type(router).__name__}/{type(request).__name__}")
+        if not all(isinstance(x, str) for x in (router, request, replica)):  # keys of what is kept: checked first
+            names = "/".join(type(x).__name__ for x in (router, request, replica))
+            raise TypeError(f"router, request and replica must be strings, not {names}")
         key = (router, request)
         self.applied += 1
         if kind == "routed":
@@ -486,17 +487,21 @@ class PeerPlacements:
         if self.tiers is not None and placed.replica in self.index.replicas():
             self.tiers.record_prefill(placed.replica, placed.info.block_hashes)
 
-    def _pop(self, key: tuple[str, str]) -> PeerPlacement | None:
-        """Take a placement out of those in flight (and out of its tenant's count)."""
+    def _pop(self, key: tuple[str, str], heard: bool = True) -> PeerPlacement | None:
+        """Take a placement out of those in flight (and out of its tenant's count). `heard`: its router said
+        it ended or moved (`done`, `unrouted`, a new `routed`), so an engine report still naming it is known
+        to be stale; a placement dropped unheard (its router gone or silent, its replica forgotten) may still
+        run, and a report naming it counts it as work no router here knows of."""
         placed = self.placements.pop(key, None)
         if placed is not None:
             self._count_tenant(key, placed.info.tenant, placed.info.num_tokens, -1)
             left = self._in_flight_ids.pop(key[1], 1) - 1
             if left > 0:  # two routers' requests under one id: not expected (uuids), kept exact anyway
                 self._in_flight_ids[key[1]] = left
-            self._left_ids[key[1]] = None
-            while len(self._left_ids) > LEFT_IDS_KEPT:
-                self._left_ids.popitem(last=False)
+            if heard:
+                self._left_ids[key[1]] = None
+                while len(self._left_ids) > LEFT_IDS_KEPT:
+                    self._left_ids.popitem(last=False)
         return placed
 
     def knows(self, request_id: str) -> bool:
@@ -504,16 +509,17 @@ class PeerPlacements:
         report, a stats period old at most, may still name it (`KvmeshRouter._load`)."""
         return request_id in self._in_flight_ids or request_id in self._left_ids
 
-    def _close(self, key: tuple[str, str]) -> PeerPlacement | None:
-        """Stop tracking a placement in flight; requests waiting for its first token go on."""
-        placed = self._pop(key)
+    def _close(self, key: tuple[str, str], heard: bool = True) -> PeerPlacement | None:
+        """Stop tracking a placement in flight; requests waiting for its first token go on (`_pop`'s `heard`)."""
+        placed = self._pop(key, heard)
         if placed is not None:
             placed.release()
         return placed
 
     def _discard(self, key: tuple[str, str]) -> None:
-        """Stop tracking a placement in flight, held, or ended awaiting its `started`; its waiters go on."""
-        self._close(key)
+        """Stop tracking a placement in flight, held, or ended awaiting its `started`, unheard (`_pop`): its
+        waiters go on."""
+        self._close(key, heard=False)
         self._unhold(key)
         ended = self.ended.pop(key, None)
         if ended is not None:
@@ -533,7 +539,7 @@ class PeerPlacements:
     def expire(self, now: float | None = None) -> None:
         now = self.monotonic() if now is None else now
         for key in [k for k, p in self.placements.items() if now - p.seen > PLACEMENT_TTL_S]:
-            self._close(key)
+            self._close(key, heard=False)
         for key in [k for k, h in self.held.items() if now - h.seen > PLACEMENT_TTL_S]:
             self._unhold(key)
 

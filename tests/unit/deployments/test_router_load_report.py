@@ -109,3 +109,24 @@ def test_ended_ids_kept_are_bounded():
     finally:
         router_module.ENDED_IDS_KEPT = keep
     assert list(router._ended_ids) == ["q2", "q3", "q4"]
+
+
+def test_a_peers_request_dropped_unheard_still_counts_where_its_engine_names_it():
+    """A peer gone quiet (its registry entry lapsed, the registry restarted) is dropped: its requests may still
+    run, and a report naming them counts them as work no router here knows of; one it said ended does not."""
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a = fake_replica("A")
+        await _placed(router, a, ["q0"])
+        router._complete("A", "i-q0")
+        for name in ("p0", "p1"):
+            router.peers.apply(["routed", "peer", name, "A", [1, 2], 64, 32, 4, None, [0, 0, 0]])
+            router.peers.apply(["started", "peer", name, "A"])
+        router.peers.apply(["done", "peer", "p1", "A"])
+        a.routing_stats = {"queued": 0, "running": 2, "queued_ids": [], "running_ids": ["p0", "p1"]}
+        assert load(router, a) == (0, 1)
+        router.peers.drop_router("peer")
+        assert load(router, a) == (0, 1)  # p0 runs on, unknown now; p1 ended as its router said
+
+    asyncio.run(scenario())

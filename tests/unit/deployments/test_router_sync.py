@@ -463,10 +463,11 @@ def test_a_held_message_without_a_tenant_string_is_dropped_whole_and_an_unknown_
     assert not peers.held and peers.tenants.active("acme") == 0
     peers.apply(["a-later-kind", "A", "q", "r0", "acme", 64])  # what an older peer does with `held`
     assert not peers.held and not peers.placements and peers.tenants.active("acme") == 0
-    for bad in (["held", "A", 7, "", "acme", 64], ["held", None, "q", "", "acme", 64]):  # keys of what is kept
+    routed_to_a_list = ["routed", "A", "q", ["r0"], [1], 64, 32, 4, "acme", [0, 0, 0]]
+    for bad in (["held", "A", 7, "", "acme", 64], ["held", None, "q", "", "acme", 64], routed_to_a_list):
         with pytest.raises(TypeError):
             peers.apply(bad)
-        assert not peers.held and peers.tenants.active("acme") == 0
+        assert not peers.held and not peers.placements and peers.tenants.active("acme") == 0
     peers.expire(now=10**9)  # nothing half-kept for the expiry to trip on later
 
 
