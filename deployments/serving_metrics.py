@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -81,6 +82,34 @@ def _per_replica(routing_stats: dict, key: str) -> list[tuple[dict, float]]:
 
 def _esc(v: str) -> str:
     return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+# The serving families written once for the fleet (kvmesh_*) and once per engine replica (kvmesh_replica_*):
+# (name after the prefix, type, help, the figure from a replica's or the fleet's counters)
+_FAMILIES: tuple[tuple[str, str, str, Callable[[_Counters], float]], ...] = (
+    ("requests_total", "counter", "completed generation requests", lambda c: c.requests),
+    ("prompt_tokens_total", "counter", "prompt tokens", lambda c: c.prompt_tokens),
+    ("cached_prompt_tokens_total", "counter", "prompt tokens served from the KV cache", lambda c: c.cached_tokens),
+    ("completion_tokens_total", "counter", "generated tokens", lambda c: c.completion_tokens),
+    (
+        "hit_rate_tokens",
+        "gauge",
+        "token-weighted KV hit rate = cached / prompt tokens",
+        lambda c: c.as_dict()["hit_rate_tokens"],
+    ),
+    (
+        "hit_rate_requests",
+        "gauge",
+        "mean over requests of cached / prompt tokens",
+        lambda c: c.as_dict()["hit_rate_requests"],
+    ),
+    (
+        "requests_with_hit",
+        "gauge",
+        "fraction of requests with any cached prompt token",
+        lambda c: c.as_dict()["requests_with_hit"],
+    ),
+)
 
 
 class ServingMetrics:
@@ -176,48 +205,8 @@ class ServingMetrics:
                 ("kvmesh_replica", [({"replica": r}, c) for r, c in sorted(self.per_replica.items())]),
             ):
                 each = " (per engine replica)" if prefix == "kvmesh_replica" else ""
-                metric(
-                    f"{prefix}_requests_total",
-                    "counter",
-                    f"completed generation requests{each}",
-                    [(lab, c.requests) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_prompt_tokens_total",
-                    "counter",
-                    f"prompt tokens{each}",
-                    [(lab, c.prompt_tokens) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_cached_prompt_tokens_total",
-                    "counter",
-                    f"prompt tokens served from the KV cache{each}",
-                    [(lab, c.cached_tokens) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_completion_tokens_total",
-                    "counter",
-                    f"generated tokens{each}",
-                    [(lab, c.completion_tokens) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_hit_rate_tokens",
-                    "gauge",
-                    f"token-weighted KV hit rate = cached / prompt tokens{each}",
-                    [(lab, c.as_dict()["hit_rate_tokens"]) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_hit_rate_requests",
-                    "gauge",
-                    f"mean over requests of cached / prompt tokens{each}",
-                    [(lab, c.as_dict()["hit_rate_requests"]) for lab, c in groups],
-                )
-                metric(
-                    f"{prefix}_requests_with_hit",
-                    "gauge",
-                    f"fraction of requests with any cached prompt token{each}",
-                    [(lab, c.as_dict()["requests_with_hit"]) for lab, c in groups],
-                )
+                for name, kind, help_text, value in _FAMILIES:
+                    metric(f"{prefix}_{name}", kind, f"{help_text}{each}", [(lab, value(c)) for lab, c in groups])
                 histogram(
                     f"{prefix}_ttft_seconds",
                     f"time to first token: from the ingress's handler to the first output coming back{each}",

@@ -137,6 +137,19 @@ def _request(
     return Request(scope, receive), scope, receive
 
 
+async def _answered(ing, stream: bool):
+    """A completion of BODY through the handler, its stream (if any) read to the end with nothing sent on."""
+    req, scope, receive = _request({**BODY, "stream": stream})
+    response = await ing._generate(req, "completion")
+    if stream:
+
+        async def send(message):
+            pass
+
+        await response(scope, receive, send)
+    return response
+
+
 BODY = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
 
 
@@ -181,14 +194,7 @@ def test_the_router_hears_once_that_the_ingress_is_done_with_a_request_however_i
             await task
         assert len(ended) == 1
         ing.engine.hang = False
-        req, scope, receive = _request({**BODY, "stream": stream})
-        response = await ing._generate(req, "completion")
-        if stream:
-
-            async def send(message):
-                pass
-
-            await response(scope, receive, send)
+        response = await _answered(ing, stream)
         assert response.status_code == 200
         assert len(ended) == 2 and ended[0] != ended[1]
         assert ended[1] == response.headers["x-kvmesh-request-id"]
@@ -833,14 +839,7 @@ def test_ttft_counts_what_the_request_waited_before_the_engine_as_a_stream_does(
 
         ing.engine.generate_full = _Method(generate_full)
         ing.engine.generate = _Method(lambda request: _Late(False))
-        req, scope, receive = _request({**BODY, "stream": stream})
-        response = await ing._generate(req, "completion")
-        if stream:
-
-            async def send(message):
-                pass
-
-            await response(scope, receive, send)
+        response = await _answered(ing, stream)
         assert response.status_code == 200
         assert ing.serving_metrics.total.ttft_count == 1
         assert 0.29 <= _ttft_sum(ing) < 0.38, _ttft_sum(ing)
