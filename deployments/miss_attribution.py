@@ -21,25 +21,8 @@ from collections.abc import Sequence
 
 from kvmesh.cluster.block_cache import leading_held
 from kvmesh.cluster.miss_reasons import attribute
+from kvmesh.deployments.recent import RecentSet
 from kvmesh.kvstore.hashing import HashMemo, block_hashes
-
-
-class _Bounded:
-    """An insertion-ordered set of block hashes that forgets the oldest beyond `cap`."""
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self._d: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, h: int) -> bool:
-        return h in self._d
-
-    def update(self, hashes: Sequence[int]) -> None:
-        for h in hashes:
-            self._d[h] = None
-            self._d.move_to_end(h)
-        while len(self._d) > self.cap:
-            self._d.popitem(last=False)
 
 
 def placement_reason(chosen: str, first_choice: str, best: str | None, views: dict) -> str:
@@ -63,8 +46,8 @@ class MissAttribution:
         self.max_requests = max_requests
         self._lock = threading.Lock()
         self._records: OrderedDict[str, dict] = OrderedDict()
-        self._computed: dict[str, _Bounded] = {}  # tenant -> salted blocks computed (any replica)
-        self._unsalted: dict[str, _Bounded] = {}  # tenant -> the same blocks without salt
+        self._computed: dict[str, RecentSet] = {}  # tenant -> salted blocks computed (any replica)
+        self._unsalted: dict[str, RecentSet] = {}  # tenant -> the same blocks without salt
         self._max_blocks = max_blocks
         self._memo = HashMemo()
         self.counters: dict[tuple[str, str], int] = {}  # (reason, tenant) -> tokens
@@ -141,7 +124,7 @@ class MissAttribution:
                 tier_blocks=rec["tier_blocks"],
             )
             computed.update(hashes)
-            self._unsalted.setdefault(tenant, _Bounded(self._max_blocks)).update(unsalted)
+            self._unsalted.setdefault(tenant, RecentSet(self._max_blocks)).update(unsalted)
             for reason, tokens in reasons.items():
                 self.counters[(reason, tenant)] = self.counters.get((reason, tenant), 0) + tokens
             rec.pop("hashes", None)
@@ -173,9 +156,9 @@ class MissAttribution:
         with self._lock:
             self._computed_for(tenant).update(hashes)
 
-    def _computed_for(self, tenant: str) -> _Bounded:
+    def _computed_for(self, tenant: str) -> RecentSet:
         """The blocks the fleet has computed for `tenant` (the caller holds the lock)."""
-        return self._computed.setdefault(tenant, _Bounded(self._max_blocks))
+        return self._computed.setdefault(tenant, RecentSet(self._max_blocks))
 
     def explain(self, request_id: str) -> dict | None:
         with self._lock:

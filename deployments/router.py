@@ -40,6 +40,7 @@ from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.prediction import predicted_cached_tokens
+from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
 from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import (
@@ -194,7 +195,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
-        self._ended_ids: collections.OrderedDict[str, None] = collections.OrderedDict()  # ended lately (`_load`)
+        self._ended_ids = RecentSet(ENDED_IDS_KEPT)  # request ids ended lately (`_load`)
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
         # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
@@ -530,12 +531,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
     def _known_request(self, request_id) -> bool:
         """Whether a request an engine reports is one this router or a peer placed (in flight or ended
         lately), whose state they know better than a report up to a stats period old."""
-        return (
-            request_id in self._by_request_id
-            or request_id in self._ended_ids
-            or request_id in self._unconfirmed
-            or self.peers.knows(request_id)
-        )
+        # (the unconfirmed, ended before their first token came back, are among the ended)
+        return request_id in self._by_request_id or request_id in self._ended_ids or self.peers.knows(request_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -570,13 +567,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
         )
         internal = pending_request.metadata.internal_request_id
         self._loop = asyncio.get_running_loop()
-        again = internal in self._inflight or internal in self._completed
+        # ranked before: its replica rejected it (placed, or its completion first), or Serve found none free
+        again = internal in self._inflight or internal in self._completed or internal in self._routing
         if internal in self._inflight:  # Serve routes it again: the replica it was placed on rejected it
             self._retried(pending_request)
         elif internal in self._completed:  # the same, the rejected call's completion having come first
             self._retried_after_completion(internal)
         earlier = self._routing.pop(internal, None)
-        again = again or earlier is not None
         if earlier is not None:  # ranked again (Serve found no free replica): take the first try back
             self._withdraw(earlier)
             self._drop_held(internal)
@@ -803,9 +800,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             return
         self._publish("done", request_id, st.replica)
         del self._by_request_id[request_id]
-        self._ended_ids[request_id] = None  # a load report made before it ended still names it
-        while len(self._ended_ids) > ENDED_IDS_KEPT:
-            self._ended_ids.popitem(last=False)
+        self._ended_ids.add(request_id)  # a load report made before it ended still names it
         if st.first_token:
             self._record_prefill(st)
         else:  # its first token may still be on its way from the ingress

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.deployments.migration import origin_id
+from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.tenant_usage import PeerTenantUsage
 from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s
 from kvmesh.policies.base import ReplicaView, RequestInfo, two_longest
@@ -306,7 +307,7 @@ class PeerPlacements:
         self.placements: dict[tuple[str, str], PeerPlacement] = {}
         # per tenant, what peers placed (`tenant_usage.PeerTenantUsage`): fleet-wide tenant limits read it
         self.tenants = tenants if tenants is not None else PeerTenantUsage()
-        self._counted: OrderedDict[tuple[str, str], None] = OrderedDict()  # requests already logged there
+        self._counted = RecentSet(65_536)  # requests already logged there (far more than are routed again over)
         # per request, (router, request id it continues: `migration.origin_id`) -> [tenant, its placements and
         # held claims tracked here]: one request in flight for its tenant however many calls it is heard as
         self._requests: dict[tuple[str, str], list] = {}
@@ -314,7 +315,7 @@ class PeerPlacements:
         self.held: dict[tuple[str, str], HeldRequest] = {}
         # request ids of the placements in flight (how many under each), and of those that left lately
         self._in_flight_ids: dict[str, int] = {}
-        self._left_ids: OrderedDict[str, None] = OrderedDict()
+        self._left_ids = RecentSet(LEFT_IDS_KEPT)
         self.applied = 0
         self.clock = clock
         self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
@@ -343,9 +344,7 @@ class PeerPlacements:
             else:
                 entry[1] += 1
             if request == key and key not in self._counted:  # a continuation was admitted as its original
-                self._counted[key] = None
-                if len(self._counted) > 65_536:  # far more than a request is routed again over
-                    self._counted.popitem(last=False)
+                self._counted.add(key)
                 self.tenants.placed(tenant, num_tokens)
         elif entry is not None:
             entry[1] -= 1
@@ -499,9 +498,7 @@ class PeerPlacements:
             if left > 0:  # two routers' requests under one id: not expected (uuids), kept exact anyway
                 self._in_flight_ids[key[1]] = left
             if heard:
-                self._left_ids[key[1]] = None
-                while len(self._left_ids) > LEFT_IDS_KEPT:
-                    self._left_ids.popitem(last=False)
+                self._left_ids.add(key[1])
         return placed
 
     def knows(self, request_id: str) -> bool:
