@@ -112,6 +112,30 @@ _FAMILIES: tuple[tuple[str, str, str, Callable[[_Counters], float]], ...] = (
 )
 
 
+# The router's own counters: (family, its key in /kvmesh/state's router, help, value before any)
+_ROUTER_COUNTERS = (
+    ("kvmesh_router_decisions_total", "decisions", "requests ranked (once each, however often Serve asks again)", 0),
+    (
+        "kvmesh_router_rerankings_total",
+        "rerankings",
+        "rankings of a request again: Serve found no free replica, or the chosen one refused it",
+        0,
+    ),
+    (
+        "kvmesh_router_fallbacks_total",
+        "fallbacks",
+        "requests Serve placed elsewhere than the policy's first choice (a full replica or a slow probe)",
+        0,
+    ),
+    (
+        "kvmesh_router_decision_seconds_total",
+        "decision_s_total",
+        "time spent ranking (every ranking, re-rankings included)",
+        0.0,
+    ),
+)
+
+
 class ServingMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -274,30 +298,8 @@ class ServingMetrics:
             for key, (name, help_text) in INDEX_GAUGES.items():
                 if key in idx:
                     metric(name, "gauge", help_text, [({}, idx[key])])
-            metric(
-                "kvmesh_router_decisions_total",
-                "counter",
-                "requests ranked (once each, however often Serve asks again)",
-                [({}, router.get("decisions", 0))],
-            )
-            metric(
-                "kvmesh_router_rerankings_total",
-                "counter",
-                "rankings of a request again: Serve found no free replica, or the chosen one refused it",
-                [({}, router.get("rerankings", 0))],
-            )
-            metric(
-                "kvmesh_router_fallbacks_total",
-                "counter",
-                "requests Serve placed elsewhere than the policy's first choice (a full replica or a slow probe)",
-                [({}, router.get("fallbacks", 0))],
-            )
-            metric(
-                "kvmesh_router_decision_seconds_total",
-                "counter",
-                "time spent ranking (every ranking, re-rankings included)",
-                [({}, router.get("decision_s_total", 0.0))],
-            )
+            for name, key, help_text, default in _ROUTER_COUNTERS:
+                metric(name, "counter", help_text, [({}, router.get(key, default))])
             stats = router.get("routing_stats") or {}
             steps = _per_replica(stats, "steps")
             if steps:  # requests per step (rate over rate) is how much the engines batch
