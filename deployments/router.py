@@ -531,7 +531,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
     def _known_request(self, request_id) -> bool:
         """Whether a request an engine reports is one this router or a peer placed (in flight or ended
         lately), whose state they know better than a report up to a stats period old."""
-        # (the unconfirmed, ended before their first token came back, are among the ended)
+        # (one ended before its first token came back is among the ended too: `_complete` adds every end, and
+        # ENDED_IDS_KEPT ends outlast any report, which is a stats period old at most)
         return request_id in self._by_request_id or request_id in self._ended_ids or self.peers.knows(request_id)
 
     async def choose_replicas(
