@@ -39,6 +39,7 @@ from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
+from kvmesh.deployments.load_report import LoadReports
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
@@ -195,7 +196,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
-        self._ended_ids = RecentSet(ENDED_IDS_KEPT)  # request ids ended lately (`_load`)
+        self._ended_ids = RecentSet(ENDED_IDS_KEPT)  # request ids ended lately (`_known_request`)
+        # each replica's load report read against what the routers here know (`_views`)
+        self.load_reports = LoadReports(self._known_request, lambda: self.peers.dropped_unheard)
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
         # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
@@ -343,6 +346,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self.tiers.drop_node(node)  # no engine left on it: the node (or its last replica) is gone
             self.index.remove_node(node)
         self.peers.forget_replica(rid)
+        self.load_reports.forget(rid)
         self._subscribe_failed.pop(rid, None)
         running = [(internal, st) for internal, st in self._inflight.items() if st.replica == rid]
         if running:  # calls to it still open once a stopped replica would have finished them never will
@@ -491,7 +495,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             rid = r.replica_id.unique_id
             stats = r.routing_stats or {}
             inflight, started, prefill = pending.get(rid, (0, 0, 0))
-            queued, running = self._load(stats, inflight - started, started, waiting.get(rid, set()))
+            queued, running = self.load_reports.load(rid, stats, inflight - started, started, waiting.get(rid, ()))
             hbm, host, shared = matches.get(rid, (0, 0, 0))
             views.append(
                 ReplicaView(
@@ -507,26 +511,6 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 )
             )
         return views
-
-    def _load(self, stats: dict, queued: int, running: int, waiting: set[str]) -> tuple[int, int]:
-        """A replica's (queued, running): what this router and its peers sent there (`queued`, `running`:
-        exact and fresh) and the engine's report, up to `routing_stats_period_s` old, for the rest.
-
-        The report names its requests (`queued_ids`, `running_ids`). Those this router or a peer knows of,
-        in flight or ended lately, are counted as they know them, so a request that ended since the report
-        is not counted again; the others are work no router here knows of (an ingress replica restarted,
-        the peers' stream lag) and are added. One of this router's requests the engine names as running
-        has started though its first token is not back yet (a unary call hears of it only at its end): it
-        counts as running, not also as queued. A report without the names (too many, an older engine):
-        each count is the larger of the two, which counts a request that ended since the report again."""
-        queued_ids, running_ids = stats.get("queued_ids"), stats.get("running_ids")
-        if not isinstance(queued_ids, list) or not isinstance(running_ids, list):
-            return max(queued, int(stats.get("queued", 0))), max(running, int(stats.get("running", 0)))
-        known = self._known_request
-        started = sum(1 for i in running_ids if i in waiting)
-        unknown_queued = sum(1 for i in queued_ids if not known(i))
-        unknown_running = sum(1 for i in running_ids if not known(i))
-        return queued - started + unknown_queued, running + started + unknown_running
 
     def _known_request(self, request_id) -> bool:
         """Whether a request an engine reports is one this router or a peer placed (in flight or ended

@@ -316,6 +316,8 @@ class PeerPlacements:
         # request ids of the placements in flight (how many under each), and of those that left lately
         self._in_flight_ids: dict[str, int] = {}
         self._left_ids = RecentSet(LEFT_IDS_KEPT)
+        # placements dropped unheard (`_pop`): each makes a request id it knew of unknown while it may still run
+        self.dropped_unheard = 0
         self.applied = 0
         self.clock = clock
         self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
@@ -499,11 +501,13 @@ class PeerPlacements:
                 self._in_flight_ids[key[1]] = left
             if heard:
                 self._left_ids.add(key[1])
+            else:
+                self.dropped_unheard += 1
         return placed
 
     def knows(self, request_id: str) -> bool:
         """Whether `request_id` is a peer's request in flight here, or one that left lately: an engine's load
-        report, a stats period old at most, may still name it (`KvmeshRouter._load`)."""
+        report, a stats period old at most, may still name it (`load_report.LoadReports`)."""
         return request_id in self._in_flight_ids or request_id in self._left_ids
 
     def _close(self, key: tuple[str, str], heard: bool = True) -> PeerPlacement | None:
