@@ -32,6 +32,28 @@ def test_per_replica_arrays_do_not_grow_with_every_replica_id_ever_seen():
     assert set(p.recent_work()) == set(fleet)
 
 
+def test_a_fleet_added_a_replica_at_a_time_grows_its_arrays_by_doubling_and_a_copy_keeps_its_own():
+    """Copying the arrays on every replica added is quadratic in the fleet (100,000 replicas: 8 s)."""
+    import copy
+
+    p = make_policy("kvmesh")
+    buffers = set()
+    for i in range(1000):
+        p.on_replica_added(f"r{i}")
+        p.on_routed(RequestInfo([i], BS, BS, 10, None, f"q{i}"), f"r{i}")
+        buffers.add(id(p._w_buf))
+    assert len(buffers) <= 8  # 8, 16, ... 1024: one per doubling
+    assert len(p._w) == len(p._s) == 1000 and (p._w > 0).all()
+    twin = copy.deepcopy(p)  # the simulator's fresh policies are copies
+    p.on_replica_added("extra")
+    twin.on_routed(RequestInfo([7], BS, BS, 10, None, "t"), "r0")
+    twin.on_replica_added("extra-twin")
+    assert p.recent_work()["r0"] < twin.recent_work()["r0"]  # the copy's writes are its own
+    assert twin.recent_work()["r999"] == pytest.approx(p.recent_work()["r999"])
+    assert p._total == pytest.approx(sum(p.recent_work().values()))
+    assert twin._total == pytest.approx(sum(twin.recent_work().values()))
+
+
 def test_a_recycled_slot_starts_at_the_mean_not_at_its_previous_owners_work():
     p = make_policy("kvmesh")
     for i in range(30):
