@@ -13,7 +13,7 @@ routers over one ground-truth fleet (the same caches, tiers and time model as th
   ranked it, the blocks it speculated); the others apply them `delay_s` later, the same
   `Policy.on_routed` and the same speculation as their own, so their guard work and fanout include
   the whole fleet's traffic. Each router also counts the peers' decisions it has not heard of yet
-  (`router_sync.UnseenPlacements`, the live router's estimate: peers' rate times the lag) and hands
+  (`peer_lag.UnseenPlacements`, the live router's estimate: peers' rate times the lag) and hands
   the count to the policy (`FleetView.unseen_placements`), which spreads new prefixes over where those
   may have gone instead of sending every router's to the one replica the shared stale view ranks
   first. Without sync a router never learns the others' decisions, only what the engines report.
@@ -52,7 +52,7 @@ from kvmesh.cluster.simulator import (
     summarize,
 )
 from kvmesh.cluster.trace import Trace
-from kvmesh.deployments.router_sync import UnseenPlacements, is_free_choice
+from kvmesh.deployments.peer_lag import UnseenPlacements, is_free_choice
 from kvmesh.policies.base import FleetView, Policy, RequestInfo
 from kvmesh.policies.cost_model import cacheable_blocks, cached_tokens
 

@@ -40,17 +40,12 @@ from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.load_report import LoadReports
+from kvmesh.deployments.peer_lag import is_free_choice
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
 from kvmesh.deployments.router_hold import TierHolding
-from kvmesh.deployments.router_sync import (
-    PeerPlacements,
-    RouterSync,
-    held_message,
-    is_free_choice,
-    routed_message,
-)
+from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, held_message, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
 from kvmesh.deployments.tier_hold import HoldSource, predicted_ttft_s
 from kvmesh.kvstore.hashing import HashMemo, block_hashes

@@ -87,7 +87,7 @@ class FleetView:
     `unseen_placements` says how stale the view is: how many free placements (ones not bound to the one
     replica holding their history) other routers (ingress replicas sharing the fleet) have made that this
     view does not include yet, because their placement stream arrives late
-    (`kvmesh.deployments.router_sync.UnseenPlacements`), and `unseen_tokens` the mean prefill work of a
+    (`kvmesh.deployments.peer_lag.UnseenPlacements`), and `unseen_tokens` the mean prefill work of a
     peer's placement. 0 for a lone router, or peers heard without lag.
 
     `inflight_blocks` (per replica, or None) is the longest prefix of the request each replica could load

@@ -113,7 +113,7 @@ def test_synced_routers_with_delay_keep_the_single_router_hit_rate(monkeypatch):
     spreads new prefixes accordingly, so the hit rate stays within 3% of one router's (measured: 0.977-0.984
     of it over five policy seeds). Without that count they share one stale view and send each window's
     new prefixes to the one replica it ranks first (0.80-0.82 of it, and p90 TTFT five times as long)."""
-    from kvmesh.deployments.router_sync import UnseenPlacements
+    from kvmesh.deployments.peer_lag import UnseenPlacements
 
     trace = load_trace("synthetic")
     fleet = SimConfig(256, 4000, load=0.8)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvmesh.deployments.router_sync import PeerPlacements, UnseenPlacements, routed_message
+from kvmesh.deployments.peer_lag import UnseenPlacements
+from kvmesh.deployments.router_sync import PeerPlacements, routed_message
 from kvmesh.policies.base import RequestInfo
 
 
@@ -228,7 +229,7 @@ def test_a_stamped_peer_placement_measures_the_lag():
 
 
 def test_a_placement_is_free_unless_one_replica_alone_holds_the_longest_prefix():
-    from kvmesh.deployments.router_sync import is_free_choice
+    from kvmesh.deployments.peer_lag import is_free_choice
 
     assert is_free_choice([0, 0, 0])  # nothing cached: any replica
     assert is_free_choice([4, 4, 1])  # a shared prompt two replicas hold

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvmesh.deployments import router_sync
+from kvmesh.deployments import peer_lag
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, routed_message
 from kvmesh.policies.base import RequestInfo
 
@@ -99,10 +99,10 @@ def test_without_an_exchange_a_skewed_stream_is_measured_as_before():
         assert hosts.peers["A"].unseen.clocks.offsets == {}
     assert ahead.unseen("A") > same.unseen("A") + 0.3  # 40 a second x 10 ms of skew more
     assert behind.unseen("A") < 0.1
-    old = router_sync.UnseenPlacements()  # the same placements heard without naming their router
+    old = peer_lag.UnseenPlacements()  # the same placements heard without naming their router
     for k in range(100):
         old.heard(k / 40, k / 40 + 0.02, 32.0)
-    with_router = router_sync.UnseenPlacements()
+    with_router = peer_lag.UnseenPlacements()
     for k in range(100):
         with_router.heard(k / 40, k / 40 + 0.02, 32.0, router="B")
     assert with_router.estimate(2.5) == old.estimate(2.5)
