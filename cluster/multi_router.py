@@ -20,9 +20,11 @@ routers over one ground-truth fleet (the same caches, tiers and time model as th
 - replica churn (`churn_every_s`): every interval one replica (in turn) leaves and a new one, with a
   new id and an empty HBM cache, joins in its place on the same node (its host tier stays warm).
   Routers drop the old one and add the new one at once (the control plane's replica set, not the
-  event stream): `PrefixIndex.remove_replica`/`add_replica`, `Policy.on_replica_removed`/`added`. What
-  the old replica had accepted drains (its requests keep the TTFT they were given); the new one
-  starts with an idle accelerator.
+  event stream): `PrefixIndex.remove_replica`/`add_replica`, `Policy.on_replica_removed`/`added`. The new
+  one takes over the old one's accelerator (one per replica, as the capacity model has it): what the old
+  one had accepted drains first (its requests keep the TTFT they were given), and the newcomer's prefills
+  queue behind it. (Starting it on an idle accelerator of its own, beside the draining one, would count
+  two accelerators in one slot: utilisation above 1 and throughput above the fleet's under fast churn.)
 
 Requests go to routers round robin: an HTTP front or L4 balancer spreads connections, not users, so
 consecutive turns of one conversation usually land on different routers (the hard case for a
@@ -247,9 +249,8 @@ def simulate_routers(
             k = churned % N
             old, new_id = rids[k], f"r{k}.{churned // N + 1}"
             rids[k] = new_id
-            hbm[k] = BlockLRU(cfg.capacity_blocks)
-            server_free[k] = t0 + next_churn
-            slot_heap[k] = []
+            hbm[k] = BlockLRU(cfg.capacity_blocks)  # on the departing one's accelerator: `server_free` and the
+            # batch slots go on, so the prefills and decodes it accepted run before the newcomer's, as they would
             for rt in routers:
                 rt.index.remove_replica(old)
                 rt.policy.on_replica_removed(old)

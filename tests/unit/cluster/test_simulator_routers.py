@@ -143,6 +143,21 @@ def test_replica_churn_keeps_per_replica_state_bounded(trace):
     assert len(out["per_replica"]) == cfg().replicas
 
 
+def test_a_replacement_takes_over_its_predecessors_accelerator():
+    """The capacity model is one accelerator per replica: a replica replaced while its queue drains must not
+    serve beside it on a second one, which under fast churn read as utilisation above 1."""
+    busy = SimConfig(2, 60, cost=COST, load=3.0)  # overloaded: every replica has a queue when it is replaced
+    trace = chat(users=10, turns=4)
+    still = simulate_routers(trace, busy, kvmesh, RouterSetup(2, 0.0))
+    churn = simulate_routers(trace, busy, kvmesh, RouterSetup(2, 0.0, churn_every_s=0.05))
+    assert churn["routers"]["replicas_replaced"] > 20
+    assert still["utilization"] > 0.8
+    assert churn["utilization"] <= 1.0 + 1e-9
+    # cold caches compute more, on the same accelerators: the fleet cannot finish sooner
+    assert churn["hit_rate_tokens"] < still["hit_rate_tokens"]
+    assert churn["throughput_tokens_s"] <= 1.02 * still["throughput_tokens_s"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("closed_loop", [False, True])
 def test_a_churn_interval_far_below_the_gaps_between_requests_replaces_each_replica_once_per_gap(trace, closed_loop):
