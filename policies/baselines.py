@@ -12,6 +12,9 @@ import hashlib
 from collections.abc import Sequence
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import check_param
+
+MAX_VNODES = 10_000  # ring points per replica: a ring of vnodes x replicas is rebuilt whenever the fleet changes
 
 
 def outstanding(v: ReplicaView) -> int:
@@ -94,6 +97,7 @@ class ConsistentHash(Policy):
 
     def __init__(self, seed: int = 0, vnodes: int = 64, **params):
         super().__init__(seed, vnodes=vnodes, **params)
+        check_param(self.name, "vnodes", vnodes, 1, MAX_VNODES, whole=True)  # 0: an empty ring, no replica found
         self.vnodes = vnodes
         self._members: tuple[str, ...] = ()
         self._points: list[int] = []

@@ -28,8 +28,8 @@ All are plain seconds; see docs/simulator.md.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
-from typing import TypeGuard
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TypeGuard, TypeVar
 
 
 def finite_number(v: object) -> TypeGuard[int | float]:
@@ -43,22 +43,69 @@ def finite_number(v: object) -> TypeGuard[int | float]:
         return False
 
 
+def _shown(v: object) -> str:
+    from kvmesh.cluster.trace import brief  # here, not at the top: kvmesh.cluster.trace imports this module
+
+    return brief(repr(v))
+
+
+# The largest weight a policy's score takes on one of its terms: far above any tuned one (kvmesh's are 3-31),
+# and far below where a weight times seconds of prefill overflows to inf (every replica then ties)
+MAX_WEIGHT = 1e6
+
+
+def check_param(
+    policy: str,
+    name: str,
+    value: object,
+    low: float = 0.0,
+    high: float = math.inf,
+    *,
+    above: bool = False,
+    whole: bool = False,
+) -> None:
+    """ValueError '<policy>: <name> must be ...' unless `value` is a finite number (`finite_number`) >= `low`
+    (> `low` when `above`), <= `high`, and an int when `whole`. Why: a `value < 0` check lets NaN through, and a
+    policy built with NaN, an infinity or a string ranks replicas by numbers that mean nothing."""
+    if (
+        finite_number(value)
+        and (value > low if above else value >= low)
+        and value <= high
+        and (isinstance(value, int) or not whole)
+    ):
+        return
+    bounds = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+    kind = "a whole number" if whole else "a finite number"
+    raise ValueError(f"{policy}: {name} must be {kind} {bounds}, got {_shown(value)}")
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _constant(default: _N, most: _N) -> _N:
+    """A cost model field whose value may be at most `most`: far above any engine's (calibrated: an H200 prefills
+    an 8B model's token in 2.6e-5 s, the tiny CPU engine its own in 1.2e-5 s), and low enough that a long trace's
+    times stay finite and keep their milliseconds (a constant of 1e308 made every TTFT inf, and utilisation NaN)."""
+    return field(default=default, metadata={"max": most})
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    prefill_s_per_token: float = 1e-4
-    prefill_base_s: float = 0.010
-    decode_s_per_token: float = 0.025
-    host_load_s_per_token: float = 5e-6
-    shared_load_s_per_token: float = 2.5e-5
-    max_batch: int = 64
-    attention_s_per_token_pair: float = 0.0
+    prefill_s_per_token: float = _constant(1e-4, 1.0)
+    prefill_base_s: float = _constant(0.010, 60.0)
+    decode_s_per_token: float = _constant(0.025, 10.0)
+    host_load_s_per_token: float = _constant(5e-6, 1.0)
+    shared_load_s_per_token: float = _constant(2.5e-5, 1.0)
+    max_batch: int = _constant(64, 1_000_000)
+    attention_s_per_token_pair: float = _constant(0.0, 1e-3)
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if not finite_number(v) or v < 0:  # placed requests by numbers that mean nothing
-                text = repr(v) if len(repr(v)) <= 40 else repr(v)[:24] + "..."
-                raise ValueError(f"cost model: {f.name} must be a finite non-negative number, got {text}")
+                raise ValueError(f"cost model: {f.name} must be a finite non-negative number, got {_shown(v)}")
+            if v > (most := f.metadata["max"]):
+                raise ValueError(f"cost model: {f.name} must be at most {most:,}, got {_shown(v)}")
         if not isinstance(self.max_batch, int):  # a count of sequences
             raise ValueError(f"cost model: max_batch must be a whole number, got {self.max_batch!r}")
         if self.max_batch < 1:

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import MAX_WEIGHT, check_param
 
 
 def potential_active_blocks(v: ReplicaView, request: RequestInfo) -> float:
@@ -43,6 +44,7 @@ class DynamoCost(Policy):
 
     def __init__(self, seed: int = 0, overlap_score_weight: float = 1.0, **params):
         super().__init__(seed, overlap_score_weight=overlap_score_weight, **params)
+        check_param(self.name, "overlap_score_weight", overlap_score_weight, high=MAX_WEIGHT)
         self.overlap_score_weight = overlap_score_weight
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:

@@ -88,13 +88,13 @@ The same object runs in the live router (deployments/) and in the simulator (clu
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain, islice
 
 import numpy as np
 
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo, two_longest
-from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, CostModel
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, MAX_WEIGHT, CostModel, check_param
 from kvmesh.policies.score_kernel import SCORE_ROUNDING, lowest, replica_scores, warm_up
 
 _NONE = object()
@@ -143,28 +143,35 @@ class KvmeshPolicy(Policy):
             hold_for_tier=hold_for_tier,
             **params,
         )
-        if (
-            balance_slack < 0
-            or recompute_weight < 0
-            or spread_weight < 0
-            or half_life_requests <= 0
-            or hot_fanout < 2
-            or hot_recompute_weight < 0
-            or (guard_weight is not None and guard_weight < 0)
-            or not overshoot_cap >= 1
-            or not overshoot_weight >= 0
-        ):
+        check_param("kvmesh", "balance_slack", balance_slack)
+        check_param("kvmesh", "window_tokens_per_replica", window_tokens_per_replica, above=True)
+        check_param("kvmesh", "mean_output_tokens", mean_output_tokens)
+        check_param("kvmesh", "half_life_requests", half_life_requests, above=True)
+        check_param("kvmesh", "hot_fanout", hot_fanout, 2, whole=True)
+        check_param("kvmesh", "overshoot_cap", overshoot_cap, 1)
+        weights = {
+            "recompute_weight": recompute_weight,
+            "spread_weight": spread_weight,
+            "hot_recompute_weight": hot_recompute_weight,
+            "overshoot_weight": overshoot_weight,
+            "guard_weight": guard_weight,
+        }
+        for name, weight in weights.items():
+            if weight is not None or name != "guard_weight":  # guard_weight None: the hard guard
+                check_param("kvmesh", name, weight, high=MAX_WEIGHT)
+        if not isinstance(hold_for_tier, bool):  # "false" in a config is a string, and true
+            raise ValueError(f"kvmesh: hold_for_tier must be true or false, got {type(hold_for_tier).__name__}")
+        if cost is not None and not isinstance(cost, (CostModel, Mapping)):
             raise ValueError(
-                "kvmesh: balance_slack, recompute_weight, spread_weight must be >= 0, "
-                "half_life_requests > 0, hot_fanout >= 2, hot_recompute_weight and guard_weight >= 0, "
-                "overshoot_cap >= 1, overshoot_weight >= 0"
+                f"kvmesh: cost must be a mapping of cost model constants ({', '.join(CostModel.__match_args__)}), "
+                f"got {type(cost).__name__}"
             )
         self.hot_fanout = hot_fanout
         self.hot_recompute_weight = hot_recompute_weight
         self.guard_weight = guard_weight
         self.overshoot_cap = overshoot_cap
         self.overshoot_weight = overshoot_weight
-        self.hold_for_tier = bool(hold_for_tier)
+        self.hold_for_tier = hold_for_tier
         warm_up()  # the score's compiled kernels, before the first request rather than during it
         # block hash -> its continuations seen so far: one (bare), several (a set), or True once
         # hot_fanout distinct ones were seen (a fork: a shared prompt many requests branch from)
@@ -173,7 +180,10 @@ class KvmeshPolicy(Policy):
         self._ends = 0
         self.spread_weight = spread_weight
         self.half_life_requests = half_life_requests
-        self.cost = cost if isinstance(cost, CostModel) else CostModel.from_dict(cost) if cost else DEFAULT_COST_MODEL
+        if cost is None or isinstance(cost, CostModel):
+            self.cost = cost or DEFAULT_COST_MODEL
+        else:
+            self.cost = CostModel.from_dict(cost)
         self.balance_slack = balance_slack
         self.window_tokens_per_replica = window_tokens_per_replica
         self.mean_output_tokens = mean_output_tokens

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
+from kvmesh.policies.cost_model import MAX_WEIGHT, check_param
 
 
 def queue_scores(waiting: dict[str, float]) -> dict[str, float]:
@@ -66,6 +67,8 @@ class LlmdPrecise(Policy):
             seed, prefix_weight=prefix_weight, kv_util_weight=kv_util_weight, queue_weight=queue_weight, **params
         )
         self.w = (prefix_weight, kv_util_weight, queue_weight)
+        for name, weight in zip(("prefix_weight", "kv_util_weight", "queue_weight"), self.w):
+            check_param(self.name, name, weight, high=MAX_WEIGHT)
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         rng = self.draws(request)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from kvmesh.policies.approx_tree import ApproxTree
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
+from kvmesh.policies.cost_model import check_param
 
 
 class SglangCacheAware(Policy):
@@ -45,6 +46,10 @@ class SglangCacheAware(Policy):
             max_tree_tokens=max_tree_tokens,
             **params,
         )
+        check_param(self.name, "cache_threshold", cache_threshold, high=1)
+        check_param(self.name, "balance_abs_threshold", balance_abs_threshold)
+        check_param(self.name, "balance_rel_threshold", balance_rel_threshold)
+        check_param(self.name, "max_tree_tokens", max_tree_tokens, 1, whole=True)
         self.cache_threshold = cache_threshold
         self.abs_t = balance_abs_threshold
         self.rel_t = balance_rel_threshold
