@@ -47,8 +47,10 @@ def round_robin_infinite_hits(
     requests: Sequence[TraceRequest], block_size: int, replicas: int = 1, warmup: int = 0
 ) -> tuple[int, int]:
     """(cached, prompt) tokens with request i on unbounded cache i mod `replicas` (plain sets: no recency
-    to track); one replica is the infinite cache. The first `warmup` requests fill caches uncounted."""
-    seen: list[set[int]] = [set() for _ in range(replicas)]
+    to track); one replica is the infinite cache. The first `warmup` requests fill caches uncounted.
+    Only the replicas some request reaches get a set: past the request count a replica stays empty, so
+    a fleet far larger than the trace costs no memory."""
+    seen: list[set[int]] = [set() for _ in range(min(replicas, len(requests)))]
     hit = total = 0
     for i, r in enumerate(requests):
         ids, held = r.hash_ids, seen[i % replicas]

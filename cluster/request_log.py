@@ -66,6 +66,10 @@ def parse_line(text: str, where: str, line: int) -> LoggedRequest:
         rec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RequestLogError(f"{where} line {line}: not JSON ({exc.msg})") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's parser recurses
+        raise RequestLogError(f"{where} line {line}: JSON nested too deeply to read") from None
+    except ValueError as exc:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise RequestLogError(f"{where} line {line}: a number too long to read ({str(exc).split(':')[0]})") from None
     if not isinstance(rec, dict):
         raise RequestLogError(f"{where} line {line}: expected a JSON object")
     body = rec.get("body")

@@ -184,6 +184,17 @@ def _whole(value: Any, where: str, low: int = 1, none_ok: bool = True) -> None:
         raise ConfigError(f"{where} must be an integer >= {low}{' or null' if none_ok else ''}, got {value!r}")
 
 
+MAX_REPLICAS = 10_000  # replicas of one deployment: far beyond any fleet here; 10**11 is a typo, not a plan
+
+
+def _replica_count(value: Any, where: str, low: int = 1) -> None:
+    """A replica count (fixed, or an autoscaling bound) of at most MAX_REPLICAS: Serve takes any integer and
+    would try to place them all."""
+    _whole(value, where, low=low, none_ok=False)
+    if value > MAX_REPLICAS:
+        raise ConfigError(f"{where} must be at most {MAX_REPLICAS}, got {value!r}")
+
+
 def _text(value: Any, where: str) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
@@ -258,9 +269,6 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return cfg
 
 
-MAX_AUTOSCALING_REPLICAS = 10_000  # far beyond any fleet here; 10**30 is a typo, not a plan
-
-
 def _autoscaling_field(field: Any) -> tuple[type | None, float, bool]:
     """(int, float or None for other types, lower bound, bound included) of one AutoscalingConfig field,
     read from its annotation (`int`, `float`, `Optional[Annotated[float, Gt(0)]]`) and constraints."""
@@ -300,9 +308,7 @@ def _check_autoscaling(value: Any) -> None:
             continue
         where = f"config.autoscaling.{key}"
         if kind is int:  # replica counts
-            _whole(given, where, low=max(0, math.floor(low) + (0 if low_ok else 1)), none_ok=False)
-            if given > MAX_AUTOSCALING_REPLICAS:
-                raise ConfigError(f"{where} must be at most {MAX_AUTOSCALING_REPLICAS}, got {given!r}")
+            _replica_count(given, where, low=max(0, math.floor(low) + (0 if low_ok else 1)))
         else:
             _number(given, where, low=low, low_ok=low_ok)
     try:
@@ -346,13 +352,15 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     cfg = {**copy.deepcopy(APP_DEFAULTS), **raw}
     cfg["engine"] = engine_config(cfg["engine"])
     _whole(cfg["max_migrations"], "config.max_migrations", low=0, none_ok=False)
-    for key in ("replicas", "ingress_replicas", "max_ongoing_requests"):
-        _whole(cfg[key], f"config.{key}", none_ok=False)
+    for key in ("replicas", "ingress_replicas"):
+        _replica_count(cfg[key], f"config.{key}")
+    _whole(cfg["max_ongoing_requests"], "config.max_ongoing_requests", none_ok=False)
     port = cfg["port"]
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"config.port must be an integer 0-65535 (0: any free port), got {port!r}")
     for key in ("name", "host", "route_prefix"):
         _text(cfg[key], f"config.{key}")
+    _check_route_prefix(cfg["route_prefix"])
     _number(cfg["routing_stats_period_s"], "config.routing_stats_period_s", low_ok=False)
     _number(cfg["speculative_ttl_s"], "config.speculative_ttl_s")
     _whole(cfg["mismatch_alarm_after"], "config.mismatch_alarm_after", none_ok=False)
@@ -382,6 +390,18 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     _check_hash_risk(cfg)
     return cfg
+
+
+def _check_route_prefix(prefix: str) -> None:
+    """Serve's rule for an application's route prefix ("/v1", not "v1", "/v1/" nor "/{x}"), checked here: Serve
+    refuses a bad one only once Ray runs, as the app deploys. The rule is Serve's private `validate_route_prefix`
+    (ray 2.60), restated so that the config is checked without Ray and without a private import
+    (deployments/ray_private.py); tests/unit/deployments/cli/test_bad_input_config.py compares the two."""
+    if not prefix.startswith("/") or (prefix != "/" and prefix.endswith("/")) or "{" in prefix or "}" in prefix:
+        raise ConfigError(
+            f"config.route_prefix must start with '/', not end with one (unless it is '/') and hold no '{{' or "
+            f"'}}', got {prefix!r}"
+        )
 
 
 def _check_policies(cfg: Mapping[str, Any]) -> None:
@@ -424,11 +444,15 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     import yaml
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML parses nesting by recursion: ~1,000 levels of [ exhaust the stack
+        raise ConfigError(f"config {path} is not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a mapping")
     return app_config(raw)

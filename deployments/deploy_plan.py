@@ -205,7 +205,7 @@ def _custom_resources(params: Mapping[str, Any]) -> dict[str, float]:
     try:
         while isinstance(value, str):
             value = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser recurses
         return {}
     return {str(k): float(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
@@ -281,12 +281,19 @@ def l2_credentials(l2: Any) -> list[str]:
 
 
 def kuberay_config_problems(config: Mapping[str, Any]) -> list[str]:
-    """What a kvmesh config must not carry into a RayService's serveConfigV2 (it holds the config verbatim)."""
+    """What a kvmesh config must not carry into a RayService's serveConfigV2 (it holds the config verbatim):
+    `kvmesh serve`'s own keys, and credentials (inline API keys, an L2 URL or adapter's password)."""
     problems = [
         f"config.{key} has no effect on KubeRay, where {what} sets it: remove it"
         for key, what in SET_ELSEWHERE_ON_KUBERAY.items()
         if key in config
     ]
+    if config.get("api_keys"):
+        problems.append(
+            "config.api_keys puts API keys in plain text in serveConfigV2 and Serve's logs of the app's args: "
+            "remove them and set tenants_file to a tenants file (key digests only, docs/tenants.md) from the "
+            "kvmesh-tenants Secret (docs/kubernetes.md)"
+        )
     lmcache = (config.get("engine") or {}).get("lmcache") or {}
     where = l2_credentials(lmcache.get("l2"))
     if where:

@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
@@ -40,6 +42,12 @@ from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, 
 # Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
 # byte-level BPE and past the usual special-token ids, so valid for any such model.
 DEFAULT_TOKEN_RANGE = (10, 260)
+# A trace block (512 tokens as recorded) expands to at most 16x that: 16 such blocks already fill a 128K
+# context, and a typo (an extra digit) would otherwise build one block of gigabytes before any request
+MAX_TOKENS_PER_BLOCK = 8192
+# Expanded blocks kept for reuse, counted in tokens: a fixed count of blocks would hold gigabytes once
+# blocks are large (each token is an int in a tuple)
+BLOCK_CACHE_TOKENS = 1 << 22
 
 
 class ReplayError(Exception):
@@ -74,6 +82,10 @@ class ReplayConfig:
             raise ReplayError("the text prompt form needs a tokenizer (--tokenizer DIR)")
         if self.tokens_per_block < 1 or self.max_tokens < 1:
             raise ReplayError("tokens per block and max tokens must be >= 1")
+        if self.tokens_per_block > MAX_TOKENS_PER_BLOCK:
+            raise ReplayError(f"tokens per block must be <= {MAX_TOKENS_PER_BLOCK:,}, got {self.tokens_per_block:,}")
+        if not self.timeout_s > 0:
+            raise ReplayError(f"the request timeout must be > 0 s, got {self.timeout_s}")
         if self.concurrency is not None and self.time_scale is not None:
             raise ReplayError("give either a concurrency or a time scale, not both")
         if self.concurrency is not None and self.concurrency < 1:
@@ -110,7 +122,7 @@ class PromptBuilder:
         self.words: list[str] | None = None
         lo_hi = cfg.token_range
         if cfg.tokenizer:
-            tok = _load_tokenizer(cfg.tokenizer)
+            tok = load_tokenizer(cfg.tokenizer)
             if cfg.prompt_form == "text":
                 self.words = one_token_words(tok)
                 if len(self.words) < 16:
@@ -120,7 +132,8 @@ class PromptBuilder:
                 first = max([i for i in special if i < 300], default=-1) + 1
                 lo_hi = (first, len(tok))
         self.lo, self.hi = lo_hi or DEFAULT_TOKEN_RANGE
-        self._block = lru_cache(maxsize=65536)(self._block_uncached)
+        blocks = min(65536, max(64, BLOCK_CACHE_TOKENS // cfg.tokens_per_block))
+        self._block = lru_cache(maxsize=blocks)(self._block_uncached)
 
     def _block_uncached(self, hash_id: int) -> tuple:
         rng = random.Random(hash_id * 1_000_003 + self.cfg.seed)
@@ -144,13 +157,18 @@ class PromptBuilder:
         return sum(scaled_block_lengths(rec, self.cfg.tokens_per_block, self.cfg.source_block_tokens))
 
 
-def _load_tokenizer(path: str):
+def load_tokenizer(path: str):
+    """The tokenizer in a local model folder. Checked as a folder first: a missing path would otherwise
+    be taken for a Hugging Face hub id and fail with the hub's message, and nothing here loads from a hub."""
     from transformers import AutoTokenizer
 
+    if not Path(path).is_dir():
+        why = "not a folder" if Path(path).exists() else "no such folder"
+        raise ReplayError(f"tokenizer {path}: {why} (a tokenizer is a local model folder)")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ReplayError(f"cannot load tokenizer from {path}: {exc}") from None
+        raise ReplayError(f"tokenizer {path}: cannot load ({one_line(str(exc))})") from None
 
 
 def one_token_words(tokenizer) -> list[str]:
@@ -267,14 +285,22 @@ class _HttpError(Exception):
     pass
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` as one line of at most `limit` characters, for a one-line message."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _error_message(text: str) -> str:
+    """An error body's message, one line: a JSON error's `message`, else the text with any HTML head and tags
+    dropped (an error page is many lines of markup around one sentence)."""
     try:
         err = json.loads(text)
         err = err.get("error", err) if isinstance(err, dict) else err
         msg = err.get("message", err) if isinstance(err, dict) else err
-        return str(msg)[:300]
+        return one_line(str(msg))
     except ValueError:
-        return text.strip()[:300]
+        return one_line(re.sub(r"<[^>]*>", " ", re.sub(r"(?is)<(head|script|style)\b.*?</\1\s*>", " ", text)))
 
 
 async def _discover_model(client, cfg: ReplayConfig, headers: dict) -> str:

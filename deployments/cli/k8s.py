@@ -43,6 +43,8 @@ def _yaml_documents(path: str | Path, text: str) -> list[Any]:
         return list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise CliError(f"{path} is not valid YAML: {exc}".splitlines()[0]) from None
+    except RecursionError:  # collections nested deeper than the YAML reader recurses
+        raise CliError(f"{path}: YAML nested too deeply to read") from None
 
 
 def _config(path: str | Path) -> dict:
@@ -71,9 +73,12 @@ def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tup
         serve_config = render_serve_config(raw)
     except ConfigError as exc:
         raise CliError(f"{config_path}: {exc}") from None
+    except RecursionError:  # read, but nested deeper than the config checks and the YAML writer recurse
+        raise CliError(f"{config_path}: values nested too deeply to render") from None
     try:
         problems = kuberay_problems(raw, service)
-    except (KeyError, TypeError, ValueError) as exc:  # a manifest without the pod fields KubeRay requires
+    except (KeyError, TypeError, ValueError, ArithmeticError, RecursionError) as exc:
+        # a manifest without the pod fields KubeRay requires, or with sizes no pod has (1e999 CPUs)
         raise CliError(f"{manifest_path}: not a RayService kvmesh can check ({type(exc).__name__}: {exc})") from None
     if problems:
         raise CliError(f"{config_path} cannot run on {manifest_path}: {'; '.join(problems)}")

@@ -13,11 +13,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from kvmesh.deployments.tiny_model import build_tiny_model
+    from kvmesh.deployments.tiny_model import TinyModelError, build_tiny_model
 
     if args.model_command == "build-tiny":
         try:
             path = build_tiny_model(args.dir, seed=args.seed)
+        except TinyModelError as exc:
+            raise CliError(f"kvmesh model build-tiny: {exc}") from None
         except OSError as exc:
             raise CliError(f"cannot write the tiny model to {args.dir}: {exc.strerror or exc}") from None
         print(path)

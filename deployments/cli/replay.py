@@ -13,7 +13,8 @@ import json
 import os
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import non_negative_float, output_file, positive_int
+from kvmesh.deployments.cli.args import int_up_to, non_negative_float, output_file, positive_float, positive_int
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
 
 
 def _tenant_key(text: str) -> tuple[str, str]:
@@ -30,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokens-per-block",
-        type=positive_int,
+        type=int_up_to(MAX_TOKENS_PER_BLOCK),
         default=32,
-        help="tokens per trace block (a multiple of the engine block size)",
+        help=f"tokens per trace block (a multiple of the engine block size; <= {MAX_TOKENS_PER_BLOCK:,})",
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     parser.add_argument(
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="changes every block's tokens (a fresh, cold token space per run on warm servers)",
     )
-    parser.add_argument("--timeout", type=non_negative_float, default=300.0, help="per-request timeout, s")
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="per-request timeout, s (> 0)")
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", required=True, type=output_file, help="write the summary JSON here")
@@ -116,4 +117,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_table({args.label or "replay": out}))
     if out["errors"]:
         print(f"{out['errors']} errors, e.g. {out['error_samples'][0]}")
-    return 0
+    # the input was fine but the run failed (the summary is written all the same): 1, not 2
+    return 1 if out["errors"] == out["requests"] else 0

@@ -94,6 +94,8 @@ def _build_config(args) -> dict:
     if args.autoscaling is not None:
         lo, hi = (int(n) for n in args.autoscaling.split(":"))
         cfg["autoscaling"] = {**(cfg.get("autoscaling") or {}), "min_replicas": lo, "max_replicas": hi}
+    if args.tenants and (args.api_key or args.api_key_file):  # the key would be dropped without a word
+        raise ConfigError("--tenants and --api-key/--api-key-file exclude each other: keys go in the tenants file")
     api_key = supplied_api_key(args)
     if args.tenants:
         cfg["tenants_file"] = args.tenants
@@ -110,7 +112,51 @@ def _build_config(args) -> dict:
 
         if not Path(cfg["engine"]["model"]).is_dir():
             raise ConfigError(f"--model {cfg['engine']['model']}: not a local model directory (or 'tiny')")
-    return app_config(cfg)  # checks the policy, its parameters and the tenants' policies too
+    cfg = app_config(cfg)  # checks the policy, its parameters and the tenants' policies too
+    for i, key in enumerate(cfg["api_keys"]):
+        where = _key_source(args) if key == api_key else f"config.api_keys[{i}]"
+        _check_api_key(key, where)
+    if cfg["tenants_file"]:
+        _check_tenants_file(cfg["tenants_file"], "--tenants" if args.tenants else "config.tenants_file")
+    return cfg
+
+
+# A stand-in salt secret for the checks below: they derive no salt anyone uses (the replicas take the run's)
+_CHECK_SECRET = b"validate-the-key-shape-only"
+
+
+def _key_source(args) -> str:
+    """Where the supplied API key came from, for its error message (see `supplied_api_key`)."""
+    if args.api_key:
+        return "--api-key"
+    return f"--api-key-file {args.api_key_file}" if args.api_key_file else f"${API_KEY_ENV}"
+
+
+def _check_api_key(key: str, where: str) -> None:
+    """A key no client could send in an Authorization header (`TenantRegistry.single_key`'s rule) would lock
+    every client out: refused here, named by where it came from."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.tenants import TenantRegistry
+
+    try:
+        TenantRegistry.single_key(key, secret=_CHECK_SECRET)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_tenants_file(path: str, where: str) -> None:
+    """Load the tenants file as the ingress replica will (`TenantRegistry.from_file`), so that a missing,
+    unreadable or malformed one stops here, not in a replica once Ray runs. The replica's salt secret comes
+    from the run's environment, so a stand-in takes its place here."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.tenants import TenantRegistry
+
+    try:
+        TenantRegistry.from_file(path, secret=_CHECK_SECRET)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where} {path}: not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}".splitlines()[0]) from None
 
 
 def supplied_api_key(args) -> str | None:
@@ -130,8 +176,13 @@ def read_api_key_file(path: str) -> str:
     """The key in `path`: its first line, surrounding blanks dropped (a trailing newline is usual)."""
     from kvmesh.deployments.config import ConfigError
 
-    with open(path, encoding="utf-8") as fh:
-        first = fh.readline().strip()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline().strip()
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--api-key-file {path}: not UTF-8 text (byte {exc.start})") from None
     if not first:
         raise ConfigError(f"--api-key-file {path}: the file is empty, expected the API key on its first line")
     return first
@@ -155,13 +206,6 @@ def run(args) -> int:
         cfg = _build_config(args)
     except (ConfigError, ValueError, TypeError) as exc:
         raise CliError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-    if cfg["api_keys"]:
-        from kvmesh.deployments.tenants import TenantRegistry
-
-        try:
-            TenantRegistry.single_key(cfg["api_keys"][0], secret=b"validate-the-key-shape-only")
-        except Exception as exc:
-            raise CliError(f"--api-key: {exc}") from None
 
     from kvmesh.deployments.supervisor import is_driver, supervise
 

@@ -10,6 +10,8 @@ import sys
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     INT64_MAX,
+    MAX_RATE,
+    float_up_to,
     int_up_to,
     non_negative_float,
     output_file,
@@ -21,6 +23,9 @@ from kvmesh.deployments.cli.args import (
 # fleet; a million would take minutes per policy (the kvmesh policy grows its arrays one replica at a time)
 MAX_REPLICAS = 100_000
 MAX_ROUTERS = 1_000  # each router keeps its own index and policy
+# --load: 0.001 is an idle fleet (a lower load changes nothing but stretches arrivals until their times lose the
+# milliseconds a TTFT is made of: 1e-15 gave a p50 TTFT of 0, 1e-308 NaN); at 1,000 every request queues at once
+MIN_LOAD, MAX_LOAD = 1e-3, 1e3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,10 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="all", help="comma-separated policy names, or 'all' (default)")
     p.add_argument(
         "--load",
-        type=positive_float,
+        type=float_up_to(MAX_LOAD, minimum=MIN_LOAD),
         default=None,
-        help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD; "
-        "default: trace timestamps as recorded",
+        help="scale arrivals so offered prefill work (no reuse) / fleet prefill capacity = LOAD "
+        f"({MIN_LOAD:g}-{MAX_LOAD:g}); default: trace timestamps as recorded",
     )
     p.add_argument(
         "--host-blocks",
@@ -132,34 +137,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="time-model constants as a JSON object or a JSON file (see docs/simulator.md)",
     )
-    p.add_argument("--uncached-rate", type=non_negative_float, default=3.00, help="$ per 1M uncached prompt tokens")
-    p.add_argument("--cached-rate", type=non_negative_float, default=0.30, help="$ per 1M cached prompt tokens")
+    rate = float_up_to(MAX_RATE)
+    p.add_argument("--uncached-rate", type=rate, default=3.00, help=f"$ per 1M uncached tokens (<= {MAX_RATE:g})")
+    p.add_argument("--cached-rate", type=rate, default=0.30, help=f"$ per 1M cached tokens (<= {MAX_RATE:g})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--json", dest="json_out", default=None, metavar="OUT", type=output_file, help="write the result document here"
     )
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a PNG of hit rate and p90 TTFT per policy")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        type=output_file,
+        help="write a PNG of hit rate and p90 TTFT per policy",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _cost_model(text: str | None):
+    """The cost model of `--cost-model`: a JSON object given inline (it starts with "{" or "["), else the path of a
+    JSON file holding one. Why decide by the first character: a mistyped path tried as inline JSON was
+    reported as "Expecting value: line 1 column 1", naming neither the file nor what was wrong with it."""
     from kvmesh.policies.cost_model import CostModel
 
     if text is None:
         return CostModel()
+    inline = text.lstrip().startswith(("{", "[")) and not os.path.exists(text)
+    where = "--cost-model" if inline else f"--cost-model {text}"
     try:
-        if os.path.isfile(text):
+        if inline:
+            values = json.loads(text)
+        else:
             with open(text, encoding="utf-8") as fh:
                 values = json.load(fh)
-        else:
-            values = json.loads(text)
-        if not isinstance(values, dict):
-            raise ValueError("expected a JSON object")
-        return CostModel.from_dict(values)
-    except (ValueError, TypeError, OSError) as exc:
-        raise CliError(f"--cost-model: {exc}") from None
+    except OSError as exc:
+        raise CliError(f"{where}: {exc.strerror or exc} (give a JSON object, or a JSON file)") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:
+        raise CliError(f"{where}: not valid JSON ({exc})") from None
     except RecursionError:
-        raise CliError("--cost-model: not valid JSON (nested too deeply)") from None
+        raise CliError(f"{where}: not valid JSON (nested too deeply)") from None
+    if not isinstance(values, dict):
+        raise CliError(f"{where}: expected a JSON object of cost model constants, got {type(values).__name__}")
+    try:
+        return CostModel.from_dict(values)
+    except (ValueError, TypeError) as exc:
+        raise CliError(f"{where}: {exc}") from None
 
 
 def _load(args):
@@ -251,12 +275,16 @@ def run(args) -> int:
     doc["balance_bounded"] = balance_bounded_bound(trace.requests, trace.block_size, args.replicas)
     print(format_table(doc))
     if args.json_out:
-        d = os.path.dirname(os.path.abspath(args.json_out))
-        os.makedirs(d, exist_ok=True)
+        try:  # NaN and Infinity are not JSON: a reader would refuse the whole document
+            text = json.dumps(doc, indent=1, allow_nan=False)
+        except ValueError:
+            raise CliError(f"--json {args.json_out}: the result holds NaN or an infinity; not written") from None
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
+            fh.write(text)
         print(f"wrote {args.json_out}", file=sys.stderr)
     if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         plot(doc, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -14,7 +14,7 @@ import sys
 
 from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
-from kvmesh.cluster.trace import BUNDLED, read_records
+from kvmesh.cluster.trace import BUNDLED, read_records, resolve
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     float_up_to,
@@ -24,6 +24,7 @@ from kvmesh.deployments.cli.args import (
     output_file,
     positive_int,
 )
+from kvmesh.deployments.cli.simulate import MAX_REPLICAS
 
 # Limits on a generated trace, far above any real workload: past them a typo would write for hours (the
 # product of --tenants --groups --users --turns is the request count). A million-request trace is common.
@@ -42,6 +43,12 @@ def _check_size(requests: int, hash_ids: int) -> None:
             f"kvmesh trace: up to {hash_ids:,} hash ids, more than {MAX_HASH_IDS:,}: make the trace or its "
             "prompts smaller"
         )
+
+
+def _check_not_input(out: str | None, trace_path: str) -> None:
+    """Refuse an output file that is the trace being read: writing the result would destroy the input."""
+    if out and os.path.exists(out) and os.path.samefile(out, trace_path):
+        raise CliError(f"kvmesh trace: --json {out} is the trace being read: name another file")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--block-size", type=positive_int, default=None, help="engine block size (default: tokens-per-block)"
     )
-    b.add_argument("--replicas", type=positive_int, default=4)
+    b.add_argument(
+        "--replicas", type=int_up_to(MAX_REPLICAS), default=4, help=f"round-robin replicas (<= {MAX_REPLICAS:,})"
+    )
     b.add_argument("--limit", type=positive_int, default=None)
     b.add_argument(
         "--warmup", type=non_negative_int, default=0, help="first N (>= 0) records fill the caches uncounted"
@@ -156,9 +165,15 @@ def run(args: argparse.Namespace) -> int:
             n = workloads.write_jsonl(records, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
+        _check_not_input(args.json, resolve(args.trace))
         records = read_records(args.trace, limit=args.limit)
         if not records:  # as `kvmesh simulate` refuses it: no bound of nothing
             raise CliError(f"kvmesh trace: trace {args.trace!r}: no requests")
+        if args.warmup >= len(records):
+            raise CliError(
+                f"kvmesh trace: --warmup {args.warmup} leaves no request to measure: the trace has "
+                f"{len(records):,}" + (f" (--limit {args.limit})" if args.limit else "")
+            )
         result = record_bounds(records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup)
     except OSError as exc:
         raise CliError(f"kvmesh trace: {exc.strerror or exc}: {exc.filename}") from None

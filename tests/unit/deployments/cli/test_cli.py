@@ -120,6 +120,7 @@ def test_shared_argument_types_accept(check, text, value):
         (args.output_file, "/", "is a directory, not a file"),
         (args.output_file, "/proc/1/x/out.json", "cannot be written here"),
         (args.int_range, "3-1", "expected 1 <= MIN <= MAX"),
+        (args.int_range, "1-", "expected N or MIN-MAX"),  # read as 1 before
         (args.choices_csv(("a", "b")), "c", "choose from a, b"),
         (args.choices_csv(("a", "b")), ",", "choose from a, b"),
         (args.int_up_to(10), "11", "must be <= 10, got 11"),
@@ -143,7 +144,10 @@ def test_shared_argument_types_reject_with_one_message(check, text, message):
             "--replicas: must be >= 1",
         ),
         (["trace", "synth", "--out", "x.jsonl", "--turns", "x"], "--turns: expected a whole number"),
-        (["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"], "--timeout: must be >= 0"),
+        (
+            ["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"],
+            "--timeout: must be a positive number",
+        ),
         (["demo", "--replicas", "0"], "--replicas: must be >= 1"),
     ],
 )

@@ -1,0 +1,41 @@
+"""Where the tiny model may be built: a new or empty folder, or over an earlier tiny-model build (its stamp
+says so), never over a folder of other files, which the build would delete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.deployments.tiny_model import STAMP, TINY_VERSION, TinyModelError, build_tiny_model
+
+
+def test_a_folder_of_other_files_is_refused_before_any_work(tmp_path):
+    target = tmp_path / "mine"
+    (target / "sub").mkdir(parents=True)
+    (target / "notes.txt").write_text("precious")
+    with pytest.raises(TinyModelError, match="not a tiny-model build"):
+        build_tiny_model(target)
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt", "sub"]
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # no temporary build left beside it
+
+
+def test_an_empty_path_and_a_file_are_refused(tmp_path):
+    with pytest.raises(TinyModelError, match="empty path"):
+        build_tiny_model("")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(TinyModelError, match="not a folder"):
+        build_tiny_model(tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_an_earlier_tiny_model_build_is_still_rebuilt(tmp_path):
+    """`model: tiny` builds into one folder for every version (config.tiny_model_dir): an older build
+    there, whatever it holds, is replaced."""
+    old = tmp_path / "tiny"
+    old.mkdir()
+    (old / STAMP).write_text(json.dumps({"version": TINY_VERSION - 1, "seed": 0}))
+    (old / "model.safetensors").write_text("old weights")
+    assert build_tiny_model(old) == old.resolve()
+    assert json.loads((old / STAMP).read_text()) == {"version": TINY_VERSION, "seed": 0}
+    assert (old / "model.safetensors").read_bytes() != b"old weights"
