@@ -340,15 +340,23 @@ def bare_servers(replicas: int, log=print) -> Iterator[tuple[list, Any, Path]]:
     t0 = time.perf_counter()
     try:
         servers = engines.start_servers(replicas, spec, work)
-    except BaseException:
+    except Exception:
         log(f"    the vLLM servers did not start; their logs: {work / 'logs'}")
         raise
+    except BaseException:  # stopped (SIGTERM, Ctrl-C): no failure to read about
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    keep = False  # the folder (the servers' logs) stays for a leg that failed; not for one that was stopped
     try:
         log(f"    {replicas} vLLM servers up in {time.perf_counter() - t0:.0f}s")
         yield servers, spec, work
+    except Exception:
+        keep = True
+        raise
     finally:
         engines.stop_servers(servers)
-    shutil.rmtree(work, ignore_errors=True)  # kept (above) only when the leg failed
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def require_live_tools(tier: bool) -> None:

@@ -20,6 +20,9 @@ GROUPS = {"scale": {"bench_ingress_throughput", "bench_overhead"}}
 
 
 def main(argv=None) -> int:
+    from kvmesh.deployments.process_tree import Terminated, exit_on_sigterm
+
+    exit_on_sigterm()  # a SIGTERM unwinds the running bench, so what it started is stopped and removed
     wanted = set((argv if argv is not None else sys.argv[1:]) or os.environ.get("BENCH", "").split(",")) - {""}
     names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
     shorts = {n.removeprefix("bench_") for n in names}
@@ -45,6 +48,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             importlib.import_module(f"kvmesh.benchmarks.{name}").main()
+        except Terminated:  # the whole run was stopped, not this bench's verdict
+            raise
         except SystemExit as exc:  # a bench's verdict (e.g. a MISS): keep going, remember it
             if exc.code not in (None, 0):
                 failed.append(name)

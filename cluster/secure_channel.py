@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,15 +91,46 @@ def channel_keys(path: str | os.PathLike | None = None) -> ChannelKeys:
 
 
 def write_secret_file(directory: str | os.PathLike, prefix: str, data: bytes) -> Path:
-    """`data` in a new owner-only (0600) file `prefix-XXXXXXXX` under `directory` (made 0700), never over an
-    existing one; returns its path."""
+    """`data` in a new owner-only (0600) file `prefix-<this pid>-XXXXXXXX` under `directory` (made 0700), never
+    over an existing one; returns its path. The pid names the file's owner for `remove_dead_owners_secret_files`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"{prefix}-{secrets.token_hex(4)}"
+    path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return path
+
+
+_OWNED_SECRET_FILE = re.compile(r"[a-z][a-z-]*-(\d+)-[0-9a-f]{8}")
+
+
+def remove_dead_owners_secret_files(directory: str | os.PathLike) -> int:
+    """Remove this user's secret files (`write_secret_file`'s `<prefix>-<owner pid>-*`) under `directory` whose
+    owner process is gone: one killed outright (SIGKILL, a second Ctrl-C) never removes its own, and each
+    left behind is a secret for whoever reads the folder later. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(os.fspath(directory)))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        m = _OWNED_SECRET_FILE.fullmatch(entry.name)
+        if not m or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue  # not ours to judge
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
+            continue
+    return removed
 
 
 def write_channel_secret(directory: str | os.PathLike) -> Path:

@@ -132,6 +132,7 @@ def start_local(
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
+            handlers = _stop_signal_handlers()
             if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
                 _children_before[:] = _child_pids()
                 from kvmesh.deployments.ray_join import join_cluster
@@ -145,7 +146,9 @@ def start_local(
                 _children_before[:] = _child_pids()
                 start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
             _started_ray = True
+            _put_back_signal_handlers(handlers)
     except BaseException:
+        remove_haproxy_dir()
         remove_run_secret_files()
         raise
     try:
@@ -163,6 +166,27 @@ def start_local(
     return f"http://{cfg['host']}:{cfg['port']}"
 
 
+def _stop_signal_handlers() -> dict[int, Any]:
+    """This process's SIGTERM and SIGINT handlers, as set from Python (empty off the main thread)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return {sig: h for sig, h in handlers.items() if h is not None}
+
+
+def _put_back_signal_handlers(handlers: Mapping[int, Any]) -> None:
+    """Set `handlers` again after `ray.init`. Why: Ray replaces the SIGTERM handler (its own, then its core
+    worker's, which logs and aborts), so a stop signal during the rest of the start-up ended the process
+    without the caller's clean-up, leaving its folders and secret files behind."""
+    import signal
+
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
 # Secret files this run wrote for itself (path -> the environment variable naming it), removed when it stops,
 # and the environment to put back then (the salt secret a per-run file was made from)
 _run_secret_files: dict[str, str] = {}
@@ -174,11 +198,16 @@ def _use_run_secrets() -> None:
     a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
     the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, or the one kept under
     KVMESH_HOME. The per-run files are remembered, so the stop removes them (remove_run_secret_files)."""
-    from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV, write_channel_secret
+    from kvmesh.cluster.secure_channel import (
+        CHANNEL_SECRET_FILE_ENV,
+        remove_dead_owners_secret_files,
+        write_channel_secret,
+    )
     from kvmesh.deployments.salt_secret import check_configured_secret, kvmesh_home, persistent_secret_file
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
 
     check_configured_secret(os.environ)
+    remove_dead_owners_secret_files(kvmesh_home() / "run")  # those of runs killed before they could
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
         _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
     if not os.environ.get(SECRET_FILE_ENV):
@@ -213,6 +242,26 @@ def remove_run_secret_files() -> None:
     for name, value in _env_to_restore.items():
         os.environ.setdefault(name, value)
     _env_to_restore.clear()
+
+
+def remove_dead_runs_files() -> None:
+    """Remove what local runs whose processes are gone left on disk: replicas' and LMCache servers' private
+    folders, HAProxy and Ray folders, and secret files under KVMESH_HOME. Why: a process killed outright
+    (SIGKILL, a second Ctrl-C) removes none of its own; `kvmesh serve`'s relay calls this once its driver
+    exited, and the driver's fast stop once its processes are ended."""
+    import tempfile
+
+    from kvmesh.cluster.secure_channel import remove_dead_owners_secret_files
+    from kvmesh.deployments.engine import remove_dead_private_dirs
+    from kvmesh.deployments.local_ray import remove_dead_ray_temp_dirs
+    from kvmesh.deployments.salt_secret import kvmesh_home
+    from kvmesh.kvstore.lmcache_server import remove_dead_channel_dirs
+
+    remove_dead_private_dirs()
+    remove_dead_channel_dirs()
+    _remove_orphaned_haproxy_dirs(tempfile.gettempdir())
+    remove_dead_ray_temp_dirs()
+    remove_dead_owners_secret_files(kvmesh_home() / "run")
 
 
 def _proxy_env(proxy: str) -> dict[str, str]:
@@ -406,6 +455,9 @@ def stop_local(drain: bool = True) -> None:
     global _started_ray, _app_name
     import ray
 
+    from kvmesh.deployments.deploy_watch import end_deploys
+
+    end_deploys()  # a start that failed or was interrupted left serve.run waiting: it must not outlive Ray
     if ray.is_initialized():
         if drain and _app_name:
             from kvmesh.deployments.drain import drain as drain_requests
@@ -424,8 +476,10 @@ def stop_local(drain: bool = True) -> None:
         # replicas that never stopped cleanly (a failed start, drain=False) could not remove their private
         # folders; their processes are gone now
         from kvmesh.deployments.engine import remove_dead_private_dirs
+        from kvmesh.deployments.local_ray import remove_ray_temp_dir
 
         remove_dead_private_dirs()
+        remove_ray_temp_dir()
     remove_haproxy_dir()
     remove_run_secret_files()
     _started_ray = False

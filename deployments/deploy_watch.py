@@ -4,11 +4,15 @@ Why: `serve.run` waits until every replica runs; a replica the cluster has no ro
 forever, and only the Serve controller's log says so. After 30 s pending, the controller puts the
 replica's needs and the cluster's free resources in the deployment's status message; this watch turns
 that message into the start-up error, with the flags that change it.
+
+`serve.run` runs in a thread of its own, which a failed or interrupted start leaves inside it; the stop
+ends it (`end_deploys`) before it shuts Ray down.
 """
 
 from __future__ import annotations
 
 import ast
+import ctypes
 import re
 import threading
 from typing import Any
@@ -48,6 +52,13 @@ def unschedulable_reason(status: Any, app_name: str) -> str | None:
     return None
 
 
+class DeployEnded(BaseException):
+    """Raised inside a deploy thread that `end_deploys` ends."""
+
+
+_deploys: list[threading.Thread] = []  # deploy threads still inside serve.run
+
+
 def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
     """`serve.run` the app; raise DeploymentUnschedulable as soon as Serve reports a replica it cannot place."""
     from ray import serve
@@ -62,8 +73,11 @@ def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
             failure.append(exc)
         finally:
             done.set()
+            _deploys.remove(threading.current_thread())
 
-    threading.Thread(target=deploy, name="kvmesh-deploy", daemon=True).start()
+    thread = threading.Thread(target=deploy, name="kvmesh-deploy", daemon=True)
+    _deploys.append(thread)
+    thread.start()
     while not done.wait(poll_s):
         try:
             reason = unschedulable_reason(serve.status(), cfg["name"])
@@ -73,3 +87,19 @@ def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
             raise DeploymentUnschedulable(reason)
     if failure:
         raise failure[0]
+
+
+def end_deploys(timeout_s: float = 10.0) -> int:
+    """End the deploy threads still inside `serve.run` and wait up to `timeout_s` for them; returns how many
+    are still running. Call before `ray.shutdown`. Why: `serve.run` goes on polling Serve's controller every
+    second, and its first Ray call after the shutdown starts a new Ray cluster itself (`ray.init()` with
+    Ray's defaults: not kept on loopback, its files in the shared /tmp/ray) that nothing ever stops. The
+    thread gets DeployEnded at its next Python step (CPython's PyThreadState_SetAsyncExc): after its poll,
+    or as soon as a Ray call it waits in returns."""
+    for thread in list(_deploys):
+        if thread.ident is not None and thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(DeployEnded))
+    for thread in list(_deploys):
+        thread.join(timeout_s)
+    _deploys[:] = [t for t in _deploys if t.is_alive()]
+    return len(_deploys)

@@ -9,8 +9,14 @@ to the host's network address, and its logical CPUs are the machine's cores, so 
 Here the cluster is started with `address="local"`, and the node's address is pinned to 127.0.0.1: Ray
 then binds its GCS, raylet, workers' and agents' servers to that address. Ray 2.60's `ray.init` rewrites
 127.0.0.1 to the host's routable address before it starts the node (`services.resolve_ip_for_localhost`),
-so that one function is bypassed for 127.0.0.1 during the call; this is the only private Ray use here,
-and a check after start-up fails the start loudly if the installed Ray behaves differently.
+so that one function is bypassed for 127.0.0.1 during the call, and a check after start-up fails the start
+loudly if the installed Ray behaves differently.
+
+Ray's files (its sockets, logs, session state) go inside a new 0700 folder of this run's (`_temp_dir`), not
+to Ray's default /tmp/ray: that one is shared by every local user, and each session's `sockets` folder in it
+is open to all (mode 0777, no sticky bit), so another user could replace the raylet's socket with their own;
+and every run left its session folder there. Ray makes every folder it is given 0777 again, so it gets one
+inside the private one, which no other user can enter. The run's folder goes when Ray is shut down.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,31 +75,64 @@ def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
 
 
 START_ATTEMPTS = 2  # Ray gives its raylet a fixed 30 s to register; a busy machine can miss that once
+# This run's Ray folder, /tmp/kvmesh-ray-<owner pid>-XXXXXXXX/r: short, since Ray's longest socket path,
+# <folder>/session_<date>_<pid>/sockets/plasma_store, must stay within a unix socket's ~107 bytes
+RAY_TEMP_ROOT = "/tmp"
+RAY_TEMP_PREFIX = "kvmesh-ray-"
+_ray_temp_dir: list[str] = []  # the private folder of the cluster this process started, until remove_ray_temp_dir
 
 
 def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
-    """Start a new single-node Ray cluster on 127.0.0.1 (never joining one found on the machine).
+    """Start a new single-node Ray cluster on 127.0.0.1 (never joining one found on the machine), its files in
+    a new private folder of this process's.
 
-    A start that timed out (Ray: "The current node timed out during startup") is cleaned up (the processes
-    it left below this one are ended) and tried once more."""
+    A start that failed (or was interrupted) leaves nothing: the processes it left below this one are ended
+    and its folder is removed. One that timed out (Ray: "The current node timed out during startup") is
+    tried once more."""
     import psutil
 
     from kvmesh.deployments.process_tree import end_descendants
 
     before = [p.pid for p in psutil.Process().children(recursive=True)]
+    remove_dead_ray_temp_dirs()
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
-            return _start_once(num_cpus=num_cpus, env_vars=env_vars, log_to_driver=log_to_driver)
-        except Exception as exc:
-            if attempt == START_ATTEMPTS or "timed out during startup" not in str(exc):
-                raise
+            return _start_once(
+                num_cpus=num_cpus, env_vars=env_vars, log_to_driver=log_to_driver, temp_dir=new_ray_temp_dir()
+            )
+        except BaseException as exc:
             import ray
 
             ray.shutdown()
             end_descendants(grace_s=5.0, exclude=before)
+            remove_ray_temp_dir()
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(exc):
+                raise
 
 
-def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
+def new_ray_temp_dir() -> str:
+    """The folder for this process's Ray cluster: inside a new 0700 folder (mkdtemp) named after this process,
+    since Ray makes the folder it is given open to all (mode 0777)."""
+    private = tempfile.mkdtemp(prefix=f"{RAY_TEMP_PREFIX}{os.getpid()}-", dir=RAY_TEMP_ROOT)
+    _ray_temp_dir.append(private)
+    return os.path.join(private, "r")
+
+
+def remove_ray_temp_dir() -> None:
+    """Remove the folders of the Ray clusters this process started; call once Ray is shut down."""
+    while _ray_temp_dir:
+        shutil.rmtree(_ray_temp_dir.pop(), ignore_errors=True)
+
+
+def remove_dead_ray_temp_dirs(root: str = RAY_TEMP_ROOT) -> int:
+    """Remove Ray folders (kvmesh-ray-<owner pid>-*) whose owner is gone: a run killed outright (SIGKILL)
+    never removes its own. Returns how many were removed."""
+    from kvmesh.kvstore.private_dir import remove_dead_owners_dirs
+
+    return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root)
+
+
+def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool, temp_dir: str) -> None:
     import ray
 
     from kvmesh.deployments import ray_private
@@ -115,10 +156,10 @@ def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bo
             logging_level=logging.INFO if log_to_driver else logging.ERROR,
             runtime_env={"env_vars": dict(env_vars)},
             **ray_private.node_ip_init_kwargs(LOOPBACK),
+            **ray_private.temp_dir_init_kwargs(temp_dir),
         )
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
-        ray.shutdown()
         raise RuntimeError(
             f"the local Ray node took the address {node_ip}, not {LOOPBACK}: Ray {ray.__version__} pins node "
             "addresses differently from the versions kvmesh supports"

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Collection
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,23 @@ def end_if_parent_gone(parent: int) -> None:
     HTTP port). The child has not started its program yet, so there is nothing to end gracefully."""
     if os.getppid() != parent:
         signal.raise_signal(signal.SIGKILL)
+
+
+class Terminated(SystemExit):
+    """A SIGTERM, as `exit_on_sigterm` raises it: a stop, never a command's own exit status."""
+
+
+def exit_on_sigterm() -> Any:
+    """From now on the first SIGTERM raises Terminated (SystemExit 143) in the main thread, and later ones are
+    ignored while that unwinds. Why: Python's default ends the process at once, so none of its `finally`
+    clean-up ran (a stopped run left its servers' folders, secret files and Ray behind); like Ctrl-C, a
+    SIGTERM now unwinds through them. Call from the main thread; returns the handler it replaced."""
+
+    def exit_once(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up it starts is not interrupted in turn
+        raise Terminated(128 + signum)
+
+    return signal.signal(signal.SIGTERM, exit_once)
 
 
 def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:

@@ -4,6 +4,9 @@ Ray 2.60 has no public way to do these few things, and each is small:
 - keep a node on 127.0.0.1: Ray rewrites a loopback address to the host's routable one
   (`ray._private.services.resolve_ip_for_localhost`) and pins a node's address only through `ray.init`'s
   private keyword `_node_ip_address` (deployments/local_ray.py, deployments/ray_join.py);
+- keep a local cluster's files (its sockets among them) in a private folder of the run's, not in the shared
+  /tmp/ray: `ray.init`'s private keyword `_temp_dir` (deployments/local_ray.py; a Ray without it refuses the
+  keyword by name, "Unknown keyword argument(s)");
 - give a starting node longer than Ray's fixed 30 s to register (`ray._private.services.get_node`,
   benchmarks/local_cluster.py);
 - bind Serve's replica-to-replica gRPC server on loopback (`ray.serve._private.replica.add_port_to_grpc_server`,
@@ -36,6 +39,8 @@ SERVE_REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
 REPLICA_IN_FLIGHT_METHOD = "get_num_ongoing_requests"
 # ray.init's private keyword that pins this node's address
 NODE_IP_INIT_KEYWORD = "_node_ip_address"
+# ray.init's private keyword for the folder a new local cluster keeps its files in
+TEMP_DIR_INIT_KEYWORD = "_temp_dir"
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,11 @@ def problems() -> list[str]:
 def node_ip_init_kwargs(node_ip: str) -> dict[str, Any]:
     """The `ray.init` keyword arguments that pin this node's address to `node_ip`."""
     return {NODE_IP_INIT_KEYWORD: node_ip}
+
+
+def temp_dir_init_kwargs(path: str) -> dict[str, Any]:
+    """The `ray.init` keyword arguments that put a new local cluster's files under `path`."""
+    return {TEMP_DIR_INIT_KEYWORD: path}
 
 
 @contextlib.contextmanager

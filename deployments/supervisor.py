@@ -6,8 +6,9 @@ in its group, so they got the signal at the same moment as the driver: the rayle
 driver hung ("Failed to push error to driver") or aborted. With the driver in its own session a group
 signal reaches only this relay, which turns it into one orderly SIGTERM for the driver. The relay is a
 child subreaper: whatever is orphaned below it (an HAProxy whose Ray worker died) is reparented to it and
-ended after the driver exits. If the relay itself is SIGKILLed, the kernel sends the driver SIGHUP
-(parent-death signal), and the driver stops at once and ends its own leftovers.
+ended after the driver exits, and what a driver killed outright left on disk (its secret files, its Ray,
+HAProxy and replicas' folders) is removed then too. If the relay itself is SIGKILLed, the kernel sends the
+driver SIGHUP (parent-death signal), and the driver stops at once and ends its own leftovers.
 """
 
 from __future__ import annotations
@@ -51,4 +52,7 @@ def supervise(argv: list[str]) -> int:
     left = end_descendants()
     if left:
         print(f"ended {len(left)} process(es) left behind: {', '.join(left)}", file=sys.stderr, flush=True)
+    from kvmesh.deployments.app import remove_dead_runs_files
+
+    remove_dead_runs_files()
     return status if status >= 0 else 1

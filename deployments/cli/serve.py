@@ -253,18 +253,53 @@ def engine_replicas_text(cfg: dict) -> str:
 
 def _drive(args, cfg: dict) -> int:
     """The Ray driver: start the app, wait for a stop signal, stop the app."""
-    from kvmesh.deployments.app import remove_haproxy_dir, remove_run_secret_files, start_local, stop_local
-    from kvmesh.deployments.process_tree import become_subreaper
+    from kvmesh.deployments.app import (
+        remove_dead_runs_files,
+        remove_haproxy_dir,
+        remove_run_secret_files,
+        start_local,
+        stop_local,
+    )
+    from kvmesh.deployments.local_ray import remove_ray_temp_dir
+    from kvmesh.deployments.process_tree import become_subreaper, end_descendants
 
     become_subreaper()  # leftovers of Ray's workers stay below this process, so stop_local can end them
     stop = threading.Event()
     fast = threading.Event()
+    waiting = [False]  # the main thread polls `stop` (and `fast`): a signal only has to set them
+
+    def _stop_now() -> None:
+        """The relay is gone and nobody waits for an orderly stop: end every process below this one now (an
+        orderly ray.shutdown took over 10 s on a busy machine), remove what the run wrote, and leave. The
+        raylet goes last: Ray's core worker in this process exits it the moment its raylet is gone, which cut
+        the clean-up short."""
+        import psutil
+
+        remove_haproxy_dir()
+        remove_run_secret_files()
+        remove_ray_temp_dir()
+        raylets = []
+        for child in psutil.Process().children():
+            try:
+                if child.name() == "raylet":
+                    raylets.append(child.pid)
+            except psutil.Error:  # gone meanwhile
+                pass
+        end_descendants(grace_s=2.0, exclude=raylets)
+        remove_dead_runs_files()  # its replicas' and LMCache servers' folders: their processes are gone now
+        end_descendants(grace_s=2.0)
+        os._exit(1)
 
     def _on_signal(signum, frame):
         if signum == signal.SIGHUP:  # the relay died: stop now, without waiting for requests in flight
             fast.set()
+            if not waiting[0]:  # starting, or already stopping: nothing polls `fast`
+                _stop_now()
         stop.set()
 
+    # from the start (Ray leaves SIGHUP alone): the relay can die while the app starts. A SIGTERM during the
+    # start raises SystemExit (cli.main), which start_local's clean-up and the one below unwind through
+    signal.signal(signal.SIGHUP, _on_signal)
     print(
         f"starting kvmesh: {engine_replicas_text(cfg)}, policy {cfg['policy']}, model {cfg['engine']['model']} ...",
         file=sys.stderr,
@@ -276,6 +311,9 @@ def _drive(args, cfg: dict) -> int:
         stop_local()
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CliError(f"could not start the app: {first_line}") from None
+    except BaseException:  # a stop signal during the start (SystemExit, KeyboardInterrupt)
+        stop_local(drain=False)
+        raise
     # after ray.init: Ray installs its own fatal-signal handler (logs and aborts on SIGTERM); ours wins
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_signal)
@@ -287,19 +325,14 @@ def _drive(args, cfg: dict) -> int:
         print(f"API keys: from {cfg['tenants_file']}")
     print(f"salt secret: {os.environ.get('KVMESH_SALT_SECRET_FILE')} (kept across restarts; see docs/tenants.md)")
     print(f"metrics: {url}/metrics   stop: Ctrl-C", flush=True)
+    waiting[0] = True
     try:
         while not stop.wait(0.5):
             pass
     finally:
+        waiting[0] = False
         print("shutting down ...", file=sys.stderr, flush=True)
         if fast.is_set():
-            # the relay is gone and nobody waits for an orderly stop: end every process below this one now
-            # (an orderly ray.shutdown took over 10 s on a busy machine) and leave
-            from kvmesh.deployments.process_tree import end_descendants
-
-            end_descendants(grace_s=2.0)
-            remove_haproxy_dir()
-            remove_run_secret_files()
-            os._exit(1)
+            _stop_now()
         stop_local()
     return 0

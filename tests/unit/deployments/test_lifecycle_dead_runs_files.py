@@ -1,0 +1,164 @@
+"""What a local run killed outright (SIGKILL, a second Ctrl-C) could not remove is removed by whoever comes
+next: its secret files under KVMESH_HOME/run (named after their owner's pid) at the next start, and every
+leftover of a dead run (secret files, replicas' and LMCache servers' folders, HAProxy and Ray folders) by
+`kvmesh serve`'s relay once its driver exited and by the driver's fast stop after its relay died. Ray and
+Serve are faked: nothing starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+SECRET_VARS = ("KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE", "KVMESH_CHANNEL_SECRET_FILE")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    saved = dict(os.environ)
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
+    for name in SECRET_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path / "home"
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import ray
+    from ray import serve
+
+    from kvmesh.deployments import app, deploy_watch, local_ray, process_tree
+    from kvmesh.kvstore import node_server
+
+    up = [False]
+    monkeypatch.setattr(local_ray, "start_local_ray", lambda **kw: up.__setitem__(0, True))
+    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
+    monkeypatch.setattr(ray, "shutdown", lambda: up.__setitem__(0, False))
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    monkeypatch.setattr(serve, "shutdown", lambda: None)
+    monkeypatch.setattr(node_server, "stop_node_servers", lambda: 0)
+    monkeypatch.setattr(deploy_watch, "deploy_or_explain", lambda built, cfg: None)
+    monkeypatch.setattr(app, "build_app", lambda cfg: None)
+    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: None)
+    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def _leftovers(home, pid: int) -> list[str]:
+    """A dead run's secret files and the private folders of its processes (all named after `pid`)."""
+    run = home / "run"
+    run.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths = [str(run / f"channel-secret-{pid}-0a1b2c3d"), str(run / f"salt-secret-{pid}-99aa88bb")]
+    for path in paths:
+        with open(path, "w") as fh:
+            fh.write("s" * 64)
+    for prefix in ("kvmesh-engine-", "kvmesh-lmcache-", "kvmesh-ray-"):
+        paths.append(tempfile.mkdtemp(prefix=f"{prefix}{pid}-", dir="/tmp"))
+    return paths
+
+
+def test_a_runs_secret_files_are_named_after_it_and_only_dead_owners_files_are_removed(tmp_path):
+    from kvmesh.cluster.secure_channel import remove_dead_owners_secret_files, write_channel_secret
+
+    mine = write_channel_secret(tmp_path)
+    assert mine.name.startswith(f"channel-secret-{os.getpid()}-")
+    dead = _dead_pid()
+    orphan = tmp_path / f"salt-secret-{dead}-0123abcd"
+    unowned = tmp_path / "channel-secret-0123abcd"  # an older run's, without an owner: not ours to judge
+    other = tmp_path / f"notes-{dead}"
+    for path in (orphan, unowned, other):
+        path.write_text("x")
+    assert remove_dead_owners_secret_files(tmp_path) == 1
+    assert mine.exists() and unowned.exists() and other.exists() and not orphan.exists()
+    assert remove_dead_owners_secret_files(tmp_path / "missing") == 0
+
+
+def test_a_start_removes_the_secret_files_of_runs_killed_before_they_could(home, fake_ray):
+    from kvmesh.deployments.app import start_local, stop_local
+
+    dead = _leftovers(home, _dead_pid())
+    try:
+        start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+        stop_local(drain=False)
+        assert not any(os.path.exists(p) for p in dead[:2]), "a killed run's secret files outlived the next start"
+    finally:
+        for path in dead[2:]:
+            if os.path.exists(path):
+                os.rmdir(path)
+
+
+def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
+    """`kvmesh serve`'s driver SIGKILLed (a second Ctrl-C): the relay removes its secret files and folders."""
+    from kvmesh.deployments import process_tree, supervisor
+
+    made: list[str] = []
+    real_popen = subprocess.Popen
+
+    def driver_killed(cmd, **kw):
+        """Stands in for the driver: a process that dies of SIGKILL; what it 'wrote' is named after its pid."""
+        proc = real_popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+        proc.wait()
+        made.extend(_leftovers(home, proc.pid))
+        return proc
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", driver_killed)
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: True)  # not this test process
+    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert supervisor.supervise(["serve"]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        left = [p for p in made if os.path.exists(p)]
+        for path in left:
+            if os.path.isdir(path):
+                os.rmdir(path)
+    assert made and left == [], f"the killed driver's leftovers stayed: {left}"
+
+
+def test_the_fast_stop_after_the_relay_died_removes_its_replicas_folders(home, fake_ray, monkeypatch):
+    """`kvmesh serve`'s driver on SIGHUP (its relay was killed): once it ended its processes, their private
+    folders (replicas', LMCache servers') are removed too."""
+    from kvmesh.deployments.cli import serve as serve_cmd
+
+    class SignalledAtOnce(threading.Event):
+        def wait(self, timeout=None) -> bool:
+            return True
+
+        def is_set(self) -> bool:
+            return True
+
+    def exit_now(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(serve_cmd.threading, "Event", SignalledAtOnce)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    # the replicas' folders are named after their processes, which the fast stop ended
+    dead = _leftovers(home, _dead_pid())
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    args = parser.parse_args(["--port", "0", "--proxy", "serve"])
+    try:
+        with pytest.raises(SystemExit):
+            serve_cmd._drive(args, serve_cmd._build_config(args))
+    finally:
+        left = [p for p in dead if os.path.exists(p)]
+        for path in left:
+            if os.path.isdir(path):
+                os.rmdir(path)
+    assert left == [], f"the fast stop left its processes' folders: {left}"
