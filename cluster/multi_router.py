@@ -23,8 +23,10 @@ routers over one ground-truth fleet (the same caches, tiers and time model as th
   event stream): `PrefixIndex.remove_replica`/`add_replica`, `Policy.on_replica_removed`/`added`. The new
   one takes over the old one's accelerator (one per replica, as the capacity model has it): what the old
   one had accepted drains first (its requests keep the TTFT they were given), and the newcomer's prefills
-  queue behind it. (Starting it on an idle accelerator of its own, beside the draining one, would count
-  two accelerators in one slot: utilisation above 1 and throughput above the fleet's under fast churn.)
+  queue behind it; the routers see that work as the slot's load until it ends, as they would see a replica
+  that is not ready yet, rather than an idle one. (Starting it on an idle accelerator of its own, beside
+  the draining one, would count two accelerators in one slot: utilisation above 1 and throughput above
+  the fleet's under fast churn.)
 
 Requests go to routers round robin: an HTTP front or L4 balancer spreads connections, not users, so
 consecutive turns of one conversation usually land on different routers (the hard case for a
@@ -142,8 +144,8 @@ class _Router:
                     idx.remove_shared(d)
                 if c:
                     idx.store_shared(c)
-        elif kind == _LOAD:  # (slot, replica id, deltas): the replica's own report
-            if origin != me and self.ids[a] == b:
+        elif kind == _LOAD:  # (slot, replica id, deltas): the report of the replica on that accelerator
+            if origin != me:
                 self.load(a, *c)
         elif origin != me:  # _ROUTE: another router's decision (request, replica id, view, blocks)
             self.unseen.heard(t, t + self.delay, a.num_tokens - c.shared_blocks * a.block_size, free)
@@ -234,9 +236,7 @@ def simulate_routers(
         r = trace.requests[i]
         arrivals[i] = t
         while events and events[0][0] <= t:
-            when, kind, k, val, rid = pop(events)
-            if rid != rids[k]:
-                continue  # the replica that accepted it has left
+            when, kind, k, val, rid = pop(events)  # a replaced replica's too: its accelerator's work goes on
             delta = (-1, 1, -val, 0) if kind == 0 else (0, -1, 0, -val)
             stream.append((when, _ENGINE, _LOAD, k, rid, delta, None, None))
         due = int((t - t0 - next_churn) // every) + 1 if t - t0 >= next_churn else 0
@@ -260,8 +260,7 @@ def simulate_routers(
                     raise RuntimeError("prefix index did not reuse the departed replica's slot")
                 rt.ids[k] = new_id
                 rt.live.discard(old)
-                rt.live.add(new_id)
-                rt.load(k, -int(rt.queued[k]), -int(rt.running[k]), -int(rt.pending[k]), -int(rt.active[k]))
+                rt.live.add(new_id)  # its load stays: the work the departing replica accepted still runs there
             churned += 1
             next_churn += setup.churn_every_s  # type: ignore[operator]
         me = sent % R  # the HTTP front spreads requests over the routers in the order they come

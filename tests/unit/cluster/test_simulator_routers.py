@@ -158,6 +158,25 @@ def test_a_replacement_takes_over_its_predecessors_accelerator():
     assert churn["throughput_tokens_s"] <= 1.02 * still["throughput_tokens_s"]
 
 
+def test_the_routers_see_a_replacements_accelerator_busy_with_its_predecessors_work():
+    """The work the departing replica accepted runs on before the newcomer's: ranked as idle, the newcomer
+    drew requests that then waited behind it."""
+    seen = []
+
+    class Recording(type(kvmesh())):
+        def on_routed(self, request, replica_id, view=None):
+            if "." in replica_id and view is not None:  # a replacement (`r<slot>.<n>`)
+                seen.append(view.queued + view.pending_prefill_tokens)
+            return super().on_routed(request, replica_id, view)
+
+    busy = SimConfig(2, 60, cost=COST, load=3.0)
+    simulate_routers(
+        chat(users=10, turns=4), busy, lambda: Recording(cost=COST), RouterSetup(1, 0.0, churn_every_s=0.05)
+    )
+    assert len(seen) > 20
+    assert sum(1 for load in seen if load > 0) > len(seen) / 2
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("closed_loop", [False, True])
 def test_a_churn_interval_far_below_the_gaps_between_requests_replaces_each_replica_once_per_gap(trace, closed_loop):
