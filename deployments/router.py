@@ -192,8 +192,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
         self._ended_ids = RecentSet(ENDED_IDS_KEPT)  # request ids ended lately (`_known_request`)
-        # each replica's load report read against what the routers here know (`_views`)
-        self.load_reports = LoadReports(self._known_request, lambda: self.peers.dropped_unheard)
+        # each replica's load report read against what the routers here know (`_views`); its readings are taken
+        # anew when a request stops being known without having ended: a peer's dropped unheard, or one of ours
+        # Serve routes again (`_retried`)
+        self._unknown_again = 0
+        self.load_reports = LoadReports(self._known_request, lambda: self.peers.dropped_unheard + self._unknown_again)
         # completed requests whose first token the ingress has not confirmed yet (request id -> state)
         self._unconfirmed: collections.OrderedDict[str, _Inflight] = collections.OrderedDict()
         # Serve's internal id -> request id of those waiting there: a replica's rejection may reach the router
@@ -680,6 +683,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             earlier.release()
             if earlier.info.request_id:
                 self._by_request_id.pop(earlier.info.request_id, None)
+                self._unknown_again += 1
             self._withdraw(earlier.routing)
 
     def _retried_after_completion(self, internal: str) -> None:

@@ -324,7 +324,7 @@ def test_an_error_behind_waiting_deltas_is_raised_after_they_are_delivered():
 
 
 def test_the_counts_name_their_requests_while_queued_and_running_and_none_once_ended():
-    """Routers tell the requests they know of from work they do not by these names (`KvmeshRouter._load`)."""
+    """Routers tell the requests they know of from work they do not by these names (`load_report.LoadReports`)."""
 
     async def go():
         load, gate, seen = _LoadCounter(), asyncio.Event(), []

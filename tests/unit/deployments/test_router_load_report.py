@@ -130,3 +130,22 @@ def test_a_peers_request_dropped_unheard_still_counts_where_its_engine_names_it(
         assert load(router, a) == (0, 1)  # p0 runs on, unknown now; p1 ended as its router said
 
     asyncio.run(scenario())
+
+
+def test_a_request_served_again_after_its_replica_refused_it_counts_as_unknown_where_a_report_names_it():
+    """Serve routes a request again when its replica refuses it: this router no longer holds it there, so a
+    report still naming it counts it as work no router here knows of, even when the report itself is
+    unchanged (its reading is taken anew)."""
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a = fake_replica("A")
+        pending = fake_request(list(range(1000, 1064)), "q0")
+        await router.choose_replicas([a], pending)
+        router._routed(pending, a.replica_id)
+        a.routing_stats = {"queued": 1, "running": 0, "queued_ids": ["q0"], "running_ids": []}
+        assert load(router, a) == (1, 0)
+        router._retried(pending)
+        assert load(router, a) == (1, 0)  # no longer this router's: the report's count
+
+    asyncio.run(scenario())
