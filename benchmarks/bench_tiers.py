@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         from kvmesh.deployments.config import tiny_model_dir
         from kvmesh.deployments.tiny_model import build_tiny_model
 
-        model = str(build_tiny_model(tiny_model_dir()))
+        model = str(build_tiny_model(tiny_model_dir(), replace=True))
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp:
         m = measure(model, Path(tmp))
     print(

@@ -470,7 +470,7 @@ def resolve_model(model: str) -> str:
     if model == "tiny":
         from kvmesh.deployments.tiny_model import build_tiny_model
 
-        return str(build_tiny_model(tiny_model_dir()))
+        return str(build_tiny_model(tiny_model_dir(), replace=True))  # kvmesh's own folder
     return model
 
 

@@ -145,20 +145,22 @@ def _refusal(out: Path) -> str | None:
     return f"{out} is a folder that holds other files, not a tiny-model build: name a new or empty folder"
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = False) -> Path:
     """Write the tiny model into `out_dir` (created if needed) and return its path.
 
     Skips the work when `out_dir` already holds a build of this version and seed, and rebuilds an
     earlier tiny-model build; refuses (`TinyModelError`) any other non-empty folder and an empty path
     (the current folder), whose files the build would delete. Writes into a temporary sibling first and
     renames, so concurrent builders (parallel test sessions) never see a half-written directory.
+    `replace`: the folder is kvmesh's own (`config.tiny_model_dir`), whatever it holds is replaced (an
+    interrupted build, an older layout), so `model: tiny` mends itself.
     """
     if not os.fspath(out_dir):
         raise TinyModelError("the output folder is an empty path: name a new or empty folder")
     out = Path(out_dir).resolve()
     if is_built(out, seed):
         return out
-    refusal = _refusal(out)
+    refusal = None if replace else _refusal(out)
     if refusal:
         raise TinyModelError(refusal)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,10 +175,13 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         if out.exists():
             if is_built(out, seed):  # another process finished first
                 return out
-            refusal = _refusal(out)  # files that came while this build ran
+            refusal = None if replace else _refusal(out)  # files that came while this build ran
             if refusal:
                 raise TinyModelError(refusal)
-            shutil.rmtree(out)
+            if out.is_dir():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
         try:
             os.replace(tmp, out)
         except OSError:

@@ -79,6 +79,12 @@ def check_param(
     raise ValueError(f"{policy}: {name} must be {kind} {bounds}, got {_shown(value)}")
 
 
+def check_flag(policy: str, name: str, value: object) -> None:
+    """ValueError unless `value` is a bool: "false" in a config is a string, and a string is true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{policy}: {name} must be true or false, got {type(value).__name__}")
+
+
 _N = TypeVar("_N", int, float)
 
 
@@ -100,16 +106,9 @@ class CostModel:
     attention_s_per_token_pair: float = _constant(0.0, 1e-3)
 
     def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not finite_number(v) or v < 0:  # placed requests by numbers that mean nothing
-                raise ValueError(f"cost model: {f.name} must be a finite non-negative number, got {_shown(v)}")
-            if v > (most := f.metadata["max"]):
-                raise ValueError(f"cost model: {f.name} must be at most {most:,}, got {_shown(v)}")
-        if not isinstance(self.max_batch, int):  # a count of sequences
-            raise ValueError(f"cost model: max_batch must be a whole number, got {self.max_batch!r}")
-        if self.max_batch < 1:
-            raise ValueError("cost model: max_batch must be >= 1")
+        for f in fields(self):  # else requests are placed by numbers that mean nothing
+            whole = f.name == "max_batch"  # a count of sequences
+            check_param("cost model", f.name, getattr(self, f.name), int(whole), f.metadata["max"], whole=whole)
 
     def prefill_s(self, num_tokens: int, hbm_tokens: int = 0, host_tokens: int = 0, shared_tokens: int = 0) -> float:
         """Seconds to prefill a prompt whose first tokens are cached (cumulative per tier:

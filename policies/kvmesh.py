@@ -94,7 +94,7 @@ from itertools import chain, islice
 import numpy as np
 
 from kvmesh.policies.base import FleetView, Policy, ReplicaView, RequestInfo, two_longest
-from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, MAX_WEIGHT, CostModel, check_param
+from kvmesh.policies.cost_model import DEFAULT_COST_MODEL, MAX_WEIGHT, CostModel, check_flag, check_param
 from kvmesh.policies.score_kernel import SCORE_ROUNDING, lowest, replica_scores, warm_up
 
 _NONE = object()
@@ -159,8 +159,7 @@ class KvmeshPolicy(Policy):
         for name, weight in weights.items():
             if weight is not None or name != "guard_weight":  # guard_weight None: the hard guard
                 check_param("kvmesh", name, weight, high=MAX_WEIGHT)
-        if not isinstance(hold_for_tier, bool):  # "false" in a config is a string, and true
-            raise ValueError(f"kvmesh: hold_for_tier must be true or false, got {type(hold_for_tier).__name__}")
+        check_flag("kvmesh", "hold_for_tier", hold_for_tier)
         if cost is not None and not isinstance(cost, (CostModel, Mapping)):
             raise ValueError(
                 f"kvmesh: cost must be a mapping of cost model constants ({', '.join(CostModel.__match_args__)}), "

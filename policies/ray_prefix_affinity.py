@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvmesh.policies.approx_tree import ApproxTree
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
-from kvmesh.policies.cost_model import check_param
+from kvmesh.policies.cost_model import check_flag, check_param
 
 
 def prompt_tree(do_eviction: bool, threshold_chars: int, target_chars: int, chars_per_token: int) -> ApproxTree:
@@ -57,8 +57,7 @@ class RayPrefixAffinity(Policy):
         if imbalanced_threshold != float("inf"):  # infinity, the default: never fall back
             check_param(self.name, "imbalanced_threshold", imbalanced_threshold)
         check_param(self.name, "match_rate_threshold", match_rate_threshold, high=1)
-        if not isinstance(do_eviction, bool):  # "false" in a config is a string, and true
-            raise ValueError(f"{self.name}: do_eviction must be true or false, got {type(do_eviction).__name__}")
+        check_flag(self.name, "do_eviction", do_eviction)
         check_param(self.name, "eviction_threshold_chars", eviction_threshold_chars, 1, whole=True)
         check_param(self.name, "eviction_target_chars", eviction_target_chars, whole=True)
         check_param(self.name, "chars_per_token", chars_per_token, 1, whole=True)

@@ -49,7 +49,8 @@ class SglangCacheAware(Policy):
         check_param(self.name, "cache_threshold", cache_threshold, high=1)
         check_param(self.name, "balance_abs_threshold", balance_abs_threshold)
         check_param(self.name, "balance_rel_threshold", balance_rel_threshold)
-        check_param(self.name, "max_tree_tokens", max_tree_tokens, 1, whole=True)
+        if max_tree_tokens is not None:  # None: the tree is never trimmed (ApproxTree's own default)
+            check_param(self.name, "max_tree_tokens", max_tree_tokens, 1, whole=True)
         self.cache_threshold = cache_threshold
         self.abs_t = balance_abs_threshold
         self.rel_t = balance_rel_threshold

@@ -25,7 +25,8 @@ import time
 
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import int_up_to, output_file, positive_int
-from kvmesh.deployments.cli.simulate import MAX_REPLICAS
+from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
+from kvmesh.deployments.config import MAX_REPLICAS
 
 # Live by default: real engines behind Ray Serve (deployments/app.py). `--simulate` is for machines
 # without vLLM.
@@ -37,7 +38,10 @@ MAX_MODEL_LEN = 2048  # the tiny model's serving context (deployments/config.py 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--replicas", type=int_up_to(MAX_REPLICAS), default=2, help=f"engine replicas (default 2, <= {MAX_REPLICAS:,})"
+        "--replicas",
+        type=int_up_to(MAX_SIM_REPLICAS),
+        default=2,
+        help=f"engine replicas (default 2, <= {MAX_SIM_REPLICAS:,})",
     )
     parser.add_argument("--conversations", type=positive_int, default=16, help="conversations taken from the trace")
     parser.add_argument("--tokens-per-block", type=positive_int, default=32, help="tokens per 512-token trace block")
@@ -78,6 +82,11 @@ def _check(args) -> list[str]:
     if args.tokens_per_block % ENGINE_BLOCK:
         raise CliError(
             f"kvmesh demo: --tokens-per-block must be a multiple of {ENGINE_BLOCK} (the CPU engine block size)"
+        )
+    if args.live and args.replicas > MAX_REPLICAS:  # the app's own limit, here before any work
+        raise CliError(
+            f"kvmesh demo: --replicas must be <= {MAX_REPLICAS:,} for a live run "
+            f"(<= {MAX_SIM_REPLICAS:,} with --simulate)"
         )
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     from kvmesh.policies.registry import POLICY_NAMES

@@ -20,8 +20,8 @@ from kvmesh.deployments.cli.args import (
 )
 
 # Why 100,000: set-up is near linear in replicas (100,000 take ~5 s per policy) and each request scans the
-# fleet; a million would take minutes per policy (the kvmesh policy grows its arrays one replica at a time)
-MAX_REPLICAS = 100_000
+# fleet; a million would take minutes per policy. (A live app's limit is config.MAX_REPLICAS.)
+MAX_SIM_REPLICAS = 100_000
 MAX_ROUTERS = 1_000  # each router keeps its own index and policy
 # --load: 0.001 is an idle fleet (a lower load changes nothing but stretches arrivals until their times lose the
 # milliseconds a TTFT is made of: 1e-15 gave a p50 TTFT of 0, 1e-308 NaN); at 1,000 every request queues at once
@@ -32,9 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake JSONL file, or a bundled trace: conversation, synthetic")
     p.add_argument(
         "--replicas",
-        type=int_up_to(MAX_REPLICAS),
+        type=int_up_to(MAX_SIM_REPLICAS),
         required=True,
-        help=f"number of engine replicas (<= {MAX_REPLICAS:,})",
+        help=f"number of engine replicas (<= {MAX_SIM_REPLICAS:,})",
     )
     p.add_argument(
         "--capacity-blocks", type=int_up_to(INT64_MAX), required=True, help="HBM KV blocks per replica (<= 2^63-1)"

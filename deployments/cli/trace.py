@@ -24,7 +24,7 @@ from kvmesh.deployments.cli.args import (
     output_file,
     positive_int,
 )
-from kvmesh.deployments.cli.simulate import MAX_REPLICAS
+from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
 
 # Limits on a generated trace, far above any real workload: past them a typo would write for hours (the
 # product of --tenants --groups --users --turns is the request count). A million-request trace is common.
@@ -115,7 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=positive_int, default=None, help="engine block size (default: tokens-per-block)"
     )
     b.add_argument(
-        "--replicas", type=int_up_to(MAX_REPLICAS), default=4, help=f"round-robin replicas (<= {MAX_REPLICAS:,})"
+        "--replicas",
+        type=int_up_to(MAX_SIM_REPLICAS),
+        default=4,
+        help=f"round-robin replicas (<= {MAX_SIM_REPLICAS:,})",
     )
     b.add_argument("--limit", type=positive_int, default=None)
     b.add_argument(

@@ -39,3 +39,17 @@ def test_an_earlier_tiny_model_build_is_still_rebuilt(tmp_path):
     assert build_tiny_model(old) == old.resolve()
     assert json.loads((old / STAMP).read_text()) == {"version": TINY_VERSION, "seed": 0}
     assert (old / "model.safetensors").read_bytes() != b"old weights"
+
+
+def test_model_tiny_mends_kvmeshs_own_folder(tmp_path, monkeypatch):
+    """`model: tiny` builds under KVMESH_HOME, a folder kvmesh owns: an interrupted build or an older layout
+    there is replaced, or no app could start until someone deleted it by hand."""
+    from kvmesh.deployments.config import resolve_model, tiny_model_dir
+    from kvmesh.deployments.tiny_model import is_built
+
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    partial = tiny_model_dir()
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text("{}")  # a build cut short: no stamp
+    assert is_built(resolve_model("tiny"))
+    assert json.loads((partial / "config.json").read_text())  # the real config now

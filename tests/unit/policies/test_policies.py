@@ -107,11 +107,11 @@ def test_cost_model_formula_and_validation():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"prefill_s_per_token": math.nan}, "prefill_s_per_token must be a finite non-negative number"),
+        ({"prefill_s_per_token": math.nan}, "prefill_s_per_token must be a finite number >= 0"),
         ({"decode_s_per_token": math.inf}, "decode_s_per_token must be a finite"),
         ({"prefill_base_s": 10**400}, "prefill_base_s must be a finite"),
         ({"max_batch": 1.5}, "max_batch must be a whole number"),
-        ({"max_batch": True}, "max_batch must be a finite"),
+        ({"max_batch": True}, "max_batch must be a whole number"),
     ],
 )
 def test_cost_model_values_must_be_finite_and_max_batch_whole(values, message):

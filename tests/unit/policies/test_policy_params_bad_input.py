@@ -65,6 +65,7 @@ def test_parameters_that_mean_nothing_are_refused_by_name(policy, params, needle
         ("ray_prefix_affinity", {"imbalanced_threshold": 4, "match_rate_threshold": 1}),
         ("consistent_hash", {"vnodes": 1}),
         ("sglang_cache_aware", {"cache_threshold": 0.5, "balance_abs_threshold": 0}),
+        ("sglang_cache_aware", {"max_tree_tokens": None}),  # a tree never trimmed
         ("llmd_precise", {"prefix_weight": 0}),
     ],
 )

@@ -49,11 +49,11 @@ def test_build_tiny_refuses_an_empty_path_which_is_the_current_folder(tmp_path, 
 
 # ---------------------------------------------------------------------------- kvmesh trace bounds
 def test_trace_bounds_caps_replicas_as_simulate_does():
-    from kvmesh.deployments.cli.simulate import MAX_REPLICAS
+    from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
 
     parser = build_parser("trace")
     argv = ["trace", "bounds", "--trace", "conversation", "--replicas"]
-    assert parser.parse_args([*argv, str(MAX_REPLICAS)]).replicas == MAX_REPLICAS
+    assert parser.parse_args([*argv, str(MAX_SIM_REPLICAS)]).replicas == MAX_SIM_REPLICAS
     with pytest.raises(CliError, match="--replicas: must be <= 100,000"):
         parser.parse_args([*argv, "100000000000"])
 
@@ -88,6 +88,15 @@ def test_demo_caps_replicas_as_simulate_does():
     assert parser.parse_args(["demo", "--simulate", "--replicas", "100000"]).replicas == 100_000
     with pytest.raises(CliError, match="--replicas: must be <= 100,000"):
         parser.parse_args(["demo", "--simulate", "--replicas", "1000000"])
+
+
+def test_a_live_demo_has_the_apps_replica_limit(capsys, monkeypatch):
+    """Over it the app's config refused the run once it started, as a traceback."""
+    from kvmesh.deployments.cli import demo
+
+    monkeypatch.setattr(demo, "_run_live", lambda *a, **k: pytest.fail("the live run started"))
+    err = refused(capsys, "demo", "--replicas", "20000", "--conversations", "1", "--policies", "round_robin")
+    assert "--replicas must be <= 10,000 for a live run" in err
 
 
 @pytest.mark.parametrize(
