@@ -16,7 +16,8 @@ Ray's files (its sockets, logs, session state) go inside a new 0700 folder of th
 to Ray's default /tmp/ray: that one is shared by every local user, and each session's `sockets` folder in it
 is open to all (mode 0777, no sticky bit), so another user could replace the raylet's socket with their own;
 and every run left its session folder there. Ray makes every folder it is given 0777 again, so it gets one
-inside the private one, which no other user can enter. The run's folder goes when Ray is shut down.
+inside the private one, which no other user can enter. The run's folder goes when Ray is shut down. A
+RAY_TMPDIR in the environment is the caller's choice of folder (Ray's own variable): Ray's files go there.
 """
 
 from __future__ import annotations
@@ -110,9 +111,12 @@ def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver
                 raise
 
 
-def new_ray_temp_dir() -> str:
+def new_ray_temp_dir() -> str | None:
     """The folder for this process's Ray cluster: inside a new 0700 folder (mkdtemp) named after this process,
-    since Ray makes the folder it is given open to all (mode 0777)."""
+    since Ray makes the folder it is given open to all (mode 0777). None when RAY_TMPDIR names the folder
+    Ray's files go under: the caller's own choice (the tests' and benchmarks' private folders), kept."""
+    if os.environ.get("RAY_TMPDIR"):
+        return None
     private = tempfile.mkdtemp(prefix=f"{RAY_TEMP_PREFIX}{os.getpid()}-", dir=RAY_TEMP_ROOT)
     _ray_temp_dir.append(private)
     return os.path.join(private, "r")
@@ -132,7 +136,7 @@ def remove_dead_ray_temp_dirs(root: str = RAY_TEMP_ROOT) -> int:
     return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root)
 
 
-def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool, temp_dir: str) -> None:
+def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool, temp_dir: str | None) -> None:
     import ray
 
     from kvmesh.deployments import ray_private
@@ -156,7 +160,7 @@ def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bo
             logging_level=logging.INFO if log_to_driver else logging.ERROR,
             runtime_env={"env_vars": dict(env_vars)},
             **ray_private.node_ip_init_kwargs(LOOPBACK),
-            **ray_private.temp_dir_init_kwargs(temp_dir),
+            **(ray_private.temp_dir_init_kwargs(temp_dir) if temp_dir else {}),
         )
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:

@@ -29,6 +29,7 @@ def fake_ray(monkeypatch):
     from kvmesh.kvstore import node_server
 
     state = {"up": False, "init": {}, "init_error": None}
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)  # the caller's own folder: a case of its own below
 
     def init(**kw):
         state["init"] = kw
@@ -117,3 +118,15 @@ def test_the_ray_folders_of_runs_whose_process_is_gone_are_removed_at_the_next_s
         for path in (dead, live):
             if os.path.exists(path):
                 os.rmdir(path)
+
+
+def test_a_ray_folder_the_caller_names_in_ray_tmpdir_is_kept(fake_ray, monkeypatch, tmp_path):
+    """RAY_TMPDIR is Ray's own variable for where its files go: the caller's choice (the tests' and
+    benchmarks' private folders, whose logs they read), so Ray is given no folder of kvmesh's."""
+    from kvmesh.deployments.app import start_local, stop_local
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+    assert "_temp_dir" not in fake_ray["init"]
+    stop_local(drain=False)
+    assert tmp_path.is_dir()
