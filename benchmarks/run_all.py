@@ -20,9 +20,18 @@ GROUPS = {"scale": {"bench_ingress_throughput", "bench_overhead"}}
 
 
 def main(argv=None) -> int:
-    from kvmesh.deployments.process_tree import Terminated, exit_on_sigterm
+    """Run the benchmarks named (argv or $BENCH; all but the opt-in ones when none is). A SIGTERM unwinds the
+    running bench, so what it started is stopped and removed; the caller's handler is back afterwards (tests
+    call this in their own process)."""
+    from kvmesh.deployments.process_tree import sigterm_unwinds
 
-    exit_on_sigterm()  # a SIGTERM unwinds the running bench, so what it started is stopped and removed
+    with sigterm_unwinds():
+        return _run(argv)
+
+
+def _run(argv) -> int:
+    from kvmesh.deployments.process_tree import Terminated
+
     wanted = set((argv if argv is not None else sys.argv[1:]) or os.environ.get("BENCH", "").split(",")) - {""}
     names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
     shorts = {n.removeprefix("bench_") for n in names}

@@ -91,24 +91,31 @@ def channel_keys(path: str | os.PathLike | None = None) -> ChannelKeys:
 
 
 def write_secret_file(directory: str | os.PathLike, prefix: str, data: bytes) -> Path:
-    """`data` in a new owner-only (0600) file `prefix-<this pid>-XXXXXXXX` under `directory` (made 0700), never
-    over an existing one; returns its path. The pid names the file's owner for `remove_dead_owners_secret_files`."""
+    """`data` in a new owner-only (0600) file `prefix-<this pid>-<owner tag>-XXXXXXXX` under `directory` (made
+    0700), never over an existing one; returns its path. The pid and the tag (`private_dir.owner_tag`: which
+    pid namespace and host the pid is of) name the file's owner for `remove_dead_owners_secret_files`."""
+    from kvmesh.kvstore import private_dir
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = directory / f"{prefix}-{os.getpid()}-{private_dir.owner_tag()}-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return path
 
 
-_OWNED_SECRET_FILE = re.compile(r"[a-z][a-z-]*-(\d+)-[0-9a-f]{8}")
+_OWNED_SECRET_FILE = re.compile(r"[a-z][a-z-]*-(\d+)-([0-9a-f]{8})-[0-9a-f]{8}")
 
 
 def remove_dead_owners_secret_files(directory: str | os.PathLike) -> int:
-    """Remove this user's secret files (`write_secret_file`'s `<prefix>-<owner pid>-*`) under `directory` whose
-    owner process is gone: one killed outright (SIGKILL, a second Ctrl-C) never removes its own, and each
-    left behind is a secret for whoever reads the folder later. Returns how many were removed."""
+    """Remove this user's secret files (`write_secret_file`'s `<prefix>-<owner pid>-<owner tag>-*`) under
+    `directory` whose owner process is gone: one killed outright (SIGKILL, a second Ctrl-C) never removes its
+    own, and each left behind is a secret for whoever reads the folder later. Only files with this process's
+    owner tag are judged: the folder may be shared with a container or, on an NFS home, another host, whose
+    pids mean nothing here (a live run there would lose its secret). Returns how many were removed."""
+    from kvmesh.kvstore import private_dir
+
     removed = 0
     try:
         entries = list(os.scandir(os.fspath(directory)))
@@ -116,8 +123,8 @@ def remove_dead_owners_secret_files(directory: str | os.PathLike) -> int:
         return 0
     for entry in entries:
         m = _OWNED_SECRET_FILE.fullmatch(entry.name)
-        if not m or not entry.is_file(follow_symlinks=False):
-            continue
+        if not m or m.group(2) != private_dir.owner_tag() or not entry.is_file(follow_symlinks=False):
+            continue  # not a secret file, or one of another pid namespace or host
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
                 continue  # not ours to judge

@@ -133,20 +133,22 @@ def start_local(
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
             handlers = _stop_signal_handlers()
-            if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
-                _children_before[:] = _child_pids()
-                from kvmesh.deployments.ray_join import join_cluster
+            try:
+                if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
+                    _children_before[:] = _child_pids()
+                    from kvmesh.deployments.ray_join import join_cluster
 
-                join_cluster(address, log_to_driver=log_to_driver)
-                _joined[0] = True
-            else:
-                cpus = local_num_cpus(cfg, num_cpus)
-                # the raylet, Serve's controller and proxies inherit this process's environment
-                os.environ.update(_proxy_env(cfg["proxy"]))
-                _children_before[:] = _child_pids()
-                start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
-            _started_ray = True
-            _put_back_signal_handlers(handlers)
+                    join_cluster(address, log_to_driver=log_to_driver)
+                    _joined[0] = True
+                else:
+                    cpus = local_num_cpus(cfg, num_cpus)
+                    # the raylet, Serve's controller and proxies inherit this process's environment
+                    os.environ.update(_proxy_env(cfg["proxy"]))
+                    _children_before[:] = _child_pids()
+                    start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
+                _started_ray = True
+            finally:  # a failed start too: Ray's handler turns a later SIGTERM into its own exit
+                _put_back_signal_handlers(handlers)
     except BaseException:
         remove_haproxy_dir()
         remove_run_secret_files()
@@ -160,8 +162,9 @@ def start_local(
         _wait_ready(cfg, timeout_s)
     except BaseException:
         # a start that failed half-way (a proxy Serve killed, a deploy error) leaves nothing running: the
-        # Ray cluster it started, its processes and its HAProxy folder go, as on a normal stop
-        stop_local(drain=False)
+        # Ray cluster it started, its processes and its HAProxy folder go, as on a normal stop; Ray's and
+        # Serve's logs, which say why, are kept
+        stop_local(drain=False, keep_logs=True)
         raise
     return f"http://{cfg['host']}:{cfg['port']}"
 
@@ -278,10 +281,15 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     if os.path.basename(os.path.dirname(os.environ.get(HAPROXY_BINARY_ENV, ""))).startswith(_HAPROXY_DIR_PREFIX):
         del os.environ[HAPROXY_BINARY_ENV]  # an earlier local run's launcher, not an operator's choice
     if proxy == "haproxy":
+        from kvmesh.kvstore.private_dir import write_owner_tag
+
         _remove_orphaned_haproxy_dirs(tempfile.gettempdir())
         # the name stays short: Serve puts the admin socket at <run>/<56-character node id>/admin.sock, and
         # HAProxy refuses a socket path much over 96 characters (a run's pid in the name made it 102)
         run = _haproxy_dir = tempfile.mkdtemp(prefix=_HAPROXY_DIR_PREFIX)
+        # the pid means this process only in its pid namespace on this host: the tag says which (first, so a
+        # folder with a pid always has it); owner.pid keeps the bare pid that tests and operators read
+        write_owner_tag(run)
         with open(os.path.join(run, _OWNER_FILE), "w", encoding="utf-8") as fh:
             fh.write(str(os.getpid()))
         env.update(
@@ -322,8 +330,12 @@ def remove_haproxy_dir() -> None:
 def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
     """Remove the HAProxy folders of local runs whose process is gone (one killed with SIGKILL cannot remove
     its own; its HAProxy and Ray processes end with it, its files do not). Each folder names its run's pid
-    in a file; a folder of a live process, or one without that file, is kept. Returns what was removed."""
+    in a file; a folder of a live process, or one without that file, is kept, and so is one another pid
+    namespace or host made (its owner tag, `private_dir.foreign_owner`): /tmp may be shared with a container,
+    whose pids mean nothing here. Returns what was removed."""
     import shutil
+
+    from kvmesh.kvstore.private_dir import foreign_owner
 
     gone = []
     for name in os.listdir(parent):
@@ -335,7 +347,7 @@ def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
                 pid = fh.read().strip()
         except OSError:
             continue
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or foreign_owner(path) or _alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
@@ -445,12 +457,15 @@ def kill_router_registry(app_name: str) -> bool:
     return True
 
 
-def stop_local(drain: bool = True) -> None:
+def stop_local(drain: bool = True, keep_logs: bool = False) -> None:
     """Delete the app and shut Serve down; shut Ray down too if start_local started it, and end every
     process left below this one since then (deployments/process_tree.py).
 
     `drain`: first wait until the app's requests in flight finished (deployments/drain.py). Without it (the
-    process must go now), a Ray cluster this process started is shut down at once.
+    process must go now), a Ray cluster this process started is shut down at once. `keep_logs`: the Ray folder
+    of a cluster this process started stays, its path logged (a failed start's logs are the only record of
+    why: Serve's and the replicas' lines go to its log files only); a later run sweeps it once this process
+    is gone.
     """
     global _started_ray, _app_name
     import ray
@@ -476,10 +491,14 @@ def stop_local(drain: bool = True) -> None:
         # replicas that never stopped cleanly (a failed start, drain=False) could not remove their private
         # folders; their processes are gone now
         from kvmesh.deployments.engine import remove_dead_private_dirs
-        from kvmesh.deployments.local_ray import remove_ray_temp_dir
+        from kvmesh.deployments.local_ray import keep_ray_temp_dir, remove_ray_temp_dir
 
         remove_dead_private_dirs()
-        remove_ray_temp_dir()
+        if keep_logs:
+            for folder in keep_ray_temp_dir():
+                log.warning("Ray's and Serve's logs of this start are kept in %s", folder)
+        else:
+            remove_ray_temp_dir()
     remove_haproxy_dir()
     remove_run_secret_files()
     _started_ray = False

@@ -57,6 +57,7 @@ class DeployEnded(BaseException):
 
 
 _deploys: list[threading.Thread] = []  # deploy threads still inside serve.run
+_deploys_lock = threading.Lock()
 
 
 def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
@@ -68,12 +69,18 @@ def deploy_or_explain(app: Any, cfg: dict, poll_s: float = 2.0) -> None:
 
     def deploy() -> None:
         try:
-            serve.run(app, name=cfg["name"], route_prefix=cfg["route_prefix"], blocking=False)
-        except BaseException as exc:  # handed to the caller's thread
-            failure.append(exc)
-        finally:
-            done.set()
-            _deploys.remove(threading.current_thread())
+            try:
+                serve.run(app, name=cfg["name"], route_prefix=cfg["route_prefix"], blocking=False)
+            except DeployEnded:
+                raise
+            except BaseException as exc:  # handed to the caller's thread
+                failure.append(exc)
+            finally:
+                with _deploys_lock:  # no longer one `end_deploys` may end
+                    _deploys.remove(threading.current_thread())
+                done.set()
+        except DeployEnded:  # ended by `end_deploys`, wherever it landed (the stop that asked goes on)
+            pass
 
     thread = threading.Thread(target=deploy, name="kvmesh-deploy", daemon=True)
     _deploys.append(thread)
@@ -96,10 +103,13 @@ def end_deploys(timeout_s: float = 10.0) -> int:
     Ray's defaults: not kept on loopback, its files in the shared /tmp/ray) that nothing ever stops. The
     thread gets DeployEnded at its next Python step (CPython's PyThreadState_SetAsyncExc): after its poll,
     or as soon as a Ray call it waits in returns."""
-    for thread in list(_deploys):
-        if thread.ident is not None and thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(DeployEnded))
-    for thread in list(_deploys):
+    with _deploys_lock:  # a thread listed here has not left serve.run, so the exception lands in its own code
+        ending = list(_deploys)
+        for thread in ending:
+            if thread.ident is not None and thread.is_alive():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(DeployEnded))
+    for thread in ending:
         thread.join(timeout_s)
-    _deploys[:] = [t for t in _deploys if t.is_alive()]
-    return len(_deploys)
+    with _deploys_lock:  # one ended before it could take itself off
+        _deploys[:] = [t for t in _deploys if t.is_alive()]
+    return sum(1 for t in ending if t.is_alive())

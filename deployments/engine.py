@@ -139,8 +139,10 @@ class EngineReplica:
         self.kv_events_endpoint = self.replay_endpoint = None
         self.events_relay: Any = None
         remove_dead_private_dirs()
+        from kvmesh.kvstore.private_dir import owned_temp_dir
+
         # mkdtemp is 0700: no other user can open what is in it; /tmp keeps socket paths within ipc's ~107 bytes
-        self._private_dir: str | None = tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir="/tmp")
+        self._private_dir: str | None = owned_temp_dir(PRIVATE_DIR_PREFIX, "/tmp")
         from kvmesh.deployments.engine_driver import build_engine_args, make_driver
 
         with self._released_on_error():

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,9 +116,19 @@ def new_ray_temp_dir() -> str | None:
     Ray's files go under: the caller's own choice (the tests' and benchmarks' private folders), kept."""
     if os.environ.get("RAY_TMPDIR"):
         return None
-    private = tempfile.mkdtemp(prefix=f"{RAY_TEMP_PREFIX}{os.getpid()}-", dir=RAY_TEMP_ROOT)
+    from kvmesh.kvstore.private_dir import owned_temp_dir
+
+    private = owned_temp_dir(RAY_TEMP_PREFIX, RAY_TEMP_ROOT)
     _ray_temp_dir.append(private)
     return os.path.join(private, "r")
+
+
+def keep_ray_temp_dir() -> list[str]:
+    """The folders of the Ray clusters this process started, no longer removed by it (`remove_ray_temp_dir`):
+    their logs are kept, and a later run's start sweeps them once this process is gone."""
+    kept = list(_ray_temp_dir)
+    _ray_temp_dir.clear()
+    return kept
 
 
 def remove_ray_temp_dir() -> None:

@@ -10,11 +10,13 @@ finds every leftover below it and ends it. Linux only; elsewhere these are no-op
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
-from collections.abc import Callable, Collection
+import threading
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,20 @@ def exit_on_sigterm() -> Any:
         raise Terminated(128 + signum)
 
     return signal.signal(signal.SIGTERM, exit_once)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """`exit_on_sigterm` while inside, and the handler before it back afterwards (a caller in the same
+    process, a test, keeps its own). Off the main thread, where handlers cannot be set, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = exit_on_sigterm()
+    try:
+        yield
+    finally:  # None: a handler not set from Python, which Python cannot put back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:

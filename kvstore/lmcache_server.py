@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from kvmesh.deployments.process_tree import die_with_parent
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
-from kvmesh.kvstore.private_dir import PrivateDirError, private_dir, remove_dead_owners_dirs
+from kvmesh.kvstore.private_dir import PrivateDirError, owned_temp_dir, private_dir, remove_dead_owners_dirs
 from kvmesh.kvstore.tiers import (
     HEARTBEAT_S,
     SOCKET_PORT,
@@ -74,7 +73,7 @@ def remove_dead_channel_dirs(root: str | None = None) -> int:
 def new_channel_dir() -> str:
     """A fresh 0700 folder (mkdtemp) for one server's sockets, named after this (owning) process."""
     remove_dead_channel_dirs()
-    return tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-", dir=CHANNEL_ROOT)
+    return owned_temp_dir(CHANNEL_PREFIX, CHANNEL_ROOT)
 
 
 class LMCacheServerError(RuntimeError):

@@ -8,10 +8,17 @@ group and others.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
+import socket
 import stat
+import tempfile
 from pathlib import Path
+
+# In a folder `owned_temp_dir` made (and a run's HAProxy folder): the `owner_tag` of the process that made it.
+OWNER_TAG_FILE = ".kvmesh-owner"
 
 
 class PrivateDirError(RuntimeError):
@@ -44,16 +51,63 @@ def check_private_dir(path: str | os.PathLike) -> None:
         )
 
 
+@functools.cache
+def owner_tag() -> str:
+    """8 hex characters naming this process's pid namespace on this boot of this host: the same for every
+    process that can see (and `os.kill(pid, 0)`) the others' pids, different for a container's or another
+    host's (sharing /tmp or an NFS home). Why: a pid means a process only where the tag is the same, so the
+    dead-owner sweeps judge only owners with our tag. Parts /proc lacks (not Linux) count as empty."""
+    parts = []
+    for read in (
+        lambda: str(os.stat("/proc/self/ns/pid").st_ino),
+        lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        socket.gethostname,
+    ):
+        try:
+            parts.append(read())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def write_owner_tag(folder: str | os.PathLike) -> None:
+    """Record this process's `owner_tag` in `folder` (OWNER_TAG_FILE) for the dead-owner sweeps."""
+    with open(os.path.join(folder, OWNER_TAG_FILE), "w", encoding="ascii") as fh:
+        fh.write(owner_tag())
+
+
+def foreign_owner(folder: str | os.PathLike) -> bool:
+    """Was `folder` made in another pid namespace or on another host (its OWNER_TAG_FILE holds another
+    tag)? Its owner's pid then says nothing here. A folder without the file (made before kvmesh wrote it,
+    or its owner died before it could) is not foreign: its pid is judged as before."""
+    try:
+        with open(os.path.join(folder, OWNER_TAG_FILE), encoding="ascii", errors="replace") as fh:
+            tag = fh.read().strip()
+    except OSError:
+        return False
+    return tag != owner_tag()
+
+
+def owned_temp_dir(prefix: str, root: str) -> str:
+    """A new 0700 folder (mkdtemp) `<root>/<prefix><this pid>-XXXXXXXX` holding this process's `owner_tag`,
+    for `remove_dead_owners_dirs`."""
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)
+    write_owner_tag(path)
+    return path
+
+
 def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
     """Remove this user's folders `<prefix><owner pid>-*` under `root` whose owner process is gone: an owner
-    killed outright (SIGKILL, Serve ending a replica) never removes its own. Returns how many were removed."""
+    killed outright (SIGKILL, Serve ending a replica) never removes its own. A folder another pid namespace
+    or host made (`foreign_owner`) is kept: its pid is not one this process can see. Returns how many were
+    removed."""
     removed = 0
     for entry in os.scandir(root):
         pid = entry.name.removeprefix(prefix).split("-", 1)[0]
         if not entry.name.startswith(prefix) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or foreign_owner(entry.path):
                 continue  # not ours to judge
             os.kill(int(pid), 0)
         except ProcessLookupError:

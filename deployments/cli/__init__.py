@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-import threading
 
 # subcommand -> help; the subcommand's module is this package's module of the same name, with
 # `add_arguments(parser)` and `run(args) -> int`
@@ -57,17 +55,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. A SIGTERM unwinds it like Ctrl-C does (process_tree.exit_on_sigterm), so what it
     started (a local app, servers, temp folders) is cleaned up; the caller's handler is back afterwards."""
-    from kvmesh.deployments.process_tree import exit_on_sigterm
+    from kvmesh.deployments.process_tree import sigterm_unwinds
 
     argv = sys.argv[1:] if argv is None else argv
     only = argv[0] if argv and argv[0] in COMMANDS else None
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = exit_on_sigterm() if in_main else None
-    try:
+    with sigterm_unwinds():
         return _run(argv, only)
-    finally:
-        if in_main:  # None: a handler not set from Python, which Python cannot put back
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _run(argv: list[str], only: str | None) -> int:

@@ -61,7 +61,10 @@ def _leftovers(home, pid: int) -> list[str]:
     """A dead run's secret files and the private folders of its processes (all named after `pid`)."""
     run = home / "run"
     run.mkdir(parents=True, exist_ok=True, mode=0o700)
-    paths = [str(run / f"channel-secret-{pid}-0a1b2c3d"), str(run / f"salt-secret-{pid}-99aa88bb")]
+    from kvmesh.kvstore.private_dir import owner_tag
+
+    tag = owner_tag()
+    paths = [str(run / f"channel-secret-{pid}-{tag}-0a1b2c3d"), str(run / f"salt-secret-{pid}-{tag}-99aa88bb")]
     for path in paths:
         with open(path, "w") as fh:
             fh.write("s" * 64)
@@ -72,11 +75,12 @@ def _leftovers(home, pid: int) -> list[str]:
 
 def test_a_runs_secret_files_are_named_after_it_and_only_dead_owners_files_are_removed(tmp_path):
     from kvmesh.cluster.secure_channel import remove_dead_owners_secret_files, write_channel_secret
+    from kvmesh.kvstore.private_dir import owner_tag
 
     mine = write_channel_secret(tmp_path)
-    assert mine.name.startswith(f"channel-secret-{os.getpid()}-")
+    assert mine.name.startswith(f"channel-secret-{os.getpid()}-{owner_tag()}-")
     dead = _dead_pid()
-    orphan = tmp_path / f"salt-secret-{dead}-0123abcd"
+    orphan = tmp_path / f"salt-secret-{dead}-{owner_tag()}-0123abcd"
     unowned = tmp_path / "channel-secret-0123abcd"  # an older run's, without an owner: not ours to judge
     other = tmp_path / f"notes-{dead}"
     for path in (orphan, unowned, other):

@@ -130,3 +130,48 @@ def test_a_ray_folder_the_caller_names_in_ray_tmpdir_is_kept(fake_ray, monkeypat
     assert "_temp_dir" not in fake_ray["init"]
     stop_local(drain=False)
     assert tmp_path.is_dir()
+
+
+def test_a_start_that_failed_keeps_its_ray_logs_and_names_them(fake_ray, monkeypatch, caplog):
+    """Serve's and the replicas' log lines go to Ray's log files only: removed with the folder, a failed
+    deploy left no record of why."""
+    import shutil
+
+    from kvmesh.deployments import app, deploy_watch
+
+    def refuse(built, cfg):
+        raise RuntimeError("replica constructor raised (see its log)")
+
+    monkeypatch.setattr(deploy_watch, "deploy_or_explain", refuse)
+    with caplog.at_level("WARNING", logger=app.log.name), pytest.raises(RuntimeError):
+        app.start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+    folder = _run_folder(fake_ray["init"]["_temp_dir"])
+    try:
+        assert os.path.isdir(folder), "the failed start's Ray logs were removed with its folder"
+        assert folder in caplog.text
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_failed_ray_start_puts_the_callers_signal_handlers_back(fake_ray, monkeypatch):
+    """Ray sets its own SIGTERM handler as ray.init starts: left after a failure, a later SIGTERM exited with
+    Ray's status instead of unwinding the caller's clean-up (make bench took it for one bench's verdict)."""
+    import signal
+
+    import ray
+
+    from kvmesh.deployments import app
+
+    def init(**kw):
+        signal.signal(signal.SIGTERM, lambda *a: None)  # as Ray's ray.init does first
+        raise RuntimeError("raylet died")
+
+    mine = lambda *a: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, mine)
+    monkeypatch.setattr(ray, "init", init)
+    try:
+        with pytest.raises(RuntimeError):
+            app.start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)

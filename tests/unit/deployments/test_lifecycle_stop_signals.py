@@ -282,3 +282,17 @@ def test_make_bench_stops_at_a_sigterm_instead_of_taking_it_as_a_verdict(monkeyp
     with pytest.raises(SystemExit) as info:
         run_all.main([])
     assert info.value.code == 128 + signal.SIGTERM and ran == ["first"], "a stopped run went on to the next bench"
+
+
+def test_make_bench_and_every_command_put_the_callers_sigterm_handler_back(handlers_kept):
+    """Tests call them in their own process: a handler left behind raised in pytest at the next SIGTERM, then
+    ignored every later one, and children started afterwards inherited SIGTERM ignored."""
+    from kvmesh.benchmarks import run_all
+    from kvmesh.deployments.cli import main
+
+    mine = lambda signum, frame: None  # noqa: E731
+    signal.signal(signal.SIGTERM, mine)
+    assert run_all.main(["no-such-bench"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is mine
+    assert main(["simulate", "--no-such-flag"]) == 2
+    assert signal.getsignal(signal.SIGTERM) is mine
