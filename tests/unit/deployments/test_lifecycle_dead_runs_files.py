@@ -12,43 +12,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 
 import pytest
-
-SECRET_VARS = ("KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE", "KVMESH_CHANNEL_SECRET_FILE")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    saved = dict(os.environ)
-    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
-    for name in SECRET_VARS:
-        monkeypatch.delenv(name, raising=False)
-    yield tmp_path / "home"
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    import ray
-    from ray import serve
-
-    from kvmesh.deployments import app, deploy_watch, local_ray, process_tree
-    from kvmesh.kvstore import node_server
-
-    up = [False]
-    monkeypatch.setattr(local_ray, "start_local_ray", lambda **kw: up.__setitem__(0, True))
-    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
-    monkeypatch.setattr(ray, "shutdown", lambda: up.__setitem__(0, False))
-    monkeypatch.setattr(serve, "start", lambda **kw: None)
-    monkeypatch.setattr(serve, "shutdown", lambda: None)
-    monkeypatch.setattr(node_server, "stop_node_servers", lambda: 0)
-    monkeypatch.setattr(deploy_watch, "deploy_or_explain", lambda built, cfg: None)
-    monkeypatch.setattr(app, "build_app", lambda cfg: None)
-    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: None)
-    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
 
 
 def _dead_pid() -> int:
@@ -134,24 +99,10 @@ def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
     assert made and left == [], f"the killed driver's leftovers stayed: {left}"
 
 
-def test_the_fast_stop_after_the_relay_died_removes_its_replicas_folders(home, fake_ray, monkeypatch):
+def test_the_fast_stop_after_the_relay_died_removes_its_replicas_folders(home, fake_ray, relay_gone):
     """`kvmesh serve`'s driver on SIGHUP (its relay was killed): once it ended its processes, their private
     folders (replicas', LMCache servers') are removed too."""
-    from kvmesh.deployments.cli import serve as serve_cmd
-
-    class SignalledAtOnce(threading.Event):
-        def wait(self, timeout=None) -> bool:
-            return True
-
-        def is_set(self) -> bool:
-            return True
-
-    def exit_now(status):
-        raise SystemExit(status)
-
-    monkeypatch.setattr(serve_cmd.threading, "Event", SignalledAtOnce)
-    monkeypatch.setattr(signal, "signal", lambda *a: None)
-    monkeypatch.setattr(os, "_exit", exit_now)
+    serve_cmd = relay_gone
     # the replicas' folders are named after their processes, which the fast stop ended
     dead = _leftovers(home, _dead_pid())
     parser = argparse.ArgumentParser()

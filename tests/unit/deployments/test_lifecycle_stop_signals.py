@@ -22,19 +22,6 @@ import pytest
 
 from kvmesh.deployments.deploy_watch import deploy_or_explain
 
-SECRET_VARS = ("KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE", "KVMESH_CHANNEL_SECRET_FILE")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    saved = dict(os.environ)
-    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
-    for name in SECRET_VARS:
-        monkeypatch.delenv(name, raising=False)
-    yield tmp_path / "home"
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 @pytest.fixture
 def handlers_kept():
@@ -44,38 +31,6 @@ def handlers_kept():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    """Ray and Serve as a start and stop see them, minus every process; `state` steers them."""
-    import ray
-    from ray import serve
-
-    from kvmesh.deployments import app, deploy_watch, local_ray, process_tree
-    from kvmesh.kvstore import node_server
-
-    state = {"up": False, "on_ray_start": lambda: None, "calls": []}
-
-    def start_local_ray(**kw):
-        state["on_ray_start"]()
-        state["up"] = True
-
-    def shutdown():
-        state["up"] = False
-        state["calls"].append("ray down")
-
-    monkeypatch.setattr(local_ray, "start_local_ray", start_local_ray)
-    monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
-    monkeypatch.setattr(ray, "shutdown", shutdown)
-    monkeypatch.setattr(serve, "start", lambda **kw: None)
-    monkeypatch.setattr(serve, "shutdown", lambda: None)
-    monkeypatch.setattr(node_server, "stop_node_servers", lambda: 0)
-    monkeypatch.setattr(deploy_watch, "deploy_or_explain", lambda built, cfg: None)
-    monkeypatch.setattr(app, "build_app", lambda cfg: None)
-    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: None)
-    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
-    return state
 
 
 def _run_until_signalled(command_run: str) -> subprocess.CompletedProcess:

@@ -15,45 +15,6 @@ from kvmesh.deployments.config import ConfigError
 
 EXPLICIT = "an-operator-salt-secret-0123456789"
 PLACEHOLDER = "REPLACE-WITH-32-RANDOM-BYTES-HEX"  # k8s/secrets.example.yaml
-SECRET_VARS = ("KVMESH_SALT_SECRET", "KVMESH_SALT_SECRET_FILE", "KVMESH_CHANNEL_SECRET_FILE")
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private KVMESH_HOME, no secret configured, and the process's environment put back afterwards
-    (a start exports its secrets' and proxy's settings for Ray's processes)."""
-    saved = dict(os.environ)
-    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "home"))
-    for name in SECRET_VARS:
-        monkeypatch.delenv(name, raising=False)
-    yield tmp_path / "home"
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture
-def fake_ray(monkeypatch):
-    """Ray and Serve as a start and stop see them, minus every process: `serve_start` decides whether
-    the start gets through Serve's start."""
-    import ray
-    from ray import serve
-
-    from kvmesh.deployments import app, deploy_watch, local_ray, process_tree
-    from kvmesh.kvstore import node_server
-
-    up = [False]
-    fake = {"serve_start": lambda **kw: None}
-    monkeypatch.setattr(local_ray, "start_local_ray", lambda **kw: up.__setitem__(0, True))
-    monkeypatch.setattr(ray, "is_initialized", lambda: up[0])
-    monkeypatch.setattr(ray, "shutdown", lambda: up.__setitem__(0, False))
-    monkeypatch.setattr(serve, "start", lambda **kw: fake["serve_start"](**kw))
-    monkeypatch.setattr(serve, "shutdown", lambda: None)
-    monkeypatch.setattr(node_server, "stop_node_servers", lambda: 0)
-    monkeypatch.setattr(deploy_watch, "deploy_or_explain", lambda built, cfg: None)
-    monkeypatch.setattr(app, "build_app", lambda cfg: None)
-    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: None)
-    monkeypatch.setattr(process_tree, "end_descendants", lambda **kw: [])
-    return fake
 
 
 def _secret_files(home) -> list[str]:
@@ -119,27 +80,11 @@ def test_a_start_that_failed_before_ray_ran_leaves_no_secret_file_and_hands_the_
     assert os.environ.get("KVMESH_SALT_SECRET") == EXPLICIT and "KVMESH_CHANNEL_SECRET_FILE" not in os.environ
 
 
-def test_the_fast_stop_after_the_relay_died_removes_the_secret_files(home, fake_ray, monkeypatch):
+def test_the_fast_stop_after_the_relay_died_removes_the_secret_files(home, fake_ray, monkeypatch, relay_gone):
     """`kvmesh serve`'s driver on SIGHUP (its relay was killed): it ends its processes and exits at once."""
     import argparse
-    import signal
-    import threading
 
-    from kvmesh.deployments.cli import serve as serve_cmd
-
-    class SignalledAtOnce(threading.Event):
-        def wait(self, timeout=None) -> bool:
-            return True
-
-        def is_set(self) -> bool:
-            return True
-
-    def exit_now(status):
-        raise SystemExit(status)
-
-    monkeypatch.setattr(serve_cmd.threading, "Event", SignalledAtOnce)
-    monkeypatch.setattr(signal, "signal", lambda *a: None)
-    monkeypatch.setattr(os, "_exit", exit_now)
+    serve_cmd = relay_gone
     monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)
