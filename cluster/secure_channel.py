@@ -128,15 +128,14 @@ def remove_dead_owners_secret_files(directory: str | os.PathLike) -> int:
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
                 continue  # not ours to judge
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        except OSError:  # gone meanwhile
+            continue
+        if private_dir.owner_gone(int(m.group(1))):
             try:
                 os.unlink(entry.path)
                 removed += 1
             except FileNotFoundError:
                 pass
-        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
-            continue
     return removed
 
 

@@ -335,7 +335,7 @@ def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
     whose pids mean nothing here. Returns what was removed."""
     import shutil
 
-    from kvmesh.kvstore.private_dir import foreign_owner
+    from kvmesh.kvstore.private_dir import foreign_owner, owner_gone
 
     gone = []
     for name in os.listdir(parent):
@@ -347,21 +347,11 @@ def _remove_orphaned_haproxy_dirs(parent: str) -> list[str]:
                 pid = fh.read().strip()
         except OSError:
             continue
-        if not pid.isdigit() or foreign_owner(path) or _alive(int(pid)):
+        if not pid.isdigit() or foreign_owner(path) or not owner_gone(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         gone.append(path)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 ROUTER_READY_WAIT_S = 30.0  # after /health answers, how long to wait for the router to see every engine

@@ -96,6 +96,18 @@ def owned_temp_dir(prefix: str, root: str) -> str:
     return path
 
 
+def owner_gone(pid: int) -> bool:
+    """Whether no process `pid` runs in this pid namespace (another user's process counts as running). The one
+    judgement every dead-owner sweep makes; `owner_tag` says whether the pid is one of this namespace's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: another user's process
+        return False
+    return False
+
+
 def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
     """Remove this user's folders `<prefix><owner pid>-*` under `root` whose owner process is gone: an owner
     killed outright (SIGKILL, Serve ending a replica) never removes its own. A folder another pid namespace
@@ -109,10 +121,9 @@ def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or foreign_owner(entry.path):
                 continue  # not ours to judge
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        except OSError:  # gone meanwhile
+            continue
+        if owner_gone(int(pid)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
-        except OSError:  # gone meanwhile, or the pid is another user's process (alive)
-            continue
     return removed
