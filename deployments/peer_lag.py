@@ -18,6 +18,9 @@ CLOCK_WINDOW_S = 10.0  # a peer's clock offset is estimated from its fastest mes
 CLOCK_BUCKET_S = 1.0  # the fastest message is kept per this much time (a peer's clock message comes every poll)
 CLOCK_MAX_S = 60.0  # a one-way time or clock offset beyond this is not a skew to correct: ignored
 CLOCK_MAX_PEERS = 1024  # peers whose clocks are tracked at once (far more than ingress replicas)
+# a change this large in wall minus monotonic time between two looks is the wall clock being stepped (NTP
+# slews at most 0.5 ms a second; a step is typically 128 ms or more), not drift
+CLOCK_STEP_S = 0.05
 
 
 def is_free_choice(shared_blocks) -> bool:
@@ -41,13 +44,46 @@ class PeerClocks:
     least is the message that queued least (NTP's minimum-delay filter), so a burst does not bias it. So
     offset = (least here - least there) / 2, exact when the two fastest delays are equal, and estimated
     again at every report of the peer (each poll), which follows drift. Until a peer has reported (an
-    older version never does), its offset is unknown and its lags count as they are."""
+    older version never does), its offset is unknown and its lags count as they are.
+
+    A clock that is stepped (NTP, a VM resumed) makes the least observed before the step wrong for a whole
+    window on one side: a step forward lowers what the peer observes at once, but raises what this router
+    observes, whose least stays the old one, and the estimate would be off by half the step for
+    `window_s`. So each router watches its own wall clock against the monotonic one (`own_clock`), forgets
+    what it observed when it steps and counts the step in `epoch`, which it publishes; a peer's new epoch
+    makes this router forget what it observed of that peer (`peer_epoch`)."""
 
     def __init__(self, window_s: float = CLOCK_WINDOW_S, bucket_s: float = CLOCK_BUCKET_S) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
         self._least: dict[str, deque[list[float]]] = {}  # per peer: [bucket start, least observed] oldest first
         self.offsets: dict[str, float] = {}  # per peer: this clock minus the peer's (s), once estimated
+        self.epoch = 0  # steps of this router's wall clock seen so far (`own_clock`), told to the peers
+        self._gap: float | None = None  # wall minus monotonic time at the last look
+        self._peer_epochs: dict[str, int] = {}  # per peer, the epoch of its clock last heard
+
+    def own_clock(self, wall: float, monotonic: float) -> bool:
+        """Look at this router's wall clock against its monotonic one; if it was stepped since the last
+        look, forget everything observed on the old clock (and the offsets from it) and count the step."""
+        gap = wall - monotonic
+        stepped = self._gap is not None and math.isfinite(gap) and abs(gap - self._gap) > CLOCK_STEP_S
+        self._gap = gap if math.isfinite(gap) else self._gap
+        if stepped:
+            self._least.clear()
+            self.offsets.clear()
+            self.epoch += 1
+        return stepped
+
+    def peer_epoch(self, router: str, epoch: int) -> None:
+        """`router`'s clock is in `epoch`: one it did not have before was stepped since, so what this router
+        observed of it and its offset are forgotten."""
+        known = self._peer_epochs.get(router)
+        if known is None and len(self._peer_epochs) >= CLOCK_MAX_PEERS:
+            return
+        if known is not None and known != epoch:
+            self._least.pop(router, None)
+            self.offsets.pop(router, None)
+        self._peer_epochs[router] = epoch
 
     def observe(self, router: str, sent_at: float, heard_at: float) -> None:
         """A message of `router` stamped `sent_at` (its clock) arrived at `heard_at` (this router's)."""
@@ -87,18 +123,28 @@ class PeerClocks:
                 out[router] = seen
         return out
 
-    def reported(self, router: str, theirs: float, now: float) -> None:
-        """`router` observed at least `theirs` of this router's messages: estimate its offset again."""
+    def reported(self, router: str, theirs: float, now: float, epoch: int | None = None) -> None:
+        """`router` observed at least `theirs` of this router's messages (under this router's clock `epoch`;
+        None from an older peer): estimate its offset again. A report observed before this clock's last
+        step is not used."""
         mine = self.least(router, now)
         if mine is None or not (math.isfinite(theirs) and abs(theirs) <= CLOCK_MAX_S):
+            return
+        if epoch is not None and epoch != self.epoch:
             return
         offset = (mine - theirs) / 2
         if router in self.offsets or len(self.offsets) < CLOCK_MAX_PEERS:
             self.offsets[router] = offset
 
+    def epochs(self, routers) -> dict[str, int]:
+        """Per router, the epoch of its clock that what this router observed of it was observed under (told
+        with the least observed: a report from before a peer's step is on the clock the peer left)."""
+        return {r: self._peer_epochs[r] for r in routers if r in self._peer_epochs}
+
     def forget(self, router: str) -> None:
         self._least.pop(router, None)
         self.offsets.pop(router, None)
+        self._peer_epochs.pop(router, None)
 
     def _drop(self, least: deque[list[float]], now: float) -> None:
         while least and least[0][0] <= now - self.window_s:

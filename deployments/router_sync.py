@@ -148,9 +148,14 @@ class PeerPlacements:
 
     def clock_message(self, router: str) -> list:
         """What `router` (this one) publishes every poll for its peers' clock offsets (`PeerClocks`):
-        ["clock", router, "", "", sent_at, {peer: least one-way time observed from it lately (s)}]."""
+        ["clock", router, "", "", sent_at, {peer: least one-way time observed from it lately (s)}, epoch,
+        {peer: that peer's epoch the least was observed under}] (`epoch`: how often this router's wall clock
+        was stepped, `PeerClocks.own_clock`; a peer of an older version sends neither)."""
         now = self.clock()
-        return ["clock", router, "", "", now, self.unseen.clocks.minimums(now)]
+        clocks = self.unseen.clocks
+        clocks.own_clock(now, self.monotonic())
+        least = clocks.minimums(now)
+        return ["clock", router, "", "", now, least, clocks.epoch, clocks.epochs(least)]
 
     def _count_tenant(self, key: tuple[str, str], tenant: str | None, num_tokens: int, delta: int) -> None:
         """A peer's placement or held claim `key` of `tenant` starts (+1) or stops (-1) being tracked. Its request
@@ -287,10 +292,17 @@ class PeerPlacements:
                 raise TypeError(f"a clock message holds a mapping, not {type(least).__name__}")
             theirs = least.get(self.router_id) if self.router_id is not None else None
             theirs = float(theirs) if theirs is not None else None  # checked whole first, as `routed` is
+            epoch = int(msg[6]) if len(msg) > 6 else 0
+            epochs = msg[7] if len(msg) > 7 else {}
+            if not isinstance(epochs, dict):
+                raise TypeError(f"a clock message's epochs are a mapping, not {type(epochs).__name__}")
+            mine = epochs.get(self.router_id) if self.router_id is not None else None
+            mine = int(mine) if mine is not None else None
             now = self.clock()
+            self.unseen.clocks.peer_epoch(router, epoch)
             self.unseen.clocks.observe(router, sent_at, now)
             if theirs is not None:
-                self.unseen.clocks.reported(router, theirs, now)
+                self.unseen.clocks.reported(router, theirs, now, mine)
         elif kind == "bye":
             self.drop_router(router)
 

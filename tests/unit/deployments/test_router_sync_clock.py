@@ -38,6 +38,7 @@ class Hosts:
         self.peers = {}
         for name, skew in (("A", skew_a), ("B", skew_b)):
             p = PeerPlacements(Index(), lambda: [], clock=lambda skew=skew: self.now + skew)
+            p.monotonic = lambda: self.now
             p.router_id = name
             self.peers[name] = p
         self.queue: list = []
@@ -49,11 +50,13 @@ class Hosts:
         receiver = "B" if sender == "A" else "A"
         heapq.heappush(self.queue, (self.now + self.delay + wait, self.n, receiver, msg))
 
-    def run(self, until: float, rate: float = 40.0, exchange: bool = True) -> None:
-        """Both routers place `rate` requests a second each (free choices); with `exchange`, each also
-        publishes its clock message every second, as `RouterSync.publish_clock` does."""
-        events = [(k / rate, "place") for k in range(int(until * rate))]
-        events += [(float(s) + 0.5, "clock") for s in range(int(until))] if exchange else []
+    def run(self, until: float, rate: float = 40.0, exchange: bool = True, start: float = 0.0) -> None:
+        """From `start`, both routers place `rate` requests a second each (free choices); with `exchange`,
+        each also publishes its clock message every second, as `RouterSync.publish_clock` does."""
+        events = [(start + k / rate, "place") for k in range(int((until - start) * rate))]
+        clocks = range(math.ceil(start - 0.5), math.ceil(until - 0.5))
+        events += [(s + 0.5, "clock") for s in clocks] if exchange else []
+        events = [(t, what) for t, what in events if start <= t < until]
         for t, what in sorted(events):
             self._deliver(t)
             self.now = t
@@ -117,6 +120,43 @@ def test_offsets_follow_a_drifting_clock():
     assert abs(a.unseen.clocks.offsets["B"] - 0.016) < 0.001
 
 
+@pytest.mark.parametrize("step", [0.3, -0.3])
+def test_a_stepped_clock_is_estimated_again_at_the_next_exchange_never_half_wrong(step):
+    """B's wall clock is stepped (its monotonic clock is not). Once B's next clock message is out, each
+    offset either side holds is the new one (none for a poll, while the new one is estimated); before, one
+    side's least stayed the old clock's for a whole window, and the offset read half the step for about
+    ten seconds."""
+    hosts = Hosts(0.0, 0.0)
+    hosts.run(12.0)
+    a, b = hosts.peers["A"], hosts.peers["B"]
+    assert abs(a.unseen.clocks.offsets["B"]) < 0.0005 and abs(b.unseen.clocks.offsets["A"]) < 0.0005
+    b.clock = lambda: hosts.now + step
+    t = 12.0
+    while t < 24.0:
+        hosts.run(t + 0.25, start=t)
+        t += 0.25
+        for me, peer, truth in ((a, "B", -step), (b, "A", step)):
+            offset = me.unseen.clocks.offsets.get(peer)
+            if t >= 12.75:  # B's first clock message since the step (sent at 12.5) has arrived
+                assert offset is None or abs(offset - truth) < 0.001, (t, peer, offset, truth)
+        if t >= 14.0:
+            assert set(a.unseen.clocks.offsets) == {"B"} and set(b.unseen.clocks.offsets) == {"A"}, t
+    assert b.unseen.clocks.epoch == 1 and a.unseen.clocks.epoch == 0
+
+
+def test_a_clock_report_from_before_this_clocks_step_is_not_used():
+    peers = _established()
+    peers.monotonic = lambda: 0.0
+    peers.clock_message("A")  # the first look at its own clock
+    peers.clock = lambda: 100.5  # stepped half a second forward
+    msg = peers.clock_message("A")
+    assert msg[6] == 1 and msg[5] == {} and peers.unseen.clocks.offsets == {}
+    peers.apply(["clock", "B", "", "", 99.985, {"A": -0.005}, 0, {"A": 0}])  # B's least of the old clock
+    assert peers.unseen.clocks.offsets == {}
+    peers.apply(["clock", "B", "", "", 99.985, {"A": -0.505}, 0, {"A": 1}])  # observed on the new one
+    assert peers.unseen.clocks.offsets["B"] == pytest.approx(0.510)
+
+
 def _established() -> PeerPlacements:
     """A router "A" that measured peer "B" 10 ms behind its clock (B's messages take 15 ms, its take 5)."""
     peers = PeerPlacements(Index(), lambda: [], clock=lambda: 100.0)
@@ -142,7 +182,18 @@ def test_a_bad_or_huge_clock_report_is_ignored(bad):
     assert fresh.unseen_placements()[0] == pytest.approx(0.1 / fresh.unseen.window_s)  # sums not poisoned
 
 
-@pytest.mark.parametrize("payload", [[99.985, [-0.005]], [99.985, "x"], ["soon", {"A": 0.0}], [99.985, {"A": "x"}]])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        [99.985, [-0.005]],
+        [99.985, "x"],
+        ["soon", {"A": 0.0}],
+        [99.985, {"A": "x"}],
+        [99.985, {"A": -0.005}, "x"],
+        [99.985, {"A": -0.005}, 0, [0]],
+        [99.985, {"A": -0.005}, 0, {"A": "x"}],
+    ],
+)
 def test_a_malformed_clock_message_is_refused_whole(payload):
     peers = _established()
     with pytest.raises((TypeError, ValueError)):  # RouterSync counts it in `bad_messages` and goes on
@@ -178,7 +229,7 @@ def test_a_router_publishes_its_clock_message_only_to_peers():
     sync._apply(msgpack.packb(["clock", "B", "", "", 99.985, {}]))  # B: 10 ms behind, 5 ms away
     assert sync.first_peer_s is None  # an idle peer's clock message is not its first placement
     sync.publish_clock()
-    assert sent == [["clock", sync.router_id, "", "", 100.0, {"B": pytest.approx(0.015)}]]
+    assert sent == [["clock", sync.router_id, "", "", 100.0, {"B": pytest.approx(0.015)}, 0, {"B": 0}]]
     now[0] = 100.5
     sync._apply(msgpack.packb(["clock", "B", "", "", 100.485, {sync.router_id: -0.005}]))  # B's report, packed
     assert sync.stats()["clock_offset_ms"] == {"B": 10.0} and sync.bad_messages == 0
