@@ -501,10 +501,35 @@ def format_table(summaries: dict[str, dict]) -> str:
     for n in names:
         s = summaries[n]
         if s.get("per_replica_known"):
-            parts = ", ".join(
-                f"{rep}: {row['requests']} req {100 * row['hit_rate_tokens']:.0f}% hit "
-                f"{row['uncached_prompt_tokens']:,} uncached"
-                for rep, row in sorted(s["per_replica"].items())
-            )
-            lines.append(f"  {n} per replica: {parts}")
+            lines.append(f"  {n} per replica: {_per_replica_line(s['per_replica'])}")
     return "\n".join(lines)
+
+
+# Replicas listed one by one in a table; a larger fleet gets a summary instead: listed, a simulated fleet of
+# 100,000 replicas (`kvmesh demo --simulate`) is megabytes on one line, of mostly idle replicas.
+MAX_LISTED_REPLICAS = 16
+BUSIEST_LISTED = 5
+
+
+def _replica_row(rep: str, row: dict) -> str:
+    hit = 100 * row["hit_rate_tokens"]
+    return f"{rep}: {row['requests']} req {hit:.0f}% hit {row['uncached_prompt_tokens']:,} uncached"
+
+
+def _per_replica_line(per_replica: dict[str, dict]) -> str:
+    """Every replica of a small fleet; of a large one, min/median/max over all replicas and the busiest few."""
+    if len(per_replica) <= MAX_LISTED_REPLICAS:
+        return ", ".join(_replica_row(rep, row) for rep, row in sorted(per_replica.items()))
+    rows = per_replica.values()
+
+    def spread(key: str, fmt: Callable[[float], str]) -> str:
+        values = sorted(row[key] for row in rows)
+        return "/".join(fmt(nearest_rank(values, q)) for q in (0.0, 0.5, 1.0))
+
+    busiest = sorted(per_replica.items(), key=lambda item: (-item[1]["requests"], item[0]))[:BUSIEST_LISTED]
+    return (
+        f"{len(per_replica):,} replicas, min/median/max: requests {spread('requests', lambda v: f'{v:,}')}, "
+        f"hit {spread('hit_rate_tokens', lambda v: f'{100 * v:.0f}%')}, "
+        f"uncached {spread('uncached_prompt_tokens', lambda v: f'{v:,}')}; busiest: "
+        + ", ".join(_replica_row(rep, row) for rep, row in busiest)
+    )

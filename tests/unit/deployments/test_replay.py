@@ -117,6 +117,39 @@ def test_summary_aggregates_tokens_requests_replicas_and_errors():
     assert "62.5%" in table and "round_robin" in table and "a: 2 req" in table
 
 
+def _fleet(replicas: int, busy: dict[str, tuple[int, int, int]]) -> dict:
+    """A summary whose per-replica rows are idle but for `busy` (replica -> requests, prompt, cached)."""
+    rows = {}
+    for i in range(replicas):
+        n, prompt, cached = busy.get(f"r{i}", (0, 0, 0))
+        hit = cached / prompt if prompt else 0.0
+        rows[f"r{i}"] = {
+            "requests": n,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "uncached_prompt_tokens": prompt - cached,
+            "hit_rate_tokens": hit,
+        }
+    return {"requests": 3, "per_replica_known": True, "per_replica": rows}
+
+
+def test_a_large_fleets_per_replica_figures_are_a_bounded_summary():
+    """`kvmesh demo --simulate --replicas 100000` listed every replica on one line (megabytes)."""
+    s = _fleet(100_000, {"r7": (2, 1000, 800), "r99999": (1, 500, 0)})
+    table = format_table({"kvmesh": s, "round_robin": s})
+    assert len(table) < 4000, f"{len(table):,} characters for two runs"
+    line = next(x for x in table.splitlines() if x.startswith("  kvmesh per replica"))
+    assert "100,000 replicas" in line
+    assert "requests 0/0/2" in line and "hit 0%/0%/80%" in line and "uncached 0/0/500" in line  # min/median/max
+    assert line.index("r7: 2 req 80% hit 200 uncached") < line.index("r99999: 1 req 0% hit 500 uncached")
+
+
+def test_a_small_fleets_replicas_are_each_listed():
+    table = format_table({"kvmesh": _fleet(16, {"r3": (4, 100, 25)})})
+    line = next(x for x in table.splitlines() if "per replica" in x)
+    assert line.count(" req ") == 16 and "r3: 4 req 25% hit 75 uncached" in line and "r0: 0 req 0% hit" in line
+
+
 def test_summary_without_cached_counts_reports_none():
     s = ReplayReport([_res(0, 100, None, 0.1, "unknown")], wall_s=1.0).summary()
     assert s["hit_rate_tokens"] is None and s["uncached_prompt_tokens"] is None
