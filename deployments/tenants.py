@@ -353,6 +353,8 @@ class TenantRegistry:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:  # a ValueError, but not one with this module's one-line message
+            raise ConfigError(f"cannot read tenants file {path}: not UTF-8 text (byte {exc.start})") from None
         try:
             if path.suffix == ".toml":
                 import tomllib

@@ -371,6 +371,16 @@ def test_from_file_yaml_toml_json_agree(tmp_path):
         TenantRegistry.from_file(tmp_path / "absent.yaml", secret=SECRET)
 
 
+@pytest.mark.parametrize("name", ["t.yaml", "t.json", "t.toml"])
+def test_a_tenants_file_that_is_not_utf8_is_the_modules_one_line_error(tmp_path, name):
+    """Callers other than `kvmesh serve` (the ingress replica) got a bare UnicodeDecodeError."""
+    path = tmp_path / name
+    path.write_bytes(b"tenants:\n  - id: acme \xff\n")
+    with pytest.raises(ConfigError) as info:
+        TenantRegistry.from_file(path, secret=SECRET)
+    assert str(info.value) == f"cannot read tenants file {path}: not UTF-8 text (byte 22)"
+
+
 def test_example_config_loads():
 
     example = REPO_ROOT / "deployments" / "tenants.example.yaml"

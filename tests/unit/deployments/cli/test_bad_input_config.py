@@ -127,7 +127,7 @@ def test_a_tenants_file_the_ingress_would_refuse_stops_the_cli(kind, tmp_path, c
         path.write_text("tenants: []\n")
     needle = {
         "missing": "--tenants: cannot read tenants file",
-        "binary": f"--tenants {path}: not UTF-8 text (byte 0)",
+        "binary": f"--tenants: cannot read tenants file {path}: not UTF-8 text (byte 0)",
         "folder": "Is a directory",
         "malformed": "--tenants: tenants: expected a non-empty list",
     }[kind]
