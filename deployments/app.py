@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,6 +121,7 @@ def start_local(
 
     from kvmesh.deployments.deploy_watch import deploy_or_explain
     from kvmesh.deployments.local_ray import local_num_cpus, start_local_ray
+    from kvmesh.deployments.process_tree import handlers_put_back
 
     cfg = app_config(config)
     if cfg["port"] == 0:
@@ -132,8 +134,8 @@ def start_local(
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
-            handlers = _stop_signal_handlers()
-            try:
+            # Ray's handler would turn a later SIGTERM into its own exit, a failed start's too
+            with handlers_put_back(signal.SIGTERM, signal.SIGINT):
                 if address:  # a cluster someone else runs (KubeRay, `ray start`): its nodes keep their own resources
                     _children_before[:] = _child_pids()
                     from kvmesh.deployments.ray_join import join_cluster
@@ -147,8 +149,6 @@ def start_local(
                     _children_before[:] = _child_pids()
                     start_local_ray(num_cpus=cpus, env_vars=runtime_env_vars(), log_to_driver=log_to_driver)
                 _started_ray = True
-            finally:  # a failed start too: Ray's handler turns a later SIGTERM into its own exit
-                _put_back_signal_handlers(handlers)
     except BaseException:
         remove_haproxy_dir()
         remove_run_secret_files()
@@ -167,27 +167,6 @@ def start_local(
         stop_local(drain=False, keep_logs=True)
         raise
     return f"http://{cfg['host']}:{cfg['port']}"
-
-
-def _stop_signal_handlers() -> dict[int, Any]:
-    """This process's SIGTERM and SIGINT handlers, as set from Python (empty off the main thread)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    return {sig: h for sig, h in handlers.items() if h is not None}
-
-
-def _put_back_signal_handlers(handlers: Mapping[int, Any]) -> None:
-    """Set `handlers` again after `ray.init`. Why: Ray replaces the SIGTERM handler (its own, then its core
-    worker's, which logs and aborts), so a stop signal during the rest of the start-up ended the process
-    without the caller's clean-up, leaving its folders and secret files behind."""
-    import signal
-
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 # Secret files this run wrote for itself (path -> the environment variable naming it), removed when it stops,

@@ -81,17 +81,32 @@ def exit_on_sigterm() -> Any:
 
 
 @contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """`exit_on_sigterm` while inside, and the handler before it back afterwards (a caller in the same
-    process, a test, keeps its own). Off the main thread, where handlers cannot be set, it changes nothing."""
+def handlers_put_back(*signals: int, unknown: Any = None) -> Iterator[None]:
+    """The handlers `signals` have on entry, set again on the way out, however the block ends. Why: what runs
+    inside may replace them (Ray's `ray.init` sets its own SIGTERM handler, which logs and aborts), and the
+    caller's own, put back, still runs its clean-up at a stop signal. A handler not set from Python (None to
+    `signal.getsignal`) cannot be put back: `unknown` is set instead, or with None the signal keeps what it has
+    then. Off the main thread, where handlers cannot be set, it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = exit_on_sigterm()
+    saved = {sig: signal.getsignal(sig) for sig in signals}
     try:
         yield
-    finally:  # None: a handler not set from Python, which Python cannot put back
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None or unknown is not None:
+                signal.signal(sig, unknown if handler is None else handler)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """`exit_on_sigterm` while inside, and the handler before it back afterwards (a caller in the same
+    process, a test, keeps its own). Off the main thread, where handlers cannot be set, it changes nothing."""
+    with handlers_put_back(signal.SIGTERM, unknown=signal.SIG_DFL):
+        if threading.current_thread() is threading.main_thread():
+            exit_on_sigterm()
+        yield
 
 
 def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:

@@ -93,6 +93,57 @@ def test_the_handlers_a_start_had_before_ray_init_are_back_after_it(home, fake_r
         stop_local(drain=False)
 
 
+def test_handlers_put_back_restores_each_signals_handler_however_the_block_ends(handlers_kept):
+    from kvmesh.deployments.process_tree import handlers_put_back
+
+    def term(signum, frame):
+        pass
+
+    def intr(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, term)
+    signal.signal(signal.SIGINT, intr)
+    with pytest.raises(RuntimeError), handlers_put_back(signal.SIGTERM, signal.SIGINT):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        raise RuntimeError("the block failed")
+    assert signal.getsignal(signal.SIGTERM) is term and signal.getsignal(signal.SIGINT) is intr
+    failed = []
+
+    def off_main_thread():  # where handlers cannot be set: nothing to save or put back, and no error
+        try:
+            with handlers_put_back(signal.SIGTERM):
+                pass
+        except Exception as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=off_main_thread)
+    worker.start()
+    worker.join()
+    assert not failed and signal.getsignal(signal.SIGTERM) is term
+
+
+def test_a_start_keeps_its_handlers_around_ray_init_through_process_trees_helper(home, fake_ray, monkeypatch):
+    """One way to put stop-signal handlers back (process_tree.handlers_put_back), which the start uses."""
+    from kvmesh.deployments import app, process_tree
+
+    real = process_tree.handlers_put_back
+    kept = []
+
+    def recording(*signals, **kw):
+        kept.append(signals)
+        return real(*signals, **kw)
+
+    monkeypatch.setattr(process_tree, "handlers_put_back", recording)
+    fake_ray["on_ray_start"] = lambda: kept.append("ray started")
+    app.start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+    try:
+        assert kept == [(signal.SIGTERM, signal.SIGINT), "ray started"]
+    finally:
+        app.stop_local(drain=False)
+
+
 def test_a_start_interrupted_before_ray_ran_leaves_no_haproxy_folder(home, fake_ray):
     from kvmesh.deployments import app
 
