@@ -424,7 +424,6 @@ def split_traces(rows: list[dict]) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    from kvmesh.deployments.process_tree import exit_on_sigterm
+    from kvmesh.benchmarks.entry import run_main
 
-    exit_on_sigterm()  # a SIGTERM unwinds the live legs, so their apps, servers and folders go
-    main()
+    run_main(main)

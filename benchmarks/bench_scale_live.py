@@ -251,4 +251,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main)

@@ -141,4 +141,6 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -190,5 +189,6 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main)

@@ -178,4 +178,6 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1:])
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main, sys.argv[1:])

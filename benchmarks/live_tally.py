@@ -130,4 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main)

@@ -187,4 +187,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvmesh.benchmarks.entry import run_main
+
+    run_main(main)
