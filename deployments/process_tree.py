@@ -6,6 +6,10 @@ Why all three: Ray starts its node processes with a parent-death SIGKILL, but th
 parent dies, and from then on nothing kvmesh runs can see them. A process marked as child subreaper
 inherits those orphans instead of init, so after Ray shut down its own way, `end_descendants` still
 finds every leftover below it and ends it. Linux only; elsewhere these are no-ops.
+
+A stop signal must unwind the run for its clean-up to happen: `exit_on_sigterm` / `sigterm_unwinds` turn
+SIGTERM into an unwinding exit (`Terminated`, a SystemExit), as Ctrl-C unwinds, for every `kvmesh` command
+and benchmark; `handlers_put_back` restores the caller's handlers after code that replaces them (`ray.init`).
 """
 
 from __future__ import annotations
