@@ -770,6 +770,7 @@ def test_every_refusal_by_the_tenants_limits_counts_in_its_rejections_and_other_
         assert text_over.status_code == 400 and _code(text_over) == "tenant_prompt_limit_exceeded"
         assert (await _send(ing, {**BODY, "prompt": [1]})).status_code == 200
         assert (await _send(ing, {**BODY, "prompt": [1]})).status_code == 429
+        now[0] += 1.0  # not throttled: a malformed request is judged on its body
         salted = await _send(ing, {**BODY, "prompt": [1], "cache_salt": "x"})
         assert salted.status_code == 400 and _code(salted) == "client_cache_salt_not_allowed"
         rejections = ing.tenant_metrics.snapshot()["anonymous"]["rejections"]
@@ -778,6 +779,31 @@ def test_every_refusal_by_the_tenants_limits_counts_in_its_rejections_and_other_
         assert 'kvmesh_tenant_rejections_total{tenant="anonymous",reason="tenant_prompt_limit_exceeded"} 2' in text
         help_line = next(line for line in text.splitlines() if line.startswith("# HELP kvmesh_tenant_rejections"))
         assert "tenant_prompt_limit_exceeded" in help_line
+
+    asyncio.run(run())
+
+
+def test_a_throttled_tenant_is_refused_before_its_body_is_read_or_parsed():
+    """Whatever its prompt, a tenant over its request rate gets its 429 without the ingress reading and
+    parsing a body it would refuse anyway (up to max_body_bytes a request)."""
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(requests_per_s=1, burst_requests=1), now)
+        assert (await _send(ing, TEXT)).status_code == 200
+        reads = []
+        req, _, receive = _request(b'{"model": "tiny", "prompt": ' + b"[1, " * 10_000)  # not even JSON
+
+        async def counted_receive():
+            reads.append(1)
+            return await receive()
+
+        req._receive = counted_receive
+        refused = await ing._generate(req, "completion")
+        assert refused.status_code == 429 and _code(refused) == "rate_limit_exceeded" and reads == []
+        now[0] += 1.0
+        bad = await _send(ing, {"model": "tiny"})  # not throttled: its body is judged
+        assert bad.status_code == 400
 
     asyncio.run(run())
 
