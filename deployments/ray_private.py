@@ -1,4 +1,5 @@
-"""Every private Ray and Ray Serve name kvmesh uses, in one module, each listed in `PRIVATE_SYMBOLS`.
+"""Every private Ray and Ray Serve name kvmesh uses, in one module: the modules' names listed in
+`PRIVATE_SYMBOLS`, `ray.init`'s private keywords in `INIT_KEYWORDS`.
 
 Ray 2.60 has no public way to do these few things, and each is small:
 - keep a node on 127.0.0.1: Ray rewrites a loopback address to the host's routable one
@@ -19,9 +20,9 @@ Ray 2.60 has no public way to do these few things, and each is small:
   deployments/drain.py).
 
 No other kvmesh module imports a private Ray path (tests/unit/deployments/test_ray_private.py scans the
-source). `problems()` checks that the installed Ray still has each name, and the Ray Serve contract
-check (deployments/serve_contract.py) includes it, so a Ray that lacks one fails the deploy naming it,
-rather than a patch going missing at run time.
+source). `problems()` checks that the installed Ray still has each name of both lists, and the Ray Serve
+contract check (deployments/serve_contract.py) includes it, so a Ray that lacks one fails the deploy naming
+it, rather than a patch going missing at run time.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ REPLICA_IN_FLIGHT_METHOD = "get_num_ongoing_requests"
 NODE_IP_INIT_KEYWORD = "_node_ip_address"
 # ray.init's private keyword for the folder a new local cluster keeps its files in
 TEMP_DIR_INIT_KEYWORD = "_temp_dir"
+# the private ray.init keywords kvmesh passes, and who passes them: read from **kwargs, so not in
+# PRIVATE_SYMBOLS (no attribute to resolve) but checked by `problems()` all the same
+INIT_KEYWORDS = ((NODE_IP_INIT_KEYWORD, "local_ray, ray_join"), (TEMP_DIR_INIT_KEYWORD, "local_ray"))
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ def _resolve(symbol: PrivateSymbol) -> Any:
 
 
 def problems() -> list[str]:
-    """Every private name in PRIVATE_SYMBOLS the installed Ray lacks or has changed (empty when all fit)."""
+    """Every private name in PRIVATE_SYMBOLS or INIT_KEYWORDS the installed Ray lacks or has changed (empty
+    when all fit)."""
     out = []
     for symbol in PRIVATE_SYMBOLS:
         try:
@@ -93,12 +98,13 @@ def problems() -> list[str]:
             out.append(f"{symbol.qualified} is not callable (used by {symbol.used_by})")
     import ray
 
-    try:  # the keyword is read from **kwargs, so it is not in the signature: look in the source
+    try:  # the keywords are read from **kwargs, so they are not in the signature: look in the source
         init_text = inspect.getsource(inspect.unwrap(ray.init))
-    except (OSError, TypeError):  # no source installed: the docstring lists it too; neither: cannot tell
+    except (OSError, TypeError):  # no source installed: the docstring lists them too; neither: cannot tell
         init_text = ray.init.__doc__ or ""
-    if init_text and NODE_IP_INIT_KEYWORD not in init_text:
-        out.append(f"ray.init has no keyword {NODE_IP_INIT_KEYWORD} (used by local_ray, ray_join)")
+    for keyword, used_by in INIT_KEYWORDS:
+        if init_text and keyword not in init_text:
+            out.append(f"ray.init has no keyword {keyword} (used by {used_by})")
     return out
 
 

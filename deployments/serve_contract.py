@@ -7,9 +7,10 @@ caller goes away, and gives a retried request a fresh one through `reset_future`
 changes any of that, placement bookkeeping (policy credit, speculative prefixes, predictions) would
 stop without an error, so `check_serve_contract` fails the deploy instead, naming what differs.
 
-The few private Ray names kvmesh uses elsewhere (nodes on loopback, Serve's replica gRPC binding, the
-drain's in-flight count) are all in deployments/ray_private.py; its `problems()` is part of this check, so
-a Ray that lacks one of them fails the deploy in the same way, naming the symbol.
+The few private Ray names kvmesh uses elsewhere (nodes on loopback, a private Ray folder, the benchmarks'
+patient node start, Serve's replica gRPC binding and transport, the drain's in-flight count) are all in
+deployments/ray_private.py; its `problems()` is part of this check, so a Ray that lacks one of them fails
+the deploy in the same way, naming the symbol.
 
 The ingress's prefix cache reset calls every engine replica through `DeploymentHandle.broadcast` (public,
 alpha in Ray 2.60), checked here too.

@@ -138,7 +138,18 @@ def test_a_ray_init_without_the_node_address_keyword_is_named(monkeypatch):
     import ray
 
     def init(address=None, **kwargs):
-        kwargs.pop("namespace", None)
+        kwargs.pop("_temp_dir", None)
 
     monkeypatch.setattr(ray, "init", init)
     assert ray_private.problems() == ["ray.init has no keyword _node_ip_address (used by local_ray, ray_join)"]
+
+
+def test_a_ray_init_without_the_temp_dir_keyword_is_named(monkeypatch):
+    """local_ray passes `_temp_dir` too: a Ray without it would refuse the start, so the deploy check names it."""
+    import ray
+
+    def init(address=None, **kwargs):
+        kwargs.pop("_node_ip_address", None)
+
+    monkeypatch.setattr(ray, "init", init)
+    assert ray_private.problems() == ["ray.init has no keyword _temp_dir (used by local_ray)"]
