@@ -93,7 +93,7 @@ def channel_keys(path: str | os.PathLike | None = None) -> ChannelKeys:
 def write_secret_file(directory: str | os.PathLike, prefix: str, data: bytes) -> Path:
     """`data` in a new owner-only (0600) file `prefix-<this pid>-<owner tag>-XXXXXXXX` under `directory` (made
     0700), never over an existing one; returns its path. The pid and the tag (`private_dir.owner_tag`: which
-    pid namespace and host the pid is of) name the file's owner for `remove_dead_owners_secret_files`."""
+    pid namespace, boot and host the pid is of) name the file's owner for `remove_dead_owners_secret_files`."""
     from kvmesh.kvstore import private_dir
 
     directory = Path(directory)
@@ -124,7 +124,7 @@ def remove_dead_owners_secret_files(directory: str | os.PathLike) -> int:
     for entry in entries:
         m = _OWNED_SECRET_FILE.fullmatch(entry.name)
         if not m or m.group(2) != private_dir.owner_tag() or not entry.is_file(follow_symlinks=False):
-            continue  # not a secret file, or one of another pid namespace or host
+            continue  # not a secret file, or one of another pid namespace, boot or host
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
                 continue  # not ours to judge

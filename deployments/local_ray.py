@@ -16,8 +16,11 @@ Ray's files (its sockets, logs, session state) go inside a new 0700 folder of th
 to Ray's default /tmp/ray: that one is shared by every local user, and each session's `sockets` folder in it
 is open to all (mode 0777, no sticky bit), so another user could replace the raylet's socket with their own;
 and every run left its session folder there. Ray makes every folder it is given 0777 again, so it gets one
-inside the private one, which no other user can enter. The run's folder goes when Ray is shut down. A
-RAY_TMPDIR in the environment is the caller's choice of folder (Ray's own variable): Ray's files go there.
+inside the private one, which no other user can enter. The run's folder goes when Ray is shut down, except
+after a start that failed once Ray was up (app.py's `stop_local(keep_logs=True)`): Ray's and Serve's logs
+there are the only record of why, so it stays, its path logged, until a later run's start sweeps it once
+this process is gone. A RAY_TMPDIR in the environment is the caller's choice of folder (Ray's own
+variable): Ray's files go there.
 """
 
 from __future__ import annotations

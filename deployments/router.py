@@ -4,18 +4,23 @@ Thin glue, by design (the logic lives in `policies/` and `cluster/`, testable wi
 
 1. hash the request's prompt tokens into vLLM block keys (`kvmesh.kvstore.hashing`, with the tenant salt),
 2. look them up in an in-process `kvmesh.cluster.index.PrefixIndex` (no remote call on the request path),
-3. build one `ReplicaView` per candidate (prefix per tier + load) and let the policy rank them,
-4. once Serve has sent the request, write speculative index entries for the chosen replica and record
-   the predicted cached tokens (checked against the engine's report, `kvmesh.deployments.prediction`).
+3. build one `ReplicaView` per candidate (prefix per tier + load) and let the policy place the request
+   (`FleetView.from_views`, then `policy.place`),
+4. commit to the first choice at once (`_commit`: the policy's work and speculative index entries; a
+   request held for a prefix gets its entries when the hold ends), before Serve places the request, so
+   requests ranked meanwhile see it; moved if Serve places it elsewhere, withdrawn if it is cancelled.
+   Once Serve has placed it, record the predicted cached tokens (checked against the engine's report,
+   `kvmesh.deployments.prediction`).
 
 The index is fed by one background task per engine replica subscribing to its vLLM KV-event stream
 (`kvmesh.cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
 that leave are forgotten (index, subscriber, policy state). No `FIFOMixin`: it would hand the chosen
 replica to whichever request is at the queue head, breaking affinity under bursts.
 
-The router runs in the caller's process (the ingress replica), on Serve's router event loop, which
-also owns the index and the subscribers. Other threads (the ingress's /metrics) read it through
-`snapshot()` / `index_view()`, which hop onto that loop.
+The router runs in the caller's process (the ingress replica), on that replica's own event loop
+(`SERVE_PATH_ENV` sets RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), which also owns the index and the
+subscribers. Other threads (the ingress's /metrics) read it through `snapshot()` / `index_view()`, which
+hop onto that loop.
 
 Serve ships this class to that process by value (`RequestRouterConfig` pickles the router's module by
 value, with the module-level objects its methods name): the process-wide objects the ingress shares

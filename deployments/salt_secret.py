@@ -53,6 +53,10 @@ def check_configured_secret(env: Mapping[str, str]) -> None:
 
 
 def kvmesh_home() -> Path:
+    """Where a local run keeps its secrets ($KVMESH_HOME, else ~/.kvmesh): the kept salt secret and the
+    per-run secret files under `run/`. kvstore/tiers.py's `kvmesh_home` (the built model, the default fs
+    tier) defaults to ~/.cache/kvmesh instead: a cache may be wiped, and the salt secret must not move,
+    since every tenant's salt, and so every key a persistent shared tier holds, derives from it."""
     return Path(os.environ.get("KVMESH_HOME") or Path.home() / ".kvmesh")
 
 

@@ -1,4 +1,5 @@
-"""Run one LMCache multi-process server (`python -m lmcache.v1.multiprocess.server`) as a child process.
+"""Run one LMCache multi-process server as a child process: `python -m kvmesh.kvstore.lmcache_main`, which
+runs LMCache's own server (`lmcache.v1.multiprocess.server`) on unix sockets only.
 
 Why a process and not a library call: the MP server is the only LMCache mode that works with vLLM on
 CPU, and it is meant to outlive engines (several engines on a node share its host-memory tier). The

@@ -1,9 +1,16 @@
-"""Folders only kvmesh's own user can enter: the LMCache server's sockets and a local fs shared tier.
+"""Folders only kvmesh's own user can enter, and the sweeps that remove those of owners that died.
 
-Why: a unix socket in a folder other users can enter is theirs to connect to, and a file there theirs to
-read; a folder someone else made first (a predictable name in a shared temp folder) is theirs to watch or
-swap. kvmesh makes such folders 0700 and refuses one that is not a plain folder of its own user closed to
-group and others.
+`private_dir`/`check_private_dir`: the LMCache server's sockets and a local fs shared tier. Why: a unix
+socket in a folder other users can enter is theirs to connect to, and a file there theirs to read; a folder
+someone else made first (a predictable name in a shared temp folder) is theirs to watch or swap. kvmesh
+makes such folders 0700 and refuses one that is not a plain folder of its own user closed to group and
+others.
+
+`owned_temp_dir`, `owner_tag`, `owner_gone`, `remove_dead_owners_dirs`: the per-process folders of local
+Ray clusters (deployments/local_ray.py), engine replicas (deployments/engine.py) and LMCache servers carry
+their owner's pid and tag, and so do a run's HAProxy folder and its secret files (deployments/app.py,
+cluster/secure_channel.py). Why: an owner killed outright never removes its own, so a later run sweeps
+what dead owners left, judging only pids of its own pid namespace, boot and host.
 """
 
 from __future__ import annotations

@@ -151,7 +151,10 @@ def redacted(l2) -> object:
 
 
 def kvmesh_home() -> Path:
-    """kvmesh's own folder ($KVMESH_HOME, else ~/.cache/kvmesh): the embedded model, a default fs shared tier."""
+    """kvmesh's own folder for what can be made again ($KVMESH_HOME, else ~/.cache/kvmesh): the embedded
+    model, a default fs shared tier. deployments/salt_secret.py's `kvmesh_home` (the salt secret, per-run
+    secret files) defaults to ~/.kvmesh instead: secrets do not belong in a cache folder, and moving the kept
+    salt secret would change every tenant's salt. With KVMESH_HOME set, both are that folder."""
     return Path(os.environ.get("KVMESH_HOME") or Path.home() / ".cache" / "kvmesh")
 
 

@@ -1,7 +1,8 @@
 """The `kvmesh` command line: one package for every subcommand (one module each) and their shared argument
-types (`args`). This module only dispatches, and turns a `CliError` (or bad arguments) into one line on
-stderr and exit status 2. Library code never imports this package: it raises its own errors, which the
-subcommands turn into `CliError`."""
+types (`args`). This module dispatches and does what every subcommand shares: a SIGTERM unwinds the
+subcommand as Ctrl-C does (exit status 143), so what it started is cleaned up; a `CliError`, bad
+arguments or an `OSError` become one line on stderr and exit status 2; Ctrl-C exits 130. Library code
+never imports this package: it raises its own errors, which the subcommands turn into `CliError`."""
 
 from __future__ import annotations
 
