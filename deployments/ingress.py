@@ -425,9 +425,10 @@ class Ingress:
         name_loop_thread()
         try:
             tenant = self._auth(request)
-            # a tenant throttled whatever its prompt (its request rate, concurrency, an empty token budget) is
-            # refused before its body is read and parsed: a flood of large bodies must not cost the ingress
-            self.admission.precheck(tenant, 1, exact=False)
+            # a tenant throttled whatever its prompt (its request rate or concurrency) is refused before its
+            # body is read and parsed: a flood of large bodies must not cost the ingress. As an empty prompt,
+            # so a prompt's own size is judged (and its Retry-After given) once it is counted
+            self.admission.precheck(tenant, 0, exact=False)
             body = proto.parse_json(await self._read_body(request))
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)

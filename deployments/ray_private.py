@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,10 @@ def problems() -> list[str]:
     except (OSError, TypeError):  # no source installed: the docstring lists them too; neither: cannot tell
         init_text = ray.init.__doc__ or ""
     for keyword, used_by in INIT_KEYWORDS:
-        if init_text and keyword not in init_text:
+        # named as a string the source reads (`kwargs.pop("_temp_dir", ...)`) or the docstring lists
+        # (``_temp_dir``): a mention in a comment or inside a longer name is not the keyword
+        named = rf"[\"']{re.escape(keyword)}[\"']|``{re.escape(keyword)}``"
+        if init_text and not re.search(named, init_text):
             out.append(f"ray.init has no keyword {keyword} (used by {used_by})")
     return out
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.deployments.migration import origin_id
-from kvmesh.deployments.peer_lag import UnseenPlacements
+from kvmesh.deployments.peer_lag import CLOCK_STEP_S, UnseenPlacements
 from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.tenant_usage import PeerTenantUsage
 from kvmesh.deployments.tier_hold import HoldSource, prefill_end_s
@@ -151,9 +151,12 @@ class PeerPlacements:
         ["clock", router, "", "", sent_at, {peer: least one-way time observed from it lately (s)}, epoch,
         {peer: that peer's epoch the least was observed under}] (`epoch`: how often this router's wall clock
         was stepped, `PeerClocks.own_clock`; a peer of an older version sends neither)."""
+        before = self.monotonic()
         now = self.clock()
+        after = self.monotonic()
         clocks = self.unseen.clocks
-        clocks.own_clock(now, self.monotonic())
+        if after - before < CLOCK_STEP_S / 10:  # read together: a pause between the reads is no step
+            clocks.own_clock(now, (before + after) / 2)
         least = clocks.minimums(now)
         return ["clock", router, "", "", now, least, clocks.epoch, clocks.epochs(least)]
 

@@ -805,6 +805,15 @@ def test_a_throttled_tenant_is_refused_before_its_body_is_read_or_parsed():
         bad = await _send(ing, {"model": "tiny"})  # not throttled: its body is judged
         assert bad.status_code == 400
 
+        # an empty token budget is judged on the prompt's own count, as before: the exact Retry-After, and a
+        # prompt no budget could ever admit is the 400 it always was, not a 429 to retry
+        ing = _limited(Limits(tokens_per_min=600, max_prompt_tokens=600), now)
+        assert (await _send(ing, {**BODY, "prompt": [1] * 600})).status_code == 200
+        empty = await _send(ing, {**BODY, "prompt": [1] * 600})
+        assert empty.status_code == 429 and empty.headers["retry-after"] == "60"
+        too_long = await _send(ing, {**BODY, "prompt": [1] * 700})
+        assert too_long.status_code == 400 and _code(too_long) == "tenant_prompt_limit_exceeded"
+
     asyncio.run(run())
 
 

@@ -153,3 +153,14 @@ def test_a_ray_init_without_the_temp_dir_keyword_is_named(monkeypatch):
 
     monkeypatch.setattr(ray, "init", init)
     assert ray_private.problems() == ["ray.init has no keyword _temp_dir (used by local_ray)"]
+
+
+def test_a_keyword_only_mentioned_in_a_comment_or_a_longer_name_is_not_taken_for_it(monkeypatch):
+    import ray
+
+    def init(address=None, **kwargs):
+        kwargs.pop("_node_ip_address", None)
+        # _temp_dir was read here once; now: _get_default_temp_dir() fallback
+
+    monkeypatch.setattr(ray, "init", init)
+    assert ray_private.problems() == ["ray.init has no keyword _temp_dir (used by local_ray)"]

@@ -157,6 +157,28 @@ def test_a_clock_report_from_before_this_clocks_step_is_not_used():
     assert peers.unseen.clocks.offsets["B"] == pytest.approx(0.510)
 
 
+def test_a_pause_between_reading_the_two_clocks_is_no_step():
+    """The wall and monotonic clocks are read one after the other: a pause between the reads (a loaded
+    ingress) would shift their difference as a step does, and then shift it back at the next look."""
+    peers = _established()
+    t, pause = [0.0], [0.0]
+
+    def wall():
+        value = 100.0 + t[0]
+        t[0] += pause[0]  # the process is held right after this read
+        pause[0] = 0.0
+        return value
+
+    peers.clock = wall
+    peers.monotonic = lambda: t[0]
+    peers.clock_message("A")
+    for held in (0.0, 0.08, 0.0, 0.0):
+        t[0] += 1.0
+        pause[0] = held
+        msg = peers.clock_message("A")
+    assert msg[6] == 0 and abs(peers.unseen.clocks.offsets["B"] - 0.010) < 1e-9
+
+
 def _established() -> PeerPlacements:
     """A router "A" that measured peer "B" 10 ms behind its clock (B's messages take 15 ms, its take 5)."""
     peers = PeerPlacements(Index(), lambda: [], clock=lambda: 100.0)
