@@ -1,5 +1,5 @@
 """Prometheus lines for failures the serving path absorbed: request migrations, migrations given up,
-replicas the router forgot, and engine replicas that cannot read their own routing stats.
+replicas the router forgot or holds suspect, and engine replicas that cannot read their own routing stats.
 
 Why a module of its own: these are the signals an operator alarms on when engines die or vLLM's
 internals change shape, and they must show up even when nothing else about a request looks wrong.
@@ -73,6 +73,20 @@ def failure_metrics_text(counters: FailureCounters, router: dict | None) -> str:
             "counter",
             "engine replicas the router dropped (died, or left Serve's replica set)",
             [("", router.get("forgotten", 0))],
+        )
+        _line(
+            out,
+            "kvmesh_router_replicas_suspect",
+            "gauge",
+            "engine replicas left out of routing because they stopped answering queue-length probes",
+            [("", len(router.get("suspect") or ()))],
+        )
+        _line(
+            out,
+            "kvmesh_router_suspicions_total",
+            "counter",
+            "times an engine replica became suspect (missed probes in a row; one answer clears it)",
+            [("", router.get("suspicions", 0))],
         )
         stats = router.get("routing_stats") or {}
         _line(

@@ -14,8 +14,10 @@ Thin glue, by design (the logic lives in `policies/` and `cluster/`, testable wi
 
 The index is fed by one background task per engine replica subscribing to its vLLM KV-event stream
 (`kvmesh.cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
-that leave are forgotten (index, subscriber, policy state). No `FIFOMixin`: it would hand the chosen
-replica to whichever request is at the queue head, breaking affinity under bursts.
+that leave are forgotten (index, subscriber, policy state). Replicas that stop answering Serve's queue-length
+probe (a frozen or cut-off node) are suspect (`kvmesh.deployments.replica_watch`, a background task): left
+out of the ranking until they answer again, nothing about them forgotten. No `FIFOMixin`: it would hand the
+chosen replica to whichever request is at the queue head, breaking affinity under bursts.
 
 The router runs in the caller's process (the ingress replica), on that replica's own event loop
 (`SERVE_PATH_ENV` sets RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), which also owns the index and the
@@ -49,6 +51,7 @@ from kvmesh.deployments.peer_lag import is_free_choice
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.recent import RecentSet
 from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
+from kvmesh.deployments.replica_watch import ReplicaWatch
 from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, held_message, routed_message
 from kvmesh.deployments.serve_contract import check_serve_contract
@@ -174,6 +177,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         seed: int = 0,
         subscribe_events: bool = True,
         router_sync: bool = True,
+        probe_interval_s: float | None = None,
+        probe_deadline_s: float | None = None,
         **_ignored: Any,
     ):
         check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
@@ -225,6 +230,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.fallbacks = 0
         self.forgotten = 0  # replicas dropped from the index, subscribers and policies
         self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
+        # replicas that stopped answering Serve's queue-length probe: left out of the ranking until they answer
+        # (`_answering`); probed by a background task (`_start_watch`), the defaults in replica_watch.py
+        self.watch = ReplicaWatch(interval_s=probe_interval_s, deadline_s=probe_deadline_s, progress=self._progress_of)
+        self._watching: asyncio.Task | None = None
+        self.passed_over_suspect = 0  # candidate replicas left out of a ranking because they were suspect
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
         self._dead: set[str] = set()
         # the last placements, for /kvmesh/state's decision trace
@@ -266,6 +276,27 @@ class KvmeshRouter(TierHolding, RequestRouter):
         except Exception:
             log.exception("router sync failed to start: this router sees only its own placements")
             self.router_sync = False
+
+    def _start_watch(self) -> None:
+        """Probe the replicas Serve lists in the background (`ReplicaWatch.run`), from the router's loop; started
+        again should its task have ended (its loop was closed)."""
+        if self._watching is not None and not self._watching.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not on a loop yet: the first routing call starts it
+        self._watching = loop.create_task(self.watch.run(self._probed))
+
+    def _progress_of(self, r: RunningReplica) -> tuple:
+        """Signs of a replica's work for the watch: the last KV-event batch heard from it and its engine's step
+        count in its routing stats (a frozen replica sends neither; a busy one both)."""
+        source = self.events.sources.get(r.replica_id.unique_id) if self.events is not None else None
+        return (getattr(source, "last_seq", None), (r.routing_stats or {}).get("steps"))
+
+    def _probed(self) -> list[RunningReplica]:
+        """The replicas the watch probes: those Serve lists, less those known dead."""
+        return [r for r in self.curr_replicas.values() if r.replica_id.unique_id not in self._dead]
 
     # ------------------------------------------------------------------ replica membership
     async def _sync_replicas(self, candidates: list[RunningReplica]) -> None:
@@ -396,6 +427,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         except RuntimeError:
             pass
         self._start_sync()
+        self._start_watch()
         present = {r.replica_id.unique_id for r in replicas}
         for rid in set(self.index.replicas()) - present:
             self._forget(rid)
@@ -449,6 +481,14 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if len(ready) < len(candidates):
             self.held_back += len(candidates) - len(ready)
         return ready or candidates
+
+    def _answering(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """Candidates less the suspect replicas (all of them when every one is suspect). Left out, not ranked
+        last: Serve sends to a replica blind while its cached queue length is fresh, and every send to it
+        refreshes that entry, so a suspect replica ranked anywhere could still get requests that hang."""
+        answering = self.watch.unsuspected(candidates)
+        self.passed_over_suspect += len(candidates) - len(answering)
+        return answering
 
     def _is_ready(self, r: RunningReplica) -> bool:
         return bool(r.routing_stats) and not self._unsubscribed(r)
@@ -527,6 +567,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
     ) -> list[list[RunningReplica]]:
         t0 = time.perf_counter()
         self._start_sync()
+        self._start_watch()
         # one order for every router (by replica id), so routers with the same view break ties alike
         listed = len(candidate_replicas)
         candidate_replicas = sorted(self._live(candidate_replicas), key=lambda r: r.replica_id.unique_id)
@@ -536,7 +577,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             # retry loop never yields and the replacement's arrival is never processed
             await asyncio.sleep(self.dead_fleet_wait_s)
         await self._sync_replicas(candidate_replicas)
-        candidate_replicas = self._ready(candidate_replicas)
+        candidate_replicas = self._answering(self._ready(candidate_replicas))
         req = request_fields(pending_request)
         # not an engine request (e.g. info()): any replica
         if req is None or pending_request is None or not candidate_replicas:
@@ -857,6 +898,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "forgotten": self.forgotten,
             "unreported_ends": self.unreported_ends,
             "held_back": self.held_back,
+            "suspect": sorted(self.watch.suspect),
+            "suspicions": self.watch.suspicions,
+            "passed_over_suspect": self.passed_over_suspect,
+            "probes": self.watch.stats(),
             "held_for_tier": self.held_for_tier,
             "hold_timeouts": self.hold_timeouts,
             "prefill_pace": self.prefill_pace.value,

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,18 +185,50 @@ def node_servers() -> dict[str, ActorHandle]:
     return out
 
 
-def tier_status(timeout_s: float = 5.0) -> dict[str, dict]:
-    """node id → {"health": ..., "tiers": ...} for every node server; unreachable ones say so."""
-    import ray
+# node id -> the calls of an earlier `tier_status` its server left unanswered past their deadline (a frozen or
+# cut-off node): while they still are, it is reported as not answering at once, not waited on again
+_UNANSWERED: dict[str, list] = {}
+_UNANSWERED_LOCK = threading.Lock()
 
+
+def _unreachable(error: str) -> dict:
+    return {"health": {"healthy": False, "error": error[:200]}, "tiers": {}}
+
+
+def tier_status(timeout_s: float = 5.0) -> dict[str, dict]:
+    """node id → {"health": ..., "tiers": ...} for every node server; unreachable ones say so. Every server is
+    asked at once and waited on `timeout_s` in all; one that has not answered an earlier call yet is not
+    asked or waited on again (a frozen node would otherwise cost each call the whole timeout)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    actors = node_servers()
     out: dict[str, dict] = {}
-    for node, actor in node_servers().items():
+    asked: dict[str, list] = {}
+    with _UNANSWERED_LOCK:
+        for node in [n for n in _UNANSWERED if n not in actors]:
+            del _UNANSWERED[node]
+        earlier = dict(_UNANSWERED)
+    for node, actor in actors.items():
+        refs = earlier.get(node)
+        if refs is not None and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            out[node] = _unreachable("no answer to an earlier status call yet")
+            continue
+        asked[node] = [actor.health.remote(), actor.tier_metrics.remote()]
+    deadline = time.monotonic() + timeout_s
+    for node, refs in asked.items():
         try:
-            replies: list[dict] = ray.get([actor.health.remote(), actor.tier_metrics.remote()], timeout=timeout_s)
+            replies: list[dict] = ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
             out[node] = {"health": replies[0], "tiers": replies[1]}
         except Exception as exc:  # a dead actor must not break /metrics
-            out[node] = {"health": {"healthy": False, "error": f"{type(exc).__name__}: {exc}"[:200]}, "tiers": {}}
-    return out
+            out[node] = _unreachable(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, GetTimeoutError):
+                with _UNANSWERED_LOCK:
+                    _UNANSWERED[node] = refs
+                continue
+        with _UNANSWERED_LOCK:
+            _UNANSWERED.pop(node, None)
+    return {node: out[node] for node in actors}
 
 
 def stop_node_servers() -> int:

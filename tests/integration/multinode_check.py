@@ -1,8 +1,9 @@
 """Run by tests/integration/test_multinode.py in its own process: a real 2-node Ray cluster on this machine
 (benchmarks/local_cluster.py), a real redis-server as the shared tier, the kvmesh app deployed onto the
 cluster as `kvmesh serve --address` does (one engine replica per node, each node its own LMCache server),
-then a prefix computed on the worker node is served on the head node from Redis, the worker node is
-killed, and the head node's LMCache server is killed. Prints one JSON line of findings.
+then the worker node freezes (SIGSTOP of its every process) and resumes, a prefix computed on the worker
+node is served on the head node from Redis, the worker node is killed, and the head node's LMCache server
+is killed. Prints one JSON line of findings.
 
     python tests/integration/multinode_check.py WORKDIR
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -37,6 +40,117 @@ def _lmcache_pid(endpoint: str) -> int | None:
         if "kvmesh.kvstore.lmcache_main" in cmdline and host in cmdline:
             return proc.info["pid"]
     return None
+
+
+def _node_pids(cluster, i: int) -> list[int]:
+    """Every process of node i: its `ray start` process, what that started, and its process group."""
+    import psutil
+
+    top = cluster.procs[i].pid
+    pids = {top}
+    try:
+        pids |= {c.pid for c in psutil.Process(top).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        pass
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == top:
+                pids.add(proc.pid)
+        except OSError:
+            pass
+    return sorted(pids)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state, worker_replica: str) -> dict:
+    """The worker node freezes: every process of it stopped (SIGSTOP), as a hung or cut-off machine looks to
+    the rest of the cluster, which declares it dead only after about a minute. Requests sent meanwhile (some
+    with a prefix cached on the worker) and when the router held the worker's replica suspect; then the node
+    resumes (SIGCONT) and the suspicion clears. Returns the findings, times in seconds from the freeze."""
+    import httpx
+
+    def on_worker(seed: int) -> list[int]:
+        """A prefix computed on the worker: cold prompts until one lands there."""
+        for k in range(8):
+            p = [(i * 6007 + (seed + k) * 7717) % 1000 + 10 for i in range(256)]
+            if send(p)["replica"] == worker_replica:
+                return p
+        raise RuntimeError("no cold prompt went to the worker's replica")
+
+    during, after = on_worker(100), on_worker(200)  # one for requests while frozen, one for after the resume
+    before = state()
+    out: dict = {"forgotten_before": before["forgotten"], "suspicions_before": before.get("suspicions")}
+    pids = _node_pids(cluster, 1)
+    out["frozen_processes"] = len(pids)
+    seen: dict = {"suspect_at": None, "cleared_at": None, "state_s": []}
+    stop = threading.Event()
+    t_freeze = time.monotonic()
+    _signal_all(pids, signal.SIGSTOP)
+    try:
+
+        def watch() -> None:  # when the router held the worker's replica suspect, and how long /kvmesh/state took
+            with httpx.Client(base_url=url, headers=headers, timeout=30) as sc:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    suspect = worker_replica in (sc.get("/kvmesh/state").json()["router"] or {}).get("suspect", [])
+                    now = time.monotonic()
+                    seen["state_s"].append(round(now - t0, 3))
+                    if suspect and seen["suspect_at"] is None:
+                        seen["suspect_at"] = round(now - t_freeze, 2)
+                    if not suspect and seen["suspect_at"] is not None and seen["cleared_at"] is None:
+                        seen["cleared_at"] = round(now - t_freeze, 2)
+                    stop.wait(0.2)
+
+        results: list[dict] = []
+
+        def request(k: int) -> None:
+            tail = [(k * 131 + i * 17) % 900 + 50 for i in range(40)]
+            prompt = during + tail if k % 2 == 0 else [(i * 37 + k * 9973) % 1000 + 3 for i in range(200)]
+            rec: dict = {"k": k, "shared": k % 2 == 0, "sent": round(time.monotonic() - t_freeze, 2)}
+            try:
+                with httpx.Client(base_url=url, headers=headers, timeout=40) as rc:
+                    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+                    r = rc.post("/v1/completions", json=body)
+                rec["status"], rec["replica"] = r.status_code, r.headers.get("x-kvmesh-replica")
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            rec["latency"] = round(time.monotonic() - t_freeze - rec["sent"], 2)
+            results.append(rec)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        threads = []
+        time.sleep(1.0)
+        for k in range(8):  # from +1 s on, every 0.5 s: before and after the replica becomes suspect
+            threads.append(threading.Thread(target=request, args=(k,), daemon=True))
+            threads[-1].start()
+            time.sleep(0.5)
+        time.sleep(max(0.0, 10.0 - (time.monotonic() - t_freeze)))
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+    out["resumed_at"] = round(time.monotonic() - t_freeze, 2)
+    deadline = time.monotonic() + 20
+    while seen["cleared_at"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop.set()
+    watcher.join(timeout=30)
+    for t in threads:
+        t.join(timeout=40)
+    out.update(suspect_at=seen["suspect_at"], cleared_at=seen["cleared_at"], state_s=seen["state_s"])
+    out["requests"] = sorted(results, key=lambda r: r["k"])
+    # back: a prefix cached on the worker draws its request there again, and nothing was forgotten
+    out["after"] = send(after + [7, 8, 9])["replica"]
+    st = state()
+    out["forgotten_after"], out["replicas_after"] = st["forgotten"], st["replicas"]
+    out["suspicions_after"], out["probes"] = st.get("suspicions"), st.get("probes")
+    return out
 
 
 def main() -> int:
@@ -124,6 +238,10 @@ def main() -> int:
             found["first"] = first
             _poll(lambda: state()["tiers"]["prefills_recorded"] >= 1 and state()["tier_nodes"].get(worker), 30)
             found["tier_nodes_before"] = state()["tier_nodes"]
+            found["freeze"] = _freeze_and_resume(
+                cluster, url, {"Authorization": f"Bearer {key}"}, model, send, state, worker_replica
+            )
+            found["worker_replica"] = worker_replica
             time.sleep(2.0)  # LMCache writes L1 -> L2 (Redis) in the background
 
             # the worker node leaves for real: its raylet and every process of the node are killed

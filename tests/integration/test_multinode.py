@@ -2,9 +2,10 @@
 `kvmesh serve --address` does, with an LMCache server per node and a real redis-server as the shared tier.
 
 Runs tests/integration/multinode_check.py in a child process (a Ray driver of its own cluster, apart from
-the session's shared live app) and checks its findings: a prefix computed on one node is served on the
-other from Redis, as the router predicted; a node that leaves and an LMCache server killed with -9 leave
-the router's tier view."""
+the session's shared live app) and checks its findings: a node that freezes (SIGSTOP) gets no new requests
+once the router holds its replica suspect, and gets them back when it resumes, nothing forgotten; a prefix
+computed on one node is served on the other from Redis, as the router predicted; a node that leaves and an
+LMCache server killed with -9 leave the router's tier view."""
 
 import json
 import os
@@ -45,6 +46,23 @@ def test_cross_node_shared_tier_hit_and_nodes_leaving(tmp_path):
     # the prefix was computed cold on the worker node, and recorded in that node's host tier
     assert found["first"]["cached"] == 0
     assert any(v["host_blocks"] > 0 for v in found["tier_nodes_before"].values())
+    # the worker node froze (every process of it stopped) for 10 s: its replica was suspect within 5 s, and every
+    # request sent from then on was answered on the head node at once, not sent to the frozen one to hang
+    fz, worker = found["freeze"], found["worker_replica"]
+    assert fz["frozen_processes"] >= 3, fz
+    assert fz["suspect_at"] is not None and fz["suspect_at"] <= 5.0, fz
+    while_suspect = [r for r in fz["requests"] if r["sent"] >= fz["suspect_at"]]
+    assert len(while_suspect) >= 2, fz
+    for r in while_suspect:
+        assert r.get("status") == 200 and r["replica"] != worker and r["latency"] < 5.0, fz
+    assert all(r.get("status") == 200 for r in fz["requests"]), fz  # those sent before, once it resumed
+    # /kvmesh/state waited on the frozen node's LMCache server actor once, briefly (before: 5 s every call)
+    assert max(fz["state_s"]) < 4.0 and sum(s >= 2.0 for s in fz["state_s"]) <= 1, fz
+    # resumed: the suspicion cleared within seconds, its prefix drew its request there again, nothing forgotten
+    assert fz["cleared_at"] is not None and fz["cleared_at"] - fz["resumed_at"] <= 3.0, fz
+    assert fz["after"] == worker, fz
+    assert fz["forgotten_after"] == fz["forgotten_before"] and worker in fz["replicas_after"], fz
+    assert fz["suspicions_after"] == fz["suspicions_before"] + 1, fz
     # the worker node left: its replica and its node left the router's view
     left = found["after_node_left"]
     assert left["replica_forgotten"] and len(left["replicas"]) == 1

@@ -1,0 +1,243 @@
+"""Suspect replicas (deployments/replica_watch.py): a replica that stops answering Serve's queue-length probe
+(its node froze, or was cut off) is left out of the ranking until it answers again, and nothing the router
+keeps about it is forgotten meanwhile (fake replicas whose probe hangs or answers, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+from router_fakes import make_router
+
+from kvmesh.deployments import local_state
+from kvmesh.deployments.prediction import PredictionLedger
+
+FAST = {"probe_interval_s": 0.02, "probe_deadline_s": 0.05}  # the router's probe, sped up for tests
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplicaID:
+    unique_id: str
+
+
+class Replica:
+    """A running replica as the router sees it, with Serve's queue-length call: it answers, hangs (`frozen`)
+    or raises (`fail`)."""
+
+    def __init__(self, rid: str, node: str = "n0"):
+        self.replica_id = _ReplicaID(rid)
+        self.routing_stats = {"node_id": node}
+        self.node_id = node
+        self.max_ongoing_requests = 64
+        self.frozen = False
+        self.fail: BaseException | None = None
+        self.probes = 0
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        self.probes += 1
+        if self.fail is not None:
+            raise self.fail
+        while self.frozen:
+            await asyncio.sleep(0.005)
+        return 0
+
+
+def fake_request(ids, request_id):
+    from types import SimpleNamespace
+
+    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(monkeypatch):
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+
+def _ids(ranked) -> list[str]:
+    return [g[0].replica_id.unique_id for g in ranked]
+
+
+async def _until(cond, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return bool(cond())
+
+
+def _suspect(router) -> list[str]:
+    return router.snapshot().get("suspect", [])
+
+
+# ---------------------------------------------------------------------------------------------- the watch
+
+
+def test_two_missed_probes_in_a_row_make_a_replica_suspect_and_one_answer_clears_it():
+    from kvmesh.deployments.replica_watch import ReplicaWatch
+
+    async def scenario():
+        watch = ReplicaWatch(interval_s=0.01, deadline_s=0.05)
+        a, b = Replica("A"), Replica("B")
+        a.frozen = True
+        t0 = time.monotonic()
+        await watch.probe_once([a, b])
+        took = time.monotonic() - t0
+        assert watch.suspect == set() and watch.misses == {"A": 1}  # one miss is not enough
+        assert took < 0.5  # a hung probe is waited on for its deadline, no longer
+        await watch.probe_once([a, b])
+        assert watch.suspect == {"A"} and watch.suspicions == 1
+        await watch.probe_once([a, b])
+        assert watch.suspicions == 1  # still the same suspicion
+        a.frozen = False
+        await watch.probe_once([a, b])
+        assert watch.suspect == set() and watch.misses == {}
+        assert (watch.answered, watch.missed) == (5, 3)
+        # a slow answer between two misses breaks the run: misses must be consecutive
+        a.frozen = True
+        await watch.probe_once([a])
+        a.frozen = False
+        await watch.probe_once([a])
+        a.frozen = True
+        await watch.probe_once([a])
+        assert watch.suspect == set()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_slow_to_answer_but_working_is_not_suspect():
+    """A probe can be slow on a replica that is only busy: one whose KV events or engine steps move between
+    rounds is not counted as missing it; once it shows nothing either, two misses make it suspect."""
+    from kvmesh.deployments.replica_watch import ReplicaWatch
+
+    steps = {"A": 0}
+
+    async def scenario():
+        watch = ReplicaWatch(interval_s=0.01, deadline_s=0.02, progress=lambda r: steps[r.replica_id.unique_id])
+        a = Replica("A")
+        a.frozen = True
+        for _ in range(4):
+            steps["A"] += 1  # working between rounds
+            await watch.probe_once([a])
+        assert watch.suspect == set() and watch.busy == 3  # the first round has nothing to compare with
+        for _ in range(2):  # no answer and no work: frozen
+            await watch.probe_once([a])
+        assert watch.suspect == {"A"}
+        steps["A"] += 1  # works again (its events arrive) while still slow to answer
+        await watch.probe_once([a])
+        assert watch.suspect == set()
+
+    asyncio.run(scenario())
+
+
+def test_with_every_replica_suspect_all_are_ranked_and_departed_replicas_are_dropped():
+    from kvmesh.deployments.replica_watch import ReplicaWatch
+
+    watch = ReplicaWatch()
+    a, b = Replica("A"), Replica("B")
+    for _ in range(2):
+        watch.record("A", False)
+    assert watch.unsuspected([a, b]) == [b]
+    for _ in range(2):
+        watch.record("B", False)
+    assert watch.unsuspected([a, b]) == [a, b]  # nowhere better to send: as before
+    watch.keep_only(["B"])  # A left Serve's replica set
+    assert watch.suspect == {"B"} and set(watch.misses) == {"B"}
+
+
+def test_the_probe_task_survives_failing_rounds_and_failing_probes():
+    """A probe that fails for a reason of its own says nothing about the replica; a Ray error (unreachable
+    actor) is a miss; a round that fails whole is logged and the next one runs."""
+    from ray.exceptions import ActorUnavailableError
+
+    from kvmesh.deployments.replica_watch import ReplicaWatch
+
+    async def scenario():
+        watch = ReplicaWatch(interval_s=0.01, deadline_s=0.05)
+        a, b, c = Replica("A"), Replica("B"), Replica("C")
+        b.fail = RuntimeError("not a replica's fault")
+        c.fail = ActorUnavailableError(error_message="unreachable", actor_id=None)
+        calls = {"n": 0}
+
+        def replicas():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyError("the replica list failed once")
+            return [a, b, c]
+
+        task = asyncio.create_task(watch.run(replicas))
+        try:
+            assert await _until(lambda: watch.rounds >= 3)
+        finally:
+            task.cancel()
+        assert not task.done() or task.cancelled()  # it was running until cancelled
+        assert watch.suspect == {"C"}
+        assert "B" not in watch.misses and a.probes >= 3 and b.probes >= 3
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------------------------- the router
+
+
+def test_a_frozen_replica_is_left_out_of_the_ranking_and_nothing_about_it_is_forgotten():
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, speculative_ttl_s=60.0, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        prefix = list(range(1000, 1256))  # 8 blocks
+        # a prefix on one replica, and a request still running there
+        req = fake_request(prefix + [1], "first")
+        home = (await router.choose_replicas([a, b], req))[0][0]
+        router._routed(req, home.replica_id)
+        other = b if home is a else a
+        hid = home.replica_id.unique_id
+        assert _ids(await router.choose_replicas([a, b], fake_request(prefix + [2], "warm")))[0] == hid
+
+        home.frozen = True
+        assert await _until(lambda: hid in _suspect(router)), "a frozen replica never became suspect"
+        snap = router.snapshot()
+        assert snap["suspect"] == [hid] and snap["suspicions"] == 1
+        for k in range(4):  # its prefix counts for nothing while it does not answer
+            assert _ids(await router.choose_replicas([a, b], fake_request(prefix + [10 + k], f"q{k}"))) == [
+                other.replica_id.unique_id
+            ]
+        # nothing forgotten: index slot and prefix, policy state, the request in flight there
+        assert router.forgotten == 0 and set(router.index.replicas()) == {"A", "B"}
+        assert router.held_blocks()[hid] >= 8
+        assert hid in router.policy.recent_work()
+        assert any(st.replica == hid for st in router._inflight.values())
+
+        home.frozen = False  # the node resumes: one answer, and its prefix draws its requests again
+        assert await _until(lambda: hid not in _suspect(router))
+        assert _ids(await router.choose_replicas([a, b], fake_request(prefix + [99], "back")))[0] == hid
+
+    asyncio.run(scenario())
+
+
+def test_with_every_replica_frozen_the_ranking_is_as_before():
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        a.frozen = b.frozen = True
+        assert await _until(lambda: _suspect(router) == ["A", "B"])
+        assert sorted(_ids(await router.choose_replicas([a, b], fake_request(list(range(64)), "q")))) == ["A", "B"]
+
+    asyncio.run(scenario())
+
+
+def test_suspect_replicas_are_exported_as_a_gauge_and_suspicions_as_a_counter():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
+
+    router = {"forgotten": 0, "routing_stats": {}, "suspect": ["A", "B"], "suspicions": 3}
+    samples = {
+        s.name: s.value
+        for f in text_string_to_metric_families(failure_metrics_text(FailureCounters(), router))
+        for s in f.samples
+    }
+    assert samples["kvmesh_router_replicas_suspect"] == 2
+    assert samples["kvmesh_router_suspicions_total"] == 3
