@@ -28,8 +28,8 @@ from ray.exceptions import RayError
 
 log = logging.getLogger("ray.serve.kvmesh")
 
-# A probe a second: a frozen replica is suspect 2-3 s after it froze (two missed probes, each waited on for
-# PROBE_DEADLINE_S), and one that resumes is routed to within about a second.
+# A probe a second per replica: a frozen replica is suspect 2-4 s after it froze (two missed probes, each waited
+# on for PROBE_DEADLINE_S), and one that resumes is routed to within about a second.
 PROBE_INTERVAL_S = 1.0
 # How long a probe may take before it counts as missed. A replica answers from the event loop its engine
 # driver shares, and the router reads the answer on the ingress's loop: on a 2-core machine running two
@@ -37,6 +37,10 @@ PROBE_INTERVAL_S = 1.0
 # about four, and a false alarm takes two slow answers in a row.
 PROBE_DEADLINE_S = 1.0
 MISSES_TO_SUSPECT = 2
+# At most this many probes a second from one router, spread over the round: each costs the ingress's event
+# loop, its request path, about 0.6 ms here, so a large fleet is probed less often (256 replicas: every 2.6
+# s, a frozen one suspect within about 6 s) rather than in one burst that stalls the loop.
+MAX_PROBES_PER_S = 100.0
 
 
 class ReplicaWatch:
@@ -124,10 +128,22 @@ class ReplicaWatch:
         self.slowest_answer_s = max(self.slowest_answer_s, time.monotonic() - t0)
         return True
 
-    async def probe_once(self, replicas: Sequence[Any]) -> None:
-        """Probe every replica at once; each waits `deadline_s` at most, so a frozen one delays no other."""
+    def round_s(self, replicas: int) -> float:
+        """How often each replica is probed: `interval_s`, or longer for a fleet over MAX_PROBES_PER_S."""
+        return max(self.interval_s, replicas / MAX_PROBES_PER_S)
+
+    async def probe_once(self, replicas: Sequence[Any], spread_s: float = 0.0) -> None:
+        """Probe every replica, their starts spread evenly over `spread_s` (no burst on the loop); each waits
+        `deadline_s` at most, so a frozen one delays no other."""
         self.keep_only(r.replica_id.unique_id for r in replicas)
-        outcomes = await asyncio.gather(*(self._probe(r) for r in replicas))
+        n = len(replicas)
+
+        async def staggered(i: int, r: Any) -> bool | None:
+            if spread_s > 0 and i:
+                await asyncio.sleep(i * spread_s / n)
+            return await self._probe(r)
+
+        outcomes = await asyncio.gather(*(staggered(i, r) for i, r in enumerate(replicas)))
         for r, outcome in zip(replicas, outcomes, strict=True):
             rid = r.replica_id.unique_id
             worked = self._worked(r, rid)
@@ -159,8 +175,11 @@ class ReplicaWatch:
         """Probe `replicas()` every `interval_s` until cancelled; a failing round is logged, never fatal."""
         while True:
             t0 = time.monotonic()
+            round_s = self.interval_s
             try:
-                await self.probe_once(replicas())
+                probed = replicas()
+                round_s = self.round_s(len(probed))
+                await self.probe_once(probed, spread_s=round_s)
             except Exception:
                 log.exception("replica watch: a probe round failed")
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - t0)))
+            await asyncio.sleep(max(0.0, round_s - (time.monotonic() - t0)))

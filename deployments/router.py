@@ -577,7 +577,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             # retry loop never yields and the replacement's arrival is never processed
             await asyncio.sleep(self.dead_fleet_wait_s)
         await self._sync_replicas(candidate_replicas)
-        candidate_replicas = self._answering(self._ready(candidate_replicas))
+        # suspect ones out first: a ready replica that froze must not win over an answering one not ready yet
+        candidate_replicas = self._ready(self._answering(candidate_replicas))
         req = request_fields(pending_request)
         # not an engine request (e.g. info()): any replica
         if req is None or pending_request is None or not candidate_replicas:
@@ -649,6 +650,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             src, wait_s, before = hold
             held_source.routed_at += wait_s
             await self._hold(routing, internal, src, before)
+            # a replica may have become suspect during the hold: Serve would send to it blind
+            ranked = [rid for rid in ranked if rid not in self.watch.suspect] or ranked
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
     def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:

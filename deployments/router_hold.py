@@ -55,8 +55,14 @@ class TierHolding:
         self.prefill_pace = PrefillPace()  # how much slower than predicted first tokens come (hold limits)
 
     def _hold_sources(self):
-        """Every request a new one may wait for: this router's in flight and held ones, and its peers'."""
-        return itertools.chain(self._inflight.values(), self._held.values(), self.peers.placements.values())
+        """Every request a new one may wait for: this router's in flight and held ones, and its peers', less
+        those on suspect replicas (`replica_watch`): a frozen replica's prefill may never end, and waiting
+        for it would hold a request to its hold limit."""
+        sources = itertools.chain(self._inflight.values(), self._held.values(), self.peers.placements.values())
+        watch = getattr(self, "watch", None)
+        if watch is None or not watch.suspect:
+            return sources
+        return (s for s in sources if s.replica not in watch.suspect)
 
     def _drop_held(self, internal: str) -> None:
         """A held request that will not be sent as held (cancelled, ranked again, its replica gone): requests

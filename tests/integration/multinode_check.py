@@ -128,9 +128,14 @@ def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state
         watcher.start()
         threads = []
         time.sleep(1.0)
-        for k in range(8):  # from +1 s on, every 0.5 s: before and after the replica becomes suspect
+        # from +1 s on, every 0.5 s: before the replica becomes suspect and (three at least) after, up to +9 s
+        k = after_suspect = 0
+        while time.monotonic() - t_freeze < 9.0 and after_suspect < 3:
+            if seen["suspect_at"] is not None:
+                after_suspect += 1
             threads.append(threading.Thread(target=request, args=(k,), daemon=True))
             threads[-1].start()
+            k += 1
             time.sleep(0.5)
         time.sleep(max(0.0, 10.0 - (time.monotonic() - t_freeze)))
     finally:

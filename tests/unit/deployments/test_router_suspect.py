@@ -131,6 +131,47 @@ def test_a_replica_slow_to_answer_but_working_is_not_suspect():
     asyncio.run(scenario())
 
 
+def test_an_answering_replica_not_ready_yet_wins_over_a_ready_suspect_one():
+    """A froze (suspect) while B, new (an autoscaled replica whose routing stats have not come), answers: the
+    request goes to B, not to A for being the only ready replica."""
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        b.routing_stats = {}
+        router.update_replicas([a, b])
+        a.frozen = True
+        assert await _until(lambda: _suspect(router) == ["A"])
+        return _ids(await router.choose_replicas([a, b], fake_request(list(range(64)), "q")))
+
+    assert asyncio.run(scenario()) == ["B"]
+
+
+def test_a_large_fleet_is_probed_at_a_bounded_rate_spread_over_the_round():
+    from kvmesh.deployments.replica_watch import MAX_PROBES_PER_S, ReplicaWatch
+
+    watch = ReplicaWatch(interval_s=1.0)
+    assert watch.round_s(4) == 1.0 and watch.round_s(256) == 256 / MAX_PROBES_PER_S
+
+    async def scenario():
+        replicas = [Replica(f"r{i}") for i in range(20)]
+        started: list[float] = []
+        for r in replicas:
+            original = r.get_queue_len
+
+            async def timed(*, deadline_s, original=original):
+                started.append(asyncio.get_running_loop().time())
+                return await original(deadline_s=deadline_s)
+
+            r.get_queue_len = timed
+        await watch.probe_once(replicas, spread_s=0.2)
+        return sorted(started)
+
+    starts = asyncio.run(scenario())
+    assert len(starts) == 20 and 0.17 <= starts[-1] - starts[0] <= 0.3  # not one burst
+    assert max(b - a for a, b in zip(starts, starts[1:])) < 0.05
+
+
 def test_with_every_replica_suspect_all_are_ranked_and_departed_replicas_are_dropped():
     from kvmesh.deployments.replica_watch import ReplicaWatch
 

@@ -733,3 +733,43 @@ def test_a_held_request_cancelled_or_run_out_or_whose_router_left_is_released_on
     assert counts == [2, 1, 2, 3, 0]
     assert kinds == ["held", "routed"] and timeouts == 1  # no `unrouted` between: the count never dips
     assert logged == 4  # p1, gone, late, left: once each
+
+
+# --- a source on a suspect replica (its node froze: replica_watch) ---------------------------------------
+
+
+def test_no_request_is_held_for_a_prefill_on_a_suspect_replica():
+    """p1 computes the prompt on A, whose node then froze (A suspect): its first token may never come, so p2,
+    ranked onto B, is not held for it (before: held to the hold limit)."""
+
+    async def scenario():
+        router, a, b = await lmcache_router(worth=True, limit_s=2.0)
+        p1 = fake_request(PROMPT, "p1")
+        assert (await router.choose_replicas([a, b], p1))[0][0] is a
+        router._routed(p1, a.replica_id)
+        router.watch.suspect.add("A")  # as two missed probes leave it
+        t0 = asyncio.get_running_loop().time()
+        await router.choose_replicas([a, b], fake_request(PROMPT + [11, 12, 13], "p2"))
+        return asyncio.get_running_loop().time() - t0, router.held_for_tier
+
+    took, held = asyncio.run(scenario())
+    assert took < 0.5 and held == 0, (took, held)
+
+
+def test_a_replica_that_became_suspect_during_a_hold_is_not_handed_to_serve():
+    """p2 is held (ranked onto B) for p1's prefill on A; B's node freezes meanwhile: when the hold ends, the
+    ranking Serve gets leaves B out (Serve would send there blind while its queue length is cached)."""
+
+    async def scenario():
+        router, a, b = await lmcache_router(worth=True, limit_s=10.0)
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        task = asyncio.create_task(router.choose_replicas([a, b], fake_request(PROMPT + [11, 12, 13], "p2")))
+        await asyncio.sleep(0.2)
+        assert not task.done() and router.held_for_tier == 1
+        router.watch.suspect.add("B")
+        router.first_token("p1")
+        return [g[0].replica_id.unique_id for g in await asyncio.wait_for(task, 5)]
+
+    assert asyncio.run(scenario()) == ["A"]
