@@ -9,7 +9,8 @@ import dataclasses
 import time
 
 import pytest
-from router_fakes import make_router
+from router_fakes import fake_request, make_router
+from router_fakes import ranked_ids as _ids
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
@@ -44,20 +45,9 @@ class Replica:
         return 0
 
 
-def fake_request(ids, request_id):
-    from types import SimpleNamespace
-
-    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
-
-
 @pytest.fixture(autouse=True)
 def _own_ledger(monkeypatch):
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
-
-
-def _ids(ranked) -> list[str]:
-    return [g[0].replica_id.unique_id for g in ranked]
 
 
 async def _until(cond, timeout_s: float = 2.0) -> bool:
