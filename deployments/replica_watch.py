@@ -12,7 +12,11 @@ from): one that showed work since the last round (`progress`: a new KV event, a 
 routing stats) is not counted as missing it, so a false alarm needs a replica that neither answers nor works.
 
 Suspicion is not death: nothing the router keeps about the replica is dropped (index slot, KV-event
-subscriber, policy state, requests in flight), so a node that resumes gets its traffic back at once.
+subscriber, policy state), so a node that resumes gets its traffic back at once. Its calls in flight would
+wait for the resume, or for Ray to declare the node dead (about a minute): once it has been suspect for
+`SUSPECT_ABANDON_S` and some replica answers, every round hands it to `abandon`, with which the router gives
+up its open calls there and the ingress sends them elsewhere (deployments/migration.py). A node that resumes
+after that has done their work twice: the price of not hanging them.
 The task runs off the request path; ranking only reads `suspect`.
 """
 
@@ -41,6 +45,10 @@ MISSES_TO_SUSPECT = 2
 # loop, its request path, about 0.6 ms here, so a large fleet is probed less often (256 replicas: every 2.6
 # s, a frozen one suspect within about 6 s) rather than in one burst that stalls the loop.
 MAX_PROBES_PER_S = 100.0
+# How long a replica stays suspect (no answer, no sign of work) before its calls in flight are moved: with the
+# suspicion 2-4 s after the freeze, they move 10-14 s after it (seen live: 13.2 s), against about a minute for
+# Ray to declare the node dead. Longer than the longest engine step seen without a KV event or a step count.
+SUSPECT_ABANDON_S = 8.0
 
 
 class ReplicaWatch:
@@ -52,6 +60,8 @@ class ReplicaWatch:
         deadline_s: float | None = None,
         misses_to_suspect: int = MISSES_TO_SUSPECT,
         progress: Callable[[Any], Hashable] | None = None,
+        abandon: Callable[[str], int] | None = None,
+        abandon_after_s: float | None = None,
     ) -> None:
         self.interval_s = PROBE_INTERVAL_S if interval_s is None else interval_s
         self.deadline_s = PROBE_DEADLINE_S if deadline_s is None else deadline_s
@@ -59,6 +69,11 @@ class ReplicaWatch:
         # per replica, a token that changes when it shows work (None: no such sign is read)
         self.progress = progress
         self._progress_seen: dict[str, Hashable] = {}
+        # gives up the calls in flight on a replica suspect for `abandon_after_s`; how many it gave up
+        self.abandon = abandon
+        self.abandon_after_s = SUSPECT_ABANDON_S if abandon_after_s is None else abandon_after_s
+        self.suspect_since: dict[str, float] = {}  # replica id -> when it became suspect (monotonic)
+        self.abandoned = 0  # calls in flight given up on suspect replicas
         self.busy = 0  # probes missed by a replica that showed work since the last round: slow, not frozen
         self.misses: dict[str, int] = {}  # replica id -> probes missed in a row
         self.suspect: set[str] = set()
@@ -76,11 +91,13 @@ class ReplicaWatch:
             self.misses.pop(rid, None)
             if rid in self.suspect:
                 self.suspect.discard(rid)
+                self.suspect_since.pop(rid, None)
                 log.warning("replica %s answers again: routed to again", rid)
             return
         n = self.misses[rid] = self.misses.get(rid, 0) + 1
         if n >= self.misses_to_suspect and rid not in self.suspect:
             self.suspect.add(rid)
+            self.suspect_since[rid] = time.monotonic()
             self.suspicions += 1
             log.warning("replica %s missed %d queue-length probes in a row: suspect, not routed to", rid, n)
 
@@ -88,6 +105,8 @@ class ReplicaWatch:
         """Forget replicas no longer probed (left Serve's set, or dead): a suspicion does not outlive them."""
         keep = set(rids)
         self.suspect &= keep
+        for rid in [r for r in self.suspect_since if r not in keep]:
+            del self.suspect_since[rid]
         self._failing &= keep
         for rid in [r for r in self._progress_seen if r not in keep]:
             del self._progress_seen[rid]
@@ -109,6 +128,7 @@ class ReplicaWatch:
             "missed": self.missed,
             "missed_while_working": self.busy,
             "slowest_answer_s": round(self.slowest_answer_s, 4),
+            "calls_moved_off_suspect": self.abandoned,
         }
 
     # ------------------------------------------------------------------ probing
@@ -158,6 +178,20 @@ class ReplicaWatch:
                 self.missed += 1
             self.record(rid, outcome)
         self.rounds += 1
+        self.abandon_long_suspect(len(replicas))
+
+    def abandon_long_suspect(self, probed: int) -> None:
+        """Hand every replica suspect for `abandon_after_s` to `abandon`, while some probed replica is not
+        suspect (with the whole fleet frozen, a moved call would only land on another frozen replica)."""
+        if self.abandon is None or not self.suspect or len(self.suspect) >= probed:
+            return
+        now = time.monotonic()
+        for rid in sorted(self.suspect):
+            if now - self.suspect_since.get(rid, now) >= self.abandon_after_s:
+                try:
+                    self.abandoned += self.abandon(rid)
+                except Exception:  # never let giving up calls end the watch
+                    log.exception("replica watch: moving the calls off suspect replica %s failed", rid)
 
     def _worked(self, r: Any, rid: str) -> bool:
         """Has the replica shown work (`progress`) since the last round looked? The first look says no."""

@@ -16,7 +16,8 @@ The index is fed by one background task per engine replica subscribing to its vL
 (`kvmesh.cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
 that leave are forgotten (index, subscriber, policy state). Replicas that stop answering Serve's queue-length
 probe (a frozen or cut-off node) are suspect (`kvmesh.deployments.replica_watch`, a background task): left
-out of the ranking until they answer again, nothing about them forgotten. No `FIFOMixin`: it would hand the
+out of the ranking until they answer again, nothing about them forgotten; their calls in flight are moved
+elsewhere once they have been suspect for some seconds. No `FIFOMixin`: it would hand the
 chosen replica to whichever request is at the queue head, breaking affinity under bursts.
 
 The router runs in the caller's process (the ingress replica), on that replica's own event loop
@@ -179,6 +180,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         router_sync: bool = True,
         probe_interval_s: float | None = None,
         probe_deadline_s: float | None = None,
+        suspect_abandon_s: float | None = None,
         **_ignored: Any,
     ):
         check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
@@ -232,7 +234,14 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.held_back = 0  # candidate replicas passed over because they were not ready yet (`_ready`)
         # replicas that stopped answering Serve's queue-length probe: left out of the ranking until they answer
         # (`_answering`); probed by a background task (`_start_watch`), the defaults in replica_watch.py
-        self.watch = ReplicaWatch(interval_s=probe_interval_s, deadline_s=probe_deadline_s, progress=self._progress_of)
+        self.watch = ReplicaWatch(
+            interval_s=probe_interval_s,
+            deadline_s=probe_deadline_s,
+            progress=self._progress_of,
+            abandon=self._move_calls_off,
+            abandon_after_s=suspect_abandon_s,
+        )
+        self._moved_off: set[str] = set()  # Serve's ids of calls given up on a suspect replica (each once)
         self._watching: asyncio.Task | None = None
         self.passed_over_suspect = 0  # candidate replicas left out of a ranking because they were suspect
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
@@ -293,6 +302,25 @@ class KvmeshRouter(TierHolding, RequestRouter):
         count in its routing stats (a frozen replica sends neither; a busy one both)."""
         source = self.events.sources.get(r.replica_id.unique_id) if self.events is not None else None
         return (getattr(source, "last_seq", None), (r.routing_stats or {}).get("steps"))
+
+    def _move_calls_off(self, rid: str) -> int:
+        """Give up the calls in flight on a replica suspect long enough (`ReplicaWatch.abandon_long_suspect`):
+        the ingress sends each again elsewhere (deployments/migration.py). Only a request's current call, and
+        once: a moved request keeps its id, and its new call must not be given up with the old one."""
+        self._moved_off &= self._inflight.keys()  # calls that ended (their node resumed, or was declared dead)
+        moved = 0
+        for internal, st in list(self._inflight.items()):
+            request_id = st.info.request_id
+            if st.replica != rid or not request_id or internal in self._moved_off:
+                continue
+            if self._by_request_id.get(request_id) != internal:  # an earlier call of a request that moved on
+                continue
+            if local_state.OPEN_CALLS.abandon([request_id]):  # else not awaited yet: the next round tries again
+                self._moved_off.add(internal)
+                moved += 1
+        if moved:
+            log.warning("moved %d call(s) off replica %s, suspect for %.0f s", moved, rid, self.watch.abandon_after_s)
+        return moved
 
     def _probed(self) -> list[RunningReplica]:
         """The replicas the watch probes: those Serve lists, less those known dead."""
@@ -384,7 +412,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._subscribe_failed.pop(rid, None)
         running = [(internal, st) for internal, st in self._inflight.items() if st.replica == rid]
         if running:  # calls to it still open once a stopped replica would have finished them never will
-            ids = [st.info.request_id for _, st in running if st.info.request_id]
+            ids = [  # each request's current call only: one that moved on keeps its id on its new replica
+                st.info.request_id
+                for internal, st in running
+                if st.info.request_id
+                and internal not in self._moved_off
+                and self._by_request_id.get(st.info.request_id) == internal
+            ]
             try:
                 asyncio.get_running_loop().call_later(ABANDON_AFTER_S, local_state.OPEN_CALLS.abandon, ids)
             except RuntimeError:  # not on a loop (a test's direct call): nothing of it is waiting

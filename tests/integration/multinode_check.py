@@ -72,8 +72,9 @@ def _signal_all(pids: list[int], sig: int) -> None:
 def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state, worker_replica: str) -> dict:
     """The worker node freezes: every process of it stopped (SIGSTOP), as a hung or cut-off machine looks to
     the rest of the cluster, which declares it dead only after about a minute. Requests sent meanwhile (some
-    with a prefix cached on the worker) and when the router held the worker's replica suspect; then the node
-    resumes (SIGCONT) and the suspicion clears. Returns the findings, times in seconds from the freeze."""
+    with a prefix cached on the worker) and when the router held the worker's replica suspect; those still
+    on the worker are moved once it has been suspect for some seconds; then the node resumes (SIGCONT) and
+    the suspicion clears. Returns the findings, times in seconds from the freeze."""
     import httpx
 
     def on_worker(seed: int) -> list[int]:
@@ -137,7 +138,8 @@ def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state
             threads[-1].start()
             k += 1
             time.sleep(0.5)
-        time.sleep(max(0.0, 10.0 - (time.monotonic() - t_freeze)))
+        # frozen long enough for the calls sent there before the suspicion to be moved (suspect for 8 s)
+        time.sleep(max(0.0, 16.0 - (time.monotonic() - t_freeze)))
     finally:
         _signal_all(pids, signal.SIGCONT)
     out["resumed_at"] = round(time.monotonic() - t_freeze, 2)
@@ -155,6 +157,7 @@ def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state
     st = state()
     out["forgotten_after"], out["replicas_after"] = st["forgotten"], st["replicas"]
     out["suspicions_after"], out["probes"] = st.get("suspicions"), st.get("probes")
+    out["moved"] = (st.get("probes") or {}).get("calls_moved_off_suspect")
     return out
 
 

@@ -14,6 +14,7 @@ from router_fakes import ranked_ids as _ids
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
+from kvmesh.deployments.replica_loss import OpenCalls
 
 FAST = {"probe_interval_s": 0.02, "probe_deadline_s": 0.05}  # the router's probe, sped up for tests
 
@@ -272,3 +273,70 @@ def test_suspect_replicas_are_exported_as_a_gauge_and_suspicions_as_a_counter():
     }
     assert samples["kvmesh_router_replicas_suspect"] == 2
     assert samples["kvmesh_router_suspicions_total"] == 3
+
+
+def test_calls_in_flight_on_a_long_suspect_replica_are_moved_once_and_the_moved_call_is_left_alone(monkeypatch):
+    """A replica suspect for `suspect_abandon_s` has its calls in flight given up (the ingress sends them
+    elsewhere); each call once, and the request's new call, under the same request id, is never given up
+    with it, nor when Serve later drops the frozen replica."""
+    from kvmesh.deployments import router as router_module
+
+    monkeypatch.setattr(router_module, "ABANDON_AFTER_S", 0.05)  # what a dropped replica's calls wait for
+    monkeypatch.setattr(local_state, "OPEN_CALLS", OpenCalls())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.15, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        req = fake_request(list(range(1000, 1256)), "r1")
+        home = (await router.choose_replicas([a, b], req))[0][0]
+        router._routed(req, home.replica_id)
+        other = b if home is a else a
+        hid = home.replica_id.unique_id
+        gone: list[str] = []
+        local_state.OPEN_CALLS.watch("r1", lambda: gone.append("first call"))
+
+        home.frozen = True
+        assert await _until(lambda: hid in _suspect(router))
+        await asyncio.sleep(0.05)
+        assert gone == [], "given up before the replica was suspect for suspect_abandon_s"
+        assert await _until(lambda: gone == ["first call"]), "the call on the frozen replica was never given up"
+        assert router.snapshot()["probes"]["calls_moved_off_suspect"] == 1
+
+        # the ingress sends it again under the same request id; it lands on the answering replica
+        again = fake_request(list(range(1000, 1256)), "r1")
+        again.metadata.internal_request_id = "i-r1-again"
+        local_state.OPEN_CALLS.watch("r1", lambda: gone.append("second call"))
+        assert _ids(await router.choose_replicas([a, b], again)) == [other.replica_id.unique_id]
+        router._routed(again, other.replica_id)
+        await asyncio.sleep(0.3)  # rounds go on with the frozen replica still suspect and its call open
+        assert gone == ["first call"] and router.snapshot()["probes"]["calls_moved_off_suspect"] == 1
+
+        # Serve drops the frozen replica: its old call ends with it, and the moved one is still not given up
+        router.update_replicas([other])
+        await asyncio.sleep(0.3)
+        assert router.forgotten == 1 and gone == ["first call"] and len(local_state.OPEN_CALLS) == 1
+
+    asyncio.run(scenario())
+
+
+def test_with_every_replica_frozen_no_call_is_moved(monkeypatch):
+    """Nowhere better to send: calls on a frozen fleet wait for it as before."""
+    monkeypatch.setattr(local_state, "OPEN_CALLS", OpenCalls())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.05, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        req = fake_request(list(range(64)), "r2")
+        home = (await router.choose_replicas([a, b], req))[0][0]
+        router._routed(req, home.replica_id)
+        gone: list[int] = []
+        local_state.OPEN_CALLS.watch("r2", lambda: gone.append(1))
+        a.frozen = b.frozen = True
+        assert await _until(lambda: _suspect(router) == ["A", "B"])
+        await asyncio.sleep(0.3)
+        assert gone == [] and router.snapshot()["probes"]["calls_moved_off_suspect"] == 0
+        a.frozen = b.frozen = False
+
+    asyncio.run(scenario())
