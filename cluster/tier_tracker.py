@@ -15,7 +15,9 @@ them (`apply_events`) instead of filling the index with keys nothing looks up.
 What is modelled rather than observed: L1 capacity (an LRU per node of `host_capacity_blocks`,
 parents outliving children as in vLLM's own pool), optional L2 capacity (`shared_capacity_blocks`; when
 either is unknown, the index's own size bounds it), loss of the shared tier (`set_shared_up(False)` forgets every
-shared entry: a restarted Redis is empty) and a restarted node server (`node_restarted`: L1 lost).
+shared entry: a restarted Redis is empty), a restarted node server (`node_restarted`: L1 lost) and a node
+server that does not answer (`node_unanswering`: a frozen or cut-off node keeps its L1, so its model is
+kept aside, unread, until the same server answers again).
 Only whole LMCache chunks are stored, so a prompt counts up to its last full chunk
 (`chunk_blocks` = LMCache chunk size / engine block size).
 """
@@ -23,10 +25,20 @@ Only whole LMCache chunks are stored, so a prompt counts up to its last full chu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from kvmesh.cluster.block_cache import BlockLRU
 
 LMCACHE_MEDIA = frozenset({"CPU"})
+
+
+@dataclass
+class _Kept:
+    """A node's L1 model and settings, set aside while its server does not answer."""
+
+    lru: BlockLRU
+    chunk_blocks: int
+    shared: bool
 
 
 class TierTracker:
@@ -41,6 +53,9 @@ class TierTracker:
         self._chunk_blocks: dict[str, int] = {}  # node id -> LMCache chunk / engine block
         self._shared_nodes: set[str] = set()
         self._down: set[str] = set()  # nodes whose server is not serving: their engines' stats do not bring them back
+        # nodes whose server does not answer: their L1 model, out of `_host` (nothing predicts from it) until the
+        # same server answers again (`node_serving`); disjoint from `_host` and `_down`
+        self._kept: dict[str, _Kept] = {}
         # a tier of unknown size is modelled no larger than the index (a Redis with maxmemory evicts without a
         # word to the router): the marks it drops are an under-estimate, and the router's memory stays bounded
         self._unknown_capacity = getattr(index, "max_blocks", None)
@@ -57,6 +72,8 @@ class TierTracker:
                 "host_dropped_on_restart",
                 "lmcache_events_dropped",
                 "nodes_dropped",
+                "nodes_unanswering",
+                "nodes_restored",
             ),
             0,
         )
@@ -76,11 +93,17 @@ class TierTracker:
         """Declare that `node_id` runs an LMCache server (L1 of the given capacity; L2 or not).
 
         Idempotent (routers call it whenever routing stats arrive). Not while the node is down (`drop_node`):
-        the stats say the engine was configured with a server, not that the server serves."""
+        the stats say the engine was configured with a server, not that the server serves. While its server
+        does not answer (`node_unanswering`), the kept model takes the settings but stays unread."""
         if node_id in self._down:
             return
-        self._chunk_blocks[node_id] = max(1, int(chunk_blocks or self.chunk_blocks))
+        chunk = max(1, int(chunk_blocks or self.chunk_blocks))
         capacity = host_capacity_blocks if host_capacity_blocks is not None else self._unknown_capacity
+        kept = self._kept.get(node_id)
+        if kept is not None:
+            kept.chunk_blocks, kept.lru.capacity, kept.shared = chunk, capacity, has_shared_tier
+            return
+        self._chunk_blocks[node_id] = chunk
         lru = self._host.get(node_id)
         if lru is None:
             self._host[node_id] = BlockLRU(capacity)
@@ -91,13 +114,18 @@ class TierTracker:
     def record_prefill(self, replica_id: str, block_hashes: Sequence[int]) -> int:
         """A request's prefill finished on `replica_id`: its full-chunk prompt blocks are in L1 (and L2).
 
-        Returns the number of blocks recorded (0 when the replica's node runs no LMCache server).
+        Returns the number of blocks recorded (0 when the replica's node runs no LMCache server). A node whose
+        server does not answer has its kept model kept in step (a prefill finished there, so its server stored
+        it), but counts as no writer to the shared tier.
         """
         node = self.index.node_of(replica_id)
         lru = self._host.get(node)
-        if lru is None:
+        if lru is not None:
+            k = self._chunk_blocks.get(node, self.chunk_blocks)
+        elif node in self._kept:
+            lru, k = self._kept[node].lru, self._kept[node].chunk_blocks
+        else:
             return 0
-        k = self._chunk_blocks.get(node, self.chunk_blocks)
         n = len(block_hashes) // k * k
         stored = list(block_hashes[:n])
         if not stored:
@@ -145,8 +173,9 @@ class TierTracker:
         row is cut to whole chunks but never below the row above it. A replica whose node runs no LMCache
         server the router models (none, or one that failed) reads neither tier of LMCache; one whose node
         has no shared tier, or while the shared tier is down, reads no shared tier. `whole_chunks=False`
-        keeps every block a reachable tier holds: what the chunk cut costs, for miss attribution."""
-        if not self._host:
+        keeps every block a reachable tier holds: what the chunk cut costs, for miss attribution. A node whose
+        server does not answer counts as running none: the index still holds its kept host marks."""
+        if not self._host and not self._kept:
             return matches
         out = {}
         for rid, (hbm, host, shared) in matches.items():
@@ -174,18 +203,24 @@ class TierTracker:
 
     def node_restarted(self, node_id: str) -> None:
         """The node's LMCache server was restarted: its host memory tier is empty."""
-        lru = self._host.get(node_id)
+        lru = self._kept[node_id].lru if node_id in self._kept else self._host.get(node_id)
         if lru is not None:
             gone = lru.clear()
             self.index.remove_host(node_id, gone)
             self.counters["host_dropped_on_restart"] += len(gone)
 
     def drop_node(self, node_id: str, down: bool = False) -> None:
-        """The node left the cluster, or (`down`) its LMCache server does not serve: forget its host tier and
-        stop counting it as a writer to the shared tier. A node that comes back is declared anew by
-        `set_node` when its engines' routing stats arrive; one that was down, only once `node_serving`."""
+        """The node left the cluster, or (`down`) its LMCache server does not serve: forget its host tier (also
+        one kept while its server did not answer) and stop counting it as a writer to the shared tier. A node that
+        comes back is declared anew by `set_node` when its engines' routing stats arrive; one that was down, only
+        once `node_serving`."""
         if down:
             self._down.add(node_id)
+        if node_id in self._kept:
+            self.node_restarted(node_id)
+            del self._kept[node_id]
+            self.counters["nodes_dropped"] += 1
+            return
         if node_id not in self._host:
             return
         self.node_restarted(node_id)
@@ -201,12 +236,41 @@ class TierTracker:
         self._down.discard(node_id)
 
     def watched_nodes(self) -> set[str]:
-        """Every node this tracker keeps something about: those it models and those it holds down."""
-        return set(self._host) | self._down
+        """Every node this tracker keeps something about: those it models, those whose server does not answer
+        and those it holds down."""
+        return set(self._host) | set(self._kept) | self._down
 
-    def node_serving(self, node_id: str) -> None:
-        """The node's server serves again: its engines' routing stats may declare it (`set_node`)."""
+    def node_unanswering(self, node_id: str) -> None:
+        """The node's server does not answer (a frozen or cut-off node): its host tier is likely intact but cannot
+        be counted on, so nothing predicts from it and the node writes no shared entries, while its model is
+        kept for `node_serving`. A node not modelled is held down, as by `drop_node`."""
+        lru = self._host.pop(node_id, None)
+        if lru is None:
+            if node_id not in self._kept:
+                self._down.add(node_id)
+            return
+        shared = node_id in self._shared_nodes
+        self._shared_nodes.discard(node_id)
+        self._kept[node_id] = _Kept(lru, self._chunk_blocks.pop(node_id, self.chunk_blocks), shared)
+        self.counters["nodes_unanswering"] += 1
+
+    def node_serving(self, node_id: str, *, intact: bool) -> None:
+        """The node's server answers and serves: its engines' routing stats may declare it (`set_node`). A model
+        kept while it did not answer is read again if `intact` (the same server process as before, so the same
+        contents), else dropped: the node is declared anew, cold."""
         self._down.discard(node_id)
+        kept = self._kept.get(node_id)
+        if kept is None:
+            return
+        if not intact:
+            self.drop_node(node_id)
+            return
+        del self._kept[node_id]
+        self._host[node_id] = kept.lru
+        self._chunk_blocks[node_id] = kept.chunk_blocks
+        if kept.shared:
+            self._shared_nodes.add(node_id)
+        self.counters["nodes_restored"] += 1
 
     def any_node(self) -> bool:
         """Does any node run an LMCache server the router models?"""
@@ -220,7 +284,8 @@ class TierTracker:
         """Forward engine KV events to the index, minus LMCache's chunk-hash events (see module doc)."""
         kept = []
         for ev in events:
-            if getattr(ev, "medium", None) in LMCACHE_MEDIA and self.index.node_of(replica_id) in self._host:
+            node = self.index.node_of(replica_id) if getattr(ev, "medium", None) in LMCACHE_MEDIA else None
+            if node is not None and (node in self._host or node in self._kept):
                 self.counters["lmcache_events_dropped"] += 1
                 continue
             kept.append(ev)
@@ -235,4 +300,5 @@ class TierTracker:
             "tier_shared_up": int(self.shared_up),
             "tier_shared_blocks": len(self._shared),
             "tier_host_blocks": sum(len(lru) for lru in self._host.values()),
+            "tier_nodes_unanswering_now": len(self._kept),
         }

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,8 @@ class NodeServerCore:
             log_path = Path(folder) / f"lmcache-server-{os.getpid()}.log"
         self.server = LMCacheServer(self.config, log_path, inherit_output=True)
         self.server.start()
+        # new with every actor: a router tells a replaced actor (same name, new server, empty) from the one before
+        self.instance = uuid.uuid4().hex
         self.last_supervise = "ok"
         self._stop = threading.Event()
         # the watchdog's thread and the actor's restart both stop and start the server: one at a time, or two
@@ -88,7 +91,7 @@ class NodeServerCore:
         return {"chunk_size": self.config.chunk_size, "l2": self.config.l2}
 
     def health(self) -> dict:
-        return {**self.server.health(), "watchdog": self.last_supervise}
+        return {**self.server.health(), "watchdog": self.last_supervise, "instance": self.instance}
 
     def tier_metrics(self) -> dict:
         return self.server.tier_metrics()
@@ -252,54 +255,147 @@ def _grew(last: dict[str, int], node: str, seen: int) -> bool:
     return grew
 
 
-async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None) -> None:
+def _no_answer(exc: BaseException) -> bool:
+    """Is a failed health call one that got no answer (a frozen or cut-off node, whose server's contents are
+    likely intact), rather than one whose actor died or failed?"""
+    if isinstance(exc, TimeoutError):
+        return True
+    try:
+        from ray.exceptions import ActorUnavailableError
+    except ImportError:
+        return False
+    return isinstance(exc, ActorUnavailableError)
+
+
+async def _ask_health(actor) -> dict:
+    return await actor.health.remote()
+
+
+class _TierWatch:
+    """One router's view of the node servers' answers, kept from one round of `watch_tier_health` to the next."""
+
+    def __init__(self, tracker, timeout_s: float):
+        self.tracker = tracker
+        self.timeout_s = timeout_s
+        self.restarts: dict[str, int] = {}  # node -> its server's restarts counter, last read
+        self.losses: dict[str, int] = {}  # node -> its server's shared-tier losses, last read
+        self.instances: dict[str, object] = {}  # node -> its actor's `instance`, last read
+        # node -> a health call not answered yet: not asked again until it is, so a frozen node's actor does not
+        # find a call per round queued when it resumes, and is not waited on again each round
+        self.calls: dict = {}
+
+    async def round(self) -> None:
+        import asyncio
+
+        tracker = self.tracker
+        actors = await asyncio.to_thread(node_servers)
+        for node in [n for n in self.calls if n not in actors]:
+            _discard(self.calls.pop(node))
+        for last in (self.restarts, self.losses, self.instances):  # node ids are new on every machine
+            for node in [n for n in last if n not in actors]:
+                del last[node]
+        asked = {}
+        for node, actor in actors.items():
+            if node not in self.calls:
+                self.calls[node] = asked[node] = asyncio.ensure_future(_ask_health(actor))
+        node_of = {call: node for node, call in asked.items()}
+        health: dict[str, dict] = {}
+        # the calls made now share one deadline, each answer handled as it comes; an earlier round's call still
+        # unanswered is not waited on again
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        waiting = set(asked.values())
+        lost = False
+        while waiting:
+            done, waiting = await asyncio.wait(
+                waiting, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            for call in done:
+                lost |= self._answered(node_of[call], health)
+        for node in list(self.calls):
+            if self.calls[node].done():  # an earlier round's call, answered meanwhile
+                lost |= self._answered(node, health)
+            else:
+                tracker.node_unanswering(node)
+        engine_nodes = set(tracker.index.nodes())
+        for node in tracker.watched_nodes():
+            if node in actors:
+                continue
+            if node in engine_nodes:  # its server's actor is gone, its engines are not: down until it serves
+                tracker.drop_node(node, down=True)
+            else:  # left the cluster: nothing kept about it, down or not
+                tracker.forget_node(node)
+        ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
+        if lost:
+            tracker.set_shared_up(False)
+        if ups:
+            tracker.set_shared_up(all(ups) and not any(h.get("shared_tier_was_down") for h in health.values()))
+
+    def _answered(self, node: str, health: dict[str, dict]) -> bool:
+        """Apply a node's finished health call to the tracker; adds its reply to `health`. Returns whether its
+        shared tier was lost since the last reply: a Redis restarted between two looks may be back empty."""
+        tracker = self.tracker
+        try:
+            h = self.calls.pop(node).result()
+        except Exception as exc:
+            if _no_answer(exc):
+                tracker.node_unanswering(node)
+            else:  # the actor (or its node) is gone
+                tracker.drop_node(node, down=True)
+            return False
+        health[node] = h
+        # the server that answered before, with its contents: the actor was not replaced, the server not restarted
+        intact = (self.restarts.get(node), self.instances.get(node)) == (h.get("restarts", 0), h.get("instance"))
+        replaced = self.instances.get(node, h.get("instance")) != h.get("instance")
+        self.instances[node] = h.get("instance")
+        if replaced:  # a new actor between two looks (the old one died, Ray made another): its server starts empty
+            tracker.node_restarted(node)
+        if not h.get("serving", True):
+            tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
+        else:
+            tracker.node_serving(node, intact=intact)
+        if _grew(self.restarts, node, h.get("restarts", 0)):
+            tracker.node_restarted(node)
+        return _grew(self.losses, node, h.get("shared_tier_losses", 0))
+
+    def close(self) -> None:
+        for call in self.calls.values():
+            _discard(call)
+        self.calls.clear()
+
+
+def _discard(call) -> None:
+    """Give up on a health call (its exception, if any, is retrieved: asyncio would log it as never seen)."""
+    if call.done():
+        if not call.cancelled():
+            call.exception()
+    else:
+        call.cancel()
+
+
+async def watch_tier_health(tracker, interval_s: float = 1.0, stop=None, timeout_s: float = 5.0) -> None:
     """Router background task: keep a `kvmesh.cluster.tier_tracker.TierTracker` in step with the node servers.
 
-    Every `interval_s`: the shared tier counts as up only if every node that has one reaches it
-    (`set_shared_up`), a node whose server was restarted (watchdog) loses its host tier in the
-    tracker (`node_restarted`), and a node whose server is down (dead process, unreachable actor) or
-    gone (the node left the cluster) is dropped from the tracker (`drop_node`) until its engines
-    declare it again (a down one, once it serves again). Actor calls are awaited, never blocking the
-    router's loop; errors skip a round. `stop` is an optional asyncio.Event.
+    Every `interval_s`, all node servers are asked for their health at once, with `timeout_s` for the round.
+    The shared tier counts as up only if every node that has one reaches it (`set_shared_up`); a node whose
+    server was restarted (watchdog) loses its host tier in the tracker (`node_restarted`); a node whose server
+    does not answer (a frozen or cut-off node, whose contents are likely intact) is read from no more, its
+    model kept, until the same server answers again (`node_unanswering`, `node_serving`); a node whose server
+    is down (dead process, dead actor) or gone (the node left the cluster) is dropped from the tracker
+    (`drop_node`) until its engines declare it again (a down one, once it serves again). Actor calls are
+    awaited, never blocking the router's loop; errors skip a round. `stop` is an optional asyncio.Event.
     """
     import asyncio
 
-    restarts: dict[str, int] = {}
-    losses: dict[str, int] = {}
-    while stop is None or not stop.is_set():
-        try:
-            actors = await asyncio.to_thread(node_servers)
-            health: dict[str, dict] = {}
-            for node, actor in actors.items():
-                try:
-                    health[node] = await asyncio.wait_for(actor.health.remote(), timeout=5.0)
-                except Exception:
-                    tracker.drop_node(node, down=True)  # the actor (or its node) does not answer
-                    continue
-                if not health[node].get("serving", True):
-                    tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
-                else:
-                    tracker.node_serving(node)
-            engine_nodes = set(tracker.index.nodes())
-            for node in tracker.watched_nodes():
-                if node in actors:
-                    continue
-                if node in engine_nodes:  # its server's actor is gone, its engines are not: down until it serves
-                    tracker.drop_node(node, down=True)
-                else:  # left the cluster: nothing kept about it, down or not
-                    tracker.forget_node(node)
-            # a shared tier a node's watchdog found down since this watch last looked may be back empty (a Redis
-            # restarted between two looks): what the router marked there is gone
-            lost = False
-            for node, h in health.items():
-                if _grew(restarts, node, h.get("restarts", 0)):
-                    tracker.node_restarted(node)
-                lost |= _grew(losses, node, h.get("shared_tier_losses", 0))
-            ups = [h["shared_tier_up"] for h in health.values() if h.get("shared_tier_up") is not None]
-            if lost:
-                tracker.set_shared_up(False)
-            if ups:
-                tracker.set_shared_up(all(ups) and not any(h.get("shared_tier_was_down") for h in health.values()))
-        except Exception as exc:  # never let monitoring kill the router
-            log.warning("tier health watch: %s", exc)
-        await asyncio.sleep(interval_s)
+    watch = _TierWatch(tracker, timeout_s)
+    try:
+        while stop is None or not stop.is_set():
+            try:
+                await watch.round()
+            except Exception as exc:  # never let monitoring kill the router
+                log.warning("tier health watch: %s", exc)
+            await asyncio.sleep(interval_s)
+    finally:
+        watch.close()

@@ -88,6 +88,9 @@ def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state
     during, after = on_worker(100), on_worker(200)  # one for requests while frozen, one for after the resume
     before = state()
     out: dict = {"forgotten_before": before["forgotten"], "suspicions_before": before.get("suspicions")}
+    worker_node = (before["routing_stats"].get(worker_replica) or {}).get("node_id")
+    out["tiers_before"] = {k: before["tiers"].get(k) for k in ("nodes_dropped", "nodes_unanswering", "nodes_restored")}
+    out["worker_host_blocks_before"] = (before["tier_nodes"].get(worker_node) or {}).get("host_blocks")
     pids = _node_pids(cluster, 1)
     out["frozen_processes"] = len(pids)
     seen: dict = {"suspect_at": None, "cleared_at": None, "state_s": []}
@@ -146,6 +149,12 @@ def _freeze_and_resume(cluster, url: str, headers: dict, model: str, send, state
     deadline = time.monotonic() + 20
     while seen["cleared_at"] is None and time.monotonic() < deadline:
         time.sleep(0.1)
+    # the router's tier watch found the node's LMCache server unanswering and kept its host-tier model aside;
+    # the same server answers again: the model is read again, contents and all
+    _poll(lambda: (state()["tiers"].get("nodes_restored") or 0) > (out["tiers_before"]["nodes_restored"] or 0), 15)
+    st = state()
+    out["tiers_resumed"] = {k: st["tiers"].get(k) for k in ("nodes_dropped", "nodes_unanswering", "nodes_restored")}
+    out["worker_host_blocks_resumed"] = (st["tier_nodes"].get(worker_node) or {}).get("host_blocks")
     stop.set()
     watcher.join(timeout=30)
     for t in threads:

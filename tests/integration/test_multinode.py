@@ -68,6 +68,13 @@ def test_cross_node_shared_tier_hit_and_nodes_leaving(tmp_path):
     assert fz["after"] == worker, fz
     assert fz["forgotten_after"] == fz["forgotten_before"] and worker in fz["replicas_after"], fz
     assert fz["suspicions_after"] == fz["suspicions_before"] + 1, fz
+    # its LMCache server did not answer the router's tier watch while frozen: its host-tier model was kept aside,
+    # not dropped, and read again once the same server answered (before: dropped, the node declared anew, cold)
+    before, resumed = fz["tiers_before"], fz["tiers_resumed"]
+    assert resumed["nodes_unanswering"] > before["nodes_unanswering"], fz
+    assert resumed["nodes_restored"] > before["nodes_restored"], fz
+    assert resumed["nodes_dropped"] == before["nodes_dropped"], fz
+    assert fz["worker_host_blocks_before"] and fz["worker_host_blocks_resumed"] >= fz["worker_host_blocks_before"], fz
     # the worker node left: its replica and its node left the router's view
     left = found["after_node_left"]
     assert left["replica_forgotten"] and len(left["replicas"]) == 1

@@ -229,3 +229,84 @@ def test_a_node_that_left_while_down_is_not_kept_as_down_for_good():
         assert node in tracker.watched_nodes()
         tracker.forget_node(node)  # ... then the node left the cluster
     assert tracker.watched_nodes() == set()
+
+
+def test_a_node_that_does_not_answer_is_read_from_no_more_but_its_host_tier_is_kept():
+    """A frozen node's LMCache server keeps its contents: while it does not answer nothing is predicted from its
+    host tier, and once the same server answers again the kept model is read again, not relearned from zero."""
+    idx, t = _setup()
+    t.record_prefill("a", [1, 2, 3])
+    t.node_unanswering("n1")
+    m = t.loadable(idx.match([1, 2, 3]))
+    assert m["a"] == (0, 0, 0) and m["a2"] == (0, 0, 0)  # no host tier (nor shared tier) read through n1
+    assert m["b"] == (0, 0, 3)  # what n1 wrote to the shared tier stays there
+    assert t.stored_prefix("a", "a2", 3) == 0 and t.stored_prefix("a", "b", 3) == 0
+    assert "n1" not in t.nodes() and "n1" in t.watched_nodes()
+    t.set_node("n1", has_shared_tier=True)  # routing stats cached from before the freeze do not bring it back
+    assert t.loadable(idx.match([1, 2, 3]))["a2"] == (0, 0, 0)
+    t.node_serving("n1", intact=True)
+    m = t.loadable(idx.match([1, 2, 3]))
+    assert m["a"] == (0, 3, 3) and m["a2"] == (0, 3, 3)
+    assert t.nodes()["n1"] == {"host_blocks": 3, "shared": True}
+    assert t.counters["nodes_unanswering"] == 1 and t.counters["nodes_restored"] == 1
+    assert t.counters["nodes_dropped"] == 0 and t.stats["tier_nodes_unanswering_now"] == 0
+
+
+def test_a_node_that_does_not_answer_writes_no_shared_entries_but_its_model_keeps_in_step():
+    idx, t = _setup(host_cap=4)
+    t.record_prefill("a", [1, 2, 3, 4])
+    t.node_unanswering("n1")
+    assert t.stats["tier_nodes_unanswering_now"] == 1
+    assert t.record_prefill("a", [5, 6]) == 2  # a prefill that did finish there: 3 and 4 leave the host tier
+    assert idx.match([5, 6])["b"] == (0, 0, 0)  # no shared-tier writer while it does not answer
+    assert t.loadable(idx.match([5, 6]))["a2"] == (0, 0, 0)
+    t.node_serving("n1", intact=True)
+    assert t.loadable(idx.match([5, 6]))["a2"] == (0, 2, 2)
+    assert t.loadable(idx.match([1, 2, 3, 4]))["a2"] == (0, 2, 4)  # 1, 2 in its host tier, all in the shared
+    t.apply_events("a", [BlockStored([77], medium="CPU")])  # LMCache chunk hashes, then as now
+    t.node_unanswering("n1")
+    t.apply_events("a", [BlockStored([78], medium="CPU")])
+    assert t.stats["tier_lmcache_events_dropped"] == 2 and idx.match([78])["a"] == (0, 0, 0)
+
+
+def test_a_node_that_answers_with_another_server_or_not_serving_or_leaves_loses_its_kept_host_tier():
+    for end in ("replaced", "down", "left"):
+        idx, t = _setup()
+        t.record_prefill("a", [1, 2, 3])
+        t.node_unanswering("n1")
+        if end == "replaced":  # a grown restarts counter, a new actor: another server, empty
+            t.node_serving("n1", intact=False)
+        elif end == "down":
+            t.drop_node("n1", down=True)
+        else:  # its engines left while it did not answer: the router drops it, then forgets it
+            t.drop_node("n1")
+            t.forget_node("n1")
+        assert "n1" not in t.nodes(), end
+        assert idx.match([1, 2, 3])["a2"] == (0, 0, 3), end  # no host marks left in the index
+        assert t.stats["tier_nodes_unanswering_now"] == 0 and t.counters["nodes_restored"] == 0, end
+        t.node_serving("n1", intact=True)  # nothing kept: declared anew, cold, by its engines' stats
+        t.set_node("n1", has_shared_tier=True)
+        assert t.nodes()["n1"]["host_blocks"] == 0, end
+    t.drop_node("n1")
+    t.forget_node("n1")
+    t.forget_node("n2")
+    assert t.watched_nodes() == set()
+
+
+def test_a_restart_seen_while_a_node_does_not_answer_empties_its_kept_host_tier():
+    idx, t = _setup()
+    t.record_prefill("a", [1, 2, 3])
+    t.node_unanswering("n1")
+    t.node_restarted("n1")
+    assert idx.match([1, 2, 3])["a2"] == (0, 0, 3) and t.counters["host_dropped_on_restart"] == 3
+
+
+def test_a_node_never_declared_that_does_not_answer_is_held_down_until_it_serves():
+    idx, t = _setup()
+    idx.add_replica("c", "n3")
+    t.node_unanswering("n3")
+    t.set_node("n3", has_shared_tier=True)  # its engines' stats: not while its server does not answer
+    assert "n3" not in t.nodes() and t.record_prefill("c", [1]) == 0
+    t.node_serving("n3", intact=True)
+    t.set_node("n3", has_shared_tier=True)
+    assert t.record_prefill("c", [1]) == 1

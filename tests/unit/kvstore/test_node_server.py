@@ -197,3 +197,173 @@ def test_a_node_whose_server_actor_is_gone_but_whose_engines_serve_stays_down():
     stats_arrive()
     _watch_rounds(tracker, [({"n1": RuntimeError("no answer")}, stats_arrive), ({}, stats_arrive)])
     assert "n1" not in tracker.nodes()
+
+
+class _Server:
+    """A node-server actor stand-in whose node can freeze: a health call made while frozen is answered only once
+    the node resumes (with the reply of that moment), as Ray delivers a call to a SIGSTOPped actor."""
+
+    def __init__(self, reply: dict):
+        self.reply = reply
+        self.frozen = False
+        self.asked = 0
+        self.health = SimpleNamespace(remote=self._call)
+
+    async def _call(self) -> dict:
+        self.asked += 1
+        while self.frozen:
+            await asyncio.sleep(0.005)
+        return dict(self.reply)
+
+
+def _watching(monkeypatch, tracker, servers: dict, scenario, timeout_s: float = 0.2) -> None:
+    """Run `scenario` (a coroutine function) while the watch runs over `servers` (node -> _Server)."""
+    monkeypatch.setattr(node_server, "node_servers", lambda: dict(servers))
+
+    async def run():
+        stop = asyncio.Event()
+        watch = asyncio.create_task(
+            node_server.watch_tier_health(tracker, interval_s=0.02, stop=stop, timeout_s=timeout_s)
+        )
+        try:
+            await scenario()
+        finally:
+            stop.set()
+            await watch
+
+    asyncio.run(run())
+
+
+async def _until(condition, within: float = 2.0, between=lambda: None) -> float | None:
+    """Seconds until `condition()` holds (None if not `within`); `between` runs at each look."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while loop.time() - start < within:
+        between()
+        if condition():
+            return loop.time() - start
+        await asyncio.sleep(0.005)
+    return None
+
+
+def _one_node(host_blocks: int = 3):
+    """A node "n" with replicas "r" and "r2" and an LMCache host tier holding one prompt of `host_blocks`."""
+    index = PrefixIndex()
+    tracker = TierTracker(index)
+    index.add_replica("r", node_id="n")
+    index.add_replica("r2", node_id="n")
+
+    def declare():  # what the router does with every request's routing stats
+        tracker.set_node("n", has_shared_tier=False, host_capacity_blocks=100)
+
+    declare()
+    tracker.record_prefill("r", list(range(1, host_blocks + 1)))
+    return index, tracker, declare
+
+
+def test_a_frozen_node_that_answers_again_with_the_same_server_keeps_its_host_tier(monkeypatch):
+    """SIGSTOP of a node's processes, then SIGCONT: its LMCache server kept its contents, so what the router
+    predicts from its host tier afterwards is what it predicted before, not a cold start."""
+    index, tracker, declare = _one_node()
+    server = _Server(_healthy())
+    prompt = [1, 2, 3]
+
+    async def scenario():
+        assert await _until(lambda: server.asked >= 2)  # answered once at least
+        server.frozen = True
+        assert await _until(lambda: "n" not in tracker.nodes(), between=declare) is not None
+        assert tracker.loadable(index.match(prompt))["r2"] == (0, 0, 0)  # no host hits while it does not answer
+        asked = server.asked
+        await asyncio.sleep(0.6)  # rounds go by: the call it owes is not repeated
+        assert server.asked == asked and tracker.loadable(index.match(prompt))["r2"] == (0, 0, 0)
+        server.frozen = False
+        assert await _until(lambda: "n" in tracker.nodes(), between=declare) is not None
+
+    _watching(monkeypatch, tracker, {"n": server}, scenario)
+    assert tracker.loadable(index.match(prompt))["r2"] == (0, 3, 3)
+    assert tracker.counters["nodes_unanswering"] == 1 and tracker.counters["nodes_restored"] == 1
+
+
+def test_a_frozen_node_that_answers_with_another_server_loses_its_host_tier(monkeypatch):
+    for other in ({"restarts": 1}, {"instance": "a new actor"}, {"serving": False}):
+        index, tracker, declare = _one_node()
+        server = _Server(_healthy())
+
+        async def scenario(server=server, other=other):
+            assert await _until(lambda: server.asked >= 2)
+            server.frozen = True
+            assert await _until(lambda: "n" not in tracker.nodes())
+            server.reply = {**server.reply, **other}
+            asked = server.asked
+            server.frozen = False
+            assert await _until(lambda: server.asked > asked)  # the owed call answered, the next one asked
+            declare()
+
+        _watching(monkeypatch, tracker, {"n": server}, scenario)
+        assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0), other
+        assert tracker.counters["nodes_restored"] == 0 and tracker.stats["tier_nodes_unanswering_now"] == 0, other
+
+
+def test_a_frozen_node_does_not_delay_the_others(monkeypatch):
+    """Asked one after the other with 5 s each, one frozen node held every other node's news back 5 s a round."""
+    index = PrefixIndex()
+    tracker = TierTracker(index)
+    for node in ("frozen", "dead", "restarted"):
+        index.add_replica(f"r-{node}", node_id=node)
+        tracker.set_node(node, has_shared_tier=False, host_capacity_blocks=100)
+        tracker.record_prefill(f"r-{node}", [hash(node) + k for k in range(4)])
+    servers = {
+        "frozen": _Server(_healthy()),
+        "dead": _Server(_healthy(serving=False)),
+        "restarted": _Server(_healthy()),
+    }
+    servers["frozen"].frozen = True
+    timeout_s = 1.0
+
+    async def scenario():
+        took = await _until(lambda: "dead" not in tracker.nodes())
+        assert took is not None and took < timeout_s / 2  # handled on its answer, not at the round's deadline
+        assert await _until(lambda: "frozen" not in tracker.nodes())  # the first round's deadline passed
+        servers["restarted"].reply = {**_healthy(), "restarts": 1}
+        took = await _until(lambda: tracker.nodes()["restarted"]["host_blocks"] == 0)
+        assert took is not None and took < timeout_s / 2  # not waiting on the frozen node again
+
+    _watching(monkeypatch, tracker, servers, scenario, timeout_s=timeout_s)
+
+
+def test_a_node_that_never_answers_again_is_forgotten_once_its_engines_and_actor_are_gone(monkeypatch):
+    index, tracker, _ = _one_node()
+    servers = {"n": _Server(_healthy())}
+
+    async def scenario():
+        assert await _until(lambda: servers["n"].asked >= 2)
+        servers["n"].frozen = True
+        assert await _until(lambda: tracker.stats["tier_nodes_unanswering_now"] == 1)
+        for rid in ("r", "r2"):  # its replicas leave Serve's set: the router forgets them, then the node
+            index.remove_replica(rid)
+        tracker.drop_node("n")
+        index.remove_node("n")
+        await asyncio.sleep(0.1)
+        servers.clear()  # Ray declares the node dead: its actor is gone
+        assert await _until(lambda: not tracker.watched_nodes())
+
+    _watching(monkeypatch, tracker, servers, scenario)
+    assert tracker.stats["tier_nodes_unanswering_now"] == 0 and tracker.stats["tier_host_blocks"] == 0
+
+
+def test_a_node_server_actor_replaced_between_two_looks_empties_the_host_tier(monkeypatch):
+    """The node's actor died and Ray made another within a round: the new one answers, serving, its restarts at 0
+    like the old one's, but its server started empty, so nothing is predicted from the old one's contents."""
+    index, tracker, declare = _one_node()
+    server = _Server({**_healthy(), "instance": "first actor"})
+
+    async def scenario():
+        assert await _until(lambda: server.asked >= 2)
+        assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 3, 3)
+        server.reply = {**server.reply, "instance": "second actor"}
+        asked = server.asked
+        assert await _until(lambda: server.asked > asked + 1)  # the new actor's answer was read
+
+    _watching(monkeypatch, tracker, {"n": server}, scenario)
+    assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0)
+    assert tracker.counters["host_dropped_on_restart"] == 3
