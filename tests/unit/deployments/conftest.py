@@ -25,9 +25,16 @@ def home(tmp_path, monkeypatch):
 @pytest.fixture
 def relay_gone(monkeypatch):
     """`kvmesh serve`'s driver as its relay's death leaves it: the stop is signalled as it starts waiting, the
-    fast stop's `os._exit` raises SystemExit instead, and no signal handler is set."""
+    fast stop's `os._exit` raises SystemExit instead, and no signal handler is set.
+
+    Only serve.py's own events are signalled at once: it gets a stand-in for its `threading` module. Setting
+    `Event` on the real module (which `serve_cmd.threading` is) changed every Thread made meanwhile too (a
+    Thread's `_started` is an Event: started already, it refuses to start), so the start's Serve contract
+    check, whose worker thread runs only at a process's first check, failed with "threads can only be
+    started once" unless an earlier test had checked already."""
     import signal
     import threading
+    import types
 
     from kvmesh.deployments.cli import serve as serve_cmd
 
@@ -41,7 +48,15 @@ def relay_gone(monkeypatch):
     def exit_now(status):
         raise SystemExit(status)
 
-    monkeypatch.setattr(serve_cmd.threading, "Event", SignalledAtOnce)
+    class ServesThreading(types.ModuleType):
+        """threading as serve.py sees it: its Events are signalled at once, the rest is the real module."""
+
+        Event = SignalledAtOnce
+
+        def __getattr__(self, name: str):
+            return getattr(threading, name)
+
+    monkeypatch.setattr(serve_cmd, "threading", ServesThreading("threading"))
     monkeypatch.setattr(signal, "signal", lambda *a: None)
     monkeypatch.setattr(os, "_exit", exit_now)
     return serve_cmd

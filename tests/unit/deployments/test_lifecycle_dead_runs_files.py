@@ -99,9 +99,28 @@ def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
     assert made and left == [], f"the killed driver's leftovers stayed: {left}"
 
 
-def test_the_fast_stop_after_the_relay_died_removes_its_replicas_folders(home, fake_ray, relay_gone):
+def test_the_relay_gone_driver_signals_only_its_own_events(relay_gone):
+    """The stand-in signals serve.py's events at once and leaves every other Event and Thread as they are:
+    a Thread made meanwhile (the start's Serve contract check runs one) still starts."""
+    import threading
+
+    serve_cmd = relay_gone
+    assert serve_cmd.threading.Event().is_set() and serve_cmd.threading.Event().wait(0)
+    assert not threading.Event().is_set()
+    ran = []
+    worker = threading.Thread(target=lambda: ran.append(True))
+    worker.start()  # "threads can only be started once" while threading.Event itself was the stand-in
+    worker.join(timeout=10)
+    assert ran == [True]
+
+
+def test_the_fast_stop_after_the_relay_died_removes_its_replicas_folders(home, fake_ray, relay_gone, monkeypatch):
     """`kvmesh serve`'s driver on SIGHUP (its relay was killed): once it ended its processes, their private
     folders (replicas', LMCache servers') are removed too."""
+    from kvmesh.deployments import serve_contract
+
+    # as a process's first start, whatever ran before: the Serve contract check (on a thread) runs too
+    monkeypatch.setattr(serve_contract, "_checked", False)
     serve_cmd = relay_gone
     # the replicas' folders are named after their processes, which the fast stop ended
     dead = _leftovers(home, _dead_pid())
