@@ -181,6 +181,9 @@ class MigratingStream:
             if self._ended:
                 self._close_current()
                 raise StopAsyncIteration
+            if self._gone:  # given up between two waits: its cancelled call to a frozen replica would never answer
+                self._move(None, ReplicaGone(f"replica {self.replica or '?'} left the fleet mid-call"))
+                continue
             if not self._watched:
                 local_state.OPEN_CALLS.watch(self._current["request_id"], self._on_gone)
                 self._watched = True

@@ -32,7 +32,7 @@ from ray.exceptions import RayError
 
 log = logging.getLogger("ray.serve.kvmesh")
 
-# A probe a second per replica: a frozen replica is suspect 2-4 s after it froze (two missed probes, each waited
+# A probe a second per replica: a frozen replica is suspect 2-5 s after it froze (two missed probes, each waited
 # on for PROBE_DEADLINE_S), and one that resumes is routed to within about a second.
 PROBE_INTERVAL_S = 1.0
 # How long a probe may take before it counts as missed. A replica answers from the event loop its engine
@@ -46,7 +46,7 @@ MISSES_TO_SUSPECT = 2
 # s, a frozen one suspect within about 6 s) rather than in one burst that stalls the loop.
 MAX_PROBES_PER_S = 100.0
 # How long a replica stays suspect (no answer, no sign of work) before its calls in flight are moved: with the
-# suspicion 2-4 s after the freeze, they move 10-14 s after it (seen live: 13.2 s), against about a minute for
+# suspicion 2-5 s after the freeze, they move 10-14 s after it (seen live: 13.2 s), against about a minute for
 # Ray to declare the node dead. Longer than the longest engine step seen without a KV event or a step count.
 SUSPECT_ABANDON_S = 8.0
 

@@ -241,7 +241,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
             abandon=self._move_calls_off,
             abandon_after_s=suspect_abandon_s,
         )
-        self._moved_off: set[str] = set()  # Serve's ids of calls given up on a suspect replica (each once)
+        # Serve's ids of calls given up on a suspect replica, until they end or are sent again: each given up once
+        # (Serve sends a request's every call under one internal id, so the mark goes when the call is sent again)
+        self._moved_off: set[str] = set()
         self._watching: asyncio.Task | None = None
         self.passed_over_suspect = 0  # candidate replicas left out of a ranking because they were suspect
         # replicas known dead (actor died, engine broken): never chosen again, even while Serve still lists them
@@ -306,8 +308,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
     def _move_calls_off(self, rid: str) -> int:
         """Give up the calls in flight on a replica suspect long enough (`ReplicaWatch.abandon_long_suspect`):
         the ingress sends each again elsewhere (deployments/migration.py). Only a request's current call, and
-        once: a moved request keeps its id, and its new call must not be given up with the old one."""
-        self._moved_off &= self._inflight.keys()  # calls that ended (their node resumed, or was declared dead)
+        once: until the ingress's new call for it is routed, its request id names that new call's wait."""
         moved = 0
         for internal, st in list(self._inflight.items()):
             request_id = st.info.request_id
@@ -319,7 +320,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 self._moved_off.add(internal)
                 moved += 1
         if moved:
-            log.warning("moved %d call(s) off replica %s, suspect for %.0f s", moved, rid, self.watch.abandon_after_s)
+            log.warning(
+                "gave up %d call(s) on replica %s, suspect for %.0f s or more", moved, rid, self.watch.abandon_after_s
+            )
         return moved
 
     def _probed(self) -> list[RunningReplica]:
@@ -759,6 +762,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         credit and speculative blocks are taken back before it is ranked anew."""
         internal = pending_request.metadata.internal_request_id
         earlier = self._inflight.pop(internal, None)
+        self._moved_off.discard(internal)  # the mark was the earlier call's: Serve sends again under the same id
         if earlier is not None:
             self._rejected[internal] = earlier.replica  # its completion comes later: not the retry's
             while len(self._rejected) > 1024:
@@ -861,6 +865,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if st is None or st.replica != rid:  # not an earlier attempt's, rejected by its replica
             return  # (Serve cancels that call and may say so after the retry was placed elsewhere)
         del self._inflight[internal_request_id]
+        self._moved_off.discard(internal_request_id)
         request_id = st.info.request_id
         if request_id is None or self._by_request_id.get(request_id) != internal_request_id:
             st.release()  # a migrated request's earlier call: its new call, under the same request id, goes on

@@ -303,6 +303,54 @@ def test_a_stream_whose_replica_left_the_fleet_silently_is_finished_elsewhere_wh
     asyncio.run(run())
 
 
+class _FrozenAfter(_Replica):
+    """A replica whose node froze after `sent` chunks of its call: nothing more comes, cancelled or not (a
+    cancel never reaches a frozen actor)."""
+
+    def __init__(self, name: str, sent: int):
+        super().__init__(name)
+        self.sent = sent
+
+    def open(self, request: dict):
+        inner = super().open(request)
+        replica = self
+
+        class _Stream:
+            i = 0
+
+            async def __anext__(self):
+                if self.i >= replica.sent:
+                    await asyncio.Event().wait()
+                self.i += 1
+                return await inner.__anext__()
+
+            def cancel(self):
+                replica.cancelled += 1
+
+        return _Stream()
+
+
+def test_a_stream_abandoned_between_two_chunks_moves_at_its_next_wait():
+    """The router gives the call up while the ingress is not waiting on it (writing a chunk to a slow client):
+    the next wait moves the stream on (before, it waited on the cancelled call to the frozen node for good,
+    no longer watched, so nothing could give it up again)."""
+    from kvmesh.deployments import local_state
+
+    async def run():
+        counters, failed, started = FailureCounters(), [], []
+        a, b = _FrozenAfter("A", sent=2), _Replica("B")
+        stream = _stream(_fleet(a, b), counters, failed, started)
+        got = [t for _ in range(2) for t in (await stream.__anext__())["token_ids"]]
+        assert local_state.OPEN_CALLS.abandon(["r1"]) == 1  # between two waits
+        rest = asyncio.ensure_future(_drain(stream))
+        done, _ = await asyncio.wait({rest}, timeout=5)
+        assert done, "the abandoned stream still waits on the frozen replica"
+        assert got + rest.result() == ANSWER
+        assert counters.snapshot()["migrations"] == {"mid_stream": 1} and len(local_state.OPEN_CALLS) == 0
+
+    asyncio.run(run())
+
+
 def test_a_unary_call_whose_replica_left_the_fleet_silently_is_sent_again_when_abandoned():
     from kvmesh.deployments import local_state
 

@@ -275,10 +275,12 @@ def test_suspect_replicas_are_exported_as_a_gauge_and_suspicions_as_a_counter():
     assert samples["kvmesh_router_suspicions_total"] == 3
 
 
-def test_calls_in_flight_on_a_long_suspect_replica_are_moved_once_and_the_moved_call_is_left_alone(monkeypatch):
+def test_calls_in_flight_on_a_long_suspect_replica_are_moved_once_and_again_if_their_new_replica_freezes(
+    monkeypatch,
+):
     """A replica suspect for `suspect_abandon_s` has its calls in flight given up (the ingress sends them
-    elsewhere); each call once, and the request's new call, under the same request id, is never given up
-    with it, nor when Serve later drops the frozen replica."""
+    elsewhere), each call once. Serve sends the ingress's new call under the request's same internal id: that
+    call is given up in turn if its own replica freezes, and when Serve drops that replica."""
     from kvmesh.deployments import router as router_module
 
     monkeypatch.setattr(router_module, "ABANDON_AFTER_S", 0.05)  # what a dropped replica's calls wait for
@@ -286,36 +288,39 @@ def test_calls_in_flight_on_a_long_suspect_replica_are_moved_once_and_the_moved_
 
     async def scenario():
         router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.15, **FAST)
-        a, b = Replica("A", "n0"), Replica("B", "n1")
-        router.update_replicas([a, b])
-        req = fake_request(list(range(1000, 1256)), "r1")
-        home = (await router.choose_replicas([a, b], req))[0][0]
-        router._routed(req, home.replica_id)
-        other = b if home is a else a
-        hid = home.replica_id.unique_id
+        reps = [Replica("A", "n0"), Replica("B", "n1"), Replica("C", "n2")]
+        router.update_replicas(reps)
+        prompt = list(range(1000, 1256))
         gone: list[str] = []
-        local_state.OPEN_CALLS.watch("r1", lambda: gone.append("first call"))
 
-        home.frozen = True
-        assert await _until(lambda: hid in _suspect(router))
+        async def send(call: str):
+            req = fake_request(prompt, "r1")  # every call of the request: internal id "i-r1", as Serve does
+            home = (await router.choose_replicas(reps, req))[0][0]
+            router._routed(req, home.replica_id)
+            local_state.OPEN_CALLS.watch("r1", lambda: gone.append(call))
+            return home
+
+        first = await send("first call")
+        first.frozen = True
+        assert await _until(lambda: first.replica_id.unique_id in _suspect(router))
         await asyncio.sleep(0.05)
         assert gone == [], "given up before the replica was suspect for suspect_abandon_s"
         assert await _until(lambda: gone == ["first call"]), "the call on the frozen replica was never given up"
-        assert router.snapshot()["probes"]["calls_moved_off_suspect"] == 1
-
-        # the ingress sends it again under the same request id; it lands on the answering replica
-        again = fake_request(list(range(1000, 1256)), "r1")
-        again.metadata.internal_request_id = "i-r1-again"
-        local_state.OPEN_CALLS.watch("r1", lambda: gone.append("second call"))
-        assert _ids(await router.choose_replicas([a, b], again)) == [other.replica_id.unique_id]
-        router._routed(again, other.replica_id)
-        await asyncio.sleep(0.3)  # rounds go on with the frozen replica still suspect and its call open
+        await asyncio.sleep(0.2)  # rounds go on, the replica still suspect: given up once
         assert gone == ["first call"] and router.snapshot()["probes"]["calls_moved_off_suspect"] == 1
 
-        # Serve drops the frozen replica: its old call ends with it, and the moved one is still not given up
-        router.update_replicas([other])
-        await asyncio.sleep(0.3)
-        assert router.forgotten == 1 and gone == ["first call"] and len(local_state.OPEN_CALLS) == 1
+        second = await send("second call")  # the ingress sends it again; Serve asks the router anew
+        assert second is not first
+        second.frozen = True  # its new replica freezes too; the third still answers
+        assert await _until(lambda: gone == ["first call", "second call"]), "the moved call was never moved again"
+        assert router.snapshot()["probes"]["calls_moved_off_suspect"] == 2
+
+        third = await send("third call")
+        assert third not in (first, second)
+        router.update_replicas([r for r in reps if r is not third])  # Serve drops its replica: given up 0.05 s on
+        assert await _until(lambda: gone == ["first call", "second call", "third call"])
+        assert router._moved_off == set(), "a given-up call's mark outlived it"
+        first.frozen = second.frozen = False
 
     asyncio.run(scenario())
 
