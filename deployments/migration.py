@@ -185,7 +185,9 @@ class MigratingStream:
                 self._move(None, ReplicaGone(f"replica {self.replica or '?'} left the fleet mid-call"))
                 continue
             if not self._watched:
-                local_state.OPEN_CALLS.watch(self._current["request_id"], self._on_gone)
+                local_state.OPEN_CALLS.watch(
+                    self._current["request_id"], self._on_gone, movable=self.moves < self.max_migrations
+                )
                 self._watched = True
             self._waiting = asyncio.current_task()
             try:
@@ -285,7 +287,7 @@ async def call_migrating(
                 task.cancel()
 
         active = True
-        local_state.OPEN_CALLS.watch(current["request_id"], abandoned)
+        local_state.OPEN_CALLS.watch(current["request_id"], abandoned, movable=moves < max_migrations)
         try:
             try:
                 answer = await call(current)

@@ -22,16 +22,17 @@ class ReplicaGone(RuntimeError):
 
 
 class OpenCalls:
-    """The ingress's engine calls in flight, by engine request id, each with what abandons it. `abandon` may
-    be called from any thread (the router's loop); the abandoning runs on the call's own loop."""
+    """The ingress's engine calls in flight, by engine request id, each with what abandons it and whether its
+    request has a move left (`max_migrations`). `abandon` may be called from any thread (the router's loop);
+    the abandoning runs on the call's own loop."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
+        self._calls: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[], None], bool]] = {}
 
-    def watch(self, request_id: str, on_gone: Callable[[], None]) -> None:
+    def watch(self, request_id: str, on_gone: Callable[[], None], movable: bool = True) -> None:
         with self._lock:
-            self._calls[request_id] = (asyncio.get_running_loop(), on_gone)
+            self._calls[request_id] = (asyncio.get_running_loop(), on_gone, movable)
 
     def unwatch(self, request_id: str, on_gone: Callable[[], None]) -> None:
         with self._lock:
@@ -39,15 +40,18 @@ class OpenCalls:
             if entry is not None and entry[1] is on_gone:
                 del self._calls[request_id]
 
-    def abandon(self, request_ids: Iterable[str]) -> int:
-        """Abandon the calls still open among `request_ids`; how many there were."""
+    def abandon(self, request_ids: Iterable[str], movable_only: bool = False) -> int:
+        """Abandon the calls still open among `request_ids`; how many there were. `movable_only`: not those
+        whose request has no move left, which would fail with a 503 rather than wait (a suspect replica may
+        answer yet; one Serve dropped will not, so its calls are abandoned either way)."""
         n = 0
         for request_id in request_ids:
             with self._lock:
-                entry = self._calls.pop(request_id, None)
-            if entry is None:
-                continue
-            loop, on_gone = entry
+                entry = self._calls.get(request_id)
+                if entry is None or (movable_only and not entry[2]):
+                    continue
+                del self._calls[request_id]
+            loop, on_gone, _ = entry
             try:
                 loop.call_soon_threadsafe(on_gone)
                 n += 1

@@ -316,7 +316,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 continue
             if self._by_request_id.get(request_id) != internal:  # an earlier call of a request that moved on
                 continue
-            if local_state.OPEN_CALLS.abandon([request_id]):  # else not awaited yet: the next round tries again
+            # not awaited yet, or its request has no move left (it waits for the replica): the next round looks again
+            if local_state.OPEN_CALLS.abandon([request_id], movable_only=True):
                 self._moved_off.add(internal)
                 moved += 1
         if moved:

@@ -401,3 +401,42 @@ def test_the_origin_of_a_continuation_id_is_the_request_it_finishes():
     assert origin_id(continuation_id("0f3a", 1)) == "0f3a" and origin_id(continuation_id("q", 12)) == "q"
     for own in ("0f3a", "a-m", "a-mx", "-m1", "a-m１"):  # not a continuation's: its own
         assert origin_id(own) == own
+
+
+def test_a_call_is_watched_as_movable_only_while_its_request_has_a_move_left():
+    """What the router's suspect-replica watch reads (`OpenCalls.abandon(..., movable_only=True)`): a request
+    with no move left is not given up there, so it waits for its replica instead of failing with a 503."""
+    from kvmesh.deployments import local_state
+
+    async def run():
+        for max_migrations, movable in ((0, False), (1, True)):
+
+            async def call(request):
+                await asyncio.Event().wait()
+
+            task = asyncio.create_task(
+                call_migrating(
+                    dict(REQUEST), call, max_migrations=max_migrations, counters=FailureCounters(), replica_failed=print
+                )
+            )
+            await asyncio.sleep(0.02)
+            assert local_state.OPEN_CALLS.abandon(["r1"], movable_only=True) == int(movable), max_migrations
+            if not movable:
+                assert local_state.OPEN_CALLS.abandon(["r1"]) == 1  # its replica was dropped: given up anyway
+            with pytest.raises(MigrationExhausted if not movable else asyncio.CancelledError):
+                if movable:
+                    task.cancel()  # moved: its next call waits too; the client leaves
+                await task
+            assert len(local_state.OPEN_CALLS) == 0
+
+        a = _FrozenAfter("A", sent=1)
+        stream = _stream(_fleet(a), FailureCounters(), [], [], max_migrations=0)
+        await stream.__anext__()
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.02)
+        assert local_state.OPEN_CALLS.abandon(["r1"], movable_only=True) == 0  # a stream with no move left waits
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(run())

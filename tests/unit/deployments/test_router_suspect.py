@@ -345,3 +345,31 @@ def test_with_every_replica_frozen_no_call_is_moved(monkeypatch):
         a.frozen = b.frozen = False
 
     asyncio.run(scenario())
+
+
+def test_a_call_with_no_move_left_waits_for_its_suspect_replica_but_not_for_a_dropped_one(monkeypatch):
+    """Given up, a request with no move left (`max_migrations`) would fail with a 503: on a suspect replica,
+    which may answer yet, it waits; on one Serve dropped, which will not, it is given up as before."""
+    from kvmesh.deployments import router as router_module
+
+    monkeypatch.setattr(router_module, "ABANDON_AFTER_S", 0.05)
+    monkeypatch.setattr(local_state, "OPEN_CALLS", OpenCalls())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.05, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        req = fake_request(list(range(64)), "r3")
+        home = (await router.choose_replicas([a, b], req))[0][0]
+        router._routed(req, home.replica_id)
+        gone: list[int] = []
+        local_state.OPEN_CALLS.watch("r3", lambda: gone.append(1), movable=False)
+        home.frozen = True
+        assert await _until(lambda: _suspect(router) == [home.replica_id.unique_id])
+        await asyncio.sleep(0.3)
+        assert gone == [] and router.snapshot()["probes"]["calls_moved_off_suspect"] == 0
+        router.update_replicas([b if home is a else a])
+        assert await _until(lambda: gone == [1]), "a dropped replica's call was not given up"
+        home.frozen = False
+
+    asyncio.run(scenario())
