@@ -175,7 +175,7 @@ class TierTracker:
         has no shared tier, or while the shared tier is down, reads no shared tier. `whole_chunks=False`
         keeps every block a reachable tier holds: what the chunk cut costs, for miss attribution. A node whose
         server does not answer counts as running none: the index still holds its kept host marks."""
-        if not self._host and not self._kept:
+        if not self._host and not self._kept and not self._down:  # no LMCache node at all: nothing to cut
             return matches
         out = {}
         for rid, (hbm, host, shared) in matches.items():
@@ -271,6 +271,10 @@ class TierTracker:
         if kept.shared:
             self._shared_nodes.add(node_id)
         self.counters["nodes_restored"] += 1
+
+    def unanswering_nodes(self) -> list[str]:
+        """The nodes whose server does not answer, their host-tier model kept aside (`node_unanswering`)."""
+        return sorted(self._kept)
 
     def any_node(self) -> bool:
         """Does any node run an LMCache server the router models?"""

@@ -949,6 +949,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "hold_timeouts": self.hold_timeouts,
             "prefill_pace": self.prefill_pace.value,
             "tier_nodes": self.tiers.nodes(),
+            "tier_nodes_unanswering": self.tiers.unanswering_nodes(),  # their host-tier model kept aside
             "recent_decisions": self.recent_decisions(),
             "inflight": len(self._inflight),
             "sync": self.sync.stats() if self.sync is not None else None,

@@ -283,6 +283,7 @@ class _TierWatch:
         # node -> a health call not answered yet: not asked again until it is, so a frozen node's actor does not
         # find a call per round queued when it resumes, and is not waited on again each round
         self.calls: dict = {}
+        self._asked: dict[str, object] = {}  # node -> the id of the actor its call in `calls` went to
 
     async def round(self) -> None:
         import asyncio
@@ -291,13 +292,16 @@ class _TierWatch:
         actors = await asyncio.to_thread(node_servers)
         for node in [n for n in self.calls if n not in actors]:
             _discard(self.calls.pop(node))
-        for last in (self.restarts, self.losses, self.instances):  # node ids are new on every machine
+        for node in [n for n in self.calls if self._asked.get(n) != _actor_id(actors[n])]:
+            _discard(self.calls.pop(node))  # owed by an actor since replaced: the new one is asked now
+        for last in (self.restarts, self.losses, self.instances, self._asked):  # node ids are new on every machine
             for node in [n for n in last if n not in actors]:
                 del last[node]
         asked = {}
         for node, actor in actors.items():
             if node not in self.calls:
                 self.calls[node] = asked[node] = asyncio.ensure_future(_ask_health(actor))
+                self._asked[node] = _actor_id(actor)
         node_of = {call: node for node, call in asked.items()}
         health: dict[str, dict] = {}
         # the calls made now share one deadline, each answer handled as it comes; an earlier round's call still
@@ -364,6 +368,11 @@ class _TierWatch:
         for call in self.calls.values():
             _discard(call)
         self.calls.clear()
+
+
+def _actor_id(actor) -> object:
+    """The Ray actor's own id (a handle got again names the same one; a replacement has a new one)."""
+    return getattr(actor, "_actor_id", None)
 
 
 def _discard(call) -> None:

@@ -310,3 +310,15 @@ def test_a_node_never_declared_that_does_not_answer_is_held_down_until_it_serves
     t.node_serving("n3", intact=True)
     t.set_node("n3", has_shared_tier=True)
     assert t.record_prefill("c", [1]) == 1
+
+
+def test_with_every_lmcache_node_down_no_replica_is_credited_a_tier():
+    """Down nodes are all there is (their servers died, their engines serve on): the shared blocks the index
+    still holds cannot be loaded, so no replica is credited them (before: the raw match, shared included)."""
+    idx, t = _setup()
+    t.record_prefill("a", [1, 2, 3])
+    t.drop_node("n1", down=True)
+    assert t.loadable(idx.match([1, 2, 3]))["b"] == (0, 0, 3)  # n2 still reads the shared tier
+    t.drop_node("n2", down=True)
+    assert not t.any_node()
+    assert t.loadable(idx.match([1, 2, 3])) == {"a": (0, 0, 0), "a2": (0, 0, 0), "b": (0, 0, 0)}

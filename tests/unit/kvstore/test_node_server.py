@@ -367,3 +367,25 @@ def test_a_node_server_actor_replaced_between_two_looks_empties_the_host_tier(mo
     _watching(monkeypatch, tracker, {"n": server}, scenario)
     assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0)
     assert tracker.counters["host_dropped_on_restart"] == 3
+
+
+def test_a_node_whose_actor_was_replaced_while_a_call_was_owed_asks_the_new_actor(monkeypatch):
+    """The old actor's call is owed (its node froze, then Ray made a new actor under the node's name): the new
+    actor is asked at once, not only after the old call fails, and its empty server is what the router models."""
+    index, tracker, declare = _one_node()
+    old, new = _Server({**_healthy(), "instance": "old"}), _Server({**_healthy(), "instance": "new"})
+    old._actor_id, new._actor_id = "actor-1", "actor-2"
+    servers = {"n": old}
+
+    async def scenario():
+        assert await _until(lambda: old.asked >= 2)
+        old.frozen = True
+        assert await _until(lambda: "n" not in tracker.nodes())
+        servers["n"] = new  # listed under the node now; the old call is still owed
+        assert await _until(lambda: new.asked >= 1, within=1.0) is not None, "the new actor was never asked"
+        assert await _until(lambda: "n" in tracker.nodes(), between=declare) is not None
+
+    _watching(monkeypatch, tracker, servers, scenario)
+    old.frozen = False
+    assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0)
+    assert tracker.counters["nodes_restored"] == 0
