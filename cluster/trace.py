@@ -3,8 +3,9 @@
 One record per line: `timestamp` (ms since trace start), `input_length` and `output_length` (tokens),
 `hash_ids` (one id per `block_size`-token block of the prompt, the last one possibly partial; an id
 always follows the same parent, so it names its whole prefix). Extra keys are kept as they are
-(`tenant` is passed on to policies, `user` orders a replay's turns). A malformed line raises
-`TraceError` naming the file and line, which the CLI prints as one line (exit 2).
+(`tenant` is passed on to policies, `user` orders a replay's turns). A malformed line, or one with a
+number past its limit (`MAX_TRACE_TOKENS`, `MAX_TIMESTAMP_MS`, `MAX_HASH_ID`), raises `TraceError` naming
+the file, line and field, which the CLI prints as one line (exit 2).
 
 Two forms of one record, one conversion between them: the JSONL record (a dict, `read_records`) is
 what workloads generate, the replay client sends and files hold; `TraceRequest.from_record` is what
@@ -29,6 +30,17 @@ BUNDLED = {
 }
 SOURCE_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+# Upper limits on a record's numbers, far above any real trace's: past them a simulation's times lose the
+# milliseconds a TTFT is made of (an output_length of 1e18 decodes for 2.5e16 s at 25 ms a token, where a
+# float steps by 4 s: the run reported 0.00 utilisation, and a request queued behind it a TTFT of 2.5e16 s,
+# with exit 0), or a number no other tool holds. Tokens: a thousand times the longest context windows (1M
+# tokens; 10M at most); 10^9 tokens at the cost model's slowest 10 s a token still keep microseconds.
+# Timestamps (ms): 10^15 is ~31,700 years, where a float still steps by 0.125 ms. Hash ids: int64, as vLLM
+# and LMCache hold block hashes.
+MAX_TRACE_TOKENS = 10**9
+MAX_TIMESTAMP_MS = 10**15
+MAX_HASH_ID = 2**63 - 1
+_MAXIMA = {"timestamp": MAX_TIMESTAMP_MS, "input_length": MAX_TRACE_TOKENS, "output_length": MAX_TRACE_TOKENS}
 
 
 class TraceError(ValueError):
@@ -91,10 +103,13 @@ def brief(text: str) -> str:
 
 
 def _int_field(rec: dict, key: str, where: str, minimum: int = 0) -> float:
-    """The checked field: a number >= minimum, whole except the timestamp (an int or an integral float)."""
+    """The checked field: a number from minimum to its upper limit (`_MAXIMA`), whole except the timestamp
+    (an int or an integral float)."""
     v = rec.get(key)
     if not finite_number(v) or v < minimum:
         raise TraceError(f"{where}: field {key!r} must be a number >= {minimum}, got {brief(repr(v))}")
+    if v > _MAXIMA[key]:
+        raise TraceError(f"{where}: field {key!r} must be <= {_MAXIMA[key]:,}, got {brief(repr(v))}")
     if isinstance(v, float) and key != "timestamp" and not v.is_integer():
         raise TraceError(f"{where}: field {key!r} must be a whole number of tokens, got {v!r}")
     return v
@@ -121,6 +136,8 @@ def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKE
         )
     ):
         raise TraceError(f"{where}: 'hash_ids' must be a non-empty list of non-negative integers")
+    if max(ids) > MAX_HASH_ID:
+        raise TraceError(f"{where}: 'hash_ids' must be <= 2^63-1, got {brief(str(max(ids)))}")
     if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
         raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
     for key in ("tenant", "user"):  # dict keys and cache salts: a list or an object cannot be either

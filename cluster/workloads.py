@@ -52,10 +52,13 @@ def scaled_block_lengths(rec: dict, tokens_per_block: int, source_block_tokens: 
     """Tokens each hash id contributes once a trace block of `source_block_tokens` becomes
     `tokens_per_block` tokens: full blocks give all of them, the trailing partial block its share
     (rounded, at least 1). The replay client expands ids into exactly these lengths."""
-    ids = rec["hash_ids"]
-    tail = rec["input_length"] - (len(ids) - 1) * source_block_tokens
-    tail_tokens = min(tokens_per_block, max(1, round(tail * tokens_per_block / source_block_tokens)))
-    return [tokens_per_block] * (len(ids) - 1) + [tail_tokens]
+    return [tokens_per_block] * (len(rec["hash_ids"]) - 1) + [_tail_tokens(rec, tokens_per_block, source_block_tokens)]
+
+
+def _tail_tokens(rec: dict, tokens_per_block: int, source_block_tokens: int) -> int:
+    """The tokens the last (possibly partial) hash id of `rec` contributes (`scaled_block_lengths`)."""
+    tail = rec["input_length"] - (len(rec["hash_ids"]) - 1) * source_block_tokens
+    return min(tokens_per_block, max(1, round(tail * tokens_per_block / source_block_tokens)))
 
 
 def scaled_output_length(rec: dict, tokens_per_block: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS) -> int:
@@ -196,6 +199,26 @@ def check_parent_rule(records: Iterable[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------ engine granularity
+# Engine blocks a trace may expand to (`engine_trace`): ~100 bytes each once made, ~230 bytes and ~5 us each
+# in a simulation (the conversation trace's first 50 requests at 8,192 tokens per id and 1-token blocks, 9.6M
+# blocks: 2.2 GB and 45 s for one policy). The whole bundled conversation trace at 512 tokens per id and
+# vLLM's 16-token blocks is 9.1M. Before this limit, a ratio of tokens per block to block size far beyond any
+# engine's (1,000,000 / 1: 42M blocks from three records) took 4 GB and more than 30 s.
+MAX_ENGINE_BLOCKS = 10_000_000
+
+
+def engine_blocks(
+    records: Iterable[dict], tokens_per_block: int, block_size: int, source_block_tokens: int = SOURCE_BLOCK_TOKENS
+) -> int:
+    """How many engine blocks `engine_trace` makes of `records`, counted without making them."""
+    full = -(-tokens_per_block // block_size)  # a full trace block's engine blocks
+    total = 0
+    for rec in records:
+        tail = _tail_tokens(rec, tokens_per_block, source_block_tokens)
+        total += (len(rec["hash_ids"]) - 1) * full + -(-tail // block_size)
+    return total
+
+
 def engine_trace(
     records: Sequence[dict],
     tokens_per_block: int,
@@ -207,8 +230,16 @@ def engine_trace(
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
     bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
     them apart live), lengths scaled like the replay client's prompts. Lets a policy change be checked
-    on the live benchmarks' workloads in seconds (tests/unit/benchmarks/test_peers.py)."""
+    on the live benchmarks' workloads in seconds (tests/unit/benchmarks/test_peers.py). ValueError when
+    they would make more than `MAX_ENGINE_BLOCKS` blocks, before any is made."""
     block_size = block_size or tokens_per_block
+    total = engine_blocks(records, tokens_per_block, block_size, source_block_tokens)
+    if total > MAX_ENGINE_BLOCKS:
+        raise ValueError(
+            f"{len(records):,} requests at {tokens_per_block:,} tokens per trace block and engine blocks of "
+            f"{block_size:,} tokens make {total:,} engine blocks, more than {MAX_ENGINE_BLOCKS:,}: use fewer "
+            "tokens per block, a larger block size or fewer requests"
+        )
     ids: dict[tuple, int] = {}
     out = []
     for rec in records:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.cachetest_analysis import Prepared, Sent
@@ -50,16 +50,24 @@ class CachetestConfig:
     bound_replicas: Sequence[int] = (1, 2, 4)
 
     def check(self, reqs: Sequence[LoggedRequest]) -> None:
+        self.check_passes()
+        self.check_tenants((r.line, r.tenant) for r in reqs)
+
+    def check_passes(self) -> None:
         if not self.passes:
             raise CachetestError(f"--passes: name at least one pass ({', '.join(PASSES)})")
         bad = [p for p in self.passes if p not in PASSES]
         if bad:
             raise CachetestError(f"--passes: unknown pass {bad[0]!r} (choose from {', '.join(PASSES)})")
-        if self.tenant_keys:
-            for r in reqs:
-                if r.tenant is not None and r.tenant not in self.tenant_keys and not self.api_key:
+
+    def check_tenants(self, tenants: Iterable[tuple[int, str | None]]) -> None:
+        """Every tenant named ((line, tenant) per request) has a key. Takes the pairs, not the requests: a
+        trace's are checked before its prompts are built."""
+        if self.tenant_keys and not self.api_key:
+            for line, tenant in tenants:
+                if tenant is not None and tenant not in self.tenant_keys:
                     raise CachetestError(
-                        f"log line {r.line}: tenant {r.tenant!r} has no key (add --tenant-key {r.tenant}=KEY)"
+                        f"log line {line}: tenant {tenant!r} has no key (add --tenant-key {tenant}=KEY)"
                     )
 
 

@@ -94,6 +94,44 @@ class ReplayConfig:
             raise ReplayError("time scale must be >= 0")
         if self.token_range and not 0 <= self.token_range[0] < self.token_range[1]:
             raise ReplayError("token range must satisfy 0 <= low < high")
+        check_url(self.url)
+
+
+def shown(text: str, limit: int = 120) -> str:
+    """`text` quoted for a one-line message: control characters escaped (a newline would split the message),
+    a very long value cut."""
+    quoted = repr(text)
+    return quoted if len(quoted) <= limit else quoted[: limit - 20] + f"... ({len(text):,} characters)"
+
+
+def check_url(url: str) -> str:
+    """`url` if it is an http(s) base URL requests can be sent to, else ReplayError saying what is wrong.
+
+    Why checked before any request: httpx reports a port out of range as "ExceptionGroup: unhandled errors
+    in a TaskGroup", and a trailing newline only at the first request, in a message split over two lines."""
+    from urllib.parse import urlsplit
+
+    if not url:
+        raise ReplayError("the URL is empty (e.g. http://127.0.0.1:8000)")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ReplayError(f"{shown(url)}: a URL has no whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket
+        raise ReplayError(f"{shown(url)}: not a URL ({exc})") from None
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        port = 0
+    if port is not None and not 1 <= port <= 65535:
+        raise ReplayError(f"{shown(url)}: the port must be a whole number 1-65535")
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ReplayError(f"{shown(url)}: expected an http:// or https:// URL, e.g. http://127.0.0.1:8000")
+    if not parts.hostname:
+        raise ReplayError(f"{shown(url)}: no host")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ReplayError(f"{shown(url)}: a base URL has no query (?) or fragment (#)")
+    return url
 
 
 @dataclass

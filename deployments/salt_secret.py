@@ -52,6 +52,39 @@ def check_configured_secret(env: Mapping[str, str]) -> None:
         check_secret_file(env[SECRET_FILE_ENV], SECRET_FILE_ENV)
 
 
+def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) -> None:
+    """The checks the replicas' `tenants.resolve_secret` makes of the salt secret `env` configures, made
+    before anything starts (ConfigError): KVMESH_SALT_SECRET is not the placeholder and is long enough; the
+    file KVMESH_SALT_SECRET_FILE names can be read, its content (blanks around it dropped, as there) is not
+    the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
+    nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
+    run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.tenants import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV
+
+    def long_enough(secret: bytes, where: str) -> None:
+        check_not_placeholder(secret, where)
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"salt secret from {where} is too short: need at least {MIN_SECRET_BYTES} bytes, e.g. from "
+                "`openssl rand -hex 32`"
+            )
+
+    if env.get(SECRET_ENV):
+        long_enough(env[SECRET_ENV].encode("utf-8"), SECRET_ENV)
+    path = env.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as exc:
+            if not file_is_here:
+                return
+            raise ConfigError(
+                f"cannot read salt secret file {path!r} ({SECRET_FILE_ENV}): {exc.strerror or exc}"
+            ) from None
+        long_enough(data, f"{SECRET_FILE_ENV} {path!r}")
+
+
 def kvmesh_home() -> Path:
     """Where a local run keeps its secrets ($KVMESH_HOME, else ~/.kvmesh): the kept salt secret and the
     per-run secret files under `run/`. kvstore/tiers.py's `kvmesh_home` (the built model, the default fs

@@ -101,15 +101,77 @@ def non_negative_float(text: str) -> float:
 def output_file(text: str) -> str:
     """A file this command may write, checked before its work starts (a live run's results must not be lost
     to a path that cannot be written at its end)."""
+    if not text:  # Path("") is the current folder: "is a directory" named nothing the user wrote
+        raise argparse.ArgumentTypeError("empty path: name a file")
     path = Path(text).absolute()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    folder = path.parent  # the nearest folder that exists: the command makes the rest
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    folder = _below_a_folder(text, path.parent)  # the nearest folder that exists: the command makes the rest
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text}: cannot be written here")
     return text
+
+
+def _below_a_folder(text: str, folder: Path) -> Path:
+    """The nearest of `folder` and its parents that exists, which must be a folder: a path below a file was
+    refused as "File exists" (making its folders), naming the file as if it were the trouble."""
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written here: {folder} is a file, not a folder")
+    return folder
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file: the same real path (links followed, `..` and `.` resolved),
+    or, where both exist, the same file (a hard link, a folder mounted twice)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:  # a file that went meanwhile, or one that cannot be looked at: the open will say so
+        return False
+
+
+def given(text: str) -> str:
+    """A value that is not empty (argparse type): `--api-key "$UNSET"` or `--config ""` would otherwise be
+    taken for no value at all, and the command go on without it (a generated key, the default config)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a value, got an empty string")
+    return text
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped: echoed input (a path with a newline) keeps the error
+    message on one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def url(text: str) -> str:
+    """An http(s) base URL (argparse type): a bad one is refused before any record is read or request sent."""
+    from kvmesh.deployments.replay import ReplayError, check_url
+
+    try:
+        return check_url(text)
+    except ReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def refuse_overwriting(outputs: dict[str, str | None], inputs: dict[str, str | None], prefix: str = "") -> None:
+    """Refuse, before any work, an output file that is one of the command's inputs (writing it would destroy
+    the input: `simulate --trace t.jsonl --json t.jsonl`) or another of its outputs (the second write would
+    replace the first: `--json x.png --plot x.png`). `outputs`: option (e.g. "--json") -> path, or None where
+    not given; `inputs`: what the input is ("the trace being read") -> its path, or None. Raises CliError."""
+    from kvmesh.deployments.cli import CliError
+
+    given = [(flag, path) for flag, path in outputs.items() if path]
+    for i, (flag, path) in enumerate(given):
+        for what, source in inputs.items():
+            if source and _same_file(path, source):
+                raise CliError(f"{prefix}{flag} {path} is {what}: name another file")
+        for other_flag, other in given[:i]:
+            if _same_file(path, other):
+                raise CliError(f"{prefix}{other_flag} {other} and {flag} {path} are the same file: name two files")
 
 
 def output_folder(first_file: str) -> Callable[[str], str]:
@@ -119,6 +181,8 @@ def output_folder(first_file: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if Path(text).exists() and not Path(text).is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+        if text:
+            _below_a_folder(text, Path(text).absolute())
         output_file(os.path.join(text, first_file))
         return text
 

@@ -19,12 +19,15 @@ from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     MAX_RATE,
     float_up_to,
+    given,
     int_up_to,
     output_folder,
     positive_float,
     positive_int,
+    printable,
+    url,
 )
-from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK, shown
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,11 +55,13 @@ def default_log() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="OpenAI-compatible base URL (kvmesh, vLLM, a peer router)")
+    where.add_argument("--url", type=url, help="OpenAI-compatible base URL (kvmesh, vLLM, a peer router)")
     where.add_argument("--serve", action="store_true", help="start kvmesh (tiny model) for the test, stop it after")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--requests", help="request log, JSONL of OpenAI bodies (default: the bundled example)")
-    src.add_argument("--trace", help="a Mooncake trace (path or bundled name) instead of a request log")
+    src.add_argument(
+        "--requests", type=given, help="request log, JSONL of OpenAI bodies (default: the bundled example)"
+    )
+    src.add_argument("--trace", type=given, help="a Mooncake trace (path or bundled name) instead of a request log")
     parser.add_argument(
         "--out",
         required=True,
@@ -65,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-key",
+        type=given,
         help="bearer key for every request without a --tenant-key; against kvmesh, an operator's key also reads "
         "the server's counters and every request's record whole",
     )
@@ -77,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uncached-rate", type=rate, default=3.00, help=f"$ per 1M uncached tokens (<= {MAX_RATE:g})")
     parser.add_argument("--cached-rate", type=rate, default=0.30, help=f"$ per 1M cached tokens (<= {MAX_RATE:g})")
     parser.add_argument("--block-size", type=positive_int, default=32, help="the engines' KV block size")
-    parser.add_argument("--tokenizer", help="the served model's folder (default: the tiny model)")
+    parser.add_argument("--tokenizer", type=given, help="the served model's folder (default: the tiny model)")
     parser.add_argument("--limit", type=positive_int, default=None, help="only the first N requests of the log")
     parser.add_argument(
         "--trace-tokens-per-block",
@@ -91,32 +97,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _load(args):
-    from kvmesh.cluster.request_log import RequestLogError, parse_line, read_request_log
+def _read(args) -> list:
+    """The log's requests, or the trace's records, read and checked without building a prompt (cheap, so
+    that bad input stops before the URL is contacted and before the prompts are built)."""
+    from kvmesh.cluster.request_log import RequestLogError, read_request_log
 
     if args.trace:
-        import json
-
         from kvmesh.cluster.trace import read_records
-        from kvmesh.deployments.replay import PromptBuilder, ReplayConfig
 
         try:
             records = read_records(args.trace, limit=args.limit)
         except ValueError as exc:
-            raise CliError(f"--trace: {exc}") from None
-        builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=args.trace_tokens_per_block))
-        out = []
-        for n, rec in enumerate(records, start=1):
-            line = {"id": f"trace-{n}", "body": {"prompt": builder.prompt(rec), "max_tokens": 8}}
-            for k in ("tenant", "user"):
-                if rec.get(k) is not None:
-                    line["tenant" if k == "tenant" else "interaction"] = str(rec[k])
-            out.append(parse_line(json.dumps(line), args.trace, n))
-        return out
+            raise CliError(f"--trace: {printable(str(exc))}") from None
+        if not records:  # as an empty --requests log is: nothing to test
+            raise CliError(f"--trace {shown(args.trace)}: no records")
+        return records
     try:
         return read_request_log(args.requests or default_log(), limit=args.limit)
     except RequestLogError as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(printable(str(exc))) from None
+
+
+def _tenants(args, read: list) -> list[tuple[int, str | None]]:
+    """(line, tenant) of each request `_read` returned, for the tenant-key check."""
+    if not args.trace:
+        return [(r.line, r.tenant) for r in read]
+    return [(n, None if rec.get("tenant") is None else str(rec["tenant"])) for n, rec in enumerate(read, start=1)]
+
+
+def _requests(args, read: list) -> list:
+    """The requests to send: a trace's records become completions of token-id prompts (`read` from `_read`).
+    Building them is the expensive part of the input (a block of up to 8,192 tokens per hash id), so it
+    comes after the checks and the URL's answer."""
+    if not args.trace:
+        return read
+    import json
+
+    from kvmesh.cluster.request_log import parse_line
+    from kvmesh.deployments.replay import PromptBuilder, ReplayConfig
+
+    builder = PromptBuilder(ReplayConfig(url="", tokens_per_block=args.trace_tokens_per_block))
+    out = []
+    for n, rec in enumerate(read, start=1):
+        line = {"id": f"trace-{n}", "body": {"prompt": builder.prompt(rec), "max_tokens": 8}}
+        for k in ("tenant", "user"):
+            if rec.get(k) is not None:
+                line["tenant" if k == "tenant" else "interaction"] = str(rec[k])
+        out.append(parse_line(json.dumps(line), args.trace, n))
+    return out
 
 
 def _tokenizer(path: str | None):
@@ -129,7 +157,7 @@ def _tokenizer(path: str | None):
     try:
         return load_tokenizer(path)
     except ReplayError as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(printable(str(exc))) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas_sweep and not args.serve:
         raise CliError("--replicas-sweep needs --serve (the test must start kvmesh itself)")
-    reqs = _load(args)
+    read = _read(args)
     concurrency = args.concurrency_sweep or [args.concurrency or 4]
     cfg = CachetestConfig(
         url=args.url or "",
@@ -153,13 +181,14 @@ def run(args: argparse.Namespace) -> int:
         bound_replicas=sorted({1, 2, 4, args.replicas, *(args.replicas_sweep or [])}),
     )
     try:
-        cfg.check(reqs)
+        cfg.check_passes()
+        cfg.check_tenants(_tenants(args, read))
         if not args.serve:
-            discover(cfg)  # an unreachable URL fails before the tokenizer loads
+            discover(cfg)  # an unreachable URL fails before the tokenizer loads and the prompts are built
     except CachetestError as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(printable(str(exc))) from None
     tok = _tokenizer(args.tokenizer)
-    prepared = prepare(reqs, tok, args.block_size)
+    prepared = prepare(_requests(args, read), tok, args.block_size)
     try:
         if args.serve:
             from kvmesh.deployments.cachetest_serve import serve_and_test
@@ -168,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             report = _test_url(cfg, prepared, tok, not args.no_progress)
     except CachetestError as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(printable(str(exc))) from None
     from kvmesh.cluster.cachetest_html import write_outputs
 
     try:

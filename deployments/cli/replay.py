@@ -13,8 +13,18 @@ import json
 import os
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import int_up_to, non_negative_float, output_file, positive_float, positive_int
-from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
+from kvmesh.deployments.cli.args import (
+    given,
+    int_up_to,
+    non_negative_float,
+    output_file,
+    positive_float,
+    positive_int,
+    printable,
+    refuse_overwriting,
+    url,
+)
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK, ReplayError
 
 
 def _tenant_key(text: str) -> tuple[str, str]:
@@ -25,9 +35,9 @@ def _tenant_key(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", required=True, type=url, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
     parser.add_argument(
-        "--trace", required=True, help="Mooncake JSONL path or a bundled name (conversation, synthetic)"
+        "--trace", required=True, type=given, help="Mooncake JSONL path or a bundled name (conversation, synthetic)"
     )
     parser.add_argument(
         "--tokens-per-block",
@@ -50,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="send at trace timestamp x this factor (0.5 = twice as fast)",
     )
-    parser.add_argument("--api-key", default=None, help="bearer key for every request")
+    parser.add_argument("--api-key", type=given, default=None, help="bearer key for every request")
     parser.add_argument(
         "--tenant-key",
         type=_tenant_key,
@@ -60,10 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="key for the trace's `tenant` field (repeatable); falls back to --api-key",
     )
     parser.add_argument("--prompt-form", choices=("tokens", "text"), default="tokens")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer dir (needed for --prompt-form text)")
+    parser.add_argument("--tokenizer", type=given, default=None, help="tokenizer dir (needed for --prompt-form text)")
     parser.add_argument("--max-tokens", type=positive_int, default=16, help="cap on output tokens per request")
-    parser.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
-    parser.add_argument("--label", default=None, help="replica name when the server sends no x-kvmesh-replica")
+    parser.add_argument("--model", type=given, default=None, help="model name (default: first of GET /v1/models)")
+    parser.add_argument(
+        "--label", type=given, default=None, help="replica name when the server sends no x-kvmesh-replica"
+    )
     parser.add_argument(
         "--seed",
         type=int,
@@ -77,14 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.trace import read_records
+    from kvmesh.cluster.trace import read_records, resolve
     from kvmesh.cluster.workloads import fit_context
-    from kvmesh.deployments.replay import ReplayConfig, ReplayError, format_table, replay
+    from kvmesh.deployments.replay import ReplayConfig, format_table, replay
 
     try:
+        refuse_overwriting({"--json": args.json}, {"the trace being read": resolve(args.trace)}, "kvmesh replay: ")
         records = read_records(args.trace, limit=None if args.max_prompt_tokens else args.limit)
     except ValueError as exc:
-        raise CliError(f"kvmesh replay: {exc}") from None
+        raise CliError(f"kvmesh replay: {printable(str(exc))}") from None
     if args.max_prompt_tokens:
         records = fit_context(records, args.tokens_per_block, args.max_prompt_tokens)[: args.limit]
     if not records:
@@ -108,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = replay(records, cfg)
     except ReplayError as exc:
-        raise CliError(f"kvmesh replay: {exc}") from None
+        raise CliError(f"kvmesh replay: {printable(str(exc))}") from None
     out = report.to_json(per_request=args.per_request)
     if os.path.dirname(args.json):
         os.makedirs(os.path.dirname(args.json), exist_ok=True)

@@ -12,43 +12,51 @@ import sys
 import threading
 
 from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import given
 
 DRIVER_KEY_ENV = "KVMESH_SERVE_API_KEY"  # the supplied API key as the relay hands it to the driver
 API_KEY_ENV = "KVMESH_API_KEY"  # an operator's API key, kept off the command line (`ps` shows that to everyone)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="serving config YAML (deployments/config.py); flags override it")
-    parser.add_argument("--model", help="'tiny' (built locally) or a local Hugging Face model directory")
-    parser.add_argument("--replicas", type=int, help="engine replicas (default 2)")
-    parser.add_argument("--policy", help="placement policy (kvmesh.policies.registry; default kvmesh)")
-    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--config", type=given, help="serving config YAML (deployments/config.py); flags override it")
+    parser.add_argument("--model", type=given, help="'tiny' (built locally) or a local Hugging Face model directory")
+    parser.add_argument("--replicas", type=int, help="engine replicas (default 2; not with --autoscaling)")
+    parser.add_argument("--policy", type=given, help="placement policy (kvmesh.policies.registry; default kvmesh)")
+    parser.add_argument("--host", type=given, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000; 0 = pick a free one)")
     keys = parser.add_mutually_exclusive_group()
     keys.add_argument(
         "--api-key-file",
+        type=given,
         metavar="PATH",
         help=f"file holding the API key clients must send (or set {API_KEY_ENV}; default: a generated one)",
     )
     keys.add_argument(
         "--api-key",
+        type=given,
         help=f"the API key itself: every local user sees it in `ps` while kvmesh runs; prefer --api-key-file or "
         f"{API_KEY_ENV}",
     )
-    parser.add_argument("--tenants", help="tenants file (YAML/TOML/JSON, deployments/tenants.py) instead of --api-key")
+    parser.add_argument(
+        "--tenants", type=given, help="tenants file (YAML/TOML/JSON, deployments/tenants.py) instead of --api-key"
+    )
     parser.add_argument("--block-size", type=int, help="engine KV block size (multiple of 32 on CPU)")
     parser.add_argument("--max-model-len", type=int, help="engine context length")
     parser.add_argument(
         "--num-cpus", type=int, help="CPUs for a locally started Ray (default: all cores, or what the app needs)"
     )
     parser.add_argument(
-        "--address", help="join this Ray cluster (host:port) instead of starting a local one; RAY_ADDRESS is ignored"
+        "--address",
+        type=given,
+        help="join this Ray cluster (host:port) instead of starting a local one; RAY_ADDRESS is ignored",
     )
     parser.add_argument(
         "--autoscaling",
         type=_replica_range,
         metavar="MIN:MAX",
-        help="autoscale the engine replicas between MIN and MAX (Serve autoscaling; other keys from the config)",
+        help="autoscale the engine replicas between MIN and MAX (Serve autoscaling; other keys from the config; "
+        "not with --replicas)",
     )
     parser.add_argument(
         "--proxy",
@@ -75,7 +83,14 @@ def _build_config(args) -> dict:
     from kvmesh.deployments.config import ConfigError, app_config, load_config
     from kvmesh.deployments.tenants import new_api_key
 
-    cfg = load_config(args.config) if args.config else app_config({})
+    if args.replicas is not None and args.autoscaling is not None:  # autoscaling would drop --replicas unsaid
+        raise ConfigError("--replicas and --autoscaling exclude each other: give a fixed count or a MIN:MAX range")
+    cfg = load_config(args.config) if args.config is not None else app_config({})
+    if args.replicas is not None and cfg.get("autoscaling"):
+        raise ConfigError(
+            f"--replicas: config.autoscaling ({args.config}) sets the engine replicas; give --autoscaling MIN:MAX "
+            "instead, or remove autoscaling from the config"
+        )
     for flag, key in (
         ("replicas", "replicas"),
         ("policy", "policy"),
@@ -210,10 +225,12 @@ def run(args) -> int:
     if not is_driver():
         from kvmesh.deployments.local_ray import NotEnoughResources, local_num_cpus
         from kvmesh.deployments.port_check import check_port_free
-        from kvmesh.deployments.salt_secret import check_configured_secret
+        from kvmesh.deployments.salt_secret import check_usable_secret
 
         try:
-            check_configured_secret(os.environ)  # a published placeholder stops here, before Ray starts
+            # a published placeholder, a short secret, a missing file stop here, not in the replicas once Ray runs
+            # (a cluster joined may hold the file on its nodes only: one this machine cannot read is theirs)
+            check_usable_secret(os.environ, file_is_here=not cfg["address"])
             if not cfg["address"]:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does
                 check_port_free(cfg["host"], cfg["port"])
                 local_num_cpus(cfg, args.num_cpus)

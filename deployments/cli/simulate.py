@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
+from kvmesh.cluster.workloads import MAX_ENGINE_BLOCKS
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     INT64_MAX,
@@ -17,7 +19,16 @@ from kvmesh.deployments.cli.args import (
     output_file,
     positive_float,
     positive_int,
+    refuse_overwriting,
 )
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
+
+# tokens per trace block and per engine block: as `kvmesh replay --tokens-per-block` caps it (16 blocks of
+# 8,192 tokens fill a 128K context); a huge one overflowed numpy (OverflowError) instead of failing at once
+MAX_BLOCK_TOKENS = MAX_TOKENS_PER_BLOCK
+# LMCache chunk in simulated blocks: 10M blocks are at least 10M tokens, the longest context of any model, so
+# no prompt holds a larger chunk whole (and past 2^63-1 numpy overflowed)
+MAX_TIER_CHUNK_BLOCKS = 10_000_000
 
 # Why 100,000: set-up is near linear in replicas (100,000 take ~5 s per policy) and each request scans the
 # fleet; a million would take minutes per policy. (A live app's limit is config.MAX_REPLICAS.)
@@ -58,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shared-blocks",
         type=int_up_to(INT64_MAX),
         default=None,
-        help="shared-tier capacity (default unbounded; <= 2^63-1)",
+        help="with --shared: the shared tier's capacity (default unbounded; <= 2^63-1); refused without --shared",
     )
     p.add_argument("--replicas-per-node", type=positive_int, default=1, help="replicas sharing one host tier")
     p.add_argument(
@@ -70,24 +81,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tier-chunk-blocks",
-        type=positive_int,
+        type=int_up_to(MAX_TIER_CHUNK_BLOCKS),
         default=1,
         help="LMCache chunk size in simulated blocks (chunk tokens / block size): the host and shared tiers "
-        "store, and a prefix loads from them, in whole chunks (default 1)",
+        f"store, and a prefix loads from them, in whole chunks (default 1; <= {MAX_TIER_CHUNK_BLOCKS:,})",
     )
     p.add_argument(
         "--block-size",
-        type=positive_int,
+        type=int_up_to(MAX_BLOCK_TOKENS),
         default=None,
         help="without --tokens-per-block: tokens per trace hash id (default 512, Mooncake's); with it: "
-        "the engine's block size (default: tokens per block)",
+        f"the engine's block size (default: tokens per block); <= {MAX_BLOCK_TOKENS:,}",
     )
     p.add_argument(
         "--tokens-per-block",
-        type=positive_int,
+        type=int_up_to(MAX_BLOCK_TOKENS),
         default=None,
         help="expand each trace hash id (512 tokens in the file) to this many tokens, as `kvmesh replay` "
-        "does, and simulate at --block-size: the live run's prompts and block size",
+        f"does, and simulate at --block-size: the live run's prompts and block size (<= {MAX_BLOCK_TOKENS:,}; "
+        f"the trace may expand to at most {MAX_ENGINE_BLOCKS:,} engine blocks)",
     )
     p.add_argument(
         "--concurrency",
@@ -162,7 +174,7 @@ def _cost_model(text: str | None):
 
     if text is None:
         return CostModel()
-    inline = text.lstrip().startswith(("{", "[")) and not os.path.exists(text)
+    inline = _cost_model_file(text) is None
     where = "--cost-model" if inline else f"--cost-model {text}"
     try:
         if inline:
@@ -186,6 +198,31 @@ def _cost_model(text: str | None):
         raise CliError(f"{where}: {exc}") from None
 
 
+def _cost_model_file(text: str | None) -> str | None:
+    """The file `--cost-model` names, or None where it gives the JSON inline (as `_cost_model` decides)."""
+    if text is None or (text.lstrip().startswith(("{", "[")) and not os.path.exists(text)):
+        return None
+    return text
+
+
+def _refuse_overwriting(args) -> None:
+    """Refuse --json or --plot naming an input (the trace, a --cost-model file) or each other, before any work:
+    the result would replace the file it was made from, or the PNG the JSON."""
+    from kvmesh.cluster.trace import TraceError, resolve
+
+    try:
+        trace = resolve(args.trace)
+    except TraceError:  # no such trace: the load says so
+        trace = None
+    refuse_overwriting(
+        {"--json": args.json_out, "--plot": args.plot},
+        {
+            "the trace being read (--trace)": trace,
+            "the cost model being read (--cost-model)": _cost_model_file(args.cost_model),
+        },
+    )
+
+
 def _load(args):
     """The trace as the simulator takes it (its requests' users, if any, in `meta["users"]`)."""
     from kvmesh.cluster.trace import TraceError, load_trace, read_records
@@ -207,7 +244,10 @@ def _load(args):
     if not records:
         raise CliError(f"{args.trace}: no requests")
     name = os.path.splitext(os.path.basename(args.trace))[0]
-    return engine_trace(records, args.tokens_per_block, block, name=name)
+    try:
+        return engine_trace(records, args.tokens_per_block, block, name=name)
+    except ValueError as exc:  # more engine blocks than MAX_ENGINE_BLOCKS
+        raise CliError(f"{args.trace}: {exc}") from None
 
 
 def _router_setup(args):
@@ -244,6 +284,9 @@ def run(args) -> int:
         raise CliError("give either --load (timed arrivals) or --concurrency (closed loop), not both")
     if args.concurrency is not None and args.reply_wait == "off":
         raise CliError("--concurrency always sends a user's next turn after its reply: drop --reply-wait off")
+    if args.shared_blocks is not None and not args.shared:
+        raise CliError("--shared-blocks sizes the shared tier: add --shared, or drop --shared-blocks")
+    _refuse_overwriting(args)
     cost = _cost_model(args.cost_model)
     trace = _load(args)
     if len(trace) < 2 and args.load is not None:
@@ -279,12 +322,24 @@ def run(args) -> int:
             text = json.dumps(doc, indent=1, allow_nan=False)
         except ValueError:
             raise CliError(f"--json {args.json_out}: the result holds NaN or an infinity; not written") from None
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        with open(args.json_out, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with _writing("--json", args.json_out):
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+            with open(args.json_out, "w", encoding="utf-8") as fh:
+                fh.write(text)
         print(f"wrote {args.json_out}", file=sys.stderr)
     if args.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        plot(doc, args.plot)
+        with _writing("--plot", args.plot):
+            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+            plot(doc, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _writing(flag: str, path: str):
+    """An OSError while writing `path` as one line naming it (a failed write or close, EIO or EPIPE, names no
+    file: the dispatcher printed the error alone)."""
+    try:
+        yield
+    except OSError as exc:
+        raise CliError(f"{flag} {exc.filename or path}: {exc.strerror or exc}") from None

@@ -14,7 +14,7 @@ import sys
 
 from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
-from kvmesh.cluster.trace import BUNDLED, read_records, resolve
+from kvmesh.cluster.trace import BUNDLED, MAX_TIMESTAMP_MS, MAX_TRACE_TOKENS, SOURCE_BLOCK_TOKENS, read_records, resolve
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     float_up_to,
@@ -23,8 +23,9 @@ from kvmesh.deployments.cli.args import (
     non_negative_int,
     output_file,
     positive_int,
+    refuse_overwriting,
 )
-from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
+from kvmesh.deployments.cli.simulate import MAX_BLOCK_TOKENS, MAX_SIM_REPLICAS
 
 # Limits on a generated trace, far above any real workload: past them a typo would write for hours (the
 # product of --tenants --groups --users --turns is the request count). A million-request trace is common.
@@ -45,20 +46,37 @@ def _check_size(requests: int, hash_ids: int) -> None:
         )
 
 
-def _check_not_input(out: str | None, trace_path: str) -> None:
-    """Refuse an output file that is the trace being read: writing the result would destroy the input."""
-    if out and os.path.exists(out) and os.path.samefile(out, trace_path):
-        raise CliError(f"kvmesh trace: --json {out} is the trace being read: name another file")
+def _check_records(longest_prompt_blocks: int, last_timestamp_ms: float) -> None:
+    """Refuse a trace whose records `kvmesh simulate` and `trace bounds` would refuse (cluster.trace's limits)."""
+    if longest_prompt_blocks * SOURCE_BLOCK_TOKENS > MAX_TRACE_TOKENS:
+        raise CliError(
+            f"kvmesh trace: prompts of up to {longest_prompt_blocks * SOURCE_BLOCK_TOKENS:,} tokens, more than "
+            f"{MAX_TRACE_TOKENS:,} (a trace's limit): use fewer turns or smaller blocks"
+        )
+    if last_timestamp_ms > MAX_TIMESTAMP_MS:
+        raise CliError(
+            f"kvmesh trace: timestamps up to {last_timestamp_ms:,.0f} ms, more than {MAX_TIMESTAMP_MS:,} "
+            "(a trace's limit): use shorter times or fewer requests"
+        )
+
+
+def _write(records, path: str, progress: bool = False) -> int:
+    """`workloads.write_jsonl`; an error names the path (a failed write, EPIPE or EIO, names no file)."""
+    try:
+        return workloads.write_jsonl(records, path, progress=progress)
+    except OSError as exc:
+        raise CliError(f"kvmesh trace: {exc.filename or path}: {exc.strerror or exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="trace_command", required=True)
 
     s = sub.add_parser("synth", help="multi-tenant multi-turn chat workload")
-    s.add_argument("--out", required=True, help="JSONL file to write")
+    s.add_argument("--out", required=True, type=output_file, help="JSONL file to write")
     s.epilog = (
         f"tenants x groups x users x turns (the request count) must be <= {MAX_REQUESTS:,}, and the hash ids "
-        f"of all prompts <= {MAX_HASH_IDS:,}"
+        f"of all prompts <= {MAX_HASH_IDS:,}, a prompt <= {MAX_TRACE_TOKENS:,} tokens and the last timestamp "
+        f"<= {MAX_TIMESTAMP_MS:,} ms (what `kvmesh simulate` reads)"
     )
     s.add_argument("--tenants", type=positive_int, default=2)
     s.add_argument("--groups", type=positive_int, default=2, help="system prompts per tenant")
@@ -97,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("flood", help="shared-system-prompt flood (hot-spot workload)")
-    f.add_argument("--out", required=True)
+    f.add_argument("--out", required=True, type=output_file, help="JSONL file to write")
     f.add_argument("--requests", type=int_up_to(MAX_REQUESTS), default=64, help=f"<= {MAX_REQUESTS:,}")
     f.add_argument("--system-blocks", type=int_up_to(MAX_BLOCKS), default=8, help=f"<= {MAX_BLOCKS:,}")
     f.add_argument("--unique-blocks", type=int_up_to(MAX_BLOCKS), default=1, help=f"<= {MAX_BLOCKS:,}")
@@ -110,9 +128,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     b = sub.add_parser("bounds", help="infinite-cache and round-robin-over-N-infinite-caches hit rates")
     b.add_argument("--trace", required=True, help="JSONL path or a bundled name: " + ", ".join(BUNDLED))
-    b.add_argument("--tokens-per-block", type=positive_int, default=512, help="tokens per trace block after scaling")
     b.add_argument(
-        "--block-size", type=positive_int, default=None, help="engine block size (default: tokens-per-block)"
+        "--tokens-per-block",
+        type=int_up_to(MAX_BLOCK_TOKENS),
+        default=512,
+        help=f"tokens per trace block after scaling (<= {MAX_BLOCK_TOKENS:,}, as `kvmesh replay`)",
+    )
+    b.add_argument(
+        "--block-size",
+        type=int_up_to(MAX_BLOCK_TOKENS),
+        default=None,
+        help=f"engine block size (default: tokens-per-block; <= {MAX_BLOCK_TOKENS:,})",
     )
     b.add_argument(
         "--replicas",
@@ -149,13 +175,19 @@ def run(args: argparse.Namespace) -> int:
             _check_size(
                 total, total * args.system_blocks + conversations * per_turn * args.turns * (args.turns + 1) // 2
             )
+            # a user's last turn: its first at most --start-spread-ms, each next one at most 1.5 x --think-ms later
+            _check_records(
+                args.system_blocks + args.turns * per_turn - args.reply_blocks[1],
+                args.start_spread_ms + (args.turns - 1) * args.think_ms * 1.5,
+            )
             if total >= 100_000:
                 print(f"generating {total:,} requests ...", file=sys.stderr, flush=True)
-            n = workloads.write_jsonl(workloads.synth_chat(spec), args.out, progress=total >= 100_000)
+            n = _write(workloads.synth_chat(spec), args.out, progress=total >= 100_000)
             print(f"wrote {n} requests to {args.out}")
             return 0
         if args.trace_command == "flood":
             _check_size(args.requests, args.requests * (args.system_blocks + args.unique_blocks))
+            _check_records(args.system_blocks + args.unique_blocks, (args.requests - 1) * args.interval_ms)
             records = workloads.synth_flood(
                 requests=args.requests,
                 system_blocks=args.system_blocks,
@@ -165,10 +197,10 @@ def run(args: argparse.Namespace) -> int:
                 tenant=args.tenant,
                 seed=args.seed,
             )
-            n = workloads.write_jsonl(records, args.out)
+            n = _write(records, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
-        _check_not_input(args.json, resolve(args.trace))
+        refuse_overwriting({"--json": args.json}, {"the trace being read": resolve(args.trace)}, "kvmesh trace: ")
         records = read_records(args.trace, limit=args.limit)
         if not records:  # as `kvmesh simulate` refuses it: no bound of nothing
             raise CliError(f"kvmesh trace: trace {args.trace!r}: no requests")
@@ -178,8 +210,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{len(records):,}" + (f" (--limit {args.limit})" if args.limit else "")
             )
         result = record_bounds(records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup)
-    except OSError as exc:
-        raise CliError(f"kvmesh trace: {exc.strerror or exc}: {exc.filename}") from None
     except ValueError as exc:
         raise CliError(f"kvmesh trace: {exc}") from None
     print(
@@ -190,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
         f"hit rate {result['round_robin_infinite']['hit_rate']:.3f}"
     )
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(result, fh, indent=2)
+        except OSError as exc:  # a failed write or close (EIO, EPIPE) names no file
+            raise CliError(f"kvmesh trace: {exc.filename or args.json}: {exc.strerror or exc}") from None
     return 0

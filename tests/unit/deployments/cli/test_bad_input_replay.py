@@ -137,3 +137,68 @@ def test_the_config_refuses_what_the_flags_refuse():
     ]:
         with pytest.raises(ReplayError, match=message):
             cfg.check()
+
+
+# ------------------------------------------------------------------------- the URL, empty values, the output
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("http://127.0.0.1:65536", "'http://127.0.0.1:65536': the port must be a whole number 1-65535"),
+        ("http://127.0.0.1:99999", "'http://127.0.0.1:99999': the port must be a whole number 1-65535"),
+        ("http://127.0.0.1:x", "the port must be a whole number 1-65535"),
+        ("ftp://127.0.0.1:21", "expected an http:// or https:// URL"),
+        ("http://", "'http://': no host"),
+        ("http://h/v1?x=1", "a base URL has no query (?) or fragment (#)"),
+        ("http://127.0.0.1:9\n", r"'http://127.0.0.1:9\n': a URL has no whitespace or control characters"),
+        ("http://127.0.0.1:9\r\nx", r"'http://127.0.0.1:9\r\nx': a URL has no whitespace or control characters"),
+        ("", "the URL is empty"),
+    ],
+)
+def test_a_bad_url_is_one_clear_line_before_any_request(url, message, tmp_path, capsys):
+    """Port 65536 was "cannot reach ...: ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)";
+    a trailing newline split the message over two lines."""
+    assert _replay(url, _trace(tmp_path), tmp_path / "o.json") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kvmesh replay: argument --url: " in err and message in err, err
+    assert "ExceptionGroup" not in err and not (tmp_path / "o.json").exists()
+
+
+def test_the_replay_config_checks_the_url_too():
+    with pytest.raises(ReplayError, match="the port must be a whole number 1-65535"):
+        ReplayConfig(url="http://127.0.0.1:65536").check()
+    ReplayConfig(url="https://[::1]:8000/prefix/").check()
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--api-key", "--tokenizer", "--model", "--label"])
+def test_an_explicitly_empty_value_is_refused_not_taken_for_no_value(flag, failing_server, tmp_path, capsys):
+    """`--api-key ""` (an unset shell variable) sent no key at all; `--model ""` asked the server for one."""
+    argv = ["replay", "--url", failing_server, "--trace", _trace(tmp_path), "--json", str(tmp_path / "o.json")]
+    assert main([*argv, "--no-progress", flag, ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {flag}: expected a value, got an empty string" in err, err
+
+
+@pytest.mark.parametrize("how", ["same", "link", "relative"])
+def test_a_json_output_that_is_the_trace_is_refused_before_the_run(how, failing_server, tmp_path, capsys, monkeypatch):
+    """The summary, written at the end, replaced the trace it was made from."""
+    trace = _trace(tmp_path)
+    before = open(trace).read()
+    out = trace
+    if how == "link":
+        out = str(tmp_path / "out.json")
+        (tmp_path / "out.json").symlink_to(trace)
+    elif how == "relative":
+        monkeypatch.chdir(tmp_path)
+        out = "./t.jsonl"
+    assert _replay(failing_server, trace, out) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the trace being read" in err, err
+    assert open(trace).read() == before
+
+
+def test_a_path_with_a_newline_is_echoed_on_one_line(failing_server, tmp_path, capsys):
+    assert _replay(failing_server, str(tmp_path / "a\nb.jsonl"), tmp_path / "o.json") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a\\nb.jsonl" in err, err

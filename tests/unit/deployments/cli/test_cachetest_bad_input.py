@@ -92,3 +92,129 @@ def test_every_request_failing_writes_the_report_and_exits_1(served_m, tiny_mode
     assert rc == 1
     report = json.loads((out / "report.json").read_text())
     assert report["passes"] and all(p["errors"] == p["requests"] == 1 for p in report["passes"].values())
+
+
+# ------------------------------------------------------------------- cheap checks before the expensive work
+
+
+def _trace_file(tmp_path, n: int = 3, **extra) -> str:
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": i, "input_length": 1024, "output_length": 16, "hash_ids": [i, i + 1], **extra} for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_an_unreachable_url_is_reported_before_any_prompt_is_built(monkeypatch, tmp_path, capsys):
+    """A trace's prompts were built (at --trace-tokens-per-block 8192, over 30 s for `synthetic`) before the URL
+    was contacted: the unreachable URL waited for them."""
+    from kvmesh.deployments.cachetest import CachetestError
+    from kvmesh.deployments.replay import PromptBuilder
+
+    def unreachable(cfg):
+        raise CachetestError(f"--url {cfg.url}: unreachable (ConnectError)")
+
+    def built(self, rec):
+        raise AssertionError("a prompt was built before the URL answered")
+
+    monkeypatch.setattr("kvmesh.deployments.cachetest.discover", unreachable)
+    monkeypatch.setattr(PromptBuilder, "prompt", built)
+    rc = _cachetest(
+        "--url",
+        "http://127.0.0.1:9",
+        "--trace",
+        _trace_file(tmp_path),
+        "--out",
+        str(tmp_path / "o"),
+        "--trace-tokens-per-block",
+        str(MAX_TOKENS_PER_BLOCK),
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "unreachable (ConnectError)" in err and err.count("\n") == 1
+
+
+def test_a_trace_is_still_sent_once_the_url_answers(served_m, tiny_model, tmp_path):
+    """The prompts, built after the checks, are what is sent: every request fails to connect, report written."""
+    out = tmp_path / "o"
+    url = f"http://127.0.0.1:{free_port()}"
+    rc = _cachetest(
+        "--url",
+        url,
+        "--trace",
+        _trace_file(tmp_path, tenant="a"),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tiny_model),
+        "--passes",
+        "cold",
+    )
+    assert rc == 1
+    report = json.loads((out / "report.json").read_text())
+    assert report["passes"]["cold"]["requests"] == report["passes"]["cold"]["errors"] == 3
+
+
+def test_a_tenant_without_a_key_in_a_trace_stops_before_the_url(no_work, tmp_path, capsys):
+    rc = _cachetest(
+        "--url",
+        "http://x",
+        "--trace",
+        _trace_file(tmp_path, tenant="a"),
+        "--out",
+        str(tmp_path / "o"),
+        "--tenant-key",
+        "b=k",
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "tenant 'a' has no key" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_a_trace_without_records_is_bad_input_before_the_url(text, no_work, tmp_path, capsys):
+    """An empty --requests log says "no requests"; an empty --trace went on to the URL (and to a report of
+    nothing when it answered)."""
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text(text)
+    rc = _cachetest("--url", "http://x", "--trace", str(trace), "--out", str(tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--trace '{trace}': no records" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--trace", "--api-key", "--tokenizer", "--url"])
+def test_an_explicitly_empty_value_is_refused_not_taken_for_no_value(flag, no_work, tmp_path, capsys):
+    """`--requests ""` tested the bundled example log instead; `--api-key ""` sent no key."""
+    argv = ["--url", "http://x", "--out", str(tmp_path / "o")]
+    argv = ["--out", str(tmp_path / "o"), flag, ""] if flag == "--url" else [*argv, flag, ""]
+    err = _refused(argv, capsys)
+    assert f"argument {flag}: " in err and ("expected a value" in err or "the URL is empty" in err)
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("http://127.0.0.1:65536", "'http://127.0.0.1:65536': the port must be a whole number 1-65535"),
+        ("http://127.0.0.1:99999", "the port must be a whole number 1-65535"),
+        ("http://127.0.0.1:0", "the port must be a whole number 1-65535"),
+        ("127.0.0.1:8000", "expected an http:// or https:// URL"),
+        ("http://127.0.0.1:9\n", r"'http://127.0.0.1:9\n': a URL has no whitespace or control characters"),
+        ("http:///v1", "no host"),
+    ],
+)
+def test_a_bad_url_is_named_before_it_is_contacted(url, message, no_work, tmp_path, capsys):
+    """Port 65536 was reported as `unreachable (ConnectError)`."""
+    err = _refused(["--url", url, "--requests", _log(tmp_path), "--out", str(tmp_path / "o")], capsys)
+    assert "kvmesh cachetest: argument --url: " in err and message in err
+
+
+def test_a_path_with_a_newline_is_echoed_on_one_line(no_work, tmp_path, capsys):
+    missing = str(tmp_path / "a\nb.jsonl")
+    err = _refused(["--url", "http://x", "--requests", missing, "--out", str(tmp_path / "o")], capsys)
+    assert "a\\nb.jsonl: cannot open" in err
+
+
+def _refused(argv: list[str], capsys) -> str:
+    assert _cachetest(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err

@@ -145,7 +145,7 @@ def test_shared_argument_types_reject_with_one_message(check, text, message):
         ),
         (["trace", "synth", "--out", "x.jsonl", "--turns", "x"], "--turns: expected a whole number"),
         (
-            ["replay", "--url", "u", "--trace", "t", "--json", "j", "--timeout", "-1"],
+            ["replay", "--url", "http://u", "--trace", "t", "--json", "j", "--timeout", "-1"],
             "--timeout: must be a positive number",
         ),
         (["demo", "--replicas", "0"], "--replicas: must be >= 1"),

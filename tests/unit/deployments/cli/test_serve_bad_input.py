@@ -1,0 +1,113 @@
+"""`kvmesh serve` input that was accepted and then failed, or was dropped, once Ray ran: a salt secret the
+replicas refuse, flags one of which was ignored, values given as empty strings. Each stops before the launch,
+as one line with exit status 2. Nothing starts: the launch is a stub that records it was reached."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.deployments.cli import main
+
+GOOD_SECRET = "an-operator-salt-secret-0123456789"
+
+
+@pytest.fixture
+def launch(home, monkeypatch):
+    """`kvmesh serve` up to its launch (no salt secret configured, a private KVMESH_HOME): the launches
+    reached, none when the input is refused."""
+    from kvmesh.deployments import supervisor
+
+    for name in ("KVMESH_API_KEY", "KVMESH_SERVE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    reached: list[list[str]] = []
+    monkeypatch.setattr(supervisor, "is_driver", lambda: False)
+    monkeypatch.setattr(supervisor, "supervise", lambda argv: reached.append(argv) or 0)
+    return reached
+
+
+def refused(argv: list[str], capsys, needle: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err and needle in err, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------ salt secret
+
+
+@pytest.mark.parametrize(
+    "variable, value, needle",
+    [
+        ("KVMESH_SALT_SECRET", "short", "salt secret from KVMESH_SALT_SECRET is too short: need at least 16 bytes"),
+        ("KVMESH_SALT_SECRET_FILE", "/nonexistent", "cannot read salt secret file '/nonexistent'"),
+        ("KVMESH_SALT_SECRET_FILE", "short\n", "salt secret from KVMESH_SALT_SECRET_FILE"),
+        ("KVMESH_SALT_SECRET_FILE", "", "is too short"),
+        ("KVMESH_SALT_SECRET_FILE", "REPLACE-WITH-32-RANDOM-BYTES-HEX\n", "is the example's placeholder"),
+        ("KVMESH_SALT_SECRET_FILE", "dir", "cannot read salt secret file"),
+    ],
+)
+def test_a_salt_secret_the_replicas_would_refuse_stops_before_the_launch(
+    variable, value, needle, launch, tmp_path, monkeypatch, capsys
+):
+    """The length check and the file's read were made only in the replicas, once Ray ran."""
+    if variable == "KVMESH_SALT_SECRET_FILE" and value not in ("/nonexistent", "dir"):
+        (tmp_path / "secret").write_text(value)
+        value = str(tmp_path / "secret")
+    elif value == "dir":
+        value = str(tmp_path)
+    monkeypatch.setenv(variable, value)
+    err = refused(["serve", "--port", "0"], capsys, needle)
+    assert launch == []
+    assert "short" not in err.replace("too short", "") and "REPLACE-WITH" not in err  # the secret is not echoed
+
+
+def test_the_replicas_refuse_such_a_secret_too(tmp_path):
+    """Defence in depth: what the CLI checks, the replicas' own resolve_secret still refuses."""
+    from kvmesh.deployments import tenants
+
+    with pytest.raises(tenants.ConfigError, match="too short"):
+        tenants.resolve_secret(env={"KVMESH_SALT_SECRET": "short"})
+    with pytest.raises(tenants.ConfigError, match="cannot read salt secret file"):
+        tenants.resolve_secret(env={"KVMESH_SALT_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_a_good_or_default_salt_secret_reaches_the_launch(launch, tmp_path, monkeypatch):
+    assert main(["serve", "--port", "0"]) == 0  # none configured: the run keeps its own (made as it starts)
+    monkeypatch.setenv("KVMESH_SALT_SECRET", GOOD_SECRET)
+    assert main(["serve", "--port", "0"]) == 0
+    monkeypatch.delenv("KVMESH_SALT_SECRET")
+    (tmp_path / "secret").write_text(GOOD_SECRET + "\n")
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(tmp_path / "secret"))
+    assert main(["serve", "--port", "0"]) == 0
+    assert len(launch) == 3
+
+
+def test_a_secret_file_of_a_joined_clusters_nodes_is_theirs_to_check(launch, monkeypatch, capsys):
+    """With --address the file may exist only on the cluster's nodes; a secret in the variable is checked."""
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secrets/on-the-nodes-only")
+    assert main(["serve", "--address", "10.0.0.1:6379"]) == 0 and len(launch) == 1
+    monkeypatch.setenv("KVMESH_SALT_SECRET", "short")
+    refused(["serve", "--address", "10.0.0.1:6379"], capsys, "too short")
+    assert len(launch) == 1
+
+
+# ---------------------------------------------------------------------------------------- flags
+
+
+def test_replicas_and_autoscaling_together_are_refused_not_one_dropped(launch, tmp_path, capsys):
+    """`--autoscaling 1:2 --replicas 3` ran 1-2 replicas: --replicas was dropped without a word."""
+    refused(["serve", "--port", "0", "--autoscaling", "1:2", "--replicas", "3"], capsys, "exclude each other")
+    config = tmp_path / "c.yaml"
+    config.write_text("autoscaling: {min_replicas: 1, max_replicas: 2}\n")
+    refused(["serve", "--port", "0", "--config", str(config), "--replicas", "3"], capsys, "config.autoscaling")
+    assert launch == []
+    assert (
+        main(["serve", "--port", "0", "--config", str(config), "--autoscaling", "1:3"]) == 0
+    )  # a flag over the config
+
+
+@pytest.mark.parametrize("flag", ["--config", "--api-key", "--api-key-file", "--tenants", "--model", "--policy"])
+def test_an_explicitly_empty_value_is_refused_not_taken_for_no_value(flag, launch, capsys):
+    """`--config ""` ran the default config; `--api-key ""` a generated key; `--model ""` the current folder."""
+    refused(["serve", "--port", "0", flag, ""], capsys, f"argument {flag}: expected a value, got an empty string")
+    assert launch == []
