@@ -435,8 +435,10 @@ def test_a_call_is_watched_as_movable_only_while_its_request_has_a_move_left():
         waiting = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.02)
         assert local_state.OPEN_CALLS.abandon(["r1"], movable_only=True) == 0  # a stream with no move left waits
-        waiting.cancel()
+        waiting.cancel()  # the client leaves: the ingress cancels the stream
         with pytest.raises(asyncio.CancelledError):
             await waiting
+        stream.cancel()
+        assert len(local_state.OPEN_CALLS) == 0
 
     asyncio.run(run())
