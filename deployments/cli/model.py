@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import output_folder
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True)
     p = sub.add_parser("build-tiny", help="build the tiny random-weight Llama with a locally trained tokenizer")
-    p.add_argument("dir", help="output directory (a Hugging Face model directory)")
+    p.add_argument("dir", type=output_folder("config.json"), help="output directory (a Hugging Face model directory)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> same bytes)")
 
 

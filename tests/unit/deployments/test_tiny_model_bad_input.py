@@ -53,3 +53,14 @@ def test_model_tiny_mends_kvmeshs_own_folder(tmp_path, monkeypatch):
     (partial / "config.json").write_text("{}")  # a build cut short: no stamp
     assert is_built(resolve_model("tiny"))
     assert json.loads((partial / "config.json").read_text())  # the real config now
+
+
+def test_a_folder_below_a_file_is_named_as_the_trouble_before_any_work(tmp_path, capsys):
+    """`kvmesh model build-tiny file/sub`: the file is not a folder (it said "File exists", naming the path)."""
+    from kvmesh.deployments.cli import main
+
+    (tmp_path / "f").write_text("x")
+    assert main(["model", "build-tiny", str(tmp_path / "f" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'f'} is a file, not a folder" in err, err
+    assert (tmp_path / "f").read_text() == "x"
