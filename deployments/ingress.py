@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from jinja2 import TemplateError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
 from kvmesh.cluster.thread_names import name_loop_thread
@@ -50,7 +51,14 @@ from kvmesh.deployments.router import (
 )
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_usage import WINDOW_S
-from kvmesh.deployments.tenants import KvmeshHTTPError, Tenant, TenantRegistry, derive_salt, reject_client_salt
+from kvmesh.deployments.tenants import (
+    AuthError,
+    KvmeshHTTPError,
+    Tenant,
+    TenantRegistry,
+    derive_salt,
+    reject_client_salt,
+)
 
 # vLLM's finish reasons for a generation that did not finish: never a client's answer
 ENGINE_FAILED = frozenset({"error", "abort"})
@@ -131,14 +139,29 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
 
 
 def _engine_error(exc: BaseException) -> OpenAIError | None:
-    """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses), and
-    the 503 of a request whose replica kept dying (deployments/migration.py)."""
+    """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses, and its
+    own client errors, `VLLMClientError`), and the 503 of a request whose replica kept dying
+    (deployments/migration.py)."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) or _vllm_client_error(exc):
         text = str(exc).strip().splitlines()
-        return proto.bad(text[-1][:500] if text else "Invalid request.", code="invalid_request")
+        param = getattr(exc, "parameter", None)
+        return proto.bad(
+            text[-1][:500] if text else "Invalid request.",
+            param if isinstance(param, str) else None,
+            code="invalid_request",
+        )
     return None
+
+
+def _vllm_client_error(exc: BaseException) -> bool:
+    """Is `exc` (or what Ray wrapped) one of vLLM's errors caused by the request?"""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM: its request errors are ValueErrors
+        return False
+    return isinstance(exc, VLLMClientError) or isinstance(getattr(exc, "cause", None), VLLMClientError)
 
 
 # Per-tier LMCache figures (kvstore/tier_metrics.py); defined before the class, which Serve ships by value.
@@ -247,7 +270,10 @@ class Ingress:
         if self.registry is None:
             return self._anonymous
         try:
-            return self.registry.authenticate(request.headers.get("authorization"))
+            given = request.headers.getlist("authorization")
+            if len(given) > 1:  # a gateway in front checking another copy would disagree on who is calling
+                raise AuthError("Several Authorization headers: send one.", "invalid_api_key")
+            return self.registry.authenticate(given[0] if given else None)
         except KvmeshHTTPError as exc:
             self.tenant_metrics.record_rejection("unauthenticated", exc.code)
             raise
@@ -286,6 +312,10 @@ class Ingress:
             raise OpenAIError(
                 408, f"The request body did not arrive within {BODY_TIMEOUT_S:.0f} s.", "request_timeout"
             ) from None
+        except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing to log as an error
+            raise OpenAIError(
+                499, "The client closed the connection before its request body arrived.", "client_closed_request"
+            ) from None
         return b"".join(chunks)
 
     @property
@@ -323,6 +353,13 @@ class Ingress:
         special tokens, a chat's through its template). A long text is encoded off the event loop: megabytes
         of prompt take seconds, and every other request of this replica would wait. Text the tokenizer
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
+        stop_bad = next((t for t in req.params.get("stop_token_ids") or () if not 0 <= t < self.vocab_size), None)
+        if stop_bad is not None:  # the engine refuses it only after placement, as an error of its own
+            raise proto.bad(
+                f"Token id {stop_bad} is out of range for this model (vocabulary size {self.vocab_size}).",
+                "stop_token_ids",
+                "invalid_token_id",
+            )
         if req.prompt_ids is not None:
             if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
                 raise self._too_long(req, f"the request's {len(req.prompt_ids)} prompt tokens cannot fit in it")
@@ -361,7 +398,7 @@ class Ingress:
         if req.model not in self.model_aliases:
             raise OpenAIError(
                 404,
-                f"The model '{req.model}' does not exist. Available: {self.served_model}.",
+                f"The model {proto.shown(req.model)} does not exist. Available: {self.served_model}.",
                 "model_not_found",
                 "model",
             )

@@ -7,7 +7,8 @@ a Ray worker, so when Ray kills that worker the HAProxy processes were orphaned,
 answered every request with HTTP 500. Serve runs whatever `RAY_SERVE_HAPROXY_BINARY_PATH` names, so a
 local run points it at a small script that runs this module: it rewrites those two binds to 127.0.0.1 in
 a copy of the config, asks the kernel for SIGTERM when its parent dies, and execs the real binary (same
-pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose. The
+pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose; its own
+answer when no replica can be reached is OpenAI-style JSON, as every other answer of the app (`json_errors`). The
 script passes on the pid of the process that ran it (PARENT_PID_ENV): a parent that died before the
 kernel was asked is noticed then, and the launcher ends instead of leaving an orphaned HAProxy.
 
@@ -16,6 +17,7 @@ kernel was asked is noticed then, and the launcher ends instead of leaving an or
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -36,8 +38,38 @@ def loopback_config(text: str, ports: set[int]) -> str:
     return re.sub(r"^(\s*)bind\s+(\*|0\.0\.0\.0|::|\[::\])?:(\d+)\b", rebind, text, flags=re.MULTILINE)
 
 
+# The answers HAProxy makes itself when no replica can be reached (502-504, which Serve's config answers as one
+# plain-text 500; 500 too), as OpenAI-style JSON like every answer of the app. Not the 400 and 408 of a request
+# HAProxy 2.8 cannot parse or that does not arrive in time (headers past its 16 KB buffer): its H1 layer sends
+# those itself, and `errorfile` does not reach them (checked: a frontend's own errorfile neither).
+FRONT_ERRORS = {status: ("500 Internal Server Error", "Internal server error.") for status in (500, 502, 503, 504)}
+
+
+def error_file(status_line: str, message: str) -> str:
+    """A raw HTTP response HAProxy sends as is (`errorfile`): an OpenAI-style JSON server error."""
+    body = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": "internal_error"}})
+    return (
+        f"HTTP/1.1 {status_line}\r\nContent-Type: application/json\r\nContent-Length: {len(body.encode())}\r\n"
+        f"Cache-Control: no-cache\r\nConnection: close\r\n\r\n{body}"
+    )
+
+
+def json_errors(text: str, folder: str) -> str:
+    """`text` with HAProxy's own error answers as JSON files written in `folder`: Serve's `errorfile` lines
+    (a plain-text 500) replaced by ours, declared in the `defaults` section."""
+    lines = []
+    for status, (status_line, message) in FRONT_ERRORS.items():
+        path = os.path.join(folder, f"kvmesh-{status}.http")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(error_file(status_line, message))
+        lines.append(f"    errorfile {status} {path}\n")
+    text = re.sub(r"^[ \t]*errorfile[ \t]+\d+[ \t]+\S+[ \t]*\n", "", text, flags=re.MULTILINE)
+    return re.sub(r"^defaults[ \t]*\n", lambda m: m.group(0) + "".join(lines), text, count=1, flags=re.MULTILINE)
+
+
 def rewrite_args(args: list[str], ports: set[int]) -> list[str]:
-    """HAProxy's arguments with each `-f CONFIG` replaced by a loopback copy written next to it."""
+    """HAProxy's arguments with each `-f CONFIG` replaced by a loopback copy written next to it (its own
+    error answers as JSON, `json_errors`)."""
     out = list(args)
     for i, arg in enumerate(out[:-1]):
         if arg == "-f":
@@ -46,7 +78,7 @@ def rewrite_args(args: list[str], ports: set[int]) -> list[str]:
                 text = fh.read()
             dst = f"{src}.loopback"
             with open(dst, "w", encoding="utf-8") as fh:
-                fh.write(loopback_config(text, ports))
+                fh.write(json_errors(loopback_config(text, ports), os.path.dirname(os.path.abspath(src))))
             out[i + 1] = dst
     return out
 

@@ -65,6 +65,13 @@ class OpenAIError(Exception):
         return {}
 
 
+def shown(text: str, limit: int = 120) -> str:
+    """A client's value quoted for an error message: control characters and lone surrogates escaped (JSON
+    cannot encode a lone surrogate, and the answer would be a 500), a very long value cut."""
+    quoted = repr(text)
+    return quoted if len(quoted) <= limit else quoted[: limit - 20] + f"... ({len(text):,} characters)"
+
+
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, message, code, param)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+from kvmesh.deployments.openai_protocol import shown
 
 # Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
 # byte-level BPE and past the usual special-token ids, so valid for any such model.
@@ -95,13 +96,6 @@ class ReplayConfig:
         if self.token_range and not 0 <= self.token_range[0] < self.token_range[1]:
             raise ReplayError("token range must satisfy 0 <= low < high")
         check_url(self.url)
-
-
-def shown(text: str, limit: int = 120) -> str:
-    """`text` quoted for a one-line message: control characters escaped (a newline would split the message),
-    a very long value cut."""
-    quoted = repr(text)
-    return quoted if len(quoted) <= limit else quoted[: limit - 20] + f"... ({len(text):,} characters)"
 
 
 def check_url(url: str) -> str:

@@ -19,7 +19,7 @@ from kvmesh.deployments.admission import Admission
 from kvmesh.deployments.failure_metrics import FailureCounters
 from kvmesh.deployments.serving_metrics import ServingMetrics
 from kvmesh.deployments.tenant_metrics import TenantMetrics
-from kvmesh.deployments.tenants import Limits, Tenant, TenantRegistry, derive_salt, hash_api_key
+from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant, TenantRegistry, derive_salt, hash_api_key
 
 
 def _chunk(text: str, token_ids: list[int], finish: str | None = None) -> dict:
@@ -930,3 +930,75 @@ def test_a_stream_continued_on_another_replica_counts_in_the_totals_only():
         assert set(ing.serving_metrics.per_replica) == {"r1"}
 
     asyncio.run(run())
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_499_logged_without_a_traceback(caplog):
+    """The client closed its connection while sending the body: nobody to answer; it was an ERROR with a
+    traceback each time (a client could flood the log)."""
+
+    async def run():
+        ing = _ingress()
+        messages = [{"type": "http.request", "body": b'{"model": "tiny", "pro', "more_body": True}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        with caplog.at_level("INFO"):
+            answer = await asyncio.wait_for(ing._generate(Request(scope, receive), "completion"), 5)
+        assert answer.status_code == 499 and _code(answer) == "client_closed_request"
+        assert ing.admission.in_flight == 0
+        assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info], caplog.text
+
+    asyncio.run(run())
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400_before_the_engine():
+    """vLLM refuses them only once the request reached an engine, with an error of its own that was a 500."""
+    ing = _ingress()
+    with _client(ing) as c:
+        for ids in ([999_999], [-5], [10**30]):
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stop_token_ids": ids}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 400, (ids, r.text)
+            assert r.json()["error"]["param"] == "stop_token_ids" and r.json()["error"]["code"] == "invalid_token_id"
+
+
+def test_vllms_own_client_errors_are_a_400_naming_their_parameter():
+    from vllm.exceptions import VLLMValidationError
+
+    err = ingress_module._engine_error(VLLMValidationError("bad stop token", parameter="stop_token_ids", value=7))
+    assert err is not None and err.status == 400 and err.body()["error"]["param"] == "stop_token_ids"
+    assert ingress_module._engine_error(RuntimeError("engine died")) is None
+
+
+def test_an_unknown_model_name_json_cannot_encode_is_a_404_not_a_500():
+    ing = _ingress()
+    with _client(ing) as c:
+        r = c.post(
+            "/v1/completions",
+            content=b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 3}',
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert "\\ud800" in r.json()["error"]["message"]
+
+
+def test_two_authorization_headers_are_refused_not_the_first_taken():
+    """A gateway in front checking the other copy would disagree with kvmesh on who is calling."""
+    from starlette.requests import Request as StarletteRequest
+
+    ing = _ingress()
+    ing.registry = TenantRegistry.one_tenant(["good-key-0123456789"])
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/models",
+        "query_string": b"",
+        "headers": [(b"authorization", b"Bearer good-key-0123456789"), (b"authorization", b"Bearer wrong")],
+    }
+    with pytest.raises(KvmeshHTTPError) as caught:
+        ing._auth(StarletteRequest(scope))
+    assert caught.value.status == 401 and "Several Authorization headers" in str(caught.value.body())
+    scope["headers"] = scope["headers"][:1]
+    assert ing._auth(StarletteRequest(scope)).id == ing.registry.authenticate("Bearer good-key-0123456789").id

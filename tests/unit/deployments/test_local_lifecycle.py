@@ -234,3 +234,53 @@ def test_under_autoscaling_the_cpu_check_counts_the_maximum_and_names_its_flag()
         "the app needs 4.2 CPUs (8 engine replica(s) x 0.5 + ingress 0.2) but --num-cpus gives 4: "
         "raise --num-cpus, lower --replicas or engine.num_cpus"
     )
+
+
+def test_haproxys_own_error_answers_are_openai_style_json(tmp_path):
+    """HAProxy's own answer when no replica can be reached was Serve's plain-text 500: run the real binary on the
+    rewritten config and ask it."""
+    import json as _json
+    import subprocess
+    import time
+
+    from ray.serve._private.haproxy import get_haproxy_binary
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plain_500 = tmp_path / "500.http"
+    plain_500.write_text("HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n\r\nInternal Server Error")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(
+        "defaults\n    mode http\n    timeout connect 1s\n    timeout client 5s\n    timeout server 5s\n"
+        f"    errorfile 502 {plain_500}\n    errorfile 503 {plain_500}\n    errorfile 504 {plain_500}\n"
+        f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    default_backend nowhere\n"
+        "backend nowhere\n    server s1 127.0.0.1:1\n"
+    )
+    args = rewrite_args(["-db", "-f", str(cfg)], set())
+    assert str(plain_500) not in open(args[2]).read()
+    proc = subprocess.Popen([get_haproxy_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+
+        def ask(headers: str) -> tuple[str, dict]:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                        c.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{headers}\r\n".encode())
+                        raw = b""
+                        while chunk := c.recv(65536):
+                            raw += chunk
+                    break
+                except ConnectionRefusedError:  # not listening yet
+                    assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()  # type: ignore[union-attr]
+                    time.sleep(0.05)
+            head, _, body = raw.decode().partition("\r\n\r\n")
+            assert "content-type: application/json" in head.lower(), raw
+            return head.split("\r\n")[0], _json.loads(body)
+
+        status, body = ask("")  # no replica reachable: Serve's 500, as JSON
+        assert status.startswith("HTTP/1.1 500") and body["error"]["type"] == "server_error"
+    finally:
+        proc.kill()
+        proc.wait()
