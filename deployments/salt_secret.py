@@ -54,7 +54,7 @@ def check_configured_secret(env: Mapping[str, str]) -> None:
 
 def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) -> None:
     """The checks the replicas' `tenants.resolve_secret` makes of the salt secret `env` configures, made
-    before anything starts (ConfigError): KVMESH_SALT_SECRET is not the placeholder and is long enough; the
+    before anything starts (ConfigError): KVMESH_SALT_SECRET is not the placeholder and is long enough; else the
     file KVMESH_SALT_SECRET_FILE names can be read, its content (blanks around it dropped, as there) is not
     the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
     nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
@@ -70,8 +70,10 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
                 "`openssl rand -hex 32`"
             )
 
-    if env.get(SECRET_ENV):
-        long_enough(env[SECRET_ENV].encode("utf-8"), SECRET_ENV)
+    if env.get(SECRET_ENV):  # it wins over the file, which the replicas then never read
+        # blanks around it dropped: a local run hands it to its replicas in a file, read stripped
+        long_enough(env[SECRET_ENV].strip().encode("utf-8"), SECRET_ENV)
+        return
     path = env.get(SECRET_FILE_ENV)
     if path:
         try:

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import output_folder
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True)
     p = sub.add_parser("build-tiny", help="build the tiny random-weight Llama with a locally trained tokenizer")
-    p.add_argument("dir", type=output_folder("config.json"), help="output directory (a Hugging Face model directory)")
+    p.add_argument("dir", type=_model_folder, help="output directory (a Hugging Face model directory)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> same bytes)")
+
+
+def _model_folder(text: str) -> str:
+    """Where the model may be built (argparse type): a new folder's build is made beside it (in its parent,
+    which must be a folder that can be written) and renamed into place. An existing folder is the build's to
+    judge: a finished build there is kept as it is, read-only or not. A path below a file names the file."""
+    import argparse
+    import os
+
+    if not text:
+        raise argparse.ArgumentTypeError("empty path: name a folder")
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    if os.path.isdir(text):
+        return text
+    parent = Path(text).absolute().parent  # the nearest that exists: the build makes the rest
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written here: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written here ({parent} is read-only)")
+    return text
 
 
 def run(args) -> int:

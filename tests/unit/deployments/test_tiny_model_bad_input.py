@@ -4,6 +4,7 @@ says so), never over a folder of other files, which the build would delete."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -64,3 +65,19 @@ def test_a_folder_below_a_file_is_named_as_the_trouble_before_any_work(tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path / 'f'} is a file, not a folder" in err, err
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_a_finished_build_in_a_read_only_folder_is_kept_as_it_is(tmp_path, monkeypatch, capsys):
+    """The folder check asked for a writable DIR/config.json, refusing a finished build nothing would write."""
+    from kvmesh.deployments import tiny_model
+    from kvmesh.deployments.cli import main
+
+    built = tmp_path / "m"
+    built.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, **kw: False if str(p).startswith(str(built)) else real_access(p, mode, **kw)
+    )
+    monkeypatch.setattr(tiny_model, "build_tiny_model", lambda out, seed=0: out)
+    assert main(["model", "build-tiny", str(built)]) == 0
+    assert capsys.readouterr().out.strip() == str(built)

@@ -82,6 +82,21 @@ def test_a_good_or_default_salt_secret_reaches_the_launch(launch, tmp_path, monk
     assert len(launch) == 3
 
 
+def test_the_secret_variable_wins_over_the_file_as_in_the_replicas_and_is_checked_stripped(
+    launch, tmp_path, monkeypatch, capsys
+):
+    """The replicas read the file only without the variable: a good variable beside a missing file starts (it
+    was refused); a variable short once its blanks are dropped is refused (a local run hands it over in a file,
+    read stripped, so the replicas would refuse it after the start)."""
+    monkeypatch.setenv("KVMESH_SALT_SECRET", GOOD_SECRET)
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(tmp_path / "missing"))
+    assert main(["serve", "--port", "0"]) == 0 and len(launch) == 1
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE")
+    monkeypatch.setenv("KVMESH_SALT_SECRET", "abcdefghijklmno ")  # 16 characters, 15 once stripped
+    refused(["serve", "--port", "0"], capsys, "too short")
+    assert len(launch) == 1
+
+
 def test_a_secret_file_of_a_joined_clusters_nodes_is_theirs_to_check(launch, monkeypatch, capsys):
     """With --address the file may exist only on the cluster's nodes; a secret in the variable is checked."""
     monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secrets/on-the-nodes-only")

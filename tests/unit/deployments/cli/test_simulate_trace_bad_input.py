@@ -127,6 +127,16 @@ def test_an_expansion_past_the_engine_block_limit_is_refused_before_it_is_made(t
     assert main([*argv, *shape]) == 0
 
 
+@pytest.mark.parametrize("command", ["simulate", "bounds"])
+def test_a_trace_as_large_unexpanded_is_not_refused_by_the_expansion_limit(tmp_path, monkeypatch, command):
+    """The limit is on what expanding makes: a million-request trace (20M ids) at one engine block per id was
+    refused by `trace bounds` though nothing grew. Lowered here: 3 records of 3 ids, limit 5."""
+    monkeypatch.setattr(wl, "MAX_ENGINE_BLOCKS", 5, raising=False)
+    trace = _trace(tmp_path)
+    argv = [*SIM, "--trace", str(trace)] if command == "simulate" else ["trace", "bounds", "--trace", str(trace)]
+    assert main([*argv, "--tokens-per-block", "512", "--block-size", "512"]) == 0
+
+
 def test_the_bundled_trace_at_an_absurd_ratio_is_refused_at_once(capsys):
     """At the real limit: 2.3 billion engine blocks refused in well under a second, not a MemoryError."""
     err = refused(
