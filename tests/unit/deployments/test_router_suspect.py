@@ -325,19 +325,26 @@ def test_calls_in_flight_on_a_long_suspect_replica_are_moved_once_and_again_if_t
     asyncio.run(scenario())
 
 
+async def _one_call_on_two(request_id: str, movable: bool = True):
+    """A router over replicas A and B (moving calls 0.05 s into a suspicion) with one call in flight, watched
+    in the open-call registry: (router, A, B, the call's replica, the calls given up so far)."""
+    router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.05, **FAST)
+    a, b = Replica("A", "n0"), Replica("B", "n1")
+    router.update_replicas([a, b])
+    req = fake_request(list(range(64)), request_id)
+    home = (await router.choose_replicas([a, b], req))[0][0]
+    router._routed(req, home.replica_id)
+    gone: list[int] = []
+    local_state.OPEN_CALLS.watch(request_id, lambda: gone.append(1), movable=movable)
+    return router, a, b, home, gone
+
+
 def test_with_every_replica_frozen_no_call_is_moved(monkeypatch):
     """Nowhere better to send: calls on a frozen fleet wait for it as before."""
     monkeypatch.setattr(local_state, "OPEN_CALLS", OpenCalls())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.05, **FAST)
-        a, b = Replica("A", "n0"), Replica("B", "n1")
-        router.update_replicas([a, b])
-        req = fake_request(list(range(64)), "r2")
-        home = (await router.choose_replicas([a, b], req))[0][0]
-        router._routed(req, home.replica_id)
-        gone: list[int] = []
-        local_state.OPEN_CALLS.watch("r2", lambda: gone.append(1))
+        router, a, b, _, gone = await _one_call_on_two("r2")
         a.frozen = b.frozen = True
         assert await _until(lambda: _suspect(router) == ["A", "B"])
         await asyncio.sleep(0.3)
@@ -356,14 +363,7 @@ def test_a_call_with_no_move_left_waits_for_its_suspect_replica_but_not_for_a_dr
     monkeypatch.setattr(local_state, "OPEN_CALLS", OpenCalls())
 
     async def scenario():
-        router = make_router(policy="kvmesh", block_size=32, suspect_abandon_s=0.05, **FAST)
-        a, b = Replica("A", "n0"), Replica("B", "n1")
-        router.update_replicas([a, b])
-        req = fake_request(list(range(64)), "r3")
-        home = (await router.choose_replicas([a, b], req))[0][0]
-        router._routed(req, home.replica_id)
-        gone: list[int] = []
-        local_state.OPEN_CALLS.watch("r3", lambda: gone.append(1), movable=False)
+        router, a, b, home, gone = await _one_call_on_two("r3", movable=False)
         home.frozen = True
         assert await _until(lambda: _suspect(router) == [home.replica_id.unique_id])
         await asyncio.sleep(0.3)

@@ -10,6 +10,8 @@ import math
 
 import pytest
 import yaml
+from cli_checks import refused_naming as refused
+from cli_checks import serve_launches
 
 from kvmesh.deployments.cli import main
 from kvmesh.deployments.config import ConfigError, app_config
@@ -20,21 +22,7 @@ KEY = "kvm-operator-supplied-key-0123456789"
 @pytest.fixture
 def launch(monkeypatch):
     """`kvmesh serve` up to its launch: the list of launches reached (none when the input is refused)."""
-    from kvmesh.deployments import supervisor
-
-    for name in ("KVMESH_API_KEY", "KVMESH_SERVE_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    reached: list[list[str]] = []
-    monkeypatch.setattr(supervisor, "is_driver", lambda: False)
-    monkeypatch.setattr(supervisor, "supervise", lambda argv: reached.append(argv) or 0)
-    return reached
-
-
-def refused(argv: list[str], capsys, needle: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err and needle in err, err
-    return err
+    return serve_launches(monkeypatch)
 
 
 def serve_config(tmp_path, text: str) -> list[str]:

@@ -8,20 +8,12 @@ import json
 
 import pytest
 import yaml
+from cli_checks import refused
 from paths import REPO_ROOT
 
 from kvmesh.deployments.cli import CliError, build_parser, main
 
 RECORD = {"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [0, 1, 2]}
-
-
-def refused(capsys, *argv: str) -> str:
-    """The command must exit 2 with one line on stderr; returns that line."""
-    rc = main(list(argv))
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
 
 
 def _trace(tmp_path, records: int = 2):

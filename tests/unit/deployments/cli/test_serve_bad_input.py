@@ -5,6 +5,8 @@ as one line with exit status 2. Nothing starts: the launch is a stub that record
 from __future__ import annotations
 
 import pytest
+from cli_checks import refused_naming as refused
+from cli_checks import serve_launches
 
 from kvmesh.deployments.cli import main
 
@@ -15,21 +17,7 @@ GOOD_SECRET = "an-operator-salt-secret-0123456789"
 def launch(home, monkeypatch):
     """`kvmesh serve` up to its launch (no salt secret configured, a private KVMESH_HOME): the launches
     reached, none when the input is refused."""
-    from kvmesh.deployments import supervisor
-
-    for name in ("KVMESH_API_KEY", "KVMESH_SERVE_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    reached: list[list[str]] = []
-    monkeypatch.setattr(supervisor, "is_driver", lambda: False)
-    monkeypatch.setattr(supervisor, "supervise", lambda argv: reached.append(argv) or 0)
-    return reached
-
-
-def refused(argv: list[str], capsys, needle: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err and needle in err, err
-    return err
+    return serve_launches(monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------ salt secret

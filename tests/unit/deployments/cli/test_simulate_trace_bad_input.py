@@ -12,21 +12,13 @@ import subprocess
 import sys
 
 import pytest
+from cli_checks import refused
 
 from kvmesh.cluster import workloads as wl
 from kvmesh.deployments.cli import build_parser, main
 
 RECORD = {"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [0, 1, 2]}
 SIM = ["simulate", "--replicas", "2", "--capacity-blocks", "100", "--policies", "round_robin", "--no-progress"]
-
-
-def refused(capsys, *argv: str) -> str:
-    """The command must exit 2 with one line on stderr; returns that line."""
-    rc = main(list(argv))
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
 
 
 def _trace(tmp_path, *records: dict, name: str = "trace.jsonl"):
