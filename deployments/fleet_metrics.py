@@ -10,8 +10,9 @@ several ingress replicas, even on a scrape only one of them answered: a series k
 
 Fleet-wide families (`FLEET_WIDE`: what the engines and the LMCache nodes report, which every ingress
 replica reads alike) appear once, without the label: per ingress replica they would add up to a multiple
-of the truth. Each of their series takes the highest value any page gives it (`_once`). With one ingress
-replica the page is its own, unlabelled."""
+of the truth. Each of their series takes the highest value any page gives it (`_once`), and a replica that
+misses a scrape is represented by its last page (`PageCache`), so such a series never steps back. With one
+ingress replica the page is its own, unlabelled."""
 
 from __future__ import annotations
 
@@ -34,6 +35,29 @@ FLEET_WIDE = frozenset(
         "kvmesh_tier_host_usage_ratio",
     }
 )
+
+
+# How long an ingress replica's last page stands in for it when it misses a scrape (slow, or restarting): a
+# fleet-wide series whose freshest view was on that page would otherwise step back, which Prometheus reads as
+# a counter reset (its increase() then counts the whole value again); a replica gone for good drops out after.
+PAGE_KEEP_S = 60.0
+
+
+class PageCache:
+    """The last page each ingress replica gave this one, so that a page missing from a scrape is its last."""
+
+    def __init__(self, keep_s: float = PAGE_KEEP_S):
+        self.keep_s = keep_s
+        self._pages: dict[str, tuple[float, str]] = {}
+
+    def pages(self, fresh: dict[str, str], now: float) -> dict[str, str]:
+        """`fresh` (replica id -> page, this scrape's), plus the last page of each replica missing from it
+        that is at most `keep_s` old."""
+        for replica, text in fresh.items():
+            self._pages[replica] = (now, text)
+        for replica in [r for r, (t, _) in self._pages.items() if now - t > self.keep_s]:
+            del self._pages[replica]
+        return {replica: text for replica, (_, text) in self._pages.items()}
 
 
 def labelled(line: str, label: str, value: str) -> str:

@@ -260,6 +260,7 @@ class Ingress:
         local_state.SERVING_METRICS.add(self.serving_metrics)
         self.tenant_metrics = TenantMetrics()
         self.failures = FailureCounters()
+        self.metric_pages = fleet_metrics.PageCache()  # each ingress replica's last page, for the merged /metrics
         # Initialise the engine handle now, not at the first request: its router is built as soon as Serve
         # names the engine replicas, so it joins the other ingress replicas' placement stream and subscribes
         # to the engines' KV events before traffic arrives, not seconds into it.
@@ -748,7 +749,7 @@ class Ingress:
         if not merged:
             rid, text = await self.metrics_page()
             merged = {rid: text}
-        return fleet_metrics.merge(merged)
+        return fleet_metrics.merge(self.metric_pages.pages(merged, time.monotonic()))
 
     @fastapi_app.get("/kvmesh/state")
     async def state(self, request: Request):
