@@ -10,9 +10,8 @@ several ingress replicas, even on a scrape only one of them answered: a series k
 
 Fleet-wide families (`FLEET_WIDE`: what the engines and the LMCache nodes report, which every ingress
 replica reads alike) appear once, without the label: per ingress replica they would add up to a multiple
-of the truth. Each of their series takes the highest value any page gives it (`_once`), and a replica that
-misses a scrape is represented by its last page (`PageCache`), so such a series never steps back. With one
-ingress replica the page is its own, unlabelled."""
+of the truth. Each of their series takes the highest value any page gives it (`_once`), a replica that misses
+a scrape lending its last page's (`PageCache`). With one ingress replica the page is its own, unlabelled."""
 
 from __future__ import annotations
 
@@ -37,27 +36,39 @@ FLEET_WIDE = frozenset(
 )
 
 
-# How long an ingress replica's last page stands in for it when it misses a scrape (slow, or restarting): a
-# fleet-wide series whose freshest view was on that page would otherwise step back, which Prometheus reads as
-# a counter reset (its increase() then counts the whole value again); a replica gone for good drops out after.
+# How long an ingress replica's last page counts for the fleet-wide families when it misses a scrape (slow, or
+# restarting): a fleet-wide series whose freshest view was on that page would step back, which Prometheus reads
+# as a counter reset (its increase() then counts the whole value again); a replica gone for good drops out after.
 PAGE_KEEP_S = 60.0
 
 
 class PageCache:
-    """The last page each ingress replica gave this one, so that a page missing from a scrape is its last."""
+    """The last page each ingress replica gave this one. A replica missing from a scrape lends its last page's
+    fleet-wide families only: each of their series takes the highest value any page gives, so an older view
+    never lowers it; its own series stay a gap, as an older value of theirs would step back. Not every step
+    back is avoided: the replicas answering scrapes in turn each keep their own pages."""
 
     def __init__(self, keep_s: float = PAGE_KEEP_S):
         self.keep_s = keep_s
         self._pages: dict[str, tuple[float, str]] = {}
 
     def pages(self, fresh: dict[str, str], now: float) -> dict[str, str]:
-        """`fresh` (replica id -> page, this scrape's), plus the last page of each replica missing from it
-        that is at most `keep_s` old."""
+        """`fresh` (replica id -> page, this scrape's), plus the fleet-wide part of the last page of each
+        replica missing from it that is at most `keep_s` old."""
         for replica, text in fresh.items():
             self._pages[replica] = (now, text)
         for replica in [r for r, (t, _) in self._pages.items() if now - t > self.keep_s]:
             del self._pages[replica]
-        return {replica: text for replica, (_, text) in self._pages.items()}
+        out = dict(fresh)
+        for replica, (_, text) in self._pages.items():
+            if replica not in out:
+                out[replica] = _fleet_wide_part(text)
+        return out
+
+
+def _fleet_wide_part(text: str) -> str:
+    """A page's fleet-wide families (`FLEET_WIDE`), head and samples."""
+    return "".join("\n".join([*head, *lines]) + "\n" for family, head, lines in _families(text) if family in FLEET_WIDE)
 
 
 def labelled(line: str, label: str, value: str) -> str:

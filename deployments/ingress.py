@@ -18,6 +18,8 @@ import asyncio
 import functools
 import logging
 import os
+import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -140,28 +142,52 @@ def build_registry(cfg: dict) -> TenantRegistry | None:
 
 def _engine_error(exc: BaseException) -> OpenAIError | None:
     """Engine-side request errors that are the client's fault (vLLM raises ValueError subclasses, and its
-    own client errors, `VLLMClientError`), and the 503 of a request whose replica kept dying
-    (deployments/migration.py)."""
+    own client errors, `VLLMClientError`: a 400 naming its parameter, a 404 for what does not exist), and the
+    503 of a request whose replica kept dying (deployments/migration.py)."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ValueError) or _vllm_client_error(exc):
-        text = str(exc).strip().splitlines()
-        param = getattr(exc, "parameter", None)
-        return proto.bad(
-            text[-1][:500] if text else "Invalid request.",
-            param if isinstance(param, str) else None,
-            code="invalid_request",
-        )
-    return None
+    client = _vllm_client_error(exc)
+    if not isinstance(exc, ValueError) and client is None:
+        return None
+    text = str(exc).strip().splitlines()
+    message = _EXC_PREFIX.sub("", text[-1])[:500] if text else "Invalid request."  # Ray's text names the class
+    if client == "not_found":
+        return OpenAIError(404, message, "not_found")
+    param = getattr(exc, "parameter", None)
+    return proto.bad(message, param if isinstance(param, str) else None, code="invalid_request")
 
 
-def _vllm_client_error(exc: BaseException) -> bool:
-    """Is `exc` (or what Ray wrapped) one of vLLM's errors caused by the request?"""
+def model_vocab_size(model_path: str) -> int:
+    """The model's vocabulary size from its config.json (`vocab_size`, or its text model's), 0 if none is
+    given: vLLM takes token ids below it, which may be more than the tokenizer has (padded embeddings)."""
+    import json
+
     try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # an older vLLM: its request errors are ValueErrors
-        return False
-    return isinstance(exc, VLLMClientError) or isinstance(getattr(exc, "cause", None), VLLMClientError)
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(cfg, dict):
+        return 0
+    size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
+
+
+_EXC_PREFIX = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
+
+
+def _vllm_client_error(exc: BaseException) -> str | None:
+    """Which of vLLM's errors caused by the request `exc` (or what Ray wrapped) is: "not_found", "invalid", or
+    None for any other error. Only if vLLM's exceptions module is loaded already: such an error cannot exist
+    otherwise, and importing vLLM here would stall the ingress's event loop (1.5 s)."""
+    module = sys.modules.get("vllm.exceptions")
+    if module is None:
+        return None
+    for e in (exc, getattr(exc, "cause", None)):
+        if isinstance(e, module.VLLMNotFoundError):
+            return "not_found"
+        if isinstance(e, module.VLLMClientError):
+            return "invalid"
+    return None
 
 
 # Per-tier LMCache figures (kvstore/tier_metrics.py); defined before the class, which Serve ships by value.
@@ -239,7 +265,8 @@ class Ingress:
         self.engine = engine_handle.options(_by_reference=self.engine_transport == "actor")
         self.model_path = resolve_model(self.cfg["engine"]["model"])
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.vocab_size = len(self.tokenizer)
+        # the ids the engine takes: its model's embedding rows, which may outnumber the tokenizer's entries
+        self.vocab_size = max(len(self.tokenizer), model_vocab_size(self.model_path))
         self.max_model_len = self.cfg["engine"]["max_model_len"]
         self.served_model = self.cfg["served_model_name"] or (
             "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name

@@ -56,15 +56,21 @@ def error_file(status_line: str, message: str) -> str:
 
 def json_errors(text: str, folder: str) -> str:
     """`text` with HAProxy's own error answers as JSON files written in `folder`: Serve's `errorfile` lines
-    (a plain-text 500) replaced by ours, declared in the `defaults` section."""
+    (a plain-text 500) replaced by ours, declared in the `defaults` section; `text` as it is if it has no such
+    section (a template that changed: Serve's own answers then stay)."""
     lines = []
     for status, (status_line, message) in FRONT_ERRORS.items():
         path = os.path.join(folder, f"kvmesh-{status}.http")
-        with open(path, "w", encoding="utf-8") as fh:
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:  # whole or not at all: a reload may read it meanwhile
             fh.write(error_file(status_line, message))
+        os.replace(tmp, path)
         lines.append(f"    errorfile {status} {path}\n")
+    head = re.compile(r"^defaults\b[^\n]*\n", flags=re.MULTILINE)
+    if not head.search(text):
+        return text
     text = re.sub(r"^[ \t]*errorfile[ \t]+\d+[ \t]+\S+[ \t]*\n", "", text, flags=re.MULTILINE)
-    return re.sub(r"^defaults[ \t]*\n", lambda m: m.group(0) + "".join(lines), text, count=1, flags=re.MULTILINE)
+    return head.sub(lambda m: m.group(0) + "".join(lines), text, count=1)
 
 
 def rewrite_args(args: list[str], ports: set[int]) -> list[str]:

@@ -223,23 +223,27 @@ def test_the_whole_page_parses_into_one_family_each_of_the_type_it_declares():
             assert declared.get(f.name + "_total" if f.type == "counter" else f.name) == f.type, f.name
 
 
-def test_a_replica_missing_a_scrape_is_its_last_page_so_no_fleet_wide_series_steps_back():
+def test_a_replica_missing_a_scrape_lends_its_last_pages_fleet_wide_families_only():
     """ing-2 had heard the engines' newest count; its page missed the next scrape (slow, restarting): the merged
-    count went back from 300 to 200, which Prometheus reads as a reset (its increase() counting 200 again).
-    Its last page stands in for it, for PAGE_KEEP_S; a replica gone for good then drops out."""
+    count went back from 300 to 200, which Prometheus reads as a reset (its increase() counting 200 again). Its
+    last page counts for the fleet-wide families, for PAGE_KEEP_S; its own series stay a gap (an older value of
+    theirs would step back); a replica gone for good drops out."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvmesh.deployments.fleet_metrics import PageCache
 
+    def fams(page: str) -> dict:
+        return {f.name: f for f in text_string_to_metric_families(page)}
+
     def steps(page: str) -> float:
-        fams = {f.name: f for f in text_string_to_metric_families(page)}
-        return sum(s.value for s in fams["kvmesh_replica_engine_steps"].samples)
+        return sum(s.value for s in fams(page)["kvmesh_replica_engine_steps"].samples)
 
     cache = PageCache(keep_s=60)
     first = {"ing-1": _fleet_page(1, {"engA": 200}, {}), "ing-2": _fleet_page(1, {"engA": 300}, {})}
     assert steps(merge(cache.pages(first, now=0.0))) == 300
     assert steps(merge({"ing-1": _fleet_page(1, {"engA": 200}, {})})) == 200  # without the cache: back
-    later = cache.pages({"ing-1": _fleet_page(1, {"engA": 250}, {})}, now=10.0)
-    assert set(later) == {"ing-1", "ing-2"} and steps(merge(later)) == 300
-    gone = cache.pages({"ing-1": _fleet_page(1, {"engA": 350}, {})}, now=61.0)
-    assert set(gone) == {"ing-1"} and steps(merge(gone)) == 350
+    later = merge(cache.pages({"ing-1": _fleet_page(1, {"engA": 250}, {})}, now=10.0))
+    assert steps(later) == 300
+    assert {s.labels["ingress"] for s in fams(later)["kvmesh_requests"].samples} == {"ing-1"}  # ing-2's: a gap
+    gone = merge(cache.pages({"ing-1": _fleet_page(1, {"engA": 350}, {})}, now=61.0))
+    assert steps(gone) == 350

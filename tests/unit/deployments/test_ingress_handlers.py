@@ -964,12 +964,39 @@ def test_stop_token_ids_outside_the_vocabulary_are_a_400_before_the_engine():
             assert r.json()["error"]["param"] == "stop_token_ids" and r.json()["error"]["code"] == "invalid_token_id"
 
 
-def test_vllms_own_client_errors_are_a_400_naming_their_parameter():
-    from vllm.exceptions import VLLMValidationError
+def test_vllms_own_client_errors_are_a_400_naming_their_parameter_or_a_404():
+    from ray.exceptions import RayTaskError
+    from vllm.exceptions import VLLMNotFoundError, VLLMValidationError
 
     err = ingress_module._engine_error(VLLMValidationError("bad stop token", parameter="stop_token_ids", value=7))
     assert err is not None and err.status == 400 and err.body()["error"]["param"] == "stop_token_ids"
     assert ingress_module._engine_error(RuntimeError("engine died")) is None
+    # as Ray raises it from the engine replica: its text is a traceback whose last line names the class
+    trace = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\nvllm.exceptions.VLLMValidationError: no such thing'
+    )
+    wrapped = RayTaskError("generate", trace, VLLMValidationError("no such thing")).as_instanceof_cause()
+    err = ingress_module._engine_error(wrapped)
+    assert err is not None and err.status == 400 and err.body()["error"]["message"] == "no such thing"
+    err = ingress_module._engine_error(VLLMNotFoundError("The model does not exist."))
+    assert err is not None and err.status == 404
+
+
+def test_the_engine_error_check_never_imports_vllm_on_the_ingress_loop(monkeypatch):
+    """Such an error cannot exist unless vLLM's exceptions module is loaded; importing it stalled the loop 1.5 s."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "vllm.exceptions", raising=False)
+    monkeypatch.setattr("builtins.__import__", _refusing_vllm(__import__))
+    assert ingress_module._engine_error(RuntimeError("engine died")) is None
+
+
+def _refusing_vllm(real_import):
+    def guarded(name, *args, **kwargs):
+        assert not name.startswith("vllm"), f"imported {name}"
+        return real_import(name, *args, **kwargs)
+
+    return guarded
 
 
 def test_an_unknown_model_name_json_cannot_encode_is_a_404_not_a_500():
@@ -1002,3 +1029,15 @@ def test_two_authorization_headers_are_refused_not_the_first_taken():
     assert caught.value.status == 401 and "Several Authorization headers" in str(caught.value.body())
     scope["headers"] = scope["headers"][:1]
     assert ing._auth(StarletteRequest(scope)).id == ing.registry.authenticate("Bearer good-key-0123456789").id
+
+
+def test_the_vocabulary_bound_is_the_models_where_it_outnumbers_the_tokenizer(tmp_path):
+    """vLLM takes ids below the model's vocab_size (padded embeddings: Qwen2.5's tokenizer has 151,665 entries,
+    its model 151,936); the ingress bounded stop ids by the tokenizer's count and refused valid ones."""
+    assert ingress_module.model_vocab_size(str(tmp_path)) == 0  # no config.json
+    (tmp_path / "config.json").write_text('{"vocab_size": 151936}')
+    assert ingress_module.model_vocab_size(str(tmp_path)) == 151936
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 1088}}')
+    assert ingress_module.model_vocab_size(str(tmp_path)) == 1088
+    (tmp_path / "config.json").write_text('{"vocab_size": true}')
+    assert ingress_module.model_vocab_size(str(tmp_path)) == 0

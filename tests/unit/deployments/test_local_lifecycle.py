@@ -284,3 +284,14 @@ def test_haproxys_own_error_answers_are_openai_style_json(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_config_without_the_defaults_section_keeps_serves_own_error_answers(tmp_path):
+    """The JSON answers go in the `defaults` section; a template without one keeps Serve's `errorfile` lines
+    (they were dropped, leaving HAProxy's HTML), and a named section (`defaults serve`) takes them too."""
+    from kvmesh.deployments.loopback_haproxy import json_errors
+
+    text = "global\n    maxconn 10\nfrontend f\n    errorfile 503 /x/500.http\n"
+    assert json_errors(text, str(tmp_path)) == text
+    named = json_errors("defaults serve\n    mode http\n    errorfile 503 /x/500.http\n", str(tmp_path))
+    assert "/x/500.http" not in named and f"errorfile 503 {tmp_path}/kvmesh-503.http" in named
