@@ -157,6 +157,12 @@ def _engine_error(exc: BaseException) -> OpenAIError | None:
     return proto.bad(message, param if isinstance(param, str) else None, code="invalid_request")
 
 
+def _id_shown(token_id: int) -> str:
+    """A token id for a message: a huge one (JSON allows thousands of digits) cut."""
+    digits = str(token_id)
+    return digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
+
+
 def model_vocab_size(model_path: str) -> int:
     """The model's vocabulary size from its config.json (`vocab_size`, or its text model's), 0 if none is
     given: vLLM takes token ids below it, which may be more than the tokenizer has (padded embeddings)."""
@@ -384,7 +390,7 @@ class Ingress:
         stop_bad = next((t for t in req.params.get("stop_token_ids") or () if not 0 <= t < self.vocab_size), None)
         if stop_bad is not None:  # the engine refuses it only after placement, as an error of its own
             raise proto.bad(
-                f"Token id {stop_bad} is out of range for this model (vocabulary size {self.vocab_size}).",
+                f"Token id {_id_shown(stop_bad)} is out of range for this model (vocabulary size {self.vocab_size}).",
                 "stop_token_ids",
                 "invalid_token_id",
             )
@@ -394,7 +400,7 @@ class Ingress:
             bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise proto.bad(
-                    f"Token id {bad} is out of range for this model (vocabulary size {self.vocab_size}).",
+                    f"Token id {_id_shown(bad)} is out of range for this model (vocabulary size {self.vocab_size}).",
                     "prompt",
                     "invalid_token_id",
                 )

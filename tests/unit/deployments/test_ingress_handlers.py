@@ -1041,3 +1041,19 @@ def test_the_vocabulary_bound_is_the_models_where_it_outnumbers_the_tokenizer(tm
     assert ingress_module.model_vocab_size(str(tmp_path)) == 1088
     (tmp_path / "config.json").write_text('{"vocab_size": true}')
     assert ingress_module.model_vocab_size(str(tmp_path)) == 0
+
+
+def test_a_huge_out_of_range_token_id_is_named_cut_not_echoed_whole():
+    """A 4,300-digit id came back whole in the message, stop id or prompt id."""
+    ing = _ingress()
+    huge = 10**4299
+    with _client(ing) as c:
+        for body in (
+            {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stop_token_ids": [huge]},
+            {"model": "tiny", "prompt": [1, huge], "max_tokens": 4},
+        ):
+            r = c.post(
+                "/v1/completions", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400 and len(r.json()["error"]["message"]) < 300, r.text[:300]
+            assert "4,300 digits" in r.json()["error"]["message"]
