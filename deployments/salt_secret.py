@@ -59,16 +59,15 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
     the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
     nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
     run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
+    from kvmesh.deployments import tenants
     from kvmesh.deployments.config import ConfigError
-    from kvmesh.deployments.tenants import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV
+    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
 
-    def long_enough(secret: bytes, where: str) -> None:
-        check_not_placeholder(secret, where)
-        if len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"salt secret from {where} is too short: need at least {MIN_SECRET_BYTES} bytes, e.g. from "
-                "`openssl rand -hex 32`"
-            )
+    def long_enough(secret: bytes, where: str) -> None:  # the replicas' check, as the CLI's ConfigError
+        try:
+            tenants.check_secret(secret, where)
+        except tenants.ConfigError as exc:
+            raise ConfigError(str(exc)) from None
 
     if env.get(SECRET_ENV):  # it wins over the file, which the replicas then never read
         # blanks around it dropped: a local run hands it to its replicas in a file, read stripped

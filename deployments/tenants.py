@@ -257,12 +257,21 @@ def resolve_secret(
         return secrets.token_bytes(32)
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
+    check_secret(secret, source)
+    return secret
+
+
+def check_secret(secret: bytes, source: str) -> None:
+    """A salt secret the server may use (ConfigError naming `source`): not a published placeholder (a pod's
+    secret file too: salts from a published value are anyone's) and at least MIN_SECRET_BYTES long."""
     from kvmesh.deployments.salt_secret import check_not_placeholder
 
-    check_not_placeholder(secret, source)  # a pod's secret file too: salts from a published value are anyone's
+    check_not_placeholder(secret, source)
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"salt secret from {source} is too short: need at least {MIN_SECRET_BYTES} bytes")
-    return secret
+        raise ConfigError(
+            f"salt secret from {source} is too short: need at least {MIN_SECRET_BYTES} bytes, e.g. from "
+            "`openssl rand -hex 32`"
+        )
 
 
 def write_secret_file(secret: bytes | str, directory: str | os.PathLike) -> Path:

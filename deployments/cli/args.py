@@ -106,15 +106,16 @@ def output_file(text: str) -> str:
     path = Path(text).absolute()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
-    folder = _below_a_folder(text, path.parent)  # the nearest folder that exists: the command makes the rest
+    folder = existing_folder_above(text, path.parent)  # the nearest folder that exists: the command makes the rest
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text}: cannot be written here")
     return text
 
 
-def _below_a_folder(text: str, folder: Path) -> Path:
-    """The nearest of `folder` and its parents that exists, which must be a folder: a path below a file was
-    refused as "File exists" (making its folders), naming the file as if it were the trouble."""
+def existing_folder_above(text: str, folder: Path) -> Path:
+    """The nearest of `folder` and its parents that exists, which must be a folder (else an argparse error
+    naming `text`): a path below a file was refused as "File exists" (making its folders), naming the file
+    as if it were the trouble."""
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
@@ -182,7 +183,7 @@ def output_folder(first_file: str) -> Callable[[str], str]:
         if Path(text).exists() and not Path(text).is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
         if text:
-            _below_a_folder(text, Path(text).absolute())
+            existing_folder_above(text, Path(text).absolute())
         output_file(os.path.join(text, first_file))
         return text
 

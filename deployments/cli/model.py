@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.deployments.cli import CliError
+from kvmesh.deployments.cli.args import existing_folder_above
 
 
 def add_arguments(parser) -> None:
@@ -27,11 +28,7 @@ def _model_folder(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
     if os.path.isdir(text):
         return text
-    parent = Path(text).absolute().parent  # the nearest that exists: the build makes the rest
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: cannot be written here: {parent} is a file, not a folder")
+    parent = existing_folder_above(text, Path(text).absolute().parent)  # the build makes the rest
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text}: cannot be written here ({parent} is read-only)")
     return text
