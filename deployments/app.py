@@ -130,7 +130,7 @@ def start_local(
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     address = address or cfg["address"]
     try:  # a start that fails before Ray runs leaves no secret file of this run behind either
-        _use_run_secrets()
+        _use_run_secrets(file_is_here=not address)
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
@@ -175,20 +175,23 @@ _run_secret_files: dict[str, str] = {}
 _env_to_restore: dict[str, str] = {}
 
 
-def _use_run_secrets() -> None:
+def _use_run_secrets(*, file_is_here: bool = True) -> None:
     """Point this run's processes at its secrets through files (runtime_env values end up in Ray's logs):
     a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
     the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, or the one kept under
-    KVMESH_HOME. The per-run files are remembered, so the stop removes them (remove_run_secret_files)."""
+    KVMESH_HOME. The per-run files are remembered, so the stop removes them (remove_run_secret_files).
+    A configured salt secret the replicas would refuse (the placeholder, too short, a file that cannot be
+    read) is refused first, as `kvmesh serve` does (`check_usable_secret`; `file_is_here` False: a cluster
+    joined, whose nodes may hold a file this machine cannot read)."""
     from kvmesh.cluster.secure_channel import (
         CHANNEL_SECRET_FILE_ENV,
         remove_dead_owners_secret_files,
         write_channel_secret,
     )
-    from kvmesh.deployments.salt_secret import check_configured_secret, kvmesh_home, persistent_secret_file
+    from kvmesh.deployments.salt_secret import check_usable_secret, kvmesh_home, persistent_secret_file
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
 
-    check_configured_secret(os.environ)
+    check_usable_secret(os.environ, file_is_here=file_is_here)
     remove_dead_owners_secret_files(kvmesh_home() / "run")  # those of runs killed before they could
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
         _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))

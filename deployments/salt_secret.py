@@ -31,27 +31,6 @@ def check_not_placeholder(secret: str | bytes, where: str) -> None:
         )
 
 
-def check_secret_file(path: str | os.PathLike, where: str) -> None:
-    """check_not_placeholder for a secret file that this machine can read (one only the cluster's nodes
-    have is theirs to check)."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError:
-        return
-    check_not_placeholder(data, where)
-
-
-def check_configured_secret(env: Mapping[str, str]) -> None:
-    """check_not_placeholder for the salt secret `env` configures (KVMESH_SALT_SECRET or the file
-    KVMESH_SALT_SECRET_FILE names), before anything starts."""
-    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
-
-    if env.get(SECRET_ENV):
-        check_not_placeholder(env[SECRET_ENV], SECRET_ENV)
-    if env.get(SECRET_FILE_ENV):
-        check_secret_file(env[SECRET_FILE_ENV], SECRET_FILE_ENV)
-
-
 def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) -> None:
     """The checks the replicas' `tenants.resolve_secret` makes of the salt secret `env` configures, made
     before anything starts (ConfigError): KVMESH_SALT_SECRET is not the placeholder and is long enough; else the
@@ -59,19 +38,12 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
     the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
     nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
     run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
-    from kvmesh.deployments import tenants
     from kvmesh.deployments.config import ConfigError
-    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
-
-    def long_enough(secret: bytes, where: str) -> None:  # the replicas' check, as the CLI's ConfigError
-        try:
-            tenants.check_secret(secret, where)
-        except tenants.ConfigError as exc:
-            raise ConfigError(str(exc)) from None
+    from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV, check_secret
 
     if env.get(SECRET_ENV):  # it wins over the file, which the replicas then never read
         # blanks around it dropped: a local run hands it to its replicas in a file, read stripped
-        long_enough(env[SECRET_ENV].strip().encode("utf-8"), SECRET_ENV)
+        check_secret(env[SECRET_ENV].strip().encode("utf-8"), SECRET_ENV)
         return
     path = env.get(SECRET_FILE_ENV)
     if path:
@@ -83,7 +55,7 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
             raise ConfigError(
                 f"cannot read salt secret file {path!r} ({SECRET_FILE_ENV}): {exc.strerror or exc}"
             ) from None
-        long_enough(data, f"{SECRET_FILE_ENV} {path!r}")
+        check_secret(data, f"{SECRET_FILE_ENV} {path!r}")
 
 
 def kvmesh_home() -> Path:

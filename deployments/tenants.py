@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.cluster.trace import brief
+from kvmesh.deployments.config import ConfigError  # one class: a bad tenants config is a bad serving config
 from kvmesh.policies.cost_model import finite_number
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,6 @@ class ClientSaltError(KvmeshHTTPError):
     """400: the client tried to choose its cache salt or tenant; only the server may."""
 
     status = 400
-
-
-class ConfigError(ValueError):
-    """The tenants config is invalid (raised at startup, with the offending entry named)."""
 
 
 @dataclass(frozen=True, slots=True)

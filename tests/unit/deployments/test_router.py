@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from router_fakes import make_router
+from router_fakes import fake_request, make_router
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
@@ -18,11 +18,6 @@ def fake_replica(rid: str, **stats):
     return SimpleNamespace(
         replica_id=SimpleNamespace(unique_id=rid), routing_stats=stats, node_id="n0", max_ongoing_requests=64
     )
-
-
-def fake_request(ids, request_id, salt=None):
-    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": salt, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
 async def _two_replicas():

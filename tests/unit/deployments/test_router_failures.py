@@ -7,7 +7,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from router_fakes import make_router
+from router_fakes import fake_request, make_router
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
@@ -20,11 +20,6 @@ class _ReplicaID:
 
 def fake_replica(rid: str, **stats):
     return SimpleNamespace(replica_id=_ReplicaID(rid), routing_stats=stats, node_id="n0", max_ongoing_requests=64)
-
-
-def fake_request(ids, request_id, salt=None):
-    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": salt, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
 @pytest.fixture(autouse=True)

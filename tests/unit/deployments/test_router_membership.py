@@ -9,7 +9,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from router_fakes import make_router
+from router_fakes import fake_request, make_router
 
 from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import PredictionLedger
@@ -22,11 +22,6 @@ class _ReplicaID:
 
 def fake_replica(rid: str, node: str = "n0", **stats):
     return SimpleNamespace(replica_id=_ReplicaID(rid), routing_stats=stats, node_id=node, max_ongoing_requests=64)
-
-
-def fake_request(ids, request_id):
-    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from router_fakes import fake_request
 
 from kvmesh.deployments.peer_lag import UnseenPlacements
 from kvmesh.deployments.router_sync import PeerPlacements, routed_message
@@ -17,11 +18,6 @@ def fake_replica(rid: str):
     return SimpleNamespace(
         replica_id=SimpleNamespace(unique_id=rid), routing_stats={}, node_id="n0", max_ongoing_requests=64
     )
-
-
-def fake_request(ids, request_id):
-    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
 class Wire:

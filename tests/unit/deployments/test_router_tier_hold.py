@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from router_fakes import make_router
+from router_fakes import fake_request, make_router
 
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.kv_events import AllBlocksCleared
@@ -25,11 +25,6 @@ def fake_replica(rid: str, node_id: str):
         node_id=node_id,
         max_ongoing_requests=64,
     )
-
-
-def fake_request(ids, request_id):
-    req = {"request_id": request_id, "prompt_token_ids": ids, "params": {"max_tokens": 4}}
-    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="i-" + request_id))
 
 
 def chain(*blocks):

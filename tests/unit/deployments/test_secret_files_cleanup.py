@@ -107,8 +107,30 @@ def test_the_published_placeholder_is_refused_as_a_salt_secret(home, fake_ray, m
     mounted = tmp_path / "mounted-secret"
     mounted.write_text(PLACEHOLDER + "\n")  # as a Kubernetes Secret made from the example holds it
     monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(mounted))
-    with pytest.raises(ConfigError, match=r"KVMESH_SALT_SECRET_FILE\) is the example's placeholder"):
+    with pytest.raises(ConfigError, match=r"KVMESH_SALT_SECRET_FILE '[^']*'\) is the example's placeholder"):
         _start()
+
+
+def test_a_salt_secret_too_short_for_the_replicas_is_refused_before_ray_starts(home, fake_ray, monkeypatch):
+    """The replicas' own check (tenants.check_secret: the placeholder and the length), made before Ray runs, as
+    `kvmesh serve` makes it: a short secret does not get as far as a replica that then refuses it."""
+    fake_ray["on_ray_start"] = lambda: pytest.fail("Ray was started")
+    monkeypatch.setenv("KVMESH_SALT_SECRET", "too-short")
+    with pytest.raises(ConfigError, match=r"salt secret from KVMESH_SALT_SECRET is too short"):
+        _start()
+    assert _secret_files(home) == []  # refused before anything was written
+    assert os.environ.get("KVMESH_SALT_SECRET") == "too-short"  # the environment as it was
+
+
+def test_a_short_salt_secret_file_is_refused_before_ray_starts(home, fake_ray, monkeypatch, tmp_path):
+    """The same check of the file KVMESH_SALT_SECRET_FILE names, read as the replicas read it (stripped)."""
+    fake_ray["on_ray_start"] = lambda: pytest.fail("Ray was started")
+    short = tmp_path / "short-secret"
+    short.write_text("too-short\n")
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(short))
+    with pytest.raises(ConfigError, match=r"salt secret from KVMESH_SALT_SECRET_FILE '[^']*' is too short"):
+        _start()
+    assert not fake_ray["up"] and _secret_files(home) == []
 
 
 def test_kvmesh_serve_refuses_the_placeholder_in_one_line_before_starting(home, monkeypatch, capsys):
