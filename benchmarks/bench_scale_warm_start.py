@@ -28,12 +28,14 @@ span, the new replica's first request (cached tokens), the token hit rate over t
 before and after the removal (the dip), and the orphaned prefixes (served only by the replica that left,
 so no remaining engine cache holds them) with the hit rate of each one's next request. Targets (shared
 against no_shared, both measured in this run):
-shared's new-replica hit rate >= no_shared's, shared's (and same_node's) first request on the new replica
-is a tier hit (cached tokens > 0), shared's dip <= no_shared's + DIP_SLACK; every arm: its new replica
-served FIRST_N requests, a replica was removed, no request failed. Writes BENCH_OUT/warm_start/
-warm_start.json and warm_start.png. Part of `BENCH=scale make bench` (alone: `BENCH=scale_warm_start make
-bench`; BENCH_WARM_START_ARMS=shared,no_shared,same_node adds the one-node arm). About 3 minutes per
-arm on 2 cores. Exit 1 on a miss.
+shared's new-replica hit rate >= no_shared's; shared's new replica is on the node that joined (whose host
+tier was empty) and its first request is a shared-tier hit (cached tokens > 0, and that node's LMCache
+server counted shared-tier hit tokens, where /metrics gave them); same_node's first request on the new
+replica is a tier hit (cached tokens > 0) when that arm runs; shared's dip <= no_shared's + DIP_SLACK;
+every arm: its new replica served FIRST_N requests, a replica was removed, no request failed. Writes
+BENCH_OUT/warm_start/warm_start.json and warm_start.png. Part of `BENCH=scale make bench` (alone:
+`BENCH=scale_warm_start make bench`; BENCH_WARM_START_ARMS=shared,no_shared,same_node adds the one-node
+arm). About 3 minutes per arm on 2 cores. Exit 1 on a miss.
 """
 
 from __future__ import annotations
@@ -188,6 +190,16 @@ def _cumulative(rows: list[dict]) -> list[float]:
     return out
 
 
+def new_node_shared_hits(arm: dict) -> float | None:
+    """Shared-tier (L2) hit tokens LMCache counted on the new replica's node (its server's lookups over the
+    whole arm), or None where the figure is not there: the node or its tier counters were not read."""
+    node = (arm.get("replica_nodes") or {}).get(arm.get("new_replica"))
+    by_node = arm.get("tier_hit_tokens_by_node") or {}
+    if node is None or node not in by_node:
+        return None
+    return float(by_node[node].get("shared") or 0.0)
+
+
 def checks(arms: dict[str, dict]) -> list[tuple[str, bool]]:
     """(target, met): shared against no_shared (both required: a missing arm or figure misses), and
     same_node's first request when that arm ran."""
@@ -200,7 +212,15 @@ def checks(arms: dict[str, dict]) -> list[tuple[str, bool]]:
         out.append((f"{name}: a replica was removed", bool(a) and a["removed"]))
     both = t.get("new_hit") is not None and h.get("new_hit") is not None
     out.append(("warm start: shared new-replica hit >= no_shared's", both and t["new_hit"] >= h["new_hit"]))
-    out.append(("warm start: shared new replica's first request is a tier hit", (t.get("new_first_cached") or 0) > 0))
+    # the arm's premise: the new replica is on the node that joined, whose host tier is empty, so only the
+    # shared tier can serve its first request: cached tokens there on an old node prove nothing
+    shared_hits = new_node_shared_hits(t)
+    first_shared = (
+        (t.get("new_first_cached") or 0) > 0
+        and bool(t.get("new_node_is_new"))
+        and (shared_hits is None or shared_hits > 0)
+    )
+    out.append(("warm start: shared new replica on the new node, first request a shared-tier hit", first_shared))
     if "same_node" in arms:
         first = arms["same_node"].get("new_first_cached") or 0
         out.append(("warm start: same_node new replica's first request is a tier hit", first > 0))
@@ -383,17 +403,33 @@ async def scale_down(c, d: Driver, found: dict) -> float | None:
     return state["removed_at"]
 
 
-async def tier_hits(url: str, key: str) -> dict:
-    """LMCache's hit tokens by tier from /metrics (host = node L1, shared = Redis L2)."""
+async def tier_hits(url: str, key: str) -> dict[str, dict[str, float]]:
+    """LMCache's hit tokens by node and tier from /metrics (host = node L1, shared = Redis L2)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
-        text = (await c.get("/metrics")).text
-    out: dict = {}
+        return tier_hits_by_node((await c.get("/metrics")).text)
+
+
+def tier_hits_by_node(text: str) -> dict[str, dict[str, float]]:
+    """node id -> tier -> hit tokens, from `kvmesh_tier_hit_tokens_total{node=...,tier=...}` samples (the
+    node id is Ray's, as in the engines' routing stats)."""
+    out: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         if line.startswith("kvmesh_tier_hit_tokens_total{"):
+            node = line.split('node="')[1].split('"')[0] if 'node="' in line else ""
             tier = line.split('tier="')[1].split('"')[0]
-            out[tier] = out.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
+            tiers = out.setdefault(node, {})
+            tiers[tier] = tiers.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def by_tier(by_node: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Hit tokens by tier, summed over nodes."""
+    out: dict[str, float] = {}
+    for tiers in by_node.values():
+        for tier, n in tiers.items():
+            out[tier] = out.get(tier, 0.0) + n
     return out
 
 
@@ -441,7 +477,8 @@ def serve_and_drive(arm: str, key: str, seed: int, redis_url: str | None, cluste
     try:
         up_s = round(time.perf_counter() - t0, 1)
         found = asyncio.run(drive(url, key, seed, (lambda: add_worker(cluster)) if cluster else None))
-        found["tier_hit_tokens"] = asyncio.run(tier_hits(url, key))
+        found["tier_hit_tokens_by_node"] = asyncio.run(tier_hits(url, key))
+        found["tier_hit_tokens"] = by_tier(found["tier_hit_tokens_by_node"])
     finally:
         stop_local()
         if ray.is_initialized():
@@ -529,7 +566,8 @@ def main() -> None:
     for name, a in arms.items():
         print(
             f"  {name}: LMCache hit tokens by tier {a.get('tier_hit_tokens')}, new replica's node is "
-            f"{'new' if a.get('new_node_is_new') else 'an old one'}, removed {a.get('removed_replicas')}"
+            f"{'new' if a.get('new_node_is_new') else 'an old one'} (shared-tier hit tokens there: "
+            f"{new_node_shared_hits(a)}), removed {a.get('removed_replicas')}"
         )
     for name, ok in checks(arms):
         print(f"  {name}: {targets.verdict(name, ok)}")

@@ -2,11 +2,11 @@
 
 1. Speed: requests synthesized by tiling the conversation trace with relabelled hash ids, replayed
    through 256 replicas under kvmesh (index match + policy + cache + time model per request).
-   Target: 1M requests x 256 replicas <= 120 s. A full 1M run would take far longer than a bench
-   should on 2 shared cores, so BENCH_SIM_REQUESTS (default 3000) requests are timed and the figure
-   is extrapolated linearly (per-request cost is flat: caches and index are bounded) -- said so in
-   the output. CPU time is the verdict (the machine is shared; wall time is printed beside it).
-   round_robin (same index work, trivial policy) is timed beside it as the baseline.
+   BENCH_SIM_REQUESTS (default 3000) requests are timed, per request in CPU and wall time, with
+   round_robin (same index work, trivial policy) beside it as the baseline, and the time for 1M
+   requests is printed as an ESTIMATE (extrapolated linearly), not judged: the target "1M requests
+   x 256 replicas <= 120 s of CPU" must be measured, which `BENCH=sim_speed make bench`
+   (bench_sim_speed.py, opt-in: minutes and a ~300 MB trace) does. No target here.
 2. Tiers: conversation trace, 8 replicas x 1000 HBM blocks on one node, load 0.8: kvmesh without
    tiers, with an LMCache-style host tier (16,000 blocks per node), and host + shared tier. Hit
    rates count tier hits (split by tier), with p90 TTFT. Target: tiers raise the hit rate and cut
@@ -14,7 +14,7 @@
 3. Peers: conversation trace, 8 replicas x 1000 blocks (one accelerator's KV space each), at load
    0.5 / 0.8 / 0.95: p90 TTFT of kvmesh vs sglang_cache_aware, ray_prefix_affinity, llmd_precise,
    dynamo_cost (+ round robin for scale). Target: kvmesh's p90 <= every peer's at 0.8, 0.95.
-PNGs go to out/ (BENCH_OUT to change). Exit status 1 when a target is missed.
+PNGs go to out/ (BENCH_OUT to change). Exit status 1 when a target (2, 3) is missed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ SPEED_REPLICAS = 256
 SPEED_REQUESTS_TARGET = 1_000_000
 
 
-def bench_speed(conv, targets: Targets) -> dict:
+def bench_speed(conv) -> dict:
+    """Per-request simulator cost at 256 replicas, and a 1M-request estimate from it (printed, not judged:
+    the 1M x 256 target is bench_sim_speed's, measured)."""
     n = int(os.environ.get("BENCH_SIM_REQUESTS", "3000"))
     trace = tile(conv, max(1, -(-n // len(conv))))
     trace.requests = trace.requests[:n]
@@ -56,13 +58,11 @@ def bench_speed(conv, targets: Targets) -> dict:
         )
     ex_cpu = cpu["kvmesh"] * SPEED_REQUESTS_TARGET
     ex_wall = wall["kvmesh"] * SPEED_REQUESTS_TARGET
-    verdict = targets.verdict(
-        f"1M requests x {SPEED_REPLICAS} replicas <= {SPEED_TARGET_S:.0f} s CPU", ex_cpu <= SPEED_TARGET_S
-    )
     print(
-        f"  1M requests x {SPEED_REPLICAS} replicas, EXTRAPOLATED from {n} requests: {ex_cpu:,.0f} s of CPU "
-        f"({ex_wall:,.0f} s wall on this shared machine); target <= {SPEED_TARGET_S:.0f} s: "
-        f"{verdict} ({ex_cpu / SPEED_TARGET_S:.1f}x the target, judged on CPU time)"
+        f"  estimate, not a verdict: 1M requests x {SPEED_REPLICAS} replicas would take about {ex_cpu:,.0f} s "
+        f"of CPU ({ex_wall:,.0f} s wall on this shared machine), extrapolated linearly from {n} requests "
+        f"({ex_cpu / SPEED_TARGET_S:.1f}x the {SPEED_TARGET_S:.0f} s target); the target is judged only "
+        f"measured: BENCH=sim_speed make bench"
     )
     return {
         "us_per_request_cpu": cpu["kvmesh"] * 1e6,
@@ -132,7 +132,7 @@ def main() -> dict:
     conv = load_trace("conversation")
     targets = Targets()
     out = {
-        "speed": bench_speed(conv, targets),
+        "speed": bench_speed(conv),
         "tiers": bench_tiers(conv, out_dir, targets),
         "peers": bench_peers(conv, out_dir, targets),
     }

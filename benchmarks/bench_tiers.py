@@ -17,8 +17,9 @@ takes — and the credits they imply (1 − load/prefill: the fraction of recomp
 
 The tiny model computes a token in microseconds, so on it LMCache's per-chunk transfer overhead can
 cost more than recomputing: the credits printed here describe THIS engine, not a GPU serving an 8B
-model (CostModel's defaults). Targets: loading from either tier is cheaper than recomputing (exit
-status 1 when one is missed, or when the prefill time per token cannot be measured).
+model (CostModel's defaults). Targets: every try hits in each tier (hits == tries: a load cost timed on
+the few tries a tier served says nothing of the tier), and loading from either tier is cheaper than
+recomputing (exit status 1 when one is missed, or when the prefill time per token cannot be measured).
 """
 
 from __future__ import annotations
@@ -153,17 +154,21 @@ def main(argv=None) -> None:
         targets.exit_if_missed()
     print(f"prefill: {pre * 1e6:.1f} us/token; an hbm hit (no load) costs {m['hbm_s'] * 1e3:.1f} ms per request")
     constants = {"prefill_s_per_token": pre, "prefill_base_s": m["hbm_s"]}
+    tries = len(m["rows"])
     for tier in ("host", "shared"):
+        hits = m[f"{tier}_hits"]
+        verdict = targets.verdict(f"{tier} tier hit on every try", hits == tries)
+        print(f"{tier}: {hits}/{tries} tries hit -> {verdict} (target: every try hits, {tries}/{tries})")
         load = m[f"{tier}_load_s_per_token"]
         if load is None:
             verdict = targets.verdict(f"{tier} tier load < recompute", False)
-            print(f"{tier}: no hits in {len(m['rows'])} tries -> {verdict} (tier served nothing)")
+            print(f"{tier}: no hits in {tries} tries -> {verdict} (tier served nothing)")
             continue
         constants[f"{tier}_load_s_per_token"] = max(load, 0.0)
         verdict = targets.verdict(f"{tier} tier load < recompute", load < pre)
         print(
             f"{tier}: load {load * 1e6:.1f} us/token = {load / pre:.2f}x recompute, credit {1 - load / pre:+.2f} "
-            f"({m[f'{tier}_hits']}/{len(m['rows'])} runs hit) -> {verdict} (target: load < recompute)"
+            f"(over the {hits}/{tries} tries that hit) -> {verdict} (target: load < recompute)"
         )
     print(
         f"LMCache counters: host hit tokens {m['host_hit_tokens']:.0f}, shared hit tokens {m['shared_hit_tokens']:.0f}"

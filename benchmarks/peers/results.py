@@ -17,6 +17,8 @@ KVMESH = "kvmesh"
 HIT_MARGIN = 0.01  # kvmesh hit rate >= best peer - 0.01
 BOUND_SHARE = 0.95  # kvmesh hit rate >= 0.95 x infinite-cache bound
 MAX_PREFILL_IMBALANCE = 1.25  # prefill tokens per worker, max / mean
+TTFT_RATIO = 1.2  # kvmesh TTFT p50 <= 1.2 x the best peer's at equal hit rate (docs/peers.md)
+TTFT_CHECK = f"TTFT p50 <= {TTFT_RATIO} x best peer at equal hit"
 
 
 def max_over_mean(values: list[float]) -> float | None:
@@ -92,10 +94,21 @@ def make_row(
     }
 
 
+def ttft_peer(kvmesh_hit: float | None, peers: list[dict]) -> dict | None:
+    """The best peer at equal hit rate: among the peers at kvmesh's hit rate (hit >= kvmesh's - 0.01, as the
+    hit target counts a peer level with kvmesh) the one with the lowest TTFT p50; None when none is there."""
+    if kvmesh_hit is None:
+        return None
+    level = [r for r in peers if r["ttft_p50_s"] is not None and r["hit_rate_tokens"] >= kvmesh_hit - HIT_MARGIN]
+    return min(level, key=lambda r: r["ttft_p50_s"], default=None)
+
+
 def check_targets(rows: list[dict]) -> list[dict]:
     """The live targets per (workload, form): kvmesh hit >= best peer - 0.01, >= 0.95 x bound,
-    prefill max/mean <= 1.25, zero errors. A peer that failed every request (e.g. sglang-router's 422
-    on token ids) has no hit rate and does not count as 'best peer'."""
+    prefill max/mean <= 1.25, zero errors, and TTFT p50 <= 1.2 x the best peer's at equal hit rate
+    (`ttft_peer`; met when no peer reaches kvmesh's hit rate: there is none to compare with at equal
+    hit rate). A peer that failed every request (e.g. sglang-router's 422 on token ids) has no hit rate
+    and does not count as 'best peer'."""
     verdicts = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -112,6 +125,15 @@ def check_targets(rows: list[dict]) -> list[dict]:
         k = ours[0]
         best = max(peers, key=lambda r: r["hit_rate_tokens"], default=None)
         hit = k["hit_rate_tokens"]
+        level = ttft_peer(hit, peers)
+        p50, peer_p50 = k["ttft_p50_s"], level["ttft_p50_s"] if level else None
+        ratio = p50 / peer_p50 if p50 is not None and peer_p50 else None
+        if hit is None or p50 is None or not peers:
+            ttft_ok = None  # nothing to judge: no kvmesh figure, or no peer answered
+        elif level is None:
+            ttft_ok = True  # every peer is more than 0.01 below kvmesh's hit rate
+        else:
+            ttft_ok = ratio is not None and ratio <= TTFT_RATIO
         checks = {
             "hit >= best peer - 0.01": None
             if best is None or hit is None
@@ -123,6 +145,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
             if k["prefill_max_over_mean"] is None
             else k["prefill_max_over_mean"] <= MAX_PREFILL_IMBALANCE,
             "zero errors": k["errors"] == 0,
+            TTFT_CHECK: ttft_ok,
         }
         verdicts.append(
             {
@@ -131,6 +154,11 @@ def check_targets(rows: list[dict]) -> list[dict]:
                 "best_peer": best["setup"] if best else None,
                 "best_peer_hit": best["hit_rate_tokens"] if best else None,
                 "kvmesh_hit": hit,
+                "ttft_peer": level["setup"] if level else None,
+                "ttft_peer_hit": level["hit_rate_tokens"] if level else None,
+                "ttft_peer_p50_s": peer_p50,
+                "kvmesh_ttft_p50_s": p50,
+                "ttft_ratio": ratio,
                 "checks": checks,
                 "pass": all(v is True for v in checks.values()),
             }
@@ -193,10 +221,18 @@ def format_verdicts(verdicts: list[dict]) -> str:
         checks = ", ".join(
             f"{name}: {'PASS' if ok else ('n/a' if ok is None else 'MISS')}" for name, ok in v["checks"].items()
         )
+        if v.get("ttft_peer"):
+            ttft = (
+                f"TTFT p50 kvmesh {_fmt(v['kvmesh_ttft_p50_s'], 'ms')} ms vs {v['ttft_peer']} "
+                f"{_fmt(v['ttft_peer_p50_s'], 'ms')} ms at {_fmt(v['ttft_peer_hit'], 'pct')} = "
+                f"{_fmt(v['ttft_ratio'], 'x')}x"
+            )
+        else:
+            ttft = f"TTFT p50 kvmesh {_fmt(v.get('kvmesh_ttft_p50_s'), 'ms')} ms, no peer at its hit rate"
         out.append(
             f"{'PASS' if v['pass'] else 'MISS'}  {v['workload']}/{v['form']}: kvmesh "
             f"{_fmt(v['kvmesh_hit'], 'pct')} vs best peer {v['best_peer']} {_fmt(v['best_peer_hit'], 'pct')}"
-            f" -- {checks}"
+            f"; {ttft} -- {checks}"
         )
     return "\n".join(out)
 

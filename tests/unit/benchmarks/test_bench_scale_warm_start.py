@@ -54,7 +54,7 @@ def test_removal_split_is_the_removed_replicas_last_send_or_when_it_was_seen():
     assert b.removal_split(rows, [], seen_at=5.0) == 5.0
 
 
-def _arm(new_hit, dip, first=128, n=100, errors=0, removed=True):
+def _arm(new_hit, dip, first=128, n=100, errors=0, removed=True, new_node=True):
     return {
         "new_hit": new_hit,
         "dip": dip,
@@ -62,7 +62,14 @@ def _arm(new_hit, dip, first=128, n=100, errors=0, removed=True):
         "new_requests": n,
         "errors": errors,
         "removed": removed,
+        "new_node_is_new": new_node,
     }
+
+
+def _first_shared(verdict: dict) -> bool:
+    """The verdict on the shared arm's new replica's first request (whatever its label words)."""
+    (ok,) = [v for k, v in verdict.items() if k.startswith("warm start: shared new replica") and "first request" in k]
+    return ok
 
 
 def test_shared_must_match_no_shared_warm_start_and_dip():
@@ -70,7 +77,7 @@ def test_shared_must_match_no_shared_warm_start_and_dip():
     assert all(ok.values()), ok
     worse = dict(b.checks({"shared": _arm(0.79, 0.05, first=0), "no_shared": _arm(0.80, 0.0)}))
     assert not worse["warm start: shared new-replica hit >= no_shared's"]
-    assert not worse["warm start: shared new replica's first request is a tier hit"]
+    assert not _first_shared(worse)
     assert "warm start: same_node new replica's first request is a tier hit" not in worse  # arm not run
     assert not worse[f"scale-down: shared dip <= no_shared dip + {b.DIP_SLACK}"]
 
@@ -118,3 +125,61 @@ def test_orphaned_prefixes_are_those_only_the_removed_replica_served():
     nxt = b.first_after(rows, [1], after_start=5)
     assert [r["t0"] for r in nxt] == [10]  # its first request after the removal: a recompute here
     assert b.hit_rate(nxt) == 0.0
+
+
+def test_the_shared_arms_first_request_on_an_old_node_is_no_shared_tier_hit():
+    """Cached tokens > 0 passed as a shared-tier hit although the new replica had landed on an old node,
+    whose host tier holds the prefixes (new_node_is_new was only printed)."""
+    on_old_node = dict(b.checks({"shared": _arm(0.88, 0.0, new_node=False), "no_shared": _arm(0.80, 0.0)}))
+    assert not _first_shared(on_old_node)
+    unknown = {**_arm(0.88, 0.0), "new_node_is_new": None}  # the node look-up failed: the premise is unproven
+    assert not _first_shared(dict(b.checks({"shared": unknown, "no_shared": _arm(0.80, 0.0)})))
+    assert _first_shared(dict(b.checks({"shared": _arm(0.88, 0.0), "no_shared": _arm(0.80, 0.0)})))
+
+
+def test_the_shared_arms_first_request_needs_shared_tier_hits_on_the_new_node_where_counted():
+    """The per-tier hit tokens were only printed: a new node whose LMCache server counted no shared-tier
+    hit cannot have loaded the first request's cached tokens from the shared tier."""
+
+    def arm(by_node):
+        return {
+            **_arm(0.88, 0.0),
+            "new_replica": "r3",
+            "replica_nodes": {"r1": "head", "r2": "head", "r3": "worker"},
+            "tier_hit_tokens_by_node": by_node,
+        }
+
+    def verdict(by_node):
+        return _first_shared(dict(b.checks({"shared": arm(by_node), "no_shared": _arm(0.80, 0.0)})))
+
+    # shared-tier hits on the head only (its own L1 evictions), none on the new node: a miss
+    assert not verdict({"head": {"host": 900.0, "shared": 128.0}, "worker": {"host": 640.0, "shared": 0.0}})
+    assert verdict({"head": {"host": 900.0, "shared": 0.0}, "worker": {"host": 512.0, "shared": 128.0}})
+    assert verdict({"head": {"host": 900.0, "shared": 0.0}})  # the new node's counters were not read: unjudged
+    assert verdict({})
+
+
+def test_tier_hits_are_read_per_node_and_summed_per_tier():
+    text = "\n".join(
+        [
+            "# HELP kvmesh_tier_hit_tokens_total Prompt tokens LMCache could serve, by tier.",
+            "# TYPE kvmesh_tier_hit_tokens_total counter",
+            'kvmesh_tier_hit_tokens_total{node="head",tier="host"} 900.0',
+            'kvmesh_tier_hit_tokens_total{node="head",tier="shared"} 0.0',
+            'kvmesh_tier_hit_tokens_total{node="worker",tier="host"} 512.0',
+            'kvmesh_tier_hit_tokens_total{node="worker",tier="shared"} 128.0',
+            'kvmesh_tier_lookup_tokens_total{node="head"} 5000.0',
+        ]
+    )
+    by_node = b.tier_hits_by_node(text)
+    assert by_node == {"head": {"host": 900.0, "shared": 0.0}, "worker": {"host": 512.0, "shared": 128.0}}
+    assert b.by_tier(by_node) == {"host": 1412.0, "shared": 128.0}
+    assert (
+        b.new_node_shared_hits(
+            {"new_replica": "r3", "replica_nodes": {"r3": "worker"}, "tier_hit_tokens_by_node": by_node}
+        )
+        == 128.0
+    )
+    assert (
+        b.new_node_shared_hits({"new_replica": "r3", "replica_nodes": {}, "tier_hit_tokens_by_node": by_node}) is None
+    )

@@ -4,6 +4,7 @@ replaced; no engines."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -143,3 +144,85 @@ def test_a_bench_name_that_matches_nothing_fails_instead_of_running_nothing(caps
     assert run_all.main(["robsut"]) == 2
     assert "no benchmark named robsut" in capsys.readouterr().err
     assert run_all.main(["robust", "typo"]) == 2
+
+
+def _recording_benches(monkeypatch, names: list[str]) -> list[str]:
+    """run_all sees the benches `names`, each a fake module whose main() records that it ran."""
+    ran: list[str] = []
+    monkeypatch.setattr(run_all.pkgutil, "iter_modules", lambda path: [types.SimpleNamespace(name=n) for n in names])
+    for name in names:
+        mod = types.ModuleType(f"kvmesh.benchmarks.{name}")
+        mod.main = lambda name=name: ran.append(name)
+        monkeypatch.setitem(sys.modules, f"kvmesh.benchmarks.{name}", mod)
+    return ran
+
+
+def test_a_bench_name_that_selects_only_an_opt_in_bench_fails_instead_of_running_nothing(monkeypatch, capsys):
+    """BENCH=sim passed the unknown-name check (bench_sim_speed starts with sim_), then the opt-in filter
+    skipped bench_sim_speed: nothing ran and the exit was 0; in BENCH=scale_sim,sim the sim part was dropped."""
+    ran = _recording_benches(monkeypatch, ["bench_scale_sim", "bench_sim_speed", "bench_simulator"])
+    assert run_all.main(["sim"]) == 2 and ran == []
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "BENCH: sim selects no benchmark" in err and "sim_speed" in err
+    assert run_all.main(["scale_sim", "sim"]) == 2 and ran == []
+    assert "BENCH: sim selects no benchmark" in capsys.readouterr().err
+    assert run_all.main(["sim_speed"]) == 0 and ran == ["bench_sim_speed"]
+    ran.clear()
+    assert run_all.main(["bench_sim_speed"]) == 0 and ran == ["bench_sim_speed"]
+    ran.clear()
+    assert run_all.main(["simulator"]) == 0 and ran == ["bench_simulator"]
+    ran.clear()
+    assert run_all.main(["scale_sim", "sim_speed"]) == 0 and ran == ["bench_scale_sim", "bench_sim_speed"]
+    ran.clear()
+    assert run_all.main([]) == 0 and ran == ["bench_scale_sim", "bench_simulator"]  # all but the opt-in ones
+
+
+@pytest.mark.parametrize("returned, status", [(1, 1), (3, 1), (0, 0), (None, 0), ({"figure": 1.0}, 0)])
+def test_a_bench_main_returning_a_non_zero_int_makes_run_all_exit_non_zero(monkeypatch, capsys, returned, status):
+    """entry.run_main exits with an int a bench's main() returns; run_all ignored it and exited 0."""
+    mod = types.ModuleType("kvmesh.benchmarks.bench_fake")
+    mod.main = lambda: returned
+    _only(monkeypatch, "bench_fake", mod)
+    assert run_all.main(["fake"]) == status
+    assert ("exited non-zero: bench_fake" in capsys.readouterr().out) == bool(status)
+
+
+@pytest.mark.parametrize("shared_hits, status", [(1, 1), (11, 1), (12, 0)])
+def test_bench_tiers_misses_when_a_tier_does_not_hit_on_every_try(monkeypatch, capsys, shared_hits, status):
+    """The load cost was judged on the tries that hit only: a shared tier that served 1 of 12 passed."""
+    from kvmesh.benchmarks import bench_tiers
+
+    def run(s, cached):
+        return {"prefill_s": s, "num_cached_tokens": cached}
+
+    rows = [
+        {
+            "n": 512,
+            "cold": run(0.05, 0),
+            "hbm": run(0.02, 511),
+            "host": run(0.025, 511),
+            "shared": run(0.021, 511) if i < shared_hits else run(0.05, 0),
+        }
+        for i in range(12)
+    ]
+    m = {
+        "rows": rows,
+        "host_hit_tokens": 0.0,
+        "shared_hit_tokens": 511.0 * shared_hits,
+        "hbm_s": 0.02,
+        "prefill_s_per_token": 0.03 / 511,
+        "host_load_s_per_token": 0.005 / 511,
+        "shared_load_s_per_token": 0.001 / 511,
+        "cold_hits": 12,
+        "host_hits": 12,
+        "shared_hits": shared_hits,
+    }
+    monkeypatch.setattr(bench_tiers, "measure", lambda model, root: m)
+    with pytest.raises(SystemExit) if status else contextlib.nullcontext() as exc:
+        bench_tiers.main(["--model", "unused"])
+    out = capsys.readouterr().out
+    assert (exc.value.code if status else 0) == status
+    assert "host: 12/12 tries hit -> PASS" in out
+    assert f"shared: {shared_hits}/12 tries hit -> {'MISS' if status else 'PASS'}" in out
+    assert "shared: load" in out and "-> PASS (target: load < recompute)" in out  # the cost target stays
+    assert ("MISS: 1 target(s) missed: shared tier hit on every try" in out) == bool(status)
