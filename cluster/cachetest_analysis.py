@@ -5,7 +5,9 @@ The fleet's history is rebuilt from what the test itself sent, in time order: a 
 computed once its first token arrived (its prefill is done), so two concurrent requests with one prefix
 are both `cold`. When the endpoint is kvmesh, the router's record of the placement
 (`/kvmesh/explain/{request_id}`) splits the blocks computed before into `misrouted` (another replica or
-tier held them) and `evicted` (none did); against a peer that part is `unknown`.
+tier held them) and `evicted` (none did); against a peer that part is `unknown`. The history is kept per
+tenant and per model the request was sent as (`Sent.model`), not the model the log names: the runner
+sends every request as the served model, so a log naming several models shows no `adapter` misses.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ class Sent:
     replica: str
     error: str | None = None
     explain: dict | None = None  # the router's record (kvmesh), else None
+    # the model it was sent as (the runner sends every request as the served model, whatever the log
+    # names); the fleet's history is kept per (tenant, this), so None everywhere is one model
+    model: str | None = None
 
 
 class MissAnalyzer:
@@ -128,7 +133,7 @@ class MissAnalyzer:
     def __init__(self, block_size: int, decode=None):
         self.block_size = block_size
         self.decode = decode  # token ids -> text, for the drift examples
-        self.salted: dict[tuple, set[int]] = {}  # (tenant, model) -> blocks computed
+        self.salted: dict[tuple, set[int]] = {}  # (tenant, model sent as) -> blocks computed
         self.unsalted: dict[str | None, set[int]] = {}  # tenant -> blocks computed (no salt)
         self.units: dict[str | None, dict[int, Prepared]] = {}  # tenant -> unit-chain key -> first prompt
         self.drifts: list[dict] = []
@@ -142,15 +147,18 @@ class MissAnalyzer:
         for i in order:
             s = sent[i]
             while k < len(ready) and ready[k][0] <= s.start_s:
-                self._computed(sent[ready[k][1]].prepared)
+                self._computed(sent[ready[k][1]])
                 k += 1
             if s.error is None and s.cached_tokens is not None:
                 out[i] = self.attribute(s)
         return out
 
-    def _computed(self, p: Prepared) -> None:
+    def _computed(self, s: Sent) -> None:
+        """What `s` computed: its blocks under its tenant and the model it was sent as (not the logged
+        model: a miss on blocks this test computed under the same model is no `adapter` miss)."""
+        p = s.prepared
         t = p.tok
-        self.salted.setdefault((t.tenant, t.model), set()).update(t.salted)
+        self.salted.setdefault((t.tenant, s.model), set()).update(t.salted)
         self.unsalted.setdefault(t.tenant, set()).update(t.unsalted)
         chains = self.units.setdefault(t.tenant, {})
         for key in p.unit_chain:
@@ -159,7 +167,7 @@ class MissAnalyzer:
     def attribute(self, s: Sent) -> dict[str, int]:
         t, B = s.prepared.tok, self.block_size
         n = s.prompt_tokens
-        seen = leading_held(t.salted, self.salted.get((t.tenant, t.model), ()))
+        seen = leading_held(t.salted, self.salted.get((t.tenant, s.model), ()))
         isolated = max(
             (leading_held(t.unsalted, held) for ten, held in self.unsalted.items() if ten != t.tenant), default=0
         )
@@ -167,7 +175,7 @@ class MissAnalyzer:
             (
                 leading_held(t.salted, held)
                 for (ten, model), held in self.salted.items()
-                if ten == t.tenant and model != t.model
+                if ten == t.tenant and model != s.model
             ),
             default=0,
         )

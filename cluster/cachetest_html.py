@@ -68,19 +68,32 @@ def _pct_or_nan(v: float | None) -> float:
     return float("nan") if v is None else 100 * v
 
 
+def _ms_or_nan(v: float | None) -> float:
+    """Seconds as milliseconds for a plot; nothing drawn (NaN) where nothing was measured (not a 0 ms bar)."""
+    return float("nan") if v is None else 1000 * v
+
+
 SWEEP_AXES = {"concurrency": "requests in flight", "replicas": "engine replicas"}
 
 
 def sweeps(passes: dict) -> dict[str, list[tuple[int, str]]]:
     """The passes of each sweep as (x, pass name), by x: the concurrency sweep's warm passes (`warm`,
     `warm_cN`) by requests in flight, the replicas sweep's warm passes (`replicas_N`; their cold passes,
-    `replicas_N_cold`, only empty the cache) by replica count."""
+    `replicas_N_cold`, only empty the cache) by replica count. The main app's `warm` pass (`--serve`
+    records every pass's replica count) is the replicas sweep's point at `--replicas` when it followed a
+    `cold` pass on that app: it ran as every `replicas_N` does (a cold pass on an empty cache, then warm,
+    at the first concurrency), so that count is not run twice."""
     out: dict[str, list[tuple[int, str]]] = {"concurrency": [], "replicas": []}
     for n, p in passes.items():
         if n == "warm" or n.startswith("warm_c"):
             out["concurrency"].append((int(p["concurrency"]), n))
         elif n.startswith("replicas_") and n.removeprefix("replicas_").isdigit():
             out["replicas"].append((int(n.removeprefix("replicas_")), n))
+    main = passes.get("warm") or {}
+    cold = passes.get("cold") or {}
+    if main.get("replicas") is not None and cold.get("replicas") == main["replicas"]:  # warm after cold, one app
+        if main["replicas"] not in {x for x, _ in out["replicas"]}:
+            out["replicas"].append((int(main["replicas"]), "warm"))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -94,8 +107,8 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     axes[0].bar(names, [_pct_or_nan(passes[n]["hit_rate_tokens"]) for n in names], color="#4c72b0")
     axes[0].set_ylabel("hit rate, % of prompt tokens")
-    axes[1].bar(names, [1000 * (passes[n]["ttft_p50_s"] or 0) for n in names], color="#55a868", label="p50")
-    axes[1].plot(names, [1000 * (passes[n]["ttft_p90_s"] or 0) for n in names], "ko", label="p90")
+    axes[1].bar(names, [_ms_or_nan(passes[n]["ttft_p50_s"]) for n in names], color="#55a868", label="p50")
+    axes[1].plot(names, [_ms_or_nan(passes[n]["ttft_p90_s"]) for n in names], "ko", label="p90")
     axes[1].set_ylabel("TTFT, ms")
     axes[1].legend(fontsize=8)
     for ax in axes:
@@ -113,7 +126,8 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
             ax.bar(names, vals, bottom=bottom, color=_COLORS[reason], label=reason)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("uncached prompt tokens")
-    ax.legend(fontsize=8, ncol=4)
+    if any(bottom):  # no missed token anywhere (or nothing answered): no legend to show
+        ax.legend(fontsize=8, ncol=4)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.tight_layout()
     paths["miss_reasons"] = out / "miss_reasons.png"
@@ -125,7 +139,7 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.2))
         xs = [x for x, _ in sweep]
-        ax.plot(xs, [1000 * (passes[n]["ttft_p50_s"] or 0) for _, n in sweep], "o-", label="TTFT p50, ms")
+        ax.plot(xs, [_ms_or_nan(passes[n]["ttft_p50_s"]) for _, n in sweep], "o-", label="TTFT p50, ms")
         ax2 = ax.twinx()
         ax2.plot(xs, [_pct_or_nan(passes[n]["hit_rate_tokens"]) for _, n in sweep], "s--", color="#c44e52")
         ax2.set_ylabel("hit rate, %")
@@ -156,6 +170,20 @@ def _fmt(v, kind: str = "") -> str:
     return html.escape(f"{v:,}" if isinstance(v, int) else str(v))
 
 
+def _compared(n: int | None) -> str:
+    """A comparison card's population: the requests answered in both passes."""
+    return "" if n is None else f"over {n:,} request{'' if n == 1 else 's'} answered in both"
+
+
+def _isolation_why(iso: dict) -> str:
+    """Why the isolation probe has no verdict, where it ran without one (its request failed, or the answer
+    reported no cached-token count)."""
+    if not iso.get("run") or iso.get("ok") is not None:
+        return ""
+    why = f"the probe's request failed: {iso['error']}" if iso.get("error") else "no cached-token count in the answer"
+    return f" <span id='isolation-why'>({html.escape(str(why))})</span>"
+
+
 def _table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
@@ -178,7 +206,8 @@ body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#22
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:1.6em}
 .cards{display:flex;flex-wrap:wrap;gap:1em}
 .card{border:1px solid #ddd;border-radius:6px;padding:.6em 1em;min-width:11em}
-.card b{display:block;font-size:1.5em}.warn{background:#fff3cd;padding:.5em 1em;border-radius:6px}
+.card b{display:block;font-size:1.5em}.card small{display:block;color:#666}
+.warn{background:#fff3cd;padding:.5em 1em;border-radius:6px}
 table{border-collapse:collapse;margin:.5em 0;font-size:.85em}
 td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
 th{background:#f4f4f4;cursor:pointer}td:first-child,th:first-child{text-align:left}
@@ -224,16 +253,35 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     meta = report.get("meta", {})
     off = report.get("offline", {})
     cards = [
-        ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct")),
-        ("hit-rate-requests", "requests with a hit", _fmt(s.get("requests_with_hit"), "pct")),
-        ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel")),
-        ("ttft-change", "TTFT p50 vs cold", _fmt(s.get("ttft_change_vs_cold"), "rel")),
-        ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd")),
-        ("offline-bound", "infinite-cache bound", _fmt(s.get("offline_infinite_hit_rate"), "pct")),
+        ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct"), ""),
+        ("hit-rate-requests", "requests with a hit", _fmt(s.get("requests_with_hit"), "pct"), ""),
+        ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel"), ""),
+        (
+            "ttft-change",
+            "TTFT p50 vs cold",
+            _fmt(s.get("ttft_change_vs_cold"), "rel"),
+            _compared(s.get("ttft_compared_vs_cold")),
+        ),
+        ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd"), ""),
+        ("offline-bound", "infinite-cache bound", _fmt(s.get("offline_infinite_hit_rate"), "pct"), ""),
     ]
     if "cost_change_vs_round_robin" in s:
-        cards.append(("cost-vs-rr", "input cost vs round robin", _fmt(s["cost_change_vs_round_robin"], "rel")))
-        cards.append(("ttft-vs-rr", "TTFT p50 vs round robin", _fmt(s.get("ttft_change_vs_round_robin"), "rel")))
+        cards.append(
+            (
+                "cost-vs-rr",
+                "input cost vs round robin",
+                _fmt(s["cost_change_vs_round_robin"], "rel"),
+                _compared(s.get("cost_compared_vs_round_robin")),
+            )
+        )
+        cards.append(
+            (
+                "ttft-vs-rr",
+                "TTFT p50 vs round robin",
+                _fmt(s.get("ttft_change_vs_round_robin"), "rel"),
+                _compared(s.get("ttft_compared_vs_round_robin")),
+            )
+        )
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>kvmesh cachetest report</title>",
         f"<style>{_CSS}</style></head><body>",
@@ -252,15 +300,17 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         + " &middot; <span id='loaded'>static</span></p>",
         "<h2 id='summary'>Summary</h2><div class='cards'>",
     ]
-    for cid, title, value in cards:
-        parts.append(f"<div class='card'>{html.escape(title)}<b id='{cid}'>{value}</b></div>")
+    for cid, title, value, note in cards:
+        note = f"<small id='{cid}-compared'>{note}</small>" if note else ""
+        parts.append(f"<div class='card'>{html.escape(title)}<b id='{cid}'>{value}</b>{note}</div>")
     parts.append("</div>")
     if s.get("warning"):
         parts.append(f"<p class='warn'>{html.escape(s['warning'])}</p>")
+    iso = report.get("isolation", {})
     parts.append(
         f"<p>Errors: <b id='errors'>{s.get('errors', 0)}</b>. Correctness (warm greedy outputs = cold): "
         f"<b id='correct'>{_fmt(s.get('correct'))}</b>. Isolation probe (another tenant's identical prompt gets 0 "
-        f"cached tokens): <b id='isolation'>{_fmt(report.get('isolation', {}).get('ok'))}</b>. "
+        f"cached tokens): <b id='isolation'>{_fmt(iso.get('ok'))}</b>{_isolation_why(iso)}. "
         f"Offline: repeated-prefix share {_fmt(off.get('repeated_prefix_share'), 'pct')} of "
         f"{_fmt(off.get('prompt_tokens'))} prompt tokens.</p>"
     )
@@ -356,9 +406,10 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         )
     )
     parts.append(_reason_legend(passes))
-    main = passes.get("warm") or next(iter(passes.values()))
+    main_name = s.get("pass") if s.get("pass") in passes else next(iter(passes))
+    main = passes[main_name]
     for title, key in (("Per tenant", "per_tenant"), ("Per replica", "per_replica")):
-        parts.append(f"<h2 id='{key}'>{title} ({'warm' if 'warm' in passes else 'first'} pass)</h2>")
+        parts.append(f"<h2 id='{key}'>{title} ({html.escape(str(main_name))} pass)</h2>")
         parts.append(
             _table(
                 [title.split()[1], "requests", "prompt tok", "cached tok", "hit (tok)", *REASONS],

@@ -31,6 +31,7 @@ class PassRun:
     counters_after: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # logged id -> greedy output text
     fresh_fleet: bool = False  # sent to a newly started server: nothing computed before counts
+    replicas: int | None = None  # engine replicas of the app that served it (`--serve`), else not known
 
 
 @dataclass
@@ -102,6 +103,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         # the hit rate's denominator: answers without a cached-token count are in prompt_tokens (they are
         # billed) but not here, and the miss reasons sum to counted - cached
         "counted_prompt_tokens": counted,
+        "counted_requests": len(known),  # answers that reported their cached tokens
         "cached_tokens": cached,
         # None, not 0, when no answer reported its cached tokens: nothing was measured
         "hit_rate_tokens": cached / counted if counted else None,
@@ -134,6 +136,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "throughput_requests_s": len(ok) / run.wall_s if run.wall_s > 0 else None,
         "wall_s": run.wall_s,
         "concurrency": run.concurrency,
+        "replicas": run.replicas,
         "per_tenant": tenants,
         "per_replica": replicas,
     }
@@ -183,6 +186,8 @@ def _build_report(runs, offline, rates, block_size, meta, decode, isolation) -> 
                     "cached_tokens": s.cached_tokens,
                     "replica": s.replica,
                     "miss_tokens": r,
+                    "error": s.error,
+                    "ttft_s": None if s.error is not None or s.ready_s is None else s.ready_s - s.start_s,
                 }
             )
     by_name = {r.name: r for r in runs}
@@ -212,36 +217,104 @@ def _correctness(cold: PassRun | None, warm: PassRun | None) -> dict:
 
 
 def summary(report: dict) -> dict:
-    """The headline: warm hit rate and what the cache changed in cost and TTFT against no caching (the cold
-    pass's TTFT, every input token at the uncached rate) and against round robin where it was run."""
+    """The headline: the main pass's hit rate (`warm`, else `kvmesh`, else the first pass) and what the cache
+    changed in cost and TTFT against no caching (the cold pass's TTFT, every input token at the uncached
+    rate) and against round robin where it was run. A comparison between two passes is over the requests
+    answered in both (by request id), with the number compared: a request that failed in one pass would
+    otherwise drop out of one side only (a pass with failures looks cheaper, its p50 another population's)."""
     passes = report["passes"]
     main = next((n for n in ("warm", "kvmesh") if n in passes), next(iter(passes), None))
     if main is None:
         return {}
-    warm, cold = passes[main], passes.get("cold")
+    cur = passes[main]
+    rates = Rates(**(report.get("meta") or {}).get("rates", {}))
+    by_pass = _requests_by_pass(report.get("requests") or [])
+    # the cold pass is no baseline for itself (--passes cold, or cold,partial: the first pass is cold)
+    vs_cold = _paired(by_pass, main, "cold", rates) if main != "cold" and "cold" in passes else None
     out = {
         "pass": main,
-        "hit_rate_tokens": warm["hit_rate_tokens"],
-        "hit_rate_requests": warm["hit_rate_requests"],
-        "requests_with_hit": warm["requests_with_hit"],
-        "input_cost": warm["input_cost"],
-        "input_cost_without_cache": warm["input_cost_without_cache"],
-        "cost_change_vs_no_cache": _rel(warm["input_cost"], warm["input_cost_without_cache"]),
-        "cost_per_interaction": warm["cost_per_interaction"],
-        "ttft_p50_s": warm["ttft_p50_s"],
-        "ttft_change_vs_cold": _rel(warm["ttft_p50_s"], cold["ttft_p50_s"]) if cold else None,
+        "hit_rate_tokens": cur["hit_rate_tokens"],
+        "hit_rate_requests": cur["hit_rate_requests"],
+        "requests_with_hit": cur["requests_with_hit"],
+        "input_cost": cur["input_cost"],
+        "input_cost_without_cache": cur["input_cost_without_cache"],
+        "cost_change_vs_no_cache": _rel(cur["input_cost"], cur["input_cost_without_cache"]),
+        "cost_per_interaction": cur["cost_per_interaction"],
+        "ttft_p50_s": cur["ttft_p50_s"],
+        "ttft_change_vs_cold": vs_cold["ttft_change"] if vs_cold else None,
+        "ttft_compared_vs_cold": vs_cold["ttft_requests"] if vs_cold else None,
         "offline_infinite_hit_rate": report["offline"].get("infinite_cache", {}).get("hit_rate"),
         "errors": sum(p["errors"] for p in passes.values()),
         "correct": report["correctness"]["ok"],
         "isolated": report["isolation"].get("ok"),
     }
-    rr = passes.get("round_robin")
-    if rr is not None:
-        out["cost_change_vs_round_robin"] = _rel(warm["input_cost"], rr["input_cost"])
-        out["ttft_change_vs_round_robin"] = _rel(warm["ttft_p50_s"], rr["ttft_p50_s"])
-    if (warm["hit_rate_tokens"] or 0) > 0.3 and (out["cost_change_vs_no_cache"] or 0) > -0.05:
-        out["warning"] = "high hit rate without a cost gain: the reused blocks are too small to matter"
+    if "round_robin" in passes and main != "round_robin":
+        rr = _paired(by_pass, main, "round_robin", rates)
+        out["cost_change_vs_round_robin"] = rr["cost_change"]
+        out["cost_compared_vs_round_robin"] = rr["cost_requests"]
+        out["ttft_change_vs_round_robin"] = rr["ttft_change"]
+        out["ttft_compared_vs_round_robin"] = rr["ttft_requests"]
+    warning = _warning(cur, out["cost_change_vs_no_cache"])
+    if warning:
+        out["warning"] = warning
     return out
+
+
+def _warning(p: dict, cost_change: float | None) -> str | None:
+    """What makes the main pass's headline misleading, if anything: most answers without a cached-token count
+    (their hits are unknown, their input is billed as uncached), else many requests hitting while the cost
+    barely moves (the reused prefixes are a small part of the prompts)."""
+    answered = p["requests"] - p["errors"]
+    uncounted = answered - p.get("counted_requests", answered)
+    if answered and uncounted > answered / 2:
+        return (
+            f"{uncounted} of {answered} answers reported no cached-token count (usage.prompt_tokens_details."
+            "cached_tokens): the hit rates cover only the rest, and the cost counts those answers' input as uncached"
+        )
+    share = p["requests_with_hit"]
+    if share is not None and share > LOW_VALUE_REQUESTS_WITH_HIT and cost_change is not None:
+        if cost_change > LOW_VALUE_COST_CHANGE:
+            return (
+                f"{share:.0%} of requests hit the cache but the input cost moved only {cost_change:+.1%}: "
+                "the reused blocks are too small a part of the prompts to matter"
+            )
+    return None
+
+
+# the low-value-hits warning: more than this share of requests hit, and the input cost fell by less than 5%
+LOW_VALUE_REQUESTS_WITH_HIT = 0.5
+LOW_VALUE_COST_CHANGE = -0.05
+
+
+def _requests_by_pass(requests: Sequence[dict]) -> dict[str, dict[tuple[str, int], dict]]:
+    """pass -> (request id, occurrence of that id in the pass) -> its row of report["requests"]."""
+    out: dict[str, dict[tuple[str, int], dict]] = {}
+    for r in requests:
+        table = out.setdefault(r["pass"], {})
+        k = 0
+        while (r["id"], k) in table:  # ids are unique in a log; a repeated one pairs by occurrence
+            k += 1
+        table[(r["id"], k)] = r
+    return out
+
+
+def _paired(by_pass: dict, new: str, old: str, rates: Rates) -> dict:
+    """Pass `new` against pass `old` over the requests answered in both (by request id): the change in
+    input cost (each answer billed as `pass_figures` bills it) and in TTFT p50 (over those with a first
+    token in both), with the number of requests each compares."""
+    a, b = by_pass.get(new, {}), by_pass.get(old, {})
+    both = [(x, b[k]) for k, x in a.items() if k in b and x.get("error") is None and b[k].get("error") is None]
+    cost_new = sum(rates.cost(x["prompt_tokens"], x["cached_tokens"] or 0) for x, _ in both)
+    cost_old = sum(rates.cost(y["prompt_tokens"], y["cached_tokens"] or 0) for _, y in both)
+    timed = [(x["ttft_s"], y["ttft_s"]) for x, y in both if x.get("ttft_s") is not None and y.get("ttft_s") is not None]
+    p50_new = _pct(sorted(t for t, _ in timed), 0.5)
+    p50_old = _pct(sorted(t for _, t in timed), 0.5)
+    return {
+        "cost_change": _rel(cost_new, cost_old) if both else None,
+        "cost_requests": len(both),
+        "ttft_change": _rel(p50_new, p50_old),
+        "ttft_requests": len(timed),
+    }
 
 
 def _rel(new: float | None, old: float | None) -> float | None:

@@ -11,7 +11,8 @@ order, N requests in flight):
   as token ids to /v1/completions so the change lands exactly where intended.
 - `warm_cN`: the concurrency sweep (warm, N in flight).
 After warm: the isolation probe (another tenant sends a logged prompt verbatim: 0 cached tokens
-expected) and the correctness check (warm greedy outputs == cold's).
+expected; no verdict when its request fails or the answer has no cached-token count) and the correctness
+check (warm greedy outputs == cold's: every request is sent greedy, whatever sampling the log asked for).
 
 Against kvmesh the router's record of each request (`/kvmesh/explain/{id}`) and the server's counters
 (`/kvmesh/state`: evictions, tier hits, spills) are read; elsewhere those figures are `unknown`/None.
@@ -234,13 +235,18 @@ def partial_variants(prepared: Sequence[Prepared], block_size: int, mid_block: b
     return out
 
 
-def _sent(items: Sequence[Prepared], results: Sequence[RequestResult], name: str, offset: float) -> list[Sent]:
+def _sent(
+    items: Sequence[Prepared], results: Sequence[RequestResult], name: str, offset: float, model: str | None = None
+) -> list[Sent]:
+    """The sent requests of one pass, on the test's clock (`offset`), sent as `model` (None: not known)."""
     by_index = {r.index: r for r in results}
     out = []
     for i, p in enumerate(items):
         r = by_index[i]
         ready = None if r.ttft_s is None or r.error is not None else offset + r.start_s + r.ttft_s
-        out.append(Sent(p, name, offset + r.start_s, ready, r.prompt_tokens, r.cached_tokens, r.replica, r.error, None))
+        out.append(
+            Sent(p, name, offset + r.start_s, ready, r.prompt_tokens, r.cached_tokens, r.replica, r.error, None, model)
+        )
     return out
 
 
@@ -271,6 +277,7 @@ class Runner:
             model=self.served,
             timeout_s=self.cfg.timeout_s,
             progress=self.progress,
+            greedy=True,  # the correctness check compares warm outputs with cold's: no sampling
         )
         before = server_counters(self.cfg) if self.is_kvmesh else {}
         try:
@@ -286,7 +293,7 @@ class Runner:
                 f"--url {self.cfg.url}: the server reports no cached tokens (usage.prompt_tokens_details."
                 "cached_tokens); start vLLM with --enable-prompt-tokens-details"
             )
-        sent = _sent(items, rep.results, name, self.clock)
+        sent = _sent(items, rep.results, name, self.clock, model=self.served)  # every request went as served
         self.clock += rep.wall_s + 1.0
         if self.is_kvmesh:
             ids = [r.request_id for r in rep.results if r.request_id]
@@ -337,6 +344,7 @@ class Runner:
             model=self.served,
             timeout_s=self.cfg.timeout_s,
             progress=False,
+            greedy=True,
         )
         res = replay([rec], rcfg).results[0]
         return {
@@ -347,7 +355,9 @@ class Runner:
             "prompt_tokens": res.prompt_tokens,
             "cached_tokens": res.cached_tokens,
             "error": res.error,
-            "ok": res.error is None and res.cached_tokens == 0,
+            # nothing measured (the request failed, or the answer had no cached-token count): no verdict, not
+            # a leak
+            "ok": None if res.error is not None or res.cached_tokens is None else res.cached_tokens == 0,
         }
 
     def report(self, offline: dict, meta: dict | None = None) -> dict:

@@ -1,6 +1,9 @@
 """`kvmesh cachetest --serve`: start kvmesh (tiny model, one API key per tenant of the log) for the test,
 run the passes against it, and stop it; with a replica sweep, a fresh app per replica count runs a cold
-and a warm pass (`replicas_N_cold`, `replicas_N`), so every count starts from an empty cache.
+and a warm pass (`replicas_N_cold`, `replicas_N`), so every count starts from an empty cache. The main
+app's own count (`--replicas`) is not run again: its `warm` pass, sent the same way (after a cold pass on
+a reset cache, at the first concurrency), is the sweep's point there; only when `--passes` lacks `cold`
+or `warm` does that count get a `replicas_N` app of its own.
 """
 
 from __future__ import annotations
@@ -74,7 +77,10 @@ def serve_and_test(
         cfg = replace(cfg, tenant_keys=keys, api_key=operator_key)  # every request has its tenant's key
         offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
         main_runner: Runner | None = None
-        counts = [replicas, *[n for n in (sweep or []) if n != replicas]]
+        # the main app's warm pass (after its cold pass) is the sweep's point at its own count: every pass
+        # records its app's replicas (`cachetest_html.sweeps`)
+        main_is_point = "cold" in cfg.passes and "warm" in cfg.passes
+        counts = [replicas, *[n for n in dict.fromkeys(sweep or []) if n != replicas or not main_is_point]]
         for k, n in enumerate(counts):
             try:
                 url = start_local(app_config_for(path, n, cfg.block_size), timeout_s=600)
@@ -86,13 +92,17 @@ def serve_and_test(
                 runner = Runner(run_cfg, prepared, tokenizer, progress=progress)
                 if k == 0:
                     runner.run_all()
+                    for run in runner.runs:
+                        run.replicas = n
                     main_runner = runner
                 else:
                     assert main_runner is not None
                     runner.clock = main_runner.clock
                     runner.runs = main_runner.runs  # one history: later apps are fresh, their passes append
-                    runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0]).fresh_fleet = True
-                    runner.send(f"replicas_{n}", prepared, cfg.concurrency[0])
+                    cold = runner.send(f"replicas_{n}_cold", prepared, cfg.concurrency[0])
+                    cold.fresh_fleet = True
+                    warm = runner.send(f"replicas_{n}", prepared, cfg.concurrency[0])
+                    cold.replicas = warm.replicas = n
                     main_runner.clock = runner.clock
             finally:
                 stop_local()

@@ -75,6 +75,10 @@ class ReplayConfig:
     progress: bool = True
     extra_body: dict = field(default_factory=dict)  # merged into every request body
     max_errors: int | None = None  # stop sending after this many failures (the rest count as errors)
+    # a logged OpenAI body (`cluster/request_log.py`) is sent greedy: its sampling settings are replaced after
+    # the merge (`greedy_body`), so two runs' outputs can be compared (cachetest's correctness check);
+    # False sends them as logged. Trace records are always sent at temperature 0 (unless `extra_body` says)
+    greedy: bool = True
 
     def check(self) -> None:
         if self.prompt_form not in ("tokens", "text"):
@@ -214,6 +218,18 @@ def one_token_words(tokenizer) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------- client
+# What makes an OpenAI request's output depend on chance (or on more than one sampled choice): dropped by
+# `greedy_body`. Penalties, logit biases and stops stay: they change the output deterministically.
+SAMPLING_KEYS = ("top_p", "top_k", "min_p", "typical_p", "seed", "n", "best_of")
+
+
+def greedy_body(body: dict) -> dict:
+    """`body` decoded greedily: temperature 0, one choice, no sampling settings (`SAMPLING_KEYS`)."""
+    out = {k: v for k, v in body.items() if k not in SAMPLING_KEYS}
+    out["temperature"] = 0.0
+    return out
+
+
 async def _one_request(
     client, cfg: ReplayConfig, model: str, rec: dict, index: int, builder: PromptBuilder, run_t0: float
 ) -> RequestResult:
@@ -221,6 +237,8 @@ async def _one_request(
     if "body" in rec:  # a logged OpenAI request (`cluster/request_log.py`): sent as logged, streamed, greedy
         path = rec.get("endpoint") or ("/v1/chat/completions" if "messages" in rec["body"] else path)
         body = {"model": model, "temperature": 0.0, **rec["body"], **cfg.extra_body}
+        if cfg.greedy:  # after the merge: the log's own temperature or top_p would otherwise sample
+            body = greedy_body(body)
         body.update(stream=True, stream_options={"include_usage": True})
     else:
         body = {

@@ -223,18 +223,42 @@ def _pct(v: float | None) -> str:
     return "  n/a" if v is None else f"{100 * v:5.1f}%"
 
 
+def _ms(v: float | None) -> str:
+    return "    n/a" if v is None else f"{1000 * v:7.1f}"
+
+
+def _rel(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:+.1f}%"
+
+
+def _verdict(v: bool | None) -> str:
+    return "n/a" if v is None else ("yes" if v else "NO")
+
+
 def _print_summary(report: dict) -> None:
     s = report.get("summary") or {}
     for name, p in report["passes"].items():
         print(
             f"{name:18} hit {_pct(p['hit_rate_tokens'])} tokens, "
             f"{_pct(p['requests_with_hit'])} of requests hit  "
-            f"TTFT p50 {1000 * (p['ttft_p50_s'] or 0):7.1f} ms  errors {p['errors']}  "
+            f"TTFT p50 {_ms(p['ttft_p50_s'])} ms  errors {p['errors']}  "
             f"misses {p['miss_tokens']}",
             file=sys.stdout,
         )
     if s:
+        vs = []  # against another pass: over the requests answered in both
+        if s.get("ttft_compared_vs_cold") is not None:
+            vs.append(f"TTFT p50 vs cold {_rel(s['ttft_change_vs_cold'])} ({s['ttft_compared_vs_cold']} requests)")
+        if "cost_change_vs_round_robin" in s:
+            vs.append(
+                f"input cost vs round robin {_rel(s['cost_change_vs_round_robin'])} "
+                f"({s.get('cost_compared_vs_round_robin')} requests)"
+            )
         print(
-            f"warm hit rate {_pct(s['hit_rate_tokens'])}, input cost vs no cache "
-            f"{100 * (s['cost_change_vs_no_cache'] or 0):+.1f}%, correct {s['correct']}, isolated {s['isolated']}"
+            f"{s['pass']} hit rate {_pct(s['hit_rate_tokens'])}, input cost vs no cache "
+            f"{_rel(s['cost_change_vs_no_cache'])}, "
+            + "".join(f"{v}, " for v in vs)
+            + f"correct {_verdict(s['correct'])}, isolated {_verdict(s['isolated'])}"
         )
+        if s.get("warning"):
+            print(f"warning: {s['warning']}")

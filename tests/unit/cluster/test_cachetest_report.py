@@ -1,12 +1,14 @@
 """report.json's document and report.html from sent requests: schema keys, exact sums, self-contained page."""
 
 import json
+import math
 
 import cachetest_support
 import pytest
 from cachetest_support import sample_report
 
 from kvmesh.cluster.cachetest_html import render_html, write_outputs
+from kvmesh.cluster.cachetest_report import Rates
 
 PASS_KEYS = {
     "requests",
@@ -24,7 +26,7 @@ PASS_KEYS = {
     "hits_by_tier",
     "miss_tokens",
 }
-REQUEST_KEYS = {"id", "pass", "tenant", "prompt_tokens", "cached_tokens", "replica", "miss_tokens"}
+REQUEST_KEYS = {"id", "pass", "tenant", "prompt_tokens", "cached_tokens", "replica", "miss_tokens", "error", "ttft_s"}
 
 
 def _report(server=False):
@@ -185,3 +187,140 @@ def test_a_replicas_sweep_gets_its_own_plot_and_table_by_replica_count(tmp_path)
     assert "<th>engine replicas</th>" in table and "_cold" not in table
     names = [cell.split("</td>")[0] for cell in table.split("<tr><td>")[1:]]
     assert names == ["replicas_1", "replicas_2", "replicas_4"]
+
+
+def _report_of(passes, n_tokens=lambda i: 100):
+    """A report of requests r0.. (`n_tokens(i)` token prompts, one tenant, one interaction each) sent in each of
+    `passes`: (name, per request (cached tokens, TTFT s, error)); a pass starts a fresh fleet where named so."""
+    from kvmesh.cluster.cachetest_analysis import Prepared, Sent
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
+    from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
+    from kvmesh.cluster.request_log import LoggedRequest
+
+    block, count = 32, len(passes[0][1])
+    prepared = []
+    for i in range(count):
+        ids = [1000 + 7 * i + k for k in range(n_tokens(i))]
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
+    hash_requests([p.tok for p in prepared], block)
+    runs, clock = [], 0.0
+    for name, rows, *fresh in passes:
+        sent = []
+        for p, (cached, ttft, err) in zip(prepared, rows):
+            ready = None if err or ttft is None else clock + ttft
+            sent.append(Sent(p, name, clock, ready, p.tok.n, None if err else cached, "r0", err))
+            clock += 10
+        outputs = {s.prepared.req.id: "out" for s in sent if s.error is None}
+        runs.append(PassRun(name, sent, 1.0, 4, 0, {}, {}, outputs, fresh_fleet=bool(fresh)))
+    return build_report(runs, offline_pass([p.tok for p in prepared], block), Rates(3.0, 0.3), block)
+
+
+def test_a_cold_only_test_compares_its_ttft_with_nothing():
+    """--passes cold (or cold,partial): the summary's pass is cold, and cold against itself is no comparison."""
+    rep = _report_of([("cold", [(0, 0.5, None), (64, 0.2, None), (64, 0.2, None)])])
+    s = rep["summary"]
+    assert s["pass"] == "cold" and s["hit_rate_tokens"] > 0
+    assert s["ttft_change_vs_cold"] is None and s["ttft_compared_vs_cold"] is None
+    assert "<b id='ttft-change'>n/a</b>" in render_html(rep, {})
+
+
+def test_ttft_against_cold_compares_the_requests_answered_in_both():
+    """Four short prompts and six long ones; the cache changes no request's TTFT, and four long ones time out
+    in warm: warm's p50 over its survivors (mostly short) was -80% against cold's over all ten."""
+    ttft = [0.2] * 4 + [1.0] * 6
+    cold = [(0, t, None) for t in ttft]
+    warm = [(0, t, "ReadTimeout" if 4 <= i < 8 else None) for i, t in enumerate(ttft)]
+    s = _report_of([("cold", cold), ("warm", warm)], n_tokens=lambda i: 100 if i < 4 else 1500)["summary"]
+    assert s["ttft_change_vs_cold"] == pytest.approx(0.0, abs=1e-9) and s["ttft_compared_vs_cold"] == 6
+    page = render_html(_report_of([("cold", cold), ("warm", warm)]), {})
+    assert "<small id='ttft-change-compared'>over 6 requests answered in both</small>" in page
+
+
+def test_cost_and_ttft_against_round_robin_compare_the_requests_answered_in_both():
+    """kvmesh: half its requests fail, the rest hit 32 of 100 tokens; round robin: every request hits 64.
+    Over the total of whatever succeeded kvmesh looked 16% cheaper; request for request it costs 68% more."""
+    kv = [(32, 0.1, "HTTP 503" if i % 2 else None) for i in range(10)]
+    rr = [(64, 0.1 if i % 2 else 0.3, None) for i in range(10)]
+    rep = _report_of([("kvmesh", kv, "fresh"), ("round_robin", rr, "fresh")])
+    s = rep["summary"]
+    both = Rates(3.0, 0.3)
+    assert s["cost_change_vs_round_robin"] == pytest.approx(both.cost(100, 32) / both.cost(100, 64) - 1)
+    assert s["cost_compared_vs_round_robin"] == 5 and s["ttft_compared_vs_round_robin"] == 5
+    assert s["ttft_change_vs_round_robin"] == pytest.approx(0.1 / 0.3 - 1)  # round robin's answered ones: 0.3 s
+    page = render_html(rep, {})
+    assert "<small id='cost-vs-rr-compared'>over 5 requests answered in both</small>" in page
+
+
+def test_the_low_value_warning_is_many_requests_hitting_while_the_cost_barely_moves():
+    """Every request hits its one tiny 32-token block of 1,000: 100% of requests hit, the cost moves -3%."""
+    cold = [(0, 0.5, None)] * 20
+    s = _report_of([("cold", cold), ("warm", [(32, 0.5, None)] * 20)], n_tokens=lambda i: 1000)["summary"]
+    assert s["requests_with_hit"] == 1.0 and s["cost_change_vs_no_cache"] > -0.05
+    assert "too small" in s["warning"]
+    # the blocks matter: no warning
+    s = _report_of([("cold", cold), ("warm", [(992, 0.5, None)] * 20)], n_tokens=lambda i: 1000)["summary"]
+    assert "warning" not in s
+
+
+def test_answers_without_a_cached_count_get_their_own_warning_not_the_low_value_one():
+    """One answer of twenty reported its (large) hit; the rest reported no count: their input is billed as
+    uncached, so the cost barely moves, but not because the reused blocks are small."""
+    warm = [(992 if i == 0 else None, 0.5, None) for i in range(20)]
+    s = _report_of([("cold", [(0, 0.5, None)] * 20), ("warm", warm)], n_tokens=lambda i: 1000)["summary"]
+    assert s["warning"].startswith("19 of 20 answers reported no cached-token count")
+    assert "too small" not in s["warning"]
+
+
+def test_nothing_measured_is_not_drawn_as_zero(tmp_path, monkeypatch):
+    """Every warm request failed: no TTFT. The page says n/a; the plots drew a 0 ms bar and point."""
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[str, list]] = []
+    bar, plot = Axes.bar, Axes.plot
+
+    def record_bar(self, x, height, *a, **kw):
+        drawn.append(("bar", list(height)))
+        return bar(self, x, height, *a, **kw)
+
+    def record_plot(self, *args, **kw):
+        drawn.append(("plot", list(args[1])))
+        return plot(self, *args, **kw)
+
+    monkeypatch.setattr(Axes, "bar", record_bar)
+    monkeypatch.setattr(Axes, "plot", record_plot)
+    cold = [(0, 0.5, None)] * 4
+    rep = _report_of([("cold", cold), ("warm", [(0, None, "HTTP 503")] * 4), ("warm_c8", cold)])
+    write_outputs(rep, tmp_path)
+    ttft_bars = drawn[1][1]  # hit rate bars, then TTFT p50 bars, then the p90 points
+    assert ttft_bars[0] == 500.0 and math.isnan(ttft_bars[1]), drawn
+    assert math.isnan(drawn[2][1][1])
+    sweep = [values for kind, values in drawn[3:] if kind == "plot"][0]  # the concurrency sweep: warm, warm_c8
+    assert math.isnan(sweep[0]) and sweep[1] == 500.0
+
+
+def test_the_main_apps_warm_pass_is_the_replicas_sweeps_point_at_its_count():
+    """--serve --replicas 2 --replicas-sweep 1,2: the main app ran cold and warm at 2 replicas, the sweep a
+    fresh app at 1; the warm pass is the point at 2 (not run again), so there is a sweep of two points."""
+    from kvmesh.cluster.cachetest_html import sweeps
+
+    rows = [(0, 0.5, None)] * 4
+    rep = _report_of([("cold", rows), ("warm", rows), ("replicas_1_cold", rows, "fresh"), ("replicas_1", rows)])
+    assert sweeps(rep["passes"])["replicas"] == [(1, "replicas_1")]  # warm's replica count not recorded
+    for name, n in (("cold", 2), ("warm", 2), ("replicas_1_cold", 1), ("replicas_1", 1)):
+        rep["passes"][name]["replicas"] = n
+    assert sweeps(rep["passes"])["replicas"] == [(1, "replicas_1"), (2, "warm")]
+    assert "No sweep was run" not in render_html(rep, {})
+    del rep["passes"]["cold"]  # a warm pass that followed no cold pass is not run as the sweep's are
+    assert sweeps(rep["passes"])["replicas"] == [(1, "replicas_1")]
+
+
+def test_an_isolation_probe_without_a_measurement_has_no_verdict_and_shows_why():
+    from kvmesh.cluster.cachetest_report import summary
+
+    rep = _report_of([("warm", [(0, 0.5, None)] * 2)])
+    rep["isolation"] = {"run": True, "error": "ReadTimeout: timed out", "cached_tokens": None, "ok": None}
+    rep["summary"] = summary(rep)
+    page = render_html(rep, {})
+    assert rep["summary"]["isolated"] is None and "<b id='isolation'>n/a</b>" in page
+    assert "the probe&#x27;s request failed: ReadTimeout: timed out" in page

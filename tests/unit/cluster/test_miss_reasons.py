@@ -90,7 +90,7 @@ def test_the_analyzer_finds_isolation_adapter_and_recomputation():
     base = list(range(10, 10 + 130))
     ps = [_prep(0, "a", base), _prep(1, "b", base), _prep(2, "a", base, model="lora2"), _prep(3, "a", base)]
     hash_requests([p.tok for p in ps], B)
-    sent = [Sent(p, "warm", float(i), float(i) + 0.5, 130, 0, "r0") for i, p in enumerate(ps)]
+    sent = [Sent(p, "warm", float(i), float(i) + 0.5, 130, 0, "r0", model=p.tok.model) for i, p in enumerate(ps)]
     reasons = MissAnalyzer(B).run(sent)
     assert reasons[0] == {"cold": 128, "partial_block": 2}
     assert reasons[1] == {"isolated": 128, "partial_block": 2}
@@ -123,5 +123,50 @@ def test_a_twin_under_another_model_is_an_adapter_miss_not_a_partial_block():
 
     prepared = [prep(0, "m"), prep(1, "lora2")]
     hash_requests([p.tok for p in prepared], 32)
-    sent = [Sent(p, "warm", float(i), float(i) + 0.5, 130, 0, "r0") for i, p in enumerate(prepared)]
+    sent = [Sent(p, "warm", float(i), float(i) + 0.5, 130, 0, "r0", model=p.tok.model) for i, p in enumerate(prepared)]
     assert MissAnalyzer(32).run(sent)[1] == {"partial_block": 2, "adapter": 128}
+
+
+def test_misses_are_attributed_by_the_model_sent_not_the_model_logged():
+    """The runner sends every request as the served model: two logged models sent as one are one model's
+    history, so a prompt computed before under it and held nowhere is `evicted`, not `adapter`."""
+    base = list(range(10, 110))  # 3 full blocks and a 4-token tail
+    ps = [_prep(0, "a", base, model="tiny"), _prep(1, "a", base, model="tiny-lora")]
+    hash_requests([p.tok for p in ps], B)
+    held_nowhere = {"elsewhere_blocks": 0, "tier_blocks": 0}  # kvmesh's record: no replica held it
+    sent = [
+        Sent(p, "cold", 5.0 * i, 5.0 * i + 0.1, 100, 0, "r0", explain=held_nowhere, model="tiny")
+        for i, p in enumerate(ps)
+    ]
+    assert MissAnalyzer(B).run(sent)[1] == {"evicted": 96, "partial_block": 4}
+    # sent as another model, the same tokens are the other model's cache
+    sent[1].model = "tiny-lora"
+    assert MissAnalyzer(B).run(sent)[1] == {"adapter": 96, "partial_block": 4}
+
+
+def test_the_runner_records_the_model_it_sent_each_request_as():
+    from kvmesh.deployments.cachetest import _record, _sent
+    from kvmesh.deployments.replay import RequestResult
+
+    p = _prep(0, "a", list(range(10, 50)), model="logged-model")
+    assert _record(p, "served")["body"]["model"] == "served"
+    (s,) = _sent([p], [RequestResult(0, "u", "a", 40, 0, 1, 0.1, 0.2, "r0")], "cold", 0.0, model="served")
+    assert s.model == "served"
+
+
+def test_a_log_naming_two_models_sent_as_the_served_one_has_no_adapter_misses(monkeypatch):
+    """The runner's own report: the log names `tiny` and `tiny-lora`, the runner sends both as the served
+    model, so the second prompt (the first's tokens, computed before) is not the other model's cache."""
+    import kvmesh.deployments.cachetest as ct
+    from kvmesh.deployments.replay import ReplayReport, RequestResult
+
+    base = list(range(10, 110))
+    ps = [_prep(0, "a", base, model="tiny"), _prep(1, "a", base, model="tiny-lora")]
+    hash_requests([p.tok for p in ps], B)
+    monkeypatch.setattr(ct, "discover", lambda cfg: (["served"], False))
+    results = [RequestResult(i, "u", "a", 100, 0, 1, 0.1, 0.2, "r0", None, 5.0 * i) for i in range(2)]
+    monkeypatch.setattr(ct, "replay", lambda recs, cfg: ReplayReport(results, 10.0))
+    runner = ct.Runner(ct.CachetestConfig(url="http://x"), ps, tokenizer=None)
+    runner.send("cold", ps, 1)
+    rep = runner.report(offline_pass([p.tok for p in ps], B))
+    assert rep["requests"][1]["miss_tokens"] == {"unknown": 96, "partial_block": 4}  # not `adapter`

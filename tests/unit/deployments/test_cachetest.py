@@ -1,6 +1,9 @@
 """The cachetest runner's pure parts: partial-pass prompts and the demo's report from replayed runs."""
 
+import pytest
+
 from kvmesh.cluster.cachetest_analysis import Prepared
+from kvmesh.cluster.cachetest_report import Rates
 from kvmesh.cluster.prefix_share import TokenizedRequest
 from kvmesh.cluster.request_log import LoggedRequest
 from kvmesh.deployments.cachetest import partial_variants, report_from_replays
@@ -97,3 +100,100 @@ def test_the_counters_sum_what_every_engine_loaded_through_lmcache():
     assert counters_from_state(state) == {"evictions": 1, "host_hit_tokens": 900, "external_hit_tokens": 672}
     del state["router"]["routing_stats"]  # engines that do not report it: no figure, not zero
     assert "external_hit_tokens" not in counters_from_state(state)
+
+
+def _prepared(n=4):
+    from kvmesh.cluster.prefix_share import hash_requests
+
+    out = []
+    for i in range(n):
+        ids = list(range(100, 164)) + [900 + i] * 10
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", "a", f"c{i}")
+        out.append(Prepared(req, TokenizedRequest(i, req.id, "a", None, ids)))
+    hash_requests([p.tok for p in out], B)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sweep, passes, started, points",
+    [
+        ([1, 2, 4], ("cold", "warm"), [2, 1, 4], [1, 2, 4]),
+        ([1, 2], ("cold", "warm"), [2, 1], [1, 2]),
+        ([1, 2], ("cold", "warm", "partial"), [2, 1], [1, 2]),
+        ([1, 4], ("cold", "warm"), [2, 1, 4], [1, 2, 4]),  # the main app's count is measured anyway
+        ([1, 2], ("warm",), [2, 1, 2], [1, 2]),  # no cold pass before the main warm: 2 runs as the sweep's do
+    ],
+)
+def test_the_replicas_sweep_has_the_main_apps_count_without_running_it_twice(
+    monkeypatch, sweep, passes, started, points
+):
+    """--serve --replicas 2 --replicas-sweep ...: the sweep plotted [1, 4] for 1,2,4 and nothing for 1,2 (the
+    main app's warm pass was not a sweep point); it is now, and its count starts no second app."""
+    import kvmesh.deployments.app as app
+    import kvmesh.deployments.cachetest_serve as cs
+    from kvmesh.cluster.cachetest_analysis import Sent
+    from kvmesh.cluster.cachetest_html import sweeps
+    from kvmesh.cluster.cachetest_report import PassRun, build_report
+    from kvmesh.cluster.prefix_share import offline_pass
+    from kvmesh.deployments.cachetest import CachetestConfig
+
+    apps: list[int] = []
+
+    def start_local(cfg, timeout_s=600):
+        apps.append(cfg["replicas"])
+        return f"http://fake/{cfg['replicas']}"
+
+    monkeypatch.setattr(app, "start_local", start_local)
+    monkeypatch.setattr(app, "stop_local", lambda *a, **k: None)
+
+    class FakeRunner:  # sends nothing: made-up answers
+        def __init__(self, cfg, prepared, tok, progress=False):
+            self.cfg, self.prepared, self.runs, self.clock = cfg, list(prepared), [], 0.0
+
+        def send(self, name, items, c):
+            hit = 0 if name.endswith("cold") else 64
+            sent = [
+                Sent(p, name, self.clock + i, self.clock + i + 0.1, p.tok.n, hit, "r0") for i, p in enumerate(items)
+            ]
+            self.clock += 10
+            self.runs.append(PassRun(name, sent, 4.0, c))
+            return self.runs[-1]
+
+        def run_all(self):
+            for name in ("cold", "warm"):
+                if name in self.cfg.passes:
+                    self.send(name, self.prepared, 4)
+
+        def report(self, offline, meta=None):
+            return build_report(self.runs, offline_pass([p.tok for p in self.prepared], B), Rates(), B)
+
+    monkeypatch.setattr(cs, "Runner", FakeRunner)
+    cfg = CachetestConfig(url="", passes=passes, concurrency=[4])
+    rep = cs.serve_and_test(cfg, _prepared(), None, 2, sweep, False)
+    assert apps == started
+    assert [x for x, _ in sweeps(rep["passes"])["replicas"]] == points
+
+
+def test_an_isolation_probe_that_measured_nothing_has_no_verdict(monkeypatch):
+    """The probe's request timed out (or its answer had no cached-token count): that is no leak (ok=False,
+    "Isolation probe: NO") but no verdict, with the error kept."""
+    import kvmesh.deployments.cachetest as ct
+
+    prepared = _prepared(2)
+    prepared[1].req.tenant = prepared[1].tok.tenant = "b"
+    runner = object.__new__(ct.Runner)
+    runner.cfg = ct.CachetestConfig(url="http://x", tenant_keys={"a": "ka", "b": "kb"})
+    runner.prepared, runner.served = prepared, "tiny"
+    answers = {
+        "timeout": RequestResult(0, "probe/b", "b", 74, None, 0, None, 30.0, "unknown", "ReadTimeout: timed out"),
+        "no count": RequestResult(0, "probe/b", "b", 74, None, 1, 0.1, 0.2, "r0"),
+        "leak": RequestResult(0, "probe/b", "b", 74, 64, 1, 0.1, 0.2, "r0"),
+        "isolated": RequestResult(0, "probe/b", "b", 74, 0, 1, 0.1, 0.2, "r0"),
+    }
+    verdicts = {}
+    for case, res in answers.items():
+        monkeypatch.setattr(ct, "replay", lambda recs, cfg, res=res: ReplayReport([res], 1.0))
+        iso = runner.isolation_probe()
+        verdicts[case] = iso["ok"]
+        assert iso["run"] and iso["as_tenant"] == "b" and iso["error"] == res.error
+    assert verdicts == {"timeout": None, "no count": None, "leak": False, "isolated": True}

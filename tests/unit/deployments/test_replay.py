@@ -204,3 +204,51 @@ def test_cli_argument_errors(argv, message, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- integration
 CHAT = wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, system_blocks=6, seed=11)
+
+
+def _sent_body(rec: dict, **cfg_kw) -> dict:
+    """The body `_one_request` sends for `rec` (captured; no server)."""
+    import asyncio
+
+    from kvmesh.deployments.replay import _one_request
+
+    captured: dict = {}
+
+    class Captured(Exception):
+        pass
+
+    class Client:
+        def stream(self, method, url, json=None, headers=None):
+            captured.update(json)
+            raise Captured
+
+    cfg = ReplayConfig(url="http://x", model="tiny", **cfg_kw)
+    result = asyncio.run(_one_request(Client(), cfg, "tiny", rec, 0, PromptBuilder(cfg), 0.0))
+    assert result.error is not None and "Captured" in result.error
+    return captured
+
+
+def test_a_logged_body_is_sent_greedy_whatever_sampling_it_logged():
+    """cachetest's correctness check compares warm outputs with cold's: a logged temperature 0.7 and top_p
+    overrode the client's temperature 0, so both passes sampled and differed by chance."""
+    logged = {
+        "model": "app-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": 7,
+        "n": 2,
+        "max_tokens": 8,
+        "presence_penalty": 0.5,
+        "stop": ["\n"],
+    }
+    body = _sent_body({"body": logged, "tenant": "a", "user": "a/c0"})
+    assert body["temperature"] == 0.0 and body["model"] == "app-model"
+    assert not {"top_p", "top_k", "seed", "n"} & set(body)
+    assert body["max_tokens"] == 8 and body["presence_penalty"] == 0.5 and body["stop"] == ["\n"]
+    assert body["stream"] is True
+    # a caller that wants the log's sampling says so
+    assert _sent_body({"body": logged}, greedy=False)["temperature"] == 0.7
+    # a trace record was and is sent at temperature 0
+    assert _sent_body(_rec([1, 2]))["temperature"] == 0.0
