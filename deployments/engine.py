@@ -29,6 +29,7 @@ from typing import Any
 from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
 from kvmesh.deployments.engine_driver import EngineBroken
+from kvmesh.kvstore.tiers import TierConfig  # configuration only: no processes, no Ray (kvstore/tiers.py)
 
 log = logging.getLogger("ray.serve.kvmesh")  # Serve routes "ray.serve" logs to the replica log files
 
@@ -65,20 +66,51 @@ def model_sampling_defaults(driver) -> dict:
     return {k: v for k, v in diff.items() if k in SAMPLING_KEYS and k != "max_tokens"}
 
 
-def lmcache_kv_transfer(cfg: dict) -> dict | None:
-    """The kv_transfer_config this engine should use (the tiered store's hook).
+def lmcache_connection(cfg: dict) -> tuple[dict | None, TierConfig | None]:
+    """(the kv_transfer_config this engine should use, the tier config of the node's LMCache server behind it).
 
-    An explicit `kv_transfer_config` in the engine config wins (passed straight to vLLM). Otherwise, when
-    `lmcache` is set, kvstore/ finds (or starts) this node's LMCache server and returns the matching
-    LMCacheMPConnector config. Returns None when no KV connector is wanted.
+    An explicit `kv_transfer_config` in the engine config wins (passed straight to vLLM; no server known).
+    Otherwise, when `lmcache` is set, kvstore/ finds (or starts) this node's LMCache server and returns the
+    matching LMCacheMPConnector config and the settings that server runs with: a server started earlier
+    keeps its own (`node_server.connect_node_server`). (None, None) when no KV connector is wanted.
     """
     if cfg.get("kv_transfer_config"):
-        return dict(cfg["kv_transfer_config"])
+        return dict(cfg["kv_transfer_config"]), None
     if cfg.get("lmcache"):
-        from kvmesh.kvstore.node_server import engine_kv_transfer_config  # finds or starts the node's server
+        from kvmesh.kvstore.node_server import engine_lmcache  # finds or starts the node's server
 
-        return engine_kv_transfer_config(cfg["lmcache"], block_size=cfg["block_size"])
-    return None
+        return engine_lmcache(cfg["lmcache"], block_size=cfg["block_size"])
+    return None, None
+
+
+def lmcache_kv_transfer(cfg: dict) -> dict | None:
+    """The kv_transfer_config this engine should use (the tiered store's hook): `lmcache_connection`'s first half."""
+    return lmcache_connection(cfg)[0]
+
+
+_L1_WARNED: set[tuple[str, float, float]] = set()  # (node, server's L1 GB, this config's) warned of already
+
+
+def warn_if_server_l1_differs(node_id: str, asked: dict, server: TierConfig) -> bool:
+    """Log once (per node and sizes) that the node's LMCache server holds another L1 size than this engine's
+    config asks for; True when they differ. The routers model the server's (`tier_info`)."""
+    wanted = TierConfig.from_dict(asked).l1_size_gb
+    if float(wanted) == float(server.l1_size_gb):
+        return False
+    key = (node_id, float(server.l1_size_gb), float(wanted))
+    if key not in _L1_WARNED:
+        _L1_WARNED.add(key)
+        log.warning(
+            "node %s already runs an LMCache server with l1_size_gb=%s; this engine's config asks for "
+            "l1_size_gb=%s. The node's server keeps its own L1 size until it is restarted (on KubeRay a new "
+            "RayCluster: apply the manifest `kvmesh k8s render` wrote; locally stop the app and start it "
+            "again), and the routers model its %s GB host tier for this node meanwhile",
+            node_id[:12],
+            server.l1_size_gb,
+            wanted,
+            server.l1_size_gb,
+        )
+    return True
 
 
 PRIVATE_DIR_PREFIX = "kvmesh-engine-"
@@ -147,20 +179,22 @@ class EngineReplica:
 
         with self._released_on_error():
             kv_events = self._start_event_relay(node_ip) if self.cfg["kv_events"] else None
-            args = build_engine_args(self.cfg, self.model_path, kv_events, lmcache_kv_transfer(self.cfg))
+            kv_transfer, server_tiers = lmcache_connection(self.cfg)
+            args = build_engine_args(self.cfg, self.model_path, kv_events, kv_transfer)
             with vllm_files_in(self._private_dir):
                 self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
         self.sampling_defaults = model_sampling_defaults(self.driver)
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
-        if self.cfg.get("lmcache") and not self.cfg.get("kv_transfer_config"):
+        if server_tiers is not None:  # the node's server as it runs, which may not be as this config asks
             from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
 
+            warn_if_server_l1_differs(self.node_id, self.cfg["lmcache"], server_tiers)
             bytes_per_block = kv_bytes_per_block(
                 hf_model_config(self.model_path), self.cfg["block_size"], self.cfg["dtype"]
             )
-            self.tier_info = tier_routing_info(self.cfg["lmcache"], self.cfg["block_size"], bytes_per_block)
+            self.tier_info = tier_routing_info(server_tiers, self.cfg["block_size"], bytes_per_block)
         log.info(
             "engine replica %s ready: model=%s blocks=%d events=%s",
             self.replica_id,

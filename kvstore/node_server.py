@@ -9,10 +9,19 @@ same one. It needs no CPU reservation: the server's work is memory copies driven
 The server process is a child of the actor with a parent-death signal, so killing the actor (or Ray
 going away) also ends the server instead of leaving it orphaned.
 
-Engine start-up (deployments/engine.py calls `engine_kv_transfer_config`, below):
+Engine start-up (deployments/engine.py calls `engine_lmcache`, below; `engine_kv_transfer_config` is its
+first half):
 
-    host, port = ensure_node_server(tier_config)          # get-or-create this node's server
-    kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(host, port)
+    server = connect_node_server(tier_config)             # get-or-create this node's server
+    kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(*server.endpoint)
+    server.config                                         # the settings that server runs with
+
+A node's server keeps the settings it was started with for as long as it lives: an engine started later
+with another config connects to it as it is. A different chunk size or shared tier is refused (the engines
+would miss each other's blocks); a different L1 size is not, and the engine models the server's own
+(`server.config`), not its config's, for the routers. A new config reaches a node's server only when that
+server is restarted: on KubeRay a new RayCluster (`kvmesh k8s render` stamps a digest of the lmcache
+settings on the pod templates, so a change rolls one, docs/kubernetes.md), locally a stop of the app.
 
 The endpoint is an ipc:// socket in the actor's private folder (kvstore/lmcache_server.py), which only
 processes of kvmesh's user on this node open: the engine replicas are such processes, on this node by the
@@ -87,8 +96,12 @@ class NodeServerCore:
         return self.server.endpoint
 
     def shape(self) -> dict:
-        """The settings every engine on the node must agree with."""
+        """The settings every engine on the node must agree with (what engines of the previous version ask)."""
         return {"chunk_size": self.config.chunk_size, "l2": self.config.l2}
+
+    def settings(self) -> dict:
+        """The whole tier config this server runs with (`TierConfig` as a plain dict, `_to_dict`)."""
+        return _to_dict(self.config)
 
     def health(self) -> dict:
         return {**self.server.health(), "watchdog": self.last_supervise, "instance": self.instance}
@@ -120,13 +133,23 @@ def actor_name(node_id: str) -> str:
     return ACTOR_PREFIX + node_id
 
 
-def ensure_node_server(
-    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
-) -> tuple[str, int]:
-    """Get or create this node's LMCache server actor; return the (host, port) engines connect to.
+@dataclasses.dataclass(frozen=True)
+class NodeServerInfo:
+    """The node's LMCache server as an engine found it: where to connect, and the settings it runs with
+    (those it was started with, which may not be the asking engine's: see `connect_node_server`)."""
 
-    Raises TierConfigError when the node's running server has a different chunk size or shared tier
-    than asked for (engines would silently miss each other's blocks).
+    endpoint: tuple[str, int]
+    config: TierConfig
+
+
+def connect_node_server(
+    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
+) -> NodeServerInfo:
+    """Get or create this node's LMCache server actor; return its endpoint and the settings it runs with.
+
+    A server already running keeps its own settings. Raises TierConfigError when its chunk size or shared
+    tier differ from the ones asked for (engines would silently miss each other's blocks). A different L1
+    size is accepted: the returned config holds the server's, which is what the node's host tier holds.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -145,18 +168,32 @@ def ensure_node_server(
         )
         .remote(as_dict, os.environ.get("KVMESH_LOG_DIR"))
     )
-    shape, endpoint = ray.get([actor.shape.remote(), actor.endpoint.remote()], timeout=timeout_s)
-    if shape != {"chunk_size": cfg.chunk_size, "l2": cfg.l2}:
-        theirs = {**shape, "l2": redacted(shape.get("l2"))}
+    settings, endpoint = ray.get([actor.settings.remote(), actor.endpoint.remote()], timeout=timeout_s)
+    running = TierConfig.from_dict(settings)
+    if (running.chunk_size, running.l2) != (cfg.chunk_size, cfg.l2):
         raise TierConfigError(
-            f"node {node_id[:12]} already runs an LMCache server with {theirs}; "
-            f"this engine asked for chunk_size={cfg.chunk_size} l2={redacted(cfg.l2)}"
+            f"node {node_id[:12]} already runs an LMCache server with chunk_size={running.chunk_size} "
+            f"l2={redacted(running.l2)}; this engine asked for chunk_size={cfg.chunk_size} l2={redacted(cfg.l2)}. "
+            "A node's server keeps the settings it was started with until it is restarted: on KubeRay apply the "
+            "manifest `kvmesh k8s render` wrote from the new config, which rolls out a new RayCluster "
+            "(docs/kubernetes.md); locally stop the app (it stops the node servers) and start it again"
         )
-    return tuple(endpoint)
+    return NodeServerInfo(endpoint=(str(endpoint[0]), int(endpoint[1])), config=running)
 
 
-def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
-    """Engine start-up hook (deployments/engine.py): this node's LMCache server → kv_transfer_config.
+def ensure_node_server(
+    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
+) -> tuple[str, int]:
+    """Get or create this node's LMCache server actor; return the (host, port) engines connect to.
+
+    `connect_node_server` without the server's settings; raises the same TierConfigError.
+    """
+    return connect_node_server(tier_config, node_id, timeout_s).endpoint
+
+
+def engine_lmcache(lmcache: dict, block_size: int) -> tuple[dict, TierConfig]:
+    """Engine start-up hook (deployments/engine.py): this node's LMCache server → (kv_transfer_config, the
+    tier config that server runs with, which the engine describes to the routers).
 
     Validates the tier config against the engine's block size, gets or starts the node's server (the
     actor above), and patches llvmlite so an in-process engine can start next to LMCache (compat). Runs
@@ -165,8 +202,13 @@ def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
     cfg = TierConfig.from_dict(lmcache)
     cfg.check_block_size(block_size)
     patch_llvmlite_dunder_lookup()
-    host, port = ensure_node_server(cfg)
-    return kv_transfer_config(host, port)
+    server = connect_node_server(cfg)
+    return kv_transfer_config(*server.endpoint), server.config
+
+
+def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
+    """`engine_lmcache`'s kv_transfer_config alone."""
+    return engine_lmcache(lmcache, block_size)[0]
 
 
 def _to_dict(cfg: TierConfig) -> dict:

@@ -302,14 +302,15 @@ def kv_transfer_config(host: str, port: int) -> dict:
     }
 
 
-def tier_routing_info(lmcache: dict, block_size: int, bytes_per_block: int | None = None) -> dict:
+def tier_routing_info(lmcache: dict | TierConfig, block_size: int, bytes_per_block: int | None = None) -> dict:
     """What an engine replica adds to `record_routing_stats()` so routers can model its node's tiers.
 
     {"chunk_blocks": LMCache chunk / engine block, "shared": has an L2,
      "host_capacity_blocks": L1 size / bytes per KV block (None when the block size in bytes is unknown)}
-    Routers feed it to `kvmesh.cluster.tier_tracker.TierTracker.set_node`.
+    Routers feed it to `kvmesh.cluster.tier_tracker.TierTracker.set_node`. An engine passes the config of
+    the node server it connected to (`node_server.connect_node_server`), which may not be its own.
     """
-    cfg = TierConfig.from_dict(lmcache)
+    cfg = lmcache if isinstance(lmcache, TierConfig) else TierConfig.from_dict(lmcache)
     cfg.check_block_size(block_size)
     cap = int(cfg.l1_size_gb * (1 << 30) // bytes_per_block) if bytes_per_block else None
     return {"chunk_blocks": cfg.chunk_size // block_size, "shared": cfg.l2 is not None, "host_capacity_blocks": cap}

@@ -3,13 +3,24 @@
 The manifest's Serve config is generated, never edited by hand: `deploy_plan.serve_deploy_config` is the
 builder, the same validation as `kvmesh serve --config`. Render also refuses a config the manifest could not
 run (`deploy_plan.kuberay_problems`): keys KubeRay sets elsewhere, credentials that serveConfigV2 would
-publish, deployments that fit no pod, files a pod does not mount. `--check` changes nothing and exits 1 when
-the manifest is out of date (for CI and review).
+publish, deployments that fit no pod, files a pod does not mount; and a manifest whose Ray pods disagree on
+the Serve proxy (`RAY_SERVE_ENABLE_HA_PROXY`). `--check` changes nothing and exits 1 when the manifest is
+out of date (for CI and review).
+
+Render also writes the annotation `kvmesh.io/node-server-config` on every Ray pod template (head and worker
+groups): a digest of what each node's LMCache server is created from (`node_server_digest`). A node's server
+is a detached actor that keeps the settings it started with (kvstore/node_server.py), and KubeRay applies a
+change of serveConfigV2 alone to the running cluster's Serve in place; a changed pod template instead makes
+KubeRay prepare a new RayCluster (fresh node servers) and move traffic to it (docs/kubernetes.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +28,8 @@ from kvmesh.deployments.cli import CliError
 
 DEFAULT_CONFIG = "k8s/config/kvmesh.yaml"
 DEFAULT_MANIFEST = "k8s/rayservice.yaml"
+NODE_SERVER_ANNOTATION = "kvmesh.io/node-server-config"
+PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 
 def add_arguments(parser) -> None:
@@ -61,8 +74,79 @@ def _rayservice(path: str | Path, text: str) -> dict:
     return services[0]
 
 
+def node_server_digest(config: Mapping[str, Any]) -> str:
+    """A digest of what every node's LMCache server is created from: the engine's `lmcache` settings as the
+    config spells them (kvstore/node_server.py makes the server from them; its code and environment are the
+    pod template's image and env, which KubeRay compares itself)."""
+    engine = config.get("engine") or {}
+    lmcache = engine.get("lmcache") if isinstance(engine, Mapping) else None
+    text = json.dumps({"lmcache": lmcache}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _pod_templates(service: Mapping[str, Any]) -> dict[str, Any]:
+    """group name ("head" or a worker group's) -> its pod template, as the manifest has it."""
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    for group in cluster.get("workerGroupSpecs") or []:
+        templates[group["groupName"]] = group["template"]
+    return templates
+
+
+# the annotation's line: its value (quoted or plain) replaced, a comment after it kept
+_ANNOTATION_LINE = re.compile(
+    rf"^(?P<indent>[ \t]*){re.escape(NODE_SERVER_ANNOTATION)}:[ \t]*"
+    r"""(?:"[^"\n]*"|'[^'\n]*'|[^\s#][^\n#]*?)?(?P<rest>[ \t]+#[^\n]*)?[ \t]*$""",
+    re.MULTILINE,
+)
+
+
+def stamp_node_server_digest(manifest: str, digest: str) -> str:
+    """`manifest` with the value of every `kvmesh.io/node-server-config:` line set to `digest` (textual, so
+    comments and layout survive; `check_stamped` says whether every pod template got it)."""
+    return _ANNOTATION_LINE.sub(
+        lambda m: f'{m.group("indent")}{NODE_SERVER_ANNOTATION}: "{digest}"{m.group("rest") or ""}', manifest
+    )
+
+
+def _annotation(template: Any) -> Any:
+    """The node-server annotation of a pod template (None when it has none, or no such mapping)."""
+    metadata = template.get("metadata") if isinstance(template, Mapping) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    return annotations.get(NODE_SERVER_ANNOTATION) if isinstance(annotations, Mapping) else None
+
+
+def check_stamped(service: Mapping[str, Any], digest: str, lines: int) -> list[str]:
+    """Why the rendered manifest does not carry `digest` on exactly its Ray pod templates (empty when it does)."""
+    templates = _pod_templates(service)
+    missing = [name for name, template in templates.items() if _annotation(template) != digest]
+    if missing:
+        return [
+            f"the pod template of {', '.join(missing)} has no annotation {NODE_SERVER_ANNOTATION}: add "
+            f'`annotations: {{{NODE_SERVER_ANNOTATION}: ""}}` under its template.metadata (render fills it in) so '
+            "that a change of engine.lmcache rolls a new RayCluster instead of leaving the old node servers"
+        ]
+    if lines != len(templates):
+        return [f"{NODE_SERVER_ANNOTATION} appears {lines} times, but there are {len(templates)} Ray pod templates"]
+    return []
+
+
+def proxy_problems(service: Mapping[str, Any]) -> list[str]:
+    """The Ray containers must agree on RAY_SERVE_ENABLE_HA_PROXY (Serve's proxy or its HAProxy mode), each
+    setting it: one left unset would follow Ray's default, not the manifest's choice."""
+    seen = {}
+    for name, template in _pod_templates(service).items():
+        env = {e.get("name"): e.get("value") for e in template["spec"]["containers"][0].get("env") or []}
+        seen[name] = env.get(PROXY_ENV)
+    if len(set(seen.values())) > 1 or None in seen.values():
+        values = ", ".join(f"{name}: {'unset' if v is None else repr(v)}" for name, v in seen.items())
+        return [f"the Ray containers must all set {PROXY_ENV} to the same value ({values})"]
+    return []
+
+
 def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tuple[str, str]:
-    """(the manifest as it is, the manifest with its serveConfigV2 rendered from the config)."""
+    """(the manifest as it is, the manifest with its serveConfigV2 rendered from the config and its pod
+    templates stamped with the node servers' digest)."""
     from kvmesh.deployments.config import ConfigError
     from kvmesh.deployments.deploy_plan import kuberay_problems, render_serve_config, replace_block
 
@@ -76,16 +160,21 @@ def rendered_manifest(config_path: str | Path, manifest_path: str | Path) -> tup
     except RecursionError:  # read, but nested deeper than the config checks and the YAML writer recurse
         raise CliError(f"{config_path}: values nested too deeply to render") from None
     try:
-        problems = kuberay_problems(raw, service)
-    except (KeyError, TypeError, ValueError, ArithmeticError, RecursionError) as exc:
+        problems = kuberay_problems(raw, service) + proxy_problems(service)
+    except (KeyError, TypeError, ValueError, ArithmeticError, RecursionError, AttributeError, IndexError) as exc:
         # a manifest without the pod fields KubeRay requires, or with sizes no pod has (1e999 CPUs)
         raise CliError(f"{manifest_path}: not a RayService kvmesh can check ({type(exc).__name__}: {exc})") from None
     if problems:
         raise CliError(f"{config_path} cannot run on {manifest_path}: {'; '.join(problems)}")
+    digest = node_server_digest(raw)
     try:
-        return manifest, replace_block(manifest, "serveConfigV2", serve_config)
+        wanted = replace_block(stamp_node_server_digest(manifest, digest), "serveConfigV2", serve_config)
     except ValueError as exc:
         raise CliError(f"{manifest_path}: {exc}") from None
+    stamped = check_stamped(_rayservice(manifest_path, wanted), digest, len(_ANNOTATION_LINE.findall(wanted)))
+    if stamped:
+        raise CliError(f"{manifest_path}: {'; '.join(stamped)}")
+    return manifest, wanted
 
 
 def run(args) -> int:
@@ -100,7 +189,7 @@ def run(args) -> int:
         return 0
     if current != wanted:
         Path(args.manifest).write_text(wanted)
-        print(f"wrote serveConfigV2 of {args.manifest} from {args.config}")
+        print(f"wrote serveConfigV2 and the {NODE_SERVER_ANNOTATION} annotations of {args.manifest} from {args.config}")
     else:
         print(f"{args.manifest} already up to date")
     return 0

@@ -36,7 +36,7 @@ class _FakeDriver:
         return True
 
 
-def _replica(monkeypatch, tmp_path, on_build=None) -> EngineReplica:
+def _replica(monkeypatch, tmp_path, on_build=None, **engine) -> EngineReplica:
     """A replica whose driver is fake; `on_build(kv_events)` runs where vLLM would bind its publisher."""
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
         monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(tmp_path / "run")))
@@ -52,7 +52,7 @@ def _replica(monkeypatch, tmp_path, on_build=None) -> EngineReplica:
 
     monkeypatch.setattr(engine_driver, "build_engine_args", build_engine_args)
     monkeypatch.setattr(engine_driver, "make_driver", make_driver)
-    return EngineReplica({"model": str(tmp_path)})
+    return EngineReplica({"model": str(tmp_path), **engine})
 
 
 def test_vllm_publishes_privately_and_routers_are_told_the_relay(monkeypatch, tmp_path):
@@ -180,3 +180,61 @@ def test_a_unary_answer_says_how_long_the_engine_worked_after_its_first_output()
     assert answer["text"] == "xxx" and answer["finish_reason"] == "length"
     assert 0.04 <= answer["ttft_s"] < 0.1
     assert 0.19 <= answer["after_first_output_s"] < 0.3
+
+
+class _NodeServerActors:
+    """This node's LMCache server actor as Ray's get_if_exists=True hands it out: created once, with the config
+    of the engine that came first; later engines get it as it is. Its server is not started."""
+
+    def __init__(self, created_with: dict):
+        from kvmesh.kvstore.tiers import TierConfig
+
+        self.running = TierConfig.from_dict(created_with)
+
+    def options(self, **_):
+        import dataclasses
+
+        running = self.running
+        call = lambda value: SimpleNamespace(remote=lambda: value)  # noqa: E731  the reply is its own ref
+        handle = SimpleNamespace(
+            settings=call(dataclasses.asdict(running)),
+            shape=call({"chunk_size": running.chunk_size, "l2": running.l2}),  # what the previous version asked
+            endpoint=call(("ipc:///tmp/kvmesh-test/requests", 1)),
+        )
+        return SimpleNamespace(remote=lambda config, log_dir: handle)
+
+
+def test_routers_are_told_the_host_tier_of_the_nodes_server_not_the_one_the_config_asks_for(
+    monkeypatch, tmp_path, caplog
+):
+    """A server started by an earlier config (KubeRay updating Serve in place) keeps its 1 GB host tier; an
+    engine whose config asks for 2 GB connects to it, tells routers 1 GB, and says so once in its log."""
+    import json
+
+    import ray
+
+    from kvmesh.deployments import engine as engine_module
+    from kvmesh.kvstore import node_server
+
+    config = {"num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 2, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(node_server, "_actor_cls", lambda: _NodeServerActors({"l1_size_gb": 1, "chunk_size": 256}))
+    monkeypatch.setattr(node_server, "patch_llvmlite_dunder_lookup", lambda: True)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.setattr(engine_module, "_L1_WARNED", set(), raising=False)  # warned of by no earlier test
+    lmcache = {"l1_size_gb": 2, "chunk_size": 256}
+    bytes_per_block = 2 * 2 * 4 * 64 * 32 * 2  # K and V, layers, KV heads, head size, block of 32, 16-bit
+    with caplog.at_level(logging.WARNING, logger="ray.serve.kvmesh"):
+        replicas = [_replica(monkeypatch, tmp_path, block_size=32, lmcache=lmcache) for _ in range(2)]
+    try:
+        for r in replicas:
+            host_blocks = (1 << 30) // bytes_per_block  # the server's 1 GB
+            assert r.tier_info == {"chunk_blocks": 8, "shared": False, "host_capacity_blocks": host_blocks}
+            assert r.record_routing_stats()["tiers"] == r.tier_info
+    finally:
+        for r in replicas:
+            r._release()
+    warnings = [rec.getMessage() for rec in caplog.records if "l1_size_gb" in rec.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not per engine
+    assert "l1_size_gb=1" in warnings[0] and "l1_size_gb=2" in warnings[0] and "until it is restarted" in warnings[0]

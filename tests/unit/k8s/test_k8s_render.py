@@ -133,3 +133,104 @@ def test_a_file_that_is_not_utf8_is_named_as_itself(files, capsys, broken):
     rc, err = render(files, capsys)
     assert rc == 2 and err.count("\n") == 1
     assert f"{path} is not UTF-8 text" in err and str(other) not in err
+
+
+ANNOTATION = "kvmesh.io/node-server-config"
+
+
+def _templates(manifest_path) -> dict[str, dict]:
+    """group name -> pod template of the RayService in the manifest."""
+    cluster = yaml.safe_load(manifest_path.read_text())["spec"]["rayClusterConfig"]
+    out = {"head": cluster["headGroupSpec"]["template"]}
+    out.update({g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]})
+    return out
+
+
+def _digests(manifest_path) -> dict[str, str | None]:
+    return {
+        name: (t["metadata"].get("annotations") or {}).get(ANNOTATION) for name, t in _templates(manifest_path).items()
+    }
+
+
+def test_a_changed_lmcache_setting_changes_every_ray_pod_template(files, capsys):
+    """Each node's LMCache server keeps the settings it started with, and KubeRay applies a change of
+    serveConfigV2 alone to the running cluster in place: render stamps a digest of engine.lmcache on the head's
+    and every worker group's pod template, inside rayClusterConfig (what KubeRay hashes to decide on a new
+    RayCluster), so changing it changes the cluster spec."""
+    config, manifest = files
+    assert render(files, capsys) == (0, "")
+    before = _digests(manifest)
+    assert set(before) == {"head", "gpu-engines"} and len(set(before.values())) == 1 and None not in before.values()
+    cluster_before = yaml.safe_load(manifest.read_text())["spec"]["rayClusterConfig"]
+    for key, value in (("l1_size_gb", 64), ("chunk_size", 512), ("l2", "redis://kvmesh-valkey-2:6379")):
+        raw = yaml.safe_load(config.read_text())
+        original = raw["engine"]["lmcache"][key]
+        raw["engine"]["lmcache"][key] = value
+        config.write_text(yaml.safe_dump(raw))
+        assert render(files, capsys, "--check")[0] == 1  # the manifest is out of date on the lmcache change alone
+        assert render(files, capsys) == (0, "")
+        after = _digests(manifest)
+        assert len(set(after.values())) == 1 and set(after.values()).isdisjoint(before.values()), key
+        cluster_after = yaml.safe_load(manifest.read_text())["spec"]["rayClusterConfig"]
+        for template in [cluster_after["headGroupSpec"]["template"]] + [
+            g["template"] for g in cluster_after["workerGroupSpecs"]
+        ]:
+            template["metadata"]["annotations"][ANNOTATION] = before["head"]
+        assert cluster_after == cluster_before  # nothing else of the cluster changed
+        raw["engine"]["lmcache"][key] = original
+        config.write_text(yaml.safe_dump(raw))
+        assert render(files, capsys) == (0, "")
+        assert _digests(manifest) == before  # the same settings, the same digest
+    # a setting of the engine that its node's server is not made from changes no pod template
+    raw = yaml.safe_load(config.read_text())
+    raw["engine"]["max_model_len"] = 16384
+    config.write_text(yaml.safe_dump(raw))
+    assert render(files, capsys) == (0, "")
+    assert _digests(manifest) == before
+
+
+def test_render_keeps_the_annotations_comments(files, capsys):
+    manifest = files[1]
+    assert render(files, capsys) == (0, "")
+    text = manifest.read_text()
+    assert text.count(f"{ANNOTATION}: ") == 2
+    assert "# written by `kvmesh k8s render`, as on the head" in text
+
+
+def test_render_refuses_a_ray_pod_template_without_the_node_server_annotation(files, capsys):
+    manifest = files[1]
+    lines = manifest.read_text().splitlines(keepends=True)
+    worker = [i for i, line in enumerate(lines) if ANNOTATION in line][-1]
+    del lines[worker - 1 : worker + 1]  # the worker group's `annotations:` and its one entry
+    manifest.write_text("".join(lines))
+    err = refused(files, capsys)
+    assert "pod template of gpu-engines has no annotation kvmesh.io/node-server-config" in err
+
+
+@pytest.mark.parametrize("value", [None, '"1"'], ids=["unset", "other-value"])
+def test_render_refuses_ray_containers_that_disagree_on_the_serve_proxy(files, capsys, value):
+    """Flipping Serve's HAProxy mode means changing it on the head and on the workers: a worker left unset or
+    set otherwise is refused, not rendered."""
+    manifest = files[1]
+    lines = manifest.read_text().splitlines(keepends=True)
+    at = [i for i, line in enumerate(lines) if "- name: RAY_SERVE_ENABLE_HA_PROXY" in line][-1]  # the worker's
+    if value is None:
+        del lines[at : at + 2]
+    else:
+        lines[at + 1] = lines[at + 1].replace('"0"', value)
+    manifest.write_text("".join(lines))
+    err = refused(files, capsys)
+    assert "must all set RAY_SERVE_ENABLE_HA_PROXY to the same value" in err and "gpu-engines" in err
+
+
+def test_every_ray_container_of_the_repositorys_manifest_sets_the_serve_proxy():
+    for name, template in _templates(K8S / "rayservice.yaml").items():
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert env.get("RAY_SERVE_ENABLE_HA_PROXY") == "0", name
+
+
+def test_the_rayservice_rolls_a_new_cluster_on_a_cluster_spec_change():
+    """Set in the manifest, not left to the operator's ENABLE_ZERO_DOWNTIME (KubeRay v1.7.0
+    isZeroDowntimeUpgradeEnabled: spec.upgradeStrategy.type takes precedence)."""
+    service = yaml.safe_load((K8S / "rayservice.yaml").read_text())
+    assert service["spec"]["upgradeStrategy"] == {"type": "NewCluster"}

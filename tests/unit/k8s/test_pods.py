@@ -68,10 +68,25 @@ def missing_files(service: dict) -> list[str]:
 
 
 def test_serve_config_is_rendered_from_the_kvmesh_config():
-    """The manifest's serveConfigV2 is exactly `kvmesh k8s render`'s output (the builder's, not a hand copy)."""
+    """The manifest's serveConfigV2 is exactly `kvmesh k8s render`'s output (the builder's, not a hand copy),
+    and so are its pod templates' node-server digests."""
+    from kvmesh.deployments.cli.k8s import NODE_SERVER_ANNOTATION, node_server_digest, rendered_manifest
+
     manifest = MANIFEST.read_text()
     wanted = replace_block(manifest, "serveConfigV2", render_serve_config(yaml.safe_load(CONFIG.read_text())))
     assert manifest == wanted, "k8s/rayservice.yaml is out of date: run `kvmesh k8s render`"
+    assert rendered_manifest(CONFIG, MANIFEST) == (manifest, manifest), "out of date: run `kvmesh k8s render`"
+    digest = node_server_digest(yaml.safe_load(CONFIG.read_text()))
+    service = yaml.safe_load(manifest)
+    for group in _groups(service):
+        template = (
+            service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+            if group == "head"
+            else next(g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == group)[
+                "template"
+            ]
+        )
+        assert template["metadata"]["annotations"][NODE_SERVER_ANNOTATION] == digest, group
 
 
 def test_serve_config_overrides_no_deployment_options(service):

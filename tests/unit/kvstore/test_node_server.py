@@ -7,9 +7,12 @@ import asyncio
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from kvmesh.cluster.index import PrefixIndex
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.kvstore import node_server
+from kvmesh.kvstore.tiers import TierConfigError
 
 
 class _Method:
@@ -389,3 +392,100 @@ def test_a_node_whose_actor_was_replaced_while_a_call_was_owed_asks_the_new_acto
     old.frozen = False
     assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0)
     assert tracker.counters["nodes_restored"] == 0
+
+
+class _StubServer:
+    """Stands in for LMCacheServer: an endpoint, nothing started."""
+
+    def __init__(self, config, log_path=None, inherit_output=False):
+        self.endpoint = ("ipc:///tmp/kvmesh-test/requests", 1)
+
+    def start(self):
+        return self.endpoint
+
+
+class _Call:
+    def __init__(self, method):
+        self.method = method
+
+    def remote(self, *args):
+        return self.method(*args)  # the "object ref" is the reply itself; ray.get below hands it back
+
+
+class _Handle:
+    """A node server actor's handle over an in-process NodeServerCore."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def __getattr__(self, name):
+        return _Call(getattr(self.core, name))
+
+
+class _DetachedActors:
+    """`_actor_cls()` as Ray's get_if_exists=True makes it: the first creation under a name wins, later ones
+    get that actor back as it is, with the config it was created with."""
+
+    def __init__(self):
+        self.by_name: dict[str, _Handle] = {}
+
+    def options(self, name, **_):
+        actors = self.by_name
+
+        class _Options:
+            def remote(self, config, log_dir):
+                if name not in actors:
+                    actors[name] = _Handle(node_server.NodeServerCore(config, log_dir))
+                return actors[name]
+
+        return _Options()
+
+
+def _fake_ray(monkeypatch) -> _DetachedActors:
+    import ray
+
+    actors = _DetachedActors()
+    monkeypatch.setattr(node_server, "LMCacheServer", _StubServer)
+    monkeypatch.setattr(node_server, "_actor_cls", lambda: actors)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs) if isinstance(refs, list) else refs)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.delenv("KVMESH_LOG_DIR", raising=False)
+    return actors
+
+
+FIRST = {"l1_size_gb": 32, "chunk_size": 256, "l2": "redis://kvmesh-valkey:6379", "watch_interval_s": 0}
+
+
+def test_an_engine_is_told_the_settings_of_the_server_it_connected_to(monkeypatch):
+    """A node's server keeps the config it was started with: an engine started later with a bigger L1 connects
+    to it as it is, and learns the server's L1 size (what the node's host tier holds), not its own."""
+    _fake_ray(monkeypatch)
+    first = node_server.connect_node_server(FIRST)
+    later = node_server.connect_node_server({**FIRST, "l1_size_gb": 64})
+    assert later.endpoint == first.endpoint == ("ipc:///tmp/kvmesh-test/requests", 1)
+    assert later.config.l1_size_gb == 32 and later.config.chunk_size == 256
+    assert later.config.l2 == {"type": "resp", "host": "kvmesh-valkey", "port": 6379}
+    assert node_server.ensure_node_server({**FIRST, "l1_size_gb": 64}) == first.endpoint
+    kv, running = node_server.engine_lmcache({**FIRST, "l1_size_gb": 64}, block_size=16)
+    assert running.l1_size_gb == 32
+    assert kv["kv_connector_extra_config"]["lmcache.mp.host"] == first.endpoint[0]
+
+
+def test_a_server_of_another_chunk_size_or_shared_tier_is_refused_saying_how_to_resolve_it(monkeypatch):
+    _fake_ray(monkeypatch)
+    node_server.ensure_node_server({**FIRST, "l2": "redis://:s3cret-pw@kvmesh-valkey:6379"})
+    for change in ({"chunk_size": 512}, {"l2": "redis://other:6379"}):
+        with pytest.raises(TierConfigError) as err:
+            node_server.ensure_node_server({**FIRST, **change})
+        message = str(err.value)
+        assert "already runs an LMCache server" in message and "s3cret-pw" not in message
+        assert "until it is restarted" in message
+        assert "KubeRay" in message and "kvmesh k8s render" in message and "stop the app" in message
+
+
+def test_the_server_actor_still_answers_the_previous_versions_shape_call(monkeypatch):
+    _fake_ray(monkeypatch)
+    node_server.ensure_node_server(FIRST)
+    core = node_server._actor_cls().by_name[node_server.actor_name("ab" * 28)].core
+    assert core.shape() == {"chunk_size": 256, "l2": {"type": "resp", "host": "kvmesh-valkey", "port": 6379}}
+    assert node_server.TierConfig.from_dict(core.settings()).l1_size_gb == 32

@@ -252,6 +252,15 @@ def test_tier_routing_info_for_routers():
     assert tier_routing_info({}, 32)["shared"] is False
 
 
+def test_tier_routing_info_from_a_running_servers_config():
+    """An engine describes the node server it connected to, given as that server's TierConfig."""
+    from kvmesh.kvstore.tiers import TierConfig, tier_routing_info
+
+    running = TierConfig.from_dict({"l1_size_gb": 2, "chunk_size": 256, "l2": "redis://r:6379"})
+    info = tier_routing_info(running, 32, bytes_per_block=1 << 20)
+    assert info == {"chunk_blocks": 8, "shared": True, "host_capacity_blocks": 2048}
+
+
 def test_kv_bytes_per_block_from_model_config(tmp_path):
     from kvmesh.deployments.config import hf_model_config
     from kvmesh.kvstore.tiers import kv_bytes_per_block
