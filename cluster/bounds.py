@@ -115,8 +115,9 @@ def balance_bounded_bound(
     The result is the pass with the best hit rate among those that ended within `max_imbalance`,
     else the pass with the lowest imbalance: the reported `imbalance` is what was reached, not
     assumed. A reference, not a proof of optimality. With `max_imbalance` = inf this is pure affinity
-    and equals the infinite-cache bound (an id names its whole prefix, so the replica holding the
-    longest prefix of the union holds all of it). Returns hit_rate, imbalance (max/mean prefill),
+    and hits what one infinite cache hits in trace order (an id names its whole prefix, so the replica
+    holding the longest prefix of the union holds all of it); that can be below `infinite_hit_rate`, which
+    takes the best order of arrival (`order_free_infinite_hits`). Returns hit_rate, imbalance (max/mean prefill),
     max_imbalance, per_replica_prefill, fallbacks (requests no replica had room for), passes."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")

@@ -244,7 +244,7 @@ def simulate_routers(
             churned += due - N
             next_churn += (due - N) * every
         replaced_now = 0  # bounded too where an interval below the clock's resolution never moves next_churn on
-        while t - t0 >= next_churn and replaced_now <= N:  # replace one replica by a cold one
+        while t - t0 >= next_churn and replaced_now < N:  # replace one replica by a cold one
             replaced_now += 1
             k = churned % N
             old, new_id = rids[k], f"r{k}.{churned // N + 1}"
@@ -312,12 +312,14 @@ def simulate_routers(
             shared_t = max(host_t, cached_tokens(anywhere, n, bs))
         uncached = n - shared_t
         keep = ids[: cacheable_blocks(n, len(ids), bs)]
-        # this router speculates at once; with sync the others learn the decision `delay` later
-        if keep:
-            rt.index.store(rid, keep)
-        if synced:
-            stream.append((t, me, _ROUTE, req, rid, view, keep, is_free_choice(fleet.shared_blocks)))
         new, evicted = j_hbm.admit(keep)
+        # this router speculates at once, the blocks the replica keeps (a prompt longer than its cache keeps its
+        # first blocks only); with sync the others learn the decision `delay` later
+        spec = [h for h in keep if h in j_hbm] if evicted else keep
+        if spec:
+            rt.index.store(rid, spec)
+        if synced:
+            stream.append((t, me, _ROUTE, req, rid, view, spec, is_free_choice(fleet.shared_blocks)))
         kv_message(t, 0, rid, new, evicted)
         tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
         if host:
@@ -360,6 +362,11 @@ def simulate_routers(
         frac_sum += shared_t / n
         out_tokens += r.output_length
 
+    # what is still in flight reaches the routers after the last request: the index's counts then cover every
+    # engine event, the last request's tier stores included (with one router and no delay, the plain simulator's)
+    for me, x in enumerate(routers):
+        for msg in stream[x.read - base :]:
+            x.apply(me, msg)
     out = summarize(
         cfg,
         [f"r{k}" for k in range(N)],  # per accelerator: a replaced replica's figures stay with its slot

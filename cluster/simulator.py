@@ -16,12 +16,16 @@ Model (docs/simulator.md has the long form):
   decode_s_per_token). TTFT = end of prefill - arrival.
 - Because each replica's prefill queue is FIFO, a request's cache hits can be decided when it is
   routed: everything routed earlier to that replica is prefilled before it starts. Tier copies
-  become visible when the computing request is routed (optimistic by at most one prefill), or when its
-  prefill ends (`tier_store_at="computed"`).
+  become visible when the computing request is routed, early by as much as that request's TTFT (its wait
+  in its replica's queue plus its prefill: no bound short of the queue's length), or when its prefill ends
+  (`tier_store_at="computed"`).
 - With stores at prefill end and a shared tier, a request whose prefix is still being computed elsewhere
   can be held until it is stored (`Policy.hold_worth`): it then starts on the replica chosen at arrival
   no earlier than the store, and loads that prefix. A prefix stored before the request's own prefill
-  starts loads without holding, as vLLM looks a waiting request up when it schedules it.
+  starts loads without holding, as vLLM looks a waiting request up when it schedules it. Its replica runs
+  what is sent to it meanwhile in the idle gap (`fit_in_gap`), out of FIFO order, so such a request is
+  credited only hbm blocks computed before it starts, takes a sequence slot free throughout its span, and
+  evicts nothing from the replica's cache (else it waits its turn).
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ class SimConfig:
     load: float | None = None  # None = trace timestamps as they are
     cost: CostModel = field(default_factory=lambda: DEFAULT_COST_MODEL)
     # when a computed block becomes loadable from the host and shared tiers: "routed" (when the request
-    # computing it is placed: optimistic by up to one prefill) or "computed" (when its prefill ends, as
-    # LMCache stores it; a request arriving meanwhile on another replica computes it too)
+    # computing it is placed: early by as much as that request's TTFT, queueing included) or "computed" (when
+    # its prefill ends, as LMCache stores it; a request arriving meanwhile on another replica computes it too)
     tier_store_at: str = "routed"
     # LMCache chunk / engine block: the host and shared tiers store whole chunks, and a prefix loads from them
     # in whole chunks (a chunk is keyed by every token up to its end), as the live router counts them
@@ -266,21 +270,66 @@ class ActivePromptBlocks:
 
 
 def fit_in_gap(
-    gaps: list[tuple[float, float]], earliest: float, service: float, now: float, ends: list[float], max_batch: int
+    gaps: list[tuple[float, float]],
+    earliest: float,
+    service: float,
+    now: float,
+    running: list[tuple[float, float]],
+    max_batch: int,
+    decode_s: float = 0.0,
 ) -> float | None:
     """The start of a prefill of `service` s, no earlier than `earliest`, inside one of a replica's idle
-    `gaps` (start, end) that it fits whole, with fewer than `max_batch` of the replica's requests (`ends`)
-    running then; None when none fits. Takes the span used out of its gap and drops gaps over by `now`.
+    `gaps` (start, end) that it fits whole, holding one of the replica's `max_batch` sequence slots from then
+    to the end of its decode (`decode_s` after the prefill) beside the replica's other requests (`running`:
+    (end, start) each, every request placed there that ends after `now`); None when none fits. Takes the
+    span used out of its gap and drops gaps over by `now`. In a gap it starts as soon as it may and a slot
+    is free: at the gap's start or `earliest`, or when one of the others ends.
 
     Why whole: a prefill that would run past the gap's end would, on the engine, delay the held request
-    behind it; the simulator has already timed that request, so such a prefill waits its turn instead."""
+    behind it; the simulator has already timed that request, so such a prefill waits its turn instead.
+    Why every point of its span: requests starting later (the held one, those queued behind it) took
+    their slots without counting this one."""
     gaps[:] = [g for g in gaps if g[1] > now]
     for k, (a, b) in enumerate(gaps):
         start = a if a > earliest else earliest
-        if start + service <= b and sum(1 for e in ends if e > start) < max_batch:
-            gaps[k : k + 1] = [g for g in ((a, start), (start + service, b)) if g[1] > g[0]]
-            return start
+        if start + service > b:
+            continue
+        tries = [start] + sorted({e for e, _ in running if start < e and e + service <= b})
+        for x in tries:
+            if slots_free(running, x, x + service + decode_s, max_batch):
+                gaps[k : k + 1] = [g for g in ((a, x), (x + service, b)) if g[1] > g[0]]
+                return x
     return None
+
+
+def slots_free(running: list[tuple[float, float]], start: float, end: float, max_batch: int) -> bool:
+    """Whether fewer than `max_batch` of the spans in `running` ((end, start) each, half open) overlap
+    any point of [`start`, `end`): one more sequence fits beside them throughout."""
+    now = 0
+    changes = []
+    for e, s in running:
+        if e <= start or s >= end:
+            continue
+        if s <= start:
+            now += 1
+        else:
+            changes.append((s, 1))
+        if e < end:
+            changes.append((e, -1))
+    if now >= max_batch:
+        return False
+    changes.sort()  # a slot freed at a moment is free for a start at that moment: -1 sorts first
+    for _, d in changes:
+        now += d
+        if now >= max_batch:
+            return False
+    return True
+
+
+def fits_without_eviction(lru: BlockLRU, blocks) -> bool:
+    """Whether admitting `blocks` to `lru` evicts nothing."""
+    cap = lru.capacity
+    return cap is None or len(lru) + sum(1 for h in blocks if h not in lru) <= cap
 
 
 def arrivals_for(trace: Trace, cfg: SimConfig) -> tuple[list[float], float | None]:
@@ -449,11 +498,29 @@ def simulate_policy(
     tier_writes: list[tuple[float, int, int, list]] = []  # (prefill end, request, replica, blocks)
     pending_store: dict = {}  # block -> when its earliest pending tier write lands (shared tier only)
 
+    # with a bounded shared tier a write keeps at most its first `shared_blocks` blocks: its own admit evicts the
+    # rest (children first), so only those are worth waiting for
+    kept_by_shared = cfg.shared_blocks
+
     def mark_pending(blocks, done: float) -> None:
-        """`blocks` reach the shared tier at `done` (a prefill in flight: others may wait for it)."""
+        """`blocks` reach the shared tier at `done` (a prefill in flight: others may wait for it), those the
+        tier keeps of them."""
+        if kept_by_shared is not None and len(blocks) > kept_by_shared:
+            blocks = blocks[:kept_by_shared]
         for h in blocks:
             if pending_store.get(h, math.inf) > done:
                 pending_store[h] = done
+
+    # Idle gaps (a request held for the shared tier idles its replica until then) run requests routed after
+    # the ones queued behind the held one, so the FIFO argument for deciding hits at routing does not cover
+    # them. Per replica, when each block it holds was computed there (its earliest prefill end), and each
+    # request's slot span (end, start, a heap by end): a request runs in a gap only from when every block it
+    # is credited from hbm has been computed, only with a slot free throughout its span, and only when its
+    # blocks fit the cache without evicting any (an eviction then would take, in routing order, blocks of the
+    # requests queued behind the gap, which on the engine run after it).
+    gaps_possible = store_when_computed and shared is not None
+    computed_at: list[dict] = [{} for _ in range(N)]
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(N)]
 
     holds = 0  # requests held for a prefix being computed elsewhere
     # a held request is announced when its hold ends, as the live router announces it when it sends it: its
@@ -546,9 +613,21 @@ def simulate_policy(
         uncached = n - shared_t
         # caches: the request's full blocks end up in this replica's hbm and, write-through, in the tiers
         keep = ids[: cacheable_blocks(n, len(ids), bs)]
+        gap_from = math.inf  # the earliest it may start in an idle gap (inf: it waits its turn)
+        if idle[j] and fits_without_eviction(hbm[j], keep):
+            gap_from = t if t > ready_at else ready_at
+            when = computed_at[j]
+            for h in ids[: hbm_t // bs]:
+                w = when.get(h, math.inf)
+                if w > gap_from:
+                    gap_from = w
         new, evicted = lrus[j](keep)
         if evicted:
             index.remove(rid, evicted)
+            if gaps_possible:
+                when = computed_at[j]
+                for h in evicted:
+                    when.pop(h, None)
         if new and not held_until:
             index.store(rid, new)
         tier_keep = keep[: len(keep) // chunk * chunk] if chunk > 1 else keep
@@ -558,7 +637,7 @@ def simulate_policy(
         # adding 0.0 changes no bit)
         service = base_s + uncached * per_token_s if plain_service else c.prefill_s(n, hbm_t, host_t, shared_t)
         sh = slot_heap[j]
-        early = fit_in_gap(idle[j], t if t > ready_at else ready_at, service, t, sh, max_batch) if idle[j] else None
+        early = fit_in_gap(idle[j], gap_from, service, t, spans[j], max_batch, out_len * tpot) if idle[j] else None
         if early is not None:  # runs while a held request waits, as the engine runs what it has
             s = early
         else:
@@ -581,6 +660,15 @@ def simulate_policy(
             push(held, (held_until, i, j, new))
         end = done + out_len * tpot
         push(sh, end)
+        if gaps_possible:
+            when, lru = computed_at[j], hbm[j]
+            for h in keep:
+                if h in lru and when.get(h, math.inf) > done:
+                    when[h] = done
+            sp = spans[j]
+            while sp and sp[0][0] <= t:
+                pop(sp)
+            push(sp, (end, s))
         if sender is not None:
             sender.ended(i, end)
         kvb = -(-(n + out_len) // bs)

@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("routed", "computed"),
         default="routed",
         help="when a computed block becomes loadable from the host and shared tiers: when its request is "
-        "placed (default; optimistic by up to one prefill) or when its prefill ends, as LMCache stores it",
+        "placed (default; early by up to the computing request's queueing and prefill) or when its prefill ends, "
+        "as LMCache stores it",
     )
     p.add_argument(
         "--tier-chunk-blocks",

@@ -357,7 +357,8 @@ def test_fit_in_gap_takes_the_span_used_and_respects_the_batch_limit():
     assert gaps == [(0.0, 1.0), (3.0, 5.0)]
     assert fit_in_gap(gaps, 0.2, 0.3, 0.2, [], 4) == 0.2
     assert gaps == [(0.0, 0.2), (0.5, 1.0), (3.0, 5.0)]
-    assert fit_in_gap(gaps, 3.5, 0.5, 3.5, [9.0, 9.0], 2) is None  # two running there already: no slot
+    running = [(9.0, 0.0), (9.0, 0.0)]  # (end, start)
+    assert fit_in_gap(gaps, 3.5, 0.5, 3.5, running, 2) is None  # two running there already: no slot
     assert gaps == [(3.0, 5.0)]  # gaps over by now are dropped
 
 

@@ -49,6 +49,39 @@ def test_one_router_without_delay_is_the_plain_simulator(trace):
     assert comparable(one) == comparable(plain)
 
 
+def test_one_router_is_the_plain_simulator_when_prompts_overflow_the_cache(trace):
+    """Prompts of up to 21 blocks on caches of 16: the replica keeps each one's first 16 blocks, and the
+    router's index (`index_stats` included) holds those only, as the plain simulator's does."""
+    small = SimConfig(6, 16, cost=COST, load=0.9)
+    assert max(len(r.hash_ids) for r in trace.requests) > small.capacity_blocks
+    plain = simulate_policy(trace, small, kvmesh())
+    one = simulate_routers(trace, small, kvmesh, RouterSetup(1, 0.0))
+    assert one["hit_rate_tokens"] > 0.1
+    assert comparable(one) == comparable(plain)
+    # with a bounded shared tier too: the last request's tier stores reach the router's index after it
+    tiered = SimConfig(6, 16, cost=COST, load=0.9, shared=True, shared_blocks=120)
+    plain = simulate_policy(trace, tiered, kvmesh())
+    one = simulate_routers(trace, tiered, kvmesh, RouterSetup(1, 0.0))
+    assert plain["hit_tokens_by_tier"]["shared"] > 0
+    assert comparable(one) == comparable(plain)
+    # and the smallest case: one 5-block prompt on a 4-block cache, then a prompt whose blocks only the
+    # shared tier keeps when the run ends
+    tiny = load_like([(0, 20, 1, [1, 2, 3, 4, 5]), (1, 8, 1, [1, 2]), (2, 8, 1, [7, 8])])
+    for shared in (False, True):
+        plain = simulate_policy(tiny, SimConfig(1, 4, shared=shared), make_policy("round_robin"))
+        one = simulate_routers(
+            tiny, SimConfig(1, 4, shared=shared), lambda: make_policy("round_robin"), RouterSetup(1, 0.0)
+        )
+        assert plain["index_stats"]["admissions"] == (7 if shared else 6)
+        assert comparable(one) == comparable(plain)
+
+
+def load_like(rows, block_size: int = 4):
+    from kvmesh.cluster.trace import Trace, TraceRequest
+
+    return Trace("rows", [TraceRequest(*r) for r in rows], block_size)
+
+
 def test_synced_routers_without_delay_act_as_one(trace):
     plain = simulate_policy(trace, cfg(), kvmesh())
     four = simulate_routers(trace, cfg(), kvmesh, RouterSetup(4, 0.0, sync=True))
@@ -189,6 +222,26 @@ def test_a_churn_interval_far_below_the_gaps_between_requests_replaces_each_repl
     res = simulate_routers(trace, cfg(), kvmesh, RouterSetup(2, 0.01, churn_every_s=1e-300), client=client)
     assert time.monotonic() - started < 60
     assert res["routers"]["replicas_replaced"] > 10**250  # every churn due is counted
+
+
+def test_a_churn_interval_below_the_clocks_resolution_replaces_each_replica_at_most_once_between_requests():
+    """1e-300 s never moves the next churn time on: the loop's own bound stops it after one round of the fleet."""
+    removed: list[list[str]] = [[]]
+
+    class Recording(type(make_policy("round_robin"))):
+        def on_replica_removed(self, rid):
+            removed[-1].append(rid.split(".")[0])
+            return super().on_replica_removed(rid)
+
+        def best(self, req, fleet):
+            removed.append([])
+            return super().best(req, fleet)
+
+    rows = [(0, 8, 1, [1, 2]), (1000, 8, 1, [3, 4]), (2000, 8, 1, [5, 6])]
+    res = simulate_routers(load_like(rows), SimConfig(3, 10), Recording, RouterSetup(1, 0.0, churn_every_s=1e-300))
+    between = removed[1:-1]  # before the second request, before the third
+    assert [sorted(slots) for slots in between] == [["r0", "r1", "r2"]] * 2
+    assert res["routers"]["replicas_replaced"] > 10**250
 
 
 def test_best_is_the_first_of_place():
