@@ -130,7 +130,8 @@ def start_local(
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     address = address or cfg["address"]
     try:  # a start that fails before Ray runs leaves no secret file of this run behind either
-        _use_run_secrets(file_is_here=not address)
+        # a cluster joined, by address or a Ray this process already runs in: the file may be on its nodes only
+        _use_run_secrets(file_is_here=not address and not ray.is_initialized())
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))

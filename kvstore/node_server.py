@@ -168,8 +168,13 @@ def connect_node_server(
         )
         .remote(as_dict, os.environ.get("KVMESH_LOG_DIR"))
     )
-    settings, endpoint = ray.get([actor.settings.remote(), actor.endpoint.remote()], timeout=timeout_s)
-    running = TierConfig.from_dict(settings)
+    try:
+        settings_call = actor.settings.remote()
+    except AttributeError:  # a server of the previous version (detached: it may outlive an upgrade) has no settings()
+        settings_call = actor.shape.remote()  # its chunk size and shared tier; its L1 size is not told
+    settings, endpoint = ray.get([settings_call, actor.endpoint.remote()], timeout=timeout_s)
+    # an older server's shape lacks the L1 size: the engine's own stands in for it (the routers model that)
+    running = TierConfig.from_dict({**as_dict, **settings})
     if (running.chunk_size, running.l2) != (cfg.chunk_size, cfg.l2):
         raise TierConfigError(
             f"node {node_id[:12]} already runs an LMCache server with chunk_size={running.chunk_size} "

@@ -123,7 +123,8 @@ def check_stamped(service: Mapping[str, Any], digest: str, lines: int) -> list[s
     if missing:
         return [
             f"the pod template of {', '.join(missing)} has no annotation {NODE_SERVER_ANNOTATION}: add "
-            f'`annotations: {{{NODE_SERVER_ANNOTATION}: ""}}` under its template.metadata (render fills it in) so '
+            f'an `annotations:` key under its template.metadata with the line `{NODE_SERVER_ANNOTATION}: ""` below it '
+            "(block style, one key per line: render fills the value in) so "
             "that a change of engine.lmcache rolls a new RayCluster instead of leaving the old node servers"
         ]
     if lines != len(templates):

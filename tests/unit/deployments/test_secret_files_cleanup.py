@@ -142,3 +142,21 @@ def test_kvmesh_serve_refuses_the_placeholder_in_one_line_before_starting(home, 
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "placeholder" in err and PLACEHOLDER not in err, err
+
+
+def test_a_secret_file_this_machine_cannot_read_is_left_to_the_cluster_this_process_already_runs_in(
+    home, fake_ray, monkeypatch, tmp_path
+):
+    """Deployed from a process already connected to a Ray cluster, the file KVMESH_SALT_SECRET_FILE names may be
+    on the cluster's nodes only: the pre-start check leaves an unreadable one to the replicas there, as it does
+    for a cluster joined by address. Started here, the same file is refused before Ray starts."""
+    from kvmesh.deployments.app import stop_local
+
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(tmp_path / "only-on-the-nodes"))
+    with pytest.raises(ConfigError, match="cannot read salt secret file"):
+        _start()
+    fake_ray["up"] = True  # connected already: the cluster's nodes hold the file
+    try:
+        _start()
+    finally:
+        stop_local()

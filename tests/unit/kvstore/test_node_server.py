@@ -489,3 +489,30 @@ def test_the_server_actor_still_answers_the_previous_versions_shape_call(monkeyp
     core = node_server._actor_cls().by_name[node_server.actor_name("ab" * 28)].core
     assert core.shape() == {"chunk_size": 256, "l2": {"type": "resp", "host": "kvmesh-valkey", "port": 6379}}
     assert node_server.TierConfig.from_dict(core.settings()).l1_size_gb == 32
+
+
+class _PreviousVersionCore:
+    """A node server actor of the previous version (detached, it can outlive an upgrade): no settings() call."""
+
+    def __init__(self, core):
+        self._core = core
+
+    def shape(self):
+        return self._core.shape()
+
+    def endpoint(self):
+        return self._core.endpoint()
+
+
+def test_an_engine_connects_to_a_server_of_the_previous_version_by_its_shape(monkeypatch):
+    """A detached server of the previous version answers shape() but not settings(): the engine still connects
+    (its own L1 size stands in for the one the older server does not tell), and a different chunk size is still
+    refused, not an AttributeError that fails the engine's start."""
+    actors = _fake_ray(monkeypatch)
+    name = node_server.actor_name("ab" * 28)
+    actors.by_name[name] = _Handle(_PreviousVersionCore(node_server.NodeServerCore(FIRST, None)))
+    found = node_server.connect_node_server({**FIRST, "l1_size_gb": 64})
+    assert found.endpoint == ("ipc:///tmp/kvmesh-test/requests", 1)
+    assert found.config.chunk_size == 256 and found.config.l1_size_gb == 64
+    with pytest.raises(TierConfigError):
+        node_server.connect_node_server({**FIRST, "chunk_size": 512})
