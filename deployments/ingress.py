@@ -428,7 +428,11 @@ class Ingress:
             raise proto.bad(message, req.prompt_param, "invalid_prompt") from None
 
     def _check_model(self, req: proto.GenerationRequest) -> None:
-        """Before tokenising: a request for another model is answered without the work."""
+        """Before tokenising: a request for another model is answered without the work; one that names no
+        model (left out, null or "") is for the served one, named in its response, as on vLLM's own server."""
+        if not req.model:
+            req.model = self.served_model
+            return
         if req.model not in self.model_aliases:
             raise OpenAIError(
                 404,
@@ -437,19 +441,29 @@ class Ingress:
                 "model",
             )
 
+    def _check_max_tokens(self, req: proto.GenerationRequest) -> None:
+        """Before tokenising, as vLLM (its TokenizeParams): an output length beyond the whole context is a 400
+        naming the field it came in; one beyond what the prompt leaves is trimmed (`_check_length`)."""
+        max_tokens = req.params.get("max_tokens")
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            name = req.max_tokens_param
+            message = (
+                f"'{name}' ({max_tokens}) cannot be greater than the model's maximum context length "
+                f"({self.max_model_len} tokens). Please request fewer output tokens."
+            )
+            raise proto.bad(message, name)
+
     def _check_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
-        """The prompt fits the context with its max_tokens; a chat without one gets the rest of the context,
-        as on vLLM's own server."""
+        """The prompt leaves room in the context for an answer; max_tokens is trimmed to that room, and a chat
+        without it gets all of it, as vLLM's `get_max_tokens` does (min of the client's and the room)."""
         if not ids:
             raise proto.bad("The prompt is empty after tokenization.", req.prompt_param, "empty_prompt")
-        if req.params.get("max_tokens") is None:  # a chat's: the rest of the context, if any is left
-            if len(ids) >= self.max_model_len:
-                raise self._too_long(req, f"the prompt has {len(ids)}, which leaves no room for an answer")
-            req.params["max_tokens"] = self.max_model_len - len(ids)
-        max_tokens = req.params["max_tokens"]
-        if len(ids) + max_tokens > self.max_model_len:
-            raise self._too_long(req, f"the request has {len(ids)} prompt tokens plus max_tokens={max_tokens}")
-        if req.params.get("min_tokens", 0) > max_tokens:  # the client's max_tokens, or the rest of the context
+        if len(ids) >= self.max_model_len:  # vLLM: a prompt over the context, or one with 0 tokens left
+            raise self._too_long(req, f"the prompt has {len(ids)}, which leaves no room for an answer")
+        room = self.max_model_len - len(ids)
+        asked = req.params.get("max_tokens")
+        max_tokens = req.params["max_tokens"] = room if asked is None else min(asked, room)
+        if req.params.get("min_tokens", 0) > max_tokens:  # against the trimmed value, as vLLM's SamplingParams
             message = f"'min_tokens' ({req.params['min_tokens']}) exceeds max_tokens ({max_tokens})."
             raise proto.bad(message, "min_tokens")
 
@@ -507,6 +521,7 @@ class Ingress:
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
+            self._check_max_tokens(req)
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
             # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
             given = req.prompt_ids

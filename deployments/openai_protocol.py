@@ -2,8 +2,10 @@
 
 Why hand-written and not pydantic models: every client error must become an OpenAI-style JSON body
 with the offending `param` and a 4xx status -- never a 422 with FastAPI's own shape, never a 500 --
-and the checks are few. Unknown fields are ignored (clients send extras such as `user`), except the
-ones that would let a client choose its cache salt (rejected by `kvmesh.deployments.tenants`).
+and the checks are few. Every field of vLLM's own request models is either served, or refused unless it
+holds vLLM's default (`_UNSUPPORTED`, `_VLLM_EXTRAS`); fields vLLM does not know are ignored as vLLM ignores
+them (clients send extras such as `user`), except the ones that would let a client choose its cache salt
+(rejected by `kvmesh.deployments.tenants`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,69 @@ _UNSUPPORTED: dict[str, tuple] = {
     "guided_grammar": (),
     "include_stop_str_in_output": (False,),
 }
+# The rest of vLLM 0.32's request fields (its ChatCompletionRequest / CompletionRequest) that this server does
+# not serve -> vLLM's default values (accepted: they change nothing). Any other value is a 400, as above:
+# vLLM would act on it. Fields vLLM does not know itself are ignored, as vLLM ignores them.
+_VLLM_EXTRAS: dict[str, tuple] = {
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "ec_transfer_params": (),
+    "kv_transfer_params": (),
+    "length_penalty": (1.0, 1),
+    "logprob_token_ids": (),
+    "mm_payload": ("tensors",),
+    "priority": (0,),
+    "prompt_logprobs": (),
+    "repetition_detection": (),
+    "return_mm_kwargs": (False,),
+    "return_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "routed_experts_prompt_start": (0,),
+    "session_id": (),
+    "spaces_between_special_tokens": (True,),
+    "stream_interval": (),
+    "thinking_token_budget": (),
+    "truncate_prompt_tokens": (),
+    "truncation_side": (),
+    "use_beam_search": (False,),
+    "vllm_xargs": (),
+    "watermarking": (False,),
+}
+_VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
+    "completion": {"add_special_tokens": (True,), "prompt_embeds": ()},
+    "chat": {
+        "add_special_tokens": (False,),
+        # the ingress renders the chat template itself, always with the generation prompt, vLLM's default
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "chat_template": (),  # vLLM's own server refuses it too, unless started with a flag
+        "chat_template_kwargs": ({},),
+        "documents": (),
+        "include_reasoning": (True,),
+        "media_io_kwargs": (),
+        "mm_processor_kwargs": (),
+        "reasoning_effort": (),  # vLLM hands it to the chat template
+        "return_prompt_text": (False,),
+    },
+}
+# what the parser reads itself, accepted whatever vLLM does with it: `user` (OpenAI's end-user id, which
+# vLLM ignores too), `parallel_tool_calls` (meaningless without `tools`, which are refused) and vLLM's
+# `request_id` (it names the request in vLLM's logs and ids, and shapes no output: kvmesh keeps its own ids)
+_SERVED = frozenset(
+    {
+        "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
+        "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+        "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
+        "user", "parallel_tool_calls", "request_id",
+        "cache_salt",  # refused by tenants.reject_client_salt
+    }
+)  # fmt: skip
+
+
+def known_fields(kind: str) -> frozenset[str]:
+    """Every request field this parser serves, refuses or accepts on purpose (vLLM's own must all be here)."""
+    return _SERVED | set(_UNSUPPORTED) | set(_VLLM_EXTRAS) | set(_VLLM_EXTRAS_BY_KIND[kind])
 
 
 class OpenAIError(Exception):
@@ -84,6 +149,8 @@ class GenerationRequest:
     model: str
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
+    # the field the output length came in: a chat's max_completion_tokens wins over its max_tokens
+    max_tokens_param: str = "max_tokens"
     messages: list[dict] | None = None
     stream: bool = False
     include_usage: bool = False
@@ -123,11 +190,11 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False, 
 
 
 def _common(body: dict, kind: str) -> GenerationRequest:
-    model = body.get("model")
-    if model is None:
-        raise bad("Missing required parameter: 'model'.", "model", "missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' must be a non-empty string.", "model", "invalid_type")
+    # as vLLM: a request without a model (left out, null or "") is for the one model served; the ingress
+    # names it in the response
+    model = body.get("model") or ""
+    if not isinstance(model, str):
+        raise bad("'model' must be a string.", "model", "invalid_type")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -142,6 +209,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(iu, bool):
             raise bad("'stream_options.include_usage' must be a boolean.", "stream_options", "invalid_type")
         include_usage = iu
+        if so.get("continuous_usage_stats") not in (None, False):  # vLLM's usage in every chunk: not served
+            name = "stream_options.continuous_usage_stats"
+            raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
         if not stream:  # as vLLM: usage in a stream that is not one means the client expects something else
             raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     n = _number(body, "n", 1, 1, integer=True, default=1)
@@ -162,13 +232,15 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         # vLLM's own sampling extensions, which its OpenAI server takes too
         "top_k": _number(body, "top_k", -1, 1 << 20, integer=True),
         "min_p": _number(body, "min_p", 0.0, 1.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0),
+        # vLLM's SamplingParams: any finite value above 0
+        "repetition_penalty": _number(body, "repetition_penalty", -math.inf, math.inf),
         "min_tokens": _number(body, "min_tokens", 0, 1 << 20, integer=True),
     }
     if params["top_p"] == 0.0:
         raise bad("'top_p' must be greater than 0.", "top_p")
-    if params["repetition_penalty"] == 0.0:
-        raise bad("'repetition_penalty' must be greater than 0.", "repetition_penalty")
+    penalty = params["repetition_penalty"]
+    if penalty is not None and penalty <= 0.0:
+        raise bad(f"'repetition_penalty' must be greater than 0, got {penalty}.", "repetition_penalty")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
@@ -187,13 +259,14 @@ def _common(body: dict, kind: str) -> GenerationRequest:
             if not isinstance(value, bool):
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
-    for name, harmless in _UNSUPPORTED.items():
+    for name, harmless in (_UNSUPPORTED | _VLLM_EXTRAS | _VLLM_EXTRAS_BY_KIND[kind]).items():
         v = body.get(name)
         if v is not None and not any(v == h and type(v) is type(h) for h in harmless):
             raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
     return GenerationRequest(
         kind=kind,
         model=model,
+        max_tokens_param=max_tokens_name,
         stream=stream,
         include_usage=include_usage,
         params={k: v for k, v in params.items() if v is not None},

@@ -6,6 +6,7 @@ prompts so earlier tests' cache contents never decide an outcome.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -231,7 +232,6 @@ BAD_INPUTS = [
     ("malformed json", None, b"{not json", 400, "invalid_json"),
     ("json array body", None, [1, 2], 400, "invalid_json"),
     ("missing prompt", None, {"model": "tiny"}, 400, "missing_required_parameter"),
-    ("missing model", None, {"prompt": "hi"}, 400, "missing_required_parameter"),
     ("prompt wrong type", None, {"model": "tiny", "prompt": 12}, 400, "invalid_type"),
     ("empty prompt", None, {"model": "tiny", "prompt": ""}, 400, "empty_prompt"),
     ("empty token list", None, {"model": "tiny", "prompt": []}, 400, "empty_prompt"),
@@ -239,12 +239,16 @@ BAD_INPUTS = [
     ("max_tokens string", None, {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "invalid_type"),
     ("temperature too high", None, {"model": "tiny", "prompt": "hi", "temperature": 7}, 400, "invalid_value"),
     ("prompt too long", None, {"model": "tiny", "prompt": [5] * 2100}, 400, "context_length_exceeded"),
+    # a prompt that fills the context leaves no room for a token (vLLM: max_tokens trimmed to 0, refused)
+    ("prompt fills the context", None, {"model": "tiny", "prompt": [5] * 2048}, 400, "context_length_exceeded"),
+    # max_tokens above the model's length is refused before tokenising, naming the field (as vLLM does); below
+    # it, a prompt plus max_tokens past the context is trimmed, not refused (test_read_as_vllm_reads_it_...)
     (
-        "prompt + max_tokens too long",
+        "max_tokens above the model length",
         None,
-        {"model": "tiny", "prompt": [5] * 2000, "max_tokens": 100},
+        {"model": "tiny", "prompt": "hi", "max_tokens": 2049},
         400,
-        "context_length_exceeded",
+        "invalid_value",
     ),
     ("unknown model", None, {"model": "gpt-17", "prompt": "hi"}, 404, "model_not_found"),
     (
@@ -270,6 +274,33 @@ BAD_INPUTS = [
         "invalid_api_key",
     ),
 ]
+
+
+def test_read_as_vllm_reads_it_max_tokens_past_the_context_is_trimmed_and_a_missing_model_is_the_served_one(
+    live_app,
+):
+    """What vLLM's own server accepts, kvmesh accepts the same way: max_tokens past the room the prompt leaves is
+    trimmed to it (the answer ends on length there), and a request naming no model gets the served one."""
+    with live_app.client() as c:
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": [5] * 2000, "max_tokens": 100, "ignore_eos": True, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                usage = events[-1]["usage"]
+                finish = [
+                    ch["finish_reason"] for e in events for ch in e.get("choices") or [] if ch.get("finish_reason")
+                ]
+            else:
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                usage, finish = r.json()["usage"], [r.json()["choices"][0]["finish_reason"]]
+            assert usage["prompt_tokens"] == 2000 and usage["completion_tokens"] == 48, usage
+            assert finish == ["length"]
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
 
 def test_bad_input_gets_openai_style_4xx_and_server_keeps_serving(live_app):

@@ -424,6 +424,14 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("structured_outputs", {"json": {}}),
         ("logprobs", 0),
         ("include_stop_str_in_output", True),
+        ("allowed_token_ids", [1]),
+        ("bad_words", ["x"]),
+        ("truncate_prompt_tokens", 2),
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("prompt_logprobs", 1),
+        ("return_token_ids", True),
+        ("chat_template", "{{ messages }}"),
     ],
 )
 def test_a_setting_that_would_shape_the_output_and_is_not_served_is_a_400_not_ignored(field, value):
@@ -1057,3 +1065,66 @@ def test_a_huge_out_of_range_token_id_is_named_cut_not_echoed_whole():
             )
             assert r.status_code == 400 and len(r.json()["error"]["message"]) < 300, r.text[:300]
             assert "4,300 digits" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("completion", {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 62}),
+        ("chat", {**CHAT, "max_tokens": 64}),
+        ("chat", {**CHAT, "max_completion_tokens": 63, "max_tokens": 1}),
+    ],
+)
+def test_max_tokens_beyond_what_the_prompt_leaves_is_trimmed_as_vllm_does(kind, body, stream):
+    """vLLM's get_max_tokens: min(the client's max_tokens, the context less the prompt), not a 400."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    ing.max_model_len = 64
+    status, _ = _answer(ing, {**body, "stream": stream}, kind)
+    assert status == 200
+    sent = ing.engine.requests[0]
+    assert sent["params"]["max_tokens"] == 64 - len(sent["prompt_token_ids"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("completion", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 65}, "max_tokens"),
+        ("chat", {**CHAT, "max_tokens": 65}, "max_tokens"),
+        ("chat", {**CHAT, "max_completion_tokens": 65, "max_tokens": 2}, "max_completion_tokens"),
+    ],
+)
+def test_max_tokens_beyond_the_whole_context_is_a_400_naming_its_field(kind, body, param):
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    ing.max_model_len = 64
+    status, answer = _answer(ing, body, kind)
+    assert status == 400 and answer["error"]["param"] == param and not ing.engine.requests
+    assert not ing.tokenizer.calls  # refused before tokenising, as vLLM's TokenizeParams
+
+
+def test_min_tokens_is_judged_against_the_trimmed_max_tokens():
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    ing.max_model_len = 64
+    status, body = _answer(ing, {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 64, "min_tokens": 61})
+    assert status == 400 and body["error"]["param"] == "min_tokens" and not ing.engine.requests
+    status, _ = _answer(ing, {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 64, "min_tokens": 60})
+    assert status == 200 and ing.engine.requests[0]["params"]["max_tokens"] == 60
+
+
+@pytest.mark.parametrize("model", [None, "", "leave out"])
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_request_that_names_no_model_is_served_by_the_one_model_and_names_it(kind, model):
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    body = dict(BODY if kind == "completion" else CHAT)
+    if model == "leave out":
+        del body["model"]
+    else:
+        body["model"] = model
+    status, answer = _answer(ing, body, kind)
+    assert status == 200 and answer["model"] == "tiny"
+    status, text = _answer(ing, {**body, "stream": True}, kind)
+    assert status == 200 and '"model":"tiny"' in text.splitlines()[0]

@@ -36,7 +36,6 @@ def test_completion_accepts_text_token_ids_and_single_item_batches():
 @pytest.mark.parametrize(
     "body,param,code",
     [
-        ({"prompt": "x"}, "model", "missing_required_parameter"),
         ({"model": 3, "prompt": "x"}, "model", "invalid_type"),
         ({"model": "m"}, "prompt", "missing_required_parameter"),
         ({"model": "m", "prompt": ""}, "prompt", "empty_prompt"),
@@ -110,3 +109,117 @@ def test_stream_chunks_have_openai_shape():
     last = proto.stream_chunk(req, "id", None, None, u=proto.usage(5, 2, 3))
     assert last["choices"] == [] and last["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
     assert proto.sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("body", [{}, {"model": None}, {"model": ""}])
+def test_a_request_that_names_no_model_is_for_the_served_one(body):
+    """vLLM's `_is_model_supported`: a falsy model (left out, null or "") is its one served model; the ingress
+    fills in the name its response echoes."""
+    assert proto.parse_completion({**body, "prompt": "x"}).model == ""
+    assert proto.parse_chat({**body, "messages": [{"role": "user", "content": "x"}]}).model == ""
+
+
+@pytest.mark.parametrize("value", [10.0, 10.5, 100, 1e6, 0.01])
+def test_repetition_penalty_takes_any_finite_positive_value_as_vllm(value):
+    assert proto.parse_completion({"model": "m", "prompt": "x", "repetition_penalty": value}).params[
+        "repetition_penalty"
+    ] == float(value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1, float("nan"), float("inf")])
+def test_repetition_penalty_not_above_zero_or_not_finite_is_a_400(value):
+    e = err(proto.parse_completion, {"model": "m", "prompt": "x", "repetition_penalty": value})
+    assert (e.status, e.param) == (400, "repetition_penalty")
+
+
+MSGS = [{"role": "user", "content": "x"}]
+EXTRAS = [
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]),
+    ("truncate_prompt_tokens", 3),
+    ("prompt_logprobs", 0),
+    ("return_token_ids", True),
+    ("use_beam_search", True),
+    ("spaces_between_special_tokens", False),
+    ("vllm_xargs", {"a": 1}),
+    ("priority", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), EXTRAS)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_vllm_extra_parameter_this_server_does_not_serve_is_refused_not_ignored(kind, field, value):
+    body = {"model": "m", field: value, **({"prompt": "x"} if kind == "completion" else {"messages": MSGS})}
+    e = err(proto.parse_completion if kind == "completion" else proto.parse_chat, body)
+    assert (e.status, e.param, e.code) == (400, field, "unsupported_parameter")
+    assert field in e.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+        ("reasoning_effort", "low"),
+        ("add_special_tokens", True),
+        ("documents", [{"title": "t", "text": "x"}]),
+    ],
+)
+def test_a_chat_setting_for_vllms_template_rendering_is_refused(field, value):
+    e = err(proto.parse_chat, {"model": "m", "messages": MSGS, field: value})
+    assert (e.status, e.param, e.code) == (400, field, "unsupported_parameter")
+
+
+def test_vllms_defaults_for_the_refused_extras_change_nothing_and_are_accepted():
+    chat = {
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "add_special_tokens": False,
+        "bad_words": [],
+        "allowed_token_ids": None,
+        "truncate_prompt_tokens": None,
+        "return_token_ids": False,
+        "use_beam_search": False,
+        "spaces_between_special_tokens": True,
+        "chat_template_kwargs": {},
+        "priority": 0,
+        "parallel_tool_calls": False,  # OpenAI's, meaningless without tools (refused)
+        "user": "u",
+        "request_id": "client-chosen-id",  # names the request, shapes nothing: accepted (kvmesh keeps its own ids)
+        "metadata": {"a": "b"},  # neither served nor known to vLLM: ignored, as vLLM ignores it
+    }
+    assert proto.parse_chat({"model": "m", "messages": MSGS, **chat}).messages
+    assert proto.parse_completion({"model": "m", "prompt": "x", "add_special_tokens": True}).prompt_text == "x"
+    # a chat-only field is not vLLM's on completions: ignored there, as vLLM ignores it
+    assert proto.parse_completion({"model": "m", "prompt": "x", "continue_final_message": True}).prompt_text == "x"
+    # add_special_tokens: vLLM's default differs by endpoint, and only it is accepted
+    assert err(proto.parse_completion, {"model": "m", "prompt": "x", "add_special_tokens": False}).code == (
+        "unsupported_parameter"
+    )
+
+
+def test_usage_in_every_stream_chunk_is_refused():
+    body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    e = err(proto.parse_completion, body)
+    assert (e.param, e.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+    assert proto.parse_completion(body).include_usage
+
+
+def test_every_field_of_vllms_own_requests_is_served_or_refused():
+    """The parser's tables cover vLLM 0.32's request models, and what they accept is vLLM's default: a field
+    vLLM adds and this server leaves out of them would be ignored where vLLM acts on it."""
+    chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol").ChatCompletionRequest
+    completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol").CompletionRequest
+    for kind, model in (("chat", chat), ("completion", completion)):
+        missing = set(model.model_fields) - proto.known_fields(kind)
+        assert not missing, (kind, missing)
+        extras = proto._VLLM_EXTRAS | proto._VLLM_EXTRAS_BY_KIND[kind]
+        for name, harmless in extras.items():
+            default = model.model_fields[name].get_default(call_default_factory=True)
+            if harmless:  # vLLM's default, or an empty value where its default is None (vLLM reads it as none)
+                assert default == harmless[0] or (default is None and not harmless[0]), (kind, name, default)
+            else:
+                assert default is None, (kind, name, default)
