@@ -423,7 +423,16 @@ def report_from_replays(
         out_tokens = sum(r.output_tokens for r in rep.results if r.error is None)
         after = (counters or {}).get(name) or {}
         runs.append(
-            PassRun(name, sent, rep.wall_s, 0, out_tokens, counters_after=after, outputs=outputs, fresh_fleet=True)
+            PassRun(
+                name,
+                sent,
+                rep.wall_s,
+                rep.concurrency or 0,
+                out_tokens,
+                counters_after=after,
+                outputs=outputs,
+                fresh_fleet=True,
+            )
         )
     offline = offline_pass([p.tok for p in prepared], block_size, (1, 2, 4))
     return build_report(runs, offline, rates or Rates(), block_size, meta={"source": "kvmesh demo"})

@@ -448,7 +448,7 @@ async def replay_async(
         wall = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    return ReplayReport([r for r in results if r is not None], wall, model, cfg.label)
+    return ReplayReport([r for r in results if r is not None], wall, model, cfg.label, concurrency)
 
 
 def _progress(total: int):
@@ -469,11 +469,18 @@ class ReplayReport:
     wall_s: float
     model: str = ""
     label: str | None = None
+    concurrency: int | None = None  # requests in flight it was run with (None: at the trace's timestamps)
 
-    def summary(self) -> dict:
+    def summary(self, replicas: int | Sequence[str] | None = None) -> dict:
         """The JSON the CLI writes. Hit rates count successful requests only; `hit_rate_tokens` is
         Σ cached / Σ prompt tokens, `hit_rate_requests` the mean of per-request ratios; None where
-        the server reported no cached-token counts. Throughput is (prompt + output tokens) / wall."""
+        the server reported no cached-token counts. Throughput is (prompt + output tokens) / wall.
+
+        `replicas`: the fleet that served the run, when the caller knows it (its replica ids, or their
+        count). A replica that answered no request then counts with 0 uncached tokens in
+        `uncached_max_over_mean` (everything on 1 of 2 replicas is 2.00, not 1.00), and `idle_replicas`
+        says how many there were; listed by id, each gets a row of zeros in `per_replica`. Without it
+        only the replicas that answered are known, and the figure is over those."""
         ok = [r for r in self.results if r.error is None]
         known = [(r.prompt_tokens, r.cached_tokens) for r in ok if r.cached_tokens is not None]  # (prompt, cached)
         prompt = sum(p for p, _ in known)
@@ -490,7 +497,20 @@ class ReplayReport:
             row["uncached_prompt_tokens"] = row["prompt_tokens"] - row["cached_tokens"]
             row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
         errors = [r.error for r in self.results if r.error is not None]
+        known_replicas = any(r.replica != (self.label or "unknown") for r in ok)
+        idle = None  # replicas of the fleet that answered nothing: known only when the caller gave the fleet
+        if replicas is not None and (known_replicas or not ok):
+            if isinstance(replicas, int):
+                idle = max(0, replicas - len(per_replica))
+            else:
+                missing = [rid for rid in replicas if rid not in per_replica]
+                for rid in missing:
+                    per_replica[rid] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+                    per_replica[rid].update(uncached_prompt_tokens=0, hit_rate_tokens=0.0)
+                idle = len(missing)
         uncached = [row["uncached_prompt_tokens"] for row in per_replica.values()]
+        if idle and isinstance(replicas, int):
+            uncached += [0] * idle
         return {
             "requests": len(self.results),
             "errors": len(errors),
@@ -509,15 +529,16 @@ class ReplayReport:
             ),
             "wall_s": self.wall_s,
             "model": self.model,
-            "per_replica_known": any(r.replica != (self.label or "unknown") for r in ok),
+            "per_replica_known": known_replicas,
             "uncached_max_over_mean": (
                 max(uncached) / statistics.fmean(uncached) if uncached and statistics.fmean(uncached) > 0 else None
             ),
             "per_replica": per_replica,
+            **({} if idle is None else {"idle_replicas": idle}),
         }
 
-    def to_json(self, per_request: bool = False) -> dict:
-        out = self.summary()
+    def to_json(self, per_request: bool = False, replicas: int | Sequence[str] | None = None) -> dict:
+        out = self.summary(replicas)
         if per_request:
             out["per_request"] = [asdict(r) for r in self.results]
         return out
@@ -551,7 +572,10 @@ def format_table(summaries: dict[str, dict]) -> str:
     for n in names:
         s = summaries[n]
         if s.get("per_replica_known"):
-            lines.append(f"  {n} per replica: {_per_replica_line(s['per_replica'])}")
+            idle = s.get("idle_replicas") or 0
+            listed = sum(1 for row in s["per_replica"].values() if row["requests"] == 0)
+            more = f"; {idle - listed:,} more replica(s) answered no request" if idle > listed else ""
+            lines.append(f"  {n} per replica: {_per_replica_line(s['per_replica'])}{more}")
     return "\n".join(lines)
 
 
