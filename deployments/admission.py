@@ -10,8 +10,11 @@ With several ingress replicas a tenant's limits hold across the fleet: each repl
 buckets and count, and adds what the other replicas admitted for the same tenant, as their routers'
 placement stream tells it (`peers`: `tenant_usage.PeerTenantUsage`): their requests in flight count
 against `max_concurrent`, and the requests and prompt tokens they placed are taken from this replica's
-buckets at the time they were heard. The stream is milliseconds behind, so requests admitted on two
-replicas within that lag may pass a limit together, by at most one request per other replica. Without
+buckets at the time they were heard. The stream is milliseconds behind, and within that lag a replica
+knows nothing of the others' admissions: a burst that reaches R replicas at once may be admitted up to the
+whole limit by each, R x the limit in all (a limit of 3 on 2 replicas: 6), not one request per other
+replica. A request queued in the fair queue is not announced until it runs, so it is re-checked against
+the tenant's fleet-wide `max_concurrent` before it gets its slot (it waits on, or times out). Without
 peers (one ingress replica, or the stream off) the limits are this replica's alone. The global
 `max_concurrent` bound stays per replica: it is the capacity of this ingress process.
 
@@ -36,7 +39,14 @@ from kvmesh.deployments.tenants import KvmeshHTTPError, Limits, Tenant
 
 DEFAULT_QUEUE_TIMEOUT_S = 10.0
 CONCURRENCY_RETRY_S = 1.0
+# While a queued tenant is at its fleet-wide max_concurrent (its slots taken on other replicas), its waiters
+# stay queued and the fair queue looks again this often: a peer's `done` reaches the ingress as no event.
+PEER_RECHECK_S = 0.05
 FREED_KEPT = 1024  # slot releases remembered for the server_busy Retry-After (the rate they came at)
+# The longest Retry-After: one day. A bucket's wait can be longer (a slow rate, or peers' use taking it far
+# below zero) or, at a rate near the smallest float, infinite, which `math.ceil` cannot take; a client is
+# better told to come back tomorrow than given a 300-digit number or a 500.
+MAX_RETRY_AFTER_S = 86_400.0
 
 
 class AdmissionError(KvmeshHTTPError):
@@ -44,13 +54,15 @@ class AdmissionError(KvmeshHTTPError):
 
 
 class RateLimited(AdmissionError):
-    """429 with a `Retry-After` (whole seconds, rounded up, at least 1)."""
+    """429 with a `Retry-After` (whole seconds, rounded up, at least 1, at most MAX_RETRY_AFTER_S)."""
 
     status = 429
 
     def __init__(self, retry_after_s: float, message: str, code: str = "rate_limit_exceeded"):
         super().__init__(message, code)
-        self.retry_after_s = max(0.0, float(retry_after_s))
+        retry_after_s = float(retry_after_s)
+        # NaN (no wait computable) and inf are capped too: max/min would pass NaN through
+        self.retry_after_s = MAX_RETRY_AFTER_S if not retry_after_s <= MAX_RETRY_AFTER_S else max(0.0, retry_after_s)
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
@@ -107,6 +119,8 @@ class PeerUsage(Protocol):
 
     window_s: float
 
+    # optional: `keep(tenant, window_s)`, to keep a tenant's placements longer than window_s (a slow bucket)
+
     def active(self, tenant: str) -> int: ...
 
     def since(self, tenant: str, cursor: int) -> tuple[int, list[tuple[float, int]]]: ...
@@ -119,6 +133,9 @@ class _TenantState:
     active: int = 0  # admitted (in flight) + waiting in the fair queue
     waiters: deque = field(default_factory=deque)
     peers_cursor: int = 0  # how far into the peers' log of this tenant's placements the buckets have taken
+    window_s: float = 0.0  # how far back the peers' log is replayed: the longer of its window and a refill
+    limits: Limits | None = None  # the tenant's limits as last seen (the fair queue checks max_concurrent)
+    queued: int = 0  # waiters still waiting (the deque may hold finished ones until they reach its front)
 
 
 class Admission:
@@ -142,6 +159,8 @@ class Admission:
         self._in_flight = 0
         self._serial = itertools.count(1)
         self._freed: deque[float] = deque(maxlen=FREED_KEPT)  # when global slots were released, oldest first
+        self._waiting = 0  # waiters still waiting, all tenants
+        self._recheck: asyncio.TimerHandle | None = None  # the fair queue's next look at tenants held back
 
     @classmethod
     def from_registry(cls, registry, **overrides) -> Admission:
@@ -163,24 +182,34 @@ class Admission:
     def waiting(self, tenant_id: str | None = None) -> int:
         if tenant_id is not None:
             state = self._tenants.get(tenant_id)
-            return sum(1 for w in state.waiters if not w.done()) if state else 0
-        return sum(self.waiting(t) for t in self._tenants)
+            return state.queued if state else 0
+        return self._waiting
 
     # -- admission --
     def _state(self, tenant: Tenant) -> _TenantState:
         state = self._tenants.get(tenant.id)
         if state is None:
             lim, now = tenant.limits, self._clock()
-            req = tok = None
-            # with peers, the buckets start full one log window ago, so replaying the peers' log (the
-            # fleet's recent use of them) brings them to where a single fleet-wide bucket would be now
-            start = now - self.peers.window_s if self.peers is not None else now
-            if lim.requests_per_s:
-                burst = lim.burst_requests or max(1.0, lim.requests_per_s)
-                req = TokenBucket(burst, lim.requests_per_s, start)
-            if lim.tokens_per_min:
-                tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, start)
-            state = self._tenants[tenant.id] = _TenantState(req, tok)
+            burst = (lim.burst_requests or max(1.0, lim.requests_per_s)) if lim.requests_per_s else 0.0
+            # with peers, the buckets start full one window ago, so replaying the peers' log (the fleet's
+            # recent use of them) brings them to where a single fleet-wide bucket would be now. The window
+            # is at least the refill time of the slowest bucket (a requests bucket of burst 10 at 0.01/s
+            # refills in 1000 s): placements older than that are absorbed by any bucket, newer ones are not.
+            window = 0.0
+            if self.peers is not None:
+                window = self.peers.window_s
+                if lim.requests_per_s:
+                    window = max(window, burst / lim.requests_per_s)
+                if lim.tokens_per_min:
+                    window = max(window, 60.0)
+                keep = getattr(self.peers, "keep", None)
+                if keep is not None:
+                    keep(tenant.id, window)
+            start = now - window
+            req = TokenBucket(burst, lim.requests_per_s, start) if lim.requests_per_s else None
+            tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, start) if lim.tokens_per_min else None
+            state = self._tenants[tenant.id] = _TenantState(req, tok, window_s=window)
+        state.limits = tenant.limits
         return state
 
     def _peers_active(self, tenant_id: str, state: _TenantState) -> int:
@@ -190,7 +219,7 @@ class Admission:
         if self.peers is None:
             return 0
         state.peers_cursor, placed = self.peers.since(tenant_id, state.peers_cursor)
-        horizon = self._clock() - self.peers.window_s  # the log keeps older entries until it is trimmed
+        horizon = self._clock() - state.window_s  # the log keeps older entries until it is trimmed
         for at, tokens in placed:
             if at < horizon:  # before a new bucket's start: charged there at its start, it would refill nothing
                 continue
@@ -230,8 +259,10 @@ class Admission:
         if wait > 0:
             # the bucket named is the one whose wait is the Retry-After
             which = "requests per second" if requests_wait >= tokens_wait else "prompt tokens per minute"
+            limited = RateLimited(wait, "")
+            retry_s = limited.headers()["Retry-After"]
             raise RateLimited(
-                wait, f"Rate limit reached for this API key ({which}); retry after {max(1, math.ceil(wait))} s."
+                limited.retry_after_s, f"Rate limit reached for this API key ({which}); retry after {retry_s} s."
             )
         return state
 
@@ -267,7 +298,8 @@ class Admission:
     def try_acquire(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
         """Admit now or raise; never waits (a full global bound is a 429 here)."""
         state = self._check_and_charge(tenant, int(prompt_tokens))
-        if self.max_concurrent is not None and (self._in_flight >= self.max_concurrent or self._ready):
+        self._dispatch()  # the queued go first; a slot it leaves free, no queued request can take now
+        if self.max_concurrent is not None and self._in_flight >= self.max_concurrent:
             self._undo_charge(state, int(prompt_tokens))
             raise RateLimited(self._busy_retry_s(), "The server is at capacity; retry shortly.", "server_busy")
         self._in_flight += 1
@@ -277,26 +309,30 @@ class Admission:
         """Admit, waiting in the tenant's fair queue (up to queue_timeout_s) when the server is full."""
         prompt_tokens = int(prompt_tokens)
         state = self._check_and_charge(tenant, prompt_tokens)
-        if self.max_concurrent is None or (self._in_flight < self.max_concurrent and not self._ready):
+        if self.max_concurrent is not None:
+            self._dispatch()  # the queued go first; a slot it leaves free, no queued request can take now
+        if self.max_concurrent is None or self._in_flight < self.max_concurrent:
             self._in_flight += 1
             return self._ticket(tenant, prompt_tokens)
         waiter = asyncio.get_running_loop().create_future()
         state.waiters.append(waiter)
+        state.queued += 1
+        self._waiting += 1
         self._ready.setdefault(tenant.id, None)
         try:
             await asyncio.wait({waiter}, timeout=self.queue_timeout_s)
         except asyncio.CancelledError:  # the client went away while queued
             if waiter.done() and not waiter.cancelled():
                 self._in_flight -= 1  # the slot was granted to us: pass it on
+                self._forget_waiter(tenant.id, state, waiter, granted=True)
                 self._dispatch()
-            waiter.cancel()
-            self._forget_waiters(tenant.id, state)
+            else:
+                self._forget_waiter(tenant.id, state, waiter, granted=False)
             self._undo_charge(state, prompt_tokens)
             raise
         if waiter.done() and not waiter.cancelled():
             return self._ticket(tenant, prompt_tokens)  # _dispatch already counted the slot
-        waiter.cancel()
-        self._forget_waiters(tenant.id, state)
+        self._forget_waiter(tenant.id, state, waiter, granted=False)
         self._undo_charge(state, prompt_tokens)
         raise RateLimited(
             self._busy_retry_s(),
@@ -321,10 +357,20 @@ class Admission:
         drain_s = (self.waiting() + 1) * span / len(self._freed)
         return max(CONCURRENCY_RETRY_S, min(self.queue_timeout_s, drain_s))
 
-    def _forget_waiters(self, tenant_id: str, state: _TenantState) -> None:
-        """Drop finished waiters so a tenant with none left is no longer in the round robin."""
-        state.waiters = deque(w for w in state.waiters if not w.done())
-        if not state.waiters:
+    def _forget_waiter(self, tenant_id: str, state: _TenantState, waiter: asyncio.Future, granted: bool) -> None:
+        """A waiter stops waiting (timed out, cancelled; `granted`: it had its slot, `_dispatch` counted it).
+        O(1) amortised: finished waiters are dropped when they reach the deque's front (each once), or all
+        at once when the tenant has none waiting left, which also takes it out of the round robin. Rebuilding
+        the deque here made a flood of N queued requests timing out O(N^2)."""
+        if not granted and not waiter.done():
+            state.queued -= 1
+            self._waiting -= 1
+        waiter.cancel()
+        waiters = state.waiters
+        while waiters and waiters[0].done():
+            waiters.popleft()
+        if state.queued <= 0:
+            waiters.clear()
             self._ready.pop(tenant_id, None)
 
     def release(self, ticket: Ticket) -> None:
@@ -339,18 +385,50 @@ class Admission:
             self._freed.append(self._clock())
         self._dispatch()
 
+    def _at_fleet_limit(self, tenant_id: str, state: _TenantState) -> bool:
+        """Whether the tenant's requests running here and on the peers fill its max_concurrent. Its queued
+        requests were admitted against it here, but the peers do not know of them until they run, so they
+        may have filled it meanwhile: then a queued request waits on (or times out) rather than pass it."""
+        lim = state.limits
+        if lim is None or lim.max_concurrent is None or self.peers is None:
+            return False
+        running = state.active - state.queued  # active counts this replica's queued requests too
+        return running + self.peers.active(tenant_id) >= lim.max_concurrent
+
     def _dispatch(self) -> None:
-        """Grant free global slots to waiting tenants, one per tenant per round (round robin)."""
+        """Grant free global slots to waiting tenants, one per tenant per round (round robin). A tenant at
+        its fleet-wide max_concurrent is passed over (its waiters stay queued, in their turn for the next
+        look, at the next release or after PEER_RECHECK_S), so it holds up neither slots nor other tenants."""
+        held_back: list[str] = []
         while self._ready and (self.max_concurrent is None or self._in_flight < self.max_concurrent):
             tenant_id, _ = self._ready.popitem(last=False)
-            waiters = self._tenants[tenant_id].waiters
+            state = self._tenants[tenant_id]
+            waiters = state.waiters
             while waiters and waiters[0].done():  # drop timed-out / cancelled waiters
                 waiters.popleft()
             if not waiters:
                 continue
+            if self._at_fleet_limit(tenant_id, state):
+                held_back.append(tenant_id)
+                continue
             waiters.popleft().set_result(True)
+            state.queued -= 1
+            self._waiting -= 1
             self._in_flight += 1
             while waiters and waiters[0].done():
                 waiters.popleft()
             if waiters:
                 self._ready[tenant_id] = None  # back of the line
+        for tenant_id in reversed(held_back):  # first in line again, in their order
+            self._ready[tenant_id] = None
+            self._ready.move_to_end(tenant_id, last=False)
+        if held_back and self._recheck is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # released outside the loop: the next release or acquire looks again
+                return
+            self._recheck = loop.call_later(PEER_RECHECK_S, self._look_again)
+
+    def _look_again(self) -> None:
+        self._recheck = None
+        self._dispatch()

@@ -85,13 +85,29 @@ class _PeerTenantUsage:
 
     window_s = WINDOW_S
 
+    def __init__(self) -> None:
+        self._windows: dict[str, float] = {}  # tenant -> how long admission needs its peers' placements kept
+
+    def keep(self, tenant: str, window_s: float) -> None:
+        """Admission's window for `tenant` (its slowest bucket's refill): passed on to the router's log now and
+        again at each read, since the router may be made after the tenant's first request."""
+        self._windows[tenant] = max(window_s, self._windows.get(tenant, 0.0))
+        routers = active_routers()
+        if routers:
+            routers[0].peers.tenants.keep(tenant, self._windows[tenant])
+
     def active(self, tenant: str) -> int:
         routers = active_routers()
         return routers[0].peers.tenants.active(tenant) if routers else 0
 
     def since(self, tenant: str, cursor: int) -> tuple[int, list[tuple[float, int]]]:
         routers = active_routers()
-        return routers[0].peers.tenants.since(tenant, cursor) if routers else (cursor, [])
+        if not routers:
+            return cursor, []
+        log = routers[0].peers.tenants
+        if tenant in self._windows:
+            log.keep(tenant, self._windows[tenant])
+        return log.since(tenant, cursor)
 
 
 fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-compatible serving")

@@ -160,8 +160,10 @@ class Limits:
                 values[name] = None
             elif name in _COUNT_LIMITS:
                 values[name] = _count(value, f"{where}.{name}")
-            elif name == "burst_requests":
+            elif name in ("burst_requests", "tokens_per_min"):
                 values[name] = _at_least_one(value, f"{where}.{name}")
+            elif name == "requests_per_s":
+                values[name] = _rate(value, f"{where}.{name}")
             else:
                 values[name] = _positive(value, f"{where}.{name}")
         limits = replace(base, **values)
@@ -185,10 +187,27 @@ def _positive(value: Any, where: str) -> float:
     return value
 
 
+# The slowest requests_per_s a config may set: one request in about 11.6 days. Slower is no rate but a lockout
+# (1e-310 made the wait infinite and the Retry-After an OverflowError); null lifts the limit, and a tenant to
+# refuse is revoked, not rated.
+MIN_REQUESTS_PER_S = 1e-6
+
+
+def _rate(value: Any, where: str) -> float:
+    """requests_per_s: finite and at least MIN_REQUESTS_PER_S."""
+    if not finite_number(value) or value < MIN_REQUESTS_PER_S:
+        raise ConfigError(
+            f"{where}: expected a finite number >= {MIN_REQUESTS_PER_S:g} (one request in 11.6 days) or null, "
+            f"got {brief(repr(value))}"
+        )
+    return value
+
+
 def _at_least_one(value: Any, where: str) -> float:
-    """A request bucket's burst: finite and at least 1. Below 1 it could never admit a request (each takes 1),
-    so the tenant would be refused for good while told to retry in 1 s; a fraction above 1 is a bucket size
-    like any other (the default burst, max(1, requests_per_s), may be one)."""
+    """A bucket's size: finite and at least 1. A request bucket's burst (each request takes 1) or a
+    tokens_per_min budget (a text prompt is counted as at least 1 token before it is tokenised) below 1
+    could never admit a request, so the tenant would be refused for good while told to retry in 1 s or 60 s;
+    a fraction above 1 is a bucket size like any other (the default burst, max(1, requests_per_s), may be one)."""
     if not finite_number(value) or value < 1:
         raise ConfigError(f"{where}: expected a finite number >= 1 or null, got {brief(repr(value))}")
     return float(value)

@@ -4,11 +4,13 @@ stream each replica enforces the limits alone, so R replicas admit up to R x a l
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kvmesh.deployments.admission import Admission, RateLimited
+from kvmesh.deployments.admission import MAX_RETRY_AFTER_S, Admission, RateLimited
 from kvmesh.deployments.router_sync import PeerPlacements, routed_message
-from kvmesh.deployments.tenant_usage import PeerTenantUsage
+from kvmesh.deployments.tenant_usage import MIN_KEPT, PeerTenantUsage
 from kvmesh.deployments.tenants import Limits, Tenant
 from kvmesh.policies.base import RequestInfo
 
@@ -177,15 +179,64 @@ def test_peer_placements_count_a_tenants_requests_in_flight_and_placed():
 def test_the_usage_log_keeps_one_window_and_cursors_survive_its_trimming():
     now = [0.0]
     usage = PeerTenantUsage(lambda: now[0], window_s=10.0)
-    for t in range(100):
-        now[0] = float(t)
+    n = MIN_KEPT * 4
+    for t in range(n):
+        now[0] = t / 10  # 10 a second: a window is 100 placements, fewer than MIN_KEPT
         usage.placed("acme", t)
-    cursor, seen = usage.since("acme", 95)
-    assert cursor == 100 and [tokens for _, tokens in seen] == [95, 96, 97, 98, 99]
-    assert len(usage._log["acme"][1]) < 80  # trimmed as it grew
+    cursor, seen = usage.since("acme", n - 5)
+    assert cursor == n and [tokens for _, tokens in seen] == list(range(n - 5, n))
     cursor, seen = usage.since("acme", 0)  # a cursor from before the trim: what is kept, in order
-    assert cursor == 100 and [tokens for _, tokens in seen] == list(range(seen[0][1], 100))
-    assert seen[0][1] <= 90  # every placement of the last window is kept
+    assert cursor == n and [tokens for _, tokens in seen] == list(range(n - MIN_KEPT, n))  # trimmed as it grew
+    usage.keep("acme", 60.0)  # a slow bucket's tenant: 60 s, 600 placements
+    for t in range(n, 2 * n):
+        now[0] = t / 10
+        usage.placed("acme", t)
+    cursor, seen = usage.since("acme", 0)
+    assert cursor == 2 * n and len(seen) in (600, 601) and seen[-1][1] == 2 * n - 1
+    assert usage.since("acme", cursor) == (cursor, [])
+
+
+def test_the_usage_log_trims_to_its_window_and_a_cursor_reads_on_after_a_trim():
+    """Stale placements leave the log's front one at a time (the trim once copied the whole log on almost every
+    placement; its cost is not timed here), and a reader's cursor stays valid across trims."""
+    now = [0.0]
+    usage = PeerTenantUsage(lambda: now[0], window_s=10.0)
+    for t in range(20_000):
+        now[0] = t / 1000  # 1000 a second: a window holds 10,000
+        usage.placed("acme", 1)
+    cursor, seen = usage.since("acme", 0)
+    for t in range(20_000, 40_000):
+        now[0] = t / 1000
+        usage.placed("acme", 1)
+    after, more = usage.since("acme", cursor)
+    # the cursor moves past every placement since it; those still in the window come back, each once
+    assert after == cursor + 20_000 and len(more) == len({at for at, _ in more}) == 10_000
+    oldest = usage.since("acme", 0)[1][0][0]
+    assert now[0] - 10.0 - 0.01 <= oldest <= now[0] - 10.0 + 0.01  # trimmed to the window, no further
+
+
+def test_a_slow_bucket_counts_what_peers_placed_longer_ago_than_the_default_window():
+    """A requests bucket that refills in more than WINDOW_S (1 request in 200 s) still holds a peer's request
+    of 125 s ago; with a fixed 120 s window the replica that met the tenant then admitted a second one."""
+    now = [0.0]
+    tenant = _tenant(requests_per_s=0.005)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(0, tenant)
+    now[0] = 125.0
+    assert fleet.send(1, tenant) is None
+    now[0] = 200.0
+    assert fleet.send(1, tenant)
+
+
+def test_a_slow_large_burst_is_not_spent_twice_across_replicas():
+    now = [0.0]
+    tenant = _tenant(requests_per_s=0.01, burst_requests=10)
+    fleet = Fleet(2, clock=lambda: now[0])
+    assert fleet.send(1, tenant)
+    now[0] = 1.0
+    assert sum(1 for _ in range(12) if fleet.send(0, tenant)) == 9
+    now[0] = 130.0  # a fleet bucket holds 1.29 now
+    assert sum(1 for _ in range(10) if fleet.send(1, tenant)) == 1
 
 
 def test_the_check_before_tokenising_counts_what_other_replicas_spent_once_and_charges_nothing():
@@ -202,3 +253,95 @@ def test_the_check_before_tokenising_counts_what_other_replicas_spent_once_and_c
     for _ in range(3):
         fleet.fronts[1].precheck(tenant, 10)
     assert fleet.send(1, tenant) and fleet.send(1, tenant) is None
+
+
+@pytest.mark.parametrize("rate", [1e-310, 1e-300, 1e-9])
+def test_a_tiny_rate_that_bypasses_the_config_check_is_a_429_of_at_most_a_day(rate):
+    """1/1e-310 is inf: math.ceil raised OverflowError (a 500); 1e-300 gave a 301-digit Retry-After."""
+    adm = Admission(clock=lambda: 0.0)
+    tenant = _tenant(requests_per_s=rate)  # Limits made directly: config validation refuses these
+    adm.try_acquire(tenant, 10)  # the burst of 1
+    for check in (lambda: adm.precheck(tenant, 0, exact=False), lambda: adm.try_acquire(tenant, 10)):
+        with pytest.raises(RateLimited) as refused:
+            check()
+        assert refused.value.retry_after_s == MAX_RETRY_AFTER_S
+        assert refused.value.headers() == {"Retry-After": "86400"} and "86400 s" in refused.value.message
+
+
+def test_a_flood_of_waiters_timing_out_leaves_nothing_queued_or_counted():
+    """Each timed-out waiter once rebuilt its tenant's deque (and `waiting()` scanned it), O(N^2) for a flood;
+    now counted as they go (cost not timed here): the counts and the round robin end empty."""
+
+    async def flood(n):
+        adm = Admission(max_concurrent=1, queue_timeout_s=0.05)
+        tenant = _tenant("flood")
+        held = await adm.acquire(tenant, 1)
+
+        async def one():
+            with pytest.raises(RateLimited):
+                await adm.acquire(tenant, 1)
+
+        tasks = [asyncio.create_task(one()) for _ in range(n)]
+        await asyncio.sleep(0)
+        assert adm.waiting("flood") == n and adm.waiting() == n
+        await asyncio.gather(*tasks)
+        assert adm.waiting() == 0 and adm.active("flood") == 1 and not adm._ready
+        assert not adm._tenants["flood"].waiters
+        adm.release(held)
+        assert adm.active("flood") == 0
+
+    asyncio.run(flood(4000))
+
+
+def test_a_queued_request_does_not_pass_its_tenants_limit_taken_meanwhile_on_another_replica():
+    """Replica 0's global bound is full, so tenant x's 2 requests (limit 2) wait in its fair queue, unknown
+    to replica 1, which admits 2 of x meanwhile; when replica 0's slots free, its queued x requests stay
+    queued (4 ran at once before), and run once replica 1's end."""
+
+    async def scenario():
+        fleet = Fleet(2)
+        zero, one = fleet.fronts
+        zero.max_concurrent = 2
+        x, y = _tenant("x", max_concurrent=2), _tenant("y")
+        busy = [await zero.acquire(y, 10) for _ in range(2)]
+        queued = [asyncio.create_task(zero.acquire(x, 10)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert zero.waiting("x") == 2
+        elsewhere = [fleet.send(1, x), fleet.send(1, x)]
+        assert all(elsewhere)
+        other = asyncio.create_task(zero.acquire(_tenant("z"), 10))  # queued behind x's: not starved by them
+        await asyncio.sleep(0)
+        for ticket in busy:
+            zero.release(ticket)
+        await asyncio.sleep(0)
+        assert not any(t.done() for t in queued) and zero.waiting("x") == 2
+        z_ticket = await asyncio.wait_for(other, 1.0)
+        assert zero.in_flight == 1  # z ran; the slot x cannot use now stays free
+        zero.release(zero.try_acquire(y, 10))  # and a new request of another tenant may take it
+        zero.release(z_ticket)
+        for sent in elsewhere:
+            fleet.finish(1, sent)
+        tickets = await asyncio.wait_for(asyncio.gather(*queued), 1.0)  # the next look finds room
+        assert len(tickets) == 2 and zero.waiting() == 0
+        return zero
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_request_held_back_by_its_fleet_limit_still_times_out():
+    async def scenario():
+        fleet = Fleet(2)
+        zero = fleet.fronts[0]
+        zero.max_concurrent, zero.queue_timeout_s = 1, 0.2
+        x = _tenant("x", max_concurrent=1)
+        busy = await zero.acquire(_tenant("y"), 10)
+        queued = asyncio.create_task(zero.acquire(x, 10))
+        await asyncio.sleep(0)
+        assert fleet.send(1, x)
+        zero.release(busy)
+        with pytest.raises(RateLimited) as refused:
+            await asyncio.wait_for(queued, 1.0)
+        assert refused.value.code == "server_busy"
+        assert zero.waiting() == 0 and zero.active("x") == 0 and zero.in_flight == 0 and not zero._ready
+
+    asyncio.run(scenario())

@@ -256,6 +256,11 @@ def test_bad_config_is_rejected_with_a_pointer(mutate, match):
         ({"max_concurrent": float("inf")}, "max_concurrent", "positive integer"),  # was an OverflowError
         ({"max_prompt_tokens": float("nan")}, "max_prompt_tokens", "positive integer"),
         ({"tokens_per_min": 10**400}, "tokens_per_min", "finite"),  # past float's range
+        # a text prompt counts as 1 token before tokenising: below 1 it got 429 "retry in 60 s" for good
+        ({"tokens_per_min": 0.5}, "tokens_per_min", ">= 1"),
+        # a wait of 1/1e-310 s is inf: math.ceil raised OverflowError, a 500
+        ({"requests_per_s": 1e-310}, "requests_per_s", ">= 1e-06"),
+        ({"requests_per_s": 1e-7}, "requests_per_s", ">= 1e-06"),
     ],
 )
 def test_a_limit_that_would_lift_itself_or_lock_a_tenant_out_is_a_config_error_naming_its_key(limits, key, match):
@@ -317,7 +322,7 @@ def test_a_queue_timeout_of_0_loads_and_means_never_queue():
 def test_a_tenants_file_with_nan_or_inf_limits_is_refused_as_a_dict_is(tmp_path, name, text):
     """JSON's NaN, YAML's .nan/.inf and TOML's nan all parse to floats: the file path must refuse them too."""
     (tmp_path / name).write_text(text % hash_api_key(KEY_A))
-    with pytest.raises(ConfigError, match=r"^tenants\[0\]\.limits\.\w+: expected a positive"):
+    with pytest.raises(ConfigError, match=r"^tenants\[0\]\.limits\.\w+: expected a (positive|finite)"):
         TenantRegistry.from_file(tmp_path / name, secret=SECRET)
 
 
