@@ -66,9 +66,7 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "return_token_offsets": (False,),
     "return_tokens_as_token_ids": (False,),
     "routed_experts_prompt_start": (0,),
-    "session_id": (),
     "spaces_between_special_tokens": (True,),
-    "stream_interval": (),
     "thinking_token_budget": (),
     "truncate_prompt_tokens": (),
     "truncation_side": (),
@@ -95,13 +93,14 @@ _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
 }
 # what the parser reads itself, accepted whatever vLLM does with it: `user` (OpenAI's end-user id, which
 # vLLM ignores too), `parallel_tool_calls` (meaningless without `tools`, which are refused) and vLLM's
-# `request_id` (it names the request in vLLM's logs and ids, and shapes no output: kvmesh keeps its own ids)
+# `request_id`, `session_id` (they name the request or its session for vLLM's logs, ids and scheduling, and
+# shape no output: kvmesh keeps its own ids) and `stream_interval` (how tokens are grouped into stream chunks)
 _SERVED = frozenset(
     {
         "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
-        "user", "parallel_tool_calls", "request_id",
+        "user", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "cache_salt",  # refused by tenants.reject_client_salt
     }
 )  # fmt: skip
@@ -189,11 +188,23 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False, 
     return int(v) if integer else float(v)
 
 
+def _same_value(v: Any, harmless: Any) -> bool:
+    """`v` is the harmless value: equal and of its kind, a number of either kind counting (vLLM's models take
+    0.0 for an int field), a bool only as a bool (True == 1 in Python, not in a request)."""
+    if isinstance(v, bool) or isinstance(harmless, bool):
+        return type(v) is type(harmless) and v == harmless
+    if isinstance(v, (int, float)) and isinstance(harmless, (int, float)):
+        return v == harmless
+    return type(v) is type(harmless) and v == harmless
+
+
 def _common(body: dict, kind: str) -> GenerationRequest:
     # as vLLM: a request without a model (left out, null or "") is for the one model served; the ingress
     # names it in the response
-    model = body.get("model") or ""
-    if not isinstance(model, str):
+    model = body.get("model")
+    if model is None:
+        model = ""
+    if not isinstance(model, str):  # false, 0, [] are not "no model": vLLM's own model refuses them too
         raise bad("'model' must be a string.", "model", "invalid_type")
     stream = body.get("stream", False)
     if stream is None:
@@ -261,7 +272,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
             params[flag] = value
     for name, harmless in (_UNSUPPORTED | _VLLM_EXTRAS | _VLLM_EXTRAS_BY_KIND[kind]).items():
         v = body.get(name)
-        if v is not None and not any(v == h and type(v) is type(h) for h in harmless):
+        if v is not None and not any(_same_value(v, h) for h in harmless):
             raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
     return GenerationRequest(
         kind=kind,

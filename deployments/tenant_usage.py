@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 
 WINDOW_S = 120.0  # two minutes: a prompt-tokens-per-minute bucket refills in one
 MIN_KEPT = 256  # a tenant's last placements kept whatever their age (a slow bucket's recent use)
@@ -95,6 +96,7 @@ class PeerTenantUsage:
             entries, trimmed = log.entries, log.trimmed
             start = max(cursor, trimmed)
             end = trimmed + len(entries)
-            # from the end: a reader is usually a few entries behind, and deque indexing is fast near its ends
-            new = [entries[i - trimmed] for i in range(start, end)]
+            # one pass from the reader's position (indexing a deque by position walks it: a new reader at the
+            # start of a long log would pay about n^2 steps, under the lock the router thread's appends wait on)
+            new = list(islice(entries, start - trimmed, None))
             return max(start, end), new

@@ -188,6 +188,8 @@ def test_vllms_defaults_for_the_refused_extras_change_nothing_and_are_accepted()
         "parallel_tool_calls": False,  # OpenAI's, meaningless without tools (refused)
         "user": "u",
         "request_id": "client-chosen-id",  # names the request, shapes nothing: accepted (kvmesh keeps its own ids)
+        "session_id": "conv-42",  # the same for its session
+        "stream_interval": 4,  # how tokens are grouped into stream chunks: the output is the same
         "metadata": {"a": "b"},  # neither served nor known to vLLM: ignored, as vLLM ignores it
     }
     assert proto.parse_chat({"model": "m", "messages": MSGS, **chat}).messages
@@ -223,3 +225,16 @@ def test_every_field_of_vllms_own_requests_is_served_or_refused():
                 assert default == harmless[0] or (default is None and not harmless[0]), (kind, name, default)
             else:
                 assert default is None, (kind, name, default)
+
+
+@pytest.mark.parametrize("model", [False, 0, [], {}])
+def test_a_falsy_model_that_is_not_a_string_is_refused_not_taken_for_no_model(model):
+    assert err(proto.parse_chat, {"model": model, "messages": MSGS}).code == "invalid_type"
+
+
+def test_a_bool_is_not_taken_for_a_harmless_number():
+    assert err(proto.parse_completion, {"model": "m", "prompt": "x", "priority": False}).code == "unsupported_parameter"
+
+
+def test_a_harmless_number_counts_whatever_its_kind():
+    assert proto.parse_completion({"model": "m", "prompt": "x", "priority": 0.0}).prompt_text == "x"  # vLLM: int 0
