@@ -4,6 +4,8 @@ for, and the stated optimism of the default `routed` stores."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sim_fakes import FixedPlacement
 
@@ -87,14 +89,7 @@ def test_a_request_in_a_gap_waits_for_a_sequence_slot():
     # max_batch 2. D1 and D2 decode on r1 until 0.12 s; A is held there from 0.02 s to 0.17 s (P computes its
     # prefix on r0). G (one token) sent at 0.03 s fits the gap in time but finds both slots taken until 0.12:
     # it starts then, 0.12-0.13 (TTFT 0.10), not at once beside D1 and D2
-    cost = CostModel(
-        prefill_s_per_token=0.01,
-        prefill_base_s=0.0,
-        decode_s_per_token=0.001,
-        host_load_s_per_token=0.0,
-        shared_load_s_per_token=0.0,
-        max_batch=2,
-    )
+    cost = dataclasses.replace(COST, max_batch=2)
     t = trace(
         (0, 17, 1, [1, 2, 3, 4, 5]),
         (0, 1, 110, [40]),
