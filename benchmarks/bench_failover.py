@@ -35,6 +35,7 @@ def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunRepor
     """Both runs on one app (one start-up): the untouched run as one tenant, the killed run as another,
     whose salt keeps its prefixes apart, so each run starts from cold caches. The counters are per run
     ({"untouched": {name: growth}, "killed": ...}): what each of COUNTERS grew by while that run ran."""
+    import shutil
     import tempfile
 
     import yaml
@@ -45,7 +46,8 @@ def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunRepor
     keys = {run: f"kvm-bench-{run}-" + os.urandom(6).hex() for run in ("untouched", "killed")}
     # both operators: the bench reads the router's state (which replica runs where) with either key
     tenants = [{"id": run, "keys": [{"sha256": hash_api_key(key)}], "operator": True} for run, key in keys.items()]
-    tenants_file = os.path.join(tempfile.mkdtemp(prefix="kvmesh-bench-failover-"), "tenants.yaml")
+    folder = tempfile.mkdtemp(prefix="kvmesh-bench-failover-")  # removed when the app stops, below
+    tenants_file = os.path.join(folder, "tenants.yaml")
     with open(tenants_file, "w", encoding="utf-8") as fh:
         yaml.safe_dump({"tenants": tenants}, fh)
     config = {
@@ -75,6 +77,7 @@ def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunRepor
         return reports["untouched"], reports["killed"], counters
     finally:
         stop_local()
+        shutil.rmtree(folder, ignore_errors=True)  # the tenants file: its key digests leave with the run
 
 
 def read_counters(url: str, headers: dict) -> dict[str, float]:

@@ -101,3 +101,9 @@ def test_each_runs_failed_requests_are_printed_and_judged_on_their_own_row(
     for run, n in (("untouched", base_failed), ("killed", killed_failed)):
         assert f"{'PASS' if n == 0 else 'MISS'}  failed requests ({run} run): {n:.3f} (target == 0)" in out
     assert status == (1 if base_failed or killed_failed else 0)
+
+
+def test_the_tenants_file_with_its_key_digests_leaves_with_the_run(monkeypatch, tmp_path, capsys):
+    _fake_app(monkeypatch, tmp_path, failed={"untouched": 0, "killed": 0}, migrations={"untouched": 0, "killed": 1})
+    _main(capsys)
+    assert not list(tmp_path.glob("kvmesh-bench-failover-*"))  # it stayed in the temp folder after every run
