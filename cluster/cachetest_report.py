@@ -8,7 +8,7 @@ a log of tens of thousands of requests is built in seconds (benchmarks/bench_cac
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.cluster.cachetest_analysis import MissAnalyzer, Sent, paused_gc
@@ -302,19 +302,28 @@ def _paired(by_pass: dict, new: str, old: str, rates: Rates) -> dict:
     """Pass `new` against pass `old` over the requests answered in both (by request id): the change in
     input cost (each answer billed as `pass_figures` bills it) and in TTFT p50 (over those with a first
     token in both), with the number of requests each compares."""
-    a, b = by_pass.get(new, {}), by_pass.get(old, {})
-    both = [(x, b[k]) for k, x in a.items() if k in b and x.get("error") is None and b[k].get("error") is None]
+    both = answered_in_both(by_pass.get(new, {}), by_pass.get(old, {}))
     cost_new = sum(rates.cost(x["prompt_tokens"], x["cached_tokens"] or 0) for x, _ in both)
     cost_old = sum(rates.cost(y["prompt_tokens"], y["cached_tokens"] or 0) for _, y in both)
-    timed = [(x["ttft_s"], y["ttft_s"]) for x, y in both if x.get("ttft_s") is not None and y.get("ttft_s") is not None]
-    p50_new = _pct(sorted(t for t, _ in timed), 0.5)
-    p50_old = _pct(sorted(t for _, t in timed), 0.5)
+    p50_new, p50_old, timed = ttft_p50s(both)
     return {
         "cost_change": _rel(cost_new, cost_old) if both else None,
         "cost_requests": len(both),
         "ttft_change": _rel(p50_new, p50_old),
-        "ttft_requests": len(timed),
+        "ttft_requests": timed,
     }
+
+
+def answered_in_both(a: Mapping, b: Mapping) -> list[tuple[dict, dict]]:
+    """(row in a, row in b) for every request key answered (no error) in both runs, in a's order: two runs
+    compared over the same requests (`kvmesh demo` pairs its runs the same way)."""
+    return [(x, b[k]) for k, x in a.items() if k in b and x.get("error") is None and b[k].get("error") is None]
+
+
+def ttft_p50s(both: Sequence[tuple[dict, dict]]) -> tuple[float | None, float | None, int]:
+    """TTFT p50 of each side over the pairs with a first token in both, and how many such pairs."""
+    timed = [(x["ttft_s"], y["ttft_s"]) for x, y in both if x.get("ttft_s") is not None and y.get("ttft_s") is not None]
+    return _pct(sorted(t for t, _ in timed), 0.5), _pct(sorted(t for _, t in timed), 0.5), len(timed)
 
 
 def _rel(new: float | None, old: float | None) -> float | None:

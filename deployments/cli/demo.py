@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 
-from kvmesh.cluster.stats import nearest_rank
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import int_up_to, output_file, positive_int
 from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
@@ -395,12 +394,12 @@ def _rows(name: str, results: dict[str, dict], replays: dict | None) -> list[dic
 
 
 def _paired(a_rows: list[dict], b_rows: list[dict]) -> dict:
-    """Two runs of the same requests over the requests answered in both (by request index), as
-    cluster/cachetest_report.py's `_paired` pairs the HTML report's passes."""
-    answered = {x["index"]: x for x in b_rows if x.get("error") is None}
-    both = [(x, answered[x["index"]]) for x in a_rows if x.get("error") is None and x["index"] in answered]
+    """Two runs of the same requests over the requests answered in both (by request index), paired as the
+    cachetest report pairs its passes (`cachetest_report.answered_in_both`, `ttft_p50s`)."""
+    from kvmesh.cluster.cachetest_report import answered_in_both, ttft_p50s
+
+    both = answered_in_both({x["index"]: x for x in a_rows}, {x["index"]: x for x in b_rows})
     counted = [(x, y) for x, y in both if x.get("cached_tokens") is not None and y.get("cached_tokens") is not None]
-    timed = [(x["ttft_s"], y["ttft_s"]) for x, y in both if x.get("ttft_s") is not None and y.get("ttft_s") is not None]
     return {
         "answered": len(both),
         "uncached": (
@@ -408,11 +407,7 @@ def _paired(a_rows: list[dict], b_rows: list[dict]) -> dict:
             sum(y["prompt_tokens"] - y["cached_tokens"] for _, y in counted),
             len(counted),
         ),
-        "ttft_p50": (
-            nearest_rank(sorted(t for t, _ in timed), 0.5) if timed else None,
-            nearest_rank(sorted(t for _, t in timed), 0.5) if timed else None,
-            len(timed),
-        ),
+        "ttft_p50": ttft_p50s(both),
     }
 
 
