@@ -161,9 +161,9 @@ class Limits:
             elif name in _COUNT_LIMITS:
                 values[name] = _count(value, f"{where}.{name}")
             elif name in ("burst_requests", "tokens_per_min"):
-                values[name] = _at_least_one(value, f"{where}.{name}")
+                values[name] = _at_least(value, f"{where}.{name}", 1)
             elif name == "requests_per_s":
-                values[name] = _rate(value, f"{where}.{name}")
+                values[name] = _at_least(value, f"{where}.{name}", MIN_REQUESTS_PER_S, " (one request in 11.6 days)")
             else:
                 values[name] = _positive(value, f"{where}.{name}")
         limits = replace(base, **values)
@@ -193,23 +193,14 @@ def _positive(value: Any, where: str) -> float:
 MIN_REQUESTS_PER_S = 1e-6
 
 
-def _rate(value: Any, where: str) -> float:
-    """requests_per_s: finite and at least MIN_REQUESTS_PER_S."""
-    if not finite_number(value) or value < MIN_REQUESTS_PER_S:
-        raise ConfigError(
-            f"{where}: expected a finite number >= {MIN_REQUESTS_PER_S:g} (one request in 11.6 days) or null, "
-            f"got {brief(repr(value))}"
-        )
-    return value
-
-
-def _at_least_one(value: Any, where: str) -> float:
-    """A bucket's size: finite and at least 1. A request bucket's burst (each request takes 1) or a
-    tokens_per_min budget (a text prompt is counted as at least 1 token before it is tokenised) below 1
+def _at_least(value: Any, where: str, low: float, meaning: str = "") -> float:
+    """A finite number of at least `low`, else ConfigError (`meaning`: what `low` stands for, in the message).
+    requests_per_s: MIN_REQUESTS_PER_S. A bucket's size: 1; a request bucket's burst (each request takes 1)
+    or a tokens_per_min budget (a text prompt is counted as at least 1 token before it is tokenised) below 1
     could never admit a request, so the tenant would be refused for good while told to retry in 1 s or 60 s;
     a fraction above 1 is a bucket size like any other (the default burst, max(1, requests_per_s), may be one)."""
-    if not finite_number(value) or value < 1:
-        raise ConfigError(f"{where}: expected a finite number >= 1 or null, got {brief(repr(value))}")
+    if not finite_number(value) or value < low:
+        raise ConfigError(f"{where}: expected a finite number >= {low:g}{meaning} or null, got {brief(repr(value))}")
     return float(value)
 
 
