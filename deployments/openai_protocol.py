@@ -106,9 +106,15 @@ _SERVED = frozenset(
 )  # fmt: skip
 
 
+# per request kind: every field refused unless it holds one of its harmless values (merged once, not per request)
+_REFUSED: dict[str, dict[str, tuple]] = {
+    kind: _UNSUPPORTED | _VLLM_EXTRAS | extras for kind, extras in _VLLM_EXTRAS_BY_KIND.items()
+}
+
+
 def known_fields(kind: str) -> frozenset[str]:
     """Every request field this parser serves, refuses or accepts on purpose (vLLM's own must all be here)."""
-    return _SERVED | set(_UNSUPPORTED) | set(_VLLM_EXTRAS) | set(_VLLM_EXTRAS_BY_KIND[kind])
+    return _SERVED | set(_REFUSED[kind])
 
 
 class OpenAIError(Exception):
@@ -270,7 +276,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
             if not isinstance(value, bool):
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
-    for name, harmless in (_UNSUPPORTED | _VLLM_EXTRAS | _VLLM_EXTRAS_BY_KIND[kind]).items():
+    for name, harmless in _REFUSED[kind].items():  # in the tables' order: the first refused field is named
         v = body.get(name)
         if v is not None and not any(_same_value(v, h) for h in harmless):
             raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
