@@ -83,11 +83,6 @@ def lmcache_connection(cfg: dict) -> tuple[dict | None, TierConfig | None]:
     return None, None
 
 
-def lmcache_kv_transfer(cfg: dict) -> dict | None:
-    """The kv_transfer_config this engine should use (the tiered store's hook): `lmcache_connection`'s first half."""
-    return lmcache_connection(cfg)[0]
-
-
 _L1_WARNED: set[tuple[str, float, float]] = set()  # (node, server's L1 GB, this config's) warned of already
 
 

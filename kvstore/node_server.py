@@ -9,8 +9,7 @@ same one. It needs no CPU reservation: the server's work is memory copies driven
 The server process is a child of the actor with a parent-death signal, so killing the actor (or Ray
 going away) also ends the server instead of leaving it orphaned.
 
-Engine start-up (deployments/engine.py calls `engine_lmcache`, below; `engine_kv_transfer_config` is its
-first half):
+Engine start-up (deployments/engine.py calls `engine_lmcache`, below):
 
     server = connect_node_server(tier_config)             # get-or-create this node's server
     kv_transfer_config = kvmesh.kvstore.tiers.kv_transfer_config(*server.endpoint)
@@ -186,16 +185,6 @@ def connect_node_server(
     return NodeServerInfo(endpoint=(str(endpoint[0]), int(endpoint[1])), config=running)
 
 
-def ensure_node_server(
-    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
-) -> tuple[str, int]:
-    """Get or create this node's LMCache server actor; return the (host, port) engines connect to.
-
-    `connect_node_server` without the server's settings; raises the same TierConfigError.
-    """
-    return connect_node_server(tier_config, node_id, timeout_s).endpoint
-
-
 def engine_lmcache(lmcache: dict, block_size: int) -> tuple[dict, TierConfig]:
     """Engine start-up hook (deployments/engine.py): this node's LMCache server → (kv_transfer_config, the
     tier config that server runs with, which the engine describes to the routers).
@@ -209,11 +198,6 @@ def engine_lmcache(lmcache: dict, block_size: int) -> tuple[dict, TierConfig]:
     patch_llvmlite_dunder_lookup()
     server = connect_node_server(cfg)
     return kv_transfer_config(*server.endpoint), server.config
-
-
-def engine_kv_transfer_config(lmcache: dict, block_size: int) -> dict:
-    """`engine_lmcache`'s kv_transfer_config alone."""
-    return engine_lmcache(lmcache, block_size)[0]
 
 
 def _to_dict(cfg: TierConfig) -> dict:

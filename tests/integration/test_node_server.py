@@ -63,14 +63,14 @@ def ray_local(tmp_path_factory):
 
 def test_one_server_per_node_found_by_every_engine(ray_local, tmp_path):
     from kvmesh.kvstore import node_server
-    from kvmesh.kvstore.node_server import engine_kv_transfer_config
+    from kvmesh.kvstore.node_server import engine_lmcache
 
     cfg = _cfg(tmp_path)
-    first = node_server.ensure_node_server(cfg)
-    assert node_server.ensure_node_server(cfg) == first  # get-or-create: the same server
+    first = node_server.connect_node_server(cfg).endpoint
+    assert node_server.connect_node_server(cfg).endpoint == first  # get-or-create: the same server
     node_id = ray_local.get_runtime_context().get_node_id()
     assert list(node_server.node_servers()) == [node_id]
-    kv = engine_kv_transfer_config(cfg, block_size=32)
+    kv, _ = engine_lmcache(cfg, block_size=32)
     extra = kv["kv_connector_extra_config"]
     # the node's server on an ipc socket in an owner-only folder: no other user of the machine reaches it
     assert (extra["lmcache.mp.host"], extra["lmcache.mp.port"]) == (first[0], first[1])
@@ -81,9 +81,9 @@ def test_one_server_per_node_found_by_every_engine(ray_local, tmp_path):
     assert status[node_id]["tiers"]["host_hit_tokens"] == 0
 
     with pytest.raises(TierConfigError, match="already runs"):
-        node_server.ensure_node_server({**cfg, "chunk_size": 128})
+        node_server.connect_node_server({**cfg, "chunk_size": 128})
     with pytest.raises(TierConfigError, match="multiple"):
-        engine_kv_transfer_config(cfg, block_size=96)
+        engine_lmcache(cfg, block_size=96)
 
     assert node_server.stop_node_servers() == 1
     deadline = time.monotonic() + 30

@@ -465,7 +465,7 @@ def test_an_engine_is_told_the_settings_of_the_server_it_connected_to(monkeypatc
     assert later.endpoint == first.endpoint == ("ipc:///tmp/kvmesh-test/requests", 1)
     assert later.config.l1_size_gb == 32 and later.config.chunk_size == 256
     assert later.config.l2 == {"type": "resp", "host": "kvmesh-valkey", "port": 6379}
-    assert node_server.ensure_node_server({**FIRST, "l1_size_gb": 64}) == first.endpoint
+    assert node_server.connect_node_server({**FIRST, "l1_size_gb": 64}).endpoint == first.endpoint
     kv, running = node_server.engine_lmcache({**FIRST, "l1_size_gb": 64}, block_size=16)
     assert running.l1_size_gb == 32
     assert kv["kv_connector_extra_config"]["lmcache.mp.host"] == first.endpoint[0]
@@ -473,10 +473,10 @@ def test_an_engine_is_told_the_settings_of_the_server_it_connected_to(monkeypatc
 
 def test_a_server_of_another_chunk_size_or_shared_tier_is_refused_saying_how_to_resolve_it(monkeypatch):
     _fake_ray(monkeypatch)
-    node_server.ensure_node_server({**FIRST, "l2": "redis://:s3cret-pw@kvmesh-valkey:6379"})
+    node_server.connect_node_server({**FIRST, "l2": "redis://:s3cret-pw@kvmesh-valkey:6379"})
     for change in ({"chunk_size": 512}, {"l2": "redis://other:6379"}):
         with pytest.raises(TierConfigError) as err:
-            node_server.ensure_node_server({**FIRST, **change})
+            node_server.connect_node_server({**FIRST, **change})
         message = str(err.value)
         assert "already runs an LMCache server" in message and "s3cret-pw" not in message
         assert "until it is restarted" in message
@@ -485,7 +485,7 @@ def test_a_server_of_another_chunk_size_or_shared_tier_is_refused_saying_how_to_
 
 def test_the_server_actor_still_answers_the_previous_versions_shape_call(monkeypatch):
     _fake_ray(monkeypatch)
-    node_server.ensure_node_server(FIRST)
+    node_server.connect_node_server(FIRST)
     core = node_server._actor_cls().by_name[node_server.actor_name("ab" * 28)].core
     assert core.shape() == {"chunk_size": 256, "l2": {"type": "resp", "host": "kvmesh-valkey", "port": 6379}}
     assert node_server.TierConfig.from_dict(core.settings()).l1_size_gb == 32
