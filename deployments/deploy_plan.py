@@ -181,12 +181,21 @@ SET_ELSEWHERE_ON_KUBERAY = {
 
 
 def pod_groups(service: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A RayService manifest's pod groups: name -> {"pod": pod spec, "params": rayStartParams, "max_pods"}."""
+    """A RayService manifest's pod groups: name -> {"template": pod template, "pod": its spec, "params":
+    rayStartParams, "max_pods"}."""
     cluster = service["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
-    groups = {"head": {"pod": head["template"]["spec"], "params": head.get("rayStartParams") or {}, "max_pods": 1}}
+    groups = {
+        "head": {
+            "template": head["template"],
+            "pod": head["template"]["spec"],
+            "params": head.get("rayStartParams") or {},
+            "max_pods": 1,
+        }
+    }
     for group in cluster.get("workerGroupSpecs") or []:
         groups[group["groupName"]] = {
+            "template": group["template"],
             "pod": group["template"]["spec"],
             "params": group.get("rayStartParams") or {},
             "max_pods": group.get("maxReplicas", group.get("replicas", 1)),
@@ -234,6 +243,11 @@ def landing_groups(config: Mapping[str, Any], service: Mapping[str, Any]) -> dic
     }
 
 
+def container_env(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The environment a pod's Ray container sets: name -> value (None: set from elsewhere, or no value)."""
+    return {e["name"]: e.get("value") for e in pod["containers"][0].get("env") or []}
+
+
 def _mount_dirs(pod: Mapping[str, Any]) -> list[str]:
     container = pod["containers"][0]
     volumes = {v["name"] for v in pod.get("volumes") or []}
@@ -247,7 +261,7 @@ def missing_files(config: Mapping[str, Any], service: Mapping[str, Any]) -> list
     for dep, names in landing_groups(config, service).items():
         for name in names:
             pod = groups[name]["pod"]
-            env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env") or []}
+            env = container_env(pod)
             mounts = _mount_dirs(pod)
             for what, path in files_read(config, env)[dep].items():
                 if path is None or not any((path.rstrip("/") + "/").startswith(m) for m in mounts):

@@ -86,11 +86,9 @@ def node_server_digest(config: Mapping[str, Any]) -> str:
 
 def _pod_templates(service: Mapping[str, Any]) -> dict[str, Any]:
     """group name ("head" or a worker group's) -> its pod template, as the manifest has it."""
-    cluster = service["spec"]["rayClusterConfig"]
-    templates = {"head": cluster["headGroupSpec"]["template"]}
-    for group in cluster.get("workerGroupSpecs") or []:
-        templates[group["groupName"]] = group["template"]
-    return templates
+    from kvmesh.deployments.deploy_plan import pod_groups
+
+    return {name: group["template"] for name, group in pod_groups(service).items()}
 
 
 # the annotation's line: its value (quoted or plain) replaced, a comment after it kept
@@ -135,10 +133,9 @@ def check_stamped(service: Mapping[str, Any], digest: str, lines: int) -> list[s
 def proxy_problems(service: Mapping[str, Any]) -> list[str]:
     """The Ray containers must agree on RAY_SERVE_ENABLE_HA_PROXY (Serve's proxy or its HAProxy mode), each
     setting it: one left unset would follow Ray's default, not the manifest's choice."""
-    seen = {}
-    for name, template in _pod_templates(service).items():
-        env = {e.get("name"): e.get("value") for e in template["spec"]["containers"][0].get("env") or []}
-        seen[name] = env.get(PROXY_ENV)
+    from kvmesh.deployments.deploy_plan import container_env, pod_groups
+
+    seen = {name: container_env(group["pod"]).get(PROXY_ENV) for name, group in pod_groups(service).items()}
     if len(set(seen.values())) > 1 or None in seen.values():
         values = ", ".join(f"{name}: {'unset' if v is None else repr(v)}" for name, v in seen.items())
         return [f"the Ray containers must all set {PROXY_ENV} to the same value ({values})"]
