@@ -51,7 +51,11 @@ class PeerClocks:
     observes, whose least stays the old one, and the estimate would be off by half the step for
     `window_s`. So each router watches its own wall clock against the monotonic one (`own_clock`), forgets
     what it observed when it steps and counts the step in `epoch`, which it publishes; a peer's new epoch
-    makes this router forget what it observed of that peer (`peer_epoch`)."""
+    makes this router forget what it observed of that peer (`peer_epoch`).
+
+    Its window ages on the wall clock its observations are on (`heard_at`, `now`): those observed before a
+    step are wrong after it anyway, and are forgotten once it is seen (`own_clock`, at the next poll; a
+    clock set back, at the next observation)."""
 
     def __init__(self, window_s: float = CLOCK_WINDOW_S, bucket_s: float = CLOCK_BUCKET_S) -> None:
         self.window_s = window_s
@@ -170,11 +174,16 @@ class UnseenPlacements:
     mean work stays over every placement heard: each adds its prefill to some replica's queue.
 
     A placement heard with its `router` is measured on that peer's clock offset (`clocks`, once estimated):
-    the lag is the stream's, not the hosts' clock skew."""
+    the lag is the stream's, not the hosts' clock skew.
+
+    The window ages on a clock of its own (`heard`'s `at`, `estimate`'s `now`: the live router's monotonic
+    clock), the wall clock serving only the lag, which compares with the peer's stamp. On the wall clock, a
+    step back would leave every placement heard before it in the future, kept until the clock caught up
+    (the window growing with each placement heard, the estimate inflated); a step forward would empty it."""
 
     def __init__(self, window_s: float = UNSEEN_WINDOW_S) -> None:
         self.window_s = window_s
-        self._heard: deque[tuple[float, float, float]] = deque()  # (heard at, lag, prefill tokens)
+        self._heard: deque[tuple[float, float, float]] = deque()  # (arrived at, window's clock; lag; prefill tokens)
         self._lag_sum = 0.0
         self._tokens_sum = 0.0
         self.count = 0  # every placement heard, and their lag: the stream's latency as /kvmesh/state shows it
@@ -186,12 +195,20 @@ class UnseenPlacements:
         self.clocks = PeerClocks()
 
     def heard(
-        self, sent_at: float, heard_at: float, tokens: float, free: bool = True, router: str | None = None
+        self,
+        sent_at: float,
+        heard_at: float,
+        tokens: float,
+        free: bool = True,
+        router: str | None = None,
+        at: float | None = None,
     ) -> None:
         """A peer's placement of `tokens` prefill work, made at `sent_at` (the peer's clock), arrived at
-        `heard_at` (this router's). With `router`, the lag is corrected by that peer's clock offset once
-        `clocks` has it; a negative lag (skew not, or not yet, corrected) counts as none. `free`: the peer
-        was free to choose its replica (`is_free_choice`); only free placements add to the unseen count."""
+        `heard_at` (this router's wall clock). With `router`, the lag is corrected by that peer's clock offset
+        once `clocks` has it; a negative lag (skew not, or not yet, corrected) counts as none. `free`: the peer
+        was free to choose its replica (`is_free_choice`); only free placements add to the unseen count.
+        `at`: its arrival on the clock the window ages on (the router's monotonic one); default `heard_at`,
+        where one clock serves both (the simulator)."""
         offset = None
         if router is not None:
             self.clocks.observe(router, sent_at, heard_at)
@@ -209,10 +226,11 @@ class UnseenPlacements:
             c[2] = max(c[2], lag)
         if not free:
             lag = 0.0
-        self._heard.append((heard_at, lag, tokens))
+        arrived = heard_at if at is None else at
+        self._heard.append((arrived, lag, tokens))
         self._lag_sum += lag
         self._tokens_sum += tokens
-        self._drop(heard_at)
+        self._drop(arrived)
 
     def lag_stats(self) -> tuple[int, float, float]:
         """(placements, lag total, lag max) the stream's latency is shown from: those measured on a known
@@ -223,7 +241,8 @@ class UnseenPlacements:
         return self.count, self.lag_total, self.lag_max
 
     def estimate(self, now: float) -> tuple[float, float]:
-        """(peers' placements made but not heard of here, their mean prefill tokens), expected at `now`."""
+        """(peers' placements made but not heard of here, their mean prefill tokens), expected at `now` (on
+        the window's clock: `heard`'s `at`)."""
         self._drop(now)
         if not self._heard:
             return 0.0, 0.0

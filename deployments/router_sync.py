@@ -103,9 +103,11 @@ class PeerPlacements:
     """Other routers' in-flight placements, applied to this router's index and policies.
 
     `policies` is a callable returning the router's live policy objects (tenants may add some later).
-    `clock` is the wall clock peers stamp their placements with (`routed_message`). With `tiers` (the
-    router's TierTracker), a peer's request that completed after its first token counts in its node's
-    LMCache tiers, as the router's own do: LMCache stored its prompt whichever router placed it. `tenants`
+    `clock` is the wall clock peers stamp their placements with (`routed_message`), used only for what is
+    compared with a peer's stamp (lags, clock offsets): what ages (`expire`, the unseen window) counts on
+    `monotonic`, which a step of the wall clock leaves alone. With `tiers` (the router's TierTracker), a
+    peer's request that completed after its first token counts in its node's LMCache tiers, as the
+    router's own do: LMCache stored its prompt whichever router placed it. `tenants`
     collects what peers placed per tenant, for fleet-wide tenant limits (default: a new log on the
     monotonic clock). `on_computed(info)` is called once per peer request whose first token came back: its
     prompt has been computed, wherever it was placed (the router's miss attribution counts it as seen)."""
@@ -142,7 +144,7 @@ class PeerPlacements:
         self.dropped_unheard = 0
         self.applied = 0
         self.clock = clock
-        self.monotonic = time.monotonic  # what a placement's `seen` and `expire` count in
+        self.monotonic = time.monotonic  # what a placement's `seen`, `expire` and the unseen window count in
         self.unseen = UnseenPlacements()
         self.router_id: str | None = None  # this router's (`RouterSync.open`): its entry in a peer's `clock` message
 
@@ -192,7 +194,7 @@ class PeerPlacements:
 
     def unseen_placements(self) -> tuple[float, float]:
         """(peers' placements this router cannot know of yet, their mean prefill tokens): `UnseenPlacements`."""
-        return self.unseen.estimate(self.clock())
+        return self.unseen.estimate(self.monotonic())
 
     def apply(self, msg: list) -> None:
         """One message from a peer: [kind, router, request, replica, *payload]."""
@@ -218,13 +220,14 @@ class PeerPlacements:
             stamp = float(msg[10]) if len(msg) > 10 else None  # stamped by the peer when it placed the request
             free = bool(msg[11]) if len(msg) > 11 else True
             view = ReplicaView(replica_id=replica, hbm_blocks=hbm, host_blocks=host, shared_blocks=shared)
+            arrived = self.monotonic()
             placed = PeerPlacement(
                 replica,
                 info,
                 uncached=info.num_tokens - shared * info.block_size,
                 view=view,
                 predict=self._predict(),
-                seen=self.monotonic(),
+                seen=arrived,
             )
             # checked whole first: a bad message leaves nothing half-applied; counted before an earlier call of it
             # or its held claim is let go, so its tenant's count does not dip meanwhile
@@ -234,7 +237,7 @@ class PeerPlacements:
             self.placements[key] = placed
             self._in_flight_ids[key[1]] = self._in_flight_ids.get(key[1], 0) + 1
             if stamp is not None:
-                self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router)
+                self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router, at=arrived)
             if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
                 for policy in self.policies():
                     policy.on_routed(info, replica, view)
@@ -440,7 +443,9 @@ def _registry_class():
             self.entries: dict[str, tuple[str, float]] = {}
 
         def heartbeat(self, router: str, endpoint: str) -> dict[str, str]:
-            now = time.time()
+            # one process stamps and reads every entry: on its monotonic clock, a step of the wall clock
+            # neither keeps a dead router listed (back) nor drops every live one with its placements (forward)
+            now = time.monotonic()
             self.entries[router] = (endpoint, now)
             for gone in [r for r, (_, t) in self.entries.items() if now - t >= PEER_TTL_S]:
                 del self.entries[gone]  # a router that died without `leave`

@@ -257,3 +257,56 @@ def test_a_router_publishes_its_clock_message_only_to_peers():
     assert sync.stats()["clock_offset_ms"] == {"B": 10.0} and sync.bad_messages == 0
     sync._apply(msgpack.packb(["batch", "B", "", "", [["clock", "B", "", "", 1.0, {}], ["live", "B", "", "", []]]]))
     assert sync.first_peer_s is not None
+
+
+@pytest.mark.parametrize("step", [-600.0, 600.0])
+def test_a_stepped_wall_clock_leaves_the_unseen_window_as_it_was(step):
+    """This host's wall clock is stepped (NTP, a resumed VM), its monotonic one is not; the peer on it stamps
+    on the same wall clock, so every lag stays 50 ms. The window ages on the monotonic clock: on the wall
+    one, a step back kept every placement heard before it (the window grew with each placement heard and
+    the estimate with it) and a step forward emptied it."""
+    wall, mono = [1_000_000.0], [50.0]
+    peers = PeerPlacements(Index(), lambda: [], clock=lambda: wall[0])
+    peers.monotonic = lambda: mono[0]
+    peers.router_id = "A"
+    n = [0]
+
+    def hear(seconds: float) -> None:
+        for _ in range(round(seconds * 100)):  # 100 placements a second, each heard 50 ms after it was made
+            wall[0] += 0.01
+            mono[0] += 0.01
+            n[0] += 1
+            info = RequestInfo(block_hashes=[1], num_tokens=64, block_size=32, request_id=f"q{n[0]}")
+            peers.apply(routed_message("B", info, "r0", (0, 0, 0), sent_at=wall[0] - 0.05))
+
+    hear(3.0)
+    assert peers.unseen_placements()[0] == pytest.approx(5.0, abs=0.1)  # 100 a second x 50 ms
+    wall[0] += step
+    for _ in range(20):
+        hear(0.5)
+        assert peers.unseen_placements()[0] == pytest.approx(5.0, abs=0.1), len(peers.unseen._heard)
+        assert len(peers.unseen._heard) <= 201  # the last 2 s of placements, however long since the step
+
+
+def test_the_router_registry_ages_its_entries_on_its_monotonic_clock(monkeypatch):
+    """A step of the registry's wall clock neither keeps a router that stopped heartbeating listed (back)
+    nor drops every live one, and their placements with them, from its peers (forward)."""
+    import time
+
+    from kvmesh.deployments.router_sync import PEER_TTL_S, _registry_class
+
+    wall, mono = [1_000_000.0], [50.0]
+    monkeypatch.setattr(time, "time", lambda: wall[0])
+    monkeypatch.setattr(time, "monotonic", lambda: mono[0])
+    registry = _registry_class().__ray_actor_class__()
+    registry.heartbeat("A", "tcp://a")
+    registry.heartbeat("B", "tcp://b")
+    wall[0] += 600.0  # forward: B heartbeated a second ago
+    mono[0] += 1.0
+    assert registry.heartbeat("A", "tcp://a") == {"B": "tcp://b"}
+    wall[0] -= 1200.0  # back: B stops heartbeating
+    for _ in range(int(PEER_TTL_S) + 1):
+        wall[0] += 1.0
+        mono[0] += 1.0
+        listed = registry.heartbeat("A", "tcp://a")
+    assert listed == {}
