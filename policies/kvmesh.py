@@ -468,9 +468,14 @@ class KvmeshPolicy(Policy):
         c = self.cost
         p = c.prefill_s_per_token
         tokens = max(float(fleet.unseen_tokens), 0.0)
+        base = tokens * p + c.prefill_base_s
+        if not (base > 0 and np.isfinite(base)):
+            # unseen placements that cost nothing (no prefill base, and peers' prompts fully cached) add no
+            # work to spread: the deterministic best stands (water filling would divide by a zero step)
+            return None
         # one unseen placement's charge on each replica: its prefill (waited for by later requests there),
         # and the guard's and short window's charge for its work
-        step = np.full(len(score), tokens * p + c.prefill_base_s)
+        step = np.full(len(score), base)
         _, bound, spread_o, recent_bound_o, d = extra_o
         if self.guard_weight is not None:
             step += p * self.guard_weight * (np.maximum(work + tokens - bound, 0.0) - np.maximum(work - bound, 0.0))
@@ -499,6 +504,8 @@ class KvmeshPolicy(Policy):
         pi = np.maximum(level - keyed, 0.0) / (unseen * step)
         expected = np.where(blocked, np.inf, score + unseen * pi * step)
         best = float(expected.min())
+        if not np.isfinite(best):  # an expectation that means nothing (an overflow): the deterministic best
+            return None
         near = np.flatnonzero(expected <= best + 1e-9 * max(abs(best), 1.0))
         weights = pi[near]
         if len(near) == 1 or not weights.sum() > 0:
@@ -523,13 +530,15 @@ class KvmeshPolicy(Policy):
         self._fork_total = self._fork_total * d + 1.0
         if fork is not None:
             self._fork_count[fork] = self._fork_count.get(fork, 0.0) + 1.0 / self._fork_k
-            if len(self._fork_count) > self._fork_prune_at or self._fork_k < 1e-12:
-                # forget forks with under 1/1000 of a recent request; pruning at twice what stays keeps it
-                # amortised O(1) per request however many forks are live
-                k = self._fork_k
-                self._fork_count = {f: v * k for f, v in self._fork_count.items() if v * k > 1e-3}
-                self._fork_k = 1.0
-                self._fork_prune_at = max(4096, 2 * len(self._fork_count))
+        # renormalised whether or not this request passes a fork: left to decay through fork-less traffic,
+        # _fork_k underflows and the next fork's count 1 / _fork_k is infinite for good
+        if self._fork_k < 1e-12 or len(self._fork_count) > self._fork_prune_at:
+            # forget forks with under 1/1000 of a recent request; pruning at twice what stays keeps it
+            # amortised O(1) per request however many forks are live
+            k = self._fork_k
+            self._fork_count = {f: v * k for f, v in self._fork_count.items() if v * k > 1e-3}
+            self._fork_k = 1.0
+            self._fork_prune_at = max(4096, 2 * len(self._fork_count))
 
     def _age(self, live: int) -> float:
         """The short window's decay for one routed request (half-life in requests per replica)."""

@@ -9,26 +9,28 @@ are the replicas with the longest match, else the replicas with the smallest tre
 tenants"); (3) Serve sends to the least-queued candidate. Eviction is off by default (`do_eviction=False`):
 the tree keeps every prompt routed. With `do_eviction=True` a replica's tree over eviction_threshold_chars
 (400,000) is cut, least recently used first, to eviction_target_chars (360,000); here 4 characters per token
-turn those into tokens. Differences: the tree is over block hashes, not characters; the eviction check runs
-at each insertion instead of every eviction_interval_secs (10 s), since a policy has no clock.
+turn those into tokens. The tree holds a prompt only for the replica the request went to: the live router's
+withdrawn first choices are taken back out (`on_unrouted`). Differences: the tree is over block hashes, not
+characters; the eviction check runs at each insertion instead of every eviction_interval_secs (10 s), since a
+policy has no clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.policies.approx_tree import ApproxTree
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 from kvmesh.policies.cost_model import check_flag, check_param
+from kvmesh.policies.routed_tree import RoutedTree
 
 
-def prompt_tree(do_eviction: bool, threshold_chars: int, target_chars: int, chars_per_token: int) -> ApproxTree:
+def prompt_tree(do_eviction: bool, threshold_chars: int, target_chars: int, chars_per_token: int) -> RoutedTree:
     """The router's prefix tree: unbounded unless eviction is on, then cut from the threshold to the target."""
     if not do_eviction:
-        return ApproxTree(None)
+        return RoutedTree(None)
     threshold = max(1, threshold_chars // chars_per_token)
-    return ApproxTree(threshold, min(max(0, target_chars // chars_per_token), threshold))
+    return RoutedTree(threshold, min(max(0, target_chars // chars_per_token), threshold))
 
 
 class RayPrefixAffinity(Policy):
@@ -95,7 +97,12 @@ class RayPrefixAffinity(Policy):
 
     def on_routed(self, request, replica_id, view=None):
         super().on_routed(request, replica_id, view)
-        self.tree.insert(replica_id, request.block_hashes, request.block_size)
+        self.tree.commit(request, replica_id)
+
+    def on_unrouted(self, request, replica_id):
+        """Take the prompt back out of the replica's tree: Serve inserts only for the replica the request
+        was sent to, so a withdrawn first choice must not keep it."""
+        self.tree.withdraw(request, replica_id)
 
     def on_replica_removed(self, replica_id):
         self.tree.remove_replica(replica_id)

@@ -12,18 +12,20 @@ balance_abs_threshold AND max_load > balance_rel_threshold * min_load, where loa
 count of outstanding requests per worker; then the least-loaded worker wins. Otherwise the worker
 with the longest prefix match in the router's approximate tree (fed with each routed request, LRU
 trimmed) wins if match/len > cache_threshold, else the least-loaded worker (ties: the first in worker
-order, as `min_by_key` keeps). Differences: the tree is over block hashes, not characters, and
-`max_tree_tokens` bounds it in tokens.
+order, as `min_by_key` keeps). The tree holds a prompt only for the worker the request went to: the live
+router's withdrawn first choices are taken back out (`on_unrouted`). Differences: the tree is over block
+hashes, not characters, so `max_tree_size` (characters, as SGLang counts them) bounds it at
+`chars_per_token` (4, as for Ray's bounds in `ray_prefix_affinity`) characters a token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.policies.approx_tree import ApproxTree
 from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 from kvmesh.policies.cost_model import check_param
+from kvmesh.policies.routed_tree import RoutedTree
 
 
 class SglangCacheAware(Policy):
@@ -35,7 +37,8 @@ class SglangCacheAware(Policy):
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
-        max_tree_tokens: int = 2**26,
+        max_tree_size: int | None = 2**26,
+        chars_per_token: int = 4,
         **params,
     ):
         super().__init__(
@@ -43,18 +46,23 @@ class SglangCacheAware(Policy):
             cache_threshold=cache_threshold,
             balance_abs_threshold=balance_abs_threshold,
             balance_rel_threshold=balance_rel_threshold,
-            max_tree_tokens=max_tree_tokens,
+            max_tree_size=max_tree_size,
+            chars_per_token=chars_per_token,
             **params,
         )
         check_param(self.name, "cache_threshold", cache_threshold, high=1)
         check_param(self.name, "balance_abs_threshold", balance_abs_threshold)
         check_param(self.name, "balance_rel_threshold", balance_rel_threshold)
-        if max_tree_tokens is not None:  # None: the tree is never trimmed (ApproxTree's own default)
-            check_param(self.name, "max_tree_tokens", max_tree_tokens, 1, whole=True)
+        if max_tree_size is not None:  # None: the tree is never trimmed (ApproxTree's own default)
+            check_param(self.name, "max_tree_size", max_tree_size, 1, whole=True)
+        check_param(self.name, "chars_per_token", chars_per_token, 1, whole=True)
         self.cache_threshold = cache_threshold
         self.abs_t = balance_abs_threshold
         self.rel_t = balance_rel_threshold
-        self.tree = ApproxTree(max_tree_tokens)
+        # SGLang's max_tree_size counts characters (its tree is over text); this tree counts tokens, so the
+        # bound is converted, or it would keep chars_per_token times what SGLang keeps
+        bound = None if max_tree_size is None else max(1, max_tree_size // chars_per_token)
+        self.tree = RoutedTree(bound)
 
     def rank(self, request: RequestInfo, replicas: Sequence[ReplicaView]) -> list[str]:
         if not replicas:
@@ -73,7 +81,12 @@ class SglangCacheAware(Policy):
 
     def on_routed(self, request, replica_id, view=None):
         super().on_routed(request, replica_id, view)
-        self.tree.insert(replica_id, request.block_hashes, request.block_size)
+        self.tree.commit(request, replica_id)
+
+    def on_unrouted(self, request, replica_id):
+        """Take the prompt back out of the worker's tree: SGLang inserts only for the worker it sends to,
+        so a withdrawn first choice must not keep it."""
+        self.tree.withdraw(request, replica_id)
 
     def on_replica_removed(self, replica_id):
         self.tree.remove_replica(replica_id)

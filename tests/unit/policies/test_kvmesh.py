@@ -134,3 +134,28 @@ def test_the_fleet_totals_stay_the_sums_of_the_replicas_work_through_late_withdr
     p.on_replica_added("n0")
     p.on_replica_added("n1")
     assert min(p.recent_work().values()) >= 0
+
+
+def test_a_fork_after_long_fork_less_traffic_counts_as_its_real_share():
+    """Fork counts are stored divided by a scale that decays with every request. Renormalised only when a
+    request passed a fork, the scale underflowed through long fork-less traffic and the next fork's share
+    of recent requests read as infinite for good: its prompt was copied to every replica."""
+
+    def run(fork_less: int):
+        p = make_policy("kvmesh", half_life_requests=1.0)  # one replica: the scale halves per request
+        p.on_replica_added("r0")
+        for i in range(fork_less):
+            p.on_routed(
+                RequestInfo([10**7 + 2 * i, 10**7 + 2 * i + 1], 40, 16, 10, None, f"u{i}"), "r0", ReplicaView("r0")
+            )
+        for i in range(9):  # nine requests branch off block 1: a fork from the eighth
+            p.on_routed(RequestInfo([1, 100 + i], 40, 16, 10, None, f"s{i}"), "r0", ReplicaView("r0"))
+        return p
+
+    few, many = run(10), run(1060)  # the scale is subnormal by the fork: 1 / it overflows
+    share = [p._fork_count[1] * p._fork_k / p._fork_total for p in (few, many)]
+    assert 0 < share[1] <= 1
+    assert share[1] == pytest.approx(share[0], rel=1e-4)  # the fork-less requests before weigh ~0 by now
+    # its share times a fleet of 4 wants about two replicas: a hundred holding it need no further copy
+    assert not many._fork_needs_copy(1, holders=100, live=4)
+    assert many._fork_needs_copy(1, holders=0, live=4)

@@ -154,3 +154,20 @@ def test_with_the_hard_guard_ties_are_drawn_the_same_way_by_best_and_place():
         assert p.place(cold(i), fleet())[0] == j
         picks.add(j)
     assert len(picks) >= 8  # drawn by prompt, not the first replica every time
+
+
+def test_unseen_placements_that_cost_nothing_leave_the_deterministic_best():
+    """A cost model without a prefill base (a calibrated one has 0) and peers' prompts fully cached (0
+    uncached tokens) make an unseen placement charge nothing: there is no work to spread, and water
+    filling over a zero charge divided by it (every ranking raised)."""
+    p = make_policy("kvmesh", cost={"prefill_base_s": 0.0})
+    for i in range(N):
+        p.on_replica_added(f"r{i}")
+    for i in range(64):
+        p.on_routed(RequestInfo([5_000_000 + i], 10 * BS, BS, request_id=f"w{i}"), f"r{i % N}")
+    held = [0] * N
+    held[3] = 4  # one replica holds part of the prompt: the deterministic best is r3
+    for request in (cold(1), cold(2)):
+        stale, fresh = fleet(held, unseen=3.0, tokens=0.0), fleet(held)
+        assert p.best(request, stale) == p.best(request, fresh) == 3
+        assert p.place(request, stale) == p.place(request, fresh)

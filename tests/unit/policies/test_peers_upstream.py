@@ -112,3 +112,69 @@ def test_dynamo_books_the_blocks_of_requests_in_flight_once_and_charges_only_the
     vs = views(2, hbm_blocks={0: 6})
     vs[0].extra["active_blocks"], vs[1].extra["active_blocks"] = 10, 0
     assert p.rank(req(range(8)), vs)[0] == "r1"
+
+
+# ------------------------------------------------------------------ approximate trees: withdrawn commits
+@pytest.mark.parametrize("name", ["sglang_cache_aware", "ray_prefix_affinity"])
+def test_a_withdrawn_first_choice_does_not_keep_the_prompt_in_the_peer_tree(name):
+    # Serve's PrefixCacheAffinityRouter and SGLang's router insert a prompt only for the replica the request
+    # was sent to; the live router commits to its first choice at ranking time and withdraws it when Serve
+    # places the request elsewhere, so the withdrawn replica must not look like it holds the prompt
+    p = make_policy(name)
+    for r in ("r0", "r1", "r2"):
+        p.on_replica_added(r)
+    doc = RequestInfo(list(range(100, 120)), 20 * 16, 16, request_id="req-1")
+    p.on_routed(doc, "r0")
+    p.on_unrouted(doc, "r0")
+    p.on_routed(doc, "r1")
+    follow = RequestInfo(list(range(100, 120)) + [999], 21 * 16, 16, request_id="req-2")
+    assert p.tree.match(follow.block_hashes, ["r0", "r1", "r2"]) == {"r0": 0, "r1": 20, "r2": 0}
+    assert p.tree.size("r0") == 0 and p.tree.size("r1") == 20 * 16
+    assert p.rank(follow, views(3, queued={1: 1}))[0] == "r1"  # its holder, not the idle withdrawn one
+
+
+def test_a_withdrawal_removes_only_blocks_no_other_commit_references():
+    p = make_policy("ray_prefix_affinity")
+    system = list(range(10))
+    a = RequestInfo(system + [50, 51], 12 * 16, 16, request_id="a")
+    b = RequestInfo(system + [60], 11 * 16, 16, request_id="b")
+    c = RequestInfo(system + [70], 11 * 16, 16, request_id="c")
+    p.on_routed(a, "r0")  # inserts the system prompt and its own blocks
+    p.on_routed(b, "r0")  # references the system prompt, inserts its own block
+    p.on_unrouted(a, "r0")  # b still references the system prompt: only a's own two blocks go
+    assert p.tree.match(a.block_hashes, ["r0"]) == {"r0": 10}
+    assert p.tree.match(b.block_hashes, ["r0"]) == {"r0": 11}
+    assert p.tree.size("r0") == 11 * 16
+    p.on_unrouted(a, "r0")  # taken back already: nothing more goes
+    p.on_unrouted(c, "r0")  # never committed there: nothing goes
+    assert p.tree.size("r0") == 11 * 16
+    p.on_unrouted(b, "r0")
+    assert p.tree.size("r0") == 0 and p.tree.match(b.block_hashes, ["r0"]) == {"r0": 0}
+    assert not p.tree._owners  # no replica left listed as holding a block
+
+
+def test_a_withdrawal_never_removes_blocks_inserted_again_after_its_commit():
+    # eviction on: a tree over 4 blocks is cut to 2 (LRU first)
+    chars = 4 * 16
+    p = make_policy(
+        "ray_prefix_affinity", do_eviction=True, eviction_threshold_chars=4 * chars, eviction_target_chars=2 * chars
+    )
+    old = RequestInfo([1, 2], 2 * 16, 16, request_id="old")
+    p.on_routed(old, "r0")
+    p.on_routed(RequestInfo([7, 8, 9], 3 * 16, 16, request_id="push"), "r0")  # 5 blocks: cut to 2, [1, 2] trimmed
+    assert p.tree.match(old.block_hashes, ["r0"]) == {"r0": 0}
+    again = RequestInfo([1, 2], 2 * 16, 16, request_id="again")
+    p.on_routed(again, "r0")  # the same blocks inserted anew, by a commit after old's
+    size = p.tree.size("r0")
+    p.on_unrouted(old, "r0")  # old's reference went with the trimmed entries
+    assert p.tree.match(again.block_hashes, ["r0"]) == {"r0": 2}
+    assert p.tree.size("r0") == size
+
+
+def test_sglang_tree_bound_is_sglangs_max_tree_size_in_characters():
+    # sglang-router 0.3.2 max_tree_size=2**26 counts characters (its tree is over text); this tree counts
+    # tokens, so the bound is converted at 4 characters a token, as Ray's eviction bounds are
+    assert make_policy("sglang_cache_aware").tree.max_tokens == 2**26 // 4
+    p = make_policy("sglang_cache_aware", max_tree_size=4 * 4 * BS)  # four blocks' tokens in characters
+    p.on_routed(req(range(8)), "r1")
+    assert p.tree.size("r1") == 4 * BS  # counted as tokens, the bound would have kept all 8 blocks

@@ -41,7 +41,8 @@ NAN, INF = math.nan, math.inf
         ("sglang_cache_aware", {"cache_threshold": NAN}, "sglang_cache_aware: cache_threshold must be a finite"),
         ("sglang_cache_aware", {"balance_rel_threshold": NAN}, "balance_rel_threshold must be a finite number"),
         ("sglang_cache_aware", {"balance_abs_threshold": INF}, "balance_abs_threshold must be a finite number"),
-        ("sglang_cache_aware", {"max_tree_tokens": NAN}, "max_tree_tokens must be a whole number >= 1"),
+        ("sglang_cache_aware", {"max_tree_size": NAN}, "max_tree_size must be a whole number >= 1"),
+        ("sglang_cache_aware", {"chars_per_token": 0}, "sglang_cache_aware: chars_per_token must be a whole"),
         ("ray_prefix_affinity", {"imbalanced_threshold": NAN}, "ray_prefix_affinity: imbalanced_threshold must"),
         ("ray_prefix_affinity", {"match_rate_threshold": NAN}, "match_rate_threshold must be a finite number"),
         ("ray_prefix_affinity", {"do_eviction": "no"}, "do_eviction must be true or false"),
@@ -65,7 +66,7 @@ def test_parameters_that_mean_nothing_are_refused_by_name(policy, params, needle
         ("ray_prefix_affinity", {"imbalanced_threshold": 4, "match_rate_threshold": 1}),
         ("consistent_hash", {"vnodes": 1}),
         ("sglang_cache_aware", {"cache_threshold": 0.5, "balance_abs_threshold": 0}),
-        ("sglang_cache_aware", {"max_tree_tokens": None}),  # a tree never trimmed
+        ("sglang_cache_aware", {"max_tree_size": None}),  # a tree never trimmed
         ("llmd_precise", {"prefix_weight": 0}),
     ],
 )
