@@ -22,8 +22,10 @@ chosen replica to whichever request is at the queue head, breaking affinity unde
 
 The router runs in the caller's process (the ingress replica), on that replica's own event loop
 (`SERVE_PATH_ENV` sets RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), which also owns the index and the
-subscribers. Other threads (the ingress's /metrics) read it through `snapshot()` / `index_view()`, which
-hop onto that loop.
+subscribers. Its state is not thread-safe, and `snapshot()`, `readiness()` and the rest read it where they are
+called: other threads (the ingress's /metrics, /kvmesh/state and /health, through its `_on_router`) run them
+on that loop with `call_on_loop`, and the ingress's notifications (`notify_first_token`,
+`notify_request_ended`, ...) are posted there with `call_soon`.
 
 Serve ships this class to that process by value (`RequestRouterConfig` pickles the router's module by
 value, with the module-level objects its methods name): the process-wide objects the ingress shares
@@ -48,6 +50,7 @@ from kvmesh.cluster.secure_channel import ChannelError
 from kvmesh.cluster.tier_tracker import TierTracker
 from kvmesh.deployments import local_state, miss_attribution
 from kvmesh.deployments.load_report import LoadReports
+from kvmesh.deployments.migration import origin_id
 from kvmesh.deployments.peer_lag import is_free_choice
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.recent import RecentSet
@@ -202,7 +205,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
-        self._by_request_id: dict[str, str] = {}  # our request id -> internal request id
+        self._by_request_id: dict[str, str] = {}  # our request id -> internal request id (`_bind`)
+        # the ingress's request id -> the ids of its continuations in `_by_request_id` (a stream continued on
+        # another replica mid-answer: `migration.continuation_id`), which end with it (`_end_unreported`)
+        self._continuations: dict[str, set[str]] = {}
         self._ended_ids = RecentSet(ENDED_IDS_KEPT)  # request ids ended lately (`_known_request`)
         # each replica's load report read against what the routers here know (`_views`); its readings are taken
         # anew when a request stops being known without having ended: a peer's dropped unheard, or one of ours
@@ -606,6 +612,12 @@ class KvmeshRouter(TierHolding, RequestRouter):
         t0 = time.perf_counter()
         self._start_sync()
         self._start_watch()
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:
+            # every answer ranks the whole fleet (less replicas left out on purpose, and again next time): when
+            # Serve finds none of it free, it is to back off before asking again (25 ms doubling to 0.5 s, its
+            # defaults), as after its own routers' full-fleet round, not re-rank the request in a tight loop
+            context.should_backoff = True
         # one order for every router (by replica id), so routers with the same view break ties alike
         listed = len(candidate_replicas)
         candidate_replicas = sorted(self._live(candidate_replicas), key=lambda r: r.replica_id.unique_id)
@@ -655,12 +667,16 @@ class KvmeshRouter(TierHolding, RequestRouter):
         # peers' placements not heard of yet: the policy spreads new prefixes over where they may have gone
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
         known = None
+        may_hold = True
         if (self._inflight or self._held or self.peers.placements) and self.tiers.any_node():
-            known = self._add_inflight(info, fleet)
+            # with holds taking their share of Serve's routing tasks (`_may_hold`), the request is ranked and
+            # committed as one that will not be held: credited only prefixes it will find stored
+            may_hold = self._may_hold(listed)
+            known = self._add_inflight(info, fleet, may_hold)
         order = policy.place(info, fleet)
         ranked = [fleet.ids[k] for k in order]
         by_view = {v.replica_id: v for v in views}
-        hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known) if ranked else None
+        hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known, may_hold) if ranked else None
         # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
         # it places this request, and requests ranked meanwhile must see it (its work; its prefix once it is
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
@@ -687,10 +703,17 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._held[internal] = held_source = _Inflight(ranked[0], routing.uncached, routing)
             src, wait_s, before = hold
             held_source.routed_at += wait_s
-            await self._hold(routing, internal, src, before)
-            # a replica may have become suspect during the hold: Serve would send to it blind
+            await self._hold(routing, internal, src, before, held_source)
+            if self._routing.get(internal) is routing and not self._placeable(routing.replica):
+                return []  # its replica died or left during the hold: Serve asks again, and it is ranked anew
+            # a replica may have died, left or become suspect during the hold: Serve would send to it blind
+            ranked = [rid for rid in ranked if self._placeable(rid)]
             ranked = [rid for rid in ranked if rid not in self.watch.suspect] or ranked
         return [[by_id[rid]] for rid in ranked if rid in by_id]
+
+    def _placeable(self, rid: str) -> bool:
+        """Not dead, nor forgotten since it was ranked (it left Serve's list): Serve may be given it."""
+        return rid not in self._dead and self.index.has_replica(rid)
 
     def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None:
         """Count the request as routed to `rid`: the policy's work at once and, with `announce`, its
@@ -770,7 +793,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 self._rejected.popitem(last=False)
             earlier.release()
             if earlier.info.request_id:
-                self._by_request_id.pop(earlier.info.request_id, None)
+                self._unbind(earlier.info.request_id)
                 self._unknown_again += 1
             self._withdraw(earlier.routing)
 
@@ -839,7 +862,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             st.replica, st.uncached, st.routed_at = rid, routed.uncached, time.monotonic()
         self._inflight[internal] = st
         if info.request_id:
-            self._by_request_id[info.request_id] = internal
+            self._bind(info.request_id, internal)
             local_state.LEDGER.predict(info.request_id, rid, predicted, info.block_size)
 
     def _tier_blocks(self, held: dict) -> int:
@@ -872,7 +895,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             st.release()  # a migrated request's earlier call: its new call, under the same request id, goes on
             return
         self._publish("done", request_id, st.replica)
-        del self._by_request_id[request_id]
+        self._unbind(request_id)
         self._ended_ids.add(request_id)  # a load report made before it ended still names it
         if st.first_token:
             self._record_prefill(st)
@@ -888,7 +911,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         """The ingress is done with the request (answered, failed, or its client gone). Serve reports every
         call it sent complete, but not one whose caller was cancelled after Serve gave it a replica and
         before it sent: that placement would count as its replica's load, and to the other routers as its
-        tenant's request in flight, for good. What Serve has not reported a grace period later ends here."""
+        tenant's request in flight, for good. What Serve has not reported a grace period later ends here: the
+        request's call, and those of its continuations (moved mid-stream, each under an id of its own)."""
         if self._loop is not None:
             self._loop.call_later(self.request_end_grace_s, self._end_unreported, request_id)
 
@@ -898,10 +922,29 @@ class KvmeshRouter(TierHolding, RequestRouter):
         return internal, (self._inflight.get(internal) if internal else None)
 
     def _end_unreported(self, request_id: str) -> None:
-        internal, st = self._current_call(request_id)
-        if internal is not None and st is not None:
-            self.unreported_ends += 1
-            self._complete(st.replica, internal)
+        """End what Serve has not reported complete of the request: its call, and its continuations' (the
+        ingress names only the request it admitted)."""
+        for rid in [request_id, *sorted(self._continuations.get(request_id, ()))]:
+            internal, st = self._current_call(rid)
+            if internal is not None and st is not None:
+                self.unreported_ends += 1
+                self._complete(st.replica, internal)
+
+    def _bind(self, request_id: str, internal: str) -> None:
+        """The request's latest call is Serve's `internal` (`_current_call`)."""
+        self._by_request_id[request_id] = internal
+        origin = origin_id(request_id)
+        if origin != request_id:
+            self._continuations.setdefault(origin, set()).add(request_id)
+
+    def _unbind(self, request_id: str) -> None:
+        self._by_request_id.pop(request_id, None)
+        origin = origin_id(request_id)
+        moved = self._continuations.get(origin) if origin != request_id else None
+        if moved is not None:
+            moved.discard(request_id)
+            if not moved:
+                del self._continuations[origin]
 
     def _record_prefill(self, st: _Inflight) -> None:
         if self.index.has_replica(st.replica):  # its prompt's full chunks are now in L1 (and L2)
@@ -947,6 +990,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "probes": self.watch.stats(),
             "held_for_tier": self.held_for_tier,
             "hold_timeouts": self.hold_timeouts,
+            "holding": self.holding,  # held now, each in one of Serve's routing tasks
+            "holds_full": self.holds_full,  # rankings that could not hold: every hold slot taken (`_may_hold`)
             "prefill_pace": self.prefill_pace.value,
             "tier_nodes": self.tiers.nodes(),
             "tier_nodes_unanswering": self.tiers.unanswering_nodes(),  # their host-tier model kept aside

@@ -28,10 +28,43 @@ if TYPE_CHECKING:
     from kvmesh.deployments.router_sync import PeerPlacements
 
 
+def queue_wait_s(policy, info: RequestInfo, view) -> float:
+    """How long `policy` predicts `info` would wait on a replica ranked as `view` before its prefill starts: its
+    predicted TTFT there less its TTFT on the same replica with nothing queued, running or pending (for
+    `KvmeshPolicy`, the `wait` its ranking weighs a hold's extra wait against: `_keys`). 0 when the policy
+    predicts nothing."""
+    predict = getattr(policy, "predict", None)
+    if predict is None or view is None:
+        return 0.0
+    idle = dataclasses.replace(view, queued=0, running=0, pending_prefill_tokens=0)
+    return max(float(predict(info, view)[0]) - float(predict(info, idle)[0]), 0.0)
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event | None, timeout: float) -> bool:
+    """Wait until `a` or `b` (when given) is set, `timeout` seconds at most: True when one was set."""
+    if b is None:
+        try:
+            await asyncio.wait_for(a.wait(), timeout=timeout)
+        except TimeoutError:
+            return a.is_set()
+        return True
+    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return a.is_set() or b.is_set()
+
+
 class TierHolding:
     """Holding a request for a prefix another replica is computing: the router's steps and their state."""
 
     hold_limit_s = 10.0  # the longest a request waits for a prefix another replica is computing
+    # the share of Serve's routing tasks requests held for a prefix may occupy at once (`_may_hold`): a held
+    # request waits inside `choose_replicas`, i.e. in one of those tasks, and with all of them held no other
+    # request is ranked at all, however free the replicas are
+    hold_task_share = 0.5
 
     if TYPE_CHECKING:  # the router's own state and steps these read and call
         _inflight: dict[str, _Inflight]
@@ -43,6 +76,7 @@ class TierHolding:
         def _commit(self, routing: _Routing, rid: str, announce: bool = True) -> None: ...
         def _announce(self, routing: _Routing) -> None: ...
         def _withdraw(self, routing: _Routing, publish: bool = True) -> None: ...
+        def _placeable(self, rid: str) -> bool: ...
 
     def _init_holds(self) -> None:
         # requests this router holds for a prefix in flight, not sent yet: others may wait for their own
@@ -52,6 +86,8 @@ class TierHolding:
         # ran out before its first token came back
         self.held_for_tier = 0
         self.hold_timeouts = 0
+        self.holding = 0  # requests waiting in `_hold` now, each in one of Serve's routing tasks
+        self.holds_full = 0  # rankings with prefills in flight while `_may_hold` allowed no more holds
         self.prefill_pace = PrefillPace()  # how much slower than predicted first tokens come (hold limits)
 
     def _hold_sources(self):
@@ -64,6 +100,14 @@ class TierHolding:
             return sources
         return (s for s in sources if s.replica not in watch.suspect)
 
+    def _may_hold(self, listed: int) -> bool:
+        """May one more request be held now? Serve runs at most `max_num_routing_tasks` routing tasks (2 per
+        replica, at most 50); holds may take `hold_task_share` of them, so the rest go on ranking the requests
+        not held. `listed`: the replicas Serve asked about, for a router driven outside Serve (no replicas of
+        its own: no routing tasks to count)."""
+        tasks = getattr(self, "max_num_routing_tasks", 0) or min(50, 2 * listed)
+        return self.holding < int(tasks * self.hold_task_share)
+
     def _drop_held(self, internal: str) -> None:
         """A held request that will not be sent as held (cancelled, ranked again, its replica gone): requests
         waiting for its prefill go on without it."""
@@ -71,12 +115,17 @@ class TierHolding:
         if st is not None:
             st.release()
 
-    def _add_inflight(self, info: RequestInfo, fleet: FleetView) -> dict:
+    def _add_inflight(self, info: RequestInfo, fleet: FleetView, may_hold: bool = True) -> dict:
         """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
         a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
         not only keep a new prompt's later requests on the replica computing it. Returns replica -> the
-        source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking."""
+        source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking. Without
+        `may_hold` (no hold is allowed now: `_may_hold`), only prefills already stored (first token back)
+        count: the policy must not rank a replica first for a hold the request will not get."""
         sources = self._hold_sources()
+        if not may_hold:
+            self.holds_full += 1
+            sources = (s for s in sources if s.first_token)
         have = fleet.shared_blocks.tolist()
         found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
         blocks, ready_s = prefixes_from(found, have)
@@ -86,16 +135,28 @@ class TierHolding:
         return dict(zip(fleet.ids, found))
 
     def _plan_hold(
-        self, info: RequestInfo, matches: dict, views: dict, top: str, policy, known: dict | None = None
+        self,
+        info: RequestInfo,
+        matches: dict,
+        views: dict,
+        top: str,
+        policy,
+        known: dict | None = None,
+        may_hold: bool = True,
     ) -> tuple[Any, float, tuple] | None:
         """When another replica is computing a longer prefix of this request than `top` (the replica ranked
         first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): count
         that prefix in `top`'s match and view as tier-resident, so the policy's credit and the predicted cached
-        tokens include it. If the computing request's first token is back it is stored already (returns
-        None); else, when the policy finds the wait worth it (`Policy.hold_worth`), returns (the source, the
-        predicted wait, `top`'s match and view before) for `_hold`; otherwise changes nothing. `known`: the
-        sources `_add_inflight` found per replica just before ranking, when it ran (nothing has changed since),
-        so the in-flight requests are not scanned again."""
+        tokens include it, where the request will find it stored without a hold or is held for it. Without a
+        hold (returns None): the computing request's first token is back (stored already), or its prefill is
+        predicted to end before the request's own would start on `top` (`queue_wait_s`: the wait behind `top`'s
+        queue, which the request spends there anyway, and vLLM looks the prefix up when it schedules the
+        prefill). Else the hold costs only the wait beyond that queue, and when the policy finds it worth it
+        (`Policy.hold_worth`, weighed as the policy's ranking and the simulator weigh it) and `may_hold`
+        (`_may_hold`), returns (the source, the predicted wait until its prefill ends, `top`'s match and view
+        before) for `_hold`; otherwise changes nothing. `known`: the sources `_add_inflight` found per replica
+        just before ranking, when it ran (nothing has changed since), so the in-flight requests are not
+        scanned again."""
         have = matches.get(top, (0, 0, 0))
         if not (self._inflight or self._held or self.peers.placements) or not self.tiers.any_node():
             return None
@@ -107,12 +168,18 @@ class TierHolding:
         if found is None:
             return None
         src, blocks = found
-        wait_s = 0.0
+        left = queue_s = 0.0  # the rest of the source's prefill; how long the request would queue on `top`
         if not src.first_token:
+            left, queue_s = src.prefill_left_s(), queue_wait_s(policy, info, views.get(top))
+        # strictly: a source whose predicted end has passed without its first token (0 left) is late, not stored,
+        # and an idle replica would start computing the prefix at once
+        hold = not src.first_token and not left < queue_s
+        if hold:
             n, bs = info.num_tokens, info.block_size
             missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
-            wait_s = src.prefill_left_s()
-            if not policy.hold_worth(missing, wait_s):
+            if not policy.hold_worth(missing, left - queue_s):
+                return None
+            if not may_hold:
                 return None
         before = (have, views.get(top))
         same_node = self.index.node_of(src.replica) == self.index.node_of(top)
@@ -121,18 +188,27 @@ class TierHolding:
         view = views.get(top)
         if view is not None:
             views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
-        return None if src.first_token else (src, wait_s, before)
+        return (src, left, before) if hold else None
 
-    async def _hold(self, routing: _Routing, internal: str, src, before: tuple) -> None:
+    async def _hold(self, routing: _Routing, internal: str, src, before: tuple, own=None) -> None:
         """Wait, committed already (`_plan_hold`) but not announced (its peers count it for its tenant only:
         `held`), until `src`'s first token is back and its prefill stored, then announce the request and let
         Serve send it. Bounded (twice the rest of the source's prefill at the measured pace, plus 0.5 s): a
         prediction that was wrong, or a source that failed, must not strand the request; it then goes without
-        the prefix, and its commitment is made again without it."""
+        the prefix, and its commitment is made again without it. `own`: the held request as a source itself
+        (`_held`), released when it is dropped (cancelled, or its replica dead or gone: `_forget`), which ends
+        the wait at once; a request whose replica is gone is left committed, unannounced, for the caller to
+        rank again (`_placeable`)."""
         self.held_for_tier += 1
-        stored = await self._wait_for_source(src)
+        self.holding += 1
+        try:
+            stored = await self._wait_for_source(src, None if own is None else own.released())
+        finally:
+            self.holding -= 1
         if self._routing.get(internal) is not routing:
             return  # Serve already settled the request (cancelled, ranked again)
+        if not self._placeable(routing.replica):
+            return  # its replica died or left meanwhile: ranked again (`choose_replicas`), not sent there
         if stored:  # loaded as committed: it is sent now
             self._announce(routing)
             return
@@ -144,12 +220,13 @@ class TierHolding:
             routing.views[rid] = view
         self._commit(routing, rid)
 
-    async def _wait_for_source(self, src) -> bool:
+    async def _wait_for_source(self, src, gone: asyncio.Event | None = None) -> bool:
         """Wait for `src`'s first token until twice the rest of its predicted prefill, from the start of the
         wait, plus 0.5 s (never over `hold_limit_s`), the prediction taken at the pace first tokens have been
         coming (`_pace`). When that time comes and the pace has grown meanwhile, the deadline moves with it:
         the first holds of a run start before any first token has measured the machine. True when its prefill
-        was stored; False when it failed, went elsewhere, or the wait ran out."""
+        was stored; False when it failed, went elsewhere, the wait ran out, or `gone` was set (the held
+        request no longer waits: `_hold`)."""
         start = time.monotonic()
         released = src.released()
 
@@ -159,19 +236,18 @@ class TierHolding:
         pace = self._pace(src)
         limit = limit_at(pace)
         while not released.is_set():
-            try:
-                await asyncio.wait_for(released.wait(), timeout=max(start + limit - time.monotonic(), 0.0))
-            except TimeoutError:
-                if released.is_set():
-                    break
-                grown = self._pace(src)
-                later = limit_at(grown)
-                # only a deadline still ahead is one to wait for: the waiting requests' pace grows with the
-                # clock itself, and a deadline it moves less than the clock would be retried here at once
-                if limit >= self.hold_limit_s or grown <= pace or start + later <= time.monotonic():
-                    self.hold_timeouts += 1
-                    return False
-                pace, limit = grown, later
+            if gone is not None and gone.is_set():
+                return False
+            if await _either(released, gone, max(start + limit - time.monotonic(), 0.0)):
+                continue  # one of them was set: the loop's checks tell which
+            grown = self._pace(src)
+            later = limit_at(grown)
+            # only a deadline still ahead is one to wait for: the waiting requests' pace grows with the
+            # clock itself, and a deadline it moves less than the clock would be retried here at once
+            if limit >= self.hold_limit_s or grown <= pace or start + later <= time.monotonic():
+                self.hold_timeouts += 1
+                return False
+            pace, limit = grown, later
         return bool(src.first_token)  # False: released because it failed or went elsewhere
 
     def _pace(self, src) -> float:

@@ -250,3 +250,30 @@ def test_calls_still_open_on_a_replica_that_left_are_abandoned_after_a_graceful_
         assert abandoned == ["q"] and len(local_state.OPEN_CALLS) == 0
 
     asyncio.run(run())
+
+
+def test_a_continuation_serve_never_reported_ends_with_the_request_the_ingress_admitted():
+    """A stream continued on another replica mid-answer is routed under an id of its own (`continuation_id`),
+    while the ingress says it is done with the id it admitted: the continuation's placement, never reported by
+    Serve (its caller cancelled between Serve's choice and the send), ends with it, or it counts as its
+    replica's load and its tenant's request for good."""
+    from kvmesh.deployments.migration import continuation_id
+
+    async def run():
+        router, sent, a, b = await _fleet_of_two()
+        router.request_end_grace_s = 0.01
+        ids = list(range(300))
+        await _place(router, [a, b], _request(ids, "q", internal="serve-1"), a)
+        router.first_token("q")
+        router.on_request_completed(a.replica_id, "serve-1")  # A died mid-stream: that call ended
+        moved = continuation_id("q", 1)
+        await _place(router, [b], _request(ids + [1, 2], moved, internal="serve-2"), b)  # never sent, never reported
+        await _place(router, [b], _request([5] * 64, "other", internal="serve-3"), b)  # another request, in flight
+        router.request_ended("q")
+        await asyncio.sleep(0.05)
+        return router, sent, moved
+
+    router, sent, moved = asyncio.run(run())
+    assert list(router._inflight) == ["serve-3"] and router.unreported_ends == 1
+    assert sent[-1][:4] == ["done", "X", moved, "B"]  # the peers stop counting it too
+    assert router._continuations == {}

@@ -655,6 +655,7 @@ def test_requests_held_for_a_prefix_count_for_their_tenant_on_peers_from_their_c
 
     async def scenario():
         router, a, b = await lmcache_router()
+        router.hold_task_share = 1.0  # three held at once: more than the bound on two replicas (`_may_hold`)
         router.sync = _Wire()
         peers, relay = _peer_hearing(router)
         p1 = _tenant_request(PROMPT, "p1")
@@ -768,3 +769,192 @@ def test_a_replica_that_became_suspect_during_a_hold_is_not_handed_to_serve():
         return [g[0].replica_id.unique_id for g in await asyncio.wait_for(task, 5)]
 
     assert asyncio.run(scenario()) == ["A"]
+
+
+# --- holds and Serve's routing tasks; replicas lost during a hold ----------------------------------------
+
+
+class _ServeReplica:
+    """A replica Serve's own routing loop can use: id, routing stats, a queue-length probe (always free)."""
+
+    def __init__(self, rid: str, node_id: str):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(unique_id=rid, deployment_id=DeploymentID(name="EngineReplica", app_name="t"))
+        self.node_id = node_id
+        self.availability_zone = None
+        self.multiplexed_model_ids: set[str] = set()
+        self.max_ongoing_requests = 64
+        self.is_cross_language = False
+        self.routing_stats = {"node_id": node_id}
+
+    async def get_queue_len(self, *, deadline_s):
+        await asyncio.sleep(0.001)
+        return 0
+
+
+def _serve_request(ids, request_id: str):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    req = {"request_id": request_id, "prompt_token_ids": ids, "cache_salt": None, "params": {"max_tokens": 4}}
+    meta = RequestMetadata(request_id=request_id, internal_request_id="i-" + request_id)
+    return PendingRequest(args=[req], kwargs={}, metadata=meta)
+
+
+class _SlowStub(_Stub):
+    def predict(self, request, view):
+        return 1.0, request.num_tokens  # a hold waits up to 2 x 1 s + 0.5 s for p1's first token
+
+
+def test_requests_held_for_a_prefix_leave_serves_routing_tasks_to_the_others(monkeypatch):
+    """A held request waits inside one of Serve's routing tasks (2 per replica: 4 here). With four of p1's
+    group waiting for its prefill, an unrelated request on free replicas was not ranked until the holds ran out
+    (2.4 s). Holds now take half the tasks at most; a request over that bound is placed at once, ranked and
+    credited as one that is not held: it will compute the prefix, so its prediction counts none of it."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        import time
+
+        router = make_router(policy="kvmesh", block_size=32)
+        router.policy = stub = _SlowStub(True)
+        router._policies = {"kvmesh": stub}
+        a, b = _ServeReplica("A", "n0"), _ServeReplica("B", "n1")
+        router.update_replicas([a, b])
+        for node in ("n0", "n1"):
+            router.tiers.set_node(node, has_shared_tier=True, host_capacity_blocks=1000, chunk_blocks=1)
+        assert (await router._choose_replica_for_request(_serve_request(PROMPT, "p1"))).replica_id.unique_id == "A"
+        await asyncio.sleep(0)
+        group = [
+            asyncio.create_task(router._choose_replica_for_request(_serve_request(PROMPT + [11, k], f"g{k}")))
+            for k in range(4)
+        ]
+        await asyncio.sleep(0.1)
+        held = sorted(st.info.request_id for st in router._held.values())
+        t0 = time.perf_counter()
+        other = await router._choose_replica_for_request(_serve_request([7] * 640, "unrelated"))
+        waited = time.perf_counter() - t0
+        placed = {f"g{k}": local_state.LEDGER.prediction(f"g{k}") for k in range(4)}
+        offered = {f"g{k}": stub.inflight[f"g{k}"][0] for k in range(4)}
+        for t in group:
+            t.cancel()
+        await asyncio.gather(*group, return_exceptions=True)
+        return held, waited, other.replica_id.unique_id, placed, offered, router
+
+    held, waited, other, placed, offered, router = asyncio.run(scenario())
+    assert len(held) == 2 and router.max_num_routing_tasks == 4
+    assert waited < 0.5 and other == "B" and router.hold_timeouts == 0
+    assert held == ["g0", "g1"]
+    # g0 and g1 still held: not sent yet. g2, sent at once, computes the prefix on B: no credit for it (credited
+    # as if held, it would predict 320 cached tokens and get none); g3, sent after it, finds g2's blocks on B
+    assert placed == {"g0": None, "g1": None, "g2": 0, "g3": 320}
+    assert offered["g2"] is None  # nor ranked as if a hold were coming
+    assert offered["g0"] == offered["g1"] == {"A": 10, "B": 10}
+
+
+def test_a_hold_ends_at_once_when_its_replica_dies_and_serve_is_not_handed_a_dead_replica():
+    """p2 is held on B for p1's prefill on A; B dies meanwhile (the ingress saw it fail a request). The hold
+    ends at once, without waiting for p1 or the hold limit, and Serve gets no ranking naming B: asked again,
+    the request is ranked over the replicas left."""
+
+    async def scenario():
+        router, a, b = await lmcache_router(worth=True, limit_s=10.0)
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        p2 = fake_request(PROMPT + [11, 12, 13], "p2")
+        task = asyncio.create_task(router.choose_replicas([a, b], p2))
+        await asyncio.sleep(0.1)
+        assert not task.done() and router.held_for_tier == 1
+        router.replica_failed("B")
+        first = await asyncio.wait_for(task, 0.2)
+        router.policy.place = lambda request, fleet: list(range(len(fleet.ids)))
+        again = await router.choose_replicas([a, b], p2)  # Serve asks again
+        return first, again, router
+
+    first, again, router = asyncio.run(scenario())
+    assert "B" not in [g[0].replica_id.unique_id for g in first]
+    assert [g[0].replica_id.unique_id for g in again] == ["A"]
+    assert router._routing["i-p2"].replica == "A" and router.hold_timeouts == 0
+
+
+def test_a_replica_that_died_during_a_hold_is_not_handed_to_serve():
+    """p2 is held on B for p1's prefill on A, with C ranked after them; C dies (its engine reports itself broken
+    to a request ranked meanwhile). When p2's hold ends, B and A are handed to Serve, not C (a suspect replica
+    was left out already; a dead one was not)."""
+
+    async def scenario():
+        router, a, b = await lmcache_router(worth=True, limit_s=10.0)
+        c = fake_replica("C", node_id="n1")
+        await router.choose_replicas([a, b, c], fake_request([4, 5, 6], "reg2"))
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b, c], p1)
+        router._routed(p1, a.replica_id)
+        task = asyncio.create_task(router.choose_replicas([a, b, c], fake_request(PROMPT + [11, 12, 13], "p2")))
+        await asyncio.sleep(0.1)
+        assert not task.done() and router.held_for_tier == 1
+        c.routing_stats = {"node_id": "n1", "healthy": False}
+        await router.choose_replicas([a, b, c], fake_request([8, 9], "other"))
+        router.first_token("p1")
+        return [g[0].replica_id.unique_id for g in await asyncio.wait_for(task, 5)], router
+
+    ranked, router = asyncio.run(scenario())
+    assert ranked == ["B", "A"] and "C" in router._dead
+
+
+class _Queued(_Stub):
+    """`_Stub` whose predictions queue: p1's prefill takes 0.5 s, and a request waits 1e-4 s per prefill
+    token pending on its replica before its own starts; a hold is worth an extra wait under 0.3 s."""
+
+    def predict(self, request, view):
+        return (0.5 if request.request_id == "p1" else 0.05) + view.pending_prefill_tokens * 1e-4, request.num_tokens
+
+    def hold_worth(self, missing_tokens, extra_wait_s):
+        self.asked.append(extra_wait_s)
+        return extra_wait_s < 0.3
+
+
+def queued_hold_scenario(monkeypatch, queued_tokens: int):
+    """p1 computes PROMPT on A (0.5 s predicted); B already has a request computing `queued_tokens` tokens;
+    p2 shares PROMPT and is ranked onto B. Returns (p2 held, the extra waits asked of the policy, p2's
+    predicted cached tokens once sent, router)."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router, a, b = await lmcache_router()
+        router.policy = stub = _Queued(True)
+        router._policies = {"kvmesh": stub}
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        busy = fake_request([(i * 31) % 900 + 5 for i in range(queued_tokens)], "busy")
+        await router.choose_replicas([a, b], busy)
+        router._routed(busy, b.replica_id)
+        p2 = fake_request(PROMPT + [11, 12, 13], "p2")
+        task = asyncio.create_task(router.choose_replicas([a, b], p2))
+        await asyncio.sleep(0.05)
+        held = not task.done()
+        router.first_token("p1")
+        ranked = await asyncio.wait_for(task, 5)
+        router._routed(p2, ranked[0][0].replica_id)
+        return held, stub.asked, local_state.LEDGER.prediction("p2"), router
+
+    return asyncio.run(scenario())
+
+
+def test_a_hold_is_weighed_by_the_wait_beyond_its_replicas_own_queue(monkeypatch):
+    """B's queue (0.3 s) is waited anyway: holding p2 there costs only the rest of p1's 0.5 s prefill, as the
+    policy ranks and the simulator holds (before: the whole 0.5 s, refused, and p2 computed the prefix)."""
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, queued_tokens=3000)
+    assert len(asked) == 1 and 0.15 < asked[0] < 0.25, asked
+    assert held and router.held_for_tier == 1
+    assert predicted == 320
+
+
+def test_a_prefix_stored_before_its_replicas_queue_lets_it_start_is_credited_without_a_hold(monkeypatch):
+    """B's queue (0.8 s) outlasts p1's prefill (0.5 s): p2 is sent at once and finds the prefix stored when
+    vLLM schedules it, as the simulator counts it (before: asked to hold 0.5 s, refused, no credit)."""
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, queued_tokens=8000)
+    assert not held and asked == [] and router.held_for_tier == 0
+    assert predicted == 320
