@@ -214,7 +214,7 @@ def record_bounds(
 ) -> dict:
     """Infinite-cache (in any order of arrival) and round-robin-over-`replicas`-infinite-caches (in the
     records' order) bounds of JSONL `records` replayed at `tokens_per_block` tokens per trace block and
-    engine blocks of `block_size` (`engine_trace`).
+    engine blocks of `block_size` (`engine_trace`); `requests` counts the records measured (after `warmup`).
 
     With `salt_by_tenant`, records of different `tenant`s share nothing (kvmesh salts per tenant).
     The first `warmup` records fill the caches without being counted (the published Mooncake figure,
@@ -233,6 +233,7 @@ def record_bounds(
     rr_hit, _ = round_robin_infinite_hits(reqs, block_size, replicas, warmup)
     return {
         "requests": max(0, len(records) - warmup),
+        "warmup": warmup,
         "prompt_tokens": prompt,
         "tokens_per_block": tokens_per_block,
         "block_size": block_size,

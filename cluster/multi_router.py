@@ -164,8 +164,18 @@ def check_modelled_signals(policy: Policy) -> None:
     if missing:
         raise ValueError(
             f"policy {getattr(policy, 'name', type(policy).__name__)} reads {', '.join(missing)}, which the "
-            "multi-router simulator does not model: simulate it without --routers, --event-delay-ms and "
-            "--churn-every-s, or name the other policies"
+            "multi-router simulator does not model: simulate it with one router (no --routers above 1, "
+            "--router-sync, --event-delay-ms or --churn-every-s), or name the other policies"
+        )
+
+
+def check_tier_store_at(tier_store_at: str) -> None:
+    """ValueError unless tier copies are stored when their request is routed: this model keeps no prefill end
+    to store them at (`SimConfig.tier_store_at` "computed")."""
+    if tier_store_at != "routed":
+        raise ValueError(
+            f"tier_store_at {tier_store_at!r} is modelled by the one-router simulator only: drop --routers, "
+            "--router-sync, --event-delay-ms and --churn-every-s, or use --tier-store-at routed"
         )
 
 
@@ -184,11 +194,7 @@ def simulate_routers(
     chat user's next turn goes no earlier than its previous reply's end."""
     cfg.check()
     setup.check()
-    if cfg.tier_store_at != "routed":
-        raise ValueError(
-            "tier_store_at 'computed' is modelled by the one-router simulator only: drop --routers, "
-            "--event-delay-ms and --churn-every-s, or use --tier-store-at routed"
-        )
+    check_tier_store_at(cfg.tier_store_at)
     sender, arrivals = send_plan(trace, cfg, arrivals, client)
     c = cfg.cost
     bs = trace.block_size

@@ -1,13 +1,55 @@
-"""Turning a simulation document into what people read: a fixed-width table and a PNG."""
+"""Turning a simulation document into what people read: a fixed-width table and a PNG, each saying what
+produced it (the fleet, its tiers, the routers and how requests were sent: `setup`)."""
 
 from __future__ import annotations
 
-import os
-
 
 def _load(doc: dict) -> str:
-    load = doc["config"]["load"]
+    """The load the run offered; a closed loop sends at its own pace, so the trace's figure is not one."""
+    cfg = doc["config"]
+    if cfg.get("closed_loop_concurrency") is not None:
+        return f"n/a (closed loop, concurrency {cfg['closed_loop_concurrency']})"
+    load = cfg["load"]
     return "n/a" if load is None else f"{load:.2f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:g}"
+
+
+def setup(doc: dict) -> str:
+    """What the run simulated besides the fleet's size, as `key=value` words: block sizes, the request limit,
+    tiers, routers (with their event delay, sync and churn) and how requests were sent."""
+    cfg = doc["config"]
+    words = [f"block_size={cfg['block_size']}"]
+    if cfg.get("tokens_per_block", cfg["block_size"]) != cfg["block_size"]:
+        words.append(f"tokens_per_block={cfg['tokens_per_block']}")
+    if cfg.get("limit") is not None:
+        words.append(f"limit={cfg['limit']}")
+    tiers = []
+    if cfg.get("host_blocks"):
+        tiers.append(f"host={cfg['host_blocks']}/node")
+        if cfg.get("replicas_per_node", 1) != 1:
+            tiers.append(f"replicas_per_node={cfg['replicas_per_node']}")
+    if cfg.get("shared"):
+        shared = cfg.get("shared_blocks")
+        tiers.append(f"shared={'unbounded' if shared is None else shared}")
+    if tiers:
+        tiers.append(f"store_at={cfg.get('tier_store_at', 'routed')}")
+        if cfg.get("tier_chunk_blocks", 1) != 1:
+            tiers.append(f"chunk_blocks={cfg['tier_chunk_blocks']}")
+    words.append("tiers=" + (",".join(tiers) if tiers else "none"))
+    words.append(f"routers={cfg.get('routers', 1)}")
+    if cfg.get("event_delay_s"):
+        words.append(f"event_delay_ms={_ms(cfg['event_delay_s'])}")
+    if cfg.get("routers", 1) > 1:
+        words.append(f"router_sync={'on' if cfg.get('router_sync', True) else 'off'}")
+    if cfg.get("churn_every_s") is not None:
+        words.append(f"churn_every_s={cfg['churn_every_s']:g}")
+    send = cfg.get("send")
+    if send:
+        words.append("send=" + send.replace(", ", ",").replace(" ", "-"))
+    return " ".join(words)
 
 
 def format_table(doc: dict) -> str:
@@ -16,6 +58,7 @@ def format_table(doc: dict) -> str:
     lines = [
         f"trace={doc['trace']} requests={doc['requests']} replicas={doc['replicas']} "
         f"capacity_blocks={doc['capacity_blocks']} load={_load(doc)}",
+        f"setup: {setup(doc)}",
         "bounds: " + "  ".join(f"{k}={v:.4f}" for k, v in b.items()),
     ]
     bal = doc.get("balance_bounded")
@@ -39,8 +82,11 @@ def format_table(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> None:
-    """Hit rate (with the bounds as lines) and p90 TTFT per policy, side by side."""
+    """Hit rate (with the bounds as lines) and p90 TTFT per policy, side by side, under a title saying what was
+    simulated (`setup`); the PNG is written whole or not at all (`whole_file.atomic_write`)."""
     import matplotlib
+
+    from kvmesh.cluster.whole_file import atomic_write
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -64,6 +110,7 @@ def plot(doc: dict, path: str) -> None:
         a1.axhline(v, color="tab:orange", linestyle="--", label=f"balance_bounded {v:.3f}")
     a1.set_ylabel("token-weighted hit rate")
     a1.set_title(f"{doc['trace']}: {doc['replicas']} replicas x {doc['capacity_blocks']} blocks")
+    fig.suptitle(setup(doc), fontsize=8)
     a1.legend(fontsize=8, loc="upper right")
     a2.bar(names, p90, color=colors)
     a2.set_ylabel("p90 TTFT (s)")
@@ -72,7 +119,8 @@ def plot(doc: dict, path: str) -> None:
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=60, labelsize=8)
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_write(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=110)
+    finally:
+        plt.close(fig)

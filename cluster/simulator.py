@@ -844,6 +844,9 @@ def simulate(
         "policies": {},
         "config": {
             "block_size": trace.block_size,
+            # tokens one trace hash id stands for: the block size, unless the ids were expanded (`engine_trace`)
+            "tokens_per_block": trace.meta.get("tokens_per_block", trace.block_size),
+            "limit": trace.meta.get("limit"),
             "host_blocks": cfg.host_blocks,
             "shared": cfg.shared,
             "shared_blocks": cfg.shared_blocks,
@@ -863,6 +866,11 @@ def simulate(
             "uncached_rate_per_mtok": cfg.uncached_rate,
             "cached_rate_per_mtok": cfg.cached_rate,
             "seed": cfg.seed,
+            # the multi-router model's setup (`multi_router.RouterSetup`); one all-knowing router without it
+            "routers": 1 if routers is None else routers.routers,
+            "event_delay_s": 0.0 if routers is None else routers.delay_s,
+            "router_sync": True if routers is None else routers.sync,
+            "churn_every_s": None if routers is None else routers.churn_every_s,
         },
     }
     bar = None

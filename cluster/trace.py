@@ -11,10 +11,14 @@ Two forms of one record, one conversion between them: the JSONL record (a dict, 
 what workloads generate, the replay client sends and files hold; `TraceRequest.from_record` is what
 the simulator and the bounds take (`load_trace` for a file as it is, `workloads.engine_trace` after
 scaling to an engine's block size).
+
+Both keep tenants apart the same way (`tenant_block_ids`): live, kvmesh salts a tenant's block hashes, so two
+tenants' prompts never share a cached block even where their trace ids are equal.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -45,6 +49,11 @@ _MAXIMA = {"timestamp": MAX_TIMESTAMP_MS, "input_length": MAX_TRACE_TOKENS, "out
 
 class TraceError(ValueError):
     """A trace that cannot be used; the message names the file and line."""
+
+
+class BlockFitError(TraceError):
+    """A record whose `input_length` does not fit its hash ids at the block size it was read with (a trace
+    recorded at another block size, or read at the wrong one)."""
 
 
 @dataclass(slots=True)
@@ -92,9 +101,19 @@ def resolve(name_or_path: str | os.PathLike) -> str:
     name_or_path = os.fspath(name_or_path)
     if name_or_path in BUNDLED:
         return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
+    if os.path.isdir(name_or_path):
+        raise TraceError(
+            f"trace {name_or_path!r}: is a folder, not a trace file (a JSONL file, or one of: {', '.join(BUNDLED)})"
+        )
     if not os.path.isfile(name_or_path):
         raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
     return name_or_path
+
+
+def trace_name(name_or_path: str | os.PathLike) -> str:
+    """How outputs name a trace: a bundled trace by its name, a file by its file name (extension kept)."""
+    name_or_path = os.fspath(name_or_path)
+    return name_or_path if name_or_path in BUNDLED else os.path.basename(name_or_path)
 
 
 def brief(text: str) -> str:
@@ -139,7 +158,7 @@ def check_record(rec, where: str = "record", block_size: int = SOURCE_BLOCK_TOKE
     if max(ids) > MAX_HASH_ID:
         raise TraceError(f"{where}: 'hash_ids' must be <= 2^63-1, got {brief(str(max(ids)))}")
     if not (len(ids) - 1) * block_size < n_in <= len(ids) * block_size:
-        raise TraceError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
+        raise BlockFitError(f"{where}: input_length {n_in} does not fit {len(ids)} hash ids of {block_size} tokens")
     for key in ("tenant", "user"):  # dict keys and cache salts: a list or an object cannot be either
         v = rec.get(key)
         if not (v is None or isinstance(v, str) or finite_number(v)):
@@ -207,9 +226,67 @@ def users_meta(users: list) -> dict:
     return {"users": users} if any(u is not None for u in users) else {}
 
 
+def tenant_block_ids(tenants: Sequence, id_lists: Sequence[list[int]]) -> list[list[int]]:
+    """Per request, its hash ids with tenants kept apart: a block is a (tenant, trace id) pair, as kvmesh's
+    per-tenant salt makes it live (a request without a tenant is unsalted: a tenant of its own). `tenants`
+    (any hashable values, None for no tenant) and `id_lists` go request by request.
+
+    The tenant that uses an id first keeps it; another tenant's use of the same id becomes a fresh id above
+    every id of the trace (below 2^63, as `MAX_HASH_ID`), the same fresh id wherever that tenant uses it. So
+    a trace whose tenants never share an id (every generated one), or with one tenant or none, keeps every
+    id, and the lists come back as they were given. The one rule of `load_trace` and `workloads.engine_trace`
+    (so `kvmesh simulate` and `kvmesh trace bounds` agree)."""
+    out = list(id_lists)
+    per_tenant: dict = {}  # tenant -> the ids it uses
+    for t, ids in zip(tenants, id_lists):
+        used = per_tenant.get(t)
+        if used is None:
+            used = per_tenant[t] = set()
+        used.update(ids)
+    if len(per_tenant) < 2 or sum(map(len, per_tenant.values())) == len(set().union(*per_tenant.values())):
+        return out  # no id used by two tenants (at C speed: a million-request trace lists tens of millions)
+    del per_tenant
+    keys: dict = {}  # tenant -> a small int: None must not read as "no owner yet" below
+    tenant_keys = [keys.setdefault(t, len(keys)) for t in tenants]
+    owner: dict[int, int] = {}  # id -> the tenant key that used it first
+    clashes: list[int] = []  # requests holding an id another tenant used first
+    for k, (t, ids) in enumerate(zip(tenant_keys, id_lists)):
+        seen = set(map(owner.get, ids))
+        seen.discard(None)
+        if seen and seen != {t}:
+            clashes.append(k)
+            for h in ids:
+                owner.setdefault(h, t)
+        else:
+            owner.update(dict.fromkeys(ids, t))
+    if not clashes:
+        return out
+    fresh_ids = _unused_ids(owner)
+    fresh: dict[tuple[int, int], int] = {}
+    for k in clashes:
+        t = tenant_keys[k]
+        salted = []
+        for h in id_lists[k]:
+            if owner[h] != t:
+                if (t, h) not in fresh:
+                    fresh[t, h] = next(fresh_ids)
+                h = fresh[t, h]
+            salted.append(h)
+        out[k] = salted
+    return out
+
+
+def _unused_ids(used: dict) -> Iterator[int]:
+    """Ids no key of `used` holds, from above the largest up to `MAX_HASH_ID`, then upwards from 0."""
+    top = max(used)
+    yield from range(top + 1, MAX_HASH_ID + 1)
+    yield from (h for h in itertools.count() if h not in used)
+
+
 def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
     """Load and validate a whole trace (bundled name or path) for the simulator: timestamps must not go
-    back. Raises TraceError; empty traces too. Where records name a `user`, `meta["users"]` lists them."""
+    back. Raises TraceError; empty traces too. Tenants are kept apart (`tenant_block_ids`). `meta` holds
+    the path, `limit`, and where records name a `user`, "users" (`users_meta`)."""
     if block_size < 1:
         raise TraceError("block size must be >= 1")
     path = resolve(name_or_path)
@@ -220,8 +297,9 @@ def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: 
         users.append(rec.get("user"))
     if not reqs:
         raise TraceError(f"trace {name_or_path!r}: no requests")
-    name = name_or_path if name_or_path in BUNDLED else os.path.basename(path)
-    return Trace(name, reqs, block_size, {"path": path, **users_meta(users)})
+    for r, ids in zip(reqs, tenant_block_ids([r.tenant for r in reqs], [r.hash_ids for r in reqs])):
+        r.hash_ids = ids
+    return Trace(trace_name(name_or_path), reqs, block_size, {"path": path, "limit": limit, **users_meta(users)})
 
 
 def tile(trace: Trace, copies: int) -> Trace:

@@ -25,23 +25,22 @@ import random
 from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 
-from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest, users_meta
+from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest, tenant_block_ids, users_meta
+from kvmesh.cluster.whole_file import atomic_write
 
 
 # --------------------------------------------------------------------------------------- records
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike, progress: bool = False) -> int:
-    """Write records one per line; returns the count. Creates parent folders. `progress`: a progress bar on
-    standard error when it is a terminal (a million records take seconds)."""
-    path = os.fspath(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    """Write records one per line, whole or not at all (`atomic_write`); returns the count. Creates parent
+    folders. `progress`: a progress bar on standard error when it is a terminal (a million records take
+    seconds)."""
     if progress:
         from tqdm import tqdm
 
         total = len(records) if isinstance(records, Sized) else None
         records = tqdm(records, total=total, unit="req", desc="writing", leave=False, disable=None, mininterval=0.5)
     n = 0
-    with open(path, "w", encoding="utf-8") as fh:
+    with atomic_write(path) as fh:
         for rec in records:
             fh.write(json.dumps(rec, separators=(", ", ": ")) + "\n")
             n += 1
@@ -229,7 +228,8 @@ def engine_trace(
 ) -> Trace:
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
     bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
-    them apart live), lengths scaled like the replay client's prompts. Lets a policy change be checked
+    them apart live: `trace.tenant_block_ids`, the rule `load_trace` keeps too), lengths scaled like the
+    replay client's prompts; `meta["tokens_per_block"]` says the scale. Lets a policy change be checked
     on the live benchmarks' workloads in seconds (tests/unit/benchmarks/test_peers.py). ValueError when
     the expansion would make more than `MAX_ENGINE_BLOCKS` blocks and more than the trace's own ids, before
     any is made (a million-request trace is as large without expansion, and its bounds cost far less)."""
@@ -242,16 +242,16 @@ def engine_trace(
             f"{block_size:,} tokens make {total:,} engine blocks, more than {MAX_ENGINE_BLOCKS:,} "
             f"({total / max(1, trace_ids):.0f} per trace block): use fewer tokens per block or a larger block size"
         )
+    # the tenant as a request carries it (`TraceRequest.tenant`, a string): tenants 1 and "1" are one
+    salts = [None if rec.get("tenant") is None or not salt_by_tenant else str(rec["tenant"]) for rec in records]
+    salted = tenant_block_ids(salts, [rec["hash_ids"] for rec in records])
     ids: dict[tuple, int] = {}
     out = []
-    for rec in records:
-        tenant = rec.get("tenant")
-        # the tenant as a request carries it (`TraceRequest.tenant`, a string): tenants 1 and "1" are one
-        salt = None if tenant is None or not salt_by_tenant else str(tenant)
+    for rec, block_ids in zip(records, salted):
         lengths = scaled_block_lengths(rec, tokens_per_block, source_block_tokens)
         hashes = [
-            ids.setdefault((salt, hid, j), len(ids) + 1)
-            for hid, n in zip(rec["hash_ids"], lengths)
+            ids.setdefault((hid, j), len(ids) + 1)
+            for hid, n in zip(block_ids, lengths)
             for j in range(-(-n // block_size))
         ]
         out.append(
@@ -265,7 +265,8 @@ def engine_trace(
                 }
             )
         )
-    return Trace(name, out, block_size=block_size, meta=users_meta([r.get("user") for r in records]))
+    meta = {"tokens_per_block": tokens_per_block, **users_meta([r.get("user") for r in records])}
+    return Trace(name, out, block_size=block_size, meta=meta)
 
 
 def fit_context(

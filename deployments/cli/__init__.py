@@ -1,13 +1,19 @@
 """The `kvmesh` command line: one package for every subcommand (one module each) and their shared argument
 types (`args`). This module dispatches and does what every subcommand shares: a SIGTERM unwinds the
 subcommand as Ctrl-C does (exit status 143), so what it started is cleaned up; a `CliError`, bad
-arguments or an `OSError` become one line on stderr and exit status 2; Ctrl-C exits 130. Library code
-never imports this package: it raises its own errors, which the subcommands turn into `CliError`."""
+arguments or an `OSError` become one line on stderr and exit status 2; Ctrl-C exits 130. Standard output is
+flushed before the exit status is decided: one that cannot be written (a full disk) is such an error too,
+and one whose reader has gone (`| head`) ends the command quietly with status 1, as Python's own guidance
+for a closed pipe has it. Library code never imports this package: it raises its own errors, which the
+subcommands turn into `CliError`."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import select
 import sys
 
 # subcommand -> help; the subcommand's module is this package's module of the same name, with
@@ -69,14 +75,56 @@ def _run(argv: list[str], only: str | None) -> int:
         args = build_parser(only).parse_args(argv)
         if getattr(args, "_missing", None):
             raise CliError(f"kvmesh {args.command}: not available in this build ({args._missing} missing)")
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # here, not at exit: there a failure is "Exception ignored" and status 120
+        return rc
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file the command reads or writes: one line, as for any other bad input
+        if _stdout_failed(exc):
+            _silence_stdout()
+            if exc.errno == errno.EPIPE:  # the reader has gone: nothing to tell it
+                return 1
+            print(f"error: standard output: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_failed(exc: OSError) -> bool:
+    """Whether `exc`, which names no file, is standard output failing: flushing it again fails too (what
+    could not be written is still buffered), or it is a pipe whose reader has gone (what failed was written
+    past the buffer)."""
+    if exc.filename is not None:
+        return False
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    except ValueError:  # closed
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test's capture), no poll
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's flush at exit, which would fail again,
+    has nowhere to fail (what was not written is lost either way)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from kvmesh.cluster.whole_file import atomic_write
 from kvmesh.cluster.workloads import MAX_ENGINE_BLOCKS
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
@@ -135,7 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--router-sync",
         choices=("on", "off"),
         default="on",
-        help="routers publish their decisions to each other (default on); off: only engine events",
+        help="routers publish their decisions to each other (default on); off: only engine events "
+        "(no effect with one router)",
     )
     p.add_argument(
         "--churn-every-s",
@@ -226,12 +228,21 @@ def _refuse_overwriting(args) -> None:
 
 def _load(args):
     """The trace as the simulator takes it (its requests' users, if any, in `meta["users"]`)."""
-    from kvmesh.cluster.trace import TraceError, load_trace, read_records
+    from kvmesh.cluster.trace import BlockFitError, TraceError, load_trace, read_records, resolve, trace_name
     from kvmesh.cluster.workloads import engine_trace
 
     if args.tokens_per_block is None:
         try:
             trace = load_trace(args.trace, args.block_size or 512, args.limit)
+        except BlockFitError as exc:
+            if args.block_size is None:
+                raise CliError(str(exc)) from None
+            raise CliError(
+                f"{exc}: without --tokens-per-block, --block-size is the tokens each trace hash id stands for "
+                f"(512 in Mooncake traces); to simulate engine blocks of {args.block_size} tokens, give "
+                f"--tokens-per-block 512 --block-size {args.block_size} (each id expanded to 512 tokens, "
+                "cut into engine blocks)"
+            ) from None
         except TraceError as exc:
             raise CliError(str(exc)) from None
         return trace
@@ -240,23 +251,52 @@ def _load(args):
         raise CliError(f"--tokens-per-block {args.tokens_per_block} must be a multiple of --block-size {block}")
     try:
         records = read_records(args.trace, args.limit, in_time_order=True)
+        path = resolve(args.trace)
     except TraceError as exc:
         raise CliError(str(exc)) from None
     if not records:
         raise CliError(f"{args.trace}: no requests")
-    name = os.path.splitext(os.path.basename(args.trace))[0]
     try:
-        return engine_trace(records, args.tokens_per_block, block, name=name)
+        trace = engine_trace(records, args.tokens_per_block, block, name=trace_name(args.trace))
     except ValueError as exc:  # more engine blocks than MAX_ENGINE_BLOCKS
         raise CliError(f"{args.trace}: {exc}") from None
+    trace.meta.update(path=path, limit=args.limit)
+    return trace
 
 
 def _router_setup(args):
-    """The multi-router model's setup, or None for the single all-knowing router."""
+    """The multi-router model's setup, or None for the single all-knowing router. One router has no peer to
+    sync with, so `--router-sync off` alone leaves the one-router model."""
     from kvmesh.cluster.multi_router import RouterSetup
 
-    setup = RouterSetup(args.routers, args.event_delay_ms / 1000.0, args.router_sync == "on", args.churn_every_s)
+    sync = args.router_sync == "on" or args.routers == 1
+    setup = RouterSetup(args.routers, args.event_delay_ms / 1000.0, sync, args.churn_every_s)
     return None if setup == RouterSetup() else setup
+
+
+def _modelled_policies(names: list[str], every: bool, make) -> list[str]:
+    """The policies the multi-router model can run, checked before any run: one named that reads load signals it
+    does not model is refused (CliError); with `every` (--policies all) those are left out, said in one line on
+    stderr. `make(name)` builds a policy."""
+    from kvmesh.cluster.multi_router import check_modelled_signals
+
+    kept, left_out = [], []
+    for name in names:
+        try:
+            check_modelled_signals(make(name))
+        except ValueError as exc:
+            if not every:
+                raise CliError(str(exc)) from None
+            left_out.append(name)
+            continue
+        kept.append(name)
+    if left_out:
+        print(
+            f"kvmesh simulate: --policies all leaves out {', '.join(left_out)} here: they read load signals the "
+            "multi-router model (--routers above 1, --event-delay-ms, --churn-every-s) does not model",
+            file=sys.stderr,
+        )
+    return kept
 
 
 def _client(args, trace, cfg):
@@ -289,6 +329,19 @@ def run(args) -> int:
         raise CliError("--shared-blocks sizes the shared tier: add --shared, or drop --shared-blocks")
     _refuse_overwriting(args)
     cost = _cost_model(args.cost_model)
+
+    def make(name: str):
+        return make_policy(name, seed=args.seed, **({"cost": cost} if name == "kvmesh" else {}))
+
+    routers = _router_setup(args)
+    try:
+        if routers is not None:  # before the trace is read or any policy run
+            from kvmesh.cluster.multi_router import check_tier_store_at
+
+            check_tier_store_at(args.tier_store_at)
+            names = _modelled_policies(names, args.policies.strip() == "all", make)
+    except ValueError as exc:  # a policy parameter out of range, or what the multi-router model cannot do
+        raise CliError(str(exc)) from None
     trace = _load(args)
     if len(trace) < 2 and args.load is not None:
         raise CliError("--load needs a trace with at least two requests at different times")
@@ -309,30 +362,34 @@ def run(args) -> int:
     )
     try:
         cfg.check()
-        policies = {n: make_policy(n, seed=args.seed, **({"cost": cost} if n == "kvmesh" else {})) for n in names}
+        policies = {n: make(n) for n in names}
         progress = not args.no_progress and len(trace) * len(names) >= 20_000
         client = _client(args, trace, cfg)
-        doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=_router_setup(args))
+        doc = simulate(trace, cfg, policies, progress=progress, client=client, routers=routers)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # beside doc["bounds"] (whose keys other tools rely on): hit rate, imbalance reached, per-replica prefill
     doc["balance_bounded"] = balance_bounded_bound(trace.requests, trace.block_size, args.replicas)
-    print(format_table(doc))
-    if args.json_out:
-        try:  # NaN and Infinity are not JSON: a reader would refuse the whole document
-            text = json.dumps(doc, indent=1, allow_nan=False)
-        except ValueError:
-            raise CliError(f"--json {args.json_out}: the result holds NaN or an infinity; not written") from None
-        with _writing("--json", args.json_out):
-            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-            with open(args.json_out, "w", encoding="utf-8") as fh:
+    # the files first: a standard output that fails (a full disk, a closed pipe) must not cost them
+    wrote = []
+    try:
+        if args.json_out:
+            try:  # NaN and Infinity are not JSON: a reader would refuse the whole document
+                text = json.dumps(doc, indent=1, allow_nan=False)
+            except ValueError:
+                raise CliError(f"--json {args.json_out}: the result holds NaN or an infinity; not written") from None
+            with _writing("--json", args.json_out), atomic_write(args.json_out) as fh:
                 fh.write(text)
-        print(f"wrote {args.json_out}", file=sys.stderr)
-    if args.plot:
-        with _writing("--plot", args.plot):
-            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-            plot(doc, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+            wrote.append(args.json_out)
+        if args.plot:
+            with _writing("--plot", args.plot):
+                plot(doc, args.plot)
+            wrote.append(args.plot)
+        print(format_table(doc))
+        sys.stdout.flush()
+    finally:
+        for path in wrote:
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from kvmesh.cluster import workloads
 from kvmesh.cluster.bounds import record_bounds
-from kvmesh.cluster.trace import BUNDLED, MAX_TIMESTAMP_MS, MAX_TRACE_TOKENS, SOURCE_BLOCK_TOKENS, read_records, resolve
+from kvmesh.cluster.trace import (
+    BUNDLED,
+    MAX_TIMESTAMP_MS,
+    MAX_TRACE_TOKENS,
+    SOURCE_BLOCK_TOKENS,
+    read_records,
+    resolve,
+    trace_name,
+)
+from kvmesh.cluster.whole_file import atomic_write
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     float_up_to,
@@ -61,7 +69,8 @@ def _check_records(longest_prompt_blocks: int, last_timestamp_ms: float) -> None
 
 
 def _write(records, path: str, progress: bool = False) -> int:
-    """`workloads.write_jsonl`; an error names the path (a failed write, EPIPE or EIO, names no file)."""
+    """`workloads.write_jsonl` (whole or not at all); an error names the path (a failed write, EPIPE or EIO,
+    names no file)."""
     try:
         return workloads.write_jsonl(records, path, progress=progress)
     except OSError as exc:
@@ -201,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {n} requests to {args.out}")
             return 0
         refuse_overwriting({"--json": args.json}, {"the trace being read": resolve(args.trace)}, "kvmesh trace: ")
-        records = read_records(args.trace, limit=args.limit)
+        # in time order, as `kvmesh simulate` reads a trace: a bound's warm-up and round robin follow that order
+        records = read_records(args.trace, limit=args.limit, in_time_order=True)
         if not records:  # as `kvmesh simulate` refuses it: no bound of nothing
             raise CliError(f"kvmesh trace: trace {args.trace!r}: no requests")
         if args.warmup >= len(records):
@@ -212,18 +222,29 @@ def run(args: argparse.Namespace) -> int:
         result = record_bounds(records, args.tokens_per_block, args.block_size, args.replicas, warmup=args.warmup)
     except ValueError as exc:
         raise CliError(f"kvmesh trace: {exc}") from None
+    result = {"trace": trace_name(args.trace), "limit": args.limit, **result}
+    if args.json:  # before the summary: a standard output that fails must not cost the file
+        try:
+            with atomic_write(args.json) as fh:
+                json.dump(result, fh, indent=2)
+        except OSError as exc:  # a failed write or close (EIO, EPIPE) names no file
+            raise CliError(f"kvmesh trace: {exc.filename or args.json}: {exc.strerror or exc}") from None
     print(
-        f"{result['requests']} requests, {result['prompt_tokens']} prompt tokens "
+        f"{_measured(result, len(records))}, {result['prompt_tokens']} prompt tokens "
         f"({result['tokens_per_block']} tokens/block, engine block {result['block_size']})\n"
         f"  infinite cache:                    hit rate {result['infinite']['hit_rate']:.3f}\n"
         f"  round robin over {args.replicas} infinite caches: "
         f"hit rate {result['round_robin_infinite']['hit_rate']:.3f}"
     )
-    if args.json:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(result, fh, indent=2)
-        except OSError as exc:  # a failed write or close (EIO, EPIPE) names no file
-            raise CliError(f"kvmesh trace: {exc.filename or args.json}: {exc.strerror or exc}") from None
     return 0
+
+
+def _measured(result: dict, read: int) -> str:
+    """How many requests the bounds count and, with --limit or --warmup, which."""
+    text = f"{result['requests']} requests"
+    if not result["warmup"] and result["limit"] is None:
+        return text
+    which = f"the first {read} of the trace" if result["limit"] is not None else f"all {read} of the trace"
+    if result["warmup"]:
+        return f"{text} ({which} less {result['warmup']} warm-up requests, which fill the caches uncounted)"
+    return f"{text} ({which}: --limit {result['limit']})"

@@ -199,7 +199,7 @@ def test_cli_synth_flood_bounds(tmp_path, capsys):
         == 0
     )
     data = json.loads(res.read_text())
-    assert data == record_bounds(lines, 32, replicas=2)
+    assert data == {"trace": "chat.jsonl", "limit": None, **record_bounds(lines, 32, replicas=2)}
     assert "infinite cache" in capsys.readouterr().out
 
 
