@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -208,6 +209,38 @@ def _quantity(value: Any) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
+# Kubernetes quantity suffixes (k8s.io/apimachinery resource.Quantity): binary, decimal SI, and the milli of
+# a CPU count; a number may also carry a decimal exponent (1e9, 12E6)
+_QUANTITY_SUFFIXES = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+    "": 1,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+}
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)")
+
+
+def quantity_bytes(value: Any) -> float | None:
+    """A Kubernetes memory quantity (`160Gi`, `128G`, `512Mi`, `1e9`, `1048576`) in bytes; None when it is not
+    one. `G` is 10**9 and `Gi` 2**30, as Kubernetes reads them."""
+    match = _QUANTITY.fullmatch(str(value).strip())
+    if not match:
+        return None
+    return float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2)]
+
+
 def _custom_resources(params: Mapping[str, Any]) -> dict[str, float]:
     """rayStartParams' `resources`: KubeRay takes it as a quoted JSON string, '"{\\"Custom\\": 1}"'."""
     value: Any = params.get("resources")
@@ -282,6 +315,36 @@ def engine_capacity(config: Mapping[str, Any], service: Mapping[str, Any]) -> fl
     return capacity
 
 
+def l1_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
+    """An LMCache L1 (`engine.lmcache.l1_size_gb`, GiB: LMCache sizes it as l1_size_gb * 2**30 bytes) at or
+    above the memory limit of a pod group the engines land on: the node's LMCache server holds its L1 in
+    that pod's memory, so the pod would be OOM-killed once the L1 filled. Only the limit itself is the rule:
+    the engine process and Ray need memory beside the L1 too, but how much depends on the model and the
+    engine, so room for them is left to whoever sizes the pods (docs/kubernetes.md)."""
+    from kvmesh.kvstore.tiers import TierConfig
+
+    lmcache = (config.get("engine") or {}).get("lmcache")
+    if not isinstance(lmcache, Mapping):  # no tiers: no L1
+        return []
+    l1_gb = lmcache.get("l1_size_gb", TierConfig.l1_size_gb)
+    groups = pod_groups(service)
+    problems = []
+    for name in landing_groups(config, service)[ENGINE]:
+        limits = (groups[name]["pod"]["containers"][0].get("resources") or {}).get("limits") or {}
+        if "memory" not in limits:  # no limit: the node's memory is the pod's
+            continue
+        limit = quantity_bytes(limits["memory"])
+        if limit is None:
+            problems.append(f"pod group {name}: memory limit {limits['memory']!r} is not a Kubernetes quantity")
+        elif not float(l1_gb) * 2**30 < limit:
+            problems.append(
+                f"engine.lmcache.l1_size_gb {l1_gb} GiB is not below the memory limit {limits['memory']} "
+                f"({limit / 2**30:g} GiB) of pod group {name}, where engines land: the node's LMCache server "
+                "holds its L1 in the pod's memory; lower l1_size_gb or raise the limit"
+            )
+    return problems
+
+
 def l2_credentials(l2: Any) -> list[str]:
     """Where an LMCache L2 spelling carries credentials: URL user info, or keys that may hold a secret (each
     adapter names its own: password, aws_secret_access_key, ...; `kvstore.tiers.CREDENTIAL_KEY`)."""
@@ -321,12 +384,14 @@ def kuberay_config_problems(config: Mapping[str, Any]) -> list[str]:
 
 def kuberay_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
     """Why the RayService manifest could not run this config: keys it ignores, credentials it would publish,
-    deployments no pod fits, files a pod lacks, autoscaling beyond the worker groups. Empty when it can."""
+    deployments no pod fits, files a pod lacks, an LMCache L1 the engines' pods have no memory for,
+    autoscaling beyond the worker groups. Empty when it can."""
     problems = kuberay_config_problems(config)
     for dep, names in landing_groups(config, service).items():
         if not names:
             problems.append(f"{dep} fits on no pod group (a replica needs {actor_resources(config)[dep]})")
     problems += [f"not mounted: {missing}" for missing in missing_files(config, service)]
+    problems += l1_problems(config, service)
     most = max_engine_replicas(app_config(config))
     capacity = engine_capacity(config, service)
     if most > capacity:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import statistics
@@ -49,6 +50,10 @@ MAX_TOKENS_PER_BLOCK = 8192
 # Expanded blocks kept for reuse, counted in tokens: a fixed count of blocks would hold gigabytes once
 # blocks are large (each token is an int in a tuple)
 BLOCK_CACHE_TOKENS = 1 << 22
+# The longest a replay at the trace's timestamps may take to send its last request, in seconds: a day, far
+# beyond any measured run (the bundled traces span about an hour at time scale 1), where a scale with an extra
+# digit or exponent (1e300) would sleep forever before its first send, with nothing said
+MAX_SCALED_SPAN_S = 86_400.0
 
 
 class ReplayError(Exception):
@@ -95,11 +100,25 @@ class ReplayConfig:
             raise ReplayError("give either a concurrency or a time scale, not both")
         if self.concurrency is not None and self.concurrency < 1:
             raise ReplayError("concurrency must be >= 1")
-        if self.time_scale is not None and self.time_scale < 0:
-            raise ReplayError("time scale must be >= 0")
+        if self.time_scale is not None and not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
+            raise ReplayError(f"time scale must be a finite number >= 0, got {self.time_scale}")
         if self.token_range and not 0 <= self.token_range[0] < self.token_range[1]:
             raise ReplayError("token range must satisfy 0 <= low < high")
         check_url(self.url)
+
+
+def check_schedule(records: Sequence[dict], cfg: ReplayConfig) -> None:
+    """Refuse (ReplayError) a replay at scaled timestamps whose last request would be sent more than
+    `MAX_SCALED_SPAN_S` after its first: checked before anything is sent."""
+    if cfg.time_scale is None or not records:
+        return
+    stamps = [r["timestamp"] for r in records]
+    span_s = (max(stamps) - min(stamps)) / 1000.0 * cfg.time_scale
+    if not span_s <= MAX_SCALED_SPAN_S:
+        raise ReplayError(
+            f"at time scale {cfg.time_scale:g} the trace's {(max(stamps) - min(stamps)) / 1000.0:,.3f} s would "
+            f"take {span_s:.3g} s to send, more than a day ({MAX_SCALED_SPAN_S:,.0f} s): lower the time scale"
+        )
 
 
 def check_url(url: str) -> str:
@@ -376,6 +395,7 @@ async def replay_async(
     import httpx
 
     cfg.check()
+    check_schedule(records, cfg)
     builder = PromptBuilder(cfg)
     concurrency = cfg.concurrency if cfg.time_scale is None else None
     if cfg.time_scale is None and concurrency is None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 # Bump when anything below changes the produced files; an existing build with another version is rebuilt.
 TINY_VERSION = 2
 STAMP = "kvmesh_tiny.json"
+# torch.manual_seed takes a seed of 64 bits: a larger one overflowed there, after the tokenizer was trained
+MAX_SEED = 2**64 - 1
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -145,6 +146,19 @@ def _refusal(out: Path) -> str | None:
     return f"{out} is a folder that holds other files, not a tiny-model build: name a new or empty folder"
 
 
+def _new_folder(parent: Path, prefix: str) -> Path:
+    """A new folder of a name of its own in `parent`, with the mode a plain mkdir gives (0o777 less the
+    umask). Why not `tempfile.mkdtemp`: its folder is 0700, and renamed into place as the model, Ray workers
+    running as another user could not read it. (Reading the umask would mean setting it, for every thread.)"""
+    while True:
+        path = parent / f"{prefix}{os.urandom(6).hex()}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+
+
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = False) -> Path:
     """Write the tiny model into `out_dir` (created if needed) and return its path.
 
@@ -157,6 +171,8 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = 
     """
     if not os.fspath(out_dir):
         raise TinyModelError("the output folder is an empty path: name a new or empty folder")
+    if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise TinyModelError(f"the seed must be a whole number from 0 to {MAX_SEED}, got {seed!r:.40}")
     out = Path(out_dir).resolve()
     if is_built(out, seed):
         return out
@@ -164,7 +180,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = 
     if refusal:
         raise TinyModelError(refusal)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = _new_folder(out.parent, f".{out.name}.")
     try:
         tokenizer = _build_tokenizer()
         model, gen = _build_model(tokenizer, seed)

@@ -22,7 +22,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model directory, or 'tiny' to build the embedded one")
     p.add_argument("--block-size", type=positive_int, default=32)
     p.add_argument("--kv-space-gb", type=positive_int, default=1, help="KV cache per engine, whole GiB")
-    p.add_argument("--work-dir", default=None, help="logs, model, Ray temp (default: a fresh /tmp dir)")
+    # a folder (or one to make) checked here: a file there was refused as "File exists" once the bench began
+    p.add_argument(
+        "--work-dir",
+        type=output_folder("rows.partial.json"),
+        default=None,
+        help="logs, model, Ray temp (default: a fresh /tmp dir)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from kvmesh.cluster.whole_file import atomic_write
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import int_up_to, output_file, positive_int
 from kvmesh.deployments.cli.simulate import MAX_SIM_REPLICAS
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tiers",
         action="store_true",
-        help="live: give each node an LMCache server (host tier + fs shared tier) and report hits by tier",
+        help="run every policy with tiers, as NAME+tiers: live, each node gets an LMCache server (host tier + "
+        "fs shared tier); simulated, a node-wide host tier and a shared tier; hits reported by tier",
     )
     parser.add_argument("--json", default=None, type=output_file, help="write all results here")
 
@@ -96,7 +98,13 @@ def _check(args) -> list[str]:
         raise CliError(
             f"kvmesh demo: unknown policy {', '.join(unknown) or '(none)'}; known: {', '.join(POLICY_NAMES)}"
         )
+    if args.tiers:  # every run has tiers: each is headed as such (once, where two names become one)
+        names = list(dict.fromkeys(_tiered(n) for n in names))
     return names
+
+
+def _tiered(name: str) -> str:
+    return name if name.endswith(TIERS_SUFFIX) else name + TIERS_SUFFIX
 
 
 def _policy(name: str) -> str:
@@ -152,9 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if replays:
         print(f"cachetest report: {_cachetest_report(args, records, replays, results, explained)}")
     if args.json:
-        if os.path.dirname(args.json):
-            os.makedirs(os.path.dirname(args.json), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as fh:
+        with atomic_write(args.json) as fh:  # whole or not at all: makes its folder
             json.dump({"mode": "live" if live else "simulated", "bounds": bounds, "results": results}, fh, indent=2)
     return 0 if all(r.get("errors", 0) == 0 for r in results.values()) else 1
 
@@ -381,8 +387,9 @@ def _report(args, names, results, bounds, live: bool, replays: dict | None = Non
             print(f"{name}: hits by tier: {cached:,} cached tokens; split by tier unknown (state unavailable: {why})")
         else:
             print(f"{name}: hits by tier: hbm {cached:,} tokens (no host/shared tier in this run)")
-    if "kvmesh" in results and "round_robin" in results:
-        _compare(results, replays)
+    for a, b in (("kvmesh", "round_robin"), (_tiered("kvmesh"), _tiered("round_robin"))):
+        if a in results and b in results:  # like with like: the same tier set-up
+            _compare(results, replays, a, b)
 
 
 def _rows(name: str, results: dict[str, dict], replays: dict | None) -> list[dict] | None:
@@ -411,10 +418,13 @@ def _paired(a_rows: list[dict], b_rows: list[dict]) -> dict:
     }
 
 
-def _compare(results: dict[str, dict], replays: dict | None) -> None:
-    """kvmesh against round robin over the same requests: those answered in both runs."""
-    a, b = results["kvmesh"], results["round_robin"]
-    rows_a, rows_b = _rows("kvmesh", results, replays), _rows("round_robin", results, replays)
+def _compare(
+    results: dict[str, dict], replays: dict | None, name_a: str = "kvmesh", name_b: str = "round_robin"
+) -> None:
+    """Run `name_a` (kvmesh) against `name_b` (round robin) over the same requests: those answered in both."""
+    a, b = results[name_a], results[name_b]
+    rr = name_b.replace("round_robin", "round robin")
+    rows_a, rows_b = _rows(name_a, results, replays), _rows(name_b, results, replays)
     if rows_a is not None and rows_b is not None:
         p = _paired(rows_a, rows_b)
         uncached, ttft = p["uncached"], p["ttft_p50"]
@@ -423,12 +433,12 @@ def _compare(results: dict[str, dict], replays: dict | None) -> None:
         uncached = (a.get("uncached_prompt_tokens"), b.get("uncached_prompt_tokens"), n)
         ttft = (a.get("ttft_p50_s"), b.get("ttft_p50_s"), n)
     else:
-        print("kvmesh vs round robin: not compared (requests failed, and no per-request results to pair the runs)")
+        print(f"{name_a} vs {rr}: not compared (requests failed, and no per-request results to pair the runs)")
         return
     if uncached[0] is not None and uncached[1]:
         print(
-            f"kvmesh computes {uncached[0] / uncached[1]:.2f}x the prompt tokens round robin computes, "
+            f"{name_a} computes {uncached[0] / uncached[1]:.2f}x the prompt tokens {rr} computes, "
             f"over {uncached[2]:,} requests answered in both"
         )
     if ttft[0] and ttft[1]:
-        print(f"kvmesh p50 TTFT is {ttft[0] / ttft[1]:.2f}x round robin's, over {ttft[2]:,} requests answered in both")
+        print(f"{name_a} p50 TTFT is {ttft[0] / ttft[1]:.2f}x {rr}'s, over {ttft[2]:,} requests answered in both")

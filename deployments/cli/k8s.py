@@ -3,9 +3,9 @@
 The manifest's Serve config is generated, never edited by hand: `deploy_plan.serve_deploy_config` is the
 builder, the same validation as `kvmesh serve --config`. Render also refuses a config the manifest could not
 run (`deploy_plan.kuberay_problems`): keys KubeRay sets elsewhere, credentials that serveConfigV2 would
-publish, deployments that fit no pod, files a pod does not mount; and a manifest whose Ray pods disagree on
-the Serve proxy (`RAY_SERVE_ENABLE_HA_PROXY`). `--check` changes nothing and exits 1 when the manifest is
-out of date (for CI and review).
+publish, deployments that fit no pod, an LMCache L1 not below its engine pods' memory limit, files a pod
+does not mount; and a manifest whose Ray pods disagree on the Serve proxy (`RAY_SERVE_ENABLE_HA_PROXY`).
+`--check` changes nothing and exits 1 when the manifest is out of date (for CI and review).
 
 Render also writes the annotation `kvmesh.io/node-server-config` on every Ray pod template (head and worker
 groups): a digest of what each node's LMCache server is created from (`node_server_digest`). A node's server

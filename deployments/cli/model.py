@@ -5,14 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import existing_folder_above
+from kvmesh.deployments.cli.args import existing_folder_above, int_up_to
+from kvmesh.deployments.tiny_model import MAX_SEED
 
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="model_command", required=True)
     p = sub.add_parser("build-tiny", help="build the tiny random-weight Llama with a locally trained tokenizer")
     p.add_argument("dir", type=_model_folder, help="output directory (a Hugging Face model directory)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (same seed -> same bytes)")
+    p.add_argument(
+        "--seed",
+        type=int_up_to(MAX_SEED, minimum=0),
+        default=0,
+        help=f"weight seed, 0 to {MAX_SEED} (same seed -> same bytes)",
+    )
 
 
 def _model_folder(text: str) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
+from kvmesh.cluster.whole_file import atomic_write
 from kvmesh.deployments.cli import CliError
 from kvmesh.deployments.cli.args import (
     given,
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-scale",
         type=non_negative_float,
         default=None,
-        help="send at trace timestamp x this factor (0.5 = twice as fast)",
+        help="send at trace timestamp x this factor (0.5 = twice as fast); the scaled trace must span a day or less",
     )
     parser.add_argument("--api-key", type=given, default=None, help="bearer key for every request")
     parser.add_argument(
@@ -123,9 +123,8 @@ def run(args: argparse.Namespace) -> int:
     except ReplayError as exc:
         raise CliError(f"kvmesh replay: {printable(str(exc))}") from None
     out = report.to_json(per_request=args.per_request)
-    if os.path.dirname(args.json):
-        os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
+    # whole or not at all (makes the folders): a failed write cut the summary short, leaving invalid JSON
+    with atomic_write(args.json) as fh:
         json.dump(out, fh, indent=2)
     print(format_table({args.label or "replay": out}))
     if out["errors"]:
