@@ -201,7 +201,13 @@ class MigratingStream:
                 self._move(None, ReplicaGone(f"replica {self.replica or '?'} left the fleet mid-call"))
                 continue
             except Exception as exc:
-                dead, rid = replica_failure(ReplicaGone(str(exc)) if self._gone else exc)
+                if self._gone:  # given up by the router: Serve's generator, cancelled, raises RequestCancelledError
+                    if self._waiting is not None and self._waiting.uncancel() > 0:
+                        raise asyncio.CancelledError from None  # the client went away too: the request ends
+                    # not the replica failing: one only suspect is not reported dead (it may resume)
+                    self._move(None, ReplicaGone(f"replica {self.replica or '?'} left the fleet mid-call"))
+                    continue
+                dead, rid = replica_failure(exc)
                 if not dead:
                     self._close_current()
                     raise
@@ -294,6 +300,14 @@ async def call_migrating(
             except asyncio.CancelledError:
                 if not gone or task is None or task.uncancel() > 0:
                     raise  # the client went away (or both): the request ends
+                raise ReplicaGone(f"request {current['request_id']}: its replica left the fleet mid-call") from None
+            except Exception:
+                if not gone:
+                    raise
+                # given up by the router, and the call's response cancelled too: Serve's DeploymentResponse then
+                # raises RequestCancelledError. Not the replica failing: moved, its replica not reported dead
+                if task is not None and task.uncancel() > 0:
+                    raise asyncio.CancelledError from None  # the client went away too: the request ends
                 raise ReplicaGone(f"request {current['request_id']}: its replica left the fleet mid-call") from None
             finally:
                 active = False

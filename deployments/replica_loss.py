@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 ABANDON_AFTER_S = 15  # seconds; an engine replica's graceful shutdown is 5 s (deploy_plan.py)
 
@@ -24,7 +24,11 @@ class ReplicaGone(RuntimeError):
 class OpenCalls:
     """The ingress's engine calls in flight, by engine request id, each with what abandons it and whether its
     request has a move left (`max_migrations`). `abandon` may be called from any thread (the router's loop);
-    the abandoning runs on the call's own loop."""
+    the abandoning runs on the call's own loop.
+
+    A call is named by its `on_gone` (one per call, as `unwatch` takes it), not by its request id alone: a
+    request moved before its first token is sent again under the same request id, and what was meant for
+    its call on a lost replica must not abandon its new call elsewhere (`calls`, `abandon_calls`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -40,15 +44,28 @@ class OpenCalls:
             if entry is not None and entry[1] is on_gone:
                 del self._calls[request_id]
 
+    def calls(self, request_ids: Iterable[str]) -> dict[str, Callable[[], None]]:
+        """The calls open now among `request_ids` (request id -> the call's `on_gone`), for `abandon_calls`."""
+        with self._lock:
+            return {r: self._calls[r][1] for r in request_ids if r in self._calls}
+
     def abandon(self, request_ids: Iterable[str], movable_only: bool = False) -> int:
         """Abandon the calls still open among `request_ids`; how many there were. `movable_only`: not those
         whose request has no move left, which would fail with a 503 rather than wait (a suspect replica may
         answer yet; one Serve dropped will not, so its calls are abandoned either way)."""
+        return self._abandon([(r, None) for r in request_ids], movable_only)
+
+    def abandon_calls(self, calls: Mapping[str, Callable[[], None]]) -> int:
+        """Abandon these calls (`calls`' answer) if still open; how many there were. A request sent again
+        since under the same id has a new call, which is left alone."""
+        return self._abandon(list(calls.items()), False)
+
+    def _abandon(self, calls: list[tuple[str, Callable[[], None] | None]], movable_only: bool) -> int:
         n = 0
-        for request_id in request_ids:
+        for request_id, call in calls:
             with self._lock:
                 entry = self._calls.get(request_id)
-                if entry is None or (movable_only and not entry[2]):
+                if entry is None or (movable_only and not entry[2]) or (call is not None and entry[1] is not call):
                     continue
                 del self._calls[request_id]
             loop, on_gone, _ = entry

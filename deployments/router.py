@@ -429,8 +429,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 and internal not in self._moved_off
                 and self._by_request_id.get(st.info.request_id) == internal
             ]
+            calls = local_state.OPEN_CALLS.calls(ids)  # these very calls: not a later one under the same id
             try:
-                asyncio.get_running_loop().call_later(ABANDON_AFTER_S, local_state.OPEN_CALLS.abandon, ids)
+                if calls:
+                    asyncio.get_running_loop().call_later(ABANDON_AFTER_S, self._abandon_left_on, rid, calls)
             except RuntimeError:  # not on a loop (a test's direct call): nothing of it is waiting
                 pass
         local_state.LEDGER.forget_replica(rid)  # per-replica rows of /metrics and /kvmesh/state: not every id
@@ -444,6 +446,18 @@ class KvmeshRouter(TierHolding, RequestRouter):
             self._drop_held(internal)
         self.forgotten += 1
         log.info("forgot replica %s", rid)
+
+    def _abandon_left_on(self, rid: str, calls: dict[str, Any]) -> int:
+        """`_forget`'s calls still open on `rid` ABANDON_AFTER_S later: abandoned, each only if it is still the
+        call that was open there (a request moved meanwhile was sent again under the same request id) and its
+        request is not placed on another replica since (the ingress may have sent it again before the router
+        heard of the loss). How many were abandoned."""
+        left = {}
+        for request_id, call in calls.items():
+            _, st = self._current_call(request_id)
+            if st is None or st.replica == rid:
+                left[request_id] = call
+        return local_state.OPEN_CALLS.abandon_calls(left)
 
     def replica_failed(self, rid: str) -> None:
         """A replica is dead (Serve said so, or the ingress saw it fail): forget it now and never choose it."""
