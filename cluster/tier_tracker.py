@@ -179,8 +179,10 @@ class TierTracker:
             return matches
         out = {}
         for rid, (hbm, host, shared) in matches.items():
-            node = self.index.node_of(rid)
-            k = self._chunk_blocks.get(node)
+            # a replica forgotten since `matches` was taken (it left or died between ranking and placement)
+            # is on no node any more: nothing beyond its own hbm, as with no server
+            node = self.index.node_of(rid) if self.index.has_replica(rid) else None
+            k = self._chunk_blocks.get(node) if node is not None else None
             if k is None:  # no LMCache server on its node: nothing beyond its own hbm
                 out[rid] = (hbm, hbm, hbm)
                 continue

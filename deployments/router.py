@@ -136,7 +136,7 @@ class _Routing:
 
 
 class _Inflight(HoldSource):
-    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at")
+    __slots__ = ("replica", "uncached", "first_token", "routing", "routed_at", "_ttft")
 
     def __init__(self, replica: str, uncached: int, routing: _Routing):
         super().__init__()
@@ -145,6 +145,7 @@ class _Inflight(HoldSource):
         self.first_token = False
         self.routing = routing  # the commitment, taken back if Serve retries the request elsewhere
         self.routed_at = time.monotonic()
+        self._ttft: tuple[str, Any, float] | None = None  # `predicted_ttft_s` for (replica, view)
 
     def prefill_end_s(self, pace: float = 1.0) -> float:
         """When its prefill is predicted to end, from its policy's prediction when it was placed, at `pace`
@@ -152,8 +153,15 @@ class _Inflight(HoldSource):
         return self.routed_at + pace * self.predicted_ttft_s()
 
     def predicted_ttft_s(self) -> float:
-        """Its policy's predicted TTFT when it was placed (0 when the policy predicts nothing)."""
-        return predicted_ttft_s(getattr(self.policy, "predict", None), self.info, self.routing.views.get(self.replica))
+        """Its policy's predicted TTFT when it was placed (0 when the policy predicts nothing). Kept while its
+        replica and that replica's view stay: the hold's pace (`TierHolding._pace`) reads it for every request
+        waiting for its first token, at each ranking that weighs a prefix in flight."""
+        view = self.routing.views.get(self.replica)
+        kept = self._ttft
+        if kept is None or kept[0] != self.replica or kept[1] is not view:
+            predict = getattr(self.policy, "predict", None)
+            kept = self._ttft = (self.replica, view, predicted_ttft_s(predict, self.info, view))
+        return kept[2]
 
     @property
     def info(self) -> RequestInfo:
@@ -682,15 +690,16 @@ class KvmeshRouter(TierHolding, RequestRouter):
         fleet.unseen_placements, fleet.unseen_tokens = self.peers.unseen_placements()
         known = None
         may_hold = True
+        by_view = {v.replica_id: v for v in views}
         if (self._inflight or self._held or self.peers.placements) and self.tiers.any_node():
             # with holds taking their share of Serve's routing tasks (`_may_hold`), the request is ranked and
             # committed as one that will not be held: credited only prefixes it will find stored
             may_hold = self._may_hold(listed)
-            known = self._add_inflight(info, fleet, may_hold)
+            known = self._add_inflight(info, fleet, may_hold, policy, by_view)
         order = policy.place(info, fleet)
         ranked = [fleet.ids[k] for k in order]
-        by_view = {v.replica_id: v for v in views}
-        hold = self._plan_hold(info, matches, by_view, ranked[0], policy, known, may_hold) if ranked else None
+        plan = self._plan_hold(info, matches, by_view, ranked[0], policy, known, may_hold) if ranked else None
+        hold = plan if plan is not None and plan.held else None
         # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
         # it places this request, and requests ranked meanwhile must see it (its work; its prefix once it is
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
@@ -701,6 +710,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             routing.rankings += earlier.rankings
         self._commit(routing, ranked[0], announce=hold is None)
         self._routing[internal] = routing
+        if plan is not None and not plan.held:  # taken back should its source never store the prefix
+            self._credit_unheld(plan, internal, routing)
         self._watch(pending_request)
         if len(self._routing) > 10_000:  # requests cancelled while waiting for a replica never get routed
             oldest = next(iter(self._routing))
@@ -715,9 +726,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if hold is not None:
             # its own prefill is a source too, from when it is predicted to be sent
             self._held[internal] = held_source = _Inflight(ranked[0], routing.uncached, routing)
-            src, wait_s, before = hold
-            held_source.routed_at += wait_s
-            await self._hold(routing, internal, src, before, held_source)
+            held_source.routed_at += hold.wait_s
+            await self._hold(routing, internal, hold.src, hold.before, held_source)
             if self._routing.get(internal) is routing and not self._placeable(routing.replica):
                 return []  # its replica died or left during the hold: Serve asks again, and it is ranked anew
             # a replica may have died, left or become suspect during the hold: Serve would send to it blind

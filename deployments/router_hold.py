@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvmesh.deployments import local_state
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.tier_hold import PrefillPace, loadable_source, loadable_sources, pace_of_waiting, prefixes_from
-from kvmesh.policies.base import FleetView, RequestInfo
+from kvmesh.policies.base import FleetView, ReplicaView, RequestInfo
 
 if TYPE_CHECKING:
     from kvmesh.cluster.index import PrefixIndex
@@ -38,6 +39,28 @@ def queue_wait_s(policy, info: RequestInfo, view) -> float:
         return 0.0
     idle = dataclasses.replace(view, queued=0, running=0, pending_prefill_tokens=0)
     return max(float(predict(info, view)[0]) - float(predict(info, idle)[0]), 0.0)
+
+
+@dataclasses.dataclass
+class HoldPlan:
+    """`TierHolding._plan_hold`'s answer where it counted a prefix in flight in the replica ranked first:
+    `src` leaves it loadable there; `held`: the request waits for it (`_hold`), else it is credited without
+    a hold; `wait_s`: the seconds until `src`'s prefill is predicted to end, at the measured pace (0 once its
+    first token is back); `before`: that replica's match and view without the prefix."""
+
+    src: Any
+    held: bool
+    wait_s: float
+    before: tuple
+
+
+def _in_time(left_s: float, pace: float, queue_s: float) -> bool:
+    """Is a prefill with `left_s` seconds left at the measured `pace` predicted to be stored before a request
+    queued `queue_s` (the policy's predicted seconds: `queue_wait_s`) would start its own? The queue is taken
+    at the same pace: the pace measures placement to first token, the queue's wait included, on the same
+    engines. A source past its predicted end at that pace without its first token (0 left) is late, not
+    stored: never in time (the hold waits for a late source too, `_wait_for_source`)."""
+    return 0.0 < left_s < pace * queue_s
 
 
 async def _either(a: asyncio.Event, b: asyncio.Event | None, timeout: float) -> bool:
@@ -89,6 +112,10 @@ class TierHolding:
         self.holding = 0  # requests waiting in `_hold` now, each in one of Serve's routing tasks
         self.holds_full = 0  # rankings with prefills in flight while `_may_hold` allowed no more holds
         self.prefill_pace = PrefillPace()  # how much slower than predicted first tokens come (hold limits)
+        # per source (by id), the requests credited its prefix without a hold, taken back should it be
+        # released without a first token (`_credit_unheld`): (the source, [(internal, routing, match and view
+        # before)], the task waiting for its release)
+        self._unheld_credits: dict[int, tuple[Any, list, asyncio.Task]] = {}
 
     def _hold_sources(self):
         """Every request a new one may wait for: this router's in flight and held ones, and its peers', less
@@ -115,24 +142,77 @@ class TierHolding:
         if st is not None:
             st.release()
 
-    def _add_inflight(self, info: RequestInfo, fleet: FleetView, may_hold: bool = True) -> dict:
+    def _add_inflight(
+        self,
+        info: RequestInfo,
+        fleet: FleetView,
+        may_hold: bool = True,
+        policy=None,
+        views: dict[str, ReplicaView] | None = None,
+    ) -> dict:
         """Tell the policy what each replica could load once a prefill in flight elsewhere (this router's or
-        a peer's) is stored (`FleetView.inflight_blocks`), so it can score holding for it on any replica,
-        not only keep a new prompt's later requests on the replica computing it. Returns replica -> the
-        source found for it (`tier_hold.loadable_sources`), for the hold that follows ranking. Without
-        `may_hold` (no hold is allowed now: `_may_hold`), only prefills already stored (first token back)
-        count: the policy must not rank a replica first for a hold the request will not get."""
+        a peer's) is stored (`FleetView.inflight_blocks`), and when, in the policy's seconds at the measured
+        pace (`inflight_ready_s`), so it can score holding for it on any replica, not only keep a new prompt's
+        later requests on the replica computing it. Returns replica -> the source found for it
+        (`tier_hold.loadable_sources`), for the hold that follows ranking. Without `may_hold` (no hold is
+        allowed now: `_may_hold`), only prefixes the request will find stored without a hold count on each
+        replica (`_in_time` on `views`, with `policy`): the policy must not rank a replica first for a
+        hold the request will not get, nor lose a credit that needs none."""
         sources = self._hold_sources()
-        if not may_hold:
-            self.holds_full += 1
-            sources = (s for s in sources if s.first_token)
         have = fleet.shared_blocks.tolist()
-        found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
-        blocks, ready_s = prefixes_from(found, have)
+        if may_hold:
+            found = loadable_sources(info.block_hashes, info.request_id, fleet.ids, have, sources, self.tiers)
+        else:
+            self.holds_full += 1
+            found = self._unheld_sources(info, fleet.ids, have, sources, policy, views or {})
+        blocks, _ = prefixes_from(found, have)
         if blocks is not None:
             fleet.inflight_blocks = np.asarray(blocks, dtype=np.int64)
-            fleet.inflight_ready_s = ready_s
+            fleet.inflight_ready_s = self._ready_s(found)
         return dict(zip(fleet.ids, found))
+
+    def _ready_s(self, found) -> float:
+        """`inflight_ready_s` for `found` (`loadable_sources`'s answer): the rest of the prefill leaving the
+        longest prefix (`tier_hold.prefixes_from`'s choice), in the policy's predicted seconds at the measured
+        pace (what the policy compares with its predicted queue wait); 0 once its first token is back."""
+        best = None
+        for f in found:
+            if f is not None and (best is None or f[1] > best[1]):
+                best = f
+        if best is None or best[0].first_token:
+            return 0.0
+        left, pace = self._prefill_left(best[0])
+        return left / pace
+
+    def _unheld_sources(self, info: RequestInfo, ids, have, sources, policy, views: dict) -> list:
+        """`loadable_sources` with only the sources whose prefix each replica would find stored without a
+        hold (`_in_time`)."""
+        first = info.block_hashes[:1]
+        # a source sharing none of the prompt leaves nothing loadable: not weighed (chained hashes)
+        related = [s for s in sources if first and s.info.block_hashes[:1] == first]
+        lefts: dict[int, tuple[float, float]] = {}
+        found = []
+        for rid, own in zip(ids, have):
+            queue: list[float] = []  # worked out once, for the first source not stored yet
+
+            def usable(src, rid=rid, queue=queue) -> bool:
+                if src.first_token:
+                    return True
+                if not queue:
+                    queue.append(queue_wait_s(policy, info, views.get(rid)))
+                if id(src) not in lefts:
+                    lefts[id(src)] = self._prefill_left(src)
+                return _in_time(*lefts[id(src)], queue[0])
+
+            kept = (s for s in related if usable(s))
+            found.append(loadable_source(info.block_hashes, info.request_id, rid, own, kept, self.tiers))
+        return found
+
+    def _prefill_left(self, src) -> tuple[float, float]:
+        """(seconds until `src`'s prefill is predicted to end at the pace first tokens have been coming, 0 when
+        that time has passed; that pace, `_pace`): the pace the hold's own limit takes (`_wait_for_source`)."""
+        pace = self._pace(src)
+        return max(src.prefill_end_s(pace) - time.monotonic(), 0.0), pace
 
     def _plan_hold(
         self,
@@ -143,20 +223,21 @@ class TierHolding:
         policy,
         known: dict | None = None,
         may_hold: bool = True,
-    ) -> tuple[Any, float, tuple] | None:
+    ) -> HoldPlan | None:
         """When another replica is computing a longer prefix of this request than `top` (the replica ranked
         first) can serve, and LMCache will leave it loadable on `top` (`tier_hold.loadable_source`): count
         that prefix in `top`'s match and view as tier-resident, so the policy's credit and the predicted cached
         tokens include it, where the request will find it stored without a hold or is held for it. Without a
-        hold (returns None): the computing request's first token is back (stored already), or its prefill is
-        predicted to end before the request's own would start on `top` (`queue_wait_s`: the wait behind `top`'s
-        queue, which the request spends there anyway, and vLLM looks the prefix up when it schedules the
-        prefill). Else the hold costs only the wait beyond that queue, and when the policy finds it worth it
-        (`Policy.hold_worth`, weighed as the policy's ranking and the simulator weigh it) and `may_hold`
-        (`_may_hold`), returns (the source, the predicted wait until its prefill ends, `top`'s match and view
-        before) for `_hold`; otherwise changes nothing. `known`: the sources `_add_inflight` found per replica
-        just before ranking, when it ran (nothing has changed since), so the in-flight requests are not
-        scanned again."""
+        hold (`HoldPlan.held` False): the computing request's first token is back (stored already), or its
+        prefill is predicted, at the pace first tokens have been coming (`_prefill_left`, as the hold's own
+        limit), to end before the request's own would start on `top` (`queue_wait_s` at that pace: the wait
+        behind `top`'s queue, which the request spends there anyway, and vLLM looks the prefix up when it
+        schedules the prefill; `_in_time`). Else the hold costs only the wait beyond that queue, and when the
+        policy finds it worth it (`Policy.hold_worth`, in the policy's predicted seconds, weighed as the
+        policy's ranking and the simulator weigh it) and `may_hold` (`_may_hold`), the plan holds it (`_hold`);
+        otherwise nothing changes (returns None). `known`: the sources `_add_inflight` found per replica just
+        before ranking, when it ran (nothing has changed since), so the in-flight requests are not scanned
+        again."""
         have = matches.get(top, (0, 0, 0))
         if not (self._inflight or self._held or self.peers.placements) or not self.tiers.any_node():
             return None
@@ -168,19 +249,21 @@ class TierHolding:
         if found is None:
             return None
         src, blocks = found
-        left = queue_s = 0.0  # the rest of the source's prefill; how long the request would queue on `top`
+        left = 0.0  # the rest of the source's prefill, in seconds at the measured pace
+        hold = False
         if not src.first_token:
-            left, queue_s = src.prefill_left_s(), queue_wait_s(policy, info, views.get(top))
-        # strictly: a source whose predicted end has passed without its first token (0 left) is late, not stored,
-        # and an idle replica would start computing the prefix at once
-        hold = not src.first_token and not left < queue_s
-        if hold:
-            n, bs = info.num_tokens, info.block_size
-            missing = predicted_cached_tokens(have[0], blocks, n, bs) - predicted_cached_tokens(have[0], have[2], n, bs)
-            if not policy.hold_worth(missing, left - queue_s):
-                return None
-            if not may_hold:
-                return None
+            left, pace = self._prefill_left(src)
+            queue_s = queue_wait_s(policy, info, views.get(top))  # the policy's predicted seconds
+            hold = not _in_time(left, pace, queue_s)
+            if hold:
+                n, bs = info.num_tokens, info.block_size
+                cached = predicted_cached_tokens(have[0], blocks, n, bs)
+                missing = cached - predicted_cached_tokens(have[0], have[2], n, bs)
+                # the policy's seconds: its recompute time is predicted as the queue is (a late source: 0)
+                if not policy.hold_worth(missing, max(left / pace - queue_s, 0.0)):
+                    return None
+                if not may_hold:
+                    return None
         before = (have, views.get(top))
         same_node = self.index.node_of(src.replica) == self.index.node_of(top)
         host = max(have[1], blocks) if same_node else have[1]
@@ -188,7 +271,63 @@ class TierHolding:
         view = views.get(top)
         if view is not None:
             views[top] = dataclasses.replace(view, host_blocks=host, shared_blocks=max(have[2], blocks))
-        return (src, left, before) if hold else None
+        return HoldPlan(src, hold, left, before)
+
+    def _credit_unheld(self, plan: HoldPlan, internal: str, routing: _Routing) -> None:
+        """`routing` (Serve's `internal`) was committed to its replica credited `plan.src`'s prefix without a
+        hold, its first token not back yet: should that source be released without one (it failed, moved,
+        was cancelled, its replica or router left), the request finds no prefix stored and computes it, so the
+        credit is taken back then (`_take_back_credits`)."""
+        src = plan.src
+        if src.first_token:
+            return
+        entry = self._unheld_credits.get(id(src))
+        if entry is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on a loop (a test's direct call): nothing would ever release it
+                return
+            # the event now: a source released before the task first runs must find it to set
+            task = loop.create_task(self._take_back_when_released(src, src.released()))
+            entry = self._unheld_credits[id(src)] = (src, [], task)
+        entry[1].append((internal, routing, routing.replica, plan.before))
+
+    async def _take_back_when_released(self, src, released: asyncio.Event) -> None:
+        await released.wait()
+        self._take_back_credits(src)
+
+    def _take_back_credits(self, src) -> None:
+        """`src` was released: if without its first token, each request credited its prefix without a hold
+        (`_credit_unheld`) and still committed there, its own prefill not started yet (no first token), is
+        counted as computing it after all: its match and view as before the credit, its pending prefill
+        (`uncached`, in `_inflight` once sent), its policy's credited work, and its prediction in the ledger
+        (while not delivered yet). Its peers keep what its placement message told them until its first token."""
+        entry = self._unheld_credits.pop(id(src), None)
+        if entry is None or src.first_token:
+            return
+        for internal, routing, rid, (have, view) in entry[1]:
+            st = self._inflight.get(internal)
+            if st is not None and st.routing is not routing:
+                st = None  # another call of the request (ranked again, retried)
+            if st is None and self._routing.get(internal) is not routing:
+                continue  # ended, or ranked again: its new commitment was weighed afresh
+            if routing.replica != rid or (st is not None and (st.first_token or st.replica != rid)):
+                continue  # placed elsewhere (credited nothing there), or its own prefill is over
+            info = routing.info
+            routing.policy.on_unrouted(info, rid)
+            routing.matches[rid] = have
+            if view is not None:
+                routing.views[rid] = view
+            n, bs = info.num_tokens, info.block_size
+            routing.uncached = n - predicted_cached_tokens(have[0], have[2], n, bs)
+            if self.index.has_replica(rid):
+                routing.policy.on_routed(info, rid, routing.views.get(rid))
+            if st is None:
+                continue  # not sent yet: `_routed` predicts from `routing.uncached`
+            st.uncached = routing.uncached
+            ledger = local_state.LEDGER
+            if info.request_id and ledger.prediction(info.request_id) is not None:
+                ledger.predict(info.request_id, rid, n - routing.uncached, bs)
 
     async def _hold(self, routing: _Routing, internal: str, src, before: tuple, own=None) -> None:
         """Wait, committed already (`_plan_hold`) but not announced (its peers count it for its tenant only:

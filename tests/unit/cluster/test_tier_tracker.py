@@ -322,3 +322,16 @@ def test_with_every_lmcache_node_down_no_replica_is_credited_a_tier():
     t.drop_node("n2", down=True)
     assert not t.any_node()
     assert t.loadable(idx.match([1, 2, 3])) == {"a": (0, 0, 0), "a2": (0, 0, 0), "b": (0, 0, 0)}
+
+
+def test_a_replica_forgotten_since_its_match_was_taken_reads_no_tier_and_raises_nothing():
+    """A match taken at ranking can name a replica that died or left before Serve placed the request; what
+    the router reads of it then (miss attribution at placement) must not raise in Serve's callback."""
+    idx, t = _setup()
+    t.record_prefill("a", [1, 2, 3])
+    held = idx.match([1, 2, 3])
+    idx.remove_replica("b")
+    m = t.loadable(held)
+    assert m["b"] == (held["b"][0],) * 3  # nothing beyond its own hbm, as on a node without a server
+    assert m["a2"] == (0, 3, 3)  # the others as before
+    assert t.loadable(held, whole_chunks=False)["b"] == (held["b"][0],) * 3

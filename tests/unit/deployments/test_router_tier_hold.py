@@ -915,19 +915,27 @@ class _Queued(_Stub):
         return extra_wait_s < 0.3
 
 
-def queued_hold_scenario(monkeypatch, queued_tokens: int):
+def queued_hold_scenario(
+    monkeypatch, queued_tokens: int, pace: float = 1.0, p1_placed_s_ago: float = 0.0, hold_task_share: float = 0.5
+):
     """p1 computes PROMPT on A (0.5 s predicted); B already has a request computing `queued_tokens` tokens;
-    p2 shares PROMPT and is ranked onto B. Returns (p2 held, the extra waits asked of the policy, p2's
-    predicted cached tokens once sent, router)."""
+    p2 shares PROMPT and is ranked onto B. `pace`: first tokens have come that many times as late as
+    predicted; p1 was placed `p1_placed_s_ago` seconds before p2 is ranked (its placement time moved back:
+    no clock is waited on). Returns (p2 held, the extra waits asked of the policy, p2's predicted cached
+    tokens once sent, router)."""
     monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
 
     async def scenario():
         router, a, b = await lmcache_router()
         router.policy = stub = _Queued(True)
         router._policies = {"kvmesh": stub}
+        router.hold_task_share = hold_task_share
+        if pace > 1.0:
+            router.prefill_pace.observe(pace * 0.05, 0.05)
         p1 = fake_request(PROMPT, "p1")
         await router.choose_replicas([a, b], p1)
         router._routed(p1, a.replica_id)
+        router._inflight["i-p1"].routed_at -= p1_placed_s_ago
         busy = fake_request([(i * 31) % 900 + 5 for i in range(queued_tokens)], "busy")
         await router.choose_replicas([a, b], busy)
         router._routed(busy, b.replica_id)
@@ -958,3 +966,86 @@ def test_a_prefix_stored_before_its_replicas_queue_lets_it_start_is_credited_wit
     held, asked, predicted, router = queued_hold_scenario(monkeypatch, queued_tokens=8000)
     assert not held and asked == [] and router.held_for_tier == 0
     assert predicted == 320
+
+
+def test_whether_a_prefix_needs_a_hold_is_decided_at_the_measured_pace(monkeypatch):
+    """First tokens have come ten times as late as predicted, and p1 was placed 0.3 s ago: 0.2 s of its
+    0.5 s prefill are left at the predicted pace, 4.7 s at the measured one, against B's queue of 0.3 s
+    predicted, 3 s at that pace. p2 is held for p1's prefix (before: credited without a hold, sent at once,
+    and it computed the prefix p1 had not stored yet); the hold is weighed in the policy's seconds, 0.47 s
+    left less the 0.3 s queue."""
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, 3000, pace=10.0, p1_placed_s_ago=0.3)
+    assert held and router.held_for_tier == 1
+    assert len(asked) == 1 and 0.15 < asked[0] < 0.2, asked
+    assert predicted == 320  # loaded once p1's first token came back
+    # on schedule at the measured pace, behind a queue that outlasts it (8 s at that pace): no hold needed
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, 8000, pace=10.0, p1_placed_s_ago=0.3)
+    assert not held and asked == [] and predicted == 320
+
+
+def test_a_source_past_its_predicted_end_is_held_for_not_credited_as_stored(monkeypatch):
+    """p1 was placed 0.6 s ago and its prefill predicted at 0.5 s: late, its first token not back. However
+    short B's queue (0.01 s), p2 is held for it as for any prefix not stored (before: 0 s left counted as
+    done, p2 was credited the prefix without a hold and computed it); the wait it is weighed on is none."""
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, 100, p1_placed_s_ago=0.6)
+    assert held and router.held_for_tier == 1 and asked == [0.0]
+    assert predicted == 320
+
+
+def test_with_every_hold_slot_taken_a_prefix_that_needs_no_hold_is_still_credited(monkeypatch):
+    """No hold is allowed (`hold_task_share` 0). B's queue (0.8 s) outlasts p1's prefill (0.5 s): p2 is sent
+    at once and finds the prefix stored, so it is ranked knowing B can load it and credited it (before: only
+    prefixes already stored counted, and p2 predicted none). A late p1 needs a hold it cannot get: no credit."""
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, 8000, hold_task_share=0.0)
+    assert not held and router.held_for_tier == 0 and router.holds_full >= 1
+    assert predicted == 320
+    assert router.policy.inflight["p2"][0]["B"] == 10  # ranked with it
+    held, asked, predicted, router = queued_hold_scenario(monkeypatch, 8000, p1_placed_s_ago=0.6, hold_task_share=0.0)
+    assert not held and router.held_for_tier == 0 and predicted == 0
+    assert router.policy.inflight["p2"][0] is None
+
+
+def test_a_credit_without_a_hold_is_taken_back_when_its_source_never_stores_the_prefix(monkeypatch):
+    """p2 is credited p1's prefix without a hold (B's queue outlasts p1's prefill) and sent; then A, computing
+    p1, dies before p1's first token. p2 will compute the prefix: its pending prefill on B, its policy's
+    credited work and its prediction in the ledger count the whole prompt again (before: 3 tokens and 320
+    cached, a mismatch for the ledger's hash alarm and B's load under-counted until p2's first token). The
+    same before Serve has placed p2, p1 refused by A and routed again."""
+
+    async def scenario(sent_first: bool):
+        monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+        router, a, b = await lmcache_router()
+        router.policy = stub = _Queued(True)
+        router._policies = {"kvmesh": stub}
+        routed = []
+        stub.on_routed = lambda info, rid, view=None: routed.append((info.request_id, rid, view.shared_blocks))
+        p1 = fake_request(PROMPT, "p1")
+        await router.choose_replicas([a, b], p1)
+        router._routed(p1, a.replica_id)
+        busy = fake_request([(i * 31) % 900 + 5 for i in range(8000)], "busy")
+        await router.choose_replicas([a, b], busy)
+        router._routed(busy, b.replica_id)
+        p2 = fake_request(PROMPT + [11, 12, 13], "p2")
+        ranked = await asyncio.wait_for(router.choose_replicas([a, b], p2), 5)
+        committed = list(routed)
+        if sent_first:
+            router._routed(p2, ranked[0][0].replica_id)
+            assert (router._inflight["i-p2"].uncached, local_state.LEDGER.prediction("p2")) == (3, 320)
+        if sent_first:
+            router.replica_failed("A")  # p1 ends without its first token
+        else:
+            await router.choose_replicas([a, b], p1)  # A refused p1: Serve routes it again
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if not sent_first:
+            router._routed(p2, ranked[0][0].replica_id)
+        after = (router._inflight["i-p2"].uncached, local_state.LEDGER.prediction("p2"))
+        return ranked[0][0].replica_id.unique_id, committed, after, list(routed), router
+
+    for sent_first in (True, False):
+        where, committed, after, routed, router = asyncio.run(scenario(sent_first))
+        assert where == "B" and router.held_for_tier == 0
+        assert committed[-1] == ("p2", "B", 10)
+        assert after == (323, 0), sent_first
+        assert [r for r in routed[len(committed) :] if r[0] == "p2"] == [("p2", "B", 0)]  # credited anew
+        assert not router._unheld_credits
