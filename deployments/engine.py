@@ -289,17 +289,16 @@ class EngineReplica:
         }
 
     def record_routing_stats(self) -> dict:
-        load = self.driver.load
+        """Serve calls this on a worker thread (a sync method) while the replica's loop moves requests
+        from queued to running: the load fields come from one `report` of the driver's counter, taken
+        under its lock, so the counts and the ids behind them always agree."""
         return {
             "replica_id": self.replica_id,
             "pid": os.getpid(),  # the replica's process, for operators and fault tests (kill -9)
-            "queued": load.queued,
-            "running": load.running,
-            # which requests those are (up to REPORTED_IDS each; beyond, none: routers then take the counts as
-            # they are): a router takes off what it knows has started or ended since this report was made
-            "queued_ids": list(load.queued_ids) if len(load.queued_ids) <= REPORTED_IDS else None,
-            "running_ids": list(load.running_ids) if len(load.running_ids) <= REPORTED_IDS else None,
-            "aborted": load.aborted,
+            # queued, running, aborted, and which requests the first two are (up to REPORTED_IDS each; beyond,
+            # none: routers then take the counts as they are): a router takes off what it knows has started or
+            # ended since this report was made
+            **self.driver.load.report(REPORTED_IDS),
             "steps": self.driver.steps,  # requests over steps: how much each engine step batched
             "kv_usage": self._kv_usage(),
             "stats_errors": self.stats_errors,

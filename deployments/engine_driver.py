@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.deployments.config import engine_dtype
+from kvmesh.deployments.replica_loss import ReplicaGone
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
 if TYPE_CHECKING:
@@ -72,11 +73,23 @@ def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None
         fut.set_result(result)
 
 
+class RequestInFlight(ReplicaGone):
+    """A request under an id this replica is still serving: the ingress gave up an earlier call of it (its
+    replica looked gone) that still runs here. Not the client's fault, and this replica is not broken: as
+    a `ReplicaGone` the ingress sends the request again without blaming the replica (a 503 once its moves
+    are spent), by which time the abandoned call has usually been cancelled."""
+
+
 class _LoadCounter:
     """Queued = admitted but no token yet; running = producing tokens. Counted by the driver itself so
-    both drivers report the same thing without reaching into engine internals."""
+    both drivers report the same thing without reaching into engine internals.
+
+    Updated on the replica's event loop but read by Serve on a worker thread (`record_routing_stats` is
+    sync): every update and `report` take `_lock`, so a report never catches a request between its two
+    states (counted in neither list, or counts that disagree with the names)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.queued = 0
         self.running = 0
         self.aborted = 0  # requests given up before finishing (client went away)
@@ -84,6 +97,17 @@ class _LoadCounter:
         # and which of theirs have started (`EngineReplica.record_routing_stats`)
         self.queued_ids: dict[str, None] = {}
         self.running_ids: dict[str, None] = {}
+
+    def report(self, max_ids: int) -> dict:
+        """The counts and the ids behind them (None for a list longer than `max_ids`), taken together."""
+        with self._lock:
+            return {
+                "queued": self.queued,
+                "running": self.running,
+                "queued_ids": list(self.queued_ids) if len(self.queued_ids) <= max_ids else None,
+                "running_ids": list(self.running_ids) if len(self.running_ids) <= max_ids else None,
+                "aborted": self.aborted,
+            }
 
     async def track(
         self,
@@ -94,37 +118,48 @@ class _LoadCounter:
         """Pass one request's engine outputs through, keeping queued/running/aborted: the one wrapper
         both drivers' `generate` use. A stream left before its finished output (the caller closed it
         or was cancelled) counts as aborted and `on_abandon` tells the engine; one the engine failed
-        (it raised) does not. The engine's stream is closed here, not left to the garbage collector."""
-        self.queued += 1
-        if request_id is not None:
-            self.queued_ids[request_id] = None
+        (it raised) does not. The engine's stream is closed here, not left to the garbage collector.
+
+        A request under an id still in flight here is refused (`RequestInFlight`) before it is counted:
+        the report names each id once, and the second request's end would take the first's name off."""
+        with self._lock:
+            refused = request_id is not None and (request_id in self.queued_ids or request_id in self.running_ids)
+            if not refused:
+                self.queued += 1
+                if request_id is not None:
+                    self.queued_ids[request_id] = None
+        if refused:
+            await outputs.aclose()
+            raise RequestInFlight(f"request {request_id!r} is already in flight on this replica")
         started = finished = False
         try:
             async for out in outputs:
                 if not started:
                     started = True
-                    self.queued -= 1
-                    self.running += 1
-                    if request_id is not None:
-                        self.queued_ids.pop(request_id, None)
-                        self.running_ids[request_id] = None
+                    with self._lock:
+                        self.queued -= 1
+                        self.running += 1
+                        if request_id is not None:
+                            self.queued_ids.pop(request_id, None)
+                            self.running_ids[request_id] = None
                 finished = out.finished
                 yield out
         except Exception:
             finished = True  # the engine gave the request up itself: nothing to abort
             raise
         finally:
-            if request_id is not None:
-                self.queued_ids.pop(request_id, None)
-                self.running_ids.pop(request_id, None)
-            if started:
-                self.running -= 1
-            else:
-                self.queued -= 1
-            if not finished:
-                self.aborted += 1
-                if on_abandon is not None:
-                    on_abandon()
+            with self._lock:
+                if request_id is not None:
+                    self.queued_ids.pop(request_id, None)
+                    self.running_ids.pop(request_id, None)
+                if started:
+                    self.running -= 1
+                else:
+                    self.queued -= 1
+                if not finished:
+                    self.aborted += 1
+            if not finished and on_abandon is not None:
+                on_abandon()
             await outputs.aclose()
 
 
@@ -202,9 +237,14 @@ class InprocDriver:
     A failed `step()` leaves vLLM's scheduler in an unknown state, so the driver stops stepping for
     good: every stream and every later request fails with `EngineBroken`, and `healthy()` turns false
     so that Serve's health check replaces the replica (a live thread serving nothing would stay green).
+    Anything else the thread does that raises (an abort, handing outputs over) ends the engine the same
+    way: a thread that died silently would leave every stream and later request waiting on a queue
+    nobody reads until the health check replaced the replica.
     """
 
-    _broken: BaseException | None = None  # the step failure that ended this engine
+    _broken: BaseException | None = None  # the failure that ended this engine
+    _broken_why = ""  # what every stream and later request is told (EngineBroken's message)
+    _closed = False  # the step thread has ended (stopped or failed): it reads no more ops
     external_hit_tokens = 0  # prompt tokens loaded through the KV connector (LMCache), summed over requests
     _fail_after: int | None = None  # test-only fault: step() raises once this many steps have run
     _steps = 0
@@ -240,35 +280,82 @@ class InprocDriver:
     def _run(self) -> None:
         name_this_thread("kvmesh-step")
         stall_wait = 0.0  # how long to wait for an op before the next step while the connector is awaited
-        while not self._stop:
-            live = self._broken is None and self.engine.has_unfinished_requests()
-            draining = not live and self._broken is None and self._connector_pending()
-            if live:
-                op = self._next_op(block=stall_wait > 0, timeout=stall_wait or None)
-            elif draining:  # only a KV connector's transfers left: poll them, without spinning a core
-                op = self._next_op(block=True, timeout=DRAIN_POLL_S)
-            else:
-                op = self._ops.get()  # idle: sleep until a request (or stop) arrives
-            while op is not None:
-                self._apply(op)
-                op = self._next_op(block=False)
-            if self._stop:
-                break
-            live = self._broken is None and self.engine.has_unfinished_requests()
-            if live or (self._broken is None and self._connector_pending()):
+        try:
+            while not self._stop:
                 try:
-                    outputs = self._step(counted=live)
-                except Exception as exc:  # the engine is broken: fail every stream, report unhealthy
-                    log.exception("engine step failed: this replica stops serving and fails its health check")
-                    self._broken = exc
-                    for rid in list(self._streams):
-                        self._push(rid, EngineBroken(f"engine step failed: {exc!r}"))
-                    continue
-                self._push_step(outputs)
-                stalled = live and not outputs and self._awaiting_connector()
-                if stalled:
-                    self._steps -= 1  # it ran nothing: requests over steps counts the steps that served
-                stall_wait = min(STALL_MAX_WAIT_S, max(STALL_FIRST_WAIT_S, 2 * stall_wait)) if stalled else 0.0
+                    stall_wait = self._turn(stall_wait)
+                except Exception as exc:  # anything the thread does, not only the step: see the class doc
+                    self._fail(exc, "engine thread failed")
+                    stall_wait = 0.0
+        except BaseException as exc:
+            self._fail(exc, "engine thread ended")
+            raise
+        finally:
+            self._closed = True  # before the last look at the queue: see _submit
+            self._drain_ops()
+
+    def _turn(self, stall_wait: float) -> float:
+        """One turn of the step thread: apply the ops waiting, then step once; the next turn's stall wait."""
+        live = self._broken is None and self.engine.has_unfinished_requests()
+        draining = not live and self._broken is None and self._connector_pending()
+        if live:
+            op = self._next_op(block=stall_wait > 0, timeout=stall_wait or None)
+        elif draining:  # only a KV connector's transfers left: poll them, without spinning a core
+            op = self._next_op(block=True, timeout=DRAIN_POLL_S)
+        else:
+            op = self._ops.get()  # idle (or broken): sleep until a request (or stop) arrives
+        while op is not None:
+            self._apply(op)
+            op = self._next_op(block=False)
+        if self._stop:
+            return 0.0
+        live = self._broken is None and self.engine.has_unfinished_requests()
+        if not (live or (self._broken is None and self._connector_pending())):
+            return 0.0
+        try:
+            outputs = self._step(counted=live)
+        except Exception as exc:
+            self._fail(exc, "engine step failed")
+            return 0.0
+        stalled = live and not outputs and self._awaiting_connector()
+        if live and not stalled:  # counted once done: a stalled step ran nothing, and the count never goes back
+            self._steps += 1
+        self._push_step(outputs)
+        return min(STALL_MAX_WAIT_S, max(STALL_FIRST_WAIT_S, 2 * stall_wait)) if stalled else 0.0
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        """End the engine for good (called in an `except` block): every open stream gets `EngineBroken`,
+        later requests and calls get it at once, and `healthy()` turns false."""
+        if self._broken is not None:  # already broken: the thread only refuses work now
+            log.exception("engine thread error after the engine broke")
+            return
+        log.exception("%s: this replica stops serving and fails its health check", what)
+        self._broken_why = f"{what}: {exc!r}"
+        self._broken = exc
+        for rid in list(self._streams):
+            try:
+                self._push(rid, EngineBroken(self._broken_why))
+            except Exception:  # its event loop is closed: nobody waits there
+                pass
+
+    def _refusal(self) -> EngineBroken:
+        return EngineBroken(self._broken_why or "engine stopped")
+
+    def _refuse(self, op) -> None:
+        """Fail an op the engine will not run: its request or call gets `EngineBroken`."""
+        if op[0] == "add":
+            self._push(op[1], self._refusal())
+        elif op[0] == "call":
+            _, _, loop, fut = op
+            loop.call_soon_threadsafe(_settle, fut, None, self._refusal())
+
+    def _drain_ops(self) -> None:
+        """Refuse every op still queued: nothing reads the queue once the thread has ended."""
+        while (op := self._next_op(block=False)) is not None:
+            try:
+                self._refuse(op)
+            except Exception:  # its event loop is closed: nobody waits there
+                pass
 
     def _next_op(self, block: bool, timeout: float | None = None):
         try:
@@ -302,25 +389,25 @@ class InprocDriver:
             return False
 
     def _step(self, counted: bool = True):
-        if counted:  # a step that only collects a connector's finished transfers serves no request
-            self._steps += 1
-        if self._fail_after is not None and self._steps > self._fail_after:
+        """One engine step. `counted`: one that serves requests (`_turn` counts it once it is done); a step
+        that only collects a connector's finished transfers serves none."""
+        if self._fail_after is not None and self._steps + int(counted) > self._fail_after:
             raise RuntimeError(f"injected step failure after {self._fail_after} steps (engine.fail_step_after)")
         return self.engine.step()
 
     def _apply(self, op) -> None:
         kind = op[0]
-        if kind == "add":
+        if self._broken is not None and kind in ("add", "call"):
+            self._refuse(op)
+        elif kind == "add":
             _, rid, prompt, params = op
-            if self._broken is not None:
-                self._push(rid, EngineBroken(f"engine step failed: {self._broken!r}"))
-                return
             try:
                 self.engine.add_request(rid, prompt, params)
             except Exception as exc:  # bad request (e.g. too long): report to the caller only
                 self._push(rid, exc)
         elif kind == "abort":
-            self.engine.abort_request([op[1]])
+            if self._broken is None:  # a broken engine's requests have all been failed already
+                self.engine.abort_request([op[1]])
         elif kind == "call":
             _, fn, loop, fut = op
             try:
@@ -363,9 +450,13 @@ class InprocDriver:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:  # outputs go by id: the second would take the first's, and its abort both
-            raise ValueError(f"request {request_id!r} is already in flight on this replica")
+            raise RequestInFlight(f"request {request_id!r} is already in flight on this replica")
         self._streams[request_id] = (loop, q)
-        self._ops.put(("add", request_id, prompt, params))
+        try:
+            self._submit(("add", request_id, prompt, params))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         merge = getattr(params, "output_kind", None) == _delta_kind()
         held = None
         try:
@@ -395,8 +486,22 @@ class InprocDriver:
         """Run fn(engine) on the engine thread (engine objects are not thread-safe)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._ops.put(("call", fn, loop, fut))
+        self._submit(("call", fn, loop, fut))
         return await fut
+
+    def _serving(self) -> bool:
+        """Whether the step thread still takes requests (not broken, not ended)."""
+        return self._broken is None and not self._closed
+
+    def _submit(self, op) -> None:
+        """Queue `op` for the step thread; `EngineBroken` at once if the engine is broken or the thread has
+        ended. A thread ending meanwhile sets `_closed` before its last look at the queue: if that look may
+        have missed `op`, it is refused here."""
+        if not self._serving():
+            raise self._refusal()
+        self._ops.put(op)
+        if self._closed:
+            self._drain_ops()
 
     def _scheduler(self) -> Scheduler:
         """vLLM's own scheduler, from its internals (raises if their shape changed)."""

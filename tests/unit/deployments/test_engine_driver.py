@@ -200,13 +200,15 @@ def test_a_request_waiting_on_its_connector_is_polled_not_spun():
 def test_a_second_request_under_an_id_in_flight_is_refused_and_the_first_goes_on():
     """vLLM and the driver key a request's outputs by its id: a second one under the same id would take
     the first's outputs, and leaving either would abort both (the first's consumer then waits forever)."""
+    from kvmesh.deployments.engine_driver import RequestInFlight
+
     engine = _FakeLLMEngine(steps=4)
     d = _inproc(engine)
 
     async def go():
         first = d.generate({}, None, "r")
         await first.__anext__()
-        with pytest.raises(ValueError, match="already in flight"):
+        with pytest.raises(RequestInFlight, match="already in flight"):
             await d.generate({}, None, "r").__anext__()
         rest = [out.finished async for out in first]
         assert rest and rest[-1]
@@ -345,3 +347,209 @@ def test_the_counts_name_their_requests_while_queued_and_running_and_none_once_e
         return seen
 
     assert asyncio.run(go()) == [({"q1": None}, {}), ({}, {"q1": None}), ({}, {}), ({}, {})]
+
+
+# -- the step thread's failures, the step count and the load report --------------------------------------
+
+
+class _FailingAbortEngine(_FakeLLMEngine):
+    """An engine whose abort raises (its state is not what the driver expects): the thread's work outside
+    `step()` can fail too. Each step waits a little so that the endless requests do not spin a core."""
+
+    def abort_request(self, rids):
+        raise KeyError(rids[0])
+
+    def step(self):
+        time.sleep(0.001)
+        return super().step()
+
+
+def _stop(d) -> None:
+    d._ops.put(("stop",))
+    d._thread.join(timeout=5)
+
+
+def test_a_failure_outside_the_step_fails_every_stream_and_later_work_at_once():
+    """A failing abort used to end the step thread silently: the stream in flight and every later request or
+    call waited on a queue nobody read until Serve's health check replaced the replica."""
+    from kvmesh.deployments.engine_driver import EngineBroken
+
+    engine = _FailingAbortEngine(steps=10**9)
+    d = _inproc(engine)
+
+    async def go():
+        a = d.generate({}, None, "a")
+        await a.__anext__()
+        b = d.generate({}, None, "b")
+        await b.__anext__()
+        await b.aclose()  # its abort raises on the step thread
+        with pytest.raises(EngineBroken, match="engine thread failed"):
+            async for _ in a:  # the outputs sent before the failure, then EngineBroken
+                pass
+        assert not d.healthy()
+        with pytest.raises(EngineBroken):  # refused at once, never queued for the thread
+            await d.generate({}, None, "c").__anext__()
+        with pytest.raises(EngineBroken):
+            await d.call(lambda engine: 1)
+        assert "c" not in engine.left and d._streams == {}
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 10))  # a bound so a regression fails rather than hangs
+    finally:
+        _stop(d)
+
+
+def test_a_stopped_step_thread_refuses_requests_and_calls_at_once():
+    """Nothing reads the queue once the thread has ended: work queued there would wait forever."""
+    from kvmesh.deployments.engine_driver import EngineBroken
+
+    d = _inproc(_FakeLLMEngine(steps=1))
+    _stop(d)
+
+    async def go():
+        with pytest.raises(EngineBroken):
+            await d.call(lambda engine: 1)
+        with pytest.raises(EngineBroken):
+            await d.generate({}, None, "a").__anext__()
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert _state(d.load) == (0, 0, 0) and d._streams == {}
+
+
+def test_an_injected_step_failure_comes_after_the_configured_steps():
+    """`engine.fail_step_after: N` (the engine-heals test's fault): N steps run, the next one fails."""
+    from kvmesh.deployments.engine_driver import EngineBroken
+
+    d = _inproc(_FakeLLMEngine(steps=5))
+    d._fail_after = 2
+
+    async def go():
+        seen = []
+        with pytest.raises(EngineBroken, match="injected step failure after 2 steps"):
+            async for out in d.generate({}, None, "a"):
+                seen.append(out.finished)
+        return seen
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 10)) == [False, False]
+        assert d.steps == 2 and not d.healthy()
+    finally:
+        _stop(d)
+
+
+class _CountedLookupEngine(_FakeLLMEngine):
+    """A request whose connector lookup is answered after `stalls` steps that run nothing (no output,
+    nothing running); each step records the driver's step count as a concurrent reader sees it then."""
+
+    def __init__(self, stalls: int):
+        super().__init__(steps=1)
+        self.stalls, self.running, self.seen, self.driver = stalls, [], [], None
+
+    def has_requests(self) -> bool:
+        return bool(self.left)
+
+    def step(self):
+        self.seen.append(self.driver.steps)
+        self.calls += 1
+        if self.calls <= self.stalls:
+            return []
+        return super().step()
+
+
+def test_the_step_count_counts_a_step_once_it_is_done_and_never_goes_back():
+    """`steps` is exported as a counter: one that read N+1 during a stalled step and N after it (the step
+    taken back) looked like a counter reset to Prometheus. A read during a step sees only finished steps."""
+    engine = _CountedLookupEngine(stalls=3)
+    d = _inproc(engine)
+    engine.driver, d._sched = d, engine
+
+    async def go():
+        return [out.finished async for out in d.generate({}, None, "a")]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 10)) == [True]
+        assert engine.seen == [0, 0, 0, 0] and d.steps == 1  # three stalled steps, then the one that served
+    finally:
+        _stop(d)
+
+
+def test_a_duplicate_request_id_is_refused_before_it_is_counted_and_is_not_the_clients_fault():
+    """Both drivers' bookkeeping (`track`, and the in-process driver's own): the refused duplicate's end used
+    to take the first request's name off the load report (running 1, running_ids []), and its ValueError
+    reached the client as a 400. The first call still runs here (the ingress gave it up as lost), so the
+    ingress should send the request again instead, without marking this healthy replica failed."""
+    from kvmesh.deployments.migration import replica_failure
+
+    async def refuse_second(first, second):
+        await first.__anext__()
+        with pytest.raises(Exception, match="already in flight") as refused:
+            await second.__anext__()
+        return refused.value
+
+    def load_of(load):
+        return load.queued, load.running, list(load.queued_ids), list(load.running_ids), load.aborted
+
+    async def bare():  # AsyncDriver's path: only `track` keeps the books
+        load = _LoadCounter()
+        exc = await refuse_second(
+            load.track(_engine(3, []), request_id="r"), load.track(_engine(3, []), request_id="r")
+        )
+        return exc, load_of(load)
+
+    d = _inproc(_FakeLLMEngine(steps=4))
+
+    async def inproc():
+        first = d.generate({}, None, "r")
+        exc = await refuse_second(first, d.generate({}, None, "r"))
+        books = load_of(d.load)
+        assert [out.finished async for out in first][-1]  # the first goes on to its end
+        return exc, books
+
+    try:
+        for exc, books in (asyncio.run(asyncio.wait_for(bare(), 10)), asyncio.run(asyncio.wait_for(inproc(), 10))):
+            assert books == (0, 1, [], ["r"], 0)  # the first is still counted and named
+            assert not isinstance(exc, ValueError)  # the ingress answers ValueErrors as the client's 400
+            assert replica_failure(exc) == (True, None)  # sent again, no replica named as failed
+    finally:
+        _stop(d)
+
+
+def test_a_load_report_read_mid_transition_names_every_counted_request():
+    """Serve reads `record_routing_stats` on a worker thread while the loop moves a request from queued to
+    running: a report read between the two updates counted a running request without naming it."""
+    from kvmesh.deployments.engine import EngineReplica
+
+    load, reports = _LoadCounter(), []
+    replica = object.__new__(EngineReplica)
+    replica.driver = SimpleNamespace(
+        load=load, steps=0, healthy=lambda: True, external_hit_tokens=0, kv_usage=lambda: 0.0
+    )
+    replica.replica_id, replica.stats_errors, replica.events_relay = "rep", 0, None
+    replica.kv_events_endpoint = replica.replay_endpoint = None
+    replica.node_id, replica.num_blocks, replica.tier_info = "n", 1, None
+    replica.cfg = {"block_size": 16, "hash_algo": "sha256"}
+    readers = []
+
+    class _ReadMidway(dict):
+        """Starts a report on another thread just as the request is being named running."""
+
+        def __setitem__(self, key, value):
+            reader = threading.Thread(target=lambda: reports.append(replica.record_routing_stats()))
+            reader.start()
+            readers.append(reader)
+            reader.join(0.5)  # a report that waits for the transition to finish is the fix; it is not awaited
+            super().__setitem__(key, value)
+
+    load.running_ids = _ReadMidway()
+
+    async def go():
+        stream = load.track(_engine(2, []), request_id="q")
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(go())
+    for reader in readers:
+        reader.join(5)
+    assert reports, "no report was read"
+    for r in reports:
+        assert (r["queued"], r["running"]) == (len(r["queued_ids"]), len(r["running_ids"])), r

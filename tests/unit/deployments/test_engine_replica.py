@@ -19,7 +19,7 @@ from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_
 
 class _FakeDriver:
     def __init__(self):
-        self.load = SimpleNamespace(queued=0, running=0, aborted=0, queued_ids={}, running_ids={})
+        self.load = engine_driver._LoadCounter()
         self.broken_internals = False
         self.steps = 12
         self.external_hit_tokens = 96
