@@ -76,22 +76,26 @@ class ApproxTree:
 
     def _trim(self, replica_id: str, lru: OrderedDict[int, int], size: int) -> int:
         """Evict `replica_id`'s least recently used blocks until its tree holds at most `target_tokens`."""
-        owners = self._owners
         while size > self.target_tokens and lru:
-            h, t = lru.popitem(last=False)
-            size -= t
-            s = owners.get(h)
-            if s is not None:
-                s.discard(replica_id)
-                if not s:
-                    del owners[h]
+            h, v = lru.popitem(last=False)
+            size -= self._tokens(v)
+            self._disown(h, replica_id)
         return size
+
+    @staticmethod
+    def _tokens(value: int) -> int:
+        """The tokens a block's LRU entry stands for (the entry itself here; subclasses pack more into it)."""
+        return value
+
+    def _disown(self, h: int, replica_id: str) -> None:
+        """`replica_id`'s tree no longer holds block `h`: off its owners."""
+        s = self._owners.get(h)
+        if s is not None:
+            s.discard(replica_id)
+            if not s:
+                del self._owners[h]
 
     def remove_replica(self, replica_id: str) -> None:
         for h in self._lru.pop(replica_id, {}):
-            s = self._owners.get(h)
-            if s is not None:
-                s.discard(replica_id)
-                if not s:
-                    del self._owners[h]
+            self._disown(h, replica_id)
         self._size.pop(replica_id, None)

@@ -62,7 +62,6 @@ class RoutedTree(ApproxTree):
         if not lru:
             return
         size = self._size.get(replica_id, 0)
-        owners = self._owners
         for h in request.block_hashes:
             v = lru.get(h)
             # gone, inserted again after this commit (its reference went with the earlier entry), or pinned
@@ -74,11 +73,7 @@ class RoutedTree(ApproxTree):
                 continue
             del lru[h]
             size -= v & _TOKENS
-            s = owners.get(h)
-            if s is not None:
-                s.discard(replica_id)
-                if not s:
-                    del owners[h]
+            self._disown(h, replica_id)
         self._size[replica_id] = size
 
     def _add(self, replica_id: str, hashes: Sequence[int], tokens_per_block: int) -> int:
@@ -106,17 +101,9 @@ class RoutedTree(ApproxTree):
         self._size[replica_id] = size
         return serial
 
-    def _trim(self, replica_id: str, lru: OrderedDict[int, int], size: int) -> int:
-        owners = self._owners
-        while size > self.target_tokens and lru:
-            h, v = lru.popitem(last=False)
-            size -= v & _TOKENS
-            s = owners.get(h)
-            if s is not None:
-                s.discard(replica_id)
-                if not s:
-                    del owners[h]
-        return size
+    @staticmethod
+    def _tokens(value: int) -> int:
+        return value & _TOKENS
 
     def remove_replica(self, replica_id: str) -> None:
         super().remove_replica(replica_id)
