@@ -31,13 +31,10 @@ def main() -> None:
     targets = Targets()
     out_dir = os.environ.get("BENCH_OUT", "out")
     path = os.path.join(out_dir, "chat1m.jsonl")
-    if not os.path.exists(path):  # written aside, then moved: an interrupted run leaves no short trace here
-        os.makedirs(out_dir, exist_ok=True)
-        part = path + ".part"
-        cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "trace", "synth", "--out", part, *SYNTH]
+    if not os.path.exists(path):  # synth writes it whole or not at all: an interrupted run leaves no short trace
+        cmd = [sys.executable, "-m", "kvmesh.deployments.cli", "trace", "synth", "--out", path, *SYNTH]
         print("$ kvmesh trace synth --out", path, " ".join(SYNTH), flush=True)
         subprocess.run(cmd, check=True)
-        os.replace(part, path)
     c0, w0 = time.process_time(), time.perf_counter()
     trace = load_trace(path)
     print(

@@ -205,8 +205,11 @@ def pod_groups(service: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _quantity(value: Any) -> float:
-    text = str(value)
-    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    """`quantity`, raising ValueError on what is not one (a CPU or GPU count is required where it is read)."""
+    q = quantity(value)
+    if q is None:
+        raise ValueError(f"not a Kubernetes quantity: {value!r}")
+    return q
 
 
 # Kubernetes quantity suffixes (k8s.io/apimachinery resource.Quantity): binary, decimal SI, and the milli of
@@ -232,9 +235,9 @@ _QUANTITY_SUFFIXES = {
 _QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]?)")
 
 
-def quantity_bytes(value: Any) -> float | None:
-    """A Kubernetes memory quantity (`160Gi`, `128G`, `512Mi`, `1e9`, `1048576`) in bytes; None when it is not
-    one. `G` is 10**9 and `Gi` 2**30, as Kubernetes reads them."""
+def quantity(value: Any) -> float | None:
+    """A Kubernetes quantity in its base unit (memory `160Gi`, `128G`, `512Mi`, `1e9` in bytes; CPUs `500m`,
+    `2` in cores); None when it is not one. `G` is 10**9 and `Gi` 2**30, as Kubernetes reads them."""
     match = _QUANTITY.fullmatch(str(value).strip())
     if not match:
         return None
@@ -333,7 +336,7 @@ def l1_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[s
         limits = (groups[name]["pod"]["containers"][0].get("resources") or {}).get("limits") or {}
         if "memory" not in limits:  # no limit: the node's memory is the pod's
             continue
-        limit = quantity_bytes(limits["memory"])
+        limit = quantity(limits["memory"])
         if limit is None:
             problems.append(f"pod group {name}: memory limit {limits['memory']!r} is not a Kubernetes quantity")
         elif not float(l1_gb) * 2**30 < limit:

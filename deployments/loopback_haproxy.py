@@ -24,6 +24,8 @@ import shlex
 import stat
 import sys
 
+from kvmesh.cluster.whole_file import atomic_write
+
 LOOPBACK = "127.0.0.1"
 PARENT_PID_ENV = "KVMESH_HAPROXY_PARENT_PID"  # the launcher's parent as the script saw it ($PPID)
 
@@ -61,10 +63,8 @@ def json_errors(text: str, folder: str) -> str:
     lines = []
     for status, (status_line, message) in FRONT_ERRORS.items():
         path = os.path.join(folder, f"kvmesh-{status}.http")
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:  # whole or not at all: a reload may read it meanwhile
+        with atomic_write(path) as fh:  # whole or not at all: a reload may read it meanwhile
             fh.write(error_file(status_line, message))
-        os.replace(tmp, path)
         lines.append(f"    errorfile {status} {path}\n")
     head = re.compile(r"^defaults\b[^\n]*\n", flags=re.MULTILINE)
     if not head.search(text):

@@ -165,23 +165,17 @@ class TierHolding:
         else:
             self.holds_full += 1
             found = self._unheld_sources(info, fleet.ids, have, sources, policy, views or {})
-        blocks, _ = prefixes_from(found, have)
+        # the rest of the prefill in the policy's predicted seconds at the measured pace: what the policy
+        # compares with its predicted queue wait
+        blocks, ready_s = prefixes_from(found, have, self._policy_left_s)
         if blocks is not None:
             fleet.inflight_blocks = np.asarray(blocks, dtype=np.int64)
-            fleet.inflight_ready_s = self._ready_s(found)
+            fleet.inflight_ready_s = ready_s
         return dict(zip(fleet.ids, found))
 
-    def _ready_s(self, found) -> float:
-        """`inflight_ready_s` for `found` (`loadable_sources`'s answer): the rest of the prefill leaving the
-        longest prefix (`tier_hold.prefixes_from`'s choice), in the policy's predicted seconds at the measured
-        pace (what the policy compares with its predicted queue wait); 0 once its first token is back."""
-        best = None
-        for f in found:
-            if f is not None and (best is None or f[1] > best[1]):
-                best = f
-        if best is None or best[0].first_token:
-            return 0.0
-        left, pace = self._prefill_left(best[0])
+    def _policy_left_s(self, src) -> float:
+        """`_prefill_left` in the policy's predicted seconds (the time left over the measured pace)."""
+        left, pace = self._prefill_left(src)
         return left / pace
 
     def _unheld_sources(self, info: RequestInfo, ids, have, sources, policy, views: dict) -> list:

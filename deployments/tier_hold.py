@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 
@@ -162,11 +162,14 @@ def loadable_prefixes(
     return prefixes_from(loadable_sources(hashes, request_id, replicas, have, inflight, tiers), have)
 
 
-def prefixes_from(found: Sequence[tuple[Any, int] | None], have: Sequence[int]) -> tuple[list[int] | None, float]:
+def prefixes_from(
+    found: Sequence[tuple[Any, int] | None], have: Sequence[int], left_s: Callable[[Any], float] | None = None
+) -> tuple[list[int] | None, float]:
     """(per replica, the longest prefix it could load once a request in flight has stored its prefill,
     never less than its `have`; the predicted seconds until the prefill leaving the longest such prefix
     ends, 0 once its first token is back), or (None, 0.0) when no replica gains: what the policy scores a
-    hold by (`FleetView.inflight_blocks`) before it ranks. `found` is `loadable_sources`'s answer."""
+    hold by (`FleetView.inflight_blocks`) before it ranks. `found` is `loadable_sources`'s answer; `left_s`
+    reads a source's seconds left (default `prefill_left_s`, at the predicted pace)."""
     out, best = list(have), None
     for k, f in enumerate(found):
         if f is not None:
@@ -176,4 +179,4 @@ def prefixes_from(found: Sequence[tuple[Any, int] | None], have: Sequence[int]) 
     if best is None:
         return None, 0.0
     src = best[0]
-    return out, 0.0 if src.first_token else src.prefill_left_s()
+    return out, 0.0 if src.first_token else (src.prefill_left_s() if left_s is None else left_s(src))

@@ -83,12 +83,12 @@ def test_the_limit_is_read_in_kubernetes_units(files, capsys, limit, size, fits)
         assert "not below the memory limit" in _refused(files, capsys)
 
 
-def test_quantity_bytes():
-    from kvmesh.deployments.deploy_plan import quantity_bytes
+def test_quantity():
+    from kvmesh.deployments.deploy_plan import quantity
 
-    assert quantity_bytes("160Gi") == 160 * 2**30
-    assert quantity_bytes("1k") == 1000 and quantity_bytes("1Ki") == 1024
-    assert quantity_bytes("2M") == 2e6 and quantity_bytes("2Mi") == 2 * 2**20
-    assert quantity_bytes(1048576) == 2**20 and quantity_bytes("1E3") == 1000 and quantity_bytes("1E") == 1e18
-    assert quantity_bytes("500m") == 0.5
-    assert quantity_bytes("lots") is None and quantity_bytes("1GB") is None and quantity_bytes("") is None
+    assert quantity("160Gi") == 160 * 2**30
+    assert quantity("1k") == 1000 and quantity("1Ki") == 1024
+    assert quantity("2M") == 2e6 and quantity("2Mi") == 2 * 2**20
+    assert quantity(1048576) == 2**20 and quantity("1E3") == 1000 and quantity("1E") == 1e18
+    assert quantity("500m") == 0.5
+    assert quantity("lots") is None and quantity("1GB") is None and quantity("") is None
