@@ -11,7 +11,9 @@ several ingress replicas, even on a scrape only one of them answered: a series k
 Fleet-wide families (`FLEET_WIDE`: what the engines and the LMCache nodes report, which every ingress
 replica reads alike) appear once, without the label: per ingress replica they would add up to a multiple
 of the truth. Each of their series takes the highest value any page gives it (`_once`), a replica that misses
-a scrape lending its last page's (`PageCache`). With one ingress replica the page is its own, unlabelled."""
+a scrape lending its last page's counters (`PageCache`); a gauge (a node's health, its L1 usage) is only ever
+this scrape's: an older page's `up` must not hide a fresh `down`. With one ingress replica the page is its own,
+unlabelled."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ FLEET_WIDE = frozenset(
         "kvmesh_replica_stats_errors_total",
         "kvmesh_tier_hit_tokens_total",
         "kvmesh_tier_lookup_tokens_total",
+        "kvmesh_tier_chunks_total",
         "kvmesh_tier_bytes_total",
         "kvmesh_tier_server_healthy",
         "kvmesh_tier_shared_up",
@@ -41,19 +44,25 @@ FLEET_WIDE = frozenset(
 # as a counter reset (its increase() then counts the whole value again); a replica gone for good drops out after.
 PAGE_KEEP_S = 60.0
 
+# The family types whose series only grow (a histogram's buckets, sum and count too): the only ones a missing
+# replica's last page may lend. A gauge's older value is no lower bound of its current one.
+_LENT_TYPES = frozenset({"counter", "histogram", "summary"})
+
 
 class PageCache:
     """The last page each ingress replica gave this one. A replica missing from a scrape lends its last page's
-    fleet-wide families only: each of their series takes the highest value any page gives, so an older view
-    never lowers it; its own series stay a gap, as an older value of theirs would step back. Not every step
-    back is avoided: the replicas answering scrapes in turn each keep their own pages."""
+    fleet-wide counter (and histogram) families only: each of their series takes the highest value any page
+    gives, so an older view never lowers it; its own series stay a gap, as an older value of theirs would step
+    back. Its fleet-wide gauges are not lent: up to `keep_s` old, a node's `healthy 1` there would outvote the
+    fresh pages' `0` for as long, hiding an outage. Not every step back is avoided: the replicas answering
+    scrapes in turn each keep their own pages."""
 
     def __init__(self, keep_s: float = PAGE_KEEP_S):
         self.keep_s = keep_s
         self._pages: dict[str, tuple[float, str]] = {}
 
     def pages(self, fresh: dict[str, str], now: float) -> dict[str, str]:
-        """`fresh` (replica id -> page, this scrape's), plus the fleet-wide part of the last page of each
+        """`fresh` (replica id -> page, this scrape's), plus the fleet-wide counters of the last page of each
         replica missing from it that is at most `keep_s` old."""
         for replica, text in fresh.items():
             self._pages[replica] = (now, text)
@@ -66,9 +75,22 @@ class PageCache:
         return out
 
 
+def _type(head: list[str]) -> str | None:
+    """The type a family's TYPE line declares (None without one)."""
+    for line in head:
+        parts = line.split()
+        if len(parts) >= 4 and parts[1] == "TYPE":
+            return parts[3]
+    return None
+
+
 def _fleet_wide_part(text: str) -> str:
-    """A page's fleet-wide families (`FLEET_WIDE`), head and samples."""
-    return "".join("\n".join([*head, *lines]) + "\n" for family, head, lines in _families(text) if family in FLEET_WIDE)
+    """A page's fleet-wide families (`FLEET_WIDE`) of a type that only grows (`_LENT_TYPES`), head and samples."""
+    return "".join(
+        "\n".join([*head, *lines]) + "\n"
+        for family, head, lines in _families(text)
+        if family in FLEET_WIDE and _type(head) in _LENT_TYPES
+    )
 
 
 def labelled(line: str, label: str, value: str) -> str:
@@ -117,8 +139,9 @@ def _value(line: str) -> float:
 
 def _once(lines: list[str]) -> list[str]:
     """One sample per series of a fleet-wide family seen on several pages: its highest value. A counter's is
-    the freshest view of a count that only grows; a gauge's too, since a page that could not read a node
-    writes it as down (or not at all), so the first page's could show a node down beside its counters."""
+    the freshest view of a count that only grows; a gauge's too, among this scrape's pages (`PageCache` lends
+    no gauges), since a page that could not read a node writes it as down (or not at all), so the first page's
+    could show a node down beside its counters."""
     chosen: dict[str, str] = {}
     for line in lines:
         m = _SAMPLE.match(line)

@@ -1,10 +1,12 @@
 """Read an LMCache MP server's Prometheus text and sum it up per tier.
 
-The server exports OpenTelemetry counters through a Prometheus endpoint (`--prometheus-port`). Two
-families matter to kvmesh: lookups (`lmcache_mp_lookup_hit_l1_tokens_total` = tokens found in this
-node's host memory, `..._hit_l2_tokens_total` = tokens found only in the shared tier) and chunk
-traffic (`lmcache_mp_l1_read/write_chunks_total`, `lmcache_mp_l2_*_objects_total`), from which bytes
-moved follow as chunks x bytes per chunk.
+The server exports OpenTelemetry counters through a Prometheus endpoint (`--prometheus-port`); the
+exporter appends each counter's unit to its name (`lmcache_mp.l2_store_completed_objects`, unit
+`chunks`, is `lmcache_mp_l2_store_completed_objects_chunks_total`). Two families matter to kvmesh:
+lookups (`lmcache_mp_lookup_hit_l1_tokens_total` = tokens found in this node's host memory,
+`..._hit_l2_tokens_total` = tokens found only in the shared tier) and chunk traffic, below. Bytes moved
+are chunks x bytes per chunk, given only when the caller knows a chunk's size (it depends on the model's
+KV shape, which the server's own figures do not tell).
 """
 
 from __future__ import annotations
@@ -35,37 +37,47 @@ def total(samples: dict, name: str, **match) -> float:
     return sum(v for labels, v in samples.get(name, ()) if all(labels.get(k) == w for k, w in match.items()))
 
 
+# LMCache 0.5.6's chunk counters, as its exporter names them (see the module doc). Loads from the shared tier
+# are counted where each load task's result comes back: `l2_prefetch_load_completed` (unit chunks) counts the
+# chunks that arrived in L1, while `l2_load_completed` (unit requests) counts load tasks, one per adapter.
+L1_WRITE_CHUNKS = "lmcache_mp_l1_write_chunks_total"  # chunks stored into the node's host memory (L1)
+L1_READ_CHUNKS = "lmcache_mp_l1_read_chunks_total"  # chunks read from L1 into an engine
+L1_EVICTED_CHUNKS = "lmcache_mp_l1_evicted_chunks_total"
+L2_STORED_CHUNKS = "lmcache_mp_l2_store_completed_objects_chunks_total"  # chunks stored into the shared tier
+L2_LOADED_CHUNKS = "lmcache_mp_l2_prefetch_load_completed_chunks_total"  # chunks loaded from the shared tier
+
+
 def tier_summary(samples: dict, chunk_bytes: int | None = None) -> dict:
     """Per-tier figures for kvmesh's /metrics and reports.
 
-    `chunk_bytes` (KV bytes of one LMCache chunk) turns chunk counts into bytes; when not given it is
-    estimated from L1's resident bytes / resident chunks, and left None when L1 is empty.
+    Chunk counts are LMCache's own counters, so they only grow (until the server restarts). `chunk_bytes`
+    (KV bytes of one LMCache chunk, a fixed figure from configuration) turns them into bytes; without it the
+    `bytes_*` figures are None. Never estimated from what L1 holds at the moment: an estimate that changes
+    between scrapes would make a byte counter step back.
     """
-    l1_writes = total(samples, "lmcache_mp_l1_write_chunks_total")
-    l1_reads = total(samples, "lmcache_mp_l1_read_chunks_total")
-    l1_evicted = total(samples, "lmcache_mp_l1_evicted_chunks_total")
-    l1_bytes = total(samples, "lmcache_mp_l1_memory_usage_bytes")
-    if chunk_bytes is None and l1_writes - l1_evicted > 0 and l1_bytes > 0:
-        chunk_bytes = int(round(l1_bytes / (l1_writes - l1_evicted)))
-    l2_stored = total(samples, "lmcache_mp_l2_store_completed_objects_total")
-    l2_loaded = total(samples, "lmcache_mp_l2_load_completed_objects_total") or total(
-        samples, "lmcache_mp_l2_prefetch_load_completed_objects_total"
-    )
-    per_chunk = chunk_bytes or 0
+    l1_writes = total(samples, L1_WRITE_CHUNKS)
+    l1_reads = total(samples, L1_READ_CHUNKS)
+    l2_stored = total(samples, L2_STORED_CHUNKS)
+    l2_loaded = total(samples, L2_LOADED_CHUNKS)
+
+    def in_bytes(chunks: float) -> float | None:
+        return chunks * chunk_bytes if chunk_bytes else None
+
     return {
         "lookup_requested_tokens": total(samples, "lmcache_mp_lookup_requested_tokens_total"),
         "lookup_hit_tokens": total(samples, "lmcache_mp_lookup_hit_tokens_total"),
         "host_hit_tokens": total(samples, "lmcache_mp_lookup_hit_l1_tokens_total"),
         "shared_hit_tokens": total(samples, "lmcache_mp_lookup_hit_l2_tokens_total"),
         "l1_usage_ratio": total(samples, "lmcache_mp_l1_usage_ratio"),
-        "l1_resident_bytes": l1_bytes,
+        "l1_resident_bytes": total(samples, "lmcache_mp_l1_memory_usage_bytes"),
         "l1_write_chunks": l1_writes,
         "l1_read_chunks": l1_reads,
+        "l1_evicted_chunks": total(samples, L1_EVICTED_CHUNKS),
         "l2_stored_objects": l2_stored,
         "l2_loaded_objects": l2_loaded,
-        "chunk_bytes": chunk_bytes,
-        "bytes_to_host": l1_writes * per_chunk,
-        "bytes_from_host": l1_reads * per_chunk,
-        "bytes_to_shared": l2_stored * per_chunk,
-        "bytes_from_shared": l2_loaded * per_chunk,
+        "chunk_bytes": chunk_bytes or None,
+        "bytes_to_host": in_bytes(l1_writes),
+        "bytes_from_host": in_bytes(l1_reads),
+        "bytes_to_shared": in_bytes(l2_stored),
+        "bytes_from_shared": in_bytes(l2_loaded),
     }

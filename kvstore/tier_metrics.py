@@ -12,6 +12,10 @@ host memory, or only the shared tier, could serve when an engine asked). An engi
 the whole prompt, so tokens it also holds in its own cache (`hbm`) can be counted here too; the
 delivered split is hbm = engine cached tokens − tokens loaded through the connector (vLLM's
 `vllm:external_prefix_cache_hits`), and host/shared divide the loaded part.
+
+Traffic between engines and tiers is counted in LMCache chunks (`kvmesh_tier_chunks_total{direction}`,
+LMCache's own counters, which only grow). Bytes (`kvmesh_tier_bytes_total`) appear for a node only when its
+figures carry them, i.e. when a fixed bytes-per-chunk from configuration was given (`tier_summary`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,26 @@ _SUMMED = (
     "lookup_hit_tokens",
     "host_hit_tokens",
     "shared_hit_tokens",
-    "bytes_to_host",
-    "bytes_from_host",
-    "bytes_to_shared",
-    "bytes_from_shared",
+    "chunks_to_host",
+    "chunks_from_host",
+    "chunks_to_shared",
+    "chunks_from_shared",
 )
+# direction -> the `tier_summary` key of its chunk count
+_CHUNKS = {
+    "to_host": "l1_write_chunks",
+    "from_host": "l1_read_chunks",
+    "to_shared": "l2_stored_objects",
+    "from_shared": "l2_loaded_objects",
+}
+_BYTES = tuple("bytes_" + direction for direction in _CHUNKS)
+
+
+def _figure(tiers: dict, key: str) -> float:
+    """A summed figure of one node's tiers: `chunks_<direction>` reads its chunk count."""
+    if key.startswith("chunks_"):
+        key = _CHUNKS[key[len("chunks_") :]]
+    return float(tiers.get(key) or 0)
 
 
 def _status(status: dict | None) -> dict:
@@ -37,16 +56,22 @@ def _status(status: dict | None) -> dict:
 
 
 def tier_report(status: dict | None = None) -> dict:
-    """Totals over nodes + per-node health: {"nodes", "healthy_nodes", "shared_tier_up", <sums>}."""
+    """Totals over nodes + per-node health: {"nodes", "healthy_nodes", "shared_tier_up", <sums>}. The
+    `bytes_*` sums cover the nodes whose figures carry bytes; None when none does."""
     status = _status(status)
     sums = {k: 0.0 for k in _SUMMED}
+    byte_sums: dict[str, float | None] = {k: None for k in _BYTES}
     shared_up = []
     for node in status.values():
+        tiers = node.get("tiers") or {}
         for k in _SUMMED:
-            sums[k] += float(node.get("tiers", {}).get(k) or 0)
+            sums[k] += _figure(tiers, k)
+        for k in _BYTES:
+            if isinstance(tiers.get(k), (int, float)):
+                byte_sums[k] = (byte_sums[k] or 0.0) + float(tiers[k])
         if node["health"].get("shared_tier_up") is not None:
             shared_up.append(bool(node["health"]["shared_tier_up"]))
-    out: dict[str, float | bool | None] = dict(sums)
+    out: dict[str, float | bool | None] = {**sums, **byte_sums}
     out["nodes"] = len(status)
     out["healthy_nodes"] = sum(1 for n in status.values() if n["health"].get("healthy"))
     out["shared_tier_up"] = all(shared_up) if shared_up else None
@@ -97,14 +122,25 @@ def tier_metrics_text(status: dict | None = None) -> str:
         ],
     )
     family(
+        "kvmesh_tier_chunks_total",
+        "counter",
+        "LMCache chunks moved between engines and tiers (to_host/from_host: into/out of the node's L1, "
+        "to_shared/from_shared: into/out of L2).",
+        [
+            f'kvmesh_tier_chunks_total{{node="{_esc(node)}",direction="{direction}"}} {float(t.get(key) or 0)}'
+            for node, t in known
+            for direction, key in _CHUNKS.items()
+        ],
+    )
+    family(
         "kvmesh_tier_bytes_total",
         "counter",
-        "KV bytes moved between engines and tiers.",
+        "KV bytes moved between engines and tiers: chunks x a fixed bytes-per-chunk (absent where none is set).",
         [
-            f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} '
-            f"{float(t.get('bytes_' + direction) or 0)}"
+            f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} {float(t["bytes_" + direction])}'
             for node, t in known
-            for direction in ("to_host", "from_host", "to_shared", "from_shared")
+            for direction in _CHUNKS
+            if isinstance(t.get("bytes_" + direction), (int, float))
         ],
     )
     family(

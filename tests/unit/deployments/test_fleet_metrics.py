@@ -247,3 +247,28 @@ def test_a_replica_missing_a_scrape_lends_its_last_pages_fleet_wide_families_onl
     assert {s.labels["ingress"] for s in fams(later)["kvmesh_requests"].samples} == {"ing-1"}  # ing-2's: a gap
     gone = merge(cache.pages({"ing-1": _fleet_page(1, {"engA": 350}, {})}, now=61.0))
     assert steps(gone) == 350
+
+
+def test_a_lent_page_gives_counters_only_so_a_stale_up_never_masks_a_fresh_down():
+    """A replica missing a scrape lent its whole fleet-wide part, gauges too, and each series took the highest
+    value: the node and shared tier every fresh page reports down read up for as long as the lent page counted
+    (PAGE_KEEP_S). Its counters still count (a count that only grows); its gauges do not."""
+    from kvmesh.deployments.fleet_metrics import PageCache
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    up = {"n1": {"health": {"healthy": True, "shared_tier_up": True}, "tiers": {"host_hit_tokens": 100.0}}}
+    down = {"n1": {"health": {"healthy": False, "shared_tier_up": False}, "tiers": {}}}
+    cache = PageCache(keep_s=60)
+    cache.pages({"a": tier_metrics_text(up), "b": tier_metrics_text(up)}, now=0.0)
+    lines = merge(cache.pages({"a": tier_metrics_text(down)}, now=30.0)).splitlines()
+    assert 'kvmesh_tier_server_healthy{node="n1"} 0' in lines
+    assert 'kvmesh_tier_shared_up{node="n1"} 0' in lines
+    assert [line for line in lines if line.startswith(("kvmesh_tier_server_healthy", "kvmesh_tier_shared_up"))] == [
+        'kvmesh_tier_server_healthy{node="n1"} 0',
+        'kvmesh_tier_shared_up{node="n1"} 0',
+    ]
+    # b's last counters still count: the node's hit tokens do not step back while a cannot read it
+    assert 'kvmesh_tier_hit_tokens_total{node="n1",tier="host"} 100.0' in lines
+    # a fresh page of b decides again, beside a's
+    fresh = merge(cache.pages({"a": tier_metrics_text(down), "b": tier_metrics_text(up)}, now=40.0)).splitlines()
+    assert 'kvmesh_tier_server_healthy{node="n1"} 1' in fresh

@@ -105,7 +105,10 @@ lmcache_mp_l1_write_chunks_total{l1_tag="_default"} 49.0
 lmcache_mp_l1_read_chunks_total{l1_tag="_default"} 36.0
 lmcache_mp_l1_memory_usage_bytes{backend="dram",l1_tag="_default"} 3.211264e+06
 lmcache_mp_l1_usage_ratio{backend="dram",l1_tag="_default"} 0.0598
-lmcache_mp_l2_store_completed_objects_total{l2_name="resp"} 49.0
+lmcache_mp_l2_store_completed_objects_chunks_total 49.0
+lmcache_mp_l2_store_completed_requests_total{l2_name="resp"} 7.0
+lmcache_mp_l2_prefetch_load_completed_chunks_total 20.0
+lmcache_mp_l2_load_completed_requests_total{l2_name="resp"} 3.0
 """
 
 
@@ -118,13 +121,115 @@ def test_parse_prometheus_and_sum_by_label():
         parse_prometheus("this is { not prometheus")
 
 
-def test_tier_summary_bytes_from_resident_chunks():
-    t = tier_summary(parse_prometheus(SAMPLE))
+def test_tier_summary_bytes_from_a_fixed_bytes_per_chunk():
+    t = tier_summary(parse_prometheus(SAMPLE), chunk_bytes=65536)
     assert t["host_hit_tokens"] == 1200.0 and t["shared_hit_tokens"] == 576.0
-    assert t["chunk_bytes"] == 65536  # 3,211,264 B resident / 49 chunks
+    assert t["chunk_bytes"] == 65536
     assert t["bytes_from_host"] == 36 * 65536
     assert t["bytes_to_shared"] == 49 * 65536
+    assert t["bytes_from_shared"] == 20 * 65536
     assert tier_summary(parse_prometheus(SAMPLE), chunk_bytes=10)["bytes_to_host"] == 490
+
+
+def _lmcache_exported_text(monkeypatch) -> str:
+    """What an LMCache MP server's /metrics prints after a known run of events: LMCache's own metric subscribers
+    (the classes its server registers), fed the events its L1 manager and storage controllers publish, exported
+    through the reader its `otel_init` sets up (`PrometheusMetricReader`, which appends each counter's unit)."""
+    from lmcache.v1.mp_observability.event import Event, EventType
+    from lmcache.v1.mp_observability.subscribers.metrics.l1 import L1MetricsSubscriber
+    from lmcache.v1.mp_observability.subscribers.metrics.l2 import L2MetricsSubscriber
+    from opentelemetry import metrics
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+
+    reader = PrometheusMetricReader()
+    REGISTRY.unregister(reader._collector)  # a registry of the test's own, not the process-wide one
+    registry = CollectorRegistry()
+    registry.register(reader._collector)
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)  # its shutdown leaves REGISTRY
+    monkeypatch.setattr(metrics, "get_meter", lambda name, *a, **k: provider.get_meter(name, *a, **k))
+    subscriptions: dict = {}
+    for subscriber in (L1MetricsSubscriber(), L2MetricsSubscriber()):
+        for event_type, callback in subscriber.get_subscriptions().items():
+            subscriptions.setdefault(event_type, []).append(callback)
+
+    def publish(event_type, **metadata) -> None:
+        for callback in subscriptions.get(event_type, ()):
+            callback(Event(event_type=event_type, metadata=metadata))
+
+    class Key:
+        cache_salt = ""
+
+    def keys(n: int) -> list:
+        return [Key() for _ in range(n)]
+
+    publish(EventType.L1_WRITE_FINISHED, keys=keys(49), l1_tag="_default")
+    publish(EventType.L1_READ_FINISHED, keys=keys(36), l1_tag="_default")
+    for _ in range(7):  # 7 store tasks, 49 chunks stored in the shared tier
+        publish(EventType.L2_STORE_SUBMITTED, key_count_per_salt={"": 7})
+        publish(EventType.L2_STORE_COMPLETED, key_count_per_salt={"": 7}, l2_name="resp")
+    for loaded in (8, 8, 4):  # 3 load tasks bring 20 chunks back from the shared tier
+        publish(EventType.L2_PREFETCH_LOAD_SUBMITTED, adapter_count=1, key_count_per_salt={"": loaded})
+        publish(EventType.L2_LOAD_TASK_COMPLETED, l2_name="resp")
+        publish(EventType.L2_PREFETCH_LOAD_COMPLETED, key_count_per_salt={"": loaded})
+    return generate_latest(registry).decode()
+
+
+def test_tier_summary_reads_the_chunk_counters_lmcache_exports(monkeypatch):
+    """The names are the ones LMCache's exporter writes (the unit appended: `..._objects_chunks_total`), not
+    `..._objects_total`, which no LMCache server exports: read under those, the shared tier's traffic was 0.
+    Chunks loaded from the shared tier are `l2_prefetch_load_completed` (chunks); `l2_load_completed` counts
+    load tasks (requests)."""
+    from kvmesh.kvstore import lmcache_metrics
+
+    samples = parse_prometheus(_lmcache_exported_text(monkeypatch))
+    assert total(samples, "lmcache_mp_l2_load_completed_requests_total") == 3  # tasks, not chunks
+    t = tier_summary(samples, chunk_bytes=65536)
+    assert (t["l1_write_chunks"], t["l1_read_chunks"]) == (49, 36)
+    assert (t["l2_stored_objects"], t["l2_loaded_objects"]) == (49, 20)
+    assert (t["bytes_to_shared"], t["bytes_from_shared"]) == (49 * 65536, 20 * 65536)
+    for name in ("L1_WRITE_CHUNKS", "L1_READ_CHUNKS", "L2_STORED_CHUNKS", "L2_LOADED_CHUNKS"):
+        assert getattr(lmcache_metrics, name) in samples, (name, sorted(samples))
+
+
+def test_tier_counters_never_step_back_and_bytes_are_never_estimated():
+    """`kvmesh_tier_bytes_total` was chunks x a bytes-per-chunk re-estimated at each scrape from what L1 held
+    (resident bytes / (writes - evictions)): 0 when L1 was empty, another figure after keys left L1 without an
+    eviction, so the counter stepped back, which Prometheus reads as a reset. Chunks are LMCache's counters as
+    they are; bytes only from a fixed bytes-per-chunk."""
+    from kvmesh.kvstore.tier_metrics import tier_metrics_text
+
+    def page(writes: int, reads: int, evicted: int, resident_chunks: int) -> dict:
+        return parse_prometheus(
+            f'lmcache_mp_l1_write_chunks_total{{l1_tag="_default"}} {writes}\n'
+            f'lmcache_mp_l1_read_chunks_total{{l1_tag="_default"}} {reads}\n'
+            f'lmcache_mp_l1_evicted_chunks_total{{l1_tag="_default"}} {evicted}\n'
+            f'lmcache_mp_l1_memory_usage_bytes{{backend="dram",l1_tag="_default"}} {resident_chunks * 65536}\n'
+            f"lmcache_mp_l2_store_completed_objects_chunks_total {writes}\n"
+        )
+
+    # all resident; all evicted (L1 empty); one resident; 10 keys deleted without an eviction event
+    scrapes = [(49, 36, 0, 49), (60, 40, 60, 0), (61, 41, 60, 1), (80, 50, 60, 10)]
+    for chunk_bytes in (None, 65536):
+        figures = [tier_summary(page(*scrape), chunk_bytes) for scrape in scrapes]
+        texts = [tier_metrics_text({"n1": {"health": {"healthy": True}, "tiers": t}}) for t in figures]
+        pages = [parse_prometheus(text) for text in texts]
+        last: dict = {}
+        for s in pages:  # every exported counter only grows
+            for name in ("kvmesh_tier_chunks_total", "kvmesh_tier_bytes_total"):
+                for labels, value in s.get(name, ()):
+                    series = (name, tuple(sorted(labels.items())))
+                    assert value >= last.get(series, 0), (series, value, last.get(series), chunk_bytes)
+                    last[series] = value
+        for (writes, *_), t, s in zip(scrapes, figures, pages):
+            if chunk_bytes is None:  # no size from configuration: no bytes at all, rather than a guess
+                assert t["bytes_to_host"] is None and t["chunk_bytes"] is None
+                assert "kvmesh_tier_bytes_total" not in s
+            else:
+                assert total(s, "kvmesh_tier_bytes_total", direction="to_host") == writes * chunk_bytes
+            assert total(s, "kvmesh_tier_chunks_total", direction="to_host") == writes
+            assert total(s, "kvmesh_tier_chunks_total", direction="to_shared") == writes
 
 
 def test_a_server_whose_metrics_do_not_answer_gives_no_tier_figures_not_zeros(monkeypatch):
@@ -186,6 +291,21 @@ def test_tier_report_sums_nodes_and_flags_shared_down():
     assert r["shared_tier_up"] is False
 
 
+def test_tier_report_sums_chunks_and_gives_bytes_only_where_a_node_has_them():
+    from kvmesh.kvstore.tier_metrics import tier_report
+
+    status = {
+        "a": {"health": {"healthy": True}, "tiers": tier_summary(parse_prometheus(SAMPLE))},
+        "b": {"health": {"healthy": True}, "tiers": tier_summary(parse_prometheus(SAMPLE))},
+    }
+    r = tier_report(status)
+    assert (r["chunks_to_host"], r["chunks_from_host"]) == (98.0, 72.0)
+    assert (r["chunks_to_shared"], r["chunks_from_shared"]) == (98.0, 40.0)
+    assert r["bytes_to_host"] is None and r["bytes_to_shared"] is None  # no bytes-per-chunk: not a guess
+    status["b"]["tiers"] = tier_summary(parse_prometheus(SAMPLE), chunk_bytes=10)
+    assert tier_report(status)["bytes_to_shared"] == 490.0
+
+
 def test_tier_metrics_text_is_valid_prometheus():
     from kvmesh.kvstore.tier_metrics import tier_metrics_text
 
@@ -216,6 +336,7 @@ def test_each_tier_family_is_typed_as_declared():
     assert {name: f.type for name, f in fams.items()} == {
         "kvmesh_tier_hit_tokens": "counter",
         "kvmesh_tier_lookup_tokens": "counter",
+        "kvmesh_tier_chunks": "counter",
         "kvmesh_tier_bytes": "counter",
         "kvmesh_tier_server_healthy": "gauge",
         "kvmesh_tier_shared_up": "gauge",
@@ -229,13 +350,21 @@ def test_a_node_whose_figures_this_scrape_did_not_read_has_no_counters_rather_th
     the whole count where nothing happened). Left out, they are a gap; its health gauge says 0."""
     from kvmesh.kvstore.tier_metrics import tier_metrics_text
 
-    ok = {"health": {"healthy": True}, "tiers": {"host_hit_tokens": 50000.0, "lookup_requested_tokens": 9.0}}
+    ok = {
+        "health": {"healthy": True},
+        "tiers": {
+            "host_hit_tokens": 50000.0,
+            "lookup_requested_tokens": 9.0,
+            "l1_write_chunks": 2.0,
+            "bytes_to_host": 131072.0,  # a node with a bytes-per-chunk from configuration
+        },
+    }
     for down in (
         {"health": {"healthy": False, "error": "GetTimeoutError: ..."}, "tiers": {}},  # the actor did not answer
         {"health": {"healthy": False, "metrics_ok": False}, "tiers": tier_summary({})},  # LMCache's /metrics did not
     ):
         fams = _tier_families({"nodeA": down, "nodeB": ok})
-        for name in ("kvmesh_tier_hit_tokens", "kvmesh_tier_lookup_tokens", "kvmesh_tier_bytes"):
+        for name in ("kvmesh_tier_hit_tokens", "kvmesh_tier_lookup_tokens", "kvmesh_tier_chunks", "kvmesh_tier_bytes"):
             assert {s.labels["node"] for s in fams[name].samples} == {"nodeB"}, name
         assert {s.labels["node"] for s in fams["kvmesh_tier_host_usage_ratio"].samples} == {"nodeB"}
         healthy = {s.labels["node"]: s.value for s in fams["kvmesh_tier_server_healthy"].samples}
