@@ -24,6 +24,7 @@ ENGINE = "EngineReplica"
 INGRESS = "Ingress"
 INGRESS_NUM_CPUS = 0.1  # tokenizing, admission and routing: light next to an engine
 SALT_FILE_ENV = "KVMESH_SALT_SECRET_FILE"
+CHANNEL_FILE_ENV = "KVMESH_CHANNEL_SECRET_FILE"  # the KV-event streams' CURVE keys (cluster/secure_channel.py)
 
 
 def engine_cpu_threads(eng: Mapping[str, Any]) -> int | None:
@@ -99,15 +100,18 @@ def actor_resources(config: Mapping[str, Any]) -> dict[str, dict[str, float]]:
 def files_read(config: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, dict[str, str | None]]:
     """deployment -> {what: path} for every file a replica reads at start-up, on the node it lands on.
 
-    `env` is that node's environment (a pod's env): the salt secret's path comes from it. A value of
-    None means the file's location is unknown there (the variable is unset), which no mount can fix.
-    The embedded tiny model is built locally and needs no mount.
+    `env` is that node's environment (a pod's env): the salt and channel secrets' paths come from it. A
+    value of None means the file's location is unknown there (the variable is unset), which no mount can
+    fix. The channel secret: an engine refuses to start without it (its KV-event relay), and the ingress's
+    router without it hears no KV events and routes on load alone. The embedded tiny model is built
+    locally and needs no mount.
     """
     cfg = app_config(config)
     model = cfg["engine"]["model"]
     model_dir = None if model == "tiny" else model
-    engine: dict[str, str | None] = {}
-    ingress: dict[str, str | None] = {"salt secret": env.get(SALT_FILE_ENV)}
+    channel = env.get(CHANNEL_FILE_ENV)
+    engine: dict[str, str | None] = {"channel secret": channel}
+    ingress: dict[str, str | None] = {"salt secret": env.get(SALT_FILE_ENV), "channel secret": channel}
     if model_dir:
         engine["model"] = model_dir
         ingress["tokenizer"] = model_dir
@@ -256,12 +260,17 @@ def _custom_resources(params: Mapping[str, Any]) -> dict[str, float]:
 
 
 def ray_resources(group: Mapping[str, Any]) -> dict[str, float]:
-    """What KubeRay hands the pod's raylet: num-cpus/num-gpus start params, else the container limits."""
+    """What KubeRay hands the pod's raylet: num-cpus/num-gpus start params, else the container limits. A
+    CPU limit is rounded up to whole CPUs, as KubeRay does (`--num-cpus` is the quantity's `Value()`,
+    which rounds up: 7500m gives 8)."""
     container = group["pod"]["containers"][0]
     spec = container.get("resources") or {}
     limits = {**(spec.get("requests") or {}), **(spec.get("limits") or {})}
     params = group["params"]
-    cpus = _quantity(params["num-cpus"]) if "num-cpus" in params else math.floor(_quantity(limits.get("cpu", 0)))
+    if "num-cpus" in params:
+        cpus = _quantity(params["num-cpus"])
+    else:  # to nanocores (a quantity's finest unit) first: 15000000u reads as 15.000000000000002 in floats
+        cpus = math.ceil(round(_quantity(limits.get("cpu", 0)), 9))
     gpus = _quantity(params["num-gpus"]) if "num-gpus" in params else _quantity(limits.get("nvidia.com/gpu", 0))
     return {**_custom_resources(params), "CPU": cpus, "GPU": gpus}
 

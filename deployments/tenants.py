@@ -12,7 +12,8 @@ API for the ingress (deployments/ingress.py):
     from kvmesh.deployments.admission import Admission, AdmissionError, RateLimited
     from kvmesh.deployments.tenant_metrics import TenantMetrics
 
-    registry = TenantRegistry.from_file(path)            # YAML/TOML/JSON; secret from env/file/generated
+    registry = TenantRegistry.from_file(path)            # YAML/TOML/JSON; secret from env/file/generated;
+                                                         #   follows the files' changes (`refresh`)
     registry = TenantRegistry.single_key(api_key)        # `kvmesh serve --api-key KEY`: one tenant "default"
     tenant = registry.authenticate(request.headers.get("authorization"))   # raises AuthError (401)
     reject_client_salt(body, request.headers)            # raises ClientSaltError (400) on cache_salt etc.
@@ -56,7 +57,9 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,9 @@ PUBLISHED_KEY_DIGESTS = frozenset(
 # The one file allowed to hold them: the local example itself (`kvmesh serve --tenants` it to try tenants on
 # this machine). A copy of it, or of the Kubernetes example Secret, is a deployment's own file.
 SHIPPED_EXAMPLE = Path(__file__).with_name("tenants.example.yaml")
+# How often a registry loaded from a file looks at the file (and the salt secret file) again: at most once per
+# this many seconds, on the request path (`TenantRegistry.refresh`).
+RELOAD_INTERVAL_S = 5.0
 
 
 def openai_error(status: int, message: str, code: str, err_type: str | None = None, param: str | None = None) -> dict:
@@ -313,8 +319,71 @@ def _parse_bearer(header: str | None) -> str:
     return parts[1]
 
 
+def _config_secret_file(raw: Any, base_dir: Path | None) -> str | Path | None:
+    """The config's `secret_file`, relative to the config's folder."""
+    secret_file = raw.get("secret_file") if isinstance(raw, Mapping) else None
+    if secret_file and base_dir is not None and not Path(secret_file).is_absolute():
+        secret_file = base_dir / secret_file
+    return secret_file
+
+
+def _read_tenants_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a ValueError, but not one with this module's one-line message
+        raise ConfigError(f"cannot read tenants file {path}: not UTF-8 text (byte {exc.start})") from None
+    return text
+
+
+def _parse_tenants_text(path: Path, text: str) -> Any:
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        if path.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as exc:  # parser errors differ per format; report one line
+        raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
+
+
+def _digest_of(path: str | os.PathLike | None) -> str | None:
+    """sha256 of a file's bytes (following symlinks), or why it cannot be read: what `refresh` compares."""
+    if path is None:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+
+
+@dataclass(slots=True)
+class _FileWatch:
+    """What a registry loaded from a file needs to follow it. Why: Kubernetes rewrites a mounted Secret's
+    files in place (a symlink swap), and the ingress builds its registry once, so a key revoked or a salt
+    secret rotated there would otherwise never take effect: neither an identical `serve deploy` nor an
+    unchanged RayService restarts the ingress."""
+
+    path: Path
+    secret: bytes | str | None  # the argument, or the secret generated at the first load (kept: same salts)
+    secret_path: str | os.PathLike | None  # the salt secret file the config in use was salted from
+    interval_s: float
+    clock: Callable[[], float]
+    seen: tuple[str | None, str | None]  # digests (or read errors) of the tenants and secret files
+    next_check: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def look(self) -> tuple[str | None, str | None]:
+        return _digest_of(self.path), _digest_of(self.secret_path)
+
+
 class TenantRegistry:
-    """API-key digests -> tenants. Immutable after construction; reload by building a new one."""
+    """API-key digests -> tenants. One built by `from_file` follows the file (`refresh`); others are fixed."""
 
     def __init__(self, secret: bytes, entries: list[_KeyEntry], admission: Mapping[str, Any] | None = None):
         self._entries = entries
@@ -323,6 +392,7 @@ class TenantRegistry:
         self.tenants: dict[str, Tenant] = {}
         for entry in entries:
             self.tenants.setdefault(entry.tenant.id, entry.tenant)
+        self._watch: _FileWatch | None = None
 
     def __repr__(self) -> str:
         return (
@@ -362,32 +432,87 @@ class TenantRegistry:
         )
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, secret: bytes | str | None = None) -> TenantRegistry:
-        """Load YAML (.yaml/.yml), TOML (.toml) or JSON (.json)."""
+    def from_file(
+        cls,
+        path: str | os.PathLike,
+        secret: bytes | str | None = None,
+        *,
+        reload_interval_s: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> TenantRegistry:
+        """Load YAML (.yaml/.yml), TOML (.toml) or JSON (.json). The registry then follows the file and the
+        salt secret file it was salted from (`refresh`, at most every `reload_interval_s` of `clock`:
+        RELOAD_INTERVAL_S of time.monotonic, read at the call)."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read tenants file {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:  # a ValueError, but not one with this module's one-line message
-            raise ConfigError(f"cannot read tenants file {path}: not UTF-8 text (byte {exc.start})") from None
-        try:
-            if path.suffix == ".toml":
-                import tomllib
+        interval_s = RELOAD_INTERVAL_S if reload_interval_s is None else reload_interval_s
+        clock = clock or time.monotonic
+        tenants_digest = _digest_of(path)  # before reading: a change after it is seen at the next look
+        raw = _parse_tenants_text(path, _read_tenants_text(path))
+        secret_path = None
+        if secret is None and not os.environ.get(SECRET_ENV):
+            secret_path = os.environ.get(SECRET_FILE_ENV) or _config_secret_file(raw, path.parent)
+            if not secret_path and isinstance(
+                raw, Mapping
+            ):  # generated: once per process, or every reload would change every salt
+                secret = resolve_secret()
+        seen = (tenants_digest, _digest_of(secret_path))
+        registry = cls._from_raw(path, raw, secret)
+        registry._watch = _FileWatch(path, secret, secret_path, interval_s, clock, seen, clock() + interval_s)
+        return registry
 
-                raw = tomllib.loads(text)
-            elif path.suffix == ".json":
-                raw = json.loads(text)
-            else:
-                import yaml
-
-                raw = yaml.safe_load(text)
-        except Exception as exc:  # parser errors differ per format; report one line
-            raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
+    @classmethod
+    def _from_raw(cls, path: Path, raw: Any, secret: bytes | str | None) -> TenantRegistry:
         registry = cls.from_dict(raw, secret=secret, base_dir=path.parent)
         if path.resolve() != SHIPPED_EXAMPLE.resolve():
             registry._refuse_published_keys(path)
         return registry
+
+    def refresh(self) -> bool:
+        """Reload from the file when its content or the salt secret file's changed since the last look, at most
+        once per reload interval (`authenticate` calls it: a read of two small files every few seconds).
+        True when a new config took effect. A file that cannot be read or is not a valid config keeps the
+        config in use (one error logged per change): a broken edit must neither open access nor lock
+        every tenant out."""
+        watch = self._watch
+        if watch is None:
+            return False
+        now = watch.clock()
+        if now < watch.next_check or not watch.lock.acquire(blocking=False):
+            return False
+        try:
+            watch.next_check = now + watch.interval_s
+            seen = watch.look()
+            if seen == watch.seen:
+                return False
+            watch.seen = seen
+            try:
+                raw = _parse_tenants_text(watch.path, _read_tenants_text(watch.path))
+                secret_path = watch.secret_path
+                if watch.secret is None and not os.environ.get(SECRET_ENV):
+                    secret_path = os.environ.get(SECRET_FILE_ENV) or _config_secret_file(raw, watch.path.parent)
+                new = self._from_raw(watch.path, raw, watch.secret)
+            except Exception as exc:  # ConfigError, or anything else: a request must not fail for it
+                log.error(
+                    "tenants file %s or its salt secret changed but cannot be used, still serving the config "
+                    "loaded before (%d tenants, secret fp %s): %s",
+                    watch.path,
+                    len(self.tenants),
+                    self._secret_fingerprint,
+                    exc,
+                )
+                return False
+            if new.admission_config != self.admission_config:  # kept: what the ingress's Admission was built from
+                log.warning(
+                    "tenants file %s: a changed `admission:` takes effect when the ingress restarts", watch.path
+                )
+            if secret_path != watch.secret_path:  # the config names another salt secret file: follow that one
+                watch.secret_path, watch.seen = secret_path, (seen[0], _digest_of(secret_path))
+            self._entries, self.tenants = new._entries, new.tenants
+            self._secret_fingerprint = new._secret_fingerprint
+            log.warning("reloaded tenants file %s (changed on disk): %s", watch.path, self)  # seen in Serve's logs
+            return True
+        finally:
+            watch.lock.release()
 
     def _refuse_published_keys(self, path: Path) -> None:
         """ConfigError naming the first tenant that holds a key kvmesh's examples publish."""
@@ -412,10 +537,7 @@ class TenantRegistry:
         unknown = set(raw) - {"secret_file", "defaults", "admission", "tenants"}
         if unknown:
             raise ConfigError(f"tenants config: unknown top-level key(s) {sorted(unknown)}")
-        secret_file = raw.get("secret_file")
-        if secret_file and base_dir is not None and not Path(secret_file).is_absolute():
-            secret_file = base_dir / secret_file
-        secret_bytes = resolve_secret(secret, secret_file)
+        secret_bytes = resolve_secret(secret, _config_secret_file(raw, base_dir))
         defaults = raw.get("defaults") or {}
         if not isinstance(defaults, Mapping) or set(defaults) - {"limits"}:
             raise ConfigError("defaults: expected a mapping with only 'limits'")
@@ -480,7 +602,9 @@ class TenantRegistry:
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """`Authorization` header value -> Tenant, or AuthError. Compares every stored digest in constant
-        time and does not stop early, so timing reveals neither which key nor how much matched."""
+        time and does not stop early, so timing reveals neither which key nor how much matched. A registry
+        from a file first looks whether the file changed (`refresh`)."""
+        self.refresh()
         token = _parse_bearer(authorization)
         digest = hashlib.sha256(token.encode("utf-8")).digest()
         found: _KeyEntry | None = None

@@ -406,6 +406,175 @@ def test_secret_file_relative_to_config(tmp_path, monkeypatch):
     assert reg.tenants["acme"].salt == derive_salt(b"relative-file-secret-0123", "acme")
 
 
+# --- following the tenants file (Kubernetes updates a mounted Secret in place) --------------------------
+
+
+def _revoke(cfg: dict, key: str) -> dict:
+    for tenant in cfg["tenants"]:
+        for entry in tenant["keys"]:
+            if entry["sha256"] == hash_api_key(key):
+                entry["revoked"] = True
+    return cfg
+
+
+def _kubelet_secret_dir(root, files: dict[str, str], version: int) -> None:
+    """A Secret volume as the kubelet writes it: files in a timestamped folder, `..data` a symlink to it that
+    is swapped atomically on update, each name a symlink through `..data`."""
+    import os
+
+    folder = root / f"..v{version}"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+        if not (root / name).is_symlink():
+            (root / name).symlink_to(f"..data/{name}")
+    (root / "..data_tmp").symlink_to(folder.name)
+    os.replace(root / "..data_tmp", root / "..data")
+
+
+@pytest.mark.parametrize("how", ["rewritten", "kubelet symlink swap"])
+def test_a_key_revoked_in_the_file_is_refused_after_the_reload_interval(tmp_path, how):
+    """The ingress builds its registry once and nothing restarts it for a Secret update, so the registry
+    itself must notice the revocation."""
+    import yaml
+
+    clock = FakeClock()
+    if how == "rewritten":
+        path = tmp_path / "tenants.yaml"
+        path.write_text(yaml.safe_dump(config()))
+    else:
+        path = tmp_path / "tenants.yaml"
+        _kubelet_secret_dir(tmp_path, {"tenants.yaml": yaml.safe_dump(config())}, 1)
+    reg = TenantRegistry.from_file(path, secret=SECRET, reload_interval_s=5, clock=clock)
+    assert reg.authenticate(f"Bearer {KEY_A}").id == "acme"
+    if how == "rewritten":
+        path.write_text(yaml.safe_dump(_revoke(config(), KEY_A)))
+    else:
+        _kubelet_secret_dir(tmp_path, {"tenants.yaml": yaml.safe_dump(_revoke(config(), KEY_A))}, 2)
+    clock.t += 4.9  # looked at most once per interval
+    assert reg.authenticate(f"Bearer {KEY_A}").id == "acme"
+    clock.t += 0.1
+    with pytest.raises(AuthError) as exc:
+        reg.authenticate(f"Bearer {KEY_A}")
+    assert exc.value.code == "revoked_api_key"
+    assert reg.authenticate(f"Bearer {KEY_A2}").id == "acme"  # the tenant's other key still works
+
+
+def test_the_ingress_registry_follows_the_file(tmp_path, monkeypatch):
+    """The ingress's own call (`build_registry`, `TenantRegistry.from_file(path)`) gets a registry that
+    follows the file: the defaults are read at the call."""
+    import yaml
+
+    from kvmesh.deployments import tenants
+    from kvmesh.deployments.ingress import build_registry
+
+    monkeypatch.setenv("KVMESH_SALT_SECRET", SECRET.decode())
+    monkeypatch.setattr(tenants, "RELOAD_INTERVAL_S", 0.0, raising=False)
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    reg = build_registry({"tenants_file": str(path)})
+    assert reg.authenticate(f"Bearer {KEY_A}").id == "acme"
+    path.write_text(yaml.safe_dump(_revoke(config(), KEY_A)))
+    with pytest.raises(AuthError):
+        reg.authenticate(f"Bearer {KEY_A}")
+
+
+@pytest.mark.parametrize(
+    "broken",
+    ["not: [valid", "tenants: []", "unreadable"],
+    ids=["unparsable", "invalid", "unreadable"],
+)
+def test_a_broken_tenants_file_keeps_the_last_good_config_and_logs_one_error(tmp_path, caplog, broken):
+    """A bad edit must neither open access nor lock every tenant out; it is said once, not per request."""
+    import yaml
+
+    clock = FakeClock()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    reg = TenantRegistry.from_file(path, secret=SECRET, reload_interval_s=5, clock=clock)
+    if broken == "unreadable":
+        path.unlink()
+    else:
+        path.write_text(broken)
+    with caplog.at_level(logging.ERROR, logger="kvmesh.deployments.tenants"):
+        for _ in range(3):
+            clock.t += 5
+            assert reg.authenticate(f"Bearer {KEY_A}").id == "acme"
+            with pytest.raises(AuthError):
+                reg.authenticate(f"Bearer {KEY_REVOKED}")
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "still serving the config loaded before" in errors[0].getMessage()
+    path.write_text(yaml.safe_dump(_revoke(config(), KEY_A)))  # fixed: followed again
+    clock.t += 5
+    with pytest.raises(AuthError):
+        reg.authenticate(f"Bearer {KEY_A}")
+
+
+def test_a_changed_admission_block_is_logged_and_left_for_a_restart(tmp_path, caplog):
+    """The ingress builds its Admission from `admission_config` once: the registry keeps saying what that
+    was, and says the change waits for a restart."""
+    import yaml
+
+    clock = FakeClock()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    reg = TenantRegistry.from_file(path, secret=SECRET, reload_interval_s=5, clock=clock)
+    path.write_text(yaml.safe_dump(_revoke(config(admission={"max_concurrent": 99}), KEY_A)))
+    clock.t += 5
+    with caplog.at_level(logging.WARNING, logger="kvmesh.deployments.tenants"):
+        assert reg.refresh() is True
+    assert reg.admission_config == {"max_concurrent": 4, "queue_timeout_s": 1}
+    assert any("takes effect when the ingress restarts" in r.getMessage() for r in caplog.records)
+    with pytest.raises(AuthError):  # the rest of the file took effect
+        reg.authenticate(f"Bearer {KEY_A}")
+
+
+def test_a_rotated_salt_secret_file_changes_the_salts_and_a_bad_one_keeps_the_old(tmp_path, monkeypatch):
+    """Salt rotation on Kubernetes is a Secret update too: a new secret only makes old cache entries
+    unreachable, a placeholder or short one is refused and the salts in use stay."""
+    import yaml
+
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    secret_file = tmp_path / "salt"
+    secret_file.write_text("first-salt-secret-0123456789")
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", str(secret_file))
+    clock = FakeClock()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    reg = TenantRegistry.from_file(path, reload_interval_s=5, clock=clock)
+    first = reg.authenticate(f"Bearer {KEY_A}").salt
+    assert first == derive_salt(b"first-salt-secret-0123456789", "acme")
+    fingerprint = reg.secret_fingerprint
+    secret_file.write_text("second-salt-secret-0123456789")
+    clock.t += 5
+    assert reg.authenticate(f"Bearer {KEY_A}").salt == derive_salt(b"second-salt-secret-0123456789", "acme")
+    assert reg.secret_fingerprint != fingerprint
+    for bad in ("short", "REPLACE-with-random-bytes-0123456789"):
+        secret_file.write_text(bad)
+        clock.t += 5
+        assert reg.authenticate(f"Bearer {KEY_A}").salt == derive_salt(b"second-salt-secret-0123456789", "acme")
+
+
+def test_a_generated_secret_is_kept_when_the_file_reloads(tmp_path, monkeypatch):
+    """With no secret configured the process generates one; a reload must not generate another (every
+    tenant's cache would go cold at every edit of the file)."""
+    import yaml
+
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
+    clock = FakeClock()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    reg = TenantRegistry.from_file(path, reload_interval_s=5, clock=clock)
+    salt = reg.authenticate(f"Bearer {KEY_A}").salt
+    path.write_text(yaml.safe_dump(_revoke(config(), KEY_B)))
+    clock.t += 5
+    assert reg.refresh() is True
+    with pytest.raises(AuthError):
+        reg.authenticate(f"Bearer {KEY_B}")
+    assert reg.authenticate(f"Bearer {KEY_A}").salt == salt
+
+
 # --- client salts -----------------------------------------------------------------------------------
 
 

@@ -138,6 +138,33 @@ def test_the_mount_check_catches_a_missing_mount(service):
     assert any(p.startswith("Ingress on head: tokenizer") for p in problems)
 
 
+def test_the_mount_check_catches_a_missing_channel_secret(service):
+    """Engines refuse to start without the KV-event channel secret, and a router without it routes on load
+    alone: a pod group that lacks it is a manifest that cannot run."""
+    broken = copy.deepcopy(service)
+    worker = broken["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["volumeMounts"] = [m for m in worker["volumeMounts"] if m["name"] != "channel"]
+    problems = kuberay_problems(_app(broken)["args"], broken)
+    assert any(p.startswith("not mounted: EngineReplica on gpu-engines: channel secret") for p in problems)
+    assert any(p.startswith("not mounted: Ingress on gpu-engines: channel secret") for p in problems)
+    unset = copy.deepcopy(service)
+    head = unset["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["env"] = [e for e in head["env"] if e["name"] != "KVMESH_CHANNEL_SECRET_FILE"]
+    assert "Ingress on head: channel secret (None)" in missing_files(unset)
+
+
+def test_a_fractional_cpu_limit_is_rounded_up_as_kuberay_does(service):
+    """KubeRay passes `--num-cpus` as the limit's Quantity.Value(), which rounds up: 7500m is 8 CPUs, so an
+    engine asking for 8 fits and the manifest runs."""
+    fractional = copy.deepcopy(service)
+    group = fractional["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["rayStartParams"].pop("num-cpus", None)
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    resources["limits"]["cpu"] = resources["requests"]["cpu"] = "7500m"
+    assert deploy_plan.ray_resources(_groups(fractional)["gpu-engines"])["CPU"] == 8
+    assert kuberay_problems(_app(fractional)["args"], fractional) == []
+
+
 def test_the_fit_check_catches_a_head_without_cpus(service):
     broken = copy.deepcopy(service)
     broken["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = "0"
