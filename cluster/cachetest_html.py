@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from kvmesh.cluster.miss_reasons import REASONS
+from kvmesh.cluster.whole_file import atomic_write
 
 _COLORS = {
     "cold": "#8da0cb",
@@ -97,6 +98,12 @@ def sweeps(passes: dict) -> dict[str, list[tuple[int, str]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def _save(fig, path: Path) -> None:
+    """A PNG written whole or not at all."""
+    with atomic_write(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=90)
+
+
 def plot_all(report: dict, out: Path) -> dict[str, Path]:
     """Write the PNGs; name -> path."""
     plt = _plt()
@@ -115,7 +122,7 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.tight_layout()
     paths["passes"] = out / "passes.png"
-    fig.savefig(paths["passes"], dpi=90)
+    _save(fig, paths["passes"])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(9, 3.2))
@@ -131,7 +138,7 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.tight_layout()
     paths["miss_reasons"] = out / "miss_reasons.png"
-    fig.savefig(paths["miss_reasons"], dpi=90)
+    _save(fig, paths["miss_reasons"])
     plt.close(fig)
 
     for kind, sweep in sweeps(passes).items():
@@ -147,7 +154,7 @@ def plot_all(report: dict, out: Path) -> dict[str, Path]:
         ax.set_ylabel("TTFT p50, ms")
         fig.tight_layout()
         paths[f"sweep_{kind}"] = out / f"sweep_{kind}.png"
-        fig.savefig(paths[f"sweep_{kind}"], dpi=90)
+        _save(fig, paths[f"sweep_{kind}"])
         plt.close(fig)
     return paths
 
@@ -176,12 +183,26 @@ def _compared(n: int | None) -> str:
 
 
 def _isolation_why(iso: dict) -> str:
-    """Why the isolation probe has no verdict, where it ran without one (its request failed, or the answer
-    reported no cached-token count)."""
+    """Why the isolation probe has no verdict: it did not run (no two keyed tenants, no prompt it could
+    test), or it ran without one (its request failed, or the answer reported no cached-token count)."""
+    if not iso.get("run") and iso.get("why"):
+        return f" <span id='isolation-why'>(not run: {html.escape(str(iso['why']))})</span>"
     if not iso.get("run") or iso.get("ok") is not None:
         return ""
     why = f"the probe's request failed: {iso['error']}" if iso.get("error") else "no cached-token count in the answer"
     return f" <span id='isolation-why'>({html.escape(str(why))})</span>"
+
+
+def _header_flags(meta: dict) -> str:
+    """The header's notes on how far to trust the run: a partial report, and the reset before cold (none:
+    the cold pass may have found the cache already warm)."""
+    out = ""
+    if meta.get("partial"):
+        out += f" &middot; <b id='partial'>PARTIAL: {html.escape(str(meta['partial']))}</b>"
+    if "cold_reset" in meta:
+        reset = meta["cold_reset"] or "none (the cold pass may have started warm)"
+        out += f" &middot; cache reset before cold: <span id='cold-reset'>{html.escape(str(reset))}</span>"
+    return out
 
 
 def _table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
@@ -252,10 +273,12 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     passes = report["passes"]
     meta = report.get("meta", {})
     off = report.get("offline", {})
+    # the warm pass re-sends the log right after cold: its figures are re-sent traffic, an upper bound
+    resent = "warm pass: the log re-sent, an upper bound" if s.get("main_resent") else ""
     cards = [
-        ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct"), ""),
-        ("hit-rate-requests", "requests with a hit", _fmt(s.get("requests_with_hit"), "pct"), ""),
-        ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel"), ""),
+        ("hit-rate", "hit rate (tokens)", _fmt(s.get("hit_rate_tokens"), "pct"), resent),
+        ("hit-rate-requests", "requests with a hit", _fmt(s.get("requests_with_hit"), "pct"), resent),
+        ("cost-change", "input cost vs no cache", _fmt(s.get("cost_change_vs_no_cache"), "rel"), resent),
         (
             "ttft-change",
             "TTFT p50 vs cold",
@@ -265,6 +288,8 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         ("cost-per-interaction", "cost per interaction", _fmt(s.get("cost_per_interaction"), "usd"), ""),
         ("offline-bound", "infinite-cache bound", _fmt(s.get("offline_infinite_hit_rate"), "pct"), ""),
     ]
+    if "cold" in passes:  # what first-contact traffic reused, beside the bound
+        cards.append(("cold-hit-rate", "cold pass hit (first contact)", _fmt(s.get("cold_hit_rate_tokens"), "pct"), ""))
     if "cost_change_vs_round_robin" in s:
         cards.append(
             (
@@ -297,20 +322,22 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
             )
             if x
         )
+        + _header_flags(meta)
         + " &middot; <span id='loaded'>static</span></p>",
         "<h2 id='summary'>Summary</h2><div class='cards'>",
     ]
     for cid, title, value, note in cards:
-        note = f"<small id='{cid}-compared'>{note}</small>" if note else ""
+        note = f"<small id='{cid}-compared'>{html.escape(note)}</small>" if note else ""
         parts.append(f"<div class='card'>{html.escape(title)}<b id='{cid}'>{value}</b>{note}</div>")
     parts.append("</div>")
-    if s.get("warning"):
-        parts.append(f"<p class='warn'>{html.escape(s['warning'])}</p>")
+    for warning in s.get("warnings") or ([s["warning"]] if s.get("warning") else []):
+        parts.append(f"<p class='warn'>{html.escape(warning)}</p>")
     iso = report.get("isolation", {})
     parts.append(
         f"<p>Errors: <b id='errors'>{s.get('errors', 0)}</b>. Correctness (warm greedy outputs = cold): "
-        f"<b id='correct'>{_fmt(s.get('correct'))}</b>. Isolation probe (another tenant's identical prompt gets 0 "
-        f"cached tokens): <b id='isolation'>{_fmt(iso.get('ok'))}</b>{_isolation_why(iso)}. "
+        f"<b id='correct'>{_fmt(s.get('correct'))}</b>. Isolation probe (another tenant's identical prompt gets no "
+        f"cached token beyond what that tenant computed itself): <b id='isolation'>{_fmt(iso.get('ok'))}</b>"
+        f"{_isolation_why(iso)}. "
         f"Offline: repeated-prefix share {_fmt(off.get('repeated_prefix_share'), 'pct')} of "
         f"{_fmt(off.get('prompt_tokens'))} prompt tokens.</p>"
     )
@@ -385,14 +412,14 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     parts.append("<h2 id='tiers'>Where the cache lived: hits by tier</h2>")
     parts.append(
         _table(
-            ["pass", "hbm", "host", "shared", "unknown", "evictions", "spilled to host (B)", "to shared (B)"],
+            ["pass", "hbm", "host", "shared", "unknown", "evictions", "chunks to host", "chunks to shared"],
             [
                 [html.escape(n)]
                 + [_fmt(p["hits_by_tier"].get(t)) for t in ("hbm", "host", "shared", "unknown")]
                 + [
                     _fmt(p.get("evictions")),
-                    _fmt((p.get("spills") or {}).get("to_host_bytes")),
-                    _fmt((p.get("spills") or {}).get("to_shared_bytes")),
+                    _fmt((p.get("spills") or {}).get("to_host_chunks")),
+                    _fmt((p.get("spills") or {}).get("to_shared_chunks")),
                 ]
                 for n, p in passes.items()
             ],
@@ -412,11 +439,12 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
         parts.append(f"<h2 id='{key}'>{title} ({html.escape(str(main_name))} pass)</h2>")
         parts.append(
             _table(
-                [title.split()[1], "requests", "prompt tok", "cached tok", "hit (tok)", *REASONS],
+                [title.split()[1], "requests", "errors", "prompt tok", "cached tok", "hit (tok)", *REASONS],
                 [
                     [
                         html.escape(k or "(none)"),
                         _fmt(r["requests"]),
+                        _fmt(r.get("errors")),
                         _fmt(r["prompt_tokens"]),
                         _fmt(r["cached_tokens"]),
                         _fmt(r["hit_rate_tokens"], "pct"),
@@ -433,15 +461,36 @@ def render_html(report: dict, plots: dict[str, Path]) -> str:
     return "\n".join(parts)
 
 
+# every file a report writes (the sweep plots only with a sweep): what `remove_outputs` clears
+OUTPUT_FILES = ("report.json", "report.html", "passes.png", "miss_reasons.png", *(f"sweep_{k}.png" for k in SWEEP_AXES))
+
+
+def remove_outputs(out_dir: str | os.PathLike, keep: tuple[str, ...] = ()) -> None:
+    """Remove an earlier run's outputs from `out_dir` (but `keep`): a run that stops before writing its own
+    must not leave them looking like its result, nor a sweep plot this run did not draw."""
+    for name in OUTPUT_FILES:
+        if name not in keep:
+            try:
+                (Path(out_dir) / name).unlink()
+            except FileNotFoundError:
+                pass
+
+
 def write_outputs(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """report.json, the PNGs and report.html in `out_dir`; name -> path."""
+    """report.json, the PNGs and report.html in `out_dir`; name -> path. Each file is written whole or not
+    at all (an interrupt leaves no half file), and an earlier run's sweep plot this report has no sweep for
+    is removed."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json"}
-    with open(paths["json"], "w", encoding="utf-8") as fh:
-        json.dump(report, fh, separators=(",", ":"))
+    text = json.dumps(report, separators=(",", ":"))
     plots = plot_all(report, out)
+    page = render_html(report, plots)
+    with atomic_write(paths["json"]) as fh:
+        fh.write(text)
     paths.update(plots)
     paths["html"] = out / "report.html"
-    paths["html"].write_text(render_html(report, plots), encoding="utf-8")
+    with atomic_write(paths["html"]) as fh:
+        fh.write(page)
+    remove_outputs(out, keep=tuple(p.name for p in paths.values()))
     return paths

@@ -48,7 +48,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def _diff(before: dict, after: dict, key: str) -> int:
-    """A counter's growth over the pass (tokens, bytes or evictions: whole numbers)."""
+    """A counter's growth over the pass (tokens, chunks or evictions: whole numbers)."""
     return round(float(after.get(key) or 0) - float(before.get(key) or 0))
 
 
@@ -64,11 +64,17 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
     for _, r in known:
         for k, v in r.items():
             miss[k] = miss.get(k, 0) + v
-    interactions: dict[str, bool] = {}
+    # an interaction is (tenant, interaction id): two tenants' "conv0" are two interactions; only a completed
+    # one's requests are in the cost per interaction (a failed interaction's answered turns would inflate it)
+    interactions: dict[tuple, bool] = {}
+    interaction_cost: dict[tuple, float] = {}
     for s in run.sent:
-        key = s.prepared.req.interaction
+        key = (s.prepared.req.tenant, s.prepared.req.interaction)
         interactions[key] = interactions.get(key, True) and s.error is None
+        if s.error is None:
+            interaction_cost[key] = interaction_cost.get(key, 0.0) + rates.cost(s.prompt_tokens, s.cached_tokens or 0)
     completed = sum(interactions.values())
+    completed_cost = sum(c for k, c in interaction_cost.items() if interactions[k])
     cost = rates.cost(prompt, cached)
     before, after = run.counters_before, run.counters_after
     server = bool(after)
@@ -82,19 +88,28 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         loaded = min(cached, max(0, _diff(before, after, "external_hit_tokens")))
         shared = min(loaded, shared)
         host = loaded - shared
+    # a row per tenant (replica) over every request sent, failed ones too (a tenant whose requests all
+    # failed must show, not vanish); the token figures are over the answers with a cached-token count
     tenants: dict[str, dict] = {}
     replicas: dict[str, dict] = {}
-    for s, r in known:
+    for s, r in zip(run.sent, reasons):
         for table, key in ((tenants, s.prepared.tok.tenant or ""), (replicas, s.replica)):
-            row = table.setdefault(key, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "miss_tokens": {}})
+            row = table.setdefault(
+                key, {"requests": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0, "miss_tokens": {}}
+            )
             row["requests"] += 1
+            if s.error is not None:
+                row["errors"] += 1
+                continue
+            if s.cached_tokens is None:
+                continue
             row["prompt_tokens"] += s.prompt_tokens
-            row["cached_tokens"] += s.cached_tokens or 0
+            row["cached_tokens"] += s.cached_tokens
             for k, v in r.items():
                 row["miss_tokens"][k] = row["miss_tokens"].get(k, 0) + v
     for table in (tenants, replicas):
         for row in table.values():
-            row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+            row["hit_rate_tokens"] = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None
     return {
         "requests": len(run.sent),
         "errors": len(run.sent) - len(ok),
@@ -120,14 +135,14 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "input_cost": cost,
         "input_cost_without_cache": rates.cost(prompt, 0),
         "completed_interactions": completed,
-        "cost_per_interaction": cost / completed if completed else None,
+        "cost_per_interaction": completed_cost / completed if completed else None,
         "hits_by_tier": {"hbm": cached - loaded, "host": min(host, cached), "shared": max(0, loaded - host)}
         if server
         else {"hbm": None, "host": None, "shared": None, "unknown": cached},
         "evictions": _diff(before, after, "evictions") if server else None,
         "spills": {
-            "to_host_bytes": _diff(before, after, "bytes_to_host"),
-            "to_shared_bytes": _diff(before, after, "bytes_to_shared"),
+            "to_host_chunks": _diff(before, after, "chunks_to_host"),
+            "to_shared_chunks": _diff(before, after, "chunks_to_shared"),
         }
         if server
         else None,
@@ -200,9 +215,51 @@ def _build_report(runs, offline, rates, block_size, meta, decode, isolation) -> 
         "isolation": isolation or {"run": False, "why": "needs keys of two tenants"},
         "drift_examples": sorted(drifts, key=lambda d: -d["drift_tokens"])[:10],
         "requests": requests,
+        "token_counts": token_counts(runs),
     }
     report["summary"] = summary(report)
     return report
+
+
+# the client's tokenizer counts a prompt differently from the server when their counts differ by more than
+# this share, on more than half of the logged prompts answered
+TOKEN_COUNT_TOLERANCE = 0.03
+
+
+def token_counts(runs: Sequence[PassRun]) -> dict:
+    """The server's prompt token counts against the client tokenizer's, over the logged prompts answered with
+    a cached-token count (the partial passes' token-id prompts are counted alike by both, so left out). A
+    tokenizer other than the served model's gives other token ids: the offline bound, block hashes and miss
+    reasons would describe another token stream than the one measured."""
+    compared = differing = client = server = 0
+    for run in runs:
+        for s in run.sent:
+            if s.error is not None or s.cached_tokens is None or s.prepared.origin is not None:
+                continue
+            n = s.prepared.tok.n
+            compared += 1
+            client += n
+            server += s.prompt_tokens
+            differing += abs(s.prompt_tokens - n) > TOKEN_COUNT_TOLERANCE * max(n, 1)
+    return {
+        "compared": compared,
+        "differing": differing,
+        "client_prompt_tokens": client,
+        "server_prompt_tokens": server,
+    }
+
+
+def tokenizer_mismatch(report: dict) -> str | None:
+    """The warning when the server counted most logged prompts' tokens differently from the client."""
+    tc = report.get("token_counts") or {}
+    if not tc.get("compared") or tc["differing"] <= tc["compared"] / 2:
+        return None
+    return (
+        f"the server counted {tc['server_prompt_tokens']:,} prompt tokens where the client's tokenizer counted "
+        f"{tc['client_prompt_tokens']:,} ({tc['differing']} of {tc['compared']} prompts differ by more than "
+        f"{TOKEN_COUNT_TOLERANCE:.0%}): the offline bound, drift and miss reasons use another tokenizer's ids; "
+        "pass --tokenizer with the served model's folder"
+    )
 
 
 def _correctness(cold: PassRun | None, warm: PassRun | None) -> dict:
@@ -221,7 +278,8 @@ def summary(report: dict) -> dict:
     changed in cost and TTFT against no caching (the cold pass's TTFT, every input token at the uncached
     rate) and against round robin where it was run. A comparison between two passes is over the requests
     answered in both (by request id), with the number compared: a request that failed in one pass would
-    otherwise drop out of one side only (a pass with failures looks cheaper, its p50 another population's)."""
+    otherwise drop out of one side only (a pass with failures looks cheaper, its p50 another population's).
+    `warnings` say what would make the headline mislead (docs/cachetest.md lists them)."""
     passes = report["passes"]
     main = next((n for n in ("warm", "kvmesh") if n in passes), next(iter(passes), None))
     if main is None:
@@ -254,10 +312,85 @@ def summary(report: dict) -> dict:
         out["cost_compared_vs_round_robin"] = rr["cost_requests"]
         out["ttft_change_vs_round_robin"] = rr["ttft_change"]
         out["ttft_compared_vs_round_robin"] = rr["ttft_requests"]
-    warning = _warning(cur, out["cost_change_vs_no_cache"])
-    if warning:
-        out["warning"] = warning
+    cold = passes.get("cold")
+    out["cold_hit_rate_tokens"] = cold["hit_rate_tokens"] if cold else None
+    # the warm pass re-sends the log straight after cold: its figures are an upper bound, not first contact
+    out["main_resent"] = main == "warm"
+    warnings = [
+        w
+        for w in (
+            _partial_warning(report),
+            _warning(cur, out["cost_change_vs_no_cache"]),
+            _above_bound(main, cur, out),
+            _cold_not_reset(report, out),
+            _errors_warning(passes),
+            tokenizer_mismatch(report),
+        )
+        if w
+    ]
+    if warnings:
+        out["warning"] = "; ".join(warnings)
+        out["warnings"] = warnings
     return out
+
+
+# a pass's hit rate "exceeds" the offline infinite-cache bound when it is above it by more than this
+BOUND_SLACK = 0.05
+# a pass with more than this share of its requests failed gets a warning
+ERROR_SHARE_WARNING = 0.10
+
+
+def _exceeds(hit: float | None, bound: float | None) -> bool:
+    return hit is not None and bound is not None and hit > bound + BOUND_SLACK
+
+
+def _above_bound(main: str, cur: dict, out: dict) -> str | None:
+    """The main pass reused more than any cache could on the log's first contact: it re-sends prompts this
+    test already sent, so it measures replay, not the application's traffic."""
+    hit, bound = cur["hit_rate_tokens"], out["offline_infinite_hit_rate"]
+    if main == "cold" or not _exceeds(hit, bound):
+        return None
+    cold = out["cold_hit_rate_tokens"]
+    first = f"; the cold pass (first contact) hit {cold:.1%}" if cold is not None else ""
+    return (
+        f"the {main} pass hit {hit:.1%} of prompt tokens, above the {bound:.1%} an infinite cache reaches on the "
+        f"log's first contact: it re-sends prompts this test had just sent, so its hit rate and cost change are "
+        f"an upper bound, not what the application's own traffic would reuse{first}"
+    )
+
+
+def _cold_not_reset(report: dict, out: dict) -> str | None:
+    """A cold pass above the bound on a server whose cache was not reset started warm: comparisons against
+    it understate the cache."""
+    meta = report.get("meta") or {}
+    cold, bound = out["cold_hit_rate_tokens"], out["offline_infinite_hit_rate"]
+    if "cold_reset" not in meta or meta["cold_reset"] is not None or not _exceeds(cold, bound):
+        return None
+    return (
+        f"the cold pass hit {cold:.1%} of prompt tokens, above the {bound:.1%} bound, and the server's cache was "
+        "not reset before it (no reset endpoint answered; vLLM offers one with VLLM_SERVER_DEV_MODE=1): it was "
+        "not first contact, so the figures against cold understate what the cache saves"
+    )
+
+
+def _errors_warning(passes: dict) -> str | None:
+    """Passes with many failed requests: their figures cover only the answered ones."""
+    bad = [
+        f"{p['errors']} of {p['requests']} requests of {name}"
+        for name, p in passes.items()
+        if p["requests"] and p["errors"] > ERROR_SHARE_WARNING * p["requests"]
+    ]
+    if not bad:
+        return None
+    return f"{', '.join(bad)} failed: the figures cover only the answered requests (see errors per tenant)"
+
+
+def _partial_warning(report: dict) -> str | None:
+    """A test stopped before its last pass: what is here is what ran."""
+    why = (report.get("meta") or {}).get("partial")
+    if not why:
+        return None
+    return f"partial report ({why}): passes that ran: {', '.join(report['passes']) or 'none'}"
 
 
 def _warning(p: dict, cost_change: float | None) -> str | None:

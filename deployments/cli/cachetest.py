@@ -189,34 +189,71 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(printable(str(exc))) from None
     tok = _tokenizer(args.tokenizer)
     prepared = prepare(_requests(args, read), tok, args.block_size)
+    from kvmesh.cluster.cachetest_html import remove_outputs, write_outputs
+
+    try:  # an earlier run's report must not outlive a run stopped before it writes its own
+        remove_outputs(args.out)
+    except OSError as exc:
+        raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
     try:
         if args.serve:
             from kvmesh.deployments.cachetest_serve import serve_and_test
 
             report = serve_and_test(cfg, prepared, tok, args.replicas, args.replicas_sweep, not args.no_progress)
         else:
-            report = _test_url(cfg, prepared, tok, not args.no_progress)
+            report = _test_url(cfg, prepared, tok, not args.no_progress, args.out)
     except CachetestError as exc:
         raise CliError(printable(str(exc))) from None
-    from kvmesh.cluster.cachetest_html import write_outputs
-
     try:
         paths = write_outputs(report, args.out)
     except OSError as exc:
         raise CliError(f"--out {args.out}: {exc.strerror or exc}") from None
     _print_summary(report)
+    _warn_tokenizer(report)
     print(f"report: {paths['html']}")
     # the input was fine but the test failed (its report is written all the same): 1, not 2
     return 1 if all(p["requests"] and p["errors"] == p["requests"] for p in report["passes"].values()) else 0
 
 
-def _test_url(cfg, prepared, tok, progress: bool) -> dict:
+def _test_url(cfg, prepared, tok, progress: bool, out: str | None = None) -> dict:
+    """The test against `cfg.url`. Stopped by an interrupt (Ctrl-C, SIGTERM) or an error after a pass ran,
+    it writes the passes done to `out` as a report marked partial before the stop goes on: a long test
+    keeps what it measured."""
     from kvmesh.deployments.cachetest import Runner, offline_figures
 
     offline = offline_figures(prepared, cfg.block_size, cfg.bound_replicas)
     runner = Runner(cfg, prepared, tok, progress=progress)
-    runner.run_all()
+    try:
+        runner.run_all()
+    except BaseException as exc:
+        if out is not None and runner.runs and isinstance(exc, (Exception, KeyboardInterrupt)):
+            _write_partial(runner, offline, out, exc)
+        raise
     return runner.report(offline)
+
+
+def _write_partial(runner, offline: dict, out: str, exc: BaseException) -> None:
+    """The report of the passes `runner` finished, marked partial (meta.partial says where it stopped)."""
+    from kvmesh.cluster.cachetest_html import write_outputs
+
+    where = f"stopped in the {runner.current} pass" if runner.current else "stopped between passes"
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else printable(str(exc) or type(exc).__name__)
+    try:
+        report = runner.report(offline, meta={"partial": f"{why}, {where}"})
+        write_outputs(report, out)
+    except Exception as err:  # the stop itself is what the caller reports
+        print(f"cachetest: partial report not written ({type(err).__name__})", file=sys.stderr)
+        return
+    print(f"partial report: {Path(out) / 'report.html'}", file=sys.stderr)
+
+
+def _warn_tokenizer(report: dict) -> None:
+    """One line on stderr when the server counted the prompts' tokens unlike the client's tokenizer."""
+    from kvmesh.cluster.cachetest_report import tokenizer_mismatch
+
+    warning = tokenizer_mismatch(report)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _pct(v: float | None) -> str:

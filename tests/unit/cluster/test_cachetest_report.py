@@ -124,6 +124,34 @@ def test_the_tier_split_counts_what_the_engines_loaded_not_what_lmcache_lookups_
     assert fig["hits_by_tier"]["hbm"] == max(0, cached - after["host_hit_tokens"] - after["shared_hit_tokens"])
 
 
+def test_spills_are_the_lmcache_chunk_counters_of_the_server_state_diffed_over_the_pass():
+    """The node servers report chunks written to each tier (bytes only where a bytes-per-chunk is configured,
+    else null): a pass's spills are the growth of the chunk counters that `/kvmesh/state` carries."""
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, pass_figures
+    from kvmesh.deployments.cachetest import counters_from_state
+
+    _, runs = cachetest_support.fake_runs(server=True)
+    run = runs[-1]
+
+    def state(to_host: int, to_shared: int) -> dict:
+        tiers = {"chunks_to_host": to_host, "chunks_to_shared": to_shared, "bytes_to_host": None}
+        return {"router": {"index": {"evictions": 0}}, "tiers": tiers}
+
+    fig = pass_figures(
+        PassRun(
+            run.name,
+            run.sent,
+            1.0,
+            4,
+            counters_before=counters_from_state(state(10, 4)),
+            counters_after=counters_from_state(state(35, 9)),
+        ),
+        [{} for _ in run.sent],
+        Rates(),
+    )
+    assert fig["spills"] == {"to_host_chunks": 25, "to_shared_chunks": 5}
+
+
 def _passes_report(passes, ids=lambda i: list(range(10, 107)) + [500 + i] * 3):
     """The report of four requests (`ids(i)`) sent in each of `passes`: (name, the cached tokens its k-th answer
     reports, or the error every answer of it fails with); outputs kept as the runner keeps them (answered)."""
@@ -258,9 +286,10 @@ def test_the_low_value_warning_is_many_requests_hitting_while_the_cost_barely_mo
     s = _report_of([("cold", cold), ("warm", [(32, 0.5, None)] * 20)], n_tokens=lambda i: 1000)["summary"]
     assert s["requests_with_hit"] == 1.0 and s["cost_change_vs_no_cache"] > -0.05
     assert "too small" in s["warning"]
-    # the blocks matter: no warning
+    # the blocks matter: no low-value warning (the only one: these unique prompts hit only because warm
+    # re-sent them, above the infinite-cache bound)
     s = _report_of([("cold", cold), ("warm", [(992, 0.5, None)] * 20)], n_tokens=lambda i: 1000)["summary"]
-    assert "warning" not in s
+    assert len(s["warnings"]) == 1 and "too small" not in s["warning"] and "upper bound" in s["warning"]
 
 
 def test_answers_without_a_cached_count_get_their_own_warning_not_the_low_value_one():
@@ -324,3 +353,137 @@ def test_an_isolation_probe_without_a_measurement_has_no_verdict_and_shows_why()
     page = render_html(rep, {})
     assert rep["summary"]["isolated"] is None and "<b id='isolation'>n/a</b>" in page
     assert "the probe&#x27;s request failed: ReadTimeout: timed out" in page
+
+
+def _tenant_report(prompts, passes, meta=None):
+    """A report of `prompts` ((tenant, interaction, token ids) per request) sent in each of `passes`: (name,
+    answer(i) -> (cached tokens, error, the server's prompt token count or None for the client's))."""
+    from kvmesh.cluster.cachetest_analysis import Prepared, Sent
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, build_report
+    from kvmesh.cluster.prefix_share import TokenizedRequest, hash_requests, offline_pass
+    from kvmesh.cluster.request_log import LoggedRequest
+
+    prepared = []
+    for i, (tenant, interaction, ids) in enumerate(prompts):
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", tenant, interaction)
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, tenant, None, ids)))
+    hash_requests([p.tok for p in prepared], 32)
+    runs, clock = [], 0.0
+    for name, answer in passes:
+        sent = []
+        for i, p in enumerate(prepared):
+            cached, err, counted = answer(i)
+            n = p.tok.n if counted is None else counted
+            sent.append(Sent(p, name, clock, None if err else clock + 0.1, n, None if err else cached, "r0", err))
+            clock += 1
+        runs.append(PassRun(name, sent, 1.0, 4, 0, {}, {}, {s.prepared.req.id: "o" for s in sent if not s.error}))
+    offline = offline_pass([p.tok for p in prepared], 32)
+    return build_report(runs, offline, Rates(3.0, 0.3), 32, meta=meta)
+
+
+def test_a_warm_pass_above_the_infinite_cache_bound_is_labelled_re_sent_traffic():
+    """Unique prompts: no cache can reuse anything on first contact (bound 0%), yet warm, which re-sends the
+    log straight after cold, hit 99% and showed -89% cost with no warning. It is flagged as an upper bound,
+    and the cold pass's first-contact hit rate stands beside the bound."""
+    cold = [(0, 0.5, None)] * 8
+    rep = _report_of([("cold", cold), ("warm", [(992, 0.1, None)] * 8)], n_tokens=lambda i: 1000)
+    s = rep["summary"]
+    assert rep["offline"]["infinite_cache"]["hit_rate"] == 0.0 and s["hit_rate_tokens"] > 0.99
+    assert "above the 0.0% an infinite cache reaches" in s["warning"] and "upper bound" in s["warning"]
+    assert s["cold_hit_rate_tokens"] == 0.0 and s["main_resent"] is True
+    page = render_html(rep, {})
+    assert "<b id='cold-hit-rate'>0.0%</b>" in page
+    assert "<small id='hit-rate-compared'>warm pass: the log re-sent, an upper bound</small>" in page
+    assert "<small id='cost-change-compared'>warm pass: the log re-sent, an upper bound</small>" in page
+    assert "<p class='warn'>the warm pass hit 99.2%" in page
+    # within the bound (a warm pass that reuses no more than first contact could): no such warning
+    rep = _report_of([("cold", cold), ("warm", [(0, 0.1, None)] * 8)], n_tokens=lambda i: 1000)
+    assert "an infinite cache reaches" not in rep["summary"].get("warning", "")
+
+
+def test_a_cold_pass_above_the_bound_without_a_reset_is_flagged_and_the_reset_is_shown():
+    """The server kept an earlier run's cache (no reset endpoint): cold hit 99% of unique prompts, so every
+    comparison against cold (TTFT -0%) compared warm with warm, silently."""
+    from kvmesh.cluster.cachetest_report import summary
+
+    rows = [(992, 0.1, None)] * 8
+    rep = _report_of([("cold", rows), ("warm", rows)], n_tokens=lambda i: 1000)
+    rep["meta"]["cold_reset"] = None
+    rep["summary"] = summary(rep)
+    assert "the cold pass hit 99.2%" in rep["summary"]["warning"]
+    assert "not reset" in rep["summary"]["warning"]
+    assert "cache reset before cold: <span id='cold-reset'>none" in render_html(rep, {})
+    rep["meta"]["cold_reset"] = "/reset_prefix_cache"  # reset: the cold pass was first contact as far as known
+    rep["summary"] = summary(rep)
+    assert "not reset" not in rep["summary"]["warning"]
+    assert "<span id='cold-reset'>/reset_prefix_cache</span>" in render_html(rep, {})
+
+
+def test_interactions_are_per_tenant_and_only_completed_ones_are_costed():
+    """Two tenants each have interactions c0 and c1 (four interactions); b's c1 has a failed turn. Keyed by
+    interaction id alone they were two, one completed; the failed interaction's answered turn was in the
+    numerator too."""
+    from kvmesh.cluster.cachetest_report import Rates
+
+    prompts = [
+        (t, c, [1000 + 100 * k + j for j in range(100)])
+        for k, (t, c) in enumerate([("a", "c0"), ("a", "c1"), ("b", "c0"), ("b", "c1"), ("b", "c1")])
+    ]
+    rep = _tenant_report(prompts, [("cold", lambda i: (0, "HTTP 500" if i == 4 else None, None))])
+    cold = rep["passes"]["cold"]
+    assert cold["completed_interactions"] == 3
+    assert cold["cost_per_interaction"] == pytest.approx(Rates(3.0, 0.3).cost(100, 0))
+    assert cold["input_cost"] == pytest.approx(4 * Rates(3.0, 0.3).cost(100, 0))  # every answer is billed
+
+
+def test_a_tenant_whose_requests_all_failed_keeps_its_row_and_many_errors_warn():
+    """Tenant b's five requests all failed: its row vanished from the per-tenant table (rows were over the
+    answers), and half the pass failing gave no warning."""
+    prompts = [("ab"[i % 2], f"c{i}", [2000 + 100 * i + j for j in range(100)]) for i in range(10)]
+    rep = _tenant_report(
+        prompts,
+        [("cold", lambda i: (0, None, None)), ("warm", lambda i: (96, "HTTP 503" if i % 2 else None, None))],
+    )
+    tenants = rep["passes"]["warm"]["per_tenant"]
+    assert tenants["b"]["requests"] == 5 and tenants["b"]["errors"] == 5 and tenants["b"]["hit_rate_tokens"] is None
+    assert tenants["a"]["requests"] == 5 and tenants["a"]["errors"] == 0 and tenants["a"]["prompt_tokens"] == 500
+    assert "5 of 10 requests of warm failed" in rep["summary"]["warning"]
+    page = render_html(rep, {})
+    table = page.split("<h2 id='per_tenant'>")[1].split("</table>")[0]
+    assert "<th>errors</th>" in table and "<tr><td>b</td><td>5</td><td>5</td><td>0</td><td>0</td><td>n/a</td>" in table
+    # one failure in ten is no warning
+    rep = _tenant_report(prompts, [("cold", lambda i: (0, "HTTP 503" if i == 0 else None, None))])
+    assert "failed" not in rep["summary"].get("warning", "")
+
+
+def test_server_token_counts_unlike_the_clients_warn_to_pass_the_tokenizer():
+    """The server tokenises with another model (twice the tokens): the offline bound, hashes and miss reasons
+    describe other token ids than those measured, silently."""
+    prompts = [("a", f"c{i}", [3000 + 100 * i + j for j in range(100)]) for i in range(6)]
+    rep = _tenant_report(prompts, [("cold", lambda i: (0, None, 200))])
+    assert rep["token_counts"] == {
+        "compared": 6,
+        "differing": 6,
+        "client_prompt_tokens": 600,
+        "server_prompt_tokens": 1200,
+    }
+    assert "pass --tokenizer" in rep["summary"]["warning"]
+    # a token or two apart (within 3%) on most prompts: no warning
+    rep = _tenant_report(prompts, [("cold", lambda i: (0, None, 102))])
+    assert rep["token_counts"]["differing"] == 0 and "--tokenizer" not in rep["summary"].get("warning", "")
+
+
+def test_outputs_are_written_whole_and_an_earlier_runs_sweep_plot_is_removed(tmp_path):
+    """A report that cannot be serialised (or an interrupt) cut report.json short; a sweep plot from an
+    earlier run stayed beside a report without a sweep."""
+    rep = _report()
+    (tmp_path / "report.json").write_text('{"earlier": true}')
+    (tmp_path / "sweep_concurrency.png").write_bytes(b"old")
+    bad = dict(rep, extra=object())
+    with pytest.raises(TypeError):
+        write_outputs(bad, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text()) == {"earlier": True}
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    write_outputs(rep, tmp_path)
+    assert not (tmp_path / "sweep_concurrency.png").exists()
+    assert json.loads((tmp_path / "report.json").read_text())["passes"]["warm"]["requests"] == 60

@@ -178,9 +178,12 @@ def test_an_isolation_probe_that_measured_nothing_has_no_verdict(monkeypatch):
     """The probe's request timed out (or its answer had no cached-token count): that is no leak (ok=False,
     "Isolation probe: NO") but no verdict, with the error kept."""
     import kvmesh.deployments.cachetest as ct
+    from kvmesh.cluster.prefix_share import hash_requests
 
     prepared = _prepared(2)
     prepared[1].req.tenant = prepared[1].tok.tenant = "b"
+    prepared[1].tok.ids = list(range(300, 364)) + [901] * 10  # b computed none of a's blocks itself
+    hash_requests([p.tok for p in prepared], B)
     runner = object.__new__(ct.Runner)
     runner.cfg = ct.CachetestConfig(url="http://x", tenant_keys={"a": "ka", "b": "kb"})
     runner.prepared, runner.served = prepared, "tiny"
@@ -197,3 +200,85 @@ def test_an_isolation_probe_that_measured_nothing_has_no_verdict(monkeypatch):
         verdicts[case] = iso["ok"]
         assert iso["run"] and iso["as_tenant"] == "b" and iso["error"] == res.error
     assert verdicts == {"timeout": None, "no count": None, "leak": False, "isolated": True}
+
+
+def _salted_replay(prepared, salted=True):
+    """A replay of the probe against a server that cached every prepared prompt (as cold and warm did),
+    per tenant (`salted`) or across tenants: whole blocks, never the last token."""
+    cache = set()
+    for p in prepared:
+        for k in range(B, p.tok.n + 1, B):
+            cache.add((p.req.tenant if salted else None, tuple(p.tok.ids[:k])))
+
+    def replay(recs, cfg):
+        rec = recs[0]
+        ids = rec["body"]["prompt"]
+        cached = 0
+        for k in range(B, len(ids), B):
+            if (rec["tenant"] if salted else None, tuple(ids[:k])) not in cache:
+                break
+            cached = k
+        return ReplayReport([RequestResult(0, rec["user"], rec["tenant"], len(ids), cached, 1, 0.1, 0.2, "r0")], 1.0)
+
+    return replay
+
+
+def test_the_isolation_probe_counts_the_probers_own_cached_blocks_as_no_leak(monkeypatch):
+    """Tenants a and b share a 64-token system prompt, each caching it under its own salt. The probe sent a's
+    prompt as b and counted the 64 tokens b got from its own cache as a leak ("Isolation probe: NO")."""
+    import kvmesh.deployments.cachetest as ct
+    from kvmesh.cluster.prefix_share import hash_requests
+
+    system = list(range(100, 164))
+    prepared = []
+    for i, tenant in enumerate("abab"):
+        ids = system + [1000 + 50 * i + j for j in range(40)]  # 104 tokens: 2 shared blocks, 1 of its own
+        req = LoggedRequest(f"r{i}", {"prompt": ids}, "/v1/completions", tenant, f"c{i}")
+        prepared.append(Prepared(req, TokenizedRequest(i, req.id, tenant, None, ids)))
+    hash_requests([p.tok for p in prepared], B)
+    runner = object.__new__(ct.Runner)
+    runner.cfg = ct.CachetestConfig(url="http://x", tenant_keys={"a": "ka", "b": "kb"}, block_size=B)
+    runner.prepared, runner.served = prepared, "tiny"
+    monkeypatch.setattr(ct, "replay", _salted_replay(prepared, salted=True))
+    iso = runner.isolation_probe()
+    assert iso["cached_tokens"] == 64 and iso["own_cached_tokens"] == 64 and iso["ok"] is True
+    monkeypatch.setattr(ct, "replay", _salted_replay(prepared, salted=False))  # a cache shared across tenants
+    iso = runner.isolation_probe()
+    assert iso["cached_tokens"] == 96 and iso["ok"] is False
+
+
+def test_an_unreadable_explain_record_leaves_that_request_unknown_not_the_test_dead(monkeypatch):
+    """One transport error among the records (an ingress restarting, a timeout) ended the test with a
+    traceback, losing every pass already sent."""
+    import httpx
+
+    import kvmesh.deployments.cachetest as ct
+
+    def handler(request):
+        if request.url.path.endswith("/q1"):
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"elsewhere_blocks": 1})
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    cfg = ct.CachetestConfig(url="http://x", api_key="k")
+    assert ct.fetch_explanations(cfg, ["q0", "q1", "q2"]) == {
+        "q0": {"elsewhere_blocks": 1},
+        "q2": {"elsewhere_blocks": 1},
+    }
+
+
+def test_the_concurrency_sweep_runs_before_the_partial_passes(monkeypatch):
+    """The partial passes send new prompts that evict the logged ones: the first sweep point after them
+    measured the eviction (88% hit, 3x TTFT at c8, back to 98% at c16), not the concurrency."""
+    import kvmesh.deployments.cachetest as ct
+
+    runner = object.__new__(ct.Runner)
+    runner.cfg = ct.CachetestConfig(url="http://x", concurrency=[4, 8, 16])
+    runner.prepared, runner.tokenizer = _prepared(), list(range(1024))  # len(): the vocabulary
+    sent: list[str] = []
+    monkeypatch.setattr(runner, "send", lambda name, items, c: sent.append(name), raising=False)
+    monkeypatch.setattr(runner, "isolation_probe", lambda: {"run": False, "why": "test"}, raising=False)
+    monkeypatch.setattr(ct, "reset_cache", lambda cfg: None)
+    runner.run_all()
+    assert sent == ["cold", "warm", "warm_c8", "warm_c16", "partial_boundary", "partial_midblock"]

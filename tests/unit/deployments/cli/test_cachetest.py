@@ -89,5 +89,96 @@ def test_a_figure_not_measured_is_printed_as_n_a_not_as_zero(capsys):
     lines = capsys.readouterr().out.splitlines()
     warm = next(line for line in lines if line.startswith("warm "))
     assert "TTFT p50     n/a ms" in warm and "0.0 ms" not in warm
-    assert "input cost vs no cache n/a" in lines[-1] and "+0.0%" not in lines[-1]
-    assert "TTFT p50 vs cold n/a (0 requests)" in lines[-1]
+    head = next(line for line in lines if line.startswith("warm hit rate"))  # the warnings follow it
+    assert "input cost vs no cache n/a" in head and "+0.0%" not in head
+    assert "TTFT p50 vs cold n/a (0 requests)" in head
+    assert lines[-1] == (
+        "warning: 4 of 4 requests of warm failed: the figures cover only the answered requests (see errors per tenant)"
+    )
+
+
+class _Tokenizer:
+    """Enough of a tokenizer for a log of token-id prompts."""
+
+    is_fast = False
+    chat_template = None
+
+    def __len__(self):
+        return 1024
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _fake_server(monkeypatch, scale=1, interrupt_at=None):
+    """The cachetest runner against a made-up server: a per-tenant block cache that counts `scale` prompt
+    tokens per token sent; the `interrupt_at`-th replay is interrupted (Ctrl-C, or a SIGTERM unwound)."""
+    import kvmesh.deployments.cachetest as ct
+    import kvmesh.deployments.cli.cachetest as cli
+    from kvmesh.deployments.replay import ReplayReport, RequestResult
+
+    cache: set = set()
+    calls = []
+
+    def replay(records, cfg):
+        calls.append(len(records))
+        if len(calls) == interrupt_at:
+            raise KeyboardInterrupt
+        out = []
+        for i, rec in enumerate(records):
+            ids = rec["body"]["prompt"]
+            cached = 0
+            for k in range(32, len(ids), 32):
+                if (rec["tenant"], tuple(ids[:k])) not in cache:
+                    break
+                cached = k
+            cache.update((rec["tenant"], tuple(ids[:k])) for k in range(32, len(ids) + 1, 32))
+            out.append(
+                RequestResult(i, rec["user"], rec["tenant"], scale * len(ids), scale * cached, 1, 0.1, 0.2, "r0")
+            )
+        return ReplayReport(out, 1.0)
+
+    monkeypatch.setattr(ct, "discover", lambda cfg: (["tiny"], False))
+    monkeypatch.setattr(ct, "reset_cache", lambda cfg: "/reset_prefix_cache")
+    monkeypatch.setattr(ct, "replay", replay)
+    monkeypatch.setattr(cli, "_tokenizer", lambda path: _Tokenizer())
+
+
+def _log(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "body": {"prompt": [100 + i + j for j in range(80)]}}) + "\n" for i in range(4)
+        )
+    )
+    return log
+
+
+def test_an_interrupted_test_writes_the_passes_done_as_a_partial_report(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) in the warm pass left an earlier run's report.json and sweep plot in --out,
+    looking like this run's result."""
+    _fake_server(monkeypatch, interrupt_at=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{"summary": {"pass": "warm", "hit_rate_tokens": 0.99}}')
+    (out / "sweep_concurrency.png").write_bytes(b"earlier run")
+    argv = ["cachetest", "--url", "http://x", "--requests", str(_log(tmp_path)), "--out", str(out)]
+    rc = main([*argv, "--passes", "cold,warm", "--no-progress"])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert list(rep["passes"]) == ["cold"] and rep["meta"]["partial"] == "interrupted, stopped in the warm pass"
+    assert rep["summary"]["warning"].startswith("partial report (interrupted, stopped in the warm pass)")
+    assert "<b id='partial'>PARTIAL: interrupted" in (out / "report.html").read_text()
+    assert not (out / "sweep_concurrency.png").exists()
+
+
+def test_a_server_counting_other_prompt_tokens_is_one_line_on_stderr_naming_tokenizer(tmp_path, monkeypatch, capsys):
+    """The client tokenised with the default tiny model while the server served another: nothing said so."""
+    _fake_server(monkeypatch, scale=2)
+    argv = ["cachetest", "--url", "http://x", "--requests", str(_log(tmp_path)), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--passes", "cold,warm", "--no-progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: the server counted") and "--tokenizer" in err[0]
+    _fake_server(monkeypatch, scale=1)
+    assert main([*argv, "--passes", "cold,warm", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
