@@ -75,14 +75,16 @@ def test_an_autoscaling_typo_is_a_config_error():
 def test_resources_and_files_follow_the_config():
     cfg = {**GPU, "tenants_file": "/etc/t/tenants.yaml"}
     assert actor_resources(cfg) == {ENGINE: {"CPU": 8.0, "GPU": 1.0}, INGRESS: {"CPU": 0.1}}
-    files = files_read(cfg, {"KVMESH_SALT_SECRET_FILE": "/etc/s/secret"})
-    assert files[ENGINE] == {"model": "/models/m"}
+    files = files_read(cfg, {"KVMESH_SALT_SECRET_FILE": "/etc/s/secret", "KVMESH_CHANNEL_SECRET_FILE": "/etc/c/ch"})
+    assert files[ENGINE] == {"channel secret": "/etc/c/ch", "model": "/models/m"}
     assert files[INGRESS] == {
         "salt secret": "/etc/s/secret",
+        "channel secret": "/etc/c/ch",
         "tokenizer": "/models/m",
         "tenants file": "/etc/t/tenants.yaml",
     }
-    assert files_read({}, {}) == {ENGINE: {}, INGRESS: {"salt secret": None}}  # tiny model: built, not mounted
+    unset = {ENGINE: {"channel secret": None}, INGRESS: {"salt secret": None, "channel secret": None}}
+    assert files_read({}, {}) == unset  # tiny model: built, not mounted; secrets' paths unknown without the env
 
 
 def test_the_rendered_serve_config_carries_the_config_as_args_and_no_overrides():
