@@ -16,7 +16,9 @@ strings, and cuts the text where one completes. The new replica sees only its ow
 could neither send what the dead replica held back nor find a stop string that spans the move. So the
 ingress keeps the whole output text (the tokens sent plus the new ones), searches it as vLLM does
 (`first_stop`, after `min_tokens` output tokens) and sends from what the client already has up to the
-held-back tail, or to the stop string, where the stream ends (`stopped`).
+held-back tail, or to the stop string, where the stream ends (`stopped`); the tokens after the one that
+completed it are dropped, as vLLM drops them. A stop token (EOS, or one of `stop_token_ids`) that ends the
+request is counted but never decoded: vLLM leaves its text out of the output.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def first_stop(text: str, new_chars: int, stops: Sequence[str]) -> tuple[str, in
 
 
 class ContinuationText:
-    """Incremental text for the new tokens of a continuation (`text(token_ids, finished) -> text`)."""
+    """Incremental text for the new tokens of a continuation (`take(token_ids, finished, stop_token)`)."""
 
     def __init__(
         self,
@@ -81,15 +83,22 @@ class ContinuationText:
             text = self._stream.step(self._tokenizer, token_id)
         return text or ""
 
-    def text(self, token_ids: Sequence[int], finished: bool = False) -> str:
-        """The text to send for these new tokens: what the client lacks, less the held-back tail unless
-        `finished` (the engine ended the request) or a stop string completed."""
-        for token in token_ids:
+    def take(self, token_ids: Sequence[int], finished: bool = False, stop_token: bool = False) -> tuple[str, int]:
+        """(the text to send for these new tokens, how many of them are kept). The text is what the client
+        lacks, less the held-back tail unless `finished` (the engine ended the request) or a stop string
+        completed. With `stop_token` the last id is the stop token (EOS or one of `stop_token_ids`) that
+        ended the request: counted, never decoded, as vLLM's detokenizer skips it. Tokens after the one
+        completing a stop string are not kept: vLLM drops them, and usage must not count them."""
+        kept = 0
+        for i, token in enumerate(token_ids):
             if self.stopped is not None:
+                break
+            kept += 1
+            self._tokens += 1
+            if stop_token and i == len(token_ids) - 1:
                 break
             new = self.step(token)
             self.output += new
-            self._tokens += 1
             if self._stops and new and self._tokens > self._min_tokens:
                 found = first_stop(self.output, len(new), self._stops)
                 if found is not None:
@@ -97,7 +106,11 @@ class ContinuationText:
         end = len(self.output) if finished or self.stopped is not None else len(self.output) - self._hold
         out = self.output[self._delivered : end] if end > self._delivered else ""
         self._delivered = max(self._delivered, end)
-        return out
+        return out, kept
+
+    def text(self, token_ids: Sequence[int], finished: bool = False, stop_token: bool = False) -> str:
+        """`take`'s text alone."""
+        return self.take(token_ids, finished, stop_token)[0]
 
 
 def rust_tokenizer(tokenizer: Any) -> Any:

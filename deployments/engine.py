@@ -10,8 +10,8 @@ so any number of routers (one per ingress replica) connect to it.
 Request (a plain dict, built by the ingress; the router reads `prompt_token_ids` and `cache_salt`):
     {"request_id": str, "prompt_token_ids": [int], "cache_salt": str | None,
      "params": {max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, min_tokens}}
-Stream of chunks (dicts): {"text", "token_ids", "finish_reason", "num_cached_tokens", "prompt_tokens",
-    "replica"}; errors are raised (the ingress maps them).
+Stream of chunks (dicts): {"text", "token_ids", "finish_reason", "stop_reason", "num_cached_tokens",
+    "prompt_tokens", "replica"}; errors are raised (the ingress maps them).
 """
 
 from __future__ import annotations
@@ -250,6 +250,9 @@ class EngineReplica:
                     "text": comp.text if comp else "",
                     "token_ids": list(comp.token_ids) if comp else [],
                     "finish_reason": comp.finish_reason if comp and out.finished else None,
+                    # what ended it: a stop string (str), a stop token's id, None for EOS or a length; the ingress
+                    # needs it to leave a stop token's text out of a moved stream's text, as vLLM does
+                    "stop_reason": comp.stop_reason if comp and out.finished else None,
                     "num_cached_tokens": int(out.num_cached_tokens or 0),
                     "prompt_tokens": n_prompt,
                     "replica": self.replica_id,

@@ -49,6 +49,7 @@ from kvmesh.deployments.router import (
     notify_cache_reset,
     notify_first_token,
     notify_replica_failed,
+    notify_replica_unavailable,
     notify_request_ended,
 )
 from kvmesh.deployments.serving_metrics import ServingMetrics
@@ -493,6 +494,7 @@ class Ingress:
             replica_failed=notify_replica_failed,
             first_token=notify_first_token,
             text_for=self._continuation_text,
+            replica_unavailable=notify_replica_unavailable,
         )
 
     def _continuation_text(
@@ -526,6 +528,7 @@ class Ingress:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
+        created = int(time.time())  # the answer's stamp, taken once: every chunk of a stream has it (as vLLM's)
         name_loop_thread()
         try:
             tenant = self._auth(request)
@@ -645,7 +648,8 @@ class Ingress:
                 return self._engine_failed(first["finish_reason"])
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
             response = JSONResponse(
-                proto.full_response(req, oid, first["text"], first["finish_reason"], u), headers=headers
+                proto.full_response(req, oid, first["text"], first["finish_reason"], u, created=created),
+                headers=headers,
             )
             self.serving_metrics.record_stage("handler", time.perf_counter() - t0)
             return response
@@ -676,7 +680,9 @@ class Ingress:
                     finish_reason = None if failed else chunk["finish_reason"]
                     event = b""
                     if chunk["text"] or finish_reason or is_first:
-                        event = proto.sse(proto.stream_chunk(req, oid, chunk["text"], finish_reason, first=is_first))
+                        event = proto.sse(
+                            proto.stream_chunk(req, oid, chunk["text"], finish_reason, created=created, first=is_first)
+                        )
                     is_first = False
                     if failed:
                         tail = event
@@ -693,7 +699,7 @@ class Ingress:
                 u = finish(ntok, cached)
                 answered = True
                 if req.include_usage:
-                    tail += proto.sse(proto.stream_chunk(req, oid, None, None, u=u))
+                    tail += proto.sse(proto.stream_chunk(req, oid, None, None, created=created, u=u))
                 yield tail + proto.sse("[DONE]")
             except Exception as exc:  # a client that went away (CancelledError) is `close`'s to handle
                 log.exception("engine stream failed mid-response")

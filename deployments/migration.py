@@ -17,6 +17,10 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
   stream;
 - unary requests are sent again whole (nothing reached the client yet).
 
+A replica Ray calls only unavailable (`ActorUnavailableError`: a gRPC call broken by a network blip as well
+as by a replica killed mid-call) is not reported dead but suspect (deployments/replica_watch.py): left out
+until it answers a probe, so a healthy one comes back; one that died stays out until Serve drops it.
+
 A call whose replica left the fleet without failing it (a frozen or cut-off node) is abandoned by the
 router some seconds later (deployments/replica_loss.py) and moved the same way.
 
@@ -54,6 +58,24 @@ class MigrationExhausted(OpenAIError):
 
     def headers(self) -> dict:
         return {**super().headers(), "Retry-After": "1"}
+
+
+def replica_unavailable(exc: BaseException) -> bool:
+    """Is this Ray's ActorUnavailableError (directly or as the cause)? Ray means "unavailable for now, may
+    be available later": Serve raises it for any gRPC UNAVAILABLE or CANCELLED, a network blip included,
+    and its own router only probes the replica again. So the request moves, but its replica is only
+    suspect (left out until it answers a probe), never reported dead: a dead one is suspect until Serve
+    drops it."""
+    from ray.exceptions import ActorUnavailableError
+
+    return any(isinstance(e, ActorUnavailableError) for e in (getattr(exc, "cause", None), exc))
+
+
+def ends_on_stop_token(chunk: dict) -> bool:
+    """Is the chunk's last token the stop token (EOS, or one of `stop_token_ids`) that ended the request?
+    vLLM then leaves its text out of the output. A stop string's `stop_reason` is the string; a stop
+    token's is its id, EOS's None; a chunk without `stop_reason` says nothing."""
+    return chunk.get("finish_reason") == "stop" and "stop_reason" in chunk and not isinstance(chunk["stop_reason"], str)
 
 
 def replica_failure(exc: BaseException) -> tuple[bool, str | None]:
@@ -112,10 +134,11 @@ class MigratingStream:
 
     `open(engine_request)` starts a stream on the engine deployment (Serve's router places it);
     `replica_failed(replica_id)` tells the routers in this process that a replica is dead;
+    `replica_unavailable(replica_id)` that one is unreachable for now (suspect until it answers a probe);
     `first_token(request_id)` tells them a continuation has started (its prefill is done);
     `text_for(request, sent_token_ids, delivered_chars)` gives the detokenizer of a continuation's new
-    tokens (`.text(token_ids, finished) -> str`, `.stopped`: the stop string the text ended at), as the
-    dead replica's would have been, or None to keep the engine's text.
+    tokens (`.take(token_ids, finished, stop_token) -> (text, tokens kept)`, `.stopped`: the stop string
+    the text ended at), as the dead replica's would have been, or None to keep the engine's text.
     """
 
     def __init__(
@@ -128,12 +151,14 @@ class MigratingStream:
         replica_failed: Callable[[str], None],
         first_token: Callable[[str], None],
         text_for: Callable[[dict, list[int], int], Any],
+        replica_unavailable: Callable[[str], None] | None = None,
     ):
         self.request = request
         self._open = open
         self.max_migrations = max_migrations
         self.counters = counters
         self._replica_failed = replica_failed
+        self._replica_unavailable = replica_unavailable or (lambda replica_id: None)
         self._first_token = first_token
         self._text_for = text_for
         self.sent: list[int] = []  # token ids already handed to the client
@@ -211,7 +236,10 @@ class MigratingStream:
                 if not dead:
                     self._close_current()
                     raise
-                self._move(rid or self.replica, exc)
+                if replica_unavailable(exc):  # perhaps only a blip: suspect, not dead
+                    self._move(None, exc, unavailable=rid or self.replica)
+                else:
+                    self._move(rid or self.replica, exc)
                 continue
             finally:
                 self._waiting = None
@@ -221,7 +249,10 @@ class MigratingStream:
                     self._first_token(self._current["request_id"])
             self.replica = chunk.get("replica", self.replica)
             if self._text is not None:
-                chunk = {**chunk, "text": self._text.text(chunk["token_ids"], chunk["finish_reason"] is not None)}
+                text, kept = self._text.take(
+                    chunk["token_ids"], chunk["finish_reason"] is not None, ends_on_stop_token(chunk)
+                )
+                chunk = {**chunk, "text": text, "token_ids": list(chunk["token_ids"][:kept])}
                 if self._text.stopped is not None:  # a stop string, perhaps one spanning the move
                     self._ended = True
                     if chunk["finish_reason"] is None:
@@ -233,10 +264,12 @@ class MigratingStream:
                 self._close_current()
             return chunk
 
-    def _move(self, dead_replica: str | None, exc: BaseException) -> None:
+    def _move(self, dead_replica: str | None, exc: BaseException, unavailable: str | None = None) -> None:
         reason = "mid_stream" if self.sent else "before_first_token"
         if dead_replica:
             self._replica_failed(dead_replica)
+        elif unavailable:
+            self._replica_unavailable(unavailable)
         self._close_current()
         self._stream.cancel()
         if self.moves >= self.max_migrations:
@@ -252,7 +285,7 @@ class MigratingStream:
         log.warning(
             "request %s: replica %s failed (%s) %s; migrating (move %d, %d tokens already delivered)",
             self.request["request_id"],
-            dead_replica or "?",
+            dead_replica or unavailable or "?",
             type(exc).__name__,
             reason.replace("_", " "),
             self.moves,

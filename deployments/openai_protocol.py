@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,9 +237,13 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     )
     # a chat without max_tokens runs to the end of the context: the ingress sets it once the prompt is tokenised
     default_max = DEFAULT_MAX_TOKENS if kind == "completion" else None
+    # both checked, as vLLM's request model checks both: the one not used must be valid too
+    max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True, default=default_max)
+    if max_tokens_name != "max_tokens":
+        max_tokens = _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max)
     # sampling settings the client leaves out are the engine's: the model's generation_config, as vLLM's own server
     params: dict[str, Any] = {
-        "max_tokens": _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max),
+        "max_tokens": max_tokens,
         "temperature": _number(body, "temperature", 0.0, 2.0),
         "top_p": _number(body, "top_p", 0.0, 1.0),
         "seed": _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
@@ -373,8 +376,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict) -> dict:
-    created = int(time.time())
+def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict, *, created: int) -> dict:
+    """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller."""
     if req.kind == "chat":
         return {
             "id": rid,
@@ -402,9 +405,17 @@ def full_response(req: GenerationRequest, rid: str, text: str, finish: str | Non
 
 
 def stream_chunk(
-    req: GenerationRequest, rid: str, text: str | None, finish: str | None, first: bool = False, u: dict | None = None
+    req: GenerationRequest,
+    rid: str,
+    text: str | None,
+    finish: str | None,
+    *,
+    created: int,
+    first: bool = False,
+    u: dict | None = None,
 ) -> dict:
-    created = int(time.time())
+    """One chunk of a streamed answer. `created` is the request's stamp, taken once: every chunk of a stream
+    carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway)."""
     if req.kind == "chat":
         choices = []
         if text is not None or finish is not None or first:

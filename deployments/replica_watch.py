@@ -5,7 +5,8 @@ about a minute, and until then Serve keeps sending there blind: its queue-length
 while its entry is fresh, and every send refreshes the entry. The router's own view of the replica is
 frozen too (routing stats arrive only when they change). So a router background task asks every replica
 Serve lists for its queue length (Serve's own call, `RunningReplica.get_queue_len`) once a second; a
-replica that misses `MISSES_TO_SUSPECT` probes in a row is suspect, and one answer clears it.
+replica that misses `MISSES_TO_SUSPECT` probes in a row is suspect, and one answer clears it. A replica a
+call found unreachable (Ray's ActorUnavailableError, `suspect_now`) is suspect at once, cleared the same way.
 
 A probe can also be slow on a replica that is only busy (its engine holding the event loop it answers
 from): one that showed work since the last round (`progress`: a new KV event, a new engine step in its
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 log = logging.getLogger("ray.serve.kvmesh")
 
@@ -62,6 +63,7 @@ class ReplicaWatch:
         progress: Callable[[Any], Hashable] | None = None,
         abandon: Callable[[str], int] | None = None,
         abandon_after_s: float | None = None,
+        died: Callable[[str], None] | None = None,
     ) -> None:
         self.interval_s = PROBE_INTERVAL_S if interval_s is None else interval_s
         self.deadline_s = PROBE_DEADLINE_S if deadline_s is None else deadline_s
@@ -72,6 +74,10 @@ class ReplicaWatch:
         # gives up the calls in flight on a replica suspect for `abandon_after_s`; how many it gave up
         self.abandon = abandon
         self.abandon_after_s = SUSPECT_ABANDON_S if abandon_after_s is None else abandon_after_s
+        # told of a replica whose probe Ray answered with its death (ActorDiedError): a call that broke on it
+        # only made it suspect (Ray's ActorUnavailableError covers a kill as well as a blip), and Serve drops
+        # it from its list only some seconds later
+        self.died = died
         self.suspect_since: dict[str, float] = {}  # replica id -> when it became suspect (monotonic)
         self.abandoned = 0  # calls in flight given up on suspect replicas
         self.busy = 0  # probes missed by a replica that showed work since the last round: slow, not frozen
@@ -100,6 +106,16 @@ class ReplicaWatch:
             self.suspect_since[rid] = time.monotonic()
             self.suspicions += 1
             log.warning("replica %s missed %d queue-length probes in a row: suspect, not routed to", rid, n)
+
+    def suspect_now(self, rid: str) -> None:
+        """A call to the replica failed as unreachable (Ray's ActorUnavailableError, perhaps only a blip):
+        suspect at once, as after missed probes, and cleared the same way, by one answered probe."""
+        self.misses[rid] = max(self.misses.get(rid, 0), self.misses_to_suspect)
+        if rid not in self.suspect:
+            self.suspect.add(rid)
+            self.suspect_since[rid] = time.monotonic()
+            self.suspicions += 1
+            log.warning("replica %s was unreachable from a call: suspect, not routed to until it answers", rid)
 
     def keep_only(self, rids: Iterable[str]) -> None:
         """Forget replicas no longer probed (left Serve's set, or dead): a suspicion does not outlive them."""
@@ -138,7 +154,9 @@ class ReplicaWatch:
         t0 = time.monotonic()
         try:
             await asyncio.wait_for(r.get_queue_len(deadline_s=self.deadline_s), self.deadline_s)
-        except (TimeoutError, RayError):
+        except (TimeoutError, RayError) as exc:
+            if self.died is not None and isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError):
+                self.died(r.replica_id.unique_id)
             return False
         except Exception as exc:
             if r.replica_id.unique_id not in self._failing:

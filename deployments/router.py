@@ -254,6 +254,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             progress=self._progress_of,
             abandon=self._move_calls_off,
             abandon_after_s=suspect_abandon_s,
+            died=self.replica_failed,
         )
         # Serve's ids of calls given up on a suspect replica, until they end or are sent again: each given up once
         # (Serve sends a request's every call under one internal id, so the mark goes when the call is sent again)
@@ -471,6 +472,14 @@ class KvmeshRouter(TierHolding, RequestRouter):
         """A replica is dead (Serve said so, or the ingress saw it fail): forget it now and never choose it."""
         self._dead.add(rid)
         self._forget(rid)
+
+    def replica_unavailable(self, rid: str) -> None:
+        """The ingress saw a call to `rid` fail as unreachable (Ray's ActorUnavailableError: a blip or a death,
+        Ray cannot tell): suspect, left out until it answers a probe, not forgotten as a dead one is. Only a
+        replica this router routes to: another deployment's (its router is in this process too) is not probed
+        here, so nothing would clear it."""
+        if self._placeable(rid):
+            self.watch.suspect_now(rid)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
@@ -1068,6 +1077,13 @@ def notify_replica_failed(replica_id: str) -> None:
     """The ingress saw `replica_id` fail a request: every router in this process stops choosing it."""
     for r in active_routers():
         r.call_soon(r.replica_failed, replica_id)
+
+
+def notify_replica_unavailable(replica_id: str) -> None:
+    """The ingress saw a call to `replica_id` fail as unreachable: every router in this process holds it
+    suspect until it answers a probe."""
+    for r in active_routers():
+        r.call_soon(r.replica_unavailable, replica_id)
 
 
 def notify_cache_reset(replica_ids: list[str]) -> None:

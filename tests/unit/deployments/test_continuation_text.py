@@ -5,6 +5,7 @@ tiny model's usual output); priming vLLM's detokenizer with the continuation pro
 
 from __future__ import annotations
 
+import asyncio
 import random
 import tempfile
 from pathlib import Path
@@ -108,3 +109,129 @@ def test_a_continuation_holds_back_and_stops_at_stop_strings_as_vllm_does(tokeni
             assert (got, j + 1, cont.stopped in stop) == (want, ends_at, True), (seed, k)
             cases += 1
     assert cases > 100
+
+
+def _vllm_stopped_by_token(tokenizer, prompt: list[int], output: list[int], skip_special_tokens: bool) -> list[str]:
+    """The text vLLM streams (DELTA) for `output`, whose last token is the stop token that ended the request
+    (EOS or one of `stop_token_ids`): `stop_terminated`, so that token is never decoded."""
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    params = SamplingParams(max_tokens=len(output), skip_special_tokens=skip_special_tokens)
+    detok = FastIncrementalDetokenizer(
+        tokenizer, SimpleNamespace(request_id="r", prompt_token_ids=prompt, sampling_params=params)
+    )
+    texts = []
+    for i, token in enumerate(output):
+        last = i == len(output) - 1
+        detok.update([token], last)
+        texts.append(detok.get_next_output_text(last, True))
+    return texts
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_token_that_ends_a_continuation_is_counted_but_not_decoded_as_vllm_does(tokenizer, skip_special_tokens):
+    """vLLM never puts the text of the stop token that ended a request (EOS, or one of the client's
+    `stop_token_ids`) in the output; replayed, a moved stream's text must leave it out too."""
+    backend = rust_tokenizer(tokenizer)
+    for seed in range(4):
+        prompt, output = _draw(tokenizer, seed)
+        for stop in (tokenizer.encode(".", add_special_tokens=False)[-1], tokenizer.eos_token_id):
+            ended = output[:40] + [stop]
+            texts = _vllm_stopped_by_token(tokenizer, prompt, ended, skip_special_tokens)
+            for k in range(1, len(ended)):
+                sent = "".join(texts[:k])
+                cont = ContinuationText(
+                    backend, prompt, ended[:k], skip_special_tokens=skip_special_tokens, delivered_chars=len(sent)
+                )
+                text, kept = cont.take(ended[k:], finished=True, stop_token=True)
+                assert (sent + text, kept) == ("".join(texts), len(ended) - k), (seed, stop, k)
+
+
+class _Replica:
+    """Engine streams of a fixed answer: the first call's dies after `die_after` chunks (EngineBroken)."""
+
+    def __init__(self, chunks: list[dict], die_after: int):
+        self.chunks, self.die_after, self.opened = chunks, die_after, []
+
+    def open(self, request: dict):
+        self.opened.append(request)
+        done = len(request["prompt_token_ids"]) - len(self.opened[0]["prompt_token_ids"])
+        todo = []
+        for chunk in self.chunks:  # the chunks after the tokens already sent
+            if done > 0:
+                done -= len(chunk["token_ids"])
+                continue
+            todo.append({**chunk, "replica": f"r{len(self.opened) - 1}"})
+        return _Stream(todo, self.die_after if len(self.opened) == 1 else None)
+
+
+class _Stream:
+    def __init__(self, chunks: list[dict], die_after: int | None):
+        self.chunks, self.die_after, self.i = chunks, die_after, 0
+
+    async def __anext__(self) -> dict:
+        from kvmesh.deployments.engine_driver import EngineBroken
+
+        if self.i == self.die_after:
+            raise EngineBroken("engine step failed", "r0")
+        if self.i >= len(self.chunks):
+            raise StopAsyncIteration
+        self.i += 1
+        return self.chunks[self.i - 1]
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "stop, skip_special_tokens",
+    [(".", True), ("</s>", False)],
+    ids=["stop_token_ids", "eos_not_skipped"],
+)
+def test_a_stream_moved_mid_answer_leaves_out_the_text_of_the_stop_token_that_ends_it(
+    tokenizer, stop, skip_special_tokens
+):
+    """The engine's chunk says a stop token ended the request (`stop_reason`: its id, None for EOS): the stream
+    moved before it ends with the text an untouched run sends, which vLLM gives without the stop token's."""
+    from kvmesh.deployments.failure_metrics import FailureCounters
+    from kvmesh.deployments.migration import MigratingStream
+
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in (" fox", " jumps")]
+    stop_id = tokenizer.convert_tokens_to_ids(stop)
+    stop_reason = None if stop_id == tokenizer.eos_token_id else stop_id
+    end = {"text": "", "token_ids": [stop_id], "finish_reason": "stop", "stop_reason": stop_reason}
+    chunks = [
+        {"text": w, "token_ids": ids, "finish_reason": None, "stop_reason": None}
+        for w, ids in zip((" fox", " jumps"), words)
+    ]
+    chunks = [{**c, "num_cached_tokens": 0, "prompt_tokens": 9} for c in [*chunks, end]]
+    request = {
+        "request_id": "q",
+        "prompt_token_ids": tokenizer.encode("The quick brown"),
+        "params": {"max_tokens": 10, "stop_token_ids": [stop_id], "skip_special_tokens": skip_special_tokens},
+    }
+    replica = _Replica(chunks, die_after=1)
+
+    def text_for(req, sent, delivered):
+        return ContinuationText(
+            rust_tokenizer(tokenizer), req["prompt_token_ids"], sent, skip_special_tokens, delivered_chars=delivered
+        )
+
+    async def run():
+        stream = MigratingStream(
+            request,
+            replica.open,
+            max_migrations=2,
+            counters=FailureCounters(),
+            replica_failed=lambda rid: None,
+            first_token=lambda rid: None,
+            text_for=text_for,
+        )
+        return [chunk async for chunk in stream]
+
+    got = asyncio.run(run())
+    assert len(replica.opened) == 2  # moved after " fox"
+    assert "".join(c["text"] for c in got) == " fox jumps"  # as vLLM's own text: no stop token's
+    assert [t for c in got for t in c["token_ids"]] == [*words[0], *words[1], stop_id]  # counted in usage
+    assert got[-1]["finish_reason"] == "stop"

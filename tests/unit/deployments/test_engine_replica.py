@@ -182,6 +182,32 @@ def test_a_unary_answer_says_how_long_the_engine_worked_after_its_first_output()
     assert 0.19 <= answer["after_first_output_s"] < 0.3
 
 
+def test_a_finished_chunk_says_what_stopped_it():
+    """The ingress leaves the text of the stop token that ended a moved stream out, as vLLM does: it needs
+    vLLM's stop_reason (the stop token's id, None for EOS or a length, the string for a stop string)."""
+    import asyncio
+
+    replica = object.__new__(EngineReplica)
+    replica.replica_id = "r"
+    replica._sampling_params = lambda params: None
+
+    def out(ids, finish, stop_reason, finished):
+        comp = SimpleNamespace(text="", token_ids=ids, finish_reason=finish, stop_reason=stop_reason)
+        return SimpleNamespace(outputs=[comp], finished=finished, num_cached_tokens=0)
+
+    async def generate(prompt, params, rid):
+        yield out([5], None, None, False)
+        yield out([20], "stop", 20, True)
+
+    replica.driver = SimpleNamespace(generate=generate, healthy=lambda: True)
+
+    async def chunks():
+        return [c async for c in replica.generate({"request_id": "q", "prompt_token_ids": [1, 2]})]
+
+    got = asyncio.run(chunks())
+    assert [(c["finish_reason"], c["stop_reason"]) for c in got] == [(None, None), ("stop", 20)]
+
+
 class _NodeServerActors:
     """This node's LMCache server actor as Ray's get_if_exists=True hands it out: created once, with the config
     of the engine that came first; later engines get it as it is. Its server is not started."""

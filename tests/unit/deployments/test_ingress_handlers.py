@@ -683,6 +683,94 @@ def test_a_request_moved_off_a_failed_replica_is_not_judged_against_its_predicti
     asyncio.run(run())
 
 
+def _events(sse: str) -> list[dict]:
+    return [json.loads(e[6:]) for e in sse.split("\n\n") if e.startswith("data: {")]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_every_chunk_of_a_slow_stream_has_the_same_created(kind, monkeypatch):
+    """OpenAI and vLLM stamp a stream once: its chunks, the usage chunk too, share `created` however long the
+    engine takes between them (here 2 s a chunk on a clock the stream moves)."""
+    import time
+
+    clock = {"now": 1_700_000_000.0}
+    monkeypatch.setattr(time, "time", lambda: clock["now"])
+
+    class _Slow(_Stream):
+        async def __anext__(self) -> dict:
+            clock["now"] += 2.0
+            return await super().__anext__()
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine.generate = _Method(lambda request: _Slow(False))
+    body = {**(BODY if kind == "completion" else CHAT), "stream": True, "stream_options": {"include_usage": True}}
+    status, sse = _answer(ing, body, kind)
+    events = _events(sse)
+    assert status == 200 and len(events) >= 3 and events[-1]["usage"] is not None
+    assert {e["created"] for e in events} == {1_700_000_000}
+
+
+def test_usage_after_a_move_counts_no_token_past_a_stop_string_that_spans_it():
+    """A stop string that spans a move is found by the ingress (the new replica sees only its own text): the
+    tokens the new replica sent after the one completing it are dropped, as vLLM drops them, so usage counts
+    the answer's tokens up to the stop, as an untouched run's does."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kvmesh.deployments.engine_driver import EngineBroken
+    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(
+        build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
+    )
+    prompt = tok.encode("The quick brown", add_special_tokens=False)
+    fox, rest = (tok.encode(w, add_special_tokens=False) for w in (" fox", " jumps over"))
+    stop = "x ju"
+    # an untouched run: the output tokens up to the one whose text completes the stop string
+    base = len(tok.decode(prompt))
+    upto = next(n for n in range(1, len(fox + rest) + 1) if stop in tok.decode(prompt + (fox + rest)[:n])[base:])
+    assert len(fox) < upto < len(fox + rest)  # the stop string spans the move, inside the new replica's chunk
+
+    class _Dies(_Stream):  # " fox" (its last 3 characters held back for the stop string), then the replica fails
+        async def __anext__(self) -> dict:
+            if len(self.chunks) == 1:
+                raise EngineBroken("engine step failed", "r0")
+            return await super().__anext__()
+
+    opened: list[dict] = []
+
+    def generate(request: dict) -> _Stream:
+        opened.append(request)
+        stream = _Dies(False) if len(opened) == 1 else _Stream(False)
+        # the new replica cannot see the stop string: one chunk of several tokens (a busy consumer's merge), then more
+        stream.chunks = (
+            [_chunk(" ", fox), _chunk("", [9])]
+            if len(opened) == 1
+            else [_chunk(" jumps over", rest), _chunk("", [7], "length")]
+        )
+        return stream
+
+    ing = _ingress(tokenizer=tok)
+    ing.vocab_size = len(tok)
+    ing.engine.generate = _Method(generate)
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 12,
+        "stream": True,
+        "stop": [stop],
+        "stream_options": {"include_usage": True},
+    }
+    status, sse = _answer(ing, body)
+    events = _events(sse)
+    assert status == 200 and len(opened) == 2
+    assert "".join(c["text"] for e in events for c in e["choices"]) == " fo"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["usage"]["completion_tokens"] == upto
+
+
 # --- a throttled tenant is refused before its prompt is tokenised --------------------------------------
 
 TEXT = {"model": "tiny", "prompt": "abcd", "max_tokens": 2}  # 4 tokens with the counting tokenizer

@@ -95,6 +95,9 @@ class _Text:
                 out, self.pending = out + "".join(f"<{p}>" for p in self.pending), []
         return out
 
+    def take(self, token_ids, finished=False, stop_token=False) -> tuple[str, int]:
+        return self.text(token_ids, finished), len(token_ids)
+
 
 def _stream(open_, counters, failed, started, max_migrations=2, held=()):
     texts: list[list[int]] = []
@@ -133,6 +136,23 @@ def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
     assert failed == ["A"] and started == ["r1-m1"] and a.cancelled == 1
     assert counters.snapshot() == {"migrations": {"mid_stream": 1}, "exhausted": 0}
     assert 'kvmesh_migrations_by_reason_total{reason="mid_stream"} 1' in failure_metrics_text(counters, None)
+
+
+def test_a_replica_only_unavailable_mid_stream_is_moved_off_but_not_reported_dead():
+    """Ray's ActorUnavailableError is "unavailable for now": Serve raises it for any gRPC UNAVAILABLE, a blip
+    included, and its own router only probes again. The stream still moves, but the replica is reported
+    suspect (left out until it answers a probe), not dead (left out for good while Serve lists it)."""
+    from ray.exceptions import ActorUnavailableError
+
+    counters, failed, started, unavailable = FailureCounters(), [], [], []
+    blip = ActorUnavailableError(error_message="Actor is unavailable.", actor_id=None)
+    a, b = _Replica("A", die_after=2, error=blip), _Replica("B")
+    stream = _stream(_fleet(a, b), counters, failed, started)
+    stream._replica_unavailable = unavailable.append
+    assert asyncio.run(_drain(stream)) == ANSWER
+    assert b.requests[0]["prompt_token_ids"] == [5, 6, 7, 11, 12] and started == ["r1-m1"]
+    assert failed == [] and unavailable == ["A"]
+    assert counters.snapshot() == {"migrations": {"mid_stream": 1}, "exhausted": 0}
 
 
 def test_a_sum_over_the_migrations_family_is_the_migrations_not_twice_them():

@@ -104,11 +104,22 @@ def test_stream_chunks_have_openai_shape():
             "stream_options": {"include_usage": True},
         }
     )
-    first = proto.stream_chunk(req, "id", "he", None, first=True)
+    first = proto.stream_chunk(req, "id", "he", None, created=1, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "he"} and first["usage"] is None
-    last = proto.stream_chunk(req, "id", None, None, u=proto.usage(5, 2, 3))
+    last = proto.stream_chunk(req, "id", None, None, created=1, u=proto.usage(5, 2, 3))
     assert last["choices"] == [] and last["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
     assert proto.sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("value", ["lots", -5, 0, 2.5, True])
+def test_a_chats_max_tokens_is_checked_even_beside_max_completion_tokens(value):
+    """max_completion_tokens wins, but a bad max_tokens beside it is a 400 naming it, as vLLM's model refuses
+    it: taken silently, the client's mistake would go unseen."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3}
+    e = err(proto.parse_chat, {**chat, "max_tokens": value})
+    assert (e.status, e.param) == (400, "max_tokens")
+    req = proto.parse_chat({**chat, "max_tokens": 9})
+    assert (req.params["max_tokens"], req.max_tokens_param) == (3, "max_completion_tokens")
 
 
 @pytest.mark.parametrize("body", [{}, {"model": None}, {"model": ""}])

@@ -153,7 +153,10 @@ def _serve(cls, result: _ReplicaResult, separate_loop: bool = False):
 
 
 def _text_for(request, sent, delivered_chars):
-    return SimpleNamespace(text=lambda token_ids, finished: "".join(f"<{t}>" for t in token_ids), stopped=None)
+    return SimpleNamespace(
+        take=lambda token_ids, finished, stop_token: ("".join(f"<{t}>" for t in token_ids), len(token_ids)),
+        stopped=None,
+    )
 
 
 def _migrating(request: dict, open_, replica_failed, max_migrations: int = 3) -> MigratingStream:

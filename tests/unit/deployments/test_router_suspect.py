@@ -248,6 +248,67 @@ def test_a_frozen_replica_is_left_out_of_the_ranking_and_nothing_about_it_is_for
     asyncio.run(scenario())
 
 
+def test_a_replica_a_call_found_unavailable_is_suspect_not_dead_and_ranked_again_once_it_answers():
+    """Ray's ActorUnavailableError mid-stream (Serve raises it for any gRPC UNAVAILABLE, a network blip too):
+    the ingress tells the routers (`notify_replica_unavailable`), which leave the replica out only until it
+    answers a probe. Reported dead instead, a healthy replica was never routed to again while Serve listed it."""
+    from kvmesh.deployments.router import notify_replica_unavailable
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, **FAST)
+        a, b = Replica("A", "n0"), Replica("B", "n1")
+        router.update_replicas([a, b])
+        a.frozen = True  # the blip lasts a moment: its probes hang meanwhile
+        notify_replica_unavailable("A")
+        assert await _until(lambda: _suspect(router) == ["A"])
+        for k in range(4):
+            assert _ids(
+                await router.choose_replicas([a, b], fake_request(list(range(k * 300, k * 300 + 64)), f"q{k}"))
+            ) == ["B"]
+        assert "A" not in router._dead and router.forgotten == 0 and set(router.index.replicas()) == {"A", "B"}
+        a.frozen = False  # it answers again
+        assert await _until(lambda: _suspect(router) == [])
+        router.update_replicas([a, b])  # Serve's next list: both there
+        ranked = set()
+        for k in range(8):
+            ranked |= set(
+                _ids(await router.choose_replicas([a, b], fake_request(list(range(k * 300, k * 300 + 64)), f"r{k}")))
+            )
+        assert ranked == {"A", "B"}
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_whose_probe_ray_answers_with_its_death_is_forgotten_while_serve_still_lists_it():
+    """A replica killed mid-stream breaks the call with ActorUnavailableError (as a blip does), so the ingress
+    only makes it suspect; its next probe gets Ray's ActorDiedError, and the router forgets it then rather
+    than keeping its index slot until Serve drops it from its list some seconds later. A probe that is only
+    unavailable says nothing of death."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from kvmesh.deployments.router import notify_replica_unavailable
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, **FAST)
+        a, b, c = Replica("A", "n0"), Replica("B", "n1"), Replica("C", "n2")
+        router.update_replicas([a, b, c])
+        c.fail = ActorUnavailableError("unreachable for now", b"\x00" * 16)
+        assert await _until(lambda: "C" in _suspect(router))
+        assert "C" not in router._dead and "C" in router.index.replicas()
+        a.fail = ActorDiedError()
+        notify_replica_unavailable("A")
+        assert await _until(lambda: "A" in router._dead)
+        assert "A" not in router.index.replicas() and "C" not in router._dead
+        router.update_replicas([a, b, c])  # Serve still lists it: it stays out
+        got = {
+            _ids(await router.choose_replicas([a, b, c], fake_request(list(range(k, k + 64)), f"q{k}")))[0]
+            for k in range(6)
+        }
+        assert "A" not in got
+
+    asyncio.run(scenario())
+
+
 def test_with_every_replica_frozen_the_ranking_is_as_before():
     async def scenario():
         router = make_router(policy="kvmesh", block_size=32, **FAST)
