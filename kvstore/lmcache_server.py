@@ -26,16 +26,19 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kvmesh.deployments.process_tree import die_with_parent
 from kvmesh.kvstore.lmcache_metrics import parse_prometheus, tier_summary
 from kvmesh.kvstore.private_dir import PrivateDirError, owned_temp_dir, private_dir, remove_dead_owners_dirs
 from kvmesh.kvstore.tiers import (
+    CREDENTIAL_ENV,
     HEARTBEAT_S,
+    PASSWORD_PLACEHOLDER_PREFIX,
     SOCKET_PORT,
     TierConfig,
+    TierConfigError,
     ipc_socket_path,
     l2_credentials_env,
     metrics_socket_path,
@@ -137,21 +140,74 @@ def _resp_command(*parts: str) -> bytes:
     return b"".join(out)
 
 
+class _RespError(Exception):
+    """A RESP error reply (-ERR, -NOAUTH, -WRONGPASS, -NOPERM ...)."""
+
+
+def _resp_reply(f) -> bytes | int | None:
+    """One RESP2 reply (simple string, error, integer or bulk string) from a socket's file."""
+    line = f.readline(65536)
+    if not line.endswith(b"\r\n"):
+        raise ConnectionError("connection closed mid-reply")
+    kind, body = line[:1], line[1:-2]
+    if kind == b"+":
+        return body
+    if kind == b"-":
+        raise _RespError(body.decode(errors="replace"))
+    if kind == b":":
+        return int(body)
+    if kind == b"$":
+        size = int(body)
+        if size < 0:
+            return None
+        data = f.read(size + 2)
+        if len(data) != size + 2:
+            raise ConnectionError("connection closed mid-reply")
+        return data[:-2]
+    raise ConnectionError(f"not a RESP reply: {kind!r}")
+
+
+def _resp_ask(
+    host: str, port: int, timeout: float, password: str | None, username: str | None, command: tuple[str, ...]
+) -> bytes | int | None:
+    """Connect, AUTH as LMCache's client does (when there is a password), send one command and return its
+    reply; _RespError for an error reply (a refused AUTH included), OSError when nothing answers."""
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        f = s.makefile("rb")
+        if password:
+            s.sendall(_resp_command("AUTH", *([username] if username else []), password))
+            if _resp_reply(f) != b"OK":
+                raise _RespError("AUTH not accepted")
+        s.sendall(_resp_command(*command))
+        return _resp_reply(f)
+
+
 def redis_ping(
     host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str | None = None
 ) -> bool:
     """True when a RESP server answers PING (after AUTH when it needs a password): how kvmesh tells
     the shared tier is up."""
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            if password:
-                s.sendall(_resp_command("AUTH", *([username] if username else []), password))
-                if not s.recv(64).startswith(b"+OK"):
-                    return False
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
+        return _resp_ask(host, port, timeout, password, username, ("PING",)) == b"PONG"
+    except (OSError, ValueError, _RespError):
         return False
+
+
+def redis_run_id(
+    host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str | None = None
+) -> str | None:
+    """The `run_id` of INFO server: random per Redis/Valkey process, so a changed one is a restart, however
+    short (None when it cannot be read: down, AUTH refused, INFO not allowed to this user)."""
+    try:
+        info = _resp_ask(host, port, timeout, password, username, ("INFO", "server"))
+    except (OSError, ValueError, _RespError):
+        return None
+    if not isinstance(info, bytes):
+        return None
+    for line in info.decode(errors="replace").splitlines():
+        if line.startswith("run_id:"):
+            return line.partition(":")[2].strip() or None
+    return None
 
 
 def redis_hung(host: str, port: int, timeout: float) -> bool:
@@ -187,22 +243,58 @@ def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
     return address is not None and redis_hung(*address, timeout)
 
 
+def l2_credentials(l2: dict | None, env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(username, password) the way LMCache's adapter for `l2` authenticates: resp takes each from its JSON,
+    else from LMCACHE_RESP_USERNAME / LMCACHE_RESP_PASSWORD in the server's environment (`env`, default this
+    process's); valkey only from its JSON. A probe that authenticated otherwise would judge an ACL user's
+    tier down for good, or a tier LMCache cannot use up."""
+    if not l2:
+        return None, None
+    username, password = l2.get("username") or None, l2.get("password") or None
+    if l2.get("type") == "resp":
+        env = os.environ if env is None else env
+        username = username or env.get(CREDENTIAL_ENV["username"]) or None
+        password = password or env.get(CREDENTIAL_ENV["password"]) or None
+    return (str(username) if username else None), (str(password) if password else None)
+
+
 def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
     """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe); a RESP
-    server must answer within `timeout` seconds."""
+    server must accept the credentials LMCache uses (`l2_credentials`) and answer within `timeout` seconds."""
     if not l2:
         return None
     kind = l2.get("type")
     address = _resp_address(l2)
-    if kind == "resp" and address:  # the password as the LMCache server gets it: in the L2 or the environment
-        password = l2.get("password") or os.environ.get("LMCACHE_RESP_PASSWORD")
-        return redis_ping(*address, timeout, password=password, username=l2.get("username"))
-    if kind == "valkey":
-        return redis_ping(*address, timeout) if address else None
+    if kind in ("resp", "valkey"):
+        if not address:
+            return None
+        username, password = l2_credentials(l2)
+        return redis_ping(*address, timeout, password=password, username=username)
     if kind == "fs":
         path = Path(l2["base_path"])
         return path.is_dir() and os.access(path, os.W_OK)
     return None
+
+
+def shared_tier_run_id(l2: dict | None, timeout: float = 1.0) -> str | None:
+    """`redis_run_id` of a RESP shared tier, authenticated as LMCache is (None for other adapters)."""
+    address = _resp_address(l2)
+    if address is None:
+        return None
+    username, password = l2_credentials(l2)
+    return redis_run_id(*address, timeout, password=password, username=username)
+
+
+def refuse_placeholder_password(l2: dict | None, env: Mapping[str, str]) -> None:
+    """TierConfigError when the shared tier's password is the published example's placeholder (REPLACE-...,
+    k8s/secrets.example.yaml): that value is public, and the tier holds every tenant's KV chunks."""
+    candidates = [env.get(CREDENTIAL_ENV["password"]), (l2 or {}).get("password")]
+    if any(str(p).startswith(PASSWORD_PLACEHOLDER_PREFIX) for p in candidates if p):
+        raise TierConfigError(
+            f"the shared tier's password ({CREDENTIAL_ENV['password']} or the l2 password) is the example's "
+            f"placeholder ({PASSWORD_PLACEHOLDER_PREFIX}...): create it from random bytes, e.g. "
+            "`openssl rand -hex 32` (docs/kubernetes.md)"
+        )
 
 
 class LMCacheServer:
@@ -233,8 +325,12 @@ class LMCacheServer:
         self.restarts = 0
         self.shared_seen_down = False  # the shared tier was unreachable since the last (re)start
         self.shared_losses = 0  # times the watchdog found the shared tier unreachable (it may be back empty)
-        # running without its shared tier, which hung (takes connections, never answers): see `supervise`
+        # running without its shared tier, which LMCache's client could not use (refused, AUTH rejected, hung):
+        # see `supervise`
         self.without_shared = False
+        # INFO run_id of the RESP shared tier the running process connected to: another one means that Redis
+        # restarted, and LMCache's client stays broken even if no probe ever saw it down (`supervise`)
+        self.shared_run_id: str | None = None
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
         self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
 
@@ -248,8 +344,23 @@ class LMCacheServer:
         return metrics_socket_path(self.endpoint[0])
 
     def launch_config(self) -> TierConfig:
-        """The configuration the process runs with: the owner's, less the shared tier while it hangs."""
+        """The configuration the process runs with: the owner's, less the shared tier while it cannot be used."""
         return dataclasses.replace(self.config, l2=None) if self.without_shared else self.config
+
+    def server_env(self) -> dict[str, str]:
+        """The environment a process with the configured tier gets: this process's, the tier's credentials, the
+        owner's `env` (what LMCache reads credentials from)."""
+        return {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.config.l2), **(self.env or {})}
+
+    def probe_l2(self) -> dict | None:
+        """The configured L2 with the credentials the server's LMCache authenticates with (`l2_credentials` over
+        `server_env`): what kvmesh's probes of the shared tier use, so that they judge it as LMCache would."""
+        l2 = self.config.l2
+        if not l2 or l2.get("type") != "resp":
+            return l2
+        username, password = l2_credentials(l2, self.server_env())
+        extra = {k: v for k, v in (("username", username), ("password", password)) if v}
+        return {**l2, **extra}
 
     def command(self) -> list[str]:
         return [
@@ -265,7 +376,10 @@ class LMCacheServer:
         return self.wait_ready()
 
     def launch(self) -> None:
-        """Start the process without waiting (start several servers, then `wait_ready` each)."""
+        """Start the process without waiting (start several servers, then `wait_ready` each).
+
+        Raises TierConfigError, starting nothing, when the shared tier's password is the published placeholder."""
+        refuse_placeholder_password(self.config.l2, self.server_env())
         self.wanted = True
         if self.alive():
             return
@@ -275,6 +389,7 @@ class LMCacheServer:
             if self.stops != stops:  # stopped meanwhile (node shutting down): start nothing
                 return
         self.prepare_folders()
+        self.choose_shared_tier()
         env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.launch_config().l2), **(self.env or {})}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
@@ -290,6 +405,23 @@ class LMCacheServer:
         finally:
             if log is not None:
                 log.close()
+
+    def choose_shared_tier(self) -> None:
+        """Before a launch with a RESP shared tier: probe it with LMCache's credentials, and launch without it
+        when it does not answer. Why: LMCache 0.5.6's native Redis client, started while its tier refuses
+        connections or rejects AUTH, has no live worker and never completes an operation, so every request
+        whose prompt fills a chunk hung for good (seen: 90 s and more each). The watchdog launches it with the
+        tier again once a probe succeeds (`supervise`). Records the tier's run_id the server connects to."""
+        if self.without_shared or _resp_address(self.config.l2) is None:
+            return
+        if self.shared_tier_up() is False:
+            if not self.shared_seen_down:
+                self.shared_losses += 1
+            self.shared_seen_down = True
+            self.without_shared = True
+            self.shared_run_id = None
+        else:
+            self.shared_run_id = shared_tier_run_id(self.probe_l2())
 
     def prepare_folders(self) -> None:
         """The server's private folder (made again after a stop) and an fs shared tier's folder: 0700 and ours,
@@ -360,17 +492,19 @@ class LMCacheServer:
         return self.start()
 
     def supervise(self, wait: bool = True) -> str:
-        """One watchdog step: restart a dead server, or one whose shared tier came back.
+        """One watchdog step: restart a dead server, one whose shared tier is unusable, or one whose tier is back.
 
-        LMCache 0.5.6's Redis (`resp`) adapter never reconnects: after Redis restarts, every L2 store
-        and lookup keeps failing (requests still succeed, by recomputing). Restarting the server on
-        the same ports is the recovery; engines' connectors reconnect to it and re-register their KV
-        caches (the port is kept dark for RESTART_DARK_S so that their heartbeats see the restart);
-        the node's L1 contents are lost. A shared tier that hangs (takes connections, never answers) is
-        worse than one that is gone: LMCache's Redis client has no timeout, so every lookup waits on it and
-        every request whose prompt fills a chunk never returns. The server is then restarted without its
-        shared tier, which lets the engines' requests that waited on it fail over to recomputing (their
-        connectors' timeout), and with it again once it answers. Returns what it did: "ok", "shared-down",
+        LMCache 0.5.6's Redis (`resp`) client never reconnects: after Redis restarts, every L2 store and lookup
+        keeps failing (requests still succeed, by recomputing). Restarting the server on the same ports is the
+        recovery; engines' connectors reconnect to it and re-register their KV caches (the port is kept dark for
+        RESTART_DARK_S so that their heartbeats see the restart); the node's L1 contents are lost. A restart of
+        Redis between two looks is seen from its INFO run_id (`redis_run_id`): it counts as down and back.
+        A RESP shared tier that does not answer as LMCache needs is worse than a lost one: LMCache's client has
+        no timeout for one that hangs (takes connections, never answers), and a client (re)started while the
+        tier refuses connections or rejects AUTH never completes an operation; either way every request whose
+        prompt fills a chunk never returns. The server is then restarted without its shared tier, which lets
+        the engines' requests that waited on it fail over to recomputing (their connectors' timeout), and with
+        it again once a probe, AUTH included, succeeds. Returns what it did: "ok", "shared-down",
         "restarted-dead", "restarted-without-shared", "restarted-shared-back". With wait=False a restart only
         launches the process after the dark period (call `wait_ready` later).
         """
@@ -382,19 +516,34 @@ class LMCacheServer:
             if not self.shared_seen_down:
                 self.shared_losses += 1
             self.shared_seen_down = True
-            if not self.without_shared and shared_tier_hung(self.config.l2, SLOW_PROBE_S):
+            if self.wanted and not self.without_shared and _resp_address(self.config.l2) is not None:
                 self.without_shared = True
                 self._halt()
                 self.start_again(wait)
                 self.shared_seen_down = True  # restarted with it again once it answers
                 return "restarted-without-shared"
             return "shared-down"
-        if up and (self.shared_seen_down or self.without_shared):
+        if up and not self.without_shared and self.shared_tier_restarted():
+            if not self.shared_seen_down:
+                self.shared_losses += 1  # down and back between two looks: it may be back empty
+            self.shared_seen_down = True
+        if up and self.wanted and (self.shared_seen_down or self.without_shared):
             self.without_shared = False
             self._halt()
             self.start_again(wait)
             return "restarted-shared-back"
         return "ok"
+
+    def shared_tier_restarted(self) -> bool:
+        """Has the RESP shared tier's process changed (INFO run_id) since this server connected to it? A run_id
+        that could not be read says nothing; the first one read becomes the one compared against."""
+        run_id = shared_tier_run_id(self.probe_l2())
+        if run_id is None:
+            return False
+        if self.shared_run_id is None:
+            self.shared_run_id = run_id
+            return False
+        return run_id != self.shared_run_id
 
     def shared_tier_up(self) -> bool | None:
         """Is the shared tier reachable, as the watchdog judges it before a restart (`supervise`)? A probe
@@ -405,8 +554,9 @@ class LMCacheServer:
         failed its requests. A refused connection fails both probes at once, so a real outage counts as
         before. `health()` keeps one quick probe: the node actor answers its callers one at a time, and a
         second, slower probe there would hold up every router's health call during an outage."""
-        up = shared_tier_reachable(self.config.l2)
-        return shared_tier_reachable(self.config.l2, timeout=SLOW_PROBE_S) if up is False else up
+        l2 = self.probe_l2()
+        up = shared_tier_reachable(l2)
+        return shared_tier_reachable(l2, timeout=SLOW_PROBE_S) if up is False else up
 
     def start_again(self, wait: bool = True) -> None:
         # a server found dead may have died just now: keep the port dark from here, too
@@ -432,10 +582,17 @@ class LMCacheServer:
         return tier_summary(samples, chunk_bytes) if samples else {}
 
     def health(self) -> dict:
-        """What /health and /metrics report: is the host tier serving, is the shared tier reachable."""
+        """What /health and /metrics report: is the host tier serving, is the shared tier reachable. Not
+        healthy while the process runs with a shared tier it cannot use (down, AUTH refused, or a Redis that
+        restarted since it connected: LMCache's client never reconnects) until the watchdog restarts it."""
         alive = self.alive()
         serving = alive and port_open(*self.endpoint)
         samples = self.metrics() if alive else {}
+        shared_up = shared_tier_reachable(self.probe_l2())
+        unusable = alive and self.launch_config().l2 is not None and shared_up is False
+        if alive and shared_up and not self.without_shared and self.shared_run_id is not None:
+            run_id = shared_tier_run_id(self.probe_l2())
+            unusable = run_id is not None and run_id != self.shared_run_id
         return {
             "alive": alive,
             "serving": serving,
@@ -443,9 +600,10 @@ class LMCacheServer:
             "endpoint": "{}:{}".format(*self.endpoint),
             "restarts": self.restarts,
             "shared_tier": self.config.shared_tier,
-            "shared_tier_up": shared_tier_reachable(self.config.l2),
+            "shared_tier_up": shared_up,
             "shared_tier_was_down": self.shared_seen_down,  # a restart is due once it is back
-            "running_without_shared_tier": self.without_shared,  # it hung: restarted without it
+            "running_without_shared_tier": self.without_shared,  # LMCache could not use it: runs without
+            "shared_tier_unusable": unusable,  # runs with it, and cannot use it: the watchdog restarts it
             "shared_tier_losses": self.shared_losses,
-            "healthy": serving and bool(samples),
+            "healthy": serving and bool(samples) and not unusable,
         }

@@ -18,7 +18,9 @@ L2 spellings accepted (`l2` key):
 - "redis://HOST:PORT" or {"type": "resp", "host": H, "port": P}: Redis via LMCache's `resp` adapter;
   "redis://[USER]:PASSWORD@HOST:PORT" or "password"/"username" keys for a Redis that requires AUTH
   (they reach the server process as LMCACHE_RESP_PASSWORD/USERNAME, never on its command line).
-- "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter.
+- "valkey://HOST:PORT" or {"type": "valkey", "startup_nodes": "H:P"}: LMCache's `valkey` adapter;
+  "valkey://[USER]:PASSWORD@HOST:PORT" keeps its credentials as the adapter's "username"/"password" keys
+  (that adapter reads no environment variables; its JSON travels in the environment, below).
 - any other {"type": NAME, ...}: passed to LMCache unchanged (mooncake_store, s3, p2p, ...).
 Every adapter but `resp` reaches the server as JSON in its environment (`L2_ADAPTER_ENV`), never on its
 command line: their credential keys differ per adapter (password, aws_secret_access_key, ...).
@@ -193,8 +195,9 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
                     "(percent-encode '/', '?' and '#' in a password)"
                 )
             if url.scheme == "valkey":
-                return {"type": "valkey", "startup_nodes": f"{url.hostname}:{port}"}
-            out = {"type": "resp", "host": url.hostname, "port": port}
+                out = {"type": "valkey", "startup_nodes": f"{url.hostname}:{port}"}
+            else:
+                out = {"type": "resp", "host": url.hostname, "port": port}
             if url.password:
                 out["password"] = unquote(url.password)
             if url.username:
@@ -215,7 +218,11 @@ def normalise_l2(l2, l2_path: str | None = None) -> dict | None:
     raise TierConfigError(f"l2 must be a string or a dict, got {type(l2).__name__}")
 
 
-_CREDENTIALS = {"password": "LMCACHE_RESP_PASSWORD", "username": "LMCACHE_RESP_USERNAME"}
+# resp's credential keys and the variables LMCache reads them from when its JSON names none
+CREDENTIAL_ENV = {"password": "LMCACHE_RESP_PASSWORD", "username": "LMCACHE_RESP_USERNAME"}
+# How the published example secrets' values start (k8s/secrets.example.yaml): a shared-tier password starting
+# so is refused at the server's launch, as the salt and channel secrets are (cluster/secure_channel.py).
+PASSWORD_PLACEHOLDER_PREFIX = "REPLACE-"
 
 
 def _adapter_on_command_line(l2: dict) -> bool:
@@ -235,7 +242,7 @@ def l2_credentials_env(l2: dict | None) -> dict[str, str]:
         return {}
     if not _adapter_on_command_line(l2):
         return {L2_ADAPTER_ENV: json.dumps(l2, sort_keys=True)}
-    return {env: str(l2[key]) for key, env in _CREDENTIALS.items() if l2.get(key)}
+    return {env: str(l2[key]) for key, env in CREDENTIAL_ENV.items() if l2.get(key)}
 
 
 def request_host(channel_dir: str | os.PathLike) -> str:
@@ -279,7 +286,7 @@ def server_args(cfg: TierConfig, host: str, port: int = SOCKET_PORT) -> list[str
         str(cfg.max_workers),
     ]
     if cfg.l2 and _adapter_on_command_line(cfg.l2):
-        public = {k: v for k, v in cfg.l2.items() if k not in _CREDENTIALS}
+        public = {k: v for k, v in cfg.l2.items() if k not in CREDENTIAL_ENV}
         args += ["--l2-adapter", json.dumps(public, sort_keys=True)]
     return args + list(cfg.extra_args)
 

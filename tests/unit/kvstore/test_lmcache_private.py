@@ -190,7 +190,10 @@ lmcache_main.main()
 # --- secrets: never on the command line, never in an error message -------------------------------------------
 
 
-def test_a_non_resp_adapters_credentials_stay_off_the_servers_command_line(recorded_popen):
+def test_a_non_resp_adapters_credentials_stay_off_the_servers_command_line(recorded_popen, monkeypatch):
+    # a tier that answers: one that does not is launched without (test_shared_tier_supervision.py)
+    monkeypatch.setattr(lmcache_server, "shared_tier_reachable", lambda l2, timeout=1.0: True)
+    monkeypatch.setattr(lmcache_server, "shared_tier_run_id", lambda l2, timeout=1.0: None)
     cfg = TierConfig.from_dict({"l2": {"type": "valkey", "startup_nodes": "vk:6379", "password": VALKEY_PASSWORD}})
     srv = LMCacheServer(cfg)
     try:
