@@ -161,10 +161,15 @@ class UnseenPlacements:
 
     A peer's placement reaches this router one stream lag after it was made, so at any moment the peers'
     placements of the last lag are unknown here: where they went, and that they exist. Their number is
-    the peers' placement rate times the lag (Little's law), measured from the placements heard in the
-    last `window_s`: each one adds its own lag (heard minus sent) to the count. With no peers, or a
-    stream without lag, it is 0. The policy places a request as one of them (`FleetView.unseen_placements`,
-    `KvmeshPolicy._unseen_pick`).
+    the peers' placement rate times the lag (Little's law), per peer: its free placements heard in the
+    last `window_s` over the time they were made in (at least `window_s`), times the lag of the last one
+    heard (heard minus sent). With no peers, or a stream without lag, it is 0. The policy places a request
+    as one of them (`FleetView.unseen_placements`, `KvmeshPolicy._unseen_pick`).
+
+    Why the latest lag and the time they were made in, not each placement's lag summed over the window: a
+    backlog drained at once (this router's loop stalled, a peer resumed) holds placements of up to the
+    stall's lag, all heard now; summed, 10 s of a peer's 50 a second read as 1250 unseen for the next 2 s,
+    when the stream has just caught up and about none are.
 
     Only free placements (`is_free_choice`) are counted: a conversation's next turn goes to the one
     replica holding its history, whichever router ranks it, so it does not compete for the replicas a
@@ -174,7 +179,9 @@ class UnseenPlacements:
     mean work stays over every placement heard: each adds its prefill to some replica's queue.
 
     A placement heard with its `router` is measured on that peer's clock offset (`clocks`, once estimated):
-    the lag is the stream's, not the hosts' clock skew.
+    the lag is the stream's, not the hosts' clock skew. Where the offset is unknown and the lag is beyond
+    CLOCK_MAX_S, it is a skew too large to correct (`PeerClocks` ignores it), not a lag: such a placement
+    counts towards the mean work only.
 
     The window ages on a clock of its own (`heard`'s `at`, `estimate`'s `now`: the live router's monotonic
     clock), the wall clock serving only the lag, which compares with the peer's stamp. On the wall clock, a
@@ -184,8 +191,9 @@ class UnseenPlacements:
     def __init__(self, window_s: float = UNSEEN_WINDOW_S) -> None:
         self.window_s = window_s
         self._heard: deque[tuple[float, float, float]] = deque()  # (arrived at, window's clock; lag; prefill tokens)
-        self._lag_sum = 0.0
         self._tokens_sum = 0.0
+        # per peer (None: placements heard without their router, the simulator's): `_PeerStream`
+        self._peers: dict[str | None, _PeerStream] = {}
         self.count = 0  # every placement heard, and their lag: the stream's latency as /kvmesh/state shows it
         self.lag_total = 0.0
         self.lag_max = 0.0
@@ -213,22 +221,27 @@ class UnseenPlacements:
         if router is not None:
             self.clocks.observe(router, sent_at, heard_at)
             offset = self.clocks.offsets.get(router)
-        lag = max(heard_at - sent_at - (offset or 0.0), 0.0)
+        raw = heard_at - sent_at - (offset or 0.0)
+        lag = max(raw, 0.0)
         if not math.isfinite(lag) or not math.isfinite(tokens):  # a bad stamp would make every sum NaN for good
             return
-        self.count += 1
-        self.lag_total += lag
-        self.lag_max = max(self.lag_max, lag)
-        if offset is not None:
-            c = self.corrected
-            c[0] += 1
-            c[1] += lag
-            c[2] = max(c[2], lag)
-        if not free:
-            lag = 0.0
         arrived = heard_at if at is None else at
+        skewed = offset is None and abs(raw) > CLOCK_MAX_S  # two hosts' clocks, not the stream's lag
+        if not skewed:
+            self.count += 1
+            self.lag_total += lag
+            self.lag_max = max(self.lag_max, lag)
+            if offset is not None:
+                c = self.corrected
+                c[0] += 1
+                c[1] += lag
+                c[2] = max(c[2], lag)
+            stream = self._peers.get(router)
+            if stream is None and len(self._peers) < CLOCK_MAX_PEERS:
+                stream = self._peers[router] = _PeerStream()
+            if stream is not None:
+                stream.heard(arrived, lag, free, self.window_s)
         self._heard.append((arrived, lag, tokens))
-        self._lag_sum += lag
         self._tokens_sum += tokens
         self._drop(arrived)
 
@@ -246,13 +259,49 @@ class UnseenPlacements:
         self._drop(now)
         if not self._heard:
             return 0.0, 0.0
-        return max(self._lag_sum, 0.0) / self.window_s, max(self._tokens_sum, 0.0) / len(self._heard)
+        unseen = sum(stream.unseen(self.window_s) for stream in self._peers.values())
+        return unseen, max(self._tokens_sum, 0.0) / len(self._heard)
 
     def _drop(self, now: float) -> None:
         heard = self._heard
         while heard and heard[0][0] <= now - self.window_s:
-            _, lag, tokens = heard.popleft()
-            self._lag_sum -= lag
+            _, _, tokens = heard.popleft()
             self._tokens_sum -= tokens
         if not heard:
-            self._lag_sum = self._tokens_sum = 0.0  # no float residue once empty
+            self._tokens_sum = 0.0  # no float residue once empty
+        for router in [r for r, stream in self._peers.items() if not stream.drop(now - self.window_s)]:
+            del self._peers[router]
+
+
+class _PeerStream:
+    """One peer's placements heard in the window, for its rate and its latest lag (`UnseenPlacements`).
+
+    Its rate is its free placements over the time they were made in: when each was made is taken on the
+    window's clock as its arrival minus its lag (so a step of either wall clock leaves it alone), and a
+    backlog heard at once spreads over the time it was made in, not the instant it was drained in."""
+
+    __slots__ = ("made", "free", "lag")
+
+    def __init__(self) -> None:
+        self.made: deque[tuple[float, float, bool]] = deque()  # (arrived at, made at, free), in arrival order
+        self.free = 0  # free placements among them
+        self.lag = 0.0  # the lag of the last placement heard: the stream's now
+
+    def heard(self, arrived: float, lag: float, free: bool, window_s: float) -> None:
+        self.made.append((arrived, arrived - lag, free))
+        self.free += free
+        self.lag = lag
+        self.drop(arrived - window_s)
+
+    def drop(self, before: float) -> bool:
+        """Forget what arrived at or before `before`; whether anything is left."""
+        made = self.made
+        while made and made[0][0] <= before:
+            self.free -= made.popleft()[2]
+        return bool(made)
+
+    def unseen(self, window_s: float) -> float:
+        if not self.free:
+            return 0.0
+        span = self.made[-1][1] - self.made[0][1]
+        return self.free / max(window_s, span) * self.lag

@@ -55,6 +55,19 @@ PEER_TTL_S = 15.0  # a router that stopped refreshing its registry entry this lo
 PLACEMENT_TTL_S = 120.0  # a peer placement not heard of for this long (lost `done`, peer died) stops counting
 LEFT_IDS_KEPT = 4096  # request ids of peer placements that left lately, told apart in engines' load reports
 LIVE_EVERY_S = PLACEMENT_TTL_S / 4  # how often a router names its requests still in flight (`live`)
+REGISTRY_TIMEOUT_S = 3.0  # a registry heartbeat unanswered this long is given up (its node frozen or cut off)
+# The stream's queues are bounded in bytes, not only in frames: a peer that is frozen (SIGSTOP, a paused VM)
+# keeps its TCP connection open, and the PUB socket queues every frame for it up to its high-water mark. A
+# frame is at most FRAME_MAX_BYTES (`flush` splits a turn's batch there); one message alone exceeds it only
+# for a `routed` of a prompt over ~230k tokens at 16-token blocks (9 bytes a block hash). So a frozen peer
+# costs at most STREAM_HWM x FRAME_MAX_BYTES = 62.5 MiB queued, within STREAM_QUEUE_BUDGET_BYTES, on each
+# side, and ZMQ's heartbeats close its connection after STREAM_HEARTBEAT_TIMEOUT_MS, freeing it (frames
+# dropped meanwhile are lost messages, as any: placements expire, `live` renews the running ones).
+FRAME_MAX_BYTES = 128 * 1024
+STREAM_HWM = 500  # frames; a frame is one turn of a router's loop (`batch_on`), so seconds of a busy router
+STREAM_QUEUE_BUDGET_BYTES = 64 * 1024 * 1024
+STREAM_HEARTBEAT_IVL_MS = 2_000  # ZMTP PING every 2 s on an idle connection
+STREAM_HEARTBEAT_TIMEOUT_MS = 10_000  # no traffic or PONG for 10 s: the connection is closed (SUB reconnects)
 
 
 @dataclass
@@ -129,6 +142,12 @@ class PeerPlacements:
         self.ended: OrderedDict[tuple[str, str], PeerPlacement] = OrderedDict()
         self.policies = policies
         self.placements: dict[tuple[str, str], PeerPlacement] = {}
+        # per replica, [in flight, started, pending prefill tokens] of `placements`, kept as they change:
+        # `pending()` is read for every ranking, and walking every peer placement there cost ms per request
+        self._totals: dict[str, list[int]] = {}
+        # per peer router, when its last message arrived (`monotonic`): a peer whose stream still arrives is
+        # not dropped because the registry forgot it (`RouterSync._follow`)
+        self.heard_from: dict[str, float] = {}
         # per tenant, what peers placed (`tenant_usage.PeerTenantUsage`): fleet-wide tenant limits read it
         self.tenants = tenants if tenants is not None else PeerTenantUsage()
         self._counted = RecentSet(65_536)  # requests already logged there (far more than are routed again over)
@@ -204,6 +223,7 @@ class PeerPlacements:
             raise TypeError(f"router, request and replica must be strings, not {names}")
         key = (router, request)
         self.applied += 1
+        self.heard_from[router] = self.monotonic()
         if kind == "routed":
             hashes, num_tokens, block_size, expected_out, tenant, matched = msg[4:10]
             if tenant is not None and not isinstance(tenant, str):
@@ -235,10 +255,11 @@ class PeerPlacements:
             self._close(key)
             self._unhold(key)
             self.placements[key] = placed
+            self._credit(placed, +1)
             self._in_flight_ids[key[1]] = self._in_flight_ids.get(key[1], 0) + 1
             if stamp is not None:
                 self.unseen.heard(stamp, self.clock(), placed.uncached, free, router=router, at=arrived)
-            if replica in self.index.replicas():  # a replica this router forgot first stays forgotten
+            if _has_replica(self.index, replica):  # a replica this router forgot first stays forgotten
                 for policy in self.policies():
                     policy.on_routed(info, replica, view)
                 self.index.speculate(replica, info.block_hashes, fresh=placed.fresh)
@@ -265,7 +286,10 @@ class PeerPlacements:
         elif kind == "started":
             started = self.placements.get(key)
             if started is not None:
-                started.started = True
+                if not started.started:
+                    self._credit(started, -1)
+                    started.started = True
+                    self._credit(started, +1)
                 started.release()
                 self._computed(started)
             else:
@@ -325,7 +349,7 @@ class PeerPlacements:
             self.on_computed(placed.info)
 
     def _record_prefill(self, placed: PeerPlacement) -> None:
-        if self.tiers is not None and placed.replica in self.index.replicas():
+        if self.tiers is not None and _has_replica(self.index, placed.replica):
             self.tiers.record_prefill(placed.replica, placed.info.block_hashes)
 
     def _pop(self, key: tuple[str, str], heard: bool = True) -> PeerPlacement | None:
@@ -335,6 +359,7 @@ class PeerPlacements:
         run, and a report naming it counts it as work no router here knows of."""
         placed = self.placements.pop(key, None)
         if placed is not None:
+            self._credit(placed, -1)
             self._count_tenant(key, placed.info.tenant, placed.info.num_tokens, -1)
             left = self._in_flight_ids.pop(key[1], 1) - 1
             if left > 0:  # two routers' requests under one id: not expected (uuids), kept exact anyway
@@ -371,6 +396,7 @@ class PeerPlacements:
         for key in [k for k in (*self.placements, *self.ended, *self.held) if k[0] == router]:
             self._discard(key)
         self.unseen.clocks.forget(router)
+        self.heard_from.pop(router, None)
 
     def forget_replica(self, replica: str) -> None:
         tracked = (*self.placements.items(), *self.ended.items())
@@ -385,16 +411,27 @@ class PeerPlacements:
             self._unhold(key)
 
     def pending(self) -> dict[str, list[int]]:
-        """Per replica: [in flight, started, pending prefill tokens] of other routers' requests."""
-        out: dict[str, list[int]] = {}
-        for p in self.placements.values():
-            row = out.setdefault(p.replica, [0, 0, 0])
-            row[0] += 1
-            if p.started:
-                row[1] += 1
-            else:
-                row[2] += p.uncached
-        return out
+        """Per replica: [in flight, started, pending prefill tokens] of other routers' requests (a copy of the
+        totals kept as placements come and go: as many rows as replicas, whatever the peers have in flight)."""
+        return {replica: list(row) for replica, row in self._totals.items()}
+
+    def _credit(self, placed: PeerPlacement, sign: int) -> None:
+        """Add (+1) or take off (-1) `placed` in its replica's totals (`pending`), as it is now."""
+        row = self._totals.setdefault(placed.replica, [0, 0, 0])
+        row[0] += sign
+        if placed.started:
+            row[1] += sign
+        else:
+            row[2] += sign * placed.uncached
+        if row[0] <= 0:
+            del self._totals[placed.replica]
+
+
+def _has_replica(index, replica: str) -> bool:
+    """Whether `index` has `replica`, without listing its replicas for every message (a stand-in index that
+    only lists them is asked for the list)."""
+    has = getattr(index, "has_replica", None)
+    return has(replica) if has is not None else replica in index.replicas()
 
 
 def routed_message(
@@ -485,14 +522,15 @@ class RouterSync:
         self._reader_fd = -1
         # this router's requests in flight (the router sets it): named to the peers every LIVE_EVERY_S
         self.own_requests: Callable[[], list[str]] | None = None
-        self._live_at = time.monotonic()
+        self._live_at = self._monotonic()
+        self.registry_timeout_s = REGISTRY_TIMEOUT_S
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
         """Open the stream (`open`) and start finding peers and reading their placements."""
         self.open()
         self.batch_on(asyncio.get_running_loop())
-        self._tasks = [asyncio.create_task(self._discover())]
+        self._tasks = [asyncio.create_task(self._discover()), asyncio.create_task(self._upkeep())]
         self.read_when_ready(asyncio.get_running_loop())
         log.info("router sync %s publishing at %s", self.router_id, self.endpoint)
 
@@ -525,13 +563,15 @@ class RouterSync:
         self._server = ChannelServer(keys)
         pub = self._server.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.setsockopt(zmq.SNDHWM, STREAM_HWM)
+        _heartbeat(pub)
         port = pub.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         sub: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)  # plain: read by `drain`, no future per message
         secure_client(sub, keys)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RCVHWM, STREAM_HWM)
+        _heartbeat(sub)
         sub.setsockopt_string(zmq.SUBSCRIBE, "")
         self._pub, self._sub = pub, sub
         self.placements.router_id = self.router_id  # its entry in the peers' `clock` messages
@@ -578,24 +618,43 @@ class RouterSync:
                 self.flush()
 
     def flush(self) -> None:
-        """Send the queued messages as one frame: the message itself when there is one, else
-        ["batch", router, "", "", [messages...]]."""
+        """Send the queued messages, in order, as frames of at most FRAME_MAX_BYTES: a message alone is
+        itself, more are ["batch", router, "", "", [messages...]] (a message over the limit goes alone)."""
         batch, self._outbox = self._outbox, []
         if not batch or self._pub is None:
             return
         import msgpack
         import zmq
 
-        frame = batch[0] if len(batch) == 1 else ["batch", self.router_id, "", "", batch]
-        try:
-            self._pub.send(msgpack.packb(frame), flags=zmq.NOBLOCK)
-            self.published += len(batch)
-            self.frames += 1
-        except zmq.Again:
-            pass
+        packed = [msgpack.packb(m) for m in batch]
+        head = msgpack.packb("batch") + msgpack.packb(self.router_id) + msgpack.packb("") * 2
+        limit = FRAME_MAX_BYTES - len(head) - 16  # the two array headers: 5 bytes at most each
+        group: list[bytes] = []
+        size = 0
+        for i, message in enumerate(packed):
+            group.append(message)
+            size += len(message)
+            following = len(packed[i + 1]) if i + 1 < len(packed) else None
+            if following is not None and size + following <= limit:
+                continue
+            if len(group) == 1:
+                frame = group[0]
+            else:  # what msgpack.packb(["batch", router, "", "", messages]) makes, each message packed once
+                packer = msgpack.Packer()
+                frame = packer.pack_array_header(5) + head + packer.pack_array_header(len(group)) + b"".join(group)
+            try:
+                self._pub.send(frame, flags=zmq.NOBLOCK)
+                self.published += len(group)
+                self.frames += 1
+            except zmq.Again:
+                pass
+            group, size = [], 0
 
     # ------------------------------------------------------------------ background tasks
     async def _discover(self) -> None:
+        """Heartbeat the registry every poll and follow its list of peers. A heartbeat unanswered for
+        `registry_timeout_s` (the registry's node frozen or cut off: Ray declares it dead only after about
+        a minute) is given up and tried again at the next poll."""
         import ray
 
         name = REGISTRY_NAME.format(app=self.app_name)
@@ -607,24 +666,48 @@ class RouterSync:
                         .options(name=name, namespace=REGISTRY_NAMESPACE, get_if_exists=True, lifetime="detached")
                         .remote()
                     )
-                peers = await self._registry.heartbeat.remote(self.router_id, self.endpoint)
-                # the departed first: a router restarted on a freed port has the endpoint a departed one had,
-                # and disconnecting that endpoint after connecting the new router would drop the new one
-                for router in set(self.peers) - set(peers):
-                    endpoint = self.peers.pop(router)
-                    if endpoint not in peers.values():
-                        self._disconnect(endpoint)
-                    self.placements.drop_router(router)
-                for router, endpoint in peers.items():
-                    if self.peers.get(router) != endpoint:
-                        self.connect(router, endpoint)
+                heartbeat = self._registry.heartbeat.remote(self.router_id, self.endpoint)
+                peers = await asyncio.wait_for(heartbeat, self.registry_timeout_s)
+                self._follow(peers)
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:
+                log.warning("router sync: registry heartbeat unanswered for %.0f s; retrying", self.registry_timeout_s)
             except ray.exceptions.RayActorError:
                 self._registry = None  # the registry died with its node: make it again
             except Exception:  # never let discovery end the router
                 log.exception("router sync: discovery failed; retrying")
-            try:  # also while the registry cannot be reached; never let upkeep end discovery either
+            await asyncio.sleep(self.poll_s)
+
+    def _follow(self, peers: dict[str, str]) -> None:
+        """Connect to the peers the registry lists; drop those it no longer lists and nothing has arrived
+        from for PEER_TTL_S. Why both: a registry made again after its node died starts empty, and its
+        answer alone would drop every live peer with its placements and its tenants' requests in flight
+        (a tenant capped fleet-wide could then run twice its limit), though their streams still arrive."""
+        now = self.placements.monotonic()
+        listed = set(peers.values())
+        # the departed first: a router restarted on a freed port has the endpoint a departed one had,
+        # and disconnecting that endpoint after connecting the new router would drop the new one
+        for router in set(self.peers) - set(peers):
+            heard = self.placements.heard_from.get(router)
+            if heard is not None and now - heard < PEER_TTL_S and self.peers[router] not in listed:
+                continue  # still streaming, and its endpoint is no other router's now
+            endpoint = self.peers.pop(router)
+            if endpoint not in listed:
+                self._disconnect(endpoint)
+            self.placements.drop_router(router)
+        for router, endpoint in peers.items():
+            if self.peers.get(router) != endpoint:
+                self.connect(router, endpoint)
+        heard_from = self.placements.heard_from  # routers heard of only inside other frames: not kept for ever
+        for router in [r for r, t in heard_from.items() if r not in self.peers and now - t >= PEER_TTL_S]:
+            del heard_from[router]
+
+    async def _upkeep(self) -> None:
+        """Every poll, whatever the registry does: expire peers' placements, name this router's requests
+        in flight (`live`) and publish its clock message."""
+        while True:
+            try:  # never let upkeep end
                 self.placements.expire()
                 self.publish_live()
                 self.publish_clock()
@@ -636,7 +719,7 @@ class RouterSync:
         """Every LIVE_EVERY_S, name this router's requests in flight to the peers (`live`): a request
         running longer than PLACEMENT_TTL_S (a long generation) keeps counting there as load and towards
         its tenant's fleet-wide concurrency, while one whose `done` was lost still expires."""
-        now = time.monotonic() if now is None else now
+        now = self._monotonic() if now is None else now
         if self.own_requests is None or now - self._live_at < LIVE_EVERY_S:
             return
         self._live_at = now
@@ -647,6 +730,11 @@ class RouterSync:
             return
         if ids:
             self.publish(["live", self.router_id, "", "", ids])
+
+    def _monotonic(self) -> float:
+        """The clock `live` is timed on: the placements' (`PeerPlacements.monotonic`), whose expiry it races."""
+        placements = self.placements
+        return placements.monotonic() if placements is not None else time.monotonic()
 
     def publish_clock(self) -> None:
         """Tell the peers, every poll, the least one-way time observed from each (`PeerClocks`): their
@@ -739,6 +827,16 @@ class RouterSync:
             "first_peer_connect_s": self.first_connect_s,
             "first_peer_placement_s": self.first_peer_s,
         }
+
+
+def _heartbeat(sock: Any) -> None:
+    """ZMQ heartbeats on a stream socket: a peer that answers nothing (frozen, its TCP connection still open)
+    is disconnected after STREAM_HEARTBEAT_TIMEOUT_MS, and what was queued for it freed."""
+    import zmq
+
+    sock.setsockopt(zmq.HEARTBEAT_IVL, STREAM_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, STREAM_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, STREAM_HEARTBEAT_TIMEOUT_MS)  # how long the other side waits for us
 
 
 def _node_host() -> str:

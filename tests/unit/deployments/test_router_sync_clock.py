@@ -310,3 +310,52 @@ def test_the_router_registry_ages_its_entries_on_its_monotonic_clock(monkeypatch
         mono[0] += 1.0
         listed = registry.heartbeat("A", "tcp://a")
     assert listed == {}
+
+
+def _hear_from_b(peers: PeerPlacements, wall: list[float], mono: list[float], stamp_of, n: int, every: float) -> None:
+    """`n` placements of peer B, one every `every` s, each stamped by `stamp_of(true time)` and heard 1 ms later."""
+    for k in range(n):
+        info = RequestInfo(block_hashes=[k], num_tokens=64, block_size=32, request_id=f"b{k}")
+        msg = routed_message("B", info, "r0", (0, 0, 0), sent_at=stamp_of(wall[0]))
+        wall[0] += 0.001
+        mono[0] += 0.001
+        peers.apply(msg)
+        wall[0] += every - 0.001
+        mono[0] += every - 0.001
+
+
+def test_a_peer_clock_too_far_behind_to_correct_adds_no_unseen_placements():
+    """B's wall clock is 100 s behind: past CLOCK_MAX_S its offset is never estimated, and its raw lag is
+    the two clocks, not the stream's: counted, 25 placements a second read as 2500 unseen."""
+    wall, mono = [1_000_000.0], [50.0]
+    peers = PeerPlacements(Index(), lambda: [], clock=lambda: wall[0])
+    peers.monotonic = lambda: mono[0]
+    peers.router_id = "A"
+    _hear_from_b(peers, wall, mono, lambda t: t - 100.0, n=50, every=0.04)
+    assert peers.unseen.clocks.offsets == {}
+    unseen, tokens = peers.unseen_placements()
+    assert unseen < 1.0
+    assert tokens == 64  # still placed: their work counts
+    assert peers.unseen.lag_stats() == (0, 0.0, 0.0)  # nor shown as the stream's latency
+
+
+def test_draining_a_backlog_leaves_about_none_unseen():
+    """This router's loop stalled for 10 s while B placed 50 a second; the loop resumes and drains the
+    backlog at once, the last placement 1 ms after B made it: the stream has caught up, so about none are
+    unseen (each drained placement's own lag, summed, read as hundreds for the next 2 s)."""
+    wall, mono = [1_000_000.0], [50.0]
+    peers = PeerPlacements(Index(), lambda: [], clock=lambda: wall[0])
+    peers.monotonic = lambda: mono[0]
+    peers.router_id = "A"
+    made = []
+    for k in range(500):
+        info = RequestInfo(block_hashes=[k], num_tokens=64, block_size=32, request_id=f"b{k}")
+        made.append(routed_message("B", info, "r0", (0, 0, 0), sent_at=wall[0] + k * 0.02))
+    wall[0] += 499 * 0.02 + 0.001
+    mono[0] += 499 * 0.02 + 0.001
+    for msg in made:
+        peers.apply(msg)
+    assert peers.unseen_placements()[0] < 0.1  # 50 a second x the 1 ms the stream is behind now
+    mono[0] += 1.0
+    wall[0] += 1.0
+    assert peers.unseen_placements()[0] < 0.1

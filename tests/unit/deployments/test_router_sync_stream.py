@@ -159,14 +159,16 @@ class _Sub:
 
 
 class _Registry:
-    """The router registry's heartbeat, answering the peers set by the test."""
+    """The router registry's heartbeat, answering the peers set by the test (`calls`: heartbeats answered)."""
 
     def __init__(self):
         self.peers: dict[str, str] = {}
+        self.calls = 0
         outer = self
 
         class _Heartbeat:
             async def remote(self, router: str, endpoint: str) -> dict[str, str]:
+                outer.calls += 1
                 return dict(outer.peers)
 
         self.heartbeat = _Heartbeat()
@@ -227,3 +229,159 @@ def test_a_router_that_closes_tells_its_peers_it_left_at_once():
     finally:
         a.close()
         b.close()
+
+
+def test_the_stream_drops_a_frozen_peer_and_bounds_what_it_queues_for_one():
+    """A frozen peer (SIGSTOP, a paused VM) keeps its TCP connection: its PUB queue grew to the high-water
+    mark of 100k frames, 1.7 GB of 2048-hash `routed` frames. ZMQ heartbeats now close its connection, and
+    frames are capped in bytes so that a full queue stays within the stated budget."""
+    import msgpack
+    import zmq
+
+    from kvmesh.deployments import router_sync
+
+    a, b = _pair()
+    try:
+        for sock in (a._pub, a._sub):
+            for option in (zmq.HEARTBEAT_IVL, zmq.HEARTBEAT_TIMEOUT, zmq.HEARTBEAT_TTL):
+                assert sock.getsockopt(option) > 0
+        frame_max = router_sync.FRAME_MAX_BYTES
+        assert a._pub.getsockopt(zmq.SNDHWM) * frame_max <= router_sync.STREAM_QUEUE_BUDGET_BYTES
+        assert a._sub.getsockopt(zmq.RCVHWM) * frame_max <= router_sync.STREAM_QUEUE_BUDGET_BYTES
+    finally:
+        _close(a, b)
+
+    class Pub:
+        def __init__(self):
+            self.frames: list[bytes] = []
+
+        def send(self, frame: bytes, flags: int = 0) -> None:
+            self.frames.append(frame)
+
+    sync = RouterSync("t", PeerPlacements(Index(), lambda: []))
+    sync._pub = Pub()
+    hashes = list(range(2**62, 2**62 + 2048))  # a 32k-token prompt at 16-token blocks: ~18 KB a message
+    sent = [
+        routed_message(
+            sync.router_id,
+            RequestInfo(block_hashes=hashes, num_tokens=32768, block_size=16, request_id=f"q{n}"),
+            "r0",
+            (0, 0, 0),
+        )
+        for n in range(40)
+    ]
+    sent.insert(7, ["done", sync.router_id, "q0", "r0"])
+    sync._outbox = list(sent)  # one turn of the loop's messages
+    sync.flush()
+    assert len(sync._pub.frames) > 1 and all(len(f) <= frame_max for f in sync._pub.frames)
+    received = []
+    for frame in sync._pub.frames:
+        msg = msgpack.unpackb(frame)
+        if msg[0] == "batch":
+            assert frame == msgpack.packb(["batch", sync.router_id, "", "", msg[4]])
+            received.extend(msg[4])
+        else:
+            received.append(msg)
+    assert received == msgpack.unpackb(msgpack.packb(sent))  # every message, in order
+    assert sync.published == len(sent) and sync.frames == len(sync._pub.frames)
+
+
+def test_a_registry_made_again_empty_drops_no_peer_whose_stream_still_arrives():
+    """The registry actor died with its node and was made again, empty: its first answer names no peer.
+    Peer A's placements and its tenant's requests in flight stay while A's messages arrive (dropped, a
+    tenant capped fleet-wide at N could run about 2N); once A has been silent for PEER_TTL_S and is still
+    not listed, it is gone."""
+    from kvmesh.deployments.router_sync import PEER_TTL_S
+
+    async def run():
+        now = [1000.0]
+        peers = PeerPlacements(Index(), lambda: [])
+        peers.monotonic = lambda: now[0]
+        sync = RouterSync("t", peers, poll_s=0.001)
+        sync._sub, sync._registry, sync.endpoint = _Sub(), _Registry(), "tcp://127.0.0.1:1"
+        sync._registry.peers = {"A": "tcp://127.0.0.1:5000"}
+
+        async def polls(n: int) -> None:  # let discovery take `n` more registry answers
+            task = asyncio.create_task(sync._discover())
+            calls = sync._registry.calls
+            for _ in range(2000):
+                await asyncio.sleep(0.001)
+                if sync._registry.calls >= calls + n:
+                    break
+            task.cancel()
+
+        await polls(1)
+        assert sync.peers == {"A": "tcp://127.0.0.1:5000"}
+        for n in range(2):
+            info = RequestInfo(block_hashes=[n], num_tokens=64, block_size=32, request_id=f"q{n}", tenant="t1")
+            peers.apply(routed_message("A", info, "r0", (0, 0, 0)))
+        sync._registry.peers = {}  # made again: A has not heartbeated it yet
+        await polls(2)
+        assert len(peers.placements) == 2 and peers.tenants.active("t1") == 2
+        assert sync.peers == {"A": "tcp://127.0.0.1:5000"} and sync._sub.connected == ["tcp://127.0.0.1:5000"]
+        now[0] += PEER_TTL_S - 1
+        peers.apply(["clock", "A", "", "", 1.0, {}])  # its clock message, every poll: still streaming
+        now[0] += PEER_TTL_S - 1
+        await polls(2)
+        assert len(peers.placements) == 2 and peers.tenants.active("t1") == 2
+        now[0] += PEER_TTL_S  # silent since, and still not listed: gone
+        await polls(2)
+        assert sync.peers == {} and sync._sub.connected == []
+        assert peers.placements == {} and peers.tenants.active("t1") == 0
+
+    asyncio.run(run())
+
+
+def test_a_registry_that_never_answers_stops_no_upkeep():
+    """The registry's node froze: its heartbeat never answers. Peers' placements still expire, and this
+    router still names its requests in flight (`live`) and publishes its clock messages; the heartbeat is
+    given up and tried again."""
+    from kvmesh.deployments.router_sync import PLACEMENT_TTL_S
+
+    class Hung:
+        def __init__(self):
+            self.calls = 0
+            outer = self
+
+            class _Heartbeat:
+                def remote(self, router: str, endpoint: str):
+                    outer.calls += 1
+                    return asyncio.get_running_loop().create_future()  # never resolved
+
+            self.heartbeat = _Heartbeat()
+
+    async def run():
+        now = [1000.0]
+        peers = PeerPlacements(Index(), lambda: [])
+        peers.monotonic = lambda: now[0]
+        sync = RouterSync("t", peers, poll_s=0.001)
+        sync.registry_timeout_s = 0.01
+        sync._sub, sync._registry, sync.endpoint = _Sub(), Hung(), "tcp://127.0.0.1:1"
+        sync.open = lambda: None  # type: ignore[method-assign]  # no sockets: what is sent is recorded
+        sync.read_when_ready = lambda loop: None  # type: ignore[method-assign]
+        sent: list[list] = []
+        sync.publish = sent.append  # type: ignore[method-assign]
+        sync.own_requests = lambda: ["mine"]
+        sync.peers["B"] = "tcp://127.0.0.1:5000"
+        peers.apply(routed_message("B", _placement(1), "r0", (0, 0, 0)))  # its `done` will be lost
+        sync.start()
+        try:
+            for _ in range(2000):  # the first poll: the registry is asked, and hangs
+                await asyncio.sleep(0.001)
+                if sync._registry.calls and sent:
+                    break
+            now[0] += PLACEMENT_TTL_S + 1  # long past the placement's time to live and `live`'s period
+            for _ in range(2000):
+                await asyncio.sleep(0.001)
+                kinds = [m[0] for m in sent]
+                if not peers.placements and "live" in kinds and kinds.count("clock") >= 2 and sync._registry.calls >= 2:
+                    break
+            kinds = [m[0] for m in sent]
+            assert peers.placements == {}
+            assert "live" in kinds and kinds.count("clock") >= 2
+            assert sync._registry.calls >= 2  # given up, and asked again
+        finally:
+            for task in sync._tasks:
+                task.cancel()
+
+    asyncio.run(run())
