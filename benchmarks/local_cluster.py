@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -29,8 +28,11 @@ from pathlib import Path
 
 from kvmesh.cluster.ports import free_ports
 from kvmesh.deployments.config import INPROC_ENGINE_ENV, SERVE_PATH_ENV
+from kvmesh.kvstore.private_dir import owned_temp_dir, remove_dead_owners_dirs
 
 LOOPBACK = "127.0.0.1"
+TEMP_ROOT = "/tmp"
+TEMP_PREFIX = "kvrc-"  # a cluster's Ray folder: /tmp/kvrc-<starter pid>-XXXXXXXX
 # Every node's environment, as an operator's cluster would set it (k8s/rayservice.yaml): Serve's
 # request-path settings; token authentication off (Ray 2.60 turns it on for clusters it starts, and every
 # node and driver must agree); Serve's own proxy (HAProxy's stats and metrics ports are per machine, and
@@ -136,8 +138,11 @@ class LocalRayCluster:
         self.workdir = Path(workdir)
         self.nodes = list(nodes)
         self.start_timeout_s = start_timeout_s
-        # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp
-        self.temp_dir = tempfile.mkdtemp(prefix="kvrc-", dir="/tmp")
+        # Ray's socket paths must stay under 107 bytes: a short folder of its own under /tmp, named after this
+        # process: a cluster whose starter was killed outright (its nodes end with it, end_with_starter) could
+        # not remove its folder, and the next cluster set up removes those of starters that are gone
+        remove_dead_owners_dirs(TEMP_PREFIX, TEMP_ROOT)
+        self.temp_dir = owned_temp_dir(TEMP_PREFIX, TEMP_ROOT)
         self.address = ""
         self.procs: list[subprocess.Popen | None] = []
         self._seen: dict[int, float] = {}  # pid -> start time of every process seen below a node, for stop()

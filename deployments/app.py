@@ -93,6 +93,9 @@ _haproxy_dir: str | None = None  # this run's HAProxy config/socket folder, remo
 _HAPROXY_DIR_PREFIX = "kvmesh-haproxy-"
 _OWNER_FILE = "owner.pid"  # in a run's HAProxy folder: the pid of the process that made it
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# Serve's fallback proxy's ports (ray/serve/_private/constants.py; defaults 8500 and 9500, the same for every run)
+FALLBACK_HTTP_PORT_ENV = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
+FALLBACK_GRPC_PORT_ENV = "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"
 
 
 _joined = [False]  # start_local connected to a cluster it did not start: stop only this app there
@@ -161,11 +164,12 @@ def start_local(
         _app_name = cfg["name"]
         deploy_or_explain(build_app(cfg), cfg)
         _wait_ready(cfg, timeout_s)
-    except BaseException:
+    except BaseException as exc:
         # a start that failed half-way (a proxy Serve killed, a deploy error) leaves nothing running: the
         # Ray cluster it started, its processes and its HAProxy folder go, as on a normal stop; Ray's and
-        # Serve's logs, which say why, are kept
-        stop_local(drain=False, keep_logs=True)
+        # Serve's logs, which say why, are kept. A start a stop signal ended (Ctrl-C, SIGTERM) did not fail:
+        # nothing to explain, nothing kept
+        stop_local(drain=False, keep_logs=isinstance(exc, Exception))
         raise
     return f"http://{cfg['host']}:{cfg['port']}"
 
@@ -251,9 +255,10 @@ def remove_dead_runs_files() -> None:
 
 
 def _proxy_env(proxy: str) -> dict[str, str]:
-    """SERVE_PATH_ENV and PROXY_ENV plus, for HAProxy, this run's own files and ports: Serve's defaults
-    (/tmp/haproxy-serve, stats 8404, metrics 9101) are per machine, so two local clusters (a test and
-    `kvmesh serve`, two benchmark runs) would collide."""
+    """SERVE_PATH_ENV and PROXY_ENV plus this run's own ports for Serve's fallback proxy and, for HAProxy, its
+    own files and ports: Serve's defaults (fallback proxy 8500/9500, /tmp/haproxy-serve, stats 8404, metrics
+    9101) are per machine, so two local clusters (a test and `kvmesh serve`, two benchmark runs) would collide,
+    or worse, share a fallback proxy (one run's requests answered by another run's app)."""
     import tempfile
 
     global _haproxy_dir
@@ -261,6 +266,10 @@ def _proxy_env(proxy: str) -> dict[str, str]:
     # a proxy that starts slowly on a busy machine is not broken: Serve's 5 s readiness bound made it kill
     # and restart the proxies during start-up, and the deploy failed with "The actor died unexpectedly"
     env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
+    # the fallback proxy, HAProxy's backup server while no ingress replica runs: Serve's fixed ports (8500,
+    # 9500) are per machine, so a run whose ingress was down sent its clients' requests to another run's app
+    fallback_http, fallback_grpc = free_port(), free_port()
+    env[FALLBACK_HTTP_PORT_ENV], env[FALLBACK_GRPC_PORT_ENV] = str(fallback_http), str(fallback_grpc)
     if os.path.basename(os.path.dirname(os.environ.get(HAPROXY_BINARY_ENV, ""))).startswith(_HAPROXY_DIR_PREFIX):
         del os.environ[HAPROXY_BINARY_ENV]  # an earlier local run's launcher, not an operator's choice
     if proxy == "haproxy":

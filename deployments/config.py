@@ -122,10 +122,19 @@ APP_DEFAULTS: dict[str, Any] = {
 }
 
 # Environment Ray and every Serve actor need for each proxy choice, set before Ray starts.
+# SERVE_SOCKET_REUSE_PORT_ENABLED=0: Serve's Python proxies (the front with `serve`, the fallback proxy with
+# `haproxy`) bind without SO_REUSEPORT, so a second local run given a port that is already bound fails to start
+# instead of listening beside the first and getting half its connections; HAProxy gets the same from its
+# launcher (deployments/loopback_haproxy.py, `noreuseport`).
+NO_REUSE_PORT = {"SERVE_SOCKET_REUSE_PORT_ENABLED": "0"}
 PROXY_ENV: dict[str, dict[str, str]] = {
     # draining: local runs have no external load balancer to deregister from (default 30 s per stop)
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"},
-    "serve": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
+    "haproxy": {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        **NO_REUSE_PORT,
+    },
+    "serve": {"RAY_SERVE_ENABLE_HA_PROXY": "0", **NO_REUSE_PORT},
 }
 
 # Serve's request path, set for every Ray process kvmesh starts whichever the proxy: the settings of

@@ -18,9 +18,9 @@ is open to all (mode 0777, no sticky bit), so another user could replace the ray
 and every run left its session folder there. Ray makes every folder it is given 0777 again, so it gets one
 inside the private one, which no other user can enter. The run's folder goes when Ray is shut down, except
 after a start that failed once Ray was up (app.py's `stop_local(keep_logs=True)`): Ray's and Serve's logs
-there are the only record of why, so it stays, its path logged, until a later run's start sweeps it once
-this process is gone. A RAY_TMPDIR in the environment is the caller's choice of folder (Ray's own
-variable): Ray's files go there.
+there are the only record of why, so it stays, its path logged and a marker file in it, until a later run's
+start sweeps it once this process is gone (the clean-up right after a run exited leaves it). A RAY_TMPDIR
+in the environment is the caller's choice of folder (Ray's own variable): Ray's files go there.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ import logging
 import math
 import os
 import shutil
+import signal
 from collections.abc import Mapping
 from typing import Any
+
+from kvmesh.deployments.process_tree import Terminated, signals_seen
 
 LOOPBACK = "127.0.0.1"
 
@@ -83,6 +86,7 @@ START_ATTEMPTS = 2  # Ray gives its raylet a fixed 30 s to register; a busy mach
 RAY_TEMP_ROOT = "/tmp"
 RAY_TEMP_PREFIX = "kvmesh-ray-"
 _ray_temp_dir: list[str] = []  # the private folder of the cluster this process started, until remove_ray_temp_dir
+LOGS_KEPT_FILE = "logs-kept"  # in a run's Ray folder: a failed start's logs, kept for a while (keep_ray_temp_dir)
 
 
 def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool) -> None:
@@ -97,7 +101,7 @@ def start_local_ray(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver
     from kvmesh.deployments.process_tree import end_descendants
 
     before = [p.pid for p in psutil.Process().children(recursive=True)]
-    remove_dead_ray_temp_dirs()
+    remove_dead_ray_temp_dirs(kept_logs=True)
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
             return _start_once(
@@ -128,9 +132,16 @@ def new_ray_temp_dir() -> str | None:
 
 def keep_ray_temp_dir() -> list[str]:
     """The folders of the Ray clusters this process started, no longer removed by it (`remove_ray_temp_dir`):
-    their logs are kept, and a later run's start sweeps them once this process is gone."""
+    their logs are kept, marked so (LOGS_KEPT_FILE), and a later run's start sweeps them once this process is
+    gone."""
     kept = list(_ray_temp_dir)
     _ray_temp_dir.clear()
+    for folder in kept:
+        try:
+            with open(os.path.join(folder, LOGS_KEPT_FILE), "w", encoding="utf-8"):
+                pass
+        except OSError:  # gone meanwhile, or not writable: nothing to keep then
+            pass
     return kept
 
 
@@ -140,12 +151,32 @@ def remove_ray_temp_dir() -> None:
         shutil.rmtree(_ray_temp_dir.pop(), ignore_errors=True)
 
 
-def remove_dead_ray_temp_dirs(root: str = RAY_TEMP_ROOT) -> int:
+def remove_dead_ray_temp_dirs(root: str = RAY_TEMP_ROOT, *, kept_logs: bool = False) -> int:
     """Remove Ray folders (kvmesh-ray-<owner pid>-*) whose owner is gone: a run killed outright (SIGKILL)
-    never removes its own. Returns how many were removed."""
-    from kvmesh.kvstore.private_dir import remove_dead_owners_dirs
+    never removes its own. A folder whose logs a failed start kept (LOGS_KEPT_FILE) goes only with `kept_logs`
+    (a new start's sweep): the sweep right after a run's process exited (`kvmesh serve`'s relay, app.py's
+    `remove_dead_runs_files`) removed the logs the run had just named as kept. Returns how many were removed.
+    The checks are `private_dir.remove_dead_owners_dirs`'s: this user's folders, none another pid namespace or
+    host made."""
+    from kvmesh.kvstore.private_dir import foreign_owner, owner_gone, remove_dead_owners_dirs
 
-    return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root)
+    if kept_logs:
+        return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root)
+    removed = 0
+    for entry in os.scandir(root):
+        pid = entry.name.removeprefix(RAY_TEMP_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(RAY_TEMP_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or foreign_owner(entry.path):
+                continue  # not ours to judge
+        except OSError:  # gone meanwhile
+            continue
+        if os.path.exists(os.path.join(entry.path, LOGS_KEPT_FILE)) or not owner_gone(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool, temp_dir: str | None) -> None:
@@ -161,19 +192,27 @@ def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bo
 
         return keep_loopback
 
-    with ray_private.localhost_resolver(make):
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            dashboard_host=LOOPBACK,
-            log_to_driver=log_to_driver,
-            # a user reads kvmesh's lines; Ray's own (start-up notes, the token-auth notice) stay in its log files
-            logging_level=logging.INFO if log_to_driver else logging.ERROR,
-            runtime_env={"env_vars": dict(env_vars)},
-            **ray_private.node_ip_init_kwargs(LOOPBACK),
-            **(ray_private.temp_dir_init_kwargs(temp_dir) if temp_dir else {}),
-        )
+    with ray_private.localhost_resolver(make), signals_seen() as seen:
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                dashboard_host=LOOPBACK,
+                log_to_driver=log_to_driver,
+                # a user reads kvmesh's lines; Ray's own (start-up notes, the token-auth notice) stay in its log
+                # files
+                logging_level=logging.INFO if log_to_driver else logging.ERROR,
+                runtime_env={"env_vars": dict(env_vars)},
+                **ray_private.node_ip_init_kwargs(LOOPBACK),
+                **(ray_private.temp_dir_init_kwargs(temp_dir) if temp_dir else {}),
+            )
+        except SystemExit as exc:
+            # ray.init replaces the SIGTERM handler with its own, which exits with status 1 (or 15): a stop
+            # signal during the start is a stop (143), as it is at any other time, not a start that failed
+            if not isinstance(exc, Terminated) and signal.SIGTERM in seen():
+                raise Terminated(128 + signal.SIGTERM) from None
+            raise
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         raise RuntimeError(

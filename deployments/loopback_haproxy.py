@@ -8,7 +8,8 @@ answered every request with HTTP 500. Serve runs whatever `RAY_SERVE_HAPROXY_BIN
 local run points it at a small script that runs this module: it rewrites those two binds to 127.0.0.1 in
 a copy of the config, asks the kernel for SIGTERM when its parent dies, and execs the real binary (same
 pid, so Serve's process bookkeeping is unchanged). The HTTP front keeps the host the config chose; its own
-answer when no replica can be reached is OpenAI-style JSON, as every other answer of the app (`json_errors`). The
+answer when no replica can be reached is OpenAI-style JSON, as every other answer of the app (`json_errors`), and
+it binds without SO_REUSEPORT (`no_reuseport`): a second run on the same port fails instead of sharing it. The
 script passes on the pid of the process that ran it (PARENT_PID_ENV): a parent that died before the
 kernel was asked is noticed then, and the launcher ends instead of leaving an orphaned HAProxy.
 
@@ -73,9 +74,22 @@ def json_errors(text: str, folder: str) -> str:
     return head.sub(lambda m: m.group(0) + "".join(lines), text, count=1)
 
 
+def no_reuseport(text: str) -> str:
+    """`text` with `noreuseport` in its `global` section (one added at the top when it has none). Why: HAProxy
+    binds with SO_REUSEPORT by default, so a second local run given the same port listened beside the first
+    and the kernel split the clients between the two apps; without it the second front fails to bind. Reloads
+    are unaffected: the new process takes the listeners from the old one over the admin socket (`-x`)."""
+    if re.search(r"^[ \t]*noreuseport\b", text, flags=re.MULTILINE):
+        return text
+    head = re.compile(r"^global\b[^\n]*\n", flags=re.MULTILINE)
+    if not head.search(text):
+        return "global\n    noreuseport\n" + text
+    return head.sub(lambda m: m.group(0) + "    noreuseport\n", text, count=1)
+
+
 def rewrite_args(args: list[str], ports: set[int]) -> list[str]:
     """HAProxy's arguments with each `-f CONFIG` replaced by a loopback copy written next to it (its own
-    error answers as JSON, `json_errors`)."""
+    error answers as JSON, `json_errors`; no SO_REUSEPORT, `no_reuseport`)."""
     out = list(args)
     for i, arg in enumerate(out[:-1]):
         if arg == "-f":
@@ -84,7 +98,8 @@ def rewrite_args(args: list[str], ports: set[int]) -> list[str]:
                 text = fh.read()
             dst = f"{src}.loopback"
             with open(dst, "w", encoding="utf-8") as fh:
-                fh.write(json_errors(loopback_config(text, ports), os.path.dirname(os.path.abspath(src))))
+                text = no_reuseport(loopback_config(text, ports))
+                fh.write(json_errors(text, os.path.dirname(os.path.abspath(src))))
             out[i + 1] = dst
     return out
 

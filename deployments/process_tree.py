@@ -9,7 +9,8 @@ finds every leftover below it and ends it. Linux only; elsewhere these are no-op
 
 A stop signal must unwind the run for its clean-up to happen: `exit_on_sigterm` / `sigterm_unwinds` turn
 SIGTERM into an unwinding exit (`Terminated`, a SystemExit), as Ctrl-C unwinds, for every `kvmesh` command
-and benchmark; `handlers_put_back` restores the caller's handlers after code that replaces them (`ray.init`).
+and benchmark; `handlers_put_back` restores the caller's handlers after code that replaces them (`ray.init`), and
+`signals_seen` tells whether a signal came while such code's handler took it.
 """
 
 from __future__ import annotations
@@ -111,6 +112,48 @@ def sigterm_unwinds() -> Iterator[None]:
         if threading.current_thread() is threading.main_thread():
             exit_on_sigterm()
         yield
+
+
+@contextlib.contextmanager
+def signals_seen() -> Iterator[Callable[[], set[int]]]:
+    """Inside: a function returning the signals this process received since entry, whichever handler took
+    them (Python's wakeup fd, which every Python-level handler writes the signal's number to). Why: code that
+    replaces the caller's handler with its own (`ray.init`) hides that a stop signal came. An earlier wakeup
+    fd is given back on the way out, with what arrived meanwhile. Off the main thread it sees nothing."""
+    got: set[int] = set()
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: got
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    data = bytearray()
+
+    def drain() -> set[int]:
+        while True:
+            try:
+                chunk = os.read(read_end, 512)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data.extend(chunk)
+        got.update(data)
+        return got
+
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    try:
+        yield drain
+    finally:
+        signal.set_wakeup_fd(previous)
+        drain()
+        if previous != -1 and data:
+            try:
+                os.write(previous, bytes(data))
+            except OSError:
+                pass
+        os.close(read_end)
+        os.close(write_end)
 
 
 def end_descendants(grace_s: float = 5.0, exclude: Collection[int] = ()) -> list[str]:

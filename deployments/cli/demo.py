@@ -192,8 +192,13 @@ def _run_live(
 ) -> dict[str, dict]:
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.cachetest import STATS_SETTLE_S
+    from kvmesh.deployments.cli.serve import start_failure
+    from kvmesh.deployments.process_tree import become_subreaper
     from kvmesh.deployments.replay import ReplayConfig, ReplayError, replay
 
+    # as `kvmesh serve`'s driver: what Ray's processes orphan (an agent whose raylet ended first) is reparented
+    # here, not to init, so each run's stop_local ends it before the next run starts
+    become_subreaper()
     key = "kvm-demo-" + os.urandom(6).hex()
     results = {}
     for name in names:
@@ -206,7 +211,10 @@ def _run_live(
         t0 = time.perf_counter()
         print(f"[{name}] starting {args.replicas} replicas ...", flush=True)
         try:
-            url = start_local(config)
+            try:
+                url = start_local(config)
+            except Exception as exc:  # one line, as `kvmesh serve` says it; start_local left nothing running
+                raise CliError(f"kvmesh demo: {name}: could not start the app: {start_failure(exc)}") from None
             print(f"[{name}] serving at {url} after {time.perf_counter() - t0:.0f}s; replaying", flush=True)
             cfg = ReplayConfig(
                 url=url,
@@ -228,7 +236,7 @@ def _run_live(
                 explained[name] = _explanations(url, key, rep)
         except ReplayError as exc:
             raise CliError(f"kvmesh demo: {exc}") from None
-        except TimeoutError as exc:  # the app never became healthy
+        except TimeoutError as exc:  # a wait after the start that ran out
             raise CliError(f"kvmesh demo: {name}: {exc}") from None
         finally:
             stop_local()

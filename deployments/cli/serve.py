@@ -7,15 +7,27 @@ Flags override the config file (`--config FILE`, the same YAML the Serve app bui
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 
 from kvmesh.deployments.cli import CliError
-from kvmesh.deployments.cli.args import given
+from kvmesh.deployments.cli.args import given, printable
 
 DRIVER_KEY_ENV = "KVMESH_SERVE_API_KEY"  # the supplied API key as the relay hands it to the driver
 API_KEY_ENV = "KVMESH_API_KEY"  # an operator's API key, kept off the command line (`ps` shows that to everyone)
+
+
+# a terminal colour or style code (CSI ... final byte): Ray colours the task names in its errors
+_ANSI_CODE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def start_failure(exc: BaseException) -> str:
+    """The first line of why a start failed, as one plain line of text: Ray's errors carry terminal colour
+    codes, which a log file or a service manager's journal shows as raw escapes."""
+    text = _ANSI_CODE.sub("", str(exc)).strip()
+    return printable(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def add_arguments(parser) -> None:
@@ -324,8 +336,7 @@ def _drive(args, cfg: dict) -> int:
         url = start_local(cfg, num_cpus=args.num_cpus, address=args.address)
     except Exception as exc:
         stop_local()
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CliError(f"could not start the app: {first_line}") from None
+        raise CliError(f"could not start the app: {start_failure(exc)}") from None
     except BaseException:  # a stop signal during the start (SystemExit, KeyboardInterrupt)
         stop_local(drain=False)
         raise

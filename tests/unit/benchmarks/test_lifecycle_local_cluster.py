@@ -94,3 +94,32 @@ def test_without_a_starter_pid_nothing_is_watched(monkeypatch):
 def test_a_malformed_starter_pid_is_ignored(monkeypatch, starter):
     monkeypatch.setenv(STARTER_PID_ENV, starter)
     assert end_with_starter() is None
+
+
+def test_a_cluster_removes_the_ray_folders_of_starters_that_are_gone(tmp_path, monkeypatch):
+    """A cluster whose starter was killed outright (its nodes end with it) left its /tmp/kvrc-* folder, Ray's
+    whole session, forever: each cluster's folder is named after its starter, and the next cluster set up
+    removes those of starters that are gone. Nothing starts: the folders are made by hand."""
+    import shutil
+    import tempfile
+
+    from kvmesh.benchmarks import local_cluster
+    from kvmesh.kvstore.private_dir import write_owner_tag
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(local_cluster, "TEMP_ROOT", str(tmp_path), raising=False)
+    dead = tempfile.mkdtemp(prefix=f"kvrc-{gone.pid}-", dir=tmp_path)  # a cluster whose starter is gone
+    live = tempfile.mkdtemp(prefix=f"kvrc-{os.getppid()}-", dir=tmp_path)  # one of a running starter
+    for path in (dead, live):
+        write_owner_tag(path)
+    cluster = local_cluster.LocalRayCluster(tmp_path / "work", [local_cluster.NodeSpec(1)])
+    try:
+        assert os.path.dirname(cluster.temp_dir) == str(tmp_path), cluster.temp_dir
+        assert os.path.basename(cluster.temp_dir).startswith(f"kvrc-{os.getpid()}-"), cluster.temp_dir
+        assert not os.path.exists(dead), "a gone starter's cluster folder was not removed"
+        assert os.path.isdir(live)
+        cluster.stop()
+        assert not os.path.exists(cluster.temp_dir)
+    finally:
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)

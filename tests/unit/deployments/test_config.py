@@ -72,10 +72,14 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     assert Path(a["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent.is_dir()
     # Serve's own proxy: no HAProxy files or ports, only the HA-proxy switch, the proxy readiness bound
     # and the request-path settings every local run gets
-    assert _proxy_env("serve") == {
+    serve = _proxy_env("serve")
+    fallback = {k: serve.pop(k) for k in ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")}
+    assert all(port.isdigit() for port in fallback.values())  # per run: the test below
+    assert serve == {
         **SERVE_PATH_ENV,
         "RAY_SERVE_ENABLE_HA_PROXY": "0",
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+        "SERVE_SOCKET_REUSE_PORT_ENABLED": "0",
     }
     assert SERVE_PATH_ENV.items() <= a.items()
     # every file Serve's HAProxy manager would put under the machine-wide /tmp/haproxy-serve goes to the
@@ -92,6 +96,47 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
     assert {name: a.get(name, "").startswith(run) for name in machine_wide} == dict.fromkeys(machine_wide, True)
     for env in (a, b):
         shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+
+
+@pytest.mark.parametrize("proxy", ["haproxy", "serve"])
+def test_each_local_run_gets_its_own_fallback_proxy_ports(proxy):
+    """Serve's fallback proxy (HAProxy's backup server while no ingress replica runs) listened on the fixed
+    127.0.0.1:8500 with SO_REUSEPORT: two local runs shared it, and one run's prompts reached the other's app."""
+    import shutil
+
+    import ray.serve._private.constants as serve_constants
+
+    from kvmesh.deployments.app import _proxy_env
+
+    names = ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+    assert all(hasattr(serve_constants, name) for name in names), "Serve renamed its fallback proxy's settings"
+    a, b = _proxy_env(proxy), _proxy_env(proxy)
+    try:
+        ports = [int(env[name]) for env in (a, b) for name in names]
+        assert len(set(ports)) == 4, f"two runs (or HTTP and gRPC) share a fallback port: {ports}"
+        assert {serve_constants.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT, 8500, 9500}.isdisjoint(ports)
+    finally:
+        for env in (a, b):
+            if "RAY_SERVE_HAPROXY_SERVER_STATE_BASE" in env:
+                shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+
+
+@pytest.mark.parametrize("proxy", ["haproxy", "serve"])
+def test_serves_python_proxies_of_a_local_run_bind_without_so_reuseport(proxy):
+    """With SO_REUSEPORT (Serve's Python proxy's default) a second run on a port already bound listened beside
+    the first and took half its clients; the name is the one Ray 2.60's proxy reads."""
+    import inspect
+    import shutil
+
+    import ray.serve._private.proxy as serve_proxy
+
+    from kvmesh.deployments.app import _proxy_env
+
+    assert 'os.environ.get("SERVE_SOCKET_REUSE_PORT_ENABLED"' in inspect.getsource(serve_proxy)
+    env = _proxy_env(proxy)
+    if "RAY_SERVE_HAPROXY_SERVER_STATE_BASE" in env:
+        shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+    assert env["SERVE_SOCKET_REUSE_PORT_ENABLED"] == "0"
 
 
 def test_serve_config_file_round_trip(tmp_path):

@@ -70,10 +70,15 @@ def test_a_start_removes_the_secret_files_of_runs_killed_before_they_could(home,
 
 
 def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
-    """`kvmesh serve`'s driver SIGKILLed (a second Ctrl-C): the relay removes its secret files and folders."""
-    from kvmesh.deployments import process_tree, supervisor
+    """`kvmesh serve`'s driver SIGKILLed (a second Ctrl-C): the relay removes its secret files and folders. A
+    Ray folder whose logs a failed start kept (and named as kept) stays for the user to read: the relay removed
+    it as soon as the driver had exited; the next start's sweep removes it."""
+    import shutil
+
+    from kvmesh.deployments import local_ray, process_tree, supervisor
 
     made: list[str] = []
+    kept: list[str] = []
     real_popen = subprocess.Popen
 
     def driver_killed(cmd, **kw):
@@ -81,6 +86,9 @@ def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
         proc = real_popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
         proc.wait()
         made.extend(_leftovers(home, proc.pid))
+        # a failed start's Ray folder, kept as the driver's stop_local(keep_logs=True) keeps it
+        local_ray._ray_temp_dir.append(tempfile.mkdtemp(prefix=f"kvmesh-ray-{proc.pid}-", dir="/tmp"))
+        kept.extend(local_ray.keep_ray_temp_dir())
         return proc
 
     monkeypatch.setattr(supervisor.subprocess, "Popen", driver_killed)
@@ -96,7 +104,15 @@ def test_the_relay_removes_what_its_killed_driver_left(home, monkeypatch):
         for path in left:
             if os.path.isdir(path):
                 os.rmdir(path)
+        kept_after_relay = [p for p in kept if os.path.isdir(p)]
+        if kept_after_relay:
+            local_ray.remove_dead_ray_temp_dirs(kept_logs=True)  # as the next start sweeps
+        kept_after_next_start = [p for p in kept if os.path.isdir(p)]
+        for path in kept:
+            shutil.rmtree(path, ignore_errors=True)
     assert made and left == [], f"the killed driver's leftovers stayed: {left}"
+    assert kept and kept_after_relay == kept, "the relay removed the Ray logs the failed start said it kept"
+    assert kept_after_next_start == [], "the next start left a dead run's kept Ray logs"
 
 
 def test_the_relay_gone_driver_signals_only_its_own_events(relay_gone):

@@ -175,3 +175,60 @@ def test_a_failed_ray_start_puts_the_callers_signal_handlers_back(fake_ray, monk
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("status", [1, 15])
+def test_a_sigterm_that_rays_own_handler_took_during_ray_init_is_a_stop(fake_ray, monkeypatch, status):
+    """ray.init replaces the SIGTERM handler (its driver's exits with 15, its node's with 1 after ending its
+    processes): a stop signal during the start exited 1 and was reported as a failed start, not the 143 of
+    every other stop."""
+    import signal
+
+    import ray
+
+    from kvmesh.deployments.local_ray import start_local_ray
+    from kvmesh.deployments.process_tree import Terminated, handlers_put_back
+
+    def init_stopped(**kw):
+        fake_ray["init"] = kw
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(status))  # as Ray's handlers do
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs in this thread between two bytecodes
+            pass
+        pytest.fail("the SIGTERM never reached Ray's handler")
+
+    monkeypatch.setattr(ray, "init", init_stopped)
+    with handlers_put_back(signal.SIGTERM), pytest.raises(SystemExit) as info:
+        start_local_ray(num_cpus=1, env_vars={}, log_to_driver=False)
+    assert isinstance(info.value, Terminated) and info.value.code == 143
+
+
+def test_ray_inits_own_exit_without_a_signal_stays_what_it_was(fake_ray):
+    from kvmesh.deployments.local_ray import start_local_ray
+    from kvmesh.deployments.process_tree import Terminated
+
+    fake_ray["init_error"] = SystemExit(1)
+    with pytest.raises(SystemExit) as info:
+        start_local_ray(num_cpus=1, env_vars={}, log_to_driver=False)
+    assert not isinstance(info.value, Terminated) and info.value.code == 1
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), SystemExit(143)])
+def test_a_start_a_stop_signal_ended_keeps_no_logs_and_says_none_are_kept(fake_ray, monkeypatch, caplog, stop):
+    """Only a start that failed has logs worth keeping: one interrupted by Ctrl-C or SIGTERM said its logs were
+    kept in a folder, which then stayed behind."""
+    from kvmesh.deployments import app, deploy_watch
+    from kvmesh.deployments.process_tree import Terminated
+
+    if isinstance(stop, SystemExit):
+        stop = Terminated(143)
+
+    def stopped(built, cfg):
+        raise stop
+
+    monkeypatch.setattr(deploy_watch, "deploy_or_explain", stopped)
+    with caplog.at_level("WARNING", logger=app.log.name), pytest.raises(type(stop)):
+        app.start_local({"replicas": 1, "port": 0, "proxy": "serve"})
+    folder = _run_folder(fake_ray["init"]["_temp_dir"])
+    assert not os.path.exists(folder), "an interrupted start left its Ray folder"
+    assert "kept" not in caplog.text

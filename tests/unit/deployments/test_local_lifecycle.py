@@ -54,6 +54,57 @@ def test_haproxy_side_ports_move_to_loopback_and_the_front_keeps_its_host(tmp_pa
     assert "bind 127.0.0.1:9101" in open(args[2]).read() and cfg.read_text() == SERVE_HAPROXY_CFG
 
 
+def test_the_haproxy_config_binds_without_so_reuseport():
+    from kvmesh.deployments.loopback_haproxy import no_reuseport
+
+    out = no_reuseport("global\n    maxconn 100\ndefaults\n    mode http\n")
+    assert out.startswith("global\n    noreuseport\n    maxconn 100\n") and out.count("noreuseport") == 1
+    assert no_reuseport(out) == out
+    assert no_reuseport("defaults\n    mode http\n").startswith("global\n    noreuseport\n")
+
+
+def test_a_second_haproxy_on_a_bound_port_fails_instead_of_sharing_it(tmp_path):
+    """Two local runs on one --port: each passed the port check before either front was up, and with HAProxy's
+    default SO_REUSEPORT both fronts listened and the kernel split the clients between the two apps. The real
+    binary, on the rewritten config, as the launcher runs it (without Serve's -dR)."""
+    import time
+
+    from ray.serve._private.haproxy import get_haproxy_binary
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for name in ("a", "b"):
+            cfg = tmp_path / f"{name}.cfg"
+            cfg.write_text(
+                "global\n    maxconn 100\ndefaults\n    mode http\n    timeout connect 1s\n    timeout client 5s\n"
+                f"    timeout server 5s\nfrontend http_frontend\n    bind 127.0.0.1:{port}\n"
+                f'    http-request return status 200 content-type text/plain string "{name}"\n'
+            )
+            args = rewrite_args(["-db", "-f", str(cfg)], set())
+            procs.append(
+                subprocess.Popen([get_haproxy_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+            deadline = time.monotonic() + 10
+            while name == "a" and procs[0].poll() is None:  # the first listens before the second starts
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except ConnectionRefusedError:
+                    assert time.monotonic() < deadline, "the first HAProxy never listened"
+                    time.sleep(0.05)
+        assert procs[1].wait(timeout=10) != 0, "the second HAProxy listened on the port the first holds"
+        assert procs[0].poll() is None, "the first HAProxy did not keep its port"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stderr.close()  # type: ignore[union-attr]
+
+
 def test_a_taken_port_is_refused_naming_the_holder():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -153,3 +153,47 @@ def test_the_demo_cachetest_report_records_the_concurrency_used():
     recs = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2], "user": "a"}]
     rep = report_from_replays(recs, {"kvmesh": ReplayReport([_res(0, 64, 0, 0.01)], 1.0, concurrency=4)}, 32, 32)
     assert rep["passes"]["kvmesh"]["concurrency"] == 4
+
+
+def test_a_live_demo_whose_app_cannot_start_says_so_in_one_line_exit_2(monkeypatch, capsys):
+    """The demo let start_local's error escape: a traceback and exit status 1, where `kvmesh serve` prints one
+    line and exits 2 (the CLI's contract for an error the user can act on)."""
+    from kvmesh.deployments import app, process_tree
+    from kvmesh.deployments.cli import main
+
+    def failing_start(config, **kw):
+        raise RuntimeError(
+            "Deploying application kvmesh failed: \x1b[36mray::ServeReplica.init()\x1b[39m died.\nTraceback: ..."
+        )
+
+    stopped = []
+    monkeypatch.setattr(app, "start_local", failing_start)
+    monkeypatch.setattr(app, "stop_local", lambda *a, **k: stopped.append(1))
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: True)  # not this test process
+    argv = ["demo", "--live", "--replicas", "1", "--conversations", "2", "--policies", "kvmesh"]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert err == [
+        "error: kvmesh demo: kvmesh: could not start the app: Deploying application kvmesh failed: "
+        "ray::ServeReplica.init() died."
+    ]
+    assert stopped, "the demo did not stop what the failed start left"
+
+
+def test_the_live_demo_keeps_what_rays_processes_orphan_below_itself(monkeypatch):
+    """The demo runs Ray in its own process without `kvmesh serve`'s relay: as a child subreaper it inherits
+    what Ray's processes orphan, so each run's stop ends it (`stop_local` ends every process below)."""
+    from kvmesh.deployments import app, process_tree
+    from kvmesh.deployments.cli import main
+
+    calls = []
+
+    def failing_start(config, **kw):
+        calls.append("start")
+        raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(app, "start_local", failing_start)
+    monkeypatch.setattr(app, "stop_local", lambda *a, **k: None)
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: calls.append("subreaper") or True)
+    assert main(["demo", "--live", "--replicas", "1", "--conversations", "2", "--policies", "kvmesh"]) == 2
+    assert calls == ["subreaper", "start"]

@@ -124,3 +124,26 @@ def test_the_start_banner_gives_the_autoscaling_range(monkeypatch, capsys):
         "starting kvmesh: 1-8 engine replicas (autoscaling, 1 at start), policy kvmesh, model tiny ...",
         "starting kvmesh: 2-6 engine replicas (autoscaling, 3 at start), policy kvmesh, model tiny ...",
     ]
+
+
+def test_a_failed_start_is_one_plain_line_without_rays_colour_codes(monkeypatch):
+    """Ray colours the task name in its errors (`ray::ProxyActor.ready()`): the escape codes reached the one
+    line `kvmesh serve` prints as raw bytes."""
+    import argparse
+
+    from kvmesh.deployments import app, process_tree
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.cli import serve as serve_cmd
+    from kvmesh.deployments.config import app_config
+
+    def colour_failure(cfg, **kwargs):
+        raise RuntimeError(
+            "\x1b[36mray::ProxyActor.ready()\x1b[39m (pid=2719, ip=127.0.0.1)\n  File x, line 1\nOSError: in use"
+        )
+
+    monkeypatch.setattr(app, "start_local", colour_failure)
+    monkeypatch.setattr(app, "stop_local", lambda drain=True: None)
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: None)
+    with pytest.raises(CliError) as info:
+        serve_cmd._drive(argparse.Namespace(num_cpus=None, address=None), app_config({}))
+    assert str(info.value) == "could not start the app: ray::ProxyActor.ready() (pid=2719, ip=127.0.0.1)"
