@@ -8,23 +8,28 @@ rate >= 0.97 x the merged-LRU bound with per-replica prefill max/mean <= 1.25, u
 proven out of reach for every placement (`kvmesh.cluster.out_of_reach`: the two halves of the target
 exclude each other there, or the exact solver, `kvmesh.cluster.exact_placement`, found that no placement
 meets it); one other miss is a MISS and a non-zero exit. Each miss the floor does not settle is put to the
-solver (ROBUST_EXACT_S seconds per attempt, default 10; 0 skips it): "reachable" there means an offline
-placement meets the target, so the miss is the policy's. Writes
+solver (ROBUST_EXACT_S seconds per attempt, default 10; 0 skips it, for the shared-tier misses too, whose
+verdict is then "not run"): "reachable" there means an offline placement meets the target, so the miss is
+the policy's. Writes
 <BENCH_OUT>/robust/robust.json and robust.png (BENCH_OUT default out).
 `BENCH=robust make bench` or `python -m kvmesh.benchmarks.run_all robust`. With ROBUST_LIVE=N the first N
-eval seeds (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh and round robin on
-fresh local apps) and compared with the simulator in the same send order (`benchmarks/robust_live.py`;
-about 2 minutes per draw here; ROBUST_LIVE_FAMILY=wide takes them from the wide_eval draws whose fleet is 3
-or 4 replicas instead); ROBUST_LIVE_TIER=1 adds kvmesh and round robin with LMCache tiers (and a
-redis-server) on each live draw, beside the simulator's shared-tier prediction, and judges kvmesh with
-LMCache by the same live targets, its TTFT against round robin's on the same LMCache engines.
+seeds of the ROBUST_SEEDS set (or N from index ROBUST_LIVE_FROM, default 0) are also replayed live (kvmesh
+and round robin on fresh local apps) and compared with the simulator in the same send order
+(`benchmarks/robust_live.py`; about 2 minutes per draw here; ROBUST_LIVE_FAMILY=wide takes them from the
+wide_eval draws whose fleet is 3 or 4 replicas instead); ROBUST_LIVE_TIER=1 adds kvmesh and round robin
+with LMCache tiers (and a redis-server) on each live draw, beside the simulator's shared-tier prediction, and
+judges kvmesh with LMCache by the same live targets, its TTFT against round robin's on the same LMCache
+engines.
 ROBUST_TIER_CHUNK_BLOCKS=K (default 1, as the live runs configure LMCache) runs the simulated shared-tier
 arm with LMCache chunks of K engine blocks (the manifest's 256-token chunks: K = 8 at this block size).
 Beside the shared-tier table, each policy's p50 and p90 TTFT against round robin's with the same tier, over
 the draws (printed, not judged: holding trades a request's wait for compute, and the p90 shows that first).
 ROBUST_WIDE=N (default 200, 0 skips it) also runs the first N `wide_eval` seeds of the second family
 (`kvmesh.cluster.workload_wide`: shapes the first family never draws) and prints the same figures and the
-TTFT tails against round robin, with robust-wide.png; printed, not judged.
+TTFT tails against round robin, with robust-wide.png; printed, not judged. There is no wide tune set, so
+under ROBUST_SEEDS=tune the wide part is skipped (and ROBUST_LIVE_FAMILY=wide refused): a tuning run
+simulates and runs no eval or wide_eval draw. The verdict line says PASS only when neither the placement
+target nor a live check missed.
 """
 
 from __future__ import annotations
@@ -158,7 +163,10 @@ def main() -> dict:
         print_tails(tails)
         tier_missed = [r for r in rows if not r["shared_tier"][POLICY]["meets_target"]]
         for r in tier_missed:
-            decide_with_tier(r, POLICY, opts, exact_s or 10.0)
+            if exact_s > 0:
+                decide_with_tier(r, POLICY, opts, exact_s)
+            else:  # ROBUST_EXACT_S=0 skips the solver here as for the placement-only misses
+                r["shared_tier"][POLICY]["tier_verdict"] = "not run"
         tier_proven = [r["seed"] for r in tier_missed if r["shared_tier"][POLICY]["tier_verdict"] == "out of reach"]
         print(
             f"  with the tier {POLICY} misses the target on {len(tier_missed)}/{len(rows)} draws: "
@@ -170,7 +178,7 @@ def main() -> dict:
             + f"; proven out of reach for any placement with the tier: {len(tier_proven)} {tier_proven}"
         )
     live_sim = simulated_live_part(which, opts.tier_chunk_blocks, exact_s)
-    wide = wide_part(opts, out_dir)
+    wide = wide_part(opts, out_dir, which)
     os.makedirs(out_dir, exist_ok=True)
     json_path, png_path = os.path.join(out_dir, "robust.json"), os.path.join(out_dir, "robust.png")
     with open(json_path, "w", encoding="utf-8") as fh:
@@ -223,12 +231,15 @@ def main() -> dict:
             f"{exact_s:.0f} s {undecided}"
         )
     live_missed = run_live_part(out_dir, live_seeds)
-    verdict = "PASS" if not misses else "MISS"
+    verdict = overall_verdict(misses, live_missed)
     met = len(rows) - len(missed)
     print(
         f"target: every draw {POLICY} hit >= {opts.target_ratio} x merged-LRU bound with prefill max/mean <= "
-        f"{opts.target_imbalance}, or proven out of reach: {verdict} ({met} meet it, {len(proven)} out of reach, "
-        f"{len(misses)} missed, of {len(rows)} draws)"
+        f"{opts.target_imbalance}, or proven out of reach"
+        + (", and every live draw's checks" if live_seeds else "")
+        + f": {verdict} ({met} meet it, {len(proven)} out of reach, {len(misses)} missed, of {len(rows)} draws"
+        + (f"; live checks {'missed' if live_missed else 'met'} on {len(live_seeds)} draws" if live_seeds else "")
+        + ")"
     )
     if missed:
         print(format_misses(missed, opts))
@@ -238,18 +249,31 @@ def main() -> dict:
     return {"summary": summary, "misses": []}
 
 
+def overall_verdict(misses: list, live_missed: bool) -> str:
+    """The verdict word: PASS only when no placement miss is the policy's and no live check missed (the
+    same two things that make the bench exit non-zero)."""
+    return "PASS" if not misses and not live_missed else "MISS"
+
+
 WIDE_POLICIES = ("kvmesh", "round_robin", "sglang_cache_aware", "dynamo_cost")
 
 
-def wide_part(opts: SweepOptions, out_dir: str) -> dict:
+def wide_part(opts: SweepOptions, out_dir: str, which: str = "eval") -> dict:
     """ROBUST_WIDE=N draws of the second family (`workload_wide`) on its `wide_eval` seeds: the placement
     target's count and the draws the floor proves out of reach, the shared-tier table, and p50 / p90 TTFT
     against round robin's with the tier; printed, not judged. Why: the first family's shapes are the ones the
     policy was developed on, even where its seeds were not. Plots the draws as `plot` does, to
-    <out_dir>/robust-wide.png."""
+    <out_dir>/robust-wide.png. A tuning run (`which` "tune") skips it and says so: robust_seeds.json has no
+    wide tune set, and the wide_eval draws are for reporting only."""
     from kvmesh.cluster import workload_wide
 
     n = int(os.environ.get("ROBUST_WIDE", "200") or 0)
+    if n > 0 and which != "eval":
+        print(
+            f"second family: skipped with ROBUST_SEEDS={which} (its only seeds are wide_eval, for reporting only; "
+            f"there is no wide tune set)"
+        )
+        return {"skipped": f"ROBUST_SEEDS={which}: no wide tune set; wide_eval is for reporting only"}
     seeds = wide_eval_seeds()[:n]
     if not seeds:
         return {}
@@ -339,10 +363,12 @@ def format_verdicts(verdicts: dict[int, str]) -> str:
 
 
 def live_seed_slice() -> list[int]:
-    """The eval draws ROBUST_LIVE (how many) and ROBUST_LIVE_FROM (from which index) ask to run live; [] when
-    none. Exits 2 with a one-line message when the slice is empty or a program the live runs start is not
-    installed (the peer router they compare with; redis-server with ROBUST_LIVE_TIER): found before the sweep
-    and the live runs start, not minutes into them."""
+    """The draws ROBUST_LIVE (how many) and ROBUST_LIVE_FROM (from which index) ask to run live, from the set
+    ROBUST_SEEDS names (eval by default; a tuning run takes tune draws, never held-out ones); [] when none.
+    Exits 2 with a one-line message when the slice is empty, when ROBUST_LIVE_FAMILY=wide is asked of a tuning
+    run (there is no wide tune set), or a program the live runs start is not installed (the peer router they
+    compare with; redis-server with ROBUST_LIVE_TIER): found before the sweep and the live runs start, not
+    minutes into them."""
     try:
         n = int(os.environ.get("ROBUST_LIVE", "0") or 0)
         start = int(os.environ.get("ROBUST_LIVE_FROM", "0") or 0)
@@ -350,12 +376,17 @@ def live_seed_slice() -> list[int]:
         _refuse(f"ROBUST_LIVE and ROBUST_LIVE_FROM must be integers ({exc})")
     if n <= 0:
         return []
+    which = os.environ.get("ROBUST_SEEDS", "eval")
+    if which not in ("tune", "eval"):
+        _refuse(f"ROBUST_SEEDS must be 'tune' or 'eval', got {which!r}")
     if live_family() == "wide":
+        if which != "eval":
+            _refuse(f"ROBUST_LIVE_FAMILY=wide with ROBUST_SEEDS={which}: there is no wide tune set")
         from kvmesh.benchmarks.robust_live import wide_live_seeds
 
         every, named = wide_live_seeds(wide_eval_seeds()), "wide_eval draws of 3-4 replicas"
     else:
-        every, named = load_seed_set("eval"), "eval draws"
+        every, named = load_seed_set(which), f"{which} draws"
     seeds = every[start : start + n] if start >= 0 else []
     if not seeds:
         _refuse(f"ROBUST_LIVE_FROM={start} is outside the {len(every)} {named}")
@@ -389,8 +420,8 @@ def _refuse(message: str) -> NoReturn:
 
 
 def run_live_part(out_dir: str, seeds: list[int]) -> bool:
-    """`seeds` (`live_seed_slice`: ROBUST_LIVE=N eval draws, from the first or from index ROBUST_LIVE_FROM, so
-    that a later slice of the evaluation draws can be run live too) live; prints each draw's checks; True
+    """`seeds` (`live_seed_slice`: ROBUST_LIVE=N draws of the ROBUST_SEEDS set, from the first or from index
+    ROBUST_LIVE_FROM, so that a later slice of the draws can be run live too) live; prints each draw's checks; True
     when one missed."""
     if not seeds:
         return False

@@ -19,6 +19,7 @@ BOUND_SHARE = 0.95  # kvmesh hit rate >= 0.95 x infinite-cache bound
 MAX_PREFILL_IMBALANCE = 1.25  # prefill tokens per worker, max / mean
 TTFT_RATIO = 1.2  # kvmesh TTFT p50 <= 1.2 x the best peer's at equal hit rate (docs/peers.md)
 TTFT_CHECK = f"TTFT p50 <= {TTFT_RATIO} x best peer at equal hit"
+PEERS_CHECK = "every peer answered every request"
 
 
 def max_over_mean(values: list[float]) -> float | None:
@@ -103,12 +104,32 @@ def ttft_peer(kvmesh_hit: float | None, peers: list[dict]) -> dict | None:
     return min(level, key=lambda r: r["ttft_p50_s"], default=None)
 
 
-def check_targets(rows: list[dict]) -> list[dict]:
+def failed_peers(group: list[dict], form: str, unsupported: dict[str, tuple[str, ...]]) -> list[dict]:
+    """The peer rows of one (workload, form) that did not answer every request (an error, or no request
+    answered at all), but for a setup declared unable to take this prompt form (`unsupported`)."""
+    return [
+        r
+        for r in group
+        if r["setup"] != KVMESH
+        and form not in unsupported.get(r["setup"], ())
+        and (r["errors"] or not r["requests"] or r["hit_rate_tokens"] is None)
+    ]
+
+
+def check_targets(rows: list[dict], unsupported: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
     """The live targets per (workload, form): kvmesh hit >= best peer - 0.01, >= 0.95 x bound,
-    prefill max/mean <= 1.25, zero errors, and TTFT p50 <= 1.2 x the best peer's at equal hit rate
+    prefill max/mean <= 1.25, zero errors, TTFT p50 <= 1.2 x the best peer's at equal hit rate
     (`ttft_peer`; met when no peer reaches kvmesh's hit rate: there is none to compare with at equal
-    hit rate). A peer that failed every request (e.g. sglang-router's 422 on token ids) has no hit rate
-    and does not count as 'best peer'."""
+    hit rate), and every peer answered every request: a peer that failed requests is not a baseline to
+    compare with (all failed: it has no hit rate and drops out of 'best peer'; some failed: its hit rate
+    is that of the requests it answered), so the verdict misses and names it (`peers_failed`). Exempt only
+    a setup declared unable to take the prompt form, `unsupported` (setup name -> forms; default
+    `setups.UNSUPPORTED_FORMS`: sglang-router's HTTP 422 on token ids); such a peer is left out of the
+    comparison."""
+    if unsupported is None:
+        from kvmesh.benchmarks.peers.setups import UNSUPPORTED_FORMS
+
+        unsupported = UNSUPPORTED_FORMS
     verdicts = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -123,6 +144,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         if not ours:
             continue
         k = ours[0]
+        failed = failed_peers(group, form, unsupported)
         best = max(peers, key=lambda r: r["hit_rate_tokens"], default=None)
         hit = k["hit_rate_tokens"]
         level = ttft_peer(hit, peers)
@@ -146,6 +168,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
             else k["prefill_max_over_mean"] <= MAX_PREFILL_IMBALANCE,
             "zero errors": k["errors"] == 0,
             TTFT_CHECK: ttft_ok,
+            PEERS_CHECK: not failed,
         }
         verdicts.append(
             {
@@ -159,6 +182,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
                 "ttft_peer_p50_s": peer_p50,
                 "kvmesh_ttft_p50_s": p50,
                 "ttft_ratio": ratio,
+                "peers_failed": [f"{r['setup']} ({r['errors']}/{r['requests']} failed)" for r in failed],
                 "checks": checks,
                 "pass": all(v is True for v in checks.values()),
             }
@@ -229,10 +253,15 @@ def format_verdicts(verdicts: list[dict]) -> str:
             )
         else:
             ttft = f"TTFT p50 kvmesh {_fmt(v.get('kvmesh_ttft_p50_s'), 'ms')} ms, no peer at its hit rate"
+        failed = (
+            f"; peers that did not answer every request: {', '.join(v['peers_failed'])}"
+            if v.get("peers_failed")
+            else ""
+        )
         out.append(
             f"{'PASS' if v['pass'] else 'MISS'}  {v['workload']}/{v['form']}: kvmesh "
             f"{_fmt(v['kvmesh_hit'], 'pct')} vs best peer {v['best_peer']} {_fmt(v['best_peer_hit'], 'pct')}"
-            f"; {ttft} -- {checks}"
+            f"; {ttft} -- {checks}{failed}"
         )
     return "\n".join(out)
 

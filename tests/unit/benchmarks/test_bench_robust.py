@@ -93,3 +93,102 @@ def test_the_saved_rows_leave_the_decision_traces_to_a_file_of_their_own():
     traces = split_traces(rows)
     assert traces == {"2001": {"live": trace, "sim": trace}}
     assert "decisions" not in str(rows) and rows[0]["kvmesh"] == {"hit": 0.7}
+
+
+def _run_main(monkeypatch, tmp_path, env: dict, seeds=None):
+    """bench_robust.main() on `seeds` (a few draws, the same code path) with `env`; its stdout and exit code."""
+    import contextlib
+    import io
+
+    from kvmesh.benchmarks import bench_robust
+
+    for k in ("ROBUST_LIVE", "ROBUST_LIVE_FROM", "ROBUST_LIVE_FAMILY", "ROBUST_LIVE_TIER", "ROBUST_TIER_CHUNK_BLOCKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    real = bench_robust.load_seed_set
+    monkeypatch.setattr(bench_robust, "load_seed_set", lambda which: seeds or real(which)[:2])
+    monkeypatch.setattr(bench_robust, "plot", lambda *a, **k: None)
+    buf, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(buf):
+        try:
+            bench_robust.main()
+        except SystemExit as exc:
+            code = exc.code
+    return buf.getvalue(), code
+
+
+def test_a_tuning_run_simulates_and_runs_no_eval_or_wide_eval_draw(monkeypatch, tmp_path):
+    """ROBUST_SEEDS=tune: every draw simulated (the sweep, the live send order) and every draw the live slice
+    takes is a tune draw; there is no wide tune set, so the wide part is skipped and says so."""
+    import json
+
+    import pytest
+
+    from kvmesh.benchmarks import bench_robust, robust_live
+
+    with open(bench_robust.SEEDS_FILE, encoding="utf-8") as fh:
+        sets = json.load(fh)
+    held_out = set(sets["eval"]) | set(sets["wide_eval"])
+    seen: list[int] = []
+    real_sweep, real_live = bench_robust.sweep, robust_live.simulated_live_targets
+
+    def sweep(seeds, *a, **k):
+        seen.extend(seeds)
+        return real_sweep(seeds, *a, **k)
+
+    def live_targets(seeds, *a, **k):
+        seen.extend(seeds)
+        return real_live(seeds, *a, **k)
+
+    monkeypatch.setattr(bench_robust, "sweep", sweep)
+    monkeypatch.setattr(robust_live, "simulated_live_targets", live_targets)
+    out, _ = _run_main(monkeypatch, tmp_path, {"ROBUST_SEEDS": "tune", "ROBUST_EXACT_S": "0", "ROBUST_WIDE": "3"})
+    assert seen and set(seen) <= set(sets["tune"]) and not held_out & set(seen)
+    assert "second family: skipped with ROBUST_SEEDS=tune" in out
+    saved = json.loads((tmp_path / "robust" / "robust.json").read_text())
+    assert "seeds" not in saved["wide"] and "rows" not in saved["wide"]
+
+    monkeypatch.setattr(robust_live, "require_live_tools", lambda tier: None)
+    monkeypatch.setattr(bench_robust, "load_seed_set", lambda which: list(sets[which]))
+    monkeypatch.setenv("ROBUST_LIVE", "2")
+    assert bench_robust.live_seed_slice() == sets["tune"][:2]
+    monkeypatch.setenv("ROBUST_LIVE_FAMILY", "wide")
+    with pytest.raises(SystemExit) as exc:
+        bench_robust.live_seed_slice()
+    assert exc.value.code == 2
+
+
+def test_exact_s_0_puts_no_shared_tier_miss_to_the_solver(monkeypatch, tmp_path):
+    """ROBUST_EXACT_S=0 skips the solver for the with-tier misses too; their verdict reads "not run"."""
+    from kvmesh.benchmarks import bench_robust
+
+    calls = []
+    monkeypatch.setattr(bench_robust, "decide_with_tier", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(bench_robust, "simulated_live_part", lambda *a, **k: {})
+    # two tune draws kvmesh misses the target on with the tier
+    out, _ = _run_main(
+        monkeypatch, tmp_path, {"ROBUST_SEEDS": "tune", "ROBUST_EXACT_S": "0", "ROBUST_WIDE": "0"}, [1003, 1047]
+    )
+    assert calls == []
+    assert "with the tier kvmesh misses the target on 2/2 draws" in out and out.count("not run)") == 2
+
+
+def test_the_verdict_word_misses_when_only_a_live_check_missed(monkeypatch, tmp_path):
+    """The verdict line counts what the exit status counts: a live miss makes it MISS, exit 1."""
+    from kvmesh.benchmarks import bench_robust
+
+    monkeypatch.setattr(bench_robust, "simulated_live_part", lambda *a, **k: {})
+    monkeypatch.setattr(bench_robust, "live_seed_slice", lambda: [1000])
+    live = {"missed": True}
+    monkeypatch.setattr(bench_robust, "run_live_part", lambda out_dir, seeds: live["missed"])
+    env = {"ROBUST_SEEDS": "tune", "ROBUST_EXACT_S": "0", "ROBUST_WIDE": "0"}
+    # two tune draws kvmesh meets the placement target on
+    out, code = _run_main(monkeypatch, tmp_path, env, [1000, 1004])
+    [line] = [x for x in out.splitlines() if x.startswith("target:")]
+    assert code == 1 and ": MISS (" in line and "PASS" not in line, line
+    live["missed"] = False
+    out, code = _run_main(monkeypatch, tmp_path, env, [1000, 1004])
+    [line] = [x for x in out.splitlines() if x.startswith("target:")]
+    assert code == 0 and ": PASS (" in line, line

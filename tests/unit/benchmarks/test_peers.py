@@ -352,3 +352,66 @@ def test_peer_servers_failing_to_start_leave_no_process_or_folder(monkeypatch, t
         engines.start_servers(2, engines.EngineSpec(model="m"), tmp_path)
     assert stopped == ["vllm-0"]
     assert set(glob.glob("/tmp/kvmesh-peer-*")) == before
+
+
+def _failing_peer_rows(errors, hit, form="tokens", setup="vllm-router/cache_aware"):
+    """kvmesh ahead of the peers that answered; `setup` (the best peer when it answers) failed `errors` of 10."""
+    rows = [
+        results.make_row("chat", form, "vllm-router/round_robin", _summary(0.50), _workers([20, 20, 20, 20]), 0.82),
+        results.make_row(
+            "chat",
+            form,
+            setup,
+            _summary(hit, errors=errors, p50=None if hit is None else 0.05),
+            _workers([0] * 4),
+            0.82,
+        ),
+        results.make_row("chat", form, "kvmesh", _summary(0.80), _workers([25, 22, 21, 22]), 0.82),
+    ]
+    return rows
+
+
+@pytest.mark.parametrize("errors, hit", [(10, None), (9, 0.79), (1, 0.79)])
+def test_a_peer_that_did_not_answer_every_request_is_a_named_miss(errors, hit):
+    """A peer whose requests all failed drops out of 'best peer', and one that failed some is compared on the
+    requests it answered: either way the comparison is not the one the targets mean, so the verdict misses and
+    names the peer."""
+    [v] = results.check_targets(_failing_peer_rows(errors, hit))
+    assert v["checks"][results.PEERS_CHECK] is False and v["pass"] is False
+    assert v["peers_failed"] == [f"vllm-router/cache_aware ({errors}/10 failed)"]
+    line = results.format_verdicts([v])
+    assert line.startswith("MISS  chat/tokens") and f"{results.PEERS_CHECK}: MISS" in line
+    assert f"vllm-router/cache_aware ({errors}/10 failed)" in line
+
+
+def test_only_a_setup_declared_unsupported_for_the_form_is_exempt():
+    """sglang-router is declared unable to take token ids (`setups.UNSUPPORTED_FORMS`): its failures there are
+    exempt; the same failures on text prompts, or with nothing declared, are a miss."""
+    from kvmesh.benchmarks.peers import setups
+
+    assert setups.UNSUPPORTED_FORMS == {"sglang-router/cache_aware": ("tokens",)}
+    sg = "sglang-router/cache_aware"
+    [v] = results.check_targets(_failing_peer_rows(10, None, "tokens", sg))
+    assert v["checks"][results.PEERS_CHECK] is True and v["pass"] is True and v["peers_failed"] == []
+    [v] = results.check_targets(_failing_peer_rows(10, None, "text", sg))
+    assert v["checks"][results.PEERS_CHECK] is False and v["peers_failed"] == [f"{sg} (10/10 failed)"]
+    [v] = results.check_targets(_failing_peer_rows(10, None, "tokens", sg), unsupported={})
+    assert v["checks"][results.PEERS_CHECK] is False and v["pass"] is False
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_the_saved_peer_runs_are_shown_as_the_current_checks_judge_them(workers):
+    """docs/results/peers-n{2,4}.json keep the verdicts made when they were saved (`targets`, an earlier check
+    set); judged again with today's `check_targets`, the verdicts stored beside them (`targets_current_checks`)
+    and every verdict line docs/peers.md shows for them must be what the current checks say of the saved rows."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    doc = json.loads((root / "docs" / "results" / f"peers-n{workers}.json").read_text())
+    now = results.check_targets(doc["rows"])
+    assert doc["targets_current_checks"] == now
+    shown = (root / "docs" / "peers.md").read_text()
+    for line in results.format_verdicts(now).splitlines():
+        assert line in shown, line
+    if not all(v["pass"] for v in now):
+        assert f"`targets_current_checks`\nin `peers-n{workers}.json`" in shown
