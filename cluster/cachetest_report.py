@@ -93,9 +93,9 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
     tenants: dict[str, dict] = {}
     replicas: dict[str, dict] = {}
     for s, r in zip(run.sent, reasons):
-        for table, key in ((tenants, s.prepared.tok.tenant or ""), (replicas, s.replica)):
+        for table, row_key in ((tenants, s.prepared.tok.tenant or ""), (replicas, s.replica)):
             row = table.setdefault(
-                key, {"requests": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0, "miss_tokens": {}}
+                row_key, {"requests": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0, "miss_tokens": {}}
             )
             row["requests"] += 1
             if s.error is not None:
