@@ -52,6 +52,13 @@ def _diff(before: dict, after: dict, key: str) -> int:
     return round(float(after.get(key) or 0) - float(before.get(key) or 0))
 
 
+def _same_router(before: dict, after: dict) -> bool:
+    """Did both reads of the router's counters reach the same router? Each ingress replica's router keeps its
+    own index and eviction count (and a restarted one starts again at 0): a difference across two is no
+    figure of the pass."""
+    return before.get("router_instance") == after.get("router_instance")
+
+
 def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) -> dict:
     """The per-pass figures under the issue's keys (plus a few extras: wall, throughput, baselines)."""
     ok = [(s, r) for s, r in zip(run.sent, reasons) if s.error is None]
@@ -139,7 +146,7 @@ def pass_figures(run: PassRun, reasons: Sequence[dict[str, int]], rates: Rates) 
         "hits_by_tier": {"hbm": cached - loaded, "host": min(host, cached), "shared": max(0, loaded - host)}
         if server
         else {"hbm": None, "host": None, "shared": None, "unknown": cached},
-        "evictions": _diff(before, after, "evictions") if server else None,
+        "evictions": _diff(before, after, "evictions") if server and _same_router(before, after) else None,
         "spills": {
             "to_host_chunks": _diff(before, after, "chunks_to_host"),
             "to_shared_chunks": _diff(before, after, "chunks_to_shared"),

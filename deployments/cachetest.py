@@ -132,6 +132,8 @@ def counters_from_state(state: dict) -> dict:
     figures: its tier hits are zero, so every cached token it delivered came from the engines' own cache."""
     router = state.get("router") or {}
     out = {"evictions": (router.get("index") or {}).get("evictions", 0)}
+    if isinstance(router.get("instance"), str):  # which router's index counted them (cluster/cachetest_report)
+        out["router_instance"] = router["instance"]
     out.update({k: v for k, v in (state.get("tiers") or {}).items() if isinstance(v, (int, float))})
     stats = (router.get("routing_stats") or {}).values()
     loaded = [s["external_hit_tokens"] for s in stats if isinstance(s.get("external_hit_tokens"), int)]

@@ -40,6 +40,7 @@ import asyncio
 import collections
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -241,6 +242,9 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self.decisions = 0
         self.rerankings = 0
         self.decision_s = 0.0  # every ranking's time
+        # this router object's own name: its counters start at 0 with it, so a reader diffing two snapshots
+        # (cachetest, across ingress replicas or a restart) must know both came from the same one
+        self.instance = uuid.uuid4().hex[:12]
         # requests Serve sent elsewhere than the policy's first choice (its queue-length probe timed
         # out, or the replica was full): each one is a prefix the policy meant to reuse
         self.fallbacks = 0
@@ -1004,6 +1008,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
     # ------------------------------------------------------------------ observability
     def snapshot(self) -> dict:
         return {
+            "instance": self.instance,
             "policy": self.policy_name,
             "replicas": self.index.replicas(),
             "index": dict(self.index.stats),

@@ -152,6 +152,28 @@ def test_spills_are_the_lmcache_chunk_counters_of_the_server_state_diffed_over_t
     assert fig["spills"] == {"to_host_chunks": 25, "to_shared_chunks": 5}
 
 
+def test_evictions_read_from_two_routers_are_no_figure_of_the_pass():
+    """With two ingress replicas the reads before and after a pass can reach different routers, each with
+    its own index and eviction count (seen: -4880 for a pass): the pass then has no eviction figure."""
+    from kvmesh.cluster.cachetest_report import PassRun, Rates, pass_figures
+    from kvmesh.deployments.cachetest import counters_from_state
+
+    _, runs = cachetest_support.fake_runs(server=True)
+    run = runs[-1]
+
+    def state(instance: str, evictions: int) -> dict:
+        return {"router": {"instance": instance, "index": {"evictions": evictions}}, "tiers": {}}
+
+    def evictions(before: dict, after: dict):
+        counters = {"counters_before": counters_from_state(before), "counters_after": counters_from_state(after)}
+        return pass_figures(PassRun(run.name, run.sent, 1.0, 4, **counters), [{} for _ in run.sent], Rates())[
+            "evictions"
+        ]
+
+    assert evictions(state("a", 5000), state("a", 5120)) == 120
+    assert evictions(state("a", 5000), state("b", 120)) is None
+
+
 def _passes_report(passes, ids=lambda i: list(range(10, 107)) + [500 + i] * 3):
     """The report of four requests (`ids(i)`) sent in each of `passes`: (name, the cached tokens its k-th answer
     reports, or the error every answer of it fails with); outputs kept as the runner keeps them (answered)."""

@@ -375,3 +375,10 @@ def test_a_request_committed_and_not_yet_placed_is_queued_on_its_replica_for_the
         assert (views[chosen].queued, views[chosen].pending_prefill_tokens) == (1, 100)
 
     asyncio.run(scenario())
+
+
+def test_each_router_names_itself_in_its_snapshot_so_counter_diffs_stay_within_one():
+    """Counters in a snapshot start at 0 with their router (a restart, another ingress replica): a reader
+    diffing two snapshots compares their `instance` first."""
+    a, b = make_router(policy="kvmesh", block_size=32), make_router(policy="kvmesh", block_size=32)
+    assert a.snapshot()["instance"] == a.snapshot()["instance"] != b.snapshot()["instance"]
