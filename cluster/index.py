@@ -15,7 +15,9 @@ per tier; a replica drops out at the first block it lacks, and the walk stops wh
 in any tier. Prefix lengths are cumulative (hbm <= host-or-hbm <= any tier), as `kvmesh.policies.base`
 expects.
 
-Memory is bounded by `max_blocks` entries in LRU order (touched on store and on a matching lookup).
+Memory is bounded by `max_blocks` entries in LRU order (touched on store and on a matching lookup, a
+request's blocks last-to-first, so a chain's head outlives its tail and an eviction shortens a cached prefix
+instead of cutting it off at its first block).
 Speculative entries (written when a request is routed, before the engine's BlockStored arrives)
 expire after `speculative_ttl_s` unless an event confirms them. Keys are the 64-bit event form of
 vLLM's block hashes (`kvmesh.kvstore.hashing.block_hashes`). Not thread-safe: one asyncio loop owns it.
@@ -24,21 +26,25 @@ vLLM's block hashes (`kvmesh.kvstore.hashing.block_hashes`). Not thread-safe: on
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+
+log = logging.getLogger(__name__)
 
 TIERS = ("hbm", "host", "shared")
 _MASK64 = (1 << 64) - 1
 
 # vLLM KV-event `medium` -> tier. The engine's own block pool reports "GPU" (also on CPU builds, where
 # that cache lives in host RAM but is still the engine's private paged cache) or None (older
-# versions). vLLM's native offloading reports "CPU" (host RAM next to the engine) and "STORAGE"
-# (local disk): both survive HBM eviction on that node, so they map to the node's `host` tier.
+# versions). vLLM's native offloading reports "CPU" (host RAM) and "STORAGE" (local disk): buffers of that
+# one engine process, which its node's other replicas cannot load, so they map to `offload`: a host tier of
+# the replica's own (kept like a node's, with that replica as its only member).
 # Events with locality "REMOTE" describe a store reachable from other nodes: `shared`.
 # LMCacheMPConnector's CPU events carry LMCache chunk hashes, not vLLM block hashes, so they never
 # match a request: cluster/tier_tracker.py drops them and feeds host/shared from routed prefills.
-MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "host", "STORAGE": "host"}
+MEDIUM_TIERS: dict[str | None, str] = {None: "hbm", "GPU": "hbm", "CPU": "offload", "STORAGE": "offload"}
 
 _COUNTERS = (
     "admissions",
@@ -53,6 +59,7 @@ _COUNTERS = (
     "speculative_withdrawn",
     "events_applied",
     "events_ignored",
+    "block_size_mismatch",
     "replicas_stale",
 )
 
@@ -62,6 +69,11 @@ def event_hash(h: int | bytes) -> int:
     if isinstance(h, int):
         return h & _MASK64
     return int.from_bytes(h, "big") & _MASK64
+
+
+def _last_first(hashes: Iterable[int]):
+    """A request's hashes last to first: stored in that order, a chain's head is its most recently used block."""
+    return reversed(hashes if isinstance(hashes, (list, tuple)) else list(hashes))
 
 
 def _bits(mask: int):
@@ -110,11 +122,19 @@ class PrefixIndex:
     """Block hash -> residency per tier; `match` returns per-replica cumulative prefix lengths."""
 
     def __init__(
-        self, max_blocks: int = 2_000_000, speculative_ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic
+        self,
+        max_blocks: int = 2_000_000,
+        speculative_ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        block_size: int | None = None,
     ):
         if max_blocks <= 0:
             raise ValueError("max_blocks must be positive")
         self.max_blocks = max_blocks
+        # the block size the router hashes requests with: a BlockStored of another size names keys no request
+        # ever looks up, so it is counted (`block_size_mismatch`) and left out. None: not checked
+        self.block_size = block_size
+        self._block_size_warned: set[str] = set()
         self.speculative_ttl_s = speculative_ttl_s
         self._clock = clock
         self._entries: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # hash -> (hbm, host_nodes, shared)
@@ -133,6 +153,8 @@ class PrefixIndex:
         self._node_members: dict[int, int] = {}  # node slot -> replica bitmask
         self._node_held: dict[int, dict[int, None]] = {}  # node slot -> {hash: None} in its host tier
         self._widen: dict[int, int] = {}  # cache: host node mask -> replica mask
+        # replica id -> node slot of its own offload tier (vLLM native offloading), made when first stored to
+        self._own_node: dict[str, int] = {}
         # speculation
         # replica slot -> hash -> (expiry, mark, claims) of each speculative mark: `claims` counts the requests
         # placed there that count on it (`speculate`), so one request's `withdraw` leaves a mark another still
@@ -175,8 +197,13 @@ class PrefixIndex:
         self._slots.give(slot)
         nslot = self._replica_node.pop(replica_id)
         self._node_members[nslot] &= ~(1 << slot)
+        own = self._own_node.pop(replica_id, None)
+        if own is not None:  # its offload buffer lived in its process
+            self._node_members[own] = 0
+            self.remove_node(self._node_name[own])
         self._all &= ~(1 << slot)
         self._stale.discard(replica_id)
+        self._block_size_warned.discard(replica_id)
         self._widen.clear()
 
     def remove_node(self, node_id: str) -> None:
@@ -192,7 +219,9 @@ class PrefixIndex:
         self._widen.clear()
 
     def nodes(self) -> list[str]:
-        return list(self._node_slot)
+        """The nodes (not the replicas' own offload tiers)."""
+        own = {self._node_name[n] for n in self._own_node.values()}
+        return [n for n in self._node_slot if n not in own]
 
     def replicas(self) -> list[str]:
         return list(self._slot)
@@ -209,11 +238,14 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- writes
     def store(self, replica_id: str, hashes: Iterable[int], tier: str = "hbm") -> None:
-        """Record blocks held by a replica; tier "host" stores them in that replica's node tier."""
+        """Record blocks held by a replica; tier "host" stores them in that replica's node tier, "offload" in
+        the replica's own (vLLM native offloading: loadable by that replica alone)."""
         if tier == "hbm":
             self._store_hbm(self._require(replica_id), hashes)
         elif tier == "host":
             self._store_node(self._replica_node[self._require_rid(replica_id)], hashes)
+        elif tier == "offload":
+            self._store_node(self._offload_node(replica_id), hashes)
         elif tier == "shared":
             self.store_shared(hashes)
         else:
@@ -224,6 +256,10 @@ class PrefixIndex:
             self._remove_hbm(self._require(replica_id), hashes)
         elif tier == "host":
             self._remove_node(self._replica_node[self._require_rid(replica_id)], hashes)
+        elif tier == "offload":
+            own = self._own_node.get(self._require_rid(replica_id))
+            if own is not None:
+                self._remove_node(own, hashes)
         elif tier == "shared":
             self.remove_shared(hashes)
         else:
@@ -250,7 +286,7 @@ class PrefixIndex:
 
     def store_shared(self, hashes: Iterable[int]) -> None:
         self._tiered = True
-        for h in hashes:
+        for h in _last_first(hashes):
             self._or(h, 2, 1)
 
     def remove_shared(self, hashes: Iterable[int]) -> None:
@@ -276,16 +312,18 @@ class PrefixIndex:
         spec = self._spec[slot]
         held = self._held[slot]
         written = []
-        for h in hashes:
+        claims = []
+        for h in reversed(hashes):  # last-to-first: the chain's head is the most recently used (module doc)
             if self._or(h, 0, bit) and h not in spec:
                 continue  # confirmed by a real event already
             earlier = spec.get(h)
             mark, n = (earlier[1], earlier[2]) if earlier else self._new_mark()
             spec[h] = (expiry, mark, n + 1)
-            if fresh is not None:
-                fresh.append((h, mark))
+            claims.append((h, mark))
             held[h] = None
             written.append(h)
+        if fresh is not None:
+            fresh.extend(reversed(claims))
         if written:
             self._spec_queue.append((expiry, slot, tuple(written)))
             self._c["speculative_writes"] += len(written)
@@ -318,7 +356,10 @@ class PrefixIndex:
 
         Accepts `kvmesh.cluster.kv_events` records or vLLM's own msgspec structs (matched by class name).
         Only KV-cache group 0 counts (the full-attention group routing cares about); events for an
-        unknown medium or another group are counted in `events_ignored`. Returns events applied.
+        unknown medium or another group are counted in `events_ignored`. With `block_size` set, a
+        BlockStored of another block size is ignored too and counted in `block_size_mismatch` (its
+        hashes cover other token spans than the router's, so no request would ever match them), with a
+        warning once per replica. Returns events applied.
         """
         tiers = MEDIUM_TIERS if medium_tiers is None else medium_tiers
         self._require(replica_id)
@@ -338,6 +379,10 @@ class PrefixIndex:
                 continue
             hashes = [event_hash(h) for h in ev.block_hashes]
             if kind == "BlockStored":
+                size = getattr(ev, "block_size", None)
+                if size is not None and self.block_size is not None and size != self.block_size:
+                    self._block_size_mismatch(replica_id, size)
+                    continue
                 self.store(replica_id, hashes, tier)
             else:
                 self.remove(replica_id, hashes, tier)
@@ -345,11 +390,27 @@ class PrefixIndex:
         self._c["events_applied"] += applied
         return applied
 
+    def _block_size_mismatch(self, replica_id: str, size: int) -> None:
+        self._c["events_ignored"] += 1
+        self._c["block_size_mismatch"] += 1
+        if replica_id not in self._block_size_warned:
+            self._block_size_warned.add(replica_id)
+            log.warning(
+                "replica %s publishes KV blocks of %d tokens, the router hashes requests in blocks of %d: its "
+                "events are ignored and no request will find its cache (set the same block_size on both)",
+                replica_id,
+                size,
+                self.block_size,
+            )
+
     def mark_stale(self, replica_id: str) -> None:
         """The event stream of a replica had a gap: forget its hbm view until it is rebuilt."""
         if replica_id not in self._slot:
             return
         self._clear_slot(self._slot[replica_id])
+        own = self._own_node.get(replica_id)
+        if own is not None:  # its offload tier is known from the same events
+            self._remove_node(own, list(self._node_held[own]))
         self._stale.add(replica_id)
         self._c["replicas_stale"] += 1
 
@@ -429,8 +490,9 @@ class PrefixIndex:
                     alive = kept
                     if not alive:
                         break
-                touch(h)
                 i += 1
+        for k in range(i - 1, -1, -1):  # last-to-first, as `_walk`
+            touch(hashes[k])
         if alive and i:
             _scatter(out, alive, i, n_slots)
         self._count_hit(i if alive else last_drop)
@@ -476,8 +538,9 @@ class PrefixIndex:
                 drops.append((2, i, a_s ^ n_s))
                 a_s = n_s
             if a_s:
-                touch(h)
                 i += 1
+        for k in range(i - 1, -1, -1):  # last-to-first: the chain's head is the most recently used
+            touch(hashes[k])
         self._count_hit(i if a_s else max((p for t, p, _ in drops if t == 2), default=0))
         return i, drops
 
@@ -544,6 +607,17 @@ class PrefixIndex:
             self._node_members[nslot] = 0
             self._node_held[nslot] = {}
         return nslot
+
+    def _offload_node(self, replica_id: str) -> int:
+        """The node slot of the replica's own offload tier: a node whose only member is that replica."""
+        own = self._own_node.get(replica_id)
+        if own is None:
+            slot = self._require(replica_id)
+            own = self._ensure_node(f"offload:{replica_id}")
+            self._node_members[own] = 1 << slot
+            self._own_node[replica_id] = own
+            self._widen.clear()
+        return own
 
     def _node_of(self, replica_id: str) -> str:
         return self._node_name[self._replica_node[replica_id]]
@@ -624,7 +698,7 @@ class PrefixIndex:
         touch = entries.move_to_end
         max_blocks = self.max_blocks
         c = self._c
-        for h in hashes:
+        for h in _last_first(hashes):  # the chain's head touched last: evicted after its tail (module doc)
             e = get(h)
             if e is None:
                 entries[h] = (bit, 0, 0)
@@ -669,7 +743,7 @@ class PrefixIndex:
         self._tiered = True
         bit = 1 << nslot
         held = self._node_held[nslot]
-        for h in hashes:
+        for h in _last_first(hashes):
             self._or(h, 1, bit)
             held[h] = None
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,6 +40,9 @@ import msgpack
 log = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1  # vLLM's replay end marker: (-1).to_bytes(8, "big", signed=True)
+# a sequence number this far below the last one applied is a restarted publisher, not a late duplicate: a
+# duplicate is at most a replay buffer's length behind (vLLM's and the relay's hold 10_000 batches)
+RESTART_DROP = 100_000
 
 
 class BlockStored(NamedTuple):
@@ -158,6 +162,7 @@ class SourceState:
     replays_ok: int = 0
     replays_failed: int = 0
     decode_errors: int = 0
+    restarts: int = 0
     _task: Any = field(default=None, repr=False)
     _sock: Any = field(default=None, repr=False)
 
@@ -173,13 +178,36 @@ class KVEventApplier:
         return 0 if src.last_seq is None else src.last_seq + 1
 
     def classify(self, src: SourceState, seq: int) -> str:
-        """'next', 'duplicate' or 'gap' for an incoming sequence number."""
+        """'next', 'duplicate', 'gap' or 'restart' for an incoming sequence number.
+
+        'restart': seq 0 after later batches, or a drop of more than RESTART_DROP: the publisher started
+        again under the same source (its engine restarted, its cache empty). Taken for duplicates, its
+        batches were all dropped until its numbers passed the old ones, while the dead engine's blocks
+        stayed in the index."""
         exp = self.expected(src)
         if seq == exp:
             return "next"
         if seq < exp:
+            if src.last_seq and (seq == 0 or src.last_seq - seq > RESTART_DROP):
+                return "restart"
             return "duplicate"
         return "gap"
+
+    def restart(self, src: SourceState, seq: int) -> str:
+        """A restarted publisher: forget the replica's view and its sequence, then classify `seq` afresh
+        ('next' for seq 0, else 'gap': a late join into the new stream)."""
+        src.restarts += 1
+        log.warning(
+            "replica %s: KV-event sequence restarted (%d after %d): its view is rebuilt",
+            src.replica_id,
+            seq,
+            src.last_seq,
+        )
+        if self.index.has_replica(src.replica_id):
+            self.index.mark_stale(src.replica_id)
+            self.index.mark_fresh(src.replica_id)
+        src.last_seq = None
+        return self.classify(src, seq)
 
     def apply(self, src: SourceState, seq: int, payload: bytes) -> int:
         """Decode and apply one batch; returns blocks touched (0 for a batch that cannot be applied).
@@ -215,6 +243,8 @@ class KVEventApplier:
         src = self.sources[replica_id]
         _, seq, payload = decode_frames(frames)
         kind = self.classify(src, seq)
+        if kind == "restart":
+            kind = self.restart(src, seq)
         if kind == "duplicate":
             src.duplicates += 1
             return kind
@@ -228,8 +258,37 @@ class KVEventApplier:
         return kind
 
 
+class _Pace:
+    """Yields to the event loop every `every` batches or `slice_s` of work. Why: pyzmq hands back a message
+    already queued as a finished future, and awaiting one does not suspend, so a backlog or a replay of
+    thousands of batches was applied in one tick, with every routing decision (same loop) waiting for it."""
+
+    __slots__ = ("every", "slice_s", "n", "t0", "yields")
+
+    def __init__(self, every: int, slice_s: float) -> None:
+        self.every, self.slice_s = every, slice_s
+        self.yields = 0
+        self.restart()
+
+    def restart(self) -> None:
+        """The loop just ran other tasks (a real wait): a new slice begins."""
+        self.n, self.t0 = 0, time.perf_counter()
+
+    async def step(self) -> None:
+        """One batch done: yield if this slice is used up."""
+        self.n += 1
+        if self.n >= self.every or time.perf_counter() - self.t0 >= self.slice_s:
+            self.yields += 1
+            await asyncio.sleep(0)
+            self.restart()
+
+
 class KVEventSubscriber(KVEventApplier):
     """asyncio SUB sockets, one per engine replica, feeding a PrefixIndex in the same loop."""
+
+    # batches applied at most between two yields to the loop, and the work at most (`_Pace`)
+    yield_every = 64
+    yield_after_s = 0.001
 
     def __init__(self, index, *, replay_timeout_s: float = 2.0, ctx=None, keys=None):
         super().__init__(index)
@@ -241,6 +300,7 @@ class KVEventSubscriber(KVEventApplier):
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self.replay_timeout_s = replay_timeout_s
+        self.yields = 0  # yields to the loop amid a backlog or a replay (`_Pace`)
 
     async def add_source(
         self,
@@ -299,12 +359,21 @@ class KVEventSubscriber(KVEventApplier):
             self._ctx.term()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        keys = ("batches", "blocks", "duplicates", "gaps", "replays_ok", "replays_failed", "decode_errors")
+        keys = ("batches", "blocks", "duplicates", "gaps", "replays_ok", "replays_failed", "decode_errors", "restarts")
         return {rid: {k: getattr(s, k) for k in keys} | {"last_seq": s.last_seq} for rid, s in self.sources.items()}
 
+    def _pace(self) -> _Pace:
+        return _Pace(self.yield_every, self.yield_after_s)
+
     async def _run(self, src: SourceState) -> None:
+        pace = self._pace()
         while True:
-            frames = await src._sock.recv_multipart()
+            pending = src._sock.recv_multipart()
+            if not pending.done():  # nothing queued: waiting lets the loop run, a new slice starts after
+                frames = await pending
+                pace.restart()
+            else:
+                frames = pending.result()
             try:
                 await self._receive(src, frames)
             except DecodeError as exc:
@@ -313,18 +382,25 @@ class KVEventSubscriber(KVEventApplier):
             except Exception:  # one bad message must not end the stream
                 src.decode_errors += 1
                 log.exception("replica %s: failed to apply KV events", src.replica_id)
+            before = pace.yields
+            await pace.step()
+            self.yields += pace.yields - before
 
     async def _receive(self, src: SourceState, frames: list[bytes]) -> None:
         _, seq, payload = decode_frames(frames)
         if not self.index.has_replica(src.replica_id):
             return  # replica deregistered; the owner will remove the source
         kind = self.classify(src, seq)
+        if kind == "restart":
+            kind = self.restart(src, seq)
         if kind == "duplicate":
             src.duplicates += 1
             return
         if kind == "gap":
             src.gaps += 1
             await self._recover(src, seq)
+            if not self.index.has_replica(src.replica_id):
+                return  # deregistered while the replay was applied
             self.index.mark_fresh(src.replica_id)
             if self.classify(src, seq) == "duplicate":  # the replay already delivered it
                 return
@@ -340,10 +416,13 @@ class KVEventSubscriber(KVEventApplier):
         """
         exp = self.expected(src)
         fetched = await self._fetch_replay(src, exp) if src.replay_endpoint is not None else {}
+        pace = self._pace()
         if all(s in fetched for s in range(exp, upto)):
             while self.expected(src) in fetched:
                 s = self.expected(src)
                 self.apply(src, s, fetched[s])
+                if not await self._paced(src, pace):
+                    return
             src.replays_ok += 1
             return
         if src.replay_endpoint is not None:
@@ -357,8 +436,20 @@ class KVEventSubscriber(KVEventApplier):
             first -= 1
         for s in range(first, upto):
             self.apply(src, s, fetched[s])
+            if not await self._paced(src, pace):
+                return
         if self.expected(src) < upto:
             src.last_seq = upto - 1
+
+    async def _paced(self, src: SourceState, pace: _Pace) -> bool:
+        """`pace.step()` amid a replay; False when the replica was deregistered meanwhile (stop applying).
+        The source's own stream waits meanwhile (this runs in its task), so the batches stay in order."""
+        before = pace.yields
+        await pace.step()
+        if pace.yields == before:
+            return True
+        self.yields += 1
+        return self.index.has_replica(src.replica_id)
 
     async def _fetch_replay(self, src: SourceState, start: int) -> dict[int, bytes]:
         """Ask the engine's ROUTER replay socket for every buffered batch with seq >= start."""

@@ -66,6 +66,17 @@ def model_sampling_defaults(driver) -> dict:
     return {k: v for k, v in diff.items() if k in SAMPLING_KEYS and k != "max_tokens"}
 
 
+def effective_block_size(driver, configured: int) -> int:
+    """The block size vLLM runs with (`cache_config.block_size`), or `configured` when it cannot be read. Why:
+    vLLM may change the configured size (hybrid models, some attention backends), and its KV events' hashes
+    cover blocks of the size it runs with: the size routers must hash requests with, so the one to report."""
+    try:
+        size = driver.engine.vllm_config.cache_config.block_size
+    except Exception:  # a driver without a vLLM engine's config (tests)
+        return configured
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else configured
+
+
 def lmcache_connection(cfg: dict) -> tuple[dict | None, TierConfig | None]:
     """(the kv_transfer_config this engine should use, the tier config of the node's LMCache server behind it).
 
@@ -179,6 +190,15 @@ class EngineReplica:
             with vllm_files_in(self._private_dir):
                 self.driver = make_driver(self.cfg["engine_mode"], args, fail_step_after=self.cfg["fail_step_after"])
         self.num_blocks = self.driver.num_blocks()
+        self.block_size = effective_block_size(self.driver, self.cfg["block_size"])
+        if self.block_size != self.cfg["block_size"]:
+            log.warning(
+                "replica %s: vLLM runs with KV blocks of %d tokens, not the configured %d: routers must use %d",
+                self.replica_id,
+                self.block_size,
+                self.cfg["block_size"],
+                self.block_size,
+            )
         self.sampling_defaults = model_sampling_defaults(self.driver)
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
@@ -311,7 +331,7 @@ class EngineReplica:
             "events_auth": "curve" if self.events_relay is not None else None,  # routers connect with channel keys
             "events_topic": EVENTS_TOPIC,
             "node_id": self.node_id,
-            "block_size": self.cfg["block_size"],
+            "block_size": getattr(self, "block_size", self.cfg["block_size"]),  # the one vLLM runs with
             "num_blocks": self.num_blocks,
             "hash_algo": self.cfg["hash_algo"],
             "tiers": self.tier_info,

@@ -202,7 +202,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._policies = {policy: self.policy}  # per-tenant overrides are built on first use
         self.hash_algo = hash_algo
         self.block_size = block_size
-        self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s)
+        # block_size: BlockStored events of another size are counted apart (`block_size_mismatch`), not applied
+        self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s, block_size=block_size)
+        # replica id -> {setting: {"engine": ..., "router": ...}} where its engine hashes KV blocks otherwise
+        self.engine_config_mismatch: dict[str, dict[str, dict]] = {}
+        self._config_checked: set[str] = set()
         self.tiers = TierTracker(self.index)  # LMCache host/shared residency (kvstore, docs/tiers.md)
         self.memo = HashMemo()
         self.subscribe_events = subscribe_events
@@ -364,6 +368,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             stats = r.routing_stats or {}
             if rid not in known:
                 self._add_replica(r)
+            if rid not in self._config_checked:
+                self._check_engine_config(rid, stats)
             if stats.get("tiers") and self.index.has_replica(rid):  # engine runs on an LMCache node server
                 t = stats["tiers"]
                 self.tiers.set_node(
@@ -410,6 +416,30 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._subscribed.add(rid)
         log.info("subscribed to KV events of %s at %s", rid, stats["kv_events_endpoint"])
 
+    def _check_engine_config(self, rid: str, stats: dict) -> None:
+        """Compare the block size and hash algorithm a replica's engine reports with this router's, once per
+        replica, and warn when they differ. Why: the router hashes each request with its own; an engine that
+        hashes otherwise publishes keys no request matches, and the replica is silently never found holding a
+        prefix. Kept in `engine_config_mismatch` (/kvmesh/state)."""
+        if "block_size" not in stats and "hash_algo" not in stats:
+            return  # no routing stats yet: checked when they come
+        self._config_checked.add(rid)
+        ours = {"block_size": self.block_size, "hash_algo": self.hash_algo}
+        differ = {
+            k: {"engine": stats[k], "router": v}
+            for k, v in ours.items()
+            if stats.get(k) is not None and str(stats[k]) != str(v)
+        }
+        if not differ:
+            return
+        self.engine_config_mismatch[rid] = differ
+        log.warning(
+            "replica %s hashes KV blocks otherwise than this router (%s): no request will find its cached "
+            "prefixes; configure the engines and the router alike",
+            rid,
+            ", ".join(f"{k} {d['engine']} there, {d['router']} here" for k, d in differ.items()),
+        )
+
     def _may_subscribe(self, rid: str) -> bool:
         """Not while a failed subscription's back-off runs (each request would try again at once)."""
         failed = self._subscribe_failed.get(rid)
@@ -423,6 +453,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
             asyncio.get_running_loop().create_task(self.events.remove_source(rid))
         for p in self._policies.values():  # also when the index forgot it first: no policy keeps its slot
             p.on_replica_removed(rid)
+        self._config_checked.discard(rid)
+        self.engine_config_mismatch.pop(rid, None)
         if not self.index.has_replica(rid):
             return
         node = self.index.node_of(rid)
@@ -1012,6 +1044,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             "policy": self.policy_name,
             "replicas": self.index.replicas(),
             "index": dict(self.index.stats),
+            "engine_config_mismatch": dict(self.engine_config_mismatch),
             "tiers": dict(self.tiers.counters),
             "subscribers": sorted(self._subscribed),
             "events": self.events.stats() if self.events is not None else {},

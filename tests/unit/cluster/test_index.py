@@ -85,11 +85,12 @@ def test_lru_bound_evicts_oldest_and_keeps_recently_matched():
     idx = make(max_blocks=4)
     idx.store("a", [1, 2, 3, 4])
     idx.match([1])  # touch 1
-    idx.store("a", [5])  # evicts 2 (oldest untouched)
+    idx.store("a", [5])  # evicts 4: the chain's tail, the oldest (a chain is touched last-to-first)
     assert len(idx) == 4
     assert idx.stats["evictions"] == 1 and idx.stats["admissions"] == 5
     assert idx.match([1])["a"] == (1, 1, 1)
-    assert idx.match([2])["a"] == (0, 0, 0)
+    assert idx.match([4])["a"] == (0, 0, 0)
+    assert idx.match([1, 2, 3])["a"] == (3, 3, 3)
     assert idx.held_blocks("a") == 4
 
 
@@ -440,3 +441,85 @@ def test_adding_replicas_and_nodes_does_not_scan_the_slots_taken():
         idx.add_replica(f"r{i}", f"n{i}")
     assert [idx.slot_of(f"r{i}") for i in range(n)] == list(range(n))
     assert _Probes.probes <= 4 * n
+
+
+@pytest.mark.parametrize("lookup", ["match", "match_arrays", "match_hbm_array", "speculate"])
+def test_a_full_index_evicts_a_chains_tail_not_its_head(lookup):
+    """Stores and lookups touch a request's blocks last-to-first, so the eviction of a full index shortens
+    a cached prefix by its last block; taking its first block left every other block of it unreachable."""
+    idx = PrefixIndex(max_blocks=12, speculative_ttl_s=60.0)
+    idx.add_replica("r0")
+    chain_a = [100 + i for i in range(8)]
+    idx.store("r0", chain_a)
+    if lookup == "speculate":
+        idx.speculate("r0", chain_a)  # all confirmed already: touched only
+    else:
+        getattr(idx, lookup)(chain_a)
+    idx.store("r0", [200 + i for i in range(5)])  # 13 entries > 12: one eviction
+    assert idx.stats["evictions"] == 1
+    assert idx.match(chain_a)["r0"][0] == 7
+    assert 107 not in idx._entries
+
+
+def test_a_speculated_chain_keeps_its_head_longest_and_its_claims_in_order():
+    idx = PrefixIndex(max_blocks=6, speculative_ttl_s=60.0)
+    idx.add_replica("r0")
+    fresh: list = []
+    idx.speculate("r0", [1, 2, 3, 4], fresh=fresh)
+    assert [h for h, _ in fresh] == [1, 2, 3, 4]
+    idx.store("r0", [9, 10, 11])  # 7 entries > 6: the speculated chain's tail goes
+    assert idx.match([1, 2, 3, 4])["r0"][0] == 3
+
+
+def test_a_block_stored_of_another_block_size_is_counted_not_applied(caplog):
+    """An engine hashing other block sizes than the router publishes keys no request matches: such events
+    are counted apart (and warned of once per replica) instead of filling the index silently."""
+    from kvmesh.cluster.kv_events import BlockRemoved, BlockStored
+
+    idx = PrefixIndex(block_size=32)
+    idx.add_replica("e0")
+    idx.add_replica("e1")
+    with caplog.at_level("WARNING", logger="kvmesh.cluster.index"):
+        assert idx.apply_events("e0", [BlockStored([1, 2, 3], block_size=16, medium="GPU")]) == 0
+        assert idx.apply_events("e0", [BlockStored([4], block_size=16)]) == 0
+        assert idx.apply_events("e1", [BlockStored([5], block_size=64)]) == 0
+    assert idx.match([1, 2, 3])["e0"][0] == 0 and len(idx) == 0
+    assert idx.stats["block_size_mismatch"] == 3 and idx.stats["events_ignored"] == 3
+    assert idx.stats["events_applied"] == 0
+    warned = [r.getMessage() for r in caplog.records if "blocks of" in r.getMessage()]
+    assert len(warned) == 2 and "e0" in warned[0] and "e1" in warned[1]  # once per replica
+    # the router's own size, or none given, is applied as before
+    assert idx.apply_events("e0", [BlockStored([1, 2], block_size=32), BlockStored([3], parent_block_hash=2)]) == 2
+    assert idx.match([1, 2, 3])["e0"][0] == 3
+    assert idx.apply_events("e0", [BlockRemoved([3])]) == 1 and idx.stats["block_size_mismatch"] == 3
+    unchecked = PrefixIndex()  # no block size given: nothing checked
+    unchecked.add_replica("e0")
+    assert unchecked.apply_events("e0", [BlockStored([1], block_size=16)]) == 1
+
+
+def test_native_offload_blocks_are_the_replicas_own_not_its_nodes():
+    """vLLM native offloading's CPU (and STORAGE) buffer lives in one engine process: a sibling replica on the
+    same node cannot load it, and one replica dropping its copy leaves the other's."""
+    from kvmesh.cluster.kv_events import BlockRemoved, BlockStored
+
+    idx = PrefixIndex()
+    idx.add_replica("A", "n1")
+    idx.add_replica("B", "n1")
+    hs = [11, 12, 13, 14]
+    idx.apply_events("A", [BlockStored(hs, medium="CPU")])
+    m = idx.match(hs)
+    assert m["A"] == (0, 4, 4) and m["B"] == (0, 0, 0)
+    idx.apply_events("B", [BlockStored(hs, medium="STORAGE")])
+    idx.apply_events("A", [BlockRemoved(hs, medium="CPU")])
+    m = idx.match(hs)
+    assert m["A"] == (0, 0, 0) and m["B"] == (0, 4, 4)
+    assert idx.nodes() == ["n1"]  # the replicas' own tiers are not nodes
+    idx.mark_stale("B")  # a gap: its offload tier, known from the same events, goes too
+    assert idx.match(hs)["B"] == (0, 0, 0) and len(idx) == 0
+    idx.apply_events("B", [BlockStored(hs, medium="CPU")])
+    idx.remove_replica("B")  # its buffer went with its process
+    assert len(idx) == 0 and idx.nodes() == ["n1"]
+    idx.add_replica("B", "n1")
+    assert idx.match(hs)["B"] == (0, 0, 0)
+    idx.store_host("n1", hs)  # the node's host tier (LMCache) still reaches every replica on it
+    assert idx.match(hs)["A"] == (0, 4, 4) and idx.match(hs)["B"] == (0, 4, 4)

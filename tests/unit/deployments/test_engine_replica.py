@@ -264,3 +264,23 @@ def test_routers_are_told_the_host_tier_of_the_nodes_server_not_the_one_the_conf
     warnings = [rec.getMessage() for rec in caplog.records if "l1_size_gb" in rec.getMessage()]
     assert len(warnings) == 1, warnings  # once, not per engine
     assert "l1_size_gb=1" in warnings[0] and "l1_size_gb=2" in warnings[0] and "until it is restarted" in warnings[0]
+
+
+def test_routing_stats_report_the_block_size_vllm_runs_with(monkeypatch, tmp_path):
+    """vLLM may run with another block size than configured (hybrid models, some attention backends); its
+    events' hashes cover blocks of that size, so that is the size routers are told to hash with."""
+    cache_config = SimpleNamespace(block_size=16, num_gpu_blocks=64)
+    monkeypatch.setattr(
+        _FakeDriver, "engine", SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache_config)), raising=False
+    )
+    r = _replica(monkeypatch, tmp_path, block_size=32)
+    try:
+        assert r.record_routing_stats()["block_size"] == 16
+    finally:
+        r._release()
+    monkeypatch.delattr(_FakeDriver, "engine")  # no vLLM config to read: the configured size
+    r = _replica(monkeypatch, tmp_path, block_size=32)
+    try:
+        assert r.record_routing_stats()["block_size"] == 32
+    finally:
+        r._release()

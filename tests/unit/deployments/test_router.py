@@ -382,3 +382,38 @@ def test_each_router_names_itself_in_its_snapshot_so_counter_diffs_stay_within_o
     diffing two snapshots compares their `instance` first."""
     a, b = make_router(policy="kvmesh", block_size=32), make_router(policy="kvmesh", block_size=32)
     assert a.snapshot()["instance"] == a.snapshot()["instance"] != b.snapshot()["instance"]
+
+
+def test_an_engine_hashing_other_blocks_than_the_router_is_reported_once(monkeypatch, caplog):
+    """Another block size or hash algorithm makes every key the engine publishes one no request looks up:
+    the router says so once per replica, keeps it in /kvmesh/state, and ignores the events of that size."""
+    from kvmesh.cluster.kv_events import BlockStored
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32, hash_algo="sha256")
+        a = fake_replica("A", block_size=16, hash_algo="xxhash", num_blocks=64)
+        b = fake_replica("B", block_size=32, hash_algo="sha256", num_blocks=64)
+        late = fake_replica("C")  # no routing stats yet: checked when they come
+        with caplog.at_level("WARNING", logger="kvmesh.deployments.router"):
+            for i in range(3):
+                await router.choose_replicas([a, b, late], fake_request([1, 2, 3], f"q{i}"))
+            late.routing_stats = {"block_size": 64, "hash_algo": "sha256"}
+            await router.choose_replicas([a, b, late], fake_request([1, 2, 3], "q9"))
+        state = router.snapshot()["engine_config_mismatch"]
+        assert state == {
+            "A": {
+                "block_size": {"engine": 16, "router": 32},
+                "hash_algo": {"engine": "xxhash", "router": "sha256"},
+            },
+            "C": {"block_size": {"engine": 64, "router": 32}},
+        }
+        warned = [r.getMessage() for r in caplog.records if "hashes KV blocks otherwise" in r.getMessage()]
+        assert len(warned) == 2 and "replica A" in warned[0] and "replica C" in warned[1]
+        router.tiers.apply_events("A", [BlockStored([5, 6], block_size=16)])
+        assert router.index.stats["block_size_mismatch"] == 1 and router.index.match([5])["A"][0] == 0
+        await router.choose_replicas([b, late], fake_request([1, 2, 3], "q10"))  # A left: forgotten
+        assert "A" not in router.snapshot()["engine_config_mismatch"]
+
+    asyncio.run(scenario())
