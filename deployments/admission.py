@@ -18,10 +18,22 @@ the tenant's fleet-wide `max_concurrent` before it gets its slot (it waits on, o
 peers (one ingress replica, or the stream off) the limits are this replica's alone. The global
 `max_concurrent` bound stays per replica: it is the capacity of this ingress process.
 
-    admission.precheck(tenant, 1, exact=False)                # optional, before counting the prompt
-    ticket = await admission.acquire(tenant, prompt_tokens)   # AdmissionError: RateLimited / PromptTooLarge
+    reservation = admission.reserve(tenant)                   # before the body is read: slot + 1 request
+    try:
+        admission.precheck(tenant, 1, exact=False, reservation=reservation)  # optional, before counting
+        ticket = await admission.acquire(tenant, prompt_tokens, reservation=reservation)
+    finally:
+        admission.cancel(reservation)                         # hands it back unless acquire settled it
     try: ...
     finally: admission.release(ticket)
+
+A reservation holds the tenant's concurrency slot and one request-rate token from before the body is read
+until `acquire` settles it, so N requests of a tenant arriving together are counted at once: those beyond its
+limits are refused before they are read or tokenised, not after.
+
+A tenant's buckets follow its limits: when a reload changes `requests_per_s`, `burst_requests` or
+`tokens_per_min`, the buckets are rebuilt at the new size and rate, and what the tenant spent stays spent
+(a new bucket holds its new size less what the old one lacked of being full).
 """
 
 from __future__ import annotations
@@ -105,6 +117,17 @@ class TokenBucket:
 
 
 @dataclass
+class Reservation:
+    """A request's place in its tenant's limits before its prompt is counted (its concurrency slot and one
+    request-rate token): settled by `acquire`, else handed back by `cancel` (extra cancels are ignored)."""
+
+    tenant_id: str
+    serial: int
+    settled: bool = False
+    took_request: bool = False  # a request-rate token was taken (the tenant had a rate then)
+
+
+@dataclass
 class Ticket:
     """Proof of admission; hand it back to `release` exactly once (extra releases are ignored)."""
 
@@ -130,12 +153,29 @@ class PeerUsage(Protocol):
 class _TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
-    active: int = 0  # admitted (in flight) + waiting in the fair queue
+    active: int = 0  # admitted (in flight) + waiting in the fair queue + reserved
     waiters: deque = field(default_factory=deque)
     peers_cursor: int = 0  # how far into the peers' log of this tenant's placements the buckets have taken
     window_s: float = 0.0  # how far back the peers' log is replayed: the longer of its window and a refill
     limits: Limits | None = None  # the tenant's limits as last seen (the fair queue checks max_concurrent)
     queued: int = 0  # waiters still waiting (the deque may hold finished ones until they reach its front)
+    reserved: int = 0  # reservations not yet settled (counted in `active` too)
+
+
+def _burst(lim: Limits) -> float:
+    """The requests bucket's size: `burst_requests`, default max(1, requests_per_s)."""
+    return (lim.burst_requests or max(1.0, lim.requests_per_s)) if lim.requests_per_s else 0.0
+
+
+def _bucket_limits(lim: Limits) -> tuple:
+    return lim.requests_per_s, _burst(lim), lim.tokens_per_min
+
+
+def _buckets(lim: Limits, start: float) -> tuple[TokenBucket | None, TokenBucket | None]:
+    """A tenant's (requests, prompt tokens) buckets, full at `start`; None where the limit is lifted."""
+    req = TokenBucket(_burst(lim), lim.requests_per_s, start) if lim.requests_per_s else None
+    tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, start) if lim.tokens_per_min else None
+    return req, tok
 
 
 class Admission:
@@ -188,29 +228,47 @@ class Admission:
     # -- admission --
     def _state(self, tenant: Tenant) -> _TenantState:
         state = self._tenants.get(tenant.id)
+        lim = tenant.limits
         if state is None:
-            lim, now = tenant.limits, self._clock()
-            burst = (lim.burst_requests or max(1.0, lim.requests_per_s)) if lim.requests_per_s else 0.0
             # with peers, the buckets start full one window ago, so replaying the peers' log (the fleet's
-            # recent use of them) brings them to where a single fleet-wide bucket would be now. The window
-            # is at least the refill time of the slowest bucket (a requests bucket of burst 10 at 0.01/s
-            # refills in 1000 s): placements older than that are absorbed by any bucket, newer ones are not.
-            window = 0.0
-            if self.peers is not None:
-                window = self.peers.window_s
-                if lim.requests_per_s:
-                    window = max(window, burst / lim.requests_per_s)
-                if lim.tokens_per_min:
-                    window = max(window, 60.0)
-                keep = getattr(self.peers, "keep", None)
-                if keep is not None:
-                    keep(tenant.id, window)
-            start = now - window
-            req = TokenBucket(burst, lim.requests_per_s, start) if lim.requests_per_s else None
-            tok = TokenBucket(lim.tokens_per_min, lim.tokens_per_min / 60.0, start) if lim.tokens_per_min else None
-            state = self._tenants[tenant.id] = _TenantState(req, tok, window_s=window)
-        state.limits = tenant.limits
+            # recent use of them) brings them to where a single fleet-wide bucket would be now
+            window = self._window(tenant.id, lim)
+            start = self._clock() - window
+            state = self._tenants[tenant.id] = _TenantState(None, None, window_s=window)
+            state.requests, state.tokens = _buckets(lim, start)
+        elif state.limits is not None and _bucket_limits(state.limits) != _bucket_limits(lim):
+            self._resize(tenant.id, state, lim)
+        state.limits = lim
         return state
+
+    def _window(self, tenant_id: str, lim: Limits) -> float:
+        """How far back the peers' log is replayed for this tenant: at least the refill time of its slowest
+        bucket (a requests bucket of burst 10 at 0.01/s refills in 1000 s). Placements older than that are
+        absorbed by any bucket, newer ones are not. 0 without peers."""
+        if self.peers is None:
+            return 0.0
+        window = self.peers.window_s
+        if lim.requests_per_s:
+            window = max(window, _burst(lim) / lim.requests_per_s)
+        if lim.tokens_per_min:
+            window = max(window, 60.0)
+        keep = getattr(self.peers, "keep", None)
+        if keep is not None:
+            keep(tenant_id, window)
+        return window
+
+    def _resize(self, tenant_id: str, state: _TenantState, lim: Limits) -> None:
+        """A reload changed the tenant's rates: new buckets of the new size and rate, less what the old ones
+        had spent (spent stays spent; a lifted limit drops its bucket). Kept at their first size, a raised
+        `tokens_per_min` refused a prompt above the old size with a 429 forever."""
+        now = self._clock()
+        requests, tokens = _buckets(lim, now)
+        for new, old in ((requests, state.requests), (tokens, state.tokens)):
+            if new is not None and old is not None:
+                old._refill(now)
+                new.tokens = new.capacity - (old.capacity - old.tokens)
+        state.requests, state.tokens = requests, tokens
+        state.window_s = max(state.window_s, self._window(tenant_id, lim))
 
     def _peers_active(self, tenant_id: str, state: _TenantState) -> int:
         """The tenant's requests in flight on the other ingress replicas. What they placed since the last
@@ -229,9 +287,17 @@ class Admission:
                 state.tokens.take_at(tokens, at)
         return self.peers.active(tenant_id)
 
-    def _check(self, tenant: Tenant, prompt_tokens: int, exact: bool = True) -> _TenantState:
+    def _check(
+        self, tenant: Tenant, prompt_tokens: int, exact: bool = True, reservation: Reservation | None = None
+    ) -> _TenantState:
         """Per-tenant checks, charging nothing. `exact=False`: the prompt has at least `prompt_tokens`
-        tokens, so the prompt-size checks (whose messages state the count) are left to the real count."""
+        tokens, so the prompt-size checks (whose messages state the count) are left to the real count.
+        With a held `reservation` its slot and request token are the request's own: not asked for again."""
+        own = 0
+        if reservation is not None:
+            if reservation.tenant_id != tenant.id or reservation.settled:
+                raise ValueError("a reservation counts once, for its own tenant")
+            own = 1
         lim: Limits = tenant.limits
         if exact and lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
             raise PromptTooLarge(
@@ -247,13 +313,13 @@ class Admission:
         state = self._state(tenant)
         now = self._clock()
         peers_active = self._peers_active(tenant.id, state)
-        if lim.max_concurrent is not None and state.active + peers_active >= lim.max_concurrent:
+        if lim.max_concurrent is not None and state.active - own + peers_active >= lim.max_concurrent:
             raise RateLimited(
                 CONCURRENCY_RETRY_S,
                 f"Too many concurrent requests for this API key (limit {lim.max_concurrent}).",
                 "concurrency_limit_exceeded",
             )
-        requests_wait = state.requests.wait_s(1, now) if state.requests is not None else 0.0
+        requests_wait = state.requests.wait_s(1, now) if state.requests is not None and not own else 0.0
         tokens_wait = state.tokens.wait_s(prompt_tokens, now) if state.tokens is not None else 0.0
         wait = max(requests_wait, tokens_wait)
         if wait > 0:
@@ -266,23 +332,66 @@ class Admission:
             )
         return state
 
-    def _check_and_charge(self, tenant: Tenant, prompt_tokens: int) -> _TenantState:
-        """Per-tenant checks; on success charges the buckets and counts the request as active."""
-        state = self._check(tenant, prompt_tokens)
-        if state.requests is not None:
-            state.requests.take(1)
+    def _check_and_charge(
+        self, tenant: Tenant, prompt_tokens: int, reservation: Reservation | None = None
+    ) -> _TenantState:
+        """Per-tenant checks; on success charges the buckets and counts the request as active. A held
+        `reservation` is settled: its slot and request token become the request's. Refused, it is handed
+        back (a refused request gets its budget back)."""
+        try:
+            state = self._check(tenant, prompt_tokens, reservation=reservation)
+        except AdmissionError:
+            self.cancel(reservation)
+            raise
+        if reservation is not None:
+            reservation.settled = True
+            state.reserved -= 1
+        else:
+            if state.requests is not None:
+                state.requests.take(1)
+            state.active += 1
         if state.tokens is not None:
             state.tokens.take(prompt_tokens)
-        state.active += 1
         return state
 
-    def precheck(self, tenant: Tenant, prompt_tokens: int, exact: bool = True) -> None:
+    def reserve(self, tenant: Tenant) -> Reservation:
+        """Take the tenant's concurrency slot and one request-rate token now, before the request's body is
+        read and its prompt tokenised, or raise what `acquire` would for an empty prompt (never for a full
+        server). Why: a check that took nothing let N requests arriving together all pass and all be
+        tokenised on the tokenizer every tenant shares, to be refused only once counted. Settle it with
+        `acquire(..., reservation=)`; `cancel` hands it back on every other way out."""
+        state = self._check(tenant, 0, exact=False)
+        if state.requests is not None:
+            state.requests.take(1)
+        state.active += 1
+        state.reserved += 1
+        return Reservation(tenant.id, next(self._serial), took_request=state.requests is not None)
+
+    def cancel(self, reservation: Reservation | None) -> None:
+        """Hand back a reservation `acquire` did not settle (the request failed or was cancelled first):
+        its slot and its request token. Idempotent; a settled reservation is left alone."""
+        if reservation is None or reservation.settled:
+            return
+        reservation.settled = True
+        state = self._tenants.get(reservation.tenant_id)
+        if state is None:
+            return
+        state.reserved -= 1
+        state.active -= 1
+        if reservation.took_request and state.requests is not None:
+            state.requests.give_back(1)
+
+    def precheck(
+        self, tenant: Tenant, prompt_tokens: int, exact: bool = True, reservation: Reservation | None = None
+    ) -> None:
         """Raise now what `acquire` would raise now for this tenant's limits, charging nothing and never
         for a full server (that waits in the fair queue). The ingress calls it before tokenising, so a
         throttled tenant's requests get their 429 without holding the tokenizer from other tenants'.
         `exact=False`: the prompt's count is not known yet, only that it has at least `prompt_tokens`;
-        a refusal's Retry-After is then the wait for that many (the real one may be longer)."""
-        self._check(tenant, int(prompt_tokens), exact)
+        a refusal's Retry-After is then the wait for that many (the real one may be longer). With the
+        request's `reservation`, its own slot and request token count as had (the reservation stays held:
+        the caller cancels it)."""
+        self._check(tenant, int(prompt_tokens), exact, reservation)
 
     def _undo_charge(self, state: _TenantState, prompt_tokens: int) -> None:
         """A request that was charged but never ran gets its budget back."""
@@ -305,10 +414,12 @@ class Admission:
         self._in_flight += 1
         return self._ticket(tenant, prompt_tokens)
 
-    async def acquire(self, tenant: Tenant, prompt_tokens: int) -> Ticket:
-        """Admit, waiting in the tenant's fair queue (up to queue_timeout_s) when the server is full."""
+    async def acquire(self, tenant: Tenant, prompt_tokens: int, reservation: Reservation | None = None) -> Ticket:
+        """Admit, waiting in the tenant's fair queue (up to queue_timeout_s) when the server is full. With
+        the request's `reservation` (`reserve`), the prompt's tokens are charged against it; refused, timed
+        out or cancelled, the reservation's budget comes back with the rest."""
         prompt_tokens = int(prompt_tokens)
-        state = self._check_and_charge(tenant, prompt_tokens)
+        state = self._check_and_charge(tenant, prompt_tokens, reservation)
         if self.max_concurrent is not None:
             self._dispatch()  # the queued go first; a slot it leaves free, no queued request can take now
         if self.max_concurrent is None or self._in_flight < self.max_concurrent:
@@ -392,7 +503,7 @@ class Admission:
         lim = state.limits
         if lim is None or lim.max_concurrent is None or self.peers is None:
             return False
-        running = state.active - state.queued  # active counts this replica's queued requests too
+        running = state.active - state.queued - state.reserved  # active counts queued and reserved too
         return running + self.peers.active(tenant_id) >= lim.max_concurrent
 
     def _dispatch(self) -> None:

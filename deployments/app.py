@@ -47,6 +47,23 @@ def runtime_env_vars() -> dict[str, str]:
     return env
 
 
+def router_kwargs(cfg: dict) -> dict:
+    """What each ingress's KvmeshRouter is built with (`initialize_state`), from the resolved app config."""
+    eng = cfg["engine"]
+    return {
+        "policy": cfg["policy"],
+        "policy_params": cfg["policy_params"],
+        "hash_algo": eng["hash_algo"],
+        "block_size": eng["block_size"],
+        "speculative_ttl_s": cfg["speculative_ttl_s"],
+        "router_sync": cfg["router_sync"],
+        "mismatch_alarm_after": cfg["mismatch_alarm_after"],
+        "seed": eng["seed"],
+        # a replica Serve stops is given this long to finish: the router waits it out before giving calls up
+        "drain_timeout_s": eng["drain_timeout_s"],
+    }
+
+
 def build_app(config: dict | None = None):
     """The Serve application: Ingress -> (KvmeshRouter) -> EngineReplica x N."""
     from ray import serve
@@ -66,16 +83,7 @@ def build_app(config: dict | None = None):
             request_router_config=RequestRouterConfig(
                 # ray annotates RequestRouterConfig.__init__(**kwargs: dict[str, Any]), as if every keyword were a dict
                 request_router_class="kvmesh.deployments.router:KvmeshRouter",  # type: ignore[arg-type]
-                request_router_kwargs={
-                    "policy": cfg["policy"],
-                    "policy_params": cfg["policy_params"],
-                    "hash_algo": eng["hash_algo"],
-                    "block_size": eng["block_size"],
-                    "speculative_ttl_s": cfg["speculative_ttl_s"],
-                    "router_sync": cfg["router_sync"],
-                    "mismatch_alarm_after": cfg["mismatch_alarm_after"],
-                    "seed": eng["seed"],
-                },
+                request_router_kwargs=router_kwargs(cfg),
                 request_routing_stats_period_s=cfg["routing_stats_period_s"],
             ),
         )

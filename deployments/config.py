@@ -70,6 +70,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "stream_interval": 1,
     # Serve checks each replica's engine this often and replaces a replica after 3 failed checks in a row
     "health_check_period_s": 10,
+    # seconds a removed engine replica (Serve's downscale, a redeploy) gets to finish the requests it runs
+    # before Serve kills it (its graceful_shutdown_timeout_s); a stream cut off there moves to another replica
+    # and prefills again. None: 60 on GPU engines (a long answer's generation), 5 on CPU engines (tests)
+    "drain_timeout_s": None,
     # OpenMP threads of a CPU engine's model compute (OMP_NUM_THREADS in its replica); None: its CPU share
     # rounded down, at least 1 (Ray's own rule for whole CPUs); GPU engines keep vLLM's handling
     "cpu_threads": None,
@@ -78,6 +82,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 # Defaults that suit a CPU engine only: on a GPU, eager mode gives up CUDA graphs and 32 sequences
 # starve the batch, so a GPU engine keeps vLLM's own defaults unless the config sets them.
 CPU_ONLY_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 32}
+GPU_DRAIN_TIMEOUT_S = 60.0
+CPU_DRAIN_TIMEOUT_S = 5.0
 
 
 APP_DEFAULTS: dict[str, Any] = {
@@ -245,6 +251,8 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigError(f"engine.hash_algo {cfg['hash_algo']!r} is not one vLLM supports")
     _whole(cfg["stream_interval"], "engine.stream_interval", none_ok=False)
     _number(cfg["health_check_period_s"], "engine.health_check_period_s", low_ok=False)
+    if cfg["drain_timeout_s"] is not None:
+        _number(cfg["drain_timeout_s"], "engine.drain_timeout_s", low_ok=False)
     _whole(cfg["cpu_threads"], "engine.cpu_threads")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
@@ -275,6 +283,8 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
             cfg[key] = cpu_value
     if cfg["enforce_eager"] is None:
         cfg["enforce_eager"] = False
+    if cfg["drain_timeout_s"] is None:
+        cfg["drain_timeout_s"] = CPU_DRAIN_TIMEOUT_S if on_cpu else GPU_DRAIN_TIMEOUT_S
     return cfg
 
 

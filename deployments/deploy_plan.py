@@ -55,7 +55,7 @@ def engine_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[
             "runtime_env": {"env_vars": env},
         },
         "health_check_period_s": eng["health_check_period_s"],
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_timeout_s": eng["drain_timeout_s"],
     }
     if eng.get("resources"):
         opts["ray_actor_options"]["resources"] = dict(eng["resources"])
@@ -75,6 +75,30 @@ def max_engine_replicas(cfg: Mapping[str, Any]) -> int:
     if not auto:
         return int(cfg["replicas"])
     return int(serve_autoscaling(auto).max_replicas)
+
+
+def admission_ceiling_problem(cfg: Mapping[str, Any], admission: Mapping[str, Any] | None) -> str | None:
+    """Why the tenants file's global `admission.max_concurrent` (per ingress replica) keeps Serve's autoscaler
+    from reaching the engines' max_replicas, or None. Serve sizes the engines by the requests in flight over
+    `target_ongoing_requests`, and no more than max_concurrent x ingress_replicas are ever in flight: with 64
+    x 2 against 16 x 24, the engines stopped at ceil(128 / 24) = 6 of 16. The tenants file is a Secret that
+    `kvmesh k8s render` does not see, so the ingress checks this at its start."""
+    bound = (admission or {}).get("max_concurrent")
+    auto = cfg.get("autoscaling")
+    if bound is None or not auto:
+        return None
+    scaling = serve_autoscaling(auto)
+    target = scaling.get_target_ongoing_requests()
+    need = scaling.max_replicas * target
+    have = int(bound) * int(cfg["ingress_replicas"])
+    if have >= need:
+        return None
+    return (
+        f"admission.max_concurrent {bound} x ingress_replicas {cfg['ingress_replicas']} = {have} requests in flight "
+        f"at most, below autoscaling max_replicas {scaling.max_replicas} x target_ongoing_requests {target:g} = "
+        f"{need:g}: Serve's autoscaler can reach only {math.ceil(have / target)} engine replicas; raise "
+        f"admission.max_concurrent to at least {math.ceil(need / int(cfg['ingress_replicas']))} or remove it"
+    )
 
 
 def ingress_options(cfg: Mapping[str, Any], env_vars: Mapping[str, str]) -> dict[str, Any]:
@@ -357,6 +381,27 @@ def l1_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[s
     return problems
 
 
+# Kubernetes' terminationGracePeriodSeconds where a pod spec leaves it out
+DEFAULT_GRACE_PERIOD_S = 30
+
+
+def drain_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
+    """A pod group the engines land on whose terminationGracePeriodSeconds is not above
+    `engine.drain_timeout_s`: a pod stopped while its engine drains (a node drained, a rolling change) would
+    be killed before the engine's requests finish, cutting off what the drain time was meant to keep."""
+    drain = app_config(config)["engine"]["drain_timeout_s"]
+    groups = pod_groups(service)
+    problems = []
+    for name in landing_groups(config, service)[ENGINE]:
+        grace = groups[name]["pod"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_PERIOD_S)
+        if not grace > drain:
+            problems.append(
+                f"pod group {name}: terminationGracePeriodSeconds {grace} is not above engine.drain_timeout_s "
+                f"{drain:g}, the time an engine replica gets to finish its requests: raise it"
+            )
+    return problems
+
+
 def l2_credentials(l2: Any) -> list[str]:
     """Where an LMCache L2 spelling carries credentials: URL user info, or keys that may hold a secret (each
     adapter names its own: password, aws_secret_access_key, ...; `kvstore.tiers.CREDENTIAL_KEY`)."""
@@ -396,14 +441,16 @@ def kuberay_config_problems(config: Mapping[str, Any]) -> list[str]:
 
 def kuberay_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
     """Why the RayService manifest could not run this config: keys it ignores, credentials it would publish,
-    deployments no pod fits, files a pod lacks, an LMCache L1 the engines' pods have no memory for,
-    autoscaling beyond the worker groups. Empty when it can."""
+    deployments no pod fits, files a pod lacks, an LMCache L1 the engines' pods have no memory for, an engine
+    pod's grace period within the engines' drain time, autoscaling beyond the worker groups. Empty when it
+    can."""
     problems = kuberay_config_problems(config)
     for dep, names in landing_groups(config, service).items():
         if not names:
             problems.append(f"{dep} fits on no pod group (a replica needs {actor_resources(config)[dep]})")
     problems += [f"not mounted: {missing}" for missing in missing_files(config, service)]
     problems += l1_problems(config, service)
+    problems += drain_problems(config, service)
     most = max_engine_replicas(app_config(config))
     capacity = engine_capacity(config, service)
     if most > capacity:

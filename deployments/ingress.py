@@ -302,10 +302,15 @@ class Ingress:
 
             self._anonymous = Tenant("anonymous", None, derive_salt(resolve_secret(), "anonymous"), operator=True)
         from kvmesh.deployments.admission import Admission
+        from kvmesh.deployments.deploy_plan import admission_ceiling_problem
         from kvmesh.deployments.tenant_metrics import TenantMetrics
 
         self.admission = Admission.from_registry(self.registry) if self.registry else Admission()
         self.admission.peers = _PeerTenantUsage()  # tenant limits across the ingress replicas (admission.py)
+        # the tenants file is a Secret on Kubernetes, which `kvmesh k8s render` does not read: checked here
+        ceiling = admission_ceiling_problem(self.cfg, self.registry.admission_config if self.registry else None)
+        if ceiling:
+            log.warning(ceiling)
         self.serving_metrics = ServingMetrics()  # not `metrics`: that name is the /metrics route
         local_state.SERVING_METRICS.add(self.serving_metrics)
         self.tenant_metrics = TenantMetrics()
@@ -530,12 +535,14 @@ class Ingress:
         t0 = time.perf_counter()
         created = int(time.time())  # the answer's stamp, taken once: every chunk of a stream has it (as vLLM's)
         name_loop_thread()
+        reservation = None
         try:
             tenant = self._auth(request)
             # a tenant throttled whatever its prompt (its request rate or concurrency) is refused before its
             # body is read and parsed: a flood of large bodies must not cost the ingress. As an empty prompt,
-            # so a prompt's own size is judged (and its Retry-After given) once it is counted
-            self.admission.precheck(tenant, 0, exact=False)
+            # so a prompt's own size is judged (and its Retry-After given) once it is counted. Its slot and
+            # one request token are taken now (a reservation), so requests arriving together count at once
+            reservation = self.admission.reserve(tenant)
             body = proto.parse_json(await self._read_body(request))
             reject_client_salt(body, request.headers)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
@@ -544,19 +551,22 @@ class Ingress:
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
             # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
             given = req.prompt_ids
-            self.admission.precheck(tenant, len(given) if given is not None else 1, exact=given is not None)
+            count = len(given) if given is not None else 1
+            self.admission.precheck(tenant, count, exact=given is not None, reservation=reservation)
             t_tok = time.perf_counter()
             ids = await self._tokenize(req)
             self.serving_metrics.record_stage("tokenize", time.perf_counter() - t_tok)
             self._check_length(req, ids)
             t_queue = time.perf_counter()
-            ticket = await self.admission.acquire(tenant, len(ids))
+            ticket = await self.admission.acquire(tenant, len(ids), reservation=reservation)
             queue_wait_s = time.perf_counter() - t_queue  # in admission's fair queue (0 when a slot was free)
         except (OpenAIError, KvmeshHTTPError) as exc:
             self.serving_metrics.record_error(exc.status)
             if isinstance(exc, AdmissionError):  # the tenant's limits (429s, the prompt-limit 400) or a full server
                 self.tenant_metrics.record_rejection(tenant.id, exc.code)
             return _error_response(exc)
+        finally:  # a bad body, a tokenizer error, the client gone: the reservation comes back (acquire settled it)
+            self.admission.cancel(reservation)
         request_id = uuid.uuid4().hex
         engine_req = {
             "request_id": request_id,

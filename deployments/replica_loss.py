@@ -3,9 +3,9 @@
 Why: a replica on a node that froze or was cut off keeps its calls open. Nothing errors until Ray declares
 the node dead (about a minute), and a call still in flight then may never return (seen live: a unary request
 answered only when the frozen node's processes resumed, 100 s later). The router hears first that Serve
-dropped the replica from its set; a call to it still open ABANDON_AFTER_S later (longer than the graceful
-shutdown Serve gives a replica it stops on purpose) is abandoned here, and the ingress sends the request
-again elsewhere (deployments/migration.py), as it does when a call fails.
+dropped the replica from its set; a call to it still open `abandon_after_s` later (longer than the graceful
+shutdown Serve gives a replica it stops on purpose, `engine.drain_timeout_s`) is abandoned here, and the
+ingress sends the request again elsewhere (deployments/migration.py), as it does when a call fails.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-ABANDON_AFTER_S = 15  # seconds; an engine replica's graceful shutdown is 5 s (deploy_plan.py)
+# seconds beyond an engine replica's drain time (`engine.drain_timeout_s`, Serve's graceful shutdown): a replica
+# Serve stops on purpose finishes its calls within its drain time, so only calls still open after it are lost
+ABANDON_MARGIN_S = 10
+ABANDON_AFTER_S = 5 + ABANDON_MARGIN_S  # with the CPU engines' default drain time (deployments/config.py)
+
+
+def abandon_after_s(drain_timeout_s: float | None) -> float:
+    """How long after Serve dropped a replica its open calls are given up: its drain time plus a margin."""
+    return ABANDON_AFTER_S if drain_timeout_s is None else float(drain_timeout_s) + ABANDON_MARGIN_S
 
 
 class ReplicaGone(RuntimeError):

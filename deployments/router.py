@@ -55,7 +55,7 @@ from kvmesh.deployments.migration import origin_id
 from kvmesh.deployments.peer_lag import is_free_choice
 from kvmesh.deployments.prediction import predicted_cached_tokens
 from kvmesh.deployments.recent import RecentSet
-from kvmesh.deployments.replica_loss import ABANDON_AFTER_S
+from kvmesh.deployments.replica_loss import ABANDON_AFTER_S, abandon_after_s
 from kvmesh.deployments.replica_watch import ReplicaWatch
 from kvmesh.deployments.router_hold import TierHolding
 from kvmesh.deployments.router_sync import PeerPlacements, RouterSync, held_message, routed_message
@@ -193,6 +193,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         probe_interval_s: float | None = None,
         probe_deadline_s: float | None = None,
         suspect_abandon_s: float | None = None,
+        drain_timeout_s: float | None = None,
         **_ignored: Any,
     ):
         check_serve_contract()  # what follows relies on it: fail loudly, not with placement silently off
@@ -202,6 +203,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._policies = {policy: self.policy}  # per-tenant overrides are built on first use
         self.hash_algo = hash_algo
         self.block_size = block_size
+        # a replica Serve dropped: its calls still open this long after are given up (its drain time + margin)
+        self.abandon_left_after_s = ABANDON_AFTER_S if drain_timeout_s is None else abandon_after_s(drain_timeout_s)
         # block_size: BlockStored events of another size are counted apart (`block_size_mismatch`), not applied
         self.index = PrefixIndex(max_blocks=max_blocks, speculative_ttl_s=speculative_ttl_s, block_size=block_size)
         # replica id -> {setting: {"engine": ..., "router": ...}} where its engine hashes KV blocks otherwise
@@ -477,7 +480,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
             calls = local_state.OPEN_CALLS.calls(ids)  # these very calls: not a later one under the same id
             try:
                 if calls:
-                    asyncio.get_running_loop().call_later(ABANDON_AFTER_S, self._abandon_left_on, rid, calls)
+                    asyncio.get_running_loop().call_later(self.abandon_left_after_s, self._abandon_left_on, rid, calls)
             except RuntimeError:  # not on a loop (a test's direct call): nothing of it is waiting
                 pass
         local_state.LEDGER.forget_replica(rid)  # per-replica rows of /metrics and /kvmesh/state: not every id
@@ -493,7 +496,7 @@ class KvmeshRouter(TierHolding, RequestRouter):
         log.info("forgot replica %s", rid)
 
     def _abandon_left_on(self, rid: str, calls: dict[str, Any]) -> int:
-        """`_forget`'s calls still open on `rid` ABANDON_AFTER_S later: abandoned, each only if it is still the
+        """`_forget`'s calls still open on `rid` `abandon_left_after_s` later: abandoned, each only if it is still the
         call that was open there (a request moved meanwhile was sent again under the same request id) and its
         request is not placed on another replica since (the ingress may have sent it again before the router
         heard of the loss). How many were abandoned."""

@@ -345,3 +345,182 @@ def test_a_queued_request_held_back_by_its_fleet_limit_still_times_out():
         assert zero.waiting() == 0 and zero.active("x") == 0 and zero.in_flight == 0 and not zero._ready
 
     asyncio.run(scenario())
+
+
+# --- reservations: a request counts from before its body is read -----------------------------------------
+
+
+def test_forty_reservations_at_once_for_a_tenant_limited_to_one_let_exactly_one_through():
+    """A check that took nothing let all 40 pass and be tokenised, to be refused only once counted."""
+    adm = Admission(clock=lambda: 0.0)
+    tenant = _tenant(requests_per_s=1, burst_requests=1, max_concurrent=1)
+    held, refused = [], []
+    for _ in range(40):
+        try:
+            held.append(adm.reserve(tenant))
+        except RateLimited as exc:
+            refused.append(exc)
+    assert len(held) == 1 and len(refused) == 39 and adm.active("acme") == 1
+    assert {exc.code for exc in refused} == {"concurrency_limit_exceeded"}
+
+    async def settle():
+        return await adm.acquire(tenant, 10, reservation=held[0])
+
+    ticket = asyncio.run(settle())
+    assert adm.active("acme") == 1 and adm._tenants["acme"].reserved == 0
+    adm.release(ticket)
+    assert adm.active("acme") == 0
+    with pytest.raises(RateLimited) as rate:  # its one request token was spent: the rate refuses now
+        adm.reserve(tenant)
+    assert rate.value.code == "rate_limit_exceeded" and adm.active("acme") == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_reservation_comes_back_on_every_way_a_request_can_fail(seed):
+    """Reservation, then each failure path at random (refused before counting, refused once counted, cancelled
+    before acquire, timed out or cancelled in the fair queue, answered): nothing stays counted, and the budget
+    of every request that did not run comes back."""
+    import random
+
+    from kvmesh.deployments.admission import PromptTooLarge
+
+    rng = random.Random(seed)
+
+    async def run():
+        adm = Admission(max_concurrent=1, queue_timeout_s=0.01, clock=lambda: 0.0)  # time stands still
+        tenant = _tenant(requests_per_s=1, burst_requests=1000, tokens_per_min=100, max_concurrent=2)
+        blocker = _tenant("other")
+        answered = 0
+        for _ in range(120):
+            path = rng.choice(["cancel", "precheck", "too_large", "over_budget", "timeout", "queued_cancel", "ok"])
+            r = adm.reserve(tenant)
+            assert adm.active("acme") == 1
+            if path == "cancel":  # a bad body, a tokenizer error, the client gone before acquire
+                adm.cancel(r)
+            elif path == "precheck":  # more than the tokens left, before tokenising
+                with pytest.raises(RateLimited):
+                    adm.precheck(tenant, 101 + rng.randrange(50), exact=False, reservation=r)
+                adm.cancel(r)
+            elif path == "too_large":
+                with pytest.raises(PromptTooLarge):
+                    await adm.acquire(tenant, 101 + rng.randrange(50), reservation=r)
+            elif path == "over_budget":
+                with adm_spent(adm, tenant):
+                    with pytest.raises(RateLimited):
+                        await adm.acquire(tenant, 10, reservation=r)
+            elif path in ("timeout", "queued_cancel"):
+                busy = await adm.acquire(blocker, 1)  # the server is full: the request queues
+                task = asyncio.create_task(adm.acquire(tenant, 1, reservation=r))
+                await asyncio.sleep(0)
+                assert adm.waiting("acme") == 1
+                if path == "queued_cancel":
+                    task.cancel()
+                with pytest.raises((RateLimited, asyncio.CancelledError)):
+                    await task
+                adm.release(busy)
+            else:
+                adm.release(await adm.acquire(tenant, 0, reservation=r))
+                answered += 1
+            adm.cancel(r)  # what the ingress does on its way out, whatever happened: a no-op now
+            state = adm._tenants["acme"]
+            assert (adm.active("acme"), state.reserved, adm.in_flight, adm.waiting()) == (0, 0, 0, 0), path
+            assert state.requests.tokens == 1000 - answered and state.tokens.tokens == 100
+        assert answered
+
+    asyncio.run(run())
+
+
+class adm_spent:
+    """The tenant's prompt-token bucket emptied for the block, refilled after (a budget spent elsewhere)."""
+
+    def __init__(self, adm: Admission, tenant: Tenant):
+        self.bucket = adm._tenants[tenant.id].tokens
+
+    def __enter__(self):
+        self.saved, self.bucket.tokens = self.bucket.tokens, 0.0
+
+    def __exit__(self, *exc):
+        self.bucket.tokens = self.saved
+
+
+# --- a reload that changes a tenant's rates resizes its buckets -------------------------------------------
+
+
+def test_a_raised_or_lifted_token_budget_admits_a_prompt_above_the_old_one():
+    """Buckets kept at the size they had at a tenant's first request refused a prompt within the new budget
+    but above the old one with a 429 forever."""
+
+    async def run():
+        now = [0.0]
+        for new in (10000, None):
+            adm = Admission(clock=lambda: now[0])
+            adm.release(await adm.acquire(_tenant(tokens_per_min=1000), 10))
+            now[0] += 6.0
+            adm.release(await adm.acquire(_tenant(tokens_per_min=new), 5000))
+            bucket = adm._tenants["acme"].tokens
+            assert (bucket is None) if new is None else (bucket.capacity == new)
+
+    asyncio.run(run())
+
+
+def test_a_resized_bucket_keeps_what_was_spent():
+    """Spent stays spent: lowered from 10000 to 1000 tokens a minute after 5000 were spent, the bucket owes
+    4000, so a 500-token prompt waits for 4500 tokens at the new rate (270 s); a burst raised from 1 to 5
+    after 1 request leaves 4."""
+    from kvmesh.deployments.admission import PromptTooLarge
+
+    async def run():
+        now = [0.0]
+        adm = Admission(clock=lambda: now[0])
+        adm.release(await adm.acquire(_tenant(tokens_per_min=10000), 5000))
+        with pytest.raises(RateLimited) as refused:
+            await adm.acquire(_tenant(tokens_per_min=1000), 500)
+        assert refused.value.headers() == {"Retry-After": "270"}
+        with pytest.raises(PromptTooLarge):  # above the bucket's new size: the 400, never admissible
+            adm.precheck(_tenant(tokens_per_min=1000), 1001)
+        now[0] += 270.0
+        adm.release(await adm.acquire(_tenant(tokens_per_min=1000), 500))
+
+        adm = Admission(clock=lambda: now[0])
+        adm.release(await adm.acquire(_tenant(requests_per_s=0.001, burst_requests=1), 1))
+        more = _tenant(requests_per_s=0.001, burst_requests=5)
+        for _ in range(4):
+            adm.release(await adm.acquire(more, 1))
+        with pytest.raises(RateLimited):
+            await adm.acquire(more, 1)
+
+    asyncio.run(run())
+
+
+def test_a_tenants_file_reload_that_raises_the_token_budget_takes_effect(tmp_path, monkeypatch):
+    import hashlib
+
+    from kvmesh.deployments.tenants import TenantRegistry
+
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
+    key = "kvm-" + "a" * 40
+    (tmp_path / "secret").write_text("s" * 64)
+    path = tmp_path / "tenants.yaml"
+
+    digest = hashlib.sha256(key.encode()).hexdigest()
+
+    def write(tokens_per_min: str) -> None:
+        path.write_text(
+            f"secret_file: secret\ntenants:\n  - id: acme\n    keys: [{{sha256: {digest}}}]\n"
+            f"    limits: {{tokens_per_min: {tokens_per_min}}}\n"
+        )
+
+    async def run():
+        now = [0.0]
+        write("1000")
+        registry = TenantRegistry.from_file(path, reload_interval_s=5, clock=lambda: now[0])
+        adm = Admission(clock=lambda: now[0])
+        adm.release(await adm.acquire(registry.authenticate("Bearer " + key), 10))
+        write("10000")
+        now[0] += 6.0
+        tenant = registry.authenticate("Bearer " + key)
+        assert tenant.limits.tokens_per_min == 10000
+        adm.release(await adm.acquire(tenant, 5000))
+
+    asyncio.run(run())

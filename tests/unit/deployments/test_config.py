@@ -36,6 +36,14 @@ def test_config_defaults_and_strict_keys():
         app_config({"allow_cache_reset": "yes"})
 
 
+@pytest.mark.parametrize("bad", [0, -1, "60", True, float("inf")])
+def test_the_engines_drain_time_is_a_positive_number(bad):
+    with pytest.raises(ConfigError, match="engine.drain_timeout_s"):
+        engine_config({"drain_timeout_s": bad})
+    assert engine_config({"drain_timeout_s": 0.5})["drain_timeout_s"] == 0.5
+    assert engine_config({})["drain_timeout_s"] == 5 and engine_config({"num_gpus": 1})["drain_timeout_s"] == 60
+
+
 def test_policy_names_and_parameters_are_checked_by_building_the_policy():
     cfg = app_config({"policy_params": {"guard_weight": 45, "cost": {"attention_s_per_token_pair": 1e-9}}})
     assert cfg["policy_params"]["guard_weight"] == 45

@@ -123,3 +123,12 @@ def test_a_cpu_engine_runs_as_many_openmp_threads_as_its_cpu_share_and_a_gpu_eng
     for bad in (0, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="cpu_threads"):
             app_config({"engine": {"cpu_threads": bad}})
+
+
+def test_engine_replicas_get_the_configured_drain_time_before_serve_kills_them():
+    """Serve kills a removed replica after graceful_shutdown_timeout_s; a fixed 5 s cut off every longer
+    answer at each downscale. GPU engines default to 60 s, CPU engines (tests, local runs) keep 5 s."""
+    assert engine_options(app_config(GPU), {})["graceful_shutdown_timeout_s"] == 60
+    assert engine_options(app_config({}), {})["graceful_shutdown_timeout_s"] == 5
+    given = app_config({"engine": {**GPU["engine"], "drain_timeout_s": 300}})
+    assert engine_options(given, {})["graceful_shutdown_timeout_s"] == 300

@@ -940,6 +940,123 @@ def test_a_tenant_at_its_concurrency_limit_is_refused_before_tokenising_and_a_fu
     asyncio.run(run())
 
 
+def _arriving(body: dict | bytes, delay_s: float = 0.01, hang: bool = False) -> Request:
+    """A request whose body reaches the ingress `delay_s` after its headers, as over a network (or never)."""
+    req, _, receive = _request(body)
+
+    async def later():
+        if hang:
+            await asyncio.Event().wait()
+        await asyncio.sleep(delay_s)
+        return await receive()
+
+    req._receive = later
+    return req
+
+
+class _SparseTokenizer(_CountingTokenizer):
+    """One token per 1000 characters, counting its calls from any thread."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def encode(self, text, add_special_tokens=True):
+        with self.lock:
+            self.calls += 1
+        return [0] * max(1, len(text) // 1000)
+
+
+def test_forty_requests_at_once_from_a_tenant_limited_to_one_are_tokenised_once():
+    """Each request takes its tenant's slot and a request token before its body is read: of 40 arriving
+    together for a tenant allowed 1 at a time (burst 1), one is read and tokenised, 39 get their 429 first.
+    A check that took nothing let all 40 through to the shared tokenizer."""
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(requests_per_s=1, burst_requests=1, max_concurrent=1), now)
+        ing.tokenizer = _SparseTokenizer()
+        ing.max_model_len = 16384  # room for the long text
+        ing.engine = _Engine(hang=True)
+        long = {**TEXT, "prompt": "a" * (ingress_module.LONG_PROMPT_CHARS + 1)}  # tokenised in the thread pool
+        tasks = [asyncio.create_task(ing._generate(_arriving(long), "completion")) for _ in range(40)]
+        await asyncio.sleep(0.1)
+        refused = [t.result() for t in tasks if t.done()]
+        assert len(refused) == 39 and all(r.status_code == 429 for r in refused)
+        assert ing.tokenizer.calls == 1 and ing.admission.active("anonymous") == 1
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+
+    asyncio.run(run())
+
+
+class _FailingTokenizer(_CountingTokenizer):
+    """Fails on the prompts named so: a tokenizer's own error (a 400) or a bug (an exception out)."""
+
+    def encode(self, text, add_special_tokens=True):
+        if text == "bad":
+            raise ValueError("cannot encode")
+        if text == "crash":
+            raise RuntimeError("tokenizer bug")
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tenants_slot_comes_back_however_a_request_fails_before_or_after_admission(seed):
+    """Rounds of requests at once, each ending one way at random: cancelled while its body is read, a body
+    that is not JSON, a client salt, a tokenizer error or crash, a prompt over the tenant's limit, cancelled
+    while the engine works, answered. After each round nothing of the tenant's stays counted."""
+    import random
+
+    rng = random.Random(seed)
+    paths = ["read_cancel", "bad_json", "salt", "tokenizer_error", "tokenizer_crash", "too_large", "engine_cancel"]
+    paths.append("ok")
+
+    def request(path: str) -> Request:
+        if path == "read_cancel":
+            return _arriving(TEXT, hang=True)
+        if path == "bad_json":
+            return _arriving(b"{not json")
+        body = {**TEXT, "prompt": {"tokenizer_error": "bad", "tokenizer_crash": "crash"}.get(path, "abcd")}
+        if path == "salt":
+            body["cache_salt"] = "x"
+        if path == "too_large":
+            body["prompt"] = "a" * 40
+        return _arriving(body)
+
+    async def run():
+        now = [1000.0]
+        ing = _limited(Limits(max_concurrent=4, max_prompt_tokens=30), now)
+        ing.tokenizer = _FailingTokenizer()
+        for _ in range(25):
+            chosen = [rng.choice(paths) for _ in range(rng.randint(1, 4))]
+            ing.engine = _Engine(hang="engine_cancel" in chosen)
+            if ing.engine.hang:
+                chosen = [p if p != "ok" else "engine_cancel" for p in chosen]
+            tasks = [asyncio.create_task(ing._generate(request(p), "completion")) for p in chosen]
+            await asyncio.sleep(0.05)
+            assert ing.admission.active("anonymous") == sum(p in ("read_cancel", "engine_cancel") for p in chosen)
+            for path, task in zip(chosen, tasks, strict=True):
+                if path in ("read_cancel", "engine_cancel"):
+                    task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for path, result in zip(chosen, results, strict=True):
+                if path in ("read_cancel", "engine_cancel"):
+                    assert isinstance(result, asyncio.CancelledError), (path, result)
+                elif path == "tokenizer_crash":
+                    assert isinstance(result, RuntimeError), (path, result)
+                else:
+                    assert result.status_code == (200 if path == "ok" else 400), (path, result.body)
+            state = ing.admission._tenants["anonymous"]
+            assert (state.active, state.reserved, ing.admission.in_flight) == (0, 0, 0), chosen
+
+    asyncio.run(run())
+
+
 # --- TTFT: unary and streamed requests measured alike ---------------------------------------------------
 
 

@@ -460,3 +460,17 @@ def test_a_client_that_leaves_while_its_stream_is_given_up_ends_the_request():
         assert len(local_state.OPEN_CALLS) == 0
 
     asyncio.run(run())
+
+
+def test_a_dropped_replicas_calls_wait_out_its_drain_time_before_they_are_given_up():
+    """Serve gives a replica it stops on purpose `engine.drain_timeout_s` to finish (60 s on GPU engines):
+    the router gives up its open calls only after that and a margin, never while the drain still runs."""
+    from kvmesh.deployments.app import router_kwargs
+    from kvmesh.deployments.config import app_config
+    from kvmesh.deployments.replica_loss import ABANDON_MARGIN_S
+
+    kwargs = router_kwargs(app_config({"engine": {"model": "/models/m", "num_gpus": 1}}))
+    assert kwargs["drain_timeout_s"] == 60.0  # a GPU engine's default drain time
+    gpu = make_router(**{**kwargs, "policy": "kvmesh", "block_size": 32})
+    assert gpu.abandon_left_after_s == 60.0 + ABANDON_MARGIN_S
+    assert make_router(policy="kvmesh", block_size=32).abandon_left_after_s == router_module.ABANDON_AFTER_S

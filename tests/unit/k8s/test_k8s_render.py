@@ -3,6 +3,8 @@ the manifest can run, and refuses the rest with one line and exit status 2, leav
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from paths import REPO_ROOT
@@ -122,6 +124,21 @@ def test_render_refuses_more_engines_than_the_worker_groups_hold(files, capsys):
     raw["autoscaling"]["max_replicas"] = 17  # maxReplicas 16 GPU pods, one engine each
     files[0].write_text(yaml.safe_dump(raw))
     assert "up to 17 engine replicas, but the worker groups hold at most 16" in refused(files, capsys)
+
+
+def test_render_refuses_an_engine_pod_grace_period_not_above_the_engines_drain_time(files, capsys):
+    """Kubernetes kills a pod its grace period after stopping it: within the engines' drain time, a draining
+    engine's requests would be cut off. A pod spec without one gets Kubernetes' 30 s."""
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["drain_timeout_s"] = 120  # the GPU workers' grace period is 90 s
+    files[0].write_text(yaml.safe_dump(raw))
+    err = refused(files, capsys)
+    assert "pod group gpu-engines: terminationGracePeriodSeconds 90 is not above engine.drain_timeout_s 120" in err
+    raw["engine"]["drain_timeout_s"] = 60
+    files[0].write_text(yaml.safe_dump(raw))
+    manifest = files[1].read_text()
+    files[1].write_text(re.sub(r"\n *terminationGracePeriodSeconds: 90\n", "\n", manifest))
+    assert "terminationGracePeriodSeconds 30 is not above engine.drain_timeout_s 60" in refused(files, capsys)
 
 
 @pytest.mark.parametrize("broken", ["config", "manifest"])
