@@ -8,7 +8,8 @@ size 32, the draw's tokens per block, 3-4 replicas as the draw says); the replay
 records in order under the draw's concurrency cap (4 for timed draws), a user's next turn after its
 previous reply, token-id prompts, streaming; vllm-router's cache_aware policy gets the same replay over
 as many bare vLLM servers with the same engine settings. The simulator sends the same records with its closed-loop
-client (`kvmesh.cluster.simulator.ClosedLoop`: the same concurrency, the same per-user order).
+client (`kvmesh.cluster.simulator.ClosedLoop`: the same concurrency, the same per-user order), each request
+decoding what the replay asks of it (`LIVE_MAX_TOKENS`).
 Reported per draw: hit rate, per-replica requests and prefill (uncached prompt tokens), prefill
 max/mean, TTFT p50, the infinite-cache and balance-bounded bounds, and the sim-vs-live
 differences, down to the share of requests the simulator places as the live router did.
@@ -48,6 +49,10 @@ from kvmesh.policies.registry import make_policy
 
 ENGINE_BLOCK = 32
 TIMED_CONCURRENCY = 4  # live draws are all sent under a concurrency cap; timed patterns use this one
+# output tokens each live request asks for (the replay's `max_tokens`, capping the draw's scaled output length);
+# the simulations of those runs decode as many (`engine_trace(max_tokens=...)`), or they would predict another
+# workload: longer decodes hold sequence slots and delay each user's next turn
+LIVE_MAX_TOKENS = 16
 PEER = "vllm-router/cache_aware"  # the peer the live target compares with (it piles up to reach its hit rate)
 # the workload families a live row's seed can be a draw of: the first family (`workload_family`, its tune and
 # eval seeds) and the one with shapes it never draws (`workload_wide`, its wide_eval seeds)
@@ -73,7 +78,7 @@ def live_concurrency(d: Draw) -> int:
 
 def replay_config(url: str, d: Draw, api_key: str | None = None, model: str | None = None):
     """How every live run of a draw is sent (kvmesh, round robin, a peer router): the draw's tokens per
-    block and concurrency cap, 16 output tokens, no progress bar."""
+    block and concurrency cap, `LIVE_MAX_TOKENS` output tokens at most, no progress bar."""
     from kvmesh.deployments.replay import ReplayConfig
 
     return ReplayConfig(
@@ -82,7 +87,7 @@ def replay_config(url: str, d: Draw, api_key: str | None = None, model: str | No
         tokens_per_block=d.tokens_per_block,
         concurrency=live_concurrency(d),
         api_key=api_key,
-        max_tokens=16,
+        max_tokens=LIVE_MAX_TOKENS,
         progress=False,
     )
 
@@ -100,8 +105,9 @@ def simulate_in_send_order(
     """The simulator on the records, sent as the replay client sends them (with an unbounded shared tier
     behind every replica when `shared`, a block loadable from it once its prefill has ended, in LMCache
     chunks of `chunk_blocks` engine blocks; each send `jitter_s` at most late, seeded by `seed`:
-    `ClosedLoop.jitter_s`)."""
-    trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}")
+    `ClosedLoop.jitter_s`). Each request decodes what the live replay asks of it (`LIVE_MAX_TOKENS` at most,
+    `replay_config`)."""
+    trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK, name=f"family-{d.seed}", max_tokens=LIVE_MAX_TOKENS)
     blocks = sum(len(r.hash_ids) for r in trace.requests) + 1
     placed: list[tuple[int, str]] = []  # (record index, replica) in the order the simulator routes them
     decisions: list[dict] = []  # what ranking saw, per placement (`decision_trace`)

@@ -24,6 +24,8 @@ def setup(doc: dict) -> str:
     words = [f"block_size={cfg['block_size']}"]
     if cfg.get("tokens_per_block", cfg["block_size"]) != cfg["block_size"]:
         words.append(f"tokens_per_block={cfg['tokens_per_block']}")
+    if cfg.get("max_tokens") is not None:
+        words.append(f"max_tokens={cfg['max_tokens']}")
     if cfg.get("limit") is not None:
         words.append(f"limit={cfg['limit']}")
     tiers = []
@@ -54,7 +56,12 @@ def setup(doc: dict) -> str:
 
 def format_table(doc: dict) -> str:
     b = doc["bounds"]
-    ref = b.get("merged_lru") or 0.0
+    # the reference a policy's hit rate is divided by: one LRU of the fleet's HBM, or with host tiers, of its HBM
+    # and host tiers (a policy's hit rate counts host-tier hits then: against HBM alone it read 2-5x "the bound")
+    with_host = b.get("merged_lru_with_host") is not None
+    ref = (b["merged_lru_with_host"] if with_host else b.get("merged_lru")) or 0.0
+    label = "/merged+host" if with_host else "/merged"
+    width = len(label)
     lines = [
         f"trace={doc['trace']} requests={doc['requests']} replicas={doc['replicas']} "
         f"capacity_blocks={doc['capacity_blocks']} load={_load(doc)}",
@@ -68,13 +75,13 @@ def format_table(doc: dict) -> str:
             f"balance_bounded={bal['hit_rate']:.4f} (max/mean reached {bal['imbalance']:.3f})"
         )
     lines += [
-        f"{'policy':<20} {'hit_tok':>7} {'hit_req':>7} {'/merged':>7} {'imbal':>6} {'p50_s':>8} {'p90_s':>8} "
+        f"{'policy':<20} {'hit_tok':>7} {'hit_req':>7} {label:>{width}} {'imbal':>6} {'p50_s':>8} {'p90_s':>8} "
         f"{'p99_s':>8} {'util':>5} {'tok/s':>9} {'cost_$':>9}",
     ]
     for name, m in doc["policies"].items():
         ratio = f"{m['hit_rate_tokens'] / ref:.3f}" if ref else "n/a"
         lines.append(
-            f"{name:<20} {m['hit_rate_tokens']:>7.4f} {m['hit_rate_requests']:>7.4f} {ratio:>7} "
+            f"{name:<20} {m['hit_rate_tokens']:>7.4f} {m['hit_rate_requests']:>7.4f} {ratio:>{width}} "
             f"{m['imbalance']:>6.3f} {m['ttft_p50_s']:>8.3f} {m['ttft_p90_s']:>8.3f} {m['ttft_p99_s']:>8.3f} "
             f"{m['utilization']:>5.2f} {m['throughput_tokens_s']:>9.0f} {m['blended_cost']:>9.2f}"
         )

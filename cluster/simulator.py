@@ -846,6 +846,8 @@ def simulate(
             "block_size": trace.block_size,
             # tokens one trace hash id stands for: the block size, unless the ids were expanded (`engine_trace`)
             "tokens_per_block": trace.meta.get("tokens_per_block", trace.block_size),
+            # the cap on each request's decoded tokens, as a replay's `--max-tokens` (None: the trace's lengths)
+            "max_tokens": trace.meta.get("max_tokens"),
             "limit": trace.meta.get("limit"),
             "host_blocks": cfg.host_blocks,
             "shared": cfg.shared,

@@ -197,15 +197,91 @@ def _read(name_or_path: str, path: str, block_size: int, limit: int | None) -> I
 
 
 def _in_time_order(items: Iterator[tuple[str, dict]]) -> Iterator[tuple[str, dict]]:
-    """The records as they come; TraceError at the first whose timestamp is earlier than the one before.
-    Why: a simulation of such a trace has a negative span and no load, and nothing says so."""
+    """The records as they come, as a simulation reads them; TraceError at the first whose timestamp is earlier
+    than the one before (why: a simulation of such a trace has a negative span and no load, and nothing says
+    so), or whose hash ids break the parent rule (`ParentRule`)."""
     last_ts = -math.inf
+    check = ParentRule().check
     for where, rec in items:
         ts = float(rec["timestamp"])
         if ts < last_ts:
             raise TraceError(f"{where}: timestamp {ts:g} goes back in time (previous {last_ts:g})")
         last_ts = ts
+        check(rec, where)
         yield where, rec
+
+
+# the parent `ParentRule` keeps for a prompt's first id: no hash id is negative, and a dict lookup's None is
+# left to mean "not seen"
+_START = -1
+
+
+class ParentRule:
+    """The Mooncake rule, record by record: an id always follows the same parent (the id before it in a prompt,
+    none for the first), so it names its whole prefix, and a prompt holds each id once. Kept per tenant, as
+    `tenant_block_ids` keeps tenants apart (tenants 1 and "1" are one): two tenants' equal ids are different
+    blocks, each tenant's own ids must keep the rule. Why checked: a prompt that repeats an id ([7, 7, 7, 8]) or
+    an id that follows two parents is counted by the simulator's prefix match as the same cached block
+    wherever it appears, while the bounds count each id once, so a policy "beat" the infinite-cache bound.
+
+    Cheap at a million records: a prompt's ids seen before are looked up and compared with their expected
+    parents at C speed (in a chat trace most of a prompt is history); only its new ids, at its end, are
+    walked one by one."""
+
+    __slots__ = ("_parents",)
+
+    def __init__(self) -> None:
+        self._parents: dict = {}  # tenant (None or its string) -> {id: the id before it, or _START}
+
+    def check(self, rec: dict, where: str) -> None:
+        """TraceError naming `where` if `rec`'s hash ids break the rule, with themselves or the records before."""
+        ids = rec["hash_ids"]
+        tenant = rec.get("tenant")
+        key = None if tenant is None else str(tenant)
+        parents = self._parents.get(key)
+        if parents is None:
+            parents = self._parents[key] = {}
+        seen = list(map(parents.get, ids))  # each id's parent so far, None where the id is new
+        expected = [_START, *ids]
+        expected.pop()
+        if seen == expected:
+            return
+        # ids seen before, up to the first new one, must follow their parents (no id twice among them then:
+        # a repeat would follow two parents, back to the prompt's start)
+        k = seen.index(None) if None in seen else len(ids)
+        if seen[:k] != expected[:k]:
+            self._refuse(ids, parents, where, key)
+        new: dict = {}
+        for i in range(k, len(ids)):
+            h, p = ids[i], expected[i]
+            old = parents.get(h, new.get(h))
+            if old is None:
+                new[h] = p
+            elif old != p:  # a second parent, or the id twice in this prompt
+                self._refuse(ids, parents, where, key)
+        parents.update(new)
+
+    @staticmethod
+    def _refuse(ids: list[int], parents: dict, where: str, tenant: str | None) -> None:
+        seen: set = set()
+        prev = _START
+        for h in ids:
+            if h in seen:
+                raise TraceError(
+                    f"{where}: hash id {h} appears twice in one prompt (an id names its whole prefix, so a prompt "
+                    "holds each id once)"
+                )
+            if h in parents and parents[h] != prev:
+                first = "the start of a prompt"
+                raise TraceError(
+                    f"{where}: hash id {h} follows {first if prev == _START else f'id {prev}'} here but "
+                    f"{first if parents[h] == _START else f'id {parents[h]}'} earlier"
+                    + ("" if tenant is None else f" (tenant {brief(repr(tenant))})")
+                    + " (an id always follows the same parent: it names its whole prefix)"
+                )
+            seen.add(h)
+            prev = h
+        raise TraceError(f"{where}: its hash ids break the parent rule")  # not reached: the loop names the id
 
 
 def read_records(
@@ -215,7 +291,8 @@ def read_records(
     in_time_order: bool = False,
 ) -> list[dict]:
     """The checked records of a trace (bundled name or path) in file order, extra keys kept; TraceError if bad.
-    With `in_time_order`, a timestamp that goes back is bad too (as `load_trace` checks, for a simulation)."""
+    With `in_time_order` (the records of a simulation), a timestamp that goes back is bad too, and so is a hash
+    id that breaks the parent rule (`ParentRule`), as `load_trace` checks."""
     items = _read(os.fspath(name_or_path), resolve(name_or_path), block_size, limit)
     return [rec for _, rec in (_in_time_order(items) if in_time_order else items)]
 
@@ -285,8 +362,9 @@ def _unused_ids(used: dict) -> Iterator[int]:
 
 def load_trace(name_or_path: str, block_size: int = SOURCE_BLOCK_TOKENS, limit: int | None = None) -> Trace:
     """Load and validate a whole trace (bundled name or path) for the simulator: timestamps must not go
-    back. Raises TraceError; empty traces too. Tenants are kept apart (`tenant_block_ids`). `meta` holds
-    the path, `limit`, and where records name a `user`, "users" (`users_meta`)."""
+    back, and each tenant's hash ids must keep the parent rule (`ParentRule`). Raises TraceError; empty traces
+    too. Tenants are kept apart (`tenant_block_ids`). `meta` holds the path, `limit`, and where records name a
+    `user`, "users" (`users_meta`)."""
     if block_size < 1:
         raise TraceError("block size must be >= 1")
     path = resolve(name_or_path)

@@ -65,6 +65,16 @@ def scaled_output_length(rec: dict, tokens_per_block: int, source_block_tokens: 
     return max(1, round(rec["output_length"] * tokens_per_block / source_block_tokens))
 
 
+def replayed_output_length(
+    rec: dict, tokens_per_block: int, max_tokens: int | None, source_block_tokens: int = SOURCE_BLOCK_TOKENS
+) -> int:
+    """The output tokens a replay asks for: the scaled output length, capped at `max_tokens` (None: no cap), as
+    `kvmesh replay` sends `max_tokens = min(--max-tokens, scaled output_length)`; the one rule of the replay
+    client and of `engine_trace`, so a simulation decodes what the live run it predicts decodes."""
+    n = scaled_output_length(rec, tokens_per_block, source_block_tokens)
+    return n if max_tokens is None else min(max_tokens, n)
+
+
 # ----------------------------------------------------------------------------- chat workload
 @dataclass(frozen=True)
 class ChatSpec:
@@ -225,15 +235,21 @@ def engine_trace(
     source_block_tokens: int = SOURCE_BLOCK_TOKENS,
     name: str = "workload",
     salt_by_tenant: bool = True,
+    max_tokens: int | None = None,
 ) -> Trace:
     """The records as a `kvmesh.cluster.trace.Trace` at the engine's block size, for the simulator and the
     bounds: one id per engine block (with `salt_by_tenant`, tenants never share one, as their salts keep
     them apart live: `trace.tenant_block_ids`, the rule `load_trace` keeps too), lengths scaled like the
-    replay client's prompts; `meta["tokens_per_block"]` says the scale. Lets a policy change be checked
+    replay client's prompts; `meta["tokens_per_block"]` says the scale. `max_tokens`: each request decodes
+    min(`max_tokens`, scaled output length) tokens, as `kvmesh replay --max-tokens` asks of the engine (the
+    replay's `max_tokens` of every request); None (the default) decodes the whole scaled output length, and
+    `meta["max_tokens"]` says which. Lets a policy change be checked
     on the live benchmarks' workloads in seconds (tests/unit/benchmarks/test_peers.py). ValueError when
     the expansion would make more than `MAX_ENGINE_BLOCKS` blocks and more than the trace's own ids, before
     any is made (a million-request trace is as large without expansion, and its bounds cost far less)."""
     block_size = block_size or tokens_per_block
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     total = engine_blocks(records, tokens_per_block, block_size, source_block_tokens)
     trace_ids = sum(len(rec["hash_ids"]) for rec in records)
     if total > MAX_ENGINE_BLOCKS and total > trace_ids:  # a trace as large unexpanded is the caller's to bound
@@ -259,13 +275,17 @@ def engine_trace(
                 {
                     "timestamp": rec["timestamp"],
                     "input_length": sum(lengths),
-                    "output_length": scaled_output_length(rec, tokens_per_block, source_block_tokens),
+                    "output_length": replayed_output_length(rec, tokens_per_block, max_tokens, source_block_tokens),
                     "hash_ids": hashes,
                     "tenant": rec.get("tenant"),
                 }
             )
         )
-    meta = {"tokens_per_block": tokens_per_block, **users_meta([r.get("user") for r in records])}
+    meta = {
+        "tokens_per_block": tokens_per_block,
+        "max_tokens": max_tokens,
+        **users_meta([r.get("user") for r in records]),
+    }
     return Trace(name, out, block_size=block_size, meta=meta)
 
 

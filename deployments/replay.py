@@ -2,7 +2,7 @@
 
 Works against kvmesh's ingress, a plain vLLM OpenAI server (`--enable-prompt-tokens-details`), and
 peer routers in front of such servers (vllm-router, sglang-router). Per request it records TTFT (time
-to the first streamed chunk with a choice), the server-reported
+to the first streamed chunk carrying output: non-empty text, not an empty choice sent before it), the server-reported
 `usage.prompt_tokens_details.cached_tokens` (asked for with `stream_options.include_usage`), and the
 replica that served it (`x-kvmesh-replica` header; peers lack it, then a fixed `label` stands in and
 per-replica figures are unknown).
@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvmesh.cluster.stats import nearest_rank
-from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, scaled_block_lengths, scaled_output_length
+from kvmesh.cluster.workloads import SOURCE_BLOCK_TOKENS, replayed_output_length, scaled_block_lengths
 from kvmesh.deployments.openai_protocol import shown
 
 # Token ids drawn for `tokens` prompts when no tokenizer is given: inside the 256-byte alphabet of any
@@ -263,14 +263,16 @@ async def _one_request(
         body = {
             "model": model,
             "prompt": builder.prompt(rec),
-            "max_tokens": min(cfg.max_tokens, scaled_output_length(rec, cfg.tokens_per_block, cfg.source_block_tokens)),
+            "max_tokens": replayed_output_length(rec, cfg.tokens_per_block, cfg.max_tokens, cfg.source_block_tokens),
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
             **cfg.extra_body,
         }
     user, tenant = rec.get("user"), rec.get("tenant")
-    key = cfg.tenant_keys.get(tenant) if tenant is not None else None
+    # by the tenant's string form, as `--tenant-key TENANT=KEY` names it and `TraceRequest.from_record` keeps it
+    # (tenants 1 and "1" are one): a numeric tenant went out under --api-key, or with no key at all
+    key = cfg.tenant_keys.get(str(tenant)) if tenant is not None else None
     key = key or cfg.api_key
     hdrs = {}
     if key:
@@ -278,7 +280,8 @@ async def _one_request(
     sent = builder.prompt_len(rec)
     t0 = time.perf_counter()
     start = t0 - run_t0
-    ttft = None
+    ttft = None  # at the first chunk carrying output (`_other_output`, or text), not an empty one before it
+    first_choice = None  # the first chunk with a choice: TTFT when no chunk carried any text
     usage = None
     replica = cfg.label or "unknown"
     out_chunks = 0
@@ -303,8 +306,11 @@ async def _one_request(
                 if chunk.get("choices"):
                     out_chunks += 1
                     choice = chunk["choices"][0]
-                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-                    if ttft is None:
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    text.append(piece)
+                    if first_choice is None:
+                        first_choice = time.perf_counter() - t0
+                    if ttft is None and (piece or _other_output(choice)):
                         ttft = time.perf_counter() - t0
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -327,6 +333,8 @@ async def _one_request(
             start,
         )
     latency = time.perf_counter() - t0
+    if ttft is None:  # output that streamed no text (a token that decodes to nothing): its first choice
+        ttft = first_choice
     if usage is None:
         return RequestResult(
             index, user, tenant, sent, None, out_chunks, ttft, latency, replica, "no usage in the stream", start
@@ -352,6 +360,14 @@ async def _one_request(
 
 class _HttpError(Exception):
     pass
+
+
+def _other_output(choice: dict) -> bool:
+    """Whether a streamed choice carries output other than text: a chat delta's reasoning or tool calls. Why
+    asked: an OpenAI-compatible server may stream an empty choice (a chat role delta, "" text) before the first
+    token, and TTFT taken there measured the connection, not the prefill."""
+    delta = choice.get("delta") or {}
+    return bool(delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"))
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -391,7 +407,9 @@ async def _discover_model(client, cfg: ReplayConfig, headers: dict) -> str:
 async def replay_async(
     records: Sequence[dict], cfg: ReplayConfig, on_result: Callable[[RequestResult], None] | None = None
 ) -> ReplayReport:
-    """Send every record; return the per-request results and the run's wall time."""
+    """Send every record; return the per-request results and the run's wall time. Cancelled once the sends
+    have started (Ctrl-C under `asyncio.run`), it stops the requests in flight and returns the ones answered
+    so far, the report marked `interrupted` (its summary `partial`): minutes of answered requests are not lost."""
     import httpx
 
     cfg.check()
@@ -464,11 +482,22 @@ async def replay_async(
             if user is not None:
                 previous_of_user[user] = done
             tasks.append(asyncio.create_task(send(i, rec, after, done)))
-        await asyncio.gather(*tasks)
+        interrupted = False
+        try:
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # Ctrl-C (`asyncio.run` cancels this task): keep what was answered
+            interrupted = True
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if (me := asyncio.current_task()) is not None:
+                me.uncancel()  # handled here: the report of the answered requests is the result
         wall = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    return ReplayReport([r for r in results if r is not None], wall, model, cfg.label, concurrency)
+    return ReplayReport(
+        [r for r in results if r is not None], wall, model, cfg.label, concurrency, interrupted, len(records)
+    )
 
 
 def _progress(total: int):
@@ -477,9 +506,14 @@ def _progress(total: int):
     return tqdm(total=total, unit="req", desc="replay", leave=False, dynamic_ncols=True)
 
 
-def replay(records: Sequence[dict], cfg: ReplayConfig) -> ReplayReport:
-    """Blocking wrapper around `replay_async` (own event loop)."""
-    return asyncio.run(replay_async(records, cfg))
+def replay(records: Sequence[dict], cfg: ReplayConfig, keep_partial: bool = False) -> ReplayReport:
+    """Blocking wrapper around `replay_async` (own event loop). Ctrl-C raises KeyboardInterrupt, as it did,
+    unless `keep_partial`: then the report of the requests answered before it comes back, marked
+    `interrupted` (`kvmesh replay` writes it and exits 130)."""
+    report = asyncio.run(replay_async(records, cfg))
+    if report.interrupted and not keep_partial:
+        raise KeyboardInterrupt
+    return report
 
 
 # ------------------------------------------------------------------------------------- results
@@ -490,6 +524,8 @@ class ReplayReport:
     model: str = ""
     label: str | None = None
     concurrency: int | None = None  # requests in flight it was run with (None: at the trace's timestamps)
+    interrupted: bool = False  # stopped (Ctrl-C) before every request was answered: `results` are those that were
+    records: int | None = None  # the requests it was asked to send (`results` holds fewer when interrupted)
 
     def summary(self, replicas: int | Sequence[str] | None = None) -> dict:
         """The JSON the CLI writes. Hit rates count successful requests only; `hit_rate_tokens` is
@@ -555,6 +591,8 @@ class ReplayReport:
             ),
             "per_replica": per_replica,
             **({} if idle is None else {"idle_replicas": idle}),
+            # stopped before the end (Ctrl-C): the figures are of the requests answered before it
+            **({"partial": True, "records": self.records} if self.interrupted else {}),
         }
 
     def to_json(self, per_request: bool = False, replicas: int | Sequence[str] | None = None) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from kvmesh.cluster.whole_file import atomic_write
 from kvmesh.deployments.cli import CliError
@@ -24,7 +25,7 @@ from kvmesh.deployments.cli.args import (
     refuse_overwriting,
     url,
 )
-from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK, ReplayError
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK, ReplayConfig, ReplayError
 
 
 def _tenant_key(text: str) -> tuple[str, str]:
@@ -71,7 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-form", choices=("tokens", "text"), default="tokens")
     parser.add_argument("--tokenizer", type=given, default=None, help="tokenizer dir (needed for --prompt-form text)")
-    parser.add_argument("--max-tokens", type=positive_int, default=16, help="cap on output tokens per request")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=ReplayConfig.max_tokens,
+        help=f"cap on output tokens per request (default {ReplayConfig.max_tokens}; `kvmesh simulate "
+        "--tokens-per-block` decodes as many)",
+    )
     parser.add_argument("--model", type=given, default=None, help="model name (default: first of GET /v1/models)")
     parser.add_argument(
         "--label", type=given, default=None, help="replica name when the server sends no x-kvmesh-replica"
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     try:
-        report = replay(records, cfg)
+        report = replay(records, cfg, keep_partial=True)
     except ReplayError as exc:
         raise CliError(f"kvmesh replay: {printable(str(exc))}") from None
     out = report.to_json(per_request=args.per_request)
@@ -129,5 +136,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_table({args.label or "replay": out}))
     if out["errors"]:
         print(f"{out['errors']} errors, e.g. {out['error_samples'][0]}")
+    if report.interrupted:  # Ctrl-C: the answered requests are written (marked partial), the status says so
+        print(
+            f"interrupted: {len(report.results):,} of {len(records):,} requests answered before it; "
+            f'{args.json} holds them ("partial": true)',
+            file=sys.stderr,
+        )
+        return 130
     # the input was fine but the run failed (the summary is written all the same): 1, not 2
     return 1 if out["errors"] == out["requests"] else 0

@@ -22,7 +22,10 @@ from kvmesh.deployments.cli.args import (
     positive_int,
     refuse_overwriting,
 )
-from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK
+from kvmesh.deployments.replay import MAX_TOKENS_PER_BLOCK, ReplayConfig
+
+# `kvmesh replay --max-tokens`'s default: a simulation of a replay (--tokens-per-block) decodes what it asks for
+REPLAY_MAX_TOKENS = ReplayConfig.max_tokens
 
 # tokens per trace block and per engine block: as `kvmesh replay --tokens-per-block` caps it (16 blocks of
 # 8,192 tokens fill a 128K context); a huge one overflowed numpy (OverflowError) instead of failing at once
@@ -102,6 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="expand each trace hash id (512 tokens in the file) to this many tokens, as `kvmesh replay` "
         f"does, and simulate at --block-size: the live run's prompts and block size (<= {MAX_BLOCK_TOKENS:,}; "
         f"the trace may expand to at most {MAX_ENGINE_BLOCKS:,} engine blocks)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="cap on output tokens per request, as `kvmesh replay --max-tokens`: each request decodes "
+        f"min(this, its scaled output length); default {REPLAY_MAX_TOKENS} (the replay's) with --tokens-per-block, "
+        "none without it (the trace's output lengths as recorded)",
     )
     p.add_argument(
         "--concurrency",
@@ -245,6 +256,10 @@ def _load(args):
             ) from None
         except TraceError as exc:
             raise CliError(str(exc)) from None
+        if args.max_tokens is not None:  # asked for: the recorded lengths capped as a replay caps them
+            for r in trace.requests:
+                r.output_length = min(args.max_tokens, r.output_length)
+            trace.meta["max_tokens"] = args.max_tokens
         return trace
     block = args.block_size or args.tokens_per_block
     if args.tokens_per_block % block:
@@ -257,7 +272,13 @@ def _load(args):
     if not records:
         raise CliError(f"{args.trace}: no requests")
     try:
-        trace = engine_trace(records, args.tokens_per_block, block, name=trace_name(args.trace))
+        trace = engine_trace(
+            records,
+            args.tokens_per_block,
+            block,
+            name=trace_name(args.trace),
+            max_tokens=REPLAY_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
+        )
     except ValueError as exc:  # more engine blocks than MAX_ENGINE_BLOCKS
         raise CliError(f"{args.trace}: {exc}") from None
     trace.meta.update(path=path, limit=args.limit)

@@ -372,3 +372,25 @@ def test_the_jittered_simulations_spread_where_placement_turns_on_timing_and_are
     assert f"2000: live within every tolerance of {m['within']}/8 simulated runs with sends jittered" in format_live(
         [row]
     )
+
+
+def test_the_simulation_of_a_live_run_decodes_what_the_replay_asks_for(monkeypatch):
+    """The live replay asks each request for at most 16 output tokens (`replay_config`); the simulations of
+    that run (sim-vs-live, the jittered spread, the simulated live targets) decoded every scaled output token,
+    a different workload from the one they predict."""
+    from kvmesh.benchmarks import robust_live
+    from kvmesh.cluster.workload_family import draw, records
+
+    made = []
+
+    def engine_trace(*args, **kw):
+        made.append(trace := real(*args, **kw))
+        return trace
+
+    real = robust_live.engine_trace
+    monkeypatch.setattr(robust_live, "engine_trace", engine_trace)
+    d = draw(2000)  # replies of 55-101 tokens as scaled
+    robust_live.simulate_in_send_order(records(d), d, d.live_replicas, "kvmesh")
+    cap = robust_live.replay_config("http://x", d).max_tokens
+    assert [t.meta["max_tokens"] for t in made] == [cap] and cap == 16
+    assert {r.output_length for r in made[0].requests} == {cap}

@@ -284,3 +284,15 @@ def test_demo_simulated_kvmesh_beats_round_robin(tmp_path, capsys):
     assert k["hit_rate_tokens"] >= 0.9 * doc["bounds"]["infinite"]["hit_rate"]
     text = capsys.readouterr().out
     assert "kvmesh" in text and "round_robin" in text and "infinite cache" in text
+
+
+def test_engine_trace_decodes_what_a_replay_asks_for():
+    """`kvmesh replay` asks each request for min(--max-tokens, scaled output length) tokens; `engine_trace` with
+    the same `max_tokens` decodes as many, without it the whole scaled output length, as before."""
+    recs = [dict(_rec([1, 2]), output_length=1024), dict(_rec([1, 2, 3]), output_length=128)]  # 64 and 8 at 32
+    assert [r.output_length for r in wl.engine_trace(recs, 32).requests] == [64, 8]
+    capped = wl.engine_trace(recs, 32, max_tokens=16)
+    assert [r.output_length for r in capped.requests] == [16, 8] and capped.meta["max_tokens"] == 16
+    assert [wl.replayed_output_length(r, 32, 16) for r in recs] == [16, 8]
+    with pytest.raises(ValueError, match="max_tokens"):
+        wl.engine_trace(recs, 32, max_tokens=0)

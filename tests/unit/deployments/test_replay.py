@@ -252,3 +252,184 @@ def test_a_logged_body_is_sent_greedy_whatever_sampling_it_logged():
     assert _sent_body({"body": logged}, greedy=False)["temperature"] == 0.7
     # a trace record was and is sent at temperature 0
     assert _sent_body(_rec([1, 2]))["temperature"] == 0.0
+
+
+class _Stream:
+    """A streamed answer for `_one_request`: `chunks` as `data:` lines, each after its delay (s)."""
+
+    def __init__(self, chunks: list[tuple[float, dict]], sent: dict):
+        self.chunks, self.sent = chunks, sent
+        self.status_code, self.headers = 200, {}
+
+    def stream(self, method, url, json=None, headers=None):
+        self.sent.update(body=json, headers=headers)
+        return self
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def aiter_lines(self):
+        import asyncio
+        import json
+
+        for delay, chunk in self.chunks:
+            await asyncio.sleep(delay)
+            yield "data: " + json.dumps(chunk)
+        yield "data: [DONE]"
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 64, "completion_tokens": 1}}
+
+
+def _answer(rec: dict, chunks: list[tuple[float, dict]], **cfg_kw):
+    """(`_one_request`'s result, what it sent) for `rec` answered with `chunks`."""
+    import asyncio
+
+    from kvmesh.deployments.replay import _one_request
+
+    sent: dict = {}
+    cfg = ReplayConfig(url="http://x", model="tiny", **cfg_kw)
+    result = asyncio.run(_one_request(_Stream(chunks, sent), cfg, "tiny", rec, 0, PromptBuilder(cfg), 0.0))
+    return result, sent
+
+
+def test_a_numeric_tenant_is_sent_with_the_key_given_for_it():
+    """A trace's tenant 1 is tenant "1" (its salt is its string form), and `--tenant-key 1=KEY` names it so: it
+    went out under --api-key (another tenant's, or the wrong salt), or with no key at all."""
+    chunks = [(0, {"choices": [{"text": "x"}]}), (0, USAGE)]
+    for tenant in (1, "1", 1.5):
+        keys = {"1": "KEY1", "1.5": "KEY15"}
+        _, sent = _answer(_rec([1, 2], tenant=tenant), chunks, tenant_keys=keys, api_key="OTHER")
+        assert sent["headers"]["Authorization"] == f"Bearer {keys[str(tenant)]}"
+    _, sent = _answer(_rec([1, 2], tenant=2), chunks, tenant_keys={"1": "KEY1"}, api_key="OTHER")
+    assert sent["headers"]["Authorization"] == "Bearer OTHER"  # a tenant without a key of its own
+
+
+def test_ttft_is_taken_at_the_first_chunk_with_output_not_an_empty_one_before_it():
+    """A server may stream an empty choice (a chat role delta, "" text) at once, before any token: TTFT was
+    taken there, measuring the connection rather than the prefill."""
+    first = 0.2
+    for empty, token in (
+        ({"choices": [{"text": ""}]}, {"choices": [{"text": "x"}]}),
+        ({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, {"choices": [{"delta": {"content": "x"}}]}),
+    ):
+        result, _ = _answer(_rec([1, 2]), [(0, empty), (first, token), (0, USAGE)])
+        assert result.error is None and result.ttft_s >= first and result.output_text == "x"
+    # an output that streamed no text at all still has a TTFT: its first choice
+    result, _ = _answer(_rec([1, 2]), [(0.05, {"choices": [{"text": ""}]}), (0, USAGE)])
+    assert result.error is None and 0.05 <= result.ttft_s < first
+
+
+def _slow_server(delay_s: float):
+    """A local OpenAI-like server answering each completion after `delay_s`, in a thread; (url, stop)."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, body: bytes, kind: str):
+            self.send_response(200)
+            self.send_header("content-type", kind)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(json.dumps({"data": [{"id": "fake"}]}).encode(), "application/json")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            time.sleep(delay_s)
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}
+            chunks = [{"choices": [{"text": "x"}]}, {"choices": [], "usage": usage}]
+            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            self._send(text.encode(), "text/event-stream")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop():
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}", stop
+
+
+def test_an_interrupted_replay_returns_the_requests_answered_before_it():
+    """Ctrl-C (`asyncio.run` cancels the replay's task) lost every answered request; now the replay stops
+    the ones in flight and returns the answered ones, the report marked partial."""
+    import asyncio
+
+    from kvmesh.deployments.replay import replay_async
+
+    url, stop = _slow_server(0.05)
+    recs = [dict(_rec([i]), output_length=16) for i in range(40)]
+    cfg = ReplayConfig(url=url, tokens_per_block=16, concurrency=2, progress=False)
+
+    async def interrupted():
+        answered = asyncio.Event()
+        done = []
+
+        def on_result(res):
+            done.append(res)
+            if len(done) == 4:
+                answered.set()
+
+        task = asyncio.create_task(replay_async(recs, cfg, on_result))
+        await answered.wait()
+        task.cancel()
+        return await task
+
+    try:
+        report = asyncio.run(interrupted())
+    finally:
+        stop()
+    assert report.interrupted and 4 <= len(report.results) < len(recs)
+    assert all(r.error is None for r in report.results)
+    summary = report.summary()
+    assert summary["partial"] is True and summary["records"] == 40 and summary["requests"] == len(report.results)
+    assert "partial" not in ReplayReport(report.results, 1.0).summary()  # a run that ended says nothing
+
+
+def test_kvmesh_replay_writes_an_interrupted_run_and_exits_130(tmp_path, monkeypatch, capsys):
+    import json
+
+    import kvmesh.deployments.replay as replay_mod
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(_rec([i])) + "\n" for i in range(5)))
+    done = [RequestResult(i, None, None, 64, 32, 1, 0.1, 0.2, "r0") for i in range(2)]
+
+    def interrupted(records, cfg, keep_partial=False):
+        assert keep_partial  # the CLI keeps what was answered; the library raises KeyboardInterrupt as it did
+        return ReplayReport(done, 1.0, "tiny", interrupted=True, records=len(records))
+
+    monkeypatch.setattr(replay_mod, "replay", interrupted)
+    out = tmp_path / "out.json"
+    rc = cli(["replay", "--url", "http://127.0.0.1:1", "--trace", str(trace), "--json", str(out), "--no-progress"])
+    assert rc == 130
+    doc = json.loads(out.read_text())
+    assert doc["partial"] is True and doc["requests"] == 2 and doc["records"] == 5
+    assert "interrupted: 2 of 5 requests answered" in capsys.readouterr().err
+
+
+def test_the_library_replay_still_raises_keyboard_interrupt_unless_asked_to_keep_partial(monkeypatch):
+    """Callers of `replay` (the benchmarks) stop on Ctrl-C as before; `kvmesh replay` asks for the partial report."""
+    import kvmesh.deployments.replay as replay_mod
+
+    async def interrupted(records, cfg):
+        return ReplayReport([], 1.0, interrupted=True, records=len(records))
+
+    monkeypatch.setattr(replay_mod, "replay_async", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        replay_mod.replay([_rec([1])], ReplayConfig(url="http://x"))
+    assert replay_mod.replay([_rec([1])], ReplayConfig(url="http://x"), keep_partial=True).interrupted

@@ -18,7 +18,7 @@ def test_a_failed_write_leaves_the_earlier_summary_as_it_was(tmp_path, monkeypat
     out = tmp_path / "o.json"
     out.write_text('{"earlier": true}')
     result = RequestResult(0, None, None, 32, 0, 4, 0.01, 0.02, "r0", None)
-    monkeypatch.setattr(replay_module, "replay", lambda records, cfg: ReplayReport([result], 1.0))
+    monkeypatch.setattr(replay_module, "replay", lambda records, cfg, **kw: ReplayReport([result], 1.0))
 
     def dump_then_fill_the_disk(obj, fh, **kw):
         fh.write('{"requests": ')

@@ -348,3 +348,30 @@ def test_a_churn_interval_far_below_the_gaps_between_requests_runs(every, tmp_pa
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["simulate", "--trace", str(trace), "--replicas", "2", "--capacity-blocks", "100", "--routers", "2"]
     assert main([*args, "--policies", "kvmesh", "--churn-every-s", every, "--no-progress"]) == 0
+
+
+def test_a_simulated_replay_decodes_at_most_the_replays_max_tokens(tmp_path):
+    """With --tokens-per-block the simulation is of a replay, which asks each request for min(--max-tokens,
+    scaled output length) tokens, 16 by default: so does the simulation (it decoded every scaled output token,
+    holding sequence slots and each user's next turn longer than the live run it predicts). Without it the
+    trace's output lengths are used as recorded unless --max-tokens is given."""
+    from kvmesh.cluster.workloads import ChatSpec, synth_chat, write_jsonl
+
+    chat = tmp_path / "chat.jsonl"  # replies of 1-2 trace blocks: 64-128 tokens at 64 tokens per block
+    write_jsonl(synth_chat(ChatSpec(tenants=1, groups=2, users=3, turns=3)), chat)
+    docs = {}
+    for extra in ([], ["--max-tokens", "1000"], ["--max-tokens", "1"]):
+        out = tmp_path / f"{len(docs)}.json"
+        args = ["simulate", "--trace", str(chat), "--tokens-per-block", "64", "--block-size", "32"]
+        args += ["--replicas", "3", "--capacity-blocks", "100000", "--concurrency", "6", "--policies", "round_robin"]
+        assert main([*args, *extra, "--json", str(out), "--no-progress"]) == 0
+        docs[" ".join(extra)] = json.loads(out.read_text())
+    assert [d["config"]["max_tokens"] for d in docs.values()] == [16, 1000, 1]
+    spans = {k: d["policies"]["round_robin"]["throughput_tokens_s"] for k, d in docs.items()}
+    assert len(set(spans.values())) == 3  # the decode each request asks for sets the pace
+    plain = tmp_path / "plain.json"
+    base = ["simulate", "--trace", FIXTURE, "--replicas", "3", "--capacity-blocks", "1000", "--policies", "kvmesh"]
+    assert main([*base, "--json", str(plain), "--no-progress"]) == 0
+    assert json.loads(plain.read_text())["config"]["max_tokens"] is None
+    assert main([*base, "--max-tokens", "16", "--json", str(plain), "--no-progress"]) == 0
+    assert json.loads(plain.read_text())["config"]["max_tokens"] == 16
