@@ -490,6 +490,11 @@ class TenantRegistry:
                 secret_path = watch.secret_path
                 if watch.secret is None and not os.environ.get(SECRET_ENV):
                     secret_path = os.environ.get(SECRET_FILE_ENV) or _config_secret_file(raw, watch.path.parent)
+                    if not secret_path:  # salted from a file: an edit dropping it would salt with a random one
+                        raise ConfigError(
+                            "it names no salt secret (secret_file) where the config in use was salted from one: "
+                            "a secret generated here would change every tenant's salt, differently on each replica"
+                        )
                 new = self._from_raw(watch.path, raw, watch.secret)
             except Exception as exc:  # ConfigError, or anything else: a request must not fail for it
                 log.error(

@@ -1033,3 +1033,27 @@ def test_salt_secret_never_travels_in_ray_runtime_env(monkeypatch):
     env = runtime_env_vars()
     assert "KVMESH_SALT_SECRET" not in env and "must-not-be-passed-0123456789" not in env.values()
     assert env["KVMESH_SALT_SECRET_FILE"] == "/run/secret/path"
+
+
+def test_an_edit_dropping_the_configs_secret_file_keeps_the_salts_in_use(tmp_path, monkeypatch):
+    """A registry salted from the config's `secret_file`: an edit that drops or mistypes the key would fall
+    through to a generated secret (every tenant's salt changed, differently on each ingress replica, again at
+    every edit). The edit is refused and the salts in use stay."""
+    import yaml
+
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
+    (tmp_path / "salt").write_text("the-config-salt-secret-0123456789")
+    clock = FakeClock()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({**config(), "secret_file": "salt"}))
+    reg = TenantRegistry.from_file(path, reload_interval_s=5, clock=clock)
+    salt = reg.authenticate(f"Bearer {KEY_A}").salt
+    assert salt == derive_salt(b"the-config-salt-secret-0123456789", "acme")
+    path.write_text(yaml.safe_dump(config()))  # the key dropped
+    clock.t += 5
+    assert reg.refresh() is False
+    assert reg.authenticate(f"Bearer {KEY_A}").salt == salt
+    path.write_text(yaml.safe_dump({**_revoke(config(), KEY_B), "secret_file": "salt"}))  # a good edit still lands
+    clock.t += 5
+    assert reg.refresh() is True and reg.authenticate(f"Bearer {KEY_A}").salt == salt
