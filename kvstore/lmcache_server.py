@@ -182,15 +182,25 @@ def _resp_ask(
         return _resp_reply(f)
 
 
+def redis_probe(
+    host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str | None = None
+) -> bool | None:
+    """`redis_ping`, telling a server that did not answer in time (None: stalled, a connect or PING that timed
+    out) from one that cannot be used (False: refused, closed, AUTH rejected)."""
+    try:
+        return _resp_ask(host, port, timeout, password, username, ("PING",)) == b"PONG"
+    except TimeoutError:
+        return None
+    except (OSError, ValueError, _RespError):
+        return False
+
+
 def redis_ping(
     host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str | None = None
 ) -> bool:
     """True when a RESP server answers PING (after AUTH when it needs a password): how kvmesh tells
     the shared tier is up."""
-    try:
-        return _resp_ask(host, port, timeout, password, username, ("PING",)) == b"PONG"
-    except (OSError, ValueError, _RespError):
-        return False
+    return bool(redis_probe(host, port, timeout, password, username))
 
 
 def redis_run_id(
@@ -226,15 +236,24 @@ def redis_hung(host: str, port: int, timeout: float) -> bool:
 
 
 def _resp_address(l2: dict | None) -> tuple[str, int] | None:
-    """(host, port) of a RESP shared tier (resp, or valkey's first startup node); None for any other."""
-    if not l2:
+    """(host, port) of a `resp` shared tier, the one LMCache 0.5.6's native client (which never reconnects) is
+    used for; None for any other. Valkey is not: LMCache's valkey adapter finds a cluster from any of its
+    startup nodes (`_valkey_seeds`), so its first node down or restarted says nothing of the tier."""
+    if not l2 or l2.get("type") != "resp":
         return None
-    if l2.get("type") == "resp":
-        return l2["host"], int(l2["port"])
-    if l2.get("type") == "valkey":
-        host, _, port = str(l2.get("startup_nodes", "")).split(",")[0].rpartition(":")
-        return (host, int(port)) if port.isdigit() else None
-    return None
+    return l2["host"], int(l2["port"])
+
+
+def _valkey_seeds(l2: dict | None) -> list[tuple[str, int]]:
+    """(host, port) of each of a valkey tier's startup nodes ([] for any other tier)."""
+    if not l2 or l2.get("type") != "valkey":
+        return []
+    seeds = []
+    for node in str(l2.get("startup_nodes", "")).split(","):
+        host, _, port = node.strip().rpartition(":")
+        if host and port.isdigit():
+            seeds.append((host, int(port)))
+    return seeds
 
 
 def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
@@ -258,26 +277,43 @@ def l2_credentials(l2: dict | None, env: Mapping[str, str] | None = None) -> tup
     return (str(username) if username else None), (str(password) if password else None)
 
 
-def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
-    """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe); a RESP
-    server must accept the credentials LMCache uses (`l2_credentials`) and answer within `timeout` seconds."""
+def shared_tier_probe(l2: dict | None, timeout: float = 1.0) -> bool | None:
+    """`shared_tier_reachable`, with None also for a RESP tier that did not answer within `timeout` (stalled or
+    unreachable: `redis_probe`) rather than refused it."""
     if not l2:
         return None
     kind = l2.get("type")
-    address = _resp_address(l2)
     if kind in ("resp", "valkey"):
-        if not address:
+        address = _resp_address(l2)
+        seeds = [address] if address else _valkey_seeds(l2)
+        if not seeds:
             return None
         username, password = l2_credentials(l2)
-        return redis_ping(*address, timeout, password=password, username=username)
+        answers = []
+        for seed in seeds:  # valkey: up when any seed answers (its adapter finds the cluster from any)
+            answer = redis_probe(*seed, timeout, password=password, username=username)
+            if answer:
+                return True
+            answers.append(answer)
+        return None if None in answers else False
     if kind == "fs":
         path = Path(l2["base_path"])
         return path.is_dir() and os.access(path, os.W_OK)
     return None
 
 
+def shared_tier_reachable(l2: dict | None, timeout: float = 1.0) -> bool | None:
+    """Probe the configured L2 directly (None = no shared tier, or an adapter kvmesh cannot probe); a RESP
+    server must accept the credentials LMCache uses (`l2_credentials`) and answer within `timeout` seconds;
+    a valkey tier is up when any of its startup nodes does."""
+    if l2 and l2.get("type") in ("resp", "valkey") and (_resp_address(l2) or _valkey_seeds(l2)):
+        return shared_tier_probe(l2, timeout) is True
+    return shared_tier_probe(l2, timeout)
+
+
 def shared_tier_run_id(l2: dict | None, timeout: float = 1.0) -> str | None:
-    """`redis_run_id` of a RESP shared tier, authenticated as LMCache is (None for other adapters)."""
+    """`redis_run_id` of a `resp` shared tier, authenticated as LMCache is (None for other adapters: valkey's
+    adapter reconnects, so its nodes' restarts need no restart of the server)."""
     address = _resp_address(l2)
     if address is None:
         return None
@@ -288,8 +324,8 @@ def shared_tier_run_id(l2: dict | None, timeout: float = 1.0) -> str | None:
 def refuse_placeholder_password(l2: dict | None, env: Mapping[str, str]) -> None:
     """TierConfigError when the shared tier's password is the published example's placeholder (REPLACE-...,
     k8s/secrets.example.yaml): that value is public, and the tier holds every tenant's KV chunks."""
-    candidates = [env.get(CREDENTIAL_ENV["password"]), (l2 or {}).get("password")]
-    if any(str(p).startswith(PASSWORD_PLACEHOLDER_PREFIX) for p in candidates if p):
+    password = l2_credentials(l2, env)[1]  # the one LMCache uses: none without a tier, valkey's own
+    if password and password.startswith(PASSWORD_PLACEHOLDER_PREFIX):
         raise TierConfigError(
             f"the shared tier's password ({CREDENTIAL_ENV['password']} or the l2 password) is the example's "
             f"placeholder ({PASSWORD_PLACEHOLDER_PREFIX}...): create it from random bytes, e.g. "
@@ -331,6 +367,9 @@ class LMCacheServer:
         # INFO run_id of the RESP shared tier the running process connected to: another one means that Redis
         # restarted, and LMCache's client stays broken even if no probe ever saw it down (`supervise`)
         self.shared_run_id: str | None = None
+        # the watchdog's last verdict on the shared tier (`shared_tier_up`, at launch and each `supervise`):
+        # what `health` goes by while its own quick probe gets no answer in time (a stall the watchdog rides out)
+        self.shared_verdict: bool | None = None
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
         self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
 
@@ -407,11 +446,12 @@ class LMCacheServer:
                 log.close()
 
     def choose_shared_tier(self) -> None:
-        """Before a launch with a RESP shared tier: probe it with LMCache's credentials, and launch without it
-        when it does not answer. Why: LMCache 0.5.6's native Redis client, started while its tier refuses
-        connections or rejects AUTH, has no live worker and never completes an operation, so every request
-        whose prompt fills a chunk hung for good (seen: 90 s and more each). The watchdog launches it with the
-        tier again once a probe succeeds (`supervise`). Records the tier's run_id the server connects to."""
+        """Before a launch with a `resp` shared tier (not valkey, whose adapter reconnects): probe it with
+        LMCache's credentials, and launch without it when it does not answer. Why: LMCache 0.5.6's native Redis
+        client, started while its tier refuses connections or rejects AUTH, has no live worker and never
+        completes an operation, so every request whose prompt fills a chunk hung for good (seen: 90 s and more
+        each). The watchdog launches it with the tier again once a probe succeeds (`supervise`). Records the
+        tier's run_id the server connects to."""
         if self.without_shared or _resp_address(self.config.l2) is None:
             return
         if self.shared_tier_up() is False:
@@ -556,7 +596,8 @@ class LMCacheServer:
         second, slower probe there would hold up every router's health call during an outage."""
         l2 = self.probe_l2()
         up = shared_tier_reachable(l2)
-        return shared_tier_reachable(l2, timeout=SLOW_PROBE_S) if up is False else up
+        self.shared_verdict = shared_tier_reachable(l2, timeout=SLOW_PROBE_S) if up is False else up
+        return self.shared_verdict
 
     def start_again(self, wait: bool = True) -> None:
         # a server found dead may have died just now: keep the port dark from here, too
@@ -588,9 +629,16 @@ class LMCacheServer:
         alive = self.alive()
         serving = alive and port_open(*self.endpoint)
         samples = self.metrics() if alive else {}
-        shared_up = shared_tier_reachable(self.probe_l2())
+        # One quick probe. A tier that does not answer in time (stalled, as Redis is in a long fork or fsync) is
+        # judged as the watchdog last judged it (`shared_verdict`), which gives it SLOW_PROBE_S more before it
+        # counts as down: health must not call unhealthy what the watchdog rides out; its run_id is then not
+        # read (it would stall as long again). A refused connection or AUTH, or a changed run_id, is what the
+        # watchdog acts on at its next look, so it counts at once.
+        fresh = shared_tier_probe(self.probe_l2())
+        stalled = fresh is None and bool(_resp_address(self.config.l2) or _valkey_seeds(self.config.l2))
+        shared_up = bool(self.shared_verdict) if stalled else fresh  # not judged yet: down, as before
         unusable = alive and self.launch_config().l2 is not None and shared_up is False
-        if alive and shared_up and not self.without_shared and self.shared_run_id is not None:
+        if alive and fresh and not self.without_shared and self.shared_run_id is not None:
             run_id = shared_tier_run_id(self.probe_l2())
             unusable = run_id is not None and run_id != self.shared_run_id
         return {

@@ -10,7 +10,9 @@ and tells a Redis restart between two looks from INFO's run_id.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import types
 
@@ -18,7 +20,7 @@ import pytest
 
 from kvmesh.cluster.ports import free_port
 from kvmesh.kvstore import lmcache_server
-from kvmesh.kvstore.lmcache_server import LMCacheServer, shared_tier_reachable
+from kvmesh.kvstore.lmcache_server import LMCacheServer, refuse_placeholder_password, shared_tier_reachable
 from kvmesh.kvstore.redis_process import RedisServer
 from kvmesh.kvstore.tiers import TierConfig, TierConfigError, l2_credentials_env, normalise_l2, server_args
 
@@ -50,7 +52,7 @@ def stand_in(monkeypatch):
             p.wait()
 
 
-def _server(l2: str, tmp_path, env: dict | None = None) -> LMCacheServer:
+def _server(l2: str | dict, tmp_path, env: dict | None = None) -> LMCacheServer:
     srv = LMCacheServer(TierConfig.from_dict({"l2": l2}), tmp_path / "log", env=env)
     srv.wait_ready = lambda: srv.endpoint  # type: ignore[method-assign]  # `sleep` serves nothing
     srv._scrape = lambda timeout=5.0: "lmcache_mp_lookup_requested_tokens_total 0.0\n"  # type: ignore[method-assign]
@@ -146,6 +148,63 @@ def test_a_redis_restart_between_two_watchdog_looks_counts_as_a_loss_and_restart
     finally:
         srv.stop()
         redis.stop()
+
+
+@needs_redis
+def test_a_redis_stall_the_watchdog_rides_out_does_not_make_health_unhealthy(stand_in, tmp_path):
+    """A Redis stalled for ~2 s (a fork or fsync; here SIGSTOP) is not an outage to the watchdog, whose second
+    probe waits SLOW_PROBE_S; health()'s single quick probe called the server unhealthy (shared_tier_unusable)
+    through it. health() now goes by the watchdog's last verdict while its probe gets no answer in time."""
+    redis = RedisServer(tmp_path / "redis").start()
+    srv = _server(redis.url, tmp_path)
+    try:
+        srv.start()
+        assert _with_tier(stand_in[-1]) and srv.supervise() == "ok"
+        assert redis.proc is not None
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            health = srv.health()  # its probe gets no answer while Redis is stopped
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert health["healthy"] and not health["shared_tier_unusable"] and health["shared_tier_up"] is True
+        assert srv.supervise() == "ok" and srv.restarts == 0 and len(stand_in) == 1
+        assert srv.health()["healthy"]
+    finally:
+        srv.stop()
+        redis.stop()
+
+
+@needs_redis
+@pytest.mark.parametrize("first_seed_up_at_launch", [False, True], ids=["first seed down", "first seed up"])
+def test_a_valkey_tier_is_up_while_any_startup_node_answers_and_a_seed_restart_restarts_nothing(
+    first_seed_up_at_launch, stand_in, tmp_path
+):
+    """LMCache's valkey adapter (cluster mode) finds the cluster from any startup node and reconnects: judged by
+    its first node only, a tier whose first seed was down was launched without, and each restart of that seed
+    (a new run_id) restarted the LMCache server, losing the node's host tier for nothing."""
+    seed1 = RedisServer(tmp_path / "r1", port=free_port(), require_password=False)  # not started: down
+    seed2 = RedisServer(tmp_path / "r2", port=free_port(), require_password=False).start()
+    if first_seed_up_at_launch:
+        seed1.start()
+    l2 = {"type": "valkey", "startup_nodes": f"127.0.0.1:{seed1.port},127.0.0.1:{seed2.port}", "cluster_mode": True}
+    srv = _server(l2, tmp_path)
+    try:
+        srv.start()
+        assert srv.launch_config().l2 == srv.config.l2 and not srv.without_shared  # valkey's JSON goes by env
+        health = srv.health()
+        assert health["shared_tier_up"] is True and health["healthy"]
+        assert srv.supervise() == "ok"
+        if not first_seed_up_at_launch:
+            seed1.start()
+            assert srv.supervise() == "ok"
+        seed1.stop()
+        seed1.start()  # a new process (run_id) on the first seed
+        assert srv.supervise() == "ok" and srv.health()["healthy"]
+        assert srv.restarts == 0 and srv.shared_losses == 0 and len(stand_in) == 1
+    finally:
+        srv.stop()
+        seed1.stop()
+        seed2.stop()
 
 
 @needs_redis
@@ -245,3 +304,21 @@ def test_the_examples_placeholder_password_is_refused_when_the_server_launches(w
         assert PLACEHOLDER not in str(err.value) and stand_in == [] and not srv.wanted
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(
+    "l2",
+    [
+        None,
+        {"type": "fs", "base_path": "/tmp/kvmesh-l2"},
+        {"type": "valkey", "startup_nodes": "vk:6379", "password": "own"},
+    ],
+    ids=["no tier", "fs", "valkey with its own password"],
+)
+def test_a_placeholder_in_the_resp_password_variable_is_refused_only_where_lmcache_reads_it(l2):
+    """LMCACHE_RESP_PASSWORD is read by LMCache's resp adapter alone: a node with no shared tier, an fs tier or
+    a valkey tier with its own password was refused for a value nothing uses."""
+    env = {"LMCACHE_RESP_PASSWORD": PLACEHOLDER}
+    refuse_placeholder_password(l2, env)  # no TierConfigError
+    with pytest.raises(TierConfigError, match="placeholder"):
+        refuse_placeholder_password({"type": "resp", "host": "127.0.0.1", "port": 1}, env)

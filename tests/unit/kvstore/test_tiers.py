@@ -446,6 +446,7 @@ def test_a_shared_tier_probe_that_fails_once_is_asked_again_with_time_to_answer_
         return answers.pop(0)
 
     monkeypatch.setattr(lmcache_server, "shared_tier_reachable", probe)
+    monkeypatch.setattr(lmcache_server, "shared_tier_probe", probe)  # health()'s probe
     answers[:] = [False, True]  # too slow once, then answered
     assert srv.supervise() == "ok" and not srv.shared_seen_down and probes == [1.0, SLOW_PROBE_S]
     answers[:] = [False, False]  # down: both probes fail
