@@ -288,6 +288,7 @@ class PrefixIndex:
         self._tiered = True
         for h in _last_first(hashes):
             self._or(h, 2, 1)
+        self._trim()
 
     def remove_shared(self, hashes: Iterable[int]) -> None:
         entries = self._entries
@@ -322,6 +323,7 @@ class PrefixIndex:
             claims.append((h, mark))
             held[h] = None
             written.append(h)
+        self._trim()  # after the whole chain is touched: evicting amid it could take the chain's own head
         if fresh is not None:
             fresh.extend(reversed(claims))
         if written:
@@ -357,9 +359,12 @@ class PrefixIndex:
         Accepts `kvmesh.cluster.kv_events` records or vLLM's own msgspec structs (matched by class name).
         Only KV-cache group 0 counts (the full-attention group routing cares about); events for an
         unknown medium or another group are counted in `events_ignored`. With `block_size` set, a
-        BlockStored of another block size is ignored too and counted in `block_size_mismatch` (its
-        hashes cover other token spans than the router's, so no request would ever match them), with a
-        warning once per replica. Returns events applied.
+        BlockStored of another block size is ignored too (its hashes cover other token spans than the
+        router's, so no request would ever match them). Only the engine's own GPU prefix blocks (hbm
+        tier, block_size > 0) count in `block_size_mismatch`, with a warning once per replica: the
+        engine's block size differs from the router's. Others are only counted in `events_ignored`:
+        LMCache chunk events (a host tier, block_size = its chunk size), vLLM offloading's placeholder
+        (block_size 0). Returns events applied.
         """
         tiers = MEDIUM_TIERS if medium_tiers is None else medium_tiers
         self._require(replica_id)
@@ -381,7 +386,10 @@ class PrefixIndex:
             if kind == "BlockStored":
                 size = getattr(ev, "block_size", None)
                 if size is not None and self.block_size is not None and size != self.block_size:
-                    self._block_size_mismatch(replica_id, size)
+                    if tier == "hbm" and size > 0:
+                        self._block_size_mismatch(replica_id, size)
+                    else:  # never a prefix block a request could match: not the engine's block size at fault
+                        self._c["events_ignored"] += 1
                     continue
                 self.store(replica_id, hashes, tier)
             else:
@@ -641,16 +649,16 @@ class PrefixIndex:
 
     def _or(self, h: int, field: int, bit: int) -> bool:
         """Set `bit` in field 0/1/2 of h's entry (admitting h if new, touching it in the LRU order).
-        Returns whether the bit was already set. Entries are replaced, never mutated: tuples of
-        ints are not tracked by the garbage collector, lists are -- with a million lists a full
-        collection took ~260 ms here, a pause the router must not have."""
+        Returns whether the bit was already set. The caller evicts (`_trim`) once its whole chain is
+        written: evicting after each admission could take the chain's own head, not touched yet
+        (written last-to-first), with the other replicas' and tiers' residency of it. Entries are
+        replaced, never mutated: tuples of ints are not tracked by the garbage collector, lists are --
+        with a million lists a full collection took ~260 ms here, a pause the router must not have."""
         entries = self._entries
         e = entries.get(h)
         if e is None:
             entries[h] = (bit, 0, 0) if field == 0 else (0, bit, 0) if field == 1 else (0, 0, bit)
             self._c["admissions"] += 1
-            if len(entries) > self.max_blocks:
-                self._evict_one()
             return False
         entries.move_to_end(h)
         if e[field] & bit:
@@ -679,6 +687,12 @@ class PrefixIndex:
         else:
             del self._entries[h]
 
+    def _trim(self) -> None:
+        """Evict from the LRU front down to `max_blocks` entries; called once a whole chain is written."""
+        entries = self._entries
+        while len(entries) > self.max_blocks:
+            self._evict_one()
+
     def _evict_one(self) -> None:
         h, (hb, hn, _) = self._entries.popitem(last=False)
         for s in _bits(hb):
@@ -696,15 +710,12 @@ class PrefixIndex:
         entries = self._entries
         get = entries.get
         touch = entries.move_to_end
-        max_blocks = self.max_blocks
         c = self._c
         for h in _last_first(hashes):  # the chain's head touched last: evicted after its tail (module doc)
             e = get(h)
             if e is None:
                 entries[h] = (bit, 0, 0)
                 c["admissions"] += 1
-                if len(entries) > max_blocks:
-                    self._evict_one()
             else:
                 touch(h)
                 hb = e[0]
@@ -713,6 +724,8 @@ class PrefixIndex:
             held[h] = None
             if spec and spec.pop(h, None) is not None:
                 c["speculative_confirmed"] += 1
+        if len(entries) > self.max_blocks:  # once, after the whole chain: see `_or`
+            self._trim()
 
     def _remove_hbm(self, slot: int, hashes: Iterable[int]) -> None:
         """`_andnot(h, 0, bit)` per held hash, written out (every simulated eviction comes here)."""
@@ -746,6 +759,7 @@ class PrefixIndex:
         for h in _last_first(hashes):
             self._or(h, 1, bit)
             held[h] = None
+        self._trim()
 
     def _remove_node(self, nslot: int, hashes: Iterable[int]) -> None:
         bit = 1 << nslot

@@ -523,3 +523,52 @@ def test_native_offload_blocks_are_the_replicas_own_not_its_nodes():
     assert idx.match(hs)["B"] == (0, 0, 0)
     idx.store_host("n1", hs)  # the node's host tier (LMCache) still reaches every replica on it
     assert idx.match(hs)["A"] == (0, 4, 4) and idx.match(hs)["B"] == (0, 4, 4)
+
+
+@pytest.mark.parametrize("write", ["store", "speculate"])
+def test_a_full_index_writing_a_chain_keeps_its_own_head_with_others_residency(write):
+    """A chain is written last-to-first and evicted from once afterwards: evicting after each new block took
+    the chain's own head (LRU-oldest until touched), with B's copy and the shared tier's, then re-added it
+    with the writer's bit alone."""
+    idx = PrefixIndex(max_blocks=4, speculative_ttl_s=60.0)
+    idx.add_replica("A")
+    idx.add_replica("B")
+    idx.store("B", [1, 2])
+    idx.store_shared([1, 2])
+    idx.store("A", [10, 11])  # full: LRU order 2, 1, 11, 10 (no lookup here: it would touch 1 and 2)
+    getattr(idx, write)("A", [1, 2, 3, 4])
+    assert idx.match([1, 2])["B"] == (2, 2, 2)  # as before the write
+    assert idx.stats["evictions"] == 2 and 10 not in idx._entries and 11 not in idx._entries
+    assert idx.match([1, 2, 3, 4])["A"][0] == 4 and len(idx) == 4
+
+
+@pytest.mark.parametrize("tier", ["host", "shared"])
+def test_a_full_index_writing_a_host_or_shared_chain_keeps_its_own_head(tier):
+    idx = PrefixIndex(max_blocks=4)
+    idx.add_replica("A", "n0")
+    idx.add_replica("B", "n1")
+    idx.store("B", [1, 2])
+    idx.store("A", [10, 11])
+    idx.store("A", [1, 2, 3, 4], tier)
+    assert idx.match([1, 2])["B"][0] == 2 and idx.stats["evictions"] == 2
+
+
+def test_a_host_tier_event_of_another_block_size_is_ignored_without_a_mismatch(caplog):
+    """LMCache chunk events (CPU, block_size = its chunk size) and vLLM offloading's placeholder (block_size 0)
+    were never GPU prefix blocks of the engine's block size: not a mismatch to count or warn of."""
+    from kvmesh.cluster.kv_events import BlockStored
+
+    idx = PrefixIndex(block_size=16)
+    idx.add_replica("e0")
+    with caplog.at_level("WARNING", logger="kvmesh.cluster.index"):
+        assert idx.apply_events("e0", [BlockStored([1, 2], block_size=16, medium="GPU")]) == 1
+        assert idx.apply_events("e0", [BlockStored([777], block_size=256, medium="CPU")]) == 0
+        assert idx.apply_events("e0", [BlockStored([888], block_size=0, medium="CPU")]) == 0
+        assert idx.apply_events("e0", [BlockStored([999], block_size=0, medium="GPU")]) == 0
+        assert idx.stats["block_size_mismatch"] == 0 and idx.stats["events_ignored"] == 3
+        assert not [r for r in caplog.records if "blocks of" in r.getMessage()]
+        assert idx.match([1, 2])["e0"][0] == 2 and 777 not in idx._entries and 888 not in idx._entries
+        assert idx.apply_events("e0", [BlockStored([3, 4], block_size=32, medium="GPU")]) == 0
+    assert idx.stats["block_size_mismatch"] == 1
+    warned = [r.getMessage() for r in caplog.records if "blocks of" in r.getMessage()]
+    assert len(warned) == 1 and "e0" in warned[0] and "32" in warned[0]
