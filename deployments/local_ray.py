@@ -158,25 +158,9 @@ def remove_dead_ray_temp_dirs(root: str = RAY_TEMP_ROOT, *, kept_logs: bool = Fa
     `remove_dead_runs_files`) removed the logs the run had just named as kept. Returns how many were removed.
     The checks are `private_dir.remove_dead_owners_dirs`'s: this user's folders, none another pid namespace or
     host made."""
-    from kvmesh.kvstore.private_dir import foreign_owner, owner_gone, remove_dead_owners_dirs
+    from kvmesh.kvstore.private_dir import remove_dead_owners_dirs
 
-    if kept_logs:
-        return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root)
-    removed = 0
-    for entry in os.scandir(root):
-        pid = entry.name.removeprefix(RAY_TEMP_PREFIX).split("-", 1)[0]
-        if not entry.name.startswith(RAY_TEMP_PREFIX) or not pid.isdigit() or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or foreign_owner(entry.path):
-                continue  # not ours to judge
-        except OSError:  # gone meanwhile
-            continue
-        if os.path.exists(os.path.join(entry.path, LOGS_KEPT_FILE)) or not owner_gone(int(pid)):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed += 1
-    return removed
+    return remove_dead_owners_dirs(RAY_TEMP_PREFIX, root, keep_marked=None if kept_logs else LOGS_KEPT_FILE)
 
 
 def _start_once(*, num_cpus: int, env_vars: Mapping[str, str], log_to_driver: bool, temp_dir: str | None) -> None:

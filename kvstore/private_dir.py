@@ -115,11 +115,11 @@ def owner_gone(pid: int) -> bool:
     return False
 
 
-def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
+def remove_dead_owners_dirs(prefix: str, root: str = "/tmp", keep_marked: str | None = None) -> int:
     """Remove this user's folders `<prefix><owner pid>-*` under `root` whose owner process is gone: an owner
     killed outright (SIGKILL, Serve ending a replica) never removes its own. A folder another pid namespace
-    or host made (`foreign_owner`) is kept: its pid is not one this process can see. Returns how many were
-    removed."""
+    or host made (`foreign_owner`) is kept: its pid is not one this process can see, and so is one holding a
+    file named `keep_marked` (a failed start's kept logs). Returns how many were removed."""
     removed = 0
     for entry in os.scandir(root):
         pid = entry.name.removeprefix(prefix).split("-", 1)[0]
@@ -129,6 +129,8 @@ def remove_dead_owners_dirs(prefix: str, root: str = "/tmp") -> int:
             if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or foreign_owner(entry.path):
                 continue  # not ours to judge
         except OSError:  # gone meanwhile
+            continue
+        if keep_marked is not None and os.path.exists(os.path.join(entry.path, keep_marked)):
             continue
         if owner_gone(int(pid)):
             shutil.rmtree(entry.path, ignore_errors=True)
