@@ -155,8 +155,6 @@ class SourceState:
     replay_endpoint: str | None = None
     auth: str | None = None  # "curve": the engine's relay, reached with the deployment's channel keys
     last_seq: int | None = None
-    # the last sequence number received on the live socket (not from a replay): see `KVEventApplier.classify`
-    live_seq: int | None = None
     batches: int = 0
     blocks: int = 0
     duplicates: int = 0
@@ -179,24 +177,18 @@ class KVEventApplier:
     def expected(self, src: SourceState) -> int:
         return 0 if src.last_seq is None else src.last_seq + 1
 
-    def classify(self, src: SourceState, seq: int, live: bool = False) -> str:
-        """'next', 'duplicate', 'gap' or 'restart' for an incoming sequence number (`live`: received on the
-        live socket, not from a replay).
+    def classify(self, src: SourceState, seq: int) -> str:
+        """'next', 'duplicate', 'gap' or 'restart' for an incoming sequence number.
 
-        'restart': the publisher started again under the same source (its engine restarted, its cache
-        empty): seq 0 after later batches, a drop of more than RESTART_DROP, or a live seq at or below the
-        previous live one. PUB/SUB delivers one publisher's batches in order and never twice (the relay
-        forwards rising numbers only), so only a new publisher sends a live seq that low, also when its first
-        batches were missed (a SUB reconnecting); a real duplicate follows a replay that ran ahead of the live
-        queue, and is above the previous live seq. Taken for duplicates, a new publisher's batches were all
-        dropped until its numbers passed the old ones, while the dead engine's blocks stayed in the index."""
+        'restart': seq 0 after later batches, or a drop of more than RESTART_DROP: the publisher started
+        again under the same source (its engine restarted, its cache empty). Taken for duplicates, its
+        batches were all dropped until its numbers passed the old ones, while the dead engine's blocks
+        stayed in the index."""
         exp = self.expected(src)
         if seq == exp:
             return "next"
         if seq < exp:
             if src.last_seq and (seq == 0 or src.last_seq - seq > RESTART_DROP):
-                return "restart"
-            if live and src.live_seq is not None and seq <= src.live_seq:
                 return "restart"
             return "duplicate"
         return "gap"
@@ -250,10 +242,9 @@ class KVEventApplier:
         """Apply one received message without replay (gap -> clear and resume). Returns its class."""
         src = self.sources[replica_id]
         _, seq, payload = decode_frames(frames)
-        kind = self.classify(src, seq, live=True)
+        kind = self.classify(src, seq)
         if kind == "restart":
             kind = self.restart(src, seq)
-        src.live_seq = seq
         if kind == "duplicate":
             src.duplicates += 1
             return kind
@@ -399,10 +390,9 @@ class KVEventSubscriber(KVEventApplier):
         _, seq, payload = decode_frames(frames)
         if not self.index.has_replica(src.replica_id):
             return  # replica deregistered; the owner will remove the source
-        kind = self.classify(src, seq, live=True)
+        kind = self.classify(src, seq)
         if kind == "restart":
             kind = self.restart(src, seq)
-        src.live_seq = seq
         if kind == "duplicate":
             src.duplicates += 1
             return
