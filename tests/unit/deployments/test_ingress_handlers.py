@@ -55,6 +55,17 @@ class _Stream:
         self.cancelled = True
 
 
+class _DiesAfterOneChunk(_Stream):
+    """A stream whose replica fails (its engine broke) once all but its last chunk went out."""
+
+    async def __anext__(self) -> dict:
+        if len(self.chunks) == 1:
+            from kvmesh.deployments.engine_driver import EngineBroken
+
+            raise EngineBroken("engine step failed", "r0")
+        return await super().__anext__()
+
+
 class _Method:
     def __init__(self, fn):
         self.remote = fn
@@ -656,17 +667,11 @@ def test_a_request_moved_off_a_failed_replica_is_not_judged_against_its_predicti
         assert judged == [("deliver", plain.headers["x-kvmesh-request-id"])]
         judged.clear()
 
-        class _DiesAfterOne(_Stream):  # a stream whose replica fails after its first chunk
-            async def __anext__(self) -> dict:
-                if len(self.chunks) == 1:
-                    raise EngineBroken("engine step failed", "r0")
-                return await super().__anext__()
-
         opened: list[dict] = []
 
         def generate(request: dict) -> _Stream:
             opened.append(request)
-            return _DiesAfterOne(False) if len(opened) == 1 else _Stream(False)
+            return _DiesAfterOneChunk(False) if len(opened) == 1 else _Stream(False)
 
         ing.engine.generate = _Method(generate)
         req, scope, receive = _request({**BODY, "stream": True})
@@ -719,7 +724,6 @@ def test_usage_after_a_move_counts_no_token_past_a_stop_string_that_spans_it():
 
     from transformers import AutoTokenizer
 
-    from kvmesh.deployments.engine_driver import EngineBroken
     from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(
@@ -733,17 +737,12 @@ def test_usage_after_a_move_counts_no_token_past_a_stop_string_that_spans_it():
     upto = next(n for n in range(1, len(fox + rest) + 1) if stop in tok.decode(prompt + (fox + rest)[:n])[base:])
     assert len(fox) < upto < len(fox + rest)  # the stop string spans the move, inside the new replica's chunk
 
-    class _Dies(_Stream):  # " fox" (its last 3 characters held back for the stop string), then the replica fails
-        async def __anext__(self) -> dict:
-            if len(self.chunks) == 1:
-                raise EngineBroken("engine step failed", "r0")
-            return await super().__anext__()
-
     opened: list[dict] = []
 
     def generate(request: dict) -> _Stream:
         opened.append(request)
-        stream = _Dies(False) if len(opened) == 1 else _Stream(False)
+        # the first replica sends " fox" (its last 3 characters held back for the stop string), then fails
+        stream = _DiesAfterOneChunk(False) if len(opened) == 1 else _Stream(False)
         # the new replica cannot see the stop string: one chunk of several tokens (a busy consumer's merge), then more
         stream.chunks = (
             [_chunk(" ", fox), _chunk("", [9])]
@@ -1105,16 +1104,9 @@ def test_an_engine_that_does_not_say_its_time_after_the_first_output_keeps_the_o
 def test_a_stream_continued_on_another_replica_counts_in_the_totals_only():
     """Its prompt was cached on one replica and its tokens generated on two: crediting either replica with
     the whole answer is wrong, and the first one's row would come back after the router forgot it."""
-    from kvmesh.deployments.engine_driver import EngineBroken
 
     async def run():
         ing = _ingress()
-
-        class _DiesAfterOne(_Stream):
-            async def __anext__(self) -> dict:
-                if len(self.chunks) == 1:
-                    raise EngineBroken("engine step failed", "r0")
-                return await super().__anext__()
 
         class _OnR1(_Stream):
             def __init__(self, hang: bool):
@@ -1125,7 +1117,7 @@ def test_a_stream_continued_on_another_replica_counts_in_the_totals_only():
 
         def generate(request: dict) -> _Stream:
             opened.append(request)
-            return _DiesAfterOne(False) if len(opened) == 1 else _OnR1(False)
+            return _DiesAfterOneChunk(False) if len(opened) == 1 else _OnR1(False)
 
         ing.engine.generate = _Method(generate)
 
