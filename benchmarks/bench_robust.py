@@ -427,7 +427,17 @@ def run_live_part(out_dir: str, seeds: list[int]) -> bool:
         return False
     from kvmesh.benchmarks.robust_live import format_live, live_checks, live_sweep
 
-    rows = live_sweep(seeds, tier=live_tier(), family=live_family())
+    path = os.path.join(out_dir, "robust-live.json")
+    done: list[dict] = []
+
+    def keep(row: dict) -> None:
+        """Each finished draw is saved at once (its decision traces left out until the end), so a draw that
+        fails to run later keeps the ones before it."""
+        done.append(row)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump([without_traces(r) for r in done], fh, indent=1)
+
+    rows = live_sweep(seeds, tier=live_tier(), family=live_family(), on_row=keep)
     print(format_live(rows))
     missed = False
     for r in rows:
@@ -437,11 +447,16 @@ def run_live_part(out_dir: str, seeds: list[int]) -> bool:
         missed = missed or bool(failed)
         print(f"  live draw {r['seed']}: {'PASS' if not failed else 'MISS ' + ', '.join(failed)}")
     traces = split_traces(rows)
-    with open(os.path.join(out_dir, "robust-live.json"), "w", encoding="utf-8") as fh:
+    with open(path, "w", encoding="utf-8") as fh:
         json.dump(rows, fh, indent=1)
     with open(os.path.join(out_dir, "robust-live-traces.json"), "w", encoding="utf-8") as fh:
         json.dump(traces, fh)
     return missed
+
+
+def without_traces(row: dict) -> dict:
+    """A copy of a live row without its arms' decision traces."""
+    return {k: ({a: b for a, b in v.items() if a != "decisions"} if isinstance(v, dict) else v) for k, v in row.items()}
 
 
 def split_traces(rows: list[dict]) -> dict[str, dict]:

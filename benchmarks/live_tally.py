@@ -61,6 +61,11 @@ def simulate_tier_arms(rows: dict[int, dict]) -> None:
         row["sim_round_robin_tier"] = simulate_in_send_order(recs, d, row["replicas"], "round_robin", shared=True)
 
 
+def _ratio(a: float | None, b: float | None) -> list[float]:
+    """[a / b], or nothing when a run has no figure (every request failed) or b is 0."""
+    return [a / b] if a is not None and b else []
+
+
 def tally(rows: dict[int, dict]) -> dict:
     """Per check: the seeds it held on and missed; the seeds meeting every no-tier target; with LMCache,
     the seeds at the infinite-cache bound; and the median TTFT p50 ratio to round robin per arm."""
@@ -75,13 +80,16 @@ def tally(rows: dict[int, dict]) -> dict:
             every.append(seed)
         if within_tolerances(row["sim_vs_live"]):
             sim_within.append(seed)
-        ratios["no tier"].append(row["kvmesh"]["ttft_p50_s"] / row["round_robin"]["ttft_p50_s"])
+        ratios["no tier"].extend(_ratio(row["kvmesh"]["ttft_p50_s"], row["round_robin"]["ttft_p50_s"]))
         if "kvmesh_tier" in row:
             tiered.append(seed)
-            if row["kvmesh_tier"]["hit"] >= row["bounds"]["infinite"] - 1e-9:
+            hit = row["kvmesh_tier"]["hit"]
+            if hit is not None and hit >= row["bounds"]["infinite"] - 1e-9:
                 at_bound.append(seed)
             if "round_robin_tier" in row:
-                ratios["with LMCache"].append(row["kvmesh_tier"]["ttft_p50_s"] / row["round_robin_tier"]["ttft_p50_s"])
+                ratios["with LMCache"].extend(
+                    _ratio(row["kvmesh_tier"]["ttft_p50_s"], row["round_robin_tier"]["ttft_p50_s"])
+                )
     return {
         "draws": sorted(rows),
         "checks": per,

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from itertools import permutations
 from pathlib import Path
@@ -73,6 +73,9 @@ def wide_live_seeds(seeds: Sequence[int]) -> list[int]:
 
 
 def live_concurrency(d: Draw) -> int:
+    """How many requests a live run of the draw keeps in flight: an `all` draw's own cap; a timed draw
+    (poisson, bursts) is sent in timestamp order at `TIMED_CONCURRENCY`, its timestamps otherwise unused (its
+    arrival pattern is exercised only in the simulator)."""
     return d.concurrency if d.arrival == "all" else TIMED_CONCURRENCY
 
 
@@ -163,8 +166,27 @@ SPREAD_JITTER_S = 0.005
 
 
 def within_tolerances(diff: dict) -> bool:
-    """Is a `compare` result within every one of `SIM_TOLERANCES`?"""
-    return all(diff[k] <= tol for k, tol in SIM_TOLERANCES.items())
+    """Is a `compare` result within every one of `SIM_TOLERANCES`? A difference that could not be taken (a
+    figure missing on either side) is not within."""
+    return all(at_most(diff[k], tol) for k, tol in SIM_TOLERANCES.items())
+
+
+def at_most(a: float | None, b: float | None) -> bool:
+    """a <= b, False where either figure is missing (None: a run none of whose requests succeeded has no hit
+    rate or TTFT, and a check that needs one is missed, not passed on a stand-in figure)."""
+    return a is not None and b is not None and a <= b
+
+
+def apart(a: float | None, b: float | None) -> float | None:
+    """|a - b|; None where either figure is missing."""
+    return None if a is None or b is None else abs(a - b)
+
+
+def fmt_figure(x: float | None, spec: str, scale: float = 1.0) -> str:
+    """`x * scale` formatted by `spec`; a missing figure (None) as "-", right-aligned in the width `spec` names
+    (a table's column stays aligned)."""
+    width = spec[: len(spec) - len(spec.lstrip("0123456789"))]
+    return format(x * scale, spec) if x is not None else format("-", ">" + width)
 
 
 def simulated_spread(
@@ -383,11 +405,13 @@ def peer_setup(name: str):
     return next(x for x in setups.PEER_SETUPS if x.name == name)
 
 
-def peer_target(recs: list[dict], d: Draw, replicas: int, peer_hit: float, exact_s: float = 30.0) -> dict:
+def peer_target(recs: list[dict], d: Draw, replicas: int, peer_hit: float | None, exact_s: float = 30.0) -> dict:
     """Can any placement reach the peer's hit rate less 0.03 while keeping prefill max/mean <= 1.25
     (`exact_placement.decide_target`, the untimed model `bounds_for` uses)? The peer reaches its hit rate by
     piling up, so where no balanced placement reaches it, the peer check's miss is the workload's
     arithmetic, not the policy's."""
+    if peer_hit is None:  # the peer's run had no successful request: there is no hit rate to reach
+        return {"hit": None, "verdict": "undecided", "placement": None}
     trace = engine_trace(recs, d.tokens_per_block, ENGINE_BLOCK)
     verdict, placement = _decided(trace, replicas, peer_hit - 0.03, exact_s)
     return {"hit": peer_hit - 0.03, "verdict": verdict, "placement": placement}
@@ -452,14 +476,16 @@ def by_record_index(decisions: list[dict], index_of: dict[str, int]) -> list[dic
 
 def _figures(summary: dict, requests: list[int], prefill: list[float]) -> dict:
     """One live run's row: hit rate, errors, TTFT p50 from the replay summary; requests and prefill
-    tokens per replica (sorted: replica names differ between runs) and prefill max/mean."""
+    tokens per replica (sorted: replica names differ between runs) and prefill max/mean. A run none of whose
+    requests succeeded has no hit rate, TTFT or prefill max/mean (None: the replay summary's own None, kept
+    so that every check on it is missed)."""
     return {
         "hit": summary["hit_rate_tokens"],
         "errors": summary["errors"],
         "ttft_p50_s": summary["ttft_p50_s"],
         "requests": sorted(requests),
         "prefill": sorted(prefill),
-        "prefill_max_over_mean": max_over_mean(prefill) or 1.0,
+        "prefill_max_over_mean": (max_over_mean(prefill) or 1.0) if sum(requests) else None,
     }
 
 
@@ -486,12 +512,13 @@ def compare(live: dict, sim: dict) -> dict:
     as a share of the mean count: replica names differ between the two runs); and the share of requests
     the two placed on the same replica (`placed_alike`), where both runs recorded their placements; and the
     first request they placed differently (`first_divergence`, in the simulator's routing order), where
-    both recorded their decisions."""
+    both recorded their decisions. A difference with a figure missing on either side (a run none of whose
+    requests succeeded) is None, which `within_tolerances` and `live_checks` judge as outside."""
     mean = sum(live["requests"]) / len(live["requests"]) if live["requests"] else 1.0
-    counts = max(abs(a - b) for a, b in zip(live["requests"], sim["requests"])) / mean if mean else 0.0
+    counts = max(abs(a - b) for a, b in zip(live["requests"], sim["requests"])) / mean if mean else None
     out = {
-        "hit": abs(live["hit"] - sim["hit"]),
-        "prefill_max_over_mean": abs(live["prefill_max_over_mean"] - sim["prefill_max_over_mean"]),
+        "hit": apart(live["hit"], sim["hit"]),
+        "prefill_max_over_mean": apart(live["prefill_max_over_mean"], sim["prefill_max_over_mean"]),
         "requests": counts,
     }
     if live.get("placement") and sim.get("placement"):
@@ -502,10 +529,18 @@ def compare(live: dict, sim: dict) -> dict:
     return out
 
 
-def live_sweep(seeds: Sequence[int], log=print, tier: bool = False, family: str = "family") -> list[dict]:
+def live_sweep(
+    seeds: Sequence[int],
+    log=print,
+    tier: bool = False,
+    family: str = "family",
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Per draw (of `family`, a key of `FAMILIES`): bounds, kvmesh, round robin and the peer router live, the
     simulator in the same send order; with `tier` also kvmesh and round robin with LMCache tiers (`live_app`:
-    the deployed configuration, and the baseline on the same engines) and both simulated with a shared tier."""
+    the deployed configuration, and the baseline on the same engines) and both simulated with a shared tier.
+    `on_row` is given each draw's row as soon as it is complete. Why: a draw runs live for minutes, so a
+    caller that saves each row there keeps the draws already run when a later one fails."""
     rows = []
     for seed in seeds:
         d = FAMILIES[family].draw(seed)
@@ -533,6 +568,8 @@ def live_sweep(seeds: Sequence[int], log=print, tier: bool = False, family: str 
         row["sim_vs_live"] = compare(row["kvmesh"], row["sim"])
         row["sim_spread"] = spread_match(row["kvmesh"], simulated_spread(recs, d, n))
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -552,36 +589,40 @@ def peer_check(setup: str) -> str:
 
 
 def live_checks(row: dict) -> dict[str, bool]:
-    """The live targets for one draw."""
+    """The live targets for one draw. A check on a missing figure (None: a run, kvmesh's or a baseline's, none
+    of whose requests succeeded) is missed (`at_most`)."""
     k, rr, b = row["kvmesh"], row["round_robin"], row["bounds"]
     balance, max_over_mean, ttft, errors = NO_TIER_TARGETS
+    diff = row["sim_vs_live"]
     checks = {
-        balance: k["hit"] >= 0.95 * b["balance"],
-        max_over_mean: k["prefill_max_over_mean"] <= 1.25,
-        ttft: k["ttft_p50_s"] <= rr["ttft_p50_s"],
+        balance: at_most(0.95 * b["balance"], k["hit"]),
+        max_over_mean: at_most(k["prefill_max_over_mean"], 1.25),
+        ttft: at_most(k["ttft_p50_s"], rr["ttft_p50_s"]),
         errors: k["errors"] == 0,
-        "sim hit within 0.02": row["sim_vs_live"]["hit"] <= SIM_TOLERANCES["hit"],
-        "sim max/mean within 0.15": row["sim_vs_live"]["prefill_max_over_mean"]
-        <= SIM_TOLERANCES["prefill_max_over_mean"],
-        "sim requests/replica within 0.15": row["sim_vs_live"]["requests"] <= SIM_TOLERANCES["requests"],
+        "sim hit within 0.02": at_most(diff["hit"], SIM_TOLERANCES["hit"]),
+        "sim max/mean within 0.15": at_most(diff["prefill_max_over_mean"], SIM_TOLERANCES["prefill_max_over_mean"]),
+        "sim requests/replica within 0.15": at_most(diff["requests"], SIM_TOLERANCES["requests"]),
         # a baseline's figures come from its requests that succeeded: one that failed some is no comparison
         "round robin zero errors": rr.get("errors", 0) == 0,
     }
     if "peer" in row:  # rows saved before the peer leg was added have none
-        checks[peer_check(row["peer"]["setup"])] = k["hit"] >= row["peer"]["hit"] - 0.03
+        peer_hit = row["peer"]["hit"]
+        checks[peer_check(row["peer"]["setup"])] = peer_hit is not None and at_most(peer_hit - 0.03, k["hit"])
         checks["peer zero errors"] = row["peer"].get("errors", 0) == 0
     if "sim_round_robin" in row:  # nor the simulated round robin
-        checks["simulated TTFT p50 <= round robin's"] = row["sim"]["ttft_p50_s"] <= row["sim_round_robin"]["ttft_p50_s"]
+        checks["simulated TTFT p50 <= round robin's"] = at_most(
+            row["sim"]["ttft_p50_s"], row["sim_round_robin"]["ttft_p50_s"]
+        )
     if "round_robin_tier" in row:  # the deployed configuration, against round robin on the same LMCache engines
         t, rt = row["kvmesh_tier"], row["round_robin_tier"]
-        checks["with LMCache: hit >= 0.95 x balance-bounded"] = t["hit"] >= 0.95 * b["balance"]
-        checks["with LMCache: prefill max/mean <= 1.25"] = t["prefill_max_over_mean"] <= 1.25
-        checks["with LMCache: TTFT p50 <= round robin's with LMCache"] = t["ttft_p50_s"] <= rt["ttft_p50_s"]
+        checks["with LMCache: hit >= 0.95 x balance-bounded"] = at_most(0.95 * b["balance"], t["hit"])
+        checks["with LMCache: prefill max/mean <= 1.25"] = at_most(t["prefill_max_over_mean"], 1.25)
+        checks["with LMCache: TTFT p50 <= round robin's with LMCache"] = at_most(t["ttft_p50_s"], rt["ttft_p50_s"])
         checks["with LMCache: zero errors"] = t["errors"] == 0
         checks["with LMCache: round robin zero errors"] = rt.get("errors", 0) == 0
     if "sim_round_robin_tier" in row:  # nor round robin simulated with the shared tier
-        checks["simulated with a shared tier: TTFT p50 <= round robin's"] = (
-            row["sim_tier"]["ttft_p50_s"] <= row["sim_round_robin_tier"]["ttft_p50_s"]
+        checks["simulated with a shared tier: TTFT p50 <= round robin's"] = at_most(
+            row["sim_tier"]["ttft_p50_s"], row["sim_round_robin_tier"]["ttft_p50_s"]
         )
     return checks
 
@@ -594,6 +635,9 @@ def meets_no_tier_targets(row: dict, checks: dict[str, bool]) -> bool:
 
 
 def format_live(rows: Sequence[dict]) -> str:
+    """The live rows as a table, and per draw the lines under it; a missing figure (a run none of whose
+    requests succeeded) prints as "-"."""
+    f = fmt_figure
     lines = [
         "seed  N  reqs  bound inf/bal   kvmesh hit  max/mean  p50 ms | rr hit  max/mean  p50 ms | "
         "peer hit  max/mean  p50 ms | sim hit  max/mean  req/replica live vs sim  (placed alike)"
@@ -602,16 +646,19 @@ def format_live(rows: Sequence[dict]) -> str:
         k, rr, s, b = r["kvmesh"], r["round_robin"], r["sim"], r["bounds"]
         pe = r.get("peer")
         peer = (
-            f"{pe['hit']:.3f}     {pe['prefill_max_over_mean']:.2f}      {pe['ttft_p50_s'] * 1e3:5.0f}"
+            f"{f(pe['hit'], '5.3f')}     {f(pe['prefill_max_over_mean'], '4.2f')}      "
+            f"{f(pe['ttft_p50_s'], '5.0f', 1e3)}"
             if pe
             else f"{'-':>5}     {'-':>4}      {'-':>5}"
         )
         lines.append(
             f"{r['seed']}  {r['replicas']}  {r['requests']:4d}  {b['infinite']:.3f}/{b['balance']:.3f}  "
-            f"  {k['hit']:.3f}       {k['prefill_max_over_mean']:.2f}      {k['ttft_p50_s'] * 1e3:5.0f} | "
-            f"{rr['hit']:.3f}   {rr['prefill_max_over_mean']:.2f}      {rr['ttft_p50_s'] * 1e3:5.0f} | "
+            f"  {f(k['hit'], '5.3f')}       {f(k['prefill_max_over_mean'], '4.2f')}      "
+            f"{f(k['ttft_p50_s'], '5.0f', 1e3)} | "
+            f"{f(rr['hit'], '5.3f')}   {f(rr['prefill_max_over_mean'], '4.2f')}      "
+            f"{f(rr['ttft_p50_s'], '5.0f', 1e3)} | "
             f"{peer} | "
-            f"{s['hit']:.3f}    {s['prefill_max_over_mean']:.2f}      {k['requests']} vs {s['requests']}"
+            f"{f(s['hit'], '5.3f')}    {f(s['prefill_max_over_mean'], '4.2f')}      {k['requests']} vs {s['requests']}"
             + (f"  ({alike:.0%})" if (alike := r["sim_vs_live"].get("placed_alike")) is not None else "")
         )
     for r in rows:
@@ -622,23 +669,24 @@ def format_live(rows: Sequence[dict]) -> str:
         if (pt := b.get("peer_target")) is not None:  # rows saved before it was added have none
             at = _found_at(pt["placement"])
             lines.append(
-                f"  {r['seed']}: the peer's hit less 0.03 ({pt['hit']:.3f}) within max/mean 1.25 is {pt['verdict']}{at}"
+                f"  {r['seed']}: the peer's hit less 0.03 ({f(pt['hit'], '.3f')}) within max/mean 1.25 is "
+                f"{pt['verdict']}{at}"
             )
     for r in rows:
         if "kvmesh_tier" in r:
             t, st, inf = r["kvmesh_tier"], r["sim_tier"], r["bounds"]["infinite"]
             lines.append(
                 f"  {r['seed']}: kvmesh with LMCache (host tier shared on the node, Redis behind it): "
-                f"hit {t['hit']:.3f} ({t['hit'] / inf:.3f} of the infinite-cache bound), "
-                f"prefill max/mean {t['prefill_max_over_mean']:.2f}, TTFT p50 {t['ttft_p50_s'] * 1e3:.0f} ms, "
-                f"{t['errors']} errors; simulated with a shared tier: hit {st['hit']:.3f}, "
-                f"max/mean {st['prefill_max_over_mean']:.2f}"
+                f"hit {f(t['hit'], '.3f')} ({f(t['hit'] / inf if t['hit'] is not None else None, '.3f')} of the "
+                f"infinite-cache bound), prefill max/mean {f(t['prefill_max_over_mean'], '.2f')}, "
+                f"TTFT p50 {f(t['ttft_p50_s'], '.0f', 1e3)} ms, {t['errors']} errors; simulated with a shared tier: "
+                f"hit {f(st['hit'], '.3f')}, max/mean {f(st['prefill_max_over_mean'], '.2f')}"
                 + (f"; {format_accounting(acc)}" if (acc := t.get("router")) else "")
             )
             if (rt := r.get("round_robin_tier")) is not None:  # rows saved before it was added have none
                 lines.append(
-                    f"  {r['seed']}: round robin with LMCache: hit {rt['hit']:.3f}, prefill max/mean "
-                    f"{rt['prefill_max_over_mean']:.2f}, TTFT p50 {rt['ttft_p50_s'] * 1e3:.0f} ms, "
+                    f"  {r['seed']}: round robin with LMCache: hit {f(rt['hit'], '.3f')}, prefill max/mean "
+                    f"{f(rt['prefill_max_over_mean'], '.2f')}, TTFT p50 {f(rt['ttft_p50_s'], '.0f', 1e3)} ms, "
                     f"{rt['errors']} errors"
                 )
     for r in rows:
@@ -655,10 +703,11 @@ def format_live(rows: Sequence[dict]) -> str:
         if "sim_round_robin" in r:
             lines.append(
                 f"  {r['seed']}: simulated TTFT p50 (one accelerator per replica) kvmesh "
-                f"{r['sim']['ttft_p50_s'] * 1e3:.1f} ms, round robin {r['sim_round_robin']['ttft_p50_s'] * 1e3:.1f} ms"
+                f"{f(r['sim']['ttft_p50_s'], '.1f', 1e3)} ms, round robin "
+                f"{f(r['sim_round_robin']['ttft_p50_s'], '.1f', 1e3)} ms"
                 + (
-                    f"; with a shared tier kvmesh {r['sim_tier']['ttft_p50_s'] * 1e3:.1f} ms, round robin "
-                    f"{rt['ttft_p50_s'] * 1e3:.1f} ms"
+                    f"; with a shared tier kvmesh {f(r['sim_tier']['ttft_p50_s'], '.1f', 1e3)} ms, round robin "
+                    f"{f(rt['ttft_p50_s'], '.1f', 1e3)} ms"
                     if (rt := r.get("sim_round_robin_tier")) is not None
                     else ""
                 )

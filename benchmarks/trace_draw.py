@@ -61,14 +61,18 @@ def trace_draw(seed: int, tier: bool = False, log=print, family: str | None = No
 
 
 def report(result: dict) -> str:
+    """The live run, its simulation and how far apart they are; a missing figure (a live run none of whose
+    requests succeeded) prints as "-"."""
+    from kvmesh.benchmarks.robust_live import fmt_figure as f
+
     live, sim, c = result["live"], result["sim"], result["sim_vs_live"]
     lines = [
-        f"live: hit {live['hit']:.3f}, prefill max/mean {live['prefill_max_over_mean']:.2f}, requests per replica "
-        f"{live['requests']}, TTFT p50 {live['ttft_p50_s'] * 1e3:.0f} ms",
-        f"simulated: hit {sim['hit']:.3f}, prefill max/mean {sim['prefill_max_over_mean']:.2f}, requests per "
-        f"replica {sim['requests']}, TTFT p50 {sim['ttft_p50_s'] * 1e3:.0f} ms",
-        f"apart by: hit {c['hit']:.3f}, max/mean {c['prefill_max_over_mean']:.2f}, requests {c['requests']:.2f}; "
-        f"placed alike {c.get('placed_alike', 0.0):.0%}",
+        f"live: hit {f(live['hit'], '.3f')}, prefill max/mean {f(live['prefill_max_over_mean'], '.2f')}, "
+        f"requests per replica {live['requests']}, TTFT p50 {f(live['ttft_p50_s'], '.0f', 1e3)} ms",
+        f"simulated: hit {f(sim['hit'], '.3f')}, prefill max/mean {f(sim['prefill_max_over_mean'], '.2f')}, "
+        f"requests per replica {sim['requests']}, TTFT p50 {f(sim['ttft_p50_s'], '.0f', 1e3)} ms",
+        f"apart by: hit {f(c['hit'], '.3f')}, max/mean {f(c['prefill_max_over_mean'], '.2f')}, requests "
+        f"{f(c['requests'], '.2f')}; placed alike {f(c.get('placed_alike'), '.0%')}",
     ]
     div = c["first_divergence"]
     return "\n".join(lines + (format_divergence(div) if div else ["every request placed alike"]))

@@ -102,13 +102,23 @@ def parse_line(text: str, where: str, line: int) -> LoggedRequest:
 
 
 def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
+    """A chat's messages are held to the ingress's own rules (`openai_protocol.chat_message`): a message the
+    ingress refuses (a tool call's null content, a `tool` message, a non-text part) would otherwise be
+    rendered here as a prompt kvmesh never serves."""
     if endpoint == CHAT:
+        # imported here: openai_protocol imports this module (`template_message`)
+        from kvmesh.deployments.openai_protocol import OpenAIError, chat_message
+
         msgs = body["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise RequestLogError(f"{where} line {line}: 'messages' must be a non-empty list")
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise RequestLogError(f"{where} line {line}: messages[{i}] needs a 'role' and a 'content'")
+            try:
+                chat_message(m, i)
+            except OpenAIError as exc:
+                raise RequestLogError(f"{where} line {line}: {exc.message.rstrip('.')}") from None
     else:
         p = body["prompt"]
         ok = (isinstance(p, str) and p) or (
@@ -218,8 +228,8 @@ def content_text(content) -> str:
 
 def template_message(message: dict) -> dict:
     """A chat message as kvmesh's ingress hands it to the chat template: `developer` as `system`, the content
-    as one text, the `name` kept (templates may use it). The ingress validates first; logs are taken as
-    they are."""
+    as one text, the `name` kept (templates may use it). Both the ingress and the log's reader check the
+    message first (`openai_protocol.chat_message`)."""
     role = message["role"]
     out = {"role": "system" if role == "developer" else role, "content": content_text(message.get("content"))}
     if message.get("name") is not None:

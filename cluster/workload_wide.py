@@ -48,7 +48,9 @@ class WideDraw:
     tenants: int  # 1..groups; group g belongs to tenant g % tenants (tenants share nothing)
     popularity: float  # Zipf exponent over groups: a conversation picks group g with weight 1 / (g + 1) ** it
     conversations: int  # 6-60
-    mean_turns: float  # a conversation's turns: 1 + geometric with this mean less one, at most MAX_TURNS
+    # sets a conversation's turns: 1 + floor(X), X exponential with mean `mean_turns` - 1, at most MAX_TURNS (a
+    # mean of about `mean_turns` - 0.5, not `mean_turns`: `expected_turns`)
+    mean_turns: float
     system_blocks: tuple[int, int]  # each group's system prompt: min, max blocks
     oneshot_share: float  # share of the requests that are one-shot prompts sharing nothing
     arrival: str  # "all" (at once under `concurrency`), "poisson", "bursts"
@@ -62,14 +64,24 @@ class WideDraw:
     def records(self) -> list[dict]:
         return records(self)
 
+    @property
+    def expected_turns(self) -> float:
+        """The mean of a conversation's drawn turns, min(1 + floor(X), MAX_TURNS) with X exponential at rate
+        l = 1 / (`mean_turns` - 1): P(floor(X) >= j) = exp(-l j), so the mean is the sum of exp(-l j) over
+        j < MAX_TURNS. A conversation cut short to fit the context (`_fits`) has fewer."""
+        if self.mean_turns <= 1.0:
+            return 1.0
+        q = math.exp(-1.0 / (self.mean_turns - 1.0))
+        return (1.0 - q**MAX_TURNS) / (1.0 - q)
+
     def describe(self) -> str:
-        """One line naming the shape (for reports)."""
+        """One line naming the shape (for reports); the turns are `expected_turns`."""
         arrival = f"bursts{self.bursts}" if self.arrival == "bursts" else self.arrival
         if self.arrival == "all":
             arrival += f"@c{self.concurrency}"
         return (
             f"{self.groups}g/{self.tenants}t zipf{self.popularity:.2f} {self.conversations}conv"
-            f" ~{self.mean_turns:.1f}turns sys{self.system_blocks[0]}-{self.system_blocks[1]}"
+            f" ~{self.expected_turns:.1f}turns sys{self.system_blocks[0]}-{self.system_blocks[1]}"
             f" oneshot{self.oneshot_share:.0%} {arrival} tpb{self.tokens_per_block} N={self.replicas} n={self.requests}"
         )
 
@@ -125,6 +137,7 @@ def _conversations(d: WideDraw, rng: random.Random, ids: FreshIds) -> list[list[
     for c in range(d.conversations):
         g = rng.choices(range(d.groups), weights)[0]
         tenant = f"t{g % d.tenants}"
+        # 1 + floor of an exponential with mean `mean_turns` - 1: a mean of `expected_turns`, below `mean_turns`
         turns = 1 + (int(rng.expovariate(1.0 / (d.mean_turns - 1.0))) if d.mean_turns > 1.0 else 0)
         history, conv = list(systems[g]), []
         for _ in range(min(turns, MAX_TURNS)):

@@ -347,19 +347,25 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad("'messages' must be a list.", "messages", "invalid_type")
     if not msgs:
         raise bad("'messages' must not be empty.", "messages", "empty_prompt")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
-        role = m.get("role")
-        if role not in ("system", "user", "assistant", "developer"):
-            raise bad(f"messages[{i}].role must be one of system, developer, user, assistant.", f"messages[{i}].role")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):  # templates may use it: it is kept
-            raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
-        out.append(template_message({"role": role, "content": _content_text(m.get("content"), i), "name": name}))
-    req.messages = out
+    req.messages = [chat_message(m, i) for i, m in enumerate(msgs)]
     return req
+
+
+def chat_message(m: Any, i: int) -> dict:
+    """`messages[i]` of a chat request checked as the ingress serves it (an object with a role of system,
+    developer, user or assistant, a string `name` if any, a string or text-part content) and put as the chat
+    template takes it (`template_message`); `OpenAIError` naming the field otherwise. The request log's
+    reader (`cluster/request_log.py`) applies the same rules, so that a logged message the ingress refuses
+    (a tool call's null content, a `tool` message) is refused when the log is read, not rendered as text."""
+    if not isinstance(m, dict):
+        raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
+    role = m.get("role")
+    if role not in ("system", "user", "assistant", "developer"):
+        raise bad(f"messages[{i}].role must be one of system, developer, user, assistant.", f"messages[{i}].role")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):  # templates may use it: it is kept
+        raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
+    return template_message({"role": role, "content": _content_text(m.get("content"), i), "name": name})
 
 
 # ---------------------------------------------------------------------------- responses

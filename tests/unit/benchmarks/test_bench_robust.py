@@ -3,6 +3,10 @@ live rows saved apart from their decision traces."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from kvmesh.benchmarks.bench_robust import print_tails
 from kvmesh.cluster.sweep import ttft_against
 
@@ -192,3 +196,17 @@ def test_the_verdict_word_misses_when_only_a_live_check_missed(monkeypatch, tmp_
     out, code = _run_main(monkeypatch, tmp_path, env, [1000, 1004])
     [line] = [x for x in out.splitlines() if x.startswith("target:")]
     assert code == 0 and ": PASS (" in line, line
+
+
+def test_each_finished_live_draw_is_saved_before_a_later_draw_fails(monkeypatch, tmp_path):
+    from kvmesh.benchmarks import bench_robust, robust_live
+
+    def sweep(seeds, tier, family, on_row):
+        on_row({"seed": seeds[0], "kvmesh": {"hit": 0.7, "decisions": [{"request_id": 0}]}})
+        raise RuntimeError("the second draw's engines did not start")
+
+    monkeypatch.setattr(robust_live, "live_sweep", sweep)
+    with pytest.raises(RuntimeError):
+        bench_robust.run_live_part(str(tmp_path), [2001, 2002])
+    saved = json.loads((tmp_path / "robust-live.json").read_text())
+    assert saved == [{"seed": 2001, "kvmesh": {"hit": 0.7}}]

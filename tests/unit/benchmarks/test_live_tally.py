@@ -74,3 +74,13 @@ def test_simulate_draws_a_wide_row_from_the_wide_family(tmp_path):
     d = wide_draw(11001)
     want = simulate_in_send_order(d.records(), d, 4, "kvmesh", shared=True)
     assert rows[11001]["sim_tier"]["hit"] == want["hit"] and rows[11001]["sim_tier"]["requests"] == want["requests"]
+
+
+def test_a_draw_whose_runs_served_nothing_misses_its_checks_and_adds_no_ratio(tmp_path):
+    dead = _row(4, 0.77, 1.1, tier_hit=0.8)
+    dead["kvmesh"]["ttft_p50_s"] = None
+    dead["kvmesh_tier"]["hit"] = dead["kvmesh_tier"]["ttft_p50_s"] = None
+    t = tally(load_rows([_write(tmp_path, "a.json", [_row(1, 0.77, 1.1, tier_hit=0.8), dead])]))
+    assert t["at_infinite_bound_with_lmcache"] == [1]
+    assert t["ttft_ratio_median"]["no tier"] == pytest.approx(0.5)  # draw 1's alone
+    assert 4 not in t["every_no_tier_target"]

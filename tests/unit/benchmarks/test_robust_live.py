@@ -394,3 +394,148 @@ def test_the_simulation_of_a_live_run_decodes_what_the_replay_asks_for(monkeypat
     cap = robust_live.replay_config("http://x", d).max_tokens
     assert [t.meta["max_tokens"] for t in made] == [cap] and cap == 16
     assert {r.output_length for r in made[0].requests} == {cap}
+
+
+def _stub_live_parts(monkeypatch, failing: set[str]) -> list[str]:
+    """The live and simulated legs of `live_sweep` replaced by quick stand-ins: each app run replays through a
+    stubbed client, in which every request of the runs named in `failing` ("seed:policy") fails with an HTTP
+    503; the simulations echo a fixed outcome. Returns the runs in the order they were made."""
+    import contextlib
+
+    from kvmesh.benchmarks import robust_live
+    from kvmesh.deployments import replay as replay_mod
+    from kvmesh.deployments.replay import ReplayReport, RequestResult
+
+    made: list[str] = []
+    current = {"seed": None}
+
+    def fake_replay(recs, cfg):
+        fail = f"{current['seed']}:{made[-1]}" in failing
+        return ReplayReport(
+            [
+                RequestResult(
+                    i, r.get("user"), r.get("tenant"), 100, None if fail else 50, 0 if fail else 4,
+                    None if fail else 0.05, 0.1, f"r{i % 3}", "HTTP 503" if fail else None, start_s=i * 0.01,
+                )
+                for i, r in enumerate(recs)
+            ],
+            1.0,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def fake_app(replicas, policy, log=print, tier=False):
+        made.append(policy)
+        yield "http://127.0.0.1:1", "k"
+
+    real_draw = robust_live.FAMILIES["family"].draw
+
+    class Family:
+        @staticmethod
+        def draw(seed):
+            current["seed"] = seed
+            return real_draw(seed)
+
+    sim = {"hit": 0.5, "requests": [1, 1, 1], "prefill_max_over_mean": 1.0, "ttft_p50_s": 0.05, "placement": None}
+    monkeypatch.setattr(replay_mod, "replay", fake_replay)
+    monkeypatch.setattr(robust_live, "FAMILIES", {"family": Family})
+    monkeypatch.setattr(robust_live, "live_app", fake_app)
+    monkeypatch.setattr(robust_live, "router_state", lambda url, key: {})
+    monkeypatch.setattr(robust_live, "bounds_for", lambda recs, d, n: {"infinite": 0.5, "balance": 0.4})
+    monkeypatch.setattr(
+        robust_live, "run_peer_router", lambda recs, d, n, setup, log=print: dict(sim, setup=setup, errors=0)
+    )
+    monkeypatch.setattr(robust_live, "simulate_in_send_order", lambda recs, d, n, policy, **kw: dict(sim))
+    monkeypatch.setattr(robust_live, "simulated_spread", lambda recs, d, n: [dict(sim)])
+    monkeypatch.setattr(
+        robust_live, "peer_target", lambda recs, d, n, hit: {"hit": hit, "verdict": "reachable", "placement": None}
+    )
+    return made
+
+
+def test_a_live_run_whose_every_request_failed_is_a_miss_and_the_draws_before_it_are_handed_on(monkeypatch):
+    """A live run none of whose requests succeeded (an engine that died) has no hit rate, TTFT or prefill
+    max/mean: the sweep goes on and every check needing one of them is missed, and each draw's row reaches
+    `on_row` as it completes, so that a caller saving it keeps the draws already run."""
+    from kvmesh.benchmarks import robust_live
+
+    _stub_live_parts(monkeypatch, failing={"2001:kvmesh"})
+    handed = []
+    rows = robust_live.live_sweep([2000, 2001], log=lambda *a: None, on_row=handed.append)
+    assert [r["seed"] for r in handed] == [2000, 2001] and handed == rows
+    dead = rows[1]["kvmesh"]
+    assert dead["hit"] is dead["ttft_p50_s"] is dead["prefill_max_over_mean"] is None and dead["errors"] > 0
+    checks = live_checks(rows[1])
+    for name in (
+        "hit >= 0.95 x balance-bounded",
+        "prefill max/mean <= 1.25",
+        "TTFT p50 <= round robin's",
+        "zero errors",
+        "sim hit within 0.02",
+        "sim max/mean within 0.15",
+        "hit >= vllm-router/cache_aware - 0.03",
+    ):
+        assert checks[name] is False, name
+    assert rows[1]["sim_spread"]["within"] == 0
+    assert live_checks(rows[0])["zero errors"] and live_checks(rows[0])["TTFT p50 <= round robin's"]
+
+
+def test_a_later_draw_that_fails_leaves_the_rows_handed_on_before_it(monkeypatch):
+    from kvmesh.benchmarks import robust_live
+
+    _stub_live_parts(monkeypatch, failing=set())
+    handed = []
+    real_run_live = robust_live.run_live
+
+    def run_live(recs, d, n, policy, log=print, tier=False):
+        if d.seed == 2001:
+            raise RuntimeError("the engines did not start")
+        return real_run_live(recs, d, n, policy, log, tier)
+
+    monkeypatch.setattr(robust_live, "run_live", run_live)
+    with pytest.raises(RuntimeError):
+        robust_live.live_sweep([2000, 2001], log=lambda *a: None, on_row=handed.append)
+    assert [r["seed"] for r in handed] == [2000]
+
+
+def test_a_baseline_or_tier_run_that_failed_entirely_misses_the_checks_it_is_in_and_prints_dashes():
+    row = _row(0.77, 0.79)
+    row["round_robin"] = dict(row["round_robin"], hit=None, ttft_p50_s=None, prefill_max_over_mean=None, errors=10)
+    row["peer"] = dict(row["peer"], hit=None, ttft_p50_s=None, prefill_max_over_mean=None, errors=10)
+    row["sim_round_robin"] = dict(row["sim"])
+    checks = live_checks(row)
+    assert not checks["TTFT p50 <= round robin's"] and not checks["round robin zero errors"]
+    assert not checks["hit >= vllm-router/cache_aware - 0.03"]
+    assert checks["hit >= 0.95 x balance-bounded"]  # kvmesh's own figures stand
+    table = format_live([row]).splitlines()
+    assert len(table) == 3 and "0.500" not in table[1] and table[1].count(" - ") >= 4
+
+    tiered = live_row(0.77, tier_hit=0.7)
+    tiered["kvmesh_tier"] = dict(tiered["kvmesh_tier"], hit=None, ttft_p50_s=None, prefill_max_over_mean=None)
+    checks = live_checks(tiered)
+    assert not checks["with LMCache: hit >= 0.95 x balance-bounded"]
+    assert not checks["with LMCache: prefill max/mean <= 1.25"]
+    assert not checks["with LMCache: TTFT p50 <= round robin's with LMCache"]
+    assert "kvmesh with LMCache (host tier shared on the node, Redis behind it): hit - (- of the" in format_live(
+        [tiered]
+    )
+
+
+def test_the_comparison_with_a_run_that_has_no_figures_is_outside_every_tolerance():
+    from kvmesh.benchmarks.robust_live import compare, within_tolerances
+
+    sim = {"hit": 0.7, "prefill_max_over_mean": 1.1, "requests": [2, 2]}
+    dead = {"hit": None, "prefill_max_over_mean": None, "requests": [0, 0]}
+    got = compare(dead, sim)
+    assert got["hit"] is None and got["prefill_max_over_mean"] is None and got["requests"] is None
+    assert not within_tolerances(got) and within_tolerances(compare(sim, sim))
+
+
+def test_the_peer_target_of_a_peer_run_with_no_hit_rate_is_undecided_without_the_solver():
+    from kvmesh.benchmarks.robust_live import peer_target
+    from kvmesh.cluster.workload_family import draw, records
+
+    d = draw(2000)
+    assert peer_target(records(d), d, d.live_replicas, None) == {"hit": None, "verdict": "undecided", "placement": None}
+    row = dict(_row(0.77, 0.79))
+    row["bounds"] = dict(row["bounds"], peer_target={"hit": None, "verdict": "undecided", "placement": None})
+    assert "the peer's hit less 0.03 (-) within max/mean 1.25 is undecided" in format_live([row])

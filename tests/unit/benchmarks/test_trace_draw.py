@@ -95,3 +95,15 @@ def test_a_seed_of_no_set_runs_with_its_family_named(monkeypatch, tmp_path):
     seen = _recording_run_live(monkeypatch)
     assert trace_draw.main(["12000", "--family", "wide", "--json", str(tmp_path / "x.json")]) == 0
     assert type(seen[0][0]) is type(workload_wide.draw(12000))
+
+
+def test_the_report_of_a_live_run_with_no_successful_request_prints_dashes():
+    """A live run none of whose requests succeeded has no hit rate, TTFT or prefill max/mean (None)."""
+    from kvmesh.benchmarks.robust_live import compare
+
+    live = {"hit": None, "prefill_max_over_mean": None, "ttft_p50_s": None, "requests": [0, 0], "errors": 8}
+    sim = {"hit": 0.6, "prefill_max_over_mean": 1.1, "ttft_p50_s": 0.05, "requests": [4, 4]}
+    text = trace_draw.report({"live": live, "sim": sim, "sim_vs_live": dict(compare(live, sim), first_divergence=None)})
+    lines = text.splitlines()
+    assert lines[0] == "live: hit -, prefill max/mean -, requests per replica [0, 0], TTFT p50 - ms"
+    assert lines[2] == "apart by: hit -, max/mean -, requests -; placed alike -"

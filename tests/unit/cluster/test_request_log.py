@@ -124,3 +124,52 @@ def test_a_logged_request_is_tokenised_as_the_ingress_tokenises_it():
     assert tok.seen[-1] == parse_chat({"model": "m", "messages": messages}).messages and ids[0] != 0
     completion = LoggedRequest("p", {"model": "m", "prompt": "hi"}, COMPLETIONS)
     assert prompt_ids(completion, tok) == [0, ord("h"), ord("i")]
+
+
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "message, said",
+    [
+        (
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            "messages[1].content must be a string or a list of text parts",
+        ),
+        (
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            "messages[1].role must be one of system, developer, user, assistant",
+        ),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "messages[1].content: only text parts"),
+        ({"role": "user", "content": "x", "name": 7}, "messages[1].name must be a string"),
+    ],
+)
+def test_a_logged_message_the_ingress_refuses_is_refused_with_the_ingress_reason(tmp_path, message, said):
+    """A chat kvmesh's ingress would refuse (`openai_protocol.parse_chat`) is not rendered into a prompt with
+    the literal text 'None' or a role the template never sees: the log's reader gives the ingress's reason."""
+    from kvmesh.deployments import openai_protocol
+
+    body = {"messages": [{"role": "user", "content": "weather in Paris?"}, message]}
+    with pytest.raises(openai_protocol.OpenAIError) as ingress:
+        openai_protocol.parse_chat(body)
+    p = _write(tmp_path, [json.dumps({"body": {"prompt": "ok"}}), json.dumps({"body": body})])
+    with pytest.raises(RequestLogError) as err:
+        read_request_log(p)
+    assert str(err.value) == f"{p} line 2: {ingress.value.message.rstrip('.')}"
+    assert str(err.value).startswith(f"{p} line 2: {said}") and "\n" not in str(err.value)
+
+
+def test_a_logged_chat_the_ingress_serves_is_read_and_templated_as_the_ingress_templates_it(tmp_path):
+    from kvmesh.cluster.request_log import template_message
+    from kvmesh.deployments import openai_protocol
+
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
+            {"role": "assistant", "content": ""},
+        ]
+    }
+    [req] = read_request_log(_write(tmp_path, [json.dumps({"body": body})]))
+    served = openai_protocol.parse_chat({"model": "m", **body}).messages
+    assert [template_message(m) for m in req.body["messages"]] == served

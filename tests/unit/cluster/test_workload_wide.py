@@ -86,3 +86,26 @@ def test_the_sweep_runs_the_wide_family_and_compares_ttft_with_round_robin():
     tier = [r["shared_tier"] for r in rows]
     ratios = sorted(t["kvmesh"]["ttft_p50_s"] / t["round_robin"]["ttft_p50_s"] for t in tier)
     assert k["min"] == ratios[0] and k["max"] == ratios[-1]
+
+
+@pytest.mark.parametrize("mean_turns", [2.0, 4.0, 6.0])
+def test_the_turns_a_draw_describes_are_the_mean_of_the_turns_its_conversations_have(mean_turns):
+    """`mean_turns` sets 1 + floor(X), X exponential with mean `mean_turns` - 1: about `mean_turns` - 0.5 turns
+    a conversation. The description prints that mean (`expected_turns`), not `mean_turns`. Many conversations,
+    system prompts of one block and 32 tokens per block, so that the context cuts (almost) none short."""
+    from dataclasses import replace
+
+    d = replace(
+        draw(11000),
+        mean_turns=mean_turns,
+        conversations=3000,
+        system_blocks=(1, 1),
+        tokens_per_block=32,
+        oneshot_share=0.0,
+        arrival="all",
+    )
+    turns = Counter(r["user"] for r in records(d))
+    seen = sum(turns.values()) / len(turns)
+    assert len(turns) == 3000 and abs(seen - d.expected_turns) < 0.15
+    assert abs(seen - mean_turns) > 0.3  # the old description, `mean_turns` itself, was this far off
+    assert f" ~{d.expected_turns:.1f}turns " in d.describe() and f" ~{mean_turns:.1f}turns " not in d.describe()
