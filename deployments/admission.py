@@ -13,8 +13,11 @@ against `max_concurrent`, and the requests and prompt tokens they placed are tak
 buckets at the time they were heard. The stream is milliseconds behind, and within that lag a replica
 knows nothing of the others' admissions: a burst that reaches R replicas at once may be admitted up to the
 whole limit by each, R x the limit in all (a limit of 3 on 2 replicas: 6), not one request per other
-replica. A request queued in the fair queue is not announced until it runs, so it is re-checked against
-the tenant's fleet-wide `max_concurrent` before it gets its slot (it waits on, or times out). Without
+replica. A request is unknown to the peers from its reservation until it is placed (its upload, tokenising
+and fair-queue wait), so it is checked again against what they placed meanwhile: `acquire` refuses it when
+their requests took the tenant's request bucket below zero (its own token, taken at `reserve`, was then
+theirs), and one queued in the fair queue waits on (or times out) while the tenant's fleet-wide
+`max_concurrent` is full or the peers took one of its buckets below zero. Without
 peers (one ingress replica, or the stream off) the limits are this replica's alone. The global
 `max_concurrent` bound stays per replica: it is the capacity of this ingress process.
 
@@ -319,7 +322,9 @@ class Admission:
                 f"Too many concurrent requests for this API key (limit {lim.max_concurrent}).",
                 "concurrency_limit_exceeded",
             )
-        requests_wait = state.requests.wait_s(1, now) if state.requests is not None and not own else 0.0
+        # a held reservation took its request token already: it waits only while the peers' requests heard of
+        # since have taken the bucket below zero (its token was then theirs: the fleet is over the rate)
+        requests_wait = state.requests.wait_s(1 - own, now) if state.requests is not None else 0.0
         tokens_wait = state.tokens.wait_s(prompt_tokens, now) if state.tokens is not None else 0.0
         wait = max(requests_wait, tokens_wait)
         if wait > 0:
@@ -497,14 +502,22 @@ class Admission:
         self._dispatch()
 
     def _at_fleet_limit(self, tenant_id: str, state: _TenantState) -> bool:
-        """Whether the tenant's requests running here and on the peers fill its max_concurrent. Its queued
-        requests were admitted against it here, but the peers do not know of them until they run, so they
-        may have filled it meanwhile: then a queued request waits on (or times out) rather than pass it."""
+        """Whether the tenant's requests running here and on the peers fill its max_concurrent, or the peers'
+        requests took one of its buckets below zero. Its queued requests were admitted against both here
+        (their request and prompt tokens taken), but the peers do not know of them until they run, so they
+        may have spent the fleet's budget meanwhile: then a queued request waits on (or times out) rather
+        than pass it, until a slot frees or the bucket refills to zero."""
         lim = state.limits
-        if lim is None or lim.max_concurrent is None or self.peers is None:
+        if lim is None or self.peers is None:
+            return False
+        peers_active = self._peers_active(tenant_id, state)  # charges what the peers placed since the last look
+        now = self._clock()
+        if any(bucket is not None and bucket.wait_s(0, now) > 0 for bucket in (state.requests, state.tokens)):
+            return True
+        if lim.max_concurrent is None:
             return False
         running = state.active - state.queued - state.reserved  # active counts queued and reserved too
-        return running + self.peers.active(tenant_id) >= lim.max_concurrent
+        return running + peers_active >= lim.max_concurrent
 
     def _dispatch(self) -> None:
         """Grant free global slots to waiting tenants, one per tenant per round (round robin). A tenant at

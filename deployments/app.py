@@ -123,8 +123,9 @@ def start_local(
 
     Ray: the one this process is already connected to, else the cluster at `address`, else a new local
     cluster of kvmesh's own on 127.0.0.1 (deployments/local_ray.py), never one found through RAY_ADDRESS.
-    Without a salt secret in the environment, the one kept under KVMESH_HOME is used (created on the
-    first run), so what persistent tiers hold stays reachable across restarts.
+    Without a salt secret in the environment or the tenants file (`secret_file:`), the one kept under
+    KVMESH_HOME is used (created on the first run), so what persistent tiers hold stays reachable across
+    restarts.
     """
     global _started_ray, _app_name
     import ray
@@ -142,7 +143,7 @@ def start_local(
     address = address or cfg["address"]
     try:  # a start that fails before Ray runs leaves no secret file of this run behind either
         # a cluster joined, by address or a Ray this process already runs in: the file may be on its nodes only
-        _use_run_secrets(file_is_here=not address and not ray.is_initialized())
+        _use_run_secrets(file_is_here=not address and not ray.is_initialized(), tenants_file=cfg["tenants_file"])
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
@@ -183,16 +184,20 @@ def start_local(
 
 
 # Secret files this run wrote for itself (path -> the environment variable naming it), removed when it stops,
-# and the environment to put back then (the salt secret a per-run file was made from)
+# the environment to put back then (the salt secret a per-run file was made from), and the variables it set
+# to files it keeps (name -> value: the kept salt secret, the tenants file's), unset then: a later run in
+# this process chooses its salt secret afresh (its tenants file may name another)
 _run_secret_files: dict[str, str] = {}
 _env_to_restore: dict[str, str] = {}
+_env_to_unset: dict[str, str] = {}
 
 
-def _use_run_secrets(*, file_is_here: bool = True) -> None:
+def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = None) -> None:
     """Point this run's processes at its secrets through files (runtime_env values end up in Ray's logs):
     a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
-    the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, or the one kept under
-    KVMESH_HOME. The per-run files are remembered, so the stop removes them (remove_run_secret_files).
+    the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, the `secret_file:` the
+    tenants file names (the replicas read it there), or the one kept under KVMESH_HOME. The per-run files
+    are remembered, so the stop removes them (remove_run_secret_files).
     A configured salt secret the replicas would refuse (the placeholder, too short, a file that cannot be
     read) is refused first, as `kvmesh serve` does (`check_usable_secret`; `file_is_here` False: a cluster
     joined, whose nodes may hold a file this machine cannot read)."""
@@ -205,10 +210,15 @@ def _use_run_secrets(*, file_is_here: bool = True) -> None:
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV
 
     check_usable_secret(os.environ, file_is_here=file_is_here)
+    in_config = None
+    if tenants_file and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
+        in_config = _tenants_secret_file(tenants_file, file_is_here)
     remove_dead_owners_secret_files(kvmesh_home() / "run")  # those of runs killed before they could
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
         _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
-    if not os.environ.get(SECRET_FILE_ENV):
+    if in_config is not None:  # the tenants file's `secret_file:` outranks the kept secret
+        _export_kept(SECRET_FILE_ENV, str(in_config))
+    elif not os.environ.get(SECRET_FILE_ENV):
         explicit = os.environ.pop(SECRET_ENV, None)
         if explicit:  # a per-run copy: the value goes back into the environment once the file is gone
             _env_to_restore[SECRET_ENV] = explicit
@@ -216,7 +226,26 @@ def _use_run_secrets(*, file_is_here: bool = True) -> None:
         if explicit:
             _export_run_secret(SECRET_FILE_ENV, path)
         else:  # the kept secret stays for later runs
-            os.environ[SECRET_FILE_ENV] = path
+            _export_kept(SECRET_FILE_ENV, path)
+
+
+def _tenants_secret_file(tenants_file: str, file_is_here: bool):
+    """The salt secret file `tenants_file` names (`secret_file:`, relative to the tenants file's folder as the
+    replicas take it), checked as the replicas will check it, or None. A tenants file this machine cannot
+    read, with a cluster joined (`file_is_here` False), is its nodes' own: None, as if it named none."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.salt_secret import check_secret_file
+    from kvmesh.deployments.tenants import config_secret_file
+
+    try:
+        named = config_secret_file(tenants_file)
+    except ConfigError:
+        if file_is_here or os.path.isfile(tenants_file):
+            raise
+        return None
+    if named is not None:
+        check_secret_file(named, f"secret_file of tenants file {tenants_file}", file_is_here=file_is_here)
+    return named
 
 
 def _export_run_secret(env_name: str, path: str) -> None:
@@ -224,9 +253,15 @@ def _export_run_secret(env_name: str, path: str) -> None:
     _run_secret_files[path] = env_name
 
 
+def _export_kept(env_name: str, path: str) -> None:
+    os.environ[env_name] = path
+    _env_to_unset[env_name] = path
+
+
 def remove_run_secret_files() -> None:
     """Remove the secret files this run wrote (its channel secret, its per-run salt secret file) and unset the
-    variables naming them; a later run in this process writes new ones. Why: once the run's processes are
+    variables naming them, and those naming the salt secret files it kept (`_env_to_unset`); a later run in
+    this process writes or chooses new ones. Why: once the run's processes are
     gone the files serve no one, and left behind they pile up under KVMESH_HOME, each a secret for whoever
     reads that folder later."""
     for path, env_name in list(_run_secret_files.items()):
@@ -240,6 +275,10 @@ def remove_run_secret_files() -> None:
     for name, value in _env_to_restore.items():
         os.environ.setdefault(name, value)
     _env_to_restore.clear()
+    for name, value in _env_to_unset.items():
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    _env_to_unset.clear()
 
 
 def remove_dead_runs_files() -> None:

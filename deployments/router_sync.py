@@ -104,8 +104,9 @@ class PeerPlacement(HoldSource):
 
 @dataclass
 class HeldRequest:
-    """A request a peer committed and holds for a prefix another replica is computing (`held`), not sent yet:
-    admitted, so it counts for its tenant, but it credits no replica and no prefix until its `routed`."""
+    """A peer's request that counts for its tenant and credits no replica and no prefix: one it committed and
+    holds for a prefix another replica is computing (`held`), not sent yet, until its `routed`; or one
+    running on a replica this router forgot, which may still be finishing it (`forget_replica`)."""
 
     tenant: str
     num_tokens: int
@@ -154,7 +155,8 @@ class PeerPlacements:
         # per request, (router, request id it continues: `migration.origin_id`) -> [tenant, its placements and
         # held claims tracked here]: one request in flight for its tenant however many calls it is heard as
         self._requests: dict[tuple[str, str], list] = {}
-        # peers' requests held for a prefix in flight (`held`): counted for their tenant only, until `routed`
+        # peers' requests counted for their tenant only (`HeldRequest`): held for a prefix in flight (`held`)
+        # until their `routed`, or running on a replica this router forgot until their `done`
         self.held: dict[tuple[str, str], HeldRequest] = {}
         # request ids of the placements in flight (how many under each), and of those that left lately
         self._in_flight_ids: dict[str, int] = {}
@@ -313,7 +315,8 @@ class PeerPlacements:
             for request_id in msg[4]:
                 alive: PeerPlacement | HeldRequest | None = self.placements.get((router, request_id))
                 if alive is None:
-                    alive = self.held.get((router, request_id))  # held, its `routed` lost: sent and running
+                    # held (its `routed` lost: sent and running), or on a replica forgotten here, draining
+                    alive = self.held.get((router, request_id))
                 if alive is not None:
                     alive.seen = now
         elif kind == "clock":  # the peer's stamp, and the least it observed of each router lately
@@ -399,9 +402,18 @@ class PeerPlacements:
         self.heard_from.pop(router, None)
 
     def forget_replica(self, replica: str) -> None:
-        tracked = (*self.placements.items(), *self.ended.items())
-        for key in [k for k, p in tracked if p.replica == replica]:
-            self._discard(key)
+        """Serve stopped listing `replica`: the peers' placements there no longer count as its load, prefixes
+        or policy state. A replica Serve stops still finishes what it runs (up to its `drain_timeout_s`), so
+        each of those requests goes on counting for its tenant's fleet-wide limits, as a claim on no replica
+        (`held`), until its `done`, its router's `bye`, or the TTL (`live` renews it)."""
+        for key in [k for k, p in self.placements.items() if p.replica == replica]:
+            info = self.placements[key].info
+            if info.tenant is not None and key not in self.held:  # claimed before the placement goes: no dip
+                self.held[key] = HeldRequest(info.tenant, info.num_tokens, self.placements[key].seen)
+                self._count_tenant(key, info.tenant, info.num_tokens, +1)
+            self._close(key, heard=False)
+        for key in [k for k, p in self.ended.items() if p.replica == replica]:
+            self.ended.pop(key).release()
 
     def expire(self, now: float | None = None) -> None:
         now = self.monotonic() if now is None else now

@@ -38,24 +38,31 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
     the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
     nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
     run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
-    from kvmesh.deployments.config import ConfigError
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV, check_secret
 
     if env.get(SECRET_ENV):  # it wins over the file, which the replicas then never read
-        # blanks around it dropped: a local run hands it to its replicas in a file, read stripped
+        # blanks around it dropped, as the replicas drop them (`tenants.resolve_secret`)
         check_secret(env[SECRET_ENV].strip().encode("utf-8"), SECRET_ENV)
         return
     path = env.get(SECRET_FILE_ENV)
     if path:
-        try:
-            data = Path(path).read_bytes().strip()
-        except OSError as exc:
-            if not file_is_here:
-                return
-            raise ConfigError(
-                f"cannot read salt secret file {path!r} ({SECRET_FILE_ENV}): {exc.strerror or exc}"
-            ) from None
-        check_secret(data, f"{SECRET_FILE_ENV} {path!r}")
+        check_secret_file(path, SECRET_FILE_ENV, file_is_here=file_is_here)
+
+
+def check_secret_file(path: str | os.PathLike, where: str, *, file_is_here: bool = True) -> None:
+    """The replicas' checks of the salt secret file at `path` (`where`: what named it, for the ConfigError):
+    readable, its content (blanks around it dropped) not the placeholder and long enough. `file_is_here`
+    False: a file this machine cannot read is left to the cluster's nodes."""
+    from kvmesh.deployments.config import ConfigError
+    from kvmesh.deployments.tenants import check_secret
+
+    try:
+        data = Path(path).read_bytes().strip()
+    except OSError as exc:
+        if not file_is_here:
+            return
+        raise ConfigError(f"cannot read salt secret file {str(path)!r} ({where}): {exc.strerror or exc}") from None
+    check_secret(data, f"{where} {str(path)!r}")
 
 
 def kvmesh_home() -> Path:
@@ -70,8 +77,10 @@ def persistent_secret_file(explicit: str | None = None) -> Path:
     """Path of a 0600 file holding the salt secret replicas should read.
 
     `explicit` (a value from the environment) is written to a new per-run file, as before; otherwise the
-    kept secret is used, created on first use. A kept file others can read is refused, not used.
+    kept secret is used, created on first use. A kept file others can read is refused, not used; so is one
+    the replicas would refuse (empty, short, the placeholder: ConfigError), before anything starts.
     """
+    from kvmesh.deployments.config import ConfigError
     from kvmesh.deployments.tenants import write_secret_file
 
     home = kvmesh_home()
@@ -80,15 +89,31 @@ def persistent_secret_file(explicit: str | None = None) -> Path:
         return write_secret_file(explicit, home / "run")
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = home / FILE_NAME
+    if not path.exists():
+        _create_kept(path, home / "run")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise PermissionError(
+            f"salt secret {path} is readable by others (mode {mode:o}): chmod 600 it, or delete it to start over"
+        )
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise PermissionError(
-                f"salt secret {path} is readable by others (mode {mode:o}): chmod 600 it, or delete it to start over"
-            ) from None
-        return path
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
+        check_secret_file(path, "the kept file")
+    except ConfigError as exc:  # nothing can have been salted from it: the replicas refuse it too
+        raise ConfigError(f"{exc} (or delete it: the next run makes a new one)") from None
     return path
+
+
+def _create_kept(path: Path, staging: Path) -> None:
+    """Make the kept secret at `path`, whole, unless another run made it first (the first one made wins).
+    Why staged: written in place, it could be read, or left by a run killed meanwhile, empty or half
+    written; here it is written to a private file of its own under `staging` (one a dead run left is
+    removed with its per-run secrets), then linked in under its name at once, which fails if one is there."""
+    from kvmesh.cluster.secure_channel import write_secret_file as write_private
+
+    staged = write_private(staging, FILE_NAME, secrets.token_hex(32).encode("ascii"))
+    try:
+        os.link(staged, path)
+    except FileExistsError:
+        pass  # another run's came first: every run uses that one
+    finally:
+        staged.unlink(missing_ok=True)

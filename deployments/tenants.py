@@ -66,6 +66,7 @@ from typing import Any
 
 from kvmesh.cluster.trace import brief
 from kvmesh.deployments.config import ConfigError  # one class: a bad tenants config is a bad serving config
+from kvmesh.deployments.tenant_metrics import UNAUTHENTICATED
 from kvmesh.policies.cost_model import finite_number
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,15 @@ SECRET_ENV = "KVMESH_SALT_SECRET"
 SECRET_FILE_ENV = "KVMESH_SALT_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 KEY_PREFIX = "kvm-"
-_TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Matched whole (`fullmatch`): a `$` anchor also matches before a trailing newline ("acme\n").
+_TENANT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 # A bearer token: visible ASCII, no spaces, bounded length (RFC 6750 b64token plus a little slack).
-_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{8,256}$")
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{8,256}")
+# Tenant ids the ingress gives requests no configured tenant sent, in its metrics and admission: a
+# configured tenant of that name would share their rows (every 401 counts under "unauthenticated";
+# an ingress with no keys serves every request as "anonymous").
+RESERVED_TENANT_IDS = frozenset({UNAUTHENTICATED, "anonymous"})
 # Versioned domain separation: a group named like a tenant must not get that tenant's salt.
 _SALT_DOMAIN = b"kvmesh-cache-salt-v1"
 # SHA-256 digests of the API keys kvmesh's examples publish (k8s/tenants-secret.example.yaml and
@@ -159,7 +165,7 @@ class Limits:
         names = {f.name for f in fields(cls)}
         unknown = set(raw) - names
         if unknown:  # a typo must not silently lift a limit
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(names)}")
+            raise ConfigError(f"{where}: unknown key(s) {_sorted_keys(unknown)}; allowed: {sorted(names)}")
         values: dict[str, Any] = {}  # field -> float, int (the count fields) or None
         for name, value in raw.items():
             if value is None:
@@ -178,6 +184,12 @@ class Limits:
                 raise ConfigError(f"{where}.burst_requests: needs requests_per_s (the rate that refills the burst)")
             limits = replace(limits, burst_requests=None)  # inherited, its rate lifted here: no bucket, no burst
         return limits
+
+
+def _sorted_keys(keys: set) -> list:
+    """Keys of a mapping a config file holds, sorted for a message: YAML keys may mix types (`1:`, `foo:`),
+    which `sorted` alone cannot compare."""
+    return sorted(keys, key=lambda k: (type(k).__name__, str(k)))
 
 
 # Limits that count whole things (prompt tokens, requests at once): integers.
@@ -256,7 +268,8 @@ def resolve_secret(
     env = os.environ if env is None else env
     source = "argument"
     if secret is None and env.get(SECRET_ENV):
-        secret, source = env[SECRET_ENV], SECRET_ENV
+        # blanks around it dropped, as a secret file's are: one value salts alike by either way in
+        secret, source = env[SECRET_ENV].strip(), SECRET_ENV
     if secret is None:
         path = env.get(SECRET_FILE_ENV) or secret_file
         if path:
@@ -311,7 +324,7 @@ class _KeyEntry:
 def _parse_bearer(header: str | None) -> str:
     if header is None or not header.strip():
         raise AuthError("Missing API key: send it as 'Authorization: Bearer <key>'.", "missing_api_key")
-    parts = header.strip().split(" ")
+    parts = header.strip().split(None, 1)  # RFC 6750: "Bearer" 1*SP b64token
     if len(parts) != 2 or parts[0].lower() != "bearer" or not parts[1]:
         raise AuthError("Malformed Authorization header: expected 'Bearer <key>'.", "invalid_api_key")
     if not _TOKEN.fullmatch(parts[1]):
@@ -320,11 +333,34 @@ def _parse_bearer(header: str | None) -> str:
 
 
 def _config_secret_file(raw: Any, base_dir: Path | None) -> str | Path | None:
-    """The config's `secret_file`, relative to the config's folder."""
+    """The config's `secret_file`, relative to the config's folder; None when it names none."""
     secret_file = raw.get("secret_file") if isinstance(raw, Mapping) else None
-    if secret_file and base_dir is not None and not Path(secret_file).is_absolute():
-        secret_file = base_dir / secret_file
+    if secret_file is None:
+        return None
+    if not isinstance(secret_file, str):
+        raise ConfigError(
+            f"secret_file: expected the salt secret file's path (a string), got {brief(repr(secret_file))}"
+        )
+    if not secret_file:
+        return None
+    if base_dir is not None and not Path(secret_file).is_absolute():
+        return base_dir / secret_file
     return secret_file
+
+
+def config_secret_file(path: str | os.PathLike) -> str | Path | None:
+    """The salt secret file the tenants file at `path` names (`secret_file`, relative to its folder), or None;
+    ConfigError naming the file when it cannot be read or parsed, or its `secret_file` is no path."""
+    path = Path(path)
+    return _file_secret_file(_parse_tenants_text(path, _read_tenants_text(path)), path)
+
+
+def _file_secret_file(raw: Any, path: Path) -> str | Path | None:
+    """`_config_secret_file` of the tenants file at `path`, its errors naming the file."""
+    try:
+        return _config_secret_file(raw, path.parent)
+    except ConfigError as exc:
+        raise ConfigError(f"tenants file {path}: {exc}") from None
 
 
 def _read_tenants_text(path: Path) -> str:
@@ -349,7 +385,17 @@ def _parse_tenants_text(path: Path, text: str) -> Any:
 
         return yaml.safe_load(text)
     except Exception as exc:  # parser errors differ per format; report one line
-        raise ConfigError(f"cannot parse tenants file {path}: {exc}".splitlines()[0]) from None
+        raise ConfigError(f"cannot parse tenants file {path}: {_parse_problem(exc)}") from None
+
+
+def _parse_problem(exc: Exception) -> str:
+    """A parser's error in one line, with its position: YAML's message spans lines, and its first names
+    only the construct being read ("while parsing a block mapping"), not where it failed. JSON's and TOML's
+    first line carries the position already."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1} column {mark.column + 1}: {problem}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _digest_of(path: str | os.PathLike | None) -> str | None:
@@ -450,7 +496,7 @@ class TenantRegistry:
         raw = _parse_tenants_text(path, _read_tenants_text(path))
         secret_path = None
         if secret is None and not os.environ.get(SECRET_ENV):
-            secret_path = os.environ.get(SECRET_FILE_ENV) or _config_secret_file(raw, path.parent)
+            secret_path = os.environ.get(SECRET_FILE_ENV) or _file_secret_file(raw, path)
             if not secret_path and isinstance(
                 raw, Mapping
             ):  # generated: once per process, or every reload would change every salt
@@ -462,7 +508,10 @@ class TenantRegistry:
 
     @classmethod
     def _from_raw(cls, path: Path, raw: Any, secret: bytes | str | None) -> TenantRegistry:
-        registry = cls.from_dict(raw, secret=secret, base_dir=path.parent)
+        try:
+            registry = cls.from_dict(raw, secret=secret, base_dir=path.parent)
+        except ConfigError as exc:  # the key at fault is named in the message; the file, only here
+            raise ConfigError(f"tenants file {path}: {exc}") from None
         if path.resolve() != SHIPPED_EXAMPLE.resolve():
             registry._refuse_published_keys(path)
         return registry
@@ -489,7 +538,7 @@ class TenantRegistry:
                 raw = _parse_tenants_text(watch.path, _read_tenants_text(watch.path))
                 secret_path = watch.secret_path
                 if watch.secret is None and not os.environ.get(SECRET_ENV):
-                    secret_path = os.environ.get(SECRET_FILE_ENV) or _config_secret_file(raw, watch.path.parent)
+                    secret_path = os.environ.get(SECRET_FILE_ENV) or _file_secret_file(raw, watch.path)
                     if not secret_path:  # salted from a file: an edit dropping it would salt with a random one
                         raise ConfigError(
                             "it names no salt secret (secret_file) where the config in use was salted from one: "
@@ -541,7 +590,7 @@ class TenantRegistry:
             raise ConfigError("tenants config: expected a mapping at the top level")
         unknown = set(raw) - {"secret_file", "defaults", "admission", "tenants"}
         if unknown:
-            raise ConfigError(f"tenants config: unknown top-level key(s) {sorted(unknown)}")
+            raise ConfigError(f"tenants config: unknown top-level key(s) {_sorted_keys(unknown)}")
         secret_bytes = resolve_secret(secret, _config_secret_file(raw, base_dir))
         defaults = raw.get("defaults") or {}
         if not isinstance(defaults, Mapping) or set(defaults) - {"limits"}:
@@ -559,15 +608,20 @@ class TenantRegistry:
                 raise ConfigError(f"{where}: expected a mapping")
             unknown = set(item) - {"id", "group", "keys", "limits", "operator"}
             if unknown:
-                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+                raise ConfigError(f"{where}: unknown key(s) {_sorted_keys(unknown)}")
             tid, group = item.get("id"), item.get("group")
-            if not isinstance(tid, str) or not _TENANT_ID.match(tid):
-                raise ConfigError(f"{where}.id: expected 1-64 chars of [A-Za-z0-9._-], got {tid!r}")
+            if not isinstance(tid, str) or not _TENANT_ID.fullmatch(tid):
+                raise ConfigError(f"{where}.id: expected 1-64 chars of [A-Za-z0-9._-], got {brief(repr(tid))}")
+            if tid in RESERVED_TENANT_IDS:
+                raise ConfigError(
+                    f"{where}.id: {tid!r} is reserved (the ingress counts requests of no configured tenant "
+                    "under it): choose another id"
+                )
             if tid in seen_ids:
                 raise ConfigError(f"{where}.id: duplicate tenant id {tid!r}")
             seen_ids.add(tid)
-            if group is not None and (not isinstance(group, str) or not _TENANT_ID.match(group)):
-                raise ConfigError(f"{where}.group: expected 1-64 chars of [A-Za-z0-9._-], got {group!r}")
+            if group is not None and (not isinstance(group, str) or not _TENANT_ID.fullmatch(group)):
+                raise ConfigError(f"{where}.group: expected 1-64 chars of [A-Za-z0-9._-], got {brief(repr(group))}")
             limits = Limits.from_dict(item.get("limits"), base, f"{where}.limits")
             operator = item.get("operator", False)
             if not isinstance(operator, bool):
@@ -582,7 +636,7 @@ class TenantRegistry:
                 if not isinstance(key, Mapping) or set(key) - {"sha256", "revoked", "note"}:
                     raise ConfigError(f"{kwhere}: expected {{sha256: <hex>, revoked: bool, note: str}}")
                 digest = key.get("sha256")
-                if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
+                if not isinstance(digest, str) or not _HEX64.fullmatch(digest.lower()):
                     raise ConfigError(f"{kwhere}.sha256: expected 64 hex digits (the key's SHA-256, never the key)")
                 digest = digest.lower()
                 if digest in seen_digests:

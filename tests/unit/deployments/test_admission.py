@@ -347,6 +347,72 @@ def test_a_queued_request_held_back_by_its_fleet_limit_still_times_out():
     asyncio.run(scenario())
 
 
+def test_a_request_reserved_before_the_peers_spent_the_rate_is_refused_when_it_is_admitted():
+    """Replica 0 reserves a request (its body still uploading) and takes the tenant's one request token; replica
+    1, knowing nothing of it, admits one, which replica 0 hears. Replica 0's bucket is then below zero: its
+    request's token went to replica 1's, so `acquire` refuses it (its token back) with a Retry-After of the
+    refill. Neither acquire nor the fair queue looked at the request bucket again: both ran, 2 in 10 s."""
+    now = [0.0]
+    tenant = _tenant(requests_per_s=0.1, burst_requests=1)
+    fleet = Fleet(2, clock=lambda: now[0])
+    zero = fleet.fronts[0]
+    reservation = zero.reserve(tenant)
+    now[0] = 0.5
+    assert fleet.send(1, tenant)
+    now[0] = 3.0
+    with pytest.raises(RateLimited) as refused:
+        asyncio.run(zero.acquire(tenant, 10, reservation=reservation))
+    assert refused.value.code == "rate_limit_exceeded" and refused.value.retry_after_s == pytest.approx(7.0)
+    assert zero.active("acme") == 0 and zero._tenants["acme"].requests.tokens == pytest.approx(0.3)
+    now[0] = 10.0  # refilled to one request: the fleet's next one passes here
+    assert fleet.send(0, tenant)
+
+
+def test_a_request_whose_own_token_emptied_the_bucket_is_admitted():
+    """Only the peers' use can refuse a held reservation: its own token, taking the bucket to 0 (or the peers'
+    taking it to just 0 with it), is the request's to use."""
+    now = [0.0]
+    tenant = _tenant(requests_per_s=1, burst_requests=2)
+    fleet = Fleet(2, clock=lambda: now[0])
+    zero = fleet.fronts[0]
+    reservation = zero.reserve(tenant)  # 2 -> 1
+    assert fleet.send(1, tenant)  # heard here: 1 -> 0, with this request's token the fleet's 2
+    ticket = asyncio.run(zero.acquire(tenant, 10, reservation=reservation))
+    assert zero._tenants["acme"].requests.tokens == pytest.approx(0.0)
+    zero.release(ticket)
+    alone = Admission(clock=lambda: 0.0)
+    alone.release(asyncio.run(alone.acquire(tenant, 10, reservation=alone.reserve(tenant))))
+    alone.release(asyncio.run(alone.acquire(tenant, 10, reservation=alone.reserve(tenant))))  # 1 -> 0: its own
+
+
+@pytest.mark.parametrize("bucket", ["requests_per_s", "tokens_per_min"])
+def test_a_queued_request_waits_while_the_peers_spent_its_tenants_rate_meanwhile(bucket):
+    """Replica 0's global bound is full: x's request, admitted (its tokens taken), waits in the fair queue,
+    unknown to replica 1, which spends x's whole budget meanwhile. When a slot frees, the request waits on
+    while the peers have the bucket below zero, and runs once it has refilled to zero."""
+    limits = {"requests_per_s": {"requests_per_s": 1, "burst_requests": 1}, "tokens_per_min": {"tokens_per_min": 60}}
+
+    async def scenario():
+        now = [0.0]
+        fleet = Fleet(2, clock=lambda: now[0])
+        zero = fleet.fronts[0]
+        zero.max_concurrent = 1
+        x = _tenant("x", **limits[bucket])
+        busy = await zero.acquire(_tenant("y"), 10)
+        queued = asyncio.create_task(zero.acquire(x, 10 if bucket == "requests_per_s" else 60))
+        await asyncio.sleep(0)
+        assert zero.waiting("x") == 1
+        assert fleet.send(1, x, 10 if bucket == "requests_per_s" else 60)
+        zero.release(busy)
+        await asyncio.sleep(0.15)  # looked at again every PEER_RECHECK_S
+        assert not queued.done() and zero.waiting("x") == 1 and zero.in_flight == 0
+        now[0] = 1.0 if bucket == "requests_per_s" else 60.0  # refilled: the peers' request is paid for, and
+        # this one's tokens were taken before
+        return await asyncio.wait_for(queued, 1.0)
+
+    assert asyncio.run(scenario())
+
+
 # --- reservations: a request counts from before its body is read -----------------------------------------
 
 

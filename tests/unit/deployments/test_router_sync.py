@@ -453,6 +453,47 @@ def test_a_held_request_counts_for_its_tenant_once_from_its_commit_until_whateve
     assert peers.tenants.active("acme") == 1
 
 
+def test_a_peers_request_on_a_forgotten_replica_counts_for_its_tenant_until_it_ends():
+    """Serve stops listing a replica it scales down, which goes on running its requests for its drain time:
+    forgetting it takes the peers' placements there off its load, prefixes and policies, but they go on
+    counting towards their tenant's fleet-wide limits (`live` renews them) until their `done`, their router's
+    `bye` or the TTL. Dropped with the replica, they freed a whole max_concurrent for this ingress replica to
+    admit on top of them."""
+    from kvmesh.deployments.admission import Admission, RateLimited
+    from kvmesh.deployments.router_sync import PLACEMENT_TTL_S
+    from kvmesh.deployments.tenants import Limits, Tenant
+
+    def info(q):
+        return RequestInfo(block_hashes=[1, 2], num_tokens=64, block_size=32, tenant="acme", request_id=q)
+
+    peers, index, now = _tenant_peers()
+    admission = Admission(clock=lambda: now[0], peers=peers.tenants)
+    acme = Tenant("acme", None, "s" * 64, Limits(max_concurrent=2))
+    for q in ("q1", "q2"):
+        peers.apply(routed_message("B", info(q), "r0", (0, 0, 0)))
+    peers.forget_replica("r0")
+    index.remove_replica("r0")
+    assert peers.pending() == {} and not peers.placements  # no load, no placement on the replica gone
+    assert peers.tenants.active("acme") == 2 and _logged(peers) == [64, 64]  # still running: logged once
+    now[0] += PLACEMENT_TTL_S * 0.75
+    peers.apply(["live", "B", "", "", ["q1", "q2"]])
+    now[0] += PLACEMENT_TTL_S * 0.75
+    peers.expire()
+    assert peers.tenants.active("acme") == 2
+    with pytest.raises(RateLimited, match="concurrent"):
+        admission.try_acquire(acme, 10)
+    peers.apply(["done", "B", "q1", "r0"])
+    assert peers.tenants.active("acme") == 1
+    admission.release(admission.try_acquire(acme, 10))  # one slot free again
+    peers.apply(["bye", "B", "", ""])
+    assert peers.tenants.active("acme") == 0 and not peers.held
+    peers.apply(routed_message("B", info("q3"), "r1", (0, 0, 0)))
+    peers.forget_replica("r1")
+    now[0] += PLACEMENT_TTL_S + 1
+    peers.expire()
+    assert peers.tenants.active("acme") == 0 and not peers.held  # unheard of for the TTL: over
+
+
 def test_a_held_message_without_a_tenant_string_is_dropped_whole_and_an_unknown_kind_ignored():
     peers, _, _ = _tenant_peers()
     with pytest.raises(TypeError):

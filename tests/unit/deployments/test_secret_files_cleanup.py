@@ -160,3 +160,85 @@ def test_a_secret_file_this_machine_cannot_read_is_left_to_the_cluster_this_proc
         _start()
     finally:
         stop_local()
+
+
+def _tenants_file(folder, secret: str | None) -> str:
+    """A tenants file in `folder` naming its salt secret file `salt-secret` (relative: to the tenants file's
+    folder), which holds `secret` (None: no such file)."""
+    folder.mkdir()
+    if secret is not None:
+        (folder / "salt-secret").write_text(secret)
+    path = folder / "t.yaml"
+    path.write_text(f"secret_file: salt-secret\ntenants:\n  - id: acme\n    keys: [{{sha256: {'ab' * 32}}}]\n")
+    return str(path)
+
+
+def test_a_local_run_salts_from_its_tenants_files_secret_file_not_the_kept_secret(home, fake_ray, tmp_path):
+    """docs/tenants.md's order: the variables, else the config's `secret_file:`, else (a local run) the kept
+    secret. Pointing the replicas at the kept file outranked the config's."""
+    from kvmesh.deployments.app import stop_local
+    from kvmesh.deployments.tenants import TenantRegistry, derive_salt
+
+    tenants = _tenants_file(tmp_path / "conf", EXPLICIT + "\n")
+    _start({"tenants_file": tenants})
+    # what the run's ingress replica loads, in the environment the run hands its processes
+    assert TenantRegistry.from_file(tenants).tenants["acme"].salt == derive_salt(EXPLICIT.encode(), "acme")
+    assert not (home / "salt-secret").exists()  # no kept secret made for a run that does not use it
+    stop_local(drain=False)
+    assert "KVMESH_SALT_SECRET_FILE" not in os.environ  # a later run in this process chooses afresh
+
+
+@pytest.mark.parametrize(
+    "secret, match",
+    [
+        ("too-short\n", r"salt secret from secret_file of tenants file \S+ '\S+salt-secret' is too short"),
+        (PLACEHOLDER + "\n", "placeholder"),
+        (None, r"cannot read salt secret file '\S+salt-secret' \(secret_file of tenants file \S+\)"),
+    ],
+)
+def test_a_tenants_files_secret_file_the_replicas_would_refuse_is_refused_before_ray_starts(
+    home, fake_ray, tmp_path, secret, match
+):
+    fake_ray["on_ray_start"] = lambda: pytest.fail("Ray was started")
+    tenants = _tenants_file(tmp_path / "conf", secret)
+    with pytest.raises(ConfigError, match=match):
+        _start({"tenants_file": tenants})
+    assert not fake_ray["up"] and _secret_files(home) == []
+
+
+@pytest.mark.parametrize("content", ["", "too-short\n"])
+def test_a_kept_salt_secret_the_replicas_would_refuse_is_refused_before_ray_starts(home, fake_ray, content):
+    """An empty kept file (a run killed as it made it) or a short one (a truncated copy) was handed to every
+    replica, which refused it once Ray and Serve ran."""
+    fake_ray["on_ray_start"] = lambda: pytest.fail("Ray was started")
+    home.mkdir(mode=0o700)
+    kept = home / "salt-secret"
+    kept.write_text(content)
+    kept.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"salt secret from the kept file '\S+salt-secret' is too short.*delete it"):
+        _start()
+    assert not fake_ray["up"] and _secret_files(home) == []
+
+
+def test_the_kept_salt_secret_gets_its_name_only_whole_and_the_first_one_made_wins(home, monkeypatch):
+    """Created in place, the kept file was empty until written: a run killed meanwhile left it so, and a run
+    starting meanwhile read it so. Now it is written aside and linked in whole; another run's, linked in
+    first, is the one every run uses, and the copy written aside goes."""
+    from kvmesh.deployments import salt_secret
+
+    theirs = "another-runs-salt-secret-0123456789abcdef"
+    real_link = os.link
+    linked = []
+
+    def another_run_first(src, dst):
+        linked.append(open(src).read())  # what gets the name: written whole already
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, theirs.encode())
+        os.close(fd)
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", another_run_first)
+    kept = salt_secret.persistent_secret_file()
+    assert len(linked) == 1 and len(linked[0]) == 64
+    assert kept == home / "salt-secret" and kept.read_text() == theirs
+    assert _secret_files(home) == []  # the copy written aside is gone

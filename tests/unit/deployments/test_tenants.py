@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -122,7 +123,13 @@ def test_authenticate_never_echoes_the_request(header):
         assert err.message in AUTH_MESSAGES
         assert err.body()["error"]["message"] == err.message and err.body()["error"]["param"] is None
     else:
-        assert header.strip().split(" ")[-1] in (KEY_A, KEY_A2, KEY_B) and tenant.id in ("acme", "globex")
+        assert header.split()[-1] in (KEY_A, KEY_A2, KEY_B) and tenant.id in ("acme", "globex")
+
+
+@pytest.mark.parametrize("header", [f"Bearer  {KEY_A}", f"bearer   {KEY_A}", f"Bearer \t{KEY_A} "])
+def test_a_bearer_key_after_several_spaces_is_accepted(registry, header):
+    """RFC 6750: credentials = "Bearer" 1*SP b64token; more than one space is not malformed."""
+    assert registry.authenticate(header).id == "acme"
 
 
 def test_registry_stores_no_key_material(registry):
@@ -216,6 +223,17 @@ def test_resolve_secret_precedence_and_validation(tmp_path, caplog):
         resolve_secret(None, tmp_path / "missing", env={})
 
 
+def test_a_salt_secret_in_the_environment_is_stripped_as_one_in_a_file_is(tmp_path):
+    """One value salts alike whichever way it comes in; the preflight (`check_usable_secret`) strips it too."""
+    value = "0123456789abcdef0123456789abcdef\n"  # an env file or a YAML block scalar keeps the newline
+    f = tmp_path / "secret"
+    f.write_text(value)
+    via_env = resolve_secret(env={"KVMESH_SALT_SECRET": value})
+    assert via_env == resolve_secret(env={"KVMESH_SALT_SECRET_FILE": str(f)}) == value.strip().encode()
+    with pytest.raises(ConfigError, match="too short"):  # 10 bytes, however many blanks around them
+        resolve_secret(env={"KVMESH_SALT_SECRET": " " * 10 + "abcdefghij"})
+
+
 # --- config validation ------------------------------------------------------------------------------
 
 
@@ -234,6 +252,13 @@ def test_resolve_secret_precedence_and_validation(tmp_path, caplog):
         (lambda c: c["tenants"][0].update(limits={"max_concurrent": 1.5}), "integer"),
         (lambda c: c["tenants"][0].update(group=""), r"\.group"),
         (lambda c: c["tenants"][0]["keys"][0].update(revoked="yes"), "revoked"),
+        # matched whole: a trailing newline made "acme\n" a second tenant beside "acme"
+        (lambda c: c["tenants"][1].update(id="acme\n"), r"tenants\[1\]\.id: expected"),
+        (lambda c: c["tenants"][1].update(group="pub\n"), r"tenants\[1\]\.group: expected"),
+        (lambda c: c["tenants"][1].update(keys=[{"sha256": hash_api_key(KEY_B) + "\n"}]), "64 hex"),
+        # the ingress's own names for requests of no configured tenant (metrics rows, the open ingress)
+        (lambda c: c["tenants"][1].update(id="unauthenticated"), r"tenants\[1\]\.id: 'unauthenticated' is reserved"),
+        (lambda c: c["tenants"][1].update(id="anonymous"), r"tenants\[1\]\.id: 'anonymous' is reserved"),
     ],
 )
 def test_bad_config_is_rejected_with_a_pointer(mutate, match):
@@ -322,8 +347,52 @@ def test_a_queue_timeout_of_0_loads_and_means_never_queue():
 def test_a_tenants_file_with_nan_or_inf_limits_is_refused_as_a_dict_is(tmp_path, name, text):
     """JSON's NaN, YAML's .nan/.inf and TOML's nan all parse to floats: the file path must refuse them too."""
     (tmp_path / name).write_text(text % hash_api_key(KEY_A))
-    with pytest.raises(ConfigError, match=r"^tenants\[0\]\.limits\.\w+: expected a (positive|finite)"):
+    where = re.escape(f"tenants file {tmp_path / name}: ")
+    with pytest.raises(ConfigError, match=rf"^{where}tenants\[0\]\.limits\.\w+: expected a (positive|finite)"):
         TenantRegistry.from_file(tmp_path / name, secret=SECRET)
+
+
+_KEYS_A = f"    keys: [{{sha256: {hash_api_key(KEY_A)}}}]\n"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        # YAML keys of mixed types (an int and a str) could not be sorted for the message: a TypeError
+        (f"tenants:\n  - id: a\n{_KEYS_A}    1: x\n    foo: y\n", r"tenants\[0\]: unknown key\(s\) \[1, 'foo'\]"),
+        (f"tenants:\n  - id: a\n{_KEYS_A}1: x\nfoo: y\n", r"tenants config: unknown top-level key\(s\) \[1, 'foo'\]"),
+        (
+            f"tenants:\n  - id: a\n{_KEYS_A}    limits: {{1: 2, foo: 3}}\n",
+            r"tenants\[0\]\.limits: unknown key\(s\) \[1, 'foo'\]",
+        ),
+        # a secret_file that is no path was handed to Path(): a TypeError
+        (f"secret_file: 123\ntenants:\n  - id: a\n{_KEYS_A}", r"secret_file: expected .*\(a string\), got 123$"),
+        (f"secret_file: [a]\ntenants:\n  - id: a\n{_KEYS_A}", r"secret_file: expected .*, got \['a'\]$"),
+        (f"secret_file: {{a: 1}}\ntenants:\n  - id: a\n{_KEYS_A}", r"secret_file: expected .*, got \{'a': 1\}$"),
+    ],
+)
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_tenants_file_of_keys_of_the_wrong_type_is_a_one_line_error_naming_the_file_and_key(
+    tmp_path, monkeypatch, text, match, secret
+):
+    monkeypatch.delenv("KVMESH_SALT_SECRET", raising=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE", raising=False)
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(f'tenants file {path}: ')}{match}") as info:
+        TenantRegistry.from_file(path, secret=secret)
+    assert "\n" not in str(info.value)
+
+
+def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):
+    """The parser's first line ("while parsing a block mapping") said neither where nor what."""
+    path = tmp_path / "t.yaml"
+    path.write_text(f"tenants:\n  - id: a\n{_KEYS_A}   limits: {{}}\n")
+    with pytest.raises(ConfigError) as info:
+        TenantRegistry.from_file(path, secret=SECRET)
+    message = str(info.value)
+    assert message.startswith(f"cannot parse tenants file {path}: line 4 column 4: expected <block end>")
+    assert "\n" not in message
 
 
 def test_the_smallest_burst_the_config_accepts_admits_a_request_once_its_retry_after_passed():

@@ -117,7 +117,7 @@ def test_a_tenants_file_the_ingress_would_refuse_stops_the_cli(kind, tmp_path, c
         "missing": "--tenants: cannot read tenants file",
         "binary": f"--tenants: cannot read tenants file {path}: not UTF-8 text (byte 0)",
         "folder": "Is a directory",
-        "malformed": "--tenants: tenants: expected a non-empty list",
+        "malformed": f"--tenants: tenants file {path}: tenants: expected a non-empty list",  # the file and key
     }[kind]
     refused(["serve", "--port", "0", "--tenants", str(path)], capsys, needle)
     assert launch == []
