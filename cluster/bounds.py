@@ -10,7 +10,8 @@
   host tiers when given), seen by every request: what perfect placement could hit with LRU eviction
   at this capacity. Not a strict upper bound (a partitioned cache can occasionally beat LRU, and with
   eviction it replays the trace's order), but the reference a placement policy should reach. With room
-  for every block it is the global infinite bound.
+  for every block it is the global infinite bound. `merged_lru_with_host` / `merged_lru_with_shared` add
+  the host tiers / the host and shared tiers (a policy's hit rate counts their hits too).
 - `balance_bounded_bound`: the hit rate a placement reaches with one unbounded cache per replica
   while keeping per-replica prefill (uncached prompt tokens computed) within max/mean 1.10: what
   "as many hits as possible without piling work onto one replica" allows. Found greedily, so a
@@ -23,6 +24,7 @@ the live benchmarks), on the same functions after `workloads.engine_trace`.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from kvmesh.cluster.block_cache import BlockLRU, leading_held
@@ -146,6 +148,9 @@ def online_bounded_greedy(
     return [dict(_bounded_affinity(requests, block_size, replicas, cap, 0.0), max_imbalance=cap) for cap in caps]
 
 
+_ROOT = object()  # the parent recorded for a request's first block
+
+
 def _bounded_affinity(
     requests: Sequence[TraceRequest], block_size: int, replicas: int, max_imbalance: float, mean_floor: float
 ) -> dict:
@@ -154,31 +159,56 @@ def _bounded_affinity(
     When `mean_floor` does not exceed the final mean, both terms are <= the final mean, so a pass
     without fallbacks ends within the bound. Among allowed replicas the longest cached prefix wins,
     ties to the least prefill so far, then the lowest index; when none is allowed, the replica with
-    the least prefill after taking the request (a fallback)."""
-    held: list[set[int]] = [set() for _ in range(replicas)]
+    the least prefill after taking the request (a fallback).
+
+    Only a few replicas are scored per request, with the same result as scoring every one: replicas that
+    cache the same number of the request's blocks hit the same tokens, so among them the one with the
+    least (prefill, index) is allowed whenever any of them is, and wins every comparison the others would.
+    The candidates are that replica of each such group (`_group_leaders`). A fleet far larger than the
+    trace, or one system prompt on every replica, then no longer costs requests x replicas."""
+    holders: dict[int, set[int]] = {}  # block -> replicas holding it: each replica's cache, indexed by block
+    parent: dict[int, object] = {}  # block -> the block before it where first seen (`_ROOT`: first of a prompt)
+    prefix_ids = True  # every block so far had one parent: an id names its whole prefix (see `_group_leaders`)
     prefill = [0] * replicas
-    hit = total = fallbacks = 0
+    by_load = [(0, j) for j in range(replicas)]  # (prefill, replica) heap; an entry is stale once prefill moved on
+    fleet = hit = total = fallbacks = 0
     for r in requests:
         n, ids = r.input_length, r.hash_ids
-        hits = [cached_tokens(leading_held(ids, h), n, block_size) for h in held]
-        fleet = sum(prefill)
-        best = None
-        for j in range(replicas):
-            extra = n - hits[j]
-            cap = max_imbalance * max((fleet + extra) / replicas, mean_floor)
+        if prefix_ids:
+            prev = _ROOT
+            for h in ids:
+                if parent.setdefault(h, prev) != prev:
+                    prefix_ids = False
+                    break
+                prev = h
+        best: tuple[int, int, int] | None = None  # (-cached, prefill, replica) within the limit
+        fallback: tuple[int, int, int] | None = None  # (prefill after, -cached, replica) of any
+        for j, depth in _group_leaders(ids, holders, prefill, by_load, prefix_ids):
+            got = cached_tokens(depth, n, block_size)
+            extra = n - got
+            mean = max((fleet + extra) / replicas, mean_floor)
+            # with nothing computed anywhere every replica is within any limit (inf x 0 would be NaN)
+            cap = max_imbalance * mean if mean > 0 else 0.0
             if prefill[j] + extra <= cap * (1 + 1e-9):
-                key = (-hits[j], prefill[j], j)
+                key = (-got, prefill[j], j)
                 best = key if best is None or key < best else best
+            key = (prefill[j] + extra, -got, j)
+            fallback = key if fallback is None or key < fallback else fallback
         if best is None:
+            assert fallback is not None  # every request has at least one candidate
             fallbacks += 1
-            j = min(range(replicas), key=lambda k: (prefill[k] + n - hits[k], -hits[k], k))
+            got, j = -fallback[1], fallback[2]
         else:
-            j = best[2]
-        hit += hits[j]
+            got, j = -best[0], best[2]
+        hit += got
         total += n
-        prefill[j] += n - hits[j]
-        held[j].update(ids[: cacheable_blocks(n, len(ids), block_size)])
-    mean = sum(prefill) / replicas
+        if n > got:
+            prefill[j] += n - got
+            fleet += n - got
+            heapq.heappush(by_load, (prefill[j], j))
+        for h in ids[: cacheable_blocks(n, len(ids), block_size)]:
+            holders.setdefault(h, set()).add(j)
+    mean = fleet / replicas
     return {
         "hit_rate": hit / total if total else 0.0,
         "imbalance": max(prefill) / mean if mean else 1.0,
@@ -187,9 +217,89 @@ def _bounded_affinity(
     }
 
 
+def _group_leaders(
+    ids: Sequence[int], holders: dict[int, set[int]], prefill: list[int], by_load: list, prefix_ids: bool
+) -> list[tuple[int, int]]:
+    """(replica, leading blocks of `ids` it holds) for, per distinct count, the replica with the least
+    (prefill, index) among those holding that many; with `prefix_ids` False, every replica holding
+    `ids[0]` instead (with the least-loaded one holding nothing).
+
+    Replicas holding nothing of `ids` are the rest of the fleet: their leader is the first entry of the
+    `by_load` heap (lazy: entries whose prefill is not the replica's are dropped) that holds no `ids[0]`.
+    With `prefix_ids` (every block has had one parent, so a replica holding `ids[k]` holds `ids[k - 1]`),
+    the replicas holding `ids[k - 1]` contain those holding `ids[k]`, and the difference, those holding
+    exactly k blocks, is a group with len(holders[ids[k - 1]]) - len(holders[ids[k]]) members. Its leader
+    comes from walking the smaller side: the group's enclosing set when it is at most the rest of the
+    fleet, else the heap, which passes at most the rest of the fleet before reaching a member."""
+    nobody: set[int] = set()
+    replicas = len(prefill)
+
+    def least(member) -> int:
+        skipped = []
+        while True:
+            load, j = by_load[0]
+            if load != prefill[j]:
+                heapq.heappop(by_load)
+            elif member(j):
+                break
+            else:
+                skipped.append(heapq.heappop(by_load))
+        for entry in skipped:
+            heapq.heappush(by_load, entry)
+        return j
+
+    first = holders.get(ids[0], nobody) if ids else nobody
+    if not prefix_ids:
+        out = []
+        for j in first:
+            depth = 0
+            for h in ids:
+                if j not in holders.get(h, nobody):
+                    break
+                depth += 1
+            out.append((j, depth))
+        if len(first) < replicas:
+            out.append((least(lambda j: j not in first), 0))
+        return out
+    levels = []  # levels[k - 1]: the replicas holding ids[k - 1], so at least k blocks
+    for h in ids:
+        held = holders.get(h)
+        if not held:
+            break
+        levels.append(held)
+    out = []
+    for k in range(len(levels) + 1):
+        inner = levels[k] if k < len(levels) else nobody
+        if k == 0:  # the whole fleet
+            if len(inner) == replicas:
+                continue
+            j = least(lambda j: j not in inner)
+        else:
+            outer = levels[k - 1]
+            count = len(outer) - len(inner)
+            if count == 0:
+                continue
+            if len(outer) <= replicas - count:
+                j = min((j for j in outer if j not in inner), key=lambda j: (prefill[j], j))
+            else:
+                j = least(lambda j: j in outer and j not in inner)
+        out.append((j, k))
+    return out
+
+
 def compute_bounds(
-    requests: Sequence[TraceRequest], block_size: int, replicas: int, capacity_blocks: int, host_blocks_total: int = 0
+    requests: Sequence[TraceRequest],
+    block_size: int,
+    replicas: int,
+    capacity_blocks: int,
+    host_blocks_total: int = 0,
+    shared: bool = False,
+    shared_blocks: int | None = None,
 ) -> dict[str, float]:
+    """`global_infinite`, `merged_lru` (the fleet's HBM), and the merged LRU of every tier a policy's hit rate
+    counts: `merged_lru_with_host` (HBM + `host_blocks_total`) when host tiers are given, `merged_lru_with_shared`
+    (HBM + host tiers + the shared tier's `shared_blocks`; None = unbounded, which holds every block, so the
+    infinite bound) with `shared`."""
     infinite = infinite_hit_rate(requests, block_size)
     stored = (r.hash_ids[: cacheable_blocks(r.input_length, len(r.hash_ids), block_size)] for r in requests)
     blocks = len({h for ids in stored for h in ids})
@@ -200,6 +310,9 @@ def compute_bounds(
     out = {"global_infinite": infinite, "merged_lru": merged(replicas * capacity_blocks)}
     if host_blocks_total:
         out["merged_lru_with_host"] = merged(replicas * capacity_blocks + host_blocks_total)
+    if shared:
+        every_tier = None if shared_blocks is None else replicas * capacity_blocks + host_blocks_total + shared_blocks
+        out["merged_lru_with_shared"] = infinite if every_tier is None else merged(every_tier)
     return out
 
 

@@ -107,7 +107,12 @@ def best_balanced_placement(
     for m in range(R):  # load[m] = what replica m computes
         idx = np.concatenate([np.arange(V) * R + m, Y + np.arange(n) * R + m, [Y + X + m]])
         add(idx, np.concatenate([w, t, [-1.0]]), 0.0, 0.0)
-    share = max_imbalance / R
+    # a placement exactly at the balance limit or the computed-token budget meets it: the limits get the same
+    # relative slack as `replay_placement`'s check in `decide_target` and `out_of_reach.target_out_of_reach`, so
+    # float noise in a limit derived from a placement's own figures (max/mean 14 / (34 / 3) times 34 / 3 is
+    # 13.999999999999998) cannot cut that placement off
+    limit = max_imbalance * (1 + 1e-9)
+    share = limit / R
     # a prompt ending on a block boundary may count one block less here than it computes (see above):
     # the balance rows allow for that much, so every real placement within the limit stays in the model
     slack = share * block_size * sum(1 for r in requests if r.input_length % block_size == 0)
@@ -117,8 +122,9 @@ def best_balanced_placement(
         val[m] += 1.0
         add(Y + X + ms, val, -inf, slack)
     if max_computed is not None:
-        add(Y + X + ms, np.ones(R), -inf, float(max_computed))
-        found = balanced_hosts(requests, block_size, R, max_imbalance * max_computed / R)
+        budget = max_computed * (1 + 1e-9)
+        add(Y + X + ms, np.ones(R), -inf, float(budget))
+        found = balanced_hosts(requests, block_size, R, limit * budget / R)
         if found is None:
             return {
                 "computed_lower": float("inf"),

@@ -108,7 +108,9 @@ def target_out_of_reach(
     max_load = max_imbalance * allowed / replicas * (1 + 1e-9)  # a placement exactly at the limit meets it
     floor = balanced_compute_floor(requests, block_size, replicas, max_load) if allowed > 0 else None
     return {
-        "out_of_reach": floor is None or floor > allowed * (1 + 1e-9),
+        # with no prompt token every placement computes nothing and hits 0.0 at max/mean 1.0 (as `replay_placement`
+        # reports it): no floor proves anything, and a target of hit rate 0 is met
+        "out_of_reach": prompt > 0 and (floor is None or floor > allowed * (1 + 1e-9)),
         "computed_allowed": allowed,
         "max_load": max_load,
         "computed_floor": floor,

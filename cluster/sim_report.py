@@ -54,13 +54,28 @@ def setup(doc: dict) -> str:
     return " ".join(words)
 
 
+# the merged-LRU bounds a policy's hit rate can be divided by, most tiers first, with the table's column label
+_REFERENCES = (
+    ("merged_lru_with_shared", "/merged+shared"),
+    ("merged_lru_with_host", "/merged+host"),
+    ("merged_lru", "/merged"),
+)
+
+
+def merged_reference(bounds: dict) -> tuple[str, str, float]:
+    """(bound key, column label, value) a policy's hit rate is divided by: one LRU of every cache tier the run
+    had, since the policy's hit rate counts hits in each (against HBM alone it read 2-5x "the bound" with host
+    tiers, 8x with a shared tier): the fleet's HBM (`/merged`), plus its host tiers (`/merged+host`), plus the
+    shared tier, with the host tiers when given (`/merged+shared`). 0.0 when the document has none."""
+    for key, label in _REFERENCES:
+        if bounds.get(key) is not None:
+            return key, label, bounds[key]
+    return "merged_lru", "/merged", 0.0
+
+
 def format_table(doc: dict) -> str:
     b = doc["bounds"]
-    # the reference a policy's hit rate is divided by: one LRU of the fleet's HBM, or with host tiers, of its HBM
-    # and host tiers (a policy's hit rate counts host-tier hits then: against HBM alone it read 2-5x "the bound")
-    with_host = b.get("merged_lru_with_host") is not None
-    ref = (b["merged_lru_with_host"] if with_host else b.get("merged_lru")) or 0.0
-    label = "/merged+host" if with_host else "/merged"
+    _, label, ref = merged_reference(b)
     width = len(label)
     lines = [
         f"trace={doc['trace']} requests={doc['requests']} replicas={doc['replicas']} "
@@ -88,6 +103,25 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+_LINE_STYLES = {
+    "global_infinite": ("tab:red", "--"),
+    "merged_lru": ("tab:blue", "-."),
+    "merged_lru_with_host": ("tab:purple", ":"),
+    "merged_lru_with_shared": ("tab:brown", ":"),
+}
+
+
+def bound_lines(bounds: dict) -> list[tuple[str, float, str, str]]:
+    """(legend text, value, colour, line style) of each bound the plot draws; the one the table's ratio column
+    divides by (`merged_reference`) says so with the column's label."""
+    ref_key, label, _ = merged_reference(bounds)
+    lines = []
+    for k, v in bounds.items():
+        c, ls = _LINE_STYLES.get(k, ("black", ":"))
+        lines.append((f"{k} {v:.3f}" + (f" ({label} reference)" if k == ref_key else ""), v, c, ls))
+    return lines
+
+
 def plot(doc: dict, path: str) -> None:
     """Hit rate (with the bounds as lines) and p90 TTFT per policy, side by side, under a title saying what was
     simulated (`setup`); the PNG is written whole or not at all (`whole_file.atomic_write`)."""
@@ -104,14 +138,8 @@ def plot(doc: dict, path: str) -> None:
     colors = ["tab:green" if n == "kvmesh" else "tab:gray" for n in names]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     a1.bar(names, hits, color=colors)
-    styles = {
-        "global_infinite": ("tab:red", "--"),
-        "merged_lru": ("tab:blue", "-."),
-        "merged_lru_with_host": ("tab:purple", ":"),
-    }
-    for k, v in doc["bounds"].items():
-        c, ls = styles.get(k, ("black", ":"))
-        a1.axhline(v, color=c, linestyle=ls, label=f"{k} {v:.3f}")
+    for text, v, c, ls in bound_lines(doc["bounds"]):
+        a1.axhline(v, color=c, linestyle=ls, label=text)
     if doc.get("balance_bounded"):
         v = doc["balance_bounded"]["hit_rate"]
         a1.axhline(v, color="tab:orange", linestyle="--", label=f"balance_bounded {v:.3f}")

@@ -839,7 +839,13 @@ def simulate(
         "capacity_blocks": cfg.capacity_blocks,
         "requests": len(trace),
         "bounds": compute_bounds(
-            trace.requests, trace.block_size, cfg.replicas, cfg.capacity_blocks, n_nodes * cfg.host_blocks
+            trace.requests,
+            trace.block_size,
+            cfg.replicas,
+            cfg.capacity_blocks,
+            n_nodes * cfg.host_blocks,
+            cfg.shared,
+            cfg.shared_blocks,
         ),
         "policies": {},
         "config": {

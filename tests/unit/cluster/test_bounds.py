@@ -5,6 +5,7 @@ reported by `kvmesh simulate`."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -176,3 +177,120 @@ def test_the_records_infinite_bound_is_the_simulators_in_any_order_warm_up_inclu
     assert warm["cached_tokens"] == 1024  # the boundary prompt first stores both blocks the other then hits
     rows[0].update(hash_ids=[1], input_length=600)  # now the warm-up stores block 1: both counted requests hit it
     assert record_bounds(rows, 512, warmup=1)["infinite"]["cached_tokens"] == 1024 + 512
+
+
+def _reference_bounded_affinity(requests, block_size, replicas, max_imbalance, mean_floor) -> dict:
+    """The greedy pass as first written, scoring every replica for every request: what
+    `bounds._bounded_affinity`, which scores one replica per group of equal hits, must reproduce."""
+    held = [set() for _ in range(replicas)]
+    prefill = [0] * replicas
+    hit = total = fallbacks = 0
+    for r in requests:
+        n, ids = r.input_length, r.hash_ids
+        hits = [cached_tokens(leading_held(ids, h), n, block_size) for h in held]
+        fleet = sum(prefill)
+        best = None
+        for j in range(replicas):
+            extra = n - hits[j]
+            cap = max_imbalance * max((fleet + extra) / replicas, mean_floor)
+            if prefill[j] + extra <= cap * (1 + 1e-9):
+                key = (-hits[j], prefill[j], j)
+                best = key if best is None or key < best else best
+        if best is None:
+            fallbacks += 1
+            j = min(range(replicas), key=lambda k: (prefill[k] + n - hits[k], -hits[k], k))
+        else:
+            j = best[2]
+        hit += hits[j]
+        total += n
+        prefill[j] += n - hits[j]
+        held[j].update(ids[: cacheable_blocks(n, len(ids), block_size)])
+    mean = sum(prefill) / replicas
+    return {
+        "hit_rate": hit / total if total else 0.0,
+        "imbalance": max(prefill) / mean if mean else 1.0,
+        "per_replica_prefill": prefill,
+        "fallbacks": fallbacks,
+    }
+
+
+def _random_workload(rng, block_size, prefix_ids: bool, zero_tokens: bool) -> list[TraceRequest]:
+    """Prompts that branch off each other's prefixes, a shared system prompt in some (every replica comes to
+    hold it), lengths that end inside, on, or before their blocks; without `prefix_ids`, some requests draw
+    arbitrary ids (repeats, a block after different parents) partway through."""
+    system = list(range(10_000, 10_000 + rng.randint(0, 3)))
+    paths: list[list[int]] = []
+    next_id = 1
+    out = []
+    for i in range(rng.randint(1, 60)):
+        if not prefix_ids and rng.random() < 0.3:
+            ids = [rng.randint(1, 12) for _ in range(rng.randint(0, 5))]
+        else:
+            base = rng.choice(paths)[: rng.randint(0, 6)] if paths and rng.random() < 0.7 else list(system)
+            ids = base + list(range(next_id, next_id + rng.randint(0, 3)))
+            next_id += 4
+            paths.append(ids)
+        tokens = max(1, len(ids) * block_size - rng.randint(0, 2 * block_size))
+        if zero_tokens and rng.random() < 0.1:
+            tokens = 0
+        out.append(TraceRequest(float(i), tokens, 1, ids))
+    return out
+
+
+def test_the_greedy_pass_places_every_request_as_scoring_every_replica_does():
+    """`_bounded_affinity` scores only one replica per group holding equally many of the request's blocks; on
+    random workloads (prefix ids or not, any fleet size, limit and floor) every pass matches the reference
+    that scores them all: the same placement's prefill per replica, hit rate, imbalance and fallbacks."""
+    from kvmesh.cluster.bounds import _bounded_affinity
+
+    bs = 4
+    for seed in range(400):
+        rng = random.Random(seed)
+        limit = rng.choice([1.0, 1.05, 1.1, 1.25, 2.0, float("inf")])
+        # zero-token prompts with no limit are where the reference read inf x 0 as NaN; checked on their own
+        reqs = _random_workload(rng, bs, prefix_ids=seed % 3 != 0, zero_tokens=limit != float("inf"))
+        replicas = rng.choice([1, 2, 3, 5, 8, 13, 40])
+        prompt = sum(r.input_length for r in reqs)
+        floor = rng.choice([0.0, prompt / replicas / 2, prompt / replicas])
+        want = _reference_bounded_affinity(reqs, bs, replicas, limit, floor)
+        assert _bounded_affinity(reqs, bs, replicas, limit, floor) == want, (seed, replicas, limit, floor)
+
+
+def test_the_bound_over_a_chat_trace_is_the_reference_greedys():
+    from kvmesh.cluster import bounds
+
+    trace = engine_trace(synth_chat(ChatSpec(tenants=2, groups=3, users=8, turns=5, seed=7)), 32)
+    got = balance_bounded_bound(trace.requests, 32, 6)
+    original = bounds._bounded_affinity
+    try:
+        bounds._bounded_affinity = _reference_bounded_affinity
+        want = balance_bounded_bound(trace.requests, 32, 6)
+    finally:
+        bounds._bounded_affinity = original
+    assert got == want
+
+
+def test_zero_token_prompts_need_no_fallback_without_a_limit():
+    """Nothing computed anywhere is within any limit: with max_imbalance inf the cap was inf x 0 = NaN, no
+    replica was allowed and every zero-token prompt counted as a fallback."""
+    reqs = [TraceRequest(0.0, 0, 1, [1]), TraceRequest(1.0, 0, 1, [1])]
+    for limit in (float("inf"), 1.1):
+        b = balance_bounded_bound(reqs, 4, 2, max_imbalance=limit)
+        assert b["fallbacks"] == 0 and b["hit_rate"] == 0.0 and b["imbalance"] == 1.0, limit
+
+
+def test_a_pass_scores_replicas_per_group_of_equal_hits_not_the_whole_fleet(monkeypatch):
+    """`kvmesh simulate` computes the bound on every run; scoring every replica for every request made it
+    requests x replicas x passes (minutes at 4,096 replicas, hours at the documented scales). Counted in
+    scorings, not seconds: each request scores at most one replica per count of its blocks held, plus one
+    holding none, whatever the fleet's size."""
+    from kvmesh.cluster import bounds
+
+    scored = []
+    monkeypatch.setattr(bounds, "cached_tokens", lambda *a: scored.append(a) or cached_tokens(*a))
+    system = list(range(1000, 1004))  # every request starts with it, so every replica used comes to hold it
+    reqs = [TraceRequest(float(i), 7 * 4 + 1, 1, system + [10 * i + k for k in range(3)]) for i in range(30)]
+    for replicas in (1, 5, 20_000):
+        scored.clear()
+        b = balance_bounded_bound(reqs, 4, replicas)
+        assert len(scored) <= b["passes"] * sum(len(r.hash_ids) + 1 for r in reqs), replicas

@@ -83,6 +83,22 @@ def test_the_verdict_on_a_target_is_what_every_placement_says(seed):
             assert got["hit_rate"] >= hit_rate - 1e-12 and got["imbalance"] <= limit + 1e-9
 
 
+def test_a_placement_exactly_at_its_own_balance_and_hit_rate_is_reachable():
+    """Placement [0, 1, 2] computes 11, 14 and 9 tokens: max/mean 14 / (34 / 3), read back as
+    1.2352941176470587, gives a per-replica limit of 13.999999999999998 tokens, and the budget its hit rate
+    allows comes back from float the same way. The solver's cuts (`balanced_hosts` at that load, the
+    computed-token row) must allow what the replay check allows, or the placement is "proved" out of reach."""
+    reqs = [TraceRequest(0.0, 11, 1, [1, 2, 3]), TraceRequest(1.0, 14, 1, [1, 2, 3, 4])]
+    reqs.append(TraceRequest(2.0, 9, 1, [8, 9, 10]))
+    got = replay_placement(reqs, BS, 3, [0, 1, 2])
+    assert got["computed"] == [11, 14, 9] and got["imbalance"] * 34 / 3 < 14
+    res = decide_target(reqs, BS, 3, got["hit_rate"], got["imbalance"])
+    assert res["verdict"] == "reachable" and res["replayed"]["computed"] == [11, 14, 9]
+    for symmetry in ("first use", "loads"):
+        found = best_balanced_placement(reqs, BS, 3, got["imbalance"], 5.0, 34, symmetry=symmetry)
+        assert found["status"] != "Infeasible" and found["computed_lower"] <= 34 * (1 + 1e-9), symmetry
+
+
 def test_one_shared_prompt_spread_for_balance():
     """8 requests on 4 replicas, each a 4-block shared prompt, 4 private blocks and a 1-token tail (33
     tokens, 264 in all). Computed once, 152 tokens, all on one replica (max/mean 4). Within max/mean 1.25

@@ -72,3 +72,13 @@ def test_no_policy_meets_the_robustness_target_on_a_draw_proven_out_of_reach(see
         assert not met and not row["bounds"]["target_reachable"], met
     else:
         assert seed not in (1001, 1003, 1015)  # these three are proven out of reach
+
+
+@pytest.mark.parametrize(
+    "requests", [[], [TraceRequest(0.0, 0, 1, [1]), TraceRequest(1.0, 0, 1, [1])]], ids=["empty", "zero-token"]
+)
+def test_without_prompt_tokens_nothing_is_proved_out_of_reach(requests):
+    """Every placement of a trace with no prompt token meets hit rate 0 at max/mean 1.0 (`replay_placement`);
+    the floor had no load to spread (0 tokens allowed, max load 0) and read that as impossible."""
+    assert replay_placement(requests, 4, 2, [0] * len(requests))["imbalance"] == 1.0
+    assert not target_out_of_reach(requests, 4, 2, 0.0, 1.25)["out_of_reach"]
