@@ -13,8 +13,9 @@ Method (one in-process engine, prefix caching OFF so every prompt token is compu
 - rounds: every round times every length once, in a shuffled order, so load from other work on a
   shared machine spreads over all lengths; the minimum over rounds is the least-disturbed run. The
   median is printed beside it: when the two differ a lot the machine was busy and the figures are
-  upper bounds. The slope is clamped at >= 0 (on the tiny model, per-token work is small next to
-  the per-step overhead and can drown in noise).
+  upper bounds. The line is the least-squares one whose base and slope are both >= 0
+  (`fit_line_nonnegative`): on the tiny model, per-token work is small next to the per-step overhead
+  and can drown in noise, and a convex curve's line crosses 0 above n = 0.
 - decode: one 64-token prompt, max_tokens=1 vs max_tokens=1+D, at batch 1 and at batch B; the extra
   time / D is the per-token decode time of one sequence (TPOT) at that batch.
 Prints the fitted constants as JSON that `kvmesh simulate --cost-model` and `CostModel.from_dict` take.
@@ -23,6 +24,7 @@ Prints the fitted constants as JSON that `kvmesh simulate --cost-model` and `Cos
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -31,6 +33,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 LENGTHS = (64, 256, 512, 1024, 1536)
 DECODE_STEPS = 48
@@ -82,6 +86,37 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def fit_nonnegative(columns: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Coefficients c >= 0 minimising sum_i (sum_k c[k] * columns[k][i] - ys[i])^2: non-negative least squares,
+    exactly. The optimum is the unconstrained least-squares fit over the columns it leaves non-zero, so it is
+    the best (least squared error) of the fits over every subset of the columns whose coefficients are all
+    >= 0, the empty subset (all 0) included: 2^k fits, 8 for the 3 terms of a prefill. Why not set a negative
+    coefficient of the full fit to 0: the others were fitted beside it, and kept as they are (or refitted after
+    dropping the most negative one) they are not the best fit without it."""
+    a = np.asarray(columns, dtype=np.float64).T
+    y = np.asarray(ys, dtype=np.float64)
+    best, best_err = [0.0] * a.shape[1], float(y @ y)
+    for size in range(a.shape[1], 0, -1):
+        for keep in itertools.combinations(range(a.shape[1]), size):
+            coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            r = a[:, keep] @ coef - y
+            err = float(r @ r)
+            if err < best_err:
+                best, best_err = [0.0] * a.shape[1], err
+                for k, c in zip(keep, coef):
+                    best[k] = float(c)
+    return best
+
+
+def fit_line_nonnegative(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """The least-squares intercept and slope with both >= 0 (`fit_nonnegative`): where the free line's
+    slope is negative that is the flat line through the mean, where its intercept is, the line through 0."""
+    base, slope = fit_nonnegative([[1.0] * len(xs), list(xs)], ys)
+    return base, slope
+
+
 def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int = 7) -> dict:
     llm = _engine(model, block_size, max_len)
     rng = random.Random(0)
@@ -99,8 +134,7 @@ def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int
     xs = list(LENGTHS)
     ys = [t[f"prefill{n}"][0] for n in xs]
     medians = [statistics.median(t[f"prefill{n}"]) for n in xs]
-    base, per_token = fit_line(xs, ys)
-    per_token = max(0.0, per_token)
+    base, per_token = fit_line_nonnegative(xs, ys)
     decode = {b: max(0.0, (t[f"many{b}"][0] - t[f"one{b}"][0]) / DECODE_STEPS) for b in (1, BATCH)}
     decode_median = {
         b: max(0.0, (statistics.median(t[f"many{b}"]) - statistics.median(t[f"one{b}"])) / DECODE_STEPS)
@@ -109,7 +143,7 @@ def calibrate(model: str, block_size: int = 32, max_len: int = 2048, rounds: int
     return {
         "cost_model": {
             "prefill_s_per_token": per_token,
-            "prefill_base_s": max(0.0, base),
+            "prefill_base_s": base,
             "decode_s_per_token": decode[BATCH],
         },
         "measured": {

@@ -12,8 +12,9 @@ grouped KV heads, a CUDA-graph decode step), with random weights, since timing d
 their values.
 
 Method, each case timed `rounds` times after a warm-up, keeping the minimum (the least-disturbed run):
-- prefill: one prompt of each length, every layer's projections, attention and MLP plus the logits of
-  the last token; a least-squares fit time = prefill_base_s + n * prefill_s_per_token
+- prefill: one prompt of each length (`LENGTHS` by default, short ones included), every layer's
+  projections, attention and MLP plus the logits of the last token; the least-squares fit, all three
+  constants >= 0 (`fit_prefill`), of time = prefill_base_s + n * prefill_s_per_token
   + n^2 / 2 * attention_s_per_token_pair (causal attention: each token attends to those before it).
   With two lengths only the line is fitted. Then the same 512-token suffix behind cached prefixes of
   several lengths, the case of a cache hit (its kernel takes an explicit mask, so its attention is an
@@ -25,9 +26,10 @@ Method, each case timed `rounds` times after a warm-up, keeping the minimum (the
   chunks (LMCache's default chunk: the `host_load_s_per_token` reported) and in 16-token ones; pageable
   memory beside them. The shared tier's network transfer is not measured here.
 What it leaves out: vLLM's fused kernels and scheduler (its prefill is at least this fast), rotary
-embeddings and sampling (small next to the GEMMs). On a CPU (`--device cpu`, a small shape) it runs
-the same code at small sizes, for tests only. `--model-config` takes the shape from a Hugging Face
-`config.json`, to calibrate the model actually served.
+embeddings and sampling (small next to the GEMMs). On a CPU (`--device cpu --shape small`; a shape whose
+float32 weights pass `CPU_MAX_WEIGHT_BYTES` is refused) it runs the same code at small sizes, for tests
+only. `--model-config` takes the shape from a Hugging Face `config.json`, to calibrate the model actually
+served. `--device cuda:N` times device N (made the current device: graphs and streams are made there).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvmesh.benchmarks.calibrate import fit_line
+from kvmesh.benchmarks.calibrate import fit_line, fit_nonnegative
 from kvmesh.policies.cost_model import DEFAULT_COST_MODEL
 
 
@@ -62,6 +64,13 @@ class Shape:
 
     def kv_bytes_per_token(self, element_bytes: int = 2) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * element_bytes
+
+    def weights(self) -> int:
+        """How many weight values `_Model` builds for this shape (its layers' projections and MLP, and the
+        logits head)."""
+        h, hd = self.hidden, self.head_dim
+        per_layer = h * (self.heads + 2 * self.kv_heads) * hd + self.heads * hd * h + 3 * h * self.intermediate
+        return self.layers * per_layer + h * self.vocab
 
 
 SHAPES = {
@@ -98,11 +107,12 @@ def shape_from_hf_config(path: str) -> Shape:
 
 
 def _timer(torch, device: str) -> Callable[[Callable[[], object]], float]:
-    """Wall seconds of one call, the device drained before and after it."""
+    """Wall seconds of one call, the device drained before and after it (`device` itself: a bare
+    synchronize drains the current device, which is not the one timed under `--device cuda:1`)."""
 
     def sync():
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
 
     def timed(fn):
         sync()
@@ -224,6 +234,10 @@ def _decode(torch, model: _Model, batch: int, context: int, rounds: int, device:
         return min(timed(step) for _ in range(rounds))
 
 
+# The most float32 weight bytes a run off CUDA builds: a CPU run tests the code (the small shape's are 1.4 MB);
+# Llama-3-8B's shape there would allocate ~30 GB before timing anything
+CPU_MAX_WEIGHT_BYTES = 1 << 30
+
 LOAD_CHUNK_TOKENS = 256  # LMCache's default chunk: a host-tier hit loads chunk by chunk
 
 
@@ -261,27 +275,25 @@ def _host_load(torch, shape: Shape, tokens: int, rounds: int, device: str, timed
 
 def fit_prefill(lengths, times) -> tuple[float, float, float]:
     """(prefill_base_s, prefill_s_per_token, attention_s_per_token_pair) by least squares over
-    time = base + n * per_token + n^2 / 2 * pair; with fewer than three lengths a line (pair 0). Each
-    constant is kept >= 0: a negative one (noise on a short range) is set to 0 and the rest refitted."""
+    time = base + n * per_token + n^2 / 2 * pair; with fewer than three lengths a line (pair 0). The
+    constants are the best fit with all three >= 0 (non-negative least squares, `fit_nonnegative`): a
+    free fit's negative one (noise on a short range, or a convex curve's intercept) is no engine's."""
     xs = np.asarray(lengths, dtype=np.float64)
-    ys = np.asarray(times, dtype=np.float64)
     columns = [np.ones_like(xs), xs, xs * xs / 2] if len(set(lengths)) >= 3 else [np.ones_like(xs), xs]
-    keep = list(range(len(columns)))
-    while True:
-        coef, *_ = np.linalg.lstsq(np.stack([columns[k] for k in keep], axis=1), ys, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    out = [0.0, 0.0, 0.0]
-    for k, c in zip(keep, coef):
-        out[k] = max(float(c), 0.0)
-    return out[0], out[1], out[2]
+    coef = fit_nonnegative([c.tolist() for c in columns], times) + [0.0]
+    return coef[0], coef[1], coef[2]
+
+
+# Prompt lengths timed by default. The short ones (16-128 tokens) measure what a prefill costs when a cache
+# hit leaves only a few tokens to compute: the weights are read once per forward pass however short it is,
+# a floor a fit over long prompts alone does not see (the H200 run's, over 512+ tokens, has an intercept of 0).
+LENGTHS = (16, 64, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def calibrate(
     shape_name: str | Shape = "llama-8b",
     device: str = "cuda",
-    lengths=(512, 1024, 2048, 4096, 8192, 16384, 32768),
+    lengths=LENGTHS,
     batch: int = 64,
     context: int = 2048,
     load_tokens: int = 16384,
@@ -292,6 +304,10 @@ def calibrate(
 ) -> dict:
     import torch
 
+    if device.startswith("cuda") and torch.device(device).index is not None:
+        # the device named, not device 0, is where the graphs are captured and the streams made (current
+        # device), as well as where the tensors are
+        torch.cuda.set_device(torch.device(device).index)
     shape = shape_name if isinstance(shape_name, Shape) else SHAPES[shape_name]
     shape_name = label or ("custom" if isinstance(shape_name, Shape) else shape_name)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -310,7 +326,7 @@ def calibrate(
         "decode_s_per_token": decode,
         "host_load_s_per_token": load[f"pinned_chunks_{LOAD_CHUNK_TOKENS}"],
     }
-    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
     return {
         "cost_model": cost,
         "measured": {
@@ -435,6 +451,13 @@ def main(argv=None) -> int:
             shape = shape_from_hf_config(args.model_config)
         except ValueError as exc:
             parser.exit(2, f"calibrate_accelerator: --model-config {exc}\n")
+    weight_bytes = 4 * (shape if isinstance(shape, Shape) else SHAPES[shape]).weights()  # float32 off CUDA
+    if small and weight_bytes > CPU_MAX_WEIGHT_BYTES:
+        parser.exit(
+            2,
+            f"calibrate_accelerator: --device {args.device} runs small shapes only, to test the code: this shape's"
+            f" weights take {weight_bytes / 1e9:.1f} GB in float32 (use --shape small, or a CUDA device)\n",
+        )
     try:
         lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else None
     except ValueError:
@@ -458,7 +481,7 @@ def main(argv=None) -> int:
     result = calibrate(
         shape,
         args.device,
-        lengths=lengths or ((16, 32, 64) if small else (512, 1024, 2048, 4096, 8192, 16384, 32768)),
+        lengths=lengths or ((16, 32, 64) if small else LENGTHS),
         batch=args.batch or (4 if small else 64),
         context=args.context or (64 if small else 2048),
         load_tokens=256 if small else 16384,

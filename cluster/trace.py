@@ -418,7 +418,9 @@ def scale_to_load(
 
         load = sum_i prefill_s(input_i, nothing cached) / (replicas * span_s)
 
-    i.e. load 1.0 saturates the fleet if no prompt token were ever reused. Returns (arrivals, factor)."""
+    i.e. load 1.0 saturates the fleet if no prompt token were ever reused. Returns (arrivals, factor).
+    ValueError where the cost model prices no prefill work: no span then gives that load (every arrival
+    would be squeezed to t = 0 and the run reported at a load it never had)."""
     if load <= 0:
         raise ValueError("load must be > 0")
     t0 = trace.requests[0].timestamp_ms
@@ -427,6 +429,11 @@ def scale_to_load(
     span = base[-1]
     if span <= 0:
         raise ValueError("trace has no time span (all timestamps equal); cannot scale to a load")
+    if not work > 0:
+        raise ValueError(
+            "cannot scale the trace to a load: the cost model prices no prefill work (prefill_s_per_token, "
+            "prefill_base_s and attention_s_per_token_pair are all 0); give one of them a value, or drop --load"
+        )
     factor = work / (replicas * load * span)
     return [t * factor for t in base], factor
 

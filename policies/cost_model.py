@@ -1,9 +1,16 @@
 """The time model shared by the kvmesh policy and the trace simulator: one place for its constants.
 
-Why one place: the policy predicts TTFT with the same formula the simulator uses to deliver it, and
-both are later calibrated from the live engines (`CostModel.from_dict` takes measured values). If
-the two drifted apart the simulator would flatter or punish the policy for reasons unrelated to
-placement.
+Why one place: the policy predicts TTFT from the constants the simulator delivers it with, and both
+are later calibrated from the live engines (`CostModel.from_dict` takes measured values). If the two
+drifted apart the simulator would flatter or punish the policy for reasons unrelated to placement.
+
+What the policy counts (`policies/score_kernel.py`) is not all the simulator charges: its own request's
+prefill is `prefill_s` in full (attention term included), but the work queued ahead of it on a replica
+is linear, pending tokens x `prefill_s_per_token` + queued requests x `prefill_base_s`, without the
+attention term the simulator charges each queued request (`prefill_s`). Where that term is large the
+policy can pick the slower replica: with the H200 constants, a 512-token prompt behind one queued
+32k-token prompt (r0) or behind forty queued 1000-token ones (r1) is predicted 0.854 s on r0 and 1.040 s
+on r1, and the simulator delivers 1.341 s and 1.058 s.
 
 Defaults describe one accelerator per replica serving an ~8B model (one H100-class GPU), as estimates;
 an H200 measured for an 8B shape (`benchmarks/calibrated/h200_llama8b.json`, docs/calibration.md)
@@ -27,9 +34,12 @@ All are plain seconds; see docs/simulator.md.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TypeGuard, TypeVar
+
+log = logging.getLogger(__name__)
 
 
 def finite_number(v: object) -> TypeGuard[int | float]:
@@ -88,20 +98,27 @@ def check_flag(policy: str, name: str, value: object) -> None:
 _N = TypeVar("_N", int, float)
 
 
-def _constant(default: _N, most: _N) -> _N:
+def _constant(default: _N, most: _N, plausible: float | None = None, unit: str = "") -> _N:
     """A cost model field whose value may be at most `most`: far above any engine's (calibrated: an H200 prefills
     an 8B model's token in 2.6e-5 s, the tiny CPU engine its own in 1.2e-5 s), and low enough that a long trace's
-    times stay finite and keep their milliseconds (a constant of 1e308 made every TTFT inf, and utilisation NaN)."""
-    return field(default=default, metadata={"max": most})
+    times stay finite and keep their milliseconds (a constant of 1e308 made every TTFT inf, and utilisation NaN).
+    `plausible`: the most `CostModel.from_dict` takes from measured or typed-in values, in `unit`; a value
+    above it is no engine's and most likely milliseconds given where seconds are meant."""
+    return field(default=default, metadata={"max": most, "plausible": plausible, "unit": unit})
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    prefill_s_per_token: float = _constant(1e-4, 1.0)
-    prefill_base_s: float = _constant(0.010, 60.0)
-    decode_s_per_token: float = _constant(0.025, 10.0)
-    host_load_s_per_token: float = _constant(5e-6, 1.0)
-    shared_load_s_per_token: float = _constant(2.5e-5, 1.0)
+    # The plausible bounds (the third argument) are 10x or more the slowest figure measured for each field
+    # (docs/calibration.md): a token prefilled or loaded in 0.1 s (the live tiny-model path, 4 engines on 2
+    # cores: 1.3e-4 s), a fixed per-request part of 1 s (that path: 0.05-0.1 s; an engine alone 0-3 ms) and a
+    # decode step of 1 s (2 ms on the CPU engine, 7.7-15.4 ms on an H200). A base or a decode step written in
+    # milliseconds (10 for 10 ms) is above them and refused, not taken as 10 s.
+    prefill_s_per_token: float = _constant(1e-4, 1.0, 0.1, "s per token")
+    prefill_base_s: float = _constant(0.010, 60.0, 1.0, "s per request")
+    decode_s_per_token: float = _constant(0.025, 10.0, 1.0, "s per output token (one decode step)")
+    host_load_s_per_token: float = _constant(5e-6, 1.0, 0.1, "s per token")
+    shared_load_s_per_token: float = _constant(2.5e-5, 1.0, 0.1, "s per token")
     max_batch: int = _constant(64, 1_000_000)
     attention_s_per_token_pair: float = _constant(0.0, 1e-3)
 
@@ -134,13 +151,39 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> CostModel:
-        """Build from (possibly partial) measured values; unknown keys are an error, not ignored."""
+        """Build from (possibly partial) measured values; unknown keys are an error, not ignored.
+
+        A calibrator's result document (`benchmarks/calibrate.py`, `calibrate_accelerator.py` with --json: the
+        constants under "cost_model", beside "measured" and "defaults") is taken as its "cost_model" object.
+        ValueError for a value above its field's plausible bound (`_constant`): most likely milliseconds where
+        seconds are meant. The fields not given keep their defaults (an ~8B model on an H100-class GPU), said in
+        one warning where some were given: a calibration that measured some constants leaves the others at
+        another machine's."""
         values = dict(values or {})
+        if "cost_model" in values:  # a calibrator's document: its other keys describe the measurement
+            inner = values["cost_model"]
+            if not isinstance(inner, dict):
+                raise ValueError(f"cost model: 'cost_model' must be an object of constants, got {type(inner).__name__}")
+            values = dict(inner)
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known
         if unknown:
             raise ValueError(f"cost model: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return replace(cls(), **values)
+        cost = replace(cls(), **values)
+        for f in fields(cls):
+            most, unit = f.metadata["plausible"], f.metadata["unit"]
+            if f.name in values and most is not None and getattr(cost, f.name) > most:
+                raise ValueError(
+                    f"cost model: {f.name} = {_shown(values[f.name])} {unit} is above {most:g} {unit}, slower than"
+                    f" any engine: the constants are in seconds (10 ms is 0.01)"
+                )
+        missing = [f.name for f in fields(cls) if f.name not in values]
+        if values and missing:  # none given: the defaults were asked for
+            log.warning(
+                "cost model: %s not given, taken from the defaults (an ~8B model on an H100-class GPU)",
+                ", ".join(missing),
+            )
+        return cost
 
 
 DEFAULT_COST_MODEL = CostModel()

@@ -123,6 +123,14 @@ def test_scale_to_load_definition():
     assert work / (4 * arr[-1]) == pytest.approx(0.8)
 
 
+def test_scale_to_load_refuses_a_cost_model_that_prices_no_prefill():
+    """With no prefill work no span gives the load: every arrival was squeezed to t = 0 (span 0) and the run
+    reported at the load asked for."""
+    t = load_trace("conversation", limit=50)
+    with pytest.raises(ValueError, match="prices no prefill work"):
+        scale_to_load(t, 4, 0.5, 0.0, 0.0, 0.0)
+
+
 # ------------------------------------------------------------------------------- cache and bounds
 def test_block_lru_parents_outlive_children():
     c = BlockLRU(3)

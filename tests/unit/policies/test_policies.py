@@ -120,6 +120,51 @@ def test_cost_model_values_must_be_finite_and_max_batch_whole(values, message):
         CostModel.from_dict(values)
 
 
+def test_cost_model_takes_a_calibrators_result_document():
+    """What `calibrate.py` and `calibrate_accelerator.py` write with --json (the constants under "cost_model",
+    beside "measured" and "defaults") was refused for its unknown keys."""
+    constants = {"prefill_s_per_token": 2.6e-5, "prefill_base_s": 0.0, "decode_s_per_token": 0.01}
+    doc = {"cost_model": constants, "measured": {"device": "x"}, "defaults": CostModel().to_dict()}
+    assert CostModel.from_dict(doc) == CostModel.from_dict(constants)
+    with pytest.raises(ValueError, match="'cost_model' must be an object"):
+        CostModel.from_dict({"cost_model": 5})
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"prefill_base_s": 10}, "prefill_base_s = 10 s per request is above 1 s per request"),
+        ({"decode_s_per_token": 10}, "decode_s_per_token = 10 s per output token"),
+        ({"prefill_s_per_token": 0.5}, "prefill_s_per_token = 0.5 s per token is above 0.1 s per token"),
+        ({"host_load_s_per_token": 0.2}, "host_load_s_per_token = 0.2 s per token"),
+    ],
+)
+def test_cost_model_refuses_values_no_engine_has(values, message):
+    """Milliseconds given where seconds are meant passed: prefill_base_s 10 (meant: 10 ms) made every request
+    cost 10 s more."""
+    with pytest.raises(ValueError, match=message) as exc:
+        CostModel.from_dict(values)
+    assert "in seconds" in str(exc.value)
+
+
+def test_a_partial_cost_model_says_which_constants_are_defaults(caplog):
+    """The tiny CPU engine's file gives 3 constants; the tier loads and max_batch came from the 8B-on-H100
+    defaults without a word."""
+    with caplog.at_level("WARNING", logger="kvmesh.policies.cost_model"):
+        CostModel.from_dict({"prefill_s_per_token": 1.2e-5, "prefill_base_s": 7.7e-4, "decode_s_per_token": 2e-3})
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert record.levelname == "WARNING" and "\n" not in text
+    for name in ("host_load_s_per_token", "shared_load_s_per_token", "max_batch", "attention_s_per_token_pair"):
+        assert name in text
+    assert "prefill_s_per_token" not in text and "defaults" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvmesh.policies.cost_model"):
+        CostModel.from_dict(CostModel().to_dict())  # every constant given
+        CostModel.from_dict({})  # none given: the defaults asked for
+    assert caplog.records == []
+
+
 def test_cached_token_rules_follow_vllm():
     assert cached_tokens(3, 3 * BS, BS) == 2 * BS  # the last token is always computed: last block recomputed
     assert cached_tokens(3, 3 * BS + 1, BS) == 3 * BS

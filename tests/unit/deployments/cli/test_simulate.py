@@ -155,6 +155,18 @@ def test_bad_arguments_are_one_line_exit_2(args, needle):
 
 
 BASE = ["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-blocks", "10", "--limit", "20"]
+# every constant given (no defaults filled in), none pricing prefill: --load squeezed every arrival to t = 0
+NO_PREFILL = json.dumps(
+    {
+        "prefill_s_per_token": 0,
+        "prefill_base_s": 0,
+        "attention_s_per_token_pair": 0,
+        "decode_s_per_token": 0.025,
+        "host_load_s_per_token": 0,
+        "shared_load_s_per_token": 0,
+        "max_batch": 64,
+    }
+)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +184,7 @@ BASE = ["simulate", "--trace", "conversation", "--replicas", "2", "--capacity-bl
         (["--shared", "--shared-blocks", "99999999999999999999999"], "--shared-blocks: must be <="),
         (["--replicas", "100000000"], "--replicas: must be <= 100,000"),
         (["--routers", "100000000"], "--routers: must be <= 1,000"),
+        (["--load", "0.5", "--cost-model", NO_PREFILL], "cannot scale the trace to a load: the cost model prices no"),
     ],
 )
 def test_values_that_crashed_or_hung_are_one_line_exit_2(extra, message, capsys):
@@ -180,6 +193,17 @@ def test_values_that_crashed_or_hung_are_one_line_exit_2(extra, message, capsys)
     assert main(BASE + extra + ["--policies", "round_robin", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_a_calibrators_result_file_is_its_cost_model(tmp_path):
+    """docs/calibration.md says the calibrators' output is what --cost-model takes; the file they write with
+    --json (constants under "cost_model", beside "measured" and "defaults") was refused for its unknown keys."""
+    constants = {"prefill_s_per_token": 2.6e-5, "prefill_base_s": 0.0, "decode_s_per_token": 0.01}
+    calibrated, out = tmp_path / "accelerator.json", tmp_path / "sim.json"
+    calibrated.write_text(json.dumps({"cost_model": constants, "measured": {"device": "H200"}, "defaults": {}}))
+    argv = BASE + ["--cost-model", str(calibrated), "--policies", "round_robin", "--no-progress", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["config"]["cost_model"]["prefill_s_per_token"] == 2.6e-5
 
 
 TIME_GOES_BACK = (
