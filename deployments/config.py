@@ -61,7 +61,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # (`ray start --resources`): at most one engine per node, so replicas land on different nodes
     "resources": None,
     "seed": 0,
-    "engine_mode": None,  # "inproc" (LLMEngine stepped in a thread) | "async" (AsyncLLM); None = from env
+    # "inproc" (LLMEngine stepped in a thread) | "async" (AsyncLLM); None: "async" on GPU engines, else from the
+    # env (VLLM_ENABLE_V1_MULTIPROCESSING=0, which every replica's runtime env sets, gives "inproc")
+    "engine_mode": None,
     "kv_events": True,
     "max_num_seqs": None,  # None: 32 on CPU engines (2 cores run few sequences well), vLLM's default on GPU
     "max_num_batched_tokens": None,
@@ -283,6 +285,10 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
             cfg[key] = cpu_value
     if cfg["enforce_eager"] is None:
         cfg["enforce_eager"] = False
+    if cfg["engine_mode"] is None and not on_cpu:
+        # AsyncLLM is the GPU path: the replicas' runtime env asks for in-process engines (the CPU default)
+        # whatever their resources, so the env cannot choose for a GPU engine
+        cfg["engine_mode"] = "async"
     if cfg["drain_timeout_s"] is None:
         cfg["drain_timeout_s"] = CPU_DRAIN_TIMEOUT_S if on_cpu else GPU_DRAIN_TIMEOUT_S
     return cfg

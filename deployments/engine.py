@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.cluster.thread_names import name_loop_thread
-from kvmesh.deployments.config import engine_config, hf_model_config, resolve_model
+from kvmesh.deployments.config import engine_config, engine_dtype, hf_model_config, resolve_model
 from kvmesh.deployments.engine_driver import EngineBroken
 from kvmesh.kvstore.tiers import TierConfig  # configuration only: no processes, no Ray (kvstore/tiers.py)
 
@@ -75,6 +75,22 @@ def effective_block_size(driver, configured: int) -> int:
     except Exception:  # a driver without a vLLM engine's config (tests)
         return configured
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else configured
+
+
+def kv_cache_dtype(driver, cfg: dict) -> str:
+    """The dtype of the KV cache vLLM runs with: its cache dtype where one is set (fp8), else the model's dtype
+    as it runs (`model_config.dtype`, "auto" resolved). Why: it sizes a KV block in bytes, and so the host
+    tier in blocks; the configured "auto" says nothing of the width (the tiny model runs float32, others 16-bit).
+    Without a vLLM engine's config to read (tests) it is the dtype kvmesh hands vLLM (`engine_dtype`)."""
+    try:
+        vllm_config = driver.engine.vllm_config
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        model_dtype = vllm_config.model_config.dtype
+    except Exception:  # a driver without a vLLM engine's config
+        return engine_dtype(cfg["model"], cfg["dtype"])
+    if cache_dtype.startswith("fp8"):
+        return "fp8"
+    return str(model_dtype).removeprefix("torch.")
 
 
 def lmcache_connection(cfg: dict) -> tuple[dict | None, TierConfig | None]:
@@ -206,10 +222,11 @@ class EngineReplica:
             from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
 
             warn_if_server_l1_differs(self.node_id, self.cfg["lmcache"], server_tiers)
+            # the blocks and the dtype vLLM runs with, which may not be the configured ones
             bytes_per_block = kv_bytes_per_block(
-                hf_model_config(self.model_path), self.cfg["block_size"], self.cfg["dtype"]
+                hf_model_config(self.model_path), self.block_size, kv_cache_dtype(self.driver, self.cfg)
             )
-            self.tier_info = tier_routing_info(server_tiers, self.cfg["block_size"], bytes_per_block)
+            self.tier_info = tier_routing_info(server_tiers, self.block_size, bytes_per_block)
         log.info(
             "engine replica %s ready: model=%s blocks=%d events=%s",
             self.replica_id,

@@ -108,15 +108,20 @@ def origin_id(request_id: str) -> str:
     return head if sep and head and move.isdigit() and move.isascii() else request_id
 
 
-def continuation(request: dict, sent_token_ids: list[int], move: int) -> dict:
+def continuation(request: dict, sent_token_ids: list[int], move: int, engine_stops: bool = True) -> dict:
     """The engine request that finishes `request` after `sent_token_ids` were sent to the client.
 
     With nothing sent yet it is the request itself, under the same id (so the router's prediction for
     its new placement is the one checked against what the engine reports); a continuation gets an id
-    of its own."""
+    of its own. Without `engine_stops` it carries no stop strings: the caller searches the whole output
+    for them itself (`ContinuationText`). The new engine's own text cannot be searched: primed with the
+    prompt plus the tokens sent, its detokenizer may emit held-back text of that prompt with its first
+    new token, and a stop string found there (one in the prompt, say) would end the request at once."""
     if not sent_token_ids:
         return request
     params = dict(request.get("params") or {})
+    if not engine_stops:
+        params.pop("stop", None)
     n = len(sent_token_ids)
     params["max_tokens"] = max(1, int(params.get("max_tokens") or 16) - n)  # 16: vLLM's default
     if params.get("min_tokens"):
@@ -138,7 +143,9 @@ class MigratingStream:
     `first_token(request_id)` tells them a continuation has started (its prefill is done);
     `text_for(request, sent_token_ids, delivered_chars)` gives the detokenizer of a continuation's new
     tokens (`.take(token_ids, finished, stop_token) -> (text, tokens kept)`, `.stopped`: the stop string
-    the text ended at), as the dead replica's would have been, or None to keep the engine's text.
+    the text ended at), as the dead replica's would have been, or None to keep the engine's text. With a
+    detokenizer the continuation is sent without stop strings (that detokenizer finds them); with None the
+    engine keeps them.
     """
 
     def __init__(
@@ -291,8 +298,9 @@ class MigratingStream:
             self.moves,
             len(self.sent),
         )
-        self._current = continuation(self.request, self.sent, self.moves)
         self._text = self._text_for(self.request, list(self.sent), self.delivered_chars) if self.sent else None
+        # stop strings are the ingress's to find when it replays the text, the engine's only when it cannot
+        self._current = continuation(self.request, self.sent, self.moves, engine_stops=self._text is None)
         self._started = False
         self.replica = None
         self._open_current()

@@ -911,7 +911,10 @@ class KvmeshRouter(TierHolding, RequestRouter):
                 rankings=routed.rankings,
                 held=internal in self._held,  # held for a prefix another replica was computing
                 tokens=info.num_tokens,
-                cached_blocks={r: m[2] for r, m in matches.items() if m[2]},
+                # the replicas the decision keeps (a large fleet's trace stays small), not every prefix holder
+                cached_blocks={
+                    r: m[2] for r, m in matches.items() if m[2] and (r in routed.cells or r in (rid, first))
+                },
                 chosen_tiers=list(matches.get(rid, (0, 0, 0))),  # prefix blocks in (hbm, +host, +shared)
             )
         )

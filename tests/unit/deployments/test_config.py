@@ -210,6 +210,28 @@ def test_cpu_only_defaults_stay_off_gpu_engines(tiny_model_dir):
     assert engine_config(gpu) == gpu  # filling twice changes nothing (the app config is validated again)
 
 
+def test_a_gpu_engine_without_engine_mode_gets_the_async_driver(monkeypatch):
+    """Every replica's runtime env sets VLLM_ENABLE_V1_MULTIPROCESSING=0 (the in-process CPU default), so the
+    env cannot choose a GPU engine's driver: one without engine_mode gets AsyncLLM, the GPU path; a CPU engine
+    the env's in-process driver, and an explicit engine_mode is kept."""
+    from kvmesh.deployments import engine_driver
+    from kvmesh.deployments.app import runtime_env_vars
+
+    for key, value in runtime_env_vars().items():  # what an engine replica's process runs with
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(engine_driver, "InprocDriver", lambda *a, **k: "inproc")
+    monkeypatch.setattr(engine_driver, "AsyncDriver", lambda *a, **k: "async")
+
+    def driver(raw: dict) -> str:
+        return engine_driver.make_driver(engine_config(raw)["engine_mode"], None)
+
+    assert driver({"num_gpus": 1, "model": "/models/llama"}) == "async"
+    assert driver({"num_gpus": 0.5, "block_size": 16}) == "async"
+    assert driver({}) == "inproc"
+    assert driver({"num_gpus": 1, "engine_mode": "inproc"}) == "inproc"
+    assert driver({"engine_mode": "async"}) == "async"
+
+
 def test_xxhash_with_several_tenants_needs_the_operators_explicit_acceptance():
     from kvmesh.deployments.config import ConfigError, app_config
 

@@ -235,3 +235,84 @@ def test_a_stream_moved_mid_answer_leaves_out_the_text_of_the_stop_token_that_en
     assert "".join(c["text"] for c in got) == " fox jumps"  # as vLLM's own text: no stop token's
     assert [t for c in got for t in c["token_ids"]] == [*words[0], *words[1], stop_id]  # counted in usage
     assert got[-1]["finish_reason"] == "stop"
+
+
+class _VllmTextReplica:
+    """Engine streams of a fixed greedy answer, one token per chunk, whose text and stop strings are vLLM's own
+    detokenizer's for the request it is sent (primed with that request's prompt, checking its `stop`); the
+    first call's dies after `die_after` chunks."""
+
+    def __init__(self, tokenizer, prompt: list[int], answer: list[int], die_after: int):
+        self.tokenizer, self.prompt, self.answer, self.die_after = tokenizer, prompt, answer, die_after
+        self.opened: list[dict] = []
+
+    def open(self, request: dict):
+        from vllm import SamplingParams
+        from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+        self.opened.append(request)
+        p = request["params"]
+        done = len(request["prompt_token_ids"]) - len(self.prompt)
+        todo = self.answer[done : done + p["max_tokens"]]
+        params = SamplingParams(max_tokens=p["max_tokens"], stop=p.get("stop"), min_tokens=p.get("min_tokens", 0))
+        detok = FastIncrementalDetokenizer(
+            self.tokenizer,
+            SimpleNamespace(request_id="r", prompt_token_ids=request["prompt_token_ids"], sampling_params=params),
+        )
+        chunks = []
+        for i, token in enumerate(todo):
+            stopped = detok.update([token], False)
+            last = stopped is not None or i == len(todo) - 1
+            text = detok.get_next_output_text(last, True)
+            reason = "stop" if stopped is not None else "length" if last else None
+            chunks.append({"text": text, "token_ids": [token], "finish_reason": reason, "stop_reason": stopped})
+            if last:
+                break
+        chunks = [{**c, "num_cached_tokens": 0, "replica": f"r{len(self.opened) - 1}"} for c in chunks]
+        return _Stream(chunks, self.die_after if len(self.opened) == 1 else None)
+
+
+def test_a_stop_string_in_the_prompt_does_not_end_a_stream_moved_mid_character(tokenizer):
+    """The dead replica sent an answer ending in the first byte of a multi-byte character; the new replica's
+    detokenizer, primed with the prompt plus those ids, emits held-back text of the prompt with its first
+    token. A stop string in the prompt ("User:", a chat's turn marker) must not end the request there: the
+    moved stream is the untouched run's, to max_tokens."""
+    from kvmesh.deployments.failure_metrics import FailureCounters
+    from kvmesh.deployments.migration import MigratingStream
+
+    prompt = tokenizer("User: what is the capital of Japan?\nAssistant:")["input_ids"]
+    answer = tokenizer.encode(" The capital is 東京, a big city by the sea.", add_special_tokens=False)
+    cut = next(i for i in range(1, len(answer) + 1) if "\ufffd" in tokenizer.decode(answer[:i]))
+    assert cut < len(answer) - 2  # the sent ids end inside 東, with more of the answer to come
+    request = {
+        "request_id": "q",
+        "prompt_token_ids": prompt,
+        "params": {"max_tokens": len(answer), "stop": ["User:"]},
+    }
+    untouched = _VllmTextReplica(tokenizer, prompt, answer, die_after=None).open(request).chunks
+    assert untouched[-1]["finish_reason"] == "length"  # "User:" is not in the answer
+    replica = _VllmTextReplica(tokenizer, prompt, answer, die_after=cut)
+
+    def text_for(req, sent, delivered):
+        p = req["params"]
+        return ContinuationText(
+            rust_tokenizer(tokenizer), req["prompt_token_ids"], sent, stop=p["stop"], delivered_chars=delivered
+        )
+
+    async def run():
+        stream = MigratingStream(
+            request,
+            replica.open,
+            max_migrations=2,
+            counters=FailureCounters(),
+            replica_failed=lambda rid: None,
+            first_token=lambda rid: None,
+            text_for=text_for,
+        )
+        return [chunk async for chunk in stream]
+
+    got = asyncio.run(run())
+    assert len(replica.opened) == 2 and replica.opened[1]["prompt_token_ids"] == prompt + answer[:cut]
+    assert [t for c in got for t in c["token_ids"]] == answer
+    assert "".join(c["text"] for c in got) == "".join(c["text"] for c in untouched)
+    assert got[-1]["finish_reason"] == "length"

@@ -284,3 +284,53 @@ def test_routing_stats_report_the_block_size_vllm_runs_with(monkeypatch, tmp_pat
         assert r.record_routing_stats()["block_size"] == 32
     finally:
         r._release()
+
+
+@pytest.mark.parametrize(
+    "model_dtype, cache_dtype, vllm_block, per_elem",
+    [("torch.float32", "auto", 32, 4), ("torch.bfloat16", "auto", 16, 2), ("torch.bfloat16", "fp8_e4m3", 32, 1)],
+    ids=["float32_model", "vllm_block_size", "fp8_cache"],
+)
+def test_the_host_tier_is_sized_in_the_blocks_and_dtype_vllm_runs_with(
+    monkeypatch, tmp_path, model_dtype, cache_dtype, vllm_block, per_elem
+):
+    """The configured dtype "auto" says nothing of the KV cache's width (a float32 model, the tiny one, runs in
+    float32: 4 bytes an element, not 2), and vLLM may run other blocks than configured: the host tier's
+    capacity in blocks, and a chunk in blocks, are those of vLLM's cache as it runs."""
+    import json
+
+    import ray
+
+    from kvmesh.deployments import engine as engine_module
+    from kvmesh.kvstore import node_server
+
+    config = {"num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 2, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(node_server, "_actor_cls", lambda: _NodeServerActors({"l1_size_gb": 1, "chunk_size": 256}))
+    monkeypatch.setattr(node_server, "patch_llvmlite_dunder_lookup", lambda: True)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.setattr(engine_module, "_L1_WARNED", set(), raising=False)
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=vllm_block, cache_dtype=cache_dtype, num_gpu_blocks=64),
+        model_config=SimpleNamespace(dtype=model_dtype),
+    )
+    monkeypatch.setattr(_FakeDriver, "engine", SimpleNamespace(vllm_config=vllm_config), raising=False)
+    r = _replica(monkeypatch, tmp_path, block_size=32, dtype="auto", lmcache={"l1_size_gb": 1, "chunk_size": 256})
+    try:
+        bytes_per_block = 2 * 2 * 4 * 64 * vllm_block * per_elem  # K and V, layers, KV heads, head size, block
+        want = {
+            "chunk_blocks": 256 // vllm_block,
+            "shared": False,
+            "host_capacity_blocks": (1 << 30) // bytes_per_block,
+        }
+        assert r.tier_info == want
+    finally:
+        r._release()
+
+
+def test_without_vllms_config_the_kv_dtype_is_the_one_kvmesh_hands_vllm():
+    from kvmesh.deployments.engine import kv_cache_dtype
+
+    assert kv_cache_dtype(object(), {"model": "tiny", "dtype": "auto"}) == "float32"  # engine_dtype's choice
+    assert kv_cache_dtype(object(), {"model": "/models/llama", "dtype": "bfloat16"}) == "bfloat16"

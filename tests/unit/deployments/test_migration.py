@@ -127,6 +127,28 @@ def test_a_continuation_asks_for_the_rest_from_the_prompt_plus_what_was_sent():
     assert continuation(REQUEST, [], 1) is REQUEST  # nothing sent yet: the same request, routed again
 
 
+@pytest.mark.parametrize("replayed", [True, False], ids=["ingress_text", "engine_text"])
+def test_a_continuation_carries_stop_strings_only_when_the_engine_finds_them(replayed):
+    """With the ingress replaying the text (a detokenizer from text_for) the ingress finds stop strings over
+    the whole output, and the new replica's own text (which may hold the prompt's) is not searched: its
+    continuation goes without them. Without one (no fast tokenizer) the engine keeps them."""
+    a, b = _Replica("A", die_after=2), _Replica("B")
+    request = {**REQUEST, "params": {**REQUEST["params"], "stop": ["User:"]}}
+    stream = MigratingStream(
+        request,
+        _fleet(a, b),
+        max_migrations=2,
+        counters=FailureCounters(),
+        replica_failed=lambda rid: None,
+        first_token=lambda rid: None,
+        text_for=lambda req, sent, delivered: _Text((), sent) if replayed else None,
+    )
+    assert asyncio.run(_drain(stream)) == ANSWER
+    assert a.requests[0]["params"]["stop"] == ["User:"]  # the original request is the engine's to stop
+    assert ("stop" in b.requests[0]["params"]) is not replayed
+    assert b.requests[0]["params"]["max_tokens"] == 4 and request["params"]["stop"] == ["User:"]
+
+
 def test_a_replica_dying_mid_stream_is_invisible_in_the_stitched_stream():
     counters, failed, started = FailureCounters(), [], []
     a, b = _Replica("A", die_after=2), _Replica("B")

@@ -355,6 +355,38 @@ def test_router_decision_trace_shows_what_ranking_saw(monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_decision_record_stays_small_however_many_replicas_hold_the_prefix(monkeypatch):
+    """A prefix every replica holds (a common system prompt in a shared tier) must not put every replica in each
+    placement's record: its cached blocks are those of the replicas it lists (`TRACED_REPLICAS` + the top one)
+    and of the one Serve placed it on, however large the fleet."""
+    import json
+
+    from kvmesh.cluster.decision_trace import TRACED_REPLICAS
+    from kvmesh.kvstore.hashing import block_hashes
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        reps = [fake_replica(f"R{k:03d}") for k in range(64)]
+        await router.choose_replicas(reps, fake_request([1, 2, 3], "reg"))  # registers them all
+        system = list(range(10, 10 + 256))
+        for r in reps:
+            router.index.store(r.replica_id.unique_id, block_hashes(system, 32, algo=router.hash_algo))
+        pending = fake_request(system + [7, 8, 9], "big")
+        await router.choose_replicas(reps, pending)
+        listed = set(router._routing["i-big"].cells)
+        elsewhere = next(r for r in reps if r.replica_id.unique_id not in listed)
+        router._routed(pending, elsewhere.replica_id)  # Serve placed it off the ranked ones
+        d = router.recent_decisions()[-1]
+        assert len(d["replicas"]) <= TRACED_REPLICAS + 1
+        assert set(d["cached_blocks"]) == set(d["replicas"]) | {elsewhere.replica_id.unique_id}
+        assert set(d["cached_blocks"].values()) == {8}
+        assert len(json.dumps(d)) < 2000  # the ~0.5 KB a decision is budgeted, give or take a few replicas
+
+    asyncio.run(scenario())
+
+
 def test_a_request_committed_and_not_yet_placed_is_queued_on_its_replica_for_the_next_ranking(monkeypatch):
     """Serve probes an empty replica's queue length before it places the first requests, and ranks the rest
     of a burst meanwhile: each must see the ones committed before it as queued, with their prefill pending,
