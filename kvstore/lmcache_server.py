@@ -220,21 +220,6 @@ def redis_run_id(
     return None
 
 
-def redis_hung(host: str, port: int, timeout: float) -> bool:
-    """True when a RESP server takes the connection and does not answer PING within `timeout`: stopped or
-    wedged, not gone. LMCache's Redis client has no timeout, so every lookup the server sends it then waits
-    for good (a refused connection fails at once, and lookups with it)."""
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            s.recv(64)  # any answer, an error for a missing AUTH included: it is serving
-            return False
-    except TimeoutError:
-        return True
-    except OSError:
-        return False
-
-
 def _resp_address(l2: dict | None) -> tuple[str, int] | None:
     """(host, port) of a `resp` shared tier, the one LMCache 0.5.6's native client (which never reconnects) is
     used for; None for any other. Valkey is not: LMCache's valkey adapter finds a cluster from any of its
@@ -254,12 +239,6 @@ def _valkey_seeds(l2: dict | None) -> list[tuple[str, int]]:
         if host and port.isdigit():
             seeds.append((host, int(port)))
     return seeds
-
-
-def shared_tier_hung(l2: dict | None, timeout: float) -> bool:
-    """`redis_hung` for the configured L2 (False for adapters kvmesh cannot probe so)."""
-    address = _resp_address(l2)
-    return address is not None and redis_hung(*address, timeout)
 
 
 def l2_credentials(l2: dict | None, env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:

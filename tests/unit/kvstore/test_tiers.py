@@ -564,5 +564,5 @@ def test_a_refused_shared_tier_is_not_a_hung_one_and_a_server_not_started_is_lef
     port = free.getsockname()[1]
     free.close()  # nothing listens there
     srv = LMCacheServer(TierConfig.from_dict({"l2": f"redis://127.0.0.1:{port}"}), tmp_path / "log")
-    assert lmcache_server.shared_tier_hung(srv.config.l2, 0.2) is False
+    assert lmcache_server.shared_tier_probe(srv.config.l2, 0.2) is False  # refused at once: down, not stalled
     assert srv.supervise() == "shared-down" and not srv.without_shared
