@@ -107,6 +107,9 @@ FALLBACK_GRPC_PORT_ENV = "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"
 
 
 _joined = [False]  # start_local connected to a cluster it did not start: stop only this app there
+# the address of the joined cluster's head node when that is another machine than this one: Serve's one HTTP
+# proxy runs there (proxy_location HeadOnly), so the app's URL is that machine's (`proxy_elsewhere`)
+_proxy_node: list[str | None] = [None]
 _children_before: list[int] = []  # processes below this one before it started Ray: not Ray's to end
 
 
@@ -172,7 +175,11 @@ def start_local(
         serve.start(proxy_location="HeadOnly", http_options={"host": cfg["host"], "port": cfg["port"]})
         _app_name = cfg["name"]
         deploy_or_explain(build_app(cfg), cfg)
-        _wait_ready(cfg, timeout_s)
+        _proxy_node[0] = _head_node_elsewhere() if _joined[0] else None
+        if _proxy_node[0]:  # the URL is the head node's, which this machine may not reach (127.0.0.1 never)
+            _wait_serving(cfg, timeout_s)
+        else:
+            _wait_ready(cfg, timeout_s)
     except BaseException as exc:
         # a start that failed half-way (a proxy Serve killed, a deploy error) leaves nothing running: the
         # Ray cluster it started, its processes and its HAProxy folder go, as on a normal stop; Ray's and
@@ -426,6 +433,64 @@ def _wait_ready(cfg: dict, timeout_s: float) -> None:
     raise TimeoutError(f"kvmesh app not healthy at {url} after {timeout_s:.0f}s")
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # the resource Ray gives its head node alone
+
+
+def _head_node_elsewhere() -> str | None:
+    """The address of the joined cluster's head node when it is not this machine's (as Ray names this
+    driver's node), else None. Nodes sharing this machine's address (several on 127.0.0.1) are this machine."""
+    import ray
+
+    try:
+        here = ray.util.get_node_ip_address()
+        heads = [
+            n.get("NodeManagerAddress")
+            for n in ray.nodes()
+            if n.get("Alive") and HEAD_NODE_RESOURCE in (n.get("Resources") or {})
+        ]
+    except Exception:  # not known: the HTTP poll, as on the head node itself
+        return None
+    return heads[0] if heads and heads[0] and heads[0] != here else None
+
+
+def proxy_elsewhere() -> str | None:
+    """The head node's address when the app's HTTP proxy runs on another machine than this driver's (a
+    cluster joined from outside its head node), else None."""
+    return _proxy_node[0]
+
+
+def _wait_serving(cfg: dict, timeout_s: float) -> None:
+    """`_wait_ready` for an app whose HTTP proxy runs on another machine: asks Serve instead of the URL, until
+    the app runs and a proxy is healthy. What it cannot see from here: whether the router routes to every
+    engine yet (the HTTP poll's second wait), so requests sent at once may go to the engines seen first."""
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    seen = "no status"
+    while True:  # asked once at least
+        try:
+            status = serve.status()
+        except Exception:  # the controller is busy: asked again
+            status = None
+        app = status.applications.get(cfg["name"]) if status is not None else None
+        if status is not None and app is not None:
+            state = str(getattr(app.status, "value", app.status))  # Serve's status enums are strings
+            seen = f"app {state}"
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                why = (str(app.message or "").strip().splitlines() or [""])[0]
+                raise RuntimeError(f"kvmesh app {state}{': ' + why if why else ''}")
+            proxies = [str(getattr(p, "value", p)) for p in (status.proxies or {}).values()]
+            if state == "RUNNING" and "HEALTHY" in proxies:
+                return
+            seen += f", proxies {sorted(set(proxies)) or 'none'}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    raise TimeoutError(f"kvmesh app not serving after {timeout_s:.0f}s ({seen})")
+
+
 def initial_engine_replicas(cfg: Mapping[str, Any]) -> int:
     """Engine replicas the app starts with: `replicas`, or with autoscaling its initial (else minimum) count
     as Serve resolves them (`config.serve_autoscaling`)."""
@@ -532,4 +597,5 @@ def stop_local(drain: bool = True, keep_logs: bool = False) -> None:
     remove_run_secret_files()
     _started_ray = False
     _joined[0] = False
+    _proxy_node[0] = None
     _app_name = None

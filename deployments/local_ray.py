@@ -55,6 +55,7 @@ def local_num_cpus(cfg: Mapping[str, Any], requested: int | None) -> int:
     Ray's CPUs are a scheduling count, not a limit: engines that share cores are slower, never stuck.
     An explicit request is honoured and checked (NotEnoughResources names the flags that fix it).
     """
+    check_local_resources(cfg)
     need = cpus_needed(cfg)
     if requested is not None:
         check_fits(cfg, float(requested), "--num-cpus")
@@ -78,6 +79,65 @@ def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
             f"{cfg['ingress_replicas'] * INGRESS_NUM_CPUS:g}) but {where} gives {cpus:g}: raise {where}, lower "
             f"{fewer} or engine.num_cpus"
         )
+
+
+def check_local_resources(cfg: Mapping[str, Any]) -> None:
+    """Refuse what a local cluster never has: start_local_ray gives its node no custom resources, and the
+    GPUs Ray detects on this machine (`local_gpus`). Otherwise Ray and Serve started, and the engines waited
+    to be placed until the start-up watch gave up on them."""
+    from kvmesh.deployments.deploy_plan import max_engine_replicas
+
+    eng = cfg["engine"]
+    if eng.get("resources"):
+        names = ", ".join(sorted(eng["resources"]))
+        raise NotEnoughResources(
+            f"engine.resources ({names}): custom Ray resources exist only on nodes started with `ray start "
+            "--resources`, never on the local cluster kvmesh starts: remove engine.resources, or join such a "
+            "cluster with --address"
+        )
+    per = float(eng.get("num_gpus") or 0)
+    if per <= 0:
+        return
+    gpus = local_gpus()
+    if gpus is None:  # not known cheaply: Ray counts them itself, and the start-up watch names a shortfall
+        return
+    engines = max_engine_replicas(cfg)
+    # Ray places a fractional GPU request within one GPU: 3 engines of 0.6 GPU need 3 GPUs, not 2
+    room = gpus * math.floor(1 / per + 1e-9) if per < 1 else math.floor(gpus / per + 1e-9)
+    if engines > room:
+        auto = bool(cfg.get("autoscaling"))
+        fewer = "--autoscaling MAX" if auto else "--replicas"
+        raise NotEnoughResources(
+            f"{engines} engine replica(s){' (the autoscaling maximum)' if auto else ''} of engine.num_gpus "
+            f"{per:g} need more GPUs than the {gpus} Ray finds on this machine (room for {room}): lower {fewer} "
+            "or engine.num_gpus, or join a cluster with GPUs (--address)"
+        )
+
+
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"  # present wherever the NVIDIA driver is loaded
+AMD_GPU_DEVICE = "/dev/kfd"  # ROCm's: Ray counts AMD GPUs as GPU too
+
+
+def local_gpus() -> int | None:
+    """The GPUs a local Ray counts on this machine (start_local_ray lets it detect them): NVIDIA's, limited
+    to CUDA_VISIBLE_DEVICES as Ray limits them; None where that cannot be told without loading a GPU
+    library (an AMD machine, nvidia-smi failing). Neither torch nor CUDA is initialised here."""
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "NoDevFiles"):
+        return 0
+    if os.path.exists(AMD_GPU_DEVICE):
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None if os.path.exists(NVIDIA_CONTROL_DEVICE) else 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+    return min(found, len(visible.split(","))) if visible is not None else found
 
 
 START_ATTEMPTS = 2  # Ray gives its raylet a fixed 30 s to register; a busy machine can miss that once

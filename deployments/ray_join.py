@@ -18,6 +18,35 @@ from collections.abc import Iterator
 from kvmesh.deployments import ray_private
 
 LOOPBACK = "127.0.0.1"
+REACH_TIMEOUT_S = 5.0  # a GCS that is up accepts a connection at once; a dropped packet costs this much
+
+
+class ClusterUnreachable(ConnectionError):
+    """Nothing accepts a connection at the Ray cluster address given."""
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Raise ClusterUnreachable unless something accepts a TCP connection at `address` (host:port of a
+    cluster's GCS) within `timeout_s`. Why: `ray.init` retries a GCS it cannot reach 20 times, each try
+    waiting about 40 s and printing warnings, so a wrong or dead address failed only after some 14 minutes."""
+    import socket
+
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address in brackets
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 0 < port < 65536:
+        raise ClusterUnreachable(f"Ray cluster address {address!r}: expected host:port, port 1-65535")
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except TimeoutError:
+        raise ClusterUnreachable(f"no Ray cluster answers at {address}: no connection within {timeout_s:g}s") from None
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ClusterUnreachable(f"no Ray cluster answers at {address}: {why}") from None
 
 
 def is_loopback(address: str) -> bool:
@@ -40,9 +69,11 @@ def keep_loopback() -> Iterator[None]:
 
 
 def join_cluster(address: str, *, log_to_driver: bool = False) -> None:
-    """Connect this process to the running cluster at `address` (host:port of its GCS) as a driver."""
+    """Connect this process to the running cluster at `address` (host:port of its GCS) as a driver; an
+    address nothing answers at raises ClusterUnreachable at once (`check_reachable`)."""
     import ray
 
+    check_reachable(address)
     if not is_loopback(address):
         ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
         return

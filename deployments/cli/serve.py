@@ -237,13 +237,16 @@ def run(args) -> int:
     if not is_driver():
         from kvmesh.deployments.local_ray import NotEnoughResources, local_num_cpus
         from kvmesh.deployments.port_check import check_port_free
+        from kvmesh.deployments.ray_join import check_reachable
         from kvmesh.deployments.salt_secret import check_usable_secret
 
         try:
             # a published placeholder, a short secret, a missing file stop here, not in the replicas once Ray runs
             # (a cluster joined may hold the file on its nodes only: one this machine cannot read is theirs)
             check_usable_secret(os.environ, file_is_here=not cfg["address"])
-            if not cfg["address"]:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does
+            if cfg["address"]:  # a wrong or dead address fails here, not after Ray's minutes of retries
+                check_reachable(cfg["address"])
+            else:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does
                 check_port_free(cfg["host"], cfg["port"])
                 local_num_cpus(cfg, args.num_cpus)
         except (OSError, NotEnoughResources, ConfigError) as exc:
@@ -265,15 +268,15 @@ def _flags(args) -> list[str]:
 
 
 def engine_replicas_text(cfg: dict) -> str:
-    """The banner's engine count: under autoscaling `replicas` is not used, so the range is what runs
-    (Serve's own defaults fill the keys the config leaves out)."""
+    """The banner's engine count: under autoscaling `replicas` is not used, so the range is what runs, as
+    Serve resolves it (`config.serve_autoscaling`: Serve's defaults for the autoscaling deployments fill the
+    keys the config leaves out, max_replicas 100 among them, as the CPU check and the ingress count too)."""
     if not cfg.get("autoscaling"):
         return f"{cfg['replicas']} engine replica(s)"
-    from ray.serve.config import AutoscalingConfig
-
     from kvmesh.deployments.app import initial_engine_replicas
+    from kvmesh.deployments.config import serve_autoscaling
 
-    auto = AutoscalingConfig(**cfg["autoscaling"])
+    auto = serve_autoscaling(cfg["autoscaling"])
     start = initial_engine_replicas(cfg)
     return f"{auto.min_replicas}-{auto.max_replicas} engine replicas (autoscaling, {start} at start)"
 
@@ -281,6 +284,7 @@ def engine_replicas_text(cfg: dict) -> str:
 def _drive(args, cfg: dict) -> int:
     """The Ray driver: start the app, wait for a stop signal, stop the app."""
     from kvmesh.deployments.app import (
+        proxy_elsewhere,
         remove_dead_runs_files,
         remove_haproxy_dir,
         remove_run_secret_files,
@@ -327,12 +331,12 @@ def _drive(args, cfg: dict) -> int:
     # from the start (Ray leaves SIGHUP alone): the relay can die while the app starts. A SIGTERM during the
     # start raises SystemExit (cli.main), which start_local's clean-up and the one below unwind through
     signal.signal(signal.SIGHUP, _on_signal)
-    print(
-        f"starting kvmesh: {engine_replicas_text(cfg)}, policy {cfg['policy']}, model {cfg['engine']['model']} ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
+    try:  # the banner too: a config it cannot describe is a one-line error, like any failed start
+        print(
+            f"starting kvmesh: {engine_replicas_text(cfg)}, policy {cfg['policy']}, model {cfg['engine']['model']} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         url = start_local(cfg, num_cpus=args.num_cpus, address=args.address)
     except Exception as exc:
         stop_local()
@@ -344,6 +348,9 @@ def _drive(args, cfg: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     print(f"kvmesh serving at {url}/v1  (model: {cfg['engine']['model']})")
+    head = proxy_elsewhere()
+    if head:  # Serve's one HTTP proxy runs on the joined cluster's head node, not on this machine
+        print(f"the URL is the Ray head node's ({head}): Serve's HTTP proxy runs there, not on this machine")
     if cfg["api_keys"]:
         key = cfg["api_keys"][0]
         print(api_key_banner(key, generated=key == getattr(args, "_generated_api_key", None)))

@@ -287,6 +287,57 @@ def test_under_autoscaling_the_cpu_check_counts_the_maximum_and_names_its_flag()
     )
 
 
+def test_a_local_cluster_refuses_custom_resources_and_more_gpus_than_the_machine_has(monkeypatch):
+    """start_local_ray gives its node no custom resources and Ray counts the machine's GPUs: engines asking for
+    either passed the CPU check, and waited to be placed once Ray and Serve ran."""
+    from kvmesh.deployments import local_ray
+
+    with pytest.raises(NotEnoughResources, match=r"engine.resources \(kvmesh_engine\): .*`ray start --resources`"):
+        local_num_cpus(app_config({"engine": {"resources": {"kvmesh_engine": 1}}}), None)
+    monkeypatch.setattr(local_ray, "local_gpus", lambda: 0)
+    with pytest.raises(
+        NotEnoughResources, match=r"2 engine replica\(s\) of engine.num_gpus 1 need more GPUs than the 0"
+    ):
+        local_num_cpus(app_config({"engine": {"num_gpus": 1}}), None)
+    monkeypatch.setattr(local_ray, "local_gpus", lambda: 2)
+    assert local_num_cpus(app_config({"engine": {"num_gpus": 1}}), 4) == 4
+    assert local_num_cpus(app_config({"replicas": 4, "engine": {"num_gpus": 0.5}}), 4) == 4
+    # a fractional request is placed within one GPU: 0.6 + 0.6 do not share one, so 3 need 3 GPUs
+    with pytest.raises(NotEnoughResources, match=r"room for 2\): lower --replicas or engine.num_gpus"):
+        local_num_cpus(app_config({"replicas": 3, "engine": {"num_gpus": 0.6}}), 4)
+    with pytest.raises(NotEnoughResources, match=r"\(the autoscaling maximum\).*lower --autoscaling MAX"):
+        local_num_cpus(app_config({"autoscaling": {"min_replicas": 1}, "engine": {"num_gpus": 1}}), None)
+    monkeypatch.setattr(local_ray, "local_gpus", lambda: None)  # not known: left to Ray
+    assert local_num_cpus(app_config({"engine": {"num_gpus": 1}}), 4) == 4
+
+
+def test_the_gpu_count_follows_cuda_visible_devices_and_the_devices_present(tmp_path, monkeypatch):
+    import shutil
+
+    from kvmesh.deployments import local_ray
+
+    monkeypatch.setattr(local_ray, "AMD_GPU_DEVICE", str(tmp_path / "kfd"))
+    monkeypatch.setattr(local_ray, "NVIDIA_CONTROL_DEVICE", str(tmp_path / "nvidiactl"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_ray.local_gpus() == 0  # no driver, no tool
+    (tmp_path / "nvidiactl").touch()
+    assert local_ray.local_gpus() is None  # a driver without nvidia-smi: Ray's own count decides
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_ray.local_gpus() == 0
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: A (UUID: a)'\necho 'GPU 1: B (UUID: b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda name: str(smi))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local_ray.local_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert local_ray.local_gpus() == 1
+    (tmp_path / "kfd").touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local_ray.local_gpus() is None  # AMD GPUs count as GPU for Ray too
+
+
 def test_haproxys_own_error_answers_are_openai_style_json(tmp_path):
     """HAProxy's own answer when no replica can be reached was Serve's plain-text 500: run the real binary on the
     rewritten config and ask it."""
@@ -346,3 +397,54 @@ def test_a_config_without_the_defaults_section_keeps_serves_own_error_answers(tm
     assert json_errors(text, str(tmp_path)) == text
     named = json_errors("defaults serve\n    mode http\n    errorfile 503 /x/500.http\n", str(tmp_path))
     assert "/x/500.http" not in named and f"errorfile 503 {tmp_path}/kvmesh-503.http" in named
+
+
+def _serve_status(app_status: str, proxy: str | None = "HEALTHY", message: str = ""):
+    from ray.serve.schema import ApplicationStatusOverview, ServeStatus
+
+    app = ApplicationStatusOverview(status=app_status, message=message, last_deployed_time_s=0.0, deployments={})
+    return ServeStatus(proxies={"head-node": proxy} if proxy else {}, applications={"kvmesh": app})
+
+
+def test_joined_from_another_machine_than_the_head_the_start_asks_serve_not_the_url(home, fake_ray, monkeypatch):
+    """Serve's one HTTP proxy runs on the head node (proxy_location HeadOnly): a driver on another machine
+    polled http://127.0.0.1:<port>/health on its own, which never answered, and deleted the app after 600 s."""
+    import ray
+    from ray import serve
+
+    from kvmesh.deployments import app, ray_join
+
+    monkeypatch.setattr(ray_join, "join_cluster", lambda address, **kw: fake_ray.__setitem__("up", True))
+    nodes = [
+        {"Alive": True, "NodeManagerAddress": "10.0.0.5", "Resources": {"CPU": 4.0, "node:__internal_head__": 1.0}},
+        {"Alive": True, "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 4.0}},
+    ]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.9")
+    polled = []
+    monkeypatch.setattr(app, "_wait_ready", lambda cfg, timeout_s: polled.append(cfg["port"]))
+    monkeypatch.setattr(serve, "status", lambda: _serve_status("RUNNING"))
+    monkeypatch.setattr(serve, "delete", lambda name: None)
+    assert app.start_local({"port": 8000}, address="10.0.0.5:6379") == "http://127.0.0.1:8000"
+    assert polled == [] and app.proxy_elsewhere() == "10.0.0.5"
+    app.stop_local(drain=False)
+    assert app.proxy_elsewhere() is None
+    # a driver on the head node itself polls the URL, as before
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")
+    app.start_local({"port": 8000}, address="10.0.0.5:6379")
+    assert polled == [8000] and app.proxy_elsewhere() is None
+    app.stop_local(drain=False)
+
+
+def test_waiting_through_serve_ends_at_a_failed_app_with_its_reason(monkeypatch):
+    from ray import serve
+
+    from kvmesh.deployments import app
+
+    cfg = app_config({})
+    monkeypatch.setattr(serve, "status", lambda: _serve_status("DEPLOY_FAILED", message="replica died\ntrace"))
+    with pytest.raises(RuntimeError, match=r"^kvmesh app DEPLOY_FAILED: replica died$"):
+        app._wait_serving(cfg, 60)
+    monkeypatch.setattr(serve, "status", lambda: _serve_status("RUNNING", proxy="UNHEALTHY"))
+    with pytest.raises(TimeoutError, match=r"app RUNNING, proxies \['UNHEALTHY'\]"):
+        app._wait_serving(cfg, 0)

@@ -147,3 +147,38 @@ def test_a_failed_start_is_one_plain_line_without_rays_colour_codes(monkeypatch)
     with pytest.raises(CliError) as info:
         serve_cmd._drive(argparse.Namespace(num_cpus=None, address=None), app_config({}))
     assert str(info.value) == "could not start the app: ray::ProxyActor.ready() (pid=2719, ip=127.0.0.1)"
+
+
+def test_the_start_banner_resolves_autoscaling_as_serve_does(monkeypatch, capsys):
+    """Keys the autoscaling mapping leaves out take Serve's defaults for autoscaling deployments (max_replicas
+    100): `{min_replicas: 2}` crashed the banner (a plain AutoscalingConfig has max_replicas 1) with a
+    traceback, and `{min_replicas: 1}` printed 1-1 while Serve ran up to 100."""
+    import argparse
+
+    from kvmesh.deployments import app, process_tree
+    from kvmesh.deployments.cli import CliError
+    from kvmesh.deployments.cli import serve as serve_cmd
+    from kvmesh.deployments.config import app_config
+
+    texts = [
+        serve_cmd.engine_replicas_text(app_config({"autoscaling": auto}))
+        for auto in ({"min_replicas": 2}, {"min_replicas": 1}, {"initial_replicas": 3})
+    ]
+    assert texts == [
+        "2-100 engine replicas (autoscaling, 2 at start)",
+        "1-100 engine replicas (autoscaling, 1 at start)",
+        "1-100 engine replicas (autoscaling, 3 at start)",
+    ]
+
+    # whatever else the banner trips on is a one-line start failure, not a traceback
+    def broken(cfg):
+        raise ValueError("cannot describe\nsecond line")
+
+    started = []
+    monkeypatch.setattr(serve_cmd, "engine_replicas_text", broken)
+    monkeypatch.setattr(app, "start_local", lambda cfg, **kwargs: started.append(cfg))
+    monkeypatch.setattr(app, "stop_local", lambda drain=True: None)
+    monkeypatch.setattr(process_tree, "become_subreaper", lambda: None)
+    with pytest.raises(CliError) as info:
+        serve_cmd._drive(argparse.Namespace(num_cpus=None, address=None), app_config({}))
+    assert str(info.value) == "could not start the app: cannot describe" and not started

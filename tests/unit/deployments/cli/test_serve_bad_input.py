@@ -87,11 +87,46 @@ def test_the_secret_variable_wins_over_the_file_as_in_the_replicas_and_is_checke
 
 def test_a_secret_file_of_a_joined_clusters_nodes_is_theirs_to_check(launch, monkeypatch, capsys):
     """With --address the file may exist only on the cluster's nodes; a secret in the variable is checked."""
+    from kvmesh.deployments import ray_join
+
+    monkeypatch.setattr(ray_join, "check_reachable", lambda address: None)  # no cluster needed for this check
     monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secrets/on-the-nodes-only")
     assert main(["serve", "--address", "10.0.0.1:6379"]) == 0 and len(launch) == 1
     monkeypatch.setenv("KVMESH_SALT_SECRET", "short")
     refused(["serve", "--address", "10.0.0.1:6379"], capsys, "too short")
     assert len(launch) == 1
+
+
+def test_an_address_nothing_answers_at_stops_before_the_launch(launch, capsys, monkeypatch):
+    """`ray.init` retried a GCS it could not reach for some 14 minutes, printing warnings, before it failed:
+    an address where nothing accepts a connection is one line naming it, exit 2, before anything starts."""
+    import socket
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there now: the connection is refused at once
+    try:
+        err = refused(["serve", "--address", dead], capsys, f"no Ray cluster answers at {dead}")
+        assert "refused" in err.lower() and launch == []
+        refused(["serve", "--address", "127.0.0.1:0"], capsys, "port 1-65535")
+        assert launch == []
+        assert main(["serve", "--address", f"127.0.0.1:{listening.getsockname()[1]}"]) == 0 and len(launch) == 1
+        # the driver's join (and any other caller's) checks it too, before ray.init
+        import ray
+
+        from kvmesh.deployments import ray_join
+
+        inits = []
+        monkeypatch.setattr(ray, "init", lambda **kwargs: inits.append(kwargs))
+        with pytest.raises(ray_join.ClusterUnreachable, match=f"no Ray cluster answers at {dead}"):
+            ray_join.join_cluster(dead)
+        assert inits == []
+    finally:
+        listening.close()
 
 
 # ---------------------------------------------------------------------------------------- flags
