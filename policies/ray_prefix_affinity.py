@@ -4,15 +4,18 @@ Source: ray 2.60.0 (commit b7f4259) `ray/llm/_internal/serve/routing_policies/pr
 and `prefix_tree.py` (read in the installed wheel), and doc/source/serve/advanced-guides/prefix-aware-request-router.md.
 Taken: (1) if max - min replica queue length > imbalanced_threshold (default: infinity, i.e. never),
 fall back to power of two choices; (2) else match the prompt in a prefix tree fed at routing time
-(`on_request_routed` inserts the prompt); if match rate >= match_rate_threshold (0.1) the candidates
-are the replicas with the longest match, else the replicas with the smallest tree ("smallest
-tenants"); (3) Serve sends to the least-queued candidate. Eviction is off by default (`do_eviction=False`):
-the tree keeps every prompt routed. With `do_eviction=True` a replica's tree over eviction_threshold_chars
-(400,000) is cut, least recently used first, to eviction_target_chars (360,000); here 4 characters per token
-turn those into tokens. The tree holds a prompt only for the replica the request went to: the live router's
-withdrawn first choices are taken back out (`on_unrouted`). Differences: the tree is over block hashes, not
-characters; the eviction check runs at each insertion instead of every eviction_interval_secs (10 s), since a
-policy has no clock.
+(`on_request_routed` inserts the prompt); if the match rate (`len(matched_text) / len(input_text)`, here
+matched blocks x block size / prompt tokens, the partial last block counted in the length) >=
+match_rate_threshold (0.1) the candidates are the replicas with the longest match, else the replicas with
+the smallest tree ("smallest tenants"); (3) Serve sends to the least-queued candidate. Eviction is off by
+default (`do_eviction=False`): the tree keeps every prompt routed. With `do_eviction=True` a replica's tree
+over eviction_threshold_chars (400,000) is cut, least recently used first, to eviction_target_chars
+(360,000); here 4 characters per token turn those into tokens. The tree holds a prompt only for the replica
+the request went to: the live router's withdrawn first choices are taken back out (`on_unrouted`).
+Differences: the tree is over block hashes, not characters, so matching stops at block boundaries (a shared
+prefix ending mid-block counts only its full blocks, and a prompt shorter than one block never matches: a
+policy sees only full blocks' hashes); the eviction check runs at each insertion instead of every
+eviction_interval_secs (10 s), since a policy has no clock.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 from kvmesh.policies.cost_model import check_flag, check_param
 from kvmesh.policies.routed_tree import RoutedTree
+from kvmesh.policies.sglang_cache_aware import match_rate
 
 
 def prompt_tree(do_eviction: bool, threshold_chars: int, target_chars: int, chars_per_token: int) -> RoutedTree:
@@ -83,7 +87,7 @@ class RayPrefixAffinity(Policy):
         if max(q.values()) - min(q.values()) <= self.imbalanced_threshold:
             match = self.tree.match(request.block_hashes, ids)
             best = max(match.values())
-            rate = best / max(len(request.block_hashes), 1)
+            rate = match_rate(best, request)
             if rate >= self.match_rate_threshold and best > 0:
                 candidates = [r for r in ids if match[r] == best]
             else:

@@ -12,10 +12,14 @@ balance_abs_threshold AND max_load > balance_rel_threshold * min_load, where loa
 count of outstanding requests per worker; then the least-loaded worker wins. Otherwise the worker
 with the longest prefix match in the router's approximate tree (fed with each routed request, LRU
 trimmed) wins if match/len > cache_threshold, else the least-loaded worker (ties: the first in worker
-order, as `min_by_key` keeps). The tree holds a prompt only for the worker the request went to: the live
-router's withdrawn first choices are taken back out (`on_unrouted`). Differences: the tree is over block
-hashes, not characters, so `max_tree_size` (characters, as SGLang counts them) bounds it at
-`chars_per_token` (4, as for Ray's bounds in `ray_prefix_affinity`) characters a token.
+order, as `min_by_key` keeps); match/len is the matched share of the whole prompt (`tree.rs`
+`prefix_match_with_counts`: matched characters / input characters), here matched blocks x block size /
+prompt tokens, the partial last block counted in the length. The tree holds a prompt only for the worker
+the request went to: the live router's withdrawn first choices are taken back out (`on_unrouted`).
+Differences: the tree is over block hashes, not characters, so matching stops at block boundaries (a
+shared prefix ending mid-block counts only its full blocks, and a prompt shorter than one block never
+matches: a policy sees only full blocks' hashes), and `max_tree_size` (characters, as SGLang counts them)
+bounds it at `chars_per_token` (4, as for Ray's bounds in `ray_prefix_affinity`) characters a token.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ from kvmesh.policies.base import Policy, ReplicaView, RequestInfo
 from kvmesh.policies.baselines import outstanding
 from kvmesh.policies.cost_model import check_param
 from kvmesh.policies.routed_tree import RoutedTree
+
+
+def match_rate(matched_blocks: int, request: RequestInfo) -> float:
+    """The matched share of the whole prompt, partial last block included: SGLang's `matched_char_count /
+    input_char_count` and Ray's `len(matched_text) / len(input_text)` in tokens. Matching stops at block
+    boundaries, so a prompt shorter than one block never matches (its rate is 0)."""
+    size = request.block_size
+    total = max(request.num_tokens, len(request.block_hashes) * size, 1)
+    return matched_blocks * size / total
 
 
 class SglangCacheAware(Policy):
@@ -75,8 +88,7 @@ class SglangCacheAware(Policy):
         ids = list(loads)
         match = self.tree.match(request.block_hashes, ids)
         best = max(ids, key=lambda r: match[r])  # first of equals in replica order
-        total = max(len(request.block_hashes), 1)
-        first = best if match[best] / total > self.cache_threshold else by_load[0]
+        first = best if match_rate(match[best], request) > self.cache_threshold else by_load[0]
         return [first] + [r for r in by_load if r != first]
 
     def on_routed(self, request, replica_id, view=None):

@@ -53,6 +53,18 @@ def test_approx_tree_trims_from_a_threshold_to_a_target_and_never_without_one():
         ApproxTree(10, 11)
 
 
+def test_ray_match_rate_divides_by_the_whole_prompt_partial_last_block_included():
+    # ray 2.60 prefix_aware_router.py: match_rate = len(matched_text) / len(input_text). r1 holds block A; the
+    # prompt is A + 9 new blocks + a 31-token tail (351 tokens): 32 / 351 = 0.091 < 0.1, so the candidates are
+    # the smallest trees (r0, empty), not r1 (1 / 10 full blocks = 0.100 would send it to r1)
+    p = make_policy("ray_prefix_affinity")
+    p.on_routed(RequestInfo([101], 40, 32, request_id="seed"), "r1")
+    prompt = RequestInfo([101, *range(900, 909)], 351, 32, request_id="q")
+    assert p.rank(prompt, views(2))[0] == "r0"
+    # the same prompt without the tail is 32 / 320 = 0.1 of the prompt: matched, so r1
+    assert p.rank(RequestInfo(prompt.block_hashes, 320, 32, request_id="q2"), views(2))[0] == "r1"
+
+
 # ---------------------------------------------------------------------------------- SGLang cache_aware
 def test_sglang_low_match_goes_to_the_least_loaded_worker_not_the_smallest_tree():
     # sglang-router 0.3.2 (min load since 2025-12-08): a request matching <= cache_threshold goes to the worker with the
@@ -61,6 +73,27 @@ def test_sglang_low_match_goes_to_the_least_loaded_worker_not_the_smallest_tree(
     p.on_routed(req(range(40)), "r0")  # r0: big tree, idle; r1: empty tree, 3 in flight (balanced: 3 <= 64)
     assert p.rank(req(range(100, 110)), views(2, running={1: 3}))[0] == "r0"
     assert p.rank(req(range(100, 110)), views(2, running={0: 3}))[0] == "r1"
+
+
+def test_sglang_match_rate_divides_by_the_whole_prompt_partial_last_block_included():
+    # cache_aware.rs select_worker: match_rate = matched chars / input chars (tree.rs prefix_match_with_counts).
+    # r1 (one request in flight) holds block A; the prompt is A + 2 new blocks + a 31-token tail (127 tokens):
+    # 32 / 127 = 0.252 <= 0.3, so the least-loaded worker r0, not r1 (1 / 3 full blocks = 0.333 would be)
+    p = make_policy("sglang_cache_aware")
+    p.on_routed(RequestInfo([101], 40, 32, request_id="seed"), "r1")
+    assert p.rank(RequestInfo([101, 202, 303], 127, 32, request_id="q"), views(2, running={1: 1}))[0] == "r0"
+    # 32 / 96 = 0.333 > 0.3 without the tail: the match wins over the load
+    assert p.rank(RequestInfo([101, 202, 303], 96, 32, request_id="q2"), views(2, running={1: 1}))[0] == "r1"
+
+
+@pytest.mark.parametrize("name", ["sglang_cache_aware", "ray_prefix_affinity"])
+def test_a_prompt_shorter_than_one_block_never_matches(name):
+    # a granularity difference (docs/policies.md): upstream's text tree matches a repeated 20-character prompt
+    # 20 / 20; a policy sees only full blocks' hashes, so a 20-token prompt has nothing to match and goes where a
+    # miss goes (SGLang: least loaded; Ray: smallest tree, then least queued)
+    p = make_policy(name)
+    p.on_routed(RequestInfo([], 20, 32, request_id="s1"), "r1")
+    assert p.rank(RequestInfo([], 20, 32, request_id="s2"), views(2, running={1: 1}))[0] == "r0"
 
 
 # ------------------------------------------------------------------------------ llm-d precise prefix
