@@ -20,9 +20,11 @@ errors, not silently ignored (a typo in `block_size` must not quietly fall back 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -174,6 +176,12 @@ class ConfigError(ValueError):
     """A bad serving configuration (unknown key, wrong type, impossible value)."""
 
 
+# The dtype names vLLM's engine takes (its `ModelDType`, vllm/config/model.py): a name outside them fails in
+# every replica once vLLM builds the model config. Restated so that the config is checked without importing
+# vLLM; tests/unit/deployments/test_config.py compares the two.
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
 def _check_keys(raw: Mapping[str, Any], allowed: Mapping[str, Any], where: str) -> None:
     """Every key of `raw` is a name in `allowed`. YAML makes `1: 2` an int key: named as a bad key here,
     before the names are sorted and joined (which a non-string key would break with a TypeError)."""
@@ -224,7 +232,11 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _check_keys(raw, ENGINE_DEFAULTS, "engine")
     cfg = {**copy.deepcopy(ENGINE_DEFAULTS), **raw}
     _text(cfg["model"], "engine.model")
-    _text(cfg["dtype"], "engine.dtype")
+    if cfg["dtype"] not in VLLM_DTYPES:
+        raise ConfigError(f"engine.dtype must be one of {', '.join(VLLM_DTYPES)}, got {cfg['dtype']!r}")
+    if cfg["enforce_eager"] is not None and not isinstance(cfg["enforce_eager"], bool):
+        raise ConfigError(f"engine.enforce_eager must be true, false or null, got {cfg['enforce_eager']!r}")
+    _check_kv_transfer(cfg["kv_transfer_config"])
     _number(cfg["num_cpus"], "engine.num_cpus")
     _number(cfg["num_gpus"], "engine.num_gpus")
     _whole(cfg["num_gpu_blocks_override"], "engine.num_gpu_blocks_override")
@@ -294,6 +306,27 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return cfg
 
 
+def _check_kv_transfer(value: Any) -> None:
+    """vLLM's KV connector settings, built here into its `KVTransferConfig` as each engine replica builds them
+    (deployments/engine_driver.py): a misspelt key or a refused value stops the config, not every replica
+    after Ray and vLLM started. Without vLLM installed (a machine that only renders configs) the shape alone
+    is checked."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise ConfigError(
+            f"engine.kv_transfer_config must be a mapping of vLLM KVTransferConfig keys, got {value!r:.80}"
+        )
+    try:
+        from vllm.config import KVTransferConfig
+    except ImportError:
+        return
+    try:
+        KVTransferConfig(**value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(_pydantic_line(exc, "engine.kv_transfer_config")) from None
+
+
 def _autoscaling_field(field: Any) -> tuple[type | None, float, bool]:
     """(int, float or None for other types, lower bound, bound included) of one AutoscalingConfig field,
     read from its annotation (`int`, `float`, `Optional[Annotated[float, Gt(0)]]`) and constraints."""
@@ -322,11 +355,13 @@ def _check_autoscaling(value: Any) -> None:
     if not isinstance(value, dict):
         raise ConfigError("config.autoscaling must be a mapping of Serve autoscaling keys")
     try:
-        from ray.serve.config import AutoscalingConfig
+        from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
     except ImportError:  # the key names and their rules are Serve's own: without Ray they cannot be checked
         raise ConfigError("config.autoscaling needs Ray Serve to check it: install ray[serve]") from None
 
     _check_keys(value, AutoscalingConfig.model_fields, "config.autoscaling")
+    if isinstance(value.get("policy"), Mapping):  # its model drops unknown keys as well
+        _check_keys(value["policy"], AutoscalingPolicy.model_fields, "config.autoscaling.policy")
     for key, given in value.items():
         kind, low, low_ok = _autoscaling_field(AutoscalingConfig.model_fields[key])
         if given is None or kind is None:  # null where Serve allows it, and the non-numbers: Serve's checks
@@ -340,6 +375,8 @@ def _check_autoscaling(value: Any) -> None:
         serve_autoscaling(value)
     except ValueError as exc:
         raise ConfigError(_pydantic_line(exc, "config.autoscaling")) from None
+    except TypeError as exc:  # Pydantic's, building the nested policy model from a mapping whose keys are not names
+        raise ConfigError(f"config.autoscaling.policy: {exc}".splitlines()[0]) from None
     except (ImportError, AttributeError) as exc:  # Serve imports a custom policy's function to check it
         raise ConfigError(f"config.autoscaling.policy: cannot load its policy_function ({exc})") from None
 
@@ -406,15 +443,49 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if not isinstance(cfg[key], bool):
             raise ConfigError(f"config.{key} must be true or false")
     _check_autoscaling(cfg["autoscaling"])
-    address = cfg["address"]
-    if address is not None and (
-        not isinstance(address, str) or not address.rpartition(":")[0] or not address.rpartition(":")[2].isdigit()
-    ):
-        raise ConfigError(f"config.address must be a Ray cluster address host:port or null, got {address!r}")
+    # Serve deploys an autoscaled engine deployment with num_replicas "auto": a replica count beside it would be
+    # dropped unsaid. Only a count other than the default is known to be the operator's (a filled-in config,
+    # checked again here, carries the default).
+    if cfg["autoscaling"] and cfg["replicas"] != APP_DEFAULTS["replicas"]:
+        raise ConfigError(
+            f"config.replicas ({cfg['replicas']}) and config.autoscaling exclude each other: autoscaling sets the "
+            "engine replicas (min_replicas, max_replicas); remove replicas"
+        )
+    _check_address(cfg["address"])
     if not isinstance(cfg["proxy"], str) or cfg["proxy"] not in PROXY_ENV:
         raise ConfigError(f"config.proxy must be one of {', '.join(PROXY_ENV)}")
     _check_hash_risk(cfg)
     return cfg
+
+
+# host:port, the host a name or IPv4 address, or an IPv6 address in brackets (deployments/ray_join.py strips them)
+_ADDRESS = re.compile(r"(?:\[(?P<ipv6>[^\]]+)\]|(?P<host>[A-Za-z0-9_][A-Za-z0-9._-]*)):(?P<port>[0-9]{1,5})", re.ASCII)
+
+
+def _check_address(address: Any) -> None:
+    """The Ray cluster to join: its GCS address host:port, as `ray.init` on a driver and `ray start --address`
+    take it (port 1-65535). kvmesh joins the cluster as a driver, not through Ray Client: a `ray://` address
+    (Ray Client's, the head's port 10001) is refused with what to give instead, and a scheme, a space or a port
+    out of range stop the config rather than Ray's minutes of retries."""
+    if address is None:
+        return
+    if isinstance(address, str) and address.strip().lower().startswith("ray://"):
+        raise ConfigError(
+            f"config.address: {address!r} is a Ray Client address; give the cluster's GCS address host:port "
+            "(default port 6379)"
+        )
+    found = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
+    ok = found is not None and 1 <= int(found["port"]) <= 65535
+    if ok and found["ipv6"] is not None:
+        try:
+            ipaddress.IPv6Address(found["ipv6"])
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ConfigError(
+            "config.address must be a Ray cluster's GCS address host:port (no scheme; an IPv6 host in brackets; "
+            f"port 1-65535) or null, got {address!r:.80}"
+        )
 
 
 def _check_route_prefix(prefix: str) -> None:
@@ -510,11 +581,26 @@ def hf_model_config(model_dir: str | os.PathLike) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def is_tiny_model(model: str) -> bool:
+    """`model` is the embedded tiny model: "tiny", kvmesh's own folder for it by whatever path (relative, through
+    a symlink), or any folder holding a tiny-model build (`kvmesh model build-tiny DIR`, served as `--model DIR`),
+    which the build's stamp file marks."""
+    if model == "tiny":
+        return True
+    from kvmesh.deployments.tiny_model import is_tiny_build
+
+    try:
+        path = Path(model).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte: not a folder anyone serves
+        return False
+    return path == tiny_model_dir().resolve() or is_tiny_build(path)
+
+
 def engine_dtype(model: str, dtype: str) -> str:
     """The dtype to hand vLLM. The embedded tiny model is float32, and on CPU vLLM's "auto" casts it to
     bfloat16, whose attention kernel uses AMX where the CPU reports it: on machines whose kernel does
     not grant the process AMX state that kernel dies with SIGILL on the first prefill. float32 takes
-    the AVX-512 kernel and matches the weights as built."""
-    if dtype == "auto" and (model == "tiny" or Path(model) == tiny_model_dir()):
+    the AVX-512 kernel and matches the weights as built, wherever the model was built (`is_tiny_model`)."""
+    if dtype == "auto" and is_tiny_model(model):
         return "float32"
     return dtype

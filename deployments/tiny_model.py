@@ -130,6 +130,21 @@ def is_built(out_dir: str | os.PathLike, seed: int = 0) -> bool:
         return False
 
 
+def is_tiny_build(out_dir: str | os.PathLike) -> bool:
+    """`out_dir` holds a tiny-model build of any version or seed: its stamp names both, as every build writes
+    it. Every version writes float32 weights, so a served folder is known as the tiny model by this
+    alone, wherever it was built (`kvmesh model build-tiny DIR`, `model: tiny`)."""
+    try:
+        stamp = json.loads((Path(out_dir) / STAMP).read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, or a path holding a NUL byte
+        return False
+    return (
+        isinstance(stamp, dict)
+        and set(stamp) == {"version", "seed"}
+        and all(isinstance(stamp[key], int) and not isinstance(stamp[key], bool) for key in stamp)
+    )
+
+
 class TinyModelError(ValueError):
     """`out_dir` cannot take the tiny model without losing what is there: a message naming why."""
 

@@ -262,3 +262,141 @@ def test_a_bool_or_non_finite_value_is_not_a_number_setting(section, key, value)
     raw = {"engine": {"num_gpus": 1, key: value}} if section == "engine" else {key: value}
     with pytest.raises(ConfigError, match=key):
         app_config(raw)
+
+
+def test_a_tiny_model_built_anywhere_runs_in_float32(tiny_model_dir, tmp_path, monkeypatch):
+    """`kvmesh model build-tiny DIR` served as `--model DIR`, or kvmesh's own folder named by a symlink or a
+    relative path, is the float32 tiny model too: "auto" there was vLLM's bfloat16 on CPU (the AMX kernel that
+    dies with SIGILL). The build's stamp marks it; a folder without one keeps "auto"."""
+    import shutil
+
+    from kvmesh.deployments.config import engine_dtype
+    from kvmesh.deployments.engine_driver import build_engine_args
+
+    built = tmp_path / "built"
+    shutil.copytree(tiny_model_dir, built)  # a build elsewhere: its files and stamp
+    link = tmp_path / "link"
+    link.symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tiny_model_dir.parent)
+    for model in (str(built), str(link), f"./{tiny_model_dir.name}", str(tiny_model_dir)):
+        assert engine_dtype(model, "auto") == "float32", model
+        assert engine_dtype(model, "bfloat16") == "bfloat16", model  # a dtype the operator sets is kept
+    args = build_engine_args(engine_config({"model": str(built)}), str(built), None, None)
+    assert args.dtype == "float32"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    not_a_stamp = tmp_path / "not_a_stamp"
+    not_a_stamp.mkdir()
+    (not_a_stamp / "kvmesh_tiny.json").write_text('["version", 2]')
+    for model in (str(other), str(not_a_stamp), str(tmp_path / "missing"), "/models/llama-8b"):
+        assert engine_dtype(model, "auto") == "auto", model
+
+
+@pytest.mark.parametrize(
+    ("engine", "needle"),
+    [
+        ({"enforce_eager": "maybe"}, "engine.enforce_eager must be true, false or null, got 'maybe'"),
+        ({"enforce_eager": 1}, "engine.enforce_eager must be true, false or null, got 1"),
+        (
+            {"dtype": "float33"},
+            "engine.dtype must be one of auto, half, float16, bfloat16, float, float32, got 'float33'",
+        ),
+        ({"dtype": None}, "engine.dtype must be one of"),
+        (
+            {"kv_transfer_config": "LMCacheConnectorV1"},
+            "engine.kv_transfer_config must be a mapping of vLLM KVTransferConfig keys, got 'LMCacheConnectorV1'",
+        ),
+        ({"kv_transfer_config": {1: 2}}, "engine.kv_transfer_config must be a mapping of vLLM KVTransferConfig keys"),
+        (
+            {"kv_transfer_config": {"kv_conector": "LMCacheConnectorV1", "kv_role": "kv_both"}},
+            "engine.kv_transfer_config.kv_conector: Unexpected keyword argument",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "LMCacheConnectorV1", "kv_role": "both"}},
+            "engine.kv_transfer_config.kv_role: Input should be 'kv_producer', 'kv_both' or 'kv_consumer'",
+        ),
+    ],
+)
+def test_engine_keys_vllm_would_refuse_in_every_replica_stop_the_config(engine, needle):
+    """Each was accepted and failed only inside every engine replica, after Ray and vLLM started (Serve retried
+    the replica, then DEPLOY_FAILED): now one line naming the key."""
+    if "kv_conector" in str(engine) or "kv_role" in str(engine):
+        pytest.importorskip("vllm.config")  # vLLM's own checks: without vLLM only the mapping's shape is checked
+    with pytest.raises(ConfigError) as err:
+        app_config({"engine": engine})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_engine_keys_vllm_takes_still_load():
+    pytest.importorskip("vllm.config")
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    takes = ({"dtype": "half"}, {"enforce_eager": True}, {"enforce_eager": None}, {"kv_transfer_config": lmcache})
+    for engine in takes:
+        cfg = app_config({"engine": engine})["engine"]
+        assert all(cfg[key] == value for key, value in engine.items() if value is not None)
+    assert app_config({"engine": {"enforce_eager": False, "num_gpus": 1}})["engine"]["enforce_eager"] is False
+
+
+def test_the_dtype_names_are_vllms():
+    """config.py restates vLLM's dtype names (checked without importing vLLM): the two agree."""
+    import typing
+
+    from kvmesh.deployments.config import VLLM_DTYPES
+
+    model = pytest.importorskip("vllm.config.model")
+    assert set(VLLM_DTYPES) == set(typing.get_args(model.ModelDType))
+
+
+def test_replicas_beside_autoscaling_is_refused_not_dropped():
+    """Serve deploys an autoscaled engine deployment with num_replicas "auto": `replicas: 4` beside it was
+    dropped unsaid (the CLI refuses --replicas there already). The default count a filled config carries passes."""
+    auto = {"min_replicas": 1, "max_replicas": 2}
+    with pytest.raises(ConfigError, match=r"^config\.replicas \(4\) and config\.autoscaling exclude each other"):
+        app_config({"replicas": 4, "autoscaling": auto})
+    cfg = app_config({"autoscaling": auto})
+    assert app_config(cfg)["autoscaling"] == auto  # checked again, as `kvmesh serve` and build_app do
+    assert app_config({"replicas": 4})["replicas"] == 4
+
+
+@pytest.mark.parametrize(
+    ("policy", "needle"),
+    [
+        ({1: 2}, "config.autoscaling.policy: keys must be names (strings), got 1"),
+        ({"policy_fuction": "m:f"}, "config.autoscaling.policy: unknown key(s) policy_fuction"),
+    ],
+)
+def test_an_autoscaling_policy_mapping_names_its_key(policy, needle):
+    """`policy: {1: 2}` printed "error: keywords must be strings" (Pydantic's TypeError, naming no key); a misspelt
+    policy key was dropped by Serve's model and the default policy ran."""
+    pytest.importorskip("ray.serve.config")
+    with pytest.raises(ConfigError) as err:
+        app_config({"autoscaling": {"policy": policy}})
+    assert str(err.value).startswith(needle)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["head:6379", "10.0.0.1:6379", "127.0.0.1:6379", "[::1]:6379", "ray-head.ns.svc.cluster.local:6379", None],
+)
+def test_a_gcs_address_loads(address):
+    assert app_config({"address": address})["address"] == address
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["head:99999", "head:0", "http://head:6379", "a b:6379", "head:", ":6379", "::1:6379", "[zz]:6379", "head", 6379],
+)
+def test_a_cluster_address_that_is_not_host_and_port_is_refused(address):
+    """Only "something:digits" was asked: head:99999, http://head:6379 and "a b:6379" passed to Ray's retries."""
+    with pytest.raises(ConfigError, match=r"^config\.address must be a Ray cluster's GCS address host:port"):
+        app_config({"address": address})
+
+
+def test_a_ray_client_address_is_refused_with_what_to_give_instead():
+    with pytest.raises(ConfigError) as err:
+        app_config({"address": "ray://head:10001"})
+    assert str(err.value) == (
+        "config.address: 'ray://head:10001' is a Ray Client address; give the cluster's GCS address host:port "
+        "(default port 6379)"
+    )

@@ -45,10 +45,11 @@ def test_autoscaling_replaces_the_fixed_replica_count_and_sizes_the_ingress():
     ],
 )
 def test_the_engine_maximum_is_what_serve_resolves_from_the_autoscaling_mapping(auto):
-    """Without max_replicas Serve's num_replicas="auto" defaults apply (max 100), not `replicas`."""
+    """Without max_replicas Serve's num_replicas="auto" defaults apply (max 100), not `replicas` (the default 2
+    a filled-in config still carries beside autoscaling)."""
     from ray import serve
 
-    cfg = app_config({"autoscaling": auto, "replicas": 3, "max_ongoing_requests": 8})
+    cfg = app_config({"autoscaling": auto, "max_ongoing_requests": 8})
     engine = serve.deployment(name=ENGINE)(object).options(**engine_options(cfg, {}))
     most = engine._deployment_config.autoscaling_config.max_replicas
     assert max_engine_replicas(cfg) == most == auto.get("max_replicas", 100)

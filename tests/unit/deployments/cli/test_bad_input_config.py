@@ -73,6 +73,16 @@ def test_policy_params_that_mean_nothing_stop_the_config_naming_the_key(params, 
         ("replicas: 100000000000\n", "config.replicas must be at most 10000, got 100000000000"),
         ("ingress_replicas: 100000000000\n", "config.ingress_replicas must be at most 10000"),
         ("api_keys: ['']\n", "config.api_keys[0]: API key must be 8-256 characters"),
+        (
+            "replicas: 4\nautoscaling: {min_replicas: 1, max_replicas: 2}\n",
+            "config.replicas (4) and config.autoscaling exclude each other",
+        ),
+        ("autoscaling: {policy: {1: 2}}\n", "config.autoscaling.policy: keys must be names (strings), got 1"),
+        ("engine: {enforce_eager: maybe}\n", "engine.enforce_eager must be true, false or null, got 'maybe'"),
+        ("engine: {dtype: float33}\n", "engine.dtype must be one of auto, half"),
+        ("engine: {kv_transfer_config: LMCacheConnectorV1}\n", "engine.kv_transfer_config must be a mapping"),
+        ("address: head:99999\n", "config.address must be a Ray cluster's GCS address host:port"),
+        ("address: ray://head:10001\n", "config.address: 'ray://head:10001' is a Ray Client address"),
     ],
 )
 def test_config_values_serve_would_refuse_only_once_ray_runs_stop_here(text, needle, tmp_path, capsys, launch):

@@ -143,7 +143,8 @@ def test_k8s_render_refuses_values_nested_past_the_yaml_writer(k8s_files, capsys
     """Read, but too deep for the checks and the writer that render the Serve config."""
     text = yaml.safe_dump(yaml.safe_load(k8s_files[0].read_text()))
     deep = "[" * 450 + "]" * 450
-    k8s_files[0].write_text(text.replace("engine:\n", f"engine:\n  kv_transfer_config: {deep}\n", 1))
+    extra = f"{{kv_connector: LMCacheConnectorV1, kv_role: kv_both, kv_connector_extra_config: {{x: {deep}}}}}"
+    k8s_files[0].write_text(text.replace("engine:\n", f"engine:\n  kv_transfer_config: {extra}\n", 1))
     assert "nested too deeply" in render_refused(k8s_files, capsys)
 
 

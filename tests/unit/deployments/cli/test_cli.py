@@ -170,7 +170,7 @@ def test_subcommands_share_the_checks(argv, message, capsys):
         ("engine: {lmcache: {l1_size_gbb: 4}}", "engine.lmcache: unknown lmcache key"),
         ("speculative_ttl_s: x", "config.speculative_ttl_s must be a number"),
         ("mismatch_alarm_after: x", "config.mismatch_alarm_after must be an integer"),
-        ("address: 127.0.0.1", "config.address must be a Ray cluster address host:port"),
+        ("address: 127.0.0.1", "config.address must be a Ray cluster's GCS address host:port"),
         ("{tenants_file: t.yaml, api_keys: [kvm-abcdefgh12345]}", "exclude each other"),
     ],
 )
