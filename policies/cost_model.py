@@ -164,6 +164,12 @@ class CostModel:
             inner = values["cost_model"]
             if not isinstance(inner, dict):
                 raise ValueError(f"cost model: 'cost_model' must be an object of constants, got {type(inner).__name__}")
+            beside = set(values) - {"cost_model", *CALIBRATION_KEYS}
+            if beside:  # a constant added beside the document's own would be dropped unseen, a typo too
+                raise ValueError(
+                    f"cost model: keys {sorted(beside)} beside 'cost_model' in a calibrator's document (which holds "
+                    f"only {sorted(CALIBRATION_KEYS)} beside it): put constants inside 'cost_model'"
+                )
             values = dict(inner)
         known = {f.name for f in fields(cls)}
         unknown = set(values) - known
@@ -177,8 +183,9 @@ class CostModel:
                     f"cost model: {f.name} = {_shown(values[f.name])} {unit} is above {most:g} {unit}, slower than"
                     f" any engine: the constants are in seconds (10 ms is 0.01)"
                 )
-        missing = [f.name for f in fields(cls) if f.name not in values]
-        if values and missing:  # none given: the defaults were asked for
+        missing = tuple(f.name for f in fields(cls) if f.name not in values)
+        if values and missing and missing not in _DEFAULTS_SAID:  # none given: the defaults were asked for
+            _DEFAULTS_SAID.add(missing)  # once per process: a config is checked several times on the way to Serve
             log.warning(
                 "cost model: %s not given, taken from the defaults (an ~8B model on an H100-class GPU)",
                 ", ".join(missing),
@@ -187,6 +194,12 @@ class CostModel:
 
 
 DEFAULT_COST_MODEL = CostModel()
+
+# What a calibrator's result document holds beside its "cost_model" (`benchmarks/calibrate.py`,
+# `benchmarks/calibrate_accelerator.py` with --json): the measurements, and the constants it did not measure
+CALIBRATION_KEYS = frozenset({"measured", "defaults"})
+# The sets of constants left at their defaults that this process has warned of
+_DEFAULTS_SAID: set[tuple[str, ...]] = set()
 
 
 def cached_tokens(matched_blocks: int, num_tokens: int, block_size: int) -> int:

@@ -147,9 +147,12 @@ def test_cost_model_refuses_values_no_engine_has(values, message):
     assert "in seconds" in str(exc.value)
 
 
-def test_a_partial_cost_model_says_which_constants_are_defaults(caplog):
+def test_a_partial_cost_model_says_which_constants_are_defaults(caplog, monkeypatch):
     """The tiny CPU engine's file gives 3 constants; the tier loads and max_batch came from the 8B-on-H100
     defaults without a word."""
+    from kvmesh.policies import cost_model
+
+    monkeypatch.setattr(cost_model, "_DEFAULTS_SAID", set())
     with caplog.at_level("WARNING", logger="kvmesh.policies.cost_model"):
         CostModel.from_dict({"prefill_s_per_token": 1.2e-5, "prefill_base_s": 7.7e-4, "decode_s_per_token": 2e-3})
     (record,) = caplog.records
@@ -163,6 +166,28 @@ def test_a_partial_cost_model_says_which_constants_are_defaults(caplog):
         CostModel.from_dict(CostModel().to_dict())  # every constant given
         CostModel.from_dict({})  # none given: the defaults asked for
     assert caplog.records == []
+
+
+def test_the_defaults_warning_is_said_once_per_process(caplog, monkeypatch):
+    """A config's policy cost is checked each time the config is (about six times on the way to Serve): the
+    same warning was logged each time."""
+    from kvmesh.policies import cost_model
+
+    monkeypatch.setattr(cost_model, "_DEFAULTS_SAID", set())
+    with caplog.at_level("WARNING", logger="kvmesh.policies.cost_model"):
+        for _ in range(3):
+            CostModel.from_dict({"prefill_s_per_token": 1.2e-5})
+        CostModel.from_dict({"prefill_base_s": 1e-3})  # other constants left at their defaults: said too
+    assert len(caplog.records) == 2
+
+
+@pytest.mark.parametrize("beside", [{"decode_s_per_token": 0.01}, {"decode_s_per_tokn": 0.01}, {"note": "x"}])
+def test_a_key_beside_a_calibrators_cost_model_is_refused_not_dropped(beside):
+    """A constant added beside a calibrator's "cost_model" (or a typo) was dropped without a word: the default
+    stood in for it."""
+    doc = {"cost_model": {"prefill_s_per_token": 2.6e-5}, "measured": {}, "defaults": {}, **beside}
+    with pytest.raises(ValueError, match="put constants inside 'cost_model'"):
+        CostModel.from_dict(doc)
 
 
 def test_cached_token_rules_follow_vllm():
