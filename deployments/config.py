@@ -391,7 +391,7 @@ def serve_autoscaling(value: Mapping[str, Any]) -> Any:
     return AutoscalingConfig(**{**AutoscalingConfig.default().model_dump(exclude_unset=True), **value})
 
 
-def _pydantic_line(exc: ValueError, where: str) -> str:
+def _pydantic_line(exc: Exception, where: str) -> str:
     """One line naming the key and the reason of Pydantic's first error (its str() starts with a line
     that says only how many errors there were)."""
     errors = getattr(exc, "errors", None)
@@ -476,7 +476,7 @@ def _check_address(address: Any) -> None:
         )
     found = _ADDRESS.fullmatch(address) if isinstance(address, str) else None
     ok = found is not None and 1 <= int(found["port"]) <= 65535
-    if ok and found["ipv6"] is not None:
+    if found is not None and ok and found["ipv6"] is not None:
         try:
             ipaddress.IPv6Address(found["ipv6"])
         except ValueError:
