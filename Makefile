@@ -60,12 +60,19 @@ typecheck: setup
 # tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app). The
 # type check (CPU only, nothing timed) runs niced beside the integration tests, on the share of the cores
 # they leave idle (about a third); its report follows theirs, and either failing fails the target.
+# The check runs in its own session (setsid; its pid is its process group id): a background job of a
+# non-interactive shell ignores SIGINT, so Ctrl-C alone would stop make and pytest and leave mypy running.
+# The EXIT trap stops that group and removes the report file when the recipe ends before the check has been
+# waited for (Ctrl-C, a signal); the INT trap ends the recipe once pytest has run its teardown, instead of
+# waiting for the check. setsid -w passes the check's exit status on should setsid ever have to fork.
 test: setup services ruff
 	$(PY) -m pytest -q -n 2 tests/unit
-	@tc=$$(mktemp); nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1 & typecheck=$$!; \
+	@tc=$$(mktemp); typecheck=; \
+	trap 'test -z "$$typecheck" || kill -TERM -- -$$typecheck 2>/dev/null; rm -f "$$tc"' EXIT; trap 'exit 130' INT; \
+	setsid -w nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1 & typecheck=$$!; \
 	echo "$(PY) -m pytest -q --durations=25 tests/integration  (typecheck beside it)"; \
-	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; \
-	cat $$tc; rm -f $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
+	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; typecheck=; \
+	cat $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real

@@ -97,7 +97,10 @@ class Trace:
 
 
 def resolve(name_or_path: str | os.PathLike) -> str:
-    """A bundled trace name ('conversation', 'synthetic') -> its packaged file; a path -> itself, if it is a file."""
+    """A bundled trace name ('conversation', 'synthetic') -> its packaged file; a path -> itself, if it exists and
+    is not a folder. Not only a regular file: a pipe (`--trace <(zcat t.jsonl.gz)`, /dev/stdin) or a device
+    (/dev/null) is taken too, since every reader (`read_records`, `load_trace`) reads the trace once, line by
+    line; one that cannot be read is refused by that reader ("cannot read")."""
     name_or_path = os.fspath(name_or_path)
     if name_or_path in BUNDLED:
         return str(resources.files("kvmesh.cluster") / "traces" / BUNDLED[name_or_path])
@@ -105,7 +108,7 @@ def resolve(name_or_path: str | os.PathLike) -> str:
         raise TraceError(
             f"trace {name_or_path!r}: is a folder, not a trace file (a JSONL file, or one of: {', '.join(BUNDLED)})"
         )
-    if not os.path.isfile(name_or_path):
+    if not os.path.exists(name_or_path):
         raise TraceError(f"trace {name_or_path!r}: no such file (or use one of: {', '.join(BUNDLED)})")
     return name_or_path
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterable, Sequence, Sized
+from array import array
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 
 from kvmesh.cluster.trace import SOURCE_BLOCK_TOKENS, Trace, TraceRequest, tenant_block_ids, users_meta
@@ -127,38 +128,90 @@ def synth_chat(spec: ChatSpec = ChatSpec()) -> list[dict]:
 
     The last block of each new user message is partial (a random share of 512 tokens), as in real
     traces; the next turn carries that id as a full block, then the reply, then the next message.
+    The records of `ChatRecords(spec)`, all at once.
     """
-    spec.check()
-    rng = random.Random(spec.seed)
-    ids = FreshIds()
-    records: list[dict] = []
-    for t in range(spec.tenants):
-        tenant = f"t{t}"
-        for g in range(spec.groups):
-            system = ids.take(spec.system_blocks)
-            for u in range(spec.users):
-                user = f"{tenant}-g{g}-u{u}"
-                history = list(system)
-                clock = rng.uniform(0, spec.start_spread_ms)
-                for _turn in range(spec.turns):
-                    message = ids.take(rng.randint(*spec.user_blocks))
-                    prompt = history + message
-                    tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
-                    reply = ids.take(rng.randint(*spec.reply_blocks))
-                    records.append(
-                        {
-                            "timestamp": int(clock),
-                            "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
-                            "output_length": len(reply) * SOURCE_BLOCK_TOKENS,
-                            "hash_ids": prompt,
-                            "tenant": tenant,
-                            "user": user,
-                        }
-                    )
-                    history = prompt + reply
-                    clock += spec.think_ms * rng.uniform(0.5, 1.5)
-    records.sort(key=lambda r: (r["timestamp"], r["user"]))
-    return records
+    return list(ChatRecords(spec))
+
+
+class ChatRecords:
+    """`synth_chat`'s records, made one at a time in the same order (`len()` is their count), so that a
+    trace of millions of requests is written as it is made (`write_jsonl`) instead of held whole: a record
+    lists its prompt's whole history, ~0.7 kB each at the default sizes (100M requests: ~70 GB).
+
+    Why two passes: the random draws must come in `synth_chat`'s order (user by user, turn by turn) for the
+    same records, while the records go out in time order, which interleaves the users. The first pass makes
+    the draws and keeps, per request, only what its record is made from (timestamp, where its prompt's ids
+    end, the partial block's tokens, the reply's blocks: 32 bytes, ~50 during the sort); a sort of those by
+    (timestamp, user) gives the order; the second pass makes each record in that order. A user's own ids are
+    consecutive (its messages and replies are taken in turn, nothing between them), so a prompt is its
+    group's system ids and a range of the user's."""
+
+    def __init__(self, spec: ChatSpec = ChatSpec()) -> None:
+        spec.check()
+        self.spec = spec
+
+    def __len__(self) -> int:
+        s = self.spec
+        return s.tenants * s.groups * s.users * s.turns
+
+    def __iter__(self) -> Iterator[dict]:
+        import numpy as np
+
+        s = self.spec
+        rng = random.Random(s.seed)
+        system_start, user_start = array("q"), array("q")  # per group, per user: the first id
+        stamps, ends, tails, replies = array("q"), array("q"), array("l"), array("l")  # per request
+        next_id = 0
+        for _ in range(s.tenants * s.groups):  # the draws and ids in synth_chat's order
+            system_start.append(next_id)
+            next_id += s.system_blocks
+            for _ in range(s.users):
+                user_start.append(next_id)
+                clock = rng.uniform(0, s.start_spread_ms)
+                for _ in range(s.turns):
+                    next_id += rng.randint(*s.user_blocks)  # the new message
+                    tails.append(rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS))
+                    reply = rng.randint(*s.reply_blocks)
+                    stamps.append(int(clock))
+                    ends.append(next_id)
+                    replies.append(reply)
+                    next_id += reply
+                    clock += s.think_ms * rng.uniform(0.5, 1.5)
+        # request j is user j // turns's turn j % turns: sorted by (timestamp, user's name, turn), as
+        # synth_chat's stable sort by (timestamp, user) leaves a user's turns of one timestamp in turn order
+        n = len(stamps)
+        order = np.lexsort((_user_order(s) * s.turns + np.arange(n) % s.turns, np.frombuffer(stamps, np.int64)))
+        for lo in range(0, n, 1 << 16):  # the order's Python ints a chunk at a time
+            for j in order[lo : lo + (1 << 16)].tolist():
+                u = j // s.turns
+                t, g = divmod(u // s.users, s.groups)
+                first = system_start[u // s.users]
+                prompt = [*range(first, first + s.system_blocks), *range(user_start[u], ends[j])]
+                yield {
+                    "timestamp": stamps[j],
+                    "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tails[j],
+                    "output_length": replies[j] * SOURCE_BLOCK_TOKENS,
+                    "hash_ids": prompt,
+                    "tenant": f"t{t}",
+                    "user": f"t{t}-g{g}-u{u % s.users}",
+                }
+
+
+def _user_order(s: ChatSpec):
+    """Per request (user by user, turn by turn), its user's place among all users in the order of their names
+    ("t{t}-g{g}-u{u}", as `sorted` compares them): that order is the names' numbers compared as strings, tenant
+    first, then group, then user ('-' sorts before every digit, so "t1-..." comes before "t10-..."). Numbers as
+    strings are ranked with numpy, a few bytes each, not as Python strings."""
+    import numpy as np
+
+    def ranks(n: int):
+        r = np.empty(n, np.int64)
+        r[np.argsort(np.arange(n).astype("S"), kind="stable")] = np.arange(n)
+        return r
+
+    t, g, u = ranks(s.tenants), ranks(s.groups), ranks(s.users)
+    user = ((t[:, None] * s.groups + g[None, :])[:, :, None] * s.users + u[None, None, :]).ravel()
+    return np.repeat(user, s.turns)
 
 
 def synth_flood(
@@ -173,27 +226,50 @@ def synth_flood(
     """A shared-system-prompt flood (the hot-spot workload): `requests` single-turn requests from
     distinct users, all starting with one system prompt of `system_blocks` blocks, each followed by
     `unique_blocks` blocks of its own (last one partial), arriving every `interval_ms`. A policy that
-    only chases the longest prefix puts all of them on one replica; a good one spreads the load."""
+    only chases the longest prefix puts all of them on one replica; a good one spreads the load.
+    The records of `flood_records`, all at once."""
+    return list(flood_records(requests, system_blocks, unique_blocks, interval_ms, output_blocks, tenant, seed))
+
+
+def flood_records(
+    requests: int = 64,
+    system_blocks: int = 8,
+    unique_blocks: int = 1,
+    interval_ms: float = 50.0,
+    output_blocks: int = 1,
+    tenant: str = "t0",
+    seed: int = 0,
+) -> Iterator[dict]:
+    """`synth_flood`'s records made one at a time (they are made in time order), so that `write_jsonl` writes
+    a large flood as it is made; ValueError for bad sizes at the call, before any record."""
     if requests < 1 or system_blocks < 1 or unique_blocks < 1 or output_blocks < 1 or interval_ms < 0:
         raise ValueError("requests, system_blocks, unique_blocks, output_blocks must be >= 1; interval_ms >= 0")
+    return _flood(requests, system_blocks, unique_blocks, interval_ms, output_blocks, tenant, seed)
+
+
+def _flood(
+    requests: int,
+    system_blocks: int,
+    unique_blocks: int,
+    interval_ms: float,
+    output_blocks: int,
+    tenant: str,
+    seed: int,
+) -> Iterator[dict]:
     rng = random.Random(seed)
     ids = FreshIds()
     system = ids.take(system_blocks)
-    out = []
     for i in range(requests):
         prompt = system + ids.take(unique_blocks)
         tail = rng.randint(SOURCE_BLOCK_TOKENS // 8, SOURCE_BLOCK_TOKENS)
-        out.append(
-            {
-                "timestamp": int(i * interval_ms),
-                "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
-                "output_length": output_blocks * SOURCE_BLOCK_TOKENS,
-                "hash_ids": prompt,
-                "tenant": tenant,
-                "user": f"{tenant}-flood-{i}",
-            }
-        )
-    return out
+        yield {
+            "timestamp": int(i * interval_ms),
+            "input_length": (len(prompt) - 1) * SOURCE_BLOCK_TOKENS + tail,
+            "output_length": output_blocks * SOURCE_BLOCK_TOKENS,
+            "hash_ids": prompt,
+            "tenant": tenant,
+            "user": f"{tenant}-flood-{i}",
+        }
 
 
 def check_parent_rule(records: Iterable[dict]) -> None:

@@ -15,7 +15,7 @@ the deploy in the same way, naming the symbol.
 The ingress's prefix cache reset calls every engine replica through `DeploymentHandle.broadcast` (public,
 alpha in Ray 2.60), checked here too.
 
-The supported Ray range here is the one `pyproject.toml` pins.
+The supported Ray range here contains the release `pyproject.toml` pins (2.60.0, the one tested).
 """
 
 from __future__ import annotations

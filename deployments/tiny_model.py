@@ -179,7 +179,8 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = 
 
     Skips the work when `out_dir` already holds a build of this version and seed, and rebuilds an
     earlier tiny-model build; refuses (`TinyModelError`) any other non-empty folder and an empty path
-    (the current folder), whose files the build would delete. Writes into a temporary sibling first and
+    (the current folder), whose files the build would delete, and a path that is not UTF-8 (before any work:
+    the tokenizer's save would fail on it at the end). Writes into a temporary sibling first and
     renames, so concurrent builders (parallel test sessions) never see a half-written directory.
     `replace`: the folder is kvmesh's own (`config.tiny_model_dir`), whatever it holds is replaced (an
     interrupted build, an older layout), so `model: tiny` mends itself.
@@ -189,6 +190,14 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, replace: bool = 
     if not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise TinyModelError(f"the seed must be a whole number from 0 to {MAX_SEED}, got {seed!r:.40}")
     out = Path(out_dir).resolve()
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:  # a name of bytes that are not UTF-8, which Python keeps as lone surrogates
+        shown = os.fsencode(out).decode("utf-8", "backslashreplace")
+        raise TinyModelError(
+            f"{shown}: the path is not UTF-8, and the tokenizer (Hugging Face tokenizers) saves to UTF-8 paths "
+            "only: name a folder whose path is UTF-8"
+        ) from None
     if is_built(out, seed):
         return out
     refusal = None if replace else _refusal(out)

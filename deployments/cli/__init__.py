@@ -4,8 +4,8 @@ subcommand as Ctrl-C does (exit status 143), so what it started is cleaned up; a
 arguments or an `OSError` become one line on stderr and exit status 2; Ctrl-C exits 130. Standard output is
 flushed before the exit status is decided: one that cannot be written (a full disk) is such an error too,
 and one whose reader has gone (`| head`) ends the command quietly with status 1, as Python's own guidance
-for a closed pipe has it. Library code never imports this package: it raises its own errors, which the
-subcommands turn into `CliError`."""
+for a closed pipe has it. `kvmesh --version` (-V) prints the installed version. Library code never imports
+this package: it raises its own errors, which the subcommands turn into `CliError`."""
 
 from __future__ import annotations
 
@@ -40,8 +40,28 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}")
 
 
+class _Version(argparse.Action):
+    """`kvmesh --version` (-V): "kvmesh <version>" on standard output, exit status 0, as argparse's own
+    version action does; the installed distribution's version is looked up only when asked for (that reads
+    the environment's package metadata, which every other command would pay for)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib import metadata
+
+        try:
+            version = metadata.version("kvmesh")
+        except metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+            version = "(version unknown: the kvmesh distribution is not installed)"
+        print(f"kvmesh {version}")
+        parser.exit()
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="kvmesh", description="prefix-cache-aware LLM serving on Ray Serve")
+    parser.add_argument("-V", "--version", action=_Version, help="print kvmesh's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

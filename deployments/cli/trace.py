@@ -191,13 +191,14 @@ def run(args: argparse.Namespace) -> int:
             )
             if total >= 100_000:
                 print(f"generating {total:,} requests ...", file=sys.stderr, flush=True)
-            n = _write(workloads.synth_chat(spec), args.out, progress=total >= 100_000)
+            # made as written (ChatRecords): a few dozen bytes a request are held, not the records (~0.7 kB each)
+            n = _write(workloads.ChatRecords(spec), args.out, progress=total >= 100_000)
             print(f"wrote {n} requests to {args.out}")
             return 0
         if args.trace_command == "flood":
             _check_size(args.requests, args.requests * (args.system_blocks + args.unique_blocks))
             _check_records(args.system_blocks + args.unique_blocks, (args.requests - 1) * args.interval_ms)
-            records = workloads.synth_flood(
+            flood = workloads.flood_records(  # made as written
                 requests=args.requests,
                 system_blocks=args.system_blocks,
                 unique_blocks=args.unique_blocks,
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
                 tenant=args.tenant,
                 seed=args.seed,
             )
-            n = _write(records, args.out)
+            n = _write(flood, args.out)
             print(f"wrote {n} requests to {args.out}")
             return 0
         refuse_overwriting({"--json": args.json}, {"the trace being read": resolve(args.trace)}, "kvmesh trace: ")

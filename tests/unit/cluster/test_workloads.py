@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import tracemalloc
 
 import pytest
 
@@ -254,7 +256,7 @@ def test_a_million_request_chat_trace_is_within_the_limits(tmp_path, monkeypatch
     """The limits leave the common large trace alone: checked without writing its million lines."""
     written = []
     monkeypatch.setattr(wl, "write_jsonl", lambda records, path, progress=False: written.append(path) or 0)
-    monkeypatch.setattr(wl, "synth_chat", lambda spec: [])
+    monkeypatch.setattr(wl, "ChatRecords", lambda spec: [])
     argv = "trace synth --tenants 20 --groups 10 --users 625 --turns 8 --out".split() + [str(tmp_path / "m.jsonl")]
     assert cli(argv) == 0 and written == [str(tmp_path / "m.jsonl")]
 
@@ -296,3 +298,106 @@ def test_engine_trace_decodes_what_a_replay_asks_for():
     assert [wl.replayed_output_length(r, 32, 16) for r in recs] == [16, 8]
     with pytest.raises(ValueError, match="max_tokens"):
         wl.engine_trace(recs, 32, max_tokens=0)
+
+
+# ------------------------------------------------------------- streamed generation, the same bytes as before
+def _chat_as_first_written(spec: wl.ChatSpec) -> list[dict]:
+    """synth_chat as it was before records were made one at a time (every record held, then sorted): the
+    reference the streamed records must equal, byte for byte once written."""
+    rng = random.Random(spec.seed)
+    ids = wl.FreshIds()
+    records: list[dict] = []
+    for t in range(spec.tenants):
+        tenant = f"t{t}"
+        for g in range(spec.groups):
+            system = ids.take(spec.system_blocks)
+            for u in range(spec.users):
+                user = f"{tenant}-g{g}-u{u}"
+                history = list(system)
+                clock = rng.uniform(0, spec.start_spread_ms)
+                for _turn in range(spec.turns):
+                    message = ids.take(rng.randint(*spec.user_blocks))
+                    prompt = history + message
+                    tail = rng.randint(512 // 8, 512)
+                    reply = ids.take(rng.randint(*spec.reply_blocks))
+                    records.append(
+                        {
+                            "timestamp": int(clock),
+                            "input_length": (len(prompt) - 1) * 512 + tail,
+                            "output_length": len(reply) * 512,
+                            "hash_ids": prompt,
+                            "tenant": tenant,
+                            "user": user,
+                        }
+                    )
+                    history = prompt + reply
+                    clock += spec.think_ms * rng.uniform(0.5, 1.5)
+    records.sort(key=lambda r: (r["timestamp"], r["user"]))
+    return records
+
+
+CHAT_SHAPES = [
+    {},
+    # every request at time 0: the order is the users' names alone ("t10-..." before "t2-...")
+    {"tenants": 12, "groups": 11, "users": 13, "turns": 2, "start_spread_ms": 0, "think_ms": 0},
+    # a user's turns at one timestamp, and many users at each: ties of (timestamp, user) keep turn order
+    {"tenants": 3, "groups": 2, "users": 25, "turns": 3, "start_spread_ms": 5, "think_ms": 1},
+    {"tenants": 1, "groups": 1, "users": 1, "turns": 9, "system_blocks": 1, "user_blocks": (1, 5)},
+    {"tenants": 2, "groups": 3, "users": 4, "turns": 5, "reply_blocks": (3, 3), "think_ms": 7},
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 12345])
+@pytest.mark.parametrize("shape", CHAT_SHAPES, ids=range(len(CHAT_SHAPES)))
+def test_streamed_chat_records_write_the_same_bytes_as_the_whole_list(tmp_path, shape, seed):
+    spec = wl.ChatSpec(**shape, seed=seed)
+    reference = _chat_as_first_written(spec)
+    streamed = wl.ChatRecords(spec)
+    assert not isinstance(streamed, list) and len(streamed) == len(reference)
+    wl.write_jsonl(reference, tmp_path / "whole.jsonl")
+    assert wl.write_jsonl(streamed, tmp_path / "streamed.jsonl") == len(reference)
+    assert (tmp_path / "streamed.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
+    assert wl.synth_chat(spec) == reference
+
+
+def test_trace_synth_writes_records_as_they_are_made(tmp_path, monkeypatch):
+    """`kvmesh trace synth` hands write_jsonl the records unmade (a sized iterable, its count known for the
+    progress bar), not a list of them all: 100M requests held whole took ~70 GB."""
+    real = wl.write_jsonl
+    seen = []
+
+    def write(records, path, progress=False):
+        seen.append((isinstance(records, list), len(records)))
+        return real(records, path, progress)
+
+    monkeypatch.setattr(wl, "write_jsonl", write)
+    argv = "trace synth --tenants 2 --groups 3 --users 4 --turns 5 --seed 3 --out".split()
+    assert cli([*argv, str(tmp_path / "c.jsonl")]) == 0
+    assert seen == [(False, 120)]
+    expected = _chat_as_first_written(wl.ChatSpec(tenants=2, groups=3, users=4, turns=5, seed=3))
+    assert [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()] == expected
+
+
+def test_writing_a_chat_trace_holds_a_few_dozen_bytes_a_request():
+    """What writing 40,000 requests holds at its peak (Python's and numpy's allocations, which tracemalloc
+    both sees): the list of records took ~0.7 kB a request (~28 MB here); made as written, a few dozen
+    bytes a request and one 65,536-record chunk of the order, a few MB."""
+    import numpy  # noqa: F401  (imported before tracing: its import is not the records' memory)
+
+    spec = wl.ChatSpec(tenants=10, groups=10, users=100, turns=4)
+    tracemalloc.start()
+    try:
+        for _ in wl.ChatRecords(spec):
+            pass
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 12_000_000, peak
+
+
+def test_flood_records_are_made_one_at_a_time_and_equal_the_list():
+    records = wl.flood_records(requests=50, system_blocks=3, unique_blocks=2, interval_ms=7.5, seed=4)
+    assert not isinstance(records, list)
+    assert list(records) == wl.synth_flood(requests=50, system_blocks=3, unique_blocks=2, interval_ms=7.5, seed=4)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        wl.flood_records(requests=0)  # refused at the call, before any record is asked for

@@ -51,19 +51,25 @@ def test_a_reset_that_keeps_the_old_future_is_named(monkeypatch):
     assert contract_problems() == ["PendingRequest.reset_future does not give the request a new future"]
 
 
-def test_pyproject_pins_the_supported_ray_range():
+def test_pyproject_pins_the_platform_ray_inside_the_supported_range():
+    """Both extras pin ray[serve] to exactly the release the platform runs (2.60.0), and that release is
+    inside the range the start-up check accepts."""
     import tomllib
 
     from packaging.requirements import Requirement
+    from packaging.version import Version
     from paths import REPO_ROOT
 
     from kvmesh.deployments.serve_contract import SUPPORTED_RAY
 
-    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_RAY
+    platform = Version("2.60.0")
+    low, high = SUPPORTED_RAY
+    assert low <= (platform.major, platform.minor) < high
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for extra in ("cpu", "gpu"):
         ray_req = next(Requirement(r) for r in extras[extra] if Requirement(r).name == "ray")
-        assert ray_req.specifier == Requirement(f"ray>={lo_major}.{lo_minor}.0,<{hi_major}.{hi_minor}").specifier
+        assert ray_req.extras == {"serve"}
+        assert str(ray_req.specifier) == f"=={platform}", extra
 
 
 def test_a_handle_without_broadcast_is_named(monkeypatch):

@@ -1,5 +1,6 @@
 """Where the tiny model may be built: a new or empty folder, or over an earlier tiny-model build (its stamp
-says so), never over a folder of other files, which the build would delete."""
+says so), never over a folder of other files, which the build would delete, and never at a path that is not
+UTF-8, where the tokenizer's save failed at the end of the build with a traceback."""
 
 from __future__ import annotations
 
@@ -81,3 +82,26 @@ def test_a_finished_build_in_a_read_only_folder_is_kept_as_it_is(tmp_path, monke
     monkeypatch.setattr(tiny_model, "build_tiny_model", lambda out, seed=0: out)
     assert main(["model", "build-tiny", str(built)]) == 0
     assert capsys.readouterr().out.strip() == str(built)
+
+
+def _not_utf8(folder) -> str:
+    """A folder name in `folder` whose bytes are not UTF-8 (as a shell's $'\\xfdtiny' gives it)."""
+    return os.fsdecode(os.fsencode(folder) + b"/\xfdtiny")
+
+
+def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_any_work(tmp_path, capsys):
+    from kvmesh.deployments.cli import main
+
+    assert main(["model", "build-tiny", _not_utf8(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\\xfdtiny: the path is not UTF-8" in err, err
+    assert list(tmp_path.iterdir()) == []  # no build, no temporary folder beside it
+
+
+def test_a_kvmesh_home_that_is_not_utf8_is_refused_for_model_tiny(tmp_path, monkeypatch):
+    from kvmesh.deployments.config import resolve_model
+
+    monkeypatch.setenv("KVMESH_HOME", _not_utf8(tmp_path))
+    with pytest.raises(TinyModelError, match="the path is not UTF-8"):
+        resolve_model("tiny")
+    assert list(tmp_path.iterdir()) == []

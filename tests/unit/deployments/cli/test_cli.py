@@ -32,6 +32,14 @@ def test_no_subcommand_is_an_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_installed_distributions_version(flag):
+    from importlib.metadata import version
+
+    r = _run(flag)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"kvmesh {version('kvmesh')}\n", "")
+
+
 ROOT = REPO_ROOT
 LIBRARY = ("cluster", "kvstore", "policies", "benchmarks", "deployments")
 

@@ -179,7 +179,7 @@ def test_trace_generators_refuse_timestamps_the_simulator_would_refuse(tmp_path,
     flood = ["trace", "flood", "--out", out, "--requests", "1002", "--interval-ms", "1e12"]
     assert "timestamps up to 1,001,000,000,000,000 ms, more than 1,000,000,000,000,000" in refused(capsys, *flood)
     assert not os.path.exists(out)
-    monkeypatch.setattr(wl, "synth_chat", lambda spec: [])  # the limit is checked before any record is made
+    monkeypatch.setattr(wl, "ChatRecords", lambda spec: [])  # the limit is checked before any record is made
     monkeypatch.setattr(wl, "write_jsonl", lambda records, path, progress=False: 0)
     synth = ["trace", "synth", "--out", out, "--tenants", "1", "--groups", "1", "--users", "1", "--turns", "700"]
     assert "more than 1,000,000,000,000,000" in refused(capsys, *synth, "--think-ms", "1000000000000")
