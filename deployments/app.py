@@ -126,9 +126,9 @@ def start_local(
 
     Ray: the one this process is already connected to, else the cluster at `address`, else a new local
     cluster of kvmesh's own on 127.0.0.1 (deployments/local_ray.py), never one found through RAY_ADDRESS.
-    Without a salt secret in the environment or the tenants file (`secret_file:`), the one kept under
-    KVMESH_HOME is used (created on the first run), so what persistent tiers hold stays reachable across
-    restarts.
+    Without a salt secret in the environment or the tenants file (`secret_file:`), a local cluster uses the
+    one kept under KVMESH_HOME (created on the first run), so what persistent tiers hold stays reachable
+    across restarts; a cluster joined is left to its nodes' own (`_use_run_secrets`).
     """
     global _started_ray, _app_name
     import ray
@@ -159,7 +159,7 @@ def start_local(
                     join_cluster(address, log_to_driver=log_to_driver)
                     _joined[0] = True
                 else:
-                    cpus = local_num_cpus(cfg, num_cpus)
+                    cpus = local_num_cpus(cfg, num_cpus, warn_pending=True)
                     # the raylet, Serve's controller and proxies inherit this process's environment
                     os.environ.update(_proxy_env(cfg["proxy"]))
                     _children_before[:] = _child_pids()
@@ -203,11 +203,15 @@ def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = No
     """Point this run's processes at its secrets through files (runtime_env values end up in Ray's logs):
     a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
     the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, the `secret_file:` the
-    tenants file names (the replicas read it there), or the one kept under KVMESH_HOME. The per-run files
-    are remembered, so the stop removes them (remove_run_secret_files).
+    tenants file names (the replicas read it there), or, started here, the one kept under KVMESH_HOME. The
+    per-run files are remembered, so the stop removes them (remove_run_secret_files).
     A configured salt secret the replicas would refuse (the placeholder, too short, a file that cannot be
     read) is refused first, as `kvmesh serve` does (`check_usable_secret`; `file_is_here` False: a cluster
-    joined, whose nodes may hold a file this machine cannot read)."""
+    joined, whose nodes may hold a file this machine cannot read).
+    A cluster joined is never handed this machine's kept secret: its path means nothing on the other nodes
+    (or names each node's own kept file, so one tenant would get a salt per node and no cache reuse), and it
+    would outrank the `secret_file:` of the nodes' tenants file. Without a secret configured here, the nodes
+    choose (their tenants file, their environment)."""
     from kvmesh.cluster.secure_channel import (
         CHANNEL_SECRET_FILE_ENV,
         remove_dead_owners_secret_files,
@@ -229,17 +233,23 @@ def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = No
         explicit = os.environ.pop(SECRET_ENV, None)
         if explicit:  # a per-run copy: the value goes back into the environment once the file is gone
             _env_to_restore[SECRET_ENV] = explicit
-        path = str(persistent_secret_file(explicit))
-        if explicit:
-            _export_run_secret(SECRET_FILE_ENV, path)
-        else:  # the kept secret stays for later runs
-            _export_kept(SECRET_FILE_ENV, path)
+            _export_run_secret(SECRET_FILE_ENV, str(persistent_secret_file(explicit)))
+        elif file_is_here:  # the kept secret stays for later runs
+            _export_kept(SECRET_FILE_ENV, str(persistent_secret_file()))
+        elif not tenants_file or os.path.isfile(tenants_file):  # a tenants file only the nodes have may name one
+            log.warning(
+                "no salt secret set here (%s, %s, the tenants file's secret_file:): the joined cluster's replicas "
+                "take their nodes' own, else each generates one (salts then differ per replica: no cache reuse)",
+                SECRET_ENV,
+                SECRET_FILE_ENV,
+            )
 
 
 def _tenants_secret_file(tenants_file: str, file_is_here: bool):
     """The salt secret file `tenants_file` names (`secret_file:`, relative to the tenants file's folder as the
     replicas take it), checked as the replicas will check it, or None. A tenants file this machine cannot
-    read, with a cluster joined (`file_is_here` False), is its nodes' own: None, as if it named none."""
+    read, with a cluster joined (`file_is_here` False), is its nodes' own: None, and the caller exports no
+    salt secret file, so the replicas take the `secret_file:` their node's copy names."""
     from kvmesh.deployments.config import ConfigError
     from kvmesh.deployments.salt_secret import check_secret_file
     from kvmesh.deployments.tenants import config_secret_file

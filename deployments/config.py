@@ -271,6 +271,15 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
     _whole(cfg["fail_step_after"], "engine.fail_step_after (test-only)", low=0)
+    if cfg["fail_step_after"] is not None:
+        # the fault is the in-process driver's (engine_driver.make_driver): an async engine, the GPU default,
+        # would run without it, and the test that set it would pass without the failure it asked for
+        if cfg["engine_mode"] == "async":
+            raise ConfigError(
+                "engine.fail_step_after (test-only) is a fault of the in-process driver: set engine.engine_mode "
+                "'inproc' or leave it out"
+            )
+        cfg["engine_mode"] = "inproc"
     res = cfg["resources"]
     if res is not None and (
         not isinstance(res, dict)

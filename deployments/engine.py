@@ -219,14 +219,26 @@ class EngineReplica:
         self.stats_errors = 0  # failed reads of the engine's internals for routing stats
         self.tier_info = None  # what routers need to model this node's LMCache tiers (kvstore/tiers.py)
         if server_tiers is not None:  # the node's server as it runs, which may not be as this config asks
-            from kvmesh.kvstore.tiers import kv_bytes_per_block, tier_routing_info
+            from kvmesh.kvstore.tiers import TierConfigError, kv_bytes_per_block, tier_routing_info
 
             warn_if_server_l1_differs(self.node_id, self.cfg["lmcache"], server_tiers)
             # the blocks and the dtype vLLM runs with, which may not be the configured ones
             bytes_per_block = kv_bytes_per_block(
                 hf_model_config(self.model_path), self.block_size, kv_cache_dtype(self.driver, self.cfg)
             )
-            self.tier_info = tier_routing_info(server_tiers, self.block_size, bytes_per_block)
+            try:
+                self.tier_info = tier_routing_info(server_tiers, self.block_size, bytes_per_block)
+            except TierConfigError:
+                # vLLM chose blocks that do not divide the server's chunks (the config's were checked): raised
+                # here, past the driver's release-on-error guard, it failed the replica at every restart. The
+                # engine serves; the routers model no LMCache tier for it (LMCache stores whole chunks only)
+                log.warning(
+                    "replica %s: vLLM's KV blocks of %d tokens do not divide the node's LMCache chunk_size %d: "
+                    "routers model no LMCache tier for this replica",
+                    self.replica_id,
+                    self.block_size,
+                    server_tiers.chunk_size,
+                )
         log.info(
             "engine replica %s ready: model=%s blocks=%d events=%s",
             self.replica_id,

@@ -35,6 +35,8 @@ from typing import Any
 
 from kvmesh.deployments.process_tree import Terminated, signals_seen
 
+log = logging.getLogger(__name__)
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -49,13 +51,14 @@ def cpus_needed(cfg: Mapping[str, Any]) -> float:
     return max_engine_replicas(cfg) * float(cfg["engine"]["num_cpus"]) + cfg["ingress_replicas"] * INGRESS_NUM_CPUS
 
 
-def local_num_cpus(cfg: Mapping[str, Any], requested: int | None) -> int:
+def local_num_cpus(cfg: Mapping[str, Any], requested: int | None, *, warn_pending: bool = False) -> int:
     """Logical CPUs for a local cluster: the machine's cores, or more when the app needs more.
 
     Ray's CPUs are a scheduling count, not a limit: engines that share cores are slower, never stuck.
     An explicit request is honoured and checked (NotEnoughResources names the flags that fix it).
+    `warn_pending`: as `check_local_resources`.
     """
-    check_local_resources(cfg)
+    check_local_resources(cfg, warn_pending=warn_pending)
     need = cpus_needed(cfg)
     if requested is not None:
         check_fits(cfg, float(requested), "--num-cpus")
@@ -81,10 +84,15 @@ def check_fits(cfg: Mapping[str, Any], cpus: float, where: str) -> None:
         )
 
 
-def check_local_resources(cfg: Mapping[str, Any]) -> None:
+def check_local_resources(cfg: Mapping[str, Any], *, warn_pending: bool = False) -> None:
     """Refuse what a local cluster never has: start_local_ray gives its node no custom resources, and the
-    GPUs Ray detects on this machine (`local_gpus`). Otherwise Ray and Serve started, and the engines waited
-    to be placed until the start-up watch gave up on them."""
+    GPUs Ray detects on this machine (`local_gpus`) for the engine replicas the app starts with. Otherwise
+    Ray and Serve started, and the engines waited to be placed until the start-up watch gave up on them.
+    An autoscaling maximum above what the GPUs hold is a ceiling Serve may never reach, not a reason to
+    refuse (Serve's default maximum is 100): with `warn_pending`, a warning says the replicas above what the
+    GPUs hold would stay pending. Only the start asks for it: `kvmesh serve` checks first in its relay
+    process, and the warning is said once, by its driver's start."""
+    from kvmesh.deployments.app import initial_engine_replicas
     from kvmesh.deployments.deploy_plan import max_engine_replicas
 
     eng = cfg["engine"]
@@ -101,16 +109,27 @@ def check_local_resources(cfg: Mapping[str, Any]) -> None:
     gpus = local_gpus()
     if gpus is None:  # not known cheaply: Ray counts them itself, and the start-up watch names a shortfall
         return
-    engines = max_engine_replicas(cfg)
+    engines = initial_engine_replicas(cfg)
     # Ray places a fractional GPU request within one GPU: 3 engines of 0.6 GPU need 3 GPUs, not 2
     room = gpus * math.floor(1 / per + 1e-9) if per < 1 else math.floor(gpus / per + 1e-9)
+    auto = bool(cfg.get("autoscaling"))
     if engines > room:
-        auto = bool(cfg.get("autoscaling"))
-        fewer = "--autoscaling MAX" if auto else "--replicas"
+        fewer = "--autoscaling MIN (autoscaling.initial_replicas)" if auto else "--replicas"
         raise NotEnoughResources(
-            f"{engines} engine replica(s){' (the autoscaling maximum)' if auto else ''} of engine.num_gpus "
+            f"{engines} engine replica(s){' (the autoscaling start)' if auto else ''} of engine.num_gpus "
             f"{per:g} need more GPUs than the {gpus} Ray finds on this machine (room for {room}): lower {fewer} "
             "or engine.num_gpus, or join a cluster with GPUs (--address)"
+        )
+    most = max_engine_replicas(cfg)
+    if warn_pending and most > room:
+        log.warning(
+            "autoscaling may ask for up to %d engine replicas of engine.num_gpus %g, but the %d GPU(s) on this "
+            "machine hold %d: replicas above %d stay pending",
+            most,
+            per,
+            gpus,
+            room,
+            room,
         )
 
 

@@ -107,13 +107,35 @@ def _create_kept(path: Path, staging: Path) -> None:
     """Make the kept secret at `path`, whole, unless another run made it first (the first one made wins).
     Why staged: written in place, it could be read, or left by a run killed meanwhile, empty or half
     written; here it is written to a private file of its own under `staging` (one a dead run left is
-    removed with its per-run secrets), then linked in under its name at once, which fails if one is there."""
+    removed with its per-run secrets), then linked in under its name at once, which fails if one is there.
+    A filesystem without hard links (some FUSE, SMB or vfat mounts: EPERM, ENOTSUP) gets it created in place,
+    exclusively, as before the staging (`_create_kept_in_place`): the first one made still wins."""
     from kvmesh.cluster.secure_channel import write_secret_file as write_private
 
-    staged = write_private(staging, FILE_NAME, secrets.token_hex(32).encode("ascii"))
+    data = secrets.token_hex(32).encode("ascii")
+    staged = write_private(staging, FILE_NAME, data)
     try:
         os.link(staged, path)
     except FileExistsError:
         pass  # another run's came first: every run uses that one
+    except OSError:
+        _create_kept_in_place(path, data)
     finally:
         staged.unlink(missing_ok=True)
+
+
+def _create_kept_in_place(path: Path, data: bytes) -> None:
+    """Write `data` to a new 0600 file at `path` unless one is there (another run's came first), flushed to
+    disk before it is closed. One that cannot be written whole is removed, not left empty or short."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise

@@ -267,6 +267,17 @@ def _flags(args) -> list[str]:
     return out
 
 
+def salt_secret_line(path: str | None) -> str:
+    """Where the replicas' salt secret comes from, as the start-up line says it: the file handed to them (the
+    one kept in $KVMESH_HOME across restarts, or another), or, on a joined cluster handed none, the nodes'."""
+    from kvmesh.deployments.salt_secret import FILE_NAME, kvmesh_home
+
+    if path is None:
+        return "salt secret: the cluster nodes' own (their tenants file's secret_file or environment; docs/tenants.md)"
+    kept = os.path.abspath(path) == os.path.abspath(kvmesh_home() / FILE_NAME)
+    return f"salt secret: {path}" + (" (kept across restarts; see docs/tenants.md)" if kept else "")
+
+
 def engine_replicas_text(cfg: dict) -> str:
     """The banner's engine count: under autoscaling `replicas` is not used, so the range is what runs, as
     Serve resolves it (`config.serve_autoscaling`: Serve's defaults for the autoscaling deployments fill the
@@ -356,7 +367,7 @@ def _drive(args, cfg: dict) -> int:
         print(api_key_banner(key, generated=key == getattr(args, "_generated_api_key", None)))
     else:
         print(f"API keys: from {cfg['tenants_file']}")
-    print(f"salt secret: {os.environ.get('KVMESH_SALT_SECRET_FILE')} (kept across restarts; see docs/tenants.md)")
+    print(salt_secret_line(os.environ.get("KVMESH_SALT_SECRET_FILE")))
     print(f"metrics: {url}/metrics   stop: Ctrl-C", flush=True)
     waiting[0] = True
     try:

@@ -232,6 +232,22 @@ def test_a_gpu_engine_without_engine_mode_gets_the_async_driver(monkeypatch):
     assert driver({"engine_mode": "async"}) == "async"
 
 
+def test_the_step_fault_gets_the_in_process_driver_and_an_async_engine_refuses_it(monkeypatch):
+    """engine.fail_step_after is a fault of the in-process driver only (make_driver hands it to no other): a
+    GPU engine without engine_mode got the async driver and ran without the fault, the config accepted."""
+    from kvmesh.deployments import engine_driver
+    from kvmesh.deployments.config import ConfigError
+
+    monkeypatch.setattr(engine_driver, "InprocDriver", lambda args, fail_step_after: ("inproc", fail_step_after))
+    monkeypatch.setattr(engine_driver, "AsyncDriver", lambda *a, **k: ("async", None))
+    for raw in ({"num_gpus": 1, "fail_step_after": 5}, {"fail_step_after": 5}):
+        cfg = engine_config(raw)
+        assert engine_driver.make_driver(cfg["engine_mode"], None, cfg["fail_step_after"]) == ("inproc", 5)
+    with pytest.raises(ConfigError, match=r"^engine.fail_step_after \(test-only\) is a fault of the in-process"):
+        engine_config({"num_gpus": 1, "engine_mode": "async", "fail_step_after": 5})
+    assert engine_config({"num_gpus": 1})["engine_mode"] == "async"  # without the fault, as before
+
+
 def test_xxhash_with_several_tenants_needs_the_operators_explicit_acceptance():
     from kvmesh.deployments.config import ConfigError, app_config
 

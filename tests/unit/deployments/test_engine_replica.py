@@ -334,3 +334,52 @@ def test_without_vllms_config_the_kv_dtype_is_the_one_kvmesh_hands_vllm():
 
     assert kv_cache_dtype(object(), {"model": "tiny", "dtype": "auto"}) == "float32"  # engine_dtype's choice
     assert kv_cache_dtype(object(), {"model": "/models/llama", "dtype": "bfloat16"}) == "bfloat16"
+
+
+def test_blocks_vllm_chose_that_do_not_divide_the_lmcache_chunk_leave_the_replica_serving_without_a_tier(
+    monkeypatch, tmp_path
+):
+    """The configured block size was checked against the chunk, but vLLM may run another one (here 24 tokens
+    against a 256-token chunk): the check raised in the replica's constructor, once the engine ran, and Serve
+    restarted the replica over and over. It serves now, says so once, and routers are told of no tier."""
+    import json
+
+    import ray
+
+    from kvmesh.deployments import engine as engine_module
+    from kvmesh.kvstore import node_server
+
+    config = {"num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 2, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(node_server, "_actor_cls", lambda: _NodeServerActors({"l1_size_gb": 1, "chunk_size": 256}))
+    monkeypatch.setattr(node_server, "patch_llvmlite_dunder_lookup", lambda: True)
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "ab" * 28))
+    monkeypatch.setattr(engine_module, "_L1_WARNED", set(), raising=False)
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=24, cache_dtype="auto", num_gpu_blocks=64),
+        model_config=SimpleNamespace(dtype="torch.float32"),
+    )
+    monkeypatch.setattr(_FakeDriver, "engine", SimpleNamespace(vllm_config=vllm_config), raising=False)
+    # heard on the replicas' logger itself: once Ray's logging is set up, "ray" and "ray.serve" pass nothing on
+    # to the root logger, where caplog listens
+    heard: list[logging.LogRecord] = []
+
+    class Listener(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record)
+
+    listener = Listener(logging.WARNING)
+    replica_log = logging.getLogger("ray.serve.kvmesh")
+    replica_log.addHandler(listener)
+    try:
+        r = _replica(monkeypatch, tmp_path, block_size=32, lmcache={"l1_size_gb": 1, "chunk_size": 256})
+    finally:
+        replica_log.removeHandler(listener)
+    try:
+        assert r.tier_info is None and r.record_routing_stats()["tiers"] is None
+        assert r.record_routing_stats()["block_size"] == 24
+        said = [rec.getMessage() for rec in heard if "chunk_size" in rec.getMessage()]
+        assert len(said) == 1 and "KV blocks of 24 tokens" in said[0] and "chunk_size 256" in said[0], said
+    finally:
+        r._release()

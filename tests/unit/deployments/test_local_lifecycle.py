@@ -305,10 +305,49 @@ def test_a_local_cluster_refuses_custom_resources_and_more_gpus_than_the_machine
     # a fractional request is placed within one GPU: 0.6 + 0.6 do not share one, so 3 need 3 GPUs
     with pytest.raises(NotEnoughResources, match=r"room for 2\): lower --replicas or engine.num_gpus"):
         local_num_cpus(app_config({"replicas": 3, "engine": {"num_gpus": 0.6}}), 4)
-    with pytest.raises(NotEnoughResources, match=r"\(the autoscaling maximum\).*lower --autoscaling MAX"):
-        local_num_cpus(app_config({"autoscaling": {"min_replicas": 1}, "engine": {"num_gpus": 1}}), None)
     monkeypatch.setattr(local_ray, "local_gpus", lambda: None)  # not known: left to Ray
     assert local_num_cpus(app_config({"engine": {"num_gpus": 1}}), 4) == 4
+
+
+def test_a_local_gpu_run_with_autoscaling_is_refused_only_when_the_engines_it_starts_with_do_not_fit(
+    home, fake_ray, monkeypatch, caplog
+):
+    """The GPU check counted the autoscaling maximum (Serve's 100 where none is set): `{min_replicas: 1}` on a
+    2-GPU machine was refused, though it starts one engine and Serve only ever scales up to what is placed.
+    What the app starts with must fit; a maximum above the GPUs gets one warning line."""
+    from kvmesh.deployments import local_ray
+
+    monkeypatch.setattr(local_ray, "local_gpus", lambda: 2)
+
+    def check(auto: dict) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvmesh.deployments.local_ray"):
+            local_ray.check_local_resources(
+                app_config({"autoscaling": auto, "engine": {"num_gpus": 1}}), warn_pending=True
+            )
+        return [r.getMessage() for r in caplog.records]
+
+    pending = (
+        "autoscaling may ask for up to 100 engine replicas of engine.num_gpus 1, but the 2 GPU(s) on this "
+        "machine hold 2: replicas above 2 stay pending"
+    )
+    assert check({"min_replicas": 1}) == [pending]
+    assert len(check({"min_replicas": 1, "max_replicas": 4})) == 1
+    assert check({"min_replicas": 1, "max_replicas": 2}) == []  # all of it fits: nothing to say
+    # `kvmesh serve`'s relay checks without the warning: its driver's start says it, once
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvmesh.deployments.local_ray"):
+        local_num_cpus(app_config({"autoscaling": {"min_replicas": 1}, "engine": {"num_gpus": 1}}), None)
+    assert caplog.records == []
+    from kvmesh.deployments.app import start_local, stop_local
+
+    with caplog.at_level("WARNING", logger="kvmesh.deployments.local_ray"):  # the start says it, once
+        start_local({"port": 0, "proxy": "serve", "autoscaling": {"min_replicas": 1}, "engine": {"num_gpus": 1}})
+    stop_local(drain=False)
+    assert [r.getMessage() for r in caplog.records] == [pending]
+    for start in ({"min_replicas": 3, "max_replicas": 4}, {"min_replicas": 1, "initial_replicas": 3}):
+        with pytest.raises(NotEnoughResources, match=r"^3 engine replica\(s\) \(the autoscaling start\).*MIN"):
+            check(start)
 
 
 def test_the_gpu_count_follows_cuda_visible_devices_and_the_devices_present(tmp_path, monkeypatch):

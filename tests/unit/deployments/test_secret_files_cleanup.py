@@ -6,6 +6,7 @@ Serve are faked: nothing starts."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -242,3 +243,103 @@ def test_the_kept_salt_secret_gets_its_name_only_whole_and_the_first_one_made_wi
     assert len(linked) == 1 and len(linked[0]) == 64
     assert kept == home / "salt-secret" and kept.read_text() == theirs
     assert _secret_files(home) == []  # the copy written aside is gone
+
+
+def _join(fake_ray, monkeypatch) -> None:
+    """`--address` joins a cluster whose head node is this machine (the start then polls its own URL)."""
+    import ray
+    from ray import serve
+
+    from kvmesh.deployments import app, ray_join
+
+    monkeypatch.setattr(ray_join, "join_cluster", lambda address, **kw: fake_ray.__setitem__("up", True))
+    monkeypatch.setattr(serve, "delete", lambda name: None)  # the stop deletes the app from a cluster it joined
+    monkeypatch.setattr(app, "kill_router_registry", lambda name: None)
+    head = {"Alive": True, "NodeManagerAddress": "10.0.0.5", "Resources": {"CPU": 4.0, "node:__internal_head__": 1}}
+    monkeypatch.setattr(ray, "nodes", lambda: [head])
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")
+
+
+def test_a_joined_cluster_is_never_handed_this_machines_kept_salt_secret(home, fake_ray, monkeypatch, tmp_path):
+    """With --address and a tenants file only the cluster's nodes have, the start handed every replica this
+    machine's kept secret path, which outranks the `secret_file:` of the nodes' tenants file: a path the other
+    nodes cannot read, or each node's own kept file (a salt per node for one tenant)."""
+    from kvmesh.deployments.app import runtime_env_vars, stop_local
+    from kvmesh.deployments.tenants import TenantRegistry, derive_salt
+
+    _join(fake_ray, monkeypatch)
+    on_the_nodes = tmp_path / "nodes" / "t.yaml"  # not on this machine yet
+    _start({"tenants_file": str(on_the_nodes), "address": "10.0.0.5:6379"})
+    try:
+        assert "KVMESH_SALT_SECRET_FILE" not in runtime_env_vars()
+        assert not (home / "salt-secret").exists()
+        # a node's ingress, in the environment the run hands its replicas, salts from its own tenants file's secret
+        _tenants_file(on_the_nodes.parent, EXPLICIT + "\n")
+        assert TenantRegistry.from_file(on_the_nodes).tenants["acme"].salt == derive_salt(EXPLICIT.encode(), "acme")
+    finally:
+        stop_local(drain=False)
+
+
+def test_a_joined_cluster_gets_the_salt_secret_set_here_and_a_warning_without_one(
+    home, fake_ray, monkeypatch, tmp_path, caplog
+):
+    """What the operator set (a per-run file of KVMESH_SALT_SECRET) or a `secret_file:` read from a tenants file
+    this machine has is handed to the joined cluster's replicas; with neither, nothing is, and a warning says
+    that each replica then salts from its node's secret or its own."""
+    from kvmesh.deployments.app import runtime_env_vars, stop_local
+
+    _join(fake_ray, monkeypatch)
+    joined = {"address": "10.0.0.5:6379"}
+    with caplog.at_level("WARNING", logger="kvmesh.deployments.app"):
+        _start(joined)
+    stop_local(drain=False)
+    assert [r.getMessage() for r in caplog.records if "no salt secret set here" in r.getMessage()]
+    assert not (home / "salt-secret").exists()
+
+    monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    _start(joined)
+    try:
+        assert open(runtime_env_vars()["KVMESH_SALT_SECRET_FILE"]).read() == EXPLICIT
+    finally:
+        stop_local(drain=False)
+    monkeypatch.delenv("KVMESH_SALT_SECRET")
+
+    tenants = _tenants_file(tmp_path / "conf", EXPLICIT + "\n")
+    _start({**joined, "tenants_file": tenants})
+    try:
+        assert runtime_env_vars()["KVMESH_SALT_SECRET_FILE"] == str(tmp_path / "conf" / "salt-secret")
+    finally:
+        stop_local(drain=False)
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [PermissionError(errno.EPERM, "Operation not permitted"), OSError(errno.ENOTSUP, "Operation not supported")],
+    ids=["EPERM", "ENOTSUP"],
+)
+def test_the_kept_salt_secret_is_made_where_the_filesystem_has_no_hard_links(home, monkeypatch, refusal):
+    """Some FUSE, SMB or vfat homes refuse hard links: linking the staged file in failed the first run there,
+    where creating the file in place worked. It is made in place then, and the first one made still wins."""
+    from kvmesh.deployments import salt_secret
+
+    def no_links(src, dst):
+        raise refusal
+
+    monkeypatch.setattr(os, "link", no_links)
+    kept = salt_secret.persistent_secret_file()
+    made = kept.read_text()
+    assert kept == home / "salt-secret" and len(made) == 64 and stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert _secret_files(home) == []  # the copy written aside is gone
+    assert salt_secret.persistent_secret_file().read_text() == made  # later runs use it
+
+    theirs = "another-runs-salt-secret-0123456789abcdef"
+
+    def another_run_first(src, dst):
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, theirs.encode())
+        os.close(fd)
+        raise refusal
+
+    kept.unlink()
+    monkeypatch.setattr(os, "link", another_run_first)
+    assert salt_secret.persistent_secret_file().read_text() == theirs

@@ -182,3 +182,14 @@ def test_the_start_banner_resolves_autoscaling_as_serve_does(monkeypatch, capsys
     with pytest.raises(CliError) as info:
         serve_cmd._drive(argparse.Namespace(num_cpus=None, address=None), app_config({}))
     assert str(info.value) == "could not start the app: cannot describe" and not started
+
+
+def test_the_salt_secret_line_says_where_the_replicas_secret_comes_from(monkeypatch, tmp_path):
+    """On a joined cluster handed no secret file the line read 'salt secret: None (kept across restarts)'."""
+    from kvmesh.deployments.cli.serve import salt_secret_line
+
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    assert salt_secret_line(str(tmp_path / "salt-secret")).endswith("(kept across restarts; see docs/tenants.md)")
+    assert salt_secret_line("/etc/kvmesh/salt") == "salt secret: /etc/kvmesh/salt"
+    joined = salt_secret_line(None)
+    assert "None" not in joined and "nodes' own" in joined
