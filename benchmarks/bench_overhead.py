@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,9 +30,13 @@ def main() -> None:
     targets = Targets()
     path = out_dir("overhead")
     requests = int(os.environ.get("BENCH_OVERHEAD_REQUESTS", "100"))
+    # the tiny model's build, the servers' logs and Ray's session folder: removed when the bench ends
     work = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
-    spec = EngineSpec(model=str(build_tiny_model(work / "tiny")))
-    report = run_overhead(spec, work, workers=WORKERS, requests=requests)
+    try:
+        spec = EngineSpec(model=str(build_tiny_model(work / "tiny")))
+        report = run_overhead(spec, work, workers=WORKERS, requests=requests)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     over = report["overhead_p50_ms"]
     print(f"\nper-request overhead over a bare vLLM server (p50, {requests} sequential requests, {WORKERS} engines):")
     print(f"  bare vLLM server          {report['direct']['p50_ms']:6.2f} ms")

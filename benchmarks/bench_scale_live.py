@@ -10,14 +10,14 @@ Targets, for every synced multi-ingress run: hit rate >= the same workload's sin
 - 0.01, and per-replica prefill (uncached prompt tokens) max/mean <= 1.25. Also reported: p50 TTFT,
 requests per replica, and each router's sync figures from /kvmesh/state (placements published and
 applied, how long its first peer placement took to arrive). Writes BENCH_OUT/scale_live/scale_live.json
-and scale_live.png (BENCH_OUT default out). Part of `BENCH=scale make bench`; about 2-3 minutes per run
+and scale_live.png (BENCH_OUT default out; the JSON is rewritten after each run, "complete": false until
+the last). Part of `BENCH=scale make bench`; about 2-3 minutes per run
 on 2 cores (8 runs). BENCH_SCALE_LIVE_SETUPS (e.g. "1,2") and BENCH_SCALE_LIVE_WORKLOADS ("chat")
 narrow it. Exit 1 on a miss.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from kvmesh.benchmarks.ingress_fleet import ENGINES, app_config, ingress_states
 from kvmesh.benchmarks.output import out_dir as bench_out
-from kvmesh.benchmarks.output import save_plot
+from kvmesh.benchmarks.output import save_plot, write_json
 from kvmesh.benchmarks.targets import Targets
 
 CONCURRENCY = 8
@@ -198,28 +198,60 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Hit rate and prefill max/mean of every run, grouped by workload, with the targets: the hit target
+    (the workload's single-ingress hit - HIT_SLACK) over that workload's bars, MAX_OVER_MEAN across the
+    balance panel. A run without the figure (no hit rate reported) is a hatched stub marked n/a, not a 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = sorted({r["workload"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "hit", "token hit rate"), (axes[1], "prefill_max_over_mean", "prefill max/mean")):
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    panels = ((axes[0], "hit", "token hit rate"), (axes[1], "prefill_max_over_mean", "prefill max/mean over engines"))
+    for ax, key, label in panels:
+        present = [r[key] for r in rows if r[key] is not None]
+        stub = 0.05 * max(present, default=1.0)
+        ticks: list[int] = []
+        tick_labels: list[str] = []
+        target_drawn = False
         for i, w in enumerate(names):
             sub = [r for r in rows if r["workload"] == w]
-            xs = [f"{r['ingress']}{'' if r['sync'] else ' no sync'}" for r in sub]
-            ax.bar([x + f"\n{w}" for x in xs], [r[key] or 0.0 for r in sub], color=f"C{i}", label=w)
+            xs = list(range(len(ticks) + i, len(ticks) + i + len(sub)))  # a gap between workloads
+            shown = [(x, r[key]) for x, r in zip(xs, sub) if r[key] is not None]
+            ax.bar([x for x, _ in shown], [v for _, v in shown], color=f"C{i}", label=w)
+            for x, r in zip(xs, sub):
+                if r[key] is None:
+                    ax.bar(x, stub, fill=False, hatch="//", edgecolor=f"C{i}")
+                    ax.text(x, stub, "n/a", ha="center", va="bottom", fontsize=7)
+            base = next((r["hit"] for r in sub if r["ingress"] == 1 and r["hit"] is not None), None)
+            if key == "hit" and base is not None:
+                name = None if target_drawn else f"target: single-ingress hit - {HIT_SLACK}"
+                ax.plot([xs[0] - 0.4, xs[-1] + 0.4], [base - HIT_SLACK] * 2, "k--", lw=1, label=name)
+                target_drawn = True
+            ticks += xs
+            tick_labels += [f"{r['ingress']}{'' if r['sync'] else ' no sync'}\n{w}" for r in sub]
         if key == "prefill_max_over_mean":
-            ax.axhline(MAX_OVER_MEAN, color="k", ls="--", lw=1)
-        ax.set_title(f"{label} by ingress replicas (4 engines)")
+            ax.axhline(MAX_OVER_MEAN, color="k", ls="--", lw=1, label=f"target <= {MAX_OVER_MEAN}")
+        ax.set_xticks(ticks, tick_labels)
+        ax.set_xlabel("ingress replicas")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} ({ENGINES} engines)")
         ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
     save_plot(fig, path)
+
+
+def write_report(path: str, rows: list[dict], complete: bool) -> None:
+    """The JSON report, rewritten after every setup (a temp file renamed over it, so never half-written): a
+    later setup that fails keeps the rows measured so far, marked "complete": false."""
+    write_json(path, {"rows": rows, "engines": ENGINES, "concurrency": CONCURRENCY, "complete": complete})
 
 
 def main() -> None:
     targets = Targets()
     out_dir = bench_out("scale_live")
+    json_path = os.path.join(out_dir, "scale_live.json")
     wanted_setups = os.environ.get("BENCH_SCALE_LIVE_SETUPS")
     setups = [s for s in SETUPS if not wanted_setups or str(s[0]) in wanted_setups.split(",")]
     if not setups:  # nothing measured would judge nothing, and pass
@@ -227,13 +259,15 @@ def main() -> None:
     names = (os.environ.get("BENCH_SCALE_LIVE_WORKLOADS") or "chat,mooncake").split(",")
     repeats = int(os.environ.get("BENCH_SCALE_LIVE_REPEATS", REPEATS))
     loads = workloads(names)
-    rows = []
+    rows: list[dict] = []
+    write_report(json_path, rows, complete=False)  # no earlier run's complete report left standing
     for name, records in loads.items():
         for ingress, sync in setups:
             t0 = time.perf_counter()
             print(f"  {name}: {ingress} ingress replica(s), sync {'on' if sync else 'off'} ...", flush=True)
             row = {"workload": name, **run_one(records, ingress, sync, repeats)}
             rows.append(row)
+            write_report(json_path, rows, complete=False)
             print(
                 f"    hit {row['hit']}, prefill max/mean {row['prefill_max_over_mean']:.2f}, "
                 f"{row['errors']} errors ({time.perf_counter() - t0:.0f} s)",
@@ -243,8 +277,7 @@ def main() -> None:
     print(table(rows))
     for name, ok in checks(rows):
         print(f"  {name}: {targets.verdict(name, ok)}")
-    with open(os.path.join(out_dir, "scale_live.json"), "w") as f:
-        json.dump({"rows": rows, "engines": ENGINES, "concurrency": CONCURRENCY}, f, indent=1)
+    write_report(json_path, rows, complete=True)
     plot(rows, os.path.join(out_dir, "scale_live.png"))
     print(f"wrote {out_dir}/scale_live.json and scale_live.png")
     targets.exit_if_missed()

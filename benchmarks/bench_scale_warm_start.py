@@ -33,7 +33,8 @@ tier was empty) and its first request is a shared-tier hit (cached tokens > 0, a
 server counted shared-tier hit tokens, where /metrics gave them); same_node's first request on the new
 replica is a tier hit (cached tokens > 0) when that arm runs; shared's dip <= no_shared's + DIP_SLACK;
 every arm: its new replica served FIRST_N requests, a replica was removed, no request failed. Writes
-BENCH_OUT/warm_start/warm_start.json and warm_start.png. Part of `BENCH=scale make bench` (alone:
+BENCH_OUT/warm_start/warm_start.json (rewritten after each arm, "complete": false until the last) and
+warm_start.png. Part of `BENCH=scale make bench` (alone:
 `BENCH=scale_warm_start make bench`; BENCH_WARM_START_ARMS=shared,no_shared,same_node adds the one-node
 arm). About 3 minutes per arm on 2 cores. Exit 1 on a miss.
 """
@@ -41,7 +42,6 @@ arm). About 3 minutes per arm on 2 cores. Exit 1 on a miss.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import secrets
@@ -50,7 +50,7 @@ import tempfile
 import time
 
 from kvmesh.benchmarks.output import out_dir as bench_out
-from kvmesh.benchmarks.output import save_plot
+from kvmesh.benchmarks.output import save_plot, write_json
 from kvmesh.benchmarks.targets import Targets
 
 HOT_PREFIXES = 8
@@ -523,7 +523,11 @@ def plot(arms: dict[str, dict], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for i, (name, a) in enumerate(arms.items()):
         axes[0].plot(range(1, len(a["new_cumulative_hit"]) + 1), a["new_cumulative_hit"], color=f"C{i}", label=name)
-    axes[0].set(title=f"new replica: cumulative token hit rate, first {FIRST_N}", xlabel="its n-th request")
+    axes[0].set(
+        title=f"new replica: cumulative token hit rate, first {FIRST_N}",
+        xlabel="its n-th request",
+        ylabel="token hit rate so far",
+    )
     axes[0].legend()
     names = list(arms)
     for ax, keys, title in (
@@ -532,22 +536,37 @@ def plot(arms: dict[str, dict], path: str) -> None:
     ):
         for j, k in enumerate(keys):
             xs = [x + 0.4 * j for x in range(len(names))]
-            ax.bar(xs, [arms[n][k] or 0.0 for n in names], width=0.4, label=k, color=f"C{j + 2}")
+            shown = [(x, arms[n].get(k)) for x, n in zip(xs, names) if arms[n].get(k) is not None]
+            ax.bar([x for x, _ in shown], [v for _, v in shown], width=0.4, label=k, color=f"C{j + 2}")
+            for x, n in zip(xs, names):
+                if arms[n].get(k) is None:  # no figure (nothing served in that span): n/a, not a 0 hit rate
+                    ax.bar(x, 0.05, width=0.4, fill=False, hatch="//", edgecolor=f"C{j + 2}")
+                    ax.text(x, 0.05, "n/a", ha="center", va="bottom", fontsize=7)
         ax.set_xticks([x + 0.2 for x in range(len(names))], names)
         ax.set(title=title, ylabel="token hit rate", ylim=(0, 1))
         ax.legend(fontsize=7)
     save_plot(fig, path)
 
 
+def write_report(path: str, arms: dict[str, dict], complete: bool) -> None:
+    """The JSON report, rewritten after every arm (a temp file renamed over it, so never half-written): a
+    later arm that fails keeps the arms measured so far, marked "complete": false."""
+    report = {"arms": arms, "autoscaling": AUTOSCALING, "first_n": FIRST_N, "window": WINDOW, "complete": complete}
+    write_json(path, report)
+
+
 def main() -> None:
     targets = Targets()
     out_dir = bench_out("warm_start")
+    json_path = os.path.join(out_dir, "warm_start.json")
     wanted = (os.environ.get("BENCH_WARM_START_ARMS") or DEFAULT_ARMS).split(",")
     arms: dict[str, dict] = {}
+    write_report(json_path, arms, complete=False)  # no earlier run's complete report left standing
     for arm in (a for a in ARMS if a in wanted):
         t0 = time.perf_counter()
         print(f"  {arm}: 2 replicas, autoscaling to 3 and back ...", flush=True)
         arms[arm] = run_arm(arm, seed=1000)  # the same prompts in every arm (each has its own caches)
+        write_report(json_path, arms, complete=False)
         a = arms[arm]
         print(
             f"    new replica hit {a['new_hit']} over {a['new_requests']}, dip {a['dip']}, "
@@ -571,8 +590,7 @@ def main() -> None:
         )
     for name, ok in checks(arms):
         print(f"  {name}: {targets.verdict(name, ok)}")
-    with open(os.path.join(out_dir, "warm_start.json"), "w") as f:
-        json.dump({"arms": arms, "autoscaling": AUTOSCALING, "first_n": FIRST_N, "window": WINDOW}, f, indent=1)
+    write_report(json_path, arms, complete=True)
     plot(arms, os.path.join(out_dir, "warm_start.png"))
     print(f"wrote {out_dir}/warm_start.json and warm_start.png")
     targets.exit_if_missed()

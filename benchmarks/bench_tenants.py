@@ -21,6 +21,9 @@ conversation trace with 64 tenants and a 4M-token LRU cache.
 
 Granularity: keys are whole 512-token trace blocks (fast; partial blocks are never cached in either
 arm, so both lose the same tail).
+
+Writes BENCH_OUT/tenants/bench_tenants.json and bench_tenants.png (BENCH_OUT default out; BENCH_JSON_DIR,
+where set, names the folder instead).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
+from kvmesh.benchmarks.output import out_dir, save_plot
 from kvmesh.benchmarks.targets import Targets
 from kvmesh.cluster.bounds import record_bounds
 from kvmesh.cluster.trace import read_records
@@ -146,6 +150,42 @@ def saas_figures(tenants: int = 16, preamble_blocks: int = 4) -> dict:
     }
 
 
+def plot(rows: list[dict], saas: dict, path: str) -> None:
+    """Left: the share of the shared-salt hit rate that per-tenant salts keep on the Mooncake trace, by tenant
+    count, one line per cache, with the 90% target; a count with nothing to keep (None) is left out. Right: the
+    SaaS workload's hit rate per salting, without and with the public preamble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ax = axes[0]
+    counts = sorted({r["tenants"] for r in rows})  # evenly spaced: 1, 8, 64, 512
+    for i, cache in enumerate(dict.fromkeys(r["cache"] for r in rows)):
+        sub = [r for r in rows if r["cache"] == cache and r["kept"] is not None]
+        ax.plot([counts.index(r["tenants"]) for r in sub], [r["kept"] for r in sub], "o-", color=f"C{i}", label=cache)
+    ax.axhline(0.90, color="k", ls="--", lw=1, label="target (64 tenants, 4M-token LRU)")
+    ax.set_xticks(range(len(counts)), [str(c) for c in counts])
+    ax.set_xlabel("tenants (conversations spread over them)")
+    ax.set_ylabel("isolated / shared-salt hit rate")
+    ax.set_title("Mooncake conversation trace, second half")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    arms = ("shared_salt", "isolated", "groups_of_2")
+    workloads = ("no_common_text", "public_preamble")
+    for j, arm in enumerate(arms):
+        xs = [i + (j - 1) * 0.27 for i, w in enumerate(workloads) if arm in saas[w]]
+        ys = [saas[w][arm] for w in workloads if arm in saas[w]]
+        ax.bar(xs, ys, 0.27, color=f"C{j}", label=arm.replace("_", " "))
+    ax.set_xticks(range(len(workloads)), ["no common text", f"public {saas['preamble_blocks']}-block preamble"])
+    ax.set_ylabel("token hit rate (infinite cache)")
+    ax.set_title(f"SaaS chat, {saas['tenants']} tenants")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    save_plot(fig, path)
+
+
 def main() -> dict:
     rows = mooncake_figures()
     print("Mooncake conversation trace, second half, token-weighted hit rate (conversation -> tenant):")
@@ -180,10 +220,11 @@ def main() -> dict:
     for name, ok in checks:
         print(f"  {targets.verdict(name, ok)}: {name}")
     result = {"mooncake": rows, "saas": saas}
-    out = os.environ.get("BENCH_JSON_DIR")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench_tenants.json").write_text(json.dumps(result, indent=1))
+    folder = Path(os.environ.get("BENCH_JSON_DIR") or out_dir("tenants"))  # BENCH_JSON_DIR: the old override
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench_tenants.json").write_text(json.dumps(result, indent=1))
+    plot(rows, saas, str(folder / "bench_tenants.png"))
+    print(f"wrote {folder}/bench_tenants.json and bench_tenants.png")
     targets.exit_if_missed()
     return result
 

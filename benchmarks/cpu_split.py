@@ -163,9 +163,12 @@ SETUPS: dict[str, Callable[..., dict]] = {
 def format_run(name: str, res: dict, requests: int) -> str:
     s, cpu = res["summary"], res["cpu_s"]
     total = sum(cpu.values())
+    # a setup that answered nothing (every request failed) has no hit rate or TTFT: n/a, not a crash
+    hit = "n/a" if s["hit_rate_tokens"] is None else f"{s['hit_rate_tokens']:.3f}"
+    ttft = "n/a" if s["ttft_p50_s"] is None else f"{s['ttft_p50_s'] * 1e3:.0f} ms"
     lines = [
-        f"{name}: {requests} requests in {res['wall_s']:.1f} s, hit {s['hit_rate_tokens']:.3f}, errors {s['errors']}, "
-        f"TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms; CPU {total:.1f} s ({total / res['wall_s']:.2f} cores), "
+        f"{name}: {requests} requests in {res['wall_s']:.1f} s, hit {hit}, errors {s['errors']}, "
+        f"TTFT p50 {ttft}; CPU {total:.1f} s ({total / res['wall_s']:.2f} cores), "
         f"{1e3 * total / requests:.0f} ms per request"
     ]
     threads = res.get("thread_cpu_s", {})

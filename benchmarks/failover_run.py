@@ -1,6 +1,7 @@
-"""A streaming conversation replay against a live kvmesh app, with an optional real `kill -9` of the
-busiest engine replica part-way through: the shared driver of `bench_failover` and the failover
-integration test.
+"""A streaming conversation replay against a live kvmesh app, with an optional real `kill -9` of an
+engine replica part-way through (the replica of whichever stream next receives its first token once the
+given fraction of requests completed, however many streams it has open: not necessarily the busiest):
+the shared driver of `bench_failover` and the failover integration test.
 
 Workload: conversations whose every turn extends the previous turn's prompt (token-id prompts), so
 turns hit the prefix cache of the replica that served the conversation; each of `concurrency`

@@ -182,7 +182,7 @@ class LocalRayCluster:
                     self.procs.append(self._start_node(spec, head=i == 0))
                     if self._wait_started(i):
                         break
-                    self.procs.pop()
+                    self._end_failed_try(self.procs.pop())
                     if attempt == 2:
                         raise RuntimeError(f"ray node {i} did not start; see {self.workdir}/ray-node-{i}.log")
             self._remember_pids()
@@ -190,6 +190,29 @@ class LocalRayCluster:
             self.stop()
             raise
         return self
+
+    def _end_failed_try(self, p: subprocess.Popen | None) -> None:
+        """A `ray start` that exited without starting its node may have left what it spawned (a GCS server, a
+        raylet) in its process group: remember them for stop() and kill the group now."""
+        if p is None:
+            return
+        self._remember_group(p.pid)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # nothing left in the group
+        p.wait(timeout=30)
+
+    def _remember_group(self, pgid: int) -> None:
+        """Every process in group `pgid` (its leader may be gone: children keep the group), for stop()."""
+        import psutil
+
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    self._seen[proc.pid] = proc.create_time()
+            except (OSError, psutil.Error):  # gone meanwhile
+                continue
 
     def add_node(self, spec: NodeSpec) -> int:
         """Join one more node to the running cluster (as a cluster autoscaler adds one); returns its index."""
@@ -290,7 +313,9 @@ class LocalRayCluster:
 
         self._remember_pids()
         for p in reversed(self.procs):
-            if p is not None and p.poll() is None:
+            if p is not None:
+                self._remember_group(p.pid)
+                # also where the node's `ray start` itself has exited: what it started keeps its group
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:

@@ -4,6 +4,7 @@ every figure in memory)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -12,6 +13,15 @@ def out_dir(name: str) -> str:
     path = os.path.join(os.environ.get("BENCH_OUT", "out"), name)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def write_json(path: str, data: object, indent: int = 1) -> None:
+    """`data` as JSON at `path`, through a temp file renamed over it: a report rewritten after each setup of a
+    long bench is never seen half-written, and the setups measured before a later failure stay on disk."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=indent)
+    os.replace(tmp, path)
 
 
 def save_plot(fig, path: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 LOOPBACK = ("127.", "::1", "::ffff:127.")  # IPv4-mapped loopback: Ray binds its node address as "::ffff:127.0.0.1"
@@ -128,8 +130,21 @@ def measure_engine() -> list[dict]:
         conns = psutil.Process().net_connections(kind="inet")
         return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
 
+    # a channel secret of its own where none is given: its folder and the variable go again at the end
+    secret_dir = None
     if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
-        os.environ[CHANNEL_SECRET_FILE_ENV] = str(write_channel_secret(tempfile.mkdtemp(prefix="kvmesh-inventory-")))
+        secret_dir = tempfile.mkdtemp(prefix="kvmesh-inventory-")
+        os.environ[CHANNEL_SECRET_FILE_ENV] = str(write_channel_secret(secret_dir))
+    try:
+        return _engine_rows(listening)
+    finally:
+        if secret_dir is not None:
+            os.environ.pop(CHANNEL_SECRET_FILE_ENV, None)
+            shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _engine_rows(listening: Callable[[], set[tuple[str, int]]]) -> list[dict]:
+    """The listeners and vLLM publisher sockets one EngineReplica adds (measure_engine)."""
     before = listening()
     from kvmesh.deployments.engine import EngineReplica
 

@@ -111,23 +111,38 @@ def run_overhead(
 
     from kvmesh.deployments.app import start_local, stop_local
 
+    # Ray's session folder in the work dir, for this app only: the caller's RAY_TMPDIR (or its absence) is
+    # put back afterwards, so later Ray apps of the same process (make bench) do not land in a removed folder
+    ray_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ.setdefault("RAY_TMPDIR", str(work_dir / "ray"))
-    key = "kvm-bench-" + secrets.token_hex(6)
-    url = start_local(
-        {"replicas": workers, "policy": "kvmesh", "port": 0, "api_keys": [key], "engine": spec.kvmesh_engine_config()},
-        num_cpus=_ray_cpus(workers),
-    )
     try:
-        report["kvmesh"] = _quantiles(
-            _measure(url, requests, headers={"Authorization": f"Bearer {key}"}, seed=3, prompt_tokens=prompt_tokens)
+        key = "kvm-bench-" + secrets.token_hex(6)
+        url = start_local(
+            {
+                "replicas": workers,
+                "policy": "kvmesh",
+                "port": 0,
+                "api_keys": [key],
+                "engine": spec.kvmesh_engine_config(),
+            },
+            num_cpus=_ray_cpus(workers),
         )
-        import httpx
+        try:
+            report["kvmesh"] = _quantiles(
+                _measure(url, requests, headers={"Authorization": f"Bearer {key}"}, seed=3, prompt_tokens=prompt_tokens)
+            )
+            import httpx
 
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
-        report["kvmesh"]["router_decision_ms_mean"] = _kvmesh_decision_ms(text)
-        report["kvmesh"]["ingress_to_first_chunk_ms_mean"] = _kvmesh_ingress_ttft_ms(text)
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+            report["kvmesh"]["router_decision_ms_mean"] = _kvmesh_decision_ms(text)
+            report["kvmesh"]["ingress_to_first_chunk_ms_mean"] = _kvmesh_ingress_ttft_ms(text)
+        finally:
+            stop_local()
     finally:
-        stop_local()
+        if ray_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = ray_tmpdir
     log(f"kvmesh      {report['kvmesh']}")
     d = report["direct"]["p50_ms"]
     report["overhead_p50_ms"] = {

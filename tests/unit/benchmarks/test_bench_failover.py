@@ -107,3 +107,34 @@ def test_the_tenants_file_with_its_key_digests_leaves_with_the_run(monkeypatch, 
     _fake_app(monkeypatch, tmp_path, failed={"untouched": 0, "killed": 0}, migrations={"untouched": 0, "killed": 1})
     _main(capsys)
     assert not list(tmp_path.glob("kvmesh-bench-failover-*"))  # it stayed in the temp folder after every run
+
+
+def test_the_untouched_runs_figures_survive_a_failing_killed_run(monkeypatch, tmp_path, capsys):
+    """The JSON was written only after both runs: a killed run that raised lost the untouched run's figures.
+    Now each run rewrites it, marked incomplete, and the failure still ends the bench with an error."""
+    import json
+
+    _fake_app(monkeypatch, tmp_path, failed={"untouched": 0, "killed": 0}, migrations={"untouched": 0, "killed": 1})
+    fake_run = bench_failover.run
+
+    def run(url, headers, convs, *, concurrency, max_tokens, kill_at=None):
+        if kill_at is not None:
+            raise RuntimeError("no replica to kill (fake)")
+        return fake_run(url, headers, convs, concurrency=concurrency, max_tokens=max_tokens, kill_at=kill_at)
+
+    monkeypatch.setattr(bench_failover, "run", run)
+    with pytest.raises(RuntimeError):
+        bench_failover.main()
+    report = json.loads((tmp_path / "out" / "failover" / "bench_failover.json").read_text())
+    assert report["complete"] is False
+    assert "killed" not in report and len(report["untouched"]["results"]) == 30
+    assert report["counters"] == {"untouched": {name: 0.0 for name in bench_failover.COUNTERS}}
+
+
+def test_a_finished_run_is_marked_complete(monkeypatch, tmp_path, capsys):
+    import json
+
+    _fake_app(monkeypatch, tmp_path, failed={"untouched": 0, "killed": 0}, migrations={"untouched": 0, "killed": 1})
+    assert _main(capsys)[0] == 0
+    report = json.loads((tmp_path / "out" / "failover" / "bench_failover.json").read_text())
+    assert report["complete"] is True and {"untouched", "killed", "targets"} <= set(report)

@@ -258,3 +258,32 @@ def test_sync_traffic_sums_messages_and_frames_over_ingress_replicas():
     assert sync_traffic(before, after) == {"messages": 60, "frames": 22}
     assert sync_traffic(after, after) is None  # nothing sent in the phase
     assert sync_traffic({"a": {}}, {"a": {"router": {}}}) is None  # no sync at all
+
+
+def test_the_setups_measured_before_a_failing_one_are_on_disk(monkeypatch, tmp_path):
+    """The JSON was written only after the last setup: a setup that failed lost every earlier one. Now each
+    setup rewrites it, marked incomplete, and the failure still ends the bench with an error."""
+    import json
+
+    from kvmesh.benchmarks import bench_ingress_throughput as it
+
+    calls = []
+
+    def run_one(ingress, sync, forms, sweep=True):
+        calls.append(ingress)
+        if len(calls) == 3:
+            raise RuntimeError("reached 3 of 4 ingress replicas (fake)")
+        form = {"load": {"rps": 100.0, "errors": 0}, "phases_rps": [100.0]}
+        return {"ingress": ingress, "sync": sync, "forms": {f: form for f in forms}}
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    monkeypatch.delenv("BENCH_INGRESS_SETUPS", raising=False)
+    monkeypatch.delenv("BENCH_INGRESS_ROUNDS", raising=False)
+    monkeypatch.setattr(it, "run_one", run_one)
+    monkeypatch.setattr(it, "offline_costs", lambda forms: {})
+    with pytest.raises(RuntimeError):
+        it.main()
+    report = json.loads((tmp_path / "ingress_throughput" / "ingress_throughput.json").read_text())
+    assert report["complete"] is False
+    assert [r["ingress"] for r in report["rows"]] == [n for n, _ in it.SETUPS[:2]]
+    assert not list((tmp_path / "ingress_throughput").glob("*.tmp"))

@@ -183,3 +183,43 @@ def test_tier_hits_are_read_per_node_and_summed_per_tier():
     assert (
         b.new_node_shared_hits({"new_replica": "r3", "replica_nodes": {}, "tier_hit_tokens_by_node": by_node}) is None
     )
+
+
+def test_the_arms_measured_before_a_failing_one_are_on_disk(monkeypatch, tmp_path):
+    """The JSON was written only after the last arm: an arm that failed lost the earlier ones. Now each arm
+    rewrites it, marked incomplete, and the failure still ends the bench with an error."""
+    import json
+
+    import pytest
+
+    calls = []
+
+    def run_arm(arm, seed):
+        calls.append(arm)
+        if len(calls) == 2:
+            raise RuntimeError("ray node 1 did not start (fake)")
+        return {"arm": arm, "new_hit": 0.889, "new_requests": 100, "dip": 0.0, "errors": 0}
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    monkeypatch.setenv("BENCH_WARM_START_ARMS", "shared,no_shared")
+    monkeypatch.setattr(b, "run_arm", run_arm)
+    with pytest.raises(RuntimeError):
+        b.main()
+    report = json.loads((tmp_path / "warm_start" / "warm_start.json").read_text())
+    assert report["complete"] is False
+    assert list(report["arms"]) == calls[:1]
+    assert not list((tmp_path / "warm_start").glob("*.tmp"))
+
+
+def test_the_plot_shows_a_missing_hit_rate_as_missing_not_as_zero(monkeypatch):
+    """An arm without a figure (e.g. no request after the removal) was drawn as a 0.0 hit-rate bar."""
+    figures = []
+    monkeypatch.setattr(b, "save_plot", lambda fig, path: figures.append(fig))
+    arm = {"new_cumulative_hit": [0.5, 0.8], "new_hit": 0.8, "old_hit_same_span": 0.7, "before_hit": 0.7}
+    b.plot({"shared": {**arm, "after_hit": None}, "no_shared": {**arm, "after_hit": 0.6}}, "unused.png")
+    down = figures[0].axes[2]
+    assert sorted(round(p.get_height(), 3) for p in down.patches if p.get_fill()) == [0.6, 0.7, 0.7]
+    assert [t.get_text() for t in down.texts] == ["n/a"]
+    import matplotlib.pyplot as plt
+
+    plt.close(figures[0])

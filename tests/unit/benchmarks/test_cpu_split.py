@@ -92,3 +92,17 @@ def test_the_thread_split_keeps_a_roles_own_threads_and_drops_small_ones():
     threads["ingress replicas: ray::IDLE"] = 5.0
     assert cpu_split.by_thread(threads, "engine replicas") == [("kvmesh-step", 8.0), ("ray::IDLE", 1.0)]
     assert cpu_split.by_thread(threads, "Serve controller") == []
+
+
+def test_a_setup_that_answered_nothing_prints_n_a_instead_of_crashing():
+    """The replay's summary has no hit rate or TTFT when every request failed: formatting None raised."""
+    from kvmesh.benchmarks.cpu_split import format_run
+
+    res = {
+        "summary": {"hit_rate_tokens": None, "errors": 120, "ttft_p50_s": None},
+        "wall_s": 30.0,
+        "cpu_s": {"engine replicas": 10.0, "this process (client, driver)": 2.0},
+        "thread_cpu_s": {},
+    }
+    first = format_run("kvmesh", res, 120).splitlines()[0]
+    assert first.startswith("kvmesh: 120 requests in 30.0 s, hit n/a, errors 120, TTFT p50 n/a; CPU 12.0 s")

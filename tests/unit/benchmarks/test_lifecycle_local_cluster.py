@@ -123,3 +123,81 @@ def test_a_cluster_removes_the_ray_folders_of_starters_that_are_gone(tmp_path, m
         assert not os.path.exists(cluster.temp_dir)
     finally:
         shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+def _fake_nodes(monkeypatch, tmp_path, scripts: list[str]) -> list[int]:
+    """LocalRayCluster._start_node replaced: try k runs `scripts[k]` (sh, its own session as a real node's)
+    with {log} and {pidfile} filled in; returns the list the left-behind children's pids are read into."""
+    from kvmesh.benchmarks import local_cluster
+
+    tries = []
+
+    def start_node(self, spec, head):
+        log = self.workdir / f"ray-node-{len(self.procs)}.log"
+        log.write_bytes(b"")
+        script = scripts[len(tries)].format(log=log, pidfile=tmp_path / f"child-{len(tries)}.pid")
+        tries.append(1)
+        self.address = "127.0.0.1:1"
+        return subprocess.Popen(["sh", "-c", script], start_new_session=True)
+
+    monkeypatch.setattr(local_cluster.LocalRayCluster, "_start_node", start_node)
+    return tries
+
+
+def _child(tmp_path, k: int) -> int:
+    path = tmp_path / f"child-{k}.pid"
+    deadline = time.monotonic() + 10
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def test_a_failed_node_start_leaves_nothing_running(monkeypatch, tmp_path):
+    """A `ray start` try that exited was dropped without killing its process group: what it had spawned (a
+    GCS server) outlived cluster.stop()."""
+    from kvmesh.benchmarks import local_cluster
+
+    tries = _fake_nodes(
+        monkeypatch,
+        tmp_path,
+        [
+            "sleep 300 & echo $! > {pidfile}; exit 1",  # a failed try, a child left behind in its group
+            "echo 'Ray runtime started' >> {log}; exec sleep 300",
+        ],
+    )
+    cluster = local_cluster.LocalRayCluster(tmp_path / "work", [local_cluster.NodeSpec(1)])
+    child = 0
+    try:
+        cluster.start()
+        child = _child(tmp_path, 0)
+        assert len(tries) == 2
+        cluster.stop()
+        assert _gone_within([child], 10) == [], "the failed try's child outlived cluster.stop()"
+    finally:
+        cluster.stop()
+        if child and _gone_within([child], 0):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_stop_ends_the_group_of_a_node_whose_start_command_already_exited(monkeypatch, tmp_path):
+    """stop() signalled only the groups whose leader still ran: a node whose `ray start` had exited left its
+    children (which keep its group) running."""
+    from kvmesh.benchmarks import local_cluster
+
+    _fake_nodes(
+        monkeypatch, tmp_path, ["echo 'Ray runtime started' >> {log}; sleep 1; sleep 300 & echo $! > {pidfile}"]
+    )
+    cluster = local_cluster.LocalRayCluster(tmp_path / "work", [local_cluster.NodeSpec(1)])
+    child = 0
+    try:
+        cluster.start()
+        child = _child(tmp_path, 0)
+        # started after the node came up (start() saw none), its leader gone since: the child keeps the group
+        cluster.procs[0].wait(timeout=10)
+        cluster.stop()
+        assert _gone_within([child], 10) == [], "the node's child outlived cluster.stop()"
+    finally:
+        cluster.stop()
+        if child and _gone_within([child], 0):
+            os.kill(child, signal.SIGKILL)

@@ -99,3 +99,101 @@ def test_a_started_process_ends_when_the_benchmark_is_killed(tmp_path):
         starter.kill()
         if child is not None and child.is_running():
             os.killpg(child.pid, signal.SIGKILL)  # its own group (start_new_session)
+
+
+def _fake_overhead_run(monkeypatch, tmp_path) -> dict:
+    """bench_overhead with its servers, router, app and HTTP faked; what start_local saw of RAY_TMPDIR."""
+    import tempfile
+
+    import httpx
+
+    import kvmesh.deployments.app as app
+    import kvmesh.deployments.tiny_model as tiny_model
+    from kvmesh.benchmarks.peers import engines, overhead, setups
+
+    class Stoppable:
+        def stop(self):
+            pass
+
+    seen = {}
+
+    def start_local(config, **kwargs):
+        seen["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR")
+        return "http://127.0.0.1:9"
+
+    def build(path, *a, **k):
+        os.makedirs(path)
+        return path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(tiny_model, "build_tiny_model", build)
+    monkeypatch.setattr(engines, "start_servers", lambda n, spec, work: [type("S", (), {"url": "u"})()] * n)
+    monkeypatch.setattr(engines, "stop_servers", lambda servers: None)
+    monkeypatch.setattr(setups, "start_router", lambda *a, **k: (Stoppable(), "http://127.0.0.1:8", None))
+    monkeypatch.setattr(overhead, "_measure", lambda url, n, **k: [0.004 + i * 1e-5 for i in range(n)])
+    monkeypatch.setattr(app, "start_local", start_local)
+    monkeypatch.setattr(app, "stop_local", lambda *a, **k: None)
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: type("R", (), {"text": ""})())
+    return seen
+
+
+@pytest.mark.parametrize("caller_ray_tmpdir", [None, "/somewhere/ray"])
+def test_the_overhead_bench_removes_its_work_dir_and_puts_ray_tmpdir_back(monkeypatch, tmp_path, caller_ray_tmpdir):
+    """The work dir (tiny model, logs, Ray's session folder) stayed behind, and RAY_TMPDIR kept pointing into
+    it for every later bench of the same `make bench` process."""
+    from kvmesh.benchmarks import bench_overhead
+
+    seen = _fake_overhead_run(monkeypatch, tmp_path)
+    if caller_ray_tmpdir is None:
+        monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    else:
+        monkeypatch.setenv("RAY_TMPDIR", caller_ray_tmpdir)
+    monkeypatch.setenv("BENCH_OVERHEAD_REQUESTS", "5")
+    bench_overhead.main()
+    if caller_ray_tmpdir is None:
+        assert seen["RAY_TMPDIR"] and "kvmesh-overhead-" in seen["RAY_TMPDIR"]  # the app's session went there
+    else:
+        assert seen["RAY_TMPDIR"] == caller_ray_tmpdir
+    assert os.environ.get("RAY_TMPDIR") == caller_ray_tmpdir
+    assert not list(tmp_path.glob("kvmesh-overhead-*"))
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_engine_socket_inventory_leaves_no_channel_secret_behind(monkeypatch, tmp_path, given):
+    """socket_inventory --engine wrote a channel secret into a fresh temp folder and left both the folder and
+    this process's variable pointing at it. One given by the caller is theirs: kept. The engine is faked."""
+    import tempfile
+    import types
+
+    from kvmesh.benchmarks.socket_inventory import measure_engine
+    from kvmesh.cluster.secure_channel import CHANNEL_SECRET_FILE_ENV
+
+    seen = {}
+
+    class FakeReplica:
+        def __init__(self, cfg):
+            seen["secret"] = os.environ.get(CHANNEL_SECRET_FILE_ENV)
+            self.kv_events_endpoint = self.replay_endpoint = None
+            self._private_dir = None
+            self.driver = types.SimpleNamespace(shutdown=lambda: None)
+
+        def _release(self):
+            pass
+
+    engine = types.ModuleType("kvmesh.deployments.engine")
+    engine.EngineReplica = FakeReplica  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvmesh.deployments.engine", engine)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if given:
+        monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, "/their/secret")
+    else:  # set first, so the test's end puts back the caller's value whatever measure_engine left
+        monkeypatch.setenv(CHANNEL_SECRET_FILE_ENV, "unset")
+        monkeypatch.delenv(CHANNEL_SECRET_FILE_ENV)
+    assert measure_engine() == []
+    if given:
+        assert seen["secret"] == os.environ.get(CHANNEL_SECRET_FILE_ENV) == "/their/secret"
+    else:
+        assert seen["secret"] and os.path.basename(os.path.dirname(seen["secret"])).startswith("kvmesh-inventory-")
+        assert os.environ.get(CHANNEL_SECRET_FILE_ENV) is None
+    assert not list(tmp_path.glob("kvmesh-inventory-*"))

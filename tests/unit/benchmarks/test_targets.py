@@ -54,8 +54,10 @@ def test_targets_remember_each_miss():
 
 
 @pytest.mark.parametrize("kept, status", [(0.95, 0), (0.5, 1)])
-def test_bench_tenants_exits_non_zero_when_isolation_keeps_too_little(monkeypatch, kept, status):
+def test_bench_tenants_exits_non_zero_when_isolation_keeps_too_little(monkeypatch, tmp_path, kept, status):
     from kvmesh.benchmarks import bench_tenants
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))  # its report and plot
 
     row = {
         "tenants": 64,
@@ -95,7 +97,7 @@ def test_bench_live_exits_non_zero_on_a_miss(monkeypatch, tmp_path, kvmesh_uncac
             "cached_tokens": 100 - uncached,
         }
 
-    def run_live(records, policies, replicas):  # no engines: the figures a run would return
+    def run_live(records, policies, replicas, on_result=None):  # no engines: the figures a run would return
         return {"kvmesh": summary(kvmesh_uncached, 0.95, 0.05), "round_robin": summary(100, 0.4, 0.1)}
 
     monkeypatch.setattr(bench_live, "run_live", run_live)
@@ -116,8 +118,10 @@ def test_bench_live_exits_non_zero_on_a_miss(monkeypatch, tmp_path, kvmesh_uncac
     assert (tmp_path / "out" / "live" / "bench_live.json").is_file()  # the report is written before the exit
 
 
-def test_bench_tiers_exits_non_zero_when_a_tier_loads_slower_than_recompute(monkeypatch, capsys):
+def test_bench_tiers_exits_non_zero_when_a_tier_loads_slower_than_recompute(monkeypatch, capsys, tmp_path):
     from kvmesh.benchmarks import bench_tiers
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
 
     run = {"prefill_s": 0.01, "num_cached_tokens": 256}
     m = {
@@ -188,9 +192,11 @@ def test_a_bench_main_returning_a_non_zero_int_makes_run_all_exit_non_zero(monke
 
 
 @pytest.mark.parametrize("shared_hits, status", [(1, 1), (11, 1), (12, 0)])
-def test_bench_tiers_misses_when_a_tier_does_not_hit_on_every_try(monkeypatch, capsys, shared_hits, status):
+def test_bench_tiers_misses_when_a_tier_does_not_hit_on_every_try(monkeypatch, capsys, tmp_path, shared_hits, status):
     """The load cost was judged on the tries that hit only: a shared tier that served 1 of 12 passed."""
     from kvmesh.benchmarks import bench_tiers
+
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
 
     def run(s, cached):
         return {"prefill_s": s, "num_cached_tokens": cached}
@@ -207,7 +213,7 @@ def test_bench_tiers_misses_when_a_tier_does_not_hit_on_every_try(monkeypatch, c
     ]
     m = {
         "rows": rows,
-        "host_hit_tokens": 0.0,
+        "host_hit_tokens": 511.0 * 12,
         "shared_hit_tokens": 511.0 * shared_hits,
         "hbm_s": 0.02,
         "prefill_s_per_token": 0.03 / 511,
@@ -226,3 +232,141 @@ def test_bench_tiers_misses_when_a_tier_does_not_hit_on_every_try(monkeypatch, c
     assert f"shared: {shared_hits}/12 tries hit -> {'MISS' if status else 'PASS'}" in out
     assert "shared: load" in out and "-> PASS (target: load < recompute)" in out  # the cost target stays
     assert ("MISS: 1 target(s) missed: shared tier hit on every try" in out) == bool(status)
+
+
+class _FakeTierServer:
+    """An LMCache server stand-in for bench_tiers.measure: its tier_metrics() answers `metrics`."""
+
+    metrics: dict = {}
+
+    def __init__(self, cfg, log):
+        self.endpoint = ("127.0.0.1", 1)
+
+    def launch(self):
+        pass
+
+    def wait_ready(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def tier_metrics(self):
+        return dict(self.metrics)
+
+
+class _FakeRedis:
+    def __init__(self, *a):
+        self.url = "redis://127.0.0.1:1"
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+
+class _FakeEngine:
+    """A probe engine whose prefix cache survives everything: a prompt seen before is an in-engine hit.
+    `reset_ok` is what reset_prefix_cache() answers (vLLM: False when blocks are still held, nothing reset)."""
+
+    def __init__(self, reset_ok: bool):
+        self.seen: set = set()
+        self.reset_ok = reset_ok
+
+    def wait_ready(self, timeout=0):
+        return self
+
+    def generate(self, p):
+        hit = tuple(p) in self.seen
+        self.seen.add(tuple(p))
+        return {"prefill_s": 0.1 if hit else 0.1 + 4e-4 * len(p), "num_cached_tokens": len(p) - 32 if hit else 0}
+
+    def reset_prefix_cache(self):
+        if self.reset_ok:
+            self.seen.clear()
+        return self.reset_ok
+
+
+def _fake_tiers(monkeypatch, tmp_path, metrics: dict, reset_ok: bool) -> None:
+    """bench_tiers.measure on fakes: one engine serves as both A and B (B's run is then a hit, as a shared
+    load would be), LMCache's counters answer `metrics`."""
+    import kvmesh.kvstore.lmcache_server as lmcache_server
+    import kvmesh.kvstore.probe_engine as probe_engine
+    import kvmesh.kvstore.redis_process as redis_process
+    from kvmesh.benchmarks import bench_tiers
+
+    engine = _FakeEngine(reset_ok)
+    monkeypatch.setattr(_FakeTierServer, "metrics", metrics)
+    monkeypatch.setattr(lmcache_server, "LMCacheServer", _FakeTierServer)
+    monkeypatch.setattr(redis_process, "RedisServer", _FakeRedis)
+    monkeypatch.setattr(probe_engine, "EngineProcess", lambda *a, **k: engine)
+    monkeypatch.setattr(probe_engine, "stop_engines", lambda engines: None)
+    monkeypatch.setattr(bench_tiers, "REPEATS", 1)
+    monkeypatch.setattr(bench_tiers.time, "sleep", lambda s: None)
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    for k in bench_tiers.ENV:  # measure() sets them for its engines: put back after the test
+        monkeypatch.setenv(k, bench_tiers.ENV[k])
+
+
+def test_bench_tiers_counts_a_failed_prefix_cache_reset_and_empty_lmcache_counters_as_misses(
+    monkeypatch, capsys, tmp_path
+):
+    """reset_prefix_cache()'s False was ignored: the host run was an in-engine hit, timed as a free host-tier
+    load, and LMCache's counters (0 hit tokens in either tier) were printed, not judged: the bench passed."""
+    from kvmesh.benchmarks import bench_tiers
+
+    _fake_tiers(monkeypatch, tmp_path, {"host_hit_tokens": 0.0, "shared_hit_tokens": 0.0}, reset_ok=False)
+    with pytest.raises(SystemExit) as exc:
+        bench_tiers.main(["--model", "unused"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 1
+    tries = len(bench_tiers.LENGTHS)
+    assert f"host: 0/{tries} tries hit; {tries} prefix-cache resets failed, each a miss -> MISS" in out
+    assert "LMCache counters: host hit tokens 0 -> MISS (target: > 0)" in out
+    assert "LMCache counters: shared hit tokens 0 -> MISS (target: > 0)" in out
+
+
+def test_bench_tiers_reports_its_timings_when_lmcache_does_not_answer(monkeypatch, capsys, tmp_path):
+    """tier_metrics() answers {} when the server does not answer: a KeyError after every timing was taken
+    lost them all. Now the counters are missing (a miss) and the rows are written."""
+    import json
+
+    from kvmesh.benchmarks import bench_tiers
+
+    _fake_tiers(monkeypatch, tmp_path, {}, reset_ok=False)
+    with pytest.raises(SystemExit) as exc:
+        bench_tiers.main(["--model", "unused"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 1
+    assert "LMCache counters: host hit tokens n/a (server did not answer) -> MISS" in out
+    report = json.loads((tmp_path / "tiers" / "tiers.json").read_text())
+    assert len(report["rows"]) == len(bench_tiers.LENGTHS) and report["host_hit_tokens"] is None
+
+
+@pytest.mark.parametrize("missed", [False, True])
+def test_bench_tiers_writes_its_report_and_plot_under_bench_out(monkeypatch, capsys, tmp_path, missed):
+    """Under `make bench` (no --json) bench_tiers wrote nothing."""
+    from kvmesh.benchmarks import bench_tiers
+
+    def run(s, cached):
+        return {"prefill_s": s, "num_cached_tokens": cached}
+
+    row = {"n": 256, "reset": True, "cold": run(0.2, 0), "hbm": run(0.1, 224), "host": run(0.11, 224)}
+    row["shared"] = run(0.2, 0) if missed else run(0.12, 224)
+    m = {
+        "rows": [row],
+        "host_hit_tokens": 224.0,
+        "shared_hit_tokens": 0.0 if missed else 224.0,
+        "hbm_s": 0.1,
+        "prefill_s_per_token": 0.1 / 224,
+        "host_load_s_per_token": 0.01 / 224,
+        "shared_load_s_per_token": None if missed else 0.02 / 224,
+        "host_hits": 1,
+        "shared_hits": 0 if missed else 1,
+    }
+    monkeypatch.setattr(bench_tiers, "measure", lambda model, root: m)
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    with pytest.raises(SystemExit) if missed else contextlib.nullcontext():
+        bench_tiers.main(["--model", "unused"])
+    assert (tmp_path / "tiers" / "tiers.json").is_file() and (tmp_path / "tiers" / "tiers.png").is_file()
