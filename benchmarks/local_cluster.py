@@ -283,7 +283,7 @@ class LocalRayCluster:
         import psutil  # Ray's own dependency
 
         for p in self.procs:
-            if p is None:
+            if p is None or p.poll() is not None:  # exited and reaped: its pid may be another process's now
                 continue
             try:
                 top = psutil.Process(p.pid)
@@ -313,9 +313,11 @@ class LocalRayCluster:
 
         self._remember_pids()
         for p in reversed(self.procs):
-            if p is not None:
+            if p is not None and (p.poll() is None or not psutil.pid_exists(p.pid)):
+                # also where the node's `ray start` itself has exited: what it started keeps its group, and
+                # keeps its number from being reused while any of it runs. Where a process now has that pid the
+                # number was free and went to another (a group of its own, not this node's): left alone
                 self._remember_group(p.pid)
-                # also where the node's `ray start` itself has exited: what it started keeps its group
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:

@@ -121,6 +121,7 @@ def _build_config(args) -> dict:
     if args.autoscaling is not None:
         lo, hi = (int(n) for n in args.autoscaling.split(":"))
         cfg["autoscaling"] = {**(cfg.get("autoscaling") or {}), "min_replicas": lo, "max_replicas": hi}
+        cfg.pop("replicas", None)  # the flag sets the engine replicas: the config file's fixed count gives way
     if args.tenants and (args.api_key or args.api_key_file):  # the key would be dropped without a word
         raise ConfigError("--tenants and --api-key/--api-key-file exclude each other: keys go in the tenants file")
     api_key = supplied_api_key(args)

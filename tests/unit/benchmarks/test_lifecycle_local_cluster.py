@@ -201,3 +201,30 @@ def test_stop_ends_the_group_of_a_node_whose_start_command_already_exited(monkey
         cluster.stop()
         if child and _gone_within([child], 0):
             os.kill(child, signal.SIGKILL)
+
+
+def test_stop_leaves_alone_a_group_whose_number_went_to_another_process(tmp_path):
+    """A node whose `ray start` exited, its group emptied since: its number is a free pid, and a process that
+    got it (here a session leader of its own) was signalled and killed by stop()."""
+    from kvmesh.benchmarks import local_cluster
+
+    unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)
+
+    class ExitedLeader:  # the node's `ray start`, exited and reaped, its pid since given to `unrelated`
+        pid = unrelated.pid
+        returncode = 1
+
+        def poll(self) -> int:
+            return 1
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    cluster = local_cluster.LocalRayCluster(tmp_path / "work", [local_cluster.NodeSpec(1)])
+    cluster.procs = [ExitedLeader()]  # type: ignore[list-item]
+    try:
+        cluster.stop()
+        assert unrelated.poll() is None, "stop() killed a process that only had the exited node's pid"
+    finally:
+        unrelated.kill()
+        unrelated.wait()

@@ -193,3 +193,19 @@ def test_the_salt_secret_line_says_where_the_replicas_secret_comes_from(monkeypa
     assert salt_secret_line("/etc/kvmesh/salt") == "salt secret: /etc/kvmesh/salt"
     joined = salt_secret_line(None)
     assert "None" not in joined and "nodes' own" in joined
+
+
+def test_the_autoscaling_flag_takes_over_from_a_config_files_fixed_replicas(tmp_path):
+    """`--autoscaling MIN:MAX` over a config file with `replicas: 4` was refused as a config setting both, though
+    the flag, like --replicas, overrides the file."""
+    import argparse
+
+    from kvmesh.deployments.cli import serve as serve_cmd
+    from kvmesh.deployments.config import app_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("replicas: 4\n")
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    cfg = app_config(serve_cmd._build_config(parser.parse_args(["--config", str(p), "--autoscaling", "1:3"])))
+    assert cfg["autoscaling"]["max_replicas"] == 3
