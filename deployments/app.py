@@ -145,8 +145,9 @@ def start_local(
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     address = address or cfg["address"]
     try:  # a start that fails before Ray runs leaves no secret file of this run behind either
-        # a cluster joined, by address or a Ray this process already runs in: the file may be on its nodes only
-        _use_run_secrets(file_is_here=not address and not ray.is_initialized(), tenants_file=cfg["tenants_file"])
+        # a cluster joined, by address or a Ray this process already runs in: the file may be on its nodes only,
+        # unless every node is this machine
+        _use_run_secrets(file_is_here=_cluster_is_here(address), tenants_file=cfg["tenants_file"])
         check_serve_contract()  # before Ray starts: the loopback node set-up uses private Ray names it checks
         if not ray.is_initialized():
             log_to_driver = bool(os.environ.get("KVMESH_RAY_LOGS"))
@@ -197,6 +198,31 @@ def start_local(
 _run_secret_files: dict[str, str] = {}
 _env_to_restore: dict[str, str] = {}
 _env_to_unset: dict[str, str] = {}
+
+
+def _cluster_is_here(address: str | None) -> bool:
+    """Whether every node of the cluster this run uses is this machine, so a file here is a file on every
+    node: one started here; one joined at a loopback GCS address (a node elsewhere could not reach it); or a
+    Ray this process already runs in whose nodes all have this machine's address."""
+    import ipaddress
+    import socket
+
+    if address:
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            found = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(found) and all(ipaddress.ip_address(str(a[4][0]).split("%")[0]).is_loopback for a in found)
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    try:
+        here = {ray.util.get_node_ip_address(), "127.0.0.1"}
+        return all(n["NodeManagerAddress"] in here for n in ray.nodes() if n.get("Alive"))
+    except Exception:  # the view cannot be had: taken as a cluster elsewhere
+        return False
 
 
 def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = None) -> None:

@@ -343,3 +343,17 @@ def test_the_kept_salt_secret_is_made_where_the_filesystem_has_no_hard_links(hom
     kept.unlink()
     monkeypatch.setattr(os, "link", another_run_first)
     assert salt_secret.persistent_secret_file().read_text() == theirs
+
+
+def test_a_cluster_joined_on_this_machine_gets_the_kept_salt_secret(home, fake_ray, monkeypatch):
+    """`ray start --head` here, then `kvmesh serve --address 127.0.0.1:6379`: every node is this machine, so
+    the kept secret is every node's; without it each ingress replica generated its own (a salt per replica)."""
+    from kvmesh.deployments.app import _cluster_is_here, runtime_env_vars, stop_local
+
+    _join(fake_ray, monkeypatch)
+    _start({"address": "127.0.0.1:6379"})
+    try:
+        assert runtime_env_vars()["KVMESH_SALT_SECRET_FILE"] == str(home / "salt-secret")
+    finally:
+        stop_local(drain=False)
+    assert _cluster_is_here("localhost:6379") and not _cluster_is_here("10.0.0.5:6379")
