@@ -184,6 +184,27 @@ class _Stream:
         pass
 
 
+def _moved_stream(request: dict, replica, text_for) -> list[dict]:
+    """Every chunk a MigratingStream over `replica`'s calls gives the client (up to 2 moves), the text of each
+    continuation from `text_for`."""
+    from kvmesh.deployments.failure_metrics import FailureCounters
+    from kvmesh.deployments.migration import MigratingStream
+
+    async def run():
+        stream = MigratingStream(
+            request,
+            replica.open,
+            max_migrations=2,
+            counters=FailureCounters(),
+            replica_failed=lambda rid: None,
+            first_token=lambda rid: None,
+            text_for=text_for,
+        )
+        return [chunk async for chunk in stream]
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "stop, skip_special_tokens",
     [(".", True), ("</s>", False)],
@@ -194,8 +215,6 @@ def test_a_stream_moved_mid_answer_leaves_out_the_text_of_the_stop_token_that_en
 ):
     """The engine's chunk says a stop token ended the request (`stop_reason`: its id, None for EOS): the stream
     moved before it ends with the text an untouched run sends, which vLLM gives without the stop token's."""
-    from kvmesh.deployments.failure_metrics import FailureCounters
-    from kvmesh.deployments.migration import MigratingStream
 
     words = [tokenizer.encode(w, add_special_tokens=False) for w in (" fox", " jumps")]
     stop_id = tokenizer.convert_tokens_to_ids(stop)
@@ -218,19 +237,7 @@ def test_a_stream_moved_mid_answer_leaves_out_the_text_of_the_stop_token_that_en
             rust_tokenizer(tokenizer), req["prompt_token_ids"], sent, skip_special_tokens, delivered_chars=delivered
         )
 
-    async def run():
-        stream = MigratingStream(
-            request,
-            replica.open,
-            max_migrations=2,
-            counters=FailureCounters(),
-            replica_failed=lambda rid: None,
-            first_token=lambda rid: None,
-            text_for=text_for,
-        )
-        return [chunk async for chunk in stream]
-
-    got = asyncio.run(run())
+    got = _moved_stream(request, replica, text_for)
     assert len(replica.opened) == 2  # moved after " fox"
     assert "".join(c["text"] for c in got) == " fox jumps"  # as vLLM's own text: no stop token's
     assert [t for c in got for t in c["token_ids"]] == [*words[0], *words[1], stop_id]  # counted in usage
@@ -277,8 +284,6 @@ def test_a_stop_string_in_the_prompt_does_not_end_a_stream_moved_mid_character(t
     detokenizer, primed with the prompt plus those ids, emits held-back text of the prompt with its first
     token. A stop string in the prompt ("User:", a chat's turn marker) must not end the request there: the
     moved stream is the untouched run's, to max_tokens."""
-    from kvmesh.deployments.failure_metrics import FailureCounters
-    from kvmesh.deployments.migration import MigratingStream
 
     prompt = tokenizer("User: what is the capital of Japan?\nAssistant:")["input_ids"]
     answer = tokenizer.encode(" The capital is 東京, a big city by the sea.", add_special_tokens=False)
@@ -299,19 +304,7 @@ def test_a_stop_string_in_the_prompt_does_not_end_a_stream_moved_mid_character(t
             rust_tokenizer(tokenizer), req["prompt_token_ids"], sent, stop=p["stop"], delivered_chars=delivered
         )
 
-    async def run():
-        stream = MigratingStream(
-            request,
-            replica.open,
-            max_migrations=2,
-            counters=FailureCounters(),
-            replica_failed=lambda rid: None,
-            first_token=lambda rid: None,
-            text_for=text_for,
-        )
-        return [chunk async for chunk in stream]
-
-    got = asyncio.run(run())
+    got = _moved_stream(request, replica, text_for)
     assert len(replica.opened) == 2 and replica.opened[1]["prompt_token_ids"] == prompt + answer[:cut]
     assert [t for c in got for t in c["token_ids"]] == answer
     assert "".join(c["text"] for c in got) == "".join(c["text"] for c in untouched)
