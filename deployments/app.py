@@ -128,7 +128,8 @@ def start_local(
     cluster of kvmesh's own on 127.0.0.1 (deployments/local_ray.py), never one found through RAY_ADDRESS.
     Without a salt secret in the environment or the tenants file (`secret_file:`), a local cluster uses the
     one kept under KVMESH_HOME (created on the first run), so what persistent tiers hold stays reachable
-    across restarts; a cluster joined is left to its nodes' own (`_use_run_secrets`).
+    across restarts, as does a cluster joined whose nodes are all this machine; one with nodes elsewhere is
+    left to its nodes' own (`_use_run_secrets`).
     """
     global _started_ray, _app_name
     import ray
@@ -234,7 +235,7 @@ def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = No
     A configured salt secret the replicas would refuse (the placeholder, too short, a file that cannot be
     read) is refused first, as `kvmesh serve` does (`check_usable_secret`; `file_is_here` False: a cluster
     joined, whose nodes may hold a file this machine cannot read).
-    A cluster joined is never handed this machine's kept secret: its path means nothing on the other nodes
+    A cluster with nodes elsewhere is never handed this machine's kept secret: its path means nothing there
     (or names each node's own kept file, so one tenant would get a salt per node and no cache reuse), and it
     would outrank the `secret_file:` of the nodes' tenants file. Without a secret configured here, the nodes
     choose (their tenants file, their environment)."""
