@@ -402,6 +402,32 @@ def drain_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> lis
     return problems
 
 
+def l2_access_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
+    """Pod groups the engines may land on without the shared tier's credentials that another such group has: an
+    engine there (a CPU engine that fits on the head beside a GPU group) starts a node LMCache server that
+    cannot authenticate to the L2, and the manifests' network policy for Valkey admits only the GPU group.
+    Read for LMCache's resp adapter (redis://), the one whose credentials come from the pod's environment."""
+    from kvmesh.kvstore.tiers import CREDENTIAL_ENV
+
+    lmcache = (config.get("engine") or {}).get("lmcache") or {}
+    if _l2_adapter(lmcache.get("l2")) != "resp":
+        return []
+    groups = pod_groups(service)
+    names = landing_groups(config, service)[ENGINE]
+    problems = []
+    for var in CREDENTIAL_ENV.values():
+        have = [name for name in names if var in container_env(groups[name]["pod"])]
+        lack = [name for name in names if name not in have]
+        if have and lack:
+            problems.append(
+                f"engine replicas fit on pod group(s) {', '.join(lack)}, which lack the {var} that "
+                f"{', '.join(have)} gives the shared tier (engine.lmcache.l2): an engine there could not "
+                f"authenticate to it; pin the engines to {', '.join(have)}: a custom resource in the rayStartParams "
+                "`resources` there, asked for in engine.resources"
+            )
+    return problems
+
+
 def l2_credentials(l2: Any) -> list[str]:
     """Where an LMCache L2 spelling carries credentials: URL user info, or keys that may hold a secret (each
     adapter names its own: password, aws_secret_access_key, ...; `kvstore.tiers.CREDENTIAL_KEY`)."""
@@ -414,42 +440,165 @@ def l2_credentials(l2: Any) -> list[str]:
     return []
 
 
+def _secret_value(value: Any) -> bool:
+    """Whether a value under a credential-like key could be a secret: a non-empty string or a number (not a
+    switch such as `use_token: true`, nor a nested mapping, which is searched itself)."""
+    if isinstance(value, bool) or value is None:
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, str) and bool(value.strip()))
+
+
+def embedded_credentials(value: Any, depth: int = 0) -> list[str]:
+    """Where a JSON-like setting (a mapping, a list, a string that is a JSON object or array, a URL) carries
+    credentials: keys that may hold a secret (`kvstore.tiers.CREDENTIAL_KEY`) with a value, a URL's user info."""
+    from kvmesh.kvstore.tiers import CREDENTIAL_KEY, url_credentials
+
+    if depth > 32:  # deeper than any adapter's settings: refused rather than passed unsearched
+        return ["settings nested too deeply to search"]
+    found: list[str] = []
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if CREDENTIAL_KEY.search(str(key)) and _secret_value(item):
+                found.append(f"key {str(key)!r}")
+            found += embedded_credentials(item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found += embedded_credentials(item, depth + 1)
+    elif isinstance(value, str):
+        text = value.strip()
+        if text[:1] in ("{", "["):
+            try:
+                found += embedded_credentials(json.loads(text), depth + 1)
+            except (ValueError, RecursionError):
+                pass
+        elif "://" in text and url_credentials(text):
+            found.append("a URL's user info")
+    return list(dict.fromkeys(found))
+
+
+def argv_credentials(args: Any) -> list[str]:
+    """Where command-line arguments (engine.lmcache.extra_args, the LMCache server's) carry credentials: a flag
+    whose name may name a secret (`--password X`, `--auth-token=X`), or a value holding one
+    (`embedded_credentials`: an `--l2-adapter` JSON with a password key, a URL with user info)."""
+    from kvmesh.kvstore.tiers import CREDENTIAL_KEY
+
+    if not isinstance(args, (list, tuple)):
+        return []
+    found: list[str] = []
+    for arg in args:
+        if not isinstance(arg, str):
+            continue
+        flag, value = ("", arg)
+        if arg.startswith("--"):
+            flag, _, value = arg.partition("=")
+        if flag and CREDENTIAL_KEY.search(flag.lstrip("-")):
+            found.append(f"flag {flag}")
+        found += [f"{where} in an argument" for where in embedded_credentials(value)]
+    return list(dict.fromkeys(found))
+
+
+def _l2_adapter(l2: Any) -> str | None:
+    """The LMCache adapter type an L2 spelling selects ('resp' for redis://, 'valkey', ...), None for none or
+    one that is not understood (the config check says why)."""
+    from kvmesh.kvstore.tiers import TierConfigError, normalise_l2
+
+    try:
+        out = normalise_l2(l2) if isinstance(l2, (str, dict)) else None
+    except TierConfigError:
+        return None
+    return out["type"] if out else None
+
+
+# How an engine pod gives LMCache's resp adapter (redis://) its credentials without the config carrying them
+RESP_SECRET_ADVICE = "give the GPU workers LMCACHE_RESP_PASSWORD (and LMCACHE_RESP_USERNAME) from a Secret"
+
+
+def l2_problems(l2: Any) -> list[str]:
+    """Why the shared tier `l2` cannot run on KubeRay. The Serve config holds it verbatim, so credentials must
+    reach the adapter from the engine pods' environment; LMCache's resp adapter (redis://) reads
+    LMCACHE_RESP_PASSWORD/USERNAME there, its valkey adapter reads nothing but its own settings (lmcache 0.5.6
+    `valkey_l2_adapter`): it could authenticate to the manifest's Valkey (--requirepass) only with the password
+    published, so it is refused and redis:// (Valkey speaks the same protocol) is the way."""
+    adapter = _l2_adapter(l2)
+    where = l2_credentials(l2)
+    carries = f" and carries credentials ({', '.join(where)}), which serveConfigV2 would show" if where else ""
+    if adapter == "valkey":
+        return [
+            f"engine.lmcache.l2 selects LMCache's valkey adapter{carries}: that adapter reads a password only from "
+            "its own settings, never from the pod's environment, so on KubeRay it cannot authenticate to the "
+            "manifest's Valkey without publishing the password in serveConfigV2; use redis://HOST:PORT (LMCache's "
+            f"resp adapter, which Valkey answers too) and {RESP_SECRET_ADVICE}"
+        ]
+    if not where:
+        return []
+    if adapter == "resp":
+        advice = f"remove them and {RESP_SECRET_ADVICE}"
+    else:
+        advice = (
+            f"remove them; LMCache's {adapter} adapter must find its credentials in the engine pods' environment "
+            f"(from a Secret) where it reads any there, or use redis://HOST:PORT and {RESP_SECRET_ADVICE}"
+        )
+    return [
+        f"engine.lmcache.l2 carries credentials ({', '.join(where)}), which serveConfigV2 and Serve's logs of "
+        f"the app's args would show: {advice}"
+    ]
+
+
 def kuberay_config_problems(config: Mapping[str, Any]) -> list[str]:
     """What a kvmesh config must not carry into a RayService's serveConfigV2 (it holds the config verbatim):
-    `kvmesh serve`'s own keys, and credentials (inline API keys, an L2 URL or adapter's password)."""
+    `kvmesh serve`'s own keys, credentials (inline API keys; an L2 URL's, adapter's, LMCache server argument's or
+    KV connector setting's password), a shared tier that cannot authenticate without publishing one, and a
+    route prefix the manifests' scrape of /metrics does not follow."""
     problems = [
         f"config.{key} has no effect on KubeRay, where {what} sets it: remove it"
         for key, what in SET_ELSEWHERE_ON_KUBERAY.items()
         if key in config
     ]
+    prefix = config.get("route_prefix", "/")
+    if prefix != "/":
+        problems.append(
+            f"config.route_prefix {prefix!r} moves the ingress's /metrics to {prefix}/metrics, but "
+            "k8s/monitoring/podmonitor.yaml scrapes /metrics on the serve port: leave it at '/' on KubeRay "
+            "(a path prefix belongs to the HTTP front before Serve)"
+        )
     if config.get("api_keys"):
         problems.append(
             "config.api_keys puts API keys in plain text in serveConfigV2 and Serve's logs of the app's args: "
             "remove them and set tenants_file to a tenants file (key digests only, docs/tenants.md) from the "
             "kvmesh-tenants Secret (docs/kubernetes.md)"
         )
-    lmcache = (config.get("engine") or {}).get("lmcache") or {}
-    where = l2_credentials(lmcache.get("l2"))
+    engine = config.get("engine") or {}
+    lmcache = engine.get("lmcache") or {}
+    problems += l2_problems(lmcache.get("l2"))
+    where = argv_credentials(lmcache.get("extra_args"))
     if where:
         problems.append(
-            f"engine.lmcache.l2 carries credentials ({', '.join(where)}), which serveConfigV2 and Serve's logs of "
-            "the app's args would show: remove them and give the GPU workers LMCACHE_RESP_PASSWORD "
-            "(and LMCACHE_RESP_USERNAME) from a Secret"
+            f"engine.lmcache.extra_args carries credentials ({', '.join(where)}), which serveConfigV2, Serve's "
+            "logs of the app's args and the LMCache server's command line would show: remove them; put a shared "
+            f"tier in engine.lmcache.l2 (redis://HOST:PORT) and {RESP_SECRET_ADVICE}"
+        )
+    where = embedded_credentials(engine.get("kv_transfer_config"))
+    if where:
+        problems.append(
+            f"engine.kv_transfer_config carries credentials ({', '.join(where)}), which serveConfigV2 and Serve's "
+            f"logs of the app's args would show: remove them; put a shared tier in engine.lmcache.l2 "
+            f"(redis://HOST:PORT) and {RESP_SECRET_ADVICE}"
         )
     return problems
 
 
 def kuberay_problems(config: Mapping[str, Any], service: Mapping[str, Any]) -> list[str]:
     """Why the RayService manifest could not run this config: keys it ignores, credentials it would publish,
-    deployments no pod fits, files a pod lacks, an LMCache L1 the engines' pods have no memory for, an engine
-    pod's grace period within the engines' drain time, autoscaling beyond the worker groups. Empty when it
-    can."""
+    deployments no pod fits, files a pod lacks, an LMCache L1 the engines' pods have no memory for, engine pods
+    without the shared tier's credentials, an engine pod's grace period within the engines' drain time,
+    autoscaling beyond the worker groups. Empty when it can."""
     problems = kuberay_config_problems(config)
     for dep, names in landing_groups(config, service).items():
         if not names:
             problems.append(f"{dep} fits on no pod group (a replica needs {actor_resources(config)[dep]})")
     problems += [f"not mounted: {missing}" for missing in missing_files(config, service)]
     problems += l1_problems(config, service)
+    problems += l2_access_problems(config, service)
     problems += drain_problems(config, service)
     most = max_engine_replicas(app_config(config))
     capacity = engine_capacity(config, service)

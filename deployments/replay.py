@@ -74,6 +74,8 @@ class ReplayConfig:
     model: str | None = None  # default: the first id in GET /v1/models
     tokenizer: str | None = None  # HF tokenizer dir: token range for `tokens`, word list for `text`
     token_range: tuple[int, int] | None = None
+    # a request's deadline, from its send to its stream's end: keep-alive comments or a trickle of tokens do not
+    # extend it (httpx's own timeout is per read, restarted by every byte)
     timeout_s: float = 300.0
     label: str | None = None  # per-replica key when the server sends no x-kvmesh-replica header
     seed: int = 0  # folded into every block's token draw (0 = the canonical expansion)
@@ -287,8 +289,9 @@ async def _one_request(
     out_chunks = 0
     text: list[str] = []
     request_id = None
+    deadline = asyncio.timeout(cfg.timeout_s)  # the whole request, stream included (`ReplayConfig.timeout_s`)
     try:
-        async with client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=hdrs) as resp:
+        async with deadline, client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=hdrs) as resp:
             replica = resp.headers.get("x-kvmesh-replica", replica)
             request_id = resp.headers.get("x-kvmesh-request-id") or resp.headers.get("x-request-id")
             if resp.status_code != 200:
@@ -314,9 +317,26 @@ async def _one_request(
                         ttft = time.perf_counter() - t0
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+        counts = None if usage is None else usage_counts(usage, sent, out_chunks)
     except (_HttpError, ValueError) as exc:
         return RequestResult(
             index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, str(exc), start
+        )
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # not the deadline's: the caller's safety net reports it
+        return RequestResult(
+            index,
+            user,
+            tenant,
+            sent,
+            None,
+            0,
+            ttft,
+            time.perf_counter() - t0,
+            replica,
+            f"timed out after {cfg.timeout_s:g} s",
+            start,
         )
     except Exception as exc:  # transport errors: timeouts, resets -- counted, never fatal to the run
         return RequestResult(
@@ -335,19 +355,18 @@ async def _one_request(
     latency = time.perf_counter() - t0
     if ttft is None:  # output that streamed no text (a token that decodes to nothing): its first choice
         ttft = first_choice
-    if usage is None:
+    if counts is None:
         return RequestResult(
             index, user, tenant, sent, None, out_chunks, ttft, latency, replica, "no usage in the stream", start
         )
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
+    prompt_tokens, cached, completion_tokens = counts
     return RequestResult(
         index,
         user,
         tenant,
-        int(usage.get("prompt_tokens", sent)),
-        None if cached is None else int(cached),
-        int(usage.get("completion_tokens", out_chunks)),
+        prompt_tokens,
+        cached,
+        completion_tokens,
         ttft,
         latency,
         replica,
@@ -360,6 +379,37 @@ async def _one_request(
 
 class _HttpError(Exception):
     pass
+
+
+def _token_count(value: object) -> int | None:
+    """A token count as a server reports it: a whole number >= 0 (an integral float too), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def usage_counts(usage: object, sent: int, out_chunks: int) -> tuple[int, int | None, int]:
+    """(prompt, cached or None, completion) tokens of a stream's `usage`; a count it leaves out is what was sent
+    (streamed chunks for the completion). ValueError "malformed usage: ..." for one that is not a count (null,
+    "n/a", -1): that request counts as an error, the others go on."""
+    if not isinstance(usage, dict):
+        raise ValueError(f"malformed usage: {one_line(json.dumps(usage), 120)}")
+    details = usage.get("prompt_tokens_details")
+    if details is not None and not isinstance(details, dict):
+        raise ValueError(f"malformed usage: prompt_tokens_details {one_line(json.dumps(details), 80)}")
+
+    def count(name: str, value: object) -> int:
+        got = _token_count(value)
+        if got is None:
+            raise ValueError(f"malformed usage: {name} {one_line(json.dumps(value), 80)}, not a token count")
+        return got
+
+    prompt = count("prompt_tokens", usage.get("prompt_tokens", sent))
+    cached = (details or {}).get("cached_tokens")
+    cached_count = None if cached is None else count("cached_tokens", cached)
+    return prompt, cached_count, count("completion_tokens", usage.get("completion_tokens", out_chunks))
 
 
 def _other_output(choice: dict) -> bool:
@@ -398,10 +448,21 @@ async def _discover_model(client, cfg: ReplayConfig, headers: dict) -> str:
         raise ReplayError(f"cannot reach {cfg.url}: {type(exc).__name__}: {exc}") from None
     if resp.status_code != 200:
         raise ReplayError(f"GET {cfg.url}/v1/models: HTTP {resp.status_code}: {_error_message(resp.text)}")
-    models = resp.json().get("data") or []
-    if not models:
+    try:
+        listing = resp.json()
+    except ValueError:
+        listing = None
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if isinstance(models, list) and not models:
         raise ReplayError(f"{cfg.url} serves no model")
-    return models[0]["id"]
+    first = models[0] if isinstance(models, list) else None
+    if not (isinstance(first, dict) and isinstance(first.get("id"), str) and first["id"]):
+        excerpt = _error_message(resp.text)[:120] or "an empty body"
+        raise ReplayError(
+            f"GET {cfg.url}/v1/models answered with no OpenAI model list ({excerpt}): is the URL an OpenAI-compatible "
+            "server's base? --model NAME skips the look-up"
+        )
+    return first["id"]
 
 
 async def replay_async(
@@ -434,21 +495,22 @@ async def replay_async(
 
         failures = 0
 
+        def failed(i: int, rec: dict, error: str) -> RequestResult:
+            try:
+                sent = builder.prompt_len(rec)
+            except (TypeError, ValueError):  # a logged body's own prompt_tokens that is not a count
+                sent = 0
+            return RequestResult(
+                i, rec.get("user"), rec.get("tenant"), sent, None, 0, None, 0.0, cfg.label or "unknown", error
+            )
+
         async def attempt(i: int, rec: dict) -> RequestResult:
             if cfg.max_errors is not None and failures >= cfg.max_errors:  # checked once it may go
-                return RequestResult(
-                    i,
-                    rec.get("user"),
-                    rec.get("tenant"),
-                    builder.prompt_len(rec),
-                    None,
-                    0,
-                    None,
-                    0.0,
-                    cfg.label or "unknown",
-                    f"not sent: {failures} errors before it",
-                )
-            return await _one_request(client, cfg, model, rec, i, builder, t0)
+                return failed(i, rec, f"not sent: {failures} errors before it")
+            try:
+                return await _one_request(client, cfg, model, rec, i, builder, t0)
+            except Exception as exc:  # whatever one answer did, it is that request's error, never the run's end
+                return failed(i, rec, f"{type(exc).__name__}: {one_line(str(exc))}")
 
         async def send(i: int, rec: dict, after: asyncio.Event | None, done: asyncio.Event) -> None:
             nonlocal failures
@@ -539,6 +601,7 @@ class ReplayReport:
         only the replicas that answered are known, and the figure is over those."""
         ok = [r for r in self.results if r.error is None]
         known = [(r.prompt_tokens, r.cached_tokens) for r in ok if r.cached_tokens is not None]  # (prompt, cached)
+        ratios = [c / p for p, c in known if p]  # a request of 0 prompt tokens has no hit rate
         prompt = sum(p for p, _ in known)
         cached = sum(c for _, c in known)
         ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
@@ -572,7 +635,7 @@ class ReplayReport:
             "errors": len(errors),
             "error_samples": sorted(set(errors))[:5],
             "hit_rate_tokens": cached / prompt if known and prompt else None,
-            "hit_rate_requests": statistics.fmean(c / p for p, c in known if p) if known else None,
+            "hit_rate_requests": statistics.fmean(ratios) if ratios else None,
             "prompt_tokens": sum(r.prompt_tokens for r in ok),
             "cached_tokens": cached if known else None,
             "uncached_prompt_tokens": prompt - cached if known else None,

@@ -3,8 +3,11 @@
 The manifest's Serve config is generated, never edited by hand: `deploy_plan.serve_deploy_config` is the
 builder, the same validation as `kvmesh serve --config`. Render also refuses a config the manifest could not
 run (`deploy_plan.kuberay_problems`): keys KubeRay sets elsewhere, credentials that serveConfigV2 would
-publish, deployments that fit no pod, an LMCache L1 not below its engine pods' memory limit, files a pod
-does not mount; and a manifest whose Ray pods disagree on the Serve proxy (`RAY_SERVE_ENABLE_HA_PROXY`).
+publish (in the shared tier's setting, LMCache's extra arguments or the KV-transfer config), a shared tier
+that cannot read the manifest's Valkey password (LMCache's valkey adapter) or pod groups for the engines of
+which only some have it, a route prefix other than `/` (the PodMonitor scrapes `/metrics`), deployments that
+fit no pod, an LMCache L1 not below its engine pods' memory limit, files a pod does not mount; and a manifest
+whose Ray pods disagree on the Serve proxy (`RAY_SERVE_ENABLE_HA_PROXY`).
 `--check` changes nothing and exits 1 when the manifest is out of date (for CI and review).
 
 Render also writes the annotation `kvmesh.io/node-server-config` on every Ray pod template (head and worker

@@ -89,7 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="changes every block's tokens (a fresh, cold token space per run on warm servers)",
     )
-    parser.add_argument("--timeout", type=positive_float, default=300.0, help="per-request timeout, s (> 0)")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds a request may take from its send to its stream's end, keep-alives or slow tokens included; "
+        "one that takes longer counts as an error (> 0)",
+    )
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", required=True, type=output_file, help="write the summary JSON here")

@@ -133,3 +133,38 @@ def test_engine_replicas_get_the_configured_drain_time_before_serve_kills_them()
     assert engine_options(app_config({}), {})["graceful_shutdown_timeout_s"] == 5
     given = app_config({"engine": {**GPU["engine"], "drain_timeout_s": 300}})
     assert engine_options(given, {})["graceful_shutdown_timeout_s"] == 300
+
+
+def test_credentials_are_found_in_the_lmcache_servers_arguments_and_nowhere_else():
+    from kvmesh.deployments.deploy_plan import argv_credentials, embedded_credentials
+
+    adapter = '{"type": "resp", "host": "h", "port": 6379, "auth": {"password": "pw"}}'
+    assert argv_credentials(["--l2-adapter", adapter]) == ["key 'password' in an argument"]
+    assert argv_credentials(["--l2-adapter=" + adapter]) == ["key 'password' in an argument"]
+    assert argv_credentials(["--p2p-listen-url", "tcp://u:pw@0.0.0.0:1"]) == ["a URL's user info in an argument"]
+    assert argv_credentials(["--secret-key", "pw", "--user=kv"]) == ["flag --secret-key", "flag --user"]
+    # LMCache server flags and values that hold no secret
+    plain = ["--eviction-ratio", "0.2", "--coordinator-url", "http://coord:9000", "--l2-adapter", '{"type": "fs"}']
+    assert argv_credentials(plain) == [] and argv_credentials(None) == [] and argv_credentials("--password") == []
+    assert embedded_credentials({"use_token_cache": True, "api_key": None, "token": ""}) == []
+    assert embedded_credentials({"nested": [{"aws_secret_access_key": "x"}]}) == ["key 'aws_secret_access_key'"]
+    assert embedded_credentials("not json {") == [] and embedded_credentials("user@example.com") == []
+
+
+@pytest.mark.parametrize(
+    ("l2", "refused"),
+    [
+        ("redis://kvmesh-valkey:6379", False),
+        ({"type": "resp", "host": "kvmesh-valkey", "port": 6379}, False),
+        ("fs", False),
+        (None, False),
+        ("valkey://kvmesh-valkey:6379", True),
+        ({"type": "valkey", "startup_nodes": "kvmesh-valkey:6379"}, True),
+    ],
+)
+def test_only_the_valkey_adapter_is_refused_without_credentials(l2, refused):
+    from kvmesh.deployments.deploy_plan import l2_problems
+
+    problems = l2_problems(l2)
+    assert bool(problems) == refused
+    assert all("valkey adapter" in p and "redis://HOST:PORT" in p for p in problems)

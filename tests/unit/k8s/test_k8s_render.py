@@ -92,6 +92,125 @@ def test_render_takes_an_l2_url_without_credentials(files, capsys):
 
 
 @pytest.mark.parametrize(
+    "l2",
+    [
+        "valkey://kvmesh-valkey:6379",
+        {"type": "valkey", "startup_nodes": "kvmesh-valkey:6379"},
+        "valkey://:s3cret-pw@kvmesh-valkey:6379",
+    ],
+    ids=["url", "dict", "url-with-password"],
+)
+def test_render_refuses_the_valkey_adapter_which_reads_no_password_from_the_pods_environment(files, capsys, l2):
+    """LMCache's valkey adapter reads its password only from its own settings (never LMCACHE_RESP_PASSWORD): without
+    it there, it cannot authenticate to the manifest's Valkey (--requirepass); with it, serveConfigV2 publishes
+    it. The advice is the resp adapter (redis://), whose password comes from the pod's environment."""
+    _lmcache_l2(files[0], l2)
+    err = refused(files, capsys)
+    assert "valkey adapter" in err and "use redis://HOST:PORT" in err and "LMCACHE_RESP_PASSWORD" in err, err
+    assert "s3cret-pw" not in err
+    assert ("the URL's user info" in err) == (isinstance(l2, str) and "s3cret" in l2)
+
+
+def test_the_advice_for_an_l2_password_follows_its_adapter(files, capsys):
+    """redis://: the workers' LMCACHE_RESP_PASSWORD replaces it; another adapter does not read that variable."""
+    _lmcache_l2(files[0], {"type": "s3", "bucket": "kv", "aws_secret_access_key": "s3cret-pw"})
+    err = refused(files, capsys)
+    assert "LMCache's s3 adapter must find its credentials in the engine pods' environment" in err, err
+    _lmcache_l2(files[0], "redis://:s3cret-pw@kvmesh-valkey:6379")
+    err = refused(files, capsys)
+    assert "remove them and give the GPU workers LMCACHE_RESP_PASSWORD" in err and "s3 adapter" not in err, err
+
+
+ADAPTER_WITH_PASSWORD = '{"type": "resp", "host": "kvmesh-valkey", "port": 6379, "password": "s3cret-pw"}'
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "where"),
+    [
+        (["--l2-adapter", ADAPTER_WITH_PASSWORD], "key 'password' in an argument"),
+        ([f"--l2-adapter={ADAPTER_WITH_PASSWORD}"], "key 'password' in an argument"),
+        (["--coordinator-url", "http://kv:s3cret-pw@coordinator:9000"], "a URL's user info in an argument"),
+        (["--password", "s3cret-pw"], "flag --password"),
+        (["--auth-token=s3cret-pw"], "flag --auth-token"),
+    ],
+    ids=["adapter-json", "adapter-json-joined", "url", "flag", "flag-joined"],
+)
+def test_render_refuses_credentials_in_the_lmcache_servers_extra_args(files, capsys, extra_args, where):
+    """serveConfigV2 holds the config verbatim: a password among the server's arguments was published there (and
+    on the server's command line) while the same password as an l2 key was refused."""
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["lmcache"]["extra_args"] = extra_args
+    files[0].write_text(yaml.safe_dump(raw))
+    err = refused(files, capsys)
+    assert f"engine.lmcache.extra_args carries credentials ({where})" in err, err
+    assert "s3cret-pw" not in err and "LMCACHE_RESP_PASSWORD" in err
+
+
+def test_render_refuses_credentials_in_the_kv_connector_settings(files, capsys):
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["kv_transfer_config"] = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"remote_url": "redis://:s3cret-pw@kvmesh-valkey:6379", "api_token": "s3cret"},
+    }
+    files[0].write_text(yaml.safe_dump(raw))
+    err = refused(files, capsys)
+    assert "engine.kv_transfer_config carries credentials (" in err and "key 'api_token'" in err, err
+    assert "a URL's user info" in err and "LMCACHE_RESP_PASSWORD" in err
+    assert "s3cret" not in err
+
+
+def test_render_takes_extra_args_and_kv_connector_settings_without_credentials(files, capsys):
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["lmcache"]["extra_args"] = ["--eviction-ratio", "0.2", "--coordinator-url", "http://coord:9000"]
+    raw["engine"]["kv_transfer_config"] = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"use_token_ids": True, "lmcache.mp.port": 1},
+    }
+    files[0].write_text(yaml.safe_dump(raw))
+    assert render(files, capsys) == (0, "")
+
+
+def test_render_refuses_a_route_prefix_the_pod_monitor_does_not_scrape(files, capsys):
+    """The ingress serves /metrics under the app's route prefix (/llm/metrics), and
+    k8s/monitoring/podmonitor.yaml scrapes /metrics: every kvmesh_* series would go empty."""
+    _with(files[0], route_prefix="/llm")
+    err = refused(files, capsys)
+    assert "config.route_prefix '/llm' moves the ingress's /metrics to /llm/metrics" in err
+    assert "k8s/monitoring/podmonitor.yaml" in err
+    monitor = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    assert {"port": "serve", "path": "/metrics"}.items() <= monitor["spec"]["podMetricsEndpoints"][0].items()
+
+
+def _cpu_engines(config_path) -> None:
+    """CPU engines small enough for the head pod (2 CPUs) as well as the GPU workers."""
+    raw = yaml.safe_load(config_path.read_text())
+    raw["engine"].update(num_gpus=0, num_cpus=1, kv_cache_space_gb=4, block_size=32, drain_timeout_s=20)
+    raw["engine"]["lmcache"]["l1_size_gb"] = 8
+    config_path.write_text(yaml.safe_dump(raw))
+
+
+def test_render_refuses_engines_that_may_land_where_the_shared_tiers_password_is_not(files, capsys):
+    """The head has no LMCACHE_RESP_PASSWORD (and Valkey's network policy admits only the GPU workers): a CPU engine
+    that fits on the head would start a node LMCache server there that cannot authenticate to the shared tier."""
+    _cpu_engines(files[0])
+    err = refused(files, capsys)
+    assert "engine replicas fit on pod group(s) head, which lack the LMCACHE_RESP_PASSWORD that gpu-engines" in err
+    assert "engine.resources" in err
+    # pinned to the GPU workers by a custom resource only they have, the engines render
+    manifest = files[1].read_text()
+    group = "      - groupName: gpu-engines\n"
+    params = "        rayStartParams:\n"
+    at = manifest.index(params, manifest.index(group)) + len(params)
+    files[1].write_text(manifest[:at] + '          resources: \'"{\\"kvmesh_engine\\": 1}"\'\n' + manifest[at:])
+    raw = yaml.safe_load(files[0].read_text())
+    raw["engine"]["resources"] = {"kvmesh_engine": 1}
+    files[0].write_text(yaml.safe_dump(raw))
+    assert render(files, capsys) == (0, "")
+
+
+@pytest.mark.parametrize(
     ("key", "value", "set_by"),
     [
         ("host", "0.0.0.0", "http_options"),
