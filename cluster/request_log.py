@@ -17,8 +17,10 @@ file and line (`RequestLogError`), which the CLI turns into one line and exit st
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections import deque
 from dataclasses import dataclass, field
 
 CHAT = "/v1/chat/completions"
@@ -102,12 +104,12 @@ def parse_line(text: str, where: str, line: int) -> LoggedRequest:
 
 
 def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
-    """A chat's messages are held to the ingress's own rules (`openai_protocol.chat_message`): a message the
-    ingress refuses (a tool call's null content, a `tool` message, a non-text part) would otherwise be
-    rendered here as a prompt kvmesh never serves."""
+    """A chat's messages and template arguments are held to the ingress's own rules
+    (`openai_protocol.chat_message`, `openai_protocol.template_kwargs`): a message the ingress refuses (a tool
+    call, a `tool` message, a non-text part) would otherwise be rendered here as a prompt kvmesh never serves."""
     if endpoint == CHAT:
-        # imported here: openai_protocol imports this module (`template_message`)
-        from kvmesh.deployments.openai_protocol import OpenAIError, chat_message
+        # the ingress's own request rules (imported when a chat needs them)
+        from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_kwargs
 
         msgs = body["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -119,6 +121,10 @@ def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
                 chat_message(m, i)
             except OpenAIError as exc:
                 raise RequestLogError(f"{where} line {line}: {exc.message.rstrip('.')}") from None
+        try:
+            template_kwargs(body)
+        except OpenAIError as exc:
+            raise RequestLogError(f"{where} line {line}: {exc.message.rstrip('.')}") from None
     else:
         p = body["prompt"]
         ok = (isinstance(p, str) and p) or (
@@ -159,12 +165,17 @@ def read_request_log(path: str | os.PathLike, limit: int | None = None) -> list[
 
 def prompt_text(req: LoggedRequest, tokenizer, render=None) -> str | None:
     """The prompt as the server's tokenizer sees it (chat template applied, generation prompt added);
-    None for a token-id prompt. `render` (a `ChatRenderer`) renders faster than the tokenizer does."""
+    None for a token-id prompt. `render` (a `ChatRenderer`) renders faster than the tokenizer does. The
+    messages and the request's `chat_template_kwargs` reach the template as the ingress passes them."""
     if req.is_chat:
-        messages = [template_message(m) for m in req.body["messages"]]
+        from kvmesh.deployments.openai_protocol import chat_message, template_kwargs
+
+        checked = [chat_message(m, i) for i, m in enumerate(req.body["messages"])]
+        messages = template_messages(checked, chat_template_of(tokenizer))
+        kwargs = template_kwargs(req.body)
         if render is not None:
-            return render(messages)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return render(messages, **kwargs)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     p = req.body["prompt"]
     return p if isinstance(p, str) else None
 
@@ -189,14 +200,16 @@ class ChatRenderer:
         except Exception:
             self.template = None
 
-    def __call__(self, messages: list[dict]) -> str:
+    def __call__(self, messages: list[dict], **kwargs) -> str:
+        """`messages` rendered with the generation prompt; `kwargs` are more template variables (a request's
+        `chat_template_kwargs`)."""
         slow = None
         if self.template is None or self.verify > 0:
-            slow = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            slow = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
             if self.template is None:
                 return slow
         try:
-            fast = self.template.render(messages=messages, add_generation_prompt=True, **self.extra)
+            fast = self.template.render(messages=messages, add_generation_prompt=True, **{**self.extra, **kwargs})
         except Exception:
             fast = None
         if slow is not None:
@@ -206,7 +219,7 @@ class ChatRenderer:
             return slow
         if fast is None:  # the bare template failed where the tokenizer's may not: use the tokenizer's from now on
             self.template = None
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return fast
 
 
@@ -220,18 +233,199 @@ def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
 
 
 def content_text(content) -> str:
-    """A message's content as one text: its text parts joined by newlines, as vLLM's server joins them."""
+    """A message's content as one text: its text parts joined by newlines, no content as "". What vLLM's
+    server hands a chat template that takes content as a string (`content_format` "string")."""
+    if content is None:
+        return ""
     if isinstance(content, list):
         return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
 
 
-def template_message(message: dict) -> dict:
-    """A chat message as kvmesh's ingress hands it to the chat template: `developer` as `system`, the content
-    as one text, the `name` kept (templates may use it). Both the ingress and the log's reader check the
-    message first (`openai_protocol.chat_message`)."""
-    role = message["role"]
-    out = {"role": "system" if role == "developer" else role, "content": content_text(message.get("content"))}
-    if message.get("name") is not None:
-        out["name"] = message["name"]
+def chat_template_of(tokenizer) -> str | None:
+    """The chat template `apply_chat_template` renders with (a tokenizer's default one of several named
+    templates); None when it has none."""
+    get = getattr(tokenizer, "get_chat_template", None)
+    if get is not None:
+        try:
+            return get()
+        except Exception:  # no template, or named ones without a default: apply_chat_template refuses too
+            return None
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+class _NotAName(Exception):
+    """A loop or assignment target the content-format rule cannot follow (a tuple): the template is "string"."""
+
+
+def _reads(node, var: str, key: str | None = None) -> bool:
+    """`node` reads variable `var` (with `key`: its item or attribute `key`), through filters, tests and
+    slices (`messages[1:] | selectattr(...)` reads `messages`)."""
+    from jinja2 import nodes
+
+    while True:
+        if isinstance(node, nodes.Filter):
+            if node.node is None:
+                return False
+            node = node.node
+        elif isinstance(node, nodes.Test):
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is not None:
+        if isinstance(node, nodes.Getitem):
+            named = isinstance(node.arg, nodes.Const) and node.arg.value == key
+        elif isinstance(node, nodes.Getattr):
+            named = node.attr == key
+        else:
+            return False
+        node = node.node  # the variable itself, not through filters: `(m | first)['content']` is not `m`'s
+        return named and isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
+
+
+def _target(node) -> str:
+    from jinja2 import nodes
+
+    if not isinstance(node, nodes.Name):
+        raise _NotAName
+    return node.name
+
+
+def _loops_over_content(root) -> bool:
+    """The template iterates over a message's content: `{% for part in message['content'] %}`, with the
+    messages reached through `{% set %}` aliases, and content passed to a macro under another name."""
+    from jinja2 import nodes
+
+    aliases, queue = ["messages"], deque(["messages"])
+    while queue:
+        var = queue.popleft()
+        for assign in root.find_all(nodes.Assign):
+            if _reads(assign.node, var):
+                name = _target(assign.target)
+                if name not in aliases:
+                    aliases.append(name)
+                    queue.append(name)
+    message_vars = [
+        _target(loop.target) for loop in root.find_all(nodes.For) if any(_reads(loop.iter, var) for var in aliases)
+    ]
+    in_macro: set[int] = set()
+    content_params: dict[int, set[str]] = {}  # a loop inside a macro -> the macro's parameters given content
+    for macro in root.find_all(nodes.Macro):
+        params = [a.name for a in macro.args]
+        given: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(params) and any(_reads(arg, v, "content") for v in message_vars):
+                    given.add(params[i])
+            for kw in call.kwargs:
+                if kw.key in params and any(_reads(kw.value, v, "content") for v in message_vars):
+                    given.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            in_macro.add(id(loop))
+            if given:
+                content_params[id(loop)] = given
+    for loop in root.find_all(nodes.For):
+        it = loop.iter
+        if not (
+            any(_reads(it, v, "content") for v in message_vars)
+            or (isinstance(it, nodes.Name) and it.name in content_params.get(id(loop), ()))
+            or (id(loop) not in in_macro and isinstance(it, nodes.Name) and it.name == "content")
+        ):
+            continue
+        _target(loop.target)  # the first such loop decides
+        return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _template_env():
+    """A Jinja environment that parses and compiles chat templates as transformers' does (its trim and strip
+    settings, its `{% generation %}` block and loop controls)."""
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def content_format(chat_template: str | None) -> str:
+    """How a chat template takes a message's content, as vLLM's server detects it (its default
+    `--chat-template-content-format auto`): "openai" (a list of `{"type": "text", "text": ...}` parts) when the
+    template loops over a message's content, else "string" (the text parts joined by newlines); "string" too
+    for a template that does not compile or that the rule cannot follow."""
+    if chat_template is None:
+        return "string"
+    env = _template_env()
+    try:
+        env.from_string(chat_template)  # a template that does not compile is "string", as in vLLM
+        return "openai" if _loops_over_content(env.parse(chat_template)) else "string"
+    except Exception:  # vLLM's rule too: whatever fails to parse or to follow is "string"
+        return "string"
+
+
+def supports_developer(chat_template: str | None) -> bool:
+    """The template knows the `developer` role (names it as a string), so it gets those messages as they are."""
+    return chat_template is not None and ('"developer"' in chat_template or "'developer'" in chat_template)
+
+
+def _system_first(conversation: list[dict]) -> list[dict]:
+    """Every system message merged into one at position 0, their non-empty texts joined by a blank line;
+    the conversation as it is when its only system message is already first. Templates such as Qwen's refuse a
+    system message anywhere else."""
+    texts: list[str] = []
+    rest: list[dict] = []
+    merge = False
+    for i, m in enumerate(conversation):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        merge = merge or i > 0 or bool(texts)
+        text = m.get("content", "")
+        if isinstance(text, list):
+            text = "\n".join(p if isinstance(p, str) else p["text"] for p in text if isinstance(p, str) or "text" in p)
+        if text:
+            texts.append(text)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else conversation
+
+
+def template_messages(messages: list[dict], chat_template: str | None) -> list[dict]:
+    """Checked chat messages (`openai_protocol.chat_message`) as kvmesh's ingress hands them to `chat_template`,
+    which is what vLLM's server hands it: each content as the template takes it (`content_format`), the `name`
+    kept; a `developer` message as it is for a template that knows the role, else as `system`, with every
+    system message then merged into the first (`_system_first`). Both the ingress and the log's reader render
+    through this, so a replayed log renders the prompts the ingress served."""
+    as_parts = content_format(chat_template) == "openai"
+    out: list[dict] = []
+    for m in messages:
+        content = m.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
+        msg = {"role": m["role"], "content": [dict(p) for p in parts] if as_parts else content_text(parts)}
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        if m["role"] == "developer":
+            msg["tools"] = None  # vLLM's server gives a developer message its (refused here) tools
+        out.append(msg)
+    if any(m["role"] == "developer" for m in out) and not supports_developer(chat_template):
+        out = [
+            {k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
+            for m in out
+        ]
+        out = _system_first(out)
     return out

@@ -57,8 +57,11 @@ REPORTED_IDS = 64
 
 def model_sampling_defaults(driver) -> dict:
     """The model's recommended sampling settings (its generation_config.json: temperature, top_p, ...), for
-    what a request leaves out: vLLM's own server does the same, and an instruct model sampled at vLLM's
-    neutral defaults answers differently from how it was tuned to."""
+    what a request leaves out, as vLLM's own server fills them: an instruct model sampled at vLLM's neutral
+    defaults answers differently from how it was tuned to. Its output length (`max_new_tokens`) is not among
+    them: every request comes with max_tokens set by the ingress, which applies that default itself
+    (`ingress.model_default_max_tokens`) where vLLM's get_max_tokens does, since it checks min_tokens against it
+    and caps it to the context the prompt leaves."""
     try:
         diff = driver.engine.vllm_config.model_config.get_diff_sampling_param()
     except Exception:  # a driver without a vLLM engine's config (tests): vLLM's neutral defaults

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
+from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages
 from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
@@ -195,6 +196,26 @@ def model_vocab_size(model_path: str) -> int:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
 
 
+def model_default_max_tokens(model_path: str) -> int | None:
+    """The output length the model's generation config sets (`max_new_tokens` of its generation_config.json,
+    else of its config.json), None if none: what vLLM's server gives a request that names no max_tokens (its
+    get_max_tokens falls back to the model's sampling defaults), and so what the ingress gives one."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json: the one the model's config implies, as vLLM reads it
+        try:
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path))
+        except (OSError, ValueError):
+            return None
+    except ValueError as exc:  # a generation config transformers refuses: vLLM's engine would fail on it too
+        log.warning("cannot read %s's generation config (%s): no default output length", model_path, exc)
+        return None
+    value = config.to_diff_dict().get("max_new_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 _EXC_PREFIX = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 
 
@@ -291,6 +312,7 @@ class Ingress:
         # the ids the engine takes: its model's embedding rows, which may outnumber the tokenizer's entries
         self.vocab_size = max(len(self.tokenizer), model_vocab_size(self.model_path))
         self.max_model_len = self.cfg["engine"]["max_model_len"]
+        self.default_max_tokens = model_default_max_tokens(self.model_path)
         self.served_model = self.cfg["served_model_name"] or (
             "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name
         )
@@ -428,12 +450,16 @@ class Ingress:
                 )
             return req.prompt_ids
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
-            chars = sum(len(str(m.get("content") or "")) for m in req.messages)
+            chars = sum(len(content_text(m["content"])) for m in req.messages)
             if len(req.messages) >= self.max_model_len or chars > self._max_prompt_chars():
                 detail = f"the request's {len(req.messages)} messages of {chars} characters cannot fit in it"
                 raise self._too_long(req, detail)
+            # the messages as vLLM's server hands them to this template (its content format, the developer role)
+            conversation = template_messages(req.messages, self._chat_template())
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=False, **req.template_kwargs
+                )
             except (TemplateError, ValueError) as exc:  # the template's raise_exception, or a model without one
                 raise proto.bad(f"The model's chat template refused these messages: {exc}"[:500], "messages") from None
         else:
@@ -448,6 +474,12 @@ class Ingress:
         except (TypeError, ValueError, UnicodeError) as exc:
             message = f"The prompt cannot be tokenized: {exc}"[:300]
             raise proto.bad(message, req.prompt_param, "invalid_prompt") from None
+
+    def _chat_template(self) -> str | None:
+        """The tokenizer's chat template (read once: it decides how messages are put for it)."""
+        if not hasattr(self, "_template"):
+            self._template = chat_template_of(self.tokenizer)
+        return self._template
 
     def _check_model(self, req: proto.GenerationRequest) -> None:
         """Before tokenising: a request for another model is answered without the work; one that names no
@@ -476,14 +508,17 @@ class Ingress:
             raise proto.bad(message, name)
 
     def _check_length(self, req: proto.GenerationRequest, ids: list[int]) -> None:
-        """The prompt leaves room in the context for an answer; max_tokens is trimmed to that room, and a chat
-        without it gets all of it, as vLLM's `get_max_tokens` does (min of the client's and the room)."""
+        """The prompt leaves room in the context for an answer; max_tokens is trimmed to that room, as vLLM's
+        `get_max_tokens` does (the least of the client's and the room). A chat without one gets the model's
+        generation-config default, or all the room without one (a completion's always has one: 16 by default)."""
         if not ids:
             raise proto.bad("The prompt is empty after tokenization.", req.prompt_param, "empty_prompt")
         if len(ids) >= self.max_model_len:  # vLLM: a prompt over the context, or one with 0 tokens left
             raise self._too_long(req, f"the prompt has {len(ids)}, which leaves no room for an answer")
         room = self.max_model_len - len(ids)
         asked = req.params.get("max_tokens")
+        if asked is None:
+            asked = getattr(self, "default_max_tokens", None)
         max_tokens = req.params["max_tokens"] = room if asked is None else min(asked, room)
         if req.params.get("min_tokens", 0) > max_tokens:  # against the trimmed value, as vLLM's SamplingParams
             message = f"'min_tokens' ({req.params['min_tokens']}) exceeds max_tokens ({max_tokens})."
@@ -690,8 +725,11 @@ class Ingress:
                     finish_reason = None if failed else chunk["finish_reason"]
                     event = b""
                     if chunk["text"] or finish_reason or is_first:
+                        running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
                         event = proto.sse(
-                            proto.stream_chunk(req, oid, chunk["text"], finish_reason, created=created, first=is_first)
+                            proto.stream_chunk(
+                                req, oid, chunk["text"], finish_reason, created=created, first=is_first, u=running
+                            )
                         )
                     is_first = False
                     if failed:

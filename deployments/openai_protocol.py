@@ -16,10 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.cluster.request_log import content_text, template_message
 from kvmesh.deployments.tenants import openai_error
 
-# a completion's default output length (OpenAI's and vLLM's); a chat's runs to the end of the context
+# a completion's output length when the request leaves max_tokens out or null (OpenAI's and vLLM's request
+# default). A chat without one gets the model's generation_config max_new_tokens, else the rest of the context
+# (the ingress's `_check_length`, as vLLM's get_max_tokens)
 DEFAULT_MAX_TOKENS = 16
 # parameters this server does not implement -> values that mean "off" (accepted silently). Any other value
 # is a 400: ignored, it would change the output the client asked for (free text for a JSON schema, no
@@ -81,7 +82,6 @@ _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
         "add_generation_prompt": (True,),
         "continue_final_message": (False,),
         "chat_template": (),  # vLLM's own server refuses it too, unless started with a flag
-        "chat_template_kwargs": ({},),
         "documents": (),
         "include_reasoning": (True,),
         "media_io_kwargs": (),
@@ -100,6 +100,7 @@ _SERVED = frozenset(
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
         "user", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
+        "chat_template_kwargs",  # `template_kwargs`
         "cache_salt",  # refused by tenants.reject_client_salt
     }
 )  # fmt: skip
@@ -155,9 +156,11 @@ class GenerationRequest:
     prompt_ids: list[int] | None = None
     # the field the output length came in: a chat's max_completion_tokens wins over its max_tokens
     max_tokens_param: str = "max_tokens"
-    messages: list[dict] | None = None
+    messages: list[dict] | None = None  # checked (`chat_message`); `template_messages` puts them as a template takes
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # running usage in every chunk (vLLM's stream_options.continuous_usage_stats)
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -217,25 +220,30 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean.", "stream", "invalid_type")
     so = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if so is not None:
+        # as vLLM: options other than none ({} too) with a stream that is not one mean the client expects
+        # something else
+        if so and not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
         if not isinstance(so, dict):
             raise bad("'stream_options' must be an object.", "stream_options", "invalid_type")
-        iu = so.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise bad("'stream_options.include_usage' must be a boolean.", "stream_options", "invalid_type")
-        include_usage = iu
-        if so.get("continuous_usage_stats") not in (None, False):  # vLLM's usage in every chunk: not served
-            name = "stream_options.continuous_usage_stats"
-            raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
-        if not stream:  # as vLLM: usage in a stream that is not one means the client expects something else
-            raise bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+        flags = {}
+        for name in ("include_usage", "continuous_usage_stats"):
+            v = so.get(name)
+            if v is not None and not isinstance(v, bool):
+                raise bad(f"'stream_options.{name}' must be a boolean.", f"stream_options.{name}", "invalid_type")
+            flags[name] = bool(v)
+        include_usage = flags["include_usage"]
+        # running usage in every chunk: only with the final usage asked for (vLLM ignores it otherwise)
+        continuous = include_usage and flags["continuous_usage_stats"]
     n = _number(body, "n", 1, 1, integer=True, default=1)
     del n  # only n == 1 is served
     max_tokens_name = (
         "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    # a chat without max_tokens runs to the end of the context: the ingress sets it once the prompt is tokenised
+    # a completion's left out or null is 16, as in vLLM's request model; a chat's the ingress sets once the prompt
+    # is tokenised (`Ingress._check_length`)
     default_max = DEFAULT_MAX_TOKENS if kind == "completion" else None
     # both checked, as vLLM's request model checks both: the one not used must be valid too
     max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True, default=default_max)
@@ -289,6 +297,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         max_tokens_param=max_tokens_name,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         params={k: v for k, v in params.items() if v is not None},
     )
 
@@ -321,9 +330,14 @@ def parse_completion(body: dict) -> GenerationRequest:
     return req
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content(content: Any, i: int, role: str) -> str | list[dict]:
+    """A message's content checked: a string, or a list of text parts (each put as `{"type": "text", "text"}`).
+    An assistant's null content is no content (an empty list of parts), as vLLM's server takes it; any other
+    role's is refused, as there."""
     if isinstance(content, str):
         return content
+    if content is None and role == "assistant":
+        return []
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -331,11 +345,58 @@ def _content_text(content: Any, i: int) -> str:
                 raise bad(
                     f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
                 )
-            parts.append(part)
-        return content_text(parts)
+            parts.append({"type": "text", "text": part["text"]})
+        return parts
     raise bad(
         f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"
     )
+
+
+# chat_template_kwargs the server sets itself -> the values accepted (and dropped: they change nothing here).
+# The rest are the template's own variables, passed to it as vLLM's server passes them.
+_TEMPLATE_KWARGS_SET: dict[str, tuple] = {
+    # vLLM's server overrides them with the request's own fields, which this server holds at their defaults
+    "add_generation_prompt": (True, False),
+    "continue_final_message": (True, False),
+    "return_dict": (True, False),  # vLLM's server overrides it
+    # the prompt is rendered as text and tokenised apart: the same ids as vLLM's tokenising in the template
+    "tokenize": (True, False),
+    # they change how apply_chat_template tokenises or what it renders: refused unless they change nothing
+    "padding": (False,),
+    "truncation": (False,),
+    "return_assistant_tokens_mask": (False,),
+    "tokenizer_kwargs": ({},),
+    "tools": (),  # tools are not served
+    "conversation": (),
+}
+
+
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """A chat request's `chat_template_kwargs` (e.g. Qwen3's `{"enable_thinking": false}`) as the chat template
+    gets them: a JSON object; null and "auto" values left out, as vLLM's server leaves them out; the server's own
+    settings accepted only where they change nothing (`_TEMPLATE_KWARGS_SET`); `OpenAIError` otherwise."""
+    given = body.get("chat_template_kwargs")
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise bad("'chat_template_kwargs' must be an object.", "chat_template_kwargs", "invalid_type")
+    out = {}
+    for key, value in given.items():
+        if key == "chat_template" and value is not None:  # refused before anything is left out, as by vLLM
+            raise bad(
+                "'chat_template_kwargs.chat_template' is not supported by this server.",
+                "chat_template_kwargs.chat_template",
+                "unsupported_parameter",
+            )
+        if value is None or (isinstance(value, str) and value == "auto"):
+            continue
+        if key in _TEMPLATE_KWARGS_SET:
+            if not any(_same_value(value, h) for h in _TEMPLATE_KWARGS_SET[key]):
+                name = f"chat_template_kwargs.{key}"
+                raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+            continue
+        out[key] = value
+    return out
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -348,15 +409,17 @@ def parse_chat(body: dict) -> GenerationRequest:
     if not msgs:
         raise bad("'messages' must not be empty.", "messages", "empty_prompt")
     req.messages = [chat_message(m, i) for i, m in enumerate(msgs)]
+    req.template_kwargs = template_kwargs(body)
     return req
 
 
 def chat_message(m: Any, i: int) -> dict:
     """`messages[i]` of a chat request checked as the ingress serves it (an object with a role of system,
-    developer, user or assistant, a string `name` if any, a string or text-part content) and put as the chat
-    template takes it (`template_message`); `OpenAIError` naming the field otherwise. The request log's
-    reader (`cluster/request_log.py`) applies the same rules, so that a logged message the ingress refuses
-    (a tool call's null content, a `tool` message) is refused when the log is read, not rendered as text."""
+    developer, user or assistant, a string `name` if any, a string or text-part content, no tool calls) and put
+    as `{"role", "content", "name"?}`; `OpenAIError` naming the field otherwise. The chat template gets them
+    through `request_log.template_messages`. The request log's reader (`cluster/request_log.py`) applies the same
+    rules, so that a logged message the ingress refuses (a tool call, a `tool` message) is refused when the log
+    is read, not rendered as text."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
     role = m.get("role")
@@ -365,7 +428,13 @@ def chat_message(m: Any, i: int) -> dict:
     name = m.get("name")
     if name is not None and not isinstance(name, str):  # templates may use it: it is kept
         raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
-    return template_message({"role": role, "content": _content_text(m.get("content"), i), "name": name})
+    if role == "assistant" and m.get("tool_calls"):  # vLLM's server renders them; tools are not served here
+        param = f"messages[{i}].tool_calls"
+        raise bad(f"'{param}' is not supported by this server.", param, "unsupported_parameter")
+    out = {"role": role, "content": _content(m.get("content"), i, role)}
+    if name is not None:
+        out["name"] = name
+    return out
 
 
 # ---------------------------------------------------------------------------- responses
@@ -380,6 +449,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def running_usage(req: GenerationRequest, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage a chunk of a stream carries with `stream_options.continuous_usage_stats`: the tokens so far, in
+    vLLM's chunk shape (no prompt details; a chat chunk's `completion_tokens_details` null)."""
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if req.kind == "chat":
+        u["completion_tokens_details"] = None
+    return u
 
 
 def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict, *, created: int) -> dict:

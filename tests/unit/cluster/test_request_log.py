@@ -100,7 +100,7 @@ def test_a_chat_template_that_fails_bare_after_its_checks_falls_back_to_the_toke
 def test_a_logged_request_is_tokenised_as_the_ingress_tokenises_it():
     """The cache test predicts from the ids the ingress will make: the same messages for the template (text
     parts joined by newlines, developer as system, names kept), the same special tokens (a completion's BOS)."""
-    from kvmesh.cluster.request_log import LoggedRequest, prompt_ids
+    from kvmesh.cluster.request_log import LoggedRequest, prompt_ids, template_messages
     from kvmesh.deployments.openai_protocol import parse_chat
 
     class Tokenizer:
@@ -121,7 +121,8 @@ def test_a_logged_request_is_tokenised_as_the_ingress_tokenises_it():
     tok = Tokenizer()
     chat = LoggedRequest("c", {"model": "m", "messages": messages}, CHAT)
     ids = prompt_ids(chat, tok)
-    assert tok.seen[-1] == parse_chat({"model": "m", "messages": messages}).messages and ids[0] != 0
+    served = template_messages(parse_chat({"model": "m", "messages": messages}).messages, None)
+    assert tok.seen[-1] == served and ids[0] != 0
     completion = LoggedRequest("p", {"model": "m", "prompt": "hi"}, COMPLETIONS)
     assert prompt_ids(completion, tok) == [0, ord("h"), ord("i")]
 
@@ -134,8 +135,9 @@ TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "ar
     [
         (
             {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-            "messages[1].content must be a string or a list of text parts",
+            "'messages[1].tool_calls' is not supported",
         ),
+        ({"role": "user", "content": None}, "messages[1].content must be a string or a list of text parts"),
         (
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             "messages[1].role must be one of system, developer, user, assistant",
@@ -160,7 +162,7 @@ def test_a_logged_message_the_ingress_refuses_is_refused_with_the_ingress_reason
 
 
 def test_a_logged_chat_the_ingress_serves_is_read_and_templated_as_the_ingress_templates_it(tmp_path):
-    from kvmesh.cluster.request_log import template_message
+    from kvmesh.cluster.request_log import template_messages
     from kvmesh.deployments import openai_protocol
 
     body = {
@@ -172,4 +174,56 @@ def test_a_logged_chat_the_ingress_serves_is_read_and_templated_as_the_ingress_t
     }
     [req] = read_request_log(_write(tmp_path, [json.dumps({"body": body})]))
     served = openai_protocol.parse_chat({"model": "m", **body}).messages
-    assert [template_message(m) for m in req.body["messages"]] == served
+    checked = [openai_protocol.chat_message(m, i) for i, m in enumerate(req.body["messages"])]
+    assert checked == served
+    assert template_messages(checked, None) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "ann"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+# content-format cases: vLLM's detection (renderers/hf.py) is the reference for each
+CONTENT_FORMAT_TEMPLATES = [
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}",
+    "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+    # through a {% set %} alias, a slice and filters
+    "{% set msgs = messages %}{% set rest = msgs[1:] %}{% for m in rest | list %}"
+    "{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}",
+    # the content handed to a macro, by position and by keyword, under another name
+    "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "{% macro show(x, c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(1, c=m['content']) }}{% endfor %}",
+    # a macro looping over what is not the content; one whose parameter is named content but is given none
+    "{% macro show(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}{% for m in messages %}{{ show(m.role) }}"
+    "{% endfor %}",
+    "{% macro show(content) %}{% for p in content %}{{ p }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.role) }}{% endfor %}",
+    # a loop over a variable named content outside macros
+    "{% for m in messages %}{% set content = m.content %}{% for p in content %}{{ p.text }}{% endfor %}{% endfor %}",
+    # a tuple target the rule cannot follow; a template that does not parse or compile
+    "{% for m in messages %}{% for a, b in m.content %}{{ a }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for p in m.content %}",
+    "{{ messages | no_such_filter }}{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}",
+    # transformers' {% generation %} block and loop controls
+    "{% for m in messages %}{% generation %}{% for p in m.content %}{% if loop.first %}{% continue %}{% endif %}"
+    "{{ p.text }}{% endfor %}{% endgeneration %}{% endfor %}",
+    # Qwen-style: content read as a string only
+    "{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}{{ content }}{%- endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", CONTENT_FORMAT_TEMPLATES)
+def test_a_templates_content_format_is_detected_as_vllm_detects_it(template):
+    """Whether a chat template gets a message's text parts as a list ("openai") or joined ("string"): the
+    answer of vLLM 0.32's own detection (its `--chat-template-content-format auto`) for every template."""
+    from vllm.renderers.hf import _detect_content_format, _detect_developer_role_support
+
+    from kvmesh.cluster.request_log import content_format, supports_developer
+
+    assert content_format(template) == _detect_content_format(template, default="string")
+    for named in (template, template + "{% if m.role == 'developer' %}{% endif %}"):
+        assert supports_developer(named) == _detect_developer_role_support(named)

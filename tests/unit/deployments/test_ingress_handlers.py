@@ -1325,3 +1325,235 @@ def test_a_request_that_names_no_model_is_served_by_the_one_model_and_names_it(k
     assert status == 200 and answer["model"] == "tiny"
     status, text = _answer(ing, {**body, "stream": True}, kind)
     assert status == 200 and '"model":"tiny"' in text.splitlines()[0]
+
+
+# --- chats rendered, and their output length chosen, as vLLM 0.32's own server does ----------------------------
+
+
+def _tiny_path():
+    import tempfile
+    from pathlib import Path
+
+    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
+
+    return build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
+
+
+@pytest.fixture(scope="module")
+def vllm_renderer():
+    """vLLM's own renderer for the tiny model (its CPU-only render path: no engine)."""
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.renderers import renderer_from_config
+
+    model_config = ModelConfig(model=str(_tiny_path()), max_model_len=4096)
+    return model_config, renderer_from_config(VllmConfig(model_config=model_config))
+
+
+def _vllm_prompt_ids(vllm_renderer, body: dict, template: str | None) -> list[int]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    model_config, renderer = vllm_renderer
+    online = OnlineRenderer(
+        model_config=model_config,
+        renderer=renderer,
+        request_logger=None,
+        chat_template=template,
+        chat_template_content_format="auto",  # vLLM's server default
+    )
+    rendered = asyncio.run(online.render_chat(ChatCompletionRequest(**body)))
+    assert isinstance(rendered, tuple), rendered
+    return rendered[1][0]["prompt_token_ids"]
+
+
+# a template that knows the developer role
+DEVELOPER_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'developer' %}{{ '<|dev|>' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' }}{% endif %}{{ message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# Gemma 3's content handling on the tiny model's role markers: it loops over a message's content parts
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# Qwen3's switch on the tiny model's role markers
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ 'no thinking' }}{% endif %}{% endif %}"
+)
+_PARTS = [{"type": "text", "text": "Context: x. "}, {"type": "text", "text": " Question: y?"}]
+
+
+def _turn(role: str):
+    return lambda content: {"role": role, "content": content}
+
+
+_S, _D, _U, _A = (_turn(role) for role in ("system", "developer", "user", "assistant"))
+_RENDER_CASES = [
+    # the developer role: as `system` for a template that does not know it, every system message merged first
+    (None, [_D("be terse"), _U("hi")]),
+    (None, [_S("A"), _D("B"), _U("hi")]),
+    (None, [_U("hi"), _D("B")]),
+    (None, [_S(""), _S("S"), _D("D")]),
+    (PARTS_TEMPLATE, [_S(_PARTS), _U("hi"), _D("B")]),
+    # ... and as itself for one that does
+    (DEVELOPER_TEMPLATE, [_D("be terse"), _U("hi")]),
+    (DEVELOPER_TEMPLATE, [_S("A"), _D("B"), _U("hi")]),
+    (DEVELOPER_TEMPLATE, [_U("hi"), _D("B")]),
+    # text parts: the list for a template that loops over them, joined by newlines for one that takes a string
+    (PARTS_TEMPLATE, [_U(_PARTS)]),
+    (PARTS_TEMPLATE, [_U("plain"), _A(""), _U(_PARTS)]),
+    (None, [_U(_PARTS)]),
+    # an assistant's null content: an empty turn
+    (None, [_U("hi"), _A(None), _U("x")]),
+    (PARTS_TEMPLATE, [_U("hi"), _A(None), _U("x")]),
+]
+
+
+def _ingress_prompt_ids(body: dict, template: str | None) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    if template is not None:
+        tok.chat_template = template
+    ing = _ingress(tokenizer=tok)
+    ing.vocab_size = len(tok)
+    ing.engine = _RecordingEngine()
+    status, answer = _answer(ing, body, "chat")
+    assert status == 200, answer
+    return ing.engine.requests[-1]["prompt_token_ids"]
+
+
+def _replayed_prompt_ids(body: dict, template: str | None) -> tuple[list[int], list[int]]:
+    """The prompt the request log's reader makes of the same request, with and without its fast renderer."""
+    from transformers import AutoTokenizer
+
+    from kvmesh.cluster.request_log import CHAT, ChatRenderer, LoggedRequest, prompt_ids, prompt_text
+
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    if template is not None:
+        tok.chat_template = template
+    logged = LoggedRequest("r", body, CHAT)
+    render = ChatRenderer(tok, verify=0)
+    fast = tok.encode(prompt_text(logged, tok, render), add_special_tokens=False)
+    return prompt_ids(logged, tok), fast
+
+
+@pytest.mark.parametrize(("template", "messages"), _RENDER_CASES)
+def test_a_chat_is_rendered_as_vllms_own_server_renders_it_and_a_replay_of_its_log_too(
+    vllm_renderer, template, messages
+):
+    """The prompt ids the ingress sends the engine are the ones vLLM's server makes of the same request (its
+    developer-role rule, its content format detection, its null assistant content), and the request log's
+    reader renders the same (so a replay's predictions are about the prompts the ingress serves)."""
+    body = {"model": "tiny", "messages": messages}
+    served = _ingress_prompt_ids(body, template)
+    assert served == _vllm_prompt_ids(vllm_renderer, body, template)
+    assert _replayed_prompt_ids(body, template) == (served, served)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"enable_thinking": False},
+        {"enable_thinking": True},
+        {"enable_thinking": None},  # left out, as vLLM leaves it out
+        {"enable_thinking": False, "add_generation_prompt": False},  # vLLM's request field wins: still added
+    ],
+)
+def test_chat_template_kwargs_reach_the_template_as_on_vllms_own_server(vllm_renderer, kwargs):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    served = _ingress_prompt_ids(body, THINKING_TEMPLATE)
+    assert served == _vllm_prompt_ids(vllm_renderer, body, THINKING_TEMPLATE)
+    assert _replayed_prompt_ids(body, THINKING_TEMPLATE) == (served, served)
+    plain = _ingress_prompt_ids({**body, "chat_template_kwargs": {}}, THINKING_TEMPLATE)
+    assert (served != plain) == (kwargs.get("enable_thinking") is False)
+
+
+def test_a_chat_without_max_tokens_gets_the_models_default_output_length_as_on_vllm(tmp_path):
+    """A model whose generation_config.json sets max_new_tokens: vLLM's server caps a chat that names no
+    max_tokens at it (get_max_tokens' fallback to the model's sampling defaults), a request's own max_tokens
+    wins, and both stay within the context the prompt leaves; a completion's default is its own 16."""
+    import shutil
+
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    model = tmp_path / "model"
+    shutil.copytree(_tiny_path(), model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 24, "temperature": 0.6}))
+    diff = ModelConfig(model=str(model), max_model_len=4096).get_diff_sampling_param()
+    assert ingress_module.model_default_max_tokens(str(model)) == diff["max_tokens"] == 24
+    assert ingress_module.model_default_max_tokens(str(_tiny_path())) is None  # the tiny model sets none
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    ing.default_max_tokens = ingress_module.model_default_max_tokens(str(model))
+    cases = [
+        ("chat", {}),
+        ("chat", {"max_tokens": 100}),
+        ("chat", {"max_completion_tokens": 5}),
+        ("chat", {"max_tokens": None}),
+        ("completion", {}),
+        ("completion", {"max_tokens": 40}),
+    ]
+    for max_model_len in (4096, 30):  # a context that leaves less than the default
+        ing.max_model_len = max_model_len
+        for kind, extra in cases:
+            body = {**(CHAT if kind == "chat" else {"model": "tiny", "prompt": "hello"}), **extra}
+            if max_model_len == 30 and any(v and v > 30 for v in extra.values()):
+                continue  # beyond the whole context: a 400 on both servers
+            status, answer = _answer(ing, body, kind)
+            assert status == 200, answer
+            sent = ing.engine.requests[-1]
+            vllm_request = ChatCompletionRequest(**body) if kind == "chat" else CompletionRequest(**body)
+            asked = getattr(vllm_request, "max_completion_tokens", None)
+            asked = vllm_request.max_tokens if asked is None else asked
+            expected = get_max_tokens(max_model_len, asked, len(sent["prompt_token_ids"]), diff, None)
+            assert sent["params"]["max_tokens"] == expected, (max_model_len, kind, extra)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_put_the_running_usage_in_every_chunk_as_vllm_does(kind, include_usage):
+    """`stream_options.continuous_usage_stats` with include_usage: each chunk carries the usage so far, in vLLM's
+    chunk shape; without include_usage vLLM ignores it, and so does the ingress."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+    from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    options = {"include_usage": include_usage, "continuous_usage_stats": True}
+    body = {**(CHAT if kind == "chat" else {"model": "tiny", "prompt": "hello"}), "stream": True}
+    status, sse = _answer(ing, {**body, "stream_options": options}, kind)
+    assert status == 200
+    events = _events(sse)
+    prompt = len(ing.engine.requests[-1]["prompt_token_ids"])
+    chunks = [e for e in events if e["choices"]]
+    if not include_usage:
+        assert all("usage" not in e for e in events)
+        return
+    assert len(chunks) == 2 and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+    for so_far, event in enumerate(chunks, start=1):  # the fake engine sends one token per chunk
+        # vLLM's own chunk of the same usage, as its server writes it
+        if kind == "chat":
+            theirs = ChatCompletionStreamResponse(id="x", created=0, model="tiny", choices=[])
+            theirs.usage = UsageInfo(
+                prompt_tokens=prompt,
+                completion_tokens=so_far,
+                total_tokens=prompt + so_far,
+                completion_tokens_details=None,
+            )
+        else:
+            theirs = CompletionStreamResponse(id="x", created=0, model="tiny", choices=[])
+            theirs.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=so_far, total_tokens=prompt + so_far)
+        assert event["usage"] == json.loads(theirs.model_dump_json(exclude_unset=True))["usage"]

@@ -71,8 +71,9 @@ def test_chat_validation():
             ],
         }
     )
-    # a message's text parts joined as vLLM joins them
-    assert r.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "a\nb"}]
+    # a message's text parts kept: how they reach the template depends on it (`request_log.template_messages`)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert r.messages == [{"role": "system", "content": "s"}, {"role": "user", "content": parts}]
     assert err(proto.parse_chat, {"model": "m"}).code == "missing_required_parameter"
     assert err(proto.parse_chat, {"model": "m", "messages": []}).code == "empty_prompt"
     assert err(proto.parse_chat, {"model": "m", "messages": "hi"}).code == "invalid_type"
@@ -172,7 +173,6 @@ def test_a_vllm_extra_parameter_this_server_does_not_serve_is_refused_not_ignore
         ("add_generation_prompt", False),
         ("continue_final_message", True),
         ("chat_template", "{{ messages }}"),
-        ("chat_template_kwargs", {"enable_thinking": False}),
         ("reasoning_effort", "low"),
         ("add_special_tokens", True),
         ("documents", [{"title": "t", "text": "x"}]),
@@ -213,12 +213,46 @@ def test_vllms_defaults_for_the_refused_extras_change_nothing_and_are_accepted()
     )
 
 
-def test_usage_in_every_stream_chunk_is_refused():
-    body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
-    e = err(proto.parse_completion, body)
-    assert (e.param, e.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
-    assert proto.parse_completion(body).include_usage
+STREAM_OPTIONS = [
+    (False, {}),
+    (False, None),
+    (False, {"include_usage": True}),
+    (False, {"include_usage": False}),
+    (True, {}),
+    (True, {"include_usage": None}),
+    (True, {"include_usage": True}),
+    (True, {"include_usage": False, "continuous_usage_stats": True}),
+    (True, {"include_usage": True, "continuous_usage_stats": True}),
+    (True, {"include_usage": True, "continuous_usage_stats": None}),
+    (True, {"continuous_usage_stats": True}),
+    (True, "yes-please"),
+    (True, {"include_usage": [True]}),
+]
+
+
+@pytest.mark.parametrize(("stream", "options"), STREAM_OPTIONS)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stream_options_are_taken_and_refused_as_vllm_takes_and_refuses_them(kind, stream, options):
+    """vLLM 0.32's request models and `should_include_usage`: options are refused only when given (not {}) with a
+    stream that is not one; a null flag is false; running usage needs the final usage asked for too."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+    from vllm.exceptions import VLLMValidationError
+
+    body = {"model": "m", "stream": stream, "stream_options": options}
+    body.update({"prompt": "x"} if kind == "completion" else {"messages": MSGS})
+    try:
+        vllm_request = (CompletionRequest if kind == "completion" else ChatCompletionRequest)(**body)
+        expected = should_include_usage(vllm_request.stream_options, False)
+    except (ValueError, VLLMValidationError):  # pydantic's ValidationError is a ValueError
+        expected = None
+    parse = proto.parse_completion if kind == "completion" else proto.parse_chat
+    if expected is None:
+        assert err(parse, body).status == 400
+    else:
+        r = parse(body)
+        assert (r.include_usage, r.continuous_usage) == expected
 
 
 def test_every_field_of_vllms_own_requests_is_served_or_refused():
@@ -251,3 +285,75 @@ def test_a_bool_is_not_taken_for_a_harmless_number():
 
 def test_a_harmless_number_counts_whatever_its_kind():
     assert proto.parse_completion({"model": "m", "prompt": "x", "priority": 0.0}).prompt_text == "x"  # vLLM: int 0
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant"])
+def test_a_null_content_is_taken_where_vllm_takes_it_and_refused_where_it_refuses_it(role):
+    """vLLM's request model takes an assistant's null content (no text: a turn it renders empty) and refuses any
+    other role's; the ingress does the same, and puts it as no parts."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": role, "content": None}]}
+    try:
+        ChatCompletionRequest(**body)
+        vllm_takes = True
+    except ValueError:
+        vllm_takes = False
+    if vllm_takes:
+        assert proto.parse_chat(body).messages[1] == {"role": role, "content": []}
+    else:
+        assert err(proto.parse_chat, body).param == "messages[1].content"
+    assert vllm_takes == (role == "assistant")
+
+
+def test_an_assistant_turn_with_tool_calls_is_refused_not_rendered_without_them():
+    """vLLM renders an assistant's tool calls; this server serves no tools, and a null content is no longer
+    refused: the calls themselves are (an empty list is none, as vLLM drops it)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    e = err(proto.parse_chat, {"model": "m", "messages": msgs})
+    assert (e.param, e.code) == ("messages[1].tool_calls", "unsupported_parameter")
+    msgs[1]["tool_calls"] = []
+    assert proto.parse_chat({"model": "m", "messages": msgs}).messages[1] == {"role": "assistant", "content": []}
+
+
+@pytest.mark.parametrize(
+    ("given", "passed"),
+    [
+        (None, {}),
+        ({}, {}),
+        ({"enable_thinking": False}, {"enable_thinking": False}),
+        ({"enable_thinking": None, "mode": "auto", "x": 1}, {"x": 1}),  # vLLM leaves null and "auto" values out
+        # the server's own settings: vLLM's request fields override the first two, the prompt is the same for
+        # the other two
+        ({"add_generation_prompt": False, "continue_final_message": True}, {}),
+        ({"tokenize": True, "return_dict": True, "documents": [{"text": "d"}]}, {"documents": [{"text": "d"}]}),
+    ],
+)
+def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(given, passed):
+    body = {"model": "m", "messages": MSGS, "chat_template_kwargs": given}
+    assert proto.parse_chat(body).template_kwargs == passed
+
+
+@pytest.mark.parametrize(
+    ("given", "param"),
+    [
+        ([1], "chat_template_kwargs"),
+        ("x", "chat_template_kwargs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template_kwargs.chat_template"),
+        ({"chat_template": "auto"}, "chat_template_kwargs.chat_template"),  # vLLM refuses it before leaving "auto" out
+        ({"tools": [{"type": "function"}]}, "chat_template_kwargs.tools"),
+        ({"truncation": True}, "chat_template_kwargs.truncation"),
+        ({"return_assistant_tokens_mask": True}, "chat_template_kwargs.return_assistant_tokens_mask"),
+    ],
+)
+def test_chat_template_kwargs_that_are_no_template_variables_are_refused(given, param):
+    e = err(proto.parse_chat, {"model": "m", "messages": MSGS, "chat_template_kwargs": given})
+    assert (e.status, e.param) == (400, param)
+
+
+def test_a_completions_null_max_tokens_is_its_default_as_in_vllms_request_model():
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    for body in ({"model": "m", "prompt": "x"}, {"model": "m", "prompt": "x", "max_tokens": None}):
+        assert proto.parse_completion(body).params.get("max_tokens") == CompletionRequest(**body).max_tokens == 16

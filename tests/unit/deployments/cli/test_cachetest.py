@@ -37,8 +37,12 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
         ("{oops", "line 2: not JSON"),
         (json.dumps({"body": {"prompt": "x"}, "endpoint": "/v1/embed"}), "unknown endpoint"),
         (
-            json.dumps({"body": {"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}}),
+            json.dumps({"body": {"messages": [{"role": "user", "content": None}]}}),
             "line 2: messages[0].content must be a string or a list of text parts",
+        ),
+        (
+            json.dumps({"body": {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]}}),
+            "line 2: 'messages[0].tool_calls' is not supported by this server",
         ),
         (
             json.dumps({"body": {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}}),
