@@ -26,6 +26,7 @@ import stat
 import sys
 import threading
 
+from kvmesh.kvstore.private_dir import OWNER_TAG_FILE
 from kvmesh.kvstore.tiers import L2_ADAPTER_ENV, metrics_socket_path
 
 SERVER_MODULE = "lmcache.v1.multiprocess.server"
@@ -109,15 +110,16 @@ def adapter_from_environment(environ=os.environ) -> list[str]:
 def remove_channel_if_orphaned(host: str, owner: int) -> None:
     """The server's sockets and their folder, removed when its owner (`owner`, the pid of the parent it was
     started by) is gone: an owner killed outright removes nothing, and its parent-death signal is what ended
-    this server. A server its living owner stopped or restarts keeps them (a restart keeps the endpoint)."""
+    this server. A server its living owner stopped or restarts keeps them (a restart keeps the endpoint). The
+    folder's owner tag (`private_dir.OWNER_TAG_FILE`) goes with them; anything else in it keeps the folder."""
     if os.getppid() == owner:
         return
     folder = os.path.dirname(host.removeprefix("ipc://"))
     try:  # the owner's own exit may have removed them first
         for entry in os.scandir(folder):
-            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+            if entry.name == OWNER_TAG_FILE or stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                 os.unlink(entry.path)
-        os.rmdir(folder)  # only when nothing but the sockets was in it
+        os.rmdir(folder)  # only when nothing but the sockets and the tag was in it
     except OSError:
         pass
 

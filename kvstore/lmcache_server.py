@@ -62,6 +62,13 @@ _QUIET_ENV = {
 RESTART_DARK_S = 3 * HEARTBEAT_S + 2.0
 # How long the second probe of a shared tier that failed one gives it to answer (`shared_tier_up`).
 SLOW_PROBE_S = 3.0
+# When the watchdog takes a live server for hung (`unanswering`): none of its last UNANSWERED_SCRAPES metrics
+# scrapes, each given SCRAPE_TIMEOUT_S, answered, and none for UNANSWERED_RESTART_S. A server busy copying KV
+# for its engines still answers a scrape within seconds (its metrics are served by a thread of their own), so
+# these are wide: a restart empties the node's host tier.
+SCRAPE_TIMEOUT_S = 5.0
+UNANSWERED_SCRAPES = 3
+UNANSWERED_RESTART_S = 30.0
 
 
 # Where servers' private folders go: /tmp keeps their socket paths within ipc's ~107 bytes.
@@ -350,7 +357,12 @@ class LMCacheServer:
         # what `health` goes by while its own quick probe gets no answer in time (a stall the watchdog rides out)
         self.shared_verdict: bool | None = None
         self.dark_until = 0.0  # monotonic time before which `launch` must not start a new process
-        self.stops = 0  # counts `stop` calls: a launch waiting out the dark period gives up on a stop
+        self.stops = 0  # counts `stop` calls: a watchdog's relaunch begun before a stop gives up (`launch`)
+        # monotonic times of the last launch and of the last metrics scrape that answered, and how many of the
+        # watchdog's scrapes in a row did not: how it tells a hung server (`unanswering`)
+        self.launched_at = time.monotonic()
+        self.answered_at = float("-inf")
+        self.unanswered = 0
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -393,19 +405,25 @@ class LMCacheServer:
         self.launch()
         return self.wait_ready()
 
-    def launch(self) -> None:
+    def launch(self, stops: int | None = None) -> None:
         """Start the process without waiting (start several servers, then `wait_ready` each).
 
-        Raises TierConfigError, starting nothing, when the shared tier's password is the published placeholder."""
+        The owner's launch (no `stops`) makes the server wanted. The watchdog's relaunch passes the owner's stop
+        count (`stops`) it read when its step began, and starts nothing once the owner has stopped the server
+        since: a stop while the watchdog was ending the old process must stay a stop. Raises TierConfigError,
+        starting nothing, when the shared tier's password is the published placeholder."""
         refuse_placeholder_password(self.config.l2, self.server_env())
-        self.wanted = True
+        if stops is None:
+            self.wanted = True
+            stops = self.stops
         if self.alive():
             return
-        stops = self.stops
         while time.monotonic() < self.dark_until:  # a restart: every connector's heartbeat must see it
             time.sleep(min(0.25, max(0.0, self.dark_until - time.monotonic())))
             if self.stops != stops:  # stopped meanwhile (node shutting down): start nothing
                 return
+        if self.stops != stops or not self.wanted:
+            return
         self.prepare_folders()
         self.choose_shared_tier()
         env = {**os.environ, **_QUIET_ENV, **l2_credentials_env(self.launch_config().l2), **(self.env or {})}
@@ -423,6 +441,11 @@ class LMCacheServer:
         finally:
             if log is not None:
                 log.close()
+        self.launched_at = time.monotonic()
+        self.unanswered = 0
+        if self.stops != stops:  # stopped while this started: the stop may have found no process to end
+            self._halt()
+            shutil.rmtree(self.channel_dir, ignore_errors=True)
 
     def choose_shared_tier(self) -> None:
         """Before a launch with a `resp` shared tier (not valkey, whose adapter reconnects): probe it with
@@ -453,13 +476,16 @@ class LMCacheServer:
             raise LMCacheServerError(f"LMCache server not started: {exc}") from None
 
     def wait_ready(self) -> tuple[str, int]:
-        if self.proc is None:
+        proc = self.proc
+        if proc is None:
             raise LMCacheServerError("LMCache server was not launched")
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc is not proc:  # its owner stopped it meanwhile (from another thread)
+                raise LMCacheServerError("LMCache server was stopped during start-up")
+            if proc.poll() is not None:
                 raise LMCacheServerError(
-                    f"LMCache server exited with code {self.proc.returncode} during start-up ({self.output_where()})"
+                    f"LMCache server exited with code {proc.returncode} during start-up ({self.output_where()})"
                 )
             if port_open(*self.endpoint) and self._scrape(timeout=2.0) is not None:
                 return self.endpoint
@@ -492,6 +518,7 @@ class LMCacheServer:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) server handles its SIGTERM only so
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -511,37 +538,51 @@ class LMCacheServer:
         return self.start()
 
     def supervise(self, wait: bool = True) -> str:
-        """One watchdog step: restart a dead server, one whose shared tier is unusable, or one whose tier is back.
+        """One watchdog step: restart a dead or hung server, one whose RESP shared tier is unusable, or one whose
+        RESP shared tier is back.
 
-        LMCache 0.5.6's Redis (`resp`) client never reconnects: after Redis restarts, every L2 store and lookup
-        keeps failing (requests still succeed, by recomputing). Restarting the server on the same ports is the
-        recovery; engines' connectors reconnect to it and re-register their KV caches (the port is kept dark for
-        RESTART_DARK_S so that their heartbeats see the restart); the node's L1 contents are lost. A restart of
-        Redis between two looks is seen from its INFO run_id (`redis_run_id`): it counts as down and back.
-        A RESP shared tier that does not answer as LMCache needs is worse than a lost one: LMCache's client has
-        no timeout for one that hangs (takes connections, never answers), and a client (re)started while the
-        tier refuses connections or rejects AUTH never completes an operation; either way every request whose
-        prompt fills a chunk never returns. The server is then restarted without its shared tier, which lets
-        the engines' requests that waited on it fail over to recomputing (their connectors' timeout), and with
-        it again once a probe, AUTH included, succeeds. Returns what it did: "ok", "shared-down",
-        "restarted-dead", "restarted-without-shared", "restarted-shared-back". With wait=False a restart only
-        launches the process after the dark period (call `wait_ready` later).
+        A hung server (deadlocked, SIGSTOPped) keeps its process and its sockets, which take connections into
+        their backlog without an answer: it is restarted once its metrics have not answered for a while
+        (`unanswering`). LMCache 0.5.6's Redis (`resp`) client never reconnects: after Redis restarts, every L2
+        store and lookup keeps failing (requests still succeed, by recomputing). Restarting the server on the
+        same ports is the recovery; engines' connectors reconnect to it and re-register their KV caches (the
+        port is kept dark for RESTART_DARK_S so that their heartbeats see the restart); the node's L1 contents
+        are lost. A restart of Redis between two looks is seen from its INFO run_id (`redis_run_id`): it counts
+        as down and back. A RESP shared tier that does not answer as LMCache needs is worse than a lost one:
+        LMCache's client has no timeout for one that hangs (takes connections, never answers), and a client
+        (re)started while the tier refuses connections or rejects AUTH never completes an operation; either way
+        every request whose prompt fills a chunk never returns. The server is then restarted without its shared
+        tier, which lets the engines' requests that waited on it fail over to recomputing (their connectors'
+        timeout), and with it again once a probe, AUTH included, succeeds. Other shared tiers (valkey, whose
+        adapter reconnects; fs, which opens a file per operation) restart nothing: their outage is counted
+        (`shared_losses`: it may be back empty) and forgotten once they answer. A stop by the owner during a
+        step is honoured: the step relaunches nothing. Returns what it did: "ok", "shared-down",
+        "restarted-dead", "restarted-unanswering", "restarted-without-shared", "restarted-shared-back",
+        "stopped". With wait=False a restart only launches the process after the dark period (call
+        `wait_ready` later).
         """
+        stops = self.stops  # a stop from here on is one this step's relaunch must not undo
         if self.wanted and not self.alive():  # died, or a restart that failed to launch or to serve
-            self.start_again(wait)
-            return "restarted-dead"
+            return self._relaunch("restarted-dead", wait, stops)
+        if self.wanted and self.unanswering():
+            self._halt()
+            return self._relaunch("restarted-unanswering", wait, stops)
         up = self.shared_tier_up()
+        resp = _resp_address(self.config.l2) is not None
         if up is False:
             if not self.shared_seen_down:
                 self.shared_losses += 1
             self.shared_seen_down = True
-            if self.wanted and not self.without_shared and _resp_address(self.config.l2) is not None:
+            if self.wanted and not self.without_shared and resp:
                 self.without_shared = True
                 self._halt()
-                self.start_again(wait)
+                step = self._relaunch("restarted-without-shared", wait, stops)
                 self.shared_seen_down = True  # restarted with it again once it answers
-                return "restarted-without-shared"
+                return step
             return "shared-down"
+        if up and not resp:  # its adapter carries on by itself: the loss stays counted, the server runs on
+            self.shared_seen_down = False
+            return "ok"
         if up and not self.without_shared and self.shared_tier_restarted():
             if not self.shared_seen_down:
                 self.shared_losses += 1  # down and back between two looks: it may be back empty
@@ -549,9 +590,27 @@ class LMCacheServer:
         if up and self.wanted and (self.shared_seen_down or self.without_shared):
             self.without_shared = False
             self._halt()
-            self.start_again(wait)
-            return "restarted-shared-back"
+            return self._relaunch("restarted-shared-back", wait, stops)
         return "ok"
+
+    def _relaunch(self, step: str, wait: bool, stops: int) -> str:
+        """`start_again` for the watchdog's `step`; "stopped" when the owner stopped the server since `stops`."""
+        self.start_again(wait, stops)
+        return step if self.stops == stops else "stopped"
+
+    def unanswering(self) -> bool:
+        """One look of the watchdog at a live server's metrics: is it hung? True once none of its last
+        UNANSWERED_SCRAPES scrapes answered and it has been silent UNANSWERED_RESTART_S, counted from its last
+        answer to any scrape, or from the end of its start timeout when none answered since its launch."""
+        if self._scrape(timeout=SCRAPE_TIMEOUT_S) is not None:
+            self.unanswered = 0
+            return False
+        self.unanswered += 1
+        if self.answered_at >= self.launched_at:
+            silent_from = self.answered_at
+        else:
+            silent_from = self.launched_at + self.config.start_timeout_s
+        return self.unanswered >= UNANSWERED_SCRAPES and time.monotonic() - silent_from >= UNANSWERED_RESTART_S
 
     def shared_tier_restarted(self) -> bool:
         """Has the RESP shared tier's process changed (INFO run_id) since this server connected to it? A run_id
@@ -578,18 +637,23 @@ class LMCacheServer:
         self.shared_verdict = shared_tier_reachable(l2, timeout=SLOW_PROBE_S) if up is False else up
         return self.shared_verdict
 
-    def start_again(self, wait: bool = True) -> None:
+    def start_again(self, wait: bool = True, stops: int | None = None) -> None:
+        """The watchdog's relaunch; with `stops` (the owner's stop count when its step began) none after a stop."""
         # a server found dead may have died just now: keep the port dark from here, too
         self.dark_until = max(self.dark_until, time.monotonic() + RESTART_DARK_S)
         self.proc = None
         self.restarts += 1
         self.shared_seen_down = False
-        self.launch()
-        if wait:
+        stops = self.stops if stops is None else stops
+        self.launch(stops)
+        if wait and self.stops == stops:
             self.wait_ready()
 
-    def _scrape(self, timeout: float = 5.0) -> str | None:
-        return unix_http_get(self.metrics_socket, "/metrics", timeout)
+    def _scrape(self, timeout: float = SCRAPE_TIMEOUT_S) -> str | None:
+        text = unix_http_get(self.metrics_socket, "/metrics", timeout)
+        if text is not None:
+            self.answered_at = time.monotonic()
+        return text
 
     def metrics(self) -> dict:
         """Parsed Prometheus samples ({} when the server does not answer)."""
@@ -604,10 +668,12 @@ class LMCacheServer:
     def health(self) -> dict:
         """What /health and /metrics report: is the host tier serving, is the shared tier reachable. Not
         healthy while the process runs with a shared tier it cannot use (down, AUTH refused, or a Redis that
-        restarted since it connected: LMCache's client never reconnects) until the watchdog restarts it."""
+        restarted since it connected: LMCache's client never reconnects) until the watchdog restarts it. Serving
+        only when its metrics answered: a hung server's sockets still take connections, into their backlog."""
         alive = self.alive()
-        serving = alive and port_open(*self.endpoint)
-        samples = self.metrics() if alive else {}
+        text = self._scrape() if alive else None
+        samples = parse_prometheus(text) if text else {}
+        serving = alive and text is not None and port_open(*self.endpoint)
         # One quick probe. A tier that does not answer in time (stalled, as Redis is in a long fork or fsync) is
         # judged as the watchdog last judged it (`shared_verdict`), which gives it SLOW_PROBE_S more before it
         # counts as down: health must not call unhealthy what the watchdog rides out; its run_id is then not

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
-from kvmesh.kvstore.lmcache_server import LMCacheServer
+from kvmesh.kvstore.lmcache_server import LMCacheServer, LMCacheServerError
 from kvmesh.kvstore.tiers import TierConfig, TierConfigError, kv_transfer_config, redacted
 
 if TYPE_CHECKING:
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 NAMESPACE = "kvmesh"
 ACTOR_PREFIX = "kvmesh-lmcache-"
 _ACTOR_CLS = None
+# What an engine waits for its node's server beyond the server's own start timeout (`start_timeout_s`): the
+# actor's worker process has to start and import kvmesh first, on a node busy starting engines.
+ACTOR_START_MARGIN_S = 120.0
 
 
 class NodeServerCore:
@@ -113,7 +116,8 @@ class NodeServerCore:
             return self.server.restart()
 
     def stop(self) -> None:
-        self._stop.set()  # not under the lock: a relaunch in progress gives up on it (`LMCacheServer.stops`)
+        # not under the lock: a watchdog step in progress relaunches nothing after it (`LMCacheServer.launch`)
+        self._stop.set()
         self.server.stop()
 
 
@@ -142,18 +146,23 @@ class NodeServerInfo:
 
 
 def connect_node_server(
-    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float = 300.0
+    tier_config: dict | TierConfig, node_id: str | None = None, timeout_s: float | None = None
 ) -> NodeServerInfo:
     """Get or create this node's LMCache server actor; return its endpoint and the settings it runs with.
 
     A server already running keeps its own settings. Raises TierConfigError when its chunk size or shared
     tier differ from the ones asked for (engines would silently miss each other's blocks). A different L1
     size is accepted: the returned config holds the server's, which is what the node's host tier holds.
+    Waits `timeout_s` for the actor (default: the config's `start_timeout_s` plus ACTOR_START_MARGIN_S, as a
+    new actor starts its server before it answers); LMCacheServerError when it has not answered by then.
     """
     import ray
+    from ray.exceptions import GetTimeoutError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     cfg = tier_config if isinstance(tier_config, TierConfig) else TierConfig.from_dict(tier_config)
+    if timeout_s is None:
+        timeout_s = cfg.start_timeout_s + ACTOR_START_MARGIN_S
     as_dict = _to_dict(cfg)
     node_id = node_id or ray.get_runtime_context().get_node_id()
     actor = (
@@ -171,13 +180,28 @@ def connect_node_server(
         settings_call = actor.settings.remote()
     except AttributeError:  # a server of the previous version (detached: it may outlive an upgrade) has no settings()
         settings_call = actor.shape.remote()  # its chunk size and shared tier; its L1 size is not told
-    settings, endpoint = ray.get([settings_call, actor.endpoint.remote()], timeout=timeout_s)
+    try:
+        settings, endpoint = ray.get([settings_call, actor.endpoint.remote()], timeout=timeout_s)
+    except GetTimeoutError:
+        raise LMCacheServerError(
+            f"node {node_id[:12]}'s LMCache server (Ray actor {actor_name(node_id)}) did not answer within "
+            f"{timeout_s:.0f} s (lmcache start_timeout_s {cfg.start_timeout_s:g} s + {ACTOR_START_MARGIN_S:.0f} s "
+            "for the actor's start): raise engine.lmcache.start_timeout_s if LMCache needs longer to start there; "
+            "its output is in $KVMESH_LOG_DIR, else in that actor's Ray worker log"
+        ) from None
     # an older server's shape lacks the L1 size: the engine's own stands in for it (the routers model that)
     running = TierConfig.from_dict({**as_dict, **settings})
     if (running.chunk_size, running.l2) != (cfg.chunk_size, cfg.l2):
+        if (running.chunk_size, redacted(running.l2)) == (cfg.chunk_size, redacted(cfg.l2)):
+            differs = f"with chunk_size={running.chunk_size} l2={redacted(running.l2)}, but its shared tier's "
+            differs += "credentials differ from this engine's"
+        else:
+            differs = (
+                f"with chunk_size={running.chunk_size} l2={redacted(running.l2)}; this engine asked for "
+                f"chunk_size={cfg.chunk_size} l2={redacted(cfg.l2)}"
+            )
         raise TierConfigError(
-            f"node {node_id[:12]} already runs an LMCache server with chunk_size={running.chunk_size} "
-            f"l2={redacted(running.l2)}; this engine asked for chunk_size={cfg.chunk_size} l2={redacted(cfg.l2)}. "
+            f"node {node_id[:12]} already runs an LMCache server {differs}. "
             "A node's server keeps the settings it was started with until it is restarted: on KubeRay apply the "
             "manifest `kvmesh k8s render` wrote from the new config, which rolls out a new RayCluster "
             "(docs/kubernetes.md); locally stop the app (it stops the node servers) and start it again"
@@ -387,7 +411,11 @@ class _TierWatch:
         self.instances[node] = h.get("instance")
         if replaced:  # a new actor between two looks (the old one died, Ray made another): its server starts empty
             tracker.node_restarted(node)
-        if not h.get("serving", True):
+        if not h.get("serving", True) and h.get("alive") and intact:
+            # the same server process, not answering (hung, or too busy to): its contents are likely intact, and
+            # read again if it answers before the watchdog restarts it
+            tracker.node_unanswering(node)
+        elif not h.get("serving", True):
             tracker.drop_node(node, down=True)  # the server process is dead; the watchdog restarts it empty
         else:
             tracker.node_serving(node, intact=intact)

@@ -15,7 +15,8 @@ delivered split is hbm = engine cached tokens − tokens loaded through the conn
 
 Traffic between engines and tiers is counted in LMCache chunks (`kvmesh_tier_chunks_total{direction}`,
 LMCache's own counters, which only grow). Bytes (`kvmesh_tier_bytes_total`) appear for a node only when its
-figures carry them, i.e. when a fixed bytes-per-chunk from configuration was given (`tier_summary`).
+figures carry them, i.e. when `tier_summary` was handed a bytes-per-chunk; the node servers hand none (the
+engines sharing a node's server may run models of different KV sizes), so kvmesh's own /metrics has no bytes.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def tier_metrics_text(status: dict | None = None) -> str:
     family(
         "kvmesh_tier_bytes_total",
         "counter",
-        "KV bytes moved between engines and tiers: chunks x a fixed bytes-per-chunk (absent where none is set).",
+        "KV bytes moved between engines and tiers: chunks x a bytes-per-chunk (absent where none is given).",
         [
             f'kvmesh_tier_bytes_total{{node="{_esc(node)}",direction="{direction}"}} {float(t["bytes_" + direction])}'
             for node, t in known

@@ -32,6 +32,7 @@ The server listens on no TCP port: engines reach it through an ipc socket in a 0
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -105,12 +106,30 @@ class TierConfig:
         return cfg
 
     def validate(self) -> None:
-        if not isinstance(self.l1_size_gb, (int, float)) or self.l1_size_gb <= 0:
-            raise TierConfigError(f"l1_size_gb must be a positive number, got {self.l1_size_gb!r}")
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+        """TierConfigError naming the first setting of the wrong type or out of range. Why here: the engine
+        config's check (deployments/config.py) is this one, and a value that passed it would otherwise reach
+        LMCache's command line wrongly (a string of extra_args split into characters) or fail on every node."""
+        if not _finite(self.l1_size_gb) or self.l1_size_gb <= 0:
+            raise TierConfigError(f"l1_size_gb must be a positive number (GB), got {self.l1_size_gb!r}")
+        if not _whole(self.chunk_size) or self.chunk_size <= 0:
             raise TierConfigError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
         if self.eviction_policy not in _EVICTION_POLICIES:
             raise TierConfigError(f"eviction_policy must be one of {_EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if not _whole(self.max_workers) or self.max_workers < 1:
+            raise TierConfigError(f"max_workers must be a positive integer, got {self.max_workers!r}")
+        if not isinstance(self.extra_args, (list, tuple)) or not all(isinstance(a, str) for a in self.extra_args):
+            # the value itself is not echoed: a server argument may carry a credential
+            raise TierConfigError(
+                "extra_args must be a list of strings, one per argument (e.g. ['--eviction-ratio', '0.2']), "
+                f"got {type(self.extra_args).__name__}"
+                + ("" if not isinstance(self.extra_args, (list, tuple)) else " with items that are not strings")
+            )
+        if not _finite(self.start_timeout_s) or self.start_timeout_s <= 0:
+            raise TierConfigError(f"start_timeout_s must be a positive number of seconds, got {self.start_timeout_s!r}")
+        if not _finite(self.watch_interval_s) or self.watch_interval_s < 0:
+            raise TierConfigError(
+                f"watch_interval_s must be a number of seconds, 0 for no watchdog, got {self.watch_interval_s!r}"
+            )
 
     def check_block_size(self, block_size: int) -> None:
         """LMCache stores whole chunks of whole engine blocks; a mismatch means no hits at all."""
@@ -123,6 +142,16 @@ class TierConfig:
     def shared_tier(self) -> str | None:
         """The L2 adapter type ('resp', 'fs', ...) or None when there is no shared tier."""
         return self.l2["type"] if self.l2 else None
+
+
+def _finite(value) -> bool:
+    """A finite int or float (a bool is not a number here: `true` in YAML is no size)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # the names of L2 settings that may name or hold a secret (adapters spell credentials their own way)

@@ -108,13 +108,17 @@ def test_folders_of_owners_that_died_are_removed_and_live_ones_kept(tmp_path):
     assert not dead.exists() and alive.exists() and other.exists()
 
 
-def test_a_server_whose_owner_died_removes_its_sockets_and_folder_and_one_with_an_owner_keeps_them(tmp_path):
+def test_a_server_whose_owner_died_removes_its_sockets_and_folder_and_one_with_an_owner_keeps_them():
+    """The folder is the one a server gets (`new_channel_dir`, with its owner tag): built here without the tag,
+    the test passed while every real folder was left behind, its rmdir failing on the tag."""
+    import shutil
     import socket
+    from pathlib import Path
 
     from kvmesh.kvstore.lmcache_main import remove_channel_if_orphaned
+    from kvmesh.kvstore.lmcache_server import new_channel_dir
 
-    folder = tmp_path / "channel"
-    folder.mkdir(mode=0o700)
+    folder = Path(new_channel_dir())
     listeners = []
     for name in ("requests:1", "metrics"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -123,13 +127,14 @@ def test_a_server_whose_owner_died_removes_its_sockets_and_folder_and_one_with_a
     try:
         host = f"ipc://{folder}/requests"
         remove_channel_if_orphaned(host, owner=os.getppid())  # its owner is alive: a restart reuses them
-        assert sorted(p.name for p in folder.iterdir()) == ["metrics", "requests:1"]
+        assert sorted(p.name for p in folder.iterdir()) == [".kvmesh-owner", "metrics", "requests:1"]
         remove_channel_if_orphaned(host, owner=-1)  # reparented: the owner is gone
         assert not folder.exists()
         remove_channel_if_orphaned(host, owner=-1)  # the owner's own exit removed them first: nothing to do
     finally:
         for s in listeners:
             s.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_settings_of_the_old_tcp_ports_are_refused_not_ignored():

@@ -516,3 +516,61 @@ def test_an_engine_connects_to_a_server_of_the_previous_version_by_its_shape(mon
     assert found.config.chunk_size == 256 and found.config.l1_size_gb == 64
     with pytest.raises(TierConfigError):
         node_server.connect_node_server({**FIRST, "chunk_size": 512})
+
+
+def test_a_credentials_only_difference_is_refused_saying_so_without_showing_them(monkeypatch):
+    """A rotated password was refused with the same redacted l2 printed twice, as if nothing differed."""
+    _fake_ray(monkeypatch)
+    node_server.connect_node_server({**FIRST, "l2": "redis://:old-pw-0123@kvmesh-valkey:6379"})
+    with pytest.raises(TierConfigError) as err:
+        node_server.connect_node_server({**FIRST, "l2": "redis://:new-pw-4567@kvmesh-valkey:6379"})
+    message = str(err.value)
+    assert "credentials differ" in message and message.count("l2=") == 1
+    assert "old-pw-0123" not in message and "new-pw-4567" not in message and "\n" not in message
+    assert "until it is restarted" in message
+
+
+def test_an_engine_waits_for_its_nodes_server_as_long_as_its_start_timeout_allows(monkeypatch):
+    """A fixed 300 s wait cut off a server given a longer start_timeout_s, with a GetTimeoutError that did not
+    say what had not answered or which setting to raise."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from kvmesh.kvstore.lmcache_server import LMCacheServerError
+
+    _fake_ray(monkeypatch)
+    waited: list[float | None] = []
+
+    def get(refs, timeout=None):
+        waited.append(timeout)
+        raise GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(LMCacheServerError) as err:
+        node_server.engine_lmcache({**FIRST, "start_timeout_s": 600}, block_size=16)
+    assert waited == [600 + node_server.ACTOR_START_MARGIN_S]
+    message = str(err.value)
+    assert "LMCache server" in message and "start_timeout_s" in message and "\n" not in message
+    with pytest.raises(LMCacheServerError):
+        node_server.connect_node_server(FIRST, timeout_s=5)
+    assert waited[-1] == 5
+
+
+def test_a_live_server_that_does_not_answer_its_scrape_is_kept_aside_not_dropped(monkeypatch):
+    """`serving` is false for a live server whose metrics did not answer (hung, or too busy to): its contents
+    are likely intact, so its model is kept aside and read again once the same server answers; a server whose
+    process is dead is still dropped."""
+    index, tracker, declare = _one_node()
+    server = _Server({**_healthy(), "alive": True})
+
+    async def scenario():
+        assert await _until(lambda: server.asked >= 2)
+        server.reply = {**server.reply, "serving": False}
+        assert await _until(lambda: tracker.stats["tier_nodes_unanswering_now"] == 1) is not None
+        assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 0, 0)
+        server.reply = {**server.reply, "serving": True}
+        assert await _until(lambda: "n" in tracker.nodes(), between=declare) is not None
+
+    _watching(monkeypatch, tracker, {"n": server}, scenario)
+    assert tracker.loadable(index.match([1, 2, 3]))["r2"] == (0, 3, 3)
+    assert tracker.counters["nodes_restored"] == 1 and tracker.counters["nodes_dropped"] == 0

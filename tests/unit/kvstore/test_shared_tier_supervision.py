@@ -207,6 +207,40 @@ def test_a_valkey_tier_is_up_while_any_startup_node_answers_and_a_seed_restart_r
         seed2.stop()
 
 
+@pytest.mark.parametrize("kind", ["valkey", "fs"])
+def test_a_valkey_or_fs_tier_back_after_an_outage_restarts_nothing_and_its_loss_still_counts(kind, stand_in, tmp_path):
+    """Back after an outage, a valkey or fs tier restarted the LMCache server ("restarted-shared-back"), emptying
+    the node's host tier and keeping its engines' connectors dark, though only resp's client never reconnects
+    (valkey's adapter reconnects; fs opens a file per operation). The loss still counts, so routers forget
+    what they marked in the tier, and the tier is no longer reported as having been down once it is back."""
+    if kind == "valkey":
+        if shutil.which("redis-server") is None:
+            pytest.skip("needs redis-server")
+        tier = RedisServer(tmp_path / "valkey", port=free_port(), require_password=False).start()
+        l2: str | dict = f"valkey://127.0.0.1:{tier.port}"
+        down, up, end = tier.stop, tier.start, tier.stop
+    else:
+        folder, away = tmp_path / "l2", tmp_path / "l2-away"
+        l2 = {"type": "fs", "base_path": str(folder)}
+        down, up, end = (lambda: folder.rename(away)), (lambda: away.rename(folder)), (lambda: None)
+    srv = _server(l2, tmp_path)
+    try:
+        srv.start()
+        assert srv.supervise() == "ok" and srv.health()["healthy"]
+        for loss in (1, 2):
+            down()
+            assert srv.supervise() == "shared-down" and srv.shared_losses == loss
+            assert srv.health()["shared_tier_was_down"] and not srv.health()["healthy"]
+            up()
+            assert srv.supervise() == "ok" and srv.shared_losses == loss
+            health = srv.health()
+            assert health["healthy"] and health["shared_tier_up"] and not health["shared_tier_was_down"]
+            assert srv.restarts == 0 and len(stand_in) == 1 and srv.alive()
+    finally:
+        srv.stop()
+        end()
+
+
 @needs_redis
 def test_redis_run_id_changes_with_the_process_and_needs_the_password(tmp_path):
     from kvmesh.kvstore.lmcache_server import redis_run_id

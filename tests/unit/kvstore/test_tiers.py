@@ -58,6 +58,42 @@ def test_bad_config_names_the_key(bad, words):
         TierConfig.from_dict(bad)
 
 
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"extra_args": "--l1-init-size-gb 2"}, "extra_args"),  # was split into one argument per character
+        ({"extra_args": ["--eviction-ratio", 0.2]}, "extra_args"),
+        ({"max_workers": 0}, "max_workers"),
+        ({"max_workers": "4"}, "max_workers"),
+        ({"max_workers": True}, "max_workers"),
+        ({"l1_size_gb": float("nan")}, "l1_size_gb"),
+        ({"l1_size_gb": float("inf")}, "l1_size_gb"),
+        ({"l1_size_gb": True}, "l1_size_gb"),
+        ({"chunk_size": True}, "chunk_size"),
+        ({"start_timeout_s": "600"}, "start_timeout_s"),  # a TypeError at every node's start-up
+        ({"start_timeout_s": 0}, "start_timeout_s"),
+        ({"start_timeout_s": float("inf")}, "start_timeout_s"),
+        ({"watch_interval_s": "2"}, "watch_interval_s"),  # a TypeError in the node actor
+        ({"watch_interval_s": -1}, "watch_interval_s"),  # the watchdog silently off
+        ({"watch_interval_s": float("nan")}, "watch_interval_s"),
+    ],
+)
+def test_lmcache_values_of_the_wrong_type_or_out_of_range_are_refused_naming_the_key(bad, key):
+    """TierConfig checked three of its settings: the others passed the engine config's check (this one) and
+    reached LMCache's command line wrongly or failed later, on every node, as a bare TypeError."""
+    with pytest.raises(TierConfigError, match=key) as err:
+        TierConfig.from_dict(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_lmcache_values_in_range_are_taken():
+    cfg = TierConfig.from_dict(
+        {"l1_size_gb": 2, "max_workers": 4, "start_timeout_s": 600, "watch_interval_s": 0, "extra_args": ["--x", "1"]}
+    )
+    assert (cfg.max_workers, cfg.start_timeout_s, cfg.watch_interval_s) == (4, 600, 0)
+    assert server_args(cfg, "ipc:///run/s/requests")[-2:] == ["--x", "1"]
+
+
 def test_chunk_must_be_multiple_of_block():
     cfg = TierConfig.from_dict({"chunk_size": 96})
     cfg.check_block_size(32)
@@ -470,7 +506,7 @@ def test_the_watchdog_keeps_restarting_a_server_whose_relaunch_failed_until_its_
     srv = LMCacheServer(TierConfig.from_dict({}), tmp_path / "log")
     launches: list[int] = []
 
-    def launch() -> None:
+    def launch(stops: int | None = None) -> None:
         launches.append(1)
         srv.wanted = True
         if len(launches) == 2:  # the first relaunch fails
@@ -526,7 +562,7 @@ def test_a_shared_tier_that_takes_connections_and_never_answers_is_run_without_u
     srv = LMCacheServer(TierConfig.from_dict({"l2": f"redis://127.0.0.1:{port}"}), tmp_path / "log")
     commands: list[list[str]] = []
 
-    def launch() -> None:
+    def launch(stops: int | None = None) -> None:
         commands.append(srv.command())
         srv.wanted = True
         srv.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
