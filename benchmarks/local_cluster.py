@@ -65,6 +65,9 @@ with keep_loopback():
 # The pid of the process that started a node, as the node's `ray start` sees it (end_with_starter)
 STARTER_PID_ENV = "KVMESH_NODE_STARTER_PID"
 STARTER_POLL_S = 0.5
+# How long stop() gives the nodes to end on SIGTERM before it kills what is left: the head's GCS takes about
+# 30 s to exit on SIGTERM (workers end within a second), and nothing of a stopped test or bench cluster is kept.
+STOP_GRACE_S = 5.0
 
 
 def end_with_starter(poll_s: float = STARTER_POLL_S) -> threading.Thread | None:
@@ -322,10 +325,11 @@ class LocalRayCluster:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + STOP_GRACE_S
         for p in reversed(self.procs):
             if p is not None:
                 try:
-                    p.wait(timeout=20)
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
         self._remember_pids()
@@ -336,6 +340,12 @@ class LocalRayCluster:
                     proc.kill()
             except psutil.NoSuchProcess:
                 continue
+        for p in self.procs:  # reaped: a killed `ray start` is this process's child
+            if p is not None:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
         self.procs = []
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 

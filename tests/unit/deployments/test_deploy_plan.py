@@ -135,6 +135,16 @@ def test_engine_replicas_get_the_configured_drain_time_before_serve_kills_them()
     assert engine_options(given, {})["graceful_shutdown_timeout_s"] == 300
 
 
+def test_a_stopping_replica_looks_for_its_last_requests_more_often_than_serves_default():
+    """Serve sleeps graceful_shutdown_wait_loop_s (2 s by default) before a stopping replica's first look at its
+    requests in flight: every stop, scale-down and replacement of an idle replica waited that long."""
+    from kvmesh.deployments.deploy_plan import ingress_options
+
+    for cfg in (app_config(GPU), app_config({})):
+        assert engine_options(cfg, {})["graceful_shutdown_wait_loop_s"] < 2
+        assert ingress_options(cfg, {})["graceful_shutdown_wait_loop_s"] < 2
+
+
 def test_credentials_are_found_in_the_lmcache_servers_arguments_and_nowhere_else():
     from kvmesh.deployments.deploy_plan import argv_credentials, embedded_credentials
 
