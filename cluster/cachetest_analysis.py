@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from kvmesh.cluster.block_cache import leading_held
 from kvmesh.cluster.miss_reasons import attribute, drift_kind, text_units
 from kvmesh.cluster.prefix_share import TokenizedRequest, _lcp, hash_requests
-from kvmesh.cluster.request_log import ChatRenderer, LoggedRequest, content_text, prompt_text
+from kvmesh.cluster.request_log import (
+    ChatRenderer,
+    LoggedRequest,
+    RequestLogError,
+    message_texts,
+    prompt_text,
+    rendered_chat,
+)
 
 
 @dataclass
@@ -71,25 +78,47 @@ def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: st
     Texts are encoded in one batch by the fast tokenizer's backend (with character offsets, which map
     messages to token positions for drift); a slow tokenizer encodes them one by one."""
     render = ChatRenderer(tokenizer)
-    texts = [prompt_text(r, tokenizer, render) for r in reqs]
-    encoded = _encode(tokenizer, [(t, not r.is_chat) for r, t in zip(reqs, texts) if t is not None])
+    # a chat's units are the messages as its template got them (`template_messages`: its parts, the developer
+    # role merged into the leading system message), found in the text in that order
+    rendered = [rendered_chat(r, tokenizer, render) if r.is_chat else (None, prompt_text(r, tokenizer)) for r in reqs]
+    texts = [(r, t) for r, (_, t) in zip(reqs, rendered) if t is not None]
+    try:
+        encoded = _encode(tokenizer, [(t, not r.is_chat) for r, t in texts])
+    except Exception:
+        _refused_text(tokenizer, texts)
+        raise
     out = []
     k = 0
-    for i, (r, text) in enumerate(zip(reqs, texts)):
+    for i, (r, (conversation, text)) in enumerate(zip(reqs, rendered)):
         if text is None:
             ids = list(r.body["prompt"])
             units: list = []
         else:
             ids, offsets = encoded[k]
             k += 1
-            if r.is_chat:
-                contents = [(m["role"], content_text(m["content"])) for m in r.body["messages"]]
+            if conversation is not None:
+                contents: list = [(m["role"], message_texts(m["content"])) for m in conversation]
             else:
                 contents = [("prompt", line) for line in text.split("\n") if line.strip()]
             units = text_units(text, contents, offsets)
         out.append(Prepared(r, TokenizedRequest(i, r.id, r.tenant, r.model, ids), units))
     hash_requests([p.tok for p in out], block_size, algo)
     return out
+
+
+def _refused_text(tokenizer, texts: list[tuple[LoggedRequest, str]]) -> None:
+    """`RequestLogError` naming the first request whose text the tokenizer refuses (a lone UTF-16 surrogate,
+    which JSON allows and the ingress answers with a 400)."""
+    for r, t in texts:
+        try:
+            _encode(tokenizer, [(t, not r.is_chat)])
+        except Exception as exc:
+            try:
+                t.encode("utf-8")
+                reason = " ".join(str(exc).split()) or type(exc).__name__
+            except UnicodeEncodeError:
+                reason = "it holds a lone UTF-16 surrogate"
+            raise RequestLogError(f"{r.named}: the prompt cannot be tokenized: {reason}") from None
 
 
 def _encode(tokenizer, texts: list[tuple[str, bool]]) -> list[tuple[list[int], list]]:

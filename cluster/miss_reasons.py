@@ -101,22 +101,43 @@ def unit_key(role: str, text: str) -> tuple:
     return (role, tuple(sorted(w.lower() for w in _WORD.findall(text))))
 
 
-def text_units(rendered: str, contents: Sequence[tuple[str, str]], offsets: Sequence[tuple[int, int]]) -> list:
-    """[(key, token_end)] for each message (role, content) found in order in `rendered`; token_end is the
-    index just past the last token that overlaps the content (`offsets`: per token (start, end) chars)."""
+def text_units(
+    rendered: str, contents: Sequence[tuple[str, str | Sequence[str]]], offsets: Sequence[tuple[int, int]]
+) -> list:
+    """[(key, token_end)] for each message found in order in `rendered`, until one is not; token_end is the
+    index just past the last token that overlaps the message (`offsets`: per token (start, end) chars). A
+    message is (role, its text), or (role, its texts in the order its template renders them: a list of text
+    parts, each found in turn; its key is their words). A text is looked for as it is, then without its
+    surrounding whitespace (a template that trims it)."""
     units = []
     pos = 0
     tok = 0
     for role, content in contents:
-        at = rendered.find(content, pos) if content else -1
-        if at < 0:
+        texts = [content] if isinstance(content, str) else [t for t in content if t]
+        end_char = _find_in_order(rendered, texts, pos)
+        if end_char < 0:
             break
-        end_char = at + len(content)
         while tok < len(offsets) and offsets[tok][0] < end_char:
             tok += 1
-        units.append((unit_key(role, content), tok))
+        units.append((unit_key(role, "\n".join(texts)), tok))
         pos = end_char
     return units
+
+
+def _find_in_order(rendered: str, texts: Sequence[str], pos: int) -> int:
+    """The end of the last of `texts` found one after another in `rendered` from `pos`; -1 when one is not (or
+    there is no text)."""
+    if not texts or not any(texts):
+        return -1
+    for text in texts:
+        at = rendered.find(text, pos)
+        if at < 0 and text.strip() and text.strip() != text:
+            text = text.strip()
+            at = rendered.find(text, pos)
+        if at < 0:
+            return -1
+        pos = at + len(text)
+    return pos
 
 
 def drift_kind(a: str, b: str) -> str:

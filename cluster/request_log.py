@@ -42,6 +42,14 @@ class LoggedRequest:
     timestamp: float = 0.0
     line: int = 0
     extra: dict = field(default_factory=dict)  # the record's other keys, kept for reports
+    where: str = ""  # the file it was read from, for errors found once it is rendered
+
+    @property
+    def named(self) -> str:
+        """Where the request came from, as an error names it: its file and line, else its id."""
+        if self.line:
+            return f"{self.where} line {self.line}" if self.where else f"line {self.line}"
+        return f"request {self.id!r}"
 
     @property
     def is_chat(self) -> bool:
@@ -99,7 +107,7 @@ def parse_line(text: str, where: str, line: int) -> LoggedRequest:
     interaction = rec.get("interaction")
     extra = {k: v for k, v in rec.items() if k not in ("id", "body", "endpoint", "tenant", "timestamp", "interaction")}
     return LoggedRequest(
-        rid, body, endpoint, tenant, str(interaction) if interaction is not None else rid, float(ts), line, extra
+        rid, body, endpoint, tenant, str(interaction) if interaction is not None else rid, float(ts), line, extra, where
     )
 
 
@@ -165,62 +173,112 @@ def read_request_log(path: str | os.PathLike, limit: int | None = None) -> list[
 
 def prompt_text(req: LoggedRequest, tokenizer, render=None) -> str | None:
     """The prompt as the server's tokenizer sees it (chat template applied, generation prompt added);
-    None for a token-id prompt. `render` (a `ChatRenderer`) renders faster than the tokenizer does. The
-    messages and the request's `chat_template_kwargs` reach the template as the ingress passes them."""
+    None for a token-id prompt. `render` (a `ChatRenderer`) renders faster than the tokenizer does."""
     if req.is_chat:
-        from kvmesh.deployments.openai_protocol import chat_message, template_kwargs
-
-        checked = [chat_message(m, i) for i, m in enumerate(req.body["messages"])]
-        messages = template_messages(checked, chat_template_of(tokenizer))
-        kwargs = template_kwargs(req.body)
-        if render is not None:
-            return render(messages, **kwargs)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return rendered_chat(req, tokenizer, render)[1]
     p = req.body["prompt"]
     return p if isinstance(p, str) else None
 
 
-class ChatRenderer:
-    """The tokenizer's chat template compiled once and rendered with its special tokens.
+def rendered_chat(req: LoggedRequest, tokenizer, render=None) -> tuple[list[dict], str]:
+    """A logged chat as the ingress renders it: the conversation its template gets (`template_messages`) and the
+    text, with the request's `chat_template_kwargs`. `RequestLogError` naming the request when the ingress would
+    refuse it (its messages or template arguments, or a template that fails on them)."""
+    from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_kwargs
 
-    Why: `apply_chat_template` builds a fresh Jinja context per call, which dominates tokenising a
-    large log. The first `verify` renders are compared with `apply_chat_template`; on any difference
-    (a template that needs more than messages and special tokens) every later call uses it instead."""
+    try:
+        checked = [chat_message(m, i) for i, m in enumerate(req.body["messages"])]
+        kwargs = template_kwargs(req.body)
+    except OpenAIError as exc:  # a request not read by `parse_line`, which checks both
+        raise RequestLogError(f"{req.named}: {exc.message.rstrip('.')}") from None
+    messages = template_messages(checked, chat_template_of(tokenizer))
+    try:
+        if render is not None:
+            return messages, render(messages, **kwargs)
+        return messages, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as exc:  # the ingress answers these with a 400
+        raise RequestLogError(f"{req.named}: the model's chat template refused it: {template_refusal(exc)}") from None
+
+
+def template_refusal(exc: BaseException, limit: int = 400) -> str:
+    """Why rendering a chat template failed, as one line: the template's own error where the exception's chain
+    holds one (its `raise_exception`), else the exception's text, as vLLM's server reports it."""
+    from jinja2 import TemplateError
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    reason = str(exc)
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TemplateError):
+            reason = str(current)
+            break
+        current = current.__cause__ or current.__context__
+    reason = " ".join(reason.split()) or type(exc).__name__
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+class ChatRenderer:
+    """The tokenizer's chat template compiled once and rendered as `apply_chat_template` renders it.
+
+    Why: `apply_chat_template` does more per call than the render itself, which dominates tokenising a large
+    log. The template is compiled by transformers' own function (its `tojson`, `raise_exception` and
+    extensions) and gets the variables `apply_chat_template` passes, so the texts are the same; the first
+    `verify` renders are compared with `apply_chat_template` all the same (a tokenizer may override it), and on
+    any difference every later call uses it instead."""
 
     def __init__(self, tokenizer, verify: int = 5):
         self.tokenizer = tokenizer
         self.verify = verify
         self.template = None
+        self.special: dict = {}
         try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self.template = env.from_string(tokenizer.chat_template)
-            self.extra = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+            chat_template = chat_template_of(tokenizer)
+            if chat_template is not None:
+                self.special = dict(tokenizer.special_tokens_map)
+                self.template = _compile_jinja_template(chat_template)
         except Exception:
             self.template = None
+
+    def _fast(self, messages: list[dict], kwargs: dict) -> str:
+        """The render `apply_chat_template` makes (transformers' `render_jinja_template`): no tools, the special
+        tokens overridden by the request's variables."""
+        assert self.template is not None
+        variables = {k: v for k, v in kwargs.items() if k != "documents"}
+        return self.template.render(
+            messages=messages,
+            tools=None,
+            documents=kwargs.get("documents"),
+            add_generation_prompt=True,
+            **{**self.special, **variables},
+        )
+
+    def _slow(self, messages: list[dict], kwargs: dict) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
 
     def __call__(self, messages: list[dict], **kwargs) -> str:
         """`messages` rendered with the generation prompt; `kwargs` are more template variables (a request's
-        `chat_template_kwargs`)."""
-        slow = None
-        if self.template is None or self.verify > 0:
-            slow = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-            if self.template is None:
-                return slow
-        try:
-            fast = self.template.render(messages=messages, add_generation_prompt=True, **{**self.extra, **kwargs})
-        except Exception:
-            fast = None
-        if slow is not None:
+        `chat_template_kwargs`). A template's refusal is raised as `apply_chat_template` raises it."""
+        if self.template is not None and self.verify <= 0:
+            try:
+                return self._fast(messages, kwargs)
+            except Exception:
+                pass  # the tokenizer's own render says whether the request or this renderer fails
+            text = self._slow(messages, kwargs)
+            self.template = None  # rendered where the compiled template failed: the tokenizer's from now on
+            return text
+        slow = self._slow(messages, kwargs)
+        if self.template is not None:
             self.verify -= 1
+            try:
+                fast: str | None = self._fast(messages, kwargs)
+            except Exception:
+                fast = None
             if fast != slow:
                 self.template = None
-            return slow
-        if fast is None:  # the bare template failed where the tokenizer's may not: use the tokenizer's from now on
-            self.template = None
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        return fast
+        return slow
 
 
 def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
@@ -232,13 +290,22 @@ def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=not req.is_chat))
 
 
+def message_texts(content) -> list[str]:
+    """A message's content as the template gets it (`template_messages`), as the texts it renders in order: a
+    string, or each text part's text."""
+    if isinstance(content, str):
+        return [content]
+    return [p["text"] for p in content or () if isinstance(p, dict) and isinstance(p.get("text"), str)]
+
+
 def content_text(content) -> str:
-    """A message's content as one text: its text parts joined by newlines, no content as "". What vLLM's
-    server hands a chat template that takes content as a string (`content_format` "string")."""
+    """A message's content as one text: its non-empty text parts joined by newlines, no content as "". What
+    vLLM's server hands a chat template that takes content as a string (`content_format` "string"): it drops
+    the parts whose text is empty before joining."""
     if content is None:
         return ""
     if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(t for p in content if isinstance(p, dict) and (t := p.get("text", "")))
     return str(content)
 
 

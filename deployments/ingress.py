@@ -29,13 +29,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
-from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages
+from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages, template_refusal
 from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
@@ -460,8 +459,10 @@ class Ingress:
                 text = self.tokenizer.apply_chat_template(
                     conversation, add_generation_prompt=True, tokenize=False, **req.template_kwargs
                 )
-            except (TemplateError, ValueError) as exc:  # the template's raise_exception, or a model without one
-                raise proto.bad(f"The model's chat template refused these messages: {exc}"[:500], "messages") from None
+            except Exception as exc:  # the template's raise_exception, a model without one, a variable it fails on
+                # a 400, as vLLM's server answers any failure of the template (its safe_apply_chat_template)
+                reason = template_refusal(exc)
+                raise proto.bad(f"The model's chat template refused this request: {reason}", "messages") from None
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
         if len(text) > self._max_prompt_chars():

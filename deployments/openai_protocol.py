@@ -352,50 +352,72 @@ def _content(content: Any, i: int, role: str) -> str | list[dict]:
     )
 
 
-# chat_template_kwargs the server sets itself -> the values accepted (and dropped: they change nothing here).
+# chat_template_kwargs that are `apply_chat_template`'s own arguments, not template variables: how each is taken.
 # The rest are the template's own variables, passed to it as vLLM's server passes them.
-_TEMPLATE_KWARGS_SET: dict[str, tuple] = {
-    # vLLM's server overrides them with the request's own fields, which this server holds at their defaults
-    "add_generation_prompt": (True, False),
-    "continue_final_message": (True, False),
-    "return_dict": (True, False),  # vLLM's server overrides it
-    # the prompt is rendered as text and tokenised apart: the same ids as vLLM's tokenising in the template
-    "tokenize": (True, False),
-    # they change how apply_chat_template tokenises or what it renders: refused unless they change nothing
-    "padding": (False,),
-    "truncation": (False,),
-    "return_assistant_tokens_mask": (False,),
+# vLLM's server overrides these with its request's own fields (and return_dict with False): any value changes
+# nothing
+_TEMPLATE_KWARGS_OVERRIDDEN = frozenset({"add_generation_prompt", "continue_final_message", "return_dict"})
+# How the rendered text is tokenised: they act only when `tokenize` is true (vLLM renders text otherwise, and
+# so does this server); then they are accepted only at values that change nothing for one prompt, as they would
+# pad or cut it.
+_TEMPLATE_TOKENIZER_KWARGS: dict[str, tuple] = {
+    "padding": (False, True, "longest", "do_not_pad"),  # one text: "longest" pads nothing
+    "truncation": (False, "do_not_truncate"),
+    "max_length": (),
+    "return_tensors": (),
     "tokenizer_kwargs": ({},),
-    "tools": (),  # tools are not served
-    "conversation": (),
 }
+# names `apply_chat_template` or its renderer pass themselves: given again, the call fails (vLLM answers 400)
+_TEMPLATE_KWARGS_TAKEN = ("messages", "conversation", "conversations", "self")
+
+
+def _documents_ok(value: Any) -> bool:
+    """`documents` as transformers' renderer takes them: each item an object (an empty string or object, which
+    iterate as none, included, as there)."""
+    return isinstance(value, (list, dict, str)) and all(isinstance(d, dict) for d in value)
 
 
 def template_kwargs(body: dict) -> dict[str, Any]:
     """A chat request's `chat_template_kwargs` (e.g. Qwen3's `{"enable_thinking": false}`) as the chat template
-    gets them: a JSON object; null and "auto" values left out, as vLLM's server leaves them out; the server's own
-    settings accepted only where they change nothing (`_TEMPLATE_KWARGS_SET`); `OpenAIError` otherwise."""
+    gets them: a JSON object; null and "auto" values left out, as vLLM's server leaves them out;
+    `apply_chat_template`'s own arguments dropped where they change nothing for a rendered text, refused where
+    they would (`tools`, a template, a cut prompt) or would collide with what it passes itself (`messages`);
+    `documents` checked as transformers checks them. `OpenAIError` naming the key otherwise."""
     given = body.get("chat_template_kwargs")
     if given is None:
         return {}
     if not isinstance(given, dict):
         raise bad("'chat_template_kwargs' must be an object.", "chat_template_kwargs", "invalid_type")
+
+    def refused(key: str) -> OpenAIError:
+        name = f"chat_template_kwargs.{key}"
+        return bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+
+    if given.get("chat_template") is not None:  # refused before anything is left out, as by vLLM
+        raise refused("chat_template")
+    given = {k: v for k, v in given.items() if v is not None and not (isinstance(v, str) and v == "auto")}
+    tokenize = bool(given.get("tokenize"))  # vLLM renders text unless it is given and true
     out = {}
     for key, value in given.items():
-        if key == "chat_template" and value is not None:  # refused before anything is left out, as by vLLM
-            raise bad(
-                "'chat_template_kwargs.chat_template' is not supported by this server.",
-                "chat_template_kwargs.chat_template",
-                "unsupported_parameter",
-            )
-        if value is None or (isinstance(value, str) and value == "auto"):
-            continue
-        if key in _TEMPLATE_KWARGS_SET:
-            if not any(_same_value(value, h) for h in _TEMPLATE_KWARGS_SET[key]):
-                name = f"chat_template_kwargs.{key}"
-                raise bad(f"'{name}' is not supported by this server.", name, "unsupported_parameter")
-            continue
-        out[key] = value
+        if key in _TEMPLATE_KWARGS_TAKEN:
+            name = f"chat_template_kwargs.{key}"
+            raise bad(f"'{name}' names what the server passes the chat template itself.", name, "invalid_value")
+        if key == "tools":  # tools are not served
+            raise refused(key)
+        if key == "return_assistant_tokens_mask":  # needs return_dict, which vLLM sets false: its 400 too
+            if value:
+                raise refused(key)
+        elif key == "documents":
+            if not _documents_ok(value):
+                name = "chat_template_kwargs.documents"
+                raise bad(f"'{name}' must be a list of objects.", name, "invalid_type")
+            out[key] = value
+        elif key in _TEMPLATE_TOKENIZER_KWARGS:
+            if tokenize and not any(_same_value(value, h) for h in _TEMPLATE_TOKENIZER_KWARGS[key]):
+                raise refused(key)
+        # `tokenize` dropped: this server renders text and tokenises it apart, the ids vLLM's tokenising makes
+        elif key not in _TEMPLATE_KWARGS_OVERRIDDEN and key != "tokenize":
+            out[key] = value
     return out
 
 

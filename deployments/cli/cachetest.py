@@ -163,6 +163,7 @@ def _tokenizer(path: str | None):
 def run(args: argparse.Namespace) -> int:
     from kvmesh.cluster.cachetest_analysis import prepare
     from kvmesh.cluster.cachetest_report import Rates
+    from kvmesh.cluster.request_log import RequestLogError
     from kvmesh.deployments.cachetest import CachetestConfig, CachetestError, discover
 
     if args.replicas_sweep and not args.serve:
@@ -188,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     except CachetestError as exc:
         raise CliError(printable(str(exc))) from None
     tok = _tokenizer(args.tokenizer)
-    prepared = prepare(_requests(args, read), tok, args.block_size)
+    try:  # a chat the model's template refuses is found only once it is rendered
+        prepared = prepare(_requests(args, read), tok, args.block_size)
+    except RequestLogError as exc:
+        raise CliError(printable(str(exc))) from None
     from kvmesh.cluster.cachetest_html import remove_outputs, write_outputs
 
     try:  # an earlier run's report must not outlive a run stopped before it writes its own

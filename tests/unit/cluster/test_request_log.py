@@ -227,3 +227,114 @@ def test_a_templates_content_format_is_detected_as_vllm_detects_it(template):
     assert content_format(template) == _detect_content_format(template, default="string")
     for named in (template, template + "{% if m.role == 'developer' %}{% endif %}"):
         assert supports_developer(named) == _detect_developer_role_support(named)
+
+
+def _tiny_tokenizer(template: str | None = None):
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(
+        build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
+    )
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+ONE_MESSAGE = (
+    "{% if messages | length > 1 %}{{ raise_exception('Only one message, please.\\nSee the docs.') }}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+)
+ADDS_A_NUMBER = "{% for m in messages %}{{ m['content'] + (1 if m['role'] == 'assistant' else '') }}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        (ONE_MESSAGE, "the model's chat template refused it: Only one message, please. See the docs."),
+        (ADDS_A_NUMBER, "the model's chat template refused it: "),  # a TypeError out of the render, not a template's
+    ],
+)
+def test_a_logged_chat_the_models_template_fails_on_is_an_error_naming_its_line(tmp_path, template, reason):
+    """The ingress answers it with a 400: the log's reader says which line, on one line (`kvmesh cachetest` exits 2),
+    whether it renders through the tokenizer or its compiled template."""
+    from kvmesh.cluster.cachetest_analysis import prepare
+    from kvmesh.cluster.request_log import ChatRenderer, prompt_ids, prompt_text
+
+    ok = {"messages": [{"role": "user", "content": "hi"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    p = _write(tmp_path, [json.dumps({"body": ok}), json.dumps({"body": ok}), json.dumps({"body": bad})])
+    reqs = read_request_log(p)
+    tok = _tiny_tokenizer(template)
+    for attempt in (
+        lambda: prepare(reqs, tok, 16),
+        lambda: prompt_ids(reqs[2], tok),
+        lambda: [prompt_text(r, tok, ChatRenderer(tok, verify=0)) for r in reqs],
+    ):
+        with pytest.raises(RequestLogError) as err:
+            attempt()
+        assert str(err.value).startswith(f"{p} line 3: {reason}") and "\n" not in str(err.value)
+
+
+def test_a_logged_prompt_the_tokenizer_refuses_is_an_error_naming_its_line(tmp_path):
+    """A lone UTF-16 surrogate (JSON allows it; the ingress answers a 400)."""
+    from kvmesh.cluster.cachetest_analysis import prepare
+
+    lines = [
+        json.dumps({"body": {"prompt": "fine"}}),
+        json.dumps({"body": {"messages": [{"role": "user", "content": "a\ud800b"}]}}),
+    ]
+    reqs = read_request_log(_write(tmp_path, lines))
+    with pytest.raises(RequestLogError, match=r"line 2: the prompt cannot be tokenized: it holds a lone UTF-16"):
+        prepare(reqs, _tiny_tokenizer(), 16)
+
+
+def test_chat_template_kwargs_a_vllm_server_ignores_when_it_renders_text_are_read(tmp_path):
+    """`padding` and the like are apply_chat_template's tokenising settings: the text it renders is the same."""
+    from kvmesh.cluster.request_log import prompt_ids
+
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    lines = [
+        json.dumps({"body": plain}),
+        json.dumps({"body": {**plain, "chat_template_kwargs": {"padding": True}}}),
+        json.dumps({"body": {**plain, "chat_template_kwargs": {"truncation": True, "max_length": 2}}}),
+    ]
+    reqs = read_request_log(_write(tmp_path, lines))
+    tok = _tiny_tokenizer()
+    assert prompt_ids(reqs[0], tok) == prompt_ids(reqs[1], tok) == prompt_ids(reqs[2], tok)
+
+
+def test_the_compiled_template_renders_what_apply_chat_template_renders_after_its_checks():
+    """transformers' own compile: its `tojson` does not escape HTML characters as Jinja's does, and the request's
+    variables override the special tokens, as in apply_chat_template."""
+    from kvmesh.cluster.request_log import CHAT, ChatRenderer, LoggedRequest, prompt_text
+
+    tok = _tiny_tokenizer(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | tojson }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    render = ChatRenderer(tok)
+    for i in range(5):
+        body = {"messages": [{"role": "user", "content": f"plain {i}"}]}
+        prompt_text(LoggedRequest(f"r{i}", body, CHAT), tok, render)
+    assert render.verify == 0 and render.template is not None
+    for body in (
+        {"messages": [{"role": "user", "content": "if a < b && c > d: print('x')"}]},
+        {"messages": [{"role": "user", "content": "é"}], "chat_template_kwargs": {"bos_token": "<B>"}},
+    ):
+        req = LoggedRequest("r", body, CHAT)
+        assert prompt_text(req, tok, render) == prompt_text(req, tok)
+    assert render.template is not None
+
+
+def test_empty_text_parts_are_dropped_before_the_parts_are_joined_as_vllm_drops_them():
+    from kvmesh.cluster.request_log import content_text
+
+    parts = [{"type": "text", "text": t} for t in ("a", "", "b", "")]
+    assert content_text(parts) == "a\nb"
+    assert content_text([{"type": "text", "text": ""}]) == ""
+    assert content_text([{"type": "text", "text": " "}, {"type": "text", "text": "b"}]) == " \nb"

@@ -286,6 +286,38 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(error):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (TypeError("Template.render() got multiple values\nfor keyword argument 'x'"), "got multiple values for"),
+        (KeyError("role"), "'role'"),
+        (RuntimeError("wrapped"), "wrapped"),
+    ],
+)
+def test_any_failure_of_the_chat_template_is_a_400_with_its_reason_on_one_line(error, reason):
+    """As vLLM's safe_apply_chat_template: whatever the template's render raises is the request's error (a 400),
+    not the server's (a 500); a template error in the exception's chain is the reason given."""
+    if isinstance(error, RuntimeError):
+        try:
+            try:
+                raise TemplateError("the template's own reason")
+            except TemplateError as inner:
+                raise error from inner
+        except RuntimeError as chained:
+            error, reason = chained, "the template's own reason"
+
+    async def run():
+        ing = _ingress(tokenizer=_Tokenizer(error))
+        req, _, _ = _request({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, "/v1/chat/completions")
+        answer = await ing._generate(req, "chat")
+        assert answer.status_code == 400, answer.body
+        message = json.loads(answer.body)["error"]["message"]
+        assert reason in message and "\n" not in message
+        assert message.startswith("The model's chat template refused this request: ")
+
+    asyncio.run(run())
+
+
 OPS_KEY, ACME_KEY, GLOBEX_KEY = (f"kvm-unit-{t}-key-0123456789" for t in ("ops", "acme", "globex"))
 
 
@@ -1387,6 +1419,7 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}{{ 'no thinking' }}{% endif %}{% endif %}"
 )
 _PARTS = [{"type": "text", "text": "Context: x. "}, {"type": "text", "text": " Question: y?"}]
+_EMPTY_PART = [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "text", "text": "b"}]
 
 
 def _turn(role: str):
@@ -1412,6 +1445,13 @@ _RENDER_CASES = [
     # an assistant's null content: an empty turn
     (None, [_U("hi"), _A(None), _U("x")]),
     (PARTS_TEMPLATE, [_U("hi"), _A(None), _U("x")]),
+    # empty text parts: dropped before the parts are joined for a string template, kept as parts for one that
+    # loops over them, and kept when a system message's parts are joined to be merged
+    (None, [_U(_EMPTY_PART)]),
+    (None, [_U([{"type": "text", "text": ""}, {"type": "text", "text": ""}])]),
+    (None, [_S(_EMPTY_PART), _U("hi"), _D("B")]),
+    (PARTS_TEMPLATE, [_U(_EMPTY_PART)]),
+    (PARTS_TEMPLATE, [_S(_EMPTY_PART), _U("hi"), _D("B")]),
 ]
 
 
@@ -1473,6 +1513,58 @@ def test_chat_template_kwargs_reach_the_template_as_on_vllms_own_server(vllm_ren
     assert _replayed_prompt_ids(body, THINKING_TEMPLATE) == (served, served)
     plain = _ingress_prompt_ids({**body, "chat_template_kwargs": {}}, THINKING_TEMPLATE)
     assert (served != plain) == (kwargs.get("enable_thinking") is False)
+
+
+# a template that renders the variables chat_template_kwargs can set, and the documents
+VARIABLES_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}{% if documents %}{% for d in documents %}{{ '<|doc|>' + d['text'] | tojson }}{% endfor %}{% endif %}"
+    "{% if padding is defined %}{{ 'padding ' ~ padding }}{% endif %}{% if flag is defined %}{{ flag }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"padding": True},  # apply_chat_template's own: no variable, and nothing when it renders text
+        {"truncation": True, "max_length": "x", "return_tensors": "pt", "return_dict": True},
+        {"tokenize": True, "padding": True},
+        {"documents": [{"title": "t", "text": "a < b & 'c'"}]},
+        {"documents": []},
+        {"flag": "<&>", "bos_token": "<b>"},
+    ],
+)
+def test_apply_chat_template_arguments_in_chat_template_kwargs_render_as_on_vllms_own_server(vllm_renderer, kwargs):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    served = _ingress_prompt_ids(body, VARIABLES_TEMPLATE)
+    assert served == _vllm_prompt_ids(vllm_renderer, body, VARIABLES_TEMPLATE)
+    assert _replayed_prompt_ids(body, VARIABLES_TEMPLATE) == (served, served)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"messages": []}, {"documents": 5}, {"documents": "x"}, {"documents": [1]}, {"conversations": []}]
+)
+def test_chat_template_kwargs_the_template_call_fails_on_are_a_400_as_on_vllms_own_server(vllm_renderer, kwargs):
+    """vLLM's server answers these with a 400 (its safe_apply_chat_template); the ingress refuses them before the
+    template runs, and the request log's reader refuses the line."""
+    from transformers import AutoTokenizer
+
+    from kvmesh.cluster.request_log import RequestLogError, parse_line
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    template = VARIABLES_TEMPLATE.replace("{% if flag", "{% if conversations is defined %}x{% endif %}{% if flag")
+    with pytest.raises(Exception, match="multiple values|Documents should be|not iterable"):
+        _vllm_prompt_ids(vllm_renderer, body, template)
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    tok.chat_template = template
+    ing = _ingress(tokenizer=tok)
+    ing.vocab_size = len(tok)
+    ing.engine = _RecordingEngine()
+    status, answer = _answer(ing, body, "chat")
+    assert status == 400 and answer["error"]["param"].startswith("chat_template_kwargs."), answer
+    with pytest.raises(RequestLogError, match="log.jsonl line 3: 'chat_template_kwargs"):
+        parse_line(json.dumps({"body": body}), "log.jsonl", 3)
 
 
 def test_a_chat_without_max_tokens_gets_the_models_default_output_length_as_on_vllm(tmp_path):

@@ -343,13 +343,55 @@ def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(given, pass
         ({"chat_template": "{{ messages }}"}, "chat_template_kwargs.chat_template"),
         ({"chat_template": "auto"}, "chat_template_kwargs.chat_template"),  # vLLM refuses it before leaving "auto" out
         ({"tools": [{"type": "function"}]}, "chat_template_kwargs.tools"),
-        ({"truncation": True}, "chat_template_kwargs.truncation"),
+        # with `tokenize` true (vLLM then tokenises in apply_chat_template), settings that would cut the prompt
+        ({"tokenize": True, "truncation": True}, "chat_template_kwargs.truncation"),
+        ({"tokenize": True, "padding": "max_length"}, "chat_template_kwargs.padding"),
+        ({"tokenize": True, "max_length": 4}, "chat_template_kwargs.max_length"),
         ({"return_assistant_tokens_mask": True}, "chat_template_kwargs.return_assistant_tokens_mask"),
+        # what apply_chat_template passes the template itself: given again, its call fails
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"conversation": []}, "chat_template_kwargs.conversation"),
+        ({"conversations": []}, "chat_template_kwargs.conversations"),
+        ({"self": 1}, "chat_template_kwargs.self"),
+        # transformers iterates documents and refuses any that is not an object
+        ({"documents": 5}, "chat_template_kwargs.documents"),
+        ({"documents": "x"}, "chat_template_kwargs.documents"),
+        ({"documents": [1]}, "chat_template_kwargs.documents"),
+        ({"documents": [{"text": "d"}, "e"]}, "chat_template_kwargs.documents"),
+        ({"documents": True}, "chat_template_kwargs.documents"),
     ],
 )
 def test_chat_template_kwargs_that_are_no_template_variables_are_refused(given, param):
     e = err(proto.parse_chat, {"model": "m", "messages": MSGS, "chat_template_kwargs": given})
     assert (e.status, e.param) == (400, param)
+    assert "\n" not in e.message
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        # how the rendered text would be tokenised: nothing, as vLLM renders text unless `tokenize` is true
+        {"padding": True},
+        {"padding": "max_length", "max_length": 8},
+        {"truncation": True, "max_length": "x"},
+        {"return_tensors": "pt", "tokenizer_kwargs": {"add_special_tokens": True}},
+        {"tokenize": False, "truncation": True},
+        # ... and, tokenised, nothing for one text
+        {"tokenize": True, "padding": True, "truncation": False},
+        # vLLM's server sets these itself, whatever the request gives
+        {"add_generation_prompt": "x", "continue_final_message": 1, "return_dict": "yes"},
+        {"return_assistant_tokens_mask": False},
+    ],
+)
+def test_chat_template_kwargs_that_change_nothing_for_a_rendered_text_are_accepted_and_dropped(given):
+    body = {"model": "m", "messages": MSGS, "chat_template_kwargs": {**given, "flag": 1}}
+    assert proto.parse_chat(body).template_kwargs == {"flag": 1}
+
+
+@pytest.mark.parametrize("documents", [[], [{"title": "t", "text": "d"}], {}, ""])
+def test_documents_are_passed_as_transformers_takes_them(documents):
+    body = {"model": "m", "messages": MSGS, "chat_template_kwargs": {"documents": documents}}
+    assert proto.parse_chat(body).template_kwargs == {"documents": documents}
 
 
 def test_a_completions_null_max_tokens_is_its_default_as_in_vllms_request_model():

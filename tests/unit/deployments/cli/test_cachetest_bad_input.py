@@ -94,6 +94,29 @@ def test_every_request_failing_writes_the_report_and_exits_1(served_m, tiny_mode
     assert report["passes"] and all(p["errors"] == p["requests"] == 1 for p in report["passes"].values())
 
 
+def test_a_chat_the_models_template_fails_on_is_one_line_naming_its_log_line(served_m, tiny_model, tmp_path, capsys):
+    """Found once the log is rendered (the ingress answers it with a 400): one line, exit 2, not a traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    )
+    log = tmp_path / "log.jsonl"
+    turn = {"role": "user", "content": "hi"}
+    log.write_text(
+        json.dumps({"body": {"messages": [turn]}}) + "\n" + json.dumps({"body": {"messages": [turn, turn]}}) + "\n"
+    )
+    rc = _cachetest(
+        "--url", "http://x", "--requests", str(log), "--out", str(tmp_path / "o"), "--tokenizer", str(model)
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{log} line 2: the model's chat template refused it: one message only" in err
+    assert err.count("\n") == 1
+
+
 # ------------------------------------------------------------------- cheap checks before the expensive work
 
 
