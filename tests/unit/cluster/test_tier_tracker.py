@@ -124,6 +124,7 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
     idx, t = _setup()
     t.record_prefill("a", [1, 2])
     health = {"n1": {"shared_tier_up": True, "restarts": 0}}
+    asked: list[str] = []
 
     class _Ref:
         def __init__(self, node):
@@ -131,6 +132,7 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
 
         def __await__(self):
             async def _get():
+                asked.append(self.node)
                 return dict(health[self.node])
 
             return _get().__await__()
@@ -141,12 +143,18 @@ def test_watch_tier_health_feeds_tracker(monkeypatch):
 
     monkeypatch.setattr(node_server, "node_servers", lambda: {n: _Actor(n) for n in health})
 
+    async def until(done) -> None:  # rounds come every 0.01 s; a busy machine may take longer
+        deadline = asyncio.get_running_loop().time() + 30
+        while not done():
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+
     async def run():
         stop = asyncio.Event()
         task = asyncio.create_task(node_server.watch_tier_health(t, interval_s=0.01, stop=stop))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(asked) >= 2)  # the first answer (restarts 0) was read: the next round asked
         health["n1"] = {"shared_tier_up": False, "restarts": 1}
-        await asyncio.sleep(0.05)
+        await until(lambda: t.shared_up is False and idx.match([1, 2])["a"] == (0, 0, 0))
         stop.set()
         await task
 
