@@ -290,6 +290,7 @@ async def _one_request(
     text: list[str] = []
     request_id = None
     deadline = asyncio.timeout(cfg.timeout_s)  # the whole request, stream included (`ReplayConfig.timeout_s`)
+    error: str | None = None  # why the request failed
     try:
         async with deadline, client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=hdrs) as resp:
             replica = resp.headers.get("x-kvmesh-replica", replica)
@@ -319,39 +320,15 @@ async def _one_request(
                     usage = chunk["usage"]
         counts = None if usage is None else usage_counts(usage, sent, out_chunks)
     except (_HttpError, ValueError) as exc:
-        return RequestResult(
-            index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, str(exc), start
-        )
+        error = str(exc)
     except TimeoutError:
         if not deadline.expired():
             raise  # not the deadline's: the caller's safety net reports it
-        return RequestResult(
-            index,
-            user,
-            tenant,
-            sent,
-            None,
-            0,
-            ttft,
-            time.perf_counter() - t0,
-            replica,
-            f"timed out after {cfg.timeout_s:g} s",
-            start,
-        )
+        error = f"timed out after {cfg.timeout_s:g} s"
     except Exception as exc:  # transport errors: timeouts, resets -- counted, never fatal to the run
-        return RequestResult(
-            index,
-            user,
-            tenant,
-            sent,
-            None,
-            0,
-            ttft,
-            time.perf_counter() - t0,
-            replica,
-            f"{type(exc).__name__}: {exc}",
-            start,
-        )
+        error = f"{type(exc).__name__}: {exc}"
+    if error is not None:
+        return RequestResult(index, user, tenant, sent, None, 0, ttft, time.perf_counter() - t0, replica, error, start)
     latency = time.perf_counter() - t0
     if ttft is None:  # output that streamed no text (a token that decodes to nothing): its first choice
         ttft = first_choice
