@@ -606,11 +606,17 @@ class LMCacheServer:
             self.unanswered = 0
             return False
         self.unanswered += 1
+        return self.unanswered >= UNANSWERED_SCRAPES and self.silent()
+
+    def silent(self) -> bool:
+        """Has the server answered no metrics scrape for UNANSWERED_RESTART_S, counted from its last answer, or
+        from the end of its start timeout when none answered since its launch? One slow scrape on a busy node is
+        not silence."""
         if self.answered_at >= self.launched_at:
             silent_from = self.answered_at
         else:
             silent_from = self.launched_at + self.config.start_timeout_s
-        return self.unanswered >= UNANSWERED_SCRAPES and time.monotonic() - silent_from >= UNANSWERED_RESTART_S
+        return time.monotonic() - silent_from >= UNANSWERED_RESTART_S
 
     def shared_tier_restarted(self) -> bool:
         """Has the RESP shared tier's process changed (INFO run_id) since this server connected to it? A run_id
@@ -649,8 +655,8 @@ class LMCacheServer:
         if wait and self.stops == stops:
             self.wait_ready()
 
-    def _scrape(self, timeout: float = SCRAPE_TIMEOUT_S) -> str | None:
-        text = unix_http_get(self.metrics_socket, "/metrics", timeout)
+    def _scrape(self, timeout: float | None = None) -> str | None:
+        text = unix_http_get(self.metrics_socket, "/metrics", SCRAPE_TIMEOUT_S if timeout is None else timeout)
         if text is not None:
             self.answered_at = time.monotonic()
         return text
@@ -668,12 +674,14 @@ class LMCacheServer:
     def health(self) -> dict:
         """What /health and /metrics report: is the host tier serving, is the shared tier reachable. Not
         healthy while the process runs with a shared tier it cannot use (down, AUTH refused, or a Redis that
-        restarted since it connected: LMCache's client never reconnects) until the watchdog restarts it. Serving
-        only when its metrics answered: a hung server's sockets still take connections, into their backlog."""
+        restarted since it connected: LMCache's client never reconnects) until the watchdog restarts it. Not
+        serving once its metrics have been `silent` as long as the watchdog waits before it restarts a hung
+        server (whose sockets still take connections, into their backlog); one scrape a busy node answers late
+        leaves it serving, with the contents the routers model."""
         alive = self.alive()
         text = self._scrape() if alive else None
         samples = parse_prometheus(text) if text else {}
-        serving = alive and text is not None and port_open(*self.endpoint)
+        serving = alive and (text is not None or not self.silent()) and port_open(*self.endpoint)
         # One quick probe. A tier that does not answer in time (stalled, as Redis is in a long fork or fsync) is
         # judged as the watchdog last judged it (`shared_verdict`), which gives it SLOW_PROBE_S more before it
         # counts as down: health must not call unhealthy what the watchdog rides out; its run_id is then not
