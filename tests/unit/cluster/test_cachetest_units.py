@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
+from tiny_chat import PARTS_TEMPLATE, tiny_tokenizer
 
 from kvmesh.cluster.cachetest_analysis import prepare
 from kvmesh.cluster.miss_reasons import text_units, unit_key
 from kvmesh.cluster.request_log import CHAT, LoggedRequest
 
-# Gemma 3's content handling on the tiny model's role markers: it loops over a message's parts and trims them
-PARTS_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
-    "{% endif %}{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-
-
-def _tokenizer(template: str | None = None):
-    from transformers import AutoTokenizer
-
-    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
-
-    tok = AutoTokenizer.from_pretrained(
-        build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
-    )
-    if template is not None:
-        tok.chat_template = template
-    return tok
-
 
 def _units(messages: list[dict], template: str | None):
-    tok = _tokenizer(template)
+    tok = tiny_tokenizer(template)
     [p] = prepare([LoggedRequest("r", {"messages": messages}, CHAT)], tok, 16)
     return p
 

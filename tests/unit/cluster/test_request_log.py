@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from tiny_chat import tiny_tokenizer
 
 from kvmesh.cluster.app_log import example_log
 from kvmesh.cluster.request_log import CHAT, COMPLETIONS, RequestLogError, read_request_log
@@ -229,22 +230,6 @@ def test_a_templates_content_format_is_detected_as_vllm_detects_it(template):
         assert supports_developer(named) == _detect_developer_role_support(named)
 
 
-def _tiny_tokenizer(template: str | None = None):
-    import tempfile
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from kvmesh.deployments.tiny_model import TINY_VERSION, build_tiny_model
-
-    tok = AutoTokenizer.from_pretrained(
-        build_tiny_model(Path(tempfile.gettempdir()) / f"kvmesh-tiny-v{TINY_VERSION}-s0")
-    )
-    if template is not None:
-        tok.chat_template = template
-    return tok
-
-
 ONE_MESSAGE = (
     "{% if messages | length > 1 %}{{ raise_exception('Only one message, please.\\nSee the docs.') }}{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -269,7 +254,7 @@ def test_a_logged_chat_the_models_template_fails_on_is_an_error_naming_its_line(
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     p = _write(tmp_path, [json.dumps({"body": ok}), json.dumps({"body": ok}), json.dumps({"body": bad})])
     reqs = read_request_log(p)
-    tok = _tiny_tokenizer(template)
+    tok = tiny_tokenizer(template)
     for attempt in (
         lambda: prepare(reqs, tok, 16),
         lambda: prompt_ids(reqs[2], tok),
@@ -290,7 +275,7 @@ def test_a_logged_prompt_the_tokenizer_refuses_is_an_error_naming_its_line(tmp_p
     ]
     reqs = read_request_log(_write(tmp_path, lines))
     with pytest.raises(RequestLogError, match=r"line 2: the prompt cannot be tokenized: it holds a lone UTF-16"):
-        prepare(reqs, _tiny_tokenizer(), 16)
+        prepare(reqs, tiny_tokenizer(), 16)
 
 
 def test_chat_template_kwargs_a_vllm_server_ignores_when_it_renders_text_are_read(tmp_path):
@@ -304,7 +289,7 @@ def test_chat_template_kwargs_a_vllm_server_ignores_when_it_renders_text_are_rea
         json.dumps({"body": {**plain, "chat_template_kwargs": {"truncation": True, "max_length": 2}}}),
     ]
     reqs = read_request_log(_write(tmp_path, lines))
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     assert prompt_ids(reqs[0], tok) == prompt_ids(reqs[1], tok) == prompt_ids(reqs[2], tok)
 
 
@@ -313,7 +298,7 @@ def test_the_compiled_template_renders_what_apply_chat_template_renders_after_it
     variables override the special tokens, as in apply_chat_template."""
     from kvmesh.cluster.request_log import CHAT, ChatRenderer, LoggedRequest, prompt_text
 
-    tok = _tiny_tokenizer(
+    tok = tiny_tokenizer(
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | tojson }}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )

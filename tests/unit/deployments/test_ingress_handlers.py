@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from jinja2 import TemplateError
 from starlette.requests import Request
+from tiny_chat import PARTS_TEMPLATE
 
 from kvmesh.deployments import ingress as ingress_module
 from kvmesh.deployments import miss_attribution
@@ -1402,14 +1403,6 @@ def _vllm_prompt_ids(vllm_renderer, body: dict, template: str | None) -> list[in
 DEVELOPER_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'developer' %}{{ '<|dev|>' }}"
     "{% else %}{{ '<|' + message['role'] + '|>' }}{% endif %}{{ message['content'] + '<|end|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-# Gemma 3's content handling on the tiny model's role markers: it loops over a message's content parts
-PARTS_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] is string %}{{ message['content'] | trim }}"
-    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
-    "{% endif %}{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 # Qwen3's switch on the tiny model's role markers
