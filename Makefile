@@ -57,9 +57,11 @@ typecheck: setup
 	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache \
 	    $(foreach d,$(LIB_DIRS),-p kvmesh.$(d))
 
-# tests/unit/ on two workers, then tests/integration/ in one process (its tests share one live app). The
-# type check (CPU only, nothing timed) runs niced beside the integration tests, on the share of the cores
-# they leave idle (about a third); its report follows theirs, and either failing fails the target.
+# tests/unit/ on two workers, then tests/integration/ on two: one runs every test of the live app and those
+# that start Serve apps or Ray clusters of their own, the other the tests that mostly wait (LMCache servers,
+# Redis, engines outside Serve; tests/integration/conftest.py says which). The type check (CPU only, nothing
+# timed) runs niced beside them, on the share of the cores they leave idle; its report follows theirs, and
+# either failing fails the target.
 # The check runs in its own session (setsid; its pid is its process group id): a background job of a
 # non-interactive shell ignores SIGINT, so Ctrl-C alone would stop make and pytest and leave mypy running.
 # The EXIT trap stops that group and removes the report file when the recipe ends before the check has been
@@ -70,8 +72,8 @@ test: setup services ruff
 	@tc=$$(mktemp); typecheck=; \
 	trap 'test -z "$$typecheck" || kill -TERM -- -$$typecheck 2>/dev/null; rm -f "$$tc"' EXIT; trap 'exit 130' INT; \
 	setsid -w nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1 & typecheck=$$!; \
-	echo "$(PY) -m pytest -q --durations=25 tests/integration  (typecheck beside it)"; \
-	$(PY) -m pytest -q --durations=25 tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; typecheck=; \
+	echo "$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration  (typecheck beside it)"; \
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; typecheck=; \
 	cat $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's

@@ -1,18 +1,21 @@
 """The production engine path, live: vLLM's AsyncLLM (EngineCore in its own process, `engine_mode: async`,
 what k8s/ deploys on GPUs) behind the kvmesh ingress and router, on the tiny model.
 
-One Serve app with one async engine replica serves every check here (its start-up is the cost:
-~30 s for AsyncLLM on CPU). It runs next to the session's `live_app` on the same Ray cluster, under
-route prefix /async; when the session app itself runs async engines (`make test-gpu`), it is reused.
+One Serve app with one async engine replica, behind an LMCache connector to its node's server, serves every
+check here (its start-up is the cost: ~30 s for AsyncLLM on CPU). It runs next to the session's `live_app`
+on the same Ray cluster, under route prefix /async; when the session app itself runs async engines
+(`make test-gpu`), it is reused, and the LMCache check starts an app of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import psutil
@@ -23,6 +26,11 @@ from side_app import side_app
 pytestmark = pytest.mark.integration
 
 BLOCK = 32
+# one sequence of max_model_len fills the engine's cache (vLLM keeps one block aside): a few prompts push a
+# prefix out to LMCache's host tier
+NUM_BLOCKS = 65
+MAX_MODEL_LEN = 2048
+LMCACHE_CONFIG = {"l1_size_gb": 0.05, "chunk_size": BLOCK}
 APP_NAME = "kvmesh-async"
 _rng = random.Random(2026)
 
@@ -32,9 +40,10 @@ def fresh_tokens(n: int) -> list[int]:
 
 
 class AsyncApp:
-    def __init__(self, url: str, headers: dict):
+    def __init__(self, url: str, headers: dict, lmcache: bool):
         self.url = url
         self.headers = headers
+        self.lmcache = lmcache  # its engine has an LMCache connector (LMCACHE_CONFIG)
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
@@ -43,21 +52,22 @@ class AsyncApp:
 @pytest.fixture(scope="module")
 def async_app(live_app):
     if live_app.config["engine"].get("engine_mode") == "async":
-        yield AsyncApp(live_app.url, live_app.headers)
+        yield AsyncApp(live_app.url, live_app.headers, lmcache=bool(live_app.config["engine"].get("lmcache")))
         return
     config = {
         "replicas": 1,
         "engine": {
             "model": "tiny",
             "block_size": BLOCK,
-            "max_model_len": 2048,
-            "num_gpu_blocks_override": 512,
+            "max_model_len": MAX_MODEL_LEN,
+            "num_gpu_blocks_override": NUM_BLOCKS,
             **live_engine_overrides(),
             "engine_mode": "async",
+            "lmcache": LMCACHE_CONFIG,
         },
     }
     with side_app(live_app, APP_NAME, "/async", config) as url:
-        yield AsyncApp(url, live_app.headers)
+        yield AsyncApp(url, live_app.headers, lmcache=True)
 
 
 def complete(c: httpx.Client, prompt, max_tokens: int = 4, **extra) -> httpx.Response:
@@ -229,33 +239,59 @@ def test_vllm_metrics_leave_through_rays_metrics_port_under_the_dashboards_names
     assert "ray_vllm_time_to_first_token_seconds_bucket" in text and "ray_vllm_kv_cache_usage_perc" in text
 
 
-def test_an_async_engine_with_lmcache_starts_in_serve_and_loads_a_prefix_from_the_host_tier(live_app):
-    """The production engine (AsyncLLM in a Serve replica, so vLLM's metrics go through Ray's stat
-    logger) with an LMCache connector: the connector's own histogram has no buckets, which Ray's
-    Histogram refuses, and the engine failed to start. It starts, and a prefix pushed out of the engine's
-    small cache comes back from LMCache's host tier, as the router predicted."""
+@contextlib.contextmanager
+def _async_lmcache_app(async_app, live_app) -> Iterator[tuple[httpx.Client, str, int]]:
+    """A client of a one-replica async app whose engine has an LMCache connector, the app's name and its
+    engine's block count: this module's app, or (when that is the session app, which has none) one of its own
+    with a small cache."""
+    if async_app.lmcache:
+        with async_app.client() as c:
+            yield c, APP_NAME, NUM_BLOCKS
+        return
+    blocks = 24
     config = {
         "replicas": 1,
         "engine": {
             "model": "tiny",
             "block_size": BLOCK,
             "max_model_len": 512,
-            "num_gpu_blocks_override": 24,  # three 8-block prompts fill it
-            "num_cpus": 0.1,  # beside the session's app and this module's async app on the 2-CPU test cluster
+            "num_gpu_blocks_override": blocks,
+            "num_cpus": 0.1,  # beside the session's app on the test cluster
             **live_engine_overrides(),
             "engine_mode": "async",
-            "lmcache": {"l1_size_gb": 0.05, "chunk_size": BLOCK},
+            "lmcache": LMCACHE_CONFIG,
         },
     }
-    prompt = fresh_tokens(8 * BLOCK)
     with side_app(live_app, "kvmesh-async-lmcache", "/async-lmcache", config) as url:
         with httpx.Client(base_url=url, headers=live_app.headers, timeout=120) as c:
-            assert complete(c, prompt, max_tokens=1).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            for _ in range(3):  # 24 blocks of other prompts: the first one's blocks are evicted first
-                complete(c, fresh_tokens(8 * BLOCK), max_tokens=1)
-            again = complete(c, prompt + fresh_tokens(5), max_tokens=1)
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
-    assert int(again.headers["x-kvmesh-predicted-cached-tokens"]) == 8 * BLOCK
+            yield c, "kvmesh-async-lmcache", blocks
+
+
+def test_an_async_engine_with_lmcache_starts_in_serve_and_loads_a_prefix_from_the_host_tier(async_app, live_app):
+    """The production engine (AsyncLLM in a Serve replica, so vLLM's metrics go through Ray's stat
+    logger) with an LMCache connector: the connector's own histogram has no buckets, which Ray's
+    Histogram refuses, and the engine failed to start. It starts, and a prefix pushed out of the engine's
+    cache by other prompts comes back from LMCache's host tier, as the router predicted."""
+    from ray import serve
+
+    prompt = fresh_tokens(8 * BLOCK)
+    with _async_lmcache_app(async_app, live_app) as (c, app, blocks):
+        handle = serve.get_deployment_handle("EngineReplica", app_name=app)
+
+        def loaded_through_lmcache() -> int:  # the one engine replica's tokens loaded through its KV connector
+            return handle.info.remote().result(timeout_s=60)["external_hit_tokens"]
+
+        assert complete(c, prompt, max_tokens=1).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for _ in range(blocks // 8 + 1):  # a cache's worth of other prompts: the first one's blocks go first
+            complete(c, fresh_tokens(8 * BLOCK), max_tokens=1)
+        before = loaded_through_lmcache()
+        again = complete(c, prompt + fresh_tokens(5), max_tokens=1)
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BLOCK
+        assert int(again.headers["x-kvmesh-predicted-cached-tokens"]) == 8 * BLOCK
+        # all of it loaded through the connector, none of it found still in the engine's own cache (the count
+        # follows the engine's step stats)
+        loaded = wait_for(lambda: max(0, loaded_through_lmcache() - before), "the tokens loaded through LMCache")
+        assert loaded == 8 * BLOCK
 
 
 def _stream_text(r: httpx.Response, on_text=None) -> tuple[str, dict | None]:
