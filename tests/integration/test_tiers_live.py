@@ -35,6 +35,12 @@ def test_lmcache_tiers_on_the_live_path(tmp_path, tiny_model_dir):
     for first, second in held["pairs"]:
         (first_replica, first_cached, first_router, first_predicted) = first
         (second_replica, second_cached, second_router, second_predicted) = second
+        if first_replica == second_replica and first_predicted == second_predicted == 0:
+            # both placed before either router knew of the other (on a busy machine the first can lose its
+            # 30 ms head start): an even guard put both on one replica, whose engine computed the prompt once
+            # and served the other request from those blocks, whichever came first
+            assert min(first_cached, second_cached) == 0 and max(first_cached, second_cached) >= 1280, held
+            continue
         assert first_cached == 0 and second_cached >= 1280, held
         # the router that held it counted the prefix it waited for: predicted = delivered
         assert first_predicted == 0 and second_predicted == second_cached, held
