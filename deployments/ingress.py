@@ -384,7 +384,10 @@ class Ingress:
                 chunks.append(chunk)
 
         try:
-            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel (the client gone) that comes
+            # as the body completes, and the request would go on to the engine for nobody
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                await read()
         except TimeoutError:
             raise OpenAIError(
                 408, f"The request body did not arrive within {BODY_TIMEOUT_S:.0f} s.", "request_timeout"

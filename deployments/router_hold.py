@@ -67,7 +67,8 @@ async def _either(a: asyncio.Event, b: asyncio.Event | None, timeout: float) -> 
     """Wait until `a` or `b` (when given) is set, `timeout` seconds at most: True when one was set."""
     if b is None:
         try:
-            await asyncio.wait_for(a.wait(), timeout=timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can drop a cancel that comes as `a` is set
+                await a.wait()
         except TimeoutError:
             return a.is_set()
         return True
