@@ -87,11 +87,13 @@ def test_routing_payload_rejects_what_is_not_a_batch():
 
 
 class Upstream:
-    """Stands in for vLLM's private publisher: a PUB bound on an ipc path, vLLM's frames."""
+    """Stands in for vLLM's private publisher: a PUB bound on an ipc path, vLLM's frames, vLLM's high-water
+    mark (100,000: a PUB drops past it, and a relay kept off the cores a while falls thousands behind)."""
 
     def __init__(self, path):
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.set_hwm(100_000)
         self.endpoint = f"ipc://{path}"
         self.pub.bind(self.endpoint)
 
