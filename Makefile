@@ -57,29 +57,28 @@ typecheck: setup
 	cd .typecheck && ../$(VENV)/bin/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache \
 	    $(foreach d,$(LIB_DIRS),-p kvmesh.$(d))
 
-# tests/integration/ on two workers: one runs every test of the live app and those that start Serve apps or
-# Ray clusters of their own, the other the tests that mostly wait (LMCache servers, Redis, engines outside
-# Serve; tests/integration/conftest.py says which). tests/unit/ (CPU only, nothing timed, no services) and the
-# type check run niced beside them, on the share of the cores they leave idle; their reports follow the
-# integration tests' output, and any of the three failing fails the target.
-# Each background job runs in its own session (setsid; its pid is its process group id): a background job of a
-# non-interactive shell ignores SIGINT, so Ctrl-C alone would stop make and pytest and leave the unit tests or
-# mypy running. The EXIT trap stops those groups and removes the report files when the recipe ends before they
-# have been waited for (Ctrl-C, a signal); the INT trap ends the recipe once pytest has run its teardown,
-# instead of waiting for them. setsid -w passes a job's exit status on should setsid ever have to fork.
+# tests/unit/ on two workers, then tests/integration/ on two: one runs every test of the live app and those
+# that start Serve apps or Ray clusters of their own, the other the tests that mostly wait (LMCache servers,
+# Redis, engines outside Serve; tests/integration/conftest.py says which). The type check (CPU only, nothing
+# timed) runs niced beside them, on the share of the cores they leave idle; its report follows theirs, and
+# either failing fails the target.
+# The check runs in its own session (setsid; its pid is its process group id): a background job of a
+# non-interactive shell ignores SIGINT, so Ctrl-C alone would stop make and pytest and leave mypy running.
+# The EXIT trap stops that group and removes the report file when the recipe ends before the check has been
+# waited for (Ctrl-C, a signal); the INT trap ends the recipe once pytest has run its teardown, instead of
+# waiting for the check. setsid -w passes the check's exit status on should setsid ever have to fork.
 test: setup services ruff
-	@ut=$$(mktemp); tc=$$(mktemp); unit=; typecheck=; \
-	trap 'for g in $$unit $$typecheck; do kill -TERM -- -$$g 2>/dev/null; done; rm -f "$$ut" "$$tc"' EXIT; trap 'exit 130' INT; \
-	setsid -w nice -n 19 $(PY) -m pytest -q -n 2 tests/unit > $$ut 2>&1 & unit=$$!; \
+	$(PY) -m pytest -q -n 2 tests/unit
+	@tc=$$(mktemp); typecheck=; \
+	trap 'test -z "$$typecheck" || kill -TERM -- -$$typecheck 2>/dev/null; rm -f "$$tc"' EXIT; trap 'exit 130' INT; \
 	setsid -w nice -n 19 $(MAKE) --no-print-directory typecheck > $$tc 2>&1 & typecheck=$$!; \
-	echo "$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration  (unit tests and typecheck beside it)"; \
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration; rc=$$?; \
-	wait $$unit; urc=$$?; unit=; wait $$typecheck; tcrc=$$?; typecheck=; \
-	echo "$(PY) -m pytest -q -n 2 tests/unit"; cat $$ut; cat $$tc; test $$rc -eq 0 && test $$urc -eq 0 && test $$tcrc -eq 0
+	echo "$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration  (typecheck beside it)"; \
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadscope tests/integration; rc=$$?; wait $$typecheck; tcrc=$$?; typecheck=; \
+	cat $$tc; test $$rc -eq 0 && test $$tcrc -eq 0
 
 # The quick loop: tests/unit/ (no Ray, vLLM engines or services), no lint (`make lint` separately; mypy's
 # first run, cache empty, takes over a minute), on two workers (pytest-xdist). tests/integration/ runs the real
-# services (`make test`).
+# services, in one process, since its tests share one live app (`make test`).
 test-unit: setup
 	$(PY) -m pytest -q -n 2 tests/unit
 

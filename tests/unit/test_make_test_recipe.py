@@ -1,8 +1,8 @@
 """`make test`'s recipe, run from a copy of the Makefile's own `test` target text with stand-ins for pytest
 (`$(PY)`) and the `typecheck` target: its exit status fails on any of the three (unit tests, integration
-tests, type check) and only then, the unit tests' and the type check's reports follow the integration tests'
-output, in that order, their temp files are removed, and Ctrl-C while the integration tests run lets pytest
-run its teardown and leaves neither the unit tests nor the type check running and no temp file behind."""
+tests, type check) and only then, the type check's report follows the integration tests' output, its temp
+file is removed, and Ctrl-C while the integration tests run lets pytest run its teardown and leaves no type
+check running and no temp file behind."""
 
 from __future__ import annotations
 
@@ -16,18 +16,12 @@ from pathlib import Path
 import pytest
 from paths import REPO_ROOT
 
-# pytest's stand-in. For tests/unit: records its pid and, with FAKE_HOLD, runs until something stops it, else
-# exits with FAKE_UNIT_RC. For tests/integration: fails with FAKE_INTEG_RC, or with FAKE_HOLD waits for Ctrl-C
-# and records its teardown as pytest's KeyboardInterrupt handling would run it.
+# The integration tests' stand-in: fails with FAKE_INTEG_RC, or with FAKE_HOLD waits for Ctrl-C and records
+# its teardown as pytest's KeyboardInterrupt handling would run it.
 FAKE_PYTEST = """\
 import os, pathlib, sys, time
 d = pathlib.Path(os.environ["FAKE_DIR"])
 if "tests/unit" in sys.argv:
-    (d / "unit.pid.tmp").write_text(str(os.getpid()))
-    (d / "unit.pid.tmp").rename(d / "unit.pid")
-    print("unit tests' report", flush=True)
-    while os.environ.get("FAKE_HOLD"):
-        time.sleep(0.05)
     sys.exit(int(os.environ["FAKE_UNIT_RC"]))
 (d / "integration.started").touch()
 print("integration tests' output", flush=True)
@@ -111,11 +105,9 @@ def _wait_for(check, what: str, within: float = 60.0) -> None:
 
 @pytest.mark.parametrize(
     ("unit_rc", "integ_rc", "mypy_rc"),
-    [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0), (1, 1, 1)],
+    [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 0)],
 )
-def test_make_test_fails_on_any_failed_step_and_reports_unit_tests_then_type_check_last(
-    tmp_path, unit_rc, integ_rc, mypy_rc
-):
+def test_make_test_fails_when_any_step_fails_and_reports_the_type_check_last(tmp_path, unit_rc, integ_rc, mypy_rc):
     mk = _mock_makefile(tmp_path)
     env = _env(tmp_path, FAKE_UNIT_RC=str(unit_rc), FAKE_INTEG_RC=str(integ_rc), FAKE_MYPY_RC=str(mypy_rc))
     done = subprocess.run(
@@ -127,12 +119,15 @@ def test_make_test_fails_on_any_failed_step_and_reports_unit_tests_then_type_che
         timeout=120,
     )
     assert done.returncode == (0 if (unit_rc, integ_rc, mypy_rc) == (0, 0, 0) else 2), done.stdout + done.stderr
-    out = done.stdout
-    assert out.index("integration tests' output") < out.index("unit tests' report") < out.index("type check report")
+    if unit_rc:
+        assert not (tmp_path / "integration.started").exists()
+    else:
+        out = done.stdout
+        assert out.index("integration tests' output") < out.index("type check report")
     assert os.listdir(tmp_path / "tmp") == []
 
 
-def test_ctrl_c_during_the_integration_tests_stops_the_unit_tests_and_type_check_and_removes_their_reports(tmp_path):
+def test_ctrl_c_during_the_integration_tests_stops_the_type_check_and_removes_its_report(tmp_path):
     mk = _mock_makefile(tmp_path)
     make = subprocess.Popen(
         [sys.executable, "-c", LAUNCH, "make", "--no-print-directory", "-f", str(mk), "test"],
@@ -142,23 +137,19 @@ def test_ctrl_c_during_the_integration_tests_stops_the_unit_tests_and_type_check
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    mypy_pid = unit_pid = None
+    mypy_pid = None
     try:
         _wait_for(lambda: (tmp_path / "integration.started").exists(), "the integration tests never started")
         _wait_for(lambda: (tmp_path / "mypy.pid").exists(), "the type check never started")
-        _wait_for(lambda: (tmp_path / "unit.pid").exists(), "the unit tests never started")
         mypy_pid = int((tmp_path / "mypy.pid").read_text())
-        unit_pid = int((tmp_path / "unit.pid").read_text())
         os.killpg(make.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the foreground process group
         assert make.wait(timeout=30) != 0
         assert (tmp_path / "integration.teardown").exists()
         _wait_for(lambda: _gone(mypy_pid), "the type check was left running after make exited", within=20)
-        _wait_for(lambda: _gone(unit_pid), "the unit tests were left running after make exited", within=20)
         assert os.listdir(tmp_path / "tmp") == []
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)
             make.wait()
-        for pid in (mypy_pid, unit_pid):
-            if pid is not None and not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        if mypy_pid is not None and not _gone(mypy_pid):
+            os.kill(mypy_pid, signal.SIGKILL)
