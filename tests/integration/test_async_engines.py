@@ -14,13 +14,13 @@ import json
 import os
 import random
 import signal
-import time
 from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
 from engine_mode import live_engine_overrides
+from polling import wait_for
 from side_app import side_app
 
 pytestmark = pytest.mark.integration
@@ -83,16 +83,6 @@ def router_state(c: httpx.Client) -> dict:
         complete(c, fresh_tokens(8), max_tokens=1)
         state = c.get("/kvmesh/state").json()["router"]
     return state
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_the_replica_runs_vllms_async_engine(async_app):

@@ -24,6 +24,7 @@ import httpx
 import pytest
 from engine_mode import live_engine_overrides
 from paths import FIXTURES
+from polling import wait_for
 from side_app import side_app
 
 from kvmesh.benchmarks.failover_run import conversations, metric, replica_pids, run, surviving
@@ -114,14 +115,6 @@ def test_the_reported_pileup_workload_stays_balanced_near_the_bound(three_replic
     assert abs(max_over_mean(sim_prefill) - live["max_over_mean"]) <= 0.15, (sim_prefill, prefill)
 
 
-def _wait_for(predicate, what: str, timeout: float = 240.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(1.0)
-    return value
-
-
 def test_a_replica_killed_mid_stream_loses_no_request(three_replicas):
     """After the pileup check (the module's tests run in file order): it kills one of the replicas."""
     url, live_app = three_replicas
@@ -152,12 +145,21 @@ def test_a_replica_killed_mid_stream_loses_no_request(three_replicas):
         # forgotten (index slot, subscriber, policy) within seconds: a call that broke on it made it suspect (Ray
         # says unavailable for a kill as for a blip), and the next probe a second later that Ray answers with its
         # death forgets it, unless Serve's own replica list dropped it first
-        _wait_for(lambda: dead not in router_state()["replicas"], "the router to forget the killed replica", 5.0)
+        wait_for(
+            lambda: dead not in router_state()["replicas"], "the router to forget the killed replica", 5.0, every=1.0
+        )
         assert metric(c, "kvmesh_router_replicas_forgotten_total") >= 1
         # Serve starts a replacement (a new replica id): the router adds it back, cold
-        fresh = _wait_for(
+        fresh = wait_for(
             lambda: [r for r in replica_pids(c) if r != dead] if len(replica_pids(c)) == REPLICAS else None,
             "Serve to replace the killed replica",
+            240.0,
+            every=1.0,
         )
-        _wait_for(lambda: len([r for r in router_state()["replicas"] if r != dead]) == REPLICAS, "the router to add it")
+        wait_for(
+            lambda: len([r for r in router_state()["replicas"] if r != dead]) == REPLICAS,
+            "the router to add it",
+            240.0,
+            every=1.0,
+        )
         assert dead not in fresh
