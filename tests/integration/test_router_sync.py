@@ -14,11 +14,13 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 import yaml
 from ingress_routers import router_states
+from polling import wait_for
 from serve_process import Serve, serves_on_loopback, stop_and_check, taken_port_refused
 
 pytestmark = pytest.mark.integration
@@ -58,33 +60,50 @@ def _tenants_file(tmp_path) -> tuple[str, str, str]:
     return str(path), main, limited
 
 
-def _concurrency_across_fronts(url: str, key: str, requests: int = 8) -> list[tuple[int, float, float]]:
-    """Open `requests` long streams one after another, 0.15 s apart, each on its own connection (HAProxy's
-    leastconn sends them to alternate ingress replicas), and read each to its end. Returns (HTTP status,
-    when it was answered, when its [DONE] arrived) per request, in the order sent."""
+def _concurrency_across_fronts(
+    url: str, key: str, synced: Callable[[int], bool], requests: int = 8
+) -> list[tuple[int, float, float]]:
+    """Open `requests` long streams one after another, each on its own connection (HAProxy's leastconn sends
+    them to alternate ingress replicas), and read each to its end. Before the next is sent, the fleet's view
+    must hold every stream answered and still running: `synced(n)` polls until the fronts count all n (the
+    placement stream's lag, milliseconds on an idle machine, is seconds on a starved one, and within it a
+    front knows nothing of the other's admissions, as admission.py says). Returns (HTTP status, when it was
+    answered, when its [DONE] arrived) per request, in the order sent."""
     results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * requests
+    statuses = [0] * requests
+    finished = [False] * requests
     answered = threading.Semaphore(0)
 
     def stream(i: int) -> None:
-        body = {"model": "tiny", "prompt": [7, 8, 9, 10 + i], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "prompt": [7, 8, 9, 10 + i], "max_tokens": 1800, "ignore_eos": True, "stream": True}
         headers = {"Authorization": f"Bearer {key}"}
-        with httpx.Client(timeout=180) as c, c.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-            at = time.monotonic()
-            answered.release()
-            done = None
-            for chunk in r.iter_bytes():
-                if done is None and b"[DONE]" in chunk:
-                    # the ingress frees the request's slot right after writing [DONE], before it closes
-                    # the stream: the connection's end reaches this client milliseconds after the slot
-                    # may already be another request's
-                    done = time.monotonic()
-            results[i] = (r.status_code, at, done or time.monotonic())
+        try:
+            client = httpx.Client(timeout=180, headers=headers)
+            with client as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+                at = time.monotonic()
+                statuses[i] = r.status_code
+                answered.release()
+                done = None
+                for chunk in r.iter_bytes():
+                    if done is None and b"[DONE]" in chunk:
+                        # the ingress frees the request's slot right after writing [DONE], before it closes
+                        # the stream: the connection's end reaches this client milliseconds after the slot
+                        # may already be another request's
+                        done = time.monotonic()
+                results[i] = (r.status_code, at, done or time.monotonic())
+        finally:
+            finished[i] = True
+
+    def running() -> int:
+        return sum(1 for i in range(requests) if statuses[i] == 200 and not finished[i])
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(requests)]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
         assert answered.acquire(timeout=120)
-        time.sleep(0.15)  # the placement stream carries each admission to the other front in milliseconds
+        time.sleep(0.15)  # a refused stream's connection closes first: leastconn then alternates the fronts
+        if statuses[i] == 200:
+            wait_for(lambda: synced(running()), "the other front's router to count the tenant's running streams")
     for t in threads:
         t.join(180)
     return results
@@ -139,11 +158,17 @@ def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
         # a tenant's concurrency limit is the fleet's, not each ingress replica's: with both fronts taking
         # turns, at most LIMITED_CONCURRENCY of its long requests run at once (per replica it would be twice
         # that), and requests sent while that many run are refused whichever front they reach
-        runs = _concurrency_across_fronts(url, limited_key)
+        def synced(running: int) -> bool:
+            # the fronts the next connection may reach (leastconn: those with the fewest open) count every
+            # stream running, their own and the other's
+            fronts = router_states(url, headers, tries=2).values()
+            return bool(fronts) and all(r["inflight"] + r["sync"]["peer_inflight"] == running for r in fronts)
+
+        runs = _concurrency_across_fronts(url, limited_key, synced)
         served = [(a, b) for status, a, b in runs if status == 200]
         assert all(status in (200, 429) for status, _, _ in runs), runs
         overlap = max(sum(1 for a, b in served if a <= t < b) for t, _ in served)
-        assert overlap == LIMITED_CONCURRENCY, runs
+        assert overlap == LIMITED_CONCURRENCY, f"{runs}"
         refused_while_full = [
             a
             for status, a, _ in runs
