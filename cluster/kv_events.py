@@ -461,7 +461,8 @@ class KVEventSubscriber(KVEventApplier):
         try:
             sock.connect(src.replay_endpoint)
             try:  # a DEALER's send waits while it has no pipe (an endpoint refusing its handshake): bounded
-                await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s)
+                async with asyncio.timeout(self.replay_timeout_s):  # keeps a cancel that comes as the send ends
+                    await sock.send_multipart([b"", start.to_bytes(8, "big")])
             except TimeoutError:
                 return fetched  # nothing fetched: the caller treats the gap as unrecoverable
             while await sock.poll(int(self.replay_timeout_s * 1000)):

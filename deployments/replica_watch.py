@@ -153,7 +153,8 @@ class ReplicaWatch:
         None: the probe itself failed for another reason, which says nothing about the replica."""
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(r.get_queue_len(deadline_s=self.deadline_s), self.deadline_s)
+            async with asyncio.timeout(self.deadline_s):  # keeps a cancel that comes as the answer does
+                await r.get_queue_len(deadline_s=self.deadline_s)
         except (TimeoutError, RayError) as exc:
             if self.died is not None and isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError):
                 self.died(r.replica_id.unique_id)

@@ -679,7 +679,8 @@ class RouterSync:
                         .remote()
                     )
                 heartbeat = self._registry.heartbeat.remote(self.router_id, self.endpoint)
-                peers = await asyncio.wait_for(heartbeat, self.registry_timeout_s)
+                async with asyncio.timeout(self.registry_timeout_s):  # a cancel coming with the answer ends it
+                    peers = await heartbeat
                 self._follow(peers)
             except asyncio.CancelledError:
                 raise

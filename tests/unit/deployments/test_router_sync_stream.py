@@ -202,6 +202,38 @@ def test_a_router_restarted_on_a_departed_routers_port_stays_connected_once():
     asyncio.run(run())
 
 
+def test_discovery_cancelled_in_the_step_its_heartbeat_is_answered_ends():
+    """The router closing cancels discovery; a cancel that comes in the loop step the registry's answer does
+    must still end it (Python 3.11's `asyncio.wait_for` returns the answer and drops such a cancel: discovery
+    would go on heartbeating for a router that is gone, and whoever awaits it would wait for ever)."""
+
+    async def run():
+        sync = RouterSync("t", PeerPlacements(Index(), lambda: []), poll_s=0.01)
+        sync._sub, sync.endpoint = _Sub(), "tcp://127.0.0.1:1"
+        answers: list[asyncio.Future] = []
+
+        class _Heartbeat:
+            def remote(self, router: str, endpoint: str) -> asyncio.Future:
+                answers.append(asyncio.get_running_loop().create_future())
+                return answers[-1]
+
+        class _Pending:
+            heartbeat = _Heartbeat()
+
+        sync._registry = _Pending()
+        task = asyncio.create_task(sync._discover())
+        for _ in range(3):  # discovery reaches the wait for its first answer
+            await asyncio.sleep(0)
+        assert len(answers) == 1 and not task.done()
+        answers[0].set_result({})
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert task in done and task.cancelled()
+        assert len(answers) == 1  # no heartbeat after the cancel
+
+    asyncio.run(run())
+
+
 def test_a_router_that_closes_tells_its_peers_it_left_at_once():
     from kvmesh.cluster.index import PrefixIndex
 
