@@ -205,16 +205,10 @@ def _cluster_is_here(address: str | None) -> bool:
     """Whether every node of the cluster this run uses is this machine, so a file here is a file on every
     node: one started here; one joined at a loopback GCS address (a node elsewhere could not reach it); or a
     Ray this process already runs in whose nodes all have this machine's address."""
-    import ipaddress
-    import socket
-
     if address:
-        host = address.rpartition(":")[0].strip("[]")
-        try:
-            found = socket.getaddrinfo(host, None)
-        except OSError:
-            return False
-        return bool(found) and all(ipaddress.ip_address(str(a[4][0]).split("%")[0]).is_loopback for a in found)
+        from kvmesh.deployments.ray_join import address_is_here
+
+        return address_is_here(address)
     import ray
 
     if not ray.is_initialized():
@@ -228,7 +222,8 @@ def _cluster_is_here(address: str | None) -> bool:
 
 def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = None) -> None:
     """Point this run's processes at its secrets through files (runtime_env values end up in Ray's logs):
-    a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured, and
+    a new channel secret for its KV-event streams (cluster/secure_channel.py) unless one is configured or the
+    cluster has nodes elsewhere (a file written here is not on them: their own is used), and
     the salt secret: the configured file, a per-run file of KVMESH_SALT_SECRET, the `secret_file:` the
     tenants file names (the replicas read it there), or, started here, the one kept under KVMESH_HOME. The
     per-run files are remembered, so the stop removes them (remove_run_secret_files).
@@ -252,8 +247,16 @@ def _use_run_secrets(*, file_is_here: bool = True, tenants_file: str | None = No
     if tenants_file and not os.environ.get(SECRET_ENV) and not os.environ.get(SECRET_FILE_ENV):
         in_config = _tenants_secret_file(tenants_file, file_is_here)
     remove_dead_owners_secret_files(kvmesh_home() / "run")  # those of runs killed before they could
-    if not os.environ.get(CHANNEL_SECRET_FILE_ENV):
+    if os.environ.get(CHANNEL_SECRET_FILE_ENV):
+        pass  # configured: every process gets its path
+    elif file_is_here:
         _export_run_secret(CHANNEL_SECRET_FILE_ENV, str(write_channel_secret(kvmesh_home() / "run")))
+    else:  # a file written here is on no other node, and its path would outrank the one the nodes set
+        log.warning(
+            "no channel secret set here (%s): the joined cluster's replicas take their nodes' own, which every "
+            "node must have, the same (docs/security.md)",
+            CHANNEL_SECRET_FILE_ENV,
+        )
     if in_config is not None:  # the tenants file's `secret_file:` outranks the kept secret
         _export_kept(SECRET_FILE_ENV, str(in_config))
     elif not os.environ.get(SECRET_FILE_ENV):

@@ -49,6 +49,21 @@ def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         raise ClusterUnreachable(f"no Ray cluster answers at {address}: {why}") from None
 
 
+def address_is_here(address: str) -> bool:
+    """Whether the cluster at `address` (host:port of its GCS) can have no node but this machine: its host
+    resolves to loopback addresses only (a node elsewhere could not reach that GCS), so a file here is a
+    file on every node. An address that does not resolve is taken as elsewhere."""
+    import ipaddress
+    import socket
+
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(a[4][0]).split("%")[0]).is_loopback for a in found)
+
+
 def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0] if ":" in address else address
     return host in (LOOPBACK, "localhost")

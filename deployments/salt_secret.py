@@ -35,11 +35,20 @@ def check_usable_secret(env: Mapping[str, str], *, file_is_here: bool = True) ->
     """The checks the replicas' `tenants.resolve_secret` makes of the salt secret `env` configures, made
     before anything starts (ConfigError): KVMESH_SALT_SECRET is not the placeholder and is long enough; else the
     file KVMESH_SALT_SECRET_FILE names can be read, its content (blanks around it dropped, as there) is not
-    the placeholder and is long enough. `file_is_here` False (a cluster joined: the file may be only on its
-    nodes): a file this machine cannot read is theirs to check. No variable set: nothing to check, the
-    run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
+    the placeholder and is long enough. `file_is_here` False (a cluster joined with nodes elsewhere: the file
+    may be only on its nodes): a file this machine cannot read is theirs to check, and KVMESH_SALT_SECRET
+    alone is refused (the per-run file made of it would be on this machine only). No variable set: nothing
+    to check, the run keeps its own secret (`persistent_secret_file`). The replicas check again as they start."""
+    from kvmesh.deployments.config import ConfigError
     from kvmesh.deployments.tenants import SECRET_ENV, SECRET_FILE_ENV, check_secret
 
+    if env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV) and not file_is_here:
+        raise ConfigError(
+            f"{SECRET_ENV} is set here, but the Ray cluster joined has nodes elsewhere: they cannot read a file "
+            "written on this machine, and the value itself is never handed to Ray (its logs keep runtime "
+            f"environments). Put the secret in a file on every node and set {SECRET_FILE_ENV} to its path "
+            f"(or `secret_file:` in the tenants file), or unset {SECRET_ENV} here to use the nodes' own"
+        )
     if env.get(SECRET_ENV):  # it wins over the file, which the replicas then never read
         # blanks around it dropped, as the replicas drop them (`tenants.resolve_secret`)
         check_secret(env[SECRET_ENV].strip().encode("utf-8"), SECRET_ENV)

@@ -238,13 +238,14 @@ def run(args) -> int:
     if not is_driver():
         from kvmesh.deployments.local_ray import NotEnoughResources, local_num_cpus
         from kvmesh.deployments.port_check import check_port_free
-        from kvmesh.deployments.ray_join import check_reachable
+        from kvmesh.deployments.ray_join import address_is_here, check_reachable
         from kvmesh.deployments.salt_secret import check_usable_secret
 
         try:
             # a published placeholder, a short secret, a missing file stop here, not in the replicas once Ray runs
-            # (a cluster joined may hold the file on its nodes only: one this machine cannot read is theirs)
-            check_usable_secret(os.environ, file_is_here=not cfg["address"])
+            # (a cluster joined with nodes elsewhere may hold the file on its nodes only: one this machine cannot
+            # read is theirs, and KVMESH_SALT_SECRET alone cannot reach them)
+            check_usable_secret(os.environ, file_is_here=not cfg["address"] or address_is_here(cfg["address"]))
             if cfg["address"]:  # a wrong or dead address fails here, not after Ray's minutes of retries
                 check_reachable(cfg["address"])
             else:  # deployed onto a cluster, kvmesh binds nothing here: its Serve proxy does

@@ -283,9 +283,10 @@ def test_a_joined_cluster_is_never_handed_this_machines_kept_salt_secret(home, f
 def test_a_joined_cluster_gets_the_salt_secret_set_here_and_a_warning_without_one(
     home, fake_ray, monkeypatch, tmp_path, caplog
 ):
-    """What the operator set (a per-run file of KVMESH_SALT_SECRET) or a `secret_file:` read from a tenants file
-    this machine has is handed to the joined cluster's replicas; with neither, nothing is, and a warning says
-    that each replica then salts from its node's secret or its own."""
+    """A cluster with nodes elsewhere is handed the salt secret file the operator set or the `secret_file:` of
+    a tenants file this machine has (paths the nodes are to have too); with neither, nothing is, and a warning
+    says that each replica then salts from its node's secret or its own. KVMESH_SALT_SECRET alone is refused
+    before anything is written: it reaches the replicas as a file written here, which those nodes lack."""
     from kvmesh.deployments.app import runtime_env_vars, stop_local
 
     _join(fake_ray, monkeypatch)
@@ -297,12 +298,19 @@ def test_a_joined_cluster_gets_the_salt_secret_set_here_and_a_warning_without_on
     assert not (home / "salt-secret").exists()
 
     monkeypatch.setenv("KVMESH_SALT_SECRET", EXPLICIT)
+    with pytest.raises(ConfigError, match="has nodes elsewhere") as refused:
+        _start(joined)
+    assert EXPLICIT not in str(refused.value) and "KVMESH_SALT_SECRET_FILE" in str(refused.value)
+    assert _secret_files(home) == [] and os.environ.get("KVMESH_SALT_SECRET") == EXPLICIT
+    on_the_nodes = str(tmp_path / "mounted-secret")  # where the operator says the nodes have it
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", on_the_nodes)
     _start(joined)
     try:
-        assert open(runtime_env_vars()["KVMESH_SALT_SECRET_FILE"]).read() == EXPLICIT
+        assert runtime_env_vars()["KVMESH_SALT_SECRET_FILE"] == on_the_nodes
     finally:
         stop_local(drain=False)
     monkeypatch.delenv("KVMESH_SALT_SECRET")
+    monkeypatch.delenv("KVMESH_SALT_SECRET_FILE")
 
     tenants = _tenants_file(tmp_path / "conf", EXPLICIT + "\n")
     _start({**joined, "tenants_file": tenants})
@@ -310,6 +318,42 @@ def test_a_joined_cluster_gets_the_salt_secret_set_here_and_a_warning_without_on
         assert runtime_env_vars()["KVMESH_SALT_SECRET_FILE"] == str(tmp_path / "conf" / "salt-secret")
     finally:
         stop_local(drain=False)
+
+
+def test_a_cluster_with_nodes_elsewhere_is_not_handed_a_channel_secret_written_here(
+    home, fake_ray, monkeypatch, caplog
+):
+    """The KV-event streams' channel secret: a run's own is written under KVMESH_HOME, on this machine only.
+    Handed to a cluster with nodes elsewhere, its path outranked the one those nodes set (KubeRay mounts one),
+    and their engines and routers failed reading it. Not written then: the nodes' own is used (a warning
+    says so), or the one configured here, by its path; a cluster on this machine gets the run's own."""
+    from kvmesh.deployments.app import runtime_env_vars, stop_local
+
+    _join(fake_ray, monkeypatch)
+    with caplog.at_level("WARNING", logger="kvmesh.deployments.app"):
+        _start({"address": "10.0.0.5:6379"})
+    try:
+        assert "KVMESH_CHANNEL_SECRET_FILE" not in runtime_env_vars()
+        assert _secret_files(home) == []
+    finally:
+        stop_local(drain=False)
+    assert [r.getMessage() for r in caplog.records if "no channel secret set here" in r.getMessage()]
+
+    monkeypatch.setenv("KVMESH_CHANNEL_SECRET_FILE", "/run/secrets/kvmesh-channel")
+    _start({"address": "10.0.0.5:6379"})
+    try:
+        assert runtime_env_vars()["KVMESH_CHANNEL_SECRET_FILE"] == "/run/secrets/kvmesh-channel"
+    finally:
+        stop_local(drain=False)
+    monkeypatch.delenv("KVMESH_CHANNEL_SECRET_FILE")
+
+    _start({"address": "127.0.0.1:6379"})
+    try:
+        own = runtime_env_vars()["KVMESH_CHANNEL_SECRET_FILE"]
+        assert own.startswith(str(home / "run")) and os.path.exists(own)
+    finally:
+        stop_local(drain=False)
+    assert _secret_files(home) == []
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,22 @@ def test_a_secret_file_of_a_joined_clusters_nodes_is_theirs_to_check(launch, mon
     assert len(launch) == 1
 
 
+def test_a_secret_variable_alone_stops_a_join_to_nodes_elsewhere_not_to_this_machine(launch, monkeypatch, capsys):
+    """KVMESH_SALT_SECRET reaches the replicas as a file written here (never as a value: Ray logs runtime
+    environments), which nodes elsewhere do not have: their replicas failed reading it once Ray ran. Refused
+    before the launch, naming what to set instead; a cluster at a loopback address is this machine's."""
+    from kvmesh.deployments import ray_join
+
+    monkeypatch.setattr(ray_join, "check_reachable", lambda address: None)  # no cluster needed for this check
+    monkeypatch.setenv("KVMESH_SALT_SECRET", GOOD_SECRET)
+    err = refused(["serve", "--address", "10.0.0.1:6379"], capsys, "has nodes elsewhere")
+    assert "KVMESH_SALT_SECRET_FILE" in err and GOOD_SECRET not in err
+    assert launch == []
+    assert main(["serve", "--address", "127.0.0.1:6379"]) == 0 and len(launch) == 1
+    monkeypatch.setenv("KVMESH_SALT_SECRET_FILE", "/run/secrets/on-the-nodes-only")  # what the nodes read
+    assert main(["serve", "--address", "10.0.0.1:6379"]) == 0 and len(launch) == 2
+
+
 def test_an_address_nothing_answers_at_stops_before_the_launch(launch, capsys, monkeypatch):
     """`ray.init` retried a GCS it could not reach for some 14 minutes, printing warnings, before it failed:
     an address where nothing accepts a connection is one line naming it, exit 2, before anything starts."""
