@@ -123,8 +123,8 @@ def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
         if not isinstance(msgs, list) or not msgs:
             raise RequestLogError(f"{where} line {line}: 'messages' must be a non-empty list")
         for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise RequestLogError(f"{where} line {line}: messages[{i}] needs a 'role' and a 'content'")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestLogError(f"{where} line {line}: messages[{i}] needs a 'role'")
             try:
                 chat_message(m, i)
             except OpenAIError as exc:

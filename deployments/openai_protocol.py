@@ -437,7 +437,7 @@ def parse_chat(body: dict) -> GenerationRequest:
 
 def chat_message(m: Any, i: int) -> dict:
     """`messages[i]` of a chat request checked as the ingress serves it (an object with a role of system,
-    developer, user or assistant, a string `name` if any, a string or text-part content, no tool calls) and put
+    developer, user or assistant, a string `name` if any, a string or text-part content or none, no tool calls) and put
     as `{"role", "content", "name"?}`; `OpenAIError` naming the field otherwise. The chat template gets them
     through `request_log.template_messages`. The request log's reader (`cluster/request_log.py`) applies the same
     rules, so that a logged message the ingress refuses (a tool call, a `tool` message) is refused when the log
@@ -453,7 +453,9 @@ def chat_message(m: Any, i: int) -> dict:
     if role == "assistant" and m.get("tool_calls"):  # vLLM's server renders them; tools are not served here
         param = f"messages[{i}].tool_calls"
         raise bad(f"'{param}' is not supported by this server.", param, "unsupported_parameter")
-    out = {"role": role, "content": _content(m.get("content"), i, role)}
+    # no `content` key at all is no content, for any role: vLLM's request model takes such a message (its
+    # custom-role form) and renders an empty turn; a null content stays an assistant's alone
+    out = {"role": role, "content": _content(m["content"], i, role) if "content" in m else []}
     if name is not None:
         out["name"] = name
     return out

@@ -37,7 +37,7 @@ def test_only_body_is_required_and_the_endpoint_is_inferred(tmp_path):
         (json.dumps({"body": {"prompt": "x"}, "endpoint": CHAT}), "line 2: endpoint /v1/chat/completions needs"),
         (json.dumps({"body": {"input": "x"}}), "line 2: body has neither"),
         (json.dumps({"body": {"prompt": [1, "a"]}}), "line 2: 'prompt' must be"),
-        (json.dumps({"body": {"messages": [{"role": "user"}]}}), "line 2: messages[0] needs"),
+        (json.dumps({"body": {"messages": [{"content": "x"}]}}), "line 2: messages[0] needs a 'role'"),
         (json.dumps({"body": {"prompt": "x"}, "timestamp": "now"}), "line 2: 'timestamp'"),
         (json.dumps({"id": "line-1", "body": {"prompt": "x"}}), "line 2: id 'line-1' already used on line 1"),
     ],

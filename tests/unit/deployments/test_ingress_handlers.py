@@ -1449,6 +1449,10 @@ _RENDER_CASES = [
     # an assistant's null content: an empty turn
     (None, [_U("hi"), _A(None), _U("x")]),
     (PARTS_TEMPLATE, [_U("hi"), _A(None), _U("x")]),
+    # a message without a content key, any role: an empty turn
+    (None, [{"role": "system"}, _U("hi"), {"role": "assistant"}, {"role": "user"}]),
+    (None, [_S("A"), {"role": "developer"}, _U("hi")]),
+    (PARTS_TEMPLATE, [_U("hi"), {"role": "assistant"}, {"role": "user"}]),
     # empty text parts: dropped before the parts are joined for a string template, kept as parts for one that
     # loops over them, and kept when a system message's parts are joined to be merged
     (None, [_U(_EMPTY_PART)]),

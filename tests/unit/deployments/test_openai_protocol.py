@@ -306,6 +306,17 @@ def test_a_null_content_is_taken_where_vllm_takes_it_and_refused_where_it_refuse
     assert vllm_takes == (role == "assistant")
 
 
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant"])
+def test_a_message_without_content_is_taken_as_vllm_takes_it(role):
+    """vLLM's request model takes a message with no `content` key at all, whatever its role (its custom-role
+    message form), and renders an empty turn; the ingress takes it too, as no parts (it was refused)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": role}]}
+    ChatCompletionRequest(**body)  # raises if vLLM refused it
+    assert proto.parse_chat(body).messages[1] == {"role": role, "content": []}
+
+
 def test_an_assistant_turn_with_tool_calls_is_refused_not_rendered_without_them():
     """vLLM renders an assistant's tool calls; this server serves no tools, and a null content is no longer
     refused: the calls themselves are (an empty list is none, as vLLM drops it)."""
