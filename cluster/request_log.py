@@ -474,10 +474,11 @@ def _system_first(conversation: list[dict]) -> list[dict]:
 
 def template_messages(messages: list[dict], chat_template: str | None) -> list[dict]:
     """Checked chat messages (`openai_protocol.chat_message`) as kvmesh's ingress hands them to `chat_template`,
-    which is what vLLM's server hands it: each content as the template takes it (`content_format`), the `name`
-    kept; a `developer` message as it is for a template that knows the role, else as `system`, with every
-    system message then merged into the first (`_system_first`). Both the ingress and the log's reader render
-    through this, so a replayed log renders the prompts the ingress served."""
+    which is what vLLM's server hands it: each content as the template takes it (`content_format`); the `name`,
+    an assistant's `reasoning` (also as `reasoning_content`) and a `task` kept; a `developer` message as it is
+    for a template that knows the role, else as `system`, with every system message then merged into the first
+    (`_system_first`). Both the ingress and the log's reader render through this, so a replayed log renders the
+    prompts the ingress served."""
     as_parts = content_format(chat_template) == "openai"
     out: list[dict] = []
     for m in messages:
@@ -486,6 +487,10 @@ def template_messages(messages: list[dict], chat_template: str | None) -> list[d
         msg = {"role": m["role"], "content": [dict(p) for p in parts] if as_parts else content_text(parts)}
         if m.get("name") is not None:
             msg["name"] = m["name"]
+        if m.get("reasoning") is not None:  # an assistant's, by both names a template may read it under
+            msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        if m.get("task") is not None:
+            msg["task"] = m["task"]
         if m["role"] == "developer":
             msg["tools"] = None  # vLLM's server gives a developer message its (refused here) tools
         out.append(msg)

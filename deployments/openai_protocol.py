@@ -437,11 +437,11 @@ def parse_chat(body: dict) -> GenerationRequest:
 
 def chat_message(m: Any, i: int) -> dict:
     """`messages[i]` of a chat request checked as the ingress serves it (an object with a role of system,
-    developer, user or assistant, a string `name` if any, a string or text-part content or none, no tool calls) and put
-    as `{"role", "content", "name"?}`; `OpenAIError` naming the field otherwise. The chat template gets them
-    through `request_log.template_messages`. The request log's reader (`cluster/request_log.py`) applies the same
-    rules, so that a logged message the ingress refuses (a tool call, a `tool` message) is refused when the log
-    is read, not rendered as text."""
+    developer, user or assistant, a string `name` if any, a string or text-part content or none, no tool calls)
+    and put as `{"role", "content", "name"?, "reasoning"?, "task"?}`; `OpenAIError` naming the field otherwise.
+    The chat template gets them through `request_log.template_messages`. The request log's reader
+    (`cluster/request_log.py`) applies the same rules, so that a logged message the ingress refuses (a tool
+    call, a `tool` message) is refused when the log is read, not rendered as text."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
     role = m.get("role")
@@ -458,6 +458,18 @@ def chat_message(m: Any, i: int) -> dict:
     out = {"role": role, "content": _content(m["content"], i, role) if "content" in m else []}
     if name is not None:
         out["name"] = name
+    # an assistant's reasoning (interleaved thinking: a template such as Qwen3's renders it back), under its
+    # name or the deprecated `reasoning_content` vLLM's server still takes; another role's is not rendered
+    reasoning = m.get("reasoning")
+    if reasoning is None:
+        reasoning = m.get("reasoning_content")
+    if role == "assistant" and reasoning is not None:
+        if not isinstance(reasoning, str):
+            param = f"messages[{i}].reasoning"
+            raise bad(f"'{param}' must be a string.", param, "invalid_type")
+        out["reasoning"] = reasoning
+    if isinstance(m.get("task"), str):  # a message's task, as vLLM's server passes it to the template
+        out["task"] = m["task"]
     return out
 
 

@@ -1431,6 +1431,15 @@ def _turn(role: str):
 
 
 _S, _D, _U, _A = (_turn(role) for role in ("system", "developer", "user", "assistant"))
+# a template that renders an assistant's reasoning (as Qwen3's does, by `reasoning_content`) and a message's task
+REASONING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message.reasoning_content is defined and message.reasoning_content is not none %}"
+    "{{ '<think>' + message.reasoning_content + '</think>' }}{% endif %}"
+    "{% if message.reasoning is defined and message.reasoning is not none %}{{ '<r>' + message.reasoning }}{% endif %}"
+    "{% if message.task is defined %}{{ '[' + message.task + ']' }}{% endif %}"
+    "{{ message['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 _RENDER_CASES = [
     # the developer role: as `system` for a template that does not know it, every system message merged first
     (None, [_D("be terse"), _U("hi")]),
@@ -1449,6 +1458,16 @@ _RENDER_CASES = [
     # an assistant's null content: an empty turn
     (None, [_U("hi"), _A(None), _U("x")]),
     (PARTS_TEMPLATE, [_U("hi"), _A(None), _U("x")]),
+    # an assistant's reasoning reaches the template (as `reasoning` and `reasoning_content`), a null one does not,
+    # and any role's string `task` does; another role's reasoning and a task that is not a string are left out
+    (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning": "think"}, _U("x")]),
+    (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning": None}, _U("x")]),
+    (REASONING_TEMPLATE, [_U("hi"), {**_A(None), "reasoning": ""}, _U("x")]),
+    (REASONING_TEMPLATE, [{**_S("s"), "task": "t1"}, {**_U("hi"), "task": "t2"}, {**_A("a"), "task": "t3"}]),
+    (REASONING_TEMPLATE, [{**_U("hi"), "reasoning": "mine"}, {**_A("a"), "task": None}]),
+    (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning_content": "old name"}, _U("x")]),
+    (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning": "new", "reasoning_content": "old"}, _U("x")]),
+    (REASONING_TEMPLATE, [{**_S("A"), "task": "t1"}, {**_D("B"), "task": "t2"}, _U("hi")]),
     # a message without a content key, any role: an empty turn
     (None, [{"role": "system"}, _U("hi"), {"role": "assistant"}, {"role": "user"}]),
     (None, [_S("A"), {"role": "developer"}, _U("hi")]),

@@ -317,6 +317,22 @@ def test_a_message_without_content_is_taken_as_vllm_takes_it(role):
     assert proto.parse_chat(body).messages[1] == {"role": role, "content": []}
 
 
+def test_an_assistants_reasoning_is_kept_under_either_name_and_must_be_text():
+    """Interleaved thinking: an assistant turn's `reasoning` (or the deprecated `reasoning_content`, which vLLM's
+    server renames) goes to the template; another role's is not rendered, a `task` string is kept; reasoning
+    that is not text is a 400 naming it (vLLM's template call would fail on it)."""
+    msgs = [
+        {"role": "user", "content": "x", "reasoning": "ignored", "task": "t"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r"},
+    ]
+    got = proto.parse_chat({"model": "m", "messages": msgs}).messages
+    assert got[0] == {"role": "user", "content": "x", "task": "t"}
+    assert got[1] == {"role": "assistant", "content": "a", "reasoning": "r"}
+    msgs[1]["reasoning"] = ["not", "text"]
+    e = err(proto.parse_chat, {"model": "m", "messages": msgs})
+    assert (e.param, e.code) == ("messages[1].reasoning", "invalid_type")
+
+
 def test_an_assistant_turn_with_tool_calls_is_refused_not_rendered_without_them():
     """vLLM renders an assistant's tool calls; this server serves no tools, and a null content is no longer
     refused: the calls themselves are (an empty list is none, as vLLM drops it)."""
