@@ -697,7 +697,15 @@ class Ingress:
                 return self._engine_failed(first["finish_reason"])
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
             response = JSONResponse(
-                proto.full_response(req, oid, first["text"], first["finish_reason"], u, created=created),
+                proto.full_response(
+                    req,
+                    oid,
+                    first["text"],
+                    first["finish_reason"],
+                    u,
+                    created=created,
+                    stop_reason=first.get("stop_reason"),
+                ),
                 headers=headers,
             )
             self.serving_metrics.record_stage("handler", time.perf_counter() - t0)
@@ -732,7 +740,14 @@ class Ingress:
                         running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
                         event = proto.sse(
                             proto.stream_chunk(
-                                req, oid, chunk["text"], finish_reason, created=created, first=is_first, u=running
+                                req,
+                                oid,
+                                chunk["text"],
+                                finish_reason,
+                                created=created,
+                                first=is_first,
+                                u=running,
+                                stop_reason=chunk.get("stop_reason"),
                             )
                         )
                     is_first = False

@@ -500,8 +500,19 @@ def running_usage(req: GenerationRequest, prompt_tokens: int, completion_tokens:
     return u
 
 
-def full_response(req: GenerationRequest, rid: str, text: str, finish: str | None, u: dict, *, created: int) -> dict:
-    """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller."""
+def full_response(
+    req: GenerationRequest,
+    rid: str,
+    text: str,
+    finish: str | None,
+    u: dict,
+    *,
+    created: int,
+    stop_reason: int | str | None = None,
+) -> dict:
+    """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller.
+    `stop_reason` is what stopped it, as vLLM's server reports it beside `finish_reason`: the stop string that
+    matched, a stop token's id, None for EOS or a length."""
     if req.kind == "chat":
         return {
             "id": rid,
@@ -514,8 +525,10 @@ def full_response(req: GenerationRequest, rid: str, text: str, finish: str | Non
                     "message": {"role": "assistant", "content": text},
                     "logprobs": None,
                     "finish_reason": finish,
+                    "stop_reason": stop_reason,
                 }
             ],
+            "system_fingerprint": None,  # OpenAI's field, null as on vLLM's server
             "usage": u,
         }
     return {
@@ -523,7 +536,7 @@ def full_response(req: GenerationRequest, rid: str, text: str, finish: str | Non
         "object": "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}],
         "usage": u,
     }
 
@@ -537,9 +550,11 @@ def stream_chunk(
     created: int,
     first: bool = False,
     u: dict | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict:
     """One chunk of a streamed answer. `created` is the request's stamp, taken once: every chunk of a stream
-    carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway)."""
+    carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway). The chunk
+    that finishes it carries `stop_reason` too (`full_response`), as vLLM's last chunk does."""
     if req.kind == "chat":
         choices = []
         if text is not None or finish is not None or first:
@@ -549,6 +564,8 @@ def stream_chunk(
             if text:
                 delta["content"] = text
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            if finish is not None:
+                choices[0]["stop_reason"] = stop_reason
         chunk = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -562,6 +579,8 @@ def stream_chunk(
             if text is None and finish is None
             else [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
         )
+        if finish is not None:
+            choices[0]["stop_reason"] = stop_reason
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if u is not None:
         chunk["usage"] = u

@@ -497,6 +497,37 @@ def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_m
     assert "temperature" not in params and "top_p" not in params  # the engine's (the model's) defaults
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_what_stopped_a_generation_is_answered_as_vllms_server_answers_it(kind):
+    """`stop_reason` beside `finish_reason` (vLLM's server's field: the stop string that matched, a stop token's
+    id, null for EOS or a length), on the answer and on a stream's last chunk only; a chat also has OpenAI's
+    `system_fingerprint` (null, as on vLLM's server)."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine("stop")
+    last = _chunk("b", [6], "stop")
+    ing.engine.generate_full = _Method(lambda request: _unary_answer({**last, "text": "ab", "stop_reason": "END"}))
+    body = CHAT if kind == "chat" else {"model": "tiny", "prompt": "hi"}
+    status, answer = _answer(ing, body, kind)
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["choices"][0]["stop_reason"] == "END"
+    assert ("system_fingerprint" in answer) == (kind == "chat") and answer.get("system_fingerprint") is None
+
+    def stream(request: dict) -> _Stream:
+        made = _Stream(False)
+        made.chunks = [_chunk("a", [5]), {**last, "stop_reason": 7}]
+        return made
+
+    ing.engine.generate = _Method(stream)
+    status, text = _answer(ing, {**body, "stream": True}, kind)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and [e["choices"][0].get("stop_reason", "absent") for e in events] == ["absent", 7]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def _unary_answer(chunk: dict) -> dict:
+    return {**chunk, "ttft_s": 0.0}
+
+
 @pytest.mark.parametrize("finish", ["error", "abort"])
 def test_a_generation_the_engine_did_not_finish_is_a_500_not_a_short_answer(finish):
     ing = _ingress()
