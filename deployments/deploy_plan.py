@@ -325,6 +325,13 @@ def container_env(pod: Mapping[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value") for e in pod["containers"][0].get("env") or []}
 
 
+def env_from_elsewhere(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's Ray container also takes variables whose names the manifest does not list (`envFrom`: a
+    Secret's or ConfigMap's keys): a variable missing from `container_env` may be set there, so a check that
+    needs it can neither find it nor say it is missing."""
+    return bool(pod["containers"][0].get("envFrom"))
+
+
 def _mount_dirs(pod: Mapping[str, Any]) -> list[str]:
     container = pod["containers"][0]
     volumes = {v["name"] for v in pod.get("volumes") or []}
@@ -341,6 +348,8 @@ def missing_files(config: Mapping[str, Any], service: Mapping[str, Any]) -> list
             env = container_env(pod)
             mounts = _mount_dirs(pod)
             for what, path in files_read(config, env)[dep].items():
+                if path is None and env_from_elsewhere(pod):
+                    continue  # its variable may come from the container's envFrom: where it points is unknown here
                 if path is None or not any((path.rstrip("/") + "/").startswith(m) for m in mounts):
                     problems.append(f"{dep} on {name}: {what} ({path})")
     return problems
@@ -425,7 +434,8 @@ def l2_access_problems(config: Mapping[str, Any], service: Mapping[str, Any]) ->
     problems = []
     for var in CREDENTIAL_ENV.values():
         have = [name for name in names if var in container_env(groups[name]["pod"])]
-        lack = [name for name in names if name not in have]
+        # a group whose container takes a Secret or ConfigMap whole (envFrom) may have it: not known to lack it
+        lack = [name for name in names if name not in have and not env_from_elsewhere(groups[name]["pod"])]
         if have and lack:
             problems.append(
                 f"engine replicas fit on pod group(s) {', '.join(lack)}, which lack the {var} that "

@@ -210,6 +210,37 @@ def test_render_refuses_engines_that_may_land_where_the_shared_tiers_password_is
     assert render(files, capsys) == (0, "")
 
 
+def _head_container_edit(manifest_path, drop_salt_file: bool = False, env_from: bool = False) -> None:
+    """Edit the head's Ray container as text (render keeps the manifest's own layout): drop its salt secret
+    file variable, and/or have it take a Secret whole (`envFrom`)."""
+    text = manifest_path.read_text()
+    salt = "                - name: KVMESH_SALT_SECRET_FILE\n                  value: /etc/kvmesh/salt/secret\n"
+    head = "            - name: ray-head\n"
+    assert text.count(head) == 1
+    at = text.index(head)
+    if drop_salt_file:
+        at_salt = text.index(salt, at)  # the head's own entry (the workers' are indented deeper)
+        text = text[:at_salt] + text[at_salt + len(salt) :]
+    if env_from:
+        env = text.index("              env:\n", at)
+        env_from_lines = "              envFrom:\n                - secretRef:\n                    name: extra\n"
+        text = text[:env] + env_from_lines + text[env:]
+    manifest_path.write_text(text)
+
+
+def test_a_variable_a_container_may_take_from_envfrom_is_not_reported_missing(files, capsys):
+    """`envFrom` (a Secret or ConfigMap taken whole) sets variables the manifest does not name: the salt secret's
+    path, the shared tier's password. Render cannot see them, so it does not refuse them as missing (it did, so a
+    manifest keeping them in a Secret could not be rendered at all); without envFrom a missing one is refused."""
+    _head_container_edit(files[1], drop_salt_file=True)
+    assert "not mounted: Ingress on head: salt secret (None)" in refused(files, capsys)
+    _head_container_edit(files[1], env_from=True)
+    assert render(files, capsys) == (0, "")
+
+    _cpu_engines(files[0])  # engines that may land on the head, which names no LMCACHE_RESP_PASSWORD
+    assert render(files, capsys) == (0, ""), "the head's envFrom may hold it"
+
+
 @pytest.mark.parametrize(
     ("key", "value", "set_by"),
     [
