@@ -32,7 +32,7 @@ PREFIX_TOKENS = 640
 CONFIG = {
     "replicas": 2,
     "ingress_replicas": 2,
-    "engine": {"model": "tiny", "block_size": 32, "max_model_len": 2048, "num_gpu_blocks_override": 512},
+    "engine": {"model": "tiny", "block_size": 32, "max_model_len": 4096, "num_gpu_blocks_override": 512},
 }
 
 
@@ -42,6 +42,8 @@ def _states(url: str, headers: dict) -> dict[str, dict]:
 
 
 LIMITED_CONCURRENCY = 2
+REFUSALS = 6  # requests sent while the limited tenant's streams run, alternating between the fronts
+DONE_LAG_S = 0.5  # how much later than the ingress's release a stream's end may reach its reading client
 
 
 def _tenants_file(tmp_path) -> tuple[str, str, str]:
@@ -60,53 +62,92 @@ def _tenants_file(tmp_path) -> tuple[str, str, str]:
     return str(path), main, limited
 
 
-def _concurrency_across_fronts(
-    url: str, key: str, synced: Callable[[int], bool], requests: int = 8
-) -> list[tuple[int, float, float]]:
-    """Open `requests` long streams one after another, each on its own connection (HAProxy's leastconn sends
-    them to alternate ingress replicas), and read each to its end. Before the next is sent, the fleet's view
-    must hold every stream answered and still running: `synced(n)` polls until the fronts count all n (the
-    placement stream's lag, milliseconds on an idle machine, is seconds on a starved one, and within it a
-    front knows nothing of the other's admissions, as admission.py says). Returns (HTTP status, when it was
-    answered, when its [DONE] arrived) per request, in the order sent."""
-    results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * requests
-    statuses = [0] * requests
-    finished = [False] * requests
-    answered = threading.Semaphore(0)
+def _refusals_by_front(url: str) -> dict[str, int]:
+    """The `limited` tenant's concurrency refusals per ingress replica, from the fleet's /metrics page."""
+    page = httpx.get(url + "/metrics", timeout=30).text
+    counts: dict[str, int] = {}
+    for labels, value in re.findall(r"^kvmesh_tenant_rejections_total\{([^}]*)\} (\S+)$", page, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if got.get("tenant") == "limited" and got.get("reason") == "concurrency_limit_exceeded":
+            counts[got["ingress"]] = int(float(value))
+    return counts
 
-    def stream(i: int) -> None:
-        body = {"model": "tiny", "prompt": [7, 8, 9, 10 + i], "max_tokens": 1800, "ignore_eos": True, "stream": True}
-        headers = {"Authorization": f"Bearer {key}"}
+
+class _LongStream:
+    """A long stream of the limited tenant, read as it comes on a thread of its own (unread, it would stall, or
+    the proxy's client timeout would cut it), until its end or until `stop` closes it as a client going away."""
+
+    def __init__(self, url: str, key: str, i: int):
+        self.answered = threading.Event()
+        self.status = 0
+        self.done_at: float | None = None  # when its end (its [DONE], or the connection's end) was read
+        self._stop = threading.Event()
+        body = {"model": "tiny", "prompt": [7, 8, 10 + i], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._read, args=(url, key, body), daemon=True)
+        self._thread.start()
+        assert self.answered.wait(120), "a long stream was not answered"
+
+    def _read(self, url: str, key: str, body: dict) -> None:
         try:
-            client = httpx.Client(timeout=180, headers=headers)
-            with client as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-                at = time.monotonic()
-                statuses[i] = r.status_code
-                answered.release()
-                done = None
-                for chunk in r.iter_bytes():
-                    if done is None and b"[DONE]" in chunk:
-                        # the ingress frees the request's slot right after writing [DONE], before it closes
-                        # the stream: the connection's end reaches this client milliseconds after the slot
-                        # may already be another request's
-                        done = time.monotonic()
-                results[i] = (r.status_code, at, done or time.monotonic())
+            with httpx.Client(timeout=180, headers={"Authorization": f"Bearer {key}"}) as c:
+                with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    self.status = r.status_code
+                    self.answered.set()
+                    for chunk in r.iter_bytes():
+                        if b"[DONE]" in chunk or self._stop.is_set():
+                            break
         finally:
-            finished[i] = True
+            self.done_at = time.monotonic()
+            self.answered.set()
 
-    def running() -> int:
-        return sum(1 for i in range(requests) if statuses[i] == 200 and not finished[i])
+    def running(self) -> bool:
+        return self.done_at is None
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(requests)]
-    for i, t in enumerate(threads):
-        t.start()
-        assert answered.acquire(timeout=120)
-        time.sleep(0.15)  # a refused stream's connection closes first: leastconn then alternates the fronts
-        if statuses[i] == 200:
-            wait_for(lambda: synced(running()), "the other front's router to count the tenant's running streams")
-    for t in threads:
-        t.join(180)
-    return results
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _fleet_wide_concurrency(url: str, key: str, synced: Callable[[int], bool]) -> None:
+    """The `limited` tenant's concurrency limit holds across both fronts. LIMITED_CONCURRENCY long streams are
+    opened one by one (leastconn puts the second on the other front), each once the fleet's view counts the
+    ones before it (the placement stream's lag, milliseconds on an idle machine, seconds on a starved one: within
+    it a front knows nothing of the other's admissions, as admission.py says). While they run, requests are
+    refused, on both fronts; a stream its client closes frees its slot for the next request."""
+    headers = {"Authorization": f"Bearer {key}"}
+    streams: list[_LongStream] = []
+    try:
+        for i in range(LIMITED_CONCURRENCY):
+            streams.append(_LongStream(url, key, i))
+            assert streams[-1].status == 200, streams[-1].status
+            wait_for(lambda: synced(len(streams)), "the fronts to count every running stream")
+        before = _refusals_by_front(url)
+        for i in range(REFUSALS):  # no other request meanwhile: it would take a turn of leastconn's alternation
+            if not all(s.running() for s in streams):
+                break
+            with httpx.Client(timeout=60, headers=headers) as c:  # its own connection: leastconn alternates ties
+                r = c.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, i], "max_tokens": 1})
+            at = time.monotonic()
+            if r.status_code == 200:  # only if a stream had ended: its client reads its end at most DONE_LAG_S later
+                time.sleep(DONE_LAG_S)
+                assert any(s.done_at is not None and s.done_at <= at + DONE_LAG_S for s in streams), (
+                    f"admitted while {LIMITED_CONCURRENCY} of the tenant's streams ran: {r.text}"
+                )
+                break
+            assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit_exceeded", r.text
+            time.sleep(0.15)
+        refused = {front: n - before.get(front, 0) for front, n in _refusals_by_front(url).items()}
+        assert len([n for n in refused.values() if n > 0]) == 2, f"refused per front while the streams ran: {refused}"
+        streams.pop(0).stop()  # the client goes away: the ingress cancels the stream and frees its slot
+        # the ingress hears of the client's going away at its next write through the proxy: seconds on a starved
+        # machine (with the stream's own end, 4000 tokens, the latest it frees the slot)
+        wait_for(lambda: synced(len(streams)), "the fronts to count the closed stream gone", timeout=120)
+        with httpx.Client(timeout=60, headers=headers) as c:
+            r = c.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        for stream in streams:
+            stream.stop()
 
 
 def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
@@ -155,26 +196,15 @@ def test_two_ingress_replicas_share_placements(tmp_path, tiny_model_dir):
             assert s["published"] > 0 and s["applied"] > 0, states
             assert s["peer_inflight"] == 0, states  # every peer request that finished was taken back
 
-        # a tenant's concurrency limit is the fleet's, not each ingress replica's: with both fronts taking
-        # turns, at most LIMITED_CONCURRENCY of its long requests run at once (per replica it would be twice
-        # that), and requests sent while that many run are refused whichever front they reach
+        # a tenant's concurrency limit is the fleet's, not each ingress replica's: per replica it would let twice
+        # LIMITED_CONCURRENCY of its requests run
         def synced(running: int) -> bool:
             # the fronts the next connection may reach (leastconn: those with the fewest open) count every
-            # stream running, their own and the other's
+            # request of the fleet running, their own and the other's
             fronts = router_states(url, headers, tries=2).values()
             return bool(fronts) and all(r["inflight"] + r["sync"]["peer_inflight"] == running for r in fronts)
 
-        runs = _concurrency_across_fronts(url, limited_key, synced)
-        served = [(a, b) for status, a, b in runs if status == 200]
-        assert all(status in (200, 429) for status, _, _ in runs), runs
-        overlap = max(sum(1 for a, b in served if a <= t < b) for t, _ in served)
-        assert overlap == LIMITED_CONCURRENCY, f"{runs}"
-        refused_while_full = [
-            a
-            for status, a, _ in runs
-            if status == 429 and sum(1 for s, e in served if s <= a < e) == LIMITED_CONCURRENCY
-        ]
-        assert len(refused_while_full) >= 3, runs  # consecutive requests alternate between the two fronts
+        _fleet_wide_concurrency(url, limited_key, synced)
 
         # one scrape, whichever replica answers, holds both replicas' counters, each labelled with its
         # replica and each family once (a scrape reaching one replica would switch between their counters)
