@@ -14,7 +14,9 @@ drain logs it and returns at once (the stop is then as abrupt as before, never s
 Each replica is counted on its own: with autoscaling, a replica still waiting for resources never
 answers and one being stopped raises, and neither says anything about the others' streams. A replica
 that does not answer is logged once and not asked again during that drain; the drain keeps waiting on
-the replicas that answered.
+the replicas that answered. Serve's status says how many of the app's replicas are still starting (waiting
+for resources, or in their constructor): they hold no request, so a poll waits for the others' answers only,
+not the whole count timeout for theirs.
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ def in_flight(app_name: str, timeout_s: float = COUNT_TIMEOUT_S, skip: set[str] 
         except Exception as exc:  # stopped between the listing and the call, or Serve renamed the method
             _skip(name, exc)
     unanswered: object = f"no answer within {timeout_s:g} s"  # still waiting for resources, or hung
+    # as many answers as replicas not starting (those answer only once started, and hold nothing)
+    awaited = max(1, len(refs) - starting_replicas(app_name)) if refs else 0
     try:
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        ready, _ = ray.wait(list(refs), num_returns=awaited, timeout=timeout_s) if refs else ([], [])
+        timed_out = len(ready) < awaited
+        if refs and len(ready) < len(refs):  # any other answer already in
+            ready = ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]
     except Exception as exc:
-        ready, unanswered = [], exc
+        ready, unanswered, timed_out = [], exc, True
     total, counted = 0, 0
     for ref in ready:
         try:
@@ -77,12 +84,28 @@ def in_flight(app_name: str, timeout_s: float = COUNT_TIMEOUT_S, skip: set[str] 
             _skip(refs[ref], exc)
     answered = set(ready)
     for ref, name in refs.items():
-        if ref not in answered:
+        if ref not in answered and timed_out:  # not when only the starting ones are left: asked again next poll
             _skip(name, unanswered)
     if not counted:
         log.warning("no replica of %s could be counted: stopping without draining", app_name)
         return None
     return total
+
+
+def starting_replicas(app_name: str) -> int:
+    """How many replicas of `app_name` Serve reports starting (0 when its status cannot be had)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():  # serve.status() would start a Ray of its own
+        return 0
+    try:
+        app = serve.status().applications.get(app_name)
+        deployments = app.deployments.values() if app is not None else ()
+        states = [dep.replica_states for dep in deployments]
+        return sum(int(count) for by_state in states for state, count in by_state.items() if state == "STARTING")
+    except Exception:  # no controller to ask: every replica is waited for, as before
+        return 0
 
 
 def drain(app_name: str, timeout_s: float = DRAIN_TIMEOUT_S, poll_s: float = 0.5) -> int:

@@ -13,6 +13,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError
 from kvmesh.deployments import drain as D
 
 PENDING = object()  # a replica waiting for resources: its answer never comes
+WAITED: list[float] = []  # the timeouts the faked ray.wait ran out (answers asked for that never came)
 APP = "kvmesh"
 
 
@@ -46,6 +47,7 @@ class _Replica:
 def fleet(monkeypatch):
     replicas: dict[str, _Replica] = {}
     gone: set[str] = set()  # listed, but stopped before get_actor
+    WAITED.clear()
 
     def get_actor(name, namespace=None):
         if name in gone:
@@ -54,6 +56,8 @@ def fleet(monkeypatch):
 
     def wait(refs, num_returns=1, timeout=None):
         ready = [r for r in refs if r.value is not PENDING]
+        if len(ready) < num_returns and timeout:
+            WAITED.append(timeout)  # the answers asked for never came: the whole timeout passed
         return ready, [r for r in refs if r.value is PENDING]
 
     def get(refs, timeout=None):
@@ -79,6 +83,7 @@ def fleet(monkeypatch):
     monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(D.time, "sleep", lambda s: None)
+    monkeypatch.setattr(D, "starting_replicas", lambda app: 0)  # Serve's status: see the test that sets it
     return replicas, gone
 
 
@@ -92,6 +97,24 @@ def test_a_replica_waiting_for_resources_does_not_end_the_drain_of_the_others(fl
     assert new.asked == 1  # not asked again once it did not answer
     skipped = [r for r in caplog.records if _name("new") in r.getMessage()]
     assert len(skipped) == 1 and "no answer" in skipped[0].getMessage()
+
+
+def test_a_replica_serve_reports_starting_is_not_waited_for(fleet, monkeypatch, caplog):
+    """An autoscaling replica still waiting for resources answers nothing; Serve's status says one is starting,
+    so each poll waits only for the running replica's answer (it waited the whole count timeout for the
+    pending one first, 10 s of every stop), and the pending one is asked again, not given up."""
+    replicas, _ = fleet
+    replicas[_name("keep")] = keep = _Replica(2, 1, 0)
+    replicas[_name("new")] = new = _Replica(PENDING)
+    monkeypatch.setattr(D, "starting_replicas", lambda app: 1)
+    with caplog.at_level(logging.WARNING, logger=D.__name__):
+        assert D.drain(APP, timeout_s=60) == 0
+    assert WAITED == []  # no poll ran out its timeout
+    assert keep.asked == 3 and new.asked == 3
+    assert not [r for r in caplog.records if _name("new") in r.getMessage()]
+    monkeypatch.setattr(D, "starting_replicas", lambda app: 0)  # Serve's status not had: waited for, as before
+    keep.asked, keep.answers = 0, [0]
+    assert D.drain(APP, timeout_s=60) == 0 and WAITED != []
 
 
 def test_a_replica_stopped_meanwhile_is_skipped_and_the_healthy_one_counted(fleet):
