@@ -1499,6 +1499,9 @@ _RENDER_CASES = [
     (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning_content": "old name"}, _U("x")]),
     (REASONING_TEMPLATE, [_U("hi"), {**_A("a"), "reasoning": "new", "reasoning_content": "old"}, _U("x")]),
     (REASONING_TEMPLATE, [{**_S("A"), "task": "t1"}, {**_D("B"), "task": "t2"}, _U("hi")]),
+    # a text part's other keys (Anthropic-style `cache_control`) change nothing, as on vLLM's server
+    (None, [_U([{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}])]),
+    (PARTS_TEMPLATE, [_S([{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]), _U("hi")]),
     # a message without a content key, any role: an empty turn
     (None, [{"role": "system"}, _U("hi"), {"role": "assistant"}, {"role": "user"}]),
     (None, [_S("A"), {"role": "developer"}, _U("hi")]),
