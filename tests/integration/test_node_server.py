@@ -6,7 +6,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 from kvmesh.kvstore.lmcache_server import port_open
@@ -45,41 +44,18 @@ def test_core_watchdog_restarts_a_dead_server(tmp_path):
     assert not port_open(host, port)
 
 
-RAY_START_TRIES = 2
-
-
-def _start_ray(ray, tmp_path_factory) -> None:
-    """A one-node Ray for this module. Ray gives the raylet a fixed 30 s to register with the GCS, which a slow
-    2-core machine has run out of while the other lane's engines started: a start that timed out is tried
-    again once, after ending what it left running (the GCS and raylet it started: children of this process
-    that were not here before)."""
-    for attempt in range(RAY_START_TRIES):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        tmp = tmp_path_factory.mktemp("ray")
-        os.environ.setdefault("RAY_TMPDIR", str(tmp))
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp))
-            return
-        except Exception as exc:
-            if "timed out during startup" not in str(exc) or attempt == RAY_START_TRIES - 1:
-                raise
-        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        for proc in left:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(left, timeout=30)
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def ray_local(tmp_path_factory):
     import ray
 
+    from kvmesh.benchmarks.local_cluster import patient_node_start
+
     started = not ray.is_initialized()
     if started:
-        _start_ray(ray, tmp_path_factory)
+        tmp = tmp_path_factory.mktemp("ray")
+        os.environ.setdefault("RAY_TMPDIR", str(tmp))
+        patient_node_start()  # beside the other lane's engines starting, Ray's fixed 30 s has run out
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp))
     yield ray
     from kvmesh.kvstore.node_server import stop_node_servers
 
