@@ -564,8 +564,6 @@ def stream_chunk(
             if text:
                 delta["content"] = text
             choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-            if finish is not None:
-                choices[0]["stop_reason"] = stop_reason
         chunk = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -579,9 +577,9 @@ def stream_chunk(
             if text is None and finish is None
             else [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
         )
-        if finish is not None:
-            choices[0]["stop_reason"] = stop_reason
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
+    if finish is not None:  # the finishing chunk always has its one choice
+        choices[0]["stop_reason"] = stop_reason
     if u is not None:
         chunk["usage"] = u
     elif req.include_usage:
