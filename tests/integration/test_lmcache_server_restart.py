@@ -55,6 +55,7 @@ class DarkMeter:
         self.host, self.port = host, port
         self.longest = 0.0
         self.closed_since: float | None = None
+        self.reopened = threading.Event()  # it saw the socket closed, then open again
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -66,11 +67,16 @@ class DarkMeter:
                 if self.closed_since is not None:
                     self.longest = max(self.longest, now - self.closed_since)
                     self.closed_since = None
+                    self.reopened.set()
             elif self.closed_since is None:
                 self.closed_since = now
             time.sleep(0.05)
 
-    def stop(self) -> float:
+    def stop(self, reopen_s: float = 10.0) -> float:
+        """The longest dark period seen, once the meter saw the socket open again (at most `reopen_s` later): a
+        server back up when `restart` returns may not have been polled yet by a meter kept off the cores, which
+        stopped at once measured no dark period at all."""
+        self.reopened.wait(reopen_s)
         self.done.set()
         self.thread.join(5)
         return self.longest
