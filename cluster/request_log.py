@@ -472,18 +472,39 @@ def _system_first(conversation: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *rest] if merge else conversation
 
 
+# the first line of a Claude Code system prompt (its `cch` value is new on every request): vLLM's server drops it
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(parts: list[dict]) -> list[dict]:
+    """A system message's text parts without Claude Code's attribution line, as vLLM's server renders them: a
+    part starting with it loses its first line (the whole part if that was all). Kept, its per-request value would
+    end every such prompt's cached prefix at the header."""
+    out = []
+    for part in parts:
+        text = part.get("text")
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+        elif rest := text.partition("\n")[2]:
+            out.append({**part, "text": rest})
+    return out
+
+
 def template_messages(messages: list[dict], chat_template: str | None) -> list[dict]:
     """Checked chat messages (`openai_protocol.chat_message`) as kvmesh's ingress hands them to `chat_template`,
     which is what vLLM's server hands it: each content as the template takes it (`content_format`); the `name`,
     an assistant's `reasoning` (also as `reasoning_content`) and a `task` kept; a `developer` message as it is
     for a template that knows the role, else as `system`, with every system message then merged into the first
-    (`_system_first`). Both the ingress and the log's reader render through this, so a replayed log renders the
-    prompts the ingress served."""
+    (`_system_first`); a system message's Claude Code attribution line dropped (`_without_billing_header`). Both
+    the ingress and the log's reader render through this, so a replayed log renders the prompts the ingress
+    served."""
     as_parts = content_format(chat_template) == "openai"
     out: list[dict] = []
     for m in messages:
         content = m.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
+        if m["role"] == "system":
+            parts = _without_billing_header(parts)
         msg = {"role": m["role"], "content": [dict(p) for p in parts] if as_parts else content_text(parts)}
         if m.get("name") is not None:
             msg["name"] = m["name"]

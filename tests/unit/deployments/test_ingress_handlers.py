@@ -1462,6 +1462,7 @@ def _turn(role: str):
 
 
 _S, _D, _U, _A = (_turn(role) for role in ("system", "developer", "user", "assistant"))
+_BILLING = "x-anthropic-billing-header: cc_version=2.1.3; cch=4f2a9;"
 # a template that renders an assistant's reasoning (as Qwen3's does, by `reasoning_content`) and a message's task
 REASONING_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
@@ -1513,6 +1514,12 @@ _RENDER_CASES = [
     (None, [_S(_EMPTY_PART), _U("hi"), _D("B")]),
     (PARTS_TEMPLATE, [_U(_EMPTY_PART)]),
     (PARTS_TEMPLATE, [_S(_EMPTY_PART), _U("hi"), _D("B")]),
+    # Claude Code's attribution line (new on every request) leaves a system message's text, and only a system's
+    (None, [_S(_BILLING + "\nYou are a coding agent."), _U("hi")]),
+    (None, [_S([{"type": "text", "text": _BILLING}, {"type": "text", "text": "Rules."}]), _U("hi")]),
+    (PARTS_TEMPLATE, [_S([{"type": "text", "text": _BILLING + "\nA"}, {"type": "text", "text": "B"}]), _U("hi")]),
+    (None, [_S("Rules.\n" + _BILLING), _U(_BILLING + "\nhi"), _D(_BILLING + "\nB")]),
+    (DEVELOPER_TEMPLATE, [_D(_BILLING + "\nB"), _U("hi")]),
 ]
 
 
