@@ -478,12 +478,12 @@ BILLING_HEADER = "x-anthropic-billing-header"
 
 def _without_billing_header(parts: list[dict]) -> list[dict]:
     """A system message's text parts without Claude Code's attribution line, as vLLM's server renders them: a
-    part starting with it loses its first line (the whole part if that was all). Kept, its per-request value would
-    end every such prompt's cached prefix at the header."""
+    `text` part starting with it loses its first line (the whole part if that was all). Kept, its per-request
+    value would end every such prompt's cached prefix at the header."""
     out = []
     for part in parts:
         text = part.get("text")
-        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+        if part.get("type") != "text" or not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
             out.append(part)
         elif rest := text.partition("\n")[2]:
             out.append({**part, "text": rest})
@@ -505,7 +505,8 @@ def template_messages(messages: list[dict], chat_template: str | None) -> list[d
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
         if m["role"] == "system":
             parts = _without_billing_header(parts)
-        msg = {"role": m["role"], "content": [dict(p) for p in parts] if as_parts else content_text(parts)}
+        # every kind of text part (refusal, thinking) as the text part vLLM's server makes of it
+        msg = {"role": m["role"], "content": [p | {"type": "text"} for p in parts] if as_parts else content_text(parts)}
         if m.get("name") is not None:
             msg["name"] = m["name"]
         if m.get("reasoning") is not None:  # an assistant's, by both names a template may read it under

@@ -330,10 +330,24 @@ def parse_completion(body: dict) -> GenerationRequest:
     return req
 
 
+# the content parts vLLM's server renders as text -> the key their text is under
+_TEXT_PARTS = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
+# the keys of a content part vLLM reads itself (its `_KNOWN_CONTENT_PART_FIELDS`); any other key (Anthropic's
+# `cache_control`, say) stays on the text part a template that loops over parts gets, as vLLM keeps it
+_PART_FIELDS = frozenset(
+    {
+        "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
+        "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
+        "video_embeds", "video_url",
+    }
+)  # fmt: skip
+
+
 def _content(content: Any, i: int, role: str) -> str | list[dict]:
-    """A message's content checked: a string, or a list of text parts (each put as `{"type": "text", "text"}`).
-    An assistant's null content is no content (an empty list of parts), as vLLM's server takes it; any other
-    role's is refused, as there."""
+    """A message's content checked: a string, or a list of text parts, each put as `{"type", "text", ...}` with
+    its own type and the keys a template may read (`_PART_FIELDS`). Text parts are vLLM's: `text`, `refusal` and
+    `thinking` parts, and plain strings except in a system message. An assistant's null content is no content
+    (an empty list of parts), as vLLM's server takes it; any other role's is refused, as there."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
@@ -341,11 +355,17 @@ def _content(content: Any, i: int, role: str) -> str | list[dict]:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if isinstance(part, str) and role != "system":
+                parts.append({"type": "text", "text": part})
+                continue
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            if key is None or not isinstance(part.get(key), str) or part.get("uuid") is not None:
                 raise bad(
                     f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
                 )
-            parts.append({"type": "text", "text": part["text"]})
+            extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+            parts.append({"type": kind, "text": part[key], **extra})
         return parts
     raise bad(
         f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"

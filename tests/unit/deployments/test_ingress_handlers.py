@@ -1472,6 +1472,12 @@ REASONING_TEMPLATE = (
     "{% if message.task is defined %}{{ '[' + message.task + ']' }}{% endif %}"
     "{{ message['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+# a template that shows each content part whole, as a template reading a part's other keys would see it
+JSON_PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% for p in message['content'] %}{{ p | tojson }}{% endfor %}{{ '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 _RENDER_CASES = [
     # the developer role: as `system` for a template that does not know it, every system message merged first
     (None, [_D("be terse"), _U("hi")]),
@@ -1520,6 +1526,13 @@ _RENDER_CASES = [
     (PARTS_TEMPLATE, [_S([{"type": "text", "text": _BILLING + "\nA"}, {"type": "text", "text": "B"}]), _U("hi")]),
     (None, [_S("Rules.\n" + _BILLING), _U(_BILLING + "\nhi"), _D(_BILLING + "\nB")]),
     (DEVELOPER_TEMPLATE, [_D(_BILLING + "\nB"), _U("hi")]),
+    # vLLM's other text parts: refusals, thinking, plain strings; a part's own keys a template may read
+    (None, [_U([{"type": "refusal", "refusal": "no"}, "plain", {"type": "thinking", "thinking": "t"}])]),
+    (PARTS_TEMPLATE, [_U([{"type": "refusal", "refusal": "no"}, "plain", {"type": "thinking", "thinking": "t"}])]),
+    (None, [_S([{"type": "refusal", "refusal": _BILLING + "\nkept: not a text part"}]), _U("hi")]),
+    (JSON_PARTS_TEMPLATE, [_U([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}, "name": "n"}])]),
+    (JSON_PARTS_TEMPLATE, [_U([{"type": "thinking", "thinking": "t", "closed": True, "signature": "s"}])]),
+    (JSON_PARTS_TEMPLATE, [_S([{"type": "text", "text": _BILLING + "\nA", "cache_control": {}}]), _U("hi")]),
 ]
 
 

@@ -90,6 +90,38 @@ def test_chat_validation():
     )
 
 
+@pytest.mark.parametrize(
+    ("role", "part"),
+    [
+        ("user", {"type": "input_text", "text": "a"}),  # the Responses API's: vLLM's chat model refuses it
+        ("user", {"type": "text", "text": None}),
+        ("user", {"type": "refusal", "refusal": None}),
+        ("user", {"type": "thinking"}),
+        ("user", {"type": "text", "text": "a", "uuid": "u"}),  # a media part's id: vLLM reads the part as media
+        ("user", {"text": "no type"}),
+        ("system", "a plain string"),  # a system message's parts are objects (vLLM's system message model)
+    ],
+)
+def test_a_content_part_vllms_server_refuses_is_a_400(role, part):
+    """Each is refused by vLLM's request model or its part parser (checked below on the same request there)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils import _parse_chat_message_content_mm_part
+
+    body = {"model": "m", "messages": [{"role": role, "content": [part]}]}
+    e = err(proto.parse_chat, body)
+    assert (e.status, e.param, e.code) == (400, "messages[0].content", "invalid_type")
+    with pytest.raises(Exception):  # noqa: B017 -- pydantic's ValidationError or vLLM's own, by case
+        request = ChatCompletionRequest(**body)
+        for p in request.messages[0]["content"]:
+            _parse_chat_message_content_mm_part(p)
+
+
+def test_the_part_keys_left_on_a_text_part_are_the_ones_vllm_leaves():
+    from vllm.renderers.chat_utils import _KNOWN_CONTENT_PART_FIELDS
+
+    assert proto._PART_FIELDS == _KNOWN_CONTENT_PART_FIELDS
+
+
 def test_parse_json_errors():
     for raw in (b"", b"{x", b"[1]", b"\xff\xfe"):
         assert err(proto.parse_json, raw).code == "invalid_json"
