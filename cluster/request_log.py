@@ -113,11 +113,11 @@ def parse_line(text: str, where: str, line: int) -> LoggedRequest:
 
 def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
     """A chat's messages and template arguments are held to the ingress's own rules
-    (`openai_protocol.chat_message`, `openai_protocol.template_kwargs`): a message the ingress refuses (a tool
-    call, a `tool` message, a non-text part) would otherwise be rendered here as a prompt kvmesh never serves."""
+    (`openai_protocol.chat_message`, `openai_protocol.template_arguments`): a message the ingress refuses (a
+    non-text part, a malformed tool call) would otherwise be rendered here as a prompt kvmesh never serves."""
     if endpoint == CHAT:
         # the ingress's own request rules (imported when a chat needs them)
-        from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_kwargs
+        from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_arguments
 
         msgs = body["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -130,7 +130,7 @@ def _check_body(body: dict, endpoint: str, where: str, line: int) -> None:
             except OpenAIError as exc:
                 raise RequestLogError(f"{where} line {line}: {exc.message.rstrip('.')}") from None
         try:
-            template_kwargs(body)
+            template_arguments(body)
         except OpenAIError as exc:
             raise RequestLogError(f"{where} line {line}: {exc.message.rstrip('.')}") from None
     else:
@@ -184,11 +184,11 @@ def rendered_chat(req: LoggedRequest, tokenizer, render=None) -> tuple[list[dict
     """A logged chat as the ingress renders it: the conversation its template gets (`template_messages`) and the
     text, with the request's `chat_template_kwargs`. `RequestLogError` naming the request when the ingress would
     refuse it (its messages or template arguments, or a template that fails on them)."""
-    from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_kwargs
+    from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_arguments
 
     try:
         checked = [chat_message(m, i) for i, m in enumerate(req.body["messages"])]
-        kwargs = template_kwargs(req.body)
+        kwargs = template_arguments(req.body)
     except OpenAIError as exc:  # a request not read by `parse_line`, which checks both
         raise RequestLogError(f"{req.named}: {exc.message.rstrip('.')}") from None
     messages = template_messages(checked, chat_template_of(tokenizer))
@@ -243,13 +243,13 @@ class ChatRenderer:
             self.template = None
 
     def _fast(self, messages: list[dict], kwargs: dict) -> str:
-        """The render `apply_chat_template` makes (transformers' `render_jinja_template`): no tools, the special
-        tokens overridden by the request's variables."""
+        """The render `apply_chat_template` makes (transformers' `render_jinja_template`): the request's tools
+        and documents, the special tokens overridden by the request's variables."""
         assert self.template is not None
-        variables = {k: v for k, v in kwargs.items() if k != "documents"}
+        variables = {k: v for k, v in kwargs.items() if k not in ("documents", "tools")}
         return self.template.render(
             messages=messages,
-            tools=None,
+            tools=kwargs.get("tools"),
             documents=kwargs.get("documents"),
             add_generation_prompt=True,
             **{**self.special, **variables},
@@ -492,8 +492,9 @@ def _without_billing_header(parts: list[dict]) -> list[dict]:
 
 def template_messages(messages: list[dict], chat_template: str | None) -> list[dict]:
     """Checked chat messages (`openai_protocol.chat_message`) as kvmesh's ingress hands them to `chat_template`,
-    which is what vLLM's server hands it: each content as the template takes it (`content_format`); the `name`,
-    an assistant's `reasoning` (also as `reasoning_content`) and a `task` kept; a `developer` message as it is
+    which is what vLLM's server hands it: each content as the template takes it (`content_format`; a tool's
+    answer always as a string); the `name`, an assistant's `reasoning` (also as `reasoning_content`) and tool
+    calls, a tool message's `tool_call_id` and a `task` kept; a `developer` message as it is
     for a template that knows the role, else as `system`, with every system message then merged into the first
     (`_system_first`); a system message's Claude Code attribution line dropped (`_without_billing_header`). Both
     the ingress and the log's reader render through this, so a replayed log renders the prompts the ingress
@@ -507,10 +508,17 @@ def template_messages(messages: list[dict], chat_template: str | None) -> list[d
             parts = _without_billing_header(parts)
         # every kind of text part (refusal, thinking) as the text part vLLM's server makes of it
         msg = {"role": m["role"], "content": [p | {"type": "text"} for p in parts] if as_parts else content_text(parts)}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
+        if m["role"] == "tool" and as_parts:  # a tool's answer is one string for any template, its parts joined
+            msg["content"] = "\n".join(p["text"] for p in parts)
+        # the keys in the order vLLM's server adds them (a template may render a message whole)
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [dict(call) for call in m["tool_calls"]]
         if m.get("reasoning") is not None:  # an assistant's, by both names a template may read it under
             msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
         if m.get("task") is not None:
             msg["task"] = m["task"]
         if m["role"] == "developer":

@@ -109,6 +109,10 @@ APP_DEFAULTS: dict[str, Any] = {
     "router_sync": True,
     "mismatch_alarm_after": 3,
     "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
+    # vLLM's tool-call parser for the served model (its --tool-call-parser name, e.g. hermes for Qwen): chats
+    # with tools and `tool_choice` "auto" are served and their answers' calls parsed (deployments/tool_calls.py);
+    # null: such a chat is a 400, as on vLLM's server without --enable-auto-tool-choice
+    "tool_call_parser": None,
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
     # the same engines, e.g. the demo's kvmesh vs round robin; salts keep their caches apart)
     "tenant_policies": {},
@@ -435,8 +439,9 @@ def app_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _number(cfg["routing_stats_period_s"], "config.routing_stats_period_s", low_ok=False)
     _number(cfg["speculative_ttl_s"], "config.speculative_ttl_s")
     _whole(cfg["mismatch_alarm_after"], "config.mismatch_alarm_after", none_ok=False)
-    if cfg["served_model_name"] is not None:
-        _text(cfg["served_model_name"], "config.served_model_name")
+    for key in ("served_model_name", "tool_call_parser"):  # a parser's name is checked where vLLM is loaded
+        if cfg[key] is not None:
+            _text(cfg[key], f"config.{key}")
     if cfg["tenants_file"] is not None:
         _text(cfg["tenants_file"], "config.tenants_file")
         if cfg["api_keys"]:

@@ -62,6 +62,7 @@ from kvmesh.deployments.tenants import (
     derive_salt,
     reject_client_salt,
 )
+from kvmesh.deployments.tool_calls import AnswerParser
 
 # vLLM's finish reasons for a generation that did not finish: never a client's answer
 ENGINE_FAILED = frozenset({"error", "abort"})
@@ -316,6 +317,12 @@ class Ingress:
             "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name
         )
         self.model_aliases = {self.served_model, self.cfg["engine"]["model"], self.model_path}
+        # vLLM's tool-call parser for the served model: chats with tools and tool_choice "auto" are served
+        self.tool_parsing = None
+        if self.cfg["tool_call_parser"]:
+            from kvmesh.deployments.tool_calls import ToolCallParsing
+
+            self.tool_parsing = ToolCallParsing(self.cfg["tool_call_parser"], self.tokenizer, self.served_model)
         self.registry = build_registry(self.cfg)
         if self.registry is None:
             log.warning("no API keys configured: the ingress is OPEN (every request is tenant 'anonymous')")
@@ -499,6 +506,27 @@ class Ingress:
                 "model",
             )
 
+    def _tool_answer(self, req: proto.GenerationRequest) -> AnswerParser | None:
+        """The parser of a chat's tool calls where its `tool_choice` is "auto", as vLLM's server with
+        `--enable-auto-tool-choice` parses them; None for "none" (the answer is text). "required" and a named
+        function make vLLM's server constrain decoding, which this one does not do: a 400, as is "auto" where the
+        deployment names no parser (vLLM's own answer without one)."""
+        if req.kind != "chat" or req.tool_choice == "none":
+            return None
+        if req.tool_choice != "auto":
+            message = (
+                "'tool_choice' 'required' or a named function needs constrained decoding (vLLM's structured "
+                "outputs), which this server does not do; send 'auto' or 'none'."
+            )
+            raise OpenAIError(400, message, "unsupported_parameter", "tool_choice")
+        if self.tool_parsing is None:
+            message = (
+                "'tool_choice' 'auto' needs a tool-call parser for the served model: this deployment names none "
+                "(config tool_call_parser, `kvmesh serve --tool-call-parser`; vLLM's --tool-call-parser)."
+            )
+            raise proto.bad(message, "tool_choice")
+        return self.tool_parsing.for_request(req)
+
     def _check_max_tokens(self, req: proto.GenerationRequest) -> None:
         """Before tokenising, as vLLM (its TokenizeParams): an output length beyond the whole context is a 400
         naming the field it came in; one beyond what the prompt leaves is trimmed (`_check_length`)."""
@@ -575,6 +603,7 @@ class Ingress:
         created = int(time.time())  # the answer's stamp, taken once: every chunk of a stream has it (as vLLM's)
         name_loop_thread()
         reservation = None
+        answer: AnswerParser | None = None
         try:
             tenant = self._auth(request)
             # a tenant throttled whatever its prompt (its request rate or concurrency) is refused before its
@@ -587,6 +616,7 @@ class Ingress:
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
             self._check_max_tokens(req)
+            answer = self._tool_answer(req)
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
             # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
             given = req.prompt_ids
@@ -696,15 +726,20 @@ class Ingress:
             if first["finish_reason"] in ENGINE_FAILED:
                 return self._engine_failed(first["finish_reason"])
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
+            content: str | None = first["text"]
+            calls: list[dict] = []
+            if answer is not None:  # an answer that calls a tool ends with `tool_calls`, whatever ended it
+                content, calls = answer.whole(first["text"], first["token_ids"])
             response = JSONResponse(
                 proto.full_response(
                     req,
                     oid,
-                    first["text"],
-                    first["finish_reason"],
+                    content,
+                    "tool_calls" if calls else first["finish_reason"],
                     u,
                     created=created,
                     stop_reason=first.get("stop_reason"),
+                    tool_calls=calls,
                 ),
                 headers=headers,
             )
@@ -736,7 +771,15 @@ class Ingress:
                     failed = chunk["finish_reason"] in ENGINE_FAILED  # its text goes out, then the error
                     finish_reason = None if failed else chunk["finish_reason"]
                     event = b""
-                    if chunk["text"] or finish_reason or is_first:
+                    delta = None
+                    if answer is not None:  # the parser's delta, as vLLM's stream carries it (tool_calls.py)
+                        ended = chunk["finish_reason"] is not None
+                        delta = answer.delta(chunk["text"], chunk["token_ids"], ids, finished=ended)
+                        if delta is None and (finish_reason or is_first):
+                            delta = {}
+                        if finish_reason == "stop" and answer.streamed_calls:
+                            finish_reason = "tool_calls"
+                    if delta is not None or (answer is None and (chunk["text"] or finish_reason or is_first)):
                         running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
                         event = proto.sse(
                             proto.stream_chunk(
@@ -748,6 +791,7 @@ class Ingress:
                                 first=is_first,
                                 u=running,
                                 stop_reason=chunk.get("stop_reason"),
+                                delta=delta,
                             )
                         )
                     is_first = False

@@ -31,7 +31,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
+    "tools": ([],),  # a chat's are served (`chat_tools`); a completion has none
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
@@ -91,7 +91,7 @@ _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
     },
 }
 # what the parser reads itself, accepted whatever vLLM does with it: `user` (OpenAI's end-user id, which
-# vLLM ignores too), `parallel_tool_calls` (meaningless without `tools`, which are refused) and vLLM's
+# vLLM ignores too), a chat's `tools`, `tool_choice` and `parallel_tool_calls` (`chat_tools`), and vLLM's
 # `request_id`, `session_id` (they name the request or its session for vLLM's logs, ids and scheduling, and
 # shape no output: kvmesh keeps its own ids) and `stream_interval` (how tokens are grouped into stream chunks)
 _SERVED = frozenset(
@@ -99,7 +99,7 @@ _SERVED = frozenset(
         "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
-        "user", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
+        "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
         "cache_salt",  # refused by tenants.reject_client_salt
     }
@@ -110,6 +110,8 @@ _SERVED = frozenset(
 _REFUSED: dict[str, dict[str, tuple]] = {
     kind: _UNSUPPORTED | _VLLM_EXTRAS | extras for kind, extras in _VLLM_EXTRAS_BY_KIND.items()
 }
+for _served in ("tools", "tool_choice"):  # a chat's are read by `chat_tools`
+    del _REFUSED["chat"][_served]
 
 
 def known_fields(kind: str) -> frozenset[str]:
@@ -157,7 +159,10 @@ class GenerationRequest:
     # the field the output length came in: a chat's max_completion_tokens wins over its max_tokens
     max_tokens_param: str = "max_tokens"
     messages: list[dict] | None = None  # checked (`chat_message`); `template_messages` puts them as a template takes
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables, `tools` among them
+    tool_choice: str | dict = "none"  # a chat's: "none", "auto", "required" or a named function (`chat_tools`)
+    parallel_tool_calls: bool | None = None  # false: an answer keeps its first tool call only, as vLLM's
+    body: dict[str, Any] = field(default_factory=dict)  # the request as sent (a tool-call parser reads it)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # running usage in every chunk (vLLM's stream_options.continuous_usage_stats)
@@ -365,7 +370,7 @@ def _content(content: Any, i: int, role: str) -> str | list[dict]:
                     f"messages[{i}].content: only text parts are supported.", f"messages[{i}].content", "invalid_type"
                 )
             extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
-            parts.append({"type": kind, "text": part[key], **extra})
+            parts.append({"type": str(kind), "text": part[key], **extra})
         return parts
     raise bad(
         f"messages[{i}].content must be a string or a list of text parts.", f"messages[{i}].content", "invalid_type"
@@ -422,7 +427,7 @@ def template_kwargs(body: dict) -> dict[str, Any]:
         if key in _TEMPLATE_KWARGS_TAKEN:
             name = f"chat_template_kwargs.{key}"
             raise bad(f"'{name}' names what the server passes the chat template itself.", name, "invalid_value")
-        if key == "tools":  # tools are not served
+        if key == "tools":  # the request's own `tools` field is how tools reach the template
             raise refused(key)
         if key == "return_assistant_tokens_mask":  # needs return_dict, which vLLM sets false: its 400 too
             if value:
@@ -441,6 +446,18 @@ def template_kwargs(body: dict) -> dict[str, Any]:
     return out
 
 
+def template_arguments(body: dict) -> dict[str, Any]:
+    """Everything a chat's template gets besides its messages: `template_kwargs`, and the request's `tools` (as
+    vLLM's server passes them, whatever the `tool_choice`). `OpenAIError` naming the field otherwise."""
+    from kvmesh.deployments.chat_tools import chat_tools  # it imports this module's errors
+
+    out = template_kwargs(body)
+    tools = chat_tools(body)[0]
+    if tools:
+        out["tools"] = tools
+    return out
+
+
 def parse_chat(body: dict) -> GenerationRequest:
     req = _common(body, "chat")
     if "messages" not in body:
@@ -451,28 +468,43 @@ def parse_chat(body: dict) -> GenerationRequest:
     if not msgs:
         raise bad("'messages' must not be empty.", "messages", "empty_prompt")
     req.messages = [chat_message(m, i) for i, m in enumerate(msgs)]
-    req.template_kwargs = template_kwargs(body)
+    req.template_kwargs = template_arguments(body)
+    from kvmesh.deployments.chat_tools import chat_tools  # it imports this module's errors
+
+    req.tool_choice = chat_tools(body)[1]
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
+    req.parallel_tool_calls = parallel
+    req.body = body
     return req
 
 
 def chat_message(m: Any, i: int) -> dict:
     """`messages[i]` of a chat request checked as the ingress serves it (an object with a role of system,
-    developer, user or assistant, a string `name` if any, a string or text-part content or none, no tool calls)
-    and put as `{"role", "content", "name"?, "reasoning"?, "task"?}`; `OpenAIError` naming the field otherwise.
-    The chat template gets them through `request_log.template_messages`. The request log's reader
-    (`cluster/request_log.py`) applies the same rules, so that a logged message the ingress refuses (a tool
-    call, a `tool` message) is refused when the log is read, not rendered as text."""
+    developer, user, assistant or tool, a string `name` if any, a string or text-part content or none, an
+    assistant's tool calls, a tool message's string `tool_call_id`) and put as `{"role", "content", "name"?,
+    "reasoning"?, "task"?, "tool_calls"?, "tool_call_id"?}`; `OpenAIError` naming the field otherwise. The chat
+    template gets them through `request_log.template_messages`. The request log's reader
+    (`cluster/request_log.py`) applies the same rules, so that a logged message the ingress refuses (a non-text
+    part, a malformed tool call) is refused when the log is read, not rendered as text."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object.", f"messages[{i}]", "invalid_type")
     role = m.get("role")
-    if role not in ("system", "user", "assistant", "developer"):
-        raise bad(f"messages[{i}].role must be one of system, developer, user, assistant.", f"messages[{i}].role")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        message = f"messages[{i}].role must be one of system, developer, user, assistant, tool."
+        raise bad(message, f"messages[{i}].role")
     name = m.get("name")
     if name is not None and not isinstance(name, str):  # templates may use it: it is kept
         raise bad(f"messages[{i}].name must be a string.", f"messages[{i}].name", "invalid_type")
-    if role == "assistant" and m.get("tool_calls"):  # vLLM's server renders them; tools are not served here
-        param = f"messages[{i}].tool_calls"
-        raise bad(f"'{param}' is not supported by this server.", param, "unsupported_parameter")
+    from kvmesh.deployments.chat_tools import assistant_tool_calls  # it imports this module's errors
+
+    # an assistant's calls (an empty list is none, as vLLM's server drops it), a tool message's answer to one
+    calls = assistant_tool_calls(m["tool_calls"], i) if role == "assistant" and m.get("tool_calls") is not None else []
+    call_id = m.get("tool_call_id") if role == "tool" else None
+    if call_id is not None and not isinstance(call_id, str):
+        param = f"messages[{i}].tool_call_id"
+        raise bad(f"'{param}' must be a string.", param, "invalid_type")
     # no `content` key at all is no content, for any role: vLLM's request model takes such a message (its
     # custom-role form) and renders an empty turn; a null content stays an assistant's alone
     out = {"role": role, "content": _content(m["content"], i, role) if "content" in m else []}
@@ -490,6 +522,10 @@ def chat_message(m: Any, i: int) -> dict:
         out["reasoning"] = reasoning
     if isinstance(m.get("task"), str):  # a message's task, as vLLM's server passes it to the template
         out["task"] = m["task"]
+    if calls:
+        out["tool_calls"] = calls
+    if call_id is not None:
+        out["tool_call_id"] = call_id
     return out
 
 
@@ -523,17 +559,22 @@ def running_usage(req: GenerationRequest, prompt_tokens: int, completion_tokens:
 def full_response(
     req: GenerationRequest,
     rid: str,
-    text: str,
+    text: str | None,
     finish: str | None,
     u: dict,
     *,
     created: int,
     stop_reason: int | str | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
     """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller.
     `stop_reason` is what stopped it, as vLLM's server reports it beside `finish_reason`: the stop string that
-    matched, a stop token's id, None for EOS or a length."""
+    matched, a stop token's id, None for EOS or a length. A chat's `tool_calls` (`tool_calls.py`) go in its
+    message when it made any, beside the content left (null when none was)."""
     if req.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {
             "id": rid,
             "object": "chat.completion",
@@ -542,7 +583,7 @@ def full_response(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": finish,
                     "stop_reason": stop_reason,
@@ -571,19 +612,21 @@ def stream_chunk(
     first: bool = False,
     u: dict | None = None,
     stop_reason: int | str | None = None,
+    delta: dict | None = None,
 ) -> dict:
     """One chunk of a streamed answer. `created` is the request's stamp, taken once: every chunk of a stream
     carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway). The chunk
-    that finishes it carries `stop_reason` too (`full_response`), as vLLM's last chunk does."""
+    that finishes it carries `stop_reason` too (`full_response`), as vLLM's last chunk does. A chat's `delta`,
+    where given (a tool-call parser's, `tool_calls.py`), is its choice's delta instead of `text` as content."""
     if req.kind == "chat":
         choices = []
-        if text is not None or finish is not None or first:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text:
-                delta["content"] = text
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        if text is not None or finish is not None or first or delta is not None:
+            out: dict[str, Any] = {"role": "assistant"} if first else {}
+            if delta is not None:
+                out.update(delta)
+            elif text:
+                out["content"] = text
+            choices = [{"index": 0, "delta": out, "logprobs": None, "finish_reason": finish}]
         chunk = {
             "id": rid,
             "object": "chat.completion.chunk",

@@ -82,6 +82,8 @@ def live_app(tiny_model_dir):
         "tenants_file": str(write_live_tenants(_ROOT / "tenants.yaml", LIVE_API_KEY)),
         "routing_stats_period_s": 0.5,
         "allow_cache_reset": True,  # tests/integration/test_cachetest_live.py resets the engines' caches
+        # vLLM's pythonic tool-call parser (one that reads the tiny vocabulary): chats with tools are served
+        "tool_call_parser": "pythonic",
         # small KV space: 1024 blocks x 32 tokens per engine is plenty for the tests
         "engine": {
             "model": "tiny",

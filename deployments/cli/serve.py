@@ -71,6 +71,12 @@ def add_arguments(parser) -> None:
         "not with --replicas)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        type=given,
+        metavar="NAME",
+        help="vLLM's tool-call parser for the model (its --tool-call-parser, e.g. hermes): serves tool_choice auto",
+    )
+    parser.add_argument(
         "--proxy",
         choices=("haproxy", "serve"),
         help="HTTP front of a locally started Ray: Serve's HAProxy mode (default) or its Python proxy",
@@ -110,6 +116,7 @@ def _build_config(args) -> dict:
         ("port", "port"),
         ("proxy", "proxy"),
         ("address", "address"),
+        ("tool_call_parser", "tool_call_parser"),
     ):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
@@ -141,6 +148,13 @@ def _build_config(args) -> dict:
         if not Path(cfg["engine"]["model"]).is_dir():
             raise ConfigError(f"--model {cfg['engine']['model']}: not a local model directory (or 'tiny')")
     cfg = app_config(cfg)  # checks the policy, its parameters and the tenants' policies too
+    if cfg["tool_call_parser"]:  # vLLM's names (loading vLLM takes seconds: only when one is named)
+        from kvmesh.deployments.tool_calls import parser_names
+
+        if cfg["tool_call_parser"] not in parser_names():
+            raise ConfigError(
+                f"tool_call_parser {cfg['tool_call_parser']!r} is not one of vLLM's: {', '.join(parser_names())}"
+            )
     for i, key in enumerate(cfg["api_keys"]):
         where = _key_source(args) if key == api_key else f"config.api_keys[{i}]"
         _check_api_key(key, where)

@@ -227,6 +227,47 @@ def test_openai_client_works_unchanged(live_app):
     assert raw.headers.get("x-kvmesh-replica")
 
 
+def test_a_tool_using_conversation_is_served_and_its_next_turn_reads_the_first_from_cache(live_app):
+    """An agent's loop on the live path (the app names vLLM's pythonic parser): a chat with tools is answered
+    (the tiny model's random text calls nothing), and the next turn -- the assistant's tool call and the tool's
+    answer appended -- is placed where the first was computed and served its whole prompt from cache, as the
+    router predicted. A choice this server cannot honour is a 400."""
+    import uuid
+
+    import openai
+
+    client = openai.OpenAI(base_url=live_app.url + "/v1", api_key=live_app.api_key, max_retries=0, timeout=120)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look a city's weather up.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    system = f"Session {uuid.uuid4().hex}. " + "You answer questions about the weather in short sentences. " * 12
+    turn = [{"role": "system", "content": system}, {"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model="tiny", messages=turn, tools=tools, max_tokens=4, temperature=0)
+    assert first.choices[0].finish_reason in ("stop", "length") and not first.choices[0].message.tool_calls
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris"}'}}
+    turn += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."},
+    ]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=turn, tools=tools, max_tokens=4, temperature=0
+    )
+    second = raw.parse()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens >= 4 * BLOCK  # the first turn filled blocks the second can read
+    assert cached >= BLOCK * (first.usage.prompt_tokens // BLOCK) and second.usage.prompt_tokens > cached
+    assert int(raw.headers["x-kvmesh-predicted-cached-tokens"]) == cached
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="tiny", messages=turn, tools=tools, tool_choice="required", max_tokens=2)
+
+
 BAD_INPUTS = [
     # (description, headers override, body (bytes or json), expected status, expected code)
     ("malformed json", None, b"{not json", 400, "invalid_json"),

@@ -135,14 +135,15 @@ TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "ar
     "message, said",
     [
         (
-            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-            "'messages[1].tool_calls' is not supported",
+            {"role": "assistant", "content": None, "tool_calls": [{**TOOL_CALL, "function": {"name": "weather"}}]},
+            "'messages[1].tool_calls[0]' must be",
         ),
         ({"role": "user", "content": None}, "messages[1].content must be a string or a list of text parts"),
         (
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-            "messages[1].role must be one of system, developer, user, assistant",
+            {"role": "tool", "tool_call_id": 5, "content": "sunny"},
+            "'messages[1].tool_call_id' must be a string",
         ),
+        ({"role": "function", "content": "sunny"}, "messages[1].role must be one of system, developer, user"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "messages[1].content: only text parts"),
         ({"role": "user", "content": "x", "name": 7}, "messages[1].name must be a string"),
     ],

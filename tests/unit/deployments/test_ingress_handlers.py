@@ -127,6 +127,7 @@ def _ingress(hang: bool = False, tokenizer=None):
     ing.serving_metrics = ServingMetrics()
     ing.tenant_metrics = TenantMetrics()
     ing.failures = FailureCounters()
+    ing.tool_parsing = None
     return ing
 
 
@@ -1534,6 +1535,51 @@ _RENDER_CASES = [
     (JSON_PARTS_TEMPLATE, [_U([{"type": "thinking", "thinking": "t", "closed": True, "signature": "s"}])]),
     (JSON_PARTS_TEMPLATE, [_S([{"type": "text", "text": _BILLING + "\nA", "cache_control": {}}]), _U("hi")]),
 ]
+# a template that shows what a tool-using template reads: the tools, and each message whole
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}{{ '<|tools|>' + tools | tojson }}{% endif %}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message | tojson + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x", "n": 2}'}}
+_TOOL = {"type": "function", "function": {"name": "lookup", "description": "finds", "parameters": {"type": "object"}}}
+_TOOL_CASES = [
+    # a conversation with a tool call and its answer
+    {"messages": [_U("q"), {**_A(None), "tool_calls": [_CALL]}, {"role": "tool", "content": "r", "tool_call_id": "c"}]},
+    # arguments that are not an object, not JSON or empty; a call's own keys; an empty list of calls
+    {
+        "messages": [
+            _U("q"),
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {**_CALL, "function": {"name": "f", "arguments": "[1]"}},
+                    {**_CALL, "function": {"name": "f", "arguments": "not json", "extra": 1}, "more": True},
+                    {**_CALL, "function": {"name": "f", "arguments": ""}},
+                ],
+            },
+            {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}], "name": "n"},
+            {**_A("done"), "tool_calls": []},
+        ]
+    },
+    {"messages": [{"role": "tool"}, {**_A("a"), "tool_calls": [_CALL], "reasoning": "r", "name": "x", "task": "t"}]},
+    # tools: vLLM's dump of each (unknown keys dropped, strict and defer_loading only when given)
+    {"messages": [_U("q")], "tools": [_TOOL], "tool_choice": "none"},
+    {
+        "messages": [_U("q")],
+        "tools": [{"function": {"name": "f", "strict": True, "x": 1}, "defer_loading": True, "y": 2}],
+        "tool_choice": "none",
+    },
+]
+
+
+@pytest.mark.parametrize("template", [TOOLS_TEMPLATE, PARTS_TEMPLATE, None])
+@pytest.mark.parametrize("body", _TOOL_CASES)
+def test_tools_and_tool_messages_are_rendered_as_vllms_own_server_renders_them(vllm_renderer, template, body):
+    body = {"model": "tiny", **body}
+    served = _ingress_prompt_ids(body, template)
+    assert served == _vllm_prompt_ids(vllm_renderer, body, template)
+    assert _replayed_prompt_ids(body, template) == (served, served)
 
 
 def _ingress_prompt_ids(body: dict, template: str | None) -> list[int]:
@@ -1730,3 +1776,173 @@ def test_continuous_usage_stats_put_the_running_usage_in_every_chunk_as_vllm_doe
             theirs = CompletionStreamResponse(id="x", created=0, model="tiny", choices=[])
             theirs.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=so_far, total_tokens=prompt + so_far)
         assert event["usage"] == json.loads(theirs.model_dump_json(exclude_unset=True))["usage"]
+
+
+# --- tool calls parsed from an answer by vLLM's own parser -----------------------------------------------------
+
+_LOOKUP = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+}
+TOOL_CHAT = {**CHAT, "tools": [_LOOKUP]}
+# parser -> an answer in its model family's form, with two calls, and the content vLLM's parser leaves beside them
+_CALL_TEXTS = {
+    "hermes": (
+        'Sure. <tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+        '<tool_call>\n{"name": "lookup", "arguments": {"q": "y"}}\n</tool_call>'
+    ),
+    "pythonic": '[lookup(q="x"), lookup(q="y")]',
+}
+
+
+class _ScriptedEngine(_RecordingEngine):
+    """Answers with `text` (the tiny model's token ids of it): whole, or a chunk per token, ending with `stop`."""
+
+    def __init__(self, tok, text: str):
+        super().__init__(finish="stop")
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.decode(ids[: k + 1])[len(tok.decode(ids[:k])) :] for k in range(len(ids))]
+
+        async def generate_full(request: dict) -> dict:
+            self.requests.append(request)
+            return {**_chunk(text, ids, "stop"), "ttft_s": 0.0}
+
+        def generate(request: dict) -> _Stream:
+            self.requests.append(request)
+            stream = _Stream(False)
+            last = len(ids) - 1
+            stream.chunks = [_chunk(p, [t], "stop" if k == last else None) for k, (p, t) in enumerate(zip(pieces, ids))]
+            return stream
+
+        self.generate_full = _Method(generate_full)
+        self.generate = _Method(generate)
+
+
+def _tool_ingress(parser: str | None, text: str):
+    from transformers import AutoTokenizer
+
+    from kvmesh.deployments.tool_calls import ToolCallParsing
+
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    ing = _ingress(tokenizer=tok)
+    ing.vocab_size = len(tok)
+    ing.engine = _ScriptedEngine(tok, text)
+    ing.tool_parsing = ToolCallParsing(parser, tok, "tiny") if parser else None
+    return ing, tok
+
+
+def _vllms_reading(tok, parser: str, body: dict, text: str):
+    """vLLM's parser on the same answer, called as vLLM's chat server calls it: (content, [(name, arguments)])."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+
+    request = ChatCompletionRequest(**body)
+    cls = ParserManager.get_parser(tool_parser_name=parser, enable_auto_tools=True, tokenizer=tok)
+    _, content, calls = cls(tok, request.tools).parse(text, request, enable_auto_tools=True)
+    return content, [(c.name, c.arguments) for c in calls or ()]
+
+
+def _streamed(events: list[dict]) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A streamed chat's content, calls (name, arguments joined by index) and last finish_reason."""
+    content, names, args, finish = None, {}, {}, None
+    for e in events:
+        for choice in e["choices"]:
+            delta = choice["delta"]
+            if delta.get("content"):
+                content = (content or "") + delta["content"]
+            for call in delta.get("tool_calls") or ():
+                if call.get("function", {}).get("name"):
+                    names[call["index"]] = call["function"]["name"]
+                    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+                args[call["index"]] = args.get(call["index"], "") + (call.get("function", {}).get("arguments") or "")
+            finish = choice["finish_reason"] or finish
+    return content, [(names[k], args[k]) for k in sorted(names)], finish
+
+
+@pytest.mark.parametrize("parser", sorted(_CALL_TEXTS))
+@pytest.mark.parametrize("parallel", [None, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answers_tool_calls_are_the_ones_vllms_parser_reads(parser, parallel, stream):
+    """With a parser named, a chat with tools gets the calls vLLM's chat server would give for the same text:
+    whole or streamed, `finish_reason` tool_calls, the content left beside them, only the first call when
+    `parallel_tool_calls` is false."""
+    text = _CALL_TEXTS[parser]
+    ing, tok = _tool_ingress(parser, text)
+    body = {**TOOL_CHAT, "stream": stream}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    status, answer = _answer(ing, body, "chat")
+    if parser == "hermes" and parallel is False:
+        # vLLM's server holds hermes to one call with a grammar (a structural tag): decoding this server does not
+        # constrain, so it refuses rather than answer what vLLM's would not
+        error = (json.loads(answer) if stream else answer)["error"]
+        assert status == 400 and (error["param"], error["code"]) == ("tools", "unsupported_parameter")
+        assert ing.engine.requests == []
+        return
+    assert status == 200, answer
+    content, calls = _vllms_reading(tok, parser, {k: v for k, v in body.items() if k != "stream"}, text)
+    assert len(calls) == 2  # the answer calls twice
+    if parallel is False:
+        calls = calls[:1]
+    if stream:
+        got_content, got_calls, finish = _streamed(_events(answer))
+        assert (got_content or None, finish) == (content or None, "tool_calls")
+        assert [(n, json.loads(a)) for n, a in got_calls] == [(n, json.loads(a)) for n, a in calls]
+        return
+    choice = answer["choices"][0]
+    message = choice["message"]
+    assert (message["content"], choice["finish_reason"]) == (content, "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == calls
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in message["tool_calls"])
+
+
+def test_a_parser_that_needs_special_tokens_in_the_text_gets_them_from_the_engine():
+    """vLLM's hermes parser reads `<tool_call>` markers, so vLLM's server keeps special tokens in the text (its
+    `adjust_request`): the engine is asked for them too; a chat without tools is not."""
+    ing, _ = _tool_ingress("hermes", "plain answer")
+    assert _answer(ing, TOOL_CHAT, "chat")[0] == 200
+    assert ing.engine.requests[-1]["params"]["skip_special_tokens"] is False
+    assert _answer(ing, CHAT, "chat")[0] == 200
+    assert ing.engine.requests[-1]["params"].get("skip_special_tokens", True) is True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_without_calls_and_a_chat_that_wants_none_are_text(stream):
+    """No call in the answer: its text, the engine's finish_reason, no tool_calls; `tool_choice` none: the text
+    as it is even where it reads as a call (vLLM's server does not parse it)."""
+    for text, body in (("just words", TOOL_CHAT), (_CALL_TEXTS["pythonic"], {**TOOL_CHAT, "tool_choice": "none"})):
+        ing, _ = _tool_ingress("pythonic", text)
+        status, answer = _answer(ing, {**body, "stream": stream}, "chat")
+        assert status == 200, answer
+        if stream:
+            assert _streamed(_events(answer)) == (text, [], "stop")
+        else:
+            assert answer["choices"][0]["message"] == {"role": "assistant", "content": text}
+            assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("parser", "choice", "code"),
+    [
+        (None, "auto", "invalid_value"),  # vLLM's server without --enable-auto-tool-choice refuses it too
+        ("pythonic", "required", "unsupported_parameter"),  # constrained decoding, not served
+        ("pythonic", {"type": "function", "function": {"name": "lookup"}}, "unsupported_parameter"),
+    ],
+)
+def test_tool_choices_this_server_cannot_honour_are_a_400_before_the_engine_is_asked(parser, choice, code):
+    ing, _ = _tool_ingress(parser, "x")
+    status, answer = _answer(ing, {**TOOL_CHAT, "tool_choice": choice}, "chat")
+    assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == ("tool_choice", code)
+    assert ing.engine.requests == []
+
+
+def test_a_parser_name_vllm_does_not_have_or_that_does_not_fit_the_model_is_refused_at_start():
+    from transformers import AutoTokenizer
+
+    from kvmesh.deployments.tool_calls import ToolCallParsing
+
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    with pytest.raises(ValueError, match="unknown tool_call_parser 'hermess'.*hermes"):
+        ToolCallParsing("hermess", tok)
+    with pytest.raises(ValueError, match="llama3_json.*python_tag"):  # its marker is not in the tiny vocabulary
+        ToolCallParsing("llama3_json", tok)

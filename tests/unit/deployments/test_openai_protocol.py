@@ -365,15 +365,71 @@ def test_an_assistants_reasoning_is_kept_under_either_name_and_must_be_text():
     assert (e.param, e.code) == ("messages[1].reasoning", "invalid_type")
 
 
-def test_an_assistant_turn_with_tool_calls_is_refused_not_rendered_without_them():
-    """vLLM renders an assistant's tool calls; this server serves no tools, and a null content is no longer
-    refused: the calls themselves are (an empty list is none, as vLLM drops it)."""
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+def test_an_assistant_turn_with_tool_calls_keeps_them_as_the_template_gets_them():
+    """As vLLM's server: the calls kept in its request model's key order with their JSON arguments read (not an
+    object: an empty one), a null content as none; an empty list is no calls; a malformed call is a 400."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}, "x": 1}
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    e = err(proto.parse_chat, {"model": "m", "messages": msgs})
-    assert (e.param, e.code) == ("messages[1].tool_calls", "unsupported_parameter")
+    kept = proto.parse_chat({"model": "m", "messages": msgs}).messages[1]
+    assert kept == {
+        "role": "assistant",
+        "content": [],
+        "tool_calls": [{"id": "c1", "function": {"arguments": {"a": [1]}, "name": "f"}, "type": "function", "x": 1}],
+    }
+    assert list(kept["tool_calls"][0]) == ["id", "function", "type", "x"]
     msgs[1]["tool_calls"] = []
     assert proto.parse_chat({"model": "m", "messages": msgs}).messages[1] == {"role": "assistant", "content": []}
+    for broken in ({**call, "id": None}, {**call, "type": "custom"}, {**call, "function": {"name": "f"}}, "c1"):
+        msgs[1]["tool_calls"] = [broken]
+        e = err(proto.parse_chat, {"model": "m", "messages": msgs})
+        assert (e.param, e.code) == ("messages[1].tool_calls[0]", "invalid_type"), broken
+    msgs[1]["tool_calls"] = {"id": "c1"}
+    assert err(proto.parse_chat, {"model": "m", "messages": msgs}).param == "messages[1].tool_calls"
+
+
+_T = {"type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": []}, "tools"),
+        ({"tools": {"f": 1}}, "tools"),
+        ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"function": {"name": 3}}]}, "tools[0].function.name"),
+        ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+        ({"tools": [{"function": {"name": "f", "description": 1}}]}, "tools[0].function.description"),
+        ({"tool_choice": "auto"}, "tool_choice"),  # a choice without tools
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [_T], "tool_choice": "any"}, "tool_choice"),
+        ({"tools": [_T], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+        ({"tools": [_T], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+        ({"tools": [_T], "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+    ],
+)
+def test_tools_vllms_server_refuses_are_a_400_naming_the_field(extra, param):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    body = {"model": "m", "messages": MSGS, **extra}
+    e = err(proto.parse_chat, body)
+    assert (e.status, e.param) == (400, param)
+    with pytest.raises(Exception):  # noqa: B017 -- pydantic's ValidationError or vLLM's own
+        ChatCompletionRequest(**body)
+
+
+def test_a_chats_tool_choice_is_vllms():
+    """Tools and no choice: "auto"; no tools: "none"; a named function is put as vLLM's model puts it."""
+    assert proto.parse_chat({"model": "m", "messages": MSGS}).tool_choice == "none"
+    assert proto.parse_chat({"model": "m", "messages": MSGS, "tools": [_T]}).tool_choice == "auto"
+    named = {"type": "function", "function": {"name": "f"}}
+    req = proto.parse_chat({"model": "m", "messages": MSGS, "tools": [_T], "tool_choice": named})
+    assert req.tool_choice == named and req.template_kwargs["tools"] == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
+    ]
+    assert proto.parse_chat({"model": "m", "messages": MSGS, "tool_choice": "none"}).template_kwargs == {}
+    completion = {"model": "m", "prompt": "x", "tools": [_T]}
+    assert err(proto.parse_completion, completion).code == "unsupported_parameter"  # a completion has no tools
 
 
 @pytest.mark.parametrize(

@@ -42,11 +42,15 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
         ),
         (
             json.dumps({"body": {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]}}),
-            "line 2: 'messages[0].tool_calls' is not supported by this server",
+            "line 2: 'messages[0].tool_calls[0]' must be",
         ),
         (
-            json.dumps({"body": {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}}),
-            "line 2: messages[0].role must be one of system, developer, user, assistant",
+            json.dumps({"body": {"messages": [{"role": "tool", "tool_call_id": "c1", "content": None}]}}),
+            "line 2: messages[0].content must be a string or a list of text parts",
+        ),
+        (
+            json.dumps({"body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}),
+            "line 2: 'tools' must not be an empty array",
         ),
     ],
 )

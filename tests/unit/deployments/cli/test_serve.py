@@ -33,6 +33,24 @@ def test_serve_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "guard_wieght" in lines[-1] and "guard_weight" in lines[-1]
 
 
+def test_a_tool_call_parser_is_one_of_vllms_and_reaches_the_config(tmp_path, capsys):
+    import argparse
+
+    from kvmesh.deployments.cli import main
+    from kvmesh.deployments.cli import serve as serve_cmd
+
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    cfg = serve_cmd._build_config(parser.parse_args(["--tool-call-parser", "hermes"]))
+    assert cfg["tool_call_parser"] == "hermes"
+    assert serve_cmd._build_config(parser.parse_args([]))["tool_call_parser"] is None
+    (tmp_path / "c.yaml").write_text("tool_call_parser: hermess\n")
+    assert main(["serve", "--tool-call-parser", "hermess"]) == 2
+    assert main(["serve", "--config", str(tmp_path / "c.yaml")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 2 and all("'hermess' is not one of vLLM's" in line and "hermes," in line for line in lines)
+
+
 # ---------------------------------------------------------------------------- router with fake replicas
 
 

@@ -1,0 +1,121 @@
+"""Tool calls read from a chat's answer by vLLM's own parser, as vLLM's server reads them.
+
+A deployment that names a parser (`tool_call_parser`, vLLM's `--enable-auto-tool-choice --tool-call-parser`)
+serves `tool_choice: "auto"`: the engine's text is handed, whole or chunk by chunk, to the parser vLLM's
+server would use, and the answer carries what it found as `tool_calls` (the choice's `finish_reason` then
+`tool_calls`, as there). Why vLLM's parser and not one of kvmesh's: each model family writes its calls its own
+way, and a client moved from vLLM's server must get the same calls from the same text. A parser that would
+constrain decoding for a request (a structural tag, a JSON schema: vLLM's structured outputs) is refused for
+it, since this server does not constrain decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.deployments.openai_protocol import GenerationRequest, OpenAIError, bad
+
+# the sampling settings a vLLM tool parser may change for its request (`adjust_request`): passed to the engine
+_PARSER_SAMPLING_KEYS = ("skip_special_tokens", "spaces_between_special_tokens")
+
+
+def parser_names() -> list[str]:
+    """The tool-call parsers vLLM has (the names its `--tool-call-parser` takes)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
+class ToolCallParsing:
+    """The served model's tool-call parser (one per ingress; one `AnswerParser` per request)."""
+
+    def __init__(self, name: str, tokenizer: Any, model_name: str | None = None):
+        from vllm.parser.parser_manager import ParserManager
+
+        if name not in parser_names():
+            raise ValueError(f"unknown tool_call_parser {name!r}: vLLM has {', '.join(parser_names())}")
+        self.name = name
+        self.tokenizer = tokenizer
+        try:  # vLLM checks that the parser can read this tokenizer's text (its markers are in the vocabulary)
+            self.parser_cls = ParserManager.get_parser(
+                tool_parser_name=name, enable_auto_tools=True, model_name=model_name, tokenizer=tokenizer
+            )
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"tool_call_parser {name!r}: {' '.join(str(exc).split())}") from None
+
+    def for_request(self, req: GenerationRequest) -> AnswerParser:
+        """The parser of one request whose `tool_choice` is "auto"; the sampling settings the parser needs are
+        put in `req.params`. `OpenAIError` where vLLM's model refuses the request or the parser would constrain
+        decoding for it."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        body = {k: v for k, v in req.body.items() if k != "cache_salt"}
+        try:
+            request = ChatCompletionRequest(**body)
+        except (ValidationError, ValueError) as exc:
+            raise bad(f"The request cannot be read for tool calls: {' '.join(str(exc).split())}"[:400]) from None
+        kwargs = dict(request.chat_template_kwargs or {})
+        adjusted = self._parser(request, kwargs).adjust_request(request.model_copy(deep=True))
+        if adjusted.structured_outputs is not None or getattr(adjusted, "_grammar_from_parser", False):
+            raise OpenAIError(
+                400,
+                f"The '{self.name}' tool parser constrains decoding for this request (vLLM's structured outputs), "
+                "which this server does not do.",
+                "unsupported_parameter",
+                "tools",
+            )
+        for key in _PARSER_SAMPLING_KEYS:
+            if getattr(adjusted, key) != getattr(request, key):
+                req.params[key] = getattr(adjusted, key)
+        return AnswerParser(self._parser(adjusted, kwargs), adjusted)
+
+    def _parser(self, request: Any, chat_template_kwargs: dict) -> Any:
+        return self.parser_cls(self.tokenizer, request.tools, chat_template_kwargs=chat_template_kwargs)
+
+
+def _call(call: Any) -> dict:
+    """A parsed call as an answer's `tool_calls` entry (vLLM's `ToolCall`: an id made when the parser gave none)."""
+    from vllm.renderers.chat_utils import make_tool_call_id
+
+    return {
+        "id": call.id or make_tool_call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+class AnswerParser:
+    """One answer's tool calls, read as vLLM's server reads them (its chat serving's full and streamed paths)."""
+
+    def __init__(self, parser: Any, request: Any):
+        self.parser = parser
+        self.request = request
+        self.streamed_calls = False
+        self.first_only = request.parallel_tool_calls is False  # vLLM's `maybe_filter_parallel_tool_calls`
+
+    def whole(self, text: str, token_ids: list[int]) -> tuple[str | None, list[dict]]:
+        """A whole answer's content and tool calls (none found: the text as it is, no calls)."""
+        parsed = self.parser.parse(text, self.request, enable_auto_tools=True, model_output_token_ids=token_ids)
+        _, content, calls = parsed
+        out = [_call(c) for c in calls or ()]
+        return content, out[:1] if self.first_only else out
+
+    def delta(self, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool) -> dict | None:
+        """The delta a streamed chunk carries for this piece of the answer, as vLLM's chunk has it; None when the
+        parser holds it back (part of a call not complete yet) and the answer goes on."""
+        message = self.parser.parse_delta(text, list(token_ids), self.request, prompt_ids, finished=finished)
+        if message is None:
+            return None
+        if message.tool_calls:
+            self.streamed_calls = True
+            if self.first_only:
+                message.tool_calls = [c for c in message.tool_calls if c.index == 0]
+        return message.model_dump(mode="json", exclude_unset=True)
+
+    def finish_reason(self, engine_reason: str | None, calls_found: bool) -> str | None:
+        """`tool_calls` where the answer called one (a whole answer whatever ended it; a stream only when it
+        stopped by itself, as vLLM's streamed path), else the engine's."""
+        if engine_reason is None:
+            return None
+        return "tool_calls" if calls_found else engine_reason
