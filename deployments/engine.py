@@ -286,6 +286,10 @@ class EngineReplica:
 
         kwargs = {**getattr(self, "sampling_defaults", {})}
         kwargs.update({k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None})
+        if params.get("structured_outputs"):  # a grammar the answer is decoded under (structured_outputs.py)
+            from kvmesh.deployments.structured_outputs import engine_params
+
+            kwargs["structured_outputs"] = engine_params(params["structured_outputs"])
         return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:

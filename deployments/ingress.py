@@ -53,6 +53,7 @@ from kvmesh.deployments.router import (
     notify_request_ended,
 )
 from kvmesh.deployments.serving_metrics import ServingMetrics
+from kvmesh.deployments.structured_outputs import constrain
 from kvmesh.deployments.tenant_usage import WINDOW_S
 from kvmesh.deployments.tenants import (
     AuthError,
@@ -506,23 +507,19 @@ class Ingress:
                 "model",
             )
 
-    def _tool_answer(self, req: proto.GenerationRequest) -> AnswerParser | None:
-        """The parser of a chat's tool calls where its `tool_choice` is "auto", as vLLM's server with
-        `--enable-auto-tool-choice` parses them; None for "none" (the answer is text). "required" and a named
-        function make vLLM's server constrain decoding, which this one does not do: a 400, as is "auto" where the
-        deployment names no parser (vLLM's own answer without one)."""
+    def _answer_parser(self, req: proto.GenerationRequest) -> AnswerParser | None:
+        """The request's output as vLLM's server would have it: the parser of a chat's tool calls where it has
+        tools and a `tool_choice` other than "none" (`tool_calls.py`; None otherwise), and the grammar its
+        answer is decoded under, from its tools or its `response_format` (`structured_outputs.py`). A tool
+        choice where the deployment names no parser is a 400, vLLM's own answer without one."""
         if req.kind != "chat" or req.tool_choice == "none":
+            constrain(req)
             return None
-        if req.tool_choice != "auto":
-            message = (
-                "'tool_choice' 'required' or a named function needs constrained decoding (vLLM's structured "
-                "outputs), which this server does not do; send 'auto' or 'none'."
-            )
-            raise OpenAIError(400, message, "unsupported_parameter", "tool_choice")
         if self.tool_parsing is None:
+            choice = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
             message = (
-                "'tool_choice' 'auto' needs a tool-call parser for the served model: this deployment names none "
-                "(config tool_call_parser, `kvmesh serve --tool-call-parser`; vLLM's --tool-call-parser)."
+                f"'tool_choice' {choice!r} needs a tool-call parser for the served model: this deployment names "
+                "none (config tool_call_parser, `kvmesh serve --tool-call-parser`; vLLM's --tool-call-parser)."
             )
             raise proto.bad(message, "tool_choice")
         return self.tool_parsing.for_request(req)
@@ -616,12 +613,12 @@ class Ingress:
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
             self._check_max_tokens(req)
-            answer = self._tool_answer(req)
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
             # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
             given = req.prompt_ids
             count = len(given) if given is not None else 1
             self.admission.precheck(tenant, count, exact=given is not None, reservation=reservation)
+            answer = self._answer_parser(req)
             t_tok = time.perf_counter()
             ids = await self._tokenize(req)
             self.serving_metrics.record_stage("tokenize", time.perf_counter() - t_tok)
@@ -728,14 +725,16 @@ class Ingress:
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
             content: str | None = first["text"]
             calls: list[dict] = []
-            if answer is not None:  # an answer that calls a tool ends with `tool_calls`, whatever ended it
+            finish_reason = first["finish_reason"]
+            if answer is not None:  # the tool calls in it, and the finish_reason they give it
                 content, calls = answer.whole(first["text"], first["token_ids"])
+                finish_reason = answer.whole_finish(finish_reason, calls)
             response = JSONResponse(
                 proto.full_response(
                     req,
                     oid,
                     content,
-                    "tool_calls" if calls else first["finish_reason"],
+                    finish_reason,
                     u,
                     created=created,
                     stop_reason=first.get("stop_reason"),
@@ -777,8 +776,7 @@ class Ingress:
                         delta = answer.delta(chunk["text"], chunk["token_ids"], ids, finished=ended)
                         if delta is None and (finish_reason or is_first):
                             delta = {}
-                        if finish_reason == "stop" and answer.streamed_calls:
-                            finish_reason = "tool_calls"
+                        finish_reason = answer.stream_finish(finish_reason)
                     if delta is not None or (answer is None and (chunk["text"] or finish_reason or is_first)):
                         running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
                         event = proto.sse(

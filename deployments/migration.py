@@ -15,6 +15,8 @@ When a replica dies (its actor is gone, or its engine broke and raised `EngineBr
   incomplete UTF-8 makes it emit held-back prompt text with the first new token; stop strings are
   searched over the whole output, one spanning the move included. The client sees one uninterrupted
   stream;
+- a stream decoded under a grammar (structured output) is not continued mid-stream: the new engine
+  would start the grammar again after the tokens sent, so it ends with the 503 below instead;
 - unary requests are sent again whole (nothing reached the client yet).
 
 A replica Ray calls only unavailable (`ActorUnavailableError`: a gRPC call broken by a network blip as well
@@ -279,12 +281,16 @@ class MigratingStream:
             self._replica_unavailable(unavailable)
         self._close_current()
         self._stream.cancel()
-        if self.moves >= self.max_migrations:
+        # a grammar cannot be resumed after the tokens sent: such a stream ends here
+        grammar_cut = bool(self.sent) and bool((self.request.get("params") or {}).get("structured_outputs"))
+        if self.moves >= self.max_migrations or grammar_cut:
             self.counters.gave_up()
             log.warning(
-                "request %s: replica failed and max_migrations=%d reached",
+                "request %s: replica failed %s",
                 self.request["request_id"],
-                self.max_migrations,
+                "mid-stream under a grammar (not continued)"
+                if grammar_cut
+                else f"and max_migrations={self.max_migrations} reached",
             )
             raise MigrationExhausted(self.moves) from exc
         self.moves += 1

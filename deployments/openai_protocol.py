@@ -36,11 +36,9 @@ _UNSUPPORTED: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
-    "structured_outputs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -101,6 +99,7 @@ _SERVED = frozenset(
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
+        "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
         "cache_salt",  # refused by tenants.reject_client_salt
     }
 )  # fmt: skip
@@ -162,7 +161,8 @@ class GenerationRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # more chat template variables, `tools` among them
     tool_choice: str | dict = "none"  # a chat's: "none", "auto", "required" or a named function (`chat_tools`)
     parallel_tool_calls: bool | None = None  # false: an answer keeps its first tool call only, as vLLM's
-    body: dict[str, Any] = field(default_factory=dict)  # the request as sent (a tool-call parser reads it)
+    constrained: bool = False  # asks for structured output (a grammar: `structured_outputs.constrain`)
+    body: dict[str, Any] = field(default_factory=dict)  # the request as sent (vLLM's model of it reads it)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # running usage in every chunk (vLLM's stream_options.continuous_usage_stats)
@@ -304,7 +304,31 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         include_usage=include_usage,
         continuous_usage=continuous,
         params={k: v for k, v in params.items() if v is not None},
+        constrained=_constraint(body),
+        body=body,
     )
+
+
+# `response_format` types as vLLM's model takes them (the grammar of each: `structured_outputs.py`)
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def _constraint(body: dict) -> bool:
+    """Whether the request asks for structured output: a `response_format` other than text, or vLLM's
+    `structured_outputs`; their shapes checked as far as naming the field (vLLM's model reads the rest)."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in _RESPONSE_FORMATS:
+            message = f"'response_format.type' must be one of {', '.join(_RESPONSE_FORMATS)}."
+            raise bad(message, "response_format.type" if isinstance(fmt, dict) else "response_format")
+        if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+            message = "'response_format.json_schema' must be an object when its type is 'json_schema'."
+            raise bad(message, "response_format.json_schema", "invalid_type")
+    given = body.get("structured_outputs")
+    if given is not None and not isinstance(given, dict):
+        raise bad("'structured_outputs' must be an object.", "structured_outputs", "invalid_type")
+    return (fmt is not None and fmt.get("type") != "text") or given is not None
 
 
 def parse_completion(body: dict) -> GenerationRequest:
@@ -476,7 +500,6 @@ def parse_chat(body: dict) -> GenerationRequest:
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
     req.parallel_tool_calls = parallel
-    req.body = body
     return req
 
 

@@ -1,19 +1,20 @@
 """Tool calls read from a chat's answer by vLLM's own parser, as vLLM's server reads them.
 
 A deployment that names a parser (`tool_call_parser`, vLLM's `--enable-auto-tool-choice --tool-call-parser`)
-serves `tool_choice: "auto"`: the engine's text is handed, whole or chunk by chunk, to the parser vLLM's
-server would use, and the answer carries what it found as `tool_calls` (the choice's `finish_reason` then
-`tool_calls`, as there). Why vLLM's parser and not one of kvmesh's: each model family writes its calls its own
-way, and a client moved from vLLM's server must get the same calls from the same text. A parser that would
-constrain decoding for a request (a structural tag, a JSON schema: vLLM's structured outputs) is refused for
-it, since this server does not constrain decoding.
+serves every `tool_choice`: the parser adjusts the request as on vLLM's server (the grammar that makes
+"required" and a named function answer with calls, a structural tag where the parser holds calls to one, the
+special tokens it reads), the engine decodes under that grammar (`structured_outputs.py`), and its text is
+handed, whole or chunk by chunk, to the parser, so the answer carries what it found as `tool_calls` with
+vLLM's `finish_reason`. Why vLLM's parser and not one of kvmesh's: each model family writes its calls its own
+way, and a client moved from vLLM's server must get the same calls from the same text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.deployments.openai_protocol import GenerationRequest, OpenAIError, bad
+from kvmesh.deployments.openai_protocol import GenerationRequest
+from kvmesh.deployments.structured_outputs import as_data, refusal, vllm_request
 
 # the sampling settings a vLLM tool parser may change for its request (`adjust_request`): passed to the engine
 _PARSER_SAMPLING_KEYS = ("skip_special_tokens", "spaces_between_special_tokens")
@@ -44,30 +45,23 @@ class ToolCallParsing:
             raise ValueError(f"tool_call_parser {name!r}: {' '.join(str(exc).split())}") from None
 
     def for_request(self, req: GenerationRequest) -> AnswerParser:
-        """The parser of one request whose `tool_choice` is "auto"; the sampling settings the parser needs are
-        put in `req.params`. `OpenAIError` where vLLM's model refuses the request or the parser would constrain
-        decoding for it."""
-        from pydantic import ValidationError
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        """The parser of one chat request with tools and a `tool_choice` other than "none", the request
+        adjusted by it as on vLLM's server: the grammar and the sampling settings it asks for put in
+        `req.params`. `OpenAIError` where vLLM's model refuses the request or the parser's adjustment."""
+        from vllm.exceptions import VLLMClientError
 
-        body = {k: v for k, v in req.body.items() if k != "cache_salt"}
-        try:
-            request = ChatCompletionRequest(**body)
-        except (ValidationError, ValueError) as exc:
-            raise bad(f"The request cannot be read for tool calls: {' '.join(str(exc).split())}"[:400]) from None
+        request = vllm_request(req)
         kwargs = dict(request.chat_template_kwargs or {})
-        adjusted = self._parser(request, kwargs).adjust_request(request.model_copy(deep=True))
-        if adjusted.structured_outputs is not None or getattr(adjusted, "_grammar_from_parser", False):
-            raise OpenAIError(
-                400,
-                f"The '{self.name}' tool parser constrains decoding for this request (vLLM's structured outputs), "
-                "which this server does not do.",
-                "unsupported_parameter",
-                "tools",
-            )
+        try:
+            adjusted = self._parser(request, kwargs).adjust_request(request.model_copy(deep=True))
+            grammar = as_data(adjusted.extract_structured_outputs())
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own validation errors (a 400 on its server)
+            raise refusal(exc) from None
         for key in _PARSER_SAMPLING_KEYS:
             if getattr(adjusted, key) != getattr(request, key):
                 req.params[key] = getattr(adjusted, key)
+        if grammar:
+            req.params["structured_outputs"] = grammar
         return AnswerParser(self._parser(adjusted, kwargs), adjusted)
 
     def _parser(self, request: Any, chat_template_kwargs: dict) -> Any:
@@ -93,13 +87,32 @@ class AnswerParser:
         self.request = request
         self.streamed_calls = False
         self.first_only = request.parallel_tool_calls is False  # vLLM's `maybe_filter_parallel_tool_calls`
+        self.named = request.tool_choice is not None and not isinstance(request.tool_choice, str)
+        self.required = request.tool_choice == "required"
 
     def whole(self, text: str, token_ids: list[int]) -> tuple[str | None, list[dict]]:
-        """A whole answer's content and tool calls (none found: the text as it is, no calls)."""
+        """A whole answer's content and tool calls (none found: the text as it is, no calls). With "required"
+        or a named function the content is a string, empty where the calls took it all, as there."""
         parsed = self.parser.parse(text, self.request, enable_auto_tools=True, model_output_token_ids=token_ids)
         _, content, calls = parsed
         out = [_call(c) for c in calls or ()]
+        if self.named or self.required:
+            content = content or ""
         return content, out[:1] if self.first_only else out
+
+    def whole_finish(self, engine_reason: str | None, calls: list[dict]) -> str | None:
+        """A whole answer's `finish_reason`: `tool_calls` where "auto" found calls, or "required" stopped by
+        itself; a named function's answer keeps the engine's (OpenAI's rule, as vLLM's server applies it)."""
+        if (calls and not self.named and not self.required) or (self.required and engine_reason == "stop"):
+            return "tool_calls"
+        return engine_reason
+
+    def stream_finish(self, engine_reason: str | None) -> str | None:
+        """A stream's last `finish_reason`: `tool_calls` where calls were streamed and it stopped by itself,
+        except for a named function."""
+        if engine_reason == "stop" and self.streamed_calls and not self.named:
+            return "tool_calls"
+        return engine_reason
 
     def delta(self, text: str, token_ids: list[int], prompt_ids: list[int], finished: bool) -> dict | None:
         """The delta a streamed chunk carries for this piece of the answer, as vLLM's chunk has it; None when the
@@ -112,10 +125,3 @@ class AnswerParser:
             if self.first_only:
                 message.tool_calls = [c for c in message.tool_calls if c.index == 0]
         return message.model_dump(mode="json", exclude_unset=True)
-
-    def finish_reason(self, engine_reason: str | None, calls_found: bool) -> str | None:
-        """`tool_calls` where the answer called one (a whole answer whatever ended it; a stream only when it
-        stopped by itself, as vLLM's streamed path), else the engine's."""
-        if engine_reason is None:
-            return None
-        return "tool_calls" if calls_found else engine_reason

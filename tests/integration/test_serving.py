@@ -231,7 +231,7 @@ def test_a_tool_using_conversation_is_served_and_its_next_turn_reads_the_first_f
     """An agent's loop on the live path (the app names vLLM's pythonic parser): a chat with tools is answered
     (the tiny model's random text calls nothing), and the next turn -- the assistant's tool call and the tool's
     answer appended -- is placed where the first was computed and served its whole prompt from cache, as the
-    router predicted. A choice this server cannot honour is a 400."""
+    router predicted. A named function's answer is a call to it, decoded under its schema."""
     import uuid
 
     import openai
@@ -264,8 +264,54 @@ def test_a_tool_using_conversation_is_served_and_its_next_turn_reads_the_first_f
     assert first.usage.prompt_tokens >= 4 * BLOCK  # the first turn filled blocks the second can read
     assert cached >= BLOCK * (first.usage.prompt_tokens // BLOCK) and second.usage.prompt_tokens > cached
     assert int(raw.headers["x-kvmesh-predicted-cached-tokens"]) == cached
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model="tiny", messages=turn, tools=tools, tool_choice="required", max_tokens=2)
+    # a named function: the engine decodes the call's arguments under the tool's schema, and the answer is a call
+    named = client.chat.completions.create(
+        model="tiny",
+        messages=turn,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=16,
+        temperature=0,
+    )
+    calls = named.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "lookup"
+    assert calls[0].function.arguments.lstrip().startswith("{")
+
+
+def test_an_answer_decoded_under_a_grammar_keeps_to_it(live_app):
+    """vLLM's structured outputs on the real engines: the tiny model's random weights write anything; held to a
+    choice, a regex or a JSON object (`structured_outputs`, `response_format`), whole or streamed, they write
+    only what it allows, where the same prompt without one writes something else."""
+    import re
+
+    import openai
+
+    client = openai.OpenAI(base_url=live_app.url + "/v1", api_key=live_app.api_key, max_retries=0, timeout=120)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Is it sunny in Paris?"}], "temperature": 0}
+    free = client.chat.completions.create(**chat, max_tokens=8).choices[0].message.content
+    held = client.chat.completions.create(
+        **chat, max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+    )
+    assert held.choices[0].message.content in ("yes", "no") and free not in ("yes", "no")
+    assert held.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        **chat, max_tokens=8, stream=True, extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}}
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in ("alpha", "beta")
+    text = (
+        client.completions.create(
+            model="tiny",
+            prompt="Three letters:",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": "[a-c]{3}"}},
+        )
+        .choices[0]
+        .text
+    )
+    assert re.fullmatch("[a-c]{3}", text), text
+    obj = client.chat.completions.create(**chat, max_tokens=4, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.lstrip().startswith("{")
 
 
 BAD_INPUTS = [

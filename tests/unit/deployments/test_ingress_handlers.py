@@ -463,11 +463,9 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("response_format", {"type": "json_object"}),
-        ("tool_choice", "required"),
+        ("tool_choice", "required"),  # without tools
         ("functions", [{"name": "f"}]),
         ("guided_json", {"type": "object"}),
-        ("structured_outputs", {"json": {}}),
         ("logprobs", 0),
         ("include_stop_str_in_output", True),
         ("allowed_token_ids", [1]),
@@ -1872,14 +1870,10 @@ def test_an_answers_tool_calls_are_the_ones_vllms_parser_reads(parser, parallel,
     if parallel is not None:
         body["parallel_tool_calls"] = parallel
     status, answer = _answer(ing, body, "chat")
-    if parser == "hermes" and parallel is False:
-        # vLLM's server holds hermes to one call with a grammar (a structural tag): decoding this server does not
-        # constrain, so it refuses rather than answer what vLLM's would not
-        error = (json.loads(answer) if stream else answer)["error"]
-        assert status == 400 and (error["param"], error["code"]) == ("tools", "unsupported_parameter")
-        assert ing.engine.requests == []
-        return
     assert status == 200, answer
+    # vLLM's server holds hermes to one call with a grammar (a structural tag): the engine gets it too
+    grammar = ing.engine.requests[-1]["params"].get("structured_outputs")
+    assert (grammar is not None and "structural_tag" in grammar) == (parser == "hermes" and parallel is False)
     content, calls = _vllms_reading(tok, parser, {k: v for k, v in body.items() if k != "stream"}, text)
     assert len(calls) == 2  # the answer calls twice
     if parallel is False:
@@ -1921,19 +1915,117 @@ def test_an_answer_without_calls_and_a_chat_that_wants_none_are_text(stream):
             assert answer["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "lookup"}}])
+def test_a_tool_choice_without_a_parser_is_a_400_before_the_engine_is_asked(choice):
+    """vLLM's server without --tool-call-parser refuses them too."""
+    ing, _ = _tool_ingress(None, "x")
+    status, answer = _answer(ing, {**TOOL_CHAT, "tool_choice": choice}, "chat")
+    assert status == 400 and answer["error"]["param"] == "tool_choice"
+    assert ing.engine.requests == []
+
+
+_NAMED = {"type": "function", "function": {"name": "lookup"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
-    ("parser", "choice", "code"),
+    ("choice", "text", "finish"),
     [
-        (None, "auto", "invalid_value"),  # vLLM's server without --enable-auto-tool-choice refuses it too
-        ("pythonic", "required", "unsupported_parameter"),  # constrained decoding, not served
-        ("pythonic", {"type": "function", "function": {"name": "lookup"}}, "unsupported_parameter"),
+        # "required": a JSON list of calls, finish_reason tool_calls; a named function: its arguments, "stop"
+        (
+            "required",
+            '[{"name": "lookup", "parameters": {"q": "x"}}, {"name": "lookup", "parameters": {}}]',
+            "tool_calls",
+        ),
+        (_NAMED, '{"q": "x"}', "stop"),
     ],
 )
-def test_tool_choices_this_server_cannot_honour_are_a_400_before_the_engine_is_asked(parser, choice, code):
-    ing, _ = _tool_ingress(parser, "x")
-    status, answer = _answer(ing, {**TOOL_CHAT, "tool_choice": choice}, "chat")
-    assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == ("tool_choice", code)
-    assert ing.engine.requests == []
+def test_a_required_or_named_tool_choice_is_decoded_under_vllms_grammar_and_read_as_its_calls(
+    choice, text, finish, stream
+):
+    """As on vLLM's server with a parser: the engine decodes under the JSON schema vLLM makes of the tools
+    (the same schema, as data), and the answer's calls are the ones vLLM's parser reads; the content is an
+    empty string beside them."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+
+    from kvmesh.deployments.structured_outputs import as_data
+
+    ing, tok = _tool_ingress("pythonic", text)
+    body = {**TOOL_CHAT, "tool_choice": choice}
+    status, answer = _answer(ing, {**body, "stream": stream}, "chat")
+    assert status == 200, answer
+    request = ChatCompletionRequest(**body)
+    cls = ParserManager.get_parser(tool_parser_name="pythonic", enable_auto_tools=True, tokenizer=tok)
+    adjusted = cls(tok, request.tools).adjust_request(request)
+    grammar = ing.engine.requests[-1]["params"]["structured_outputs"]
+    assert grammar == as_data(adjusted.extract_structured_outputs()) and "json" in grammar
+    _, _, calls = cls(tok, adjusted.tools).parse(text, adjusted, enable_auto_tools=True)
+    expected = [(c.name, json.loads(c.arguments)) for c in calls]
+    assert expected and expected[0] == ("lookup", {"q": "x"})
+    if stream:
+        content, got, last = _streamed(_events(answer))
+        assert (content or "", [(n, json.loads(a)) for n, a in got], last) == ("", expected, finish)
+        return
+    choice_out = answer["choices"][0]
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice_out["message"]["tool_calls"]]
+    assert (choice_out["message"]["content"], got, choice_out["finish_reason"]) == ("", expected, finish)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "object"}}}},
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"structured_outputs": {"regex": "[a-c]{3}"}},
+        {"structured_outputs": {"json": {"type": "object"}}, "response_format": {"type": "text"}},
+    ],
+)
+def test_an_output_constraint_reaches_the_engine_as_vllms_server_reads_it(kind, extra):
+    """`response_format` and vLLM's `structured_outputs` combine by vLLM's own rules (the response format wins),
+    and the engine gets the result as data it builds vLLM's StructuredOutputsParams from."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from kvmesh.deployments.engine import EngineReplica
+    from kvmesh.deployments.structured_outputs import as_data
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    body = {**(CHAT if kind == "chat" else {"model": "tiny", "prompt": "hello"}), **extra}
+    status, answer = _answer(ing, body, kind)
+    assert status == 200, answer
+    params = ing.engine.requests[-1]["params"]
+    vllm_request = ChatCompletionRequest(**body) if kind == "chat" else CompletionRequest(**body)
+    assert params["structured_outputs"] == as_data(vllm_request.extract_structured_outputs())
+    built = EngineReplica._sampling_params(SimpleNamespace(), params).structured_outputs
+    assert built == vllm_request.extract_structured_outputs()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": "json"}, "response_format"),
+        ({"structured_outputs": ["json"]}, "structured_outputs"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, None),  # one kind at most (vLLM's own check)
+        ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, None),  # two, combined
+    ],
+)
+def test_a_constraint_vllms_server_refuses_is_a_400_before_the_engine_is_asked(extra, param):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, answer = _answer(ing, {**CHAT, **extra}, "chat")
+    assert status == 400 and not ing.engine.requests, answer
+    if param is not None:
+        assert answer["error"]["param"] == param
+    with pytest.raises(Exception):  # noqa: B017 -- pydantic's ValidationError or vLLM's own
+        ChatCompletionRequest(**{**CHAT, **extra}).extract_structured_outputs()
 
 
 def test_a_parser_name_vllm_does_not_have_or_that_does_not_fit_the_model_is_refused_at_start():

@@ -266,6 +266,33 @@ def test_after_max_migrations_the_request_ends_with_a_503():
     assert counters.snapshot() == {"migrations": {"mid_stream": 2}, "exhausted": 1}
 
 
+def test_a_stream_under_a_grammar_is_moved_before_its_first_token_but_not_continued_mid_stream():
+    """A continuation would start the grammar again after the tokens sent (its output would not match it): a
+    structured-output stream whose replica dies mid-answer ends with the 503; one that had sent nothing moves."""
+    grammar = {**REQUEST, "params": {**REQUEST["params"], "structured_outputs": {"choice": ["yes", "no"]}}}
+
+    def opened(fleet):
+        return MigratingStream(
+            dict(grammar),
+            fleet,
+            max_migrations=2,
+            counters=counters,
+            replica_failed=failed.append,
+            first_token=started.append,
+            text_for=lambda *_: None,
+        )
+
+    counters, failed, started = FailureCounters(), [], []
+    b = _Replica("B")
+    with pytest.raises(MigrationExhausted):
+        asyncio.run(_drain(opened(_fleet(_Replica("A", die_after=2), b))))
+    assert b.requests == [] and counters.snapshot() == {"migrations": {}, "exhausted": 1}
+    counters, failed, started = FailureCounters(), [], []
+    b = _Replica("B")
+    assert asyncio.run(_drain(opened(_fleet(_Replica("A", die_after=0), b)))) == ANSWER
+    assert b.requests[0]["params"]["structured_outputs"] == {"choice": ["yes", "no"]}
+
+
 def test_a_bad_request_is_not_migrated():
     counters = FailureCounters()
     bad = _Replica("A", die_after=0, error=ValueError("prompt too long"))
