@@ -32,10 +32,14 @@ class ToolCallParsing:
 
     def __init__(self, name: str, tokenizer: Any, model_name: str | None = None):
         from vllm.parser.parser_manager import ParserManager
+        from vllm.tokenizers.hf import get_cached_tokenizer
 
         if name not in parser_names():
             raise ValueError(f"unknown tool_call_parser {name!r}: vLLM has {', '.join(parser_names())}")
         self.name = name
+        # as vLLM's server hands it to its parsers: the vocabulary and special tokens read once, not rebuilt by
+        # each request's parser (a model's vocabulary of 150,000 entries takes milliseconds to build)
+        tokenizer = get_cached_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         try:  # vLLM checks that the parser can read this tokenizer's text (its markers are in the vocabulary)
             self.parser_cls = ParserManager.get_parser(
