@@ -522,7 +522,7 @@ def template_messages(messages: list[dict], chat_template: str | None) -> list[d
         if m.get("task") is not None:
             msg["task"] = m["task"]
         if m["role"] == "developer":
-            msg["tools"] = None  # vLLM's server gives a developer message its (refused here) tools
+            msg["tools"] = None  # vLLM's server gives a developer message its own `tools` (a 400 here when given)
         out.append(msg)
     if any(m["role"] == "developer" for m in out) and not supports_developer(chat_template):
         out = [

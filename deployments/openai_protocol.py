@@ -528,6 +528,11 @@ def chat_message(m: Any, i: int) -> dict:
     if call_id is not None and not isinstance(call_id, str):
         param = f"messages[{i}].tool_call_id"
         raise bad(f"'{param}' must be a string.", param, "invalid_type")
+    if role == "developer" and m.get("tools") is not None:  # vLLM's own extension; the request's `tools` serve
+        param = f"messages[{i}].tools"
+        raise bad(
+            f"'{param}' is not supported by this server: send the tools in 'tools'.", param, "unsupported_parameter"
+        )
     # no `content` key at all is no content, for any role: vLLM's request model takes such a message (its
     # custom-role form) and renders an empty turn; a null content stays an assistant's alone
     out = {"role": role, "content": _content(m["content"], i, role) if "content" in m else []}

@@ -385,6 +385,9 @@ def test_an_assistant_turn_with_tool_calls_keeps_them_as_the_template_gets_them(
         assert (e.param, e.code) == ("messages[1].tool_calls[0]", "invalid_type"), broken
     msgs[1]["tool_calls"] = {"id": "c1"}
     assert err(proto.parse_chat, {"model": "m", "messages": msgs}).param == "messages[1].tool_calls"
+    # a developer message's own tools (vLLM's extension, rendered there) are refused, not dropped unsaid
+    developer = [{"role": "developer", "content": "d", "tools": [{"type": "function", "function": {"name": "f"}}]}]
+    assert err(proto.parse_chat, {"model": "m", "messages": developer}).param == "messages[0].tools"
 
 
 _T = {"type": "function", "function": {"name": "f"}}
