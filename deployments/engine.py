@@ -49,6 +49,7 @@ SAMPLING_KEYS = (
     "min_p",
     "skip_special_tokens",
     "spaces_between_special_tokens",  # set by some tool-call parsers only (deployments/tool_calls.py)
+    "logit_bias",
 )
 EVENTS_TOPIC = "kvmesh"
 # request ids a load report names at most per state: the default max_ongoing_requests. Serve hands every router

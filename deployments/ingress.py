@@ -441,13 +441,15 @@ class Ingress:
         special tokens, a chat's through its template). A long text is encoded off the event loop: megabytes
         of prompt take seconds, and every other request of this replica would wait. Text the tokenizer
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
-        stop_bad = next((t for t in req.params.get("stop_token_ids") or () if not 0 <= t < self.vocab_size), None)
-        if stop_bad is not None:  # the engine refuses it only after placement, as an error of its own
-            raise proto.bad(
-                f"Token id {_id_shown(stop_bad)} is out of range for this model (vocabulary size {self.vocab_size}).",
-                "stop_token_ids",
-                "invalid_token_id",
-            )
+        # token ids of the request's settings: the engine refuses them only after placement, as an error of its own
+        for name in ("stop_token_ids", "logit_bias"):
+            wrong = next((t for t in req.params.get(name) or () if not 0 <= t < self.vocab_size), None)
+            if wrong is not None:
+                raise proto.bad(
+                    f"Token id {_id_shown(wrong)} is out of range for this model (vocabulary size {self.vocab_size}).",
+                    name,
+                    "invalid_token_id",
+                )
         if req.prompt_ids is not None:
             if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
                 raise self._too_long(req, f"the request's {len(req.prompt_ids)} prompt tokens cannot fit in it")

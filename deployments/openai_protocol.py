@@ -35,7 +35,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
-    "logit_bias": ({},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -96,7 +95,7 @@ _SERVED = frozenset(
     {
         "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-        "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
+        "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens", "logit_bias",
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
@@ -279,6 +278,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise bad("'stop_token_ids' must be a list of token ids (integers).", "stop_token_ids", "invalid_type")
         params["stop_token_ids"] = stop_ids or None
+    params["logit_bias"] = _logit_bias(body.get("logit_bias"))
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -307,6 +307,27 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         constrained=_constraint(body),
         body=body,
     )
+
+
+def _logit_bias(given: Any) -> dict[int, float] | None:
+    """`logit_bias` as vLLM's SamplingParams takes it: token ids (as JSON's string keys, or numbers) to biases
+    clamped to [-100, 100]; a key that is not a token id is a 400 naming the field. Ids past the vocabulary are
+    the ingress's to refuse (it knows the model)."""
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise bad("'logit_bias' must be an object of token ids to biases.", "logit_bias", "invalid_type")
+    out = {}
+    for token, bias in given.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            message = f"'logit_bias' key {shown(str(token))} is not a token id (an integer)."
+            raise bad(message, "logit_bias", "invalid_type") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise bad(f"'logit_bias' for token {token_id} must be a finite number.", "logit_bias", "invalid_type")
+        out[token_id] = min(100.0, max(-100.0, float(bias)))
+    return out or None
 
 
 # `response_format` types as vLLM's model takes them (the grammar of each: `structured_outputs.py`)

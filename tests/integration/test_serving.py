@@ -314,6 +314,20 @@ def test_an_answer_decoded_under_a_grammar_keeps_to_it(live_app):
     assert obj.choices[0].message.content.lstrip().startswith("{")
 
 
+def test_a_logit_bias_steers_the_live_engines(live_app, tiny_model_dir):
+    """A token pushed to the top by `logit_bias` is all the tiny model writes, where it wrote something else."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    token = tok.encode(" Paris", add_special_tokens=False)[-1]
+    with live_app.client() as c:
+        body = {"model": "tiny", "prompt": fresh_tokens(40), "max_tokens": 3, "temperature": 0}
+        free = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        steered = c.post("/v1/completions", json={**body, "logit_bias": {str(token): 100}})
+        assert steered.status_code == 200, steered.text
+        assert steered.json()["choices"][0]["text"] == tok.decode([token] * 3) != free
+
+
 BAD_INPUTS = [
     # (description, headers override, body (bytes or json), expected status, expected code)
     ("malformed json", None, b"{not json", 400, "invalid_json"),

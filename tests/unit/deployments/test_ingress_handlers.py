@@ -485,6 +485,29 @@ def test_a_setting_that_would_shape_the_output_and_is_not_served_is_a_400_not_ig
     assert status == 400 and body["error"]["param"] == field and not ing.engine.requests
 
 
+def test_a_logit_bias_reaches_the_engine_as_vllms_sampling_params_take_it():
+    """Token ids (JSON's string keys) to biases clamped to [-100, 100], the engine's SamplingParams built from
+    them equal to the ones vLLM's server builds; a key that is no token id, or one past the vocabulary, is a
+    400 naming the field before the engine is asked."""
+    from vllm import SamplingParams
+
+    from kvmesh.deployments.engine import EngineReplica
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    bias = {"17": 5, "23": -250.5, "999": 150}
+    status, answer = _answer(ing, {**CHAT, "logit_bias": bias}, "chat")
+    assert status == 200, answer
+    params = ing.engine.requests[-1]["params"]
+    assert params["logit_bias"] == {17: 5.0, 23: -100.0, 999: 100.0}
+    built = EngineReplica._sampling_params(SimpleNamespace(), params)
+    assert built.logit_bias == SamplingParams.from_optional(logit_bias=bias).logit_bias
+    for wrong, code in (({"x": 1}, "invalid_type"), ({"1000": 1}, "invalid_token_id"), ({"1": "up"}, "invalid_type")):
+        status, answer = _answer(ing, {**CHAT, "logit_bias": wrong}, "chat")
+        assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == ("logit_bias", code)
+    assert len(ing.engine.requests) == 1
+
+
 def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_models():
     ing = _ingress(tokenizer=_TextTokenizer())
     ing.engine = _RecordingEngine()
