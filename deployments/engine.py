@@ -50,6 +50,7 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",  # set by some tool-call parsers only (deployments/tool_calls.py)
     "logit_bias",
+    "logprobs",  # how many top log-probabilities beside each sampled token's (deployments/logprobs.py)
 )
 EVENTS_TOPIC = "kvmesh"
 # request ids a load report names at most per state: the default max_ongoing_requests. Serve hands every router
@@ -169,6 +170,13 @@ def vllm_files_in(folder: str):
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = saved_env
+
+
+def logprob_rows(positions) -> list[list[tuple[int, float, int | None, str | None]]]:
+    """vLLM's sample log-probabilities (per new token, a dict of token id -> Logprob: the sampled one first,
+    then the top ones by rank) as plain data for the ingress, in the engine's order: (id, logprob, rank, its
+    decoded text)."""
+    return [[(tid, lp.logprob, lp.rank, lp.decoded_token) for tid, lp in (step or {}).items()] for step in positions]
 
 
 class EngineReplica:
@@ -314,6 +322,7 @@ class EngineReplica:
                     "num_cached_tokens": int(out.num_cached_tokens or 0),
                     "prompt_tokens": n_prompt,
                     "replica": self.replica_id,
+                    "logprobs": logprob_rows(comp.logprobs) if comp and comp.logprobs is not None else None,
                 }
         except Exception as exc:
             if self.driver.healthy() and not isinstance(exc, EngineBroken):
@@ -331,12 +340,15 @@ class EngineReplica:
         t0 = time.perf_counter()
         ttft = t_first = None
         text, token_ids, last = [], [], None
+        logprobs: list | None = None
         async for chunk in self.generate(request):
             if t_first is None:
                 t_first = time.perf_counter()
                 ttft = t_first - t0
             text.append(chunk["text"])
             token_ids.extend(chunk["token_ids"])
+            if chunk.get("logprobs") is not None:
+                logprobs = (logprobs or []) + chunk["logprobs"]
             last = chunk
         if last is None or t_first is None:  # generate raises when the engine fails, so this is not expected
             raise RuntimeError(f"engine returned no output for request {request.get('request_id')!r}")
@@ -345,6 +357,7 @@ class EngineReplica:
             **last,
             "text": "".join(text),
             "token_ids": token_ids,
+            "logprobs": logprobs,
             "ttft_s": ttft,
             "after_first_output_s": after_first,
         }

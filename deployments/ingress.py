@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
 from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages, template_refusal
 from kvmesh.cluster.thread_names import name_loop_thread
-from kvmesh.deployments import fleet_metrics, local_state, miss_attribution
+from kvmesh.deployments import fleet_metrics, local_state, logprobs, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.admission import AdmissionError
 from kvmesh.deployments.config import app_config, resolve_model
@@ -526,6 +526,24 @@ class Ingress:
             raise proto.bad(message, "tool_choice")
         return self.tool_parsing.for_request(req)
 
+    def _logprobs(self, req: proto.GenerationRequest, chunk: dict, offset: int = 0) -> dict | None:
+        """A choice's `logprobs` for the tokens of `chunk` (a whole answer or a streamed piece of one), in the
+        request kind's shape; None when the request asked for none. `offset`: where a completion's text offsets
+        go on from."""
+        if req.top_logprobs is None:
+            return None
+        rows = chunk.get("logprobs") or [()] * len(chunk["token_ids"])
+        build = (
+            logprobs.chat_logprobs
+            if req.kind == "chat"
+            else functools.partial(logprobs.completion_logprobs, offset=offset)
+        )
+        return build(chunk["token_ids"], rows, req.top_logprobs, self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        """One token's text, where the engine gave none (vLLM's server decodes it alone, as here)."""
+        return self.tokenizer.decode([token_id])
+
     def _check_max_tokens(self, req: proto.GenerationRequest) -> None:
         """Before tokenising, as vLLM (its TokenizeParams): an output length beyond the whole context is a 400
         naming the field it came in; one beyond what the prompt leaves is trimmed (`_check_length`)."""
@@ -741,6 +759,7 @@ class Ingress:
                     created=created,
                     stop_reason=first.get("stop_reason"),
                     tool_calls=calls,
+                    logprobs=self._logprobs(req, first),
                 ),
                 headers=headers,
             )
@@ -764,6 +783,7 @@ class Ingress:
             cached = first["num_cached_tokens"]
             nonlocal answered
             tail = b""
+            offset = 0  # a completion's text offset for its next token's log-probability
             try:
                 is_first = True
                 chunk = first
@@ -773,13 +793,19 @@ class Ingress:
                     finish_reason = None if failed else chunk["finish_reason"]
                     event = b""
                     delta = None
+                    # the piece's log-probabilities: a chunk goes out for its tokens even where its text is held
+                    # back (a stop string may be forming), as on vLLM's server
+                    chosen = self._logprobs(req, chunk, offset) if chunk["token_ids"] else None
+                    if chosen is not None and req.kind == "completion":
+                        offset = logprobs.next_offset(chosen, offset)
                     if answer is not None:  # the parser's delta, as vLLM's stream carries it (tool_calls.py)
                         ended = chunk["finish_reason"] is not None
                         delta = answer.delta(chunk["text"], chunk["token_ids"], ids, finished=ended)
-                        if delta is None and (finish_reason or is_first):
+                        if delta is None and (finish_reason or is_first or chosen is not None):
                             delta = {}
                         finish_reason = answer.stream_finish(finish_reason)
-                    if delta is not None or (answer is None and (chunk["text"] or finish_reason or is_first)):
+                    text_out = chunk["text"] or finish_reason or is_first or chosen is not None
+                    if delta is not None or (answer is None and text_out):
                         running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
                         event = proto.sse(
                             proto.stream_chunk(
@@ -792,6 +818,7 @@ class Ingress:
                                 u=running,
                                 stop_reason=chunk.get("stop_reason"),
                                 delta=delta,
+                                logprobs=chosen,
                             )
                         )
                     is_first = False

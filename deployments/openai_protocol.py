@@ -26,8 +26,6 @@ DEFAULT_MAX_TOKENS = 16
 # is a 400: ignored, it would change the output the client asked for (free text for a JSON schema, no
 # logprobs where it wants them, a stop string cut from the text it wants kept).
 _UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (False,),  # on completions 0 asks for the chosen tokens' logprobs
-    "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -95,7 +93,8 @@ _SERVED = frozenset(
     {
         "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-        "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens", "logit_bias",
+        "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
+        "logit_bias", "logprobs", "top_logprobs",  # `_logprobs`; their shapes in the answer: logprobs.py
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
@@ -161,6 +160,7 @@ class GenerationRequest:
     tool_choice: str | dict = "none"  # a chat's: "none", "auto", "required" or a named function (`chat_tools`)
     parallel_tool_calls: bool | None = None  # false: an answer keeps its first tool call only, as vLLM's
     constrained: bool = False  # asks for structured output (a grammar: `structured_outputs.constrain`)
+    top_logprobs: int | None = None  # log-probabilities asked for: alternatives per token (`logprobs.py`)
     body: dict[str, Any] = field(default_factory=dict)  # the request as sent (vLLM's model of it reads it)
     stream: bool = False
     include_usage: bool = False
@@ -279,6 +279,8 @@ def _common(body: dict, kind: str) -> GenerationRequest:
             raise bad("'stop_token_ids' must be a list of token ids (integers).", "stop_token_ids", "invalid_type")
         params["stop_token_ids"] = stop_ids or None
     params["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    top_logprobs = _logprobs(body, kind)
+    params["logprobs"] = top_logprobs
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -305,8 +307,34 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         continuous_usage=continuous,
         params={k: v for k, v in params.items() if v is not None},
         constrained=_constraint(body),
+        top_logprobs=top_logprobs,
         body=body,
     )
+
+
+MAX_LOGPROBS = 20  # vLLM's engine default (`max_logprobs`): more alternatives per token are refused there
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token the answer's log-probabilities carry; None when none are asked for. A
+    chat asks with `logprobs: true` and `top_logprobs` (0-20), a completion with `logprobs` (0-20), as vLLM's
+    server reads them; all of the vocabulary (-1) is not served."""
+    if kind == "chat":
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad("'logprobs' must be a boolean.", "logprobs", "invalid_type")
+        top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True, default=0)
+        if top and not wanted:
+            raise bad("When using 'top_logprobs', 'logprobs' must be set to true.", "top_logprobs")
+        return top if wanted else None
+    given = body.get("logprobs")
+    if given is None:
+        return None
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise bad("'logprobs' must be an integer.", "logprobs", "invalid_type")
+    if not 0 <= given <= MAX_LOGPROBS:
+        raise bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS}, got {given}.", "logprobs")
+    return given
 
 
 def _logit_bias(given: Any) -> dict[int, float] | None:
@@ -615,11 +643,13 @@ def full_response(
     created: int,
     stop_reason: int | str | None = None,
     tool_calls: list[dict] | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller.
     `stop_reason` is what stopped it, as vLLM's server reports it beside `finish_reason`: the stop string that
     matched, a stop token's id, None for EOS or a length. A chat's `tool_calls` (`tool_calls.py`) go in its
-    message when it made any, beside the content left (null when none was)."""
+    message when it made any, beside the content left (null when none was); `logprobs` are the choice's
+    (`logprobs.py`), null when none were asked for."""
     if req.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
@@ -633,7 +663,7 @@ def full_response(
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish,
                     "stop_reason": stop_reason,
                 }
@@ -646,7 +676,9 @@ def full_response(
         "object": "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}],
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
+        ],
         "usage": u,
     }
 
@@ -662,6 +694,7 @@ def stream_chunk(
     u: dict | None = None,
     stop_reason: int | str | None = None,
     delta: dict | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """One chunk of a streamed answer. `created` is the request's stamp, taken once: every chunk of a stream
     carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway). The chunk
@@ -673,9 +706,9 @@ def stream_chunk(
             out: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta is not None:
                 out.update(delta)
-            elif text:
+            elif text or (text is not None and logprobs is not None):  # a piece with tokens but no text yet
                 out["content"] = text
-            choices = [{"index": 0, "delta": out, "logprobs": None, "finish_reason": finish}]
+            choices = [{"index": 0, "delta": out, "logprobs": logprobs, "finish_reason": finish}]
         chunk = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -687,7 +720,7 @@ def stream_chunk(
         choices = (
             []
             if text is None and finish is None
-            else [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+            else [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
         )
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if finish is not None:  # the finishing chunk always has its one choice

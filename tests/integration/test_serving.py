@@ -321,11 +321,38 @@ def test_a_logit_bias_steers_the_live_engines(live_app, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     token = tok.encode(" Paris", add_special_tokens=False)[-1]
     with live_app.client() as c:
-        body = {"model": "tiny", "prompt": fresh_tokens(40), "max_tokens": 3, "temperature": 0}
+        # a text prompt: random token ids may end inside a character, whose text vLLM emits with the first new token
+        body = {"model": "tiny", "prompt": "The cache remembers what the model has read in", "max_tokens": 3}
+        body["temperature"] = 0
         free = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
         steered = c.post("/v1/completions", json={**body, "logit_bias": {str(token): 100}})
         assert steered.status_code == 200, steered.text
         assert steered.json()["choices"][0]["text"] == tok.decode([token] * 3) != free
+
+
+def test_log_probabilities_come_from_the_live_engines(live_app):
+    """A greedy answer's tokens are the engines' most likely ones: each token's log-probability is the first of
+    its alternatives, in both shapes, whole or streamed (the stream's tokens the whole answer's)."""
+    import math
+
+    import openai
+
+    client = openai.OpenAI(base_url=live_app.url + "/v1", api_key=live_app.api_key, max_retries=0, timeout=120)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Name a city."}], "temperature": 0}
+    whole = client.chat.completions.create(**chat, max_tokens=4, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 4
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0 and not math.isnan(token.logprob)
+        assert token.top_logprobs[0].logprob == max(t.logprob for t in token.top_logprobs) == token.logprob
+    streamed = client.chat.completions.create(**chat, max_tokens=4, logprobs=True, top_logprobs=3, stream=True)
+    pieces = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in pieces] == [t.token for t in content]
+    comp = client.completions.create(model="tiny", prompt="Paris is", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 3 and max(top.values()) == best for top, best in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
 BAD_INPUTS = [

@@ -192,7 +192,7 @@ def test_a_finished_chunk_says_what_stopped_it():
     replica._sampling_params = lambda params: None
 
     def out(ids, finish, stop_reason, finished):
-        comp = SimpleNamespace(text="", token_ids=ids, finish_reason=finish, stop_reason=stop_reason)
+        comp = SimpleNamespace(text="", token_ids=ids, finish_reason=finish, stop_reason=stop_reason, logprobs=None)
         return SimpleNamespace(outputs=[comp], finished=finished, num_cached_tokens=0)
 
     async def generate(prompt, params, rid):
@@ -206,6 +206,36 @@ def test_a_finished_chunk_says_what_stopped_it():
 
     got = asyncio.run(chunks())
     assert [(c["finish_reason"], c["stop_reason"]) for c in got] == [(None, None), ("stop", 20)]
+
+
+def test_log_probabilities_reach_the_ingress_as_plain_rows_in_vllms_order_whole_or_by_chunk():
+    """vLLM's per-token dicts of Logprob (the sampled token first, then the top ones by rank) cross to the
+    ingress as (id, logprob, rank, decoded) rows in the same order; a unary answer carries all of them."""
+    import asyncio
+
+    from vllm.logprobs import Logprob
+
+    replica = object.__new__(EngineReplica)
+    replica.replica_id = "r"
+    replica._sampling_params = lambda params: None
+    steps = [
+        [{7: Logprob(-0.1, 1, "a"), 3: Logprob(-2.5, 2, "b")}],
+        [{9: Logprob(-4.0, 3, None), 3: Logprob(-0.2, 1, "c")}],
+    ]
+
+    async def generate(prompt, params, rid):
+        for k, (tid, step) in enumerate(zip((7, 9), steps)):
+            comp = SimpleNamespace(text="t", token_ids=[tid], finish_reason="length", stop_reason=None, logprobs=step)
+            yield SimpleNamespace(outputs=[comp], finished=k == 1, num_cached_tokens=0)
+
+    replica.driver = SimpleNamespace(generate=generate, healthy=lambda: True)
+
+    async def chunks():
+        return [c async for c in replica.generate({"request_id": "q", "prompt_token_ids": [1, 2]})]
+
+    rows = [[(7, -0.1, 1, "a"), (3, -2.5, 2, "b")], [(9, -4.0, 3, None), (3, -0.2, 1, "c")]]
+    assert [c["logprobs"] for c in asyncio.run(chunks())] == [rows[:1], rows[1:]]
+    assert asyncio.run(replica.generate_full({"request_id": "q", "prompt_token_ids": [1, 2]}))["logprobs"] == rows
 
 
 class _NodeServerActors:

@@ -2061,3 +2061,111 @@ def test_a_parser_name_vllm_does_not_have_or_that_does_not_fit_the_model_is_refu
         ToolCallParsing("hermess", tok)
     with pytest.raises(ValueError, match="llama3_json.*python_tag"):  # its marker is not in the tiny vocabulary
         ToolCallParsing("llama3_json", tok)
+
+
+# --- log-probabilities, in vLLM's shapes -----------------------------------------------------------------------
+
+# per token: (id, logprob, rank, decoded) rows in the engine's order (the sampled token first); the second has a
+# token with no decoded text and one at minus infinity, the third none at all (text from the tokenizer)
+_ROWS = [
+    [(5, -0.25, 1, "ab"), (6, -1.5, 2, "c"), (7, -2.0, 3, "d")],
+    [(9, -3.0, 2, None), (8, -0.5, 1, "x"), (4, float("-inf"), 3, "y")],
+    [],
+]
+_ROW_IDS = [5, 9, 11]
+
+
+class _LogprobEngine(_RecordingEngine):
+    """Answers three tokens with `_ROWS` as their log-probabilities (a chunk per token when streaming)."""
+
+    def __init__(self):
+        super().__init__(finish="length")
+
+        async def generate_full(request: dict) -> dict:
+            self.requests.append(request)
+            return {**_chunk("ab?z", _ROW_IDS, "length"), "logprobs": _ROWS, "ttft_s": 0.0}
+
+        def generate(request: dict) -> _Stream:
+            self.requests.append(request)
+            stream = _Stream(False)
+            pieces = [("ab", None), ("", None), ("?z", "length")]
+            stream.chunks = [
+                {**_chunk(text, [tid], finish), "logprobs": [row]}
+                for (text, finish), tid, row in zip(pieces, _ROW_IDS, _ROWS)
+            ]
+            return stream
+
+        self.generate_full = _Method(generate_full)
+        self.generate = _Method(generate)
+
+
+def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0) -> dict:
+    """vLLM's own chat or completion server functions on the same engine output (its Logprob objects)."""
+    import functools
+
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    server = SimpleNamespace(
+        return_tokens_as_token_ids=False, _get_decoded_token=GenerateBaseServing._get_decoded_token
+    )
+    server._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, server)
+    steps = [{t: Logprob(lp, rank, text) for t, lp, rank, text in row} or None for row in rows]
+    if kind == "chat":
+        return OpenAIServingChat._create_chat_logprobs(server, token_ids, steps, tok, top).model_dump()
+    made = OpenAIServingCompletion._create_completion_logprobs(server, token_ids, steps, top, tok, None, offset)
+    return made.model_dump()
+
+
+class _DecodingTokenizer(_TextTokenizer):
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" for i in ([ids] if isinstance(ids, int) else ids))
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_log_probabilities_are_answered_in_vllms_shapes(kind, stream):
+    """The engine's per-token log-probabilities reach the client as vLLM's server writes them: a chat's
+    `logprobs.content` with bytes and `top_logprobs` alternatives, a completion's tokens, offsets and top
+    entries (one more than asked, OpenAI's rule); -inf as -9999; a token without decoded text from the
+    tokenizer; streamed, each chunk carries its tokens' (a chunk whose text is held back too), the offsets going
+    on across chunks."""
+    tok = _DecodingTokenizer()
+    ing = _ingress(tokenizer=tok)
+    ing.engine = _LogprobEngine()
+    body = {**CHAT, "logprobs": True, "top_logprobs": 2} if kind == "chat" else {**TEXT, "logprobs": 2}
+    status, answer = _answer(ing, {**body, "stream": stream}, kind)
+    assert status == 200, answer
+    assert ing.engine.requests[-1]["params"]["logprobs"] == 2
+    if not stream:
+        assert answer["choices"][0]["logprobs"] == _vllms_logprobs(kind, 2, tok, _ROW_IDS, _ROWS)
+        return
+    chunks = [e["choices"][0] for e in _events(answer) if e["choices"]]
+    got = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+    assert len(got) == 3  # one per token: the held-back one included
+    offset = 0
+    for k, piece in enumerate(got):
+        expected = _vllms_logprobs(kind, 2, tok, _ROW_IDS[k : k + 1], _ROWS[k : k + 1], offset)
+        assert piece == expected
+        if kind == "completion":
+            offset = expected["text_offset"][-1] + len(expected["tokens"][-1])
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "param"),
+    [
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as vLLM's model refuses it
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),  # the whole vocabulary: not served
+        ("chat", {"logprobs": 1}, "logprobs"),
+        ("completion", {"logprobs": 21}, "logprobs"),
+        ("completion", {"logprobs": True}, "logprobs"),
+    ],
+)
+def test_log_probabilities_asked_for_wrongly_are_a_400(kind, extra, param):
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, answer = _answer(ing, {**(CHAT if kind == "chat" else TEXT), **extra}, kind)
+    assert status == 400 and answer["error"]["param"] == param and not ing.engine.requests

@@ -52,7 +52,7 @@ def test_completion_accepts_text_token_ids_and_single_item_batches():
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
         ({"model": "m", "prompt": "x", "stop": 5}, "stop", "invalid_type"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
-        ({"model": "m", "prompt": "x", "logprobs": 3}, "logprobs", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),  # past vLLM's max_logprobs
     ],
 )
 def test_completion_rejects_bad_fields_with_param_and_code(body, param, code):

@@ -1,0 +1,88 @@
+"""Token log-probabilities in an answer, in the shapes vLLM's server gives them (no Ray, no vLLM: unit-testable).
+
+The engine reports, for each new token, the sampled token's log-probability and the top ones by rank
+(`engine.logprob_rows`: (id, logprob, rank, decoded text), the sampled token first, in vLLM's order). A chat
+gets them as OpenAI's `logprobs.content` (each token with its bytes and its `top_logprobs`), a completion as
+`tokens`, `token_logprobs`, `top_logprobs` and `text_offset`, by vLLM's rules: a log-probability below
+-9999 is -9999 (OpenAI's stand-in for minus infinity), a token's text is the engine's decoded text, or the
+tokenizer's where the engine gave none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Row = Sequence[tuple[int, float, "int | None", "str | None"]]
+FLOOR = -9999.0
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top: int, decode: Callable[[int], str]) -> dict:
+    """`choices[i].logprobs` of a chat answer (or of a streamed chunk, for its tokens): `top` alternatives per
+    token (the request's `top_logprobs`), taken in the engine's order as vLLM takes them."""
+    content = []
+    for token_id, row in zip(token_ids, rows):
+        step = {tid: (lp, decoded) for tid, lp, _, decoded in row}
+        if token_id not in step:  # the engine gave no log-probability for it: its text only, as vLLM
+            token = decode(token_id)
+            content.append({"token": token, "logprob": FLOOR, "bytes": _bytes(token), "top_logprobs": []})
+            continue
+        logprob, decoded = step[token_id]
+        alternatives = []
+        for i, (tid, (lp, text)) in enumerate(step.items()):
+            if i >= top:
+                break
+            alt = text if text is not None else decode(tid)
+            alternatives.append({"token": alt, "logprob": max(lp, FLOOR), "bytes": _bytes(alt)})
+        content.append(
+            {
+                "token": decoded if decoded is not None else decode(token_id),
+                "logprob": max(logprob, FLOOR),
+                "bytes": None if decoded is None else _bytes(decoded),
+                "top_logprobs": alternatives,
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], rows: Sequence[Row], top: int, decode: Callable[[int], str], offset: int = 0
+) -> dict:
+    """`choices[i].logprobs` of a completion (or of a streamed chunk, for its tokens, its text offsets going on
+    from `offset`): the sampled token and `top` alternatives per token (`top` + 1 entries, OpenAI's rule as
+    vLLM applies it), each token's offset in the answer's text."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, row in zip(token_ids, rows):
+        step = {tid: (lp, decoded) for tid, lp, _, decoded in row}
+        if not step:
+            token = decode(token_id)
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            logprob, decoded = step[token_id]
+            token = decoded if decoded is not None else decode(token_id)
+            token_logprobs.append(max(logprob, FLOOR))
+            tops.append(
+                {
+                    (text if text is not None else decode(tid)): max(lp, FLOOR)
+                    for i, (tid, (lp, text)) in enumerate(step.items())
+                    if i <= top
+                }
+            )
+        offsets.append(offset if not offsets else offsets[-1] + len(tokens[-1]))
+        tokens.append(token)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
+
+
+def next_offset(logprobs: dict, offset: int) -> int:
+    """Where a stream's next chunk's text offsets start: after the tokens just reported (not after the chunk's
+    text, which lags them while a stop string may be forming), as vLLM counts them."""
+    if logprobs["tokens"]:
+        return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+    return offset
