@@ -163,23 +163,27 @@ def test_a_requests_unset_sampling_settings_are_the_models_own():
     assert model_sampling_defaults(SimpleNamespace()) == {}
 
 
-def test_a_unary_answer_says_how_long_the_engine_worked_after_its_first_output():
+def test_a_unary_answer_says_how_long_the_engine_worked_after_its_first_output(monkeypatch):
     """What the ingress takes from its own end-to-end time to measure a unary request's time to first token
-    as a stream's (a duration: no clock is compared across processes)."""
+    as a stream's (a duration: no clock is compared across processes). On a clock the fake engine moves
+    itself: the durations are exact, whatever the machine's load."""
     import asyncio
 
+    from kvmesh.deployments import engine as engine_module
+
+    now = [100.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     replica = object.__new__(EngineReplica)
 
     async def generate(request):
         for delay, finish in ((0.05, None), (0.1, None), (0.1, "length")):
-            await asyncio.sleep(delay)
+            now[0] += delay  # the engine's work before this output
             yield {"text": "x", "token_ids": [1], "finish_reason": finish, "num_cached_tokens": 0, "replica": "r"}
 
     replica.generate = generate
     answer = asyncio.run(replica.generate_full({"request_id": "q"}))
     assert answer["text"] == "xxx" and answer["finish_reason"] == "length"
-    assert 0.04 <= answer["ttft_s"] < 0.1
-    assert 0.19 <= answer["after_first_output_s"] < 0.3
+    assert answer["ttft_s"] == pytest.approx(0.05) and answer["after_first_output_s"] == pytest.approx(0.2)
 
 
 def test_a_finished_chunk_says_what_stopped_it():
