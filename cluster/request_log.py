@@ -182,8 +182,8 @@ def prompt_text(req: LoggedRequest, tokenizer, render=None) -> str | None:
 
 def rendered_chat(req: LoggedRequest, tokenizer, render=None) -> tuple[list[dict], str]:
     """A logged chat as the ingress renders it: the conversation its template gets (`template_messages`) and the
-    text, with the request's `chat_template_kwargs`. `RequestLogError` naming the request when the ingress would
-    refuse it (its messages or template arguments, or a template that fails on them)."""
+    text, with the request's `chat_template_kwargs` and tools. `RequestLogError` naming the request when the
+    ingress would refuse it (its messages or template arguments, or a template that fails on them)."""
     from kvmesh.deployments.openai_protocol import OpenAIError, chat_message, template_arguments
 
     try:
@@ -506,10 +506,13 @@ def template_messages(messages: list[dict], chat_template: str | None) -> list[d
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or ())
         if m["role"] == "system":
             parts = _without_billing_header(parts)
-        # every kind of text part (refusal, thinking) as the text part vLLM's server makes of it
-        msg = {"role": m["role"], "content": [p | {"type": "text"} for p in parts] if as_parts else content_text(parts)}
-        if m["role"] == "tool" and as_parts:  # a tool's answer is one string for any template, its parts joined
-            msg["content"] = "\n".join(p["text"] for p in parts)
+        if not as_parts:
+            text: str | list[dict] = content_text(parts)
+        elif m["role"] == "tool":  # a tool's answer is one string for any template, its parts joined
+            text = "\n".join(p["text"] for p in parts)
+        else:  # every kind of text part (refusal, thinking) as the text part vLLM's server makes of it
+            text = [p | {"type": "text"} for p in parts]
+        msg = {"role": m["role"], "content": text}
         # the keys in the order vLLM's server adds them (a template may render a message whole)
         if m.get("tool_calls"):
             msg["tool_calls"] = [dict(call) for call in m["tool_calls"]]

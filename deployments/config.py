@@ -110,8 +110,8 @@ APP_DEFAULTS: dict[str, Any] = {
     "mismatch_alarm_after": 3,
     "served_model_name": None,  # defaults to the model directory's name ("tiny" for the embedded one)
     # vLLM's tool-call parser for the served model (its --tool-call-parser name, e.g. hermes for Qwen): chats
-    # with tools and `tool_choice` "auto" are served and their answers' calls parsed (deployments/tool_calls.py);
-    # null: such a chat is a 400, as on vLLM's server without --enable-auto-tool-choice
+    # with tools and a `tool_choice` other than "none" are served and their answers' calls parsed
+    # (deployments/tool_calls.py); null: such a chat is a 400, as on vLLM's server without a parser
     "tool_call_parser": None,
     # tenant id -> policy name: route that tenant's requests with another policy (side-by-side runs on
     # the same engines, e.g. the demo's kvmesh vs round robin; salts keep their caches apart)

@@ -340,7 +340,7 @@ class EngineReplica:
         t0 = time.perf_counter()
         ttft = t_first = None
         text, token_ids, last = [], [], None
-        logprobs: list | None = None
+        logprobs: list | None = None  # only when the request asked for them
         async for chunk in self.generate(request):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -348,7 +348,8 @@ class EngineReplica:
             text.append(chunk["text"])
             token_ids.extend(chunk["token_ids"])
             if chunk.get("logprobs") is not None:
-                logprobs = (logprobs or []) + chunk["logprobs"]
+                logprobs = [] if logprobs is None else logprobs
+                logprobs.extend(chunk["logprobs"])
             last = chunk
         if last is None or t_first is None:  # generate raises when the engine fails, so this is not expected
             raise RuntimeError(f"engine returned no output for request {request.get('request_id')!r}")

@@ -318,7 +318,8 @@ class Ingress:
             "tiny" if self.cfg["engine"]["model"] == "tiny" else Path(self.model_path).name
         )
         self.model_aliases = {self.served_model, self.cfg["engine"]["model"], self.model_path}
-        # vLLM's tool-call parser for the served model: chats with tools and tool_choice "auto" are served
+        # vLLM's tool-call parser for the served model: chats with tools and a tool_choice other than "none" are
+        # served
         self.tool_parsing = None
         if self.cfg["tool_call_parser"]:
             from kvmesh.deployments.tool_calls import ToolCallParsing

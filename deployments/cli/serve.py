@@ -74,7 +74,7 @@ def add_arguments(parser) -> None:
         "--tool-call-parser",
         type=given,
         metavar="NAME",
-        help="vLLM's tool-call parser for the model (its --tool-call-parser, e.g. hermes): serves tool_choice auto",
+        help="vLLM's tool-call parser for the model (its --tool-call-parser, e.g. hermes): serves tool choices",
     )
     parser.add_argument(
         "--proxy",
