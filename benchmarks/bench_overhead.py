@@ -1,6 +1,7 @@
 """kvmesh's per-request overhead against a bare vLLM server, with vllm-router round_robin as the peer
 baseline, all on the same engine settings in one run (`benchmarks/peers/overhead.py`, what `kvmesh bench
-overhead` runs): one client, 16 fresh random prompt tokens, `max_tokens` 1, p50 latency per path.
+overhead` runs): one client, 16 fresh random prompt tokens, `max_tokens` 1, p50 latency per path, the paths
+interleaved one request each per round (a drifting machine then moves them alike).
 
 Target: kvmesh's p50 at most OVERHEAD_MAX_MS above the bare server's. Part of `BENCH=scale` (GROUPS in
 run_all.py). Writes BENCH_OUT/overhead/overhead.json. BENCH_OVERHEAD_REQUESTS sets the measured requests
@@ -38,11 +39,16 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     over = report["overhead_p50_ms"]
-    print(f"\nper-request overhead over a bare vLLM server (p50, {requests} sequential requests, {WORKERS} engines):")
+    print(
+        f"\nper-request overhead over a bare vLLM server (p50, {requests} requests per path, one at a time, "
+        f"interleaved; {WORKERS} engines):"
+    )
     print(f"  bare vLLM server          {report['direct']['p50_ms']:6.2f} ms")
     print(f"  vllm-router round_robin   +{over['vllm-router/round_robin']:5.2f} ms")
     ok = over["kvmesh"] <= OVERHEAD_MAX_MS
-    print(f"  kvmesh                    +{over['kvmesh']:5.2f} ms  (target <= +{OVERHEAD_MAX_MS:.0f} ms): ", end="")
+    paired = report["overhead_paired_ms"]["kvmesh"]
+    print(f"  kvmesh                    +{over['kvmesh']:5.2f} ms  (paired per round +{paired:.2f} ms)")
+    print(f"  kvmesh p50 overhead target <= +{OVERHEAD_MAX_MS:.0f} ms: ", end="")
     print(targets.verdict(f"kvmesh overhead <= +{OVERHEAD_MAX_MS:.0f} ms", ok))
     with open(os.path.join(path, "overhead.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -131,7 +131,9 @@ def _fake_overhead_run(monkeypatch, tmp_path) -> dict:
     monkeypatch.setattr(engines, "start_servers", lambda n, spec, work: [type("S", (), {"url": "u"})()] * n)
     monkeypatch.setattr(engines, "stop_servers", lambda servers: None)
     monkeypatch.setattr(setups, "start_router", lambda *a, **k: (Stoppable(), "http://127.0.0.1:8", None))
-    monkeypatch.setattr(overhead, "_measure", lambda url, n, **k: [0.004 + i * 1e-5 for i in range(n)])
+    monkeypatch.setattr(
+        overhead, "measure_interleaved", lambda paths, n, **k: {p: [0.004 + i * 1e-5 for i in range(n)] for p in paths}
+    )
     monkeypatch.setattr(app, "start_local", start_local)
     monkeypatch.setattr(app, "stop_local", lambda *a, **k: None)
     monkeypatch.setattr(httpx, "get", lambda *a, **k: type("R", (), {"text": ""})())

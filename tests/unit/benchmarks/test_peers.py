@@ -210,6 +210,39 @@ def test_overhead_reads_kvmesh_metrics():
     assert q["n"] == 100 and q["p50_ms"] == pytest.approx(50.0) and q["p99_ms"] == pytest.approx(99.0)
 
 
+def test_the_overhead_paths_are_measured_interleaved_in_a_rotating_order():
+    """Measured one path after another, a machine whose speed drifts between phases decided the overhead
+    either way; each round now sends one request per path, the order rotated each round, and each path's
+    time is its own request's. The clock here moves only when a request is sent: 1 ms a request, plus a
+    drift of 1 ms per round and a fixed 3 ms on the slow path."""
+    from kvmesh.benchmarks.peers import overhead
+
+    clock = {"t": 0.0}
+    sent: list[str] = []
+    cost = {"a": 0.001, "b": 0.001, "slow": 0.004}
+
+    def post(name, url, body):
+        assert url == f"http://{name}/v1/completions" and len(body["prompt"]) == 16 and body["max_tokens"] == 1
+        sent.append(name)
+        clock["t"] += cost[name] + 0.001 * ((len(sent) - 1) // 3)  # the drift: each round 1 ms slower
+
+    real = overhead.time.perf_counter
+    overhead.time.perf_counter = lambda: clock["t"]
+    try:
+        times = overhead.measure_interleaved(
+            {p: (f"http://{p}", {}) for p in ("a", "b", "slow")}, 6, warmup=2, post=post
+        )
+    finally:
+        overhead.time.perf_counter = real
+    rounds = [sent[i : i + 3] for i in range(0, len(sent), 3)]
+    assert len(rounds) == 8 and all(sorted(r) == ["a", "b", "slow"] for r in rounds)
+    assert [r[0] for r in rounds[:3]] == ["a", "b", "slow"]  # rotated: no path always goes first
+    assert {p: len(xs) for p, xs in times.items()} == {"a": 6, "b": 6, "slow": 6}  # warm-up rounds dropped
+    # within a round the drift is the same for every path, so the paired difference is exactly the path's own
+    assert overhead.paired_median_ms(times["slow"], times["a"]) == pytest.approx(3.0)
+    assert overhead.paired_median_ms(times["b"], times["a"]) == pytest.approx(0.0)
+
+
 def test_cli_missing_peer_is_one_line(monkeypatch, capsys, tmp_path):
     from kvmesh.benchmarks.peers import setups
 
