@@ -76,7 +76,7 @@ def cpu_by_pid(root: psutil.Process) -> dict[int, tuple[str, float]]:
 # kvmesh-step is vLLM's work in an engine replica, kvmesh-loop the replica's event loop running kvmesh's
 # handlers); a Ray worker's other Python threads (Ray's, a KV connector's) show as `ray::IDLE`. A bare vLLM
 # server's engine core names its main thread (VLLM::EngineCor), the API server process runs as `python`.
-THREAD_SPLIT_ROLES = ("engine replicas", "ingress replicas", "bare vLLM servers")
+THREAD_SPLIT_ROLES = ("engine replicas", "ingress replicas", "bare vLLM servers", "this process (client, driver)")
 
 
 def thread_cpu(pid: int, label: str) -> dict[tuple[int, int], tuple[str, float]]:
