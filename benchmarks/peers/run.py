@@ -1,6 +1,10 @@
 """One side-by-side run: per workload and prompt form, every peer setup on N identical vLLM OpenAI
 servers, then kvmesh (`kvmesh.deployments.app.start_local`) with the same engine settings; the same replay
-client and settings for all (kvmesh.deployments.replay). Caches start cold for every setup:
+client and settings for all (kvmesh.deployments.replay). kvmesh's run of a workload and form follows its
+peers' at once (the servers stopped to free the cores, started again for the next peers): a machine whose
+speed drifts over minutes then moves both alike. Run after every peer of every workload, kvmesh's TTFT on a
+workload was measured minutes after its peers', and the ratio of the two moved by up to 2x between runs
+of one afternoon. Caches start cold for every setup:
 - `restart` (default): fresh server processes per setup (there is no prefix-cache reset endpoint);
 - `reseed`: the same processes, but every setup's prompts are drawn with another seed, so no block of
   one setup can hit a block of another (same block structure, disjoint tokens; KV space is ample:
@@ -176,10 +180,8 @@ def _ray_cpus(workers: int) -> int:
     return max(os.cpu_count() or 2, math.ceil(0.5 * workers + 0.1 + 1))
 
 
-def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
-    from kvmesh.deployments.app import start_local, stop_local
-
-    os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
+def kvmesh_config(cfg: BenchConfig) -> tuple[dict, str]:
+    """The app config of every kvmesh run of the bench, and its API key."""
     key = "kvm-bench-" + secrets.token_hex(6)
     config = {
         "replicas": cfg.workers,
@@ -188,28 +190,29 @@ def run_kvmesh(workloads: dict, cfg: BenchConfig, bounds: dict) -> list[dict]:
         "api_keys": [key],
         "engine": cfg.spec.kvmesh_engine_config(),
     }
-    rows, url = [], None
+    return config, key
+
+
+def run_kvmesh(workload: str, form: str, records: list[dict], cfg: BenchConfig, bound: float) -> dict:
+    """kvmesh on one workload and form: a fresh app (engines, router, policy state), like each peer's fresh
+    router process, so nothing learned on one workload carries over to the next."""
+    from kvmesh.deployments.app import start_local, stop_local
+
+    os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
+    config, key = kvmesh_config(cfg)
+    t0 = time.perf_counter()
+    url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
     try:
-        for workload, records in workloads.items():
-            for form in cfg.forms:
-                # a fresh app (engines, router, policy state) per run, like each peer's fresh router
-                # process: nothing learned on one workload carries over to the next
-                if url is not None:
-                    stop_local()
-                t0 = time.perf_counter()
-                url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
-                before = _prediction(url, key)
-                cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
-                cfg.log(f"[{workload}/{form}] {KVMESH}")
-                summary = _replay(records, cfg, url, form, 0, label=KVMESH, api_key=key)
-                workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
-                row = results.make_row(workload, form, KVMESH, summary, workers, bounds[workload])
-                row["prediction"] = _prediction_delta(url, key, before)
-                rows.append(row)
+        before = _prediction(url, key)
+        cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
+        cfg.log(f"[{workload}/{form}] {KVMESH}")
+        summary = _replay(records, cfg, url, form, 0, label=KVMESH, api_key=key)
+        workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
+        row = results.make_row(workload, form, KVMESH, summary, workers, bound)
+        row["prediction"] = _prediction_delta(url, key, before)
+        return row
     finally:
-        if url is not None:
-            stop_local()
-    return rows
+        stop_local()
 
 
 def _checkpoint(cfg: BenchConfig, rows: list[dict]) -> None:
@@ -240,10 +243,12 @@ def run(cfg: BenchConfig) -> tuple[list[dict], dict]:
                     cfg.log(f"[{workload}/{form}] {setup.name} ({len(records)} requests)")
                     rows.append(run_peer(setup, records, cfg, servers, seed, workload, form, bound_rates[workload]))
                     _checkpoint(cfg, rows)
+                if KVMESH in cfg.setups:
+                    pool.stop()  # free the cores and memory before kvmesh starts its own engines
+                    rows.append(run_kvmesh(workload, form, records, cfg, bound_rates[workload]))
+                    _checkpoint(cfg, rows)
     finally:
-        pool.stop()  # free the cores and memory before kvmesh starts its own engines
-    if KVMESH in cfg.setups:
-        rows += run_kvmesh(workloads, cfg, bound_rates)
+        pool.stop()
     order = {name: i for i, name in enumerate(setups.SETUP_NAMES)}
     rows.sort(
         key=lambda r: (

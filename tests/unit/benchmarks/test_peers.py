@@ -448,3 +448,62 @@ def test_the_saved_peer_runs_are_shown_as_the_current_checks_judge_them(workers)
         assert line in shown, line
     if not all(v["pass"] for v in now):
         assert f"`targets_current_checks`\nin `peers-n{workers}.json`" in shown
+
+
+def test_kvmesh_runs_right_after_its_peers_on_each_workload_with_their_servers_stopped(monkeypatch, tmp_path):
+    """kvmesh ran after every peer of every workload, minutes after the peers it is compared with, so a
+    drifting machine decided the TTFT ratio; now each workload and form runs its peers then kvmesh, and the
+    peers' servers are stopped while kvmesh's engines run (and started again for the next peers). Servers,
+    peers and kvmesh are faked."""
+    from kvmesh.benchmarks.peers import engines, run
+    from kvmesh.benchmarks.peers.engines import EngineSpec
+
+    events: list[tuple] = []
+    up: list[bool] = [False]
+
+    def start_servers(n, spec, work_dir, **kwargs):
+        up[0] = True
+        events.append(("start",))
+        return ["s"] * n
+
+    def stop_servers(servers):
+        if servers:
+            up[0] = False
+            events.append(("stop",))
+
+    def run_peer(setup, records, cfg, servers, seed, workload, form, bound):
+        assert up[0], "a peer ran without its servers"
+        events.append(("peer", workload, form, setup.name, seed))
+        return {"workload": workload, "form": form, "setup": setup.name}
+
+    def run_kvmesh(workload, form, records, cfg, bound):
+        assert not up[0], "kvmesh ran beside the peers' servers"
+        events.append(("kvmesh", workload, form))
+        return {"workload": workload, "form": form, "setup": run.KVMESH}
+
+    monkeypatch.setattr(engines, "start_servers", start_servers)
+    monkeypatch.setattr(engines, "stop_servers", stop_servers)
+    monkeypatch.setattr(run, "run_peer", run_peer)
+    monkeypatch.setattr(run, "run_kvmesh", run_kvmesh)
+    peers = ("vllm-router/round_robin", "vllm-router/cache_aware")
+    cfg = run.BenchConfig(
+        spec=EngineSpec(model="x"),
+        work_dir=tmp_path,
+        workers=2,
+        workloads=("chat", "flood"),
+        setups=(*peers, run.KVMESH),
+        cold="reseed",
+        log=lambda *a: None,
+    )
+    rows, _ = run.run(cfg)
+    cells = [(w, f) for w in ("chat", "flood") for f in run.FORMS]
+    want: list[tuple] = []
+    seed = 0
+    for w, f in cells:
+        want.append(("start",))
+        for p in peers:
+            seed += 1
+            want.append(("peer", w, f, p, seed))
+        want += [("stop",), ("kvmesh", w, f)]
+    assert events == want
+    assert len(rows) == len(cells) * 3
