@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import secrets
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from kvmesh.benchmarks.peers import engines, setups
 from kvmesh.benchmarks.peers.engines import EngineSpec
-from kvmesh.benchmarks.peers.run import _ray_cpus
+from kvmesh.benchmarks.peers.run import _ray_cpus, kvmesh_config
 from kvmesh.cluster.stats import nearest_rank
 
 
@@ -145,17 +144,8 @@ def run_overhead(
         proc, router_url, _ = setups.start_router(rr, servers, spec, work_dir / "logs")
         try:
             os.environ.setdefault("RAY_TMPDIR", str(work_dir / "ray"))
-            key = "kvm-bench-" + secrets.token_hex(6)
-            url = start_local(
-                {
-                    "replicas": workers,
-                    "policy": "kvmesh",
-                    "port": 0,
-                    "api_keys": [key],
-                    "engine": spec.kvmesh_engine_config(),
-                },
-                num_cpus=_ray_cpus(workers),
-            )
+            config, key = kvmesh_config(spec, workers)
+            url = start_local(config, num_cpus=_ray_cpus(workers))
             try:
                 times = measure_interleaved(
                     {

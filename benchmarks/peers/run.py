@@ -180,15 +180,16 @@ def _ray_cpus(workers: int) -> int:
     return max(os.cpu_count() or 2, math.ceil(0.5 * workers + 0.1 + 1))
 
 
-def kvmesh_config(cfg: BenchConfig) -> tuple[dict, str]:
-    """The app config of every kvmesh run of the bench, and its API key."""
+def kvmesh_config(spec: EngineSpec, workers: int) -> tuple[dict, str]:
+    """The app config of a peer bench's kvmesh run (this bench's and the overhead bench's): `workers` engine
+    replicas with the peers' engine settings, on a free port, and its fresh API key."""
     key = "kvm-bench-" + secrets.token_hex(6)
     config = {
-        "replicas": cfg.workers,
+        "replicas": workers,
         "policy": "kvmesh",
         "port": 0,
         "api_keys": [key],
-        "engine": cfg.spec.kvmesh_engine_config(),
+        "engine": spec.kvmesh_engine_config(),
     }
     return config, key
 
@@ -199,7 +200,7 @@ def run_kvmesh(workload: str, form: str, records: list[dict], cfg: BenchConfig, 
     from kvmesh.deployments.app import start_local, stop_local
 
     os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
-    config, key = kvmesh_config(cfg)
+    config, key = kvmesh_config(cfg.spec, cfg.workers)
     t0 = time.perf_counter()
     url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
     try:
