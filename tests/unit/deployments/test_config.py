@@ -106,6 +106,24 @@ def test_each_local_haproxy_run_gets_its_own_files_and_ports():
         shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
 
 
+def test_a_local_haproxy_gets_threads_by_the_machines_cpus_unless_the_operator_chose(monkeypatch):
+    import shutil
+
+    from kvmesh.deployments import app
+
+    assert [app.haproxy_threads(n) for n in (1, 2, 4, 7, 8, 15, 16, 64)] == [1, 1, 1, 1, 2, 3, 4, 4]
+    monkeypatch.delenv(app.NBTHREAD_ENV, raising=False)
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 2)
+    env = app._proxy_env("haproxy")
+    assert env[app.NBTHREAD_ENV] == "1"
+    shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+    monkeypatch.setenv(app.NBTHREAD_ENV, "3")
+    env = app._proxy_env("haproxy")
+    assert app.NBTHREAD_ENV not in env  # os.environ.update(env) keeps the operator's 3
+    shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+    assert app.NBTHREAD_ENV not in app._proxy_env("serve")
+
+
 @pytest.mark.parametrize("proxy", ["haproxy", "serve"])
 def test_each_local_run_gets_its_own_fallback_proxy_ports(proxy):
     """Serve's fallback proxy (HAProxy's backup server while no ingress replica runs) listened on the fixed
