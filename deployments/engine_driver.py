@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvmesh.cluster.thread_names import name_this_thread
 from kvmesh.deployments.config import engine_dtype
+from kvmesh.deployments.gloo_device import one_gloo_device
 from kvmesh.deployments.replica_loss import ReplicaGone
 from kvmesh.kvstore.compat import patch_llvmlite_dunder_lookup
 
@@ -256,7 +257,8 @@ class InprocDriver:
 
         self._fail_after = fail_step_after
         patch_llvmlite_dunder_lookup()  # numba may be loaded here (kvstore/compat.py)
-        self.engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[connector_hits_logger(self)])
+        with one_gloo_device():  # vLLM's dozen process groups, one TCP loop thread (deployments/gloo_device.py)
+            self.engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[connector_hits_logger(self)])
         if has_kv_connector(engine_args):
             try:
                 self._sched = self._scheduler()
