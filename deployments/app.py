@@ -411,7 +411,7 @@ NBTHREAD_ENV = "RAY_SERVE_HAPROXY_NBTHREAD"
 def haproxy_threads(cpus: int) -> int:
     """HAProxy's thread count for a local run: one per four CPUs, 1 to Serve's default of 4. Why: a local run
     shares its machine with the engines, and one HAProxy thread relays far more than a local ingress serves
-    (hundreds of requests a second); on two cores Serve's four threads cost 0.3-0.5 ms of CPU per streamed
+    (hundreds of requests a second); on two cores Serve's four threads cost 0.2-0.5 ms of CPU per streamed
     request more than one (docs/scale.md, "HAProxy's threads")."""
     return max(1, min(4, cpus // 4))
 
