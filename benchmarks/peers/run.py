@@ -199,21 +199,35 @@ def run_kvmesh(workload: str, form: str, records: list[dict], cfg: BenchConfig, 
     router process, so nothing learned on one workload carries over to the next."""
     from kvmesh.deployments.app import start_local, stop_local
 
+    # Ray's session folder in the work dir, for this app only: the caller's RAY_TMPDIR (or its absence) is put
+    # back afterwards, so later Ray apps of the same process (make bench) do not land in a removed folder
+    ray_tmpdir = os.environ.get("RAY_TMPDIR")
     os.environ.setdefault("RAY_TMPDIR", str(cfg.work_dir / "ray"))
-    config, key = kvmesh_config(cfg.spec, cfg.workers)
-    t0 = time.perf_counter()
-    url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
     try:
-        before = _prediction(url, key)
-        cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
-        cfg.log(f"[{workload}/{form}] {KVMESH}")
-        summary = _replay(records, cfg, url, form, 0, label=KVMESH, api_key=key)
-        workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
-        row = results.make_row(workload, form, KVMESH, summary, workers, bound)
-        row["prediction"] = _prediction_delta(url, key, before)
-        return row
+        config, key = kvmesh_config(cfg.spec, cfg.workers)
+        t0 = time.perf_counter()
+        url = start_local(config, num_cpus=_ray_cpus(cfg.workers))
+        try:
+            before = _prediction(url, key)
+            cfg.log(f"  kvmesh with {cfg.workers} replicas started in {time.perf_counter() - t0:.0f}s")
+            cfg.log(f"[{workload}/{form}] {KVMESH}")
+            summary = _replay(records, cfg, url, form, 0, label=KVMESH, api_key=key)
+            workers = results.workers_from_replay(summary["per_replica"], cfg.workers)
+            row = results.make_row(workload, form, KVMESH, summary, workers, bound)
+            row["prediction"] = _prediction_delta(url, key, before)
+            return row
+        finally:
+            stop_local()
     finally:
-        stop_local()
+        _restore_env("RAY_TMPDIR", ray_tmpdir)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Put an environment variable back as it was (`value` None: it was unset)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _checkpoint(cfg: BenchConfig, rows: list[dict]) -> None:

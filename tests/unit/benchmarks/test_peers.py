@@ -5,6 +5,7 @@ one-line errors. The live run itself needs the peers installed and minutes of CP
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -507,3 +508,42 @@ def test_kvmesh_runs_right_after_its_peers_on_each_workload_with_their_servers_s
         want += [("stop",), ("kvmesh", w, f)]
     assert events == want
     assert len(rows) == len(cells) * 3
+
+
+@pytest.mark.parametrize("given", [None, "/tmp/callers-ray"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_kvmesh_puts_the_callers_ray_tmpdir_back(monkeypatch, tmp_path, given, fails):
+    """kvmesh's app gets its Ray folder in the work dir, and the caller's RAY_TMPDIR (or its absence) is back
+    afterwards, whether the app ran or failed to start: a later Ray app of the same process must not land in
+    the bench's removed folder."""
+    from kvmesh.benchmarks.peers import run
+    from kvmesh.benchmarks.peers.engines import EngineSpec
+    from kvmesh.deployments import app
+
+    if given is None:
+        monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    else:
+        monkeypatch.setenv("RAY_TMPDIR", given)
+    seen: list[str | None] = []
+
+    def start_local(config, num_cpus=None):
+        seen.append(os.environ.get("RAY_TMPDIR"))
+        if fails:
+            raise RuntimeError("no app")
+        return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(app, "start_local", start_local)
+    monkeypatch.setattr(app, "stop_local", lambda: None)
+    monkeypatch.setattr(run, "_prediction", lambda url, key: {})
+    monkeypatch.setattr(run, "_prediction_delta", lambda url, key, before: {})
+    monkeypatch.setattr(run, "_replay", lambda *a, **k: {"per_replica": {}})
+    monkeypatch.setattr(run.results, "workers_from_replay", lambda per_replica, n: [])
+    monkeypatch.setattr(run.results, "make_row", lambda *a: {"setup": run.KVMESH})
+    cfg = run.BenchConfig(spec=EngineSpec(model="x"), work_dir=tmp_path, workers=2, log=lambda *a: None)
+    if fails:
+        with pytest.raises(RuntimeError, match="no app"):
+            run.run_kvmesh("chat", "tokens", [], cfg, 1.0)
+    else:
+        assert run.run_kvmesh("chat", "tokens", [], cfg, 1.0)["setup"] == run.KVMESH
+    assert seen == [given if given is not None else str(tmp_path / "ray")]
+    assert os.environ.get("RAY_TMPDIR") == given
