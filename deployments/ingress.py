@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,15 @@ from starlette.requests import ClientDisconnect
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
 from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages, template_refusal
 from kvmesh.cluster.thread_names import name_loop_thread
-from kvmesh.deployments import fleet_metrics, local_state, logprobs, miss_attribution
+from kvmesh.deployments import fan_out, fleet_metrics, local_state, logprobs, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
-from kvmesh.deployments.admission import AdmissionError
+from kvmesh.deployments.admission import AdmissionError, Reservation
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating, continuation_id
 from kvmesh.deployments.openai_protocol import OpenAIError
+from kvmesh.deployments.ray_private import context_with_own_request_id
 from kvmesh.deployments.router import (
     active_routers,
     notify_cache_reset,
@@ -283,6 +285,7 @@ class _ClosingStream(StreamingResponse):
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
+        self.chunks = content  # the body, for an answer merged into another (`Ingress._fan_out`)
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -290,6 +293,19 @@ class _ClosingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+    def close(self) -> None:
+        """Run `on_close` for an answer that is not sent itself (a choice of several: `Ingress._fan_out`)."""
+        self._on_close()
+
+
+def _close_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel the choices still being prepared and close the streams of those already answering."""
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+        elif not t.cancelled() and t.exception() is None and isinstance(t.result(), _ClosingStream):
+            t.result().close()
 
 
 @serve.deployment(name="Ingress")
@@ -621,7 +637,7 @@ class Ingress:
         created = int(time.time())  # the answer's stamp, taken once: every chunk of a stream has it (as vLLM's)
         name_loop_thread()
         reservation = None
-        answer: AnswerParser | None = None
+        tenant: Tenant | None = None
         try:
             tenant = self._auth(request)
             # a tenant throttled whatever its prompt (its request rate or concurrency) is refused before its
@@ -631,6 +647,80 @@ class Ingress:
             reservation = self.admission.reserve(tenant)
             body = proto.parse_json(await self._read_body(request))
             reject_client_salt(body, request.headers)
+            fan = fan_out.plan(body, kind)
+        except (OpenAIError, KvmeshHTTPError) as exc:
+            self.admission.cancel(reservation)
+            return self._refused(exc, tenant)
+        except BaseException:
+            self.admission.cancel(reservation)
+            raise
+        if fan is not None:  # each choice a request of its own, against the tenant's limits too
+            self.admission.cancel(reservation)
+            return await self._fan_out(tenant, kind, fan, t0, created)
+        return await self._generate_one(tenant, kind, body, t0, created, reservation)
+
+    def _refused(self, exc: OpenAIError | KvmeshHTTPError, tenant: Tenant | None) -> Response:
+        self.serving_metrics.record_error(exc.status)
+        if tenant is not None and isinstance(exc, AdmissionError):  # the tenant's limits or a full server
+            self.tenant_metrics.record_rejection(tenant.id, exc.code)
+        return _error_response(exc)
+
+    async def _fan_out(self, tenant: Tenant, kind: str, fan: fan_out.FanOut, t0: float, created: int) -> Response:
+        """Several choices (`n` > 1, a batch of prompts): one generation each, answered as one (fan_out.py).
+        The first choice refused or failed before its answer began cancels the others and is the answer."""
+        loop = asyncio.get_running_loop()
+        choices = [self._generate_one(tenant, kind, child, t0, created) for child in fan.children]
+        # each choice its own request to Serve's router too
+        tasks = [loop.create_task(c, context=context_with_own_request_id()) for c in choices]
+        failed: Response | None = None
+        try:
+            pending = set(tasks)
+            while pending and failed is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                failed = next((t.result() for t in tasks if t in done and t.result().status_code != 200), None)
+        except BaseException:  # the client went away: every choice goes with it
+            _close_all(tasks)
+            raise
+        if failed is not None:
+            _close_all(tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return failed
+        answers = [t.result() for t in tasks]
+        headers = fan_out.merge_headers([a.headers for a in answers])
+        oid = proto.new_id(kind)
+        if not isinstance(answers[0], _ClosingStream):
+            merged = fan_out.merge_full(fan, [json.loads(bytes(a.body)) for a in answers], oid, created)
+            return JSONResponse(merged, headers=headers)
+        streams = [a for a in answers if isinstance(a, _ClosingStream)]
+        assert len(streams) == len(answers)  # a streamed request's choices all stream
+        include_usage = bool((fan.children[0].get("stream_options") or {}).get("include_usage"))
+        merge = fan_out.StreamMerge(fan, oid, created, include_usage)
+
+        def close() -> None:
+            for a in streams:
+                a.close()
+
+        return _ClosingStream(
+            fan_out.merged_stream([a.chunks for a in streams], merge),
+            close,
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    async def _generate_one(
+        self,
+        tenant: Tenant,
+        kind: str,
+        body: dict,
+        t0: float,
+        created: int,
+        reservation: Reservation | None = None,
+    ) -> Response:
+        """One choice: parse, the tenant's limits, tokenise, then the engine call and its answer."""
+        answer: AnswerParser | None = None
+        try:
+            if reservation is None:  # a choice of several: its own slot and request token
+                reservation = self.admission.reserve(tenant)
             req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
             self._check_model(req)
             self._check_max_tokens(req)
@@ -648,10 +738,7 @@ class Ingress:
             ticket = await self.admission.acquire(tenant, len(ids), reservation=reservation)
             queue_wait_s = time.perf_counter() - t_queue  # in admission's fair queue (0 when a slot was free)
         except (OpenAIError, KvmeshHTTPError) as exc:
-            self.serving_metrics.record_error(exc.status)
-            if isinstance(exc, AdmissionError):  # the tenant's limits (429s, the prompt-limit 400) or a full server
-                self.tenant_metrics.record_rejection(tenant.id, exc.code)
-            return _error_response(exc)
+            return self._refused(exc, tenant)
         finally:  # a bad body, a tokenizer error, the client gone: the reservation comes back (acquire settled it)
             self.admission.cancel(reservation)
         request_id = uuid.uuid4().hex

@@ -187,7 +187,8 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False, default=None):
+def number(body: dict, name: str, lo: float, hi: float, integer: bool = False, default=None):
+    """A request's numeric field within [lo, hi], `default` when left out or null; a 400 naming it otherwise."""
     v = body.get(name, default)
     if v is None:
         return default
@@ -241,8 +242,8 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         include_usage = flags["include_usage"]
         # running usage in every chunk: only with the final usage asked for (vLLM ignores it otherwise)
         continuous = include_usage and flags["continuous_usage_stats"]
-    n = _number(body, "n", 1, 1, integer=True, default=1)
-    del n  # only n == 1 is served
+    n = number(body, "n", 1, 1, integer=True, default=1)
+    del n  # one choice per generation: a request for several is split before this (`fan_out.plan`)
     max_tokens_name = (
         "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -250,23 +251,23 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     # is tokenised (`Ingress._check_length`)
     default_max = DEFAULT_MAX_TOKENS if kind == "completion" else None
     # both checked, as vLLM's request model checks both: the one not used must be valid too
-    max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True, default=default_max)
+    max_tokens = number(body, "max_tokens", 1, 1 << 20, integer=True, default=default_max)
     if max_tokens_name != "max_tokens":
-        max_tokens = _number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max)
+        max_tokens = number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max)
     # sampling settings the client leaves out are the engine's: the model's generation_config, as vLLM's own server
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0),
-        "seed": _number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
-        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
+        "temperature": number(body, "temperature", 0.0, 2.0),
+        "top_p": number(body, "top_p", 0.0, 1.0),
+        "seed": number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
+        "presence_penalty": number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": number(body, "frequency_penalty", -2.0, 2.0),
         # vLLM's own sampling extensions, which its OpenAI server takes too
-        "top_k": _number(body, "top_k", -1, 1 << 20, integer=True),
-        "min_p": _number(body, "min_p", 0.0, 1.0),
+        "top_k": number(body, "top_k", -1, 1 << 20, integer=True),
+        "min_p": number(body, "min_p", 0.0, 1.0),
         # vLLM's SamplingParams: any finite value above 0
-        "repetition_penalty": _number(body, "repetition_penalty", -math.inf, math.inf),
-        "min_tokens": _number(body, "min_tokens", 0, 1 << 20, integer=True),
+        "repetition_penalty": number(body, "repetition_penalty", -math.inf, math.inf),
+        "min_tokens": number(body, "min_tokens", 0, 1 << 20, integer=True),
     }
     if params["top_p"] == 0.0:
         raise bad("'top_p' must be greater than 0.", "top_p")
@@ -323,7 +324,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
         wanted = body.get("logprobs")
         if wanted is not None and not isinstance(wanted, bool):
             raise bad("'logprobs' must be a boolean.", "logprobs", "invalid_type")
-        top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True, default=0)
+        top = number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True, default=0)
         if top and not wanted:
             raise bad("When using 'top_logprobs', 'logprobs' must be set to true.", "top_logprobs")
         return top if wanted else None
@@ -385,7 +386,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     if "prompt" not in body:
         raise bad("Missing required parameter: 'prompt'.", "prompt", "missing_required_parameter")
     p = body["prompt"]
-    # a batch of exactly one prompt is accepted (clients sometimes wrap it)
+    # a batch of exactly one prompt is this prompt (several are split before this: `fan_out.plan`)
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
@@ -397,8 +398,7 @@ def parse_completion(body: dict) -> GenerationRequest:
             raise bad("'prompt' must not be empty.", "prompt", "empty_prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             raise bad(
-                "'prompt' must be a string or a list of token ids (integers); batches of several "
-                "prompts are not supported.",
+                "'prompt' must be a string, a list of token ids (integers), or a list of either.",
                 "prompt",
                 "invalid_type",
             )

@@ -17,7 +17,10 @@ Ray 2.60 has no public way to do these few things, and each is small:
   throughput preset; deployments/ingress.py);
 - count a Serve replica's requests in flight (its actor's name prefix,
   `ray.serve._private.common.REPLICA_ID_FULL_ID_STR_PREFIX`, and `ReplicaActor.get_num_ongoing_requests`,
-  deployments/drain.py).
+  deployments/drain.py);
+- give each of several handle calls made for one HTTP request an internal request id of its own (Serve's
+  request context, `ray.serve.context._serve_request_context`, which every handle call copies its id from, and
+  `ray.serve._private.utils.generate_request_id`; deployments/ingress.py, a request's several choices).
 
 No other kvmesh module imports a private Ray path (tests/unit/deployments/test_ray_private.py scans the
 source). `problems()` checks that the installed Ray still has each name of both lists, and the Ray Serve
@@ -28,6 +31,8 @@ it, rather than a patch going missing at run time.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import importlib
 import inspect
 import re
@@ -39,6 +44,8 @@ from typing import Any
 SERVE_REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
 # the replica actor's method that Serve's own draining reads
 REPLICA_IN_FLIGHT_METHOD = "get_num_ongoing_requests"
+# the field of Serve's request context that a handle call takes its internal request id from
+REQUEST_ID_FIELD = "_internal_request_id"
 # ray.init's private keyword that pins this node's address
 NODE_IP_INIT_KEYWORD = "_node_ip_address"
 # ray.init's private keyword for the folder a new local cluster keeps its files in
@@ -66,6 +73,10 @@ PRIVATE_SYMBOLS = (
     PrivateSymbol("ray.serve._private.replica", f"ReplicaActor.{REPLICA_IN_FLIGHT_METHOD}", "drain"),
     PrivateSymbol("ray.serve._private.common", "REPLICA_ID_FULL_ID_STR_PREFIX", "drain: replica actor names"),
     PrivateSymbol("ray.serve._private.constants", "RAY_SERVE_USE_GRPC_BY_DEFAULT", "ingress: engine transport"),
+    PrivateSymbol("ray.serve.context", "_serve_request_context", "ingress: a request id per choice"),
+    PrivateSymbol("ray.serve.context", "_get_serve_request_context", "ingress: a request id per choice"),
+    PrivateSymbol("ray.serve.context", "_RequestContext", "ingress: a request id per choice"),
+    PrivateSymbol("ray.serve._private.utils", "generate_request_id", "ingress: a request id per choice"),
 )
 
 
@@ -95,6 +106,13 @@ def problems() -> list[str]:
         elif symbol.name == "RAY_SERVE_USE_GRPC_BY_DEFAULT":
             if not isinstance(value, bool):
                 out.append(f"{symbol.qualified} is {value!r}, not a bool (used by {symbol.used_by})")
+        elif symbol.name == "_serve_request_context":
+            if not isinstance(value, contextvars.ContextVar):
+                out.append(f"{symbol.qualified} is not a context variable (used by {symbol.used_by})")
+        elif symbol.name == "_RequestContext":
+            fields = {f.name for f in dataclasses.fields(value)} if dataclasses.is_dataclass(value) else set()
+            if REQUEST_ID_FIELD not in fields:
+                out.append(f"{symbol.qualified} has no field {REQUEST_ID_FIELD} (used by {symbol.used_by})")
         elif not callable(value):
             out.append(f"{symbol.qualified} is not callable (used by {symbol.used_by})")
     import ray
@@ -167,3 +185,23 @@ def serve_uses_grpc_by_default() -> bool:
     from ray.serve._private import constants
 
     return bool(constants.RAY_SERVE_USE_GRPC_BY_DEFAULT)
+
+
+def context_with_own_request_id() -> contextvars.Context:
+    """A copy of the current context in which Serve's handle calls carry an internal request id of their own.
+
+    Why: a handle call takes its internal request id from the HTTP request it serves, and the router keys a
+    placement by it (as Serve's own router does). Calls made at once for one HTTP request (its choices:
+    `n` > 1, a batch of prompts) must each be a request of their own, or they take each other's place."""
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    def fresh() -> None:
+        current = serve_context._get_serve_request_context()
+        own: Any = dataclasses.replace(current, **{REQUEST_ID_FIELD: generate_request_id()})  # type: ignore[arg-type]
+        var: contextvars.ContextVar[Any] = serve_context._serve_request_context
+        var.set(own)
+
+    ctx = contextvars.copy_context()
+    ctx.run(fresh)
+    return ctx

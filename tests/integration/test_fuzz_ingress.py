@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 60.0
 STRING = {"type": "string", "maxLength": 80}
+SHORT_TEXT = {"type": "string", "minLength": 1, "maxLength": 60}
 TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1100}, "minItems": 1, "maxItems": 40}
 SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1, "maximum": 6},
@@ -44,7 +45,20 @@ COMPLETION = {
     "required": ["model", "prompt"],
     "properties": {
         "model": {"type": "string", "enum": ["tiny"]},
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 200}, TOKENS]},
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1, "maxLength": 200},
+                TOKENS,
+                # a batch of prompts: one choice each (times n)
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": 60},
+                    "minItems": 2,
+                    "maxItems": 3,
+                },
+                {"type": "array", "items": TOKENS, "minItems": 2, "maxItems": 3},
+            ]
+        },
         **SAMPLING,
     },
 }

@@ -227,6 +227,42 @@ def test_openai_client_works_unchanged(live_app):
     assert raw.headers.get("x-kvmesh-replica")
 
 
+def test_n_samples_of_a_batch_of_prompts_are_the_seeded_single_requests_vllm_would_make(live_app):
+    """`n` > 1 and a batch of prompts, through the OpenAI client: choice i * n + j is prompt i sampled with
+    seed + j (vLLM's child seeds), the same text a single request with that seed gets, streamed or not; usage
+    counts each prompt once."""
+    import openai
+
+    client = openai.OpenAI(base_url=live_app.url + "/v1", api_key=live_app.api_key, max_retries=0, timeout=120)
+    prompts = [fresh_tokens(40), fresh_tokens(24)]
+    # sampled, every answer its full length (counted below)
+    sampling = {"model": "tiny", "max_tokens": 6, "temperature": 1.0, "seed": 123, "extra_body": {"ignore_eos": True}}
+    single = [
+        client.completions.create(prompt=p, **{**sampling, "seed": 123 + j}).choices[0].text
+        for p in prompts
+        for j in range(2)
+    ]
+    assert len(set(single)) > 1  # sampled, not greedy: the seeds decide the texts
+    batch = client.completions.create(prompt=prompts, n=2, **sampling)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == single
+    assert batch.usage.prompt_tokens == 64 and batch.usage.completion_tokens == 24
+    texts = [""] * 4
+    usage = None
+    for chunk in client.completions.create(
+        prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **sampling
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert texts == single
+    assert usage is not None and usage.prompt_tokens == 64 and usage.completion_tokens == 24
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Name a colour."}], n=3, **{**sampling, "max_tokens": 4}
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 12
+
+
 def test_a_tool_using_conversation_is_served_and_its_next_turn_reads_the_first_from_cache(live_app):
     """An agent's loop on the live path (the app names vLLM's pythonic parser): a chat with tools is answered
     (the tiny model's random text calls nothing), and the next turn -- the assistant's tool call and the tool's

@@ -5,6 +5,7 @@ input is a 400, never a 500; what spans tenants is for operators only."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import time
@@ -2169,3 +2170,157 @@ def test_log_probabilities_asked_for_wrongly_are_a_400(kind, extra, param):
     ing.engine = _RecordingEngine()
     status, answer = _answer(ing, {**(CHAT if kind == "chat" else TEXT), **extra}, kind)
     assert status == 400 and answer["error"]["param"] == param and not ing.engine.requests
+
+
+class _EchoStream(_Stream):
+    """An engine stream whose text names its request (first prompt token and seed); `fail`: it ends with the
+    engine's `error` after its first piece."""
+
+    def __init__(self, name: str, hang: bool, fail: bool = False):
+        super().__init__(hang)
+        self.chunks = [_chunk(name, [5]), _chunk("", [], "error") if fail else _chunk("!", [6], "length")]
+
+
+class _EchoEngine(_Engine):
+    """An engine whose answers say which request they answer; `fail_seed`: the stream of that seed fails."""
+
+    def __init__(self, hang: bool = False, fail_seed: int | None = None):
+        super().__init__(hang)
+        self.requests: list[dict] = []
+
+        self.serve_ids: list[str] = []  # Serve's internal request id each call carries (its router keys by it)
+
+        def name(request: dict) -> str:
+            from ray.serve.context import _get_serve_request_context
+
+            self.serve_ids.append(_get_serve_request_context()._internal_request_id)
+            return f"{request['prompt_token_ids'][0]}/{request['params'].get('seed')}"
+
+        async def generate_full(request: dict) -> dict:
+            self.requests.append(request)
+            if self.hang:
+                await asyncio.Event().wait()
+            return {**_chunk(name(request) + "!", [5, 6], "length"), "ttft_s": 0.0}
+
+        def generate(request: dict) -> _Stream:
+            self.requests.append(request)
+            fail = request["params"].get("seed") == fail_seed
+            self.streams.append(_EchoStream(name(request), self.hang, fail))
+            return self.streams[-1]
+
+        self.generate_full = _Method(generate_full)
+        self.generate = _Method(generate)
+
+
+FANNED = {"model": "tiny", "prompt": [[1, 2, 3], [4, 5]], "n": 2, "seed": 10, "max_tokens": 2}
+FANNED_NAMES = ["1/10", "1/11", "4/10", "4/11"]  # prompt by prompt, each sample with its seed
+
+
+async def _stream_events(response, scope, receive) -> list:
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    await response(scope, receive, send)
+    raw = b"".join(m.get("body", b"") for m in sent)
+    return [e[6:].decode() if e[6:] == b"[DONE]" else json.loads(e[6:]) for e in raw.split(b"\n\n") if e]
+
+
+def test_n_samples_of_a_batch_answer_as_one_in_vllms_choice_order():
+    async def run():
+        ing = _ingress()
+        ing._anonymous = dataclasses.replace(ing._anonymous, limits=Limits(max_concurrent=4))
+        ing.engine = _EchoEngine()
+        req, _, _ = _request(FANNED)
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200, response.body
+        answer = json.loads(response.body)
+        assert [(c["index"], c["text"]) for c in answer["choices"]] == [
+            (i, name + "!") for i, name in enumerate(FANNED_NAMES)
+        ]
+        assert answer["usage"]["prompt_tokens"] == 5 and answer["usage"]["completion_tokens"] == 8  # prompts once
+        assert len(response.headers["x-kvmesh-request-id"].split(",")) == 4
+        assert sorted(r["prompt_token_ids"] for r in ing.engine.requests) == [[1, 2, 3]] * 2 + [[4, 5]] * 2
+        assert len(set(ing.engine.serve_ids)) == 4 and all(ing.engine.serve_ids)  # four requests to Serve
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+
+    asyncio.run(run())
+
+
+def test_n_samples_of_a_batch_stream_as_one_with_one_usage_chunk_and_one_done():
+    async def run():
+        ing = _ingress()
+        ing._anonymous = dataclasses.replace(ing._anonymous, limits=Limits(max_concurrent=4))
+        ing.engine = _EchoEngine()
+        req, scope, receive = _request({**FANNED, "stream": True, "stream_options": {"include_usage": True}})
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200
+        events = await _stream_events(response, scope, receive)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        usage = events[-2]
+        assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 5
+        assert usage["usage"]["completion_tokens"] == 8
+        texts = [""] * 4
+        for e in events[:-2]:
+            assert e["id"] == usage["id"] and e["usage"] is None
+            for c in e["choices"]:
+                texts[c["index"]] += c["text"]
+        assert texts == [name + "!" for name in FANNED_NAMES]
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+        assert not any(s.cancelled for s in ing.engine.streams)  # each answered whole
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_a_choice_over_the_tenants_limit_refuses_the_request_and_frees_the_others(stream):
+    """Each choice is a request to the tenant's limits: three choices for a tenant allowed two at once are a
+    429, and the two already at the engine are cancelled and give their slots back."""
+
+    async def run():
+        ing = _ingress(hang=True)
+        ing.engine = _EchoEngine(hang=True)
+        req, _, _ = _request({**BODY, "n": 3, "stream": stream})
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 429, response.body
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+        assert all(s.cancelled for s in ing.engine.streams)
+        ing.engine.hang = False
+        req, _, _ = _request({**BODY, "n": 2})
+        assert (await ing._generate(req, "completion")).status_code == 200
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_a_request_of_several_choices_cancelled_gives_every_slot_back(stream):
+    async def run():
+        ing = _ingress(hang=True)
+        ing.engine = _EchoEngine(hang=True)
+        req, _, _ = _request({**BODY, "n": 2, "stream": stream})
+        task = asyncio.create_task(ing._generate(req, "completion"))
+        await asyncio.sleep(0.02)
+        assert ing.admission.active("anonymous") == 2
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the choices' own cancellation
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+        assert all(s.cancelled for s in ing.engine.streams)
+
+    asyncio.run(run())
+
+
+def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error():
+    async def run():
+        ing = _ingress()
+        ing.engine = _EchoEngine(fail_seed=11)
+        req, scope, receive = _request({**BODY, "n": 2, "seed": 10, "stream": True})
+        response = await ing._generate(req, "completion")
+        events = await _stream_events(response, scope, receive)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert "error" in events[-2] and all("error" not in e for e in events[:-2])
+        assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+
+    asyncio.run(run())

@@ -164,3 +164,29 @@ def test_a_keyword_only_mentioned_in_a_comment_or_a_longer_name_is_not_taken_for
 
     monkeypatch.setattr(ray, "init", init)
     assert ray_private.problems() == ["ray.init has no keyword _temp_dir (used by local_ray)"]
+
+
+def test_each_context_made_for_a_choice_gives_serve_handle_calls_an_internal_request_id_of_its_own():
+    """Serve copies a handle call's internal request id from the request context; calls made at once for
+    one HTTP request (its several choices) need one each, the rest of the context kept."""
+    import contextvars
+
+    from ray.serve import context as serve_context
+
+    from kvmesh.deployments.ray_private import context_with_own_request_id
+
+    def parent() -> list[tuple[str, str]]:
+        serve_context._set_request_context(request_id="http-1", _internal_request_id="internal-1")
+        seen = []
+        for _ in range(2):
+            ctx = context_with_own_request_id()
+            own = ctx.run(serve_context._get_serve_request_context)
+            seen.append((own.request_id, own._internal_request_id))
+        here = serve_context._get_serve_request_context()
+        seen.append((here.request_id, here._internal_request_id))
+        return seen
+
+    (a, b, kept) = contextvars.copy_context().run(parent)
+    assert kept == ("http-1", "internal-1")  # the request's own context is left as it was
+    assert a[0] == b[0] == "http-1"
+    assert len({a[1], b[1], "internal-1"}) == 3 and all(a[1]) and all(b[1])
