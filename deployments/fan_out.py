@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.deployments.openai_protocol import bad, number, sse
+from kvmesh.deployments.openai_protocol import OpenAIError, bad, number, sse
 
 MAX_CHOICES = 64  # prompts x n per request: each is a generation of its own (and a request to the tenant's limits)
 
@@ -91,6 +91,17 @@ def plan(body: dict, kind: str) -> FanOut | None:
                 child["seed"] = seed + j
             children.append(child)
     return FanOut(children, n)
+
+
+def over_concurrency(choices: int, allowed: int) -> OpenAIError:
+    """A 400 for more choices than the tenant may run at once: each is a request of its own, so the request
+    could never be served whole (a 429 would invite a retry that fails the same way)."""
+    return bad(
+        f"The request asks for {choices} choices (prompts x n), each a request of its own, and this API key "
+        f"may run at most {allowed} requests at once.",
+        "n",
+        "too_many_choices",
+    )
 
 
 def _usage(fan: FanOut, usages: list[dict | None]) -> dict:

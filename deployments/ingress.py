@@ -668,6 +668,9 @@ class Ingress:
     async def _fan_out(self, tenant: Tenant, kind: str, fan: fan_out.FanOut, t0: float, created: int) -> Response:
         """Several choices (`n` > 1, a batch of prompts): one generation each, answered as one (fan_out.py).
         The first choice refused or failed before its answer began cancels the others and is the answer."""
+        allowed = tenant.limits.max_concurrent
+        if allowed is not None and len(fan.children) > allowed:  # it could never run: each choice is a request
+            return self._refused(fan_out.over_concurrency(len(fan.children), allowed), tenant)
         loop = asyncio.get_running_loop()
         choices = [self._generate_one(tenant, kind, child, t0, created) for child in fan.children]
         # each choice its own request to Serve's router too

@@ -2275,20 +2275,45 @@ def test_n_samples_of_a_batch_stream_as_one_with_one_usage_chunk_and_one_done():
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
 def test_a_choice_over_the_tenants_limit_refuses_the_request_and_frees_the_others(stream):
-    """Each choice is a request to the tenant's limits: three choices for a tenant allowed two at once are a
-    429, and the two already at the engine are cancelled and give their slots back."""
+    """Each choice is a request to the tenant's limits: with one request of the tenant's two already running,
+    two more choices are a 429, and the one already at the engine is cancelled and gives its slot back."""
 
     async def run():
         ing = _ingress(hang=True)
         ing.engine = _EchoEngine(hang=True)
-        req, _, _ = _request({**BODY, "n": 3, "stream": stream})
+        req, _, _ = _request({**BODY, "stream": stream})
+        running = asyncio.create_task(ing._generate(req, "completion"))
+        await asyncio.sleep(0.02)
+        assert ing.admission.active("anonymous") == 1
+        req, _, _ = _request({**BODY, "n": 2, "stream": stream})
         response = await ing._generate(req, "completion")
         assert response.status_code == 429, response.body
+        assert ing.admission.active("anonymous") == 1  # the other request's slot only
+        if stream:  # the other request's stream runs on; a choice that reached the engine was cancelled
+            assert not ing.engine.streams[0].cancelled and all(s.cancelled for s in ing.engine.streams[1:])
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
         assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
-        assert all(s.cancelled for s in ing.engine.streams)
         ing.engine.hang = False
         req, _, _ = _request({**BODY, "n": 2})
         assert (await ing._generate(req, "completion")).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_more_choices_than_the_tenant_may_run_at_once_is_a_400_naming_n():
+    """Such a request could never be served whole: a 400 saying so (not a 429 inviting a retry)."""
+
+    async def run():
+        ing = _ingress()
+        ing.engine = _EchoEngine()
+        req, _, _ = _request({**BODY, "n": 3})
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 400
+        error = json.loads(response.body)["error"]
+        assert error["param"] == "n" and error["code"] == "too_many_choices" and "at most 2" in error["message"]
+        assert ing.engine.requests == [] and ing.admission.active("anonymous") == 0
 
     asyncio.run(run())
 
