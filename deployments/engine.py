@@ -51,6 +51,7 @@ SAMPLING_KEYS = (
     "spaces_between_special_tokens",  # set by some tool-call parsers only (deployments/tool_calls.py)
     "logit_bias",
     "logprobs",  # how many top log-probabilities beside each sampled token's (deployments/logprobs.py)
+    "prompt_logprobs",  # the same for each prompt token (an echoed completion's); vLLM reads no cache for it
 )
 EVENTS_TOPIC = "kvmesh"
 # request ids a load report names at most per state: the default max_ongoing_requests. Serve hands every router
@@ -323,6 +324,8 @@ class EngineReplica:
                     "prompt_tokens": n_prompt,
                     "replica": self.replica_id,
                     "logprobs": logprob_rows(comp.logprobs) if comp and comp.logprobs is not None else None,
+                    # all at once, with the first output (vLLM's delta outputs); the first token's is empty
+                    "prompt_logprobs": logprob_rows(out.prompt_logprobs) if out.prompt_logprobs else None,
                 }
         except Exception as exc:
             if self.driver.healthy() and not isinstance(exc, EngineBroken):
@@ -341,6 +344,7 @@ class EngineReplica:
         ttft = t_first = None
         text, token_ids, last = [], [], None
         logprobs: list | None = None  # only when the request asked for them
+        prompt_logprobs: list | None = None
         async for chunk in self.generate(request):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -350,6 +354,8 @@ class EngineReplica:
             if chunk.get("logprobs") is not None:
                 logprobs = [] if logprobs is None else logprobs
                 logprobs.extend(chunk["logprobs"])
+            if chunk.get("prompt_logprobs") is not None:
+                prompt_logprobs = (prompt_logprobs or []) + chunk["prompt_logprobs"]
             last = chunk
         if last is None or t_first is None:  # generate raises when the engine fails, so this is not expected
             raise RuntimeError(f"engine returned no output for request {request.get('request_id')!r}")
@@ -359,6 +365,7 @@ class EngineReplica:
             "text": "".join(text),
             "token_ids": token_ids,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "ttft_s": ttft,
             "after_first_output_s": after_first,
         }

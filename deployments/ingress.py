@@ -557,6 +557,22 @@ class Ingress:
         )
         return build(chunk["token_ids"], rows, req.top_logprobs, self._decode_token)
 
+    def _echoed(self, req: proto.GenerationRequest, ids: list[int], piece: dict) -> dict:
+        """An answer's first piece (or the whole answer) as an echoed completion shows it, vLLM's way: the prompt
+        (as sent, or its token ids decoded) before the text, its tokens and log-probabilities (the first token's
+        empty) before the answer's; with max_tokens 0, the prompt alone. Anything else as it is."""
+        if not req.echo:
+            return piece
+        text, token_ids, rows = piece["text"], piece["token_ids"], piece.get("logprobs")
+        if req.echo_only:  # the engine's one token is not shown (it still counts as generated, as on vLLM)
+            text, token_ids, rows = "", [], []
+        prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(ids)
+        shown = {**piece, "text": prompt + text, "token_ids": [*ids, *token_ids]}
+        if req.top_logprobs is not None:
+            prompt_rows = piece.get("prompt_logprobs") or [()] * len(ids)
+            shown["logprobs"] = [*prompt_rows, *(rows or [()] * len(token_ids))]
+        return shown
+
     def _decode_token(self, token_id: int) -> str:
         """One token's text, where the engine gave none (vLLM's server decodes it alone, as here)."""
         return self.tokenizer.decode([token_id])
@@ -834,7 +850,8 @@ class Ingress:
             if first["finish_reason"] in ENGINE_FAILED:
                 return self._engine_failed(first["finish_reason"])
             u = finish(len(first["token_ids"]), first["num_cached_tokens"])
-            content: str | None = first["text"]
+            shown = self._echoed(req, ids, first)
+            content: str | None = shown["text"]
             calls: list[dict] = []
             finish_reason = first["finish_reason"]
             if answer is not None:  # the tool calls in it, and the finish_reason they give it
@@ -850,7 +867,7 @@ class Ingress:
                     created=created,
                     stop_reason=first.get("stop_reason"),
                     tool_calls=calls,
-                    logprobs=self._logprobs(req, first),
+                    logprobs=self._logprobs(req, shown),
                 ),
                 headers=headers,
             )
@@ -880,6 +897,8 @@ class Ingress:
                 chunk = first
                 while True:
                     ntok += len(chunk["token_ids"])
+                    if is_first:  # an echoed completion's prompt goes out with its first piece
+                        chunk = self._echoed(req, ids, chunk)
                     failed = chunk["finish_reason"] in ENGINE_FAILED  # its text goes out, then the error
                     finish_reason = None if failed else chunk["finish_reason"]
                     event = b""

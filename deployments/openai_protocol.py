@@ -26,7 +26,6 @@ DEFAULT_MAX_TOKENS = 16
 # is a 400: ignored, it would change the output the client asked for (free text for a JSON schema, no
 # logprobs where it wants them, a stop string cut from the text it wants kept).
 _UNSUPPORTED: dict[str, tuple] = {
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     "tools": ([],),  # a chat's are served (`chat_tools`); a completion has none
@@ -77,6 +76,7 @@ _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
         "add_generation_prompt": (True,),
         "continue_final_message": (False,),
         "chat_template": (),  # vLLM's own server refuses it too, unless started with a flag
+        "echo": (False,),  # a chat's: the last message put before the answer (a completion's is served)
         "documents": (),
         "include_reasoning": (True,),
         "media_io_kwargs": (),
@@ -95,6 +95,7 @@ _SERVED = frozenset(
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
         "logit_bias", "logprobs", "top_logprobs",  # `_logprobs`; their shapes in the answer: logprobs.py
+        "echo",  # a completion's: the prompt before the answer (`parse_completion`)
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
@@ -161,6 +162,8 @@ class GenerationRequest:
     parallel_tool_calls: bool | None = None  # false: an answer keeps its first tool call only, as vLLM's
     constrained: bool = False  # asks for structured output (a grammar: `structured_outputs.constrain`)
     top_logprobs: int | None = None  # log-probabilities asked for: alternatives per token (`logprobs.py`)
+    echo: bool = False  # a completion's prompt goes before its answer (with its log-probabilities, when asked)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is not shown)
     body: dict[str, Any] = field(default_factory=dict)  # the request as sent (vLLM's model of it reads it)
     stream: bool = False
     include_usage: bool = False
@@ -251,7 +254,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     # is tokenised (`Ingress._check_length`)
     default_max = DEFAULT_MAX_TOKENS if kind == "completion" else None
     # both checked, as vLLM's request model checks both: the one not used must be valid too
-    max_tokens = number(body, "max_tokens", 1, 1 << 20, integer=True, default=default_max)
+    # an echoed completion may ask for no answer at all (the prompt and its log-probabilities), as on vLLM
+    least = 0 if kind == "completion" and body.get("echo") is True else 1
+    max_tokens = number(body, "max_tokens", least, 1 << 20, integer=True, default=default_max)
     if max_tokens_name != "max_tokens":
         max_tokens = number(body, max_tokens_name, 1, 1 << 20, integer=True, default=default_max)
     # sampling settings the client leaves out are the engine's: the model's generation_config, as vLLM's own server
@@ -405,6 +410,16 @@ def parse_completion(body: dict) -> GenerationRequest:
         req.prompt_ids = list(p)
     else:
         raise bad("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
+    if echo:
+        req.echo = True
+        if req.params.get("max_tokens") == 0:  # vLLM's rule: one token generated, the prompt alone answered
+            req.params["max_tokens"] = 1
+            req.echo_only = True
+        if req.top_logprobs is not None:  # the prompt's own log-probabilities, as vLLM derives them for echo
+            req.params["prompt_logprobs"] = req.top_logprobs
     return req
 
 

@@ -704,8 +704,13 @@ class KvmeshRouter(TierHolding, RequestRouter):
         if req is None or pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         ids = req["prompt_token_ids"]
-        hashes = block_hashes(
-            ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"), memo=self.memo
+        # a request for its prompt's log-probabilities reads no cache (vLLM computes the whole prompt for them):
+        # nothing to match, nothing to predict, placed by load
+        reads_cache = (req.get("params") or {}).get("prompt_logprobs") is None
+        hashes = (
+            block_hashes(ids, self.block_size, algo=self.hash_algo, cache_salt=req.get("cache_salt"), memo=self.memo)
+            if reads_cache
+            else []
         )
         info = RequestInfo(
             block_hashes=hashes,

@@ -59,6 +59,8 @@ COMPLETION = {
                 {"type": "array", "items": TOKENS, "minItems": 2, "maxItems": 3},
             ]
         },
+        "echo": {"type": "boolean"},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 2},
         **SAMPLING,
     },
 }

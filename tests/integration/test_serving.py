@@ -263,6 +263,34 @@ def test_n_samples_of_a_batch_of_prompts_are_the_seeded_single_requests_vllm_wou
     assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 12
 
 
+def test_an_echoed_completion_scores_its_prompt_consistently_and_reads_no_cache(live_app):
+    """`echo` with `logprobs` (how evaluation harnesses score a text): the prompt's tokens with their
+    log-probabilities, the first one's null, before the answer's. A causal model's log-probability of a prompt
+    token depends on the tokens before it only, so a prefix of the prompt scores the same. vLLM reads no cache
+    for such a request, and the router predicts none: no mismatch in the ledger although the prefix is cached."""
+    prompt = fresh_tokens(3 * BLOCK + 5)
+    with live_app.client() as c:
+        complete(c, prompt, max_tokens=1)  # the prompt is cached now
+        before = c.get("/kvmesh/state").json()["prediction"]
+        whole = complete(c, prompt, max_tokens=3, echo=True, logprobs=0).json()
+        plain = complete(c, prompt, max_tokens=3, logprobs=0).json()
+        prefix = complete(c, prompt[: 2 * BLOCK + 3], max_tokens=0, echo=True, logprobs=0).json()
+        after = c.get("/kvmesh/state").json()["prediction"]
+    lp = whole["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 3 and lp["token_logprobs"][0] is None
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    answer = plain["choices"][0]
+    assert whole["choices"][0]["text"].endswith(answer["text"])  # greedy: the same answer after the prompt
+    assert lp["token_logprobs"][-3:] == pytest.approx(answer["logprobs"]["token_logprobs"], abs=1e-3)
+    scored = prefix["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scored) == 2 * BLOCK + 3 and scored[0] is None
+    assert scored[1:] == pytest.approx(lp["token_logprobs"][1 : 2 * BLOCK + 3], abs=1e-3)
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert prefix["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert prefix["usage"]["completion_tokens"] == 1  # vLLM's count for max_tokens 0: one token generated
+    assert after["mismatches"] == before["mismatches"]
+
+
 def test_a_tool_using_conversation_is_served_and_its_next_turn_reads_the_first_from_cache(live_app):
     """An agent's loop on the live path (the app names vLLM's pythonic parser): a chat with tools is answered
     (the tiny model's random text calls nothing), and the next turn -- the assistant's tool call and the tool's

@@ -197,7 +197,7 @@ def test_a_finished_chunk_says_what_stopped_it():
 
     def out(ids, finish, stop_reason, finished):
         comp = SimpleNamespace(text="", token_ids=ids, finish_reason=finish, stop_reason=stop_reason, logprobs=None)
-        return SimpleNamespace(outputs=[comp], finished=finished, num_cached_tokens=0)
+        return SimpleNamespace(outputs=[comp], finished=finished, num_cached_tokens=0, prompt_logprobs=None)
 
     async def generate(prompt, params, rid):
         yield out([5], None, None, False)
@@ -227,10 +227,14 @@ def test_log_probabilities_reach_the_ingress_as_plain_rows_in_vllms_order_whole_
         [{9: Logprob(-4.0, 3, None), 3: Logprob(-0.2, 1, "c")}],
     ]
 
+    # the prompt's, with the first output only (vLLM's delta outputs): none for its first token
+    prompt_steps = [None, {2: Logprob(-3.0, 5, "p"), 8: Logprob(-1.0, 1, "q")}]
+
     async def generate(prompt, params, rid):
         for k, (tid, step) in enumerate(zip((7, 9), steps)):
             comp = SimpleNamespace(text="t", token_ids=[tid], finish_reason="length", stop_reason=None, logprobs=step)
-            yield SimpleNamespace(outputs=[comp], finished=k == 1, num_cached_tokens=0)
+            prompt_logprobs = prompt_steps if k == 0 else None
+            yield SimpleNamespace(outputs=[comp], finished=k == 1, num_cached_tokens=0, prompt_logprobs=prompt_logprobs)
 
     replica.driver = SimpleNamespace(generate=generate, healthy=lambda: True)
 
@@ -238,8 +242,12 @@ def test_log_probabilities_reach_the_ingress_as_plain_rows_in_vllms_order_whole_
         return [c async for c in replica.generate({"request_id": "q", "prompt_token_ids": [1, 2]})]
 
     rows = [[(7, -0.1, 1, "a"), (3, -2.5, 2, "b")], [(9, -4.0, 3, None), (3, -0.2, 1, "c")]]
-    assert [c["logprobs"] for c in asyncio.run(chunks())] == [rows[:1], rows[1:]]
-    assert asyncio.run(replica.generate_full({"request_id": "q", "prompt_token_ids": [1, 2]}))["logprobs"] == rows
+    prompt_rows = [[], [(2, -3.0, 5, "p"), (8, -1.0, 1, "q")]]
+    got = asyncio.run(chunks())
+    assert [c["logprobs"] for c in got] == [rows[:1], rows[1:]]
+    assert [c["prompt_logprobs"] for c in got] == [prompt_rows, None]
+    whole = asyncio.run(replica.generate_full({"request_id": "q", "prompt_token_ids": [1, 2]}))
+    assert whole["logprobs"] == rows and whole["prompt_logprobs"] == prompt_rows
 
 
 class _NodeServerActors:

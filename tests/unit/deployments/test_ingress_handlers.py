@@ -2349,3 +2349,100 @@ def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error():
         assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
 
     asyncio.run(run())
+
+
+class _Letters:
+    """A tokenizer that decodes token id i as the i-th letter."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i - 1) for i in ids)
+
+
+class _ScoringEngine(_Engine):
+    """An engine answering tokens 5, 6 ("e", "f") with their log-probabilities, and the prompt's when asked
+    (vLLM's shape: none for the first prompt token)."""
+
+    def __init__(self):
+        super().__init__(hang=False)
+        self.params: list[dict] = []
+
+        def pieces(request: dict) -> list[dict]:
+            params = request["params"]
+            self.params.append(params)
+            ids = request["prompt_token_ids"]
+            prompt_rows = [[]] + [[(t, -float(t), 1, None)] for t in ids[1:]]
+            out = [_chunk("e", [5]), _chunk("f", [6], "length")][: params["max_tokens"]]
+            out[-1] = {**out[-1], "finish_reason": "length"}
+            scored = params.get("logprobs") is not None
+            for k, piece in enumerate(out):
+                piece["logprobs"] = [[(piece["token_ids"][0], -0.5, 1, None)]] if scored else None
+                piece["prompt_logprobs"] = prompt_rows if k == 0 and "prompt_logprobs" in params else None
+            return out
+
+        async def generate_full(request: dict) -> dict:
+            out = pieces(request)
+            whole = {**out[-1], "text": "".join(p["text"] for p in out), "ttft_s": 0.0}
+            whole["token_ids"] = [t for p in out for t in p["token_ids"]]
+            whole["logprobs"] = None if out[0]["logprobs"] is None else [r for p in out for r in p["logprobs"]]
+            whole["prompt_logprobs"] = out[0]["prompt_logprobs"]
+            return whole
+
+        def generate(request: dict) -> _Stream:
+            stream = _Stream(False)
+            stream.chunks = pieces(request)
+            self.streams.append(stream)
+            return stream
+
+        self.generate_full = _Method(generate_full)
+        self.generate = _Method(generate)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_an_echoed_completion_puts_its_prompt_and_its_log_probabilities_before_the_answer(stream):
+    async def run():
+        ing = _ingress()
+        ing.tokenizer = _Letters()
+        ing.engine = _ScoringEngine()
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "echo": True, "logprobs": 0, "stream": stream}
+        req, scope, receive = _request(body)
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200, response.body
+        if stream:
+            events = await _stream_events(response, scope, receive)
+            choices = [c for e in events[:-1] for c in e["choices"]]
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            scores = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+            offsets = [x for c in choices if c["logprobs"] for x in c["logprobs"]["text_offset"]]
+        else:
+            (choice,) = json.loads(response.body)["choices"]
+            text, lp = choice["text"], choice["logprobs"]
+            tokens, scores, offsets = lp["tokens"], lp["token_logprobs"], lp["text_offset"]
+            assert json.loads(response.body)["usage"]["completion_tokens"] == 2
+        assert text == "abcef"  # the prompt's ids decoded, then the answer
+        assert tokens == ["a", "b", "c", "e", "f"] and offsets == [0, 1, 2, 3, 4]
+        assert scores == [None, -2.0, -3.0, -0.5, -0.5]  # none for the first prompt token, as vLLM's
+        assert ing.engine.params[0]["prompt_logprobs"] == 0
+
+    asyncio.run(run())
+
+
+def test_an_echoed_completion_with_max_tokens_0_answers_with_the_prompt_alone():
+    """vLLM's rule: one token generated and counted, the prompt (as sent) alone shown."""
+
+    async def run():
+        ing = _ingress()
+        ing.tokenizer = _Letters()
+        ing.engine = _ScoringEngine()
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 0, "echo": True}
+        ing.tokenizer.encode = lambda text, **kw: [ord(ch) - ord("a") + 1 for ch in text]
+        req, _, _ = _request(body)
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200, response.body
+        answer = json.loads(response.body)
+        assert answer["choices"][0]["text"] == "abc" and answer["choices"][0]["logprobs"] is None
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 1
+        assert ing.engine.params[0]["max_tokens"] == 1 and "prompt_logprobs" not in ing.engine.params[0]
+
+    asyncio.run(run())

@@ -51,7 +51,8 @@ def test_completion_accepts_text_token_ids_and_single_item_batches():
         ({"model": "m", "prompt": "x", "n": 2}, "n", "invalid_value"),
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "invalid_type"),
         ({"model": "m", "prompt": "x", "stop": 5}, "stop", "invalid_type"),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+        ({"model": "m", "prompt": "x", "echo": 1}, "echo", "invalid_type"),
+        ({"model": "m", "prompt": "x", "echo": False, "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),  # past vLLM's max_logprobs
     ],
 )
@@ -517,3 +518,17 @@ def test_a_completions_null_max_tokens_is_its_default_as_in_vllms_request_model(
 
     for body in ({"model": "m", "prompt": "x"}, {"model": "m", "prompt": "x", "max_tokens": None}):
         assert proto.parse_completion(body).params.get("max_tokens") == CompletionRequest(**body).max_tokens == 16
+
+
+def test_an_echoed_completion_asks_for_its_prompts_log_probabilities_and_may_ask_for_no_answer():
+    """vLLM's rules: echo with `logprobs` asks the engine for the prompt's too, at the same count; echo with
+    max_tokens 0 generates one token and answers with the prompt alone. A chat's echo is not served."""
+    plain = proto.parse_completion({"model": "m", "prompt": "x", "echo": True})
+    assert plain.echo and not plain.echo_only and "prompt_logprobs" not in plain.params
+    scored = proto.parse_completion({"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert scored.echo and scored.echo_only
+    assert scored.params["max_tokens"] == 1 and scored.params["prompt_logprobs"] == 2 and scored.top_logprobs == 2
+    unechoed = proto.parse_completion({"model": "m", "prompt": "x", "echo": False, "logprobs": 1})
+    assert not unechoed.echo and "prompt_logprobs" not in unechoed.params
+    e = err(proto.parse_chat, {"model": "m", "messages": [{"role": "user", "content": "a"}], "echo": True})
+    assert (e.status, e.param, e.code) == (400, "echo", "unsupported_parameter")

@@ -449,3 +449,31 @@ def test_an_engine_hashing_other_blocks_than_the_router_is_reported_once(monkeyp
         assert "A" not in router.snapshot()["engine_config_mismatch"]
 
     asyncio.run(scenario())
+
+
+def test_a_request_for_its_prompts_log_probabilities_is_placed_as_reading_no_cache(monkeypatch):
+    """vLLM computes the whole prompt of a request that asks for the prompt's log-probabilities (an echoed
+    completion's), reading no cache: the router predicts no hit for it and does not send it to the holder
+    for a hit it will not get. The same prompt without them goes to the holder, predicted cached."""
+    from kvmesh.kvstore.hashing import block_hashes
+
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+
+    async def scenario():
+        router = make_router(policy="kvmesh", block_size=32)
+        a, b = fake_replica("A"), fake_replica("B")
+        ids = list(range(10, 10 + 200))
+        await router.choose_replicas([a, b], fake_request([1, 2, 3], "reg"))
+        router.index.store("B", block_hashes(ids[:160], 32))
+        plain = fake_request(ids, "plain")
+        assert [g[0].replica_id.unique_id for g in await router.choose_replicas([a, b], plain)][0] == "B"
+        router._routed(plain, b.replica_id)
+        assert local_state.LEDGER.prediction("plain") == 160
+        scored = fake_request(ids, "scored")
+        scored.args[0]["params"]["prompt_logprobs"] = 0
+        ranked = await router.choose_replicas([a, b], scored)
+        assert ranked[0][0].replica_id.unique_id == "A"  # by load: B holds the prefix and has the work
+        router._routed(scored, b.replica_id)
+        assert local_state.LEDGER.prediction("scored") == 0
+
+    asyncio.run(scenario())
