@@ -6,20 +6,6 @@ import pytest
 
 from kvmesh.cluster import workloads as wl
 
-ENV = {
-    "PYTHONHASHSEED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
-
-
-# ----------------------------------------------------------------------------- integration
-
-
 CHAT = wl.ChatSpec(tenants=1, groups=2, users=2, turns=3, system_blocks=6, seed=11)
 
 
