@@ -868,6 +868,11 @@ class Ingress:
                     stop_reason=first.get("stop_reason"),
                     tool_calls=calls,
                     logprobs=self._logprobs(req, shown),
+                    prompt_logprobs=(
+                        logprobs.prompt_scores(first.get("prompt_logprobs") or [])
+                        if req.params.get("prompt_logprobs") is not None
+                        else None
+                    ),
                 ),
                 headers=headers,
             )

@@ -86,3 +86,21 @@ def next_offset(logprobs: dict, offset: int) -> int:
     if logprobs["tokens"]:
         return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
     return offset
+
+
+def prompt_scores(rows: Sequence[Row]) -> list[dict[str, dict] | None]:
+    """A choice's `prompt_logprobs` (vLLM's extension, in its raw shape): per prompt token, none for the first,
+    then each scored token id (the prompt's own first, then the top ones by rank) to its log-probability,
+    rank and decoded text, -inf as -9999 (vLLM's `clamp_prompt_logprobs`)."""
+    out: list[dict[str, dict] | None] = []
+    for i, row in enumerate(rows):
+        if i == 0 or not row:
+            out.append(None)
+            continue
+        out.append(
+            {
+                str(tid): {"logprob": FLOOR if lp == float("-inf") else lp, "rank": rank, "decoded_token": text}
+                for tid, lp, rank, text in row
+            }
+        )
+    return out

@@ -53,7 +53,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "logprob_token_ids": (),
     "mm_payload": ("tensors",),
     "priority": (0,),
-    "prompt_logprobs": (),
     "repetition_detection": (),
     "return_mm_kwargs": (False,),
     "return_token_ids": (False,),
@@ -96,6 +95,7 @@ _SERVED = frozenset(
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
         "logit_bias", "logprobs", "top_logprobs",  # `_logprobs`; their shapes in the answer: logprobs.py
         "echo",  # a completion's: the prompt before the answer (`parse_completion`)
+        "prompt_logprobs",  # vLLM's: the prompt tokens' log-probabilities, in its raw shape (`prompt_scores`)
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
@@ -287,6 +287,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     params["logit_bias"] = _logit_bias(body.get("logit_bias"))
     top_logprobs = _logprobs(body, kind)
     params["logprobs"] = top_logprobs
+    params["prompt_logprobs"] = number(body, "prompt_logprobs", 0, MAX_LOGPROBS, integer=True)
+    if params["prompt_logprobs"] and stream:  # vLLM's rule: a stream carries none (0 asks for nothing to show)
+        raise bad("'prompt_logprobs' are not available when 'stream' is true.", "prompt_logprobs")
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -418,7 +421,7 @@ def parse_completion(body: dict) -> GenerationRequest:
         if req.params.get("max_tokens") == 0:  # vLLM's rule: one token generated, the prompt alone answered
             req.params["max_tokens"] = 1
             req.echo_only = True
-        if req.top_logprobs is not None:  # the prompt's own log-probabilities, as vLLM derives them for echo
+        if req.top_logprobs is not None and "prompt_logprobs" not in req.params:  # as vLLM derives them for echo
             req.params["prompt_logprobs"] = req.top_logprobs
     return req
 
@@ -659,12 +662,14 @@ def full_response(
     stop_reason: int | str | None = None,
     tool_calls: list[dict] | None = None,
     logprobs: dict | None = None,
+    prompt_logprobs: list | None = None,
 ) -> dict:
     """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller.
     `stop_reason` is what stopped it, as vLLM's server reports it beside `finish_reason`: the stop string that
     matched, a stop token's id, None for EOS or a length. A chat's `tool_calls` (`tool_calls.py`) go in its
     message when it made any, beside the content left (null when none was); `logprobs` are the choice's
-    (`logprobs.py`), null when none were asked for."""
+    (`logprobs.py`), null when none were asked for; `prompt_logprobs` the prompt's (`logprobs.prompt_scores`),
+    where vLLM's server puts them: a completion's in its choice, a chat's beside its choices, when computed."""
     if req.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
@@ -685,15 +690,23 @@ def full_response(
             ],
             "system_fingerprint": None,  # OpenAI's field, null as on vLLM's server
             "usage": u,
+            **({"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}),
         }
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+    }
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
-        ],
+        "choices": [choice],
         "usage": u,
     }
 

@@ -28,6 +28,14 @@ CASES = {
         "/v1/completions",
         {"prompt": "The cache remembers", "max_tokens": 3, "echo": True, "temperature": 0},
     ),
+    "a prompt scored in vLLM's raw shape": (
+        "/v1/completions",
+        {"prompt": Q, "max_tokens": 2, "prompt_logprobs": 2, "temperature": 0},
+    ),
+    "a chat's prompt scored": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1, "temperature": 0},
+    ),
     "a batch x n, seeded": ("/v1/completions", {"prompt": [P, Q], "n": 2, "max_tokens": 4, "seed": 5, **SAMPLED}),
     "a chat's n, seeded": (
         "/v1/chat/completions",
@@ -59,6 +67,25 @@ def _same(ours: list[tuple], theirs: list[tuple]) -> None:
             assert [x for x in a[4] if x is not None] == pytest.approx([x for x in b[4] if x is not None], abs=1e-3)
 
 
+def _raw_scores(answer: dict) -> list:
+    """vLLM's `prompt_logprobs`: a completion's per choice, a chat's beside the choices (null where none)."""
+    found = [answer.get("prompt_logprobs")] + [c.get("prompt_logprobs") for c in answer["choices"]]
+    return [f for f in found if f is not None]
+
+
+def _same_raw(ours: list, theirs: list) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert [x is None for x in a] == [x is None for x in b]
+        for x, y in zip(a, b):
+            if y is None:
+                continue
+            assert list(x) == list(y)  # the same token ids, in the same order
+            for tid in y:
+                assert x[tid]["rank"] == y[tid]["rank"] and x[tid]["decoded_token"] == y[tid]["decoded_token"]
+                assert x[tid]["logprob"] == pytest.approx(y[tid]["logprob"], abs=1e-3)
+
+
 def _usage(answer: dict) -> tuple:
     return answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
 
@@ -72,6 +99,7 @@ def test_kvmesh_answers_as_vllms_own_server(case, vllm_server, live_app):
     assert theirs.status_code == 200, theirs.text
     assert ours.status_code == 200, ours.text
     _same(_choices(ours.json()), _choices(theirs.json()))
+    _same_raw(_raw_scores(ours.json()), _raw_scores(theirs.json()))
     assert _usage(ours.json()) == _usage(theirs.json())
 
 

@@ -474,7 +474,6 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("truncate_prompt_tokens", 2),
         ("add_generation_prompt", False),
         ("continue_final_message", True),
-        ("prompt_logprobs", 1),
         ("return_token_ids", True),
         ("chat_template", "{{ messages }}"),
     ],
@@ -2444,5 +2443,24 @@ def test_an_echoed_completion_with_max_tokens_0_answers_with_the_prompt_alone():
         assert answer["choices"][0]["finish_reason"] == "length"
         assert answer["usage"]["completion_tokens"] == 1
         assert ing.engine.params[0]["max_tokens"] == 1 and "prompt_logprobs" not in ing.engine.params[0]
+
+    asyncio.run(run())
+
+
+def test_a_completions_prompt_log_probabilities_come_in_vllms_raw_shape_in_its_choice():
+    async def run():
+        ing = _ingress()
+        ing.tokenizer = _Letters()
+        ing.engine = _ScoringEngine()
+        req, _, _ = _request({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "prompt_logprobs": 0})
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200, response.body
+        (choice,) = json.loads(response.body)["choices"]
+        assert choice["text"] == "ef" and choice["logprobs"] is None  # not echoed, no sampled scores asked
+        assert choice["prompt_logprobs"] == [
+            None,
+            {"2": {"logprob": -2.0, "rank": 1, "decoded_token": None}},
+            {"3": {"logprob": -3.0, "rank": 1, "decoded_token": None}},
+        ]
 
     asyncio.run(run())

@@ -182,7 +182,6 @@ EXTRAS = [
     ("allowed_token_ids", [1, 2]),
     ("bad_words", ["x"]),
     ("truncate_prompt_tokens", 3),
-    ("prompt_logprobs", 0),
     ("return_token_ids", True),
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
@@ -532,3 +531,18 @@ def test_an_echoed_completion_asks_for_its_prompts_log_probabilities_and_may_ask
     assert not unechoed.echo and "prompt_logprobs" not in unechoed.params
     e = err(proto.parse_chat, {"model": "m", "messages": [{"role": "user", "content": "a"}], "echo": True})
     assert (e.status, e.param, e.code) == (400, "echo", "unsupported_parameter")
+
+
+def test_a_prompts_log_probabilities_are_asked_as_vllm_takes_them():
+    """vLLM's `prompt_logprobs` (0-20 here, -1 for the whole vocabulary refused as for `top_logprobs`); a stream
+    carries none, so asking for some there is a 400, as on vLLM's server; 0 asks for nothing to show."""
+    r = proto.parse_completion({"model": "m", "prompt": "x", "prompt_logprobs": 2})
+    assert r.params["prompt_logprobs"] == 2 and not r.echo
+    chat = proto.parse_chat({"model": "m", "messages": MSGS, "prompt_logprobs": 0, "stream": True})
+    assert chat.params["prompt_logprobs"] == 0
+    for body in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21}):
+        e = err(proto.parse_completion, {"model": "m", "prompt": "x", **body})
+        assert (e.status, e.param) == (400, "prompt_logprobs")
+    # an echo's derived count does not replace the one asked for
+    echoed = proto.parse_completion({"model": "m", "prompt": "x", "echo": True, "logprobs": 3, "prompt_logprobs": 1})
+    assert echoed.params["prompt_logprobs"] == 1
