@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.deployments.openai_protocol import OpenAIError, bad, number, sse
+from kvmesh.deployments.openai_protocol import OpenAIError, bad, number, sse, usage
 
 MAX_CHOICES = 64  # prompts x n per request: each is a generation of its own (and a request to the tenant's limits)
 
@@ -115,12 +115,7 @@ def _usage(fan: FanOut, usages: list[dict | None]) -> dict:
         if fan.first_of_prompt(i):
             prompt += u.get("prompt_tokens", 0)
             cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    return usage(prompt, completion, cached)
 
 
 def merge_full(fan: FanOut, answers: list[dict], rid: str, created: int) -> dict:
@@ -149,13 +144,13 @@ def merge_headers(headers: list[Any], prefix: str = "x-kvmesh-") -> dict[str, st
 
 class StreamMerge:
     """Rewrites the choices' SSE events into one stream: the request's id and stamp, each choice's index, the
-    choices' usage chunks and `[DONE]`s held back for one of each at the end."""
+    choices' usage chunks (sent when the request asked for usage) and `[DONE]`s held back for one of each at
+    the end."""
 
-    def __init__(self, fan: FanOut, rid: str, created: int, include_usage: bool):
+    def __init__(self, fan: FanOut, rid: str, created: int):
         self.fan = fan
         self.rid = rid
         self.created = created
-        self.include_usage = include_usage
         self.usages: list[dict | None] = [None] * len(fan.children)
         self._usage_chunk: dict | None = None
         self._pending: list[bytes] = [b"" for _ in fan.children]
@@ -188,9 +183,9 @@ class StreamMerge:
         return b"".join(out), False
 
     def tail(self) -> bytes:
-        """The usage chunk (when asked for) and `[DONE]`."""
+        """The usage chunk (when the choices sent theirs: the request asked for it) and `[DONE]`."""
         out = b""
-        if self.include_usage and self._usage_chunk is not None:
+        if self._usage_chunk is not None:
             chunk = dict(self._usage_chunk)
             chunk.update(id=self.rid, created=self.created, choices=[], usage=_usage(self.fan, self.usages))
             out += sse(chunk)

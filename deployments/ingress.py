@@ -712,8 +712,7 @@ class Ingress:
             return JSONResponse(merged, headers=headers)
         streams = [a for a in answers if isinstance(a, _ClosingStream)]
         assert len(streams) == len(answers)  # a streamed request's choices all stream
-        include_usage = bool((fan.children[0].get("stream_options") or {}).get("include_usage"))
-        merge = fan_out.StreamMerge(fan, oid, created, include_usage)
+        merge = fan_out.StreamMerge(fan, oid, created)
 
         def close() -> None:
             for a in streams:

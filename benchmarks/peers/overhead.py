@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvmesh.benchmarks.peers import engines, setups
 from kvmesh.benchmarks.peers.engines import EngineSpec
-from kvmesh.benchmarks.peers.run import _ray_cpus, kvmesh_config
+from kvmesh.benchmarks.peers.run import _ray_cpus, kvmesh_config, restore_env
 from kvmesh.cluster.stats import nearest_rank
 
 
@@ -163,10 +163,7 @@ def run_overhead(
                 stop_local()
         finally:
             proc.stop()
-            if ray_tmpdir is None:
-                os.environ.pop("RAY_TMPDIR", None)
-            else:
-                os.environ["RAY_TMPDIR"] = ray_tmpdir
+            restore_env("RAY_TMPDIR", ray_tmpdir)
     finally:
         engines.stop_servers(servers)
     for name, xs in times.items():

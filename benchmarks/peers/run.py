@@ -219,10 +219,10 @@ def run_kvmesh(workload: str, form: str, records: list[dict], cfg: BenchConfig, 
         finally:
             stop_local()
     finally:
-        _restore_env("RAY_TMPDIR", ray_tmpdir)
+        restore_env("RAY_TMPDIR", ray_tmpdir)
 
 
-def _restore_env(name: str, value: str | None) -> None:
+def restore_env(name: str, value: str | None) -> None:
     """Put an environment variable back as it was (`value` None: it was unset)."""
     if value is None:
         os.environ.pop(name, None)

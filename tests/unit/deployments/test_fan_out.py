@@ -153,7 +153,7 @@ async def _pieces(*pieces: bytes):
 def test_streams_merge_with_their_indices_and_one_usage_chunk_and_done():
     fan = fan_out.plan({"prompt": "a", "n": 2, "stream": True}, "completion")
     assert fan is not None
-    merge = fan_out.StreamMerge(fan, "cmpl-all", 9, include_usage=True)
+    merge = fan_out.StreamMerge(fan, "cmpl-all", 9)
     first = sse(_chunk("x")) + sse(_chunk("y", "length")) + sse(_usage_chunk(4, 2)) + sse("[DONE]")
     second = sse(_chunk("p")) + sse(_chunk("q", "length")) + sse(_usage_chunk(4, 2)) + sse("[DONE]")
     cut = len(second) // 2 + 3  # an event cut across two reads waits for its end
@@ -194,10 +194,22 @@ def test_an_error_in_one_choice_ends_the_stream_and_closes_the_others():
             closed.append("endless")
 
     async def run() -> bytes:
-        merge = fan_out.StreamMerge(fan, "cmpl-all", 9, include_usage=False)
+        merge = fan_out.StreamMerge(fan, "cmpl-all", 9)
         return b"".join([p async for p in fan_out.merged_stream([failing(), endless()], merge)])
 
     events = _events(asyncio.run(run()))
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     assert "error" in events[-2] and all("error" not in e for e in events[:-2])
     assert closed == ["endless"]
+
+
+def test_a_stream_whose_choices_sent_no_usage_ends_with_done_alone():
+    """Choices send a usage chunk only when the request asked for usage; without them the merged stream sends
+    none either."""
+    fan = fan_out.plan({"prompt": "a", "n": 2, "stream": True}, "completion")
+    assert fan is not None
+    merge = fan_out.StreamMerge(fan, "cmpl-all", 9)
+    for choice in (0, 1):
+        out, failed = merge.feed(choice, sse(_chunk("x", "length")) + sse("[DONE]"))
+        assert not failed and [e["choices"][0]["index"] for e in _events(out)] == [choice]
+    assert merge.tail() == sse("[DONE]")

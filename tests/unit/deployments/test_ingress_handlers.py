@@ -2351,10 +2351,13 @@ def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error():
 
 
 class _Letters:
-    """A tokenizer that decodes token id i as the i-th letter."""
+    """A tokenizer whose token id i is the i-th letter."""
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(ord("a") + i - 1) for i in ids)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        return [ord(ch) - ord("a") + 1 for ch in text]
 
 
 class _ScoringEngine(_Engine):
@@ -2396,12 +2399,18 @@ class _ScoringEngine(_Engine):
         self.generate = _Method(generate)
 
 
+def _scoring_ingress():
+    """An ingress whose tokenizer spells ids as letters and whose engine scores what it is asked to."""
+    ing = _ingress()
+    ing.tokenizer = _Letters()
+    ing.engine = _ScoringEngine()
+    return ing
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
 def test_an_echoed_completion_puts_its_prompt_and_its_log_probabilities_before_the_answer(stream):
     async def run():
-        ing = _ingress()
-        ing.tokenizer = _Letters()
-        ing.engine = _ScoringEngine()
+        ing = _scoring_ingress()
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "echo": True, "logprobs": 0, "stream": stream}
         req, scope, receive = _request(body)
         response = await ing._generate(req, "completion")
@@ -2430,11 +2439,8 @@ def test_an_echoed_completion_with_max_tokens_0_answers_with_the_prompt_alone():
     """vLLM's rule: one token generated and counted, the prompt (as sent) alone shown."""
 
     async def run():
-        ing = _ingress()
-        ing.tokenizer = _Letters()
-        ing.engine = _ScoringEngine()
+        ing = _scoring_ingress()
         body = {"model": "tiny", "prompt": "abc", "max_tokens": 0, "echo": True}
-        ing.tokenizer.encode = lambda text, **kw: [ord(ch) - ord("a") + 1 for ch in text]
         req, _, _ = _request(body)
         response = await ing._generate(req, "completion")
         assert response.status_code == 200, response.body
@@ -2449,9 +2455,7 @@ def test_an_echoed_completion_with_max_tokens_0_answers_with_the_prompt_alone():
 
 def test_a_completions_prompt_log_probabilities_come_in_vllms_raw_shape_in_its_choice():
     async def run():
-        ing = _ingress()
-        ing.tokenizer = _Letters()
-        ing.engine = _ScoringEngine()
+        ing = _scoring_ingress()
         req, _, _ = _request({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "prompt_logprobs": 0})
         response = await ing._generate(req, "completion")
         assert response.status_code == 200, response.body
