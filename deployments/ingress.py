@@ -15,6 +15,7 @@ missed) and POST /kvmesh/reset_prefix_cache (every engine's prefix cache, when t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -37,9 +38,10 @@ from starlette.requests import ClientDisconnect
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
 from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages, template_refusal
 from kvmesh.cluster.thread_names import name_loop_thread
-from kvmesh.deployments import fan_out, fleet_metrics, local_state, logprobs, miss_attribution
+from kvmesh.deployments import fan_out, fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.admission import AdmissionError, Reservation
+from kvmesh.deployments.choice_answer import ENGINE_FAILED, ChoiceAnswer
 from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
@@ -67,8 +69,6 @@ from kvmesh.deployments.tenants import (
 )
 from kvmesh.deployments.tool_calls import AnswerParser
 
-# vLLM's finish reasons for a generation that did not finish: never a client's answer
-ENGINE_FAILED = frozenset({"error", "abort"})
 MAX_LOOKUP_HASHES = 10_000  # about 30 ms of the router's loop at 4 replicas
 # a text prompt longer than this is tokenised in a thread: at this length about 9 ms of the loop with the tiny
 # model's tokenizer on this 2-core machine, against about 0.14 ms for the hand-off; most prompts are far shorter
@@ -116,10 +116,6 @@ class _PeerTenantUsage:
 
 
 fastapi_app = FastAPI(title="kvmesh", description="prefix-cache-aware OpenAI-compatible serving")
-
-
-class EngineFailedMidStream(RuntimeError):
-    """The engine ended a streamed generation with `error` or `abort` (ENGINE_FAILED)."""
 
 
 def _too_large(limit: int) -> OpenAIError:
@@ -543,40 +539,6 @@ class Ingress:
             raise proto.bad(message, "tool_choice")
         return self.tool_parsing.for_request(req)
 
-    def _logprobs(self, req: proto.GenerationRequest, chunk: dict, offset: int = 0) -> dict | None:
-        """A choice's `logprobs` for the tokens of `chunk` (a whole answer or a streamed piece of one), in the
-        request kind's shape; None when the request asked for none. `offset`: where a completion's text offsets
-        go on from."""
-        if req.top_logprobs is None:
-            return None
-        rows = chunk.get("logprobs") or [()] * len(chunk["token_ids"])
-        build = (
-            logprobs.chat_logprobs
-            if req.kind == "chat"
-            else functools.partial(logprobs.completion_logprobs, offset=offset)
-        )
-        return build(chunk["token_ids"], rows, req.top_logprobs, self._decode_token)
-
-    def _echoed(self, req: proto.GenerationRequest, ids: list[int], piece: dict) -> dict:
-        """An answer's first piece (or the whole answer) as an echoed completion shows it, vLLM's way: the prompt
-        (as sent, or its token ids decoded) before the text, its tokens and log-probabilities (the first token's
-        empty) before the answer's; with max_tokens 0, the prompt alone. Anything else as it is."""
-        if not req.echo:
-            return piece
-        text, token_ids, rows = piece["text"], piece["token_ids"], piece.get("logprobs")
-        if req.echo_only:  # the engine's one token is not shown (it still counts as generated, as on vLLM)
-            text, token_ids, rows = "", [], []
-        prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(ids)
-        shown = {**piece, "text": prompt + text, "token_ids": [*ids, *token_ids]}
-        if req.top_logprobs is not None:
-            prompt_rows = piece.get("prompt_logprobs") or [()] * len(ids)
-            shown["logprobs"] = [*prompt_rows, *(rows or [()] * len(token_ids))]
-        return shown
-
-    def _decode_token(self, token_id: int) -> str:
-        """One token's text, where the engine gave none (vLLM's server decodes it alone, as here)."""
-        return self.tokenizer.decode([token_id])
-
     def _check_max_tokens(self, req: proto.GenerationRequest) -> None:
         """Before tokenising, as vLLM (its TokenizeParams): an output length beyond the whole context is a 400
         naming the field it came in; one beyond what the prompt leaves is trimmed (`_check_length`)."""
@@ -844,122 +806,29 @@ class Ingress:
             miss_attribution.ATTRIBUTION.delivered(request_id, tenant.id, ids, cached)
             return proto.usage(len(ids), completion_tokens, cached)
 
+        shape = ChoiceAnswer(req, ids, oid, created, self.tokenizer, answer, finish)
         if not req.stream:
             release()
             if first["finish_reason"] in ENGINE_FAILED:
                 return self._engine_failed(first["finish_reason"])
-            u = finish(len(first["token_ids"]), first["num_cached_tokens"])
-            shown = self._echoed(req, ids, first)
-            content: str | None = shown["text"]
-            calls: list[dict] = []
-            finish_reason = first["finish_reason"]
-            if answer is not None:  # the tool calls in it, and the finish_reason they give it
-                content, calls = answer.whole(first["text"], first["token_ids"])
-                finish_reason = answer.whole_finish(finish_reason, calls)
-            response = JSONResponse(
-                proto.full_response(
-                    req,
-                    oid,
-                    content,
-                    finish_reason,
-                    u,
-                    created=created,
-                    stop_reason=first.get("stop_reason"),
-                    tool_calls=calls,
-                    logprobs=self._logprobs(req, shown),
-                    prompt_logprobs=(
-                        logprobs.prompt_scores(first.get("prompt_logprobs") or [])
-                        if req.params.get("prompt_logprobs") is not None
-                        else None
-                    ),
-                ),
-                headers=headers,
-            )
+            response = JSONResponse(shape.whole(first), headers=headers)
             self.serving_metrics.record_stage("handler", time.perf_counter() - t0)
             return response
 
         assert stream is not None  # a streaming request's first chunk came from it
         live = stream
-        answered = False  # the whole answer went out: nothing left to cancel
 
         def close() -> None:
             """Cancel the engine stream unless answered whole, and free the tenant's slot; idempotent."""
-            if not answered:
+            if not shape.answered:
                 live.cancel()
             release()
 
         async def events() -> AsyncIterator[bytes]:
-            # the last chunk, the usage chunk and [DONE] are all at hand together: one write, not three
-            # (each body write passes Serve's and Starlette's send wrappers and is a socket write)
-            ntok = 0
-            cached = first["num_cached_tokens"]
-            nonlocal answered
-            tail = b""
-            offset = 0  # a completion's text offset for its next token's log-probability
             try:
-                is_first = True
-                chunk = first
-                while True:
-                    ntok += len(chunk["token_ids"])
-                    if is_first:  # an echoed completion's prompt goes out with its first piece
-                        chunk = self._echoed(req, ids, chunk)
-                    failed = chunk["finish_reason"] in ENGINE_FAILED  # its text goes out, then the error
-                    finish_reason = None if failed else chunk["finish_reason"]
-                    event = b""
-                    delta = None
-                    # the piece's log-probabilities: a chunk goes out for its tokens even where its text is held
-                    # back (a stop string may be forming), as on vLLM's server
-                    chosen = self._logprobs(req, chunk, offset) if chunk["token_ids"] else None
-                    if chosen is not None and req.kind == "completion":
-                        offset = logprobs.next_offset(chosen, offset)
-                    if answer is not None:  # the parser's delta, as vLLM's stream carries it (tool_calls.py)
-                        ended = chunk["finish_reason"] is not None
-                        delta = answer.delta(chunk["text"], chunk["token_ids"], ids, finished=ended)
-                        if delta is None and (finish_reason or is_first or chosen is not None):
-                            delta = {}
-                        finish_reason = answer.stream_finish(finish_reason)
-                    text_out = chunk["text"] or finish_reason or is_first or chosen is not None
-                    if delta is not None or (answer is None and text_out):
-                        running = proto.running_usage(req, len(ids), ntok) if req.continuous_usage else None
-                        event = proto.sse(
-                            proto.stream_chunk(
-                                req,
-                                oid,
-                                chunk["text"],
-                                finish_reason,
-                                created=created,
-                                first=is_first,
-                                u=running,
-                                stop_reason=chunk.get("stop_reason"),
-                                delta=delta,
-                                logprobs=chosen,
-                            )
-                        )
-                    is_first = False
-                    if failed:
-                        tail = event
-                        raise EngineFailedMidStream(chunk["finish_reason"])
-                    if chunk["finish_reason"] is not None:
-                        tail = event
-                        break
-                    if event:
+                async with contextlib.aclosing(shape.events(first, live, self.serving_metrics.record_error)) as out:
+                    async for event in out:
                         yield event
-                    try:
-                        chunk = await live.__anext__()
-                    except StopAsyncIteration:
-                        break
-                u = finish(ntok, cached)
-                answered = True
-                if req.include_usage:
-                    tail += proto.sse(proto.stream_chunk(req, oid, None, None, created=created, u=u))
-                yield tail + proto.sse("[DONE]")
-            except Exception as exc:  # a client that went away (CancelledError) is `close`'s to handle
-                log.exception("engine stream failed mid-response")
-                err = exc if isinstance(exc, OpenAIError) else None  # 503: migrations exhausted
-                self.serving_metrics.record_error(err.status if err else 500)
-                body = err.body() if err else proto.openai_error(500, "engine failed", "internal_error", "server_error")
-                # the last chunk, if it came, goes first; [DONE] ends every stream, as on vLLM's own server
-                yield tail + proto.sse({"error": body["error"]}) + proto.sse("[DONE]")
             finally:
                 close()
 
