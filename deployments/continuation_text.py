@@ -18,7 +18,9 @@ ingress keeps the whole output text (the tokens sent plus the new ones), searche
 (`first_stop`, after `min_tokens` output tokens) and sends from what the client already has up to the
 held-back tail, or to the stop string, where the stream ends (`stopped`); the tokens after the one that
 completed it are dropped, as vLLM drops them. A stop token (EOS, or one of `stop_token_ids`) that ends the
-request is counted but never decoded: vLLM leaves its text out of the output.
+request is counted but never decoded: vLLM leaves its text out of the output. With
+`include_stop_str_in_output` vLLM holds nothing back, keeps the stop string in the text and decodes the stop
+token too; so does this.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ INVALID_PREFIX = "Invalid prefix encountered"
 def first_stop(text: str, new_chars: int, stops: Sequence[str]) -> tuple[str, int] | None:
     """(stop string, where it starts) for the stop string completing earliest in `text`, searched as far
     back as one that ends within its last `new_chars` characters could start; ties to the first listed.
-    vLLM's rule for stop strings (its `check_stop_strings`, without include_stop_str_in_output)."""
+    vLLM's rule for stop strings (its `check_stop_strings`)."""
     best: tuple[str, int] | None = None
     for stop in stops:
         at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
@@ -56,12 +58,15 @@ class ContinuationText:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         delivered_chars: int | None = None,
+        include_stop: bool = False,
     ):
         self._tokenizer = tokenizer  # a `tokenizers.Tokenizer` (a fast HF tokenizer's `_tokenizer`)
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
         self._stops = [x for x in stop if x]
-        self._hold = max((len(x) for x in self._stops), default=1) - 1  # vLLM's stop buffer
+        self._include = include_stop  # include_stop_str_in_output
+        # vLLM's stop buffer: none when the stop string is kept in the text
+        self._hold = 0 if include_stop else max((len(x) for x in self._stops), default=1) - 1
         self._min_tokens = min_tokens
         self._tokens = len(sent_ids)
         # the whole output text so far: the dead replica's for the tokens it sent (no stop string had
@@ -87,22 +92,24 @@ class ContinuationText:
         """(the text to send for these new tokens, how many of them are kept). The text is what the client
         lacks, less the held-back tail unless `finished` (the engine ended the request) or a stop string
         completed. With `stop_token` the last id is the stop token (EOS or one of `stop_token_ids`) that
-        ended the request: counted, never decoded, as vLLM's detokenizer skips it. Tokens after the one
-        completing a stop string are not kept: vLLM drops them, and usage must not count them."""
+        ended the request: counted, and decoded only when the stop is kept in the text (vLLM's detokenizer
+        skips it otherwise). Tokens after the one completing a stop string are not kept: vLLM drops them, and
+        usage must not count them."""
         kept = 0
         for i, token in enumerate(token_ids):
             if self.stopped is not None:
                 break
             kept += 1
             self._tokens += 1
-            if stop_token and i == len(token_ids) - 1:
+            if stop_token and i == len(token_ids) - 1 and not self._include:
                 break
             new = self.step(token)
             self.output += new
             if self._stops and new and self._tokens > self._min_tokens:
                 found = first_stop(self.output, len(new), self._stops)
-                if found is not None:
-                    self.stopped, self.output = found[0], self.output[: found[1]]
+                if found is not None:  # the text ends where the stop string starts, or after it when kept
+                    end = found[1] + len(found[0]) if self._include else found[1]
+                    self.stopped, self.output = found[0], self.output[:end]
         end = len(self.output) if finished or self.stopped is not None else len(self.output) - self._hold
         out = self.output[self._delivered : end] if end > self._delivered else ""
         self._delivered = max(self._delivered, end)

@@ -48,6 +48,7 @@ SAMPLING_KEYS = (
     "repetition_penalty",
     "min_p",
     "skip_special_tokens",
+    "include_stop_str_in_output",
     "spaces_between_special_tokens",  # set by some tool-call parsers only (deployments/tool_calls.py)
     "logit_bias",
     "logprobs",  # how many top log-probabilities beside each sampled token's (deployments/logprobs.py)

@@ -599,6 +599,7 @@ class Ingress:
             stop=params.get("stop") or (),
             min_tokens=int(params.get("min_tokens") or 0),
             delivered_chars=delivered_chars,
+            include_stop=bool(params.get("include_stop_str_in_output")),
         )
 
     def _record_call_stages(self, t0: float, t_call: float, engine_s: float | None) -> None:

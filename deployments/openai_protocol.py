@@ -39,7 +39,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
-    "include_stop_str_in_output": (False,),
 }
 # The rest of vLLM 0.32's request fields (its ChatCompletionRequest / CompletionRequest) that this server does
 # not serve -> vLLM's default values (accepted: they change nothing). Any other value is a 400, as above:
@@ -93,6 +92,7 @@ _SERVED = frozenset(
         "model", "prompt", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
+        "include_stop_str_in_output",  # the stop string kept in the text (continuation_text.py on a move too)
         "logit_bias", "logprobs", "top_logprobs",  # `_logprobs`; their shapes in the answer: logprobs.py
         "echo",  # a completion's: the prompt before the answer (`parse_completion`)
         "prompt_logprobs",  # vLLM's: the prompt tokens' log-probabilities, in its raw shape (`prompt_scores`)
@@ -297,7 +297,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
-    for flag in ("ignore_eos", "skip_special_tokens"):
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         value = body.get(flag)
         if value is not None:
             if not isinstance(value, bool):

@@ -121,3 +121,30 @@ def test_a_streamed_batch_of_seeded_samples_is_vllms_too(vllm_server, live_app):
     with live_app.client() as c:
         ours = _streamed_texts(c, "/v1/completions", body)
     assert sorted(theirs) == [0, 1, 2, 3] and ours == theirs
+
+
+@pytest.mark.parametrize("include", [True, False], ids=["stop kept", "stop cut"])
+def test_a_stop_string_is_kept_or_cut_as_vllms_own_server_does(include, vllm_server, live_app):
+    """`include_stop_str_in_output`: a stop string the greedy answer meets midway ends it in both servers, kept
+    in the text or cut from it alike, whole and streamed, with the same `stop_reason`."""
+    base = {"prompt": "The cache remembers", "max_tokens": 16, "temperature": 0}
+    with httpx.Client(timeout=120) as plain:
+        free = plain.post(vllm_server + "/v1/completions", json={"model": "tiny", **base}).json()
+        text = free["choices"][0]["text"]
+        middle = len(text) // 2
+        stop = text[middle : middle + 2]
+        assert len(stop) == 2 and text.find(stop) >= 1  # met midway: the answer goes on past it without one
+        body = {**base, "stop": [stop], "include_stop_str_in_output": include}
+        theirs = plain.post(vllm_server + "/v1/completions", json={"model": "tiny", **body}).json()
+        theirs_streamed = _streamed_texts(plain, vllm_server + "/v1/completions", body)
+    with live_app.client() as c:
+        answer = c.post("/v1/completions", json={"model": "tiny", **body})
+        assert answer.status_code == 200, answer.text
+        ours = answer.json()
+        ours_streamed = _streamed_texts(c, "/v1/completions", body)
+    want = text[: text.find(stop) + (len(stop) if include else 0)]
+    assert theirs["choices"][0]["text"] == want  # what vLLM's server does with the flag
+    assert _choices(ours) == _choices(theirs)
+    assert ours["choices"][0]["stop_reason"] == theirs["choices"][0]["stop_reason"] == stop
+    assert ours_streamed == theirs_streamed == {0: want}
+    assert _usage(ours) == _usage(theirs)

@@ -63,12 +63,17 @@ def test_a_tokenizer_without_a_fast_backend_is_refused():
         rust_tokenizer(object())
 
 
-def _vllm_stream(tokenizer, prompt: list[int], output: list[int], stop: list[str], min_tokens: int) -> list[str]:
-    """The text vLLM streams (DELTA) for each of `output`'s tokens until a stop string ends it."""
+def _vllm_stream(
+    tokenizer, prompt: list[int], output: list[int], stop: list[str], min_tokens: int, include: bool = False
+) -> list[str]:
+    """The text vLLM streams (DELTA) for each of `output`'s tokens until a stop string ends it (kept in the text
+    with `include`: `include_stop_str_in_output`)."""
     from vllm import SamplingParams
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    params = SamplingParams(max_tokens=len(output), stop=stop, min_tokens=min_tokens)
+    params = SamplingParams(
+        max_tokens=len(output), stop=stop, min_tokens=min_tokens, include_stop_str_in_output=include
+    )
     detok = FastIncrementalDetokenizer(
         tokenizer, SimpleNamespace(request_id="r", prompt_token_ids=prompt, sampling_params=params)
     )
@@ -81,10 +86,12 @@ def _vllm_stream(tokenizer, prompt: list[int], output: list[int], stop: list[str
     return texts
 
 
-def test_a_continuation_holds_back_and_stops_at_stop_strings_as_vllm_does(tokenizer):
+@pytest.mark.parametrize("include", [False, True], ids=["stop cut", "stop kept"])
+def test_a_continuation_holds_back_and_stops_at_stop_strings_as_vllm_does(tokenizer, include):
     """With stop strings vLLM holds back the text a stop string could begin with and cuts the text where one
     completes: a stream moved after any token ends with exactly the untouched run's text, the held-back
-    characters sent, a stop string spanning the move found, and none leaked."""
+    characters sent, a stop string spanning the move found, and none leaked. With include_stop_str_in_output
+    it holds nothing back and the text ends with the stop string."""
     backend = rust_tokenizer(tokenizer)
     cases = 0
     for seed in range(8):
@@ -94,13 +101,20 @@ def test_a_continuation_holds_back_and_stops_at_stop_strings_as_vllm_does(tokeni
         at = rng.randrange(len(whole) // 3, 2 * len(whole) // 3)
         stop = [whole[at : at + rng.randint(2, 6)], "never-in-this-output"]
         min_tokens = rng.choice([0, 0, 30])
-        texts = _vllm_stream(tokenizer, prompt, output, stop, min_tokens)
+        texts = _vllm_stream(tokenizer, prompt, output, stop, min_tokens, include)
         want, ends_at = "".join(texts), len(texts)
         assert len(want) < len(whole)  # the stop string cut the text
+        assert want.endswith(tuple(stop)) == include
         for k in range(1, ends_at):
             got = "".join(texts[:k])  # what the client had from the dead replica
             cont = ContinuationText(
-                backend, prompt, output[:k], stop=stop, min_tokens=min_tokens, delivered_chars=len(got)
+                backend,
+                prompt,
+                output[:k],
+                stop=stop,
+                min_tokens=min_tokens,
+                delivered_chars=len(got),
+                include_stop=include,
             )
             for j in range(k, len(output)):
                 got += cont.text([output[j]], finished=j == len(output) - 1)
@@ -111,13 +125,18 @@ def test_a_continuation_holds_back_and_stops_at_stop_strings_as_vllm_does(tokeni
     assert cases > 100
 
 
-def _vllm_stopped_by_token(tokenizer, prompt: list[int], output: list[int], skip_special_tokens: bool) -> list[str]:
+def _vllm_stopped_by_token(
+    tokenizer, prompt: list[int], output: list[int], skip_special_tokens: bool, include: bool = False
+) -> list[str]:
     """The text vLLM streams (DELTA) for `output`, whose last token is the stop token that ended the request
-    (EOS or one of `stop_token_ids`): `stop_terminated`, so that token is never decoded."""
+    (EOS or one of `stop_token_ids`): `stop_terminated`, so that token is decoded only with `include`
+    (`include_stop_str_in_output`)."""
     from vllm import SamplingParams
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    params = SamplingParams(max_tokens=len(output), skip_special_tokens=skip_special_tokens)
+    params = SamplingParams(
+        max_tokens=len(output), skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include
+    )
     detok = FastIncrementalDetokenizer(
         tokenizer, SimpleNamespace(request_id="r", prompt_token_ids=prompt, sampling_params=params)
     )
@@ -129,20 +148,28 @@ def _vllm_stopped_by_token(tokenizer, prompt: list[int], output: list[int], skip
     return texts
 
 
+@pytest.mark.parametrize("include", [False, True], ids=["stop cut", "stop kept"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_a_stop_token_that_ends_a_continuation_is_counted_but_not_decoded_as_vllm_does(tokenizer, skip_special_tokens):
-    """vLLM never puts the text of the stop token that ended a request (EOS, or one of the client's
-    `stop_token_ids`) in the output; replayed, a moved stream's text must leave it out too."""
+def test_a_stop_token_that_ends_a_continuation_is_counted_but_not_decoded_as_vllm_does(
+    tokenizer, skip_special_tokens, include
+):
+    """vLLM puts the text of the stop token that ended a request (EOS, or one of the client's `stop_token_ids`)
+    in the output only with include_stop_str_in_output; replayed, a moved stream's text must do the same."""
     backend = rust_tokenizer(tokenizer)
     for seed in range(4):
         prompt, output = _draw(tokenizer, seed)
         for stop in (tokenizer.encode(".", add_special_tokens=False)[-1], tokenizer.eos_token_id):
             ended = output[:40] + [stop]
-            texts = _vllm_stopped_by_token(tokenizer, prompt, ended, skip_special_tokens)
+            texts = _vllm_stopped_by_token(tokenizer, prompt, ended, skip_special_tokens, include)
             for k in range(1, len(ended)):
                 sent = "".join(texts[:k])
                 cont = ContinuationText(
-                    backend, prompt, ended[:k], skip_special_tokens=skip_special_tokens, delivered_chars=len(sent)
+                    backend,
+                    prompt,
+                    ended[:k],
+                    skip_special_tokens=skip_special_tokens,
+                    delivered_chars=len(sent),
+                    include_stop=include,
                 )
                 text, kept = cont.take(ended[k:], finished=True, stop_token=True)
                 assert (sent + text, kept) == ("".join(texts), len(ended) - k), (seed, stop, k)

@@ -468,7 +468,6 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("functions", [{"name": "f"}]),
         ("guided_json", {"type": "object"}),
         ("logprobs", 0),
-        ("include_stop_str_in_output", True),
         ("allowed_token_ids", [1]),
         ("bad_words", ["x"]),
         ("truncate_prompt_tokens", 2),
@@ -517,6 +516,28 @@ def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_m
     params = ing.engine.requests[0]["params"]
     assert {k: params[k] for k in extras} == extras and params["skip_special_tokens"] is False
     assert "temperature" not in params and "top_p" not in params  # the engine's (the model's) defaults
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_stop_string_kept_in_the_text_is_asked_of_the_engine_as_vllms_server_asks_it(kind):
+    """`include_stop_str_in_output` reaches the engine's SamplingParams (vLLM's detokenizer then keeps the stop
+    string and holds nothing back); anything but a boolean is a 400 naming it, before the engine is asked."""
+    from kvmesh.deployments.engine import EngineReplica
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    body = {**(BODY if kind == "completion" else CHAT), "stop": ["END"], "include_stop_str_in_output": True}
+    status, _ = _answer(ing, body, kind)
+    assert status == 200
+    built = EngineReplica._sampling_params(SimpleNamespace(), ing.engine.requests[0]["params"])
+    assert built.include_stop_str_in_output is True and built.stop == ["END"]
+    status, _ = _answer(ing, {**body, "include_stop_str_in_output": False}, kind)
+    assert status == 200
+    built = EngineReplica._sampling_params(SimpleNamespace(), ing.engine.requests[1]["params"])
+    assert built.include_stop_str_in_output is False
+    status, answer = _answer(ing, {**body, "include_stop_str_in_output": "yes"}, kind)
+    assert status == 400 and answer["error"]["param"] == "include_stop_str_in_output"
+    assert len(ing.engine.requests) == 2
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
