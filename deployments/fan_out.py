@@ -13,8 +13,11 @@ vLLM's shape:
 - a stream interleaves the choices' chunks as they come, each with its index, then one usage chunk (when
   asked for) and one `[DONE]`; an error of any choice ends the whole stream, as on vLLM's server.
 
-Routing needs nothing special: the samples of one prompt share its prefix, and the router's speculative
-entries send the later ones where the first went while the balance guard lets them.
+The samples of one prompt go to one engine replica, as vLLM keeps a request's `n` samples on one engine: each
+carries the same `samples_of` key, and the router ranks the replica the first of them was committed to first
+for the others (router.py). There vLLM computes the prompt once, the later samples finding its blocks cached
+as soon as they are allocated, even in the same step; on another replica each would compute it again. The
+prompts of a batch are placed as separate requests are.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class FanOut:
 
     def first_of_prompt(self, choice: int) -> bool:
         return choice % self.n == 0
+
+    def samples_of(self, parent: str, choice: int) -> str | None:
+        """The key choice `choice`'s prompt's samples share in the router (`parent`: the request's own id);
+        None when the prompt has one sample (`n` 1: a batch's prompts are placed apart)."""
+        return f"{parent}:{self.prompt_of(choice)}" if self.n > 1 else None
 
 
 def _batch(body: dict, kind: str) -> list[Any] | None:

@@ -651,7 +651,11 @@ class Ingress:
         if allowed is not None and len(fan.children) > allowed:  # it could never run: each choice is a request
             return self._refused(fan_out.over_concurrency(len(fan.children), allowed), tenant)
         loop = asyncio.get_running_loop()
-        choices = [self._generate_one(tenant, kind, child, t0, created) for child in fan.children]
+        parent = uuid.uuid4().hex
+        choices = [
+            self._generate_one(tenant, kind, child, t0, created, samples_of=fan.samples_of(parent, i))
+            for i, child in enumerate(fan.children)
+        ]
         # each choice its own request to Serve's router too
         tasks = [loop.create_task(c, context=context_with_own_request_id()) for c in choices]
         failed: Response | None = None
@@ -696,8 +700,10 @@ class Ingress:
         t0: float,
         created: int,
         reservation: Reservation | None = None,
+        samples_of: str | None = None,
     ) -> Response:
-        """One choice: parse, the tenant's limits, tokenise, then the engine call and its answer."""
+        """One choice: parse, the tenant's limits, tokenise, then the engine call and its answer. `samples_of`:
+        the key the router keeps a prompt's samples together by (`n` > 1), None for a choice alone."""
         answer: AnswerParser | None = None
         try:
             if reservation is None:  # a choice of several: its own slot and request token
@@ -732,6 +738,8 @@ class Ingress:
         }
         if tenant.id in self.cfg["tenant_policies"]:
             engine_req["policy"] = self.cfg["tenant_policies"][tenant.id]
+        if samples_of is not None:
+            engine_req["samples_of"] = samples_of
         released = False
 
         def release():

@@ -79,6 +79,9 @@ ENDED_IDS_KEPT = 4096
 # ends the placement itself (`request_ended`): Serve's report is posted from another thread, and a call
 # cancelled with its client is reported once the cancel reaches it.
 REQUEST_END_GRACE_S = 10
+# prompts whose samples (`n` > 1) are kept together, by the replica their first sample was committed to: far
+# more than are ranked at once (a prompt's samples are ranked within moments of each other)
+SAMPLE_GROUPS_KEPT = 4096
 
 
 def _peer_computed(info: RequestInfo) -> None:
@@ -118,6 +121,7 @@ class _Routing:
         "rankings",
         "ranked_at",
         "uncached",
+        "samples_of",
     )
 
     def __init__(self, info: RequestInfo, matches: dict, policy, views: dict[str, ReplicaView], held: dict):
@@ -134,6 +138,7 @@ class _Routing:
         self.rankings = 1
         self.ranked_at = time.monotonic()
         self.uncached = 0  # the prompt tokens it will compute on its replica (pending prefill there)
+        self.samples_of: str | None = None  # the key its prompt's samples share (`n` > 1: fan_out.py)
 
 
 class _Inflight(HoldSource):
@@ -219,6 +224,8 @@ class KvmeshRouter(TierHolding, RequestRouter):
         self._syncing: asyncio.Task | None = None  # `update_replicas`' background subscription, if running
         self._sync_wanted: list[RunningReplica] | None = None  # the replica list it is to sync next
         self._routing: dict[str, _Routing] = {}  # internal request id -> commitment, ranking to placement
+        # a prompt's samples (`samples_of`) -> the replica the last of them was committed to (`_samples_first`)
+        self._samples: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._inflight: dict[str, _Inflight] = {}  # internal request id -> state
         self._init_holds()  # held requests, the hold counters and the pace (router_hold.py)
         self._by_request_id: dict[str, str] = {}  # our request id -> internal request id (`_bind`)
@@ -751,14 +758,24 @@ class KvmeshRouter(TierHolding, RequestRouter):
             known = self._add_inflight(info, fleet, may_hold, policy, by_view)
         order = policy.place(info, fleet)
         ranked = [fleet.ids[k] for k in order]
-        plan = self._plan_hold(info, matches, by_view, ranked[0], policy, known, may_hold) if ranked else None
+        samples_of = req.get("samples_of") if isinstance(req.get("samples_of"), str) else None
+        together = self._samples_first(samples_of, ranked)
+        if together is not None:  # where the prompt's first sample went: computed once there, as vLLM's n is
+            ranked = together
+        # a sample following another is held for nothing: the engine batches it with the one it follows
+        plan = (
+            self._plan_hold(info, matches, by_view, ranked[0], policy, known, may_hold)
+            if ranked and together is None
+            else None
+        )
         hold = plan if plan is not None and plan.held else None
         # Commit to the first choice now, before any hold: Serve may still await a queue-length probe before
         # it places this request, and requests ranked meanwhile must see it (its work; its prefix once it is
         # sent), or a burst of cold requests, or a group's members held for the same prefix, all pick the same
         # replica.
         routing = _Routing(info, matches, policy, by_view, held)
-        routing.cells = ranking_cells(policy, fleet, order[0])
+        routing.samples_of = samples_of
+        routing.cells = ranking_cells(policy, fleet, order[0] if together is None else fleet.ids.index(ranked[0]))
         if earlier is not None:
             routing.rankings += earlier.rankings
         self._commit(routing, ranked[0], announce=hold is None)
@@ -788,6 +805,18 @@ class KvmeshRouter(TierHolding, RequestRouter):
             ranked = [rid for rid in ranked if rid not in self.watch.suspect] or ranked
         return [[by_id[rid]] for rid in ranked if rid in by_id]
 
+    def _samples_first(self, samples_of: str | None, ranked: list[str]) -> list[str] | None:
+        """`ranked` with the replica another sample of the same prompt was committed to put first, the others
+        after it in the policy's order (Serve tries them should it be full); None when there is none among them
+        (the prompt's first sample, or its replica no longer a candidate). vLLM keeps a request's `n` samples
+        on one engine, which computes the prompt once for all of them; the policy, ranking each sample as a
+        request of its own, may send a later one elsewhere to balance the first one's prefill, and there it
+        would be computed again."""
+        rid = self._samples.get(samples_of) if samples_of is not None else None
+        if rid is None or rid not in ranked:
+            return None
+        return [rid, *(r for r in ranked if r != rid)]
+
     def _placeable(self, rid: str) -> bool:
         """Not dead, nor forgotten since it was ranked (it left Serve's list): Serve may be given it."""
         return rid not in self._dead and self.index.has_replica(rid)
@@ -799,6 +828,11 @@ class KvmeshRouter(TierHolding, RequestRouter):
         meanwhile on the strength of that prefix would compute it. Its tenant's peers hear of it at once
         (`held`): admitted, it counts towards the tenant's fleet-wide limits while it waits."""
         routing.replica = rid
+        if routing.samples_of is not None:  # the prompt's other samples follow it here
+            self._samples[routing.samples_of] = rid
+            self._samples.move_to_end(routing.samples_of)
+            if len(self._samples) > SAMPLE_GROUPS_KEPT:
+                self._samples.popitem(last=False)
         hbm, _, shared = routing.matches.get(rid, (0, 0, 0))
         info = routing.info
         routing.uncached = info.num_tokens - predicted_cached_tokens(hbm, shared, info.num_tokens, info.block_size)

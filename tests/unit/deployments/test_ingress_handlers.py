@@ -2263,7 +2263,19 @@ def test_n_samples_of_a_batch_answer_as_one_in_vllms_choice_order():
         assert len(response.headers["x-kvmesh-request-id"].split(",")) == 4
         assert sorted(r["prompt_token_ids"] for r in ing.engine.requests) == [[1, 2, 3]] * 2 + [[4, 5]] * 2
         assert len(set(ing.engine.serve_ids)) == 4 and all(ing.engine.serve_ids)  # four requests to Serve
+        # each prompt's samples share one key (the router keeps them on one replica), the two prompts apart
+        keys = {tuple(r["prompt_token_ids"]): set() for r in ing.engine.requests}
+        for r in ing.engine.requests:
+            keys[tuple(r["prompt_token_ids"])].add(r["samples_of"])
+        assert [len(k) for k in keys.values()] == [1, 1] and keys[(1, 2, 3)] != keys[(4, 5)]
         assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+        # a batch with one sample per prompt, and a single request: nothing to keep together
+        ing.engine.requests.clear()
+        req, _, _ = _request({**FANNED, "n": 1})
+        assert (await ing._generate(req, "completion")).status_code == 200
+        req, _, _ = _request({**FANNED, "n": 1, "prompt": [1, 2, 3]})
+        assert (await ing._generate(req, "completion")).status_code == 200
+        assert len(ing.engine.requests) == 3 and all("samples_of" not in r for r in ing.engine.requests)
 
     asyncio.run(run())
 

@@ -477,3 +477,46 @@ def test_a_request_for_its_prompts_log_probabilities_is_placed_as_reading_no_cac
         assert local_state.LEDGER.prediction("scored") == 0
 
     asyncio.run(scenario())
+
+
+def test_a_prompts_samples_follow_the_first_to_its_replica_as_vllms_n_keeps_them_on_one_engine(monkeypatch):
+    """Sixteen samples of one long prompt (`n` 16), ranked before any is placed: ranked each as a request of its own,
+    the balance guard sends some elsewhere, where the prompt would be computed again. With the key they share,
+    every later sample goes where the first went, predicted to find the prompt cached (vLLM computes it once
+    for all, a later sample finding its blocks as soon as they are allocated); a sample of another prompt, or
+    one whose first sample's replica is gone, is placed by the policy as before."""
+    monkeypatch.setattr(local_state, "LEDGER", PredictionLedger())
+    prompt = list(range(5000, 5000 + 640))
+
+    async def burst(key: str | None) -> tuple[list[str], object]:
+        router = make_router(policy="kvmesh", block_size=32)
+        reps = [fake_replica(n) for n in "ABC"]
+        await router.choose_replicas(reps, fake_request([1, 2, 3], "reg"))
+        samples = [fake_request(prompt, f"{key}-s{k}") for k in range(16)]
+        chosen = []
+        for p in samples:
+            if key is not None:
+                p.args[0]["samples_of"] = key
+            chosen.append((await router.choose_replicas(reps, p))[0][0].replica_id.unique_id)
+        for p, rid in zip(samples, chosen):
+            router._routed(p, SimpleNamespace(unique_id=rid))
+        return chosen, router
+
+    apart, _ = asyncio.run(burst(None))
+    assert len(set(apart)) > 1  # what the policy does with them alone
+    together, router = asyncio.run(burst("parent:0"))
+    assert len(set(together)) == 1
+    assert [local_state.LEDGER.prediction(f"parent:0-s{k}") for k in range(1, 16)] == [640 - 32] * 15
+
+    async def after():
+        reps = [fake_replica(n) for n in "ABC"]
+        other = fake_request(list(range(9000, 9000 + 640)), "other")
+        other.args[0]["samples_of"] = "parent:1"  # the batch's next prompt: its own placement
+        first_other = (await router.choose_replicas(reps, other))[0][0].replica_id.unique_id
+        assert first_other != together[0]  # the policy's choice: the first prompt's replica has its work
+        left = [r for r in reps if r.replica_id.unique_id != together[0]]
+        late = fake_request(prompt, "late")
+        late.args[0]["samples_of"] = "parent:0"  # its first sample's replica is no candidate now
+        assert (await router.choose_replicas(left, late))[0][0].replica_id.unique_id in {"A", "B", "C"} - {together[0]}
+
+    asyncio.run(after())
