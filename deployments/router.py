@@ -14,10 +14,11 @@ Thin glue, by design (the logic lives in `policies/` and `cluster/`, testable wi
 
 The index is fed by one background task per engine replica subscribing to its vLLM KV-event stream
 (`kvmesh.cluster.kv_events.KVEventSubscriber`; endpoint from the replica's `record_routing_stats`). Replicas
-that leave are forgotten (index, subscriber, policy state; the membership steps: `router_membership.py`). Replicas that stop answering Serve's queue-length
-probe (a frozen or cut-off node) are suspect (`kvmesh.deployments.replica_watch`, a background task): left
-out of the ranking until they answer again, nothing about them forgotten; their calls in flight are moved
-elsewhere once they have been suspect for some seconds. No `FIFOMixin`: it would hand the
+that leave are forgotten (index, subscriber, policy state; the membership steps: `router_membership.py`).
+Replicas that stop answering Serve's queue-length probe (a frozen or cut-off node) are suspect
+(`kvmesh.deployments.replica_watch`, a background task): left out of the ranking until they answer again,
+nothing about them forgotten; their calls in flight are moved elsewhere once they have been suspect for some
+seconds. No `FIFOMixin`: it would hand the
 chosen replica to whichever request is at the queue head, breaking affinity under bursts.
 
 The router runs in the caller's process (the ingress replica), on that replica's own event loop
