@@ -52,6 +52,21 @@ class FanOut:
         return f"{parent}:{self.prompt_of(choice)}" if self.n > 1 else None
 
 
+class SampleDeliveries:
+    """The cached tokens each of a prompt's `n` samples delivered (None: not compared), handed on together once
+    all have (`PredictionLedger.deliver_samples`): which sample computes the prompt is the engine's order."""
+
+    def __init__(self, n: int, deliver_all: Callable[[dict[str, int | None]], None]):
+        self.n = n
+        self._got: dict[str, int | None] = {}
+        self._deliver_all = deliver_all
+
+    def add(self, request_id: str, cached: int | None) -> None:
+        self._got[request_id] = cached
+        if len(self._got) == self.n:
+            self._deliver_all(self._got)
+
+
 def _batch(body: dict, kind: str) -> list[Any] | None:
     """A completion's prompts when it sends several (strings, or lists of token ids); None for one prompt."""
     p = body.get("prompt")

@@ -7,9 +7,10 @@ it (`x-kvmesh-replica`) and reports `usage.prompt_tokens_details.cached_tokens` 
 router's prediction for the same request is checked against it (deployments/prediction.py).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/models,
-GET /health, GET /metrics (Prometheus text), GET /kvmesh/state and POST /kvmesh/index/lookup
-(operator/debug views of the router's index), GET /kvmesh/explain/{request_id} (why a request's tokens
-missed) and POST /kvmesh/reset_prefix_cache (every engine's prefix cache, when the config allows it).
+POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics (Prometheus text), GET /kvmesh/state and
+POST /kvmesh/index/lookup (operator/debug views of the router's index), GET /kvmesh/explain/{request_id} (why
+a request's tokens missed) and POST /kvmesh/reset_prefix_cache (every engine's prefix cache, when the config
+allows it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -449,6 +450,14 @@ class Ingress:
             pool = self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvmesh-tokenize")
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
+    def _check_token_ids(self, ids: Iterable[int], param: str) -> None:
+        """Token ids a request names, each in the model's vocabulary, or a 400 naming the first other and
+        `param` (vLLM's engine refuses them only after placement, as an error of its own)."""
+        wrong = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if wrong is not None:
+            message = f"Token id {_id_shown(wrong)} is out of range for this model (vocabulary size {self.vocab_size})."
+            raise proto.bad(message, param, "invalid_token_id")
+
     async def _tokenize(self, req: proto.GenerationRequest) -> list[int]:
         """The prompt's token ids, as vLLM's own server makes them (a completion's text with the model's
         special tokens, a chat's through its template). A long text is encoded off the event loop: megabytes
@@ -456,23 +465,11 @@ class Ingress:
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
         # token ids of the request's settings: the engine refuses them only after placement, as an error of its own
         for name in ("stop_token_ids", "logit_bias"):
-            wrong = next((t for t in req.params.get(name) or () if not 0 <= t < self.vocab_size), None)
-            if wrong is not None:
-                raise proto.bad(
-                    f"Token id {_id_shown(wrong)} is out of range for this model (vocabulary size {self.vocab_size}).",
-                    name,
-                    "invalid_token_id",
-                )
+            self._check_token_ids(req.params.get(name) or (), name)
         if req.prompt_ids is not None:
             if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
                 raise self._too_long(req, f"the request's {len(req.prompt_ids)} prompt tokens cannot fit in it")
-            bad = next((t for t in req.prompt_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise proto.bad(
-                    f"Token id {_id_shown(bad)} is out of range for this model (vocabulary size {self.vocab_size}).",
-                    "prompt",
-                    "invalid_token_id",
-                )
+            self._check_token_ids(req.prompt_ids, "prompt")
             return req.prompt_ids
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
             chars = sum(len(content_text(m["content"])) for m in req.messages)
@@ -514,10 +511,14 @@ class Ingress:
         if not req.model:
             req.model = self.served_model
             return
-        if req.model not in self.model_aliases:
+        self._check_model_name(req.model)
+
+    def _check_model_name(self, model: str) -> None:
+        """A 404 for a model this deployment does not serve ("" is none named: the served one)."""
+        if model and model not in self.model_aliases:
             raise OpenAIError(
                 404,
-                f"The model {proto.shown(req.model)} does not exist. Available: {self.served_model}.",
+                f"The model {proto.shown(model)} does not exist. Available: {self.served_model}.",
                 "model_not_found",
                 "model",
             )
@@ -652,10 +653,17 @@ class Ingress:
             return self._refused(fan_out.over_concurrency(len(fan.children), allowed), tenant)
         loop = asyncio.get_running_loop()
         parent = uuid.uuid4().hex
-        choices = [
-            self._generate_one(tenant, kind, child, t0, created, samples_of=fan.samples_of(parent, i))
-            for i, child in enumerate(fan.children)
-        ]
+        # a prompt's samples' cached tokens go to the prediction ledger together (fan_out.SampleDeliveries)
+        deliveries = {
+            key: fan_out.SampleDeliveries(fan.n, lambda got: local_state.LEDGER.deliver_samples(got))
+            for key in {fan.samples_of(parent, i) for i in range(len(fan.children))}
+            if key is not None
+        }
+        choices = []
+        for i, child in enumerate(fan.children):
+            key = fan.samples_of(parent, i)
+            sample = deliveries[key] if key is not None else None
+            choices.append(self._generate_one(tenant, kind, child, t0, created, samples_of=key, deliveries=sample))
         # each choice its own request to Serve's router too
         tasks = [loop.create_task(c, context=context_with_own_request_id()) for c in choices]
         failed: Response | None = None
@@ -701,9 +709,11 @@ class Ingress:
         created: int,
         reservation: Reservation | None = None,
         samples_of: str | None = None,
+        deliveries: fan_out.SampleDeliveries | None = None,
     ) -> Response:
         """One choice: parse, the tenant's limits, tokenise, then the engine call and its answer. `samples_of`:
-        the key the router keeps a prompt's samples together by (`n` > 1), None for a choice alone."""
+        the key the router keeps a prompt's samples together by (`n` > 1), None for a choice alone; `deliveries`:
+        where their cached tokens go for the prediction ledger, all samples together."""
         answer: AnswerParser | None = None
         try:
             if reservation is None:  # a choice of several: its own slot and request token
@@ -809,6 +819,10 @@ class Ingress:
                 continued = [continuation_id(request_id, k) for k in range(1, moves + 1)] if stream is not None else []
                 for engine_request_id in [request_id, *continued]:  # a continuation's own prediction too
                     local_state.LEDGER.discard(engine_request_id)
+                if deliveries is not None:
+                    deliveries.add(request_id, None)
+            elif deliveries is not None:  # compared with its prompt's other samples once all are in
+                deliveries.add(request_id, cached)
             else:
                 local_state.LEDGER.deliver(request_id, cached)
             # why the rest missed (/kvmesh/explain)
@@ -879,6 +893,48 @@ class Ingress:
                 }
             ],
         }
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: the token ids a completion's `prompt`, or a chat's `messages` through the model's
+        template, become, as a generation request's would (the ids the router hashes and the engine caches);
+        with `return_token_strs` each token's string too. A tenant at its limits is refused as a generation
+        would be; a tokenisation is not counted as one."""
+        reservation = None
+        tenant: Tenant | None = None
+        try:
+            tenant = self._auth(request)
+            reservation = self.admission.reserve(tenant)  # refused while the tenant may start no request
+            body = proto.parse_json(await self._read_body(request))
+            reject_client_salt(body, request.headers)
+            kind = "chat" if "messages" in body else "completion"
+            strs = body.pop("return_token_strs", False)
+            if strs is not None and not isinstance(strs, bool):
+                raise proto.bad("'return_token_strs' must be a boolean.", "return_token_strs", "invalid_type")
+            req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            self._check_model(req)
+            ids = await self._tokenize(req)
+        except (OpenAIError, KvmeshHTTPError) as exc:
+            return self._refused(exc, tenant)
+        finally:
+            self.admission.cancel(reservation)
+        shown = self.tokenizer.convert_ids_to_tokens(ids) if strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": shown}
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's /detokenize: the text of a list of token ids (each in the model's vocabulary)."""
+        try:
+            self._auth(request)
+            body = proto.parse_json(await self._read_body(request))
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+                raise proto.bad("'tokens' must be a list of token ids.", "tokens", "invalid_type")
+            self._check_token_ids(tokens, "tokens")
+            self._check_model_name(proto.model_named(body))
+        except (OpenAIError, KvmeshHTTPError) as exc:
+            return self._refused(exc, None)
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     @fastapi_app.get("/health")
     async def health(self):

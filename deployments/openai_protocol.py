@@ -214,14 +214,20 @@ def _same_value(v: Any, harmless: Any) -> bool:
     return type(v) is type(harmless) and v == harmless
 
 
+def model_named(body: dict) -> str:
+    """The model a request names; "" for none (left out, null or ""), which vLLM serves with its one model."""
+    model = body.get("model")
+    if model is None:
+        return ""
+    if not isinstance(model, str):  # false, 0, [] are not "no model": vLLM's own model refuses them too
+        raise bad("'model' must be a string.", "model", "invalid_type")
+    return model
+
+
 def _common(body: dict, kind: str) -> GenerationRequest:
     # as vLLM: a request without a model (left out, null or "") is for the one model served; the ingress
     # names it in the response
-    model = body.get("model")
-    if model is None:
-        model = ""
-    if not isinstance(model, str):  # false, 0, [] are not "no model": vLLM's own model refuses them too
-        raise bad("'model' must be a string.", "model", "invalid_type")
+    model = model_named(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -123,6 +123,22 @@ class PredictionLedger:
             )
         return p.predicted, mismatch
 
+    def deliver_samples(self, delivered: dict[str, int | None]) -> None:
+        """The deliveries of one prompt's samples (`n` > 1), compared as a whole: the router predicts the sample
+        it ranks first to compute the prompt and the others to find it cached, but which one computes it is the
+        engine's order. So per replica the predictions and the deliveries are paired in sorted order (a
+        request's own pair when they agree). None: a sample not compared (it moved off a failed replica)."""
+        by_replica: dict[str, list[tuple[int, str]]] = {}
+        with self._lock:
+            for request_id, cached in delivered.items():
+                p = self._pending.get(request_id)
+                if p is not None and cached is not None:
+                    by_replica.setdefault(p.replica, []).append((p.predicted, request_id))
+        for predicted in by_replica.values():
+            counts = sorted(delivered[request_id] or 0 for _, request_id in predicted)
+            for (_, request_id), tokens in zip(sorted(predicted), counts):
+                self.deliver(request_id, tokens)
+
     def discard(self, request_id: str) -> None:
         """No comparison for this request: it moved to another replica after its first one left (a dead
         replica's prefill may have reached the shared tier, which the router could not know of)."""

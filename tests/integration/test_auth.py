@@ -37,6 +37,8 @@ ENDPOINTS = [
         {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
     ),
     ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"model": "tiny", "prompt": "hello"}),
+    ("POST", "/detokenize", {"model": "tiny", "tokens": [1, 2]}),
 ]
 
 

@@ -148,3 +148,25 @@ def test_a_stop_string_is_kept_or_cut_as_vllms_own_server_does(include, vllm_ser
     assert ours["choices"][0]["stop_reason"] == theirs["choices"][0]["stop_reason"] == stop
     assert ours_streamed == theirs_streamed == {0: want}
     assert _usage(ours) == _usage(theirs)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "The cache remembers", "return_token_strs": True},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+    ],
+    ids=["a completion's prompt", "a chat's messages"],
+)
+def test_tokenize_and_detokenize_answer_as_vllms_own_server(body, vllm_server, live_app):
+    with httpx.Client(timeout=120) as plain:
+        theirs = plain.post(vllm_server + "/tokenize", json={"model": "tiny", **body})
+        assert theirs.status_code == 200, theirs.text
+        theirs_back = plain.post(vllm_server + "/detokenize", json={"model": "tiny", "tokens": theirs.json()["tokens"]})
+    with live_app.client() as c:
+        ours = c.post("/tokenize", json={"model": "tiny", **body})
+        assert ours.status_code == 200, ours.text
+        ours_back = c.post("/detokenize", json={"model": "tiny", "tokens": ours.json()["tokens"]})
+    assert ours.json() == theirs.json()
+    assert ours_back.status_code == theirs_back.status_code == 200
+    assert ours_back.json() == theirs_back.json()

@@ -2280,6 +2280,42 @@ def test_n_samples_of_a_batch_answer_as_one_in_vllms_choice_order():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_a_prompts_samples_reach_the_prediction_ledger_together(stream, monkeypatch):
+    """Which of a prompt's samples computes the prompt is the engine's order: their cached tokens are compared
+    with the router's predictions per prompt (`deliver_samples`), once every sample has answered; a single
+    request's alone (`deliver`)."""
+    from kvmesh.deployments import local_state
+
+    calls: list[tuple[str, object]] = []
+    spy = SimpleNamespace(
+        deliver=lambda request_id, cached: calls.append(("deliver", request_id)),
+        deliver_samples=lambda got: calls.append(("samples", dict(got))),
+        prediction=lambda request_id: None,
+    )
+    monkeypatch.setattr(local_state, "LEDGER", spy)
+
+    async def run():
+        ing = _ingress()
+        ing._anonymous = dataclasses.replace(ing._anonymous, limits=Limits(max_concurrent=4))
+        ing.engine = _EchoEngine()
+        req, scope, receive = _request({**FANNED, "stream": stream})
+        response = await ing._generate(req, "completion")
+        assert response.status_code == 200
+        if stream:
+            await _stream_events(response, scope, receive)
+        samples = [c for c in calls if c[0] == "samples"]
+        assert [len(got) for _, got in samples] == [2, 2] and not [c for c in calls if c[0] == "deliver"]
+        ids = [r for _, got in samples for r in got]
+        assert sorted(ids) == sorted(response.headers["x-kvmesh-request-id"].split(","))
+        calls.clear()
+        req, _, _ = _request({**FANNED, "prompt": [1, 2, 3], "n": 1})
+        assert (await ing._generate(req, "completion")).status_code == 200
+        assert [c[0] for c in calls] == ["deliver"]
+
+    asyncio.run(run())
+
+
 def test_n_samples_of_a_batch_stream_as_one_with_one_usage_chunk_and_one_done():
     async def run():
         ing = _ingress()
@@ -2501,3 +2537,80 @@ def test_a_completions_prompt_log_probabilities_come_in_vllms_raw_shape_in_its_c
         ]
 
     asyncio.run(run())
+
+
+def _tokenized(ing, path: str, body: dict) -> tuple[int, dict]:
+    async def run():
+        req, _, _ = _request(body, path)
+        handler = ing.tokenize if path == "/tokenize" else ing.detokenize
+        answer = await handler(req)
+        if isinstance(answer, dict):
+            return 200, answer
+        return answer.status_code, json.loads(answer.body)
+
+    return asyncio.run(run())
+
+
+def test_tokenize_gives_the_ids_a_generation_request_sends_the_engine_and_detokenize_their_text():
+    """vLLM's /tokenize and /detokenize: a completion's prompt and a chat's messages (through the model's
+    template, with its tools) become exactly the ids the same generation request is routed and cached with;
+    `return_token_strs` names each token; the ids' text comes back whole."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_tiny_path())
+    ing = _ingress(tokenizer=tok)
+    ing.vocab_size = len(tok)
+    ing.engine = _RecordingEngine()
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    }
+    for path, body in (("/v1/completions", {**BODY, "prompt": "The cache remembers"}), ("/v1/chat/completions", chat)):
+        status, _ = _answer(ing, body, "completion" if "prompt" in body else "chat")
+        assert status == 200
+        sent = ing.engine.requests[-1]["prompt_token_ids"]
+        asked = {k: v for k, v in body.items() if k in ("model", "prompt", "messages")}
+        status, answer = _tokenized(ing, "/tokenize", asked)
+        assert status == 200, answer
+        assert answer == {"count": len(sent), "max_model_len": 4096, "tokens": sent, "token_strs": None}
+        status, named = _tokenized(ing, "/tokenize", {**asked, "return_token_strs": True})
+        assert named["token_strs"] == tok.convert_ids_to_tokens(sent) and len(named["token_strs"]) == len(sent)
+        status, back = _tokenized(ing, "/detokenize", {"model": "tiny", "tokens": sent})
+        assert status == 200 and back == {"prompt": tok.decode(sent)}
+    assert (
+        "The cache remembers"
+        in _tokenized(ing, "/detokenize", {"tokens": tok.encode("The cache remembers")})[1]["prompt"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/tokenize", {"messages": "Hi"}, 400, "messages"),
+        ("/tokenize", {"prompt": [5, 2000]}, 400, "prompt"),
+        ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1, 1000]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": [1], "model": 5}, 400, "model"),
+    ],
+)
+def test_a_bad_tokenize_or_detokenize_request_is_an_openai_error_naming_its_field(path, body, status, param):
+    ing = _ingress(tokenizer=_TextTokenizer())
+    got, answer = _tokenized(ing, path, body)
+    assert (got, answer["error"]["param"]) == (status, param)
+    assert ing.admission.active("anonymous") == 0  # the tenant's slot handed back
+
+
+def test_a_tenant_that_may_start_no_request_cannot_tokenize_either():
+    """A tokenisation holds the tokenizer every tenant shares: refused while the tenant is at its concurrency
+    limit, as a generation would be; otherwise not counted as a request."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing._anonymous = dataclasses.replace(ing._anonymous, limits=Limits(max_concurrent=1))
+    held = ing.admission.reserve(ing._anonymous)
+    status, answer = _tokenized(ing, "/tokenize", {"prompt": "x"})
+    assert status == 429, answer
+    ing.admission.cancel(held)
+    assert _tokenized(ing, "/tokenize", {"prompt": "x"})[0] == 200
+    assert _tokenized(ing, "/tokenize", {"prompt": "x"})[0] == 200 and ing.admission.active("anonymous") == 0

@@ -61,3 +61,32 @@ def test_a_forgotten_replica_leaves_the_per_replica_counts_and_the_totals_keep_i
     led.predict("r1-back", "r1", 64, 32)  # an id routed to again after it was forgotten counts afresh
     led.deliver("r1-back", 64)
     assert led.snapshot()["per_replica"]["r1"] == [64, 64, 0]
+
+
+def test_a_prompts_samples_are_compared_as_a_whole_whichever_of_them_computed_the_prompt():
+    """Three prompts' samples (`n` 2), each prompt computed by the sample the router predicted to find it
+    cached: compared one by one, six mismatches and (delivered three of one direction in a row) an alarm;
+    compared per prompt, none. Samples on different replicas are paired on their own replica only, and a
+    sample not compared (None: it moved off a failed replica) leaves the others compared."""
+    one_by_one, whole = PredictionLedger(alarm_after=3), PredictionLedger(alarm_after=3)
+    for led in (one_by_one, whole):
+        for k in range(3):
+            led.predict(f"p{k}-first", "r1", 0, 32)
+            led.predict(f"p{k}-second", "r1", 608, 32)
+    for k in range(3):  # the engine ran each prompt's second sample first: it computed the prompt
+        one_by_one.deliver(f"p{k}-first", 608)
+    for k in range(3):
+        one_by_one.deliver(f"p{k}-second", 0)
+    assert one_by_one.snapshot()["mismatches"] == 6 and one_by_one.snapshot()["alarms"] == 1
+    for k in range(3):
+        whole.deliver_samples({f"p{k}-first": 608, f"p{k}-second": 0})
+    snap = whole.snapshot()
+    assert (snap["compared"], snap["mismatches"], snap["alarms"]) == (6, 0, 0)
+    assert snap["predicted_tokens"] == snap["delivered_tokens"] == 3 * 608
+    led = PredictionLedger(alarm_after=3)
+    led.predict("a", "r1", 0, 32)
+    led.predict("b", "r2", 608, 32)  # placed elsewhere: its own replica's pair
+    led.predict("c", "r1", 608, 32)
+    led.deliver_samples({"a": 608, "b": 608, "c": 0, "moved": None})
+    snap = led.snapshot()
+    assert (snap["compared"], snap["mismatches"]) == (3, 0) and snap["per_replica"]["r2"] == [608, 608, 0]
