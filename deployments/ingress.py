@@ -654,15 +654,15 @@ class Ingress:
         loop = asyncio.get_running_loop()
         parent = uuid.uuid4().hex
         # a prompt's samples' cached tokens go to the prediction ledger together (fan_out.SampleDeliveries)
-        deliveries = {
-            key: fan_out.SampleDeliveries(fan.n, lambda got: local_state.LEDGER.deliver_samples(got))
-            for key in {fan.samples_of(parent, i) for i in range(len(fan.children))}
-            if key is not None
-        }
+        deliveries: dict[str, fan_out.SampleDeliveries] = {}
         choices = []
         for i, child in enumerate(fan.children):
             key = fan.samples_of(parent, i)
-            sample = deliveries[key] if key is not None else None
+            sample = None
+            if key is not None:
+                sample = deliveries.setdefault(
+                    key, fan_out.SampleDeliveries(fan.n, lambda got: local_state.LEDGER.deliver_samples(got))
+                )
             choices.append(self._generate_one(tenant, kind, child, t0, created, samples_of=key, deliveries=sample))
         # each choice its own request to Serve's router too
         tasks = [loop.create_task(c, context=context_with_own_request_id()) for c in choices]

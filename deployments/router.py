@@ -18,8 +18,9 @@ that leave are forgotten (index, subscriber, policy state; the membership steps:
 Replicas that stop answering Serve's queue-length probe (a frozen or cut-off node) are suspect
 (`kvmesh.deployments.replica_watch`, a background task): left out of the ranking until they answer again,
 nothing about them forgotten; their calls in flight are moved elsewhere once they have been suspect for some
-seconds. No `FIFOMixin`: it would hand the
-chosen replica to whichever request is at the queue head, breaking affinity under bursts.
+seconds. No `FIFOMixin`: it would hand the chosen replica to whichever request is at the queue head, breaking
+affinity under bursts. A prompt's samples (`n` > 1) share a key, and the later ones go where the first went
+(`_samples_first`), as vLLM keeps a request's samples on one engine.
 
 The router runs in the caller's process (the ingress replica), on that replica's own event loop
 (`SERVE_PATH_ENV` sets RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), which also owns the index and the
