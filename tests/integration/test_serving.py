@@ -243,7 +243,11 @@ def test_n_samples_of_a_batch_of_prompts_are_the_seeded_single_requests_vllm_wou
         for j in range(2)
     ]
     assert len(set(single)) > 1  # sampled, not greedy: the seeds decide the texts
-    batch = client.completions.create(prompt=prompts, n=2, **sampling)
+    raw = client.completions.with_raw_response.create(prompt=prompts, n=2, **sampling)
+    batch = raw.parse()
+    # each prompt's two samples on one replica, where the prompt is computed once (the router's samples rule)
+    replicas = raw.headers["x-kvmesh-replica"].split(",")
+    assert len(replicas) == 4 and replicas[0] == replicas[1] and replicas[2] == replicas[3]
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert [c.text for c in batch.choices] == single
     assert batch.usage.prompt_tokens == 64 and batch.usage.completion_tokens == 24
