@@ -100,6 +100,8 @@ class ChoiceAnswer:
         if self.parser is not None:  # the tool calls in it, and the finish_reason they give it
             content, calls = self.parser.whole(out["text"], out["token_ids"])
             finish_reason = self.parser.whole_finish(finish_reason, calls)
+        if req.chat_echo is not None:  # a chat's echo: its last assistant message's text, then the answer's
+            content = req.chat_echo + (content or "")
         scored = req.params.get("prompt_logprobs") is not None
         return proto.full_response(
             req,
@@ -126,7 +128,15 @@ class ChoiceAnswer:
         cached = first["num_cached_tokens"]
         tail = b""
         offset = 0  # a completion's text offset for its next token's log-probability
+        role_first = True  # the first chunk carries the answer's role
         try:
+            if req.chat_echo:  # a chat's echo goes out first, as vLLM's server sends it (before any token)
+                running = proto.running_usage(req, len(self.ids), 0) if req.continuous_usage else None
+                lead = proto.stream_chunk(
+                    req, self.oid, req.chat_echo, None, created=self.created, first=True, u=running
+                )
+                yield proto.sse(lead)
+                role_first = False
             is_first = True
             chunk = first
             while True:
@@ -158,7 +168,7 @@ class ChoiceAnswer:
                             chunk["text"],
                             finish_reason,
                             created=self.created,
-                            first=is_first,
+                            first=is_first and role_first,
                             u=running,
                             stop_reason=chunk.get("stop_reason"),
                             delta=delta,

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.cluster.request_log import content_text
 from kvmesh.deployments.tenants import openai_error
 
 # a completion's output length when the request leaves max_tokens out or null (OpenAI's and vLLM's request
@@ -74,7 +75,6 @@ _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
         "add_generation_prompt": (True,),
         "continue_final_message": (False,),
         "chat_template": (),  # vLLM's own server refuses it too, unless started with a flag
-        "echo": (False,),  # a chat's: the last message put before the answer (a completion's is served)
         "documents": (),
         "include_reasoning": (True,),
         "media_io_kwargs": (),
@@ -94,7 +94,7 @@ _SERVED = frozenset(
         "repetition_penalty", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "skip_special_tokens",
         "include_stop_str_in_output",  # the stop string kept in the text (continuation_text.py on a move too)
         "logit_bias", "logprobs", "top_logprobs",  # `_logprobs`; their shapes in the answer: logprobs.py
-        "echo",  # a completion's: the prompt before the answer (`parse_completion`)
+        "echo",  # a completion's prompt, a chat's last assistant message, before the answer (`parse_*`)
         "prompt_logprobs",  # vLLM's: the prompt tokens' log-probabilities, in its raw shape (`prompt_scores`)
         "user", "tools", "tool_choice", "parallel_tool_calls", "request_id", "session_id", "stream_interval",
         "chat_template_kwargs",  # `template_kwargs`
@@ -164,6 +164,9 @@ class GenerationRequest:
     top_logprobs: int | None = None  # log-probabilities asked for: alternatives per token (`logprobs.py`)
     echo: bool = False  # a completion's prompt goes before its answer (with its log-probabilities, when asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is not shown)
+    # a chat's echo: the text its answer's content begins with (its last message's, if the assistant's; else
+    # ""), None without echo (`parse_chat`)
+    chat_echo: str | None = None
     body: dict[str, Any] = field(default_factory=dict)  # the request as sent (vLLM's model of it reads it)
     stream: bool = False
     include_usage: bool = False
@@ -569,6 +572,14 @@ def parse_chat(body: dict) -> GenerationRequest:
     from kvmesh.deployments.chat_tools import chat_tools  # it imports this module's errors
 
     req.tool_choice = chat_tools(body)[1]
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
+    if echo:  # as vLLM's server: the last message's content, where it is the assistant's (the answer's role)
+        last = req.messages[-1]
+        req.chat_echo = content_text(last["content"]) if last["role"] == "assistant" else ""
+        if req.params.get("prompt_logprobs") is None:  # and, as vLLM derives them, the prompt's scores
+            req.params["prompt_logprobs"] = req.top_logprobs or 0
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")

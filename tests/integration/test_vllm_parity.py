@@ -18,6 +18,8 @@ _rng = random.Random(4321)
 P = [_rng.randrange(10, 1000) for _ in range(70)]
 Q = [_rng.randrange(10, 1000) for _ in range(40)]
 SAMPLED = {"temperature": 1.0, "ignore_eos": True}
+# a chat whose last message starts the assistant's answer: its echo puts that text before the answer
+ECHOED_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well,"}]
 CASES = {
     "echo scored, no answer": ("/v1/completions", {"prompt": P, "max_tokens": 0, "echo": True, "logprobs": 1}),
     "echo scored with an answer": (
@@ -37,6 +39,10 @@ CASES = {
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1, "temperature": 0},
     ),
     "a batch x n, seeded": ("/v1/completions", {"prompt": [P, Q], "n": 2, "max_tokens": 4, "seed": 5, **SAMPLED}),
+    "a chat's echo": (
+        "/v1/chat/completions",
+        {"messages": ECHOED_CHAT, "echo": True, "max_tokens": 3, "temperature": 0},
+    ),
     "a chat's n, seeded": (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 3, "seed": 9, **SAMPLED},
@@ -173,3 +179,22 @@ def test_tokenize_and_detokenize_answer_as_vllms_own_server(body, vllm_server, l
     assert ours.json() == {**theirs.json(), "max_model_len": our_len} and theirs.json()["max_model_len"] == their_len
     assert ours_back.status_code == theirs_back.status_code == 200
     assert ours_back.json() == theirs_back.json()
+
+
+def test_a_streamed_echoed_chat_is_vllms_too(vllm_server, live_app):
+    body = {"model": "tiny", "messages": ECHOED_CHAT, "echo": True, "max_tokens": 3, "temperature": 0, "stream": True}
+
+    def content(client: httpx.Client, url: str) -> str:
+        text = ""
+        with client.stream("POST", url, json=body) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+        return text
+
+    with httpx.Client(timeout=120) as plain:
+        theirs = content(plain, vllm_server + "/v1/chat/completions")
+    with live_app.client() as c:
+        ours = content(c, "/v1/chat/completions")
+    assert theirs.startswith("Well,") and ours == theirs

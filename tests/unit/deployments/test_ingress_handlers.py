@@ -2614,3 +2614,33 @@ def test_a_tenant_that_may_start_no_request_cannot_tokenize_either():
     ing.admission.cancel(held)
     assert _tokenized(ing, "/tokenize", {"prompt": "x"})[0] == 200
     assert _tokenized(ing, "/tokenize", {"prompt": "x"})[0] == 200 and ing.admission.active("anonymous") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_an_echoed_chat_begins_its_answer_with_its_last_assistant_message_as_vllms_server_does(stream):
+    """A chat's `echo`: where the last message is the assistant's (the answer's role), its text goes before the
+    answer's content; streamed, as its own first chunk carrying the role, the answer's chunks after it without
+    one. Another last message leaves the answer as it is."""
+
+    async def run(messages: list[dict]) -> list:
+        ing = _ingress(tokenizer=_TextTokenizer())
+        ing.engine = _RecordingEngine()
+        req, scope, receive = _request({**CHAT, "messages": messages, "echo": True, "stream": stream})
+        response = await ing._generate(req, "chat")
+        assert response.status_code == 200, response.body
+        if not stream:
+            (choice,) = json.loads(response.body)["choices"]
+            return [choice["message"]]
+        events = await _stream_events(response, scope, receive)
+        return [c["delta"] for e in events[:-1] for c in e["choices"]]
+
+    started = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer:"}]
+    deltas = asyncio.run(run(started))
+    if stream:
+        assert deltas[0] == {"role": "assistant", "content": "The answer:"}
+        assert "".join(d.get("content") or "" for d in deltas) == "The answer:ab"
+        assert [d for d in deltas[1:] if "role" in d] == []
+    else:
+        assert deltas[0]["role"] == "assistant" and deltas[0]["content"] == "The answer:ab"
+    plain = asyncio.run(run(started[:1]))
+    assert "".join(d.get("content") or "" for d in plain) == "ab" and plain[0]["role"] == "assistant"

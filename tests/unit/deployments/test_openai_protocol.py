@@ -521,7 +521,8 @@ def test_a_completions_null_max_tokens_is_its_default_as_in_vllms_request_model(
 
 def test_an_echoed_completion_asks_for_its_prompts_log_probabilities_and_may_ask_for_no_answer():
     """vLLM's rules: echo with `logprobs` asks the engine for the prompt's too, at the same count; echo with
-    max_tokens 0 generates one token and answers with the prompt alone. A chat's echo is not served."""
+    max_tokens 0 generates one token and answers with the prompt alone. A chat's echo is its last message's
+    text when that is the assistant's (the answer's role; parts joined as vLLM joins them), "" otherwise."""
     plain = proto.parse_completion({"model": "m", "prompt": "x", "echo": True})
     assert plain.echo and not plain.echo_only and "prompt_logprobs" not in plain.params
     scored = proto.parse_completion({"model": "m", "prompt": [1, 2], "echo": True, "logprobs": 2, "max_tokens": 0})
@@ -529,8 +530,22 @@ def test_an_echoed_completion_asks_for_its_prompts_log_probabilities_and_may_ask
     assert scored.params["max_tokens"] == 1 and scored.params["prompt_logprobs"] == 2 and scored.top_logprobs == 2
     unechoed = proto.parse_completion({"model": "m", "prompt": "x", "echo": False, "logprobs": 1})
     assert not unechoed.echo and "prompt_logprobs" not in unechoed.params
-    e = err(proto.parse_chat, {"model": "m", "messages": [{"role": "user", "content": "a"}], "echo": True})
-    assert (e.status, e.param, e.code) == (400, "echo", "unsupported_parameter")
+    user_last = {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+    assert proto.parse_chat({**user_last, "echo": True}).chat_echo == ""
+    assert proto.parse_chat(user_last).chat_echo is None and not proto.parse_chat(user_last).echo
+    parts = [{"type": "text", "text": "The answer"}, {"type": "text", "text": "is"}]
+    started = {**user_last, "messages": [*user_last["messages"], {"role": "assistant", "content": parts}]}
+    assert proto.parse_chat({**started, "echo": True}).chat_echo == "The answer\nis"
+    # vLLM asks the engine for the echoed chat's prompt scores too (so it reads no cache for it), at the count
+    # of alternatives asked for the answer, 0 without
+    assert proto.parse_chat({**started, "echo": True}).params["prompt_logprobs"] == 0
+    scored = proto.parse_chat({**started, "echo": True, "logprobs": True, "top_logprobs": 2})
+    assert scored.params["prompt_logprobs"] == 2
+    assert proto.parse_chat({**started, "echo": True, "prompt_logprobs": 1}).params["prompt_logprobs"] == 1
+    assert proto.parse_chat(started).params.get("prompt_logprobs") is None
+    assert proto.parse_chat({**started, "echo": False}).chat_echo is None
+    e = err(proto.parse_chat, {**started, "echo": "yes"})
+    assert (e.status, e.param, e.code) == (400, "echo", "invalid_type")
 
 
 def test_a_prompts_log_probabilities_are_asked_as_vllm_takes_them():
