@@ -54,17 +54,30 @@ class FanOut:
 
 class SampleDeliveries:
     """The cached tokens each of a prompt's `n` samples delivered (None: not compared), handed on together once
-    all have (`PredictionLedger.deliver_samples`): which sample computes the prompt is the engine's order."""
+    all have (`PredictionLedger.deliver_samples`): which sample computes the prompt is the engine's order. When
+    the request ends with some samples unanswered (one failed, the client left), `flush` hands on those that
+    did, and a sample answering later goes on alone."""
 
     def __init__(self, n: int, deliver_all: Callable[[dict[str, int | None]], None]):
         self.n = n
         self._got: dict[str, int | None] = {}
         self._deliver_all = deliver_all
+        self._flushed = False
 
     def add(self, request_id: str, cached: int | None) -> None:
+        if self._flushed:
+            self._deliver_all({request_id: cached})
+            return
         self._got[request_id] = cached
         if len(self._got) == self.n:
-            self._deliver_all(self._got)
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand on what has come (once)."""
+        if not self._flushed:
+            self._flushed = True
+            if self._got:
+                self._deliver_all(self._got)
 
 
 def _batch(body: dict, kind: str) -> list[Any] | None:

@@ -296,6 +296,13 @@ class _ClosingStream(StreamingResponse):
         self._on_close()
 
 
+def _flush_all(deliveries: Iterable[fan_out.SampleDeliveries]) -> None:
+    """Hand the samples' deliveries that came on to the prediction ledger: the request ended before every
+    sample answered (`SampleDeliveries.flush`)."""
+    for d in deliveries:
+        d.flush()
+
+
 def _close_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
     """Cancel the choices still being prepared and close the streams of those already answering."""
     for t in tasks:
@@ -674,10 +681,12 @@ class Ingress:
                 failed = next((t.result() for t in tasks if t in done and t.result().status_code != 200), None)
         except BaseException:  # the client went away: every choice goes with it
             _close_all(tasks)
+            _flush_all(deliveries.values())
             raise
         if failed is not None:
             _close_all(tasks)
             await asyncio.gather(*tasks, return_exceptions=True)
+            _flush_all(deliveries.values())
             return failed
         answers = [t.result() for t in tasks]
         headers = fan_out.merge_headers([a.headers for a in answers])
@@ -692,6 +701,7 @@ class Ingress:
         def close() -> None:
             for a in streams:
                 a.close()
+            _flush_all(deliveries.values())  # the samples that answered, should the stream have ended early
 
         return _ClosingStream(
             fan_out.merged_stream([a.chunks for a in streams], merge),

@@ -213,3 +213,23 @@ def test_a_stream_whose_choices_sent_no_usage_ends_with_done_alone():
         out, failed = merge.feed(choice, sse(_chunk("x", "length")) + sse("[DONE]"))
         assert not failed and [e["choices"][0]["index"] for e in _events(out)] == [choice]
     assert merge.tail() == sse("[DONE]")
+
+
+def test_a_prompts_sample_deliveries_go_on_together_or_what_came_when_the_request_ends_early():
+    got: list[dict] = []
+    whole = fan_out.SampleDeliveries(2, got.append)
+    whole.add("a", 0)
+    assert got == []
+    whole.add("b", 608)
+    assert got == [{"a": 0, "b": 608}]
+    whole.flush()  # already handed on: nothing twice
+    assert got == [{"a": 0, "b": 608}]
+    got.clear()
+    cut = fan_out.SampleDeliveries(3, got.append)
+    cut.add("a", 608)
+    cut.flush()  # the request ended with two samples unanswered
+    cut.add("b", 0)  # one answering after: alone
+    assert got == [{"a": 608}, {"b": 0}]
+    empty = fan_out.SampleDeliveries(2, got.append)
+    empty.flush()
+    assert got == [{"a": 608}, {"b": 0}]  # nothing came: nothing handed on

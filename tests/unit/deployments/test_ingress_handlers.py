@@ -2405,7 +2405,15 @@ def test_a_request_of_several_choices_cancelled_gives_every_slot_back(stream):
     asyncio.run(run())
 
 
-def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error():
+def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error(monkeypatch):
+    """The merged stream ends with the failed choice's error; the sample that answered whole still reaches
+    the prediction ledger (its prompt's deliveries handed on when the stream closes)."""
+    from kvmesh.deployments import local_state
+
+    delivered: list[dict] = []
+    spy = SimpleNamespace(deliver_samples=lambda got: delivered.append(dict(got)), prediction=lambda rid: None)
+    monkeypatch.setattr(local_state, "LEDGER", spy)
+
     async def run():
         ing = _ingress()
         ing.engine = _EchoEngine(fail_seed=11)
@@ -2415,6 +2423,8 @@ def test_a_choice_failing_mid_stream_ends_the_whole_stream_with_its_error():
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
         assert "error" in events[-2] and all("error" not in e for e in events[:-2])
         assert ing.admission.active("anonymous") == 0 and ing.admission.in_flight == 0
+        assert len(delivered) == 1 and len(delivered[0]) == 1  # the seed-10 sample, alone
+        assert list(delivered[0].values()) == [0]
 
     asyncio.run(run())
 
