@@ -908,8 +908,10 @@ class Ingress:
     async def tokenize(self, request: Request):
         """vLLM's /tokenize: the token ids a completion's `prompt`, or a chat's `messages` through the model's
         template, become, as a generation request's would (the ids the router hashes and the engine caches);
-        with `return_token_strs` each token's string too. A tenant at its limits is refused as a generation
-        would be; a tokenisation is not counted as one."""
+        with `return_token_strs` each token's string too; a count past the context is answered (a client may be
+        checking whether its prompt fits), but text or token ids that could not fit whatever their tokens are a
+        400, as for a generation (`_tokenize`: such a text is not worth the tokenizer's time). A tenant at its
+        limits is refused as a generation would be; a tokenisation is not counted as one."""
         reservation = None
         tenant: Tenant | None = None
         try:

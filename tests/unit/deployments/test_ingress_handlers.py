@@ -2613,6 +2613,18 @@ def test_a_bad_tokenize_or_detokenize_request_is_an_openai_error_naming_its_fiel
     assert ing.admission.active("anonymous") == 0  # the tenant's slot handed back
 
 
+def test_tokenize_counts_a_prompt_longer_than_the_context_as_vllms_does():
+    """A client may ask whether its prompt fits: the count comes back past the context (vLLM's /tokenize sets no
+    limit either); a generation of the same prompt is a 400."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    long = "x" * (ing.max_model_len + 10)
+    status, answer = _tokenized(ing, "/tokenize", {"prompt": long})
+    assert status == 200 and answer["count"] == ing.max_model_len + 11 > answer["max_model_len"]  # with a BOS
+    status, refused = _answer(ing, {**BODY, "prompt": long})
+    assert status == 400 and refused["error"]["code"] == "context_length_exceeded" and not ing.engine.requests
+
+
 def test_a_tenant_that_may_start_no_request_cannot_tokenize_either():
     """A tokenisation holds the tokenizer every tenant shares: refused while the tenant is at its concurrency
     limit, as a generation would be; otherwise not counted as a request."""
