@@ -37,6 +37,7 @@ SAMPLING = {
     "stream": {"type": "boolean"},
     "stop": {"oneOf": [STRING, {"type": "array", "items": STRING, "maxItems": 4}]},
     "n": {"type": "integer", "minimum": 1, "maximum": 2},
+    "include_stop_str_in_output": {"type": "boolean"},
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }
@@ -84,15 +85,36 @@ CHAT = {
                 },
             },
         },
+        "echo": {"type": "boolean"},
         **SAMPLING,
     },
+}
+TOKENIZE = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string", "enum": ["tiny"]},
+        "prompt": {"type": "string", "maxLength": 200},
+        "messages": CHAT["properties"]["messages"],
+        "return_token_strs": {"type": "boolean"},
+    },
+}
+DETOKENIZE = {
+    "type": "object",
+    "required": ["tokens"],
+    "properties": {"model": {"type": "string", "enum": ["tiny"]}, "tokens": TOKENS},
 }
 LOOKUP = {
     "type": "object",
     "required": ["hashes"],
     "properties": {"hashes": {"type": "array", "maxItems": 20, "items": {"type": "integer"}}},
 }
-BODIES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/kvmesh/index/lookup": LOOKUP}
+BODIES = {
+    "/v1/completions": COMPLETION,
+    "/v1/chat/completions": CHAT,
+    "/kvmesh/index/lookup": LOOKUP,
+    "/tokenize": TOKENIZE,
+    "/detokenize": DETOKENIZE,
+}
 EXAMPLES = {  # per (path, mode): enough to cover the shapes, small enough for a 2-core CI machine
     ("/v1/completions", "positive"): 80,
     ("/v1/completions", "negative"): 120,
@@ -100,8 +122,13 @@ EXAMPLES = {  # per (path, mode): enough to cover the shapes, small enough for a
     ("/v1/chat/completions", "negative"): 120,
     ("/kvmesh/index/lookup", "positive"): 30,
     ("/kvmesh/index/lookup", "negative"): 50,
+    ("/tokenize", "positive"): 30,
+    ("/tokenize", "negative"): 40,
+    ("/detokenize", "positive"): 20,
+    ("/detokenize", "negative"): 30,
 }
 OTHER_EXAMPLES = 5  # GET endpoints without inputs
+STREAM_EVENTS_READ = 4096  # more than any answer here carries (64 choices x 16 tokens at most)
 
 
 def enriched_schema(raw: dict) -> dict:
@@ -158,7 +185,11 @@ def schema(live_app):
     import schemathesis
 
     raw = httpx.get(live_app.url + "/openapi.json", timeout=60).json()
-    return schemathesis.openapi.from_dict(enriched_schema(raw))
+    loaded = schemathesis.openapi.from_dict(enriched_schema(raw))
+    # schemathesis stops reading an event stream after 20 events and closes it (a stream may never end): ours
+    # end, and their whole shape is what is checked (`[DONE]` last), so every event is read
+    loaded.config.max_stream_events = STREAM_EVENTS_READ
+    return loaded
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +239,9 @@ HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_si
 
 @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(
-    path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/kvmesh/index/lookup"]),
+    path=st.sampled_from(
+        ["/v1/completions", "/v1/chat/completions", "/kvmesh/index/lookup", "/tokenize", "/detokenize"]
+    ),
     body=st.one_of(
         st.binary(max_size=300),
         st.recursive(
