@@ -728,7 +728,7 @@ class Ingress:
         try:
             if reservation is None:  # a choice of several: its own slot and request token
                 reservation = self.admission.reserve(tenant)
-            req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            req = proto.parse_request(body, kind)
             self._check_model(req)
             self._check_max_tokens(req)
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
@@ -923,7 +923,7 @@ class Ingress:
             strs = body.pop("return_token_strs", False)
             if strs is not None and not isinstance(strs, bool):
                 raise proto.bad("'return_token_strs' must be a boolean.", "return_token_strs", "invalid_type")
-            req = proto.parse_completion(body) if kind == "completion" else proto.parse_chat(body)
+            req = proto.parse_request(body, kind)
             self._check_model(req)
             ids = await self._tokenize(req)
         except (OpenAIError, KvmeshHTTPError) as exc:

@@ -398,6 +398,20 @@ def _constraint(body: dict) -> bool:
     return (fmt is not None and fmt.get("type") != "text") or given is not None
 
 
+def parse_request(body: dict, kind: str) -> GenerationRequest:
+    """A completion's or a chat's request (`kind`), checked: `parse_completion` or `parse_chat`."""
+    return parse_completion(body) if kind == "completion" else parse_chat(body)
+
+
+def _echo_asked(body: dict) -> bool:
+    """Whether a request asks for `echo` (a completion's prompt, a chat's last assistant message, before the
+    answer); a 400 for anything but a boolean."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
+    return bool(echo)
+
+
 def parse_completion(body: dict) -> GenerationRequest:
     req = _common(body, "completion")
     if "prompt" not in body:
@@ -422,15 +436,12 @@ def parse_completion(body: dict) -> GenerationRequest:
         req.prompt_ids = list(p)
     else:
         raise bad("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
-    if echo:
+    if _echo_asked(body):
         req.echo = True
         if req.params.get("max_tokens") == 0:  # vLLM's rule: one token generated, the prompt alone answered
             req.params["max_tokens"] = 1
             req.echo_only = True
-        if req.top_logprobs is not None and "prompt_logprobs" not in req.params:  # as vLLM derives them for echo
+        if req.top_logprobs is not None and req.params.get("prompt_logprobs") is None:  # as vLLM derives them
             req.params["prompt_logprobs"] = req.top_logprobs
     return req
 
@@ -572,10 +583,8 @@ def parse_chat(body: dict) -> GenerationRequest:
     from kvmesh.deployments.chat_tools import chat_tools  # it imports this module's errors
 
     req.tool_choice = chat_tools(body)[1]
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
-    if echo:  # as vLLM's server: the last message's content, where it is the assistant's (the answer's role)
+    # as vLLM's server: the last message's content, where it is the assistant's (the answer's role)
+    if _echo_asked(body):
         last = req.messages[-1]
         req.chat_echo = content_text(last["content"]) if last["role"] == "assistant" else ""
         if req.params.get("prompt_logprobs") is None:  # and, as vLLM derives them, the prompt's scores

@@ -110,13 +110,15 @@ def test_kvmesh_answers_as_vllms_own_server(case, vllm_server, live_app):
 
 
 def _streamed_texts(client: httpx.Client, url: str, body: dict) -> dict[int, str]:
+    """Each choice's text from a stream: a completion's `text` pieces, a chat's `delta.content`."""
     texts: dict[int, str] = {}
     with client.stream("POST", url, json={"model": "tiny", **body, "stream": True}) as s:
         assert s.status_code == 200
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 for c in json.loads(line[6:])["choices"]:
-                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                    piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+                    texts[c["index"]] = texts.get(c["index"], "") + piece
     return texts
 
 
@@ -182,19 +184,9 @@ def test_tokenize_and_detokenize_answer_as_vllms_own_server(body, vllm_server, l
 
 
 def test_a_streamed_echoed_chat_is_vllms_too(vllm_server, live_app):
-    body = {"model": "tiny", "messages": ECHOED_CHAT, "echo": True, "max_tokens": 3, "temperature": 0, "stream": True}
-
-    def content(client: httpx.Client, url: str) -> str:
-        text = ""
-        with client.stream("POST", url, json=body) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if line.startswith("data: {"):
-                    text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
-        return text
-
+    body = {"messages": ECHOED_CHAT, "echo": True, "max_tokens": 3, "temperature": 0}
     with httpx.Client(timeout=120) as plain:
-        theirs = content(plain, vllm_server + "/v1/chat/completions")
+        theirs = _streamed_texts(plain, vllm_server + "/v1/chat/completions", body)
     with live_app.client() as c:
-        ours = content(c, "/v1/chat/completions")
-    assert theirs.startswith("Well,") and ours == theirs
+        ours = _streamed_texts(c, "/v1/chat/completions", body)
+    assert theirs[0].startswith("Well,") and ours == theirs
