@@ -78,7 +78,11 @@ class ChoiceAnswer:
         text, token_ids, rows = piece["text"], piece["token_ids"], piece.get("logprobs")
         if req.echo_only:  # the engine's one token is not shown (it still counts as generated, as on vLLM)
             text, token_ids, rows = "", [], []
-        prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(ids)
+        # with `return_token_ids` the prompt goes back as ids only (`prompt_token_ids`), no text, as on vLLM's server
+        if req.return_token_ids:
+            prompt = ""
+        else:
+            prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(ids)
         shown = {**piece, "text": prompt + text, "token_ids": [*ids, *token_ids]}
         if req.top_logprobs is not None:
             prompt_rows = piece.get("prompt_logprobs") or [()] * len(ids)
@@ -114,6 +118,8 @@ class ChoiceAnswer:
             tool_calls=calls,
             logprobs=self.logprobs(shown),
             prompt_logprobs=logprobs.prompt_scores(out.get("prompt_logprobs") or []) if scored else None,
+            token_ids=out["token_ids"],
+            prompt_token_ids=self.ids,
         )
 
     async def events(self, first: dict, rest: Chunks, on_error: Callable[[int], None]) -> AsyncGenerator[bytes, None]:
@@ -129,18 +135,31 @@ class ChoiceAnswer:
         tail = b""
         offset = 0  # a completion's text offset for its next token's log-probability
         role_first = True  # the first chunk carries the answer's role
+        prompt_ids: list[int] | None = self.ids  # and, with `return_token_ids`, the prompt's token ids
         try:
             if req.chat_echo:  # a chat's echo goes out first, as vLLM's server sends it (before any token)
                 running = proto.running_usage(req, len(self.ids), 0) if req.continuous_usage else None
                 lead = proto.stream_chunk(
-                    req, self.oid, req.chat_echo, None, created=self.created, first=True, u=running
+                    req,
+                    self.oid,
+                    req.chat_echo,
+                    None,
+                    created=self.created,
+                    first=True,
+                    u=running,
+                    prompt_token_ids=prompt_ids,
                 )
                 yield proto.sse(lead)
                 role_first = False
+                prompt_ids = None
             is_first = True
             chunk = first
             while True:
                 ntok += len(chunk["token_ids"])
+                generated = chunk["token_ids"]  # the piece's own tokens, before an echo adds the prompt's
+                # with `return_token_ids` a piece goes out for its tokens even where its text is held back, as on
+                # vLLM's server
+                ids_out = req.return_token_ids and bool(generated)
                 if is_first:  # an echoed completion's prompt goes out with its first piece
                     chunk = self.echoed(chunk)
                 failed = chunk["finish_reason"] in ENGINE_FAILED  # its text goes out, then the error
@@ -155,10 +174,10 @@ class ChoiceAnswer:
                 if parser is not None:  # the parser's delta, as vLLM's stream carries it (tool_calls.py)
                     ended = chunk["finish_reason"] is not None
                     delta = parser.delta(chunk["text"], chunk["token_ids"], self.ids, finished=ended)
-                    if delta is None and (finish_reason or is_first or chosen is not None):
+                    if delta is None and (finish_reason or is_first or chosen is not None or ids_out):
                         delta = {}
                     finish_reason = parser.stream_finish(finish_reason)
-                text_out = chunk["text"] or finish_reason or is_first or chosen is not None
+                text_out = chunk["text"] or finish_reason or is_first or chosen is not None or ids_out
                 if delta is not None or (parser is None and text_out):
                     running = proto.running_usage(req, len(self.ids), ntok) if req.continuous_usage else None
                     event = proto.sse(
@@ -173,8 +192,11 @@ class ChoiceAnswer:
                             stop_reason=chunk.get("stop_reason"),
                             delta=delta,
                             logprobs=chosen,
+                            token_ids=generated,
+                            prompt_token_ids=prompt_ids,
                         )
                     )
+                    prompt_ids = None
                 is_first = False
                 if failed:
                     tail = event

@@ -55,7 +55,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "priority": (0,),
     "repetition_detection": (),
     "return_mm_kwargs": (False,),
-    "return_token_ids": (False,),
     "return_token_offsets": (False,),
     "return_tokens_as_token_ids": (False,),
     "routed_experts_prompt_start": (0,),
@@ -100,6 +99,7 @@ _SERVED = frozenset(
         "chat_template_kwargs",  # `template_kwargs`
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
         "cache_salt",  # refused by tenants.reject_client_salt
+        "return_token_ids",  # vLLM's: the prompt's and each piece's token ids beside the text (`full_response`)
     }
 )  # fmt: skip
 
@@ -171,6 +171,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # running usage in every chunk (vLLM's stream_options.continuous_usage_stats)
+    # vLLM's `return_token_ids`: the prompt's token ids and the answer's beside its text; an echoed completion's
+    # prompt then goes back as ids only, its text left out, as vLLM's server answers
+    return_token_ids: bool = False
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -306,12 +309,13 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
-    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_token_ids"):
         value = body.get(flag)
         if value is not None:
             if not isinstance(value, bool):
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
+    return_token_ids = bool(params.pop("return_token_ids", False))  # the answer's shape, not the engine's
     for name, harmless in _REFUSED[kind].items():  # in the tables' order: the first refused field is named
         v = body.get(name)
         if v is not None and not any(_same_value(v, h) for h in harmless):
@@ -326,6 +330,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         params={k: v for k, v in params.items() if v is not None},
         constrained=_constraint(body),
         top_logprobs=top_logprobs,
+        return_token_ids=return_token_ids,
         body=body,
     )
 
@@ -689,35 +694,43 @@ def full_response(
     tool_calls: list[dict] | None = None,
     logprobs: dict | None = None,
     prompt_logprobs: list | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict:
     """A non-streamed answer; `created` is the request's own stamp (seconds), taken once by the caller.
     `stop_reason` is what stopped it, as vLLM's server reports it beside `finish_reason`: the stop string that
     matched, a stop token's id, None for EOS or a length. A chat's `tool_calls` (`tool_calls.py`) go in its
     message when it made any, beside the content left (null when none was); `logprobs` are the choice's
     (`logprobs.py`), null when none were asked for; `prompt_logprobs` the prompt's (`logprobs.prompt_scores`),
-    where vLLM's server puts them: a completion's in its choice, a chat's beside its choices, when computed."""
+    where vLLM's server puts them: a completion's in its choice, a chat's beside its choices, when computed.
+    With `return_token_ids`, the answer's `token_ids` go in its choice and the `prompt_token_ids` where vLLM's
+    server puts them: a completion's in its choice, a chat's beside its choices."""
     if req.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {
+        chat_choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
+        answer: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": req.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                    "stop_reason": stop_reason,
-                }
-            ],
+            "choices": [chat_choice],
             "system_fingerprint": None,  # OpenAI's field, null as on vLLM's server
             "usage": u,
-            **({"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}),
         }
+        if prompt_logprobs is not None:
+            answer["prompt_logprobs"] = prompt_logprobs
+        if req.return_token_ids:
+            chat_choice["token_ids"] = token_ids
+            answer["prompt_token_ids"] = prompt_token_ids
+        return answer
     choice: dict[str, Any] = {
         "index": 0,
         "text": text,
@@ -725,8 +738,12 @@ def full_response(
         "finish_reason": finish,
         "stop_reason": stop_reason,
     }
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = prompt_logprobs
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = prompt_token_ids
     return {
         "id": rid,
         "object": "text_completion",
@@ -749,11 +766,16 @@ def stream_chunk(
     stop_reason: int | str | None = None,
     delta: dict | None = None,
     logprobs: dict | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict:
     """One chunk of a streamed answer. `created` is the request's stamp, taken once: every chunk of a stream
     carries the same one, as OpenAI's and vLLM's do (read per chunk, a slow stream's changed midway). The chunk
     that finishes it carries `stop_reason` too (`full_response`), as vLLM's last chunk does. A chat's `delta`,
-    where given (a tool-call parser's, `tool_calls.py`), is its choice's delta instead of `text` as content."""
+    where given (a tool-call parser's, `tool_calls.py`), is its choice's delta instead of `text` as content.
+    With `return_token_ids` a piece's choice carries its `token_ids`, and a choice's first chunk the
+    `prompt_token_ids` (as vLLM's stream: a completion's in the choice, null after the first; a chat's beside
+    the choices)."""
     if req.kind == "chat":
         choices = []
         if text is not None or finish is not None or first or delta is not None:
@@ -779,6 +801,14 @@ def stream_chunk(
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if finish is not None:  # the finishing chunk always has its one choice
         choices[0]["stop_reason"] = stop_reason
+    if req.return_token_ids:
+        if req.kind == "chat":
+            if prompt_token_ids is not None:
+                chunk["prompt_token_ids"] = prompt_token_ids
+        elif choices:
+            choices[0]["prompt_token_ids"] = prompt_token_ids
+        if choices:
+            choices[0]["token_ids"] = token_ids or []
     if u is not None:
         chunk["usage"] = u
     elif req.include_usage:

@@ -38,6 +38,7 @@ SAMPLING = {
     "stop": {"oneOf": [STRING, {"type": "array", "items": STRING, "maxItems": 4}]},
     "n": {"type": "integer", "minimum": 1, "maximum": 2},
     "include_stop_str_in_output": {"type": "boolean"},
+    "return_token_ids": {"type": "boolean"},
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }

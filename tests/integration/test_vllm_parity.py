@@ -190,3 +190,56 @@ def test_a_streamed_echoed_chat_is_vllms_too(vllm_server, live_app):
     with live_app.client() as c:
         ours = _streamed_texts(c, "/v1/chat/completions", body)
     assert theirs[0].startswith("Well,") and ours == theirs
+
+
+IDS_CASES = {
+    "a batch x n, seeded": ("/v1/completions", CASES["a batch x n, seeded"][1]),
+    "an echoed completion": ("/v1/completions", CASES["echo scored with an answer"][1]),
+    "a chat's n, seeded": ("/v1/chat/completions", CASES["a chat's n, seeded"][1]),
+    "a chat's echo": ("/v1/chat/completions", CASES["a chat's echo"][1]),
+}
+
+
+def _token_ids(answer: dict) -> tuple:
+    """What `return_token_ids` adds to an answer: the prompt's ids (a completion's per choice, a chat's beside
+    its choices) and each choice's text and generated ids."""
+    choices = [(c.get("text", (c.get("message") or {}).get("content")), c["token_ids"]) for c in answer["choices"]]
+    prompts = [c["prompt_token_ids"] for c in answer["choices"] if "text" in c] or [answer["prompt_token_ids"]]
+    return prompts, choices
+
+
+def _streamed_token_ids(client: httpx.Client, url: str, body: dict) -> dict[int, tuple]:
+    """Per choice of a stream: the prompt's ids from its first chunk, its generated ids joined, its text."""
+    seen: dict[int, tuple] = {}
+    with client.stream("POST", url, json={"model": "tiny", **body, "stream": True}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            for c in event["choices"]:
+                prompt = c.get("prompt_token_ids", event.get("prompt_token_ids"))
+                before = seen.get(c["index"], (prompt, [], ""))
+                piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+                seen[c["index"]] = (before[0], before[1] + (c.get("token_ids") or []), before[2] + piece)
+    return seen
+
+
+@pytest.mark.parametrize("case", list(IDS_CASES))
+def test_token_ids_are_returned_as_vllms_own_server_returns_them(case, vllm_server, live_app):
+    """`return_token_ids`: the same prompt ids, generated ids and texts as vLLM's server gives, whole and
+    streamed (an echoed completion's prompt as ids, its text left out, as vLLM's server answers)."""
+    path, body = IDS_CASES[case]
+    body = {**body, "return_token_ids": True}
+    with httpx.Client(timeout=120) as plain:
+        theirs = plain.post(vllm_server + path, json={"model": "tiny", **body})
+        theirs_streamed = _streamed_token_ids(plain, vllm_server + path, body)
+    with live_app.client() as c:
+        ours = c.post(path, json={"model": "tiny", **body})
+        ours_streamed = _streamed_token_ids(c, path, body)
+    assert theirs.status_code == 200, theirs.text
+    assert ours.status_code == 200, ours.text
+    assert _token_ids(ours.json()) == _token_ids(theirs.json())
+    assert all(ids for _, ids in _token_ids(theirs.json())[1])  # each choice has generated ids to compare
+    assert theirs_streamed and all(prompt and ids for prompt, ids, _ in theirs_streamed.values())
+    assert ours_streamed == theirs_streamed

@@ -473,7 +473,7 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("truncate_prompt_tokens", 2),
         ("add_generation_prompt", False),
         ("continue_final_message", True),
-        ("return_token_ids", True),
+        ("return_tokens_as_token_ids", True),
         ("chat_template", "{{ messages }}"),
     ],
 )
@@ -538,6 +538,74 @@ def test_a_stop_string_kept_in_the_text_is_asked_of_the_engine_as_vllms_server_a
     status, answer = _answer(ing, {**body, "include_stop_str_in_output": "yes"}, kind)
     assert status == 400 and answer["error"]["param"] == "include_stop_str_in_output"
     assert len(ing.engine.requests) == 2
+
+
+class _HeldBackEngine(_RecordingEngine):
+    """Streams a piece whose tokens have no text yet (a stop string may be forming) between two with text."""
+
+    def __init__(self):
+        super().__init__()
+        plain = self.generate.remote
+
+        def generate(request: dict) -> _Stream:
+            stream = plain(request)
+            stream.chunks = [_chunk("a", [5]), _chunk("", [6]), _chunk("b", [7], "length")]
+            return stream
+
+        self.generate = _Method(generate)
+
+
+def _choices_of(events: list[dict]) -> list[dict]:
+    return [c for e in events for c in e["choices"]]
+
+
+def test_return_token_ids_answers_the_prompts_and_the_answers_token_ids_where_vllms_server_does():
+    """vLLM's `return_token_ids`: the ids the engine was given as `prompt_token_ids` (a completion's in its
+    choice, a chat's beside its choices) and the answer's as its choice's `token_ids`; streamed, the prompt's in
+    a choice's first chunk only (a completion's null after it) and each chunk's own tokens, a chunk going out for
+    tokens whose text is held back too; an echoed completion's prompt back as ids, not text; neither field
+    without the flag; anything but a boolean a 400 before the engine is asked."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    status, answer = _answer(ing, {**BODY, "return_token_ids": True})
+    assert status == 200
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == ing.engine.requests[-1]["prompt_token_ids"] == [1, 2, 3]
+    assert (choice["text"], choice["token_ids"]) == ("ab", [5, 6])
+    status, answer = _answer(ing, BODY)
+    assert status == 200 and not {"token_ids", "prompt_token_ids"} & set(answer["choices"][0])
+    status, answer = _answer(ing, {**BODY, "return_token_ids": True, "echo": True})
+    assert status == 200
+    assert (answer["choices"][0]["text"], answer["choices"][0]["prompt_token_ids"]) == ("ab", [1, 2, 3])
+
+    status, answer = _answer(ing, {**CHAT, "return_token_ids": True}, "chat")
+    assert status == 200
+    assert answer["prompt_token_ids"] == ing.engine.requests[-1]["prompt_token_ids"]
+    assert answer["choices"][0]["token_ids"] == [5, 6] and "prompt_token_ids" not in answer["choices"][0]
+
+    ing.engine = _HeldBackEngine()
+    status, sse = _answer(ing, {**BODY, "return_token_ids": True, "stream": True})
+    assert status == 200
+    pieces = _choices_of(_events(sse))
+    assert [(c["text"], c["token_ids"], c["prompt_token_ids"]) for c in pieces] == [
+        ("a", [5], [1, 2, 3]),
+        ("", [6], None),
+        ("b", [7], None),
+    ]
+    status, sse = _answer(ing, {**BODY, "stream": True})
+    assert [c["text"] for c in _choices_of(_events(sse))] == ["a", "b"]  # without the flag, text pieces only
+    assert not any("token_ids" in c for c in _choices_of(_events(sse)))
+    status, sse = _answer(ing, {**CHAT, "return_token_ids": True, "stream": True}, "chat")
+    events = [e for e in _events(sse) if e["choices"]]
+    assert events[0]["prompt_token_ids"] == ing.engine.requests[-1]["prompt_token_ids"]
+    assert not any("prompt_token_ids" in e for e in events[1:])
+    assert [c["token_ids"] for c in _choices_of(events)] == [[5], [6], [7]]
+
+    sent = len(ing.engine.requests)
+    for kind in ("completion", "chat"):
+        status, answer = _answer(ing, {**(BODY if kind == "completion" else CHAT), "return_token_ids": "yes"}, kind)
+        assert status == 400 and answer["error"]["param"] == "return_token_ids"
+    assert len(ing.engine.requests) == sent
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

@@ -182,7 +182,7 @@ EXTRAS = [
     ("allowed_token_ids", [1, 2]),
     ("bad_words", ["x"]),
     ("truncate_prompt_tokens", 3),
-    ("return_token_ids", True),
+    ("return_tokens_as_token_ids", True),
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
     ("vllm_xargs", {"a": 1}),
