@@ -82,7 +82,9 @@ class ChoiceAnswer:
         if req.return_token_ids:
             prompt = ""
         else:
-            prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(ids)
+            # the prompt as sent (a truncated one too, as vLLM's server echoes it)
+            sent = req.prompt_ids if req.prompt_ids is not None else ids
+            prompt = req.prompt_text if req.prompt_text is not None else self.tokenizer.decode(sent)
         shown = {**piece, "text": prompt + text, "token_ids": [*ids, *token_ids]}
         if req.top_logprobs is not None:
             prompt_rows = piece.get("prompt_logprobs") or [()] * len(ids)

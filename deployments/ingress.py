@@ -47,7 +47,7 @@ from kvmesh.deployments.config import app_config, resolve_model
 from kvmesh.deployments.continuation_text import ContinuationText, rust_tokenizer
 from kvmesh.deployments.failure_metrics import FailureCounters, failure_metrics_text
 from kvmesh.deployments.migration import MigratingStream, call_migrating, continuation_id
-from kvmesh.deployments.openai_protocol import OpenAIError
+from kvmesh.deployments.openai_protocol import OpenAIError, truncated
 from kvmesh.deployments.ray_private import context_with_own_request_id
 from kvmesh.deployments.router import (
     active_routers,
@@ -179,6 +179,14 @@ def _id_shown(token_id: int) -> str:
     """A token id for a message: a huge one (JSON allows thousands of digits) cut."""
     digits = str(token_id)
     return digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
+
+
+def load_tokenizer(model_path: str):
+    """The model's tokenizer as vLLM loads a generating model's: truncating on the left
+    (`truncate_prompt_tokens` keeps a prompt's last tokens)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path, truncation_side="left")
 
 
 def model_vocab_size(model_path: str) -> int:
@@ -316,8 +324,6 @@ def _close_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
 @serve.ingress(fastapi_app)
 class Ingress:
     def __init__(self, engine_handle, config: dict):
-        from transformers import AutoTokenizer
-
         from kvmesh.deployments.loopback_serve import bind_replica_grpc_to_loopback
         from kvmesh.deployments.ray_private import serve_uses_grpc_by_default
 
@@ -329,7 +335,7 @@ class Ingress:
         self.engine_transport = "grpc" if serve_uses_grpc_by_default() else "actor"
         self.engine = engine_handle.options(_by_reference=self.engine_transport == "actor")
         self.model_path = resolve_model(self.cfg["engine"]["model"])
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         # the ids the engine takes: its model's embedding rows, which may outnumber the tokenizer's entries
         self.vocab_size = max(len(self.tokenizer), model_vocab_size(self.model_path))
         self.max_model_len = self.cfg["engine"]["max_model_len"]
@@ -473,14 +479,17 @@ class Ingress:
         # token ids of the request's settings: the engine refuses them only after placement, as an error of its own
         for name in ("stop_token_ids", "logit_bias"):
             self._check_token_ids(req.params.get(name) or (), name)
+        keep = self._kept_tokens(req)
         if req.prompt_ids is not None:
-            if len(req.prompt_ids) >= self.max_model_len:  # before looking at each id
-                raise self._too_long(req, f"the request's {len(req.prompt_ids)} prompt tokens cannot fit in it")
-            self._check_token_ids(req.prompt_ids, "prompt")
-            return req.prompt_ids
+            ids = req.prompt_ids if keep is None else truncated(req.prompt_ids, keep, req.truncation_side)
+            if len(ids) >= self.max_model_len:  # before looking at each id
+                raise self._too_long(req, f"the request's {len(ids)} prompt tokens cannot fit in it")
+            self._check_token_ids(ids, "prompt")
+            return ids
+        cap = self._max_prompt_chars()
         if req.kind == "chat" and req.messages is not None:  # the parser sets messages on every chat request
             chars = sum(len(content_text(m["content"])) for m in req.messages)
-            if len(req.messages) >= self.max_model_len or chars > self._max_prompt_chars():
+            if len(req.messages) >= self.max_model_len or (chars > cap and keep is None):
                 detail = f"the request's {len(req.messages)} messages of {chars} characters cannot fit in it"
                 raise self._too_long(req, detail)
             # the messages as vLLM's server hands them to this template (its content format, the developer role)
@@ -495,16 +504,45 @@ class Ingress:
                 raise proto.bad(f"The model's chat template refused this request: {reason}", "messages") from None
         else:
             text = req.prompt_text or ""  # set on every completion request without prompt ids
-        if len(text) > self._max_prompt_chars():
+        if keep is None and len(text) > cap:
             raise self._too_long(req, f"the request's {len(text)} characters of prompt cannot fit in it")
-        special = req.kind == "completion"  # a chat template writes its own special tokens
+        # as vLLM's server: a prompt cut on a side asked for is cut to the characters the context could hold on
+        # that side first, then tokenised whole and sliced; cut on the tokenizer's side (the last tokens kept),
+        # the tokenizer truncates it, keeping the special tokens it adds
+        kwargs: dict[str, Any] = {"add_special_tokens": req.kind == "completion"}  # a chat template writes its own
+        if keep is not None and req.truncation_side is not None:
+            text = text[-cap:] if req.truncation_side == "left" else text[:cap]
+        elif keep is not None:
+            kwargs.update(truncation=True, max_length=keep)
         try:
             if len(text) > LONG_PROMPT_CHARS:
-                return list(await self._in_tokenize_thread(self.tokenizer.encode, text, add_special_tokens=special))
-            return list(self.tokenizer.encode(text, add_special_tokens=special))
+                ids = list(await self._in_tokenize_thread(self.tokenizer.encode, text, **kwargs))
+            else:
+                ids = list(self.tokenizer.encode(text, **kwargs))
         except (TypeError, ValueError, UnicodeError) as exc:
             message = f"The prompt cannot be tokenized: {exc}"[:300]
             raise proto.bad(message, req.prompt_param, "invalid_prompt") from None
+        return ids if keep is None or req.truncation_side is None else truncated(ids, keep, req.truncation_side)
+
+    def _kept_tokens(self, req: proto.GenerationRequest) -> int | None:
+        """How many prompt tokens `truncate_prompt_tokens` keeps (None: all), by vLLM's rules: -1 is the context,
+        less one token where the request asks for an answer (a completion's `max_tokens`, a chat's if given);
+        more than the context, or none at all, is a 400 naming the field."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep > self.max_model_len:
+            raise proto.bad(
+                f"'truncate_prompt_tokens' ({keep}) cannot be greater than the model's context length "
+                f"({self.max_model_len}).",
+                "truncate_prompt_tokens",
+            )
+        if keep == 0:  # nothing left to prompt with
+            raise proto.bad("'truncate_prompt_tokens' 0 leaves the prompt empty.", "truncate_prompt_tokens")
+        if keep < 0:
+            answers = not req.echo_only and bool(req.params.get("max_tokens"))
+            keep = self.max_model_len - 1 if answers else self.max_model_len
+        return keep
 
     def _chat_template(self) -> str | None:
         """The tokenizer's chat template (read once: it decides how messages are put for it)."""
@@ -923,6 +961,8 @@ class Ingress:
             strs = body.pop("return_token_strs", False)
             if strs is not None and not isinstance(strs, bool):
                 raise proto.bad("'return_token_strs' must be a boolean.", "return_token_strs", "invalid_type")
+            for generation_only in ("truncate_prompt_tokens", "truncation_side"):  # not vLLM's /tokenize fields
+                body.pop(generation_only, None)
             req = proto.parse_request(body, kind)
             self._check_model(req)
             ids = await self._tokenize(req)

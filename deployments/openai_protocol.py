@@ -60,8 +60,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "routed_experts_prompt_start": (0,),
     "spaces_between_special_tokens": (True,),
     "thinking_token_budget": (),
-    "truncate_prompt_tokens": (),
-    "truncation_side": (),
     "use_beam_search": (False,),
     "vllm_xargs": (),
     "watermarking": (False,),
@@ -100,6 +98,7 @@ _SERVED = frozenset(
         "response_format", "structured_outputs",  # `_constraint`; the grammar itself: structured_outputs.py
         "cache_salt",  # refused by tenants.reject_client_salt
         "return_token_ids",  # vLLM's: the prompt's and each piece's token ids beside the text (`full_response`)
+        "truncate_prompt_tokens", "truncation_side",  # vLLM's: the prompt cut to its last (or first) tokens
     }
 )  # fmt: skip
 
@@ -174,6 +173,10 @@ class GenerationRequest:
     # vLLM's `return_token_ids`: the prompt's token ids and the answer's beside its text; an echoed completion's
     # prompt then goes back as ids only, its text left out, as vLLM's server answers
     return_token_ids: bool = False
+    # vLLM's: the prompt's tokens kept (-1: as many as the context allows), from the end ("left", vLLM's default
+    # for a generating model: the last ones kept) or the start ("right"); None: the whole prompt
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -316,6 +319,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
     return_token_ids = bool(params.pop("return_token_ids", False))  # the answer's shape, not the engine's
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise bad("'truncation_side' must be 'left' or 'right'.", "truncation_side")
     for name, harmless in _REFUSED[kind].items():  # in the tables' order: the first refused field is named
         v = body.get(name)
         if v is not None and not any(_same_value(v, h) for h in harmless):
@@ -331,6 +337,8 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         constrained=_constraint(body),
         top_logprobs=top_logprobs,
         return_token_ids=return_token_ids,
+        truncate_prompt_tokens=number(body, "truncate_prompt_tokens", -1, (1 << 63) - 1, integer=True),
+        truncation_side=side,
         body=body,
     )
 
@@ -401,6 +409,14 @@ def _constraint(body: dict) -> bool:
     if given is not None and not isinstance(given, dict):
         raise bad("'structured_outputs' must be an object.", "structured_outputs", "invalid_type")
     return (fmt is not None and fmt.get("type") != "text") or given is not None
+
+
+def truncated(ids: list[int], keep: int, side: str | None) -> list[int]:
+    """A prompt's ids as `truncate_prompt_tokens` keeps them: its last `keep` (side "left", or None: vLLM sets
+    a generating model's tokenizer to truncate on the left) or its first ("right")."""
+    if keep >= len(ids):
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep :]
 
 
 def parse_request(body: dict, kind: str) -> GenerationRequest:

@@ -39,6 +39,8 @@ SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 2},
     "include_stop_str_in_output": {"type": "boolean"},
     "return_token_ids": {"type": "boolean"},
+    "truncate_prompt_tokens": {"type": "integer", "minimum": -2, "maximum": 5000},
+    "truncation_side": {"type": "string", "enum": ["left", "right", "middle"]},
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }

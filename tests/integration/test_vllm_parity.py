@@ -243,3 +243,30 @@ def test_token_ids_are_returned_as_vllms_own_server_returns_them(case, vllm_serv
     assert all(ids for _, ids in _token_ids(theirs.json())[1])  # each choice has generated ids to compare
     assert theirs_streamed and all(prompt and ids for prompt, ids, _ in theirs_streamed.values())
     assert ours_streamed == theirs_streamed
+
+
+TRUNCATED = {
+    "token ids, the last kept": ("/v1/completions", {"prompt": P, "truncate_prompt_tokens": 7}),
+    "a text, the first kept": (
+        "/v1/completions",
+        {"prompt": "The cache remembers what it placed", "truncate_prompt_tokens": 5, "truncation_side": "right"},
+    ),
+    "a chat, the last kept": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hello there, old friend"}], "truncate_prompt_tokens": 6},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TRUNCATED))
+def test_a_truncated_prompt_is_the_one_vllms_own_server_answers(case, vllm_server, live_app):
+    """`truncate_prompt_tokens`: the prompt ids kept, the greedy answer and the usage equal vLLM's server's."""
+    path, body = TRUNCATED[case]
+    body = {**body, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
+    with live_app.client() as c:
+        ours = c.post(path, json={"model": "tiny", **body})
+    assert theirs.status_code == 200, theirs.text
+    assert ours.status_code == 200, ours.text
+    assert _token_ids(ours.json()) == _token_ids(theirs.json())
+    assert _usage(ours.json()) == _usage(theirs.json()) and _usage(theirs.json())[0] == body["truncate_prompt_tokens"]

@@ -470,7 +470,7 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("logprobs", 0),
         ("allowed_token_ids", [1]),
         ("bad_words", ["x"]),
-        ("truncate_prompt_tokens", 2),
+        ("return_token_offsets", True),
         ("add_generation_prompt", False),
         ("continue_final_message", True),
         ("return_tokens_as_token_ids", True),
@@ -605,6 +605,90 @@ def test_return_token_ids_answers_the_prompts_and_the_answers_token_ids_where_vl
     for kind in ("completion", "chat"):
         status, answer = _answer(ing, {**(BODY if kind == "completion" else CHAT), "return_token_ids": "yes"}, kind)
         assert status == 400 and answer["error"]["param"] == "return_token_ids"
+    assert len(ing.engine.requests) == sent
+
+
+def _vllms_truncation(prompt: str | list[int], keep: int, side: str | None, max_len: int, answer: int, special: bool):
+    """The prompt ids vLLM's server makes of `prompt` with `truncate_prompt_tokens` `keep` (its own
+    TokenizeParams and tokenizer: text cut on a side asked for, else by the tokenizer, then the ids)."""
+    from vllm.renderers.params import TokenizeParams
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(_tiny_path()))
+    params = TokenizeParams(
+        max_total_tokens=max_len,
+        max_output_tokens=answer,
+        truncate_prompt_tokens=keep,
+        truncation_side=side,  # type: ignore[arg-type]
+        add_special_tokens=special,
+    )
+    if isinstance(prompt, str):
+        text = params.apply_pre_tokenization(tok, {"prompt": prompt})["prompt"]
+        prompt = tok.encode(text, **params.get_encode_kwargs())
+    return params.apply_post_tokenization(tok, {"prompt_token_ids": prompt})["prompt_token_ids"]  # type: ignore
+
+
+PROSE = "The cache remembers what the router placed, and the router remembers where the cache is warm. " * 3
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+@pytest.mark.parametrize("keep", [1, 5, 2000, -1])
+@pytest.mark.parametrize("prompt", [PROSE, list(range(10, 90))], ids=["text", "token ids"])
+def test_truncate_prompt_tokens_keeps_the_tokens_vllms_server_keeps(prompt, keep, side):
+    """vLLM's `truncate_prompt_tokens` (and `truncation_side`): the engine is given (and the router hashes) the
+    ids vLLM's own TokenizeParams make of the same prompt with the same tokenizer: the last tokens by default,
+    the first with "right", -1 as many as a context of 48 leaves an answer (so max_tokens trimmed to 1)."""
+    from kvmesh.deployments.ingress import load_tokenizer
+
+    ing = _ingress(tokenizer=load_tokenizer(str(_tiny_path())))
+    ing.engine = _RecordingEngine()
+    ing.max_model_len = 48 if keep == -1 else 4096
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "truncate_prompt_tokens": keep}
+    status, answer = _answer(ing, {**body, **({"truncation_side": side} if side else {})})
+    assert status == 200, answer
+    sent = ing.engine.requests[0]["prompt_token_ids"]
+    assert sent == _vllms_truncation(prompt, keep, side, ing.max_model_len, 4, special=True)
+    whole = len(ing.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+    assert len(sent) == (min(keep, whole) if keep > 0 else 47)
+    if keep == -1:
+        assert ing.engine.requests[0]["params"]["max_tokens"] == 1
+
+
+def test_a_truncated_chat_and_echo_and_the_refused_truncations():
+    """A chat's templated ids cut as vLLM cuts them (no special tokens added: its template writes them); an
+    echoed completion shows the prompt as sent, as vLLM's server does, its usage counting the kept tokens; a
+    text longer than the context could hold is served once cut; 0, past the context, below -1 or a side that is
+    neither is a 400 naming its field before the engine is asked."""
+    from kvmesh.deployments.ingress import load_tokenizer
+
+    ing = _ingress(tokenizer=load_tokenizer(str(_tiny_path())))
+    ing.engine = _RecordingEngine()
+    chat = {**CHAT, "messages": [{"role": "user", "content": PROSE}], "max_tokens": 2}
+    assert _answer(ing, chat, "chat")[0] == 200
+    whole = ing.engine.requests[-1]["prompt_token_ids"]
+    assert _answer(ing, {**chat, "truncate_prompt_tokens": 6}, "chat")[0] == 200
+    assert ing.engine.requests[-1]["prompt_token_ids"] == whole[-6:]
+    status, answer = _answer(ing, {**BODY, "prompt": PROSE, "truncate_prompt_tokens": 3, "echo": True})
+    assert status == 200 and answer["choices"][0]["text"] == PROSE + "ab"
+    assert answer["usage"]["prompt_tokens"] == 3
+    ing.max_model_len = 32
+    long_text = PROSE * 40  # more characters than 32 tokens could cover
+    assert _answer(ing, {**BODY, "prompt": long_text})[0] == 400
+    for side in ("left", "right"):
+        sent = len(ing.engine.requests)
+        body = {**BODY, "prompt": long_text, "truncate_prompt_tokens": 8, "truncation_side": side}
+        assert _answer(ing, body)[0] == 200 and len(ing.engine.requests) == sent + 1
+        assert ing.engine.requests[-1]["prompt_token_ids"] == _vllms_truncation(long_text, 8, side, 32, 2, True)
+    sent = len(ing.engine.requests)
+    for bad, param in [
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 33}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
+    ]:
+        status, answer = _answer(ing, {**BODY, **bad})
+        assert status == 400 and answer["error"]["param"] == param, (bad, answer)
     assert len(ing.engine.requests) == sent
 
 

@@ -181,7 +181,7 @@ MSGS = [{"role": "user", "content": "x"}]
 EXTRAS = [
     ("allowed_token_ids", [1, 2]),
     ("bad_words", ["x"]),
-    ("truncate_prompt_tokens", 3),
+    ("logprob_token_ids", [1]),
     ("return_tokens_as_token_ids", True),
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
