@@ -51,6 +51,8 @@ SAMPLING_KEYS = (
     "include_stop_str_in_output",
     "spaces_between_special_tokens",  # set by some tool-call parsers only (deployments/tool_calls.py)
     "logit_bias",
+    "allowed_token_ids",  # the only tokens sampled (vLLM checks them against the vocabulary too)
+    "bad_words",  # words never generated: vLLM's InputProcessor tokenises them with the engine's tokenizer
     "logprobs",  # how many top log-probabilities beside each sampled token's (deployments/logprobs.py)
     "prompt_logprobs",  # the same for each prompt token (an echoed completion's); vLLM reads no cache for it
 )

@@ -45,8 +45,6 @@ _UNSUPPORTED: dict[str, tuple] = {
 # not serve -> vLLM's default values (accepted: they change nothing). Any other value is a 400, as above:
 # vLLM would act on it. Fields vLLM does not know itself are ignored, as vLLM ignores them.
 _VLLM_EXTRAS: dict[str, tuple] = {
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "ec_transfer_params": (),
     "kv_transfer_params": (),
     "length_penalty": (1.0, 1),
@@ -99,6 +97,7 @@ _SERVED = frozenset(
         "cache_salt",  # refused by tenants.reject_client_salt
         "return_token_ids",  # vLLM's: the prompt's and each piece's token ids beside the text (`full_response`)
         "truncate_prompt_tokens", "truncation_side",  # vLLM's: the prompt cut to its last (or first) tokens
+        "allowed_token_ids", "bad_words",  # vLLM's: the only tokens sampled; words never generated
     }
 )  # fmt: skip
 
@@ -299,6 +298,21 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
             raise bad("'stop_token_ids' must be a list of token ids (integers).", "stop_token_ids", "invalid_type")
         params["stop_token_ids"] = stop_ids or None
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+            message = "'allowed_token_ids' must be a list of token ids (integers)."
+            raise bad(message, "allowed_token_ids", "invalid_type")
+        if not allowed:  # vLLM's SamplingParams: nothing could be sampled
+            raise bad("'allowed_token_ids' must not be empty.", "allowed_token_ids")
+        params["allowed_token_ids"] = allowed
+    bad_words = body.get("bad_words")
+    if bad_words is not None:
+        if not isinstance(bad_words, list) or not all(isinstance(w, str) for w in bad_words):
+            raise bad("'bad_words' must be a list of strings.", "bad_words", "invalid_type")
+        if "" in bad_words:  # as vLLM's SamplingParams: a word with nothing to match
+            raise bad("'bad_words' must not contain an empty string.", "bad_words")
+        params["bad_words"] = bad_words or None  # the engine tokenises them (vLLM's InputProcessor)
     params["logit_bias"] = _logit_bias(body.get("logit_bias"))
     top_logprobs = _logprobs(body, kind)
     params["logprobs"] = top_logprobs

@@ -41,6 +41,8 @@ SAMPLING = {
     "return_token_ids": {"type": "boolean"},
     "truncate_prompt_tokens": {"type": "integer", "minimum": -2, "maximum": 5000},
     "truncation_side": {"type": "string", "enum": ["left", "right", "middle"]},
+    "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": -1, "maximum": 1100}, "maxItems": 4},
+    "bad_words": {"type": "array", "items": STRING, "maxItems": 3},
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }

@@ -47,6 +47,15 @@ CASES = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 3, "seed": 9, **SAMPLED},
     ),
+    # the greedy answer to this prompt has "ke" in it (" The kemaris ..."): barred, it takes another path
+    "bad words barred": (
+        "/v1/completions",
+        {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "bad_words": ["ke"]},
+    ),
+    "only the tokens allowed": (
+        "/v1/completions",
+        {"prompt": "Hello there", "max_tokens": 4, "allowed_token_ids": [46, 539, 291], **SAMPLED, "seed": 3},
+    ),
 }
 
 

@@ -468,8 +468,8 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("functions", [{"name": "f"}]),
         ("guided_json", {"type": "object"}),
         ("logprobs", 0),
-        ("allowed_token_ids", [1]),
-        ("bad_words", ["x"]),
+        ("watermarking", True),
+        ("length_penalty", 2.0),
         ("return_token_offsets", True),
         ("add_generation_prompt", False),
         ("continue_final_message", True),
@@ -505,6 +505,36 @@ def test_a_logit_bias_reaches_the_engine_as_vllms_sampling_params_take_it():
         status, answer = _answer(ing, {**CHAT, "logit_bias": wrong}, "chat")
         assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == ("logit_bias", code)
     assert len(ing.engine.requests) == 1
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_allowed_token_ids_and_bad_words_reach_the_engine_as_vllms_sampling_params_take_them(kind):
+    """vLLM's `allowed_token_ids` (the only tokens sampled) and `bad_words` (never generated: vLLM's engine
+    tokenises them) reach the engine's SamplingParams as given; an empty or non-integer list, an id past the
+    vocabulary, or words that are not a list of strings is a 400 naming the field before the engine is asked."""
+    from kvmesh.deployments.engine import EngineReplica
+
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    base = BODY if kind == "completion" else CHAT
+    status, answer = _answer(ing, {**base, "allowed_token_ids": [17, 23], "bad_words": ["ke", "the end"]}, kind)
+    assert status == 200, answer
+    built = EngineReplica._sampling_params(SimpleNamespace(), ing.engine.requests[-1]["params"])
+    assert built.allowed_token_ids == [17, 23] and built.bad_words == ["ke", "the end"]
+    status, _ = _answer(ing, {**base, "bad_words": []}, kind)  # vLLM's default: nothing barred
+    assert status == 200 and "bad_words" not in ing.engine.requests[-1]["params"]
+    for wrong, code in [
+        ({"allowed_token_ids": []}, "invalid_value"),
+        ({"allowed_token_ids": [1, "2"]}, "invalid_type"),
+        ({"allowed_token_ids": [True]}, "invalid_type"),
+        ({"allowed_token_ids": [1000]}, "invalid_token_id"),
+        ({"bad_words": "ke"}, "invalid_type"),
+        ({"bad_words": ["ke", 3]}, "invalid_type"),
+        ({"bad_words": ["ke", ""]}, "invalid_value"),
+    ]:
+        status, answer = _answer(ing, {**base, **wrong}, kind)
+        assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == (next(iter(wrong)), code)
+    assert len(ing.engine.requests) == 2
 
 
 def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_models():

@@ -179,8 +179,8 @@ def test_repetition_penalty_not_above_zero_or_not_finite_is_a_400(value):
 
 MSGS = [{"role": "user", "content": "x"}]
 EXTRAS = [
-    ("allowed_token_ids", [1, 2]),
-    ("bad_words", ["x"]),
+    ("watermarking", True),
+    ("thinking_token_budget", 10),
     ("logprob_token_ids", [1]),
     ("return_tokens_as_token_ids", True),
     ("use_beam_search", True),
