@@ -66,7 +66,8 @@ class ChoiceAnswer:
             if self.req.kind == "chat"
             else functools.partial(logprobs.completion_logprobs, offset=offset)
         )
-        return build(chunk["token_ids"], rows, self.req.top_logprobs, self._decode_token)
+        as_ids = self.req.return_tokens_as_token_ids
+        return build(chunk["token_ids"], rows, self.req.top_logprobs, self._decode_token, as_ids=as_ids)
 
     def echoed(self, piece: dict) -> dict:
         """An answer's first piece (or the whole answer) as an echoed completion shows it, vLLM's way: the prompt

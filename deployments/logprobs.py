@@ -20,14 +20,22 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top: int, decode: Callable[[int], str]) -> dict:
+def id_placeholder(token_id: int) -> str:
+    """A token shown as its id (vLLM's `return_tokens_as_token_ids`: text a client need not decode)."""
+    return f"token_id:{token_id}"
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], rows: Sequence[Row], top: int, decode: Callable[[int], str], as_ids: bool = False
+) -> dict:
     """`choices[i].logprobs` of a chat answer (or of a streamed chunk, for its tokens): `top` alternatives per
-    token (the request's `top_logprobs`), taken in the engine's order as vLLM takes them."""
+    token (the request's `top_logprobs`), taken in the engine's order as vLLM takes them. `as_ids`: every token
+    shown as `id_placeholder`, the sampled token's bytes still its text's, as vLLM's server shows them."""
     content = []
     for token_id, row in zip(token_ids, rows):
         step = {tid: (lp, decoded) for tid, lp, _, decoded in row}
         if token_id not in step:  # the engine gave no log-probability for it: its text only, as vLLM
-            token = decode(token_id)
+            token = id_placeholder(token_id) if as_ids else decode(token_id)
             content.append({"token": token, "logprob": FLOOR, "bytes": _bytes(token), "top_logprobs": []})
             continue
         logprob, decoded = step[token_id]
@@ -35,11 +43,12 @@ def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top: int, decod
         for i, (tid, (lp, text)) in enumerate(step.items()):
             if i >= top:
                 break
-            alt = text if text is not None else decode(tid)
+            alt = id_placeholder(tid) if as_ids else text if text is not None else decode(tid)
             alternatives.append({"token": alt, "logprob": max(lp, FLOOR), "bytes": _bytes(alt)})
+        shown = id_placeholder(token_id) if as_ids else decoded if decoded is not None else decode(token_id)
         content.append(
             {
-                "token": decoded if decoded is not None else decode(token_id),
+                "token": shown,
                 "logprob": max(logprob, FLOOR),
                 "bytes": None if decoded is None else _bytes(decoded),
                 "top_logprobs": alternatives,
@@ -49,11 +58,19 @@ def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top: int, decod
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], rows: Sequence[Row], top: int, decode: Callable[[int], str], offset: int = 0
+    token_ids: Sequence[int],
+    rows: Sequence[Row],
+    top: int,
+    decode: Callable[[int], str],
+    offset: int = 0,
+    as_ids: bool = False,
 ) -> dict:
     """`choices[i].logprobs` of a completion (or of a streamed chunk, for its tokens, its text offsets going on
     from `offset`): the sampled token and `top` alternatives per token (`top` + 1 entries, OpenAI's rule as
-    vLLM applies it), each token's offset in the answer's text."""
+    vLLM applies it), each token's offset in the answer's text. `as_ids`: every token shown as
+    `id_placeholder`, the offsets going on by those, as vLLM's server counts them."""
+    if as_ids:
+        decode = id_placeholder
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -66,11 +83,11 @@ def completion_logprobs(
             tops.append(None)
         else:
             logprob, decoded = step[token_id]
-            token = decoded if decoded is not None else decode(token_id)
+            token = decoded if decoded is not None and not as_ids else decode(token_id)
             token_logprobs.append(max(logprob, FLOOR))
             tops.append(
                 {
-                    (text if text is not None else decode(tid)): max(lp, FLOOR)
+                    (text if text is not None and not as_ids else decode(tid)): max(lp, FLOOR)
                     for i, (tid, (lp, text)) in enumerate(step.items())
                     if i <= top
                 }

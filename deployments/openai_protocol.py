@@ -54,7 +54,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "repetition_detection": (),
     "return_mm_kwargs": (False,),
     "return_token_offsets": (False,),
-    "return_tokens_as_token_ids": (False,),
     "routed_experts_prompt_start": (0,),
     "spaces_between_special_tokens": (True,),
     "thinking_token_budget": (),
@@ -98,6 +97,7 @@ _SERVED = frozenset(
         "return_token_ids",  # vLLM's: the prompt's and each piece's token ids beside the text (`full_response`)
         "truncate_prompt_tokens", "truncation_side",  # vLLM's: the prompt cut to its last (or first) tokens
         "allowed_token_ids", "bad_words",  # vLLM's: the only tokens sampled; words never generated
+        "return_tokens_as_token_ids",  # vLLM's: log-probabilities' tokens as "token_id:N" (`logprobs.py`)
     }
 )  # fmt: skip
 
@@ -172,6 +172,8 @@ class GenerationRequest:
     # vLLM's `return_token_ids`: the prompt's token ids and the answer's beside its text; an echoed completion's
     # prompt then goes back as ids only, its text left out, as vLLM's server answers
     return_token_ids: bool = False
+    # vLLM's `return_tokens_as_token_ids`: the log-probabilities' tokens shown as "token_id:N"
+    return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's tokens kept (-1: as many as the context allows), from the end ("left", vLLM's default
     # for a generating model: the last ones kept) or the start ("right"); None: the whole prompt
     truncate_prompt_tokens: int | None = None
@@ -326,13 +328,14 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
-    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_token_ids"):
+    shown = ("return_token_ids", "return_tokens_as_token_ids")  # the answer's shape, not the engine's
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", *shown):
         value = body.get(flag)
         if value is not None:
             if not isinstance(value, bool):
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
-    return_token_ids = bool(params.pop("return_token_ids", False))  # the answer's shape, not the engine's
+    return_token_ids, as_token_ids = (bool(params.pop(flag, False)) for flag in shown)
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         raise bad("'truncation_side' must be 'left' or 'right'.", "truncation_side")
@@ -351,6 +354,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         constrained=_constraint(body),
         top_logprobs=top_logprobs,
         return_token_ids=return_token_ids,
+        return_tokens_as_token_ids=as_token_ids,
         truncate_prompt_tokens=number(body, "truncate_prompt_tokens", -1, (1 << 63) - 1, integer=True),
         truncation_side=side,
         body=body,

@@ -43,6 +43,7 @@ SAMPLING = {
     "truncation_side": {"type": "string", "enum": ["left", "right", "middle"]},
     "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": -1, "maximum": 1100}, "maxItems": 4},
     "bad_words": {"type": "array", "items": STRING, "maxItems": 3},
+    "return_tokens_as_token_ids": {"type": "boolean"},
     "user": STRING,
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }

@@ -52,6 +52,10 @@ CASES = {
         "/v1/completions",
         {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "bad_words": ["ke"]},
     ),
+    "log-probabilities' tokens as ids": (
+        "/v1/completions",
+        {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
     "only the tokens allowed": (
         "/v1/completions",
         {"prompt": "Hello there", "max_tokens": 4, "allowed_token_ids": [46, 539, 291], **SAMPLED, "seed": 3},

@@ -473,7 +473,7 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("return_token_offsets", True),
         ("add_generation_prompt", False),
         ("continue_final_message", True),
-        ("return_tokens_as_token_ids", True),
+        ("kv_transfer_params", {"do_remote_prefill": True}),
         ("chat_template", "{{ messages }}"),
     ],
 )
@@ -2302,8 +2302,9 @@ class _LogprobEngine(_RecordingEngine):
         self.generate = _Method(generate)
 
 
-def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0) -> dict:
-    """vLLM's own chat or completion server functions on the same engine output (its Logprob objects)."""
+def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0, as_ids: bool = False) -> dict:
+    """vLLM's own chat or completion server functions on the same engine output (its Logprob objects);
+    `as_ids`: a request's `return_tokens_as_token_ids`."""
     import functools
 
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
@@ -2317,8 +2318,8 @@ def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0) 
     server._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, server)
     steps = [{t: Logprob(lp, rank, text) for t, lp, rank, text in row} or None for row in rows]
     if kind == "chat":
-        return OpenAIServingChat._create_chat_logprobs(server, token_ids, steps, tok, top).model_dump()
-    made = OpenAIServingCompletion._create_completion_logprobs(server, token_ids, steps, top, tok, None, offset)
+        return OpenAIServingChat._create_chat_logprobs(server, token_ids, steps, tok, top, None, as_ids).model_dump()
+    made = OpenAIServingCompletion._create_completion_logprobs(server, token_ids, steps, top, tok, None, offset, as_ids)
     return made.model_dump()
 
 
@@ -2327,30 +2328,35 @@ class _DecodingTokenizer(_TextTokenizer):
         return "".join(f"<{i}>" for i in ([ids] if isinstance(ids, int) else ids))
 
 
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "as token ids"])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_log_probabilities_are_answered_in_vllms_shapes(kind, stream):
+def test_log_probabilities_are_answered_in_vllms_shapes(kind, stream, as_ids):
     """The engine's per-token log-probabilities reach the client as vLLM's server writes them: a chat's
     `logprobs.content` with bytes and `top_logprobs` alternatives, a completion's tokens, offsets and top
     entries (one more than asked, OpenAI's rule); -inf as -9999; a token without decoded text from the
     tokenizer; streamed, each chunk carries its tokens' (a chunk whose text is held back too), the offsets going
-    on across chunks."""
+    on across chunks. With `return_tokens_as_token_ids` every token is shown as "token_id:N", as vLLM's server
+    shows it (a chat's sampled token keeping its text's bytes, the offsets going on by the placeholders)."""
     tok = _DecodingTokenizer()
     ing = _ingress(tokenizer=tok)
     ing.engine = _LogprobEngine()
     body = {**CHAT, "logprobs": True, "top_logprobs": 2} if kind == "chat" else {**TEXT, "logprobs": 2}
-    status, answer = _answer(ing, {**body, "stream": stream}, kind)
+    status, answer = _answer(ing, {**body, "stream": stream, "return_tokens_as_token_ids": as_ids}, kind)
     assert status == 200, answer
     assert ing.engine.requests[-1]["params"]["logprobs"] == 2
+    assert "return_tokens_as_token_ids" not in ing.engine.requests[-1]["params"]  # the answer's shape only
     if not stream:
-        assert answer["choices"][0]["logprobs"] == _vllms_logprobs(kind, 2, tok, _ROW_IDS, _ROWS)
+        assert answer["choices"][0]["logprobs"] == _vllms_logprobs(kind, 2, tok, _ROW_IDS, _ROWS, as_ids=as_ids)
+        shown = json.dumps(answer["choices"][0]["logprobs"])
+        assert ("token_id:" in shown) == as_ids
         return
     chunks = [e["choices"][0] for e in _events(answer) if e["choices"]]
     got = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
     assert len(got) == 3  # one per token: the held-back one included
     offset = 0
     for k, piece in enumerate(got):
-        expected = _vllms_logprobs(kind, 2, tok, _ROW_IDS[k : k + 1], _ROWS[k : k + 1], offset)
+        expected = _vllms_logprobs(kind, 2, tok, _ROW_IDS[k : k + 1], _ROWS[k : k + 1], offset, as_ids)
         assert piece == expected
         if kind == "completion":
             offset = expected["text_offset"][-1] + len(expected["tokens"][-1])

@@ -182,7 +182,7 @@ EXTRAS = [
     ("watermarking", True),
     ("thinking_token_budget", 10),
     ("logprob_token_ids", [1]),
-    ("return_tokens_as_token_ids", True),
+    ("repetition_detection", {"window": 4}),
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
     ("vllm_xargs", {"a": 1}),
