@@ -195,7 +195,7 @@ def rendered_chat(req: LoggedRequest, tokenizer, render=None) -> tuple[list[dict
     try:
         if render is not None:
             return messages, render(messages, **kwargs)
-        return messages, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return messages, tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as exc:  # the ingress answers these with a 400
         raise RequestLogError(f"{req.named}: the model's chat template refused it: {template_refusal(exc)}") from None
 
@@ -246,21 +246,25 @@ class ChatRenderer:
         """The render `apply_chat_template` makes (transformers' `render_jinja_template`): the request's tools
         and documents, the special tokens overridden by the request's variables."""
         assert self.template is not None
-        variables = {k: v for k, v in kwargs.items() if k not in ("documents", "tools")}
+        variables = {k: v for k, v in kwargs.items() if k not in ("documents", "tools", "add_generation_prompt")}
         return self.template.render(
             messages=messages,
             tools=kwargs.get("tools"),
             documents=kwargs.get("documents"),
-            add_generation_prompt=True,
+            add_generation_prompt=kwargs.get("add_generation_prompt", True),
             **{**self.special, **variables},
         )
 
     def _slow(self, messages: list[dict], kwargs: dict) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kwargs})
 
     def __call__(self, messages: list[dict], **kwargs) -> str:
-        """`messages` rendered with the generation prompt; `kwargs` are more template variables (a request's
-        `chat_template_kwargs`). A template's refusal is raised as `apply_chat_template` raises it."""
+        """`messages` rendered with the generation prompt unless `add_generation_prompt` says otherwise; `kwargs`
+        are the request's template arguments (`openai_protocol.template_arguments`). A template's refusal is
+        raised as `apply_chat_template` raises it. A last message left open (`continue_final_message`) is cut by
+        the tokenizer after rendering: that request is always rendered by the tokenizer."""
+        if kwargs.get("continue_final_message"):
+            return self._slow(messages, kwargs)
         if self.template is not None and self.verify <= 0:
             try:
                 return self._fast(messages, kwargs)
@@ -281,13 +285,20 @@ class ChatRenderer:
         return slow
 
 
+def adds_special_tokens(req: LoggedRequest) -> bool:
+    """Whether the ingress adds the tokenizer's special tokens to the request's text: as the request's
+    `add_special_tokens` says, else a completion's yes and a chat's no (its template writes them)."""
+    given = req.body.get("add_special_tokens")
+    return not req.is_chat if given is None else bool(given)
+
+
 def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
     """Token ids as kvmesh's ingress computes them (a completion's text with the model's special tokens, a
-    chat's template text without extra ones)."""
+    chat's template text without extra ones, unless the request says otherwise)."""
     text = prompt_text(req, tokenizer)
     if text is None:
         return list(req.body["prompt"])
-    return list(tokenizer.encode(text, add_special_tokens=not req.is_chat))
+    return list(tokenizer.encode(text, add_special_tokens=adds_special_tokens(req)))
 
 
 def message_texts(content) -> list[str]:

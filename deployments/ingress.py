@@ -495,9 +495,8 @@ class Ingress:
             # the messages as vLLM's server hands them to this template (its content format, the developer role)
             conversation = template_messages(req.messages, self._chat_template())
             try:
-                text = self.tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=True, tokenize=False, **req.template_kwargs
-                )
+                # the template's settings (`add_generation_prompt` among them) are in its arguments
+                text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **req.template_kwargs)
             except Exception as exc:  # the template's raise_exception, a model without one, a variable it fails on
                 # a 400, as vLLM's server answers any failure of the template (its safe_apply_chat_template)
                 reason = template_refusal(exc)
@@ -509,7 +508,9 @@ class Ingress:
         # as vLLM's server: a prompt cut on a side asked for is cut to the characters the context could hold on
         # that side first, then tokenised whole and sliced; cut on the tokenizer's side (the last tokens kept),
         # the tokenizer truncates it, keeping the special tokens it adds
-        kwargs: dict[str, Any] = {"add_special_tokens": req.kind == "completion"}  # a chat template writes its own
+        special = req.add_special_tokens
+        # a completion's by default; a chat's not (its template writes its own), unless asked
+        kwargs: dict[str, Any] = {"add_special_tokens": req.kind == "completion" if special is None else special}
         if keep is not None and req.truncation_side is not None:
             text = text[-cap:] if req.truncation_side == "left" else text[:cap]
         elif keep is not None:

@@ -62,18 +62,12 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "watermarking": (False,),
 }
 _VLLM_EXTRAS_BY_KIND: dict[str, dict[str, tuple]] = {
-    "completion": {"add_special_tokens": (True,), "prompt_embeds": ()},
+    "completion": {"prompt_embeds": ()},
     "chat": {
-        "add_special_tokens": (False,),
-        # the ingress renders the chat template itself, always with the generation prompt, vLLM's default
-        "add_generation_prompt": (True,),
-        "continue_final_message": (False,),
         "chat_template": (),  # vLLM's own server refuses it too, unless started with a flag
-        "documents": (),
         "include_reasoning": (True,),
         "media_io_kwargs": (),
         "mm_processor_kwargs": (),
-        "reasoning_effort": (),  # vLLM hands it to the chat template
         "return_prompt_text": (False,),
     },
 }
@@ -97,6 +91,9 @@ _SERVED = frozenset(
         "return_token_ids",  # vLLM's: the prompt's and each piece's token ids beside the text (`full_response`)
         "truncate_prompt_tokens", "truncation_side",  # vLLM's: the prompt cut to its last (or first) tokens
         "allowed_token_ids", "bad_words",  # vLLM's: the only tokens sampled; words never generated
+        "add_special_tokens",  # vLLM's: the tokenizer's special tokens added to the prompt (`_tokenize`)
+        # a chat's template settings, as vLLM's server passes them to the template (`parse_chat`)
+        "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort",
         "return_tokens_as_token_ids",  # vLLM's: log-probabilities' tokens as "token_id:N" (`logprobs.py`)
     }
 )  # fmt: skip
@@ -172,6 +169,9 @@ class GenerationRequest:
     # vLLM's `return_token_ids`: the prompt's token ids and the answer's beside its text; an echoed completion's
     # prompt then goes back as ids only, its text left out, as vLLM's server answers
     return_token_ids: bool = False
+    # the tokenizer's special tokens added to the prompt's text: None, the kind's default (a completion's yes,
+    # a chat's no: its template writes them)
+    add_special_tokens: bool | None = None
     # vLLM's `return_tokens_as_token_ids`: the log-probabilities' tokens shown as "token_id:N"
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's tokens kept (-1: as many as the context allows), from the end ("left", vLLM's default
@@ -329,13 +329,15 @@ def _common(body: dict, kind: str) -> GenerationRequest:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
     shown = ("return_token_ids", "return_tokens_as_token_ids")  # the answer's shape, not the engine's
-    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", *shown):
+    prompt_flags = ("add_special_tokens",)  # how the prompt is made, not the engine's either
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", *shown, *prompt_flags):
         value = body.get(flag)
         if value is not None:
             if not isinstance(value, bool):
                 raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
             params[flag] = value
     return_token_ids, as_token_ids = (bool(params.pop(flag, False)) for flag in shown)
+    add_special_tokens = params.pop("add_special_tokens", None)
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         raise bad("'truncation_side' must be 'left' or 'right'.", "truncation_side")
@@ -355,6 +357,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         top_logprobs=top_logprobs,
         return_token_ids=return_token_ids,
         return_tokens_as_token_ids=as_token_ids,
+        add_special_tokens=add_special_tokens,
         truncate_prompt_tokens=number(body, "truncate_prompt_tokens", -1, (1 << 63) - 1, integer=True),
         truncation_side=side,
         body=body,
@@ -597,14 +600,16 @@ def template_kwargs(body: dict) -> dict[str, Any]:
 
 
 def template_arguments(body: dict) -> dict[str, Any]:
-    """Everything a chat's template gets besides its messages: `template_kwargs`, and the request's `tools` (as
-    vLLM's server passes them, whatever the `tool_choice`). `OpenAIError` naming the field otherwise."""
+    """Everything a chat's template gets besides its messages: `template_kwargs`, the request's `tools` (as
+    vLLM's server passes them, whatever the `tool_choice`) and its template settings (`_template_settings`:
+    `add_generation_prompt` always). `OpenAIError` naming the field otherwise."""
     from kvmesh.deployments.chat_tools import chat_tools  # it imports this module's errors
 
     out = template_kwargs(body)
     tools = chat_tools(body)[0]
     if tools:
         out["tools"] = tools
+    out.update(_template_settings(body))
     return out
 
 
@@ -633,6 +638,42 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
     req.parallel_tool_calls = parallel
     return req
+
+
+# vLLM's `reasoning_effort` values (its ChatCompletionRequest)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _template_settings(body: dict) -> dict[str, Any]:
+    """A chat's own template settings, as vLLM's server passes them to the template over the request's
+    `chat_template_kwargs`: `add_generation_prompt` (default true), `continue_final_message` (the last message
+    left open, not with a generation prompt; given only when true, the template renderer's default otherwise),
+    `documents`, and `reasoning_effort` (with `enable_thinking`, unless the request's kwargs set it, false for
+    "none" and true otherwise). `OpenAIError` naming the field otherwise."""
+    out: dict[str, Any] = {}
+    for flag, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(flag)
+        if value is not None and not isinstance(value, bool):
+            raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
+        out[flag] = default if value is None else value
+    if out["continue_final_message"] and out["add_generation_prompt"]:
+        message = "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true."
+        raise bad(message, "continue_final_message")
+    if not out["continue_final_message"]:
+        del out["continue_final_message"]
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not _documents_ok(documents):
+            raise bad("'documents' must be a list of objects.", "documents", "invalid_type")
+        out["documents"] = documents
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}.", "reasoning_effort")
+        out["reasoning_effort"] = effort
+        if "enable_thinking" not in (body.get("chat_template_kwargs") or {}):
+            out["enable_thinking"] = effort != "none"
+    return out
 
 
 def chat_message(m: Any, i: int) -> dict:

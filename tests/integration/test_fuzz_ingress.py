@@ -92,6 +92,11 @@ CHAT = {
             },
         },
         "echo": {"type": "boolean"},
+        "add_generation_prompt": {"type": "boolean"},
+        "continue_final_message": {"type": "boolean"},
+        "add_special_tokens": {"type": "boolean"},
+        "reasoning_effort": {"type": "string", "enum": ["none", "low", "high", "extreme"]},
+        "documents": {"type": "array", "maxItems": 2, "items": {"type": "object"}},
         **SAMPLING,
     },
 }

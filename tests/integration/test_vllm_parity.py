@@ -210,6 +210,16 @@ IDS_CASES = {
     "an echoed completion": ("/v1/completions", CASES["echo scored with an answer"][1]),
     "a chat's n, seeded": ("/v1/chat/completions", CASES["a chat's n, seeded"][1]),
     "a chat's echo": ("/v1/chat/completions", CASES["a chat's echo"][1]),
+    "a chat's last message continued": (
+        "/v1/chat/completions",
+        {
+            "messages": ECHOED_CHAT,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 3,
+            "temperature": 0,
+        },
+    ),
 }
 
 

@@ -471,8 +471,8 @@ def test_a_chat_without_max_tokens_may_answer_to_the_end_of_the_context():
         ("watermarking", True),
         ("length_penalty", 2.0),
         ("return_token_offsets", True),
-        ("add_generation_prompt", False),
-        ("continue_final_message", True),
+        ("include_reasoning", False),
+        ("return_prompt_text", True),
         ("kv_transfer_params", {"do_remote_prefill": True}),
         ("chat_template", "{{ messages }}"),
     ],
@@ -1804,6 +1804,60 @@ def test_tools_and_tool_messages_are_rendered_as_vllms_own_server_renders_them(v
     served = _ingress_prompt_ids(body, template)
     assert served == _vllm_prompt_ids(vllm_renderer, body, template)
     assert _replayed_prompt_ids(body, template) == (served, served)
+
+
+# a template that shows the settings a request may give it: documents, a reasoning effort, thinking switched off
+SETTINGS_TEMPLATE = (
+    "{{ bos_token }}{% if documents %}{{ '<|docs|>' + documents | tojson }}{% endif %}"
+    "{% if reasoning_effort is defined %}{{ '<|effort|>' + reasoning_effort }}{% endif %}"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ 'no thinking' }}{% endif %}{% endif %}"
+)
+_SETTINGS_CASES = [
+    {"messages": [_U("q"), _A("Well,")], "add_generation_prompt": False},
+    # the assistant's last message left open: the answer continues it
+    {"messages": [_U("q"), _A("Well,")], "add_generation_prompt": False, "continue_final_message": True},
+    {"messages": [_U("q")], "documents": [{"title": "t", "text": "x"}]},
+    {"messages": [_U("q")], "documents": [{"title": "t"}], "chat_template_kwargs": {"documents": [{"title": "o"}]}},
+    {"messages": [_U("q")], "chat_template_kwargs": {"documents": [{"title": "kwargs'"}]}},
+    {"messages": [_U("q")], "reasoning_effort": "none"},
+    {"messages": [_U("q")], "reasoning_effort": "high"},
+    {"messages": [_U("q")], "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": [_U("q")], "add_special_tokens": True},
+    {"messages": [_U("q")], "chat_template_kwargs": {"add_generation_prompt": False}},  # the request's own wins
+]
+
+
+@pytest.mark.parametrize("template", [SETTINGS_TEMPLATE, None])
+@pytest.mark.parametrize("body", _SETTINGS_CASES)
+def test_a_chats_template_settings_are_rendered_as_vllms_own_server_renders_them(vllm_renderer, template, body):
+    """vLLM's `add_generation_prompt`, `continue_final_message`, `documents`, `reasoning_effort` (with its
+    `enable_thinking`) and `add_special_tokens`: the prompt ids equal vLLM's own renderer's, and the request
+    log's reader makes the same of the logged request."""
+    body = {"model": "tiny", **body}
+    served = _ingress_prompt_ids(body, template)
+    assert served == _vllm_prompt_ids(vllm_renderer, body, template)
+    assert _replayed_prompt_ids(body, template) == (served, served)
+    if body.get("continue_final_message"):  # the open message is the prompt's end: no end marker, no header
+        assert served == _ingress_prompt_ids({**body, "messages": [_U("q"), _A("Well,")]}, template)[: len(served)]
+
+
+def test_a_chats_template_settings_given_wrongly_are_a_400():
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    for bad, param in [
+        ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt, its default
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"documents": "x"}, "documents"),
+        ({"documents": ["x"]}, "documents"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"add_special_tokens": 1}, "add_special_tokens"),
+    ]:
+        status, answer = _answer(ing, {**CHAT, **bad}, "chat")
+        assert status == 400 and answer["error"]["param"] == param, (bad, answer)
+    assert not ing.engine.requests
 
 
 def _ingress_prompt_ids(body: dict, template: str | None) -> list[int]:

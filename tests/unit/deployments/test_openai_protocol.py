@@ -202,12 +202,10 @@ def test_a_vllm_extra_parameter_this_server_does_not_serve_is_refused_not_ignore
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("add_generation_prompt", False),
-        ("continue_final_message", True),
         ("chat_template", "{{ messages }}"),
-        ("reasoning_effort", "low"),
-        ("add_special_tokens", True),
-        ("documents", [{"title": "t", "text": "x"}]),
+        ("include_reasoning", False),
+        ("return_prompt_text", True),
+        ("mm_processor_kwargs", {"num_crops": 4}),
     ],
 )
 def test_a_chat_setting_for_vllms_template_rendering_is_refused(field, value):
@@ -239,9 +237,12 @@ def test_vllms_defaults_for_the_refused_extras_change_nothing_and_are_accepted()
     assert proto.parse_completion({"model": "m", "prompt": "x", "add_special_tokens": True}).prompt_text == "x"
     # a chat-only field is not vLLM's on completions: ignored there, as vLLM ignores it
     assert proto.parse_completion({"model": "m", "prompt": "x", "continue_final_message": True}).prompt_text == "x"
-    # add_special_tokens: vLLM's default differs by endpoint, and only it is accepted
-    assert err(proto.parse_completion, {"model": "m", "prompt": "x", "add_special_tokens": False}).code == (
-        "unsupported_parameter"
+    # add_special_tokens: served (the tokenizer's special tokens, the endpoint's default when left out)
+    plain = proto.parse_completion({"model": "m", "prompt": "x", "add_special_tokens": False})
+    assert plain.add_special_tokens is False
+    assert proto.parse_chat({"model": "m", "messages": MSGS}).add_special_tokens is None
+    assert err(proto.parse_chat, {"model": "m", "messages": MSGS, "add_special_tokens": "no"}).param == (
+        "add_special_tokens"
     )
 
 
@@ -430,7 +431,9 @@ def test_a_chats_tool_choice_is_vllms():
     assert req.tool_choice == named and req.template_kwargs["tools"] == [
         {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
     ]
-    assert proto.parse_chat({"model": "m", "messages": MSGS, "tool_choice": "none"}).template_kwargs == {}
+    # nothing for the template but its generation prompt
+    no_tools = proto.parse_chat({"model": "m", "messages": MSGS, "tool_choice": "none"})
+    assert no_tools.template_kwargs == {"add_generation_prompt": True}
     completion = {"model": "m", "prompt": "x", "tools": [_T]}
     assert err(proto.parse_completion, completion).code == "unsupported_parameter"  # a completion has no tools
 
@@ -450,7 +453,7 @@ def test_a_chats_tool_choice_is_vllms():
 )
 def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(given, passed):
     body = {"model": "m", "messages": MSGS, "chat_template_kwargs": given}
-    assert proto.parse_chat(body).template_kwargs == passed
+    assert proto.parse_chat(body).template_kwargs == {**passed, "add_generation_prompt": True}
 
 
 @pytest.mark.parametrize(
@@ -503,13 +506,13 @@ def test_chat_template_kwargs_that_are_no_template_variables_are_refused(given, 
 )
 def test_chat_template_kwargs_that_change_nothing_for_a_rendered_text_are_accepted_and_dropped(given):
     body = {"model": "m", "messages": MSGS, "chat_template_kwargs": {**given, "flag": 1}}
-    assert proto.parse_chat(body).template_kwargs == {"flag": 1}
+    assert proto.parse_chat(body).template_kwargs == {"flag": 1, "add_generation_prompt": True}
 
 
 @pytest.mark.parametrize("documents", [[], [{"title": "t", "text": "d"}], {}, ""])
 def test_documents_are_passed_as_transformers_takes_them(documents):
     body = {"model": "m", "messages": MSGS, "chat_template_kwargs": {"documents": documents}}
-    assert proto.parse_chat(body).template_kwargs == {"documents": documents}
+    assert proto.parse_chat(body).template_kwargs == {"documents": documents, "add_generation_prompt": True}
 
 
 def test_a_completions_null_max_tokens_is_its_default_as_in_vllms_request_model():
