@@ -81,7 +81,7 @@ ENDED_IDS_KEPT = 4096
 # ends the placement itself (`request_ended`): Serve's report is posted from another thread, and a call
 # cancelled with its client is reported once the cancel reaches it.
 REQUEST_END_GRACE_S = 10
-# prompts whose samples (`n` > 1) are kept together, by the replica their first sample was committed to: far
+# prompts whose samples (`n` > 1) are kept together, by the replica their last committed sample went to: far
 # more than are ranked at once (a prompt's samples are ranked within moments of each other)
 SAMPLE_GROUPS_KEPT = 4096
 
