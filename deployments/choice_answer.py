@@ -19,6 +19,8 @@ from kvmesh.deployments import openai_protocol as proto
 from kvmesh.deployments.openai_protocol import OpenAIError
 from kvmesh.deployments.tool_calls import AnswerParser
 
+# alternatives shown per token when the request listed its own (`logprob_token_ids`): all of them
+ALL_LISTED = 1 << 30
 # vLLM's finish reasons for a generation that did not finish: never a client's answer
 ENGINE_FAILED = frozenset({"error", "abort"})
 
@@ -67,7 +69,9 @@ class ChoiceAnswer:
             else functools.partial(logprobs.completion_logprobs, offset=offset)
         )
         as_ids = self.req.return_tokens_as_token_ids
-        return build(chunk["token_ids"], rows, self.req.top_logprobs, self._decode_token, as_ids=as_ids)
+        # every token the request listed (`logprob_token_ids`) is shown, as vLLM's server shows them
+        top = ALL_LISTED if self.req.logprobs_listed else self.req.top_logprobs
+        return build(chunk["token_ids"], rows, top, self._decode_token, as_ids=as_ids)
 
     def echoed(self, piece: dict) -> dict:
         """An answer's first piece (or the whole answer) as an echoed completion shows it, vLLM's way: the prompt

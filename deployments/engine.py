@@ -54,6 +54,7 @@ SAMPLING_KEYS = (
     "allowed_token_ids",  # the only tokens sampled (vLLM checks them against the vocabulary too)
     "bad_words",  # words never generated: vLLM's InputProcessor tokenises them with the engine's tokenizer
     "logprobs",  # how many top log-probabilities beside each sampled token's (deployments/logprobs.py)
+    "logprob_token_ids",  # the tokens whose log-probabilities are given instead of the top ones
     "prompt_logprobs",  # the same for each prompt token (an echoed completion's); vLLM reads no cache for it
 )
 EVENTS_TOPIC = "kvmesh"

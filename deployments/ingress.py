@@ -477,7 +477,7 @@ class Ingress:
         of prompt take seconds, and every other request of this replica would wait. Text the tokenizer
         refuses (a lone UTF-16 surrogate, which JSON allows) is the client's error, not a 500."""
         # token ids of the request's settings: the engine refuses them only after placement, as an error of its own
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "logprob_token_ids"):
             self._check_token_ids(req.params.get(name) or (), name)
         keep = self._kept_tokens(req)
         if req.prompt_ids is not None:

@@ -48,7 +48,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "ec_transfer_params": (),
     "kv_transfer_params": (),
     "length_penalty": (1.0, 1),
-    "logprob_token_ids": (),
     "mm_payload": ("tensors",),
     "priority": (0,),
     "repetition_detection": (),
@@ -95,6 +94,7 @@ _SERVED = frozenset(
         # a chat's template settings, as vLLM's server passes them to the template (`parse_chat`)
         "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort",
         "return_tokens_as_token_ids",  # vLLM's: log-probabilities' tokens as "token_id:N" (`logprobs.py`)
+        "logprob_token_ids",  # vLLM's: the log-probabilities of listed tokens instead of the top ones
     }
 )  # fmt: skip
 
@@ -157,6 +157,7 @@ class GenerationRequest:
     parallel_tool_calls: bool | None = None  # false: an answer keeps its first tool call only, as vLLM's
     constrained: bool = False  # asks for structured output (a grammar: `structured_outputs.constrain`)
     top_logprobs: int | None = None  # log-probabilities asked for: alternatives per token (`logprobs.py`)
+    logprobs_listed: bool = False  # the alternatives are the tokens `logprob_token_ids` lists: all shown
     echo: bool = False  # a completion's prompt goes before its answer (with its log-probabilities, when asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is not shown)
     # a chat's echo: the text its answer's content begins with (its last message's, if the assistant's; else
@@ -318,6 +319,9 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     params["logit_bias"] = _logit_bias(body.get("logit_bias"))
     top_logprobs = _logprobs(body, kind)
     params["logprobs"] = top_logprobs
+    listed = _listed_logprobs(body, kind, top_logprobs)
+    if listed:  # the engine scores the listed tokens instead of the top ones, as vLLM's server asks it
+        params["logprob_token_ids"], params["logprobs"] = listed, None
     params["prompt_logprobs"] = number(body, "prompt_logprobs", 0, MAX_LOGPROBS, integer=True)
     if params["prompt_logprobs"] and stream:  # vLLM's rule: a stream carries none (0 asks for nothing to show)
         raise bad("'prompt_logprobs' are not available when 'stream' is true.", "prompt_logprobs")
@@ -355,6 +359,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         params={k: v for k, v in params.items() if v is not None},
         constrained=_constraint(body),
         top_logprobs=top_logprobs,
+        logprobs_listed=bool(listed),
         return_token_ids=return_token_ids,
         return_tokens_as_token_ids=as_token_ids,
         add_special_tokens=add_special_tokens,
@@ -365,6 +370,25 @@ def _common(body: dict, kind: str) -> GenerationRequest:
 
 
 MAX_LOGPROBS = 20  # vLLM's engine default (`max_logprobs`): more alternatives per token are refused there
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on `logprob_token_ids` (its sampler's row width)
+
+
+def _listed_logprobs(body: dict, kind: str, top_logprobs: int | None) -> list[int]:
+    """vLLM's `logprob_token_ids`: token ids (at most `MAX_LOGPROB_TOKEN_IDS`) whose log-probabilities each
+    answer token shows, beside the sampled one's, with `logprobs` asked for as vLLM requires; an empty list is
+    none, as on vLLM's server. `OpenAIError` naming the field otherwise."""
+    ids = body.get("logprob_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad("'logprob_token_ids' must be a list of token ids (integers).", "logprob_token_ids", "invalid_type")
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        message = f"'logprob_token_ids' may list at most {MAX_LOGPROB_TOKEN_IDS} tokens, got {len(ids)}."
+        raise bad(message, "logprob_token_ids")
+    if ids and top_logprobs is None:
+        asked = "'logprobs' must be set" + (" to true" if kind == "chat" else "")
+        raise bad(f"When using 'logprob_token_ids', {asked}.", "logprob_token_ids")
+    return ids
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

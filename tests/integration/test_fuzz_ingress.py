@@ -68,6 +68,7 @@ COMPLETION = {
         },
         "echo": {"type": "boolean"},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 2},
+        "logprob_token_ids": {"type": "array", "items": TOKENS["items"], "maxItems": 3},
         **SAMPLING,
     },
 }

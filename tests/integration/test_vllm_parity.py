@@ -293,3 +293,36 @@ def test_a_truncated_prompt_is_the_one_vllms_own_server_answers(case, vllm_serve
     assert ours.status_code == 200, ours.text
     assert _token_ids(ours.json()) == _token_ids(theirs.json())
     assert _usage(ours.json()) == _usage(theirs.json()) and _usage(theirs.json())[0] == body["truncate_prompt_tokens"]
+
+
+LISTED = [46, 539, 291]  # tokens of "Hello there" in the tiny model's vocabulary
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "Hello there", "logprobs": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}),
+    ],
+    ids=["completion", "chat"],
+)
+def test_listed_tokens_log_probabilities_are_vllms_own(path, body, vllm_server, live_app):
+    """`logprob_token_ids`: each answer token's log-probabilities for the listed tokens (and the sampled one),
+    every one shown, equal vLLM's server's to 1e-3."""
+    body = {**body, "max_tokens": 3, "temperature": 0, "logprob_token_ids": LISTED}
+    theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
+    with live_app.client() as c:
+        ours = c.post(path, json={"model": "tiny", **body})
+    assert theirs.status_code == 200, theirs.text
+    assert ours.status_code == 200, ours.text
+
+    def shown(answer: dict) -> list[dict[str, float]]:
+        lp = answer["choices"][0]["logprobs"]
+        if "content" in lp:
+            return [{t["token"]: t["logprob"] for t in step["top_logprobs"]} for step in lp["content"]]
+        return lp["top_logprobs"]
+
+    mine, vllms = shown(ours.json()), shown(theirs.json())
+    assert [sorted(s) for s in mine] == [sorted(s) for s in vllms] and all(len(s) >= len(LISTED) for s in vllms)
+    for a, b in zip(mine, vllms):
+        assert [a[k] for k in sorted(a)] == pytest.approx([b[k] for k in sorted(b)], abs=1e-3)

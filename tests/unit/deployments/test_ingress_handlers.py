@@ -2356,9 +2356,11 @@ class _LogprobEngine(_RecordingEngine):
         self.generate = _Method(generate)
 
 
-def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0, as_ids: bool = False) -> dict:
+def _vllms_logprobs(
+    kind: str, top: int, tok, token_ids, rows, offset: int = 0, as_ids: bool = False, listed: list | None = None
+) -> dict:
     """vLLM's own chat or completion server functions on the same engine output (its Logprob objects);
-    `as_ids`: a request's `return_tokens_as_token_ids`."""
+    `as_ids`: a request's `return_tokens_as_token_ids`; `listed`: its `logprob_token_ids`."""
     import functools
 
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
@@ -2372,8 +2374,11 @@ def _vllms_logprobs(kind: str, top: int, tok, token_ids, rows, offset: int = 0, 
     server._get_top_logprobs = functools.partial(OpenAIServingChat._get_top_logprobs, server)
     steps = [{t: Logprob(lp, rank, text) for t, lp, rank, text in row} or None for row in rows]
     if kind == "chat":
-        return OpenAIServingChat._create_chat_logprobs(server, token_ids, steps, tok, top, None, as_ids).model_dump()
-    made = OpenAIServingCompletion._create_completion_logprobs(server, token_ids, steps, top, tok, None, offset, as_ids)
+        made = OpenAIServingChat._create_chat_logprobs(server, token_ids, steps, tok, top, listed, as_ids)
+        return made.model_dump()
+    made = OpenAIServingCompletion._create_completion_logprobs(
+        server, token_ids, steps, top, tok, listed, offset, as_ids
+    )
     return made.model_dump()
 
 
@@ -2414,6 +2419,42 @@ def test_log_probabilities_are_answered_in_vllms_shapes(kind, stream, as_ids):
         assert piece == expected
         if kind == "completion":
             offset = expected["text_offset"][-1] + len(expected["tokens"][-1])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_log_probabilities_of_listed_tokens_are_asked_and_answered_as_vllms_server_does(kind):
+    """vLLM's `logprob_token_ids`: the engine is asked for the listed tokens' log-probabilities instead of the top
+    ones (its SamplingParams built as vLLM's server builds them), and every token the engine scored is shown, as
+    vLLM's server shows them; without `logprobs`, past 128 tokens or an id past the vocabulary: a 400 naming it."""
+    from kvmesh.deployments.engine import EngineReplica
+
+    tok = _DecodingTokenizer()
+    ing = _ingress(tokenizer=tok)
+    ing.engine = _LogprobEngine()
+    asked = {**CHAT, "logprobs": True, "top_logprobs": 1} if kind == "chat" else {**TEXT, "logprobs": 1}
+    listed = [7, 9]
+    status, answer = _answer(ing, {**asked, "logprob_token_ids": listed}, kind)
+    assert status == 200, answer
+    params = ing.engine.requests[-1]["params"]
+    assert params["logprob_token_ids"] == listed and "logprobs" not in params
+    built = EngineReplica._sampling_params(SimpleNamespace(), params)
+    assert built.logprob_token_ids == listed and built.logprobs is None
+    expected = _vllms_logprobs(kind, 1, tok, _ROW_IDS, _ROWS, listed=listed)
+    assert answer["choices"][0]["logprobs"] == expected
+    assert expected != _vllms_logprobs(kind, 1, tok, _ROW_IDS, _ROWS)  # more shown than the top one
+    assert _answer(ing, {**asked, "logprob_token_ids": []}, kind)[0] == 200  # none listed: the top ones
+    assert ing.engine.requests[-1]["params"]["logprobs"] == 1
+    sent = len(ing.engine.requests)
+    without = {k: v for k, v in asked.items() if k not in ("logprobs", "top_logprobs")}
+    for wrong, code in [
+        ({**without, "logprob_token_ids": listed}, "invalid_value"),
+        ({**asked, "logprob_token_ids": list(range(129))}, "invalid_value"),
+        ({**asked, "logprob_token_ids": [1000]}, "invalid_token_id"),
+        ({**asked, "logprob_token_ids": ["7"]}, "invalid_type"),
+    ]:
+        status, answer = _answer(ing, wrong, kind)
+        assert status == 400 and (answer["error"]["param"], answer["error"]["code"]) == ("logprob_token_ids", code)
+    assert len(ing.engine.requests) == sent
 
 
 @pytest.mark.parametrize(

@@ -181,7 +181,7 @@ MSGS = [{"role": "user", "content": "x"}]
 EXTRAS = [
     ("watermarking", True),
     ("thinking_token_budget", 10),
-    ("logprob_token_ids", [1]),
+    ("routed_experts_prompt_start", 3),
     ("repetition_detection", {"window": 4}),
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
