@@ -81,6 +81,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # OpenMP threads of a CPU engine's model compute (OMP_NUM_THREADS in its replica); None: its CPU share
     # rounded down, at least 1 (Ray's own rule for whole CPUs); GPU engines keep vLLM's handling
     "cpu_threads": None,
+    # vLLM's scheduling: "fcfs" (arrival order) or "priority" (a request's `priority`, lower first, then arrival)
+    "scheduling_policy": "fcfs",
 }
 
 # Defaults that suit a CPU engine only: on a GPU, eager mode gives up CUDA graphs and 32 sequences
@@ -274,6 +276,8 @@ def engine_config(raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
     _whole(cfg["cpu_threads"], "engine.cpu_threads")
     if cfg["engine_mode"] not in (None, "inproc", "async"):
         raise ConfigError("engine.engine_mode must be 'inproc' or 'async'")
+    if cfg["scheduling_policy"] not in ("fcfs", "priority"):
+        raise ConfigError("engine.scheduling_policy must be 'fcfs' or 'priority'")
     _whole(cfg["fail_step_after"], "engine.fail_step_after (test-only)", low=0)
     if cfg["fail_step_after"] is not None:
         # the fault is the in-process driver's (engine_driver.make_driver): an async engine, the GPU default,

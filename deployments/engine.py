@@ -315,7 +315,8 @@ class EngineReplica:
         rid = request.get("request_id") or uuid.uuid4().hex
         n_prompt = len(prompt["prompt_token_ids"])
         try:
-            async for out in self.driver.generate(prompt, params, rid):
+            # its priority (lower first) orders it only where the engine schedules by priority
+            async for out in self.driver.generate(prompt, params, rid, priority=int(request.get("priority") or 0)):
                 comp = out.outputs[0] if out.outputs else None
                 yield {
                     "text": comp.text if comp else "",

@@ -49,6 +49,7 @@ def build_engine_args(cfg: dict, model_path: str, kv_events: dict | None, kv_tra
         seed=cfg["seed"],
         max_num_seqs=cfg["max_num_seqs"],
         stream_interval=cfg.get("stream_interval", 1),
+        scheduling_policy=cfg.get("scheduling_policy", "fcfs"),
         disable_log_stats=False,
     )
     if cfg.get("max_num_batched_tokens"):
@@ -402,9 +403,9 @@ class InprocDriver:
         if self._broken is not None and kind in ("add", "call"):
             self._refuse(op)
         elif kind == "add":
-            _, rid, prompt, params = op
+            _, rid, prompt, params, priority = op
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, priority=priority)
             except Exception as exc:  # bad request (e.g. too long): report to the caller only
                 self._push(rid, exc)
         elif kind == "abort":
@@ -440,14 +441,15 @@ class InprocDriver:
             loop.call_soon_threadsafe(_put_all, items)
 
     # -- asyncio side ----------------------------------------------------------------------------
-    def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+    def generate(self, prompt: dict, params, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
+        """The request's outputs; `priority` orders it under the engine's priority scheduling (lower first)."""
         return self.load.track(
-            self._outputs(prompt, params, request_id),
+            self._outputs(prompt, params, request_id, priority),
             on_abandon=lambda: self._ops.put(("abort", request_id)),
             request_id=request_id,
         )
 
-    async def _outputs(self, prompt: dict, params, request_id: str) -> AsyncGenerator[Any, None]:
+    async def _outputs(self, prompt: dict, params, request_id: str, priority: int = 0) -> AsyncGenerator[Any, None]:
         """The engine thread's outputs for one request, up to the finished one; an error it reports is raised."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -455,7 +457,7 @@ class InprocDriver:
             raise RequestInFlight(f"request {request_id!r} is already in flight on this replica")
         self._streams[request_id] = (loop, q)
         try:
-            self._submit(("add", request_id, prompt, params))
+            self._submit(("add", request_id, prompt, params, priority))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -592,9 +594,10 @@ class AsyncDriver:
         except Exception:  # the engine's own failure shows in its health check and its first request
             log.exception("the KV connector warm-up request failed")
 
-    def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator[Any]:
+    def generate(self, prompt: dict, params, request_id: str, priority: int = 0) -> AsyncIterator[Any]:
         # AsyncLLM aborts the request itself when its generator is closed (track closes it)
-        return self.load.track(self.engine.generate(prompt, params, request_id), request_id=request_id)
+        outputs = self.engine.generate(prompt, params, request_id, priority=priority)
+        return self.load.track(outputs, request_id=request_id)
 
     def kv_usage(self) -> float:
         return self._kv_usage

@@ -525,6 +525,20 @@ class Ingress:
             raise proto.bad(message, req.prompt_param, "invalid_prompt") from None
         return ids if keep is None or req.truncation_side is None else truncated(ids, keep, req.truncation_side)
 
+    @staticmethod
+    def _priority(req: proto.GenerationRequest, tenant: Tenant) -> int:
+        """The request's vLLM `priority` (lower first where the engines schedule by priority): as asked, or its
+        tenant's floor (`min_priority`) when it asks none; more urgent than the floor is a 400 naming it, so a
+        key cannot put its requests ahead of what its operator allows."""
+        floor = tenant.limits.min_priority
+        if req.priority is None:
+            return floor or 0
+        if floor is not None and req.priority < floor:
+            raise proto.bad(
+                f"'priority' {req.priority} is more urgent than this API key may ask (at least {floor}).", "priority"
+            )
+        return req.priority
+
     def _kept_tokens(self, req: proto.GenerationRequest) -> int | None:
         """How many prompt tokens `truncate_prompt_tokens` keeps (None: all), by vLLM's rules: -1 is the context,
         less one token where the request asks for an answer (a completion's `max_tokens`, a chat's if given);
@@ -770,6 +784,7 @@ class Ingress:
             req = proto.parse_request(body, kind)
             self._check_model(req)
             self._check_max_tokens(req)
+            priority = self._priority(req, tenant)
             # the tenant's limits first, charging nothing: a throttled tenant's requests must not hold the
             # tokenizer every tenant shares. Token ids count as given; text is at least 1 token (empty: a 400)
             given = req.prompt_ids
@@ -788,7 +803,7 @@ class Ingress:
         finally:  # a bad body, a tokenizer error, the client gone: the reservation comes back (acquire settled it)
             self.admission.cancel(reservation)
         request_id = uuid.uuid4().hex
-        engine_req = {
+        engine_req: dict[str, Any] = {
             "request_id": request_id,
             "prompt_token_ids": ids,
             "cache_salt": tenant.salt,
@@ -799,6 +814,8 @@ class Ingress:
             engine_req["policy"] = self.cfg["tenant_policies"][tenant.id]
         if samples_of is not None:
             engine_req["samples_of"] = samples_of
+        if priority:
+            engine_req["priority"] = priority
         released = False
 
         def release():

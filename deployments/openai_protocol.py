@@ -49,7 +49,6 @@ _VLLM_EXTRAS: dict[str, tuple] = {
     "kv_transfer_params": (),
     "length_penalty": (1.0, 1),
     "mm_payload": ("tensors",),
-    "priority": (0,),
     "repetition_detection": (),
     "return_mm_kwargs": (False,),
     "return_token_offsets": (False,),
@@ -95,6 +94,7 @@ _SERVED = frozenset(
         "add_generation_prompt", "continue_final_message", "documents", "reasoning_effort",
         "return_tokens_as_token_ids",  # vLLM's: log-probabilities' tokens as "token_id:N" (`logprobs.py`)
         "logprob_token_ids",  # vLLM's: the log-probabilities of listed tokens instead of the top ones
+        "priority",  # vLLM's: the request's place under priority scheduling (lower first), within its key's floor
     }
 )  # fmt: skip
 
@@ -158,6 +158,7 @@ class GenerationRequest:
     constrained: bool = False  # asks for structured output (a grammar: `structured_outputs.constrain`)
     top_logprobs: int | None = None  # log-probabilities asked for: alternatives per token (`logprobs.py`)
     logprobs_listed: bool = False  # the alternatives are the tokens `logprob_token_ids` lists: all shown
+    priority: int | None = None  # vLLM's `priority` as asked (the tenant's floor applies: `Ingress._priority`)
     echo: bool = False  # a completion's prompt goes before its answer (with its log-probabilities, when asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine's one token is not shown)
     # a chat's echo: the text its answer's content begins with (its last message's, if the assistant's; else
@@ -365,6 +366,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         add_special_tokens=add_special_tokens,
         truncate_prompt_tokens=number(body, "truncate_prompt_tokens", -1, (1 << 63) - 1, integer=True),
         truncation_side=side,
+        priority=number(body, "priority", -(1 << 63), (1 << 63) - 1, integer=True),
         body=body,
     )
 

@@ -154,6 +154,9 @@ class Limits:
     max_concurrent: int | None = None
     # Token-bucket burst for requests_per_s (default: max(1, requests_per_s)); needs requests_per_s.
     burst_requests: float | None = None
+    # The most urgent vLLM `priority` the tenant's requests may ask (lower is served first where the engines
+    # schedule by priority, `engine.scheduling_policy: priority`), and theirs when they ask none; None: any.
+    min_priority: int | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None, base: Limits | None = None, where: str = "limits") -> Limits:
@@ -172,6 +175,8 @@ class Limits:
                 values[name] = None
             elif name in _COUNT_LIMITS:
                 values[name] = _count(value, f"{where}.{name}")
+            elif name == "min_priority":
+                values[name] = _integer(value, f"{where}.{name}")
             elif name in ("burst_requests", "tokens_per_min"):
                 values[name] = _at_least(value, f"{where}.{name}", 1)
             elif name == "requests_per_s":
@@ -220,6 +225,13 @@ def _at_least(value: Any, where: str, low: float, meaning: str = "") -> float:
     if not finite_number(value) or value < low:
         raise ConfigError(f"{where}: expected a finite number >= {low:g}{meaning} or null, got {brief(repr(value))}")
     return float(value)
+
+
+def _integer(value: Any, where: str) -> int:
+    """An integer, negative too (a float with no fraction counts), else ConfigError."""
+    if not finite_number(value) or int(value) != value:
+        raise ConfigError(f"{where}: expected an integer or null, got {brief(repr(value))}")
+    return int(value)
 
 
 def _count(value: Any, where: str) -> int:

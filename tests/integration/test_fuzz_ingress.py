@@ -39,6 +39,7 @@ SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 2},
     "include_stop_str_in_output": {"type": "boolean"},
     "return_token_ids": {"type": "boolean"},
+    "priority": {"type": "integer", "minimum": -5, "maximum": 5},
     "truncate_prompt_tokens": {"type": "integer", "minimum": -2, "maximum": 5000},
     "truncation_side": {"type": "string", "enum": ["left", "right", "middle"]},
     "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": -1, "maximum": 1100}, "maxItems": 4},

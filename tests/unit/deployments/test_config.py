@@ -196,8 +196,13 @@ def test_engine_args_carry_the_config(tiny_model_dir):
     assert args.enable_prefix_caching and args.num_gpu_blocks_override == 100
     assert args.kv_events_config.enable_kv_cache_events and args.kv_events_config.endpoint == "tcp://*:5999"
     assert args.kv_transfer_config.kv_connector == "LMCacheMPConnector"
+    assert args.scheduling_policy == "fcfs"  # vLLM's default: arrival order, a request's priority unread
+    args = build_engine_args(engine_config({"scheduling_policy": "priority"}), str(tiny_model_dir), None, None)
+    assert args.scheduling_policy == "priority"
     with pytest.raises(ConfigError):
         engine_config({"stream_interval": 0})
+    with pytest.raises(ConfigError, match="engine.scheduling_policy must be 'fcfs' or 'priority'"):
+        engine_config({"scheduling_policy": "lifo"})
 
 
 def test_embedded_tiny_model_runs_in_float32_unless_a_dtype_is_given(tiny_model_dir):

@@ -88,14 +88,16 @@ class _FakeLLMEngine:
 
     def __init__(self, steps: int):
         self.steps, self.left, self.aborted, self.calls = steps, {}, [], 0
+        self.priorities: dict = {}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, priority=0):
         if prompt.get("bad"):
             raise ValueError("prompt too long")
         self.left[rid] = self.steps
+        self.priorities[rid] = priority
 
     def abort_request(self, rids):
         for rid in rids:
@@ -128,7 +130,7 @@ def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
     d = _inproc(engine)
 
     async def go():
-        done = [out.finished async for out in d.generate({}, None, "a")]
+        done = [out.finished async for out in d.generate({}, None, "a", priority=-3)]
         stream = d.generate({}, None, "b")
         await stream.__anext__()
         await stream.aclose()
@@ -144,6 +146,7 @@ def test_inproc_driver_finishes_aborts_and_reports_engine_errors():
                 break
             time.sleep(0.01)
         assert engine.aborted == ["b"] and _state(d.load) == (0, 0, 1) and d._streams == {}
+        assert engine.priorities == {"a": -3, "b": 0}  # a request's priority reaches vLLM's add_request
         # every step the engine ran is counted ("a" took 3, "b" at least 1 before its abort)
         assert d.steps == engine.calls >= 4
     finally:
@@ -160,8 +163,8 @@ class _LookupWaitEngine(_FakeLLMEngine):
         self.lookup_s, self.added_at = lookup_s, {}
         self.running: list = []  # read through the driver's `_sched`, like vLLM's scheduler's
 
-    def add_request(self, rid, prompt, params):
-        super().add_request(rid, prompt, params)
+    def add_request(self, rid, prompt, params, priority=0):
+        super().add_request(rid, prompt, params, priority)
         self.added_at[rid] = time.monotonic()
 
     def has_requests(self) -> bool:  # the scheduler's: what the driver asks an idle engine

@@ -199,17 +199,22 @@ def test_a_finished_chunk_says_what_stopped_it():
         comp = SimpleNamespace(text="", token_ids=ids, finish_reason=finish, stop_reason=stop_reason, logprobs=None)
         return SimpleNamespace(outputs=[comp], finished=finished, num_cached_tokens=0, prompt_logprobs=None)
 
-    async def generate(prompt, params, rid):
+    priorities = []
+
+    async def generate(prompt, params, rid, priority=0):
+        priorities.append(priority)
         yield out([5], None, None, False)
         yield out([20], "stop", 20, True)
 
     replica.driver = SimpleNamespace(generate=generate, healthy=lambda: True)
 
-    async def chunks():
-        return [c async for c in replica.generate({"request_id": "q", "prompt_token_ids": [1, 2]})]
+    async def chunks(**extra):
+        return [c async for c in replica.generate({"request_id": "q", "prompt_token_ids": [1, 2], **extra})]
 
     got = asyncio.run(chunks())
     assert [(c["finish_reason"], c["stop_reason"]) for c in got] == [(None, None), ("stop", 20)]
+    asyncio.run(chunks(priority=-4))  # a request's priority reaches the engine's driver (0 when it has none)
+    assert priorities == [0, -4]
 
 
 def test_log_probabilities_reach_the_ingress_as_plain_rows_in_vllms_order_whole_or_by_chunk():
@@ -230,7 +235,7 @@ def test_log_probabilities_reach_the_ingress_as_plain_rows_in_vllms_order_whole_
     # the prompt's, with the first output only (vLLM's delta outputs): none for its first token
     prompt_steps = [None, {2: Logprob(-3.0, 5, "p"), 8: Logprob(-1.0, 1, "q")}]
 
-    async def generate(prompt, params, rid):
+    async def generate(prompt, params, rid, priority=0):
         for k, (tid, step) in enumerate(zip((7, 9), steps)):
             comp = SimpleNamespace(text="t", token_ids=[tid], finish_reason="length", stop_reason=None, logprobs=step)
             prompt_logprobs = prompt_steps if k == 0 else None

@@ -537,6 +537,24 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine_as_vllms_sampling_para
     assert len(ing.engine.requests) == 2
 
 
+def test_a_priority_reaches_the_engine_within_its_keys_floor():
+    """vLLM's `priority` goes to the engine with the request (0, vLLM's default, is not sent); a tenant's
+    `min_priority` is its requests' priority when they ask none, and one more urgent is a 400 naming the field
+    before the engine is asked; without a floor any priority goes."""
+    ing = _ingress(tokenizer=_TextTokenizer())
+    ing.engine = _RecordingEngine()
+    assert _answer(ing, {**BODY, "priority": -5})[0] == 200
+    assert _answer(ing, BODY)[0] == 200
+    assert [r.get("priority") for r in ing.engine.requests] == [-5, None]
+    ing._anonymous = dataclasses.replace(ing._anonymous, limits=Limits(max_concurrent=2, min_priority=10))
+    assert _answer(ing, BODY)[0] == 200 and ing.engine.requests[-1]["priority"] == 10
+    assert _answer(ing, {**BODY, "priority": 12})[0] == 200 and ing.engine.requests[-1]["priority"] == 12
+    sent = len(ing.engine.requests)
+    status, answer = _answer(ing, {**CHAT, "priority": 9}, "chat")
+    assert status == 400 and answer["error"]["param"] == "priority" and "at least 10" in answer["error"]["message"]
+    assert len(ing.engine.requests) == sent and ing.admission.active("anonymous") == 0
+
+
 def test_vllms_sampling_extensions_reach_the_engine_and_unset_settings_are_the_models():
     ing = _ingress(tokenizer=_TextTokenizer())
     ing.engine = _RecordingEngine()

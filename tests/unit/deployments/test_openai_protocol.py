@@ -186,7 +186,7 @@ EXTRAS = [
     ("use_beam_search", True),
     ("spaces_between_special_tokens", False),
     ("vllm_xargs", {"a": 1}),
-    ("priority", 1),
+    ("length_penalty", 2.0),
 ]
 
 
@@ -313,11 +313,23 @@ def test_a_falsy_model_that_is_not_a_string_is_refused_not_taken_for_no_model(mo
 
 
 def test_a_bool_is_not_taken_for_a_harmless_number():
-    assert err(proto.parse_completion, {"model": "m", "prompt": "x", "priority": False}).code == "unsupported_parameter"
+    body = {"model": "m", "prompt": "x", "length_penalty": True}
+    assert err(proto.parse_completion, body).code == "unsupported_parameter"
 
 
 def test_a_harmless_number_counts_whatever_its_kind():
-    assert proto.parse_completion({"model": "m", "prompt": "x", "priority": 0.0}).prompt_text == "x"  # vLLM: int 0
+    assert proto.parse_completion({"model": "m", "prompt": "x", "length_penalty": 1}).prompt_text == "x"  # vLLM: 1.0
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_priority_is_vllms_integer(kind):
+    """vLLM's `priority`: any integer, negative too; left out, None (the tenant's floor or 0 then applies)."""
+    base = {"model": "m", **({"prompt": "x"} if kind == "completion" else {"messages": MSGS})}
+    parse = proto.parse_completion if kind == "completion" else proto.parse_chat
+    assert parse(base).priority is None
+    assert parse({**base, "priority": -7}).priority == -7 and parse({**base, "priority": 3.0}).priority == 3
+    for wrong in (True, 1.5, "1"):
+        assert err(parse, {**base, "priority": wrong}).param == "priority"
 
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "assistant"])

@@ -286,6 +286,9 @@ def test_bad_config_is_rejected_with_a_pointer(mutate, match):
         # a wait of 1/1e-310 s is inf: math.ceil raised OverflowError, a 500
         ({"requests_per_s": 1e-310}, "requests_per_s", ">= 1e-06"),
         ({"requests_per_s": 1e-7}, "requests_per_s", ">= 1e-06"),
+        ({"min_priority": 1.5}, "min_priority", "an integer"),
+        ({"min_priority": "high"}, "min_priority", "an integer"),
+        ({"min_priority": float("nan")}, "min_priority", "an integer"),
     ],
 )
 def test_a_limit_that_would_lift_itself_or_lock_a_tenant_out_is_a_config_error_naming_its_key(limits, key, match):
@@ -1126,3 +1129,16 @@ def test_an_edit_dropping_the_configs_secret_file_keeps_the_salts_in_use(tmp_pat
     path.write_text(yaml.safe_dump({**_revoke(config(), KEY_B), "secret_file": "salt"}))  # a good edit still lands
     clock.t += 5
     assert reg.refresh() is True and reg.authenticate(f"Bearer {KEY_A}").salt == salt
+
+
+def test_a_priority_floor_is_any_integer_and_inherited_from_the_defaults():
+    """`min_priority`: negative too (vLLM's priorities are any integer, lower first); a tenant without one takes
+    the defaults' and may lift it with null."""
+    cfg = config()
+    cfg["defaults"]["limits"]["min_priority"] = 5
+    cfg["tenants"][1]["limits"] = {"min_priority": -3}
+    registry = TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert {t.id: t.limits.min_priority for t in registry.tenants.values()} == {"acme": 5, "globex": -3}
+    cfg["tenants"][0]["limits"]["min_priority"] = None
+    registry = TenantRegistry.from_dict(cfg, secret=SECRET)
+    assert registry.tenants["acme"].limits.min_priority is None
