@@ -109,17 +109,23 @@ def _usage(answer: dict) -> tuple:
     return answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_kvmesh_answers_as_vllms_own_server(case, vllm_server, live_app):
-    path, body = CASES[case]
+def _answered_by_both(vllm_server: str, live_app, path: str, body: dict) -> tuple[dict, dict]:
+    """The same request to kvmesh and to vLLM's own server: (kvmesh's answer, vLLM's), each a 200."""
     theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
     with live_app.client() as c:
         ours = c.post(path, json={"model": "tiny", **body})
     assert theirs.status_code == 200, theirs.text
     assert ours.status_code == 200, ours.text
-    _same(_choices(ours.json()), _choices(theirs.json()))
-    _same_raw(_raw_scores(ours.json()), _raw_scores(theirs.json()))
-    assert _usage(ours.json()) == _usage(theirs.json())
+    return ours.json(), theirs.json()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvmesh_answers_as_vllms_own_server(case, vllm_server, live_app):
+    path, body = CASES[case]
+    ours, theirs = _answered_by_both(vllm_server, live_app, path, body)
+    _same(_choices(ours), _choices(theirs))
+    _same_raw(_raw_scores(ours), _raw_scores(theirs))
+    assert _usage(ours) == _usage(theirs)
 
 
 def _streamed_texts(client: httpx.Client, url: str, body: dict) -> dict[int, str]:
@@ -286,13 +292,9 @@ def test_a_truncated_prompt_is_the_one_vllms_own_server_answers(case, vllm_serve
     """`truncate_prompt_tokens`: the prompt ids kept, the greedy answer and the usage equal vLLM's server's."""
     path, body = TRUNCATED[case]
     body = {**body, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
-    theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
-    with live_app.client() as c:
-        ours = c.post(path, json={"model": "tiny", **body})
-    assert theirs.status_code == 200, theirs.text
-    assert ours.status_code == 200, ours.text
-    assert _token_ids(ours.json()) == _token_ids(theirs.json())
-    assert _usage(ours.json()) == _usage(theirs.json()) and _usage(theirs.json())[0] == body["truncate_prompt_tokens"]
+    ours, theirs = _answered_by_both(vllm_server, live_app, path, body)
+    assert _token_ids(ours) == _token_ids(theirs)
+    assert _usage(ours) == _usage(theirs) and _usage(theirs)[0] == body["truncate_prompt_tokens"]
 
 
 LISTED = [46, 539, 291]  # tokens of "Hello there" in the tiny model's vocabulary
@@ -310,11 +312,7 @@ def test_listed_tokens_log_probabilities_are_vllms_own(path, body, vllm_server, 
     """`logprob_token_ids`: each answer token's log-probabilities for the listed tokens (and the sampled one),
     every one shown, equal vLLM's server's to 1e-3."""
     body = {**body, "max_tokens": 3, "temperature": 0, "logprob_token_ids": LISTED}
-    theirs = httpx.post(vllm_server + path, json={"model": "tiny", **body}, timeout=120)
-    with live_app.client() as c:
-        ours = c.post(path, json={"model": "tiny", **body})
-    assert theirs.status_code == 200, theirs.text
-    assert ours.status_code == 200, ours.text
+    ours, theirs = _answered_by_both(vllm_server, live_app, path, body)
 
     def shown(answer: dict) -> list[dict[str, float]]:
         lp = answer["choices"][0]["logprobs"]
@@ -322,7 +320,7 @@ def test_listed_tokens_log_probabilities_are_vllms_own(path, body, vllm_server, 
             return [{t["token"]: t["logprob"] for t in step["top_logprobs"]} for step in lp["content"]]
         return lp["top_logprobs"]
 
-    mine, vllms = shown(ours.json()), shown(theirs.json())
+    mine, vllms = shown(ours), shown(theirs)
     assert [sorted(s) for s in mine] == [sorted(s) for s in vllms] and all(len(s) >= len(LISTED) for s in vllms)
     for a, b in zip(mine, vllms):
         assert [a[k] for k in sorted(a)] == pytest.approx([b[k] for k in sorted(b)], abs=1e-3)
