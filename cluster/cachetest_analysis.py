@@ -24,7 +24,7 @@ from kvmesh.cluster.request_log import (
     ChatRenderer,
     LoggedRequest,
     RequestLogError,
-    adds_special_tokens,
+    logged_adds_special_tokens,
     message_texts,
     prompt_text,
     rendered_chat,
@@ -84,7 +84,7 @@ def _prepare(reqs: Sequence[LoggedRequest], tokenizer, block_size: int, algo: st
     rendered = [rendered_chat(r, tokenizer, render) if r.is_chat else (None, prompt_text(r, tokenizer)) for r in reqs]
     texts = [(r, t) for r, (_, t) in zip(reqs, rendered) if t is not None]
     try:
-        encoded = _encode(tokenizer, [(t, adds_special_tokens(r)) for r, t in texts])
+        encoded = _encode(tokenizer, [(t, logged_adds_special_tokens(r)) for r, t in texts])
     except Exception:
         _refused_text(tokenizer, texts)
         raise
@@ -112,7 +112,7 @@ def _refused_text(tokenizer, texts: list[tuple[LoggedRequest, str]]) -> None:
     which JSON allows and the ingress answers with a 400)."""
     for r, t in texts:
         try:
-            _encode(tokenizer, [(t, adds_special_tokens(r))])
+            _encode(tokenizer, [(t, logged_adds_special_tokens(r))])
         except Exception as exc:
             try:
                 t.encode("utf-8")

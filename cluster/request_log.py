@@ -285,11 +285,15 @@ class ChatRenderer:
         return slow
 
 
-def adds_special_tokens(req: LoggedRequest) -> bool:
-    """Whether the ingress adds the tokenizer's special tokens to the request's text: as the request's
-    `add_special_tokens` says, else a completion's yes and a chat's no (its template writes them)."""
-    given = req.body.get("add_special_tokens")
-    return not req.is_chat if given is None else bool(given)
+def adds_special_tokens(is_chat: bool, given: bool | None) -> bool:
+    """Whether the ingress adds the tokenizer's special tokens to a request's text: as its `add_special_tokens`
+    (`given`) says, else a completion's yes and a chat's no (its template writes them)."""
+    return not is_chat if given is None else bool(given)
+
+
+def logged_adds_special_tokens(req: LoggedRequest) -> bool:
+    """`adds_special_tokens` for a logged request."""
+    return adds_special_tokens(req.is_chat, req.body.get("add_special_tokens"))
 
 
 def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
@@ -298,7 +302,7 @@ def prompt_ids(req: LoggedRequest, tokenizer) -> list[int]:
     text = prompt_text(req, tokenizer)
     if text is None:
         return list(req.body["prompt"])
-    return list(tokenizer.encode(text, add_special_tokens=adds_special_tokens(req)))
+    return list(tokenizer.encode(text, add_special_tokens=logged_adds_special_tokens(req)))
 
 
 def message_texts(content) -> list[str]:

@@ -37,7 +37,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 # by module, like local_state: Serve ships this class by value, a bare global would be a private copy
-from kvmesh.cluster.request_log import chat_template_of, content_text, template_messages, template_refusal
+from kvmesh.cluster.request_log import (
+    adds_special_tokens,
+    chat_template_of,
+    content_text,
+    template_messages,
+    template_refusal,
+)
 from kvmesh.cluster.thread_names import name_loop_thread
 from kvmesh.deployments import fan_out, fleet_metrics, local_state, miss_attribution
 from kvmesh.deployments import openai_protocol as proto
@@ -508,9 +514,7 @@ class Ingress:
         # as vLLM's server: a prompt cut on a side asked for is cut to the characters the context could hold on
         # that side first, then tokenised whole and sliced; cut on the tokenizer's side (the last tokens kept),
         # the tokenizer truncates it, keeping the special tokens it adds
-        special = req.add_special_tokens
-        # a completion's by default; a chat's not (its template writes its own), unless asked
-        kwargs: dict[str, Any] = {"add_special_tokens": req.kind == "completion" if special is None else special}
+        kwargs: dict[str, Any] = {"add_special_tokens": adds_special_tokens(req.kind == "chat", req.add_special_tokens)}
         if keep is not None and req.truncation_side is not None:
             text = text[-cap:] if req.truncation_side == "left" else text[:cap]
         elif keep is not None:
@@ -976,9 +980,8 @@ class Ingress:
             body = proto.parse_json(await self._read_body(request))
             reject_client_salt(body, request.headers)
             kind = "chat" if "messages" in body else "completion"
-            strs = body.pop("return_token_strs", False)
-            if strs is not None and not isinstance(strs, bool):
-                raise proto.bad("'return_token_strs' must be a boolean.", "return_token_strs", "invalid_type")
+            strs = proto.boolean(body, "return_token_strs")
+            body.pop("return_token_strs", None)  # not a generation request's field
             for generation_only in ("truncate_prompt_tokens", "truncation_side"):  # not vLLM's /tokenize fields
                 body.pop(generation_only, None)
             req = proto.parse_request(body, kind)

@@ -216,6 +216,19 @@ def number(body: dict, name: str, lo: float, hi: float, integer: bool = False, d
     return int(v) if integer else float(v)
 
 
+def boolean(body: dict, name: str) -> bool | None:
+    """A request's boolean field, None when left out or null; a 400 naming it for anything else."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean.", name, "invalid_type")
+    return v
+
+
+def _is_token_ids(value: Any) -> bool:
+    """Whether `value` is a list of token ids (integers; JSON's true and false are not)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _same_value(v: Any, harmless: Any) -> bool:
     """`v` is the harmless value: equal and of its kind, a number of either kind counting (vLLM's models take
     0.0 for an int field), a bool only as a bool (True == 1 in Python, not in a request)."""
@@ -240,11 +253,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     # as vLLM: a request without a model (left out, null or "") is for the one model served; the ingress
     # names it in the response
     model = model_named(body)
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean.", "stream", "invalid_type")
+    stream = bool(boolean(body, "stream"))
     so = body.get("stream_options")
     include_usage = continuous = False
     if so is not None:
@@ -299,12 +308,12 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         raise bad(f"'repetition_penalty' must be greater than 0, got {penalty}.", "repetition_penalty")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        if not _is_token_ids(stop_ids):
             raise bad("'stop_token_ids' must be a list of token ids (integers).", "stop_token_ids", "invalid_type")
         params["stop_token_ids"] = stop_ids or None
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
-        if not isinstance(allowed, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+        if not _is_token_ids(allowed):
             message = "'allowed_token_ids' must be a list of token ids (integers)."
             raise bad(message, "allowed_token_ids", "invalid_type")
         if not allowed:  # vLLM's SamplingParams: nothing could be sampled
@@ -333,16 +342,12 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
             raise bad("'stop' must be a string or a list of up to 4 strings.", "stop", "invalid_type")
         params["stop"] = [s for s in stop if s] or None
-    shown = ("return_token_ids", "return_tokens_as_token_ids")  # the answer's shape, not the engine's
-    prompt_flags = ("add_special_tokens",)  # how the prompt is made, not the engine's either
-    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", *shown, *prompt_flags):
-        value = body.get(flag)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
-            params[flag] = value
-    return_token_ids, as_token_ids = (bool(params.pop(flag, False)) for flag in shown)
-    add_special_tokens = params.pop("add_special_tokens", None)
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        params[flag] = boolean(body, flag)
+    # the answer's shape and how the prompt is made, not the engine's settings
+    return_token_ids = bool(boolean(body, "return_token_ids"))
+    as_token_ids = bool(boolean(body, "return_tokens_as_token_ids"))
+    add_special_tokens = boolean(body, "add_special_tokens")
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         raise bad("'truncation_side' must be 'left' or 'right'.", "truncation_side")
@@ -382,7 +387,7 @@ def _listed_logprobs(body: dict, kind: str, top_logprobs: int | None) -> list[in
     ids = body.get("logprob_token_ids")
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not _is_token_ids(ids):
         raise bad("'logprob_token_ids' must be a list of token ids (integers).", "logprob_token_ids", "invalid_type")
     if len(ids) > MAX_LOGPROB_TOKEN_IDS:
         message = f"'logprob_token_ids' may list at most {MAX_LOGPROB_TOKEN_IDS} tokens, got {len(ids)}."
@@ -398,9 +403,7 @@ def _logprobs(body: dict, kind: str) -> int | None:
     chat asks with `logprobs: true` and `top_logprobs` (0-20), a completion with `logprobs` (0-20), as vLLM's
     server reads them; all of the vocabulary (-1) is not served."""
     if kind == "chat":
-        wanted = body.get("logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise bad("'logprobs' must be a boolean.", "logprobs", "invalid_type")
+        wanted = boolean(body, "logprobs")
         top = number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True, default=0)
         if top and not wanted:
             raise bad("When using 'top_logprobs', 'logprobs' must be set to true.", "top_logprobs")
@@ -471,15 +474,6 @@ def parse_request(body: dict, kind: str) -> GenerationRequest:
     return parse_completion(body) if kind == "completion" else parse_chat(body)
 
 
-def _echo_asked(body: dict) -> bool:
-    """Whether a request asks for `echo` (a completion's prompt, a chat's last assistant message, before the
-    answer); a 400 for anything but a boolean."""
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise bad("'echo' must be a boolean.", "echo", "invalid_type")
-    return bool(echo)
-
-
 def parse_completion(body: dict) -> GenerationRequest:
     req = _common(body, "completion")
     if "prompt" not in body:
@@ -495,7 +489,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     elif isinstance(p, list):
         if not p:
             raise bad("'prompt' must not be empty.", "prompt", "empty_prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if not _is_token_ids(p):
             raise bad(
                 "'prompt' must be a string, a list of token ids (integers), or a list of either.",
                 "prompt",
@@ -504,7 +498,7 @@ def parse_completion(body: dict) -> GenerationRequest:
         req.prompt_ids = list(p)
     else:
         raise bad("'prompt' must be a string or a list of token ids.", "prompt", "invalid_type")
-    if _echo_asked(body):
+    if boolean(body, "echo"):  # a completion's prompt, a chat's last assistant message, before the answer
         req.echo = True
         if req.params.get("max_tokens") == 0:  # vLLM's rule: one token generated, the prompt alone answered
             req.params["max_tokens"] = 1
@@ -654,15 +648,12 @@ def parse_chat(body: dict) -> GenerationRequest:
 
     req.tool_choice = chat_tools(body)[1]
     # as vLLM's server: the last message's content, where it is the assistant's (the answer's role)
-    if _echo_asked(body):
+    if boolean(body, "echo"):  # a completion's prompt, a chat's last assistant message, before the answer
         last = req.messages[-1]
         req.chat_echo = content_text(last["content"]) if last["role"] == "assistant" else ""
         if req.params.get("prompt_logprobs") is None:  # and, as vLLM derives them, the prompt's scores
             req.params["prompt_logprobs"] = req.top_logprobs or 0
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls", "invalid_type")
-    req.parallel_tool_calls = parallel
+    req.parallel_tool_calls = boolean(body, "parallel_tool_calls")
     return req
 
 
@@ -678,9 +669,7 @@ def _template_settings(body: dict) -> dict[str, Any]:
     "none" and true otherwise). `OpenAIError` naming the field otherwise."""
     out: dict[str, Any] = {}
     for flag, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(flag)
-        if value is not None and not isinstance(value, bool):
-            raise bad(f"'{flag}' must be a boolean.", flag, "invalid_type")
+        value = boolean(body, flag)
         out[flag] = default if value is None else value
     if out["continue_final_message"] and out["add_generation_prompt"]:
         message = "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true."
